@@ -1,0 +1,69 @@
+# Two commands on a fresh machine:
+#   make lab    set up (once), then open JupyterLab on labs/
+#   make test   set up (once), then run every test: unit tests, strict nbval over
+#               solutions/, lax nbval over labs/
+# Set-up is incremental: the venv is created once, torch is installed only when
+# missing, and the package is reinstalled only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# Machines without an NVIDIA driver get the tested CPU release (the notebooks'
+# printed numbers were produced with it); GPU machines get any torch >= 2.4.
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==2.13.0)
+JOBS   ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
+NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
+
+.PHONY: lab test setup graphviz labs figures unit notebooks solutions benchmarks clean help
+
+help:
+	@echo "make lab        set up and open the course in JupyterLab"
+	@echo "make test       set up and run every test (unit + notebooks)"
+	@echo "make labs       regenerate labs/ from solutions/"
+	@echo "make solutions  re-execute solutions/ in place (refreshes their stored outputs)"
+	@echo "make figures    regenerate figures/"
+	@echo "make benchmarks print the speed figures"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -e ".[dev]"
+	@touch $@
+
+graphviz:
+	@command -v dot >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q graphviz >/dev/null || { apt-get update -q && apt-get install -y -q graphviz; }; \
+	  else \
+	    echo "Graphviz's 'dot' program is missing: run 'sudo apt-get install graphviz' (macOS: 'brew install graphviz'; conda: use environment.yml), then re-run make"; exit 1; \
+	  fi; }
+
+setup: $(STAMP) graphviz
+
+lab: setup
+	$(BIN)/jupyter lab --ServerApp.root_dir=labs $(LAB_ARGS)
+
+test: setup
+	$(BIN)/python -m course_lib labs --check
+	$(PYTEST) tests solutions --nbval $(NBVAL_OPTS)
+	$(PYTEST) labs --nbval-lax --nbval-cell-timeout=300
+
+labs: setup
+	$(BIN)/python -m course_lib labs
+
+solutions: setup
+	$(BIN)/jupyter nbconvert --to notebook --execute --inplace solutions/[0-9][0-9]_*.ipynb
+	$(BIN)/python -m course_lib labs
+
+figures: setup
+	$(BIN)/python -m course_lib figures --out figures
+
+benchmarks: setup
+	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

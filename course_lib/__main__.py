@@ -1,0 +1,39 @@
+"""``python -m course_lib <command> ...`` -- the course's command line.
+
+Each command lives in the module that owns its concept; this file only maps
+command names to modules (imported lazily, so ``rankmap`` does not pay for
+``import torch``). A command module provides ``add_arguments(parser)`` and
+``run(args) -> int``.
+"""
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    # name: (module, one-line help)
+    "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course_lib", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if argv and argv[0] == name:  # import only the command being run
+            importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
+    except ValueError as exc:  # configuration errors: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
