@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     # name: (module, one-line help)
     "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
+    "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
 }
 
 

@@ -169,6 +169,15 @@ def launch(fn: Callable[..., Any], /, world_size: int = 4, launcher: str = "fork
     return results
 
 
+def _first_failure(failures: dict[int, tuple[str, str, float]], outputs: list[str]) -> RankError:
+    """The error to raise for ``{rank: (exception name, traceback, time)}``: the
+    earliest failure is the cause; later ones are usually its consequence
+    (peers of a dead rank see their collectives break)."""
+    first = min(failures, key=lambda r: (failures[r][2], r))
+    exc_type, tb, _ = failures[first]
+    return RankError(first, exc_type, tb, outputs, {r: f[1] for r, f in failures.items() if r != first})
+
+
 # --------------------------------------------------------------------------- fork
 
 
@@ -210,7 +219,7 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, end="")
-        payload = pickle.dumps((type(exc).__name__, tb))
+        payload = pickle.dumps((type(exc).__name__, tb, time.time()))
     try:
         sys.stdout.flush()
         conn.send_bytes(pickle.dumps((status, payload)))
@@ -264,14 +273,13 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
                 except EOFError:  # the process died without reporting (killed, segfault, os._exit)
                     status, payload = "error", pickle.dumps(
                         ("ProcessDied", f"rank {rank} exited without reporting a result "
-                                        f"(exit code {procs[rank].exitcode}); see its output\n"))
+                                        f"(exit code {procs[rank].exitcode}); see its output\n", time.time()))
                 if status == "ok":
                     values[rank] = pickle.loads(payload)
                 else:
                     failures[rank] = pickle.loads(payload)
                     if first_failure_at is None:
                         first_failure_at = time.monotonic()
-                        first_failed = rank
     finally:
         for p in procs:
             if p.is_alive():
@@ -283,9 +291,7 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
         del store
         listener.close()  # a no-op once detached
     if failures:
-        exc_type, tb = failures[first_failed]
-        others = {r: t for r, (_, t) in failures.items() if r != first_failed}
-        raise RankError(first_failed, exc_type, tb, outputs, others)
+        raise _first_failure(failures, outputs)
     if len(values) < world_size:
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(values)), outputs)
     results = RankResults(values[r] for r in range(world_size))
@@ -361,9 +367,7 @@ def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     if hung:  # checked first: the others' errors are the consequence
         raise LaunchTimeout(timeout, hung, outputs)
     if failures:
-        first = min(failures, key=lambda r: failures[r][2])  # earliest failure time
-        exc_type, tb, _ = failures[first]
-        raise RankError(first, exc_type, tb, outputs, {r: f[1] for r, f in failures.items() if r != first})
+        raise _first_failure(failures, outputs)
     if timed_out or len(values) < world_size:
         if not timed_out and proc.returncode:
             raise LaunchError(f"torchrun exited with code {proc.returncode} before all ranks reported:\n"
