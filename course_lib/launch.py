@@ -40,7 +40,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 OUTPUT_MODES = ("all", "rank0", "none")
 # After the first rank fails, the others get this long to report their own
 # failure (often a broken collective) before they are killed.
-_GRACE_AFTER_FAILURE_S = 1.0
+_GRACE_AFTER_FAILURE_S = 0.3
 
 
 class LaunchError(RuntimeError):
@@ -223,7 +223,12 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
     try:
         sys.stdout.flush()
         conn.send_bytes(pickle.dumps((status, payload)))
-        conn.close()
+        # Stay alive until the launcher ends every rank: a rank that exits
+        # early closes its sockets while slower peers may still be talking to
+        # it (even inside init_process_group's connection set-up).
+        conn.recv_bytes()
+    except (EOFError, OSError):
+        pass
     finally:
         os._exit(0)  # never run the parent's atexit handlers in a forked child
 
@@ -244,18 +249,19 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     store = None
     tmp = tempfile.TemporaryDirectory(prefix="course_launch_")
     out_paths = [os.path.join(tmp.name, f"rank{r}.out") for r in range(world_size)]
-    procs, conns = [], {}
+    procs, conns, all_conns = [], {}, []
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         for rank in range(world_size):
-            recv, send = ctx.Pipe(duplex=False)
+            mine, theirs = ctx.Pipe()
             p = ctx.Process(target=_fork_child, daemon=True, args=(
-                rank, world_size, backend, timeout, "127.0.0.1", port, fn, kwargs, send, out_paths[rank]))
+                rank, world_size, backend, timeout, "127.0.0.1", port, fn, kwargs, theirs, out_paths[rank]))
             p.start()
-            send.close()
+            theirs.close()
             procs.append(p)
-            conns[recv] = rank
+            conns[mine] = rank
+            all_conns.append(mine)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout),
                               master_listen_fd=listener.detach())  # the store owns the socket now
@@ -281,9 +287,13 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
                     if first_failure_at is None:
                         first_failure_at = time.monotonic()
     finally:
+        # Reported ranks are parked (see _fork_child), the others failed to
+        # report in time: either way, every rank process ends here.
         for p in procs:
             if p.is_alive():
                 p.kill()
+        for c in all_conns:
+            c.close()
         for p in procs:
             p.join()
         outputs = [Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in out_paths]

@@ -31,11 +31,6 @@ def main(job_dir: str) -> int:
     rank = int(os.environ["RANK"])
     _redirect_output(str(job_path / f"rank{rank}.out"))
     job = pickle.loads((job_path / "job.pkl").read_bytes())
-    # torchrun waits for every rank forever: a rank that hangs ends itself at
-    # the timeout, so torchrun tears the others down and the launcher reports it.
-    watchdog = threading.Timer(job["timeout"], _hung, args=(job_path, rank))
-    watchdog.daemon = True
-    watchdog.start()
     try:
         import torch
 
@@ -45,9 +40,15 @@ def main(job_dir: str) -> int:
         fn = importlib.import_module(job["module"])
         for part in job["qualname"].split("."):
             fn = getattr(fn, part)
+        # torchrun waits for a rank forever: one that runs past the timeout
+        # (counted, like the group's, once the group is up) ends itself, so
+        # torchrun tears the others down and the launcher reports it.
+        watchdog = threading.Timer(job["timeout"], _hung, args=(job_path, rank))
+        watchdog.daemon = True
+        watchdog.start()
         value = fn(**job["kwargs"])
+        watchdog.cancel()
         (job_path / f"rank{rank}.pkl").write_bytes(pickle.dumps(value))
-        return 0
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
         tb = traceback.format_exc()
         print(tb, file=sys.stderr, end="")
@@ -55,6 +56,15 @@ def main(job_dir: str) -> int:
         return 1
     finally:
         sys.stdout.flush()
+    try:
+        # Leave together: a rank that exits early breaks peers still talking
+        # to it. Failing here (a peer failed or hung) changes nothing: this
+        # rank's result is saved and the peer's problem is reported.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    return 0
 
 
 if __name__ == "__main__":

@@ -136,7 +136,7 @@ def test_torchrun_returns_results_and_reports_crashes():
 
 def test_torchrun_hang_raises_at_timeout(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
-        launch(rank_hang, world_size=2, launcher="torchrun", timeout=4, output="none",
+        launch(rank_hang, world_size=2, launcher="torchrun", timeout=6, output="none",
                pid_dir=str(tmp_path), hung_rank=0)
     assert info.value.unfinished == [0]
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
