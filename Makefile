@@ -45,7 +45,7 @@ graphviz:
 setup: $(STAMP) graphviz
 
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.root_dir=labs $(LAB_ARGS)
+	$(BIN)/jupyter lab --ServerApp.root_dir=labs $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: setup
 	$(BIN)/python -m course_lib labs --check
