@@ -14,6 +14,7 @@ COMMANDS = {
     # name: (module, one-line help)
     "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
     "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
+    "rankmap": ("course_lib.topology_cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
 }
 
 

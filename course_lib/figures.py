@@ -13,6 +13,7 @@ from pathlib import Path
 # module path -> function name; each function takes the output folder and returns the paths it wrote
 WRITERS = {
     "course_lib.collectives": "write_figures",
+    "course_lib.figures_topology": "write_figures",
 }
 
 

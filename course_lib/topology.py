@@ -1,0 +1,537 @@
+"""The 3D/4D rank grid: which rank sits where, and every process group.
+
+``RankGrid(world_size, tp, pp, cp)`` numbers ranks exactly like Megatron-LM's
+``RankGenerator`` (``megatron/core/parallel_state.py``): the parallel sizes are
+laid out in ``order`` (default ``"tp-cp-ep-dp-pp"``) with the **first axis
+varying fastest**, so
+
+    rank = tp_rank + tp * (cp_rank + cp * (ep_rank + ep * (dp_rank + dp * pp_rank)))
+
+and a group for a set of axes (a ``token`` such as ``"tp"`` or ``"dp-cp"``) is
+the set of ranks that differ only along those axes, listed in group-rank order
+(the first axis of ``order`` varies fastest inside the group too). Groups are
+listed in Megatron's creation order. ``dp`` is derived: ``world_size / (tp*pp*cp*ep)``.
+
+``ParallelConfig`` carries the model and batch sizes as well, derives
+``dp`` and ``num_microbatches = global_batch_size / (micro_batch_size * dp)``
+and checks every rule a Megatron run checks, each failure a one-line
+``ValueError`` that names the rule and a fix.
+
+No torch here: this module is pure Python + numpy, so it is instant to import
+and the rank-map CLI works without torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import numpy as np
+
+AXES = ("tp", "cp", "ep", "dp", "pp")
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+# Megatron appends axes missing from `order` in the order of its name_to_size
+# dict (RankGenerator.__init__); only axes of size 1 may be missing.
+_MEGATRON_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
+SPECIAL_TOKENS = ("embedding", "position_embedding")
+
+# Megatron's command-line flag for each axis (dp has none: it is derived).
+AXIS_FLAG = {
+    "tp": "tensor-model-parallel-size",
+    "pp": "pipeline-model-parallel-size",
+    "cp": "context-parallel-size",
+    "ep": "expert-model-parallel-size",
+    "dp": "data-parallel-size",
+}
+
+# The groups Megatron's initialize_model_parallel builds from the non-expert
+# grid, with the global variable that holds them and what runs inside.
+MEGATRON_GROUPS = {
+    "tp": ("_TENSOR_MODEL_PARALLEL_GROUP",
+           "all-reduce after each row-parallel GEMM (2 per layer forward, 2 backward); "
+           "with sequence parallel: all-gather + reduce-scatter instead"),
+    "cp": ("_CONTEXT_PARALLEL_GROUP",
+           "ring exchange of K/V chunks (send/recv) inside attention"),
+    "dp": ("_DATA_PARALLEL_GROUP",
+           "gradient all-reduce (or reduce-scatter + all-gather with the distributed optimizer)"),
+    "dp-cp": ("_DATA_PARALLEL_GROUP_WITH_CP",
+              "gradient all-reduce when cp > 1 (CP ranks hold the same weights)"),
+    "pp": ("_PIPELINE_MODEL_PARALLEL_GROUP",
+           "send/recv of activations (forward) and their gradients (backward) between neighbouring stages"),
+    "tp-pp": ("_MODEL_PARALLEL_GROUP",
+              "all-reduce of scalars over one model replica (grad norm, inf/nan check)"),
+    "embedding": ("_EMBEDDING_GROUP",
+                  "all-reduce of the tied word-embedding gradient between first and last stage"),
+    "position_embedding": ("_POSITION_EMBEDDING_GROUP",
+                           "first stage only (learned position embeddings live there)"),
+    "tp-cp": ("_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "used by some MoE and attention code paths"),
+    "tp-dp": ("_TENSOR_AND_DATA_PARALLEL_GROUP", "fp8 amax reduction, MoE"),
+    "tp-dp-cp": ("_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "fp8 amax reduction with cp"),
+}
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer; pass e.g. {name}=1")
+    return int(value)
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n``, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt_divisors(n: int, limit: int = 12) -> str:
+    ds = divisors(n)
+    return ", ".join(map(str, ds)) if len(ds) <= limit else ", ".join(map(str, ds[:limit])) + ", ..."
+
+
+def parse_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
+    """Validate ``order`` like Megatron's RankGenerator and return the full axis order.
+
+    Axes of size 1 may be left out (they are appended, as Megatron does); an axis of
+    size > 1 that is missing is an error. Unknown or repeated axes are errors too
+    (Megatron fails on them with a KeyError or builds wrong groups).
+    """
+    if not isinstance(order, str) or not order.strip():
+        raise ValueError(f"order={order!r} must be a '-'-joined list of axes such as '{DEFAULT_ORDER}'")
+    tokens = [t.strip() for t in order.lower().split("-")]
+    for t in tokens:
+        if t not in AXES:
+            raise ValueError(f"order={order!r} has unknown axis {t!r}; use only {', '.join(AXES)} "
+                             f"joined by '-', e.g. '{DEFAULT_ORDER}'")
+    dup = sorted({t for t in tokens if tokens.count(t) > 1})
+    if dup:
+        raise ValueError(f"order={order!r} repeats axis {dup[0]!r}; list each axis once, e.g. '{DEFAULT_ORDER}'")
+    given = list(tokens)
+    for name in _MEGATRON_APPEND_ORDER:
+        if name not in tokens:
+            if sizes[name] != 1:
+                # suggest: insert it where Megatron's default order has it
+                later = [t for t in given if AXES.index(t) > AXES.index(name)]
+                at = given.index(later[0]) if later else len(given)
+                fixed = "-".join(given[:at] + [name] + given[at:])
+                raise ValueError(f"{AXIS_FLAG[name]}={sizes[name]} but {name!r} is missing from "
+                                 f"order={order!r}; add it, e.g. order='{fixed}'")
+            tokens.append(name)
+    return tuple(tokens)
+
+
+class RankGrid:
+    """Megatron's rank layout for ``world_size`` ranks (``RankGenerator`` semantics).
+
+    Args:
+        world_size: number of ranks (GPUs).
+        tp, pp, cp, ep: tensor-, pipeline-, context- and expert-parallel sizes.
+            ``dp = world_size // (tp*pp*cp*ep)`` is derived, never given.
+        order: axes joined by '-', **first varies fastest** (Megatron's default
+            ``"tp-cp-ep-dp-pp"``: TP neighbours get consecutive ranks, i.e. the same
+            NVLink box; pipeline stages are the slowest axis).
+
+    Megatron builds the non-expert groups from a grid with ``ep=1`` and the expert
+    groups from a second grid with ``cp=1``; like ``RankGenerator``, one grid may
+    not have both ``ep > 1`` and ``cp > 1``.
+
+    >>> g = RankGrid(8, tp=2, pp=2)
+    >>> g.groups("tp"), g.groups("pp"), g.groups("dp")
+    ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 2], [1, 3], [4, 6], [5, 7]])
+    >>> g.coords(5)
+    {'tp': 1, 'cp': 0, 'dp': 0, 'pp': 1}
+    >>> g.rank_of(tp=1, dp=0, pp=1)
+    5
+    """
+
+    def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 order: str = DEFAULT_ORDER):
+        world_size = _check_positive_int("world_size", world_size)
+        tp, pp, cp, ep = (_check_positive_int(AXIS_FLAG[n], v) for n, v in
+                          (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
+        if ep > 1 and cp > 1:
+            raise ValueError(f"{AXIS_FLAG['ep']}={ep} and {AXIS_FLAG['cp']}={cp} cannot both be > 1 in one "
+                             "rank grid (Megatron's RankGenerator: CP lives in the dense grid, EP in the "
+                             "expert grid); build two grids, one with ep=1 and one with cp=1")
+        model = tp * pp * cp * ep
+        if world_size % model:
+            parts = " × ".join(f"{AXIS_FLAG[n]}={v}" for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
+                               if v > 1 or n in ("tp", "pp"))
+            raise ValueError(f"world_size={world_size} is not divisible by {parts} = {model}; choose sizes "
+                             f"whose product divides {world_size} (data-parallel-size = world_size / product "
+                             f"is derived)")
+        self.world_size = world_size
+        self.sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": world_size // model, "pp": pp}
+        self.order = parse_order(order, self.sizes)
+        self._shape = [self.sizes[a] for a in self.order]  # fastest first
+        self._stride = [math.prod(self._shape[:i]) for i in range(len(self._shape))]
+        self._cache: dict[tuple, np.ndarray] = {}
+
+    # ---- sizes -------------------------------------------------------------
+    tp = property(lambda self: self.sizes["tp"])
+    pp = property(lambda self: self.sizes["pp"])
+    cp = property(lambda self: self.sizes["cp"])
+    ep = property(lambda self: self.sizes["ep"])
+    dp = property(lambda self: self.sizes["dp"], doc="data-parallel size, derived: world / (tp*pp*cp*ep)")
+
+    @property
+    def order_str(self) -> str:
+        return "-".join(self.order)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Axes reported by ``coords`` (ep only when ep > 1), in grid order."""
+        return tuple(a for a in self.order if a != "ep" or self.ep > 1)
+
+    def __repr__(self) -> str:
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return (f"RankGrid(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, cp={self.cp}{ep}, "
+                f"dp={self.dp}, order='{self.order_str}')")
+
+    # ---- coordinates ---------------------------------------------------------
+    def _check_rank(self, rank) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r} is outside the grid; use 0 <= rank < world_size={self.world_size}")
+        return int(rank)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank``: ``{'tp': .., 'cp': .., 'dp': .., 'pp': ..}`` (+ 'ep' if ep > 1)."""
+        rank = self._check_rank(rank)
+        idx = {a: (rank // d) % s for a, s, d in zip(self.order, self._shape, self._stride)}
+        return {a: idx[a] for a in self.axes}
+
+    def rank_of(self, **coords: int) -> int:
+        """Inverse of ``coords``: ``rank_of(tp=1, dp=0, pp=1)``. Omitted axes count as 0."""
+        for a in coords:
+            if a not in AXES:
+                raise ValueError(f"unknown axis {a!r} in rank_of(); use {', '.join(AXES)}")
+        rank = 0
+        for a, s, d in zip(self.order, self._shape, self._stride):
+            i = coords.get(a, 0)
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < s:
+                raise ValueError(f"{a}={i!r} is outside 0..{s - 1} ({a} size is {s})")
+            rank += int(i) * d
+        return rank
+
+    # ---- groups -------------------------------------------------------------
+    def _parse_token(self, token: str) -> tuple[str, ...]:
+        if not isinstance(token, str) or not token.strip():
+            raise ValueError(f"token={token!r} must name axes joined by '-', e.g. 'tp' or 'dp-cp'")
+        parts = [t.strip() for t in token.lower().split("-")]
+        for t in parts:
+            if t not in AXES:
+                raise ValueError(f"token={token!r} has unknown axis {t!r}; use {', '.join(AXES)} joined by '-', "
+                                 f"or one of {', '.join(SPECIAL_TOKENS)}")
+        if len(set(parts)) != len(parts):
+            raise ValueError(f"token={token!r} repeats an axis; list each axis once, e.g. 'dp-cp'")
+        return tuple(sorted(parts, key=self.order.index))
+
+    def group_array(self, token: str) -> np.ndarray:
+        """Groups of ``token`` as a read-only int array of shape [num_groups, group_size]."""
+        token = token.strip().lower() if isinstance(token, str) else token
+        if token in SPECIAL_TOKENS:
+            key = (token,)
+            if key not in self._cache:
+                pp = self.group_array("pp")
+                cols = [0] if token == "position_embedding" or self.pp == 1 else [0, -1]
+                arr = np.ascontiguousarray(pp[:, cols])
+                arr.setflags(write=False)
+                self._cache[key] = arr
+            return self._cache[key]
+        masked = self._parse_token(token)
+        if masked not in self._cache:
+            k = len(self.order)
+            # numpy is slowest-axis-first: order axis i is numpy axis k-1-i.
+            grid = np.arange(self.world_size, dtype=np.int64).reshape(self._shape[::-1])
+            unmasked = [i for i in range(k) if self.order[i] not in masked]
+            inside = [i for i in range(k) if self.order[i] in masked]
+            # Group index enumerates the other axes (first fastest), rank-in-group the
+            # token's axes (first fastest): Megatron's generate_masked_orthogonal_rank_groups.
+            perm = [k - 1 - i for i in reversed(unmasked)] + [k - 1 - i for i in reversed(inside)]
+            size = math.prod(self.sizes[a] for a in masked)
+            arr = np.ascontiguousarray(grid.transpose(perm).reshape(-1, size))
+            arr.setflags(write=False)
+            self._cache[masked] = arr
+        return self._cache[masked]
+
+    def groups(self, token: str) -> list[list[int]]:
+        """Every group of ``token``, each a list of global ranks in group-rank order.
+
+        ``token``: axes joined by '-' in any order (``"tp"``, ``"dp"``, ``"dp-cp"``,
+        ``"tp-pp"`` = Megatron's model-parallel group, ``"tp-dp-cp"``, ...), or
+        ``"embedding"`` (first and last rank of each pipeline group; only the first
+        when pp == 1) or ``"position_embedding"`` (first rank of each pipeline group).
+        Identical to ``RankGenerator.get_ranks(token)`` / initialize_model_parallel.
+        """
+        return self.group_array(token).tolist()
+
+    def group_of(self, rank: int, token: str) -> list[int] | None:
+        """The ``token`` group that contains ``rank`` (None: rank is in no
+        embedding / position-embedding group, e.g. a middle pipeline stage)."""
+        rank = self._check_rank(rank)
+        arr = self.group_array(token)
+        hit = np.nonzero((arr == rank).any(axis=1))[0]
+        return arr[hit[0]].tolist() if len(hit) else None
+
+    def groups_of(self, rank: int, tokens: Iterable[str] | None = None) -> dict[str, list[int] | None]:
+        """``{token: group containing rank}`` for the main groups (see ``main_tokens``)."""
+        return {t: self.group_of(rank, t) for t in (tokens or self.main_tokens())}
+
+    def main_tokens(self) -> list[str]:
+        """The groups worth showing for this grid: tp, cp, dp (dp-cp), pp, tp-pp, embedding."""
+        toks = ["tp"]
+        if self.cp > 1:
+            toks.append("cp")
+        if self.ep > 1:
+            toks.append("ep")
+        toks.append("dp")
+        if self.cp > 1:
+            toks.append("dp-cp")
+        toks += ["pp", "tp-pp", "embedding"]
+        return toks
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """All ranks on pipeline stage ``stage`` (pp coordinate), ascending."""
+        if not 0 <= stage < self.pp:
+            raise ValueError(f"stage={stage} is outside 0..{self.pp - 1}")
+        return sorted(int(g[stage]) for g in self.group_array("pp"))
+
+    # ---- text ----------------------------------------------------------------
+    def table(self, tokens: Iterable[str] | None = None, max_groups: int = 64) -> str:
+        """A plain-text table of groups (one line per token) for printing."""
+        lines = [f"{self!r}", f"{'group':<20} {'size':>4} {'count':>5}  groups"]
+        for t in (tokens or self.main_tokens()):
+            arr = self.group_array(t)
+            shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in arr[:max_groups].tolist())
+            if len(arr) > max_groups:
+                shown += f" ... ({len(arr) - max_groups} more)"
+            lines.append(f"{t:<20} {arr.shape[1]:>4} {arr.shape[0]:>5}  {shown}")
+        return "\n".join(lines)
+
+    def coords_table(self) -> str:
+        """One line per rank: its coordinates."""
+        head = "rank " + " ".join(f"{a:>3}" for a in self.axes)
+        rows = [f"{r:>4} " + " ".join(f"{v:>3}" for v in self.coords(r).values()) for r in range(self.world_size)]
+        return "\n".join([head] + rows)
+
+
+# --------------------------------------------------------------------------------------
+# Whole-run configuration: the checks Megatron's validate_args / initialize_model_parallel do
+# --------------------------------------------------------------------------------------
+
+def _nearby_multiples(value: int, step: int) -> str:
+    lo = (value // step) * step
+    cands = [c for c in (lo, lo + step) if c > 0]
+    return " or ".join(str(c) for c in cands)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A Megatron-style parallel training configuration, validated on creation.
+
+    Fields follow Megatron's argument names (``--tensor-model-parallel-size`` is
+    ``tp`` here, etc.). Model sizes left as ``None`` are not checked, so
+    ``ParallelConfig(world_size=8, tp=2, pp=2)`` validates just the grid.
+
+    Derived: ``dp`` (= world / (tp·pp·cp), never a flag), ``num_microbatches``
+    (= global / (micro·dp)), ``grid`` (the ``RankGrid``), ``layers_per_stage``.
+
+    Rules (each a one-line ValueError naming the rule and a fix):
+      * world_size % (tp·pp·cp) == 0                 (validate_args)
+      * the order contains every axis of size > 1; with pp > 1 and cp > 1 it must
+        end in 'pp' (initialize_model_parallel's assertion)
+      * num_attention_heads % tp == 0, num_query_groups % tp == 0, hidden % heads == 0
+      * num_layers % pp == 0 -- an **error**, as in Megatron; an uneven split is only
+        accepted when made explicit with ``decoder_first_pipeline_num_layers`` /
+        ``decoder_last_pipeline_num_layers`` (Megatron's flags of the same name), the
+        remaining layers dividing evenly over the middle stages
+      * virtual pipeline: pp > 1 and layers per stage % vpp == 0
+      * cp > 1: seq_length % (2·cp) == 0 (load-balanced causal CP cuts the sequence
+        into 2·cp chunks, two per rank)
+      * sequence_parallel with tp > 1: (seq_length / cp) % tp == 0
+      * global_batch_size % (micro_batch_size · dp) == 0; default global = micro · dp
+    """
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    num_layers: int | None = None
+    num_attention_heads: int | None = None
+    hidden_size: int | None = None
+    seq_length: int | None = None
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    sequence_parallel: bool = False
+    num_query_groups: int | None = None
+    virtual_pipeline_model_parallel_size: int | None = None
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
+    order: str = DEFAULT_ORDER
+    grid: RankGrid = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        grid = RankGrid(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, order=self.order)
+        object.__setattr__(self, "grid", grid)
+        tp, pp, cp, dp = self.tp, self.pp, self.cp, grid.dp
+        if pp > 1 and cp > 1 and grid.order[-1] != "pp":
+            raise ValueError(f"order='{self.order}' must end with 'pp' when {AXIS_FLAG['pp']}={pp} and "
+                             f"{AXIS_FLAG['cp']}={cp} (Megatron's initialize_model_parallel asserts it); "
+                             f"use e.g. order='{DEFAULT_ORDER}'")
+        for name in ("num_layers", "num_attention_heads", "hidden_size", "seq_length", "num_query_groups",
+                     "virtual_pipeline_model_parallel_size"):
+            v = getattr(self, name)
+            if v is not None:
+                _check_positive_int(name, v)
+        _check_positive_int("micro_batch_size", self.micro_batch_size)
+        if self.global_batch_size is not None:
+            _check_positive_int("global_batch_size", self.global_batch_size)
+
+        heads = self.num_attention_heads
+        if heads is not None and heads % tp:
+            raise ValueError(f"num_attention_heads={heads} is not divisible by {AXIS_FLAG['tp']}={tp}; "
+                             f"use a {AXIS_FLAG['tp']} that divides {heads} ({_fmt_divisors(heads)})")
+        if self.num_query_groups is not None:
+            if self.num_query_groups % tp:
+                raise ValueError(f"num_query_groups={self.num_query_groups} is not divisible by "
+                                 f"{AXIS_FLAG['tp']}={tp}; use a {AXIS_FLAG['tp']} that divides "
+                                 f"{self.num_query_groups} ({_fmt_divisors(self.num_query_groups)})")
+            if heads is not None and heads % self.num_query_groups:
+                raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups="
+                                 f"{self.num_query_groups}; use num_query_groups from {_fmt_divisors(heads)}")
+        if heads is not None and self.hidden_size is not None and self.hidden_size % heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
+                             f"use a hidden_size that is a multiple of {heads}, e.g. "
+                             f"{_nearby_multiples(self.hidden_size, heads)}")
+        self._check_layers()
+        seq = self.seq_length
+        if seq is not None and cp > 1 and seq % (2 * cp):
+            raise ValueError(f"seq_length={seq} is not divisible by 2 × {AXIS_FLAG['cp']}={cp} = {2 * cp} "
+                             f"(load-balanced causal CP gives each rank 2 of 2·cp chunks); use a multiple of "
+                             f"{2 * cp}, e.g. {_nearby_multiples(seq, 2 * cp)}")
+        if seq is not None and self.sequence_parallel and tp > 1 and (seq // cp) % tp:
+            raise ValueError(f"sequence_parallel needs seq_length/{AXIS_FLAG['cp']} = {seq // cp} divisible by "
+                             f"{AXIS_FLAG['tp']}={tp}; use seq_length a multiple of {cp * tp}, e.g. "
+                             f"{_nearby_multiples(seq, cp * tp)}")
+        mb = self.micro_batch_size
+        if self.global_batch_size is not None and self.global_batch_size % (mb * dp):
+            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size={mb} "
+                             f"× data-parallel-size={dp} = {mb * dp}; use a multiple of {mb * dp}, e.g. "
+                             f"{_nearby_multiples(self.global_batch_size, mb * dp)}")
+
+    def _check_layers(self):
+        L, pp = self.num_layers, self.pp
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        vpp = self.virtual_pipeline_model_parallel_size
+        for name, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                    raise ValueError(f"{name}={v!r} must be an integer >= 0")
+                if pp == 1:
+                    raise ValueError(f"{name}={v} needs {AXIS_FLAG['pp']} > 1; drop it or raise "
+                                     f"{AXIS_FLAG['pp']}")
+                if L is None:
+                    raise ValueError(f"{name}={v} needs num_layers; give num_layers too")
+        if vpp is not None and pp == 1:
+            raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs {AXIS_FLAG['pp']} > 1 "
+                             f"(interleaved schedule); drop it or raise {AXIS_FLAG['pp']}")
+        if L is None:
+            return
+        if first is None and last is None:
+            if L % pp:
+                raise ValueError(f"num_layers={L} is not divisible by {AXIS_FLAG['pp']}={pp}; use a "
+                                 f"{AXIS_FLAG['pp']} that divides {L} ({_fmt_divisors(L)}) or make the uneven "
+                                 f"split explicit with decoder_first_pipeline_num_layers / "
+                                 f"decoder_last_pipeline_num_layers")
+        else:
+            rest = L - (first or 0) - (last or 0)
+            middle = pp - (first is not None) - (last is not None)
+            if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
+                raise ValueError(f"num_layers={L} minus decoder_first_pipeline_num_layers={first} and "
+                                 f"decoder_last_pipeline_num_layers={last} leaves {rest} layers for {middle} "
+                                 f"middle stage(s), not an even split; choose first/last so the rest divides "
+                                 f"by {max(middle, 1)}")
+        if vpp is not None:
+            for s, n in enumerate(self.layers_per_stage()):
+                if n % vpp:
+                    raise ValueError(f"stage {s} has {n} layers, not divisible by "
+                                     f"virtual_pipeline_model_parallel_size={vpp}; use a vpp that divides {n}")
+
+    # ---- derived -------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        return self.grid.dp
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        """Megatron's default when global_batch_size is not given: micro · dp."""
+        return self.global_batch_size if self.global_batch_size is not None else self.micro_batch_size * self.dp
+
+    @property
+    def num_microbatches(self) -> int:
+        """global_batch_size / (micro_batch_size · dp): micro-batches per step per pipeline."""
+        return self.effective_global_batch_size // (self.micro_batch_size * self.dp)
+
+    def layers_per_stage(self) -> list[int]:
+        """Number of transformer layers on each pipeline stage."""
+        if self.num_layers is None:
+            raise ValueError("layers_per_stage() needs num_layers; give num_layers")
+        L, pp = self.num_layers, self.pp
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if first is None and last is None:
+            return [L // pp] * pp
+        middle = pp - (first is not None) - (last is not None)
+        each = (L - (first or 0) - (last or 0)) // middle if middle else 0
+        out = [each] * pp
+        if first is not None:
+            out[0] = first
+        if last is not None:
+            out[-1] = last
+        return out
+
+    def layer_ranges(self) -> list[range]:
+        """0-based global layer indices on each pipeline stage."""
+        out, start = [], 0
+        for n in self.layers_per_stage():
+            out.append(range(start, start + n))
+            start += n
+        return out
+
+    def megatron_flags(self) -> list[str]:
+        """The parallel-layout flags of Megatron-LM's pretrain_gpt.py for this config.
+
+        Note what is *not* here: there is no --data-parallel-size (DP is derived) and
+        --model-parallel-size was removed (use --tensor-model-parallel-size).
+        """
+        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.cp > 1:
+            flags += ["--context-parallel-size", str(self.cp)]
+        if self.sequence_parallel:
+            flags += ["--sequence-parallel"]
+        for name, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                           ("num_attention_heads", "--num-attention-heads"),
+                           ("num_query_groups", "--num-query-groups"), ("seq_length", "--seq-length")):
+            v = getattr(self, name)
+            if v is not None:
+                if name == "num_query_groups":
+                    flags += ["--group-query-attention"]
+                flags += [flag, str(v)]
+        if self.virtual_pipeline_model_parallel_size is not None:
+            per_stage = self.layers_per_stage()[0] // self.virtual_pipeline_model_parallel_size
+            flags += ["--num-layers-per-virtual-pipeline-stage", str(per_stage)]
+        if self.decoder_first_pipeline_num_layers is not None:
+            flags += ["--decoder-first-pipeline-num-layers", str(self.decoder_first_pipeline_num_layers)]
+        if self.decoder_last_pipeline_num_layers is not None:
+            flags += ["--decoder-last-pipeline-num-layers", str(self.decoder_last_pipeline_num_layers)]
+        flags += ["--micro-batch-size", str(self.micro_batch_size),
+                  "--global-batch-size", str(self.effective_global_batch_size)]
+        return flags
+
+    def summary(self) -> str:
+        """One line: the sizes and derived numbers."""
+        s = f"world_size={self.world_size} = tp {self.tp} × pp {self.pp} × cp {self.cp} × dp {self.dp}"
+        if self.global_batch_size is not None:
+            s += (f"; micro-batches per step = {self.global_batch_size} / ({self.micro_batch_size} × "
+                  f"{self.dp}) = {self.num_microbatches}")
+        if self.num_layers is not None:
+            s += f"; layers per stage {self.layers_per_stage()}"
+        return s
+

@@ -1,0 +1,144 @@
+"""An interactive rank map: sliders and menus -> the map and the group table.
+
+A thin layer over tested functions: ``render(...)`` (pure: sizes in, SVG text and
+an HTML table out, or a one-line error) is what the widget calls on every change.
+
+    from course_lib.widgets_topology import RankMapWidget
+    RankMapWidget(world_size=8, tp=2, pp=2)   # in a notebook cell
+"""
+
+from __future__ import annotations
+
+import html
+import io
+
+from course_lib.topology import DEFAULT_ORDER, MEGATRON_GROUPS, ParallelConfig, RankGrid, divisors
+
+ORDERS = [
+    ("tp-cp-ep-dp-pp  (Megatron default)", "tp-cp-ep-dp-pp"),
+    ("tp-cp-ep-pp-dp  (pp before dp)", "tp-cp-ep-pp-dp"),
+    ("tp-pp-dp  (Megatron's documented alternative)", "tp-pp-dp-cp"),
+    ("tp-cp-pp-dp  (picotron's view(dp, pp, cp, tp))", "tp-cp-pp-dp"),
+    ("dp-pp-cp-tp  (TP slowest: a bad idea)", "dp-pp-cp-tp"),
+]
+
+
+def group_table_html(grid: RankGrid, highlight: int | None = None) -> str:
+    """The main groups as an HTML table; the highlighted rank's group in bold."""
+    rows = []
+    for token in grid.main_tokens():
+        groups = grid.groups(token)
+        shown = []
+        for g in groups[:32]:
+            txt = "[" + ", ".join(map(str, g)) + "]"
+            shown.append(f"<b>{txt}</b>" if highlight is not None and highlight in g else txt)
+        more = f" … ({len(groups) - 32} more)" if len(groups) > 32 else ""
+        what = html.escape(MEGATRON_GROUPS.get(token, ("", ""))[1])
+        rows.append(f"<tr><td><code>{token}</code></td><td>{len(groups)} × {len(groups[0])}</td>"
+                    f"<td>{' '.join(shown)}{more}</td><td>{what}</td></tr>")
+    head = "<tr><th>group</th><th>count × size</th><th>ranks</th><th>what runs in it</th></tr>"
+    return f"<table>{head}{''.join(rows)}</table>"
+
+
+def render(world_size: int, tp: int, pp: int, cp: int = 1, order: str = DEFAULT_ORDER,
+           highlight: int | None = None, engine: str = "graphviz") -> dict:
+    """``{'svg': map as SVG text, 'table': HTML table, 'grid': RankGrid, 'error': None}``
+    for a layout; for an invalid one ``{'error': the ValueError's one line}`` and
+    None elsewhere."""
+    try:
+        grid = ParallelConfig(world_size, tp=tp, pp=pp, cp=cp, order=order).grid
+        if highlight is not None:
+            grid.coords(highlight)
+    except ValueError as exc:
+        return {"svg": None, "table": None, "grid": None, "error": str(exc)}
+    from course_lib import diagrams
+
+    svg = None
+    if engine == "graphviz":
+        try:
+            svg = diagrams.rank_map(grid, highlight=highlight).pipe(format="svg").decode()
+        except Exception:  # noqa: BLE001 - no `dot` binary: fall back to matplotlib
+            svg = None
+    if svg is None:
+        import matplotlib.pyplot as plt
+
+        fig = diagrams.rank_map_figure(grid, highlight=highlight)
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", bbox_inches="tight")
+        plt.close(fig)
+        svg = buf.getvalue()
+    return {"svg": svg, "table": group_table_html(grid, highlight), "grid": grid, "error": None}
+
+
+class RankMapWidget:
+    """World size, tp, pp, cp, order and a rank to highlight -> the map and the table.
+
+    ``.ui`` is the ipywidgets box (displayed when the object is the cell's value);
+    ``.controls`` maps names to the control widgets; ``.update()`` redraws.
+    """
+
+    def __init__(self, world_size: int = 8, tp: int = 2, pp: int = 2, cp: int = 1, order: str = DEFAULT_ORDER,
+                 highlight: int | None = None, engine: str = "graphviz"):
+        import ipywidgets as W
+
+        self.engine = engine
+        self._busy = False
+        style = {"description_width": "90px"}
+        self.controls = {
+            "world_size": W.IntSlider(value=world_size, min=1, max=128, description="world size", style=style,
+                                      continuous_update=False),
+            "tp": W.Dropdown(options=divisors(world_size), value=tp, description="tp", style=style),
+            "pp": W.Dropdown(options=divisors(world_size), value=pp, description="pp", style=style),
+            "cp": W.Dropdown(options=divisors(world_size), value=cp, description="cp", style=style),
+            "order": W.Dropdown(options=ORDERS if order in dict(ORDERS).values() else ORDERS + [(order, order)],
+                                value=order, description="order", style=style),
+            "highlight": W.IntSlider(value=-1 if highlight is None else highlight, min=-1, max=world_size - 1,
+                                     description="highlight", style=style, continuous_update=False),
+        }
+        self.picture = W.HTML()
+        self.table = W.HTML()
+        self.status = W.HTML()
+        c = self.controls
+        self.ui = W.VBox([W.HBox([c["world_size"], c["highlight"]]), W.HBox([c["tp"], c["pp"], c["cp"]]),
+                          c["order"], self.status, self.picture, self.table])
+        c["world_size"].observe(self._world_changed, names="value")
+        for name in ("tp", "pp", "cp", "order", "highlight"):
+            c[name].observe(lambda _change: None if self._busy else self.update(), names="value")
+        self.update()
+
+    def _world_changed(self, change):
+        n = change["new"]
+        self._busy = True  # one redraw at the end, not one per control
+        try:
+            for name in ("tp", "pp", "cp"):
+                dd = self.controls[name]
+                keep = dd.value if n % dd.value == 0 else 1
+                dd.options = divisors(n)
+                dd.value = keep
+            hl = self.controls["highlight"]
+            hl.value = min(hl.value, n - 1)
+            hl.max = n - 1
+        finally:
+            self._busy = False
+        self.update()
+
+    def values(self) -> dict:
+        c = self.controls
+        hl = c["highlight"].value
+        return dict(world_size=c["world_size"].value, tp=c["tp"].value, pp=c["pp"].value, cp=c["cp"].value,
+                    order=c["order"].value, highlight=None if hl < 0 else hl)
+
+    def update(self) -> None:
+        """Redraw the map and the table from the controls' values."""
+        out = render(**self.values(), engine=self.engine)
+        if out["error"]:
+            self.status.value = f'<span style="color:#d62728">{html.escape(out["error"])}</span>'
+            self.picture.value, self.table.value = "", ""
+        else:
+            self.status.value = f"<code>{html.escape(repr(out['grid']))}</code>"
+            self.picture.value, self.table.value = out["svg"], out["table"]
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.ui)
