@@ -27,6 +27,10 @@ import time
 import torch
 import torch.distributed as dist
 
+# Recent torch (2.13 here) names the flat-tensor collectives *_single and warns on the old names.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
 
 
@@ -51,10 +55,10 @@ def apply_collective(op: str, x: torch.Tensor, group=None) -> torch.Tensor:
         dist.all_reduce(out, group=group)
     elif op == "all_gather":
         out = torch.empty(world * x.numel(), dtype=x.dtype)
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        _all_gather_tensor(out, x.contiguous(), group=group)
     elif op == "reduce_scatter":
         out = torch.empty(x.numel() // world, dtype=x.dtype)
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        _reduce_scatter_tensor(out, x.contiguous(), group=group)
     elif op == "broadcast":
         out = x.clone()
         dist.broadcast(out, src=dist.get_global_rank(group, 0) if group else 0, group=group)

@@ -16,8 +16,9 @@ from course_lib.launch import LaunchTimeout, RankError, launch
 
 WORLD_SIZES = (2, 3, 4)
 NUMELS = (4, 12, 10, 1)  # multiples of W first, then not divisible, then fewer elements than ranks
-_FORBIDDEN = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-              "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single")
+_FORBIDDEN = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
+              "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all",
+              "all_to_all_single")
 
 
 def _forbid_collectives():
