@@ -15,6 +15,7 @@ COMMANDS = {
     "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
     "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
     "rankmap": ("course_lib.topology_cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
+    "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
 }
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 WRITERS = {
     "course_lib.collectives": "write_figures",
     "course_lib.figures_topology": "write_figures",
+    "course_lib.pipeline.plots": "write_figures",
 }
 
 

@@ -1,0 +1,342 @@
+"""Run a pipeline schedule on real ranks: real processes, real P2P messages, real gradients.
+
+:func:`run_rank_schedule` is the worker (inside one rank): it walks the rank's
+:func:`~course_lib.pipeline.check.comm_plan` -- actions and point-to-point steps --
+and for each action runs real autograd on its model chunk:
+
+* ``F``: receive the ``[s, b, h]`` activation (stage 0: take the tokens), run the
+  chunk, keep input and output for the backward, send the output on (the last
+  stage computes the loss ``/ num_microbatches``, as Megatron's ``forward_step``);
+* ``B``: receive the output gradient, backpropagate, send the input gradient back.
+  Megatron's ``backward_step`` does ``torch.autograd.backward(output, grad)``;
+* zero-bubble split (Qi et al. 2023, Sec. 2): ``B`` computes only the gradients
+  w.r.t. the chunk input and w.r.t. the output of every layer that owns weights;
+  ``W`` later turns those into weight gradients, one layer at a time
+  (``autograd.grad(layer_output, layer_params, saved_grad)``), then frees the
+  micro-batch's activations.
+
+Messages go through ``torch.distributed`` point-to-point on the pipeline group
+(passed in; gloo on CPU) in the protocol ``p2p`` (see
+:mod:`course_lib.pipeline.check`, which proves it cannot deadlock):
+``"batched"`` = Megatron's ``batch_isend_irecv`` of the previous action's sends
+with the next action's receives; ``"prefetch"`` = every receive of the iteration
+posted up front in the sender's order, sends blocking; ``"blocking"`` = plain
+``send``/``recv`` (deadlocks for 1F1B -- try it with a short timeout).
+
+Every action's real start/end (``time.perf_counter``, one clock for all processes
+on a machine) is recorded. With ``compute_time=(t_f, t_b, t_w)`` each action is
+padded by sleeping to a fixed duration (calibrated compute: on a 2-core laptop
+the measured bubble then follows the schedule, not the CPU contention).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from course_lib.pipeline.check import (Step, check_schedule, comm_plan, incoming_messages, inputs_of,
+                                       outputs_of)
+from course_lib.pipeline.schedules import Action, PipelineSchedule
+from course_lib.pipeline.simulate import Event, Timeline, live_activations
+from course_lib.pipeline.stages import (StackConfig, build_stages, layer_split, lm_loss, make_batch,
+                                        reference_gradients)
+
+_WEIGHT_MODULES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding)
+
+
+@dataclass
+class _Stored:
+    """What a micro-batch keeps on one chunk between its F and its last backward piece."""
+
+    x: Optional[torch.Tensor]          # the received activation (a leaf), None on stage 0
+    y: torch.Tensor                    # chunk output, or the scaled loss on the last stage
+    sites: list = field(default_factory=list)   # [(layer output, [its params])] for the B/W split
+    site_grads: Optional[list] = None
+    nbytes: int = 0                    # bytes of activations saved for backward
+
+
+class _SavedBytes:
+    """Count the bytes autograd saves for backward, excluding parameters (activation memory)."""
+
+    def __init__(self, params):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: set = set()
+        self.nbytes = 0
+
+    def pack(self, t):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.param_storages and ptr not in self.seen:
+            self.seen.add(ptr)
+            self.nbytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _record_sites(module: torch.nn.Module, sites: list):
+    """Forward hooks that append ``(output, params)`` of every layer owning weights to ``sites``."""
+    handles = []
+    for sub in module.modules():
+        if isinstance(sub, _WEIGHT_MODULES):
+            params = list(sub.parameters(recurse=False))
+            handles.append(sub.register_forward_hook(
+                lambda mod, inp, out, params=params: sites.append((out, params))))
+    return handles
+
+
+def _accumulate(params, grads):
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        p.grad = g.clone() if p.grad is None else p.grad.add_(g)
+
+
+class _Prefetcher:
+    """Posts every receive this rank will get, per sender in the sender's order (``p2p="prefetch"``)."""
+
+    def __init__(self, schedule, rank, shape, device, to_global, group):
+        self.pending = []
+        for src, msgs in incoming_messages(schedule, rank).items():
+            for msg in msgs:
+                buf = torch.empty(shape, device=device)
+                self.pending.append((msg, buf, dist.irecv(buf, src=to_global(src), group=group)))
+        self.index = {msg: i for i, (msg, _, _) in enumerate(self.pending)}
+
+    def get(self, msg):
+        _, buf, work = self.pending[self.index[msg]]
+        work.wait()
+        return buf
+
+
+def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, tokens, labels, *,
+                      activation_shape, pp_group=None, p2p: str = "batched", compute_time=None) -> dict:
+    """Run rank ``rank``'s part of ``schedule``; return its events, losses and memory figures.
+
+    ``chunks``: ``{chunk id: module}`` (virtual stage ``chunk * pp + rank``);
+    ``tokens``/``labels``: [m * micro_batch, s] (each rank gets the whole batch;
+    only stage 0 reads tokens, only the last stage labels). ``activation_shape``:
+    ``[s, b, h]`` of what crosses a stage boundary. Gradients accumulate in
+    the modules' ``.grad``. ``pp_group``: the pipeline process group (``None``:
+    the default group). ``compute_time``: ``(t_f, t_b, t_w)`` seconds per micro-batch
+    per rank-stage (a chunk takes ``1 / vp`` of it), or ``None`` for real speed.
+    """
+    p, v, m, S = schedule.pp_size, schedule.vp_size, schedule.num_microbatches, schedule.num_stages
+    group = pp_group if pp_group is not None else dist.group.WORLD
+
+    def to_global(r):
+        return dist.get_global_rank(group, r) if p > 1 else r
+
+    mbs = tokens.shape[0] // m
+    shape = tuple(activation_shape)  # [s, b, h], Megatron's tensor_shape
+    device = tokens.device           # receive buffers live where the model runs (CPU with gloo)
+    actions = schedule.ranks[rank]
+    split = {(a.microbatch, a.chunk_id) for a in actions if a.kind == "W"}
+    durations = None
+    if compute_time is not None:
+        t_f, t_b, t_w = (float(t) / v for t in compute_time)
+        durations = {"F": t_f, "B": t_b, "W": t_w}
+
+    inbox: dict = {}
+    outbox: dict = {}
+    stored: dict = {}
+    events, losses = [], []
+    live_bytes = peak_bytes = peak_live = 0
+    prefetcher = _Prefetcher(schedule, rank, shape, device, to_global, group) if p2p == "prefetch" else None
+
+    def communicate(step: Step):
+        if p2p == "prefetch":
+            for msg in step.recvs:
+                inbox[msg] = prefetcher.get(msg)
+            for msg in step.sends:
+                dist.send(outbox.pop(msg), dst=to_global(msg.dst), group=group)
+            return
+        bufs = {msg: torch.empty(shape, device=device) for msg in step.recvs}
+        if p2p == "blocking":
+            for msg in step.sends:
+                dist.send(outbox.pop(msg), dst=to_global(msg.dst), group=group)
+            for msg, buf in bufs.items():
+                dist.recv(buf, src=to_global(msg.src), group=group)
+        else:  # batched: one batch_isend_irecv, like Megatron's _communicate
+            ops = [dist.P2POp(dist.isend, outbox.pop(msg), to_global(msg.dst), group) for msg in step.sends]
+            ops += [dist.P2POp(dist.irecv, buf, to_global(msg.src), group) for msg, buf in bufs.items()]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        inbox.update(bufs)
+
+    def forward(a: Action, s: int):
+        nonlocal live_bytes
+        chunk = chunks[a.chunk_id]
+        rows = slice(a.microbatch * mbs, (a.microbatch + 1) * mbs)
+        x = None
+        if s == 0:
+            inp = tokens[rows]
+        else:
+            x = inp = inbox.pop(inputs_of(schedule, rank, a)[0]).requires_grad_()
+        entry = _Stored(x=x, y=None)
+        saved = _SavedBytes(chunk.parameters())
+        hooks = _record_sites(chunk, entry.sites) if (a.microbatch, a.chunk_id) in split else []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+                out = chunk(inp)
+                if s == S - 1:
+                    loss = lm_loss(out, labels[rows]) / m   # Megatron: output_tensor /= num_microbatches
+                    losses.append(loss.item())
+                    out = loss
+        finally:
+            for h in hooks:
+                h.remove()
+        entry.y, entry.nbytes = out, saved.nbytes
+        stored[(a.microbatch, a.chunk_id)] = entry
+        live_bytes += saved.nbytes
+        for msg in outputs_of(schedule, rank, a):
+            outbox[msg] = out.detach().contiguous()
+
+    def backward(a: Action, s: int):
+        nonlocal live_bytes
+        key = (a.microbatch, a.chunk_id)
+        entry = stored[key]
+        grad_in = inbox.pop(inputs_of(schedule, rank, a)[0]) if s < S - 1 else None
+        if key in split:  # B: input gradient (+ the layer-output gradients W will need)
+            targets = ([entry.x] if entry.x is not None else []) + [out for out, _ in entry.sites]
+            grads = torch.autograd.grad(entry.y, targets, grad_outputs=grad_in, retain_graph=True,
+                                        allow_unused=True)
+            x_grad = grads[0] if entry.x is not None else None
+            entry.site_grads = list(grads[1:] if entry.x is not None else grads)
+        else:             # full backward: input and weight gradients at once
+            torch.autograd.backward(entry.y, grad_tensors=grad_in)
+            x_grad = entry.x.grad if entry.x is not None else None
+            live_bytes -= stored.pop(key).nbytes
+        for msg in outputs_of(schedule, rank, a):
+            outbox[msg] = x_grad.contiguous()
+
+    def weight(a: Action, s: int):
+        nonlocal live_bytes
+        entry = stored.pop((a.microbatch, a.chunk_id))
+        for (out, params), g in zip(entry.sites, entry.site_grads):
+            if g is not None:
+                _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
+        live_bytes -= entry.nbytes
+
+    run = {"F": forward, "B": backward, "W": weight}
+    plan = comm_plan(schedule, rank, p2p)
+    if p > 1:
+        dist.barrier(group=group)  # start together: times are comparable across ranks
+    for item in plan:
+        if isinstance(item, Step):
+            communicate(item)
+            continue
+        s = schedule.stage(rank, item)
+        start = time.perf_counter()
+        run[item.kind](item, s)
+        if durations is not None:
+            wanted = durations[item.kind]
+            if item.kind == "B" and (item.microbatch, item.chunk_id) not in split:
+                wanted += durations["W"]
+            rest = start + wanted - time.perf_counter()
+            if rest > 0:
+                time.sleep(rest)
+        events.append((str(item), s, start, time.perf_counter()))
+        peak_live = max(peak_live, len(stored))
+        peak_bytes = max(peak_bytes, live_bytes)
+    return dict(events=events, losses=losses, peak_live=peak_live, peak_bytes=peak_bytes, p2p=p2p)
+
+
+def _pipeline_rank(schedule: PipelineSchedule, cfg: StackConfig, p2p: str, compute_time) -> dict:
+    """One rank of :func:`execute`: build this rank's chunks, run the schedule, return grads by name."""
+    rank = dist.get_rank()
+    model, chunks = build_stages(cfg, rank, schedule.pp_size, schedule.vp_size)
+    tokens, labels = make_batch(cfg, schedule.num_microbatches)
+    shape = (cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size)
+    out = run_rank_schedule(schedule, rank, chunks, tokens, labels, activation_shape=shape, p2p=p2p,
+                            compute_time=compute_time)
+    mine = {id(p) for c in chunks.values() for p in c.parameters()}
+    out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if id(p) in mine and p.grad is not None}
+    out["owned"] = sorted(n for n, p in model.named_parameters() if id(p) in mine)
+    return out
+
+
+@dataclass
+class PipelineRun:
+    """What :func:`execute` measured: the timeline, the gradients of every parameter, the loss."""
+
+    timeline: Timeline
+    grads: dict
+    loss: float
+    p2p: str
+    peak_bytes: list
+    owned: list
+
+    def max_grad_error(self, reference: dict) -> float:
+        """Largest ``|grad - reference grad|`` over all parameters (every one must be present)."""
+        missing = sorted(set(reference) - set(self.grads))
+        if missing:
+            raise ValueError(f"no gradient for {missing[:3]}: a stage did not run its backward")
+        return max(float((self.grads[n] - g).abs().max()) for n, g in reference.items())
+
+
+_AUTOGRAD_WARM = False
+
+
+def warm_up_autograd() -> None:
+    """Run one tiny backward in this (parent) process before forking ranks.
+
+    In torch 2.13 the first ``autograd.backward(y, grad_tensors=g)`` with a
+    non-scalar ``y`` in a process imports ~500 modules (sympy, mpmath): ~1 s, and
+    2-5 s when every forked rank does it at once on 2 cores. Forked ranks inherit
+    the imports, so doing it once here keeps measured timelines clean.
+    """
+    global _AUTOGRAD_WARM
+    if not _AUTOGRAD_WARM:
+        x = torch.ones(2, requires_grad=True)
+        torch.autograd.backward(x * 2, grad_tensors=torch.ones(2))
+        _AUTOGRAD_WARM = True
+
+
+def execute(schedule: PipelineSchedule, cfg: StackConfig = StackConfig(), *, p2p: Optional[str] = None,
+            compute_time=None, timeout: float = 60, check: bool = True) -> PipelineRun:
+    """Run ``schedule`` on ``pp_size`` real ranks (forked, gloo, CPU) over the toy model ``cfg``.
+
+    (On a GPU box call :func:`run_rank_schedule` from your own launch with the
+    model and tokens on the rank's GPU: buffers follow ``tokens.device``.)
+
+    ``p2p``: ``None`` = the protocol :func:`~course_lib.pipeline.check.check_schedule`
+    proves deadlock-free (``"batched"`` when possible); ``"blocking"`` shows the
+    deadlock (raises ``LaunchTimeout`` after ``timeout`` s; pass ``check=False``,
+    otherwise the checker refuses it first). Returns a :class:`PipelineRun` whose
+    timeline is labelled ``source="measured"``.
+    """
+    from course_lib.launch import launch
+
+    layer_split(cfg.num_layers, schedule.num_stages, cfg.layers_per_stage)  # bad splits fail here, in one line
+    if check:
+        chosen = check_schedule(schedule, p2p)
+    elif p2p in ("blocking", "batched", "prefetch"):
+        chosen = p2p
+    else:
+        raise ValueError(f"check=False needs an explicit p2p ('blocking', 'batched' or 'prefetch'), got {p2p!r}")
+    warm_up_autograd()
+    results = launch(_pipeline_rank, world_size=schedule.pp_size, backend="gloo", output="none", timeout=timeout,
+                     schedule=schedule, cfg=cfg, p2p=chosen, compute_time=compute_time)
+    t0 = min(r["events"][0][2] for r in results if r["events"])
+    events = []
+    for rank, res in enumerate(results):
+        acts = schedule.ranks[rank]
+        events.append([Event(rank, a, s, start - t0, end - t0)
+                       for a, (_, s, start, end) in zip(acts, res["events"])])
+    peaks = [res["peak_live"] for res in results]
+    info = dict(compute_time=compute_time, p2p=chosen, cfg=cfg)
+    timeline = Timeline(schedule, events, peaks, "measured", info)
+    grads = {n: g for res in results for n, g in res["grads"].items()}
+    loss = sum(sum(res["losses"]) for res in results)
+    return PipelineRun(timeline, grads, loss, chosen, [res["peak_bytes"] for res in results],
+                       [res["owned"] for res in results])
+
+
+__all__ = ["run_rank_schedule", "execute", "PipelineRun", "reference_gradients", "live_activations"]

@@ -1,0 +1,64 @@
+"""Sizing calculators: the papers' closed forms for parameters, FLOPs, memory, communication.
+
+Pure Python (no torch): import is instant, and every number can be checked by hand.
+
+==========================  =====================================================================
+module                      what it computes (source)
+==========================  =====================================================================
+:mod:`.flops`               parameters (Narayanan 2021 Eq. 2), FLOPs per iteration (Eq. 3;
+                            Korthikanti 2022 Eq. 7, 8), MFU/HFU, training time (Eq. 4)
+:mod:`.memory`              activation bytes (Korthikanti Table 2, Eq. 1-6), model states (ZeRO
+                            §5; Megatron's distributed optimizer)
+:mod:`.comm`                elements sent per rank by TP/SP, PP, DP (ZeRO), CP (Narayanan §3)
+:mod:`.planner`             one configuration end to end, for the explorer widget
+==========================  =====================================================================
+
+The pipeline-bubble functions (``bubble_fraction``, ``pipeline_bubble_time``,
+``inflight_microbatches``) live with the pipeline lab in :mod:`course_lib.pipeline.bubbles` and
+are re-exported here when that module is present (one implementation, shared).
+"""
+
+from course_lib.sizing.comm import (
+    cp_comm_per_layer,
+    dp_comm_per_iteration,
+    pp_comm_per_iteration,
+    pp_send_elements,
+    ring_all_gather,
+    ring_all_reduce,
+    tp_comm_per_layer,
+)
+from course_lib.sizing.flops import (
+    achieved_flops_per_gpu,
+    flops_per_iteration,
+    flops_utilization,
+    iteration_time,
+    mfu_hfu,
+    model_flops_per_iteration,
+    num_parameters,
+    parameter_breakdown,
+    parameters_per_rank,
+    parameters_per_stage,
+    training_time,
+    training_time_approx,
+)
+from course_lib.sizing.memory import (
+    ModelStateBytes,
+    activation_breakdown_per_layer,
+    activation_bytes_first_stage,
+    activation_bytes_outside_layers,
+    activation_bytes_per_layer,
+    interleaving_factor,
+    megatron_optimizer_bytes_per_param,
+    model_state_bytes,
+    output_activation_terms,
+)
+from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan, validate_config
+
+try:  # shared with the pipeline lab; absent until course_lib/pipeline/bubbles.py exists
+    from course_lib.pipeline.bubbles import bubble_fraction, inflight_microbatches, pipeline_bubble_time
+except ImportError:  # pragma: no cover - depends on which modules are installed
+    HAVE_BUBBLES = False
+else:
+    HAVE_BUBBLES = True
+
+__all__ = [name for name in dir() if not name.startswith("_")]

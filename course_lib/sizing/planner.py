@@ -1,0 +1,263 @@
+"""One parallel configuration, sized end to end: memory per rank, bubble, communication, FLOPs.
+
+:func:`plan` is the pure, tested function under the explorer widget
+(:mod:`course_lib.widgets_sizing`): it only combines the paper formulas of :mod:`.flops`,
+:mod:`.memory` and :mod:`.comm`, and :func:`validate_config` turns every impossible
+combination into a one-line ValueError that the widget shows instead of a plot.
+
+Conventions: bytes are decimal (1 GB = 1e9 bytes, as in ZeRO's 120 GB example); the memory is
+that of the busiest rank, a first-stage rank, whose model states follow ZeRO's 2 + 2 + 12 bytes
+per parameter sharded over the ``dp * cp`` ranks Megatron shards over; activations are 16-bit
+(Korthikanti). Communication is bytes one rank sends per iteration (2 bytes per element).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from course_lib.sizing import _checks
+from course_lib.sizing.comm import cp_comm_per_layer, dp_comm_per_iteration, pp_comm_per_iteration, tp_comm_per_layer
+from course_lib.sizing.flops import flops_per_iteration, num_parameters, parameters_per_stage
+from course_lib.sizing.memory import (
+    activation_bytes_per_layer,
+    interleaving_factor,
+    model_state_bytes,
+    output_activation_terms,
+)
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A GPT shape in the papers' terms (4h GeLU MLP, multi-head attention, tied embeddings)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    vocab_size: int
+    seq_length: int
+    note: str = ""
+
+    @property
+    def num_parameters(self) -> int:
+        """Narayanan Eq. 2."""
+        return num_parameters(self.num_layers, self.hidden_size, self.vocab_size, self.seq_length)
+
+
+# Each preset: the model and a configuration to start from. Sources in the notes.
+PRESETS: dict[str, dict] = {
+    "GPT-3 175B": {
+        "model": ModelSpec("GPT-3 175B", 96, 12288, 96, 51200, 2048,
+                           "GPT-3 shape as in Narayanan §5.3.2 and Korthikanti Table 3 (V = 51200)"),
+        "config": dict(tp=8, pp=8, dp=16, cp=1, vp=1, sequence_parallel=True, recompute="selective",
+                       zero_stage=1, micro_batch_size=1, global_batch_size=1536),
+    },
+    "1T (Narayanan Table 1)": {
+        "model": ModelSpec("1T (Narayanan Table 1)", 128, 25600, 160, 51200, 2048,
+                           "last row of Narayanan Table 1: 3072 GPUs, TP 8 x PP 64, batch 3072"),
+        "config": dict(tp=8, pp=64, dp=6, cp=1, vp=1, sequence_parallel=False, recompute="full",
+                       zero_stage=0, micro_batch_size=1, global_batch_size=3072),
+    },
+    "Llama-like 70B": {
+        "model": ModelSpec("Llama-like 70B", 80, 8192, 64, 32000, 4096,
+                           "Llama-2-70B's depth, width, heads, vocabulary and context, counted with "
+                           "the papers' GPT formulas (GeLU 4h MLP, no grouped-query attention), so "
+                           "64.7B parameters; the real model (SwiGLU 28672, 8 KV groups) has 69B"),
+        "config": dict(tp=8, pp=4, dp=4, cp=1, vp=1, sequence_parallel=True, recompute="selective",
+                       zero_stage=1, micro_batch_size=1, global_batch_size=512),
+    },
+    "tiny GPT (seed)": {
+        "model": ModelSpec("tiny GPT (seed)", 8, 512, 8, 50304, 1024,
+                           "the Day 22 seed's model: 8 layers, hidden 512, 8 heads; GPT-2 BPE "
+                           "vocabulary padded to 50304 as Megatron does, sequence 1024"),
+        "config": dict(tp=2, pp=2, dp=2, cp=1, vp=1, sequence_parallel=False, recompute="none",
+                       zero_stage=0, micro_batch_size=4, global_batch_size=64),
+    },
+}
+
+
+def validate_config(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False,
+                    recompute="none", zero_stage=0, micro_batch_size=1, global_batch_size=None) -> int:
+    """Check a configuration the way Megatron would; return the number of micro-batches.
+
+    Rules (each a one-line ValueError): positive sizes; ``num_attention_heads % tp == 0``;
+    ``num_layers % pp == 0`` (and ``% (pp * vp)`` when interleaving, which needs ``pp > 1``);
+    ``vocab_size % tp == 0``; with SP ``seq_length % (cp * tp) == 0``; with CP
+    ``seq_length % (2 * cp) == 0`` (Megatron's load-balanced chunks); ``global_batch_size`` a
+    multiple of ``micro_batch_size * dp`` (micro-batches = global / (micro x DP)), and with
+    interleaving a multiple of ``pp`` micro-batches (Narayanan §2.2.2).
+    """
+    _checks.model_shape(model.num_layers, model.hidden_size, model.num_heads, model.vocab_size,
+                        model.seq_length)
+    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp),
+                        ("data-parallel-size", dp), ("context-parallel-size", cp),
+                        ("virtual-pipeline-model-parallel-size", vp),
+                        ("micro-batch-size", micro_batch_size)):
+        _checks.positive_int(name, value)
+    _checks.recompute_mode(recompute)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
+    _checks.divisible("num_attention_heads", model.num_heads, "tensor-model-parallel-size", tp)
+    _checks.divisible("num_layers", model.num_layers, "pipeline-model-parallel-size", pp)
+    if vp > 1:
+        if pp == 1:
+            raise ValueError("virtual-pipeline-model-parallel-size>1 needs pipeline-model-parallel-size>1; "
+                             "set vp=1 or use pipeline parallelism")
+        _checks.divisible("num_layers", model.num_layers,
+                          "pipeline-model-parallel-size * virtual-pipeline-model-parallel-size", pp * vp)
+    _checks.divisible("vocab_size", model.vocab_size, "tensor-model-parallel-size", tp)
+    if cp > 1:
+        _checks.divisible("seq_length", model.seq_length, "2 * context-parallel-size", 2 * cp)
+    if sequence_parallel and tp > 1:
+        _checks.divisible("seq_length", model.seq_length,
+                          "context-parallel-size * tensor-model-parallel-size (sequence parallel)", cp * tp)
+    gbs = micro_batch_size * dp if global_batch_size is None else global_batch_size
+    _checks.positive_int("global-batch-size", gbs)
+    _checks.divisible("global-batch-size", gbs, "micro-batch-size * data-parallel-size", micro_batch_size * dp,
+                      change_value=True)
+    m = gbs // (micro_batch_size * dp)
+    if vp > 1:
+        _checks.divisible("number of micro-batches", m, "pipeline-model-parallel-size (interleaved schedule)", pp,
+                          change_value=True)
+    return m
+
+
+@dataclass
+class Plan:
+    """Everything :func:`plan` computed for one configuration (bytes, FLOPs, fractions)."""
+
+    model: ModelSpec
+    config: dict
+    world_size: int
+    num_microbatches: int
+    num_parameters: int
+    params_per_stage: list
+    memory: dict  # busiest (first-stage) rank: weights, grads, optimizer, activations, total
+    stage_memory: list  # one dict like ``memory`` per pipeline stage (1F1B; None if interleaved)
+    gpu_memory_bytes: float
+    bubble: float | None
+    comm: dict  # bytes one rank sends per iteration: tp, pp, dp, cp
+    model_flops: int
+    hardware_flops: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.gpu_memory_bytes
+
+    def memory_gb(self) -> dict:
+        return {k: v / GB for k, v in self.memory.items()}
+
+
+def _bubble(pp, m, vp):
+    try:
+        from course_lib.pipeline.bubbles import bubble_fraction
+    except ImportError:
+        return None
+    return bubble_fraction(pp, m, vp=vp)
+
+
+def plan(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False, recompute="none",
+         zero_stage=0, micro_batch_size=1, global_batch_size=None, gpu_memory_gb=80.0) -> Plan:
+    """Size one configuration of ``model`` on ``tp * pp * dp * cp`` GPUs.
+
+    Memory per rank (bytes): weights, grads, optimizer from :func:`.memory.model_state_bytes` on
+    the stage's :func:`.flops.parameters_per_stage` count with ``N_d = dp * cp``; activations from
+    :func:`.memory.activation_bytes_per_layer` times the layers and micro-batches the stage holds
+    (Korthikanti Eq. 5: stage ``S`` of a 1F1B pipeline holds ``min(p - S, m)`` micro-batches;
+    interleaving multiplies the first stage by ``1 + (p-1)/(p v)``), plus the embedding terms
+    on the first stage and the output-layer terms on the last. Communication: :mod:`.comm`,
+    times the layers and micro-batches of the busiest rank, 2 bytes per element.
+    FLOPs: Eq. 7 (model) and Eq. 3 / Eq. 8 (hardware, by recompute mode).
+    """
+    m = validate_config(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage,
+                        micro_batch_size, global_batch_size)
+    _checks.positive_number("gpu_memory_gb", gpu_memory_gb)
+    recompute = _checks.recompute_mode(recompute)
+    notes = []
+    if sequence_parallel and tp == 1:
+        notes.append("sequence parallelism has no effect with tp=1 (Megatron turns it off)")
+        sequence_parallel = False
+    s, b, h, a, L = model.seq_length, micro_batch_size, model.hidden_size, model.num_heads, model.num_layers
+    gbs = m * micro_batch_size * dp
+
+    stage_params = parameters_per_stage(L, h, model.vocab_size, s, a, tp, pp)
+    per_layer = activation_bytes_per_layer(s, b, h, a, tp, sequence_parallel, recompute, cp)
+    outside = output_activation_terms(s // cp, b, h, model.vocab_size, tp, sequence_parallel)
+    layers_per_stage = L // pp
+
+    def stage(index: int, inflight: float) -> dict:
+        states = model_state_bytes(stage_params[index], dp * cp, zero_stage)
+        act = per_layer * layers_per_stage * inflight
+        if index == 0:
+            act += outside["embedding"] * min(pp, m)
+        if index == pp - 1:
+            act += outside["output"]  # one micro-batch in flight on the last stage
+        mem = {"weights": states.weights, "grads": states.grads, "optimizer": states.optimizer,
+               "activations": float(act)}
+        mem["total"] = sum(mem.values())
+        return mem
+
+    if vp == 1:
+        stage_memory = [stage(i, min(pp - i, m)) for i in range(pp)]
+        first = stage_memory[0]
+    else:
+        stage_memory = None
+        first = stage(0, pp * interleaving_factor(pp, vp))
+        notes.append("interleaved schedule: only the first stage is sized (Korthikanti §4.2.3)")
+    busiest = max(stage_memory, key=lambda d: d["total"]) if stage_memory else first
+    if cp > 1 and recompute == "none":
+        notes.append("with context parallelism the 5as^2b score term is an upper bound: "
+                     "ring attention uses flash attention, which stores no scores")
+
+    tokens_layers = layers_per_stage * m  # layer-micro-batches a rank runs per iteration
+    tp_elems = tp_comm_per_layer(s, b, h, tp, sequence_parallel, recompute, cp)["total"] * tokens_layers
+    pp_elems = pp_comm_per_iteration(s, b, h, pp, m, vp, tp, cp, sequence_parallel)["total"]
+    dp_elems = dp_comm_per_iteration(stage_params[0], dp, cp, zero_stage)["total"]
+    cp_elems = (cp_comm_per_layer(s, b, h, a, cp, tp)["total_estimate"] * tokens_layers) if cp > 1 else 0.0
+    comm = {"tp": 2.0 * tp_elems, "pp": 2.0 * pp_elems, "dp": 2.0 * dp_elems, "cp": 2.0 * cp_elems}
+    if cp > 1:
+        notes.append("CP communication counts the exact forward ring plus a 2x-forward backward estimate")
+
+    shape = (gbs, s, L, h, model.vocab_size)
+    return Plan(
+        model=model,
+        config=dict(tp=tp, pp=pp, dp=dp, cp=cp, vp=vp, sequence_parallel=sequence_parallel,
+                    recompute=recompute, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
+                    global_batch_size=gbs),
+        world_size=tp * pp * dp * cp,
+        num_microbatches=m,
+        num_parameters=model.num_parameters,
+        params_per_stage=stage_params,
+        memory=busiest,
+        stage_memory=stage_memory,
+        gpu_memory_bytes=gpu_memory_gb * GB,
+        bubble=_bubble(pp, m, vp),
+        comm=comm,
+        model_flops=flops_per_iteration(*shape, recompute="none"),
+        hardware_flops=flops_per_iteration(*shape, recompute=recompute),
+        notes=notes,
+    )
+
+
+def summary(p: Plan) -> str:
+    """A deterministic text summary of a :class:`Plan` (GB = 1e9 bytes), for notebooks and widgets."""
+    c = p.config
+    mem = p.memory_gb()
+    lines = [
+        f"{p.model.name}: {p.num_parameters / 1e9:.1f}B parameters (Narayanan Eq. 2)",
+        f"TP={c['tp']} PP={c['pp']} DP={c['dp']} CP={c['cp']} VP={c['vp']} SP={c['sequence_parallel']} "
+        f"recompute={c['recompute']} ZeRO={c['zero_stage']} -> {p.world_size} GPUs, "
+        f"{p.num_microbatches} micro-batches of {c['micro_batch_size']} (global batch {c['global_batch_size']})",
+        "memory of the busiest rank: " + ", ".join(
+            f"{k} {mem[k]:.2f} GB" for k in ("weights", "grads", "optimizer", "activations", "total")),
+        f"fits on a {p.gpu_memory_bytes / GB:.0f} GB GPU: {'yes' if p.fits else 'no'}",
+        "bubble: " + ("n/a (course_lib.pipeline.bubbles not available)" if p.bubble is None
+                      else f"{p.bubble:.3f} of the ideal time"),
+        "sent per rank per iteration: " + ", ".join(f"{k.upper()} {v / GB:.3f} GB" for k, v in p.comm.items()),
+        f"FLOPs per iteration: model {p.model_flops:.3e}, hardware {p.hardware_flops:.3e}",
+    ]
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)
