@@ -15,6 +15,9 @@ COMMANDS = {
     "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
     "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
     "rankmap": ("course_lib.topology_cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
+    "megatron-cmd": ("course_lib.megatron.command",
+                     "print the real Megatron-LM commands (pretrain_gpt.py, preprocess_data.py, run_tiny_gpt.sh)"),
+    "report": ("course_lib.megatron.report", "read training logs (Megatron-LM or course) into the Day 22 record table"),
     "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
 }
 

@@ -238,6 +238,10 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
 
     import torch.distributed as dist
 
+    # backward(grad) imports sympy lazily (~2.5 s); import it once here so that
+    # every forked rank inherits it instead of paying for it again.
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+
     ctx = mp.get_context("fork")
     # The rendezvous socket is bound (port chosen by the OS, so no race) before
     # any child exists, but the store's server thread starts only after the last

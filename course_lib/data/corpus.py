@@ -1,0 +1,204 @@
+"""The course's training text: hand-written prose plus generated arithmetic facts.
+
+No downloads. ``load_documents()`` returns a list of documents (strings):
+
+* the paragraphs of ``prose.txt`` -- original notes on parallel training written
+  for this course (one paragraph = one document);
+* generated "facts" -- sentences computed here about parallel configurations
+  (derived data-parallel sizes, Megatron rank coordinates and groups, pipeline
+  bubbles, micro-batch counts, invalid splits). Regular, checkable text, so a
+  tiny model's loss visibly falls within a few hundred steps.
+
+Everything is deterministic (no randomness, fixed order), so the corpus -- and
+every batch sampled from it -- is identical on every machine. About 120 KB in
+total: small enough to read, large enough that a 8-layer model does not simply
+memorise one batch.
+
+``export_jsonl(path)`` writes the documents as JSON lines ``{"text": ...}``, the
+input format of Megatron-LM's ``tools/preprocess_data.py`` (``--json-keys text``),
+so GPU users can train Megatron on the same text.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+PROSE_PATH = Path(__file__).with_name("prose.txt")
+
+_POW2 = (1, 2, 4, 8)
+
+
+_SENTENCES_PER_DOC = 6  # many short documents: Megatron's --split works on whole documents
+
+
+def _divides(a: int, b: int) -> bool:
+    return b % a == 0
+
+
+def _chunk(sentences: list[str], n: int = _SENTENCES_PER_DOC) -> list[str]:
+    return [" ".join(sentences[i:i + n]) for i in range(0, len(sentences), n)]
+
+
+def _dp_facts() -> list[str]:
+    """world = tp * pp * cp * dp for every power-of-two layout up to 64 ranks."""
+    docs = []
+    for world in (1, 2, 4, 8, 16, 32, 64):
+        lines = []
+        for tp in _POW2:
+            for pp in _POW2:
+                for cp in (1, 2, 4):
+                    prod = tp * pp * cp
+                    if prod > world or not _divides(prod, world):
+                        continue
+                    dp = world // prod
+                    lines.append(
+                        f"With {world} ranks, tensor parallel {tp}, pipeline parallel {pp} and context parallel "
+                        f"{cp}, the data-parallel size is {world} / ({tp} x {pp} x {cp}) = {dp}.")
+        docs += _chunk(lines)
+    return docs
+
+
+def _rank_facts() -> list[str]:
+    """Megatron's default order tp-cp-dp-pp (tp fastest): coordinates and groups."""
+    docs = []
+    for world, tp, pp, cp in ((8, 2, 2, 1), (8, 2, 2, 2), (8, 4, 1, 1), (8, 1, 4, 1), (16, 2, 4, 1),
+                              (16, 4, 2, 1), (16, 2, 2, 2), (32, 4, 4, 1)):
+        dp = world // (tp * pp * cp)
+        name = f"{world} ranks with tensor parallel {tp}, pipeline parallel {pp}, context parallel {cp} and data parallel {dp}"
+        coords = {}
+        for rank in range(world):
+            t = rank % tp
+            c = (rank // tp) % cp
+            d = (rank // (tp * cp)) % dp
+            p = rank // (tp * cp * dp)
+            coords[rank] = (t, c, d, p)
+        lines = [f"Take {name}."]
+        for rank, (t, c, d, p) in coords.items():
+            lines.append(f"Rank {rank} has tensor rank {t}, context rank {c}, data rank {d} and pipeline stage {p}.")
+        docs.append(" ".join(lines))
+        lines = [f"Take {name}."]
+
+        def groups(axis):
+            out = {}
+            for rank, co in coords.items():
+                key = tuple(v for i, v in enumerate(co) if i != axis)
+                out.setdefault(key, []).append(rank)
+            return [g for g in out.values()]
+
+        for axis, label in ((0, "tensor"), (1, "context"), (2, "data"), (3, "pipeline")):
+            gs = groups(axis)
+            if len(gs[0]) > 1:
+                lines.append(f"The {label}-parallel groups are " +
+                             " ".join("[" + ", ".join(map(str, g)) + "]" for g in gs) + ".")
+        docs.append(" ".join(lines))
+    return docs
+
+
+def _bubble_facts() -> list[str]:
+    docs = []
+    for p in (2, 3, 4, 6, 8):
+        lines = []
+        for m in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+            lines.append(f"A pipeline of {p} stages with {m} micro-batches has a bubble of ({p} - 1) / {m} = "
+                         f"{(p - 1) / m:.3f} of the useful time.")
+            for v in (2, 4):
+                lines.append(f"Interleaved with {v} chunks per rank it has ({p} - 1) / ({v} x {m}) = "
+                             f"{(p - 1) / (v * m):.3f}.")
+        docs += _chunk(lines)
+    return docs
+
+
+def _microbatch_facts() -> list[str]:
+    docs = []
+    for gbs in (8, 16, 32, 64, 128, 256):
+        lines = []
+        for mbs in (1, 2, 4, 8):
+            for dp in (1, 2, 4, 8):
+                if gbs % (mbs * dp):
+                    lines.append(f"A global batch of {gbs} cannot be cut into micro-batches of {mbs} over {dp} "
+                                 f"data-parallel ranks, because {gbs} is not divisible by {mbs} x {dp} = {mbs * dp}.")
+                else:
+                    lines.append(f"A global batch of {gbs} with micro-batch size {mbs} and data-parallel size {dp} "
+                                 f"gives {gbs} / ({mbs} x {dp}) = {gbs // (mbs * dp)} micro-batches per step.")
+        docs += _chunk(lines)
+    return docs
+
+
+def _divisibility_facts() -> list[str]:
+    docs = []
+    for heads in (4, 6, 8, 12, 16, 32):
+        lines = []
+        for tp in (1, 2, 3, 4, 5, 6, 8):
+            if heads % tp:
+                lines.append(f"{heads} attention heads cannot be split over {tp} tensor-parallel ranks, because "
+                             f"{heads} is not divisible by {tp}.")
+            else:
+                lines.append(f"{heads} attention heads over {tp} tensor-parallel ranks give {heads // tp} "
+                             f"whole heads per rank.")
+        docs.append(" ".join(lines))
+    for layers in (8, 12, 24, 32, 72):
+        lines = []
+        for pp in (1, 2, 3, 4, 5, 8):
+            if layers % pp:
+                lines.append(f"{layers} layers do not divide evenly over {pp} pipeline stages; an uneven split "
+                             f"must be given explicitly.")
+            else:
+                lines.append(f"{layers} layers over {pp} pipeline stages give {layers // pp} layers per stage.")
+        docs.append(" ".join(lines))
+    return docs
+
+
+def _cp_chunk_facts() -> list[str]:
+    docs = []
+    for cp in (2, 4):
+        for seq in (16, 32, 64):
+            n = 2 * cp
+            size = seq // n
+            lines = [f"Load-balanced context parallelism with {cp} ranks cuts a sequence of {seq} tokens into "
+                     f"{n} chunks of {size}."]
+            for r in range(cp):
+                a, b = r, n - 1 - r
+                lines.append(f"Rank {r} takes chunks {a} and {b}: tokens {a * size} to {a * size + size - 1} "
+                             f"and {b * size} to {b * size + size - 1}.")
+            docs.append(" ".join(lines))
+    return docs
+
+
+def prose_documents() -> list[str]:
+    """The hand-written paragraphs of ``prose.txt`` (one per document)."""
+    text = PROSE_PATH.read_text(encoding="utf-8")
+    return [p.strip() for p in text.split("\n\n") if p.strip()]
+
+
+def generated_documents() -> list[str]:
+    """The generated fact documents (deterministic)."""
+    return (_dp_facts() + _rank_facts() + _bubble_facts() + _microbatch_facts()
+            + _divisibility_facts() + _cp_chunk_facts())
+
+
+@functools.lru_cache(maxsize=1)
+def _documents() -> tuple[str, ...]:
+    return tuple(prose_documents() + generated_documents())
+
+
+def load_documents() -> list[str]:
+    """All documents of the corpus, in a fixed order (prose first)."""
+    return list(_documents())
+
+
+def corpus_text() -> str:
+    """The whole corpus as one string, documents separated by a blank line."""
+    return "\n\n".join(_documents()) + "\n"
+
+
+def export_jsonl(path, key: str = "text") -> Path:
+    """Write the corpus as JSON lines (``{"text": ...}`` per document) for Megatron-LM's
+    ``tools/preprocess_data.py --input PATH --json-keys text``. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in _documents():
+            f.write(json.dumps({key: doc}, ensure_ascii=False) + "\n")
+    return path

@@ -1,0 +1,94 @@
+"""Cut a batch along the sequence for context parallelism, load-balanced like Megatron-LM.
+
+With causal attention, the last tokens attend to everything before them and the
+first tokens to almost nothing, so giving CP rank ``r`` the ``r``-th contiguous
+``1/cp`` of the sequence would give the last rank most of the work. Megatron's
+``get_batch_on_this_cp_rank`` (``megatron/core/utils.py``) instead cuts the
+sequence into ``2 * cp`` equal chunks and gives rank ``r`` chunks ``r`` and
+``2*cp - 1 - r`` -- one early, one late -- so every rank does the same causal work:
+
+    cp=2, s=8:   chunks [0 1][2 3][4 5][6 7]
+                 rank 0 -> chunks 0, 3 -> positions 0 1 6 7
+                 rank 1 -> chunks 1, 2 -> positions 2 3 4 5
+
+Here the CP rank and size are arguments (no global state), and the input dict is
+not modified. Every tensor is cut along dim 1 (``[b, s, ...]``), except
+``attention_mask`` (``[b, 1, s, s]``), which is cut along dim 2 (the query rows), as
+in Megatron. Keep ``position_ids`` with the tokens: the positions a rank holds
+are not contiguous, and learned position embeddings must use the true ones.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check(cp_rank: int, cp_size: int, seq_length: int | None = None) -> None:
+    for name, v, lo in (("cp_size", cp_size, 1), ("cp_rank", cp_rank, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+    if cp_rank >= cp_size:
+        raise ValueError(f"cp_rank={cp_rank} must be < cp_size={cp_size}")
+    if seq_length is not None and seq_length % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_length} is not divisible by 2 x context-parallel-size = "
+                         f"{2 * cp_size} (load-balanced CP gives each rank 2 of 2*cp chunks); use a multiple "
+                         f"of {2 * cp_size}")
+
+
+def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two chunks (of ``2*cp_size``) held by ``cp_rank``: ``(r, 2*cp - 1 - r)``."""
+    _check(cp_rank, cp_size)
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def cp_token_positions(seq_length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Sequence positions held by ``cp_rank``, in the order they appear on the rank: int64 ``[s / cp]``."""
+    _check(cp_rank, cp_size, seq_length)
+    if cp_size == 1:
+        return torch.arange(seq_length)
+    chunk = seq_length // (2 * cp_size)
+    a, b = cp_chunk_ids(cp_rank, cp_size)
+    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk), torch.arange(b * chunk, (b + 1) * chunk)])
+
+
+def split_for_cp_rank(t: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -> torch.Tensor:
+    """The part of ``t`` that ``cp_rank`` holds: ``t`` with dim ``seq_dim`` cut from ``s`` to ``s / cp``."""
+    if cp_size == 1:
+        _check(cp_rank, cp_size)
+        return t
+    s = t.shape[seq_dim]
+    _check(cp_rank, cp_size, s)
+    index = cp_token_positions(s, cp_rank, cp_size).to(t.device)
+    return t.index_select(seq_dim, index)
+
+
+def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
+    """Megatron's ``get_batch_on_this_cp_rank`` with explicit rank/size: a new dict whose
+    tensors hold this rank's two chunks (``None`` values pass through)."""
+    out = {}
+    for key, val in batch.items():
+        if val is None:
+            out[key] = None
+        else:
+            out[key] = split_for_cp_rank(val, cp_rank, cp_size, seq_dim=2 if key == "attention_mask" else 1)
+    return out
+
+
+def gather_from_cp_ranks(parts: list[torch.Tensor], seq_dim: int = 1) -> torch.Tensor:
+    """Inverse of ``split_for_cp_rank``: ``parts[r]`` is rank ``r``'s part; returns the full sequence."""
+    cp_size = len(parts)
+    if cp_size == 0:
+        raise ValueError("gather_from_cp_ranks needs at least one part")
+    if cp_size == 1:
+        return parts[0]
+    local = parts[0].shape[seq_dim]
+    if local % 2 or any(p.shape[seq_dim] != local for p in parts):
+        raise ValueError(f"every part must hold the same even number of positions along dim {seq_dim}, got "
+                         f"{[p.shape[seq_dim] for p in parts]}")
+    chunk = local // 2
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp_size)
+    for r, p in enumerate(parts):
+        a, b = cp_chunk_ids(r, cp_size)
+        chunks[a] = p.narrow(seq_dim, 0, chunk)
+        chunks[b] = p.narrow(seq_dim, chunk, chunk)
+    return torch.cat(chunks, dim=seq_dim)

@@ -1,0 +1,86 @@
+"""A byte-level tokenizer: one token per UTF-8 byte, plus an end-of-document token.
+
+``ByteTokenizer`` needs no files and never meets an unknown word: token ``i < 256``
+is the byte ``i``; token ``256`` is the end-of-document marker (``eod``) that
+Megatron-LM's ``tools/preprocess_data.py --append-eod`` appends after every
+document. ``vocab_size == 257``.
+
+It follows the attribute names of Megatron's tokenizers (``vocab_size``, ``eod``,
+``tokenize``, ``detokenize`` in ``megatron/training/tokenizer/tokenizer.py``) and
+adds the common ``encode`` / ``decode`` names.
+
+``vocab_size_with_padding`` is Megatron's ``_vocab_size_with_padding``
+(same file): the embedding table is padded to a multiple of
+``make_vocab_size_divisible_by * tensor_model_parallel_size`` so that the
+vocab-parallel embedding splits evenly. The padded size therefore depends on
+the TP size (257 -> 384 for TP 1, 512 for TP 2 and 4, 1024 for TP 8; GPT-2's
+50257 -> 50304, 50432, 50688 for TP 1, 2, 4). A model that must give identical
+numbers for every layout should instead pad once to a size every TP divides
+(384 = 3 x 128 works for TP 1, 2, 4 and 8).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+EOD_TEXT = "<|endoftext|>"  # how decode() shows the end-of-document token (GPT-2's spelling)
+
+
+class ByteTokenizer:
+    """Bytes in, bytes out. ``encode(text) -> list[int]``, ``decode(ids) -> str``.
+
+    >>> tok = ByteTokenizer()
+    >>> tok.encode("TP=2")
+    [84, 80, 61, 50]
+    >>> tok.decode(tok.encode("张量并行", append_eod=True))
+    '张量并行<|endoftext|>'
+    """
+
+    vocab_size = 257
+    eod = 256
+
+    def encode(self, text: str, append_eod: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError(f"encode() takes a str, got {type(text).__name__}; decode bytes first")
+        ids = list(text.encode("utf-8"))
+        if append_eod:
+            ids.append(self.eod)
+        return ids
+
+    def decode(self, ids: Iterable[int], eod_text: str = EOD_TEXT) -> str:
+        """Inverse of ``encode``; the eod token becomes ``eod_text``. Invalid UTF-8 (a
+        sequence cut in the middle of a character) decodes to U+FFFD."""
+        out, buf = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                buf.append(i)
+            elif i == self.eod:
+                out.append(buf.decode("utf-8", errors="replace"))
+                out.append(eod_text)
+                buf = bytearray()
+            else:
+                raise ValueError(f"token id {i} is outside the byte vocabulary 0..{self.vocab_size - 1}")
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    # Megatron's names
+    def tokenize(self, text: str) -> list[int]:
+        return self.encode(text)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.decode(ids)
+
+
+def vocab_size_with_padding(orig_vocab_size: int, tensor_model_parallel_size: int = 1,
+                            make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary size: the next multiple of
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (``--make-vocab-size-divisible-by``,
+    default 128)."""
+    for name, v in (("orig_vocab_size", orig_vocab_size), ("tensor_model_parallel_size", tensor_model_parallel_size),
+                    ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(orig_vocab_size / multiple) * multiple)

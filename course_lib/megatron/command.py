@@ -1,0 +1,381 @@
+"""The real Megatron-LM commands for a Day 22 configuration.
+
+``megatron_command(config)`` renders the ``torchrun ... pretrain_gpt.py`` command
+for a ``course_lib.topology.ParallelConfig`` (the same validated object the CPU
+labs use, so a configuration that is wrong here is wrong there, with the same
+one-line error). ``preprocess_command()`` renders Megatron's
+``tools/preprocess_data.py`` call for the tiny corpus, ``run_tiny_gpt_script()``
+the seed's ``run_tiny_gpt.sh`` (env ``GPUS TP PP CP``) and ``sweep_script()`` the
+seed's A-F loop that saves ``logs/day22/<config>.log``.
+
+Every flag printed is listed, with the Megatron-LM file and function (or config
+dataclass) that defines it, in ``course_lib/megatron/flags.py``. Things the seed
+gets wrong and the commands here get right:
+
+* ``tools/preprocess_data.py`` requires ``--workers`` (``required=True`` in
+  ``get_args``); the seed's command omits it and fails.
+* With TP > 1 or CP > 1 on GPUs before Blackwell, ``validate_args`` asserts
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (core_v0.15.3 ``megatron/training/arguments.py``),
+  so the commands export it.
+* DP is never a flag; ``--context-parallel-size`` is printed only when CP > 1, so
+  A-E also run on branches older than context parallelism.
+* Interleaved pipelining is ``--num-layers-per-virtual-pipeline-stage``
+  (layers / (PP * VPP)); Megatron has no ``--virtual-pipeline-model-parallel-size``.
+
+CLI: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8`` (see
+``add_arguments``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from course_lib.topology import ParallelConfig
+
+# The seed's GPU model: 8 layers so PP = 1/2/4 divide, 8 heads so TP = 1/2/4/8 divide.
+SEED_MODEL = {"num_layers": 8, "hidden_size": 512, "num_attention_heads": 8}
+# The seed's sweep on 8 GPUs: name -> (TP, PP, CP); DP = 8 / (TP*PP*CP).
+SEED_SWEEP = {"A": (1, 1, 1), "B": (2, 1, 1), "C": (4, 1, 1), "D": (2, 2, 1), "E": (1, 4, 1), "F": (2, 2, 2)}
+# Batch shape for the GPU runs: 4 x 16 = 64 sequences of 1024 tokens; E (PP 4, DP 2)
+# gets 64 / (4*2) = 8 micro-batches = 2*PP, enough to keep its bubble at (4-1)/8.
+DEFAULT_SEQ_LENGTH = 1024
+DEFAULT_MICRO_BATCH_SIZE = 4
+DEFAULT_GLOBAL_BATCH_SIZE = 64
+PRECISIONS = ("bf16", "fp16", "fp32")
+GPT2_VOCAB_URL = "https://huggingface.co/gpt2/resolve/main/vocab.json"
+GPT2_MERGES_URL = "https://huggingface.co/gpt2/resolve/main/merges.txt"
+
+
+@dataclass(frozen=True)
+class MegatronRun:
+    """Everything a ``pretrain_gpt.py`` command needs besides the parallel layout and model.
+
+    ``data_dir`` is relative to the Megatron-LM checkout (the commands run there, as in
+    the seed). ``precision`` is one of ``bf16``/``fp16``/``fp32`` (fp32: no flag).
+    ``transformer_impl='local'`` avoids Transformer Engine (not available everywhere;
+    context parallelism needs it).
+    """
+
+    train_iters: int = 100
+    lr: float = 3.0e-4
+    min_lr: float = 3.0e-5
+    lr_decay_style: str = "cosine"
+    lr_warmup_iters: int = 10
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    seed: int = 1234
+    precision: str = "bf16"
+    use_distributed_optimizer: bool = False
+    log_interval: int = 10
+    log_throughput: bool = True
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    split: str = "949,50,1"
+    data_dir: str = "data/tiny"
+    transformer_impl: str | None = None
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        for name in ("train_iters", "log_interval", "eval_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} is larger than lr={self.lr} (validate_args asserts "
+                             f"min_lr <= lr); lower min_lr")
+        if self.transformer_impl not in (None, "local", "transformer_engine"):
+            raise ValueError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
+
+    @property
+    def data_prefix(self) -> str:
+        """What ``preprocess_command`` writes: ``<output-prefix>_text_document`` (.bin/.idx)."""
+        return f"{self.data_dir}/gpt_text_text_document"
+
+
+def gpu_config(tp: int = 1, pp: int = 1, cp: int = 1, nproc: int = 8, *, seq_length: int = DEFAULT_SEQ_LENGTH,
+               micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE,
+               global_batch_size: int = DEFAULT_GLOBAL_BATCH_SIZE, sequence_parallel: bool = False,
+               vpp: int | None = None, **model) -> ParallelConfig:
+    """A validated ``ParallelConfig`` for the seed's GPU model (override sizes via ``model``)."""
+    sizes = {**SEED_MODEL, **model}
+    return ParallelConfig(world_size=nproc, tp=tp, pp=pp, cp=cp, seq_length=seq_length,
+                          micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                          sequence_parallel=sequence_parallel,
+                          virtual_pipeline_model_parallel_size=vpp, **sizes)
+
+
+def _as_config(config) -> ParallelConfig:
+    if isinstance(config, ParallelConfig):
+        cfg = config
+    elif isinstance(config, dict):
+        cfg = ParallelConfig(**config)
+    else:
+        raise ValueError(f"config must be a ParallelConfig or a dict of its fields, got {type(config).__name__}")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(cfg, name) is None:
+            raise ValueError(f"a Megatron command needs {name}; give it in the config (e.g. gpu_config(...))")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        raise ValueError("sequence_parallel needs tensor-model-parallel-size > 1 (Megatron silently turns it "
+                         "off at TP=1); drop sequence parallel (--sp) or raise TP")
+    return cfg
+
+
+def pretrain_args(config, run: MegatronRun | None = None) -> list[tuple[str, str | None]]:
+    """The ``pretrain_gpt.py`` arguments as ``(flag, value)`` pairs (value ``None`` for switches)."""
+    cfg, run = _as_config(config), run or MegatronRun()
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    args: list[tuple[str, str | None]] = [
+        ("--tensor-model-parallel-size", str(cfg.tp)),
+        ("--pipeline-model-parallel-size", str(cfg.pp)),
+    ]
+    if cfg.cp > 1:
+        args.append(("--context-parallel-size", str(cfg.cp)))
+    if cfg.sequence_parallel:
+        args.append(("--sequence-parallel", None))
+    if vpp is not None and vpp > 1:
+        args.append(("--num-layers-per-virtual-pipeline-stage", str(cfg.num_layers // cfg.pp // vpp)))
+    if run.use_distributed_optimizer:
+        args.append(("--use-distributed-optimizer", None))
+    args += [
+        ("--num-layers", str(cfg.num_layers)),
+        ("--hidden-size", str(cfg.hidden_size)),
+        ("--num-attention-heads", str(cfg.num_attention_heads)),
+        ("--seq-length", str(cfg.seq_length)),
+        ("--max-position-embeddings", str(cfg.seq_length)),
+        ("--micro-batch-size", str(cfg.micro_batch_size)),
+        ("--global-batch-size", str(cfg.effective_global_batch_size)),
+        ("--train-iters", str(run.train_iters)),
+        ("--lr", f"{run.lr:g}"),
+        ("--min-lr", f"{run.min_lr:g}"),
+        ("--lr-decay-style", run.lr_decay_style),
+        ("--lr-warmup-iters", str(run.lr_warmup_iters)),
+        ("--weight-decay", f"{run.weight_decay:g}"),
+        ("--clip-grad", f"{run.clip_grad:g}"),
+        ("--seed", str(run.seed)),
+    ]
+    if run.precision != "fp32":
+        args.append((f"--{run.precision}", None))
+    if run.transformer_impl is not None:
+        args.append(("--transformer-impl", run.transformer_impl))
+    args += [
+        ("--data-path", run.data_prefix),
+        ("--vocab-file", f"{run.data_dir}/gpt2-vocab.json"),
+        ("--merge-file", f"{run.data_dir}/gpt2-merges.txt"),
+        ("--tokenizer-type", "GPT2BPETokenizer"),
+        ("--split", run.split),
+        ("--log-interval", str(run.log_interval)),
+    ]
+    if run.log_throughput:
+        args.append(("--log-throughput", None))
+    args += [("--eval-interval", str(run.eval_interval)), ("--eval-iters", str(run.eval_iters))]
+    return args
+
+
+def _render(prefix: str, args: list[tuple[str, str | None]]) -> str:
+    lines = [prefix]
+    for flag, value in args:
+        lines.append(f"    {flag}" + ("" if value is None else f" {shlex.quote(value)}"))
+    return " \\\n".join(lines)
+
+
+def megatron_command(config, run: MegatronRun | None = None) -> str:
+    """The ``torchrun ... pretrain_gpt.py`` command (run inside a Megatron-LM checkout).
+
+    >>> print(megatron_command(gpu_config(tp=2, pp=2)).splitlines()[0])
+    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 8 pretrain_gpt.py \\
+    """
+    cfg = _as_config(config)
+    args = pretrain_args(cfg, run)
+    return _render(f"CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node {cfg.world_size} pretrain_gpt.py", args)
+
+
+def describe(config) -> str:
+    """One comment line: how the world splits and how many micro-batches a step has."""
+    cfg = _as_config(config)
+    return (f"# world {cfg.world_size} = TP {cfg.tp} x PP {cfg.pp} x CP {cfg.cp} x DP {cfg.dp} (DP derived); "
+            f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} per step "
+            f"(global batch {cfg.effective_global_batch_size})")
+
+
+def preprocess_command(run: MegatronRun | None = None, workers: int = 1) -> str:
+    """Megatron's ``tools/preprocess_data.py`` for the tiny corpus (GPT-2 BPE, eod appended).
+
+    Writes ``<data_dir>/gpt_text_text_document.bin/.idx``: the tool names its output
+    ``{output_prefix}_{json_key}_document``."""
+    run = run or MegatronRun()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be a positive integer")
+    d = run.data_dir
+    return _render("python tools/preprocess_data.py", [
+        ("--input", f"{d}/corpus.jsonl"),
+        ("--output-prefix", f"{d}/gpt_text"),
+        ("--tokenizer-type", "GPT2BPETokenizer"),
+        ("--vocab-file", f"{d}/gpt2-vocab.json"),
+        ("--merge-file", f"{d}/gpt2-merges.txt"),
+        ("--append-eod", None),
+        ("--json-keys", "text"),
+        ("--workers", str(workers)),
+    ])
+
+
+def setup_commands(run: MegatronRun | None = None) -> str:
+    """The seed's setup: clone, install, corpus (ours, exported as JSON lines), tokenizer files, preprocess."""
+    run = run or MegatronRun()
+    d = run.data_dir
+    return "\n".join([
+        "# 1. Megatron-LM (the commands below run inside the checkout)",
+        "git clone https://github.com/NVIDIA/Megatron-LM.git",
+        "cd Megatron-LM",
+        "python -m pip install uv && uv pip install -e .",
+        "",
+        "# 2. the course corpus as JSON lines (run where course_lib is installed)",
+        f"mkdir -p {d}",
+        f"python -m course_lib megatron-cmd --export-corpus {d}/corpus.jsonl",
+        "",
+        "# 3. GPT-2 BPE tokenizer files",
+        f"wget -O {d}/gpt2-vocab.json {GPT2_VOCAB_URL}",
+        f"wget -O {d}/gpt2-merges.txt {GPT2_MERGES_URL}",
+        "",
+        "# 4. indexed dataset: writes " + run.data_prefix + ".bin/.idx",
+        preprocess_command(run),
+    ])
+
+
+def run_tiny_gpt_script(run: MegatronRun | None = None, *, seq_length: int = DEFAULT_SEQ_LENGTH,
+                        micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE,
+                        global_batch_size: int = DEFAULT_GLOBAL_BATCH_SIZE) -> str:
+    """The seed's ``run_tiny_gpt.sh``: ``GPUS=8 TP=2 PP=2 [CP=2] [SP=1] [VPP=2] ./run_tiny_gpt.sh``.
+
+    The same flags as ``megatron_command`` (a test runs the script with a stub
+    ``torchrun`` and compares), and the same divisibility rules, checked in bash
+    before anything starts."""
+    run = run or MegatronRun()
+    m = SEED_MODEL
+    fixed = [a for a in pretrain_args(gpu_config(seq_length=seq_length, micro_batch_size=micro_batch_size,
+                                                 global_batch_size=global_batch_size), run)
+             if a[0] not in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size")]
+    flag_lines = "".join(f"    {f}" + ("" if v is None else f" {shlex.quote(v)}") + " \\\n" for f, v in fixed)
+    flag_lines = flag_lines.replace(f"--num-layers {m['num_layers']} ", '--num-layers "$NUM_LAYERS" ')
+    flag_lines = flag_lines.replace(f"--num-attention-heads {m['num_attention_heads']} ",
+                                    '--num-attention-heads "$HEADS" ')
+    flag_lines = flag_lines.replace(f"--seq-length {seq_length} ", '--seq-length "$SEQ" ')
+    flag_lines = flag_lines.replace(f"--max-position-embeddings {seq_length} ", '--max-position-embeddings "$SEQ" ')
+    flag_lines = flag_lines.replace(f"--micro-batch-size {micro_batch_size} ", '--micro-batch-size "$MBS" ')
+    flag_lines = flag_lines.replace(f"--global-batch-size {global_batch_size} ", '--global-batch-size "$GBS" ')
+    flag_block = flag_lines[:-len(" \\\n")]  # no continuation after the last flag
+    return f"""#!/usr/bin/env bash
+# run_tiny_gpt.sh -- Day 22: a tiny GPT with Megatron-LM on one node.
+# Generated by `python -m course_lib megatron-cmd --show script`; run it inside the Megatron-LM checkout:
+#   GPUS=8 TP=2 PP=2 ./run_tiny_gpt.sh          (optional: CP=2, SP=1 sequence parallel, VPP=2 interleaved)
+set -euo pipefail
+GPUS=${{GPUS:-8}}; TP=${{TP:-1}}; PP=${{PP:-1}}; CP=${{CP:-1}}; SP=${{SP:-0}}; VPP=${{VPP:-1}}
+NUM_LAYERS={m['num_layers']}; HEADS={m['num_attention_heads']}; SEQ={seq_length}; MBS={micro_batch_size}; GBS={global_batch_size}
+
+fail() {{ echo "run_tiny_gpt.sh: $*" >&2; exit 2; }}
+(( GPUS % (TP * PP * CP) == 0 )) || fail "GPUS=$GPUS is not divisible by TP*PP*CP=$(( TP * PP * CP )); DP must be a whole number"
+DP=$(( GPUS / (TP * PP * CP) ))
+(( HEADS % TP == 0 )) || fail "num-attention-heads=$HEADS is not divisible by TP=$TP; use TP in 1 2 4 8"
+(( NUM_LAYERS % PP == 0 )) || fail "num-layers=$NUM_LAYERS is not divisible by PP=$PP; use PP in 1 2 4 8"
+(( GBS % (MBS * DP) == 0 )) || fail "global-batch-size=$GBS is not divisible by micro-batch-size*DP=$(( MBS * DP ))"
+(( CP == 1 || SEQ % (2 * CP) == 0 )) || fail "seq-length=$SEQ is not divisible by 2*CP=$(( 2 * CP ))"
+(( SP == 0 || TP > 1 )) || fail "SP=1 needs TP > 1"
+(( VPP == 1 || (PP > 1 && (NUM_LAYERS / PP) % VPP == 0) )) || fail "VPP=$VPP needs PP > 1 and layers per stage divisible by VPP"
+echo "world $GPUS = TP $TP x PP $PP x CP $CP x DP $DP; $(( GBS / (MBS * DP) )) micro-batches per step"
+
+PARALLEL=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+if (( CP > 1 )); then PARALLEL+=(--context-parallel-size "$CP"); fi
+if (( SP == 1 )); then PARALLEL+=(--sequence-parallel); fi
+if (( VPP > 1 )); then PARALLEL+=(--num-layers-per-virtual-pipeline-stage $(( NUM_LAYERS / PP / VPP ))); fi
+
+# Megatron asserts this for TP > 1 or CP > 1 on GPUs before Blackwell.
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+torchrun --nproc_per_node "$GPUS" pretrain_gpt.py \\
+    "${{PARALLEL[@]}}" \\
+{flag_block}
+"""
+
+
+def sweep_script(log_dir: str = "logs/day22") -> str:
+    """The seed's loop over A-F on 8 GPUs, one log per config, then the record table."""
+    cfgs = " ".join(f'"{n} {tp} {pp} {cp}"' for n, (tp, pp, cp) in SEED_SWEEP.items())
+    return "\n".join([
+        f"mkdir -p {log_dir}",
+        f"for cfg in {cfgs}; do",
+        "  read -r NAME TP PP CP <<< \"$cfg\"",
+        f"  GPUS=8 TP=$TP PP=$PP CP=$CP ./run_tiny_gpt.sh 2>&1 | tee \"{log_dir}/${{NAME}}.log\"",
+        "done",
+        f"python -m course_lib report {log_dir}/*.log",
+    ])
+
+
+# ---- CLI: python -m course_lib megatron-cmd ----------------------------------------------
+
+SHOW = ("train", "preprocess", "setup", "script", "sweep", "all")
+
+
+def add_arguments(parser) -> None:
+    parser.description = "Print the Megatron-LM commands for a Day 22 configuration (the seed's GPU model)."
+    g = parser.add_argument_group("layout")
+    g.add_argument("--config", choices=sorted(SEED_SWEEP), help="one of the seed's configs A-F (sets --tp/--pp/--cp)")
+    g.add_argument("--tp", type=int, default=None, help="--tensor-model-parallel-size (default 1)")
+    g.add_argument("--pp", type=int, default=None, help="--pipeline-model-parallel-size (default 1)")
+    g.add_argument("--cp", type=int, default=None, help="--context-parallel-size (default 1)")
+    g.add_argument("--nproc", type=int, default=8, help="GPUs (torchrun --nproc_per_node); DP = nproc/(tp*pp*cp)")
+    g.add_argument("--sp", action="store_true", help="--sequence-parallel (needs tp > 1)")
+    g.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved 1F1B)")
+    g = parser.add_argument_group("batch and training")
+    g.add_argument("--seq-length", type=int, default=DEFAULT_SEQ_LENGTH)
+    g.add_argument("--micro-batch-size", type=int, default=DEFAULT_MICRO_BATCH_SIZE)
+    g.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH_SIZE)
+    g.add_argument("--train-iters", type=int, default=MegatronRun.train_iters)
+    g.add_argument("--lr", type=float, default=MegatronRun.lr)
+    g.add_argument("--log-interval", type=int, default=MegatronRun.log_interval)
+    g.add_argument("--precision", choices=PRECISIONS, default=MegatronRun.precision)
+    g.add_argument("--distributed-optimizer", action="store_true", help="--use-distributed-optimizer")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None)
+    g.add_argument("--data-dir", default=MegatronRun.data_dir, help="relative to the Megatron-LM checkout")
+    parser.add_argument("--show", choices=SHOW, default="train",
+                        help="train: the pretrain_gpt.py command; preprocess; setup (clone, corpus, tokenizer, "
+                             "preprocess); script: run_tiny_gpt.sh; sweep: the A-F loop; all")
+    parser.add_argument("--export-corpus", metavar="PATH",
+                        help="write the course corpus as JSON lines for tools/preprocess_data.py and exit")
+
+
+def run(args) -> int:
+    if args.export_corpus:
+        from course_lib.data.corpus import export_jsonl, load_documents
+        path = export_jsonl(args.export_corpus)
+        print(f"wrote {len(load_documents())} documents to {path}")
+        return 0
+    tp, pp, cp = SEED_SWEEP[args.config] if args.config else (1, 1, 1)
+    tp = args.tp if args.tp is not None else tp
+    pp = args.pp if args.pp is not None else pp
+    cp = args.cp if args.cp is not None else cp
+    mrun = MegatronRun(train_iters=args.train_iters, lr=args.lr, min_lr=min(MegatronRun.min_lr, args.lr),
+                       log_interval=args.log_interval, precision=args.precision,
+                       use_distributed_optimizer=args.distributed_optimizer,
+                       transformer_impl=args.transformer_impl, data_dir=args.data_dir)
+    cfg = gpu_config(tp, pp, cp, args.nproc, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                     global_batch_size=args.global_batch_size, sequence_parallel=args.sp, vpp=args.vpp)
+    _as_config(cfg)
+    parts = []
+    if args.show in ("setup", "all"):
+        parts.append(setup_commands(mrun))
+    elif args.show == "preprocess":
+        parts.append(preprocess_command(mrun))
+    if args.show in ("train", "all"):
+        notes = [describe(cfg)]
+        if cfg.virtual_pipeline_model_parallel_size and cfg.virtual_pipeline_model_parallel_size > 1 and cfg.pp == 2:
+            notes.append("# Megatron-LM core <= 0.5 requires PP > 2 for the interleaved schedule")
+        if cfg.cp > 1 and mrun.transformer_impl == "local":
+            notes.append("# context parallelism runs in Transformer Engine's attention: drop --transformer-impl local")
+        parts.append("\n".join(notes + [megatron_command(cfg, mrun)]))
+    if args.show in ("script", "all"):
+        parts.append(run_tiny_gpt_script(mrun, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                                         global_batch_size=args.global_batch_size))
+    if args.show in ("sweep", "all"):
+        parts.append(sweep_script())
+    print("\n\n".join(parts))
+    return 0
