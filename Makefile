@@ -31,7 +31,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -e ".[dev,megatron]"
+	$(BIN)/python -m pip install -q -e ".[dev,megatron]"
 	@touch $@
 
 graphviz:

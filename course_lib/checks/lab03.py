@@ -9,6 +9,7 @@ Every checker returns True/False and never raises.
 
 from __future__ import annotations
 
+from course_lib.checks import call_student, not_attempted
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.check import check_schedule
 from course_lib.pipeline.schedules import (build_schedule, from_orders, num_warmup_microbatches, parse_action,
@@ -18,19 +19,7 @@ from course_lib.pipeline.simulate import simulate
 SETTINGS = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12)]
 
 
-def _call(fn, *args):
-    """``(value, None)`` or ``(None, message)``; NotImplementedError -> ``(None, "todo")``."""
-    try:
-        return fn(*args), None
-    except NotImplementedError:
-        return None, "todo"
-    except Exception as exc:  # noqa: BLE001 - reported to the student
-        return None, f"{type(exc).__name__}: {exc}"
-
-
-def _todo(name: str) -> bool:
-    print(f"not attempted yet: write {name} above, then re-run this cell")
-    return False
+_call, _todo = call_student, not_attempted
 
 
 def check_warmup(fn) -> bool:
