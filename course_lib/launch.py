@@ -119,13 +119,18 @@ def _check_args(world_size, launcher, output, timeout):
 
 def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None) -> None:
     """Initialise ``torch.distributed`` in this process (one rank) with ``timeout``
-    on the default group, and pick this rank's GPU for NCCL. Without ``store``
-    the rendezvous comes from torchrun's environment (``env://``)."""
+    on the default group. Without ``store`` the rendezvous comes from torchrun's
+    environment (``env://``).
+
+    With NCCL the rank gets its own GPU and the group is ``"cpu:gloo,cuda:nccl"``:
+    CUDA tensors travel over NCCL while the labs' CPU tensors still work (gloo).
+    """
     import torch
     import torch.distributed as dist
 
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        backend = "cpu:gloo,cuda:nccl"
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout))
     if store is not None:
