@@ -18,6 +18,7 @@ COMMANDS = {
     "megatron-cmd": ("course_lib.megatron.command",
                      "print the real Megatron-LM commands (pretrain_gpt.py, preprocess_data.py, run_tiny_gpt.sh)"),
     "report": ("course_lib.megatron.report", "read training logs (Megatron-LM or course) into the Day 22 record table"),
+    "train": ("course_lib.train", "train the tiny GPT under a TP/PP/CP/DP layout with Megatron's flags (checks, then runs torchrun)"),
     "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
 }
 

@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from course_lib import comm
 from course_lib.pipeline.check import (Step, check_schedule, comm_plan, incoming_messages, inputs_of,
                                        outputs_of)
 from course_lib.pipeline.schedules import Action, PipelineSchedule
@@ -116,7 +117,8 @@ class _Prefetcher:
 
 
 def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, tokens, labels, *,
-                      activation_shape, pp_group=None, p2p: str = "batched", compute_time=None) -> dict:
+                      activation_shape, pp_group=None, p2p: str = "batched", compute_time=None,
+                      loss_fn=None) -> dict:
     """Run rank ``rank``'s part of ``schedule``; return its events, losses and memory figures.
 
     ``chunks``: ``{chunk id: module}`` (virtual stage ``chunk * pp + rank``);
@@ -126,7 +128,11 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
     the modules' ``.grad``. ``pp_group``: the pipeline process group (``None``:
     the default group). ``compute_time``: ``(t_f, t_b, t_w)`` seconds per micro-batch
     per rank-stage (a chunk takes ``1 / vp`` of it), or ``None`` for real speed.
+    ``loss_fn(output, labels)``: the last stage's loss of one micro-batch (a scalar;
+    default :func:`~course_lib.pipeline.stages.lm_loss`); the executor divides it by
+    the number of micro-batches, as Megatron's ``forward_step`` does.
     """
+    loss_fn = lm_loss if loss_fn is None else loss_fn
     p, v, m, S = schedule.pp_size, schedule.vp_size, schedule.num_microbatches, schedule.num_stages
     group = pp_group if pp_group is not None else dist.group.WORLD
 
@@ -150,21 +156,29 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
     live_bytes = peak_bytes = peak_live = 0
     prefetcher = _Prefetcher(schedule, rank, shape, device, to_global, group) if p2p == "prefetch" else None
 
+    def outgoing(msg):
+        """The tensor for ``msg``, recorded (kind "pp") for an active CommRecorder."""
+        t = outbox.pop(msg)
+        comm.record_event("send", t.numel(), group_size=p, kind="pp",
+                          direction="fwd" if msg.kind == "act" else "bwd", source="pipeline_executor",
+                          tag=str(msg), peer=to_global(msg.dst), dtype=t.dtype)
+        return t
+
     def communicate(step: Step):
         if p2p == "prefetch":
             for msg in step.recvs:
                 inbox[msg] = prefetcher.get(msg)
             for msg in step.sends:
-                dist.send(outbox.pop(msg), dst=to_global(msg.dst), group=group)
+                dist.send(outgoing(msg), dst=to_global(msg.dst), group=group)
             return
         bufs = {msg: torch.empty(shape, device=device) for msg in step.recvs}
         if p2p == "blocking":
             for msg in step.sends:
-                dist.send(outbox.pop(msg), dst=to_global(msg.dst), group=group)
+                dist.send(outgoing(msg), dst=to_global(msg.dst), group=group)
             for msg, buf in bufs.items():
                 dist.recv(buf, src=to_global(msg.src), group=group)
         else:  # batched: one batch_isend_irecv, like Megatron's _communicate
-            ops = [dist.P2POp(dist.isend, outbox.pop(msg), to_global(msg.dst), group) for msg in step.sends]
+            ops = [dist.P2POp(dist.isend, outgoing(msg), to_global(msg.dst), group) for msg in step.sends]
             ops += [dist.P2POp(dist.irecv, buf, to_global(msg.src), group) for msg, buf in bufs.items()]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -186,7 +200,7 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
                 out = chunk(inp)
                 if s == S - 1:
-                    loss = lm_loss(out, labels[rows]) / m   # Megatron: output_tensor /= num_microbatches
+                    loss = loss_fn(out, labels[rows]) / m   # Megatron: output_tensor /= num_microbatches
                     losses.append(loss.item())
                     out = loss
         finally:

@@ -1,0 +1,502 @@
+"""One tiny GPT for every parallel layout, built from one set of master weights.
+
+The model is Megatron-core's ``GPTModel`` in miniature (``megatron/core/models/gpt/gpt_model.py``):
+token + learned absolute position embeddings -> ``num_layers`` pre-LayerNorm transformer
+layers -> final LayerNorm -> output layer that **reuses the word-embedding matrix** (tied
+input/output embeddings, Megatron's default; ``--untie-embeddings-and-output-weights`` is not
+offered). Activations are ``[s, b, h]``; logits ``[s, b, V]``. Parameter names are mcore's:
+``embedding.word_embeddings.weight``, ``decoder.layers.3.self_attention.linear_qkv.weight``,
+``decoder.final_layernorm.weight``, ``output_layer.weight``.
+
+One set of numbers for every layout
+-----------------------------------
+:class:`GPTModel` is the dense, single-process model: the reference *and* the master
+weights. It is seeded once (``GPTConfig.seed``) and every layout copies its share out of it:
+each rank builds the master (cheap for a course-sized model, and deterministic), and
+:func:`build_model` cuts its pieces -- pipeline stages by layers, tensor-parallel shards by
+:func:`course_lib.tensor_parallel.copy_dense_to_parallel` -- so TP=1 and TP=4, PP=1 and PP=4
+start from identical numbers. (Megatron's ``--use-cpu-initialization`` applies the same idea
+per weight -- draw the full matrix, keep a shard -- but from a generator seeded per pipeline
+stage; its default GPU initialisation draws each shard from a per-rank seed.)
+
+The vocabulary is padded **once** to a multiple of ``make_vocab_size_divisible_by`` (257 byte
+tokens -> 384), and every TP size must divide that. Megatron pads to a multiple of
+``make_vocab_size_divisible_by * tp`` (384 for TP 1, 512 for TP 2), so its models of different
+TP sizes differ in their padding rows; here they must not.
+
+How a layout splits the model (a rank holds ``vp`` chunks, :class:`GPTChunk`)
+-----------------------------------------------------------------------------
+* **PP** (+ interleaving): virtual stage ``c * pp + pp_rank`` owns ``num_layers / (pp * vp)``
+  consecutive layers; the first virtual stage also owns the embedding, the last one the final
+  LayerNorm and the output layer (Narayanan et al. 2021, Sec. 2.2).
+* **Tied embeddings across stages**: with ``pp > 1`` the last stage holds a second copy of the
+  word-embedding matrix as ``output_layer.weight`` (``shared = shared_embedding = True``, as in
+  mcore's ``LanguageModule.setup_embeddings_and_output_layer``). It starts at zero and is
+  all-reduced over the **embedding group** (first and last stage) -- which copies the first
+  stage's values; during training the two gradients are all-reduced over the same group, so
+  both copies take identical steps (:func:`allreduce_embedding_grads`).
+* **TP**: ``VocabParallelEmbedding`` (vocabulary rows), column/row-parallel attention and MLP,
+  a column-parallel output layer (vocabulary rows again) whose logits ``[s, b, V/t]`` go to
+  ``vocab_parallel_cross_entropy`` -- the full logits never exist on one rank.
+* **SP** (``sequence_parallel``): the embedding output is scattered along the sequence
+  (``[s/t, b, h]``), LayerNorms and residuals work on the shard, the output layer all-gathers
+  its input. LayerNorm gradients are partial sums: all-reduce them over TP
+  (:func:`course_lib.tensor_parallel.allreduce_sequence_parallel_grads`).
+* **CP**: a rank holds the tokens of its two zigzag chunks (``course_lib.data``'s CP split);
+  its position embeddings use those tokens' true positions, and attention is ring attention
+  over the CP group (:func:`course_lib.context_parallel.ring_attention`). Weights are
+  replicated over CP: their gradients are averaged over the dp-cp group like DP's.
+
+Process groups are created once, in Megatron's rank order, by :func:`new_process_groups` and
+passed in explicitly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import comm
+from course_lib.tensor_parallel import (ColumnParallelLinear, DenseTransformerLayer, ParallelSelfAttention,
+                                        ParallelTransformerLayer, TransformerConfig, VocabParallelEmbedding,
+                                        copy_dense_to_parallel, is_tensor_parallel,
+                                        scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
+from course_lib.topology import RankGrid
+
+__all__ = ["GPTConfig", "GPTModel", "GPTChunk", "ProcessGroups", "new_process_groups", "build_model",
+           "layer_ranges", "gpt_loss", "sync_tied_embeddings", "allreduce_embedding_grads", "master_name",
+           "padded_vocab_size", "gather_full_parameters"]
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128) -> int:
+    """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by`` (257 -> 384).
+
+    One padding for every TP size (Megatron multiplies the multiple by TP; see the module doc)."""
+    m = make_vocab_size_divisible_by
+    return int(math.ceil(vocab_size / m) * m)
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model sizes (Megatron's argument names). ``vocab_size`` is the tokenizer's (257 for
+    :class:`course_lib.data.ByteTokenizer`); the embedding has ``padded_vocab_size`` rows.
+    ``max_position_embeddings`` defaults to ``seq_length``; ``ffn_hidden_size`` to ``4 h``."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    seq_length: int = 32
+    vocab_size: int = 257
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5
+    seed: int = 1234
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                     "make_vocab_size_divisible_by"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.max_position_embeddings is None:
+            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+        if self.max_position_embeddings < self.seq_length:
+            raise ValueError(f"seq_length={self.seq_length} is longer than max_position_embeddings="
+                             f"{self.max_position_embeddings}; raise --max-position-embeddings")
+        if self.ffn_hidden_size is None:
+            object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                             f"{self.num_attention_heads}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+
+    def transformer_config(self, sequence_parallel: bool = False) -> TransformerConfig:
+        return TransformerConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                                 ffn_hidden_size=self.ffn_hidden_size, num_layers=self.num_layers,
+                                 sequence_parallel=sequence_parallel, layernorm_epsilon=self.layernorm_epsilon,
+                                 init_method_std=self.init_method_std, hidden_dropout=self.hidden_dropout,
+                                 attention_dropout=self.attention_dropout)
+
+    def with_(self, **changes) -> "GPTConfig":
+        return replace(self, **changes)
+
+
+# ---------------------------------------------------------------------------- the dense model
+
+
+def _embedding_table(rows: int, cols: int, init_method) -> nn.Embedding:
+    weight = torch.empty(rows, cols)
+    init_method(weight)                      # N(0, std^2) from the global generator
+    return nn.Embedding(rows, cols, _weight=weight)
+
+
+class LanguageModelEmbedding(nn.Module):
+    """Dense word + learned position embedding: tokens ``[b, s]`` -> ``[s, b, h]`` (mcore's name)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        init = config.transformer_config().init_method
+        self.config = config
+        self.word_embeddings = _embedding_table(config.padded_vocab_size, config.hidden_size, init)
+        self.position_embeddings = _embedding_table(config.max_position_embeddings, config.hidden_size, init)
+
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.word_embeddings(tokens) + self.position_embeddings(position_ids)     # [b, s, h]
+        x = x.transpose(0, 1).contiguous()                                            # [s, b, h]
+        return F.dropout(x, p=self.config.hidden_dropout, training=self.training)
+
+
+class TransformerBlock(nn.Module):
+    """``layers`` (a ModuleDict keyed by the *global* layer index, so names match the master's
+    ``decoder.layers.<i>``) and, on the last stage, ``final_layernorm``."""
+
+    def __init__(self, layers: dict, final_layernorm: Optional[nn.LayerNorm]):
+        super().__init__()
+        self.layers = nn.ModuleDict(layers)
+        self.final_layernorm = final_layernorm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x if self.final_layernorm is None else self.final_layernorm(x)
+
+
+class GPTModel(nn.Module):
+    """The dense GPT in one process: the single-process reference and the master weights.
+
+    Built in a forked RNG state seeded with ``config.seed`` (the global generator is left
+    untouched), drawing, in order: word embeddings ``[V, h]``, position embeddings
+    ``[max_pos, h]``, then each layer's ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
+    ``linear_fc2`` (``N(0, 0.02^2)``; the two output GEMMs scaled by ``1/sqrt(2 L)``).
+    ``forward(tokens [b, s], position_ids=None) -> logits [s, b, V]`` (padded ``V``).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        tcfg = config.transformer_config()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            self.embedding = LanguageModelEmbedding(config)
+            layers = {str(i): DenseTransformerLayer(tcfg, layer_number=i + 1) for i in range(config.num_layers)}
+            self.decoder = TransformerBlock(layers, nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon))
+
+    def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        hidden = self.decoder(self.embedding(tokens, position_ids))                  # [s, b, h]
+        return F.linear(hidden, self.embedding.word_embeddings.weight)               # [s, b, V] tied
+
+    def loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over every token of ``tokens``/``labels`` ``[b, s]``."""
+        logits = self(tokens)                                                        # [s, b, V]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
+
+
+# --------------------------------------------------------------------------- process groups
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's process groups and coordinates in the Megatron grid (every field explicit).
+
+    ``tp``, ``cp``, ``pp``, ``dp_cp`` (Megatron's ``_DATA_PARALLEL_GROUP_WITH_CP``: gradient
+    averaging), ``model`` (``tp-pp``, Megatron's ``_MODEL_PARALLEL_GROUP``: the gradient norm)
+    and ``embedding`` (first and last pipeline stage; ``None`` on middle stages).
+    ``coords``: ``{'tp', 'cp', 'dp', 'pp'}`` ranks; ``pp_ranks``: global ranks of my pipeline.
+    """
+
+    grid: RankGrid
+    rank: int
+    coords: dict
+    tp: object
+    cp: object
+    pp: object
+    dp_cp: object
+    model: object
+    embedding: object
+    pp_ranks: list
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.grid.pp - 1
+
+
+_GROUP_TOKENS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp-cp", "model": "tp-pp", "embedding": "embedding"}
+
+
+def new_process_groups(grid: RankGrid, timeout: float = 300.0) -> ProcessGroups:
+    """Create every group of ``grid`` (collective: every rank calls it, same order) and return mine.
+
+    Groups are created token by token in the order of ``_GROUP_TOKENS``, each distinct rank
+    list once (``dp-cp`` equals ``dp`` when cp=1; ``embedding`` equals ``pp`` when pp=2), all
+    with ``timeout`` seconds -- Megatron's ``initialize_model_parallel`` does the same walk."""
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialised: run under torchrun or course_lib.launch.launch")
+    if dist.get_world_size() != grid.world_size:
+        raise ValueError(f"the grid has world_size={grid.world_size} but {dist.get_world_size()} ranks are running")
+    rank = dist.get_rank()
+    td = datetime.timedelta(seconds=timeout)
+    made: dict = {}
+    mine: dict = {}
+    for field_name, token in _GROUP_TOKENS.items():
+        mine[field_name] = None
+        for ranks in grid.groups(token):
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks), timeout=td)
+            if rank in ranks:
+                mine[field_name] = made[key]
+    return ProcessGroups(grid=grid, rank=rank, coords=grid.coords(rank), pp_ranks=grid.group_of(rank, "pp"),
+                         **mine)
+
+
+# ------------------------------------------------------------------------ the parallel pieces
+
+
+class ParallelLanguageModelEmbedding(nn.Module):
+    """Word embedding split by vocabulary over TP + learned positions, for this rank's tokens.
+
+    ``forward(tokens [b, s_local]) -> [s_local, b, h]`` or ``[s_local/t, b, h]`` under SP
+    (mcore: the sum is transposed, then scattered along the sequence; with learned positions
+    the word embedding all-reduces rather than reduce-scatters). ``position_ids`` (a buffer)
+    are the *global* positions of the rank's tokens: with CP they are not contiguous."""
+
+    def __init__(self, config: GPTConfig, tp_group, position_ids: torch.Tensor, sequence_parallel: bool):
+        super().__init__()
+        self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size, config.hidden_size,
+                                                      tp_group=tp_group)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.register_buffer("position_ids", position_ids.clone(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] != self.position_ids.numel():
+            raise ValueError(f"tokens have {tokens.shape[1]} positions per sample but this rank's chunk expects "
+                             f"{self.position_ids.numel()} (seq_length / context-parallel-size)")
+        x = self.word_embeddings(tokens) + self.position_embeddings(self.position_ids)   # [b, s_l, h]
+        x = x.transpose(0, 1).contiguous()                                               # [s_l, b, h]
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)                    # [s_l/t, b, h]
+        return F.dropout(x, p=self.config.hidden_dropout, training=self.training)
+
+
+class ContextParallelSelfAttention(ParallelSelfAttention):
+    """:class:`~course_lib.tensor_parallel.ParallelSelfAttention` whose core attention is ring
+    attention over ``cp_group`` (this rank's ``np/t`` heads, its ``s/cp`` zigzag tokens).
+    Same weights and shapes: ``[s_l, b, h]`` in and out (``[s_l/t, b, h]`` under SP)."""
+
+    def __init__(self, config: TransformerConfig, tp_group, cp_group):
+        super().__init__(config, tp_group)
+        if config.attention_dropout:
+            raise ValueError(f"attention_dropout={config.attention_dropout} is not supported with "
+                             f"context-parallel-size > 1 (ring attention here has no dropout); use 0")
+        self.cp_group = cp_group
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from course_lib.context_parallel import ring_attention
+
+        mixed_qkv, _ = self.linear_qkv(hidden_states)                        # [s_l, b, np/t * 3 * hn]
+        s, b = mixed_qkv.shape[:2]
+        nh, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
+        q, k, v = mixed_qkv.view(s, b, nh, 3 * hn).split(hn, dim=-1)         # each [s_l, b, np/t, hn]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))                 # [b, np/t, s_l, hn]
+        context = ring_attention(q, k, v, self.cp_group, causal=True, layout="zigzag")   # [b, np/t, s_l, hn]
+        context = context.permute(2, 0, 1, 3).reshape(s, b, nh * hn)         # [s_l, b, h/t]
+        output, _ = self.linear_proj(context)                                # [s_l, b, h] (1 all-reduce)
+        return output
+
+
+def _parallel_layer(tcfg: TransformerConfig, tp_group, cp_group, layer_number: int) -> ParallelTransformerLayer:
+    layer = ParallelTransformerLayer(tcfg, tp_group, layer_number=layer_number)
+    if comm.group_size(cp_group) > 1:
+        layer.self_attention = ContextParallelSelfAttention(tcfg, tp_group, cp_group)
+    return layer
+
+
+class GPTChunk(nn.Module):
+    """One virtual pipeline stage of the GPT on this rank.
+
+    ``forward(x)``: on the first virtual stage ``x`` is tokens ``[b, s_local]``, else the
+    activation ``[s_local(/t), b, h]`` from the previous stage; returns the activation, or on
+    the last virtual stage the vocab-parallel logits ``[s_local, b, V/t]``.
+    Attributes ``pre_process`` / ``post_process`` (mcore's names) say which ends it holds.
+    """
+
+    def __init__(self, config: GPTConfig, layer_ids: range, *, pre_process: bool, post_process: bool,
+                 tp_group, cp_group, position_ids: torch.Tensor, sequence_parallel: bool = False):
+        super().__init__()
+        self.config, self.layer_ids = config, layer_ids
+        self.pre_process, self.post_process = pre_process, post_process
+        tcfg = config.transformer_config(sequence_parallel)
+        # The constructors draw throw-away weights (the values are copied from the master later):
+        # keep the global generator, which drives dropout, untouched.
+        with torch.random.fork_rng(devices=[]):
+            self.embedding = (ParallelLanguageModelEmbedding(config, tp_group, position_ids, sequence_parallel)
+                              if pre_process else None)
+            final = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon) if post_process else None
+            if final is not None and sequence_parallel:
+                for p in final.parameters():
+                    p.sequence_parallel = True
+            self.decoder = TransformerBlock(
+                {str(i): _parallel_layer(tcfg, tp_group, cp_group, i + 1) for i in layer_ids}, final)
+            self.output_layer = (ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
+                                                      tp_group=tp_group, bias=False, gather_output=False,
+                                                      sequence_parallel=sequence_parallel)
+                                 if post_process else None)
+        if pre_process and post_process:   # tied on one stage: the output layer *is* the embedding matrix
+            self.output_layer.weight = self.embedding.word_embeddings.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        x = self.decoder(x)
+        if self.output_layer is not None:
+            x, _ = self.output_layer(x)       # SP: all-gathers [s_l/t, b, h] -> [s_l, b, h] first
+        return x
+
+
+def master_name(chunk_param_name: str) -> str:
+    """The master (:class:`GPTModel`) parameter a chunk parameter is a piece of."""
+    return "embedding.word_embeddings.weight" if chunk_param_name == "output_layer.weight" else chunk_param_name
+
+
+def layer_ranges(num_layers: int, pp: int, vp: int = 1) -> list[range]:
+    """Layers of each virtual stage ``c * pp + r`` (even split; Megatron's layer offsets)."""
+    from course_lib.pipeline.stages import layer_split
+
+    return layer_split(num_layers, pp * vp)
+
+
+@torch.no_grad()
+def _load_from_master(chunk: GPTChunk, master: GPTModel, tp_group) -> None:
+    if chunk.embedding is not None:
+        copy_dense_to_parallel(master.embedding, chunk.embedding, tp_group)
+    for i in chunk.layer_ids:
+        copy_dense_to_parallel(master.decoder.layers[str(i)], chunk.decoder.layers[str(i)], tp_group)
+    if chunk.post_process:
+        copy_dense_to_parallel(master.decoder.final_layernorm, chunk.decoder.final_layernorm, tp_group)
+        if chunk.pre_process:
+            return                                            # output weight = embedding weight, copied above
+        # mcore: the last stage's copy starts at 0 and receives the first stage's values through an
+        # all-reduce over the embedding group (sync_tied_embeddings).
+        chunk.output_layer.weight.zero_()
+        chunk.output_layer.weight.shared = True
+        chunk.output_layer.weight.shared_embedding = True
+
+
+def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequence_parallel: bool = False,
+                master: Optional[GPTModel] = None, device=None) -> list[GPTChunk]:
+    """This rank's model chunks (``vp`` of them; chunk ``c`` is virtual stage ``c * pp + pp_rank``).
+
+    Every rank builds the dense master (``config.seed``) -- or takes ``master`` -- and keeps its
+    pieces. Collective over the embedding group when ``pp > 1`` (see :func:`sync_tied_embeddings`).
+    """
+    grid, c = groups.grid, groups.coords
+    pp, cp = grid.pp, grid.cp
+    t = comm.group_size(groups.tp)
+    if config.num_attention_heads % t:
+        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by "
+                         f"tensor-model-parallel-size={t}")
+    if config.padded_vocab_size % t:
+        raise ValueError(f"the padded vocabulary ({config.padded_vocab_size} rows) is not divisible by "
+                         f"tensor-model-parallel-size={t}; use --make-vocab-size-divisible-by a multiple of {t}")
+    if sequence_parallel and (config.seq_length // cp) % t:
+        raise ValueError(f"sequence_parallel needs seq_length/context-parallel-size = {config.seq_length // cp} "
+                         f"divisible by tensor-model-parallel-size={t}")
+    from course_lib.data import cp_token_positions
+
+    positions = cp_token_positions(config.seq_length, c["cp"], cp)       # [s/cp] global positions
+    ranges = layer_ranges(config.num_layers, pp, vp)
+    master = GPTModel(config) if master is None else master
+    chunks = []
+    for chunk_id in range(vp):
+        stage = chunk_id * pp + c["pp"]
+        chunk = GPTChunk(config, ranges[stage], pre_process=stage == 0, post_process=stage == pp * vp - 1,
+                         tp_group=groups.tp, cp_group=groups.cp, position_ids=positions,
+                         sequence_parallel=sequence_parallel)
+        _load_from_master(chunk, master, groups.tp)
+        if chunk.pre_process and not chunk.post_process:
+            chunk.embedding.word_embeddings.weight.shared_embedding = True
+        chunks.append(chunk.to(device) if device is not None else chunk)
+    sync_tied_embeddings(chunks, groups)
+    return chunks
+
+
+def _shared_embedding_weight(chunks: list[GPTChunk], groups: ProcessGroups) -> Optional[nn.Parameter]:
+    """The word-embedding matrix this rank holds as a member of the embedding group, if any."""
+    if groups.grid.pp == 1 or groups.embedding is None:
+        return None
+    if groups.is_first_stage:
+        return chunks[0].embedding.word_embeddings.weight
+    if groups.is_last_stage:
+        return chunks[-1].output_layer.weight
+    return None
+
+
+@torch.no_grad()
+def sync_tied_embeddings(chunks: list[GPTChunk], groups: ProcessGroups) -> None:
+    """Make the last stage's copy of the word embeddings equal the first stage's: the last
+    stage's copy is zero, so a sum over the embedding group copies the values (mcore's
+    ``setup_embeddings_and_output_layer``). No-op when pp == 1 or on middle stages."""
+    weight = _shared_embedding_weight(chunks, groups)
+    if weight is not None:
+        comm.all_reduce(weight.data, groups.embedding, kind="embedding", direction="fwd",
+                        source="sync_tied_embeddings")
+
+
+@torch.no_grad()
+def allreduce_embedding_grads(chunks: list[GPTChunk], groups: ProcessGroups) -> int:
+    """Sum the word-embedding gradient of the first stage (input embedding) and the last stage
+    (output layer) over the embedding group, so both copies take the same step.
+
+    Megatron: ``_allreduce_word_embedding_grads`` in ``megatron/core/distributed/
+    finalize_model_grads.py``. Returns the elements reduced (0 when nothing to do)."""
+    weight = _shared_embedding_weight(chunks, groups)
+    if weight is None or weight.grad is None or comm.group_size(groups.embedding) == 1:
+        return 0
+    comm.all_reduce(weight.grad, groups.embedding, kind="embedding", direction="bwd",
+                    source="allreduce_embedding_grads")
+    return weight.grad.numel()
+
+
+def gpt_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum of per-token losses, number of tokens)`` for vocab-parallel logits ``[s, b, V/t]``
+    and labels ``[b, s]`` (the loss_func of Megatron's ``pretrain_gpt.py``, loss mask all ones).
+    Every TP rank gets the same numbers."""
+    losses = vocab_parallel_cross_entropy(logits, labels.t(), tp_group)          # [s, b]
+    return losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)
+
+
+def gather_full_parameters(chunks: list[GPTChunk], groups: ProcessGroups, grads: bool = False) -> dict:
+    """``{master name: full tensor}`` of what this rank's chunks hold (TP shards all-gathered).
+    Collective over TP. For tests and notebooks: compare with :class:`GPTModel`'s tensors."""
+    out = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            value = (p.grad if grads else p.data)
+            if value is None:
+                raise ValueError(f"{name} has no gradient: run backward first")
+            value = value.detach()
+            if is_tensor_parallel(p):
+                value = comm.all_gather(value, groups.tp, dim=p.partition_dim, kind="tp")
+            out[master_name(name)] = value.clone()
+    return out
