@@ -70,6 +70,12 @@ LAYOUTS = {   # name: (world size, extra flags)
                                       "--virtual-pipeline-model-parallel-size", "2"]),
     "TP2 x CP2 + SP": (4, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                            "--sequence-parallel"]),
+    # The Day 22 seed's 8-GPU layouts: D (3D) and F (4D).
+    "TP2 x PP2 x DP2 (8 ranks, config D)": (8, ["--tensor-model-parallel-size", "2",
+                                                "--pipeline-model-parallel-size", "2"]),
+    "TP2 x PP2 x CP2 + SP (8 ranks, config F)": (8, ["--tensor-model-parallel-size", "2",
+                                                     "--pipeline-model-parallel-size", "2",
+                                                     "--context-parallel-size", "2", "--sequence-parallel"]),
 }
 
 
