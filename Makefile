@@ -16,7 +16,7 @@ JOBS   ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 
-.PHONY: lab test setup graphviz labs figures unit notebooks solutions benchmarks clean help
+.PHONY: lab test setup graphviz labs figures solutions benchmarks sweep clean help
 
 help:
 	@echo "make lab        set up and open the course in JupyterLab"
@@ -25,6 +25,7 @@ help:
 	@echo "make solutions  re-execute solutions/ in place (refreshes their stored outputs)"
 	@echo "make figures    regenerate figures/"
 	@echo "make benchmarks print the speed figures"
+	@echo "make sweep      run the Day 22 configs A-F on 8 ranks (~3 min), refresh figures/day22_*"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +62,9 @@ solutions: setup
 
 figures: setup
 	$(BIN)/python -m course_lib figures --out figures
+
+sweep: setup
+	$(BIN)/python -m course_lib sweep --out logs/day22 --figures figures $(SWEEP_ARGS)
 
 benchmarks: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

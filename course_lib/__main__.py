@@ -19,6 +19,7 @@ COMMANDS = {
                      "print the real Megatron-LM commands (pretrain_gpt.py, preprocess_data.py, run_tiny_gpt.sh)"),
     "report": ("course_lib.megatron.report", "read training logs (Megatron-LM or course) into the Day 22 record table"),
     "train": ("course_lib.train", "train the tiny GPT under a TP/PP/CP/DP layout with Megatron's flags (checks, then runs torchrun)"),
+    "sweep": ("course_lib.sweep", "train the tiny GPT under the Day 22 configs A-F on 8 ranks: logs, record table, communication, bubble, plots"),
     "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
 }
 

@@ -15,6 +15,7 @@ WRITERS = {
     "course_lib.collectives": "write_figures",
     "course_lib.figures_topology": "write_figures",
     "course_lib.pipeline.plots": "write_figures",
+    "course_lib.sweep": "write_figures",
 }
 
 

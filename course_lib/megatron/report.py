@@ -128,13 +128,17 @@ def to_csv(rows: list[dict]) -> str:
 
 
 def write_atomic(path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file + rename (never a half-written table)."""
+    """Write ``text`` to ``path`` via a temporary file + rename (never a half-written table).
+    The file gets the usual mode for new files (``0o666`` minus the umask), not mkstemp's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

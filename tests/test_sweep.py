@@ -1,0 +1,219 @@
+"""course_lib.sweep: the Day 22 A-F sweep on real ranks, its logs, tables, communication and bubble.
+
+A reduced sweep (configs A, D and E, 8 real forked ranks, 2 iterations) runs once per module;
+every check reads it. Independent references: the single-process dense model (loss parity), the
+parameter count and the activation shape (communication bytes), Megatron's rank order
+(``RankGrid``, itself checked against Megatron's ``parallel_state`` elsewhere) and the 1F1B
+simulator (measured bubble). One config goes through real torchrun (world 2, ~10 s).
+"""
+
+import argparse
+import io
+import json
+import os
+
+import pytest
+
+from course_lib import sweep as S
+from course_lib.megatron import COLUMNS, SEED_SWEEP, parse_log
+from course_lib.megatron import report as report_cli
+from course_lib.pipeline import bubble_fraction, build_schedule, simulate
+from course_lib.topology import RankGrid
+
+NAMES = ["A", "D", "E"]
+ITERS = 2
+ACT_BYTES = S.SWEEP_MODEL["seq_length"] * S.SWEEP_BATCH["micro_batch_size"] * S.SWEEP_MODEL["hidden_size"] * 4
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory):
+    out = tmp_path_factory.mktemp("day22")
+    progress = io.StringIO()
+    sweep = S.run_sweep(NAMES, out=out, iters=ITERS, run_name="first", launcher="fork", timeout=120,
+                        stream=progress)
+    return out, sweep, progress.getvalue()
+
+
+@pytest.fixture(scope="module")
+def runs(swept):
+    """The sweep's ConfigRun objects (every rank's returned record), by name."""
+    return {r.name: r for r in swept[1]["runs"]}
+
+
+def test_sweep_writes_every_log_and_table_atomically_under_a_named_run(swept):
+    out, sweep, progress = swept
+    run_dir = out / "runs" / "first"
+    for folder in (out, run_dir):
+        for n in NAMES:
+            assert (folder / f"{n}.log").is_file() and (folder / f"{n}.json").is_file()
+        for f in ("record_table.md", "record_table.csv", "comm_by_group.md", "comm_by_group.csv", "summary.md",
+                  "day22_megatron_3d4d.md", "tokens_per_s.png", "memory_per_rank.png"):
+            assert (folder / f).stat().st_size > 0, f
+    assert not list(out.rglob("*.tmp*"))                                  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "A.log").stat().st_mode & 0o777 == 0o666 & ~umask          # not the temp file's 0600
+    assert json.loads((run_dir / "day22_sweep.json").read_text())["configs"][0]["name"] == "A"
+    assert progress.count("running ") == 3 and "[########################] 3/3 configs" in progress
+    csv_lines = (out / "record_table.csv").read_text().splitlines()
+    assert csv_lines[0] == ",".join(COLUMNS)
+    assert [line.split(",")[0] for line in csv_lines[1:]] == NAMES
+
+
+def test_record_table_is_read_from_the_logs_with_the_megatron_parser(swept, capsys):
+    out, sweep, _ = swept
+    for s in sweep["configs"]:
+        tp, pp, cp = SEED_SWEEP[s["name"]]
+        dp = 8 // (tp * pp * cp)
+        log = parse_log((out / f"{s['name']}.log").read_text())
+        assert {k: log.config[k] for k in ("world_size", "tp", "pp", "cp", "dp")} == dict(
+            world_size=8, tp=tp, pp=pp, cp=cp, dp=dp)
+        row = s["row"]
+        assert (row["TP"], row["PP"], row["CP"], row["DP"], row["micro-batches"]) == (tp, pp, cp, dp, 16 // dp)
+        assert [it["iteration"] for it in log.iterations] == [1, 2]
+        assert row["tokens/s"] == pytest.approx(16 * 32 / (row["step time (ms)"] / 1000), rel=1e-3)
+        # the log's memory lines (DP rank 0 of each position) hold the busiest rank of the returned records
+        assert row["max mem/rank (MB)"] == pytest.approx(max(s["memory_mb_per_rank"]), abs=0.01)
+        assert log.memory[0]["source"] == "tracked tensor bytes"
+        assert log.loss_curve()[-1][1] < log.loss_curve()[0][1]               # loss falls
+    # `python -m course_lib report logs/day22/*.log` gives the same table (the sweep adds bubble notes)
+    parser = argparse.ArgumentParser()
+    report_cli.add_arguments(parser)
+    report_cli.run(parser.parse_args([str(out / f"{n}.log") for n in NAMES] + ["--format", "csv"]))
+    reported = [line.split(",")[:9] for line in capsys.readouterr().out.splitlines()]
+    assert reported == [line.split(",")[:9] for line in (out / "record_table.csv").read_text().splitlines()]
+
+
+def test_3d_layout_loss_equals_the_single_process_model(runs):
+    ok, worst = S.check_loss_parity(runs["D"])
+    assert ok and worst < 1e-4, worst
+    assert len(runs["D"].lm_loss) == ITERS
+
+
+def test_communication_per_group_matches_the_model_shapes(swept, runs):
+    _, sweep, _ = swept
+    by = {s["name"]: s for s in sweep["configs"]}
+    a = by["A"]
+    # A: one flat all-reduce of every fp32 gradient + the loss (sum, count) in float64, over 8 ranks
+    grads = a["params_per_rank"][0] * 4
+    assert a["comm_per_iteration"] == {"dp": {"calls": 2, "bytes": grads + 16, "sent_bytes": 2 * (grads + 16) * 7 / 8}}
+    # E: PP 4, 8 micro-batches: a middle stage sends 8 activations forward and 8 gradients back
+    e = by["E"]["comm_per_iteration"]["pp"]
+    assert e["bytes"] == e["sent_bytes"] == 2 * 8 * ACT_BYTES and e["calls"] == 16
+    # D: the nested recorder counts exactly what pretrain's own per-iteration record counts; the
+    # one-time copy of the word embeddings (first -> last stage) is set-up, not iteration traffic
+    for rec in runs["D"].records:
+        assert {k: v["bytes"] for k, v in rec["comm_per_iteration"].items()} == rec["comm"]
+    vocab_rows = 384 // 2                                                   # 257 bytes padded to 384, TP 2
+    assert by["D"]["comm_setup"] == {"embedding": vocab_rows * S.SWEEP_MODEL["hidden_size"] * 4}
+    assert a["comm_setup"] == {}
+    assert set(by["D"]["comm_per_iteration"]) == {"tp", "pp", "dp", "embedding", "tp-pp"}
+    assert "tp" not in by["E"]["comm_per_iteration"] and "pp" not in a["comm_per_iteration"]
+    md = S.comm_markdown(sweep["configs"])
+    assert "| config | tp | pp | dp | embedding | tp-pp |" in md
+
+
+def test_groups_seen_by_the_ranks_are_megatrons(runs):
+    grid = RankGrid(8, tp=2, pp=2, cp=1)
+    assert runs["D"].groups() == {axis: sorted(grid.groups(axis)) for axis in ("tp", "cp", "dp", "pp")}
+    assert runs["D"].groups()["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]            # COURSE.md's fact
+
+
+def test_measured_bubble_is_computed_like_the_formula():
+    """Records whose pipeline events are a 1F1B simulation give exactly (p-1)/m; the sweep's
+    measured value is the same computation on real timestamps."""
+    p, m = 4, 8
+    tl = simulate(build_schedule("1f1b", p, m), t_f=1.0, t_b=2.0)
+    records = []
+    for dp in range(2):
+        for r in range(p):
+            events = [(str(e.action), e.stage, e.start + 100.0 * dp, e.end + 100.0 * dp) for e in tl.events[r]]
+            records.append({"coords": {"tp": 0, "cp": 0, "dp": dp, "pp": r}, "pipeline_events": events})
+    tls = S.measured_timelines(records, p, m)
+    assert len(tls) == 2 and all(t.bubble_fraction == pytest.approx(bubble_fraction(p, m)) for t in tls)
+
+
+def test_measured_bubble_and_timeline_of_real_pipelines(swept):
+    _, sweep, _ = swept
+    by = {s["name"]: s for s in sweep["configs"]}
+    assert by["A"]["bubble"] == {"formula": 0.0, "measured": None} and by["A"]["timeline"] is None
+    for name, p in (("D", 2), ("E", 4)):
+        b = by[name]["bubble"]
+        assert b["formula"] == bubble_fraction(p, 8) and b["measured"] > 0
+        tl = S.summary_timeline(by[name])
+        assert tl.pp_size == p and all(len(ev) == 16 for ev in tl.events)     # 8 F + 8 B per stage
+        assert tl.bubble_fraction > 0
+    assert "bubble" in by["E"]["row"]["notes"] and "(p-1)/m" in by["E"]["row"]["notes"]
+
+
+def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
+    out, _, _ = swept
+    before = (out / "runs" / "first" / "A.log").read_text()
+    with pytest.raises(ValueError, match="already has A in .* choose another --run-name") as err:
+        S.run_sweep(["A"], out=out, iters=1, run_name="first", launcher="fork", progress=False)
+    assert "\n" not in str(err.value)
+    S.run_sweep(["A"], out=out, iters=1, run_name="second", launcher="fork", progress=False, timeout=120)
+    assert (out / "runs" / "first" / "A.log").read_text() == before                  # the first run is kept
+    assert (out / "A.log").read_text() == (out / "runs" / "second" / "A.log").read_text()   # latest = newest
+    latest = S.latest_summary(out)
+    assert [s["name"] for s in latest["configs"]] == NAMES and latest["configs"][0]["iters"] == 1
+    assert (out / "D.log").read_text() == (out / "runs" / "first" / "D.log").read_text()    # untouched configs
+
+
+def test_an_interrupted_sweep_keeps_the_configs_it_finished(tmp_path, monkeypatch):
+    real = S.run_config
+
+    def interrupted_at_e(name, **kwargs):
+        if name == "E":
+            raise KeyboardInterrupt
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(S, "run_config", interrupted_at_e)
+    with pytest.raises(KeyboardInterrupt):
+        S.run_sweep(["A", "E"], out=tmp_path, iters=1, launcher="fork", progress=False, timeout=120)
+    assert (tmp_path / "A.log").is_file() and not (tmp_path / "E.log").exists()
+    assert [line.split(",")[0] for line in (tmp_path / "record_table.csv").read_text().splitlines()] == ["config", "A"]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: S.parse_configs("A,G"), "unknown config G: the seed's sweep has A, B, C, D, E, F"),
+    (lambda: S.parse_configs("A,a"), "names a config twice"),
+    (lambda: S.config_argv("F", world_size=4), "config F .* world_size=4 is not divisible by"),
+    (lambda: S.config_argv("C", world_size=8, num_attention_heads=6), "num_attention_heads=6 is not divisible"),
+    (lambda: S.config_argv("A", hidden=3), "unknown model setting hidden"),
+    (lambda: S.run_sweep(["A"], iters=0), "--iters=0 must be an integer >= 1"),
+    (lambda: S.run_sweep(["A"], run_name="../x"), "--run-name '../x' may only use"),
+    (lambda: S.committed_summary("/nonexistent"), "no committed sweep at"),
+])
+def test_bad_input_fails_in_one_line_before_anything_runs(call, message):
+    with pytest.raises(ValueError, match=message) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+def test_parse_configs_and_progress_bar():
+    assert S.parse_configs(None) == list("ABCDEF") and S.parse_configs("e, a") == ["E", "A"]
+    assert S._progress(0, 6, 0.0) == "[........................] 0/6 configs, 0 s"
+    assert S._progress(3, 6, 30.0) == "[############............] 3/6 configs, 30 s, ~30 s left"
+
+
+def test_cli_runs_through_real_torchrun_and_publishes(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    S.add_arguments(parser)
+    args = parser.parse_args(["--configs", "A", "--iters", "1", "--nproc-per-node", "2",
+                              "--out", str(tmp_path / "logs"), "--run-name", "t", "--figures", str(tmp_path / "fig")])
+    assert S.run(args) == 0
+    printed = capsys.readouterr().out
+    assert "| A | 1 | 1 | 1 | 2 | 8 |" in printed and "sweep time:" in printed
+    log = (tmp_path / "logs" / "A.log").read_text()
+    assert "launched with torchrun" in log and parse_log(log).config["dp"] == 2
+    fig = tmp_path / "fig"
+    for f in ("day22_sweep.json", "day22_record_table.md", "day22_record_table.csv", "day22_comm_by_group.csv",
+              "day22_logs/A.log", "day22_megatron_3d4d.md", "day22_tokens_per_s.png", "day22_memory_per_rank.png"):
+        assert (fig / f).stat().st_size > 0, f
+    committed = S.committed_summary(fig)
+    assert committed["launcher"] == "torchrun" and committed["world_size"] == 2
+    assert [p.name for p in S.write_figures(tmp_path / "again", committed)] == ["day22_tokens_per_s.png",
+                                                                                 "day22_memory_per_rank.png"]
+    deliverable = S.deliverable_markdown(committed)
+    assert deliverable.startswith("# Day 22") and "## 5. Conclusions" in deliverable
