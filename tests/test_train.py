@@ -108,6 +108,18 @@ def test_loss_curve_equals_single_process_baseline(layout, reference):
     assert [m["iteration"] for m in log.memory if m["rank"] == 0] == [1, 2]
 
 
+def test_pp4_interleaved_equals_single_process_baseline():
+    """PP4 with two model chunks per rank (8 layers: virtual stage c*4 + r holds one layer),
+    using Megatron-LM's own flag for it."""
+    argv = list(BASE)
+    argv[argv.index("--num-layers") + 1] = "8"
+    reference = train_single_process(parse_args(argv))
+    res = launch(_rank, world_size=4, output="none", timeout=120,
+                 argv=argv + ["--pipeline-model-parallel-size", "4", "--num-virtual-stages-per-pipeline-rank", "2"])
+    assert _rel(res[-1]["lm_loss"], reference["lm_loss"]) < TOL, (res[-1]["lm_loss"], reference["lm_loss"])
+    assert all(_rel(r["grad_norm"], reference["grad_norm"]) < TOL for r in res)
+
+
 def test_optimizer_paths_sgd_warmup_cosine_and_clipping(reference):
     argv = BASE + ["--optimizer", "sgd", "--lr", "0.3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
                    "--clip-grad", "0.5", "--weight-decay", "0.1"]
