@@ -68,7 +68,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import math
 import os
 import shlex
 import subprocess
@@ -80,11 +79,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
+from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS, LRScheduler, Optimizer, clip_grads
 from course_lib.topology import ParallelConfig
 
 SCHEDULES = ("1f1b", "gpipe")
-OPTIMIZERS = ("adam", "sgd")
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
 MEMORY_SOURCE_CPU = "tracked tensor bytes"
 
 # ============================================================================ arguments
@@ -274,93 +272,6 @@ def gpt_config_from_args(args: argparse.Namespace):
                      init_method_std=args.init_method_std, seed=args.seed)
 
 
-# ============================================================================ optimizer and schedule
-
-
-def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Megatron's default ``no_weight_decay_cond``: biases and 1-D parameters (LayerNorm) are not decayed."""
-    return name.endswith(".bias") or param.dim() == 1
-
-
-class Optimizer:
-    """Adam(W) or SGD written out elementwise, identical on a shard and on the full tensor.
-
-    ``params``: ``[(name, parameter)]`` (names decide weight decay, Megatron's rule).
-    Adam is AdamW (decoupled decay, Megatron's ``FusedAdam(adam_w_mode=True)``), in the
-    operation order of ``torch.optim.AdamW``; SGD is ``torch.optim.SGD`` with momentum and
-    L2 weight decay. ``step(lr)`` uses ``p.grad``.
-    """
-
-    def __init__(self, params, kind: str = "adam", *, weight_decay: float = 0.01, betas=(0.9, 0.999),
-                 eps: float = 1e-8, momentum: float = 0.9):
-        if kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer={kind!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
-        self.kind, self.betas, self.eps, self.momentum = kind, betas, eps, momentum
-        self.params = [(p, 0.0 if _no_weight_decay(n, p) else weight_decay) for n, p in params]
-        self.state: dict = {}
-        self.step_count = 0
-
-    @torch.no_grad()
-    def step(self, lr: float) -> None:
-        self.step_count += 1
-        t = self.step_count
-        for p, wd in self.params:
-            g = p.grad
-            if g is None:
-                continue
-            st = self.state.setdefault(id(p), {})
-            if self.kind == "adam":
-                b1, b2 = self.betas
-                if not st:
-                    st["exp_avg"], st["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-                p.mul_(1 - lr * wd)
-                st["exp_avg"].lerp_(g, 1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                step_size = lr / (1 - b1 ** t)
-                denom = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - b2 ** t)).add_(self.eps)
-                p.addcdiv_(st["exp_avg"], denom, value=-step_size)
-            else:
-                d = g.add(p, alpha=wd) if wd else g
-                if self.momentum:
-                    if "momentum_buffer" not in st:
-                        st["momentum_buffer"] = d.clone()
-                    else:
-                        st["momentum_buffer"].mul_(self.momentum).add_(d)
-                    d = st["momentum_buffer"]
-                p.add_(d, alpha=-lr)
-
-    def state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
-
-
-class LRScheduler:
-    """Megatron's ``OptimizerParamScheduler.get_lr`` (``megatron/core/optimizer_param_scheduler.py``),
-    counted in samples: linear warm-up from 0, then constant / linear / cosine decay to ``min_lr``."""
-
-    def __init__(self, max_lr: float, min_lr: float, style: str, warmup_steps: int, decay_steps: int):
-        if style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style={style!r} is unknown: use one of {', '.join(LR_DECAY_STYLES)}")
-        self.max_lr, self.min_lr, self.style = max_lr, min_lr, style
-        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
-        self.num_steps = 0
-
-    def get_lr(self) -> float:
-        n = self.num_steps
-        if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.max_lr * n / self.warmup_steps
-        if self.style == "constant":
-            return self.max_lr
-        if n > self.decay_steps:
-            return self.min_lr
-        ratio = (n - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
-        coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
-
-    def step(self, increment: int) -> float:
-        self.num_steps += increment
-        return self.get_lr()
-
-
 def _scheduler(args) -> LRScheduler:
     g = args.global_batch_size
     return LRScheduler(args.lr, args.min_lr, args.lr_decay_style, args.lr_warmup_iters * g, args.lr_decay_iters * g)
@@ -369,18 +280,6 @@ def _scheduler(args) -> LRScheduler:
 def _optimizer(args, named_params) -> Optimizer:
     return Optimizer(named_params, args.optimizer, weight_decay=args.weight_decay,
                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, momentum=args.sgd_momentum)
-
-
-@torch.no_grad()
-def clip_grads(params, total_norm: float, clip_grad: float) -> None:
-    """Scale gradients by ``clip_grad / (norm + 1e-6)`` when that is < 1 (``clip_grad_by_total_norm_fp32``)."""
-    if clip_grad <= 0:
-        return
-    coeff = clip_grad / (total_norm + 1.0e-6)
-    if coeff < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coeff)
 
 
 # ============================================================================ the parallel run
@@ -467,20 +366,28 @@ def _rank_batches(args, iteration: int, dp_rank: int, cp_rank: int, device):
     return torch.cat(toks).to(device), torch.cat(labs).to(device)
 
 
+def _log(line: str) -> None:
+    """Print one log line with a single write: several ranks share torchrun's stdout, and
+    ``print`` writes the text and its newline separately when output is unbuffered, so
+    another rank's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def _print_world_line(args) -> None:
-    print(f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
-          f"context-parallel size: {args.context_parallel_size}, hierarchical context-parallel sizes: None, "
-          f"tensor-model-parallel size: {args.tensor_model_parallel_size}, "
-          f"pipeline-model-parallel size: {args.pipeline_model_parallel_size}", flush=True)
+    _log(f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
+         f"context-parallel size: {args.context_parallel_size}, hierarchical context-parallel sizes: None, "
+         f"tensor-model-parallel size: {args.tensor_model_parallel_size}, "
+         f"pipeline-model-parallel size: {args.pipeline_model_parallel_size}")
 
 
 def _print_args(args, title: str = "arguments") -> None:
     """Megatron's ``_print_args``: ``'  {} {} {}'.format(name, '.' * (48 - len(name)), value)``, sorted."""
     lines = ["  {} {} {}".format(k, "." * (48 - len(k)), v) for k, v in vars(args).items()]
-    print(f"------------------------ {title} ------------------------", flush=True)
+    _log(f"------------------------ {title} ------------------------")
     for line in sorted(lines, key=lambda x: x.lower()):
-        print(line, flush=True)
-    print(f"-------------------- end of {title} ---------------------", flush=True)
+        _log(line)
+    _log(f"-------------------- end of {title} ---------------------")
 
 
 def _memory_line(rank: int, iteration: int, tracked: dict, cuda: bool) -> str:
@@ -541,8 +448,8 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
     params = [p for _, p in named]
     num_parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
     if c["dp"] == 0 and c["cp"] == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({c['tp']}, {c['pp']}): "
-              f"{num_parameters}", flush=True)
+        _log(f" > number of parameters on (tensor, pipeline) model parallel rank ({c['tp']}, {c['pp']}): "
+             f"{num_parameters}")
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
     torch.manual_seed(args.seed + 100 * c["pp"])
 
@@ -611,17 +518,17 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
             elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
             if rank == world - 1:
                 avg = total_loss / advanced
-                print(f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
-                      f" iteration {iteration:8d}/{args.train_iters:8d} |"
-                      f" consumed samples: {iteration * args.global_batch_size:12d} |"
-                      f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-                      f" learning rate: {lr:.6E} |"
-                      f" global batch size: {args.global_batch_size:5d} |"
-                      f" lm loss: {avg:.6E} |"
-                      f" loss scale: 1.0 |"
-                      f" grad norm: {norm:.3f} |"
-                      f" number of skipped iterations: {0:3d} |"
-                      f" number of nan iterations: {0:3d} |", flush=True)
+                _log(f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+                     f" iteration {iteration:8d}/{args.train_iters:8d} |"
+                     f" consumed samples: {iteration * args.global_batch_size:12d} |"
+                     f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+                     f" learning rate: {lr:.6E} |"
+                     f" global batch size: {args.global_batch_size:5d} |"
+                     f" lm loss: {avg:.6E} |"
+                     f" loss scale: 1.0 |"
+                     f" grad norm: {norm:.3f} |"
+                     f" number of skipped iterations: {0:3d} |"
+                     f" number of nan iterations: {0:3d} |")
                 record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
                                              learning_rate=lr, grad_norm=norm))
             if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
@@ -632,7 +539,7 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
                 tracked = {"allocated": held, "max_allocated": held + peak_activation}
                 record["memory"] = tracked
                 if c["dp"] == 0:
-                    print(_memory_line(rank, iteration, tracked, cuda), flush=True)
+                    _log(_memory_line(rank, iteration, tracked, cuda))
                 if iteration > 1:
                     report_memory = False
     record.setdefault("memory", {"allocated": _bytes(params), "max_allocated": _bytes(params) + peak_activation})

@@ -1,0 +1,198 @@
+"""The Day 22 sweep's tables, plots and the seed's deliverable (``day22_megatron_3d4d.md``),
+all from the JSON summaries that :mod:`course_lib.sweep` writes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from course_lib.megatron import to_markdown
+from course_lib.megatron.report import STEP_TIME_NOTE
+from course_lib.sweep.runs import MB, kind_order
+
+
+# ============================================================================ tables
+
+
+def comm_table(summaries: Sequence[dict], key: str = "sent_bytes") -> tuple[list[str], list[list]]:
+    """Header and rows: per config, MB per iteration by process group (max over ranks)."""
+    kinds = sorted({k for s in summaries for k in s["comm_per_iteration"]}, key=kind_order)
+    rows = []
+    for s in summaries:
+        c = s["comm_per_iteration"]
+        rows.append([s["name"]] + [round(c[k][key] / MB, 3) if k in c else None for k in kinds])
+    return ["config"] + kinds, rows
+
+
+def comm_markdown(summaries: Sequence[dict], key: str = "sent_bytes") -> str:
+    head, rows = comm_table(summaries, key)
+    what = ("MB one rank sends per iteration (ring model), busiest rank" if key == "sent_bytes"
+            else "MB of collective tensors per iteration (full-tensor convention), busiest rank")
+    lines = [f"{what}, by process group:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        lines.append("| " + " | ".join("—" if v is None else (f"{v:.3f}" if isinstance(v, float) else str(v))
+                                       for v in r) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def comm_csv(summaries: Sequence[dict], key: str = "sent_bytes") -> str:
+    head, rows = comm_table(summaries, key)
+    lines = [",".join(head)] + [",".join("" if v is None else str(v) for v in r) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bubble_markdown(summaries: Sequence[dict]) -> str:
+    lines = ["| config | PP | micro-batches | (p-1)/m | measured (last iteration) |", "|---|---|---|---|---|"]
+    for s in summaries:
+        b = s["bubble"]
+        meas = "—" if b["measured"] is None else f"{b['measured']:.3f}"
+        lines.append(f"| {s['name']} | {s['pp']} | {s['micro_batches']} | {b['formula']:.3f} | {meas} |")
+    return "\n".join(lines) + "\n"
+
+
+def summary_markdown(sweep: dict) -> str:
+    """The record table, communication and bubble tables of a sweep summary, as Markdown."""
+    rows = [s["row"] for s in sweep["configs"]]
+    m = sweep["model"]
+    parts = [
+        f"Model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+        f"sequence {m['seq_length']}, micro-batch {m['micro_batch_size']}, global batch {m['global_batch_size']}; "
+        f"{sweep['world_size']} ranks ({sweep['launcher']}), {sweep['iters']} iterations per config; "
+        f"memory: tracked tensor bytes (parameters + gradients + Adam state + peak saved activations).",
+        "", to_markdown(rows), STEP_TIME_NOTE, "", comm_markdown(sweep["configs"]),
+        "Pipeline bubble (idle / useful time, 1F1B):", "", bubble_markdown(sweep["configs"]),
+    ]
+    if sweep.get("total_s") is not None:
+        n = len(sweep["configs"])
+        parts.append(f"Sweep wall time: {sweep['total_s']:.0f} s for {n} config{'s' if n > 1 else ''}.")
+    return "\n".join(parts) + "\n"
+
+
+# ============================================================================ plots
+
+
+def plot_tokens_per_s(summaries: Sequence[dict], ax=None):
+    """Bar chart of tokens/s (whole job) per config; returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+    from matplotlib.patches import Patch
+
+    names = [s["name"] for s in summaries]
+    values = [s["tokens_per_s"] or 0 for s in summaries]
+    kinds = {"DP only": "#4C72B0", "TP (+DP)": "#DD8452", "PP (+TP, CP, DP)": "#55A868"}
+    colors = [kinds["PP (+TP, CP, DP)"] if s["pp"] > 1 else kinds["TP (+DP)"] if s["tp"] > 1 or s["cp"] > 1
+              else kinds["DP only"] for s in summaries]
+    bars = ax.bar(names, values, color=colors)
+    for b, s in zip(bars, summaries):
+        ax.annotate(f"TP{s['tp']} PP{s['pp']}\nCP{s['cp']} DP{s['dp']}",
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in kinds.items()], fontsize=8, loc="upper center")
+    ax.set_ylabel("tokens/s (all ranks)")
+    ax.set_title("Throughput per config (CPU, gloo: shapes, not absolute numbers)")
+    ax.margins(y=0.25)
+    return fig or ax.figure
+
+
+def plot_memory_per_rank(summaries: Sequence[dict], ax=None):
+    """Grouped bars: every rank's tracked memory per config, model states + peak activations (MB)."""
+    import matplotlib.pyplot as plt
+
+    fig = None
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(9, 3.4))
+    world = max(len(s["memory_mb_per_rank"]) for s in summaries)
+    width = 0.8 / world
+    for i, s in enumerate(summaries):
+        states = s["model_states_mb_per_rank"]
+        total = s["memory_mb_per_rank"]
+        for r in range(len(total)):
+            x = i + (r - (world - 1) / 2) * width
+            ax.bar(x, states[r], width, color="#4C72B0", edgecolor="white", linewidth=0.5,
+                   label="model states" if i == r == 0 else None)
+            ax.bar(x, total[r] - states[r], width, bottom=states[r], color="#C44E52", edgecolor="white",
+                   linewidth=0.5, label="peak saved activations" if i == r == 0 else None)
+    ax.set_xticks(range(len(summaries)))
+    ax.set_xticklabels([f"{s['name']}\nTP{s['tp']} PP{s['pp']} CP{s['cp']} DP{s['dp']}" for s in summaries],
+                       fontsize=8)
+    ax.set_ylabel("MB per rank (ranks 0..N-1)")
+    ax.set_title("Memory of every rank (tracked tensor bytes, fp32 + Adam)")
+    ax.legend(fontsize=8)
+    return fig or ax.figure
+
+
+# ============================================================================ deliverable
+
+
+def deliverable_markdown(sweep: dict, log_dir: str = "logs/day22") -> str:
+    """The seed's deliverable ``day22_megatron_3d4d.md``: group map, commands, logs, table, conclusions.
+
+    Filled from a sweep summary (:func:`summarize`); the conclusions start from what the numbers
+    say and leave room for your own."""
+    from course_lib.megatron import gpu_config, megatron_command, sweep_script
+    from course_lib.topology import RankGrid
+
+    cfgs = sweep["configs"]
+    world = sweep["world_size"]
+    out = ["# Day 22 · 3D/4D parallelism in practice (day22_megatron_3d4d.md)", ""]
+    out += ["## 1. TP × PP × DP (× CP) coordinates", "",
+            f"`world_size = TP × PP × CP × DP` on {world} ranks; Megatron's rank order `tp-cp-ep-dp-pp` "
+            "(TP fastest).", ""]
+    for s in cfgs:
+        grid = RankGrid(world, tp=s["tp"], pp=s["pp"], cp=s["cp"])
+        axes = [a for a in ("tp", "cp", "dp", "pp") if s[a] > 1]
+        groups = "; ".join(f"{a.upper()} {grid.groups(a)}" for a in axes) or "—"
+        out.append(f"- **{s['name']}** TP {s['tp']} · PP {s['pp']} · CP {s['cp']} · DP {s['dp']}: {groups}")
+    out += ["", "Pictures: `python -m course_lib rankmap --world-size 8 --tp 2 --pp 2 --num-layers 8 --out D.svg` "
+            "(committed: `figures/rankmap_8_tp2_pp2_dp2.svg` for D, `figures/rankmap_8_tp2_pp2_cp2.svg` for F)."]
+    out += ["", "## 2. Run commands", "", "CPU (this course; each log's first line repeats it):", "", "```bash"]
+    out += [f"{s['command']}   # {s['name']}" for s in cfgs] + ["```", "",
+                                                               "GPUs (Megatron-LM, the seed's model), e.g. config D:",
+                                                               "", "```bash",
+                                                               megatron_command(gpu_config(2, 2, 1, 8)), "```", "",
+                                                               "The whole A–F loop:", "", "```bash", sweep_script(),
+                                                               "```", ""]
+    out += ["## 3. Logs", ""]
+    for s in cfgs:
+        r = s["row"]
+        out.append(f"- `{log_dir}/{s['name']}.log` — {r['notes']}")
+    out += ["", "## 4. Metrics", "", summary_markdown(sweep)]
+    out += ["## 5. Conclusions (TP / PP / CP trade-offs)", ""] + [f"- {c}" for c in conclusions(cfgs)]
+    out += ["- Your choice for this model and why (memory, throughput, communication, complexity): …", ""]
+    return "\n".join(out)
+
+
+def conclusions(summaries: Sequence[dict]) -> list[str]:
+    """Sentences the measured numbers support (the notebook's analysis, in words)."""
+    by = {s["name"]: s for s in summaries}
+    lines = []
+    tps = {n: s["tokens_per_s"] for n, s in by.items() if s["tokens_per_s"]}
+    if tps:
+        best, worst = max(tps, key=tps.get), min(tps, key=tps.get)
+        lines.append(f"Throughput: {best} is fastest ({tps[best]:,.0f} tokens/s), {worst} slowest "
+                     f"({tps[worst]:,.0f}, {tps[best] / tps[worst]:.1f}× slower): on a model this small every "
+                     f"split makes the GEMMs smaller and adds communication.")
+    if "A" in by and len(by) > 1:
+        ref = max(by["A"]["model_states_mb_per_rank"])
+        ratios = ", ".join(f"{n} {max(s['model_states_mb_per_rank']) / ref:.2f}" for n, s in by.items() if n != "A")
+        lines.append(f"Memory: model states on the busiest rank, relative to A: {ratios}. TP and PP split the "
+                     f"weights; DP and CP replicate them.")
+    for s in summaries:
+        c = {k: v for k, v in s["comm_per_iteration"].items() if k != "tp-pp"}
+        if c:
+            parts = ", ".join(f"{k.upper()} {v['calls']:.0f} calls / {v['sent_bytes'] / MB:.2f} MB"
+                              for k, v in sorted(c.items(), key=lambda kv: -kv[1]["calls"]))
+            lines.append(f"Communication per rank per iteration in {s['name']}: {parts}.")
+    over = []
+    for s in summaries:
+        b = s["bubble"]
+        if b["measured"] is not None:
+            lines.append(f"Bubble: {s['name']} (PP {s['pp']}, {s['micro_batches']} micro-batches) idles "
+                         f"{b['measured']:.2f} of its useful time; 1F1B predicts (p-1)/m = {b['formula']:.3f}.")
+            over.append(b["measured"] > 2 * b["formula"])
+    if any(over):
+        lines.append("The measured idle time exceeds (p-1)/m where a stage's compute is as short as a "
+                     "point-to-point message: the formula assumes compute dominates.")
+    return lines
