@@ -164,6 +164,12 @@ def launch(fn: Callable[..., Any], /, world_size: int = 4, launcher: str = "fork
     """
     _check_args(world_size, launcher, output, timeout)
     backend = resolve_backend(backend, world_size)
+    if launcher == "fork" and backend == "nccl":
+        import torch
+
+        if torch.cuda.is_initialized():
+            raise ValueError("CUDA is already initialised in this process, and forked ranks cannot use it: "
+                             "use launcher='torchrun', or restart the kernel and launch before touching the GPU")
     start = time.perf_counter()
     if launcher == "fork":
         results = _launch_fork(fn, world_size, backend, timeout, kwargs)
