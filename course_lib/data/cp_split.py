@@ -12,7 +12,8 @@ sequence into ``2 * cp`` equal chunks and gives rank ``r`` chunks ``r`` and
                  rank 1 -> chunks 1, 2 -> positions 2 3 4 5
 
 Here the CP rank and size are arguments (no global state), and the input dict is
-not modified. Every tensor is cut along dim 1 (``[b, s, ...]``), except
+not modified. The splitting itself is :mod:`course_lib.context_parallel.zigzag`'s; this
+module adds the batch-dict convention and Megatron-style argument checks. Every tensor is cut along dim 1 (``[b, s, ...]``), except
 ``attention_mask`` (``[b, 1, s, s]``), which is cut along dim 2 (the query rows), as
 in Megatron. Keep ``position_ids`` with the tokens: the positions a rank holds
 are not contiguous, and learned position embeddings must use the true ones.
@@ -21,6 +22,8 @@ are not contiguous, and learned position embeddings must use the true ones.
 from __future__ import annotations
 
 import torch
+
+from course_lib.context_parallel.zigzag import chunks_for_rank, shard_sequence, token_positions, unshard_sequence
 
 
 def _check(cp_rank: int, cp_size: int, seq_length: int | None = None) -> None:
@@ -38,7 +41,7 @@ def _check(cp_rank: int, cp_size: int, seq_length: int | None = None) -> None:
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
     """The two chunks (of ``2*cp_size``) held by ``cp_rank``: ``(r, 2*cp - 1 - r)``."""
     _check(cp_rank, cp_size)
-    return cp_rank, 2 * cp_size - 1 - cp_rank
+    return chunks_for_rank(cp_rank, cp_size)
 
 
 def cp_token_positions(seq_length: int, cp_rank: int, cp_size: int) -> torch.Tensor:
@@ -46,9 +49,7 @@ def cp_token_positions(seq_length: int, cp_rank: int, cp_size: int) -> torch.Ten
     _check(cp_rank, cp_size, seq_length)
     if cp_size == 1:
         return torch.arange(seq_length)
-    chunk = seq_length // (2 * cp_size)
-    a, b = cp_chunk_ids(cp_rank, cp_size)
-    return torch.cat([torch.arange(a * chunk, (a + 1) * chunk), torch.arange(b * chunk, (b + 1) * chunk)])
+    return torch.tensor(token_positions(cp_rank, cp_size, seq_length))
 
 
 def split_for_cp_rank(t: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int = 1) -> torch.Tensor:
@@ -56,10 +57,8 @@ def split_for_cp_rank(t: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int 
     if cp_size == 1:
         _check(cp_rank, cp_size)
         return t
-    s = t.shape[seq_dim]
-    _check(cp_rank, cp_size, s)
-    index = cp_token_positions(s, cp_rank, cp_size).to(t.device)
-    return t.index_select(seq_dim, index)
+    _check(cp_rank, cp_size, t.shape[seq_dim])
+    return shard_sequence(t, cp_rank, cp_size, seq_dim=seq_dim)
 
 
 def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
@@ -85,10 +84,4 @@ def gather_from_cp_ranks(parts: list[torch.Tensor], seq_dim: int = 1) -> torch.T
     if local % 2 or any(p.shape[seq_dim] != local for p in parts):
         raise ValueError(f"every part must hold the same even number of positions along dim {seq_dim}, got "
                          f"{[p.shape[seq_dim] for p in parts]}")
-    chunk = local // 2
-    chunks: list[torch.Tensor | None] = [None] * (2 * cp_size)
-    for r, p in enumerate(parts):
-        a, b = cp_chunk_ids(r, cp_size)
-        chunks[a] = p.narrow(seq_dim, 0, chunk)
-        chunks[b] = p.narrow(seq_dim, chunk, chunk)
-    return torch.cat(chunks, dim=seq_dim)
+    return unshard_sequence(parts, seq_dim=seq_dim)
