@@ -1,0 +1,125 @@
+"""Writing files without losing what a person made.
+
+Every command that writes a file goes through this module, so one policy holds
+everywhere:
+
+* a command never writes over a file it reads (``inputs``);
+* writing over any other existing file needs ``force=True`` (the ``--force`` flag);
+* a path that cannot be written (missing or read-only folder, ``/proc``, a folder
+  where a file is wanted) is refused *before* any work starts, in one line;
+* writes are atomic: a temporary file in the same folder, then ``os.replace``,
+  so an interrupted command never leaves half a file behind.
+
+Refusals raise :class:`OutputPathError` (a ``ValueError``), which the command
+line prints as one line (``error: ...``) and exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable, Union
+
+PathLike = Union[str, os.PathLike]
+
+
+class OutputPathError(ValueError):
+    """An output path that must not or cannot be written; the message says why and what to do."""
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _nearest_existing(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(".")
+
+
+def _check_folder_writable(folder: Path, what: str, target: Path) -> None:
+    """``folder`` exists and is a writable folder, or can be created under a writable one."""
+    existing = _nearest_existing(folder)
+    if not existing.is_dir():
+        raise OutputPathError(f"{what} {target}: {existing} is a file, not a folder; choose another path")
+    try:  # a real probe: os.access says yes to root even on /proc or a read-only mount
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise OutputPathError(f"{what} {target}: cannot write in {existing} ({exc.strerror or exc}); "
+                              f"choose another path") from None
+
+
+def check_output_file(path: PathLike, *, force: bool = False, inputs: Iterable[PathLike] = (),
+                      what: str = "--out") -> Path:
+    """Check, before any work, that ``path`` may be written; return it as a ``Path``.
+
+    Refused (:class:`OutputPathError`): ``path`` is one of ``inputs`` (the files
+    the command reads, whatever the spelling: symlinks and ``..`` are resolved);
+    ``path`` is a folder; ``path`` exists and ``force`` is false; its folder
+    cannot be created or written.
+    """
+    path = Path(path)
+    for source in inputs:
+        if _same_file(path, Path(source)) or path.resolve() == Path(source).resolve():
+            raise OutputPathError(f"{what} {path} is also an input of this command and would be overwritten; "
+                                  f"write the output to another file")
+    if path.is_dir():
+        raise OutputPathError(f"{what} {path} is a folder; give a file name")
+    if path.exists() and not force:
+        raise OutputPathError(f"{what} {path} already exists; pass --force to replace it, or choose another name")
+    _check_folder_writable(path.parent, what, path)
+    return path
+
+
+def check_output_dir(path: PathLike, *, what: str = "--out") -> Path:
+    """Check, before any work, that files can be created in folder ``path``; create it.
+
+    The check is real: a temporary file is made and removed in the nearest
+    existing folder, then the folder is created (with its parents) and probed
+    the same way, so ``/proc/x``, a read-only
+    mount or a file in the way is refused here, not after an hour of training.
+    """
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"{what} {path} is a file, not a folder; choose another path")
+    _check_folder_writable(path, what, path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(f"{what} {path}: cannot create it ({exc.strerror or exc}); "
+                              f"choose another folder") from None
+    _check_folder_writable(path, what, path)
+    return path
+
+
+def write_atomic(path: PathLike, data: Union[str, bytes]) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` through a temporary file + rename.
+
+    Never a half-written file, whatever interrupts it. The parent folder is
+    created; the file gets the usual mode for new files (``0o666`` minus the
+    umask), not ``mkstemp``'s 0600. This does not decide *whether* ``path``
+    may be replaced: call :func:`check_output_file` first.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
