@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:
-#   make lab    set up (once), then open JupyterLab on labs/
+#   make lab    set up (once), copy any lab you lack into my-labs/ (your work,
+#               git-ignored, never overwritten), then open JupyterLab there
 #   make test   set up (once), then run every test: unit tests, strict nbval over
 #               solutions/, lax nbval over labs/
 # Set-up is incremental: the venv is created once, torch is installed only when
@@ -15,13 +16,15 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==
 JOBS   ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
+# Students work here; labs/ is generated and released (see course_lib/workspace.py).
+WORKSPACE ?= my-labs
 
 .PHONY: lab test setup graphviz labs figures solutions benchmarks sweep clean help
 
 help:
-	@echo "make lab        set up and open the course in JupyterLab"
+	@echo "make lab        set up, copy new labs into $(WORKSPACE)/ (never over your work), open JupyterLab there"
 	@echo "make test       set up and run every test (unit + notebooks)"
-	@echo "make labs       regenerate labs/ from solutions/"
+	@echo "make labs       regenerate labs/ from solutions/ (never overwrites a hand-edited notebook)"
 	@echo "make solutions  re-execute solutions/ in place (refreshes their stored outputs)"
 	@echo "make figures    regenerate figures/"
 	@echo "make benchmarks print the speed figures"
@@ -46,7 +49,8 @@ graphviz:
 setup: $(STAMP) graphviz
 
 lab: setup
-	$(BIN)/jupyter lab --ServerApp.root_dir=labs $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	$(BIN)/python -m course_lib workspace --dir $(WORKSPACE)
+	$(BIN)/jupyter lab --ServerApp.root_dir=$(WORKSPACE) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: setup
 	$(BIN)/python -m course_lib labs --check

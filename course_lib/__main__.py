@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     # name: (module, one-line help)
     "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
+    "workspace": ("course_lib.workspace", "copy new labs into your workspace my-labs/ (never over your work); --fresh NN for a fresh copy"),
     "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
     "rankmap": ("course_lib.topology_cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
     "megatron-cmd": ("course_lib.megatron.command",
