@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,8 @@ def _refuse_markers_in_text_cell(index: int, cell: dict, source: str) -> None:
     for number, line in enumerate(source.splitlines(), 1):
         if _MARKER_LIKE.search(line):
             raise ValueError(f"{_where(index, cell)}: line {number}: {line.strip()!r} is a solution marker in a "
-                             f"{cell['cell_type']} cell, which would leak into the lab; markers work only in code cells")
+                             f"{cell['cell_type']} cell, which would leak into the lab; "
+                             f"markers work only in code cells")
 
 
 def make_lab(solution: dict) -> dict:
@@ -197,21 +199,29 @@ def survey(solutions_dir: Path, labs_dir: Path) -> tuple[list[LabStatus], list[P
     return statuses, extras
 
 
-def _move_aside(path: Path) -> str:
-    """A shell command that moves ``path`` into the student workspace under a name not yet taken."""
+def _move_aside(path: Path, tag: str) -> str:
+    """A shell command that moves ``path`` into the student workspace under a name not yet taken there.
+
+    An edited lab gets ``NN_name.<tag>.ipynb``, so it never meets the workspace's own
+    copy of the lab; another notebook keeps its name when that is free. ``mv -n`` never
+    replaces a file, should one appear in between.
+    """
     workspace = path.parent.parent / DEFAULT_WORKSPACE
-    return f"mkdir -p {workspace} && mv -n {path} {free_name(workspace, path.stem, 'edited')}"
+    target = workspace / path.name
+    if tag or target.exists():
+        target = free_name(workspace, path.stem, tag or "mine")
+    return f"mkdir -p {shlex.quote(str(workspace))} && mv -n {shlex.quote(str(path))} {shlex.quote(str(target))}"
 
 
 def _edited_message(path: Path) -> str:
     return (f"{path} was edited by hand, so it is kept as is ({path.parent}/ is generated; work belongs in "
-            f"{DEFAULT_WORKSPACE}/): to keep your edits and get the generated lab, `{_move_aside(path)}`, "
+            f"{DEFAULT_WORKSPACE}/): to keep your edits and get the generated lab, `{_move_aside(path, 'edited')}`, "
             f"then `make labs`")
 
 
 def _extra_message(path: Path, solutions_dir: Path) -> str:
     return (f"{path} has no solution in {solutions_dir}/, so it is kept as is ({path.parent}/ holds only "
-            f"generated labs; keep your own notebooks in {DEFAULT_WORKSPACE}/: `{_move_aside(path)}`)")
+            f"generated labs; keep your own notebooks in {DEFAULT_WORKSPACE}/: `{_move_aside(path, '')}`)")
 
 
 def check(solutions_dir: Path, labs_dir: Path) -> int:
@@ -254,7 +264,8 @@ def generate(solutions_dir: Path, labs_dir: Path) -> int:
 def add_arguments(parser) -> None:
     parser.add_argument("--solutions", default="solutions", type=Path, help="source folder (default: solutions)")
     parser.add_argument("--labs", default="labs", type=Path, help="output folder (default: labs)")
-    parser.add_argument("--check", action="store_true", help="do not write; exit 1, saying why, when labs/ is not current")
+    parser.add_argument("--check", action="store_true",
+                        help="do not write; exit 1, saying why, when labs/ is not current")
 
 
 def run(args) -> int:

@@ -106,7 +106,8 @@ def sync_lab(release: Path, workspace: Path) -> Optional[str]:
     beside = _deliver_beside(release, data, workspace)
     if beside is None:
         return None
-    return f"{release.name} changed in {release.parent}/: your {target} has your edits and is kept; the new version is {beside}"
+    return (f"{release.name} changed in {release.parent}/: your {target} has your edits and is kept; "
+            f"the new version is {beside}")
 
 
 def sync(labs_dir: Path, workspace: Path) -> list[str]:
@@ -157,6 +158,6 @@ def run(args) -> int:
         return 0
     for message in sync(args.labs, args.dir):
         print(message)
-    print(f"{args.dir}/ holds your labs ({len(release_labs(args.labs))} released); "
-          f"nothing there is ever overwritten with your work in it")
+    print(f"{args.dir}/ is your workspace ({len(release_labs(args.labs))} labs): "
+          f"a copy holding your work there is never overwritten")
     return 0

@@ -7,7 +7,6 @@ loses nothing.
 """
 
 import json
-import shlex
 import subprocess
 from pathlib import Path
 
@@ -148,14 +147,18 @@ def test_an_edited_lab_is_never_overwritten(course, capsys):
 
 
 def test_notebooks_with_no_solution_are_never_deleted(course, capsys):
-    (course / "labs/my_notes.ipynb").write_text("{}")
+    (course / "labs/my notes.ipynb").write_text("{}")
     (course / "labs/02_b.ipynb").rename(course / "labs/07_old.ipynb")  # a generated lab whose solution is gone
     before = labs_snapshot(course)
+    capsys.readouterr()
     assert main(["labs"]) == 0
-    err = capsys.readouterr().err
-    assert "labs/07_old.ipynb has no solution in solutions/, so it is kept" in err
-    assert "labs/my_notes.ipynb has no solution" in err
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("labs/07_old.ipynb has no solution in solutions/, so it is kept")
     assert all((course / "labs" / name).read_bytes() == data for name, data in before.items())
+    advice = err[1].split("`")[1]
+    assert advice == "mkdir -p my-labs && mv -n 'labs/my notes.ipynb' 'my-labs/my notes.ipynb'"
+    subprocess.run(advice, shell=True, check=True, cwd=course)
+    assert (course / "my-labs/my notes.ipynb").read_text() == "{}"
 
 
 @pytest.mark.parametrize("make_bad", [
@@ -225,7 +228,8 @@ def _cells(*cells):
     (b"\xff\xfe{}", "03_bad.ipynb: not UTF-8 text"),
     (_cells({"cell_type": "code", "source": "x = 1", "metadata": {}},
             {"cell_type": "code", "source": 7, "metadata": {}}).encode(), "03_bad.ipynb: cell 1: 'source' is int 7"),
-    (_cells({"cell_type": "code", "source": ["a", 3], "metadata": {}}).encode(), "03_bad.ipynb: cell 0: 'source' is list"),
+    (_cells({"cell_type": "code", "source": ["a", 3], "metadata": {}}).encode(),
+     "03_bad.ipynb: cell 0: 'source' is list"),
     (_cells("print(1)").encode(), "03_bad.ipynb: cell 0 is a JSON str"),
     (_cells({"source": "x"}).encode(), "03_bad.ipynb: cell 0: 'cell_type' is None"),
 ])

@@ -114,7 +114,8 @@ def test_fresh_copy_goes_beside_the_students_and_never_over_anything(course, cap
     assert code == 0 and out == ["wrote a fresh copy of 03_pipeline.ipynb: my-labs/03_pipeline.fresh.ipynb "
                                  "(your my-labs/03_pipeline.ipynb is unchanged)"]
     assert is_untouched(read_notebook(course / "my-labs/03_pipeline.fresh.ipynb"))
-    assert workspace(capsys, "--fresh", "3")[1][0].endswith("is already a fresh copy of 03_pipeline.ipynb (nothing written)")
+    again = workspace(capsys, "--fresh", "3")[1][0]
+    assert again.endswith("is already a fresh copy of 03_pipeline.ipynb (nothing written)")
     fresh_work = student_edits(course / "my-labs/03_pipeline.fresh.ipynb", "answer = 0")
     assert workspace(capsys, "--fresh", "03_pipeline")[1][0].startswith(
         "wrote a fresh copy of 03_pipeline.ipynb: my-labs/03_pipeline.fresh-2.ipynb")
