@@ -11,11 +11,18 @@ import argparse
 import io
 import json
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 
 import pytest
 
 from course_lib import sweep as S
 from course_lib.megatron import COLUMNS, SEED_SWEEP, parse_log
+from course_lib.__main__ import main as course_main
 from course_lib.megatron import report as report_cli
 from course_lib.pipeline import bubble_fraction, build_schedule, simulate
 from course_lib.topology import RankGrid
@@ -49,15 +56,18 @@ def test_sweep_writes_every_log_and_table_atomically_under_a_named_run(swept):
         for f in ("record_table.md", "record_table.csv", "comm_by_group.md", "comm_by_group.csv", "summary.md",
                   "day22_megatron_3d4d.md", "tokens_per_s.png", "memory_per_rank.png"):
             assert (folder / f).stat().st_size > 0, f
-    assert not list(out.rglob("*.tmp*"))                                  # no temporary file left behind
+    assert not list(out.rglob("*.tmp*")) and not list(out.rglob(".launch"))   # no temporary file left behind
     umask = os.umask(0)
     os.umask(umask)
     assert (out / "A.log").stat().st_mode & 0o777 == 0o666 & ~umask          # not the temp file's 0600
-    assert json.loads((run_dir / "day22_sweep.json").read_text())["configs"][0]["name"] == "A"
+    run = json.loads((run_dir / "day22_sweep.json").read_text())
+    assert run["configs"][0]["name"] == "A" and run["configs"][0]["run"] == "first"
+    assert (run["status"], run["planned"], run["done"], run["stopped_by"]) == ("finished", NAMES, NAMES, None)
     assert progress.count("running ") == 3 and "[########################] 3/3 configs" in progress
     csv_lines = (out / "record_table.csv").read_text().splitlines()
     assert csv_lines[0] == ",".join(COLUMNS)
     assert [line.split(",")[0] for line in csv_lines[1:]] == NAMES
+    assert all("run first" in line.split(",", 9)[9] for line in csv_lines[1:])       # each row names its run
 
 
 def test_record_table_is_read_from_the_logs_with_the_megatron_parser(swept, capsys):
@@ -149,7 +159,7 @@ def test_measured_bubble_and_timeline_of_real_pipelines(swept):
 def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
     out, _, _ = swept
     before = (out / "runs" / "first" / "A.log").read_text()
-    with pytest.raises(ValueError, match="already has A in .* choose another --run-name") as err:
+    with pytest.raises(ValueError, match="run 'first' already exists .* choose another --run-name") as err:
         S.run_sweep(["A"], out=out, iters=1, run_name="first", launcher="fork", progress=False)
     assert "\n" not in str(err.value)
     S.run_sweep(["A"], out=out, iters=1, run_name="second", launcher="fork", progress=False, timeout=120)
@@ -158,21 +168,8 @@ def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
     latest = S.latest_summary(out)
     assert [s["name"] for s in latest["configs"]] == NAMES and latest["configs"][0]["iters"] == 1
     assert (out / "D.log").read_text() == (out / "runs" / "first" / "D.log").read_text()    # untouched configs
-
-
-def test_an_interrupted_sweep_keeps_the_configs_it_finished(tmp_path, monkeypatch):
-    real = S.run_config
-
-    def interrupted_at_e(name, **kwargs):
-        if name == "E":
-            raise KeyboardInterrupt
-        return real(name, **kwargs)
-
-    monkeypatch.setattr(S, "run_config", interrupted_at_e)
-    with pytest.raises(KeyboardInterrupt):
-        S.run_sweep(["A", "E"], out=tmp_path, iters=1, launcher="fork", progress=False, timeout=120)
-    assert (tmp_path / "A.log").is_file() and not (tmp_path / "E.log").exists()
-    assert [line.split(",")[0] for line in (tmp_path / "record_table.csv").read_text().splitlines()] == ["config", "A"]
+    assert [(s["run"], s["status"], s["rows"]) for s in latest["sources"]] == [
+        ("second", "finished", ["A"]), ("first", "finished", ["D", "E"])]
 
 
 @pytest.mark.parametrize("call, message", [
@@ -213,7 +210,175 @@ def test_cli_runs_through_real_torchrun_and_publishes(tmp_path, capsys):
         assert (fig / f).stat().st_size > 0, f
     committed = S.committed_summary(fig)
     assert committed["launcher"] == "torchrun" and committed["world_size"] == 2
+    assert (committed["status"], committed["done"], "process" not in committed) == ("finished", ["A"], True)
+    assert not list(tmp_path.rglob(".launch"))          # torchrun's torchelastic_* and the job folder: gone
+    # publishing again replaces the sweep's own files; an edited deliverable needs --force
+    S.publish(committed, fig, tmp_path / "logs" / "runs" / "t")
+    (fig / "day22_megatron_3d4d.md").write_text("my conclusions")
+    with pytest.raises(ValueError, match="day22_megatron_3d4d.md already exists; pass --force"):
+        S.publish(committed, fig, tmp_path / "logs" / "runs" / "t")
     assert [p.name for p in S.write_figures(tmp_path / "again", committed)] == ["day22_tokens_per_s.png",
                                                                                  "day22_memory_per_rank.png"]
     deliverable = S.deliverable_markdown(committed)
     assert deliverable.startswith("# Day 22") and "## 5. Conclusions" in deliverable
+
+
+# ---------------------------------------------------------------- honest bookkeeping (replayed runs, no launch)
+
+
+def replay(runs, stop_at=None, stop=None, seen=None):
+    """A runner that returns the module's real runs again instead of launching; at config ``stop_at``
+    it calls ``stop()`` (which raises) instead. ``seen`` collects the temporary folder each call had."""
+    def runner(name, **kwargs):
+        if seen is not None:
+            seen.append((tempfile.gettempdir(), os.environ.get("TMPDIR"), tempfile.mkdtemp(prefix="course_launch_")))
+        if name == stop_at:
+            stop()
+        return runs[name]
+    return runner
+
+
+def _raise(exc):
+    def stop():
+        raise exc
+    return stop
+
+
+def _sigterm():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)                                       # the handler raises long before this ends
+
+
+def _csv_notes(path):
+    return {line.split(",")[0]: line.split(",", 9)[9] for line in path.read_text().splitlines()[1:]}
+
+
+def test_rows_from_different_runs_are_labelled_and_an_interrupted_run_says_so_everywhere(runs, tmp_path):
+    seen = []
+    S.run_sweep(["A", "E"], out=tmp_path, run_name="one", runner=replay(runs, seen=seen), progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        S.run_sweep(["D", "A", "E"], out=tmp_path, run_name="two", progress=False,
+                    runner=replay(runs, "E", _raise(KeyboardInterrupt), seen))
+    one, two = (json.loads((tmp_path / "runs" / r / "day22_sweep.json").read_text()) for r in ("one", "two"))
+    assert (one["status"], one["done"]) == ("finished", ["A", "E"])
+    assert (two["status"], two["planned"], two["done"]) == ("interrupted", ["D", "A", "E"], ["D", "A"])
+    assert two["stopped_by"].startswith("KeyboardInterrupt") and two["ended"]
+    # the top-level tables mix two runs: every row says which, and the interrupted one is named as such
+    notes = _csv_notes(tmp_path / "record_table.csv")
+    assert [(n, notes[n].rstrip('"').rsplit("; ", 1)[1]) for n in notes] == [
+        ("A", "run two (interrupted)"), ("D", "run two (interrupted)"), ("E", "run one")]
+    assert [line.rsplit(",", 1)[1] for line in (tmp_path / "comm_by_group.csv").read_text().splitlines()] == [
+        "run", "run two (interrupted)", "run two (interrupted)", "run one"]
+    assert "| run two (interrupted) |" in (tmp_path / "comm_by_group.md").read_text()
+    assert "; run two (interrupted) |" in (tmp_path / "record_table.md").read_text()
+    interrupted = "**Run `two` was interrupted after configs D, A**: KeyboardInterrupt (Ctrl-C"
+    for name in ("summary.md", "day22_megatron_3d4d.md"):
+        text = (tmp_path / name).read_text()
+        assert "Rows come from 2 runs" in text and interrupted in text and "; not run: E; rows here: A, D." in text
+        assert "- Run `one` finished: A, E; rows here: E." in text
+    own = (tmp_path / "runs" / "two" / "day22_megatron_3d4d.md").read_text()
+    assert f"> {interrupted}" in own and "Rows come from" not in own
+    # the plots were redrawn for the mix, and say which runs they show
+    assert S.runs_caption(S.latest_summary(tmp_path)) == "run two (interrupted): A, D; run one: E"
+    assert (tmp_path / "tokens_per_s.png").read_bytes() != (tmp_path / "runs" / "one" / "tokens_per_s.png").read_bytes()
+    # the launcher's temporary files went into the run's own folder, and are gone
+    assert all(t == env and made.startswith(str(tmp_path / "runs" / r / ".launch"))
+               for (t, env, made), r in zip(seen, ["one", "one", "two", "two", "two"]))
+    assert not list(tmp_path.rglob(".launch")) and tempfile.gettempdir() != seen[0][0]
+    # a student's conclusions in the deliverable are never replaced without --force
+    (tmp_path / "day22_megatron_3d4d.md").write_text("my conclusions")
+    with pytest.raises(ValueError, match=r"day22_megatron_3d4d.md already exists; pass --force") as err:
+        S.run_sweep(["A"], out=tmp_path, run_name="three", runner=replay(runs, "A", _raise(AssertionError)))
+    assert "\n" not in str(err.value) and not (tmp_path / "runs" / "three").exists()
+    assert (tmp_path / "day22_megatron_3d4d.md").read_text() == "my conclusions"
+
+
+@pytest.mark.parametrize("stop, reason, raised", [
+    (_raise(KeyboardInterrupt), "KeyboardInterrupt (Ctrl-C or a notebook interrupt)", KeyboardInterrupt),
+    (_sigterm, "SIGTERM", SystemExit),
+    (_raise(RuntimeError("rank 3 failed: boom\n\n--- traceback ---")), "RuntimeError: rank 3 failed: boom",
+     RuntimeError),
+])
+def test_every_way_a_run_stops_is_recorded_in_its_summary(runs, tmp_path, stop, reason, raised):
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(raised) as err:
+        S.run_sweep(["A"], out=tmp_path, run_name="r", runner=replay(runs, "A", stop), progress=False)
+    run = json.loads((tmp_path / "runs" / "r" / "day22_sweep.json").read_text())
+    assert (run["status"], run["done"], run["stopped_by"]) == ("interrupted", [], reason)
+    assert signal.getsignal(signal.SIGTERM) is handler                     # SIGTERM handling given back
+    if raised is SystemExit:
+        assert err.value.code == 128 + signal.SIGTERM                      # exits as SIGTERM would
+
+
+KILLED_SWEEP = """
+import pickle, sys, tempfile, time
+from pathlib import Path
+from course_lib import sweep as S
+out, finished, in_flight = map(Path, sys.argv[1:])
+done = pickle.loads(finished.read_bytes())
+def runner(name, **kwargs):
+    if name == done.name:
+        return done
+    folder = tempfile.mkdtemp(prefix="course_torchrun_")          # what launch() makes for its job
+    in_flight.with_suffix(".tmp").write_text(folder)
+    in_flight.with_suffix(".tmp").replace(in_flight)
+    time.sleep(120)
+S.run_sweep([done.name, "E"], out=out, run_name="killed", runner=runner, progress=False)
+"""
+
+
+def test_a_killed_sweep_keeps_what_finished_leaves_no_temp_files_and_is_marked_by_the_next(runs, tmp_path):
+    out, in_flight = tmp_path / "out", tmp_path / "in_flight"
+    (tmp_path / "A.pkl").write_bytes(pickle.dumps(runs["A"]))
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SWEEP, str(out), str(tmp_path / "A.pkl"), str(in_flight)])
+    try:
+        deadline = time.monotonic() + 60
+        while not in_flight.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert in_flight.exists(), f"the sweep never reached config E (exit code {proc.poll()})"
+    finally:
+        proc.kill()                                     # SIGKILL: the sweep cannot write anything more
+        proc.wait()
+    run_dir = out / "runs" / "killed"
+    temp = in_flight.read_text()
+    assert temp.startswith(str(run_dir / ".launch")) and os.path.isdir(temp)   # in the run's folder, not /tmp
+    assert (out / "A.log").read_text() == (run_dir / "A.log").read_text() == runs["A"].log   # saved as it finished
+    assert json.loads((run_dir / "day22_sweep.json").read_text())["status"] == "running"
+    source = S.latest_summary(out)["sources"][0]          # read later, the run is known to be killed
+    assert (source["run"], source["status"], source["done"]) == ("killed", "interrupted", ["A"])
+    assert source["stopped_by"] == "the process was killed (it ended without marking the run finished)"
+    S.run_sweep(["D"], out=out, run_name="next", runner=replay(runs), progress=False)
+    settled = json.loads((run_dir / "day22_sweep.json").read_text())
+    assert settled["status"] == "interrupted" and not (run_dir / ".launch").exists()
+    deliverable = (out / "day22_megatron_3d4d.md").read_text()
+    assert "**Run `killed` was interrupted after configs A**: the process was killed" in deliverable
+
+
+@pytest.mark.parametrize("flag, path", [("--out", "/proc/nope"), ("--out", "FILE"), ("--figures", "/proc/nope"),
+                                        ("--figures", "FILE/sub")])
+def test_an_unwritable_output_is_refused_in_one_line_before_any_training(flag, path, tmp_path, capsys):
+    (tmp_path / "FILE").write_text("a person's file")
+    path = path.replace("FILE", str(tmp_path / "FILE"))
+    out = path if flag == "--out" else str(tmp_path / "out")
+    start = time.perf_counter()
+    rc = course_main(["sweep", "--configs", "A", "--iters", "1", "--nproc-per-node", "2", "--launcher", "fork",
+                      "--out", out] + (["--figures", path] if flag == "--figures" else []))
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith(f"error: {flag} ") and err.count("\n") == 1, err
+    assert time.perf_counter() - start < 5 and not (tmp_path / "out" / "runs").exists()   # nothing trained
+    assert (tmp_path / "FILE").read_text() == "a person's file"
+
+
+def test_a_persons_file_at_a_sweep_name_needs_force(runs, swept, tmp_path):
+    (tmp_path / "record_table.md").write_text("my table")
+    with pytest.raises(ValueError, match="record_table.md already exists; pass --force"):
+        S.run_sweep(["A"], out=tmp_path, run_name="r", runner=replay(runs, "A", _raise(AssertionError)))
+    with pytest.raises(AssertionError):                # with force it gets as far as training
+        S.run_sweep(["A"], out=tmp_path, run_name="r", force=True, runner=replay(runs, "A", _raise(AssertionError)),
+                    progress=False)
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    (figures / "day22_megatron_3d4d.md").write_text("my deliverable")
+    with pytest.raises(ValueError, match="--figures .*day22_megatron_3d4d.md already exists; pass --force"):
+        S.publish(swept[1], figures, swept[1]["run_dir"])
+    assert (figures / "day22_megatron_3d4d.md").read_text() == "my deliverable"

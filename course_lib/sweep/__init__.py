@@ -31,10 +31,18 @@ How a config runs, and where each number comes from
   ``(p * makespan - busy) / busy`` per pipeline (the idle-over-useful definition of
   ``(p-1)/m``; :class:`course_lib.pipeline.Timeline`), averaged over the pipelines.
 
-Runs are never overwritten: each goes to ``<out>/runs/<run-name>/`` (default name: the start
-time), and ``<out>/<config>.log`` / ``.json`` are replaced (temporary file + rename) by the
-newest result of each config, so ``python -m course_lib report logs/day22/*.log`` reads the
-latest of every config and an interrupted sweep keeps the configs it finished. ``--figures DIR``
+Runs are never overwritten, and each says how it ended: a run goes to ``<out>/runs/<run-name>/``
+(default name: the start time), whose ``day22_sweep.json`` says ``running`` from the start,
+lists the configs done as each finishes, and ends ``finished`` or ``interrupted`` (Ctrl-C,
+SIGTERM, a config's error; a run whose process was killed is found by the next sweep and
+marked). Each config's ``.log``/``.json`` is written the moment it finishes, there and as
+``<out>/<config>.log``/``.json`` (the newest result of each config, so ``python -m course_lib
+report logs/day22/*.log`` reads the latest of every config); the tables at the top of ``<out>``
+are over those latest results and say which run each row comes from. Temporary files (the
+launcher's job folder, torchrun's ``torchelastic_*``) live in the run folder while a config
+runs and are removed after it (:mod:`course_lib.sweep.bookkeeping`). A wrong ``--out`` is
+refused before any training, and a file the sweep did not write (or that was edited since,
+e.g. the deliverable's conclusions) is never replaced without ``--force``. ``--figures DIR``
 also writes the committed summary (``day22_sweep.json``, the tables, the logs and the plots).
 
 On a 2-core machine 8 ranks share 2 cores: step times measure CPU contention and gloo over
@@ -47,40 +55,157 @@ torchrun start-up per config plus 2-35 s of training.
 from __future__ import annotations
 
 import datetime
+import io
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from course_lib.megatron import SEED_SWEEP, to_csv, to_markdown
-from course_lib.megatron.report import STEP_TIME_NOTE, write_atomic
+from course_lib.megatron.report import STEP_TIME_NOTE
+from course_lib.safe_files import OutputPathError, check_output_dir, write_atomic
+from course_lib.sweep.bookkeeping import (
+    LAUNCH_TEMP, OwnFiles, now, read_run, settle_killed_runs, sigterm_raises, stop_reason, temp_files_in,
+    this_process)
 # The parts, re-exported: ``course_lib.sweep.<name>`` is the public API (tests, Lab 05).
 from course_lib.sweep.report import (  # noqa: F401
-    bubble_markdown, comm_csv, comm_markdown, comm_table, conclusions, deliverable_markdown,
-    plot_memory_per_rank, plot_tokens_per_s, summary_markdown)
+    bubble_markdown, comm_csv, comm_markdown, comm_table, conclusions, deliverable_markdown, labelled_rows,
+    plot_memory_per_rank, plot_tokens_per_s, run_lines, runs_caption, summary_markdown)
 from course_lib.sweep.runs import (  # noqa: F401
     COMM_KINDS, DEFAULT_ITERS, LOG_INTERVAL, MB, SETUP_SOURCES, SUMMARY_NAME, SWEEP_BATCH, SWEEP_LR,
     SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order, measured_timelines,
     parse_configs, run_config, summary_timeline, sweep_rank)
 
+# What the sweep writes at the top of --out (besides <config>.log/.json), and beside them in each run folder.
+TABLE_NAMES = ("record_table.md", "record_table.csv", "comm_by_group.md", "comm_by_group.csv", "summary.md",
+               "day22_megatron_3d4d.md")
+PLOT_NAMES = ("tokens_per_s.png", "memory_per_rank.png")
 
-# ============================================================================ the sweep
+
+# ============================================================================ summaries
 
 
 def summarize(runs: Sequence[ConfigRun], *, total_s: Optional[float] = None, run_name: Optional[str] = None) -> dict:
-    """The JSON-able summary of a sweep (what ``day22_sweep.json`` holds)."""
+    """The JSON-able summary of a list of config runs (what ``day22_sweep.json`` holds, without the run's state)."""
     if not runs:
         raise ValueError("no config was run: give at least one (e.g. --configs A)")
     first = runs[0]
-    model = {**SWEEP_MODEL, **SWEEP_BATCH}
-    argv = first.argv
-    for key in model:
-        flag = "--" + key.replace("_", "-")
-        model[key] = int(argv[argv.index(flag) + 1])
     return {"run_name": run_name, "world_size": first.world_size, "iters": first.iters, "launcher": first.launcher,
-            "model": model, "total_s": None if total_s is None else round(total_s, 1),
+            "model": _model_of(first.argv), "total_s": None if total_s is None else round(total_s, 1),
             "configs": [r.summary() for r in runs]}
+
+
+def _model_of(argv: Sequence[str]) -> dict:
+    """The model and batch sizes a config's ``course_lib.train`` flags give."""
+    return {k: int(argv[argv.index("--" + k.replace("_", "-")) + 1]) for k in list(SWEEP_MODEL) + list(SWEEP_BATCH)}
+
+
+def _source(run: Optional[dict], name: Optional[str], rows: list) -> dict:
+    """Where table rows come from: the run's name and state (``status`` ``unknown`` without a run summary)."""
+    if run is None:
+        return {"run": name or "unknown", "status": "unknown", "planned": [], "done": [], "stopped_by": None,
+                "rows": rows}
+    return {"run": run["run_name"], "status": run["status"], "planned": run["planned"], "done": run["done"],
+            "stopped_by": run.get("stopped_by"), "rows": rows}
+
+
+def _with_sources(run: dict) -> dict:
+    """A run's summary, with itself as the source of its rows (what its tables are drawn from)."""
+    return {**run, "sources": [_source(run, run["run_name"], list(run["done"]))]}
+
+
+def latest_summary(out, current: Optional[dict] = None) -> dict:
+    """The sweep summary of the newest result of every config in ``out`` (``<config>.json`` files),
+    with ``sources``: the runs those results come from and how each ended (``current``: the state
+    of a run in progress, newer than its file)."""
+    out = Path(out)
+    found = [json.loads((out / f"{n}.json").read_text()) for n in SEED_SWEEP if (out / f"{n}.json").is_file()]
+    if not found:
+        raise ValueError(f"no sweep results in {out}: run `python -m course_lib sweep --out {out}` first")
+    rows_by_run: dict = {}
+    for f in found:
+        rows_by_run.setdefault(f.get("run"), []).append(f["name"])
+    sources = []
+    for name, rows in rows_by_run.items():
+        if current is not None and name == current["run_name"]:
+            run = current
+        else:
+            run = read_run(out / "runs" / name) if name and _valid_run_name(name) else None
+        sources.append(_source(run, name, rows))
+    f = found[0]
+    return {"run_name": "latest of each config", "world_size": f["world_size"], "iters": f["iters"],
+            "launcher": f["launcher"], "model": _model_of(f["command"].split()), "total_s": None, "configs": found,
+            "sources": sources}
+
+
+# ============================================================================ files
+
+
+def _table_files(sweep: dict) -> dict:
+    """``{name: text}`` of a summary's tables and deliverable (:data:`TABLE_NAMES`)."""
+    sources = sweep.get("sources") or ()
+    rows = labelled_rows(sweep)
+    files = [to_markdown(rows) + "\n" + STEP_TIME_NOTE + "\n", to_csv(rows),
+             comm_markdown(sweep["configs"], sources=sources), comm_csv(sweep["configs"], sources=sources),
+             summary_markdown(sweep), deliverable_markdown(sweep)]
+    return dict(zip(TABLE_NAMES, files))
+
+
+def _plot_files(sweep: dict, prefix: str = "") -> dict:
+    """``{name: PNG bytes}`` of a summary's plots (:data:`PLOT_NAMES`), captioned with the runs they show."""
+    import matplotlib.pyplot as plt
+
+    files = {}
+    caption = runs_caption(sweep)
+    for name, fn in zip(PLOT_NAMES, (plot_tokens_per_s, plot_memory_per_rank)):
+        fig = fn(sweep["configs"])
+        if caption:
+            fig.text(0.005, 0.005, caption, fontsize=7, color="#555555", ha="left", va="bottom")
+        fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 1))
+        png = io.BytesIO()
+        fig.savefig(png, dpi=110)
+        plt.close(fig)
+        files[prefix + name] = png.getvalue()
+    return files
+
+
+def _top_level_names(names: Sequence[str]) -> list[str]:
+    return [f"{n}.{ext}" for n in names for ext in ("log", "json")] + list(TABLE_NAMES) + list(PLOT_NAMES)
+
+
+def _save_state(run_dir: Path, run: dict) -> None:
+    write_atomic(run_dir / SUMMARY_NAME, json.dumps(run, indent=1) + "\n")
+
+
+def _record_config(result: ConfigRun, run: dict, out: Path, run_dir: Path, own: OwnFiles) -> None:
+    """Write one finished config everywhere at once: its log and JSON (the run's and the latest),
+    the run's state, and the text tables (the plots wait for the end of the run)."""
+    summary = {**result.summary(), "run": run["run_name"]}
+    files = {f"{result.name}.log": result.log, f"{result.name}.json": json.dumps(summary, indent=1) + "\n"}
+    for name, data in files.items():
+        write_atomic(run_dir / name, data)
+    own.write(files)
+    run["configs"].append(summary)
+    run["done"].append(result.name)
+    _save_state(run_dir, run)
+    _write_tables(run, out, run_dir, own, plots=False)
+
+
+def _write_tables(run: dict, out: Path, run_dir: Path, own: OwnFiles, plots: bool = True) -> None:
+    """The run's tables in its folder, and the tables over the latest result of every config in ``out``."""
+    views = [(_with_sources(run), lambda files: [write_atomic(run_dir / n, d) for n, d in files.items()])]
+    if run["configs"] or any((out / f"{n}.json").is_file() for n in SEED_SWEEP):
+        views.append((latest_summary(out, current=run), own.write))
+    for sweep, write in views:
+        if not sweep["configs"]:
+            continue
+        write(_table_files(sweep))
+        if plots:
+            write(_plot_files(sweep))
+
+
+# ============================================================================ the sweep
 
 
 def _progress(done: int, total: int, elapsed: float, width: int = 24) -> str:
@@ -89,134 +214,131 @@ def _progress(done: int, total: int, elapsed: float, width: int = 24) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} configs, {elapsed:.0f} s{eta}"
 
 
-def _write_run(run: ConfigRun, out: Path, run_dir: Path) -> list[Path]:
-    data = json.dumps(run.summary(), indent=1) + "\n"
-    written = []
-    for folder in (run_dir, out):                       # the run, then the latest copy (atomic replace)
-        written.append(write_atomic(folder / f"{run.name}.log", run.log))
-        written.append(write_atomic(folder / f"{run.name}.json", data))
-    return written
+def _valid_run_name(name: str) -> bool:
+    return bool(name) and name.replace("-", "").replace("_", "").replace(".", "").isalnum() and name[0] != "."
 
 
-def _write_tables(sweep: dict, folder: Path, prefix: str = "") -> list[Path]:
-    rows = [s["row"] for s in sweep["configs"]]
-    paths = [write_atomic(folder / f"{prefix}record_table.md", to_markdown(rows) + "\n" + STEP_TIME_NOTE + "\n"),
-             write_atomic(folder / f"{prefix}record_table.csv", to_csv(rows)),
-             write_atomic(folder / f"{prefix}comm_by_group.md", comm_markdown(sweep["configs"])),
-             write_atomic(folder / f"{prefix}comm_by_group.csv", comm_csv(sweep["configs"])),
-             write_atomic(folder / f"{prefix}summary.md", summary_markdown(sweep)),
-             write_atomic(folder / "day22_megatron_3d4d.md", deliverable_markdown(sweep))]
-    paths += _save_plots(sweep["configs"], folder, prefix)
-    return paths
-
-
-def _save_plots(summaries, folder: Path, prefix: str = "") -> list[Path]:
-    import matplotlib.pyplot as plt
-
-    paths = []
-    for name, fn in (("tokens_per_s", plot_tokens_per_s), ("memory_per_rank", plot_memory_per_rank)):
-        fig = fn(summaries)
-        fig.tight_layout()
-        path = folder / f"{prefix}{name}.png"
-        tmp = folder / f".{prefix}{name}.tmp.png"
-        fig.savefig(tmp, dpi=110)
-        tmp.replace(path)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
-def latest_summary(out) -> dict:
-    """The sweep summary of the newest result of every config in ``out`` (``<config>.json`` files)."""
-    out = Path(out)
-    found = [json.loads((out / f"{n}.json").read_text()) for n in SEED_SWEEP if (out / f"{n}.json").is_file()]
-    if not found:
-        raise ValueError(f"no sweep results in {out}: run `python -m course_lib sweep --out {out}` first")
-    f = found[0]
-    return {"run_name": "latest of each config", "world_size": f["world_size"], "iters": f["iters"],
-            "launcher": f["launcher"], "model": _model_of(f), "total_s": None, "configs": found}
-
-
-def _model_of(config_summary: dict) -> dict:
-    argv = config_summary["command"].split()
-    return {k: int(argv[argv.index("--" + k.replace("_", "-")) + 1]) for k in list(SWEEP_MODEL) + list(SWEEP_BATCH)}
+def _make_run_dir(out: Path, run_name: Optional[str]) -> Path:
+    """Create ``out/runs/<run_name>`` (default: the start time, made unique); refuse one that exists."""
+    if run_name is None:
+        base = run_name = datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+        suffix = 2
+        while (out / "runs" / run_name).exists():                # two runs in the same second
+            run_name, suffix = f"{base}-{suffix}", suffix + 1
+    run_dir = out / "runs" / run_name
+    if run_dir.exists():
+        raise ValueError(f"run {run_name!r} already exists ({run_dir}); runs are never overwritten: "
+                         f"choose another --run-name")
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise OutputPathError(f"--out {out}: cannot create the run folder {run_dir} ({exc.strerror or exc}); "
+                              f"choose another --out") from None
+    return run_dir
 
 
 def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iters: int = DEFAULT_ITERS,
               run_name: Optional[str] = None, launcher: str = "torchrun", world_size: int = WORLD_SIZE,
-              timeout: float = 600, progress: bool = True, stream=None, **model) -> dict:
-    """Run ``configs`` (default A-F) one after the other; write logs, tables and plots; return the summary
-    (:func:`summarize`, plus ``run_dir`` and ``runs``: the :class:`ConfigRun` objects).
+              timeout: float = 600, progress: bool = True, stream=None, force: bool = False,
+              runner: Callable[..., ConfigRun] = run_config, **model) -> dict:
+    """Run ``configs`` (default A-F) one after the other; write logs, tables and plots; return the
+    run's summary (its state, ``configs`` as in :func:`summarize`, ``sources``, plus ``run_dir``
+    and ``runs``: the :class:`ConfigRun` objects).
 
-    Layout under ``out``: ``runs/<run_name>/`` (this run: ``<config>.log``/``.json``, tables, plots,
-    ``day22_sweep.json``), and ``<config>.log``/``.json`` plus tables over the latest result of
-    every config. A run name that already holds one of these configs is refused (nothing is
-    overwritten). Bad configs fail before anything starts, all of them checked first.
+    Layout under ``out``: ``runs/<run_name>/`` (this run: ``day22_sweep.json`` with its state,
+    ``<config>.log``/``.json``, tables, plots), and ``<config>.log``/``.json`` plus tables over the
+    latest result of every config. Everything is checked before the first launch: the configs,
+    that ``out`` can be written, that the run name is new, and that no file the sweep would
+    replace at the top of ``out`` is someone else's (``force=True`` replaces it anyway). However
+    the run ends (Ctrl-C, SIGTERM, a config's error) its state says so before the exception goes
+    on. ``runner`` trains one config (default :func:`run_config`; tests pass a stand-in).
     """
     names = list(configs) if configs is not None else list(SEED_SWEEP)
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"--iters={iters!r} must be an integer >= 1")
     for n in names:                                     # every config checked before the first launch
         config_argv(n, world_size=world_size, iters=iters, **model)
-    out = Path(out)
-    run_name = run_name or datetime.datetime.now().strftime("run-%Y%m%d-%H%M%S")
-    if not run_name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+    if run_name is not None and not _valid_run_name(run_name):
         raise ValueError(f"--run-name {run_name!r} may only use letters, digits, '-', '_' and '.'")
-    run_dir = out / "runs" / run_name
-    taken = [n for n in names if (run_dir / f"{n}.log").exists()]
-    if taken:
-        raise ValueError(f"run {run_name!r} already has {', '.join(taken)} in {run_dir}; runs are never "
-                         f"overwritten: choose another --run-name")
+    out = check_output_dir(out, what="--out")
+    own = OwnFiles(out)
+    own.check(_top_level_names(names), force=force, what="--out")
+    run_dir = _make_run_dir(out, run_name)
     stream = stream or sys.stdout
 
     def say(text):
         if progress:
             print(text, file=stream, flush=True)
 
-    runs, start = [], time.perf_counter()
-    say(f"sweep {run_name}: {len(names)} configs on {world_size} ranks ({launcher}), {iters} iterations each "
-        f"-> {run_dir}")
+    for killed in settle_killed_runs(out):
+        say(f"run {killed} was killed before it finished: marked interrupted in {out / 'runs' / killed}")
+    run = {"run_name": run_dir.name, "status": "running", "started": now(), "ended": None,
+           "process": this_process(), "planned": names, "done": [], "stopped_by": None,
+           "world_size": world_size, "iters": iters, "launcher": launcher,
+           "model": {**SWEEP_MODEL, **SWEEP_BATCH, **model}, "total_s": None, "configs": []}
+    _save_state(run_dir, run)
+    results, start = [], time.perf_counter()
+    say(f"sweep {run['run_name']}: {len(names)} configs on {world_size} ranks ({launcher}), {iters} iterations "
+        f"each -> {run_dir}")
     try:
-        for i, n in enumerate(names):
-            tp, pp, cp = SEED_SWEEP[n]
-            say(f"{_progress(i, len(names), time.perf_counter() - start)}  running {n}: TP {tp} x PP {pp} x CP {cp} "
-                f"x DP {world_size // (tp * pp * cp)}")
-            run = run_config(n, world_size=world_size, iters=iters, launcher=launcher, timeout=timeout, **model)
-            _write_run(run, out, run_dir)
-            runs.append(run)
-            say(f"{_progress(i + 1, len(names), time.perf_counter() - start)}  {n} took {run.wall_s:.1f} s")
-    except BaseException:
-        if runs:                                        # a config failed or was interrupted: keep the finished
-            _write_tables(latest_summary(out), out)
-            say(f"sweep stopped after {', '.join(r.name for r in runs)}; their logs and tables are in {out}")
+        with sigterm_raises():
+            for i, n in enumerate(names):
+                tp, pp, cp = SEED_SWEEP[n]
+                say(f"{_progress(i, len(names), time.perf_counter() - start)}  running {n}: TP {tp} x PP {pp} x "
+                    f"CP {cp} x DP {world_size // (tp * pp * cp)}")
+                with temp_files_in(run_dir / LAUNCH_TEMP):
+                    result = runner(n, world_size=world_size, iters=iters, launcher=launcher, timeout=timeout,
+                                    **model)
+                _record_config(result, run, out, run_dir, own)
+                results.append(result)
+                say(f"{_progress(i + 1, len(names), time.perf_counter() - start)}  {n} took {result.wall_s:.1f} s")
+            run.update(status="finished", ended=now(), total_s=round(time.perf_counter() - start, 1))
+            _write_tables(run, out, run_dir, own)
+            _save_state(run_dir, run)                   # the "finished" marker: written last
+    except BaseException as exc:
+        run.update(status="interrupted", stopped_by=stop_reason(exc), ended=now(),
+                   total_s=round(time.perf_counter() - start, 1))
+        _save_state(run_dir, run)
+        try:
+            _write_tables(run, out, run_dir, own)
+        except Exception as err:                        # noqa: BLE001 - the original exception matters more
+            say(f"could not rewrite the tables: {err}")
+        say(f"sweep {run['run_name']} interrupted after {', '.join(run['done']) or 'no config'} "
+            f"({run['stopped_by']}); marked in {run_dir / SUMMARY_NAME}, finished configs are in {out}")
         raise
-    total = time.perf_counter() - start
-    sweep = summarize(runs, total_s=total, run_name=run_name)
-    write_atomic(run_dir / SUMMARY_NAME, json.dumps(sweep, indent=1) + "\n")
-    _write_tables(sweep, run_dir)
-    _write_tables(latest_summary(out), out)
-    sweep["run_dir"] = str(run_dir)
-    sweep["runs"] = runs                                # the ConfigRun objects (not written to JSON)
-    say(f"sweep done: {len(names)} config{'s' if len(names) > 1 else ''} in {total:.1f} s")
-    return sweep
+    say(f"sweep done: {len(names)} config{'s' if len(names) > 1 else ''} in {run['total_s']:.1f} s")
+    return {**_with_sources(run), "run_dir": str(run_dir), "runs": results}
 
 
-def publish(sweep: dict, folder, log_dir) -> list[Path]:
+# ============================================================================ publishing
+
+
+def publish_names(config_names: Sequence[str]) -> list[str]:
+    """The files :func:`publish` writes (relative to its folder) for these configs."""
+    return ([SUMMARY_NAME, "day22_record_table.md", "day22_record_table.csv", "day22_comm_by_group.csv",
+             "day22_megatron_3d4d.md"] + [f"day22_logs/{n}.log" for n in config_names]
+            + [f"day22_{n}" for n in PLOT_NAMES])
+
+
+def publish(sweep: dict, folder, log_dir, force: bool = False) -> list[Path]:
     """Write the committed summary into ``folder`` (e.g. ``figures/``): ``day22_sweep.json``, the
-    tables, the deliverable ``day22_megatron_3d4d.md``, the plots and the logs (``day22_logs/<config>.log``)."""
-    folder = Path(folder)
-    data = {k: v for k, v in sweep.items() if k not in ("run_dir", "runs")}
-    paths = [write_atomic(folder / SUMMARY_NAME, json.dumps(data, indent=1) + "\n")]
-    rows = [s["row"] for s in sweep["configs"]]
-    paths += [write_atomic(folder / "day22_record_table.md", summary_markdown(sweep)),
-              write_atomic(folder / "day22_record_table.csv", to_csv(rows)),
-              write_atomic(folder / "day22_comm_by_group.csv", comm_csv(sweep["configs"])),
-              write_atomic(folder / "day22_megatron_3d4d.md", deliverable_markdown(sweep, str(folder / "day22_logs")))]
+    tables, the deliverable ``day22_megatron_3d4d.md``, the plots and the logs (``day22_logs/<config>.log``).
+
+    Files there are replaced only if the sweep wrote them (or ``force``); checked before anything is written."""
+    folder = check_output_dir(folder, what="--figures")
+    own = OwnFiles(folder)
+    own.check(publish_names([s["name"] for s in sweep["configs"]]), force=force, what="--figures")
+    data = {k: v for k, v in sweep.items() if k not in ("run_dir", "runs", "process")}
+    rows = labelled_rows(sweep)
+    files = {SUMMARY_NAME: json.dumps(data, indent=1) + "\n",
+             "day22_record_table.md": summary_markdown(sweep),
+             "day22_record_table.csv": to_csv(rows),
+             "day22_comm_by_group.csv": comm_csv(sweep["configs"], sources=sweep.get("sources") or ()),
+             "day22_megatron_3d4d.md": deliverable_markdown(sweep, str(folder / "day22_logs"))}
     for s in sweep["configs"]:
-        src = Path(log_dir) / f"{s['name']}.log"
-        paths.append(write_atomic(folder / "day22_logs" / f"{s['name']}.log", src.read_text()))
-    paths += write_figures(folder, sweep)
-    return paths
+        files[f"day22_logs/{s['name']}.log"] = (Path(log_dir) / f"{s['name']}.log").read_text()
+    files.update(_plot_files(sweep, prefix="day22_"))
+    return own.write(files)
 
 
 def committed_summary(folder=None) -> dict:
@@ -231,15 +353,14 @@ def committed_summary(folder=None) -> dict:
 
 def write_figures(out_dir, sweep: Optional[dict] = None) -> list[Path]:
     """The sweep's plots (``day22_tokens_per_s.png``, ``day22_memory_per_rank.png``) from the committed
-    summary (no training: ``make sweep`` refreshes the numbers); nothing when none is committed."""
-    out_dir = Path(out_dir)
+    summary (no training: ``make sweep`` refreshes the numbers); nothing when none is committed.
+    They are recorded as the sweep's own files, so ``make sweep`` may replace them."""
     if sweep is None:
         try:
             sweep = committed_summary()
         except ValueError:
             return []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return _save_plots(sweep["configs"], out_dir, prefix="day22_")
+    return OwnFiles(out_dir).write(_plot_files(sweep, prefix="day22_"))
 
 
 # ============================================================================ CLI
@@ -260,17 +381,26 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per config before it is declared hung")
     parser.add_argument("--figures", type=Path, default=None,
                         help="also write the committed summary (json, tables, logs, plots) into this folder")
+    parser.add_argument("--force", action="store_true",
+                        help="replace files at the sweep's output names even if the sweep did not write them, "
+                             "or they were edited since (e.g. a filled-in day22_megatron_3d4d.md)")
 
 
 def run(args) -> int:
     names = parse_configs(args.configs)
-    sweep = run_sweep(names, out=args.out, iters=args.iters, run_name=args.run_name, launcher=args.launcher,
-                      world_size=args.nproc_per_node, timeout=args.timeout)
+    if args.figures is not None:                        # refused before any training, like --out
+        check_output_dir(args.figures, what="--figures")
+        OwnFiles(args.figures).check(publish_names(names), force=args.force, what="--figures")
+    try:
+        sweep = run_sweep(names, out=args.out, iters=args.iters, run_name=args.run_name, launcher=args.launcher,
+                          world_size=args.nproc_per_node, timeout=args.timeout, force=args.force)
+    except KeyboardInterrupt:                           # run_sweep has said where the run stopped
+        return 130
     print()
     print(summary_markdown(sweep))
     print(f"logs and tables: {sweep['run_dir']} (this run), {args.out} (latest of each config)")
     if args.figures is not None:
-        for p in publish(sweep, args.figures, sweep["run_dir"]):
+        for p in publish(sweep, args.figures, sweep["run_dir"], force=args.force):
             print(f"wrote {p}")
     print(f"sweep time: {sweep['total_s']:.1f} s ({len(names)} config(s) x {args.nproc_per_node} ranks, "
           f"{args.launcher}, {args.iters} iterations each)")

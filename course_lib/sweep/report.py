@@ -1,5 +1,10 @@
 """The Day 22 sweep's tables, plots and the seed's deliverable (``day22_megatron_3d4d.md``),
 all from the JSON summaries that :mod:`course_lib.sweep` writes.
+
+A sweep summary may carry ``sources``: the runs its rows come from, each with its status
+(``finished``, ``interrupted``, ``running``). Then every table says which run each row comes
+from (a ``run`` column, or ``run NAME`` in the record table's notes) and the Markdown starts
+with one line per run, so rows of different runs, or of an interrupted one, never pass unnoticed.
 """
 
 from __future__ import annotations
@@ -11,21 +16,86 @@ from course_lib.megatron.report import STEP_TIME_NOTE
 from course_lib.sweep.runs import MB, kind_order
 
 
+# ============================================================================ runs
+
+
+def _has_runs(summaries: Sequence[dict]) -> bool:
+    return any("run" in s for s in summaries)
+
+
+def run_label(config_summary: dict, sources: Sequence[dict] = ()) -> str:
+    """``run NAME``, plus the run's status when it did not finish (``run NAME (interrupted)``)."""
+    run = config_summary.get("run") or "unknown"
+    status = next((src["status"] for src in sources if src["run"] == run), None)
+    return f"run {run}" if status in (None, "finished") else f"run {run} ({status})"
+
+
+def run_lines(sweep: dict) -> list[str]:
+    """One Markdown line per run the rows come from, saying whether it finished (``[]`` without ``sources``)."""
+    sources = sweep.get("sources") or []
+    lines = [f"Rows come from {len(sources)} runs (the latest result of each config):"] if len(sources) > 1 else []
+    for src in sources:
+        lines.append(("- " if len(sources) > 1 else "") + _run_sentence(src, len(sources) > 1))
+    return lines
+
+
+def _run_sentence(src: dict, name_rows: bool) -> str:
+    done = ", ".join(src["done"]) or "no config"
+    if src["status"] == "finished":
+        text = f"Run `{src['run']}` finished: {done}"
+    elif src["status"] == "running":
+        text = f"Run `{src['run']}` was still running when this was written (done so far: {done})"
+    elif src["status"] == "interrupted":
+        missing = [n for n in src["planned"] if n not in src["done"]]
+        text = (f"**Run `{src['run']}` was interrupted after configs {done}**: {src['stopped_by']}"
+                + (f"; not run: {', '.join(missing)}" if missing else ""))
+    else:
+        text = f"Run `{src['run']}`: written before the sweep recorded its runs"
+    if name_rows:
+        text += f"; rows here: {', '.join(src['rows']) or 'none'}"
+    return text + "."
+
+
+def labelled_rows(sweep: dict) -> list[dict]:
+    """The record table's rows, each noting the run it comes from when the summary records runs."""
+    rows = []
+    for s in sweep["configs"]:
+        row = dict(s["row"])
+        if "run" in s:
+            label = run_label(s, sweep.get("sources") or ())
+            row["notes"] = f"{row['notes']}; {label}" if row.get("notes") else label
+        rows.append(row)
+    return rows
+
+
+def runs_caption(sweep: dict) -> str:
+    """A plot's caption naming the runs its bars come from (``""`` without ``sources``)."""
+    parts = []
+    for src in sweep.get("sources") or ():
+        state = "" if src["status"] == "finished" else f" ({src['status']})"
+        parts.append(f"run {src['run']}{state}: {', '.join(src['rows'])}")
+    return "; ".join(parts)
+
+
 # ============================================================================ tables
 
 
-def comm_table(summaries: Sequence[dict], key: str = "sent_bytes") -> tuple[list[str], list[list]]:
-    """Header and rows: per config, MB per iteration by process group (max over ranks)."""
+def comm_table(summaries: Sequence[dict], key: str = "sent_bytes", sources: Sequence[dict] = ()
+               ) -> tuple[list[str], list[list]]:
+    """Header and rows: per config, MB per iteration by process group (max over ranks); a last
+    ``run`` column when the summaries record their run."""
     kinds = sorted({k for s in summaries for k in s["comm_per_iteration"]}, key=kind_order)
+    with_run = _has_runs(summaries)
     rows = []
     for s in summaries:
         c = s["comm_per_iteration"]
-        rows.append([s["name"]] + [round(c[k][key] / MB, 3) if k in c else None for k in kinds])
-    return ["config"] + kinds, rows
+        rows.append([s["name"]] + [round(c[k][key] / MB, 3) if k in c else None for k in kinds]
+                    + ([run_label(s, sources)] if with_run else []))
+    return ["config"] + kinds + (["run"] if with_run else []), rows
 
 
-def comm_markdown(summaries: Sequence[dict], key: str = "sent_bytes") -> str:
-    head, rows = comm_table(summaries, key)
+def comm_markdown(summaries: Sequence[dict], key: str = "sent_bytes", sources: Sequence[dict] = ()) -> str:
+    head, rows = comm_table(summaries, key, sources)
     what = ("MB one rank sends per iteration (ring model), busiest rank" if key == "sent_bytes"
             else "MB of collective tensors per iteration (full-tensor convention), busiest rank")
     lines = [f"{what}, by process group:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -35,32 +105,38 @@ def comm_markdown(summaries: Sequence[dict], key: str = "sent_bytes") -> str:
     return "\n".join(lines) + "\n"
 
 
-def comm_csv(summaries: Sequence[dict], key: str = "sent_bytes") -> str:
-    head, rows = comm_table(summaries, key)
+def comm_csv(summaries: Sequence[dict], key: str = "sent_bytes", sources: Sequence[dict] = ()) -> str:
+    head, rows = comm_table(summaries, key, sources)
     lines = [",".join(head)] + [",".join("" if v is None else str(v) for v in r) for r in rows]
     return "\n".join(lines) + "\n"
 
 
-def bubble_markdown(summaries: Sequence[dict]) -> str:
-    lines = ["| config | PP | micro-batches | (p-1)/m | measured (last iteration) |", "|---|---|---|---|---|"]
+def bubble_markdown(summaries: Sequence[dict], sources: Sequence[dict] = ()) -> str:
+    with_run = _has_runs(summaries)
+    head = "| config | PP | micro-batches | (p-1)/m | measured (last iteration) |" + (" run |" if with_run else "")
+    lines = [head, "|---|---|---|---|---|" + ("---|" if with_run else "")]
     for s in summaries:
         b = s["bubble"]
         meas = "—" if b["measured"] is None else f"{b['measured']:.3f}"
-        lines.append(f"| {s['name']} | {s['pp']} | {s['micro_batches']} | {b['formula']:.3f} | {meas} |")
+        run = f" {run_label(s, sources)} |" if with_run else ""
+        lines.append(f"| {s['name']} | {s['pp']} | {s['micro_batches']} | {b['formula']:.3f} | {meas} |{run}")
     return "\n".join(lines) + "\n"
 
 
-def summary_markdown(sweep: dict) -> str:
-    """The record table, communication and bubble tables of a sweep summary, as Markdown."""
-    rows = [s["row"] for s in sweep["configs"]]
+def summary_markdown(sweep: dict, with_runs: bool = True) -> str:
+    """The record table, communication and bubble tables of a sweep summary, as Markdown; first
+    (``with_runs``) the runs its rows come from and whether each finished."""
+    rows = labelled_rows(sweep)
+    sources = sweep.get("sources") or ()
     m = sweep["model"]
-    parts = [
+    heading = run_lines(sweep) + [""] if with_runs and sources else []
+    parts = heading + [
         f"Model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
         f"sequence {m['seq_length']}, micro-batch {m['micro_batch_size']}, global batch {m['global_batch_size']}; "
         f"{sweep['world_size']} ranks ({sweep['launcher']}), {sweep['iters']} iterations per config; "
         f"memory: tracked tensor bytes (parameters + gradients + Adam state + peak saved activations).",
-        "", to_markdown(rows), STEP_TIME_NOTE, "", comm_markdown(sweep["configs"]),
-        "Pipeline bubble (idle / useful time, 1F1B):", "", bubble_markdown(sweep["configs"]),
+        "", to_markdown(rows), STEP_TIME_NOTE, "", comm_markdown(sweep["configs"], sources=sources),
+        "Pipeline bubble (idle / useful time, 1F1B):", "", bubble_markdown(sweep["configs"], sources),
     ]
     if sweep.get("total_s") is not None:
         n = len(sweep["configs"])
@@ -137,6 +213,9 @@ def deliverable_markdown(sweep: dict, log_dir: str = "logs/day22") -> str:
     cfgs = sweep["configs"]
     world = sweep["world_size"]
     out = ["# Day 22 · 3D/4D parallelism in practice (day22_megatron_3d4d.md)", ""]
+    runs = run_lines(sweep)
+    if runs:
+        out += [f"> {line}" for line in runs] + [""]
     out += ["## 1. TP × PP × DP (× CP) coordinates", "",
             f"`world_size = TP × PP × CP × DP` on {world} ranks; Megatron's rank order `tp-cp-ep-dp-pp` "
             "(TP fastest).", ""]
@@ -157,8 +236,9 @@ def deliverable_markdown(sweep: dict, log_dir: str = "logs/day22") -> str:
     out += ["## 3. Logs", ""]
     for s in cfgs:
         r = s["row"]
-        out.append(f"- `{log_dir}/{s['name']}.log` — {r['notes']}")
-    out += ["", "## 4. Metrics", "", summary_markdown(sweep)]
+        run = f" ({run_label(s, sweep.get('sources') or ())})" if "run" in s else ""
+        out.append(f"- `{log_dir}/{s['name']}.log`{run} — {r['notes']}")
+    out += ["", "## 4. Metrics", "", summary_markdown(sweep, with_runs=False)]
     out += ["## 5. Conclusions (TP / PP / CP trade-offs)", ""] + [f"- {c}" for c in conclusions(cfgs)]
     out += ["- Your choice for this model and why (memory, throughput, communication, complexity): …", ""]
     return "\n".join(out)

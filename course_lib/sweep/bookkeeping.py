@@ -1,0 +1,206 @@
+"""The sweep's bookkeeping: the state of every run, which files are the sweep's own, where temporary files go.
+
+* **Run state.** ``<out>/runs/<run>/day22_sweep.json`` is written when the run starts
+  (``"status": "running"``), again as each config finishes (``"done"``), and last of all with
+  ``"finished"`` or ``"interrupted"`` (``"stopped_by"``: Ctrl-C, SIGTERM, a config's error). A
+  process killed outright (SIGKILL, a killed kernel) writes nothing more, so a run that still
+  says ``running`` while its process is gone was killed: :func:`settled` reports it as
+  interrupted, and :func:`settle_killed_runs` writes that down on the next sweep.
+* **Own files.** The sweep replaces a fixed name (``<out>/A.log``, ``record_table.md``,
+  ``figures/day22_megatron_3d4d.md``...) only when the file is exactly what the sweep wrote there
+  (its SHA-256 is in the folder's ledger ``.sweep_outputs.json``); a file a person put there or
+  edited since (the deliverable's conclusions!) needs ``--force``.
+* **Temporary files.** While a config runs, Python's temporary folder and ``$TMPDIR`` (which
+  torchrun and the ranks inherit) point into the run's own folder, ``<run>/.launch/``, which is
+  removed after each config; after a kill, the next sweep removes what was left there.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Optional, Union
+
+from course_lib.safe_files import check_output_file, write_atomic
+from course_lib.sweep.runs import SUMMARY_NAME
+
+LEDGER_NAME = ".sweep_outputs.json"
+LAUNCH_TEMP = ".launch"
+
+
+def now() -> str:
+    """The local time, to the second, ISO 8601 (what run summaries record)."""
+    return datetime.datetime.now().isoformat(timespec="seconds")
+
+
+# ============================================================================ run state
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The start time of process ``pid`` in clock ticks since boot (Linux), so a reused pid is not
+    mistaken for the sweep's; ``None`` where ``/proc`` cannot tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]          # field 22; the name before ")" may hold spaces
+
+
+def this_process() -> dict:
+    """Who runs this sweep (recorded in the run summary, to tell later whether it still runs)."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _process_start(os.getpid())}
+
+
+def _still_running(process: dict) -> Optional[bool]:
+    """Whether the process a run summary names is alive; ``None`` when it ran on another machine."""
+    if process.get("host") != socket.gethostname():
+        return None
+    pid = process["pid"]
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:                             # alive, someone else's
+        pass
+    return process.get("start") is None or _process_start(pid) == process["start"]
+
+
+def settled(summary: dict) -> dict:
+    """The run summary as it stands now: one that says ``running`` while its process is gone was
+    killed, and is returned as ``interrupted`` (a copy; the file is not touched)."""
+    if summary.get("status") != "running" or _still_running(summary.get("process", {})) is not False:
+        return summary
+    return {**summary, "status": "interrupted",
+            "stopped_by": "the process was killed (it ended without marking the run finished)"}
+
+
+def read_run(run_dir: Path) -> Optional[dict]:
+    """The settled summary of the run in ``run_dir``, or ``None`` if it has none (or one that cannot be read)."""
+    try:
+        return settled(json.loads((Path(run_dir) / SUMMARY_NAME).read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def settle_killed_runs(out: Path) -> list[str]:
+    """Mark every killed run under ``out/runs`` as interrupted in its summary and remove the
+    temporary folder it left; return their names."""
+    names = []
+    for summary_path in sorted(Path(out).glob(f"runs/*/{SUMMARY_NAME}")):
+        run_dir = summary_path.parent
+        try:
+            written = json.loads(summary_path.read_text())
+        except (OSError, ValueError):
+            continue
+        summary = settled(written)
+        if summary is written:
+            continue
+        write_atomic(summary_path, json.dumps({**summary, "settled": now()}, indent=1) + "\n")
+        shutil.rmtree(run_dir / LAUNCH_TEMP, ignore_errors=True)
+        names.append(run_dir.name)
+    return names
+
+
+class Terminated(SystemExit):
+    """The sweep got SIGTERM; left uncaught it ends the process quietly with status 143, as SIGTERM would."""
+
+
+def stop_reason(exc: BaseException) -> str:
+    """What stopped a run, in a few words (recorded as ``stopped_by``)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "KeyboardInterrupt (Ctrl-C or a notebook interrupt)"
+    if isinstance(exc, Terminated):
+        return "SIGTERM"
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+@contextmanager
+def sigterm_raises():
+    """While the block runs (in the main thread), SIGTERM raises :class:`Terminated` instead of
+    ending the process on the spot, so the run can be marked interrupted; the old handler is restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def temp_files_in(folder: Path):
+    """Create temporary files inside ``folder`` while the block runs, and remove it afterwards.
+
+    ``launch`` makes its job folder with ``tempfile``'s defaults and torchrun its
+    ``torchelastic_*`` folder under ``$TMPDIR`` (left there even after a clean run), so both
+    are pointed here. Python's ``tempfile.tempdir`` is process-wide: the sweep runs one config
+    at a time, and restores it (and ``$TMPDIR``) on the way out.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = str(folder)
+    try:
+        yield folder
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ============================================================================ own files
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class OwnFiles:
+    """The files the sweep wrote in ``folder``, by name, with their SHA-256 (``folder/.sweep_outputs.json``).
+
+    :meth:`check` (before any work) refuses a name that holds a file the sweep did not write, or
+    that was changed since, unless ``force``; :meth:`write` writes atomically and records the files.
+    """
+
+    def __init__(self, folder: Union[str, os.PathLike]):
+        self.folder = Path(folder)
+        self.ledger = self.folder / LEDGER_NAME
+        try:
+            self.hashes: dict = json.loads(self.ledger.read_text())
+        except (OSError, ValueError):
+            self.hashes = {}
+
+    def is_ours(self, name: str) -> bool:
+        path = self.folder / name
+        return path.is_file() and self.hashes.get(name) == _sha256(path)
+
+    def check(self, names: Iterable[str], *, force: bool = False, what: str = "--out") -> None:
+        """Refuse (``OutputPathError``, one line) if any of ``names`` may not be written."""
+        for name in names:
+            check_output_file(self.folder / name, force=force or self.is_ours(name), what=what)
+
+    def write(self, files: dict) -> list[Path]:
+        """Write ``{name: text or bytes}`` (names relative to the folder) and record them in the ledger."""
+        paths = []
+        for name, data in files.items():
+            paths.append(write_atomic(self.folder / name, data))
+            self.hashes[name] = hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
+        write_atomic(self.ledger, json.dumps(self.hashes, indent=1, sort_keys=True) + "\n")
+        return paths
