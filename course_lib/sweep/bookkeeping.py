@@ -116,11 +116,11 @@ class Terminated(SystemExit):
 
 def stop_reason(exc: BaseException) -> str:
     """What stopped a run, in a few words (recorded as ``stopped_by``)."""
-    if isinstance(exc, KeyboardInterrupt):
-        return "KeyboardInterrupt (Ctrl-C or a notebook interrupt)"
+    lines = str(exc).strip().splitlines()
+    if isinstance(exc, KeyboardInterrupt):             # the launcher may say what it stopped
+        return "KeyboardInterrupt (Ctrl-C or a notebook interrupt)" + (f"; {lines[0]}" if lines else "")
     if isinstance(exc, Terminated):
         return "SIGTERM"
-    lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
