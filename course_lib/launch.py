@@ -12,15 +12,28 @@ order. Two launchers, one contract:
   importable from a module there (not defined in a notebook cell).
 
 Failure is never silent and never hangs: every process group gets ``timeout``
-seconds; a rank that raises is reported by rank with its traceback; a rank that
-hangs is reported when ``timeout`` expires; either way every rank process is
-killed before ``launch`` returns or raises. Each rank's stdout/stderr is
-captured to its own buffer and printed grouped by rank, never interleaved.
+seconds; the first rank to fail is the one named -- with its traceback, or with
+its exit code or signal when it died without one (``os._exit``, a segfault, a
+kill); a rank that hangs is reported when ``timeout`` expires. Each rank's
+stdout/stderr is captured to its own buffer and printed grouped by rank, never
+interleaved.
+
+No process outlives its launch. However ``launch`` ends (results, a failure, a
+timeout, Ctrl-C or a Jupyter interrupt, an exception) it kills the whole process
+tree of its ranks -- torchrun starts its ranks in sessions of their own, so a
+process group is not enough -- and checks that nothing is left before it returns
+or raises. If the launching process is itself killed (a killed kernel), its
+ranks die with it: each one asks Linux for a signal when its parent dies
+(``prctl(PR_SET_PDEATHSIG)``; elsewhere a thread polls ``os.getppid()``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import functools
+import math
+import numbers
 import os
 import pickle
 import shlex
@@ -29,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from multiprocessing import connection
@@ -38,9 +52,27 @@ from typing import Any, Callable, Sequence
 LAUNCHERS = ("fork", "torchrun")
 BACKENDS = ("auto", "gloo", "nccl")
 OUTPUT_MODES = ("all", "rank0", "none")
+MAX_TIMEOUT_S = 7 * 24 * 3600
 # After the first rank fails, the others get this long to report their own
 # failure (often a broken collective) before they are killed.
 _GRACE_AFTER_FAILURE_S = 0.3
+# How often the launcher looks for ranks that died, and a rank for a dead parent
+# where there is no parent-death signal.
+_POLL_S = 0.1
+_PARENT_POLL_S = 0.5
+# torchrun: how long start-up (imports, rendezvous) may take on top of
+# ``timeout``, and how long after ``timeout`` the ranks' own watchdogs get to
+# report before the launcher stops everything itself.
+_TORCHRUN_STARTUP_S = 60
+_WATCHDOG_GRACE_S = 5
+# Set in every rank process (to its rank), so that launch() can refuse to nest.
+RANK_ENV = "COURSE_LIB_LAUNCH_RANK"
+# RankError.exc_type of a rank that died without reporting (no traceback), and
+# of a result that the launching process cannot unpickle.
+PROCESS_DIED = "ProcessDied"
+RESULT_UNREADABLE = "ResultUnreadable"
+_SIGNAL_HINTS = {signal.SIGSEGV: "a crash in native code", signal.SIGABRT: "an abort in native code",
+                 signal.SIGKILL: "killed from outside, often by the out-of-memory killer"}
 
 
 class LaunchError(RuntimeError):
@@ -48,8 +80,11 @@ class LaunchError(RuntimeError):
 
 
 class RankError(LaunchError):
-    """A rank raised. ``rank`` is the first rank that failed, ``traceback`` its text,
-    ``exc_type`` the exception class name, ``outputs`` every rank's captured output."""
+    """A rank failed. ``rank`` is the first rank that failed, ``traceback`` its text
+    (for a rank that died without one, how it died), ``exc_type`` the exception
+    class name (``"ProcessDied"`` for such a death, ``"ResultUnreadable"`` for a
+    result this process cannot unpickle), ``outputs`` every rank's
+    captured output, ``other_failures`` the later failures by rank."""
 
     def __init__(self, rank: int, exc_type: str, tb: str, outputs: list[str],
                  other_failures: dict[int, str] | None = None):
@@ -57,7 +92,12 @@ class RankError(LaunchError):
         self.outputs = outputs
         self.other_failures = other_failures or {}
         last_line = tb.strip().splitlines()[-1] if tb.strip() else exc_type
-        msg = f"rank {rank} failed: {last_line}\n\n--- traceback of rank {rank} ---\n{tb}"
+        if exc_type in (PROCESS_DIED, RESULT_UNREADABLE):  # the launcher's account: it names the rank
+            msg = tb.strip()
+            if rank < len(outputs) and outputs[rank].strip():
+                msg += f"\n\n--- last output of rank {rank} ---\n{_tail(outputs[rank])}"
+        else:
+            msg = f"rank {rank} failed: {last_line}\n\n--- traceback of rank {rank} ---\n{tb}"
         if self.other_failures:
             msg += "\nother ranks that failed: " + ", ".join(
                 f"{r} ({t.strip().splitlines()[-1]})" for r, t in sorted(self.other_failures.items()))
@@ -65,16 +105,17 @@ class RankError(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """Some ranks did not finish within the timeout (a hang or a deadlock)."""
+    """Some ranks did not finish within the timeout (a hang or a deadlock).
+    ``stopped`` says what became of the rank processes (checked, not assumed)."""
 
-    def __init__(self, timeout: float, unfinished: list[int], outputs: list[str]):
-        self.timeout, self.unfinished, self.outputs = timeout, unfinished, outputs
+    def __init__(self, timeout: float, unfinished: list[int], outputs: list[str],
+                 stopped: str = "every rank process was stopped"):
+        self.timeout, self.unfinished, self.outputs, self.stopped = timeout, unfinished, outputs, stopped
         tails = "".join(
             f"\n--- last output of rank {r} ---\n{_tail(outputs[r])}" for r in unfinished if outputs[r].strip())
         super().__init__(
             f"ranks {unfinished} did not finish within timeout={timeout:g}s (a hang or deadlock: "
-            f"check that every rank calls the same collectives in the same order); "
-            f"all rank processes were killed{tails}")
+            f"check that every rank calls the same collectives in the same order); {stopped}{tails}")
 
 
 class RankResults(list):
@@ -107,14 +148,24 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 def _check_args(world_size, launcher, output, timeout):
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
         raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r} is unknown: use 'fork' (fast, notebooks) or 'torchrun'")
     if output not in OUTPUT_MODES:
         raise ValueError(f"output={output!r} is unknown: use one of {', '.join(OUTPUT_MODES)}")
-    if not timeout or timeout <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds")
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, at most "
+                         f"{MAX_TIMEOUT_S} (a week); e.g. timeout=60")
+
+
+def _refuse_nested_launch() -> None:
+    rank = os.environ.get(RANK_ENV)
+    if rank is not None:
+        raise LaunchError(f"launch() was called on rank {rank} of another launch: nested launches are not "
+                          f"supported; call launch() once, from the notebook or script, and give each rank its "
+                          f"part of the work")
 
 
 def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None) -> None:
@@ -159,10 +210,13 @@ def launch(fn: Callable[..., Any], /, world_size: int = 4, launcher: str = "fork
 
     ``output``: print the ranks' captured output grouped by rank (``"all"``),
     only rank 0's (``"rank0"``) or nothing (``"none"``; it is still in ``.outputs``).
-    Raises ``ValueError`` for bad arguments, ``RankError`` when a rank raises,
-    ``LaunchTimeout`` when ranks do not finish within ``timeout`` seconds.
+    Raises ``ValueError`` for bad arguments, ``RankError`` when a rank fails,
+    ``LaunchTimeout`` when ranks do not finish within ``timeout`` seconds, and
+    ``KeyboardInterrupt("interrupted: ...")`` on Ctrl-C once every rank is stopped.
     """
+    _refuse_nested_launch()
     _check_args(world_size, launcher, output, timeout)
+    world_size = int(world_size)
     backend = resolve_backend(backend, world_size)
     if launcher == "fork" and backend == "nccl":
         import torch
@@ -189,6 +243,190 @@ def _first_failure(failures: dict[int, tuple[str, str, float]], outputs: list[st
     return RankError(first, exc_type, tb, outputs, {r: f[1] for r, f in failures.items() if r != first})
 
 
+def describe_exit(exitcode: int | None) -> str:
+    """How a process that reported nothing ended, from its exit code (negative: the signal)."""
+    if exitcode is None:
+        return "ended without reporting a result"
+    if exitcode >= 0:
+        return f"exited with code {exitcode} without reporting a result"
+    try:
+        sig = signal.Signals(-exitcode)
+    except ValueError:
+        return f"was killed by signal {-exitcode}"
+    hint = _SIGNAL_HINTS.get(sig)
+    return f"was killed by signal {sig.name}" + (f" ({hint})" if hint else "")
+
+
+def _death_report(rank: int, exitcode: int | None, died_at: float) -> tuple[str, str, float]:
+    """The failure record of a rank that died without reporting, like a rank's own (name, text, time)."""
+    return PROCESS_DIED, f"rank {rank} {describe_exit(exitcode)}; its output is below\n", died_at
+
+
+def _load_results(payloads: dict[int, bytes], outputs: list[str]) -> RankResults:
+    """Unpickle every rank's return value here, in the launching process; a value that
+    cannot be read here (e.g. an instance of a class this process cannot import) names its rank."""
+    values = []
+    for rank in range(len(outputs)):
+        try:
+            values.append(pickle.loads(payloads[rank]))
+        except Exception as exc:  # noqa: BLE001 - any unpickling error: name the rank
+            raise RankError(rank, RESULT_UNREADABLE, (
+                f"rank {rank} returned a value that cannot be unpickled in the launching process: "
+                f"{type(exc).__name__}: {exc}; return plain data (numbers, lists, dicts, tensors)\n"),
+                outputs) from None
+    results = RankResults(values)
+    results.outputs = outputs
+    return results
+
+
+# ------------------------------------------------------------------ process lifetime
+
+
+@functools.lru_cache(maxsize=None)
+def _libc_prctl():
+    """libc's ``prctl``, or None off Linux. Looked up before any fork: a forked child should not dlopen."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _watch_parent(parent_pid: int, sig: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    os.kill(os.getpid(), sig)
+
+
+def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
+    """Make this process receive ``sig`` when its parent ``parent_pid`` ends.
+
+    Linux sends it itself (``prctl(PR_SET_PDEATHSIG)``, kept across ``exec``);
+    elsewhere a daemon thread polls ``os.getppid()``. A parent that died before
+    this call (the child was then adopted by another process) is noticed at once.
+    """
+    prctl = _libc_prctl()
+    pr_set_pdeathsig = 1
+    if prctl is None or prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
+        threading.Thread(target=_watch_parent, args=(parent_pid, sig), daemon=True,
+                         name="die-with-parent").start()
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), sig)
+
+
+def _parent_pids() -> dict[int, int] | None:
+    """``{pid: parent pid}`` of every process, read from /proc; None where there is no /proc."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    parents = {}
+    for name in names:
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:  # it just ended
+                continue
+            # "pid (command) state ppid ...": the command may contain spaces and parentheses
+            parents[int(name)] = int(stat.rpartition(b")")[2].split()[1])
+    return parents
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants, parents before children (only ``pid`` where there is no /proc)."""
+    parents = _parent_pids() or {}
+    tree = [pid]
+    for parent in tree:  # grows while it is walked: breadth first
+        tree += [child for child, p in parents.items() if p == parent]
+    return tree
+
+
+def _send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def kill_tree(pid: int) -> list[int]:
+    """SIGKILL ``pid`` and every descendant, whatever session they are in; return their pids.
+
+    Each generation is stopped (SIGSTOP) before its children are listed, so that
+    no process can start a child we miss, nor reap one (its pid stays its own).
+    ``pid`` must be an unreaped child of this process, or a process we may signal.
+    """
+    tree, generation = [], [pid]
+    while generation:
+        for p in generation:
+            _send(p, signal.SIGSTOP)
+        tree += generation
+        parents = _parent_pids() or {}
+        generation = [child for child, p in parents.items() if p in generation and child not in tree]
+    if len(tree) == 1 and _parent_pids() is None and hasattr(os, "killpg"):  # no /proc: its group at least
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    for p in reversed(tree):
+        _send(p, signal.SIGKILL)
+    return tree
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, dead but not yet reaped, is not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def wait_gone(pids: Sequence[int], timeout: float = 10) -> list[int]:
+    """Wait until none of ``pids`` runs (at most ``timeout`` s); return those still running."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in pids if is_running(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _stopped(done: str, survivors: Sequence[int]) -> str:
+    """``done`` ("all 4 rank processes were stopped") when no process survived, else which did."""
+    if not survivors:
+        return done
+    pids = " ".join(map(str, survivors))
+    return f"{len(survivors)} processes could not be stopped (pids {pids}): end them with kill -9 {pids}"
+
+
+def _supervise(wait: Callable[[], Any], stop: Callable[[], str]) -> tuple[Any, str]:
+    """``wait()`` for the ranks, then ``stop()`` every process however the wait ends.
+
+    Returns wait's result and stop's report. An exception is re-raised once
+    everything is stopped; Ctrl-C (a Jupyter interrupt) as
+    ``KeyboardInterrupt("interrupted: <what was stopped>")``.
+    """
+    try:
+        result = wait()
+    except KeyboardInterrupt as exc:
+        raise type(exc)(f"{getattr(exc, 'reason', 'interrupted')}: {stop()}") from None
+    except BaseException:
+        stop()
+        raise
+    return result, stop()
+
+
 # --------------------------------------------------------------------------- fork
 
 
@@ -204,7 +442,8 @@ def _redirect_output(path: str) -> None:
     sys.stderr = sys.stdout
 
 
-def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_path):
+def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_path, parent_pid):
+    die_with_parent(parent_pid)  # first: a killed kernel takes its ranks with it
     status, payload = "error", b""
     try:
         _redirect_output(out_path)
@@ -217,6 +456,7 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
         # What torchrun would set, so code reads the same under both launchers.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
+        os.environ[RANK_ENV] = str(rank)
 
         store = dist.TCPStore(host, port, world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout))
@@ -244,6 +484,48 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
         os._exit(0)  # never run the parent's atexit handlers in a forked child
 
 
+def _record_death(pid: int, sentinel: int, rank: int, deaths: dict[int, tuple[float, int | None]]) -> None:
+    """Wait (in a thread) for rank process ``pid`` to die; record when, and its exit code.
+
+    A rank that dies hard never reports, and its pipe may close later than it
+    died (a child of its own can hold it open): this time, not the time the
+    launcher notices, is what orders it against the failures of its peers.
+    WNOWAIT leaves the process to be reaped by multiprocessing. (Without
+    os.waitid -- macOS before Python 3.13 -- the process sentinel stands in.)
+    """
+    exitcode = None
+    if hasattr(os, "waitid"):
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            exitcode = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        except ChildProcessError:  # already reaped
+            pass
+    else:
+        connection.wait([sentinel])
+    deaths[rank] = (time.time(), exitcode)
+
+
+def _receive(conn) -> tuple[str, bytes] | None:
+    """A rank's report from its pipe, or None when it died without sending one."""
+    try:
+        if conn.poll():
+            return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        pass
+    return None
+
+
+def _stop_forked(procs) -> str:
+    """Kill every forked rank and whatever it started; report, checked, what was stopped."""
+    pids = []
+    for p in procs:
+        if p.exitcode is None:  # still unreaped, so its pid is still its own
+            pids += kill_tree(p.pid)
+    for p in procs:
+        p.join()
+    return _stopped(f"all {len(procs)} rank processes were stopped", wait_gone(pids))
+
+
 def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     import multiprocessing as mp
 
@@ -253,6 +535,7 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     # every forked rank inherits it instead of paying for it again.
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
+    _libc_prctl()  # looked up here, before the forks
     ctx = mp.get_context("fork")
     # The rendezvous socket is bound (port chosen by the OS, so no race) before
     # any child exists, but the store's server thread starts only after the last
@@ -265,13 +548,17 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     tmp = tempfile.TemporaryDirectory(prefix="course_launch_")
     out_paths = [os.path.join(tmp.name, f"rank{r}.out") for r in range(world_size)]
     procs, conns, all_conns = [], {}, []
+    payloads, failures = {}, {}
     sys.stdout.flush()
     sys.stderr.flush()
-    try:
+
+    def wait_for_reports():
+        nonlocal store
         for rank in range(world_size):
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=_fork_child, daemon=True, args=(
-                rank, world_size, backend, timeout, "127.0.0.1", port, fn, kwargs, theirs, out_paths[rank]))
+                rank, world_size, backend, timeout, "127.0.0.1", port, fn, kwargs, theirs, out_paths[rank],
+                os.getpid()))
             p.start()
             theirs.close()
             procs.append(p)
@@ -280,48 +567,51 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout),
                               master_listen_fd=listener.detach())  # the store owns the socket now
-        values, failures, first_failure_at = {}, {}, None
+        deaths: dict[int, tuple[float, int | None]] = {}
+        watchers = [threading.Thread(target=_record_death, args=(p.pid, p.sentinel, r, deaths), daemon=True)
+                    for r, p in enumerate(procs)]
+        for w in watchers:
+            w.start()
+        first_failure_at = None
         deadline = time.monotonic() + timeout
         while conns:
             now = time.monotonic()
             limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_AFTER_FAILURE_S)
             if now >= limit:
                 break
-            for c in connection.wait(list(conns), timeout=limit - now):
+            ready = connection.wait(list(conns), timeout=min(limit - now, _POLL_S))
+            dead = [c for c, r in conns.items() if r in deaths]
+            for c in dict.fromkeys([*ready, *dead]):
                 rank = conns.pop(c)
-                try:
-                    status, payload = pickle.loads(c.recv_bytes())
-                except EOFError:  # the process died without reporting (killed, segfault, os._exit)
-                    status, payload = "error", pickle.dumps(
-                        ("ProcessDied", f"rank {rank} exited without reporting a result "
-                                        f"(exit code {procs[rank].exitcode}); see its output\n", time.time()))
+                report = _receive(c)
+                if report is None:  # died without reporting (os._exit, a signal, a crash)
+                    watchers[rank].join(timeout=2)
+                    died_at, exitcode = deaths.get(rank, (time.time(), None))
+                    report = ("error", pickle.dumps(_death_report(rank, exitcode, died_at)))
+                status, payload = report
                 if status == "ok":
-                    values[rank] = pickle.loads(payload)
+                    payloads[rank] = payload
                 else:
                     failures[rank] = pickle.loads(payload)
                     if first_failure_at is None:
                         first_failure_at = time.monotonic()
-    finally:
+
+    try:
         # Reported ranks are parked (see _fork_child), the others failed to
         # report in time: either way, every rank process ends here.
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+        _, stopped = _supervise(wait_for_reports, lambda: _stop_forked(procs))
+    finally:
         for c in all_conns:
             c.close()
-        for p in procs:
-            p.join()
         outputs = [Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in out_paths]
         tmp.cleanup()
         del store
         listener.close()  # a no-op once detached
     if failures:
         raise _first_failure(failures, outputs)
-    if len(values) < world_size:
-        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(values)), outputs)
-    results = RankResults(values[r] for r in range(world_size))
-    results.outputs = outputs
-    return results
+    if len(payloads) < world_size:
+        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
+    return _load_results(payloads, outputs)
 
 
 # ------------------------------------------------------------------------ torchrun
@@ -331,6 +621,63 @@ def torchrun_command(world_size: int, target: Sequence[str]) -> list[str]:
     """The torchrun command line for ``world_size`` ranks on one machine."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={world_size}", *target]
+
+
+def start_torchrun(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+    """Start a :func:`torchrun_command` line so that it cannot outlive this process.
+
+    torchrun runs in a session of its own (so a terminal's Ctrl-C reaches only
+    this process, which then stops the whole tree with :func:`stop_torchrun`),
+    inside ``course_lib.torchrun_worker --agent-of PID``: when this process dies,
+    however it dies, torchrun gets SIGTERM and stops its ranks, as it does on
+    Ctrl-C.
+    """
+    if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
+        raise ValueError(f"not a torchrun_command() line: {shlex.join(cmd)}")
+    guarded = [cmd[0], "-m", "course_lib.torchrun_worker", "--agent-of", str(os.getpid()), *cmd[3:]]
+    return subprocess.Popen(guarded, start_new_session=True, **popen_kwargs)
+
+
+def stop_torchrun(proc: subprocess.Popen) -> str:
+    """Kill torchrun and every process under it (its ranks are in sessions of their own,
+    so no process group holds them all); report, checked, what was stopped."""
+    pids = kill_tree(proc.pid)
+    proc.wait()
+    if _parent_pids() is None:  # nothing to check the ranks with: they end themselves when torchrun ends
+        return "torchrun was stopped (its ranks stop themselves within a second)"
+    return _stopped("torchrun and all its rank processes were stopped", wait_gone(pids))
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that the process tree is stopped first."""
+
+    reason = "terminated"
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run a :func:`torchrun_command` line in the foreground (``python -m course_lib train``);
+    return its exit code.
+
+    Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
+    stopped and return 130 / 143; if this process is killed outright, torchrun
+    stops its ranks itself (:func:`start_torchrun`).
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        proc = start_torchrun(cmd, env=env)
+        code, _ = _supervise(proc.wait, lambda: stop_torchrun(proc))
+    except KeyboardInterrupt as exc:
+        print(f"{exc}", file=sys.stderr, flush=True)
+        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    return code if code >= 0 else 128 - code
 
 
 def _importable_name(fn) -> tuple[str, str]:
@@ -355,6 +702,30 @@ def _import_root(module: str) -> str | None:
     return str(root)
 
 
+def _wait_for_torchrun(proc: subprocess.Popen, job: Path, world_size: int, timeout: float) -> bool:
+    """Wait for torchrun to end; False if it runs past the backstop.
+
+    Each rank stops itself ``timeout`` s after it starts ``fn`` (its watchdog,
+    in torchrun_worker) and torchrun then stops the others. The backstop covers a
+    rank whose watchdog cannot run (e.g. native code holding the GIL): ``timeout``
+    plus a grace after every rank has started, or ``_TORCHRUN_STARTUP_S`` more
+    when they never all start (a hang in start-up).
+    """
+    deadline = time.monotonic() + _TORCHRUN_STARTUP_S + timeout
+    all_started = False
+    while True:
+        try:
+            proc.wait(timeout=_POLL_S)
+            return True
+        except subprocess.TimeoutExpired:
+            pass
+        if not all_started and all((job / f"rank{r}.started").exists() for r in range(world_size)):
+            all_started = True
+            deadline = min(deadline, time.monotonic() + timeout + _WATCHDOG_GRACE_S)
+        if time.monotonic() >= deadline:
+            return False
+
+
 def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     module, qualname = _importable_name(fn)
     with tempfile.TemporaryDirectory(prefix="course_torchrun_") as tmp:
@@ -366,48 +737,31 @@ def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
         # Make fn's module (and whatever the caller could import) importable there.
         paths = [_import_root(module), *(p or os.getcwd() for p in sys.path)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
-        timed_out = False
-        try:
-            # Each rank enforces the timeout itself (torchrun_worker's watchdog);
-            # this backstop also covers torchrun's own start-up.
-            launcher_log, _ = proc.communicate(timeout=timeout + 60)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            _kill_session(proc)
-        if timed_out:
-            launcher_log = b""
-        outputs = [(job / f"rank{r}.out").read_text(errors="replace") if (job / f"rank{r}.out").exists()
-                   else "" for r in range(world_size)]
-        failures = {}
-        for r in range(world_size):
-            err = job / f"rank{r}.err"
-            if err.exists():
-                failures[r] = pickle.loads(err.read_bytes())
-        values = {r: pickle.loads((job / f"rank{r}.pkl").read_bytes())
-                  for r in range(world_size) if (job / f"rank{r}.pkl").exists()}
-        hung = [r for r in range(world_size) if (job / f"rank{r}.timeout").exists()]
+        with open(job / "torchrun.log", "wb") as log:
+            proc = start_torchrun(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        finished, stopped = _supervise(lambda: _wait_for_torchrun(proc, job, world_size, timeout),
+                                       lambda: stop_torchrun(proc))
+        launcher_log = (job / "torchrun.log").read_text(errors="replace")
+
+        def rank_file(r, ext):
+            return job / f"rank{r}.{ext}"
+
+        outputs = [rank_file(r, "out").read_text(errors="replace") if rank_file(r, "out").exists() else ""
+                   for r in range(world_size)]
+        # Written by each rank, or by its supervising parent when it died without a word.
+        failures = {r: pickle.loads(rank_file(r, "err").read_bytes())
+                    for r in range(world_size) if rank_file(r, "err").exists()}
+        payloads = {r: rank_file(r, "pkl").read_bytes() for r in range(world_size) if rank_file(r, "pkl").exists()}
+        hung = [r for r in range(world_size) if rank_file(r, "timeout").exists()]
     if hung:  # checked first: the others' errors are the consequence
-        raise LaunchTimeout(timeout, hung, outputs)
+        raise LaunchTimeout(timeout, hung, outputs, stopped)
     if failures:
         raise _first_failure(failures, outputs)
-    if timed_out or len(values) < world_size:
-        if not timed_out and proc.returncode:
-            raise LaunchError(f"torchrun exited with code {proc.returncode} before all ranks reported:\n"
-                              f"{_tail(launcher_log.decode(errors='replace'), 30)}")
-        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(values)), outputs)
-    results = RankResults(values[r] for r in range(world_size))
-    results.outputs = outputs
+    if not finished:
+        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
+    if len(payloads) < world_size:
+        raise LaunchError(f"torchrun exited with code {proc.returncode} before all ranks reported:\n"
+                          f"{_tail(launcher_log, 30)}")
+    results = _load_results(payloads, outputs)
     results.command = shlex.join(["torchrun", *cmd[3:]])
     return results
-
-
-def _kill_session(proc: subprocess.Popen) -> None:
-    """Kill torchrun and every rank it started (they share its session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()

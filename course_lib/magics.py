@@ -16,6 +16,7 @@ with ``--launcher torchrun`` or on a GPU box (``torchrun --standalone
 --nproc-per-node 4 cell.py`` after an ``init_process_group()`` line). Each
 rank's output is printed under its own header (or only rank 0's with
 ``--rank0-only``); if any rank fails, the cell fails with that rank's traceback.
+``sys.exit(0)`` in the cell ends it successfully, as in a script.
 """
 
 from __future__ import annotations
@@ -30,8 +31,17 @@ from course_lib.launch import LAUNCHERS, launch
 
 
 def run_script(path: str) -> None:
-    """Run a script file as ``__main__`` on this rank (the process group is already up)."""
-    runpy.run_path(path, run_name="__main__")
+    """Run a script file as ``__main__`` on this rank (the process group is already up).
+
+    As for a script, ``sys.exit()``, ``sys.exit(0)`` or ``sys.exit(None)`` ends
+    it successfully; any other exit status is this rank's failure.
+    """
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exc:
+        if exc.code is None or exc.code == 0:
+            return
+        raise RuntimeError(f"the cell called sys.exit({exc.code!r}): an exit status other than 0 is a failure") from None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -70,7 +70,6 @@ import contextlib
 import datetime
 import os
 import shlex
-import subprocess
 import sys
 import time
 from typing import Optional, Sequence
@@ -653,7 +652,10 @@ def torchrun_argv(args: argparse.Namespace, nproc_per_node: int) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     """``python -m course_lib train --nproc-per-node N [Megatron flags]``: check the layout for N
-    ranks (a one-line error when it is wrong), print the torchrun command, run it."""
+    ranks (a one-line error when it is wrong), print the torchrun command, run it. Ctrl-C, SIGTERM
+    or this process's death stop torchrun and every rank (:func:`course_lib.launch.run_torchrun`)."""
+    from course_lib.launch import run_torchrun
+
     n = args.nproc_per_node
     _positive("nproc_per_node", n)
     validate_args(args, n)
@@ -662,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.call(cmd, env=env)
+    return run_torchrun(cmd, env=env)
 
 
 if __name__ == "__main__":
