@@ -1,13 +1,11 @@
 """Activation memory of one transformer layer, measured on real ranks and explained item by item.
 
 What a layer "stores for backward" is exactly the set of tensors autograd saves
-while the forward pass runs. :func:`record_saved_tensors` sees every one of them
-through ``torch.autograd.graph.saved_tensors_hooks`` (the pack hook receives each
-tensor as an op saves it), notes which module was running, and identifies the
-*storage* behind it: q, k and v are three views of one fused QKV output, so they
-cost one storage, not three. :func:`activation_storages` keeps the distinct
-storages that are not parameters (a GEMM also saves its weight, which is not an
-activation) and :func:`activation_bytes` adds up their bytes.
+while the forward pass runs: :mod:`course_lib.saved_tensors` records every one of
+them with the module that was running and the storage behind it (q, k and v are
+three views of one fused QKV output: one storage, not three);
+:func:`activation_storages` keeps the distinct storages that are not parameters
+and :func:`activation_bytes` adds up their bytes (both re-exported here).
 
 Three accounts of the same layer, kept apart on purpose:
 
@@ -35,8 +33,9 @@ Attention backends (Megatron's ``--attention-backend`` names):
 * ``"unfused"`` -- the math kernel, which stores the softmax output like the
   paper's layer (and Megatron's own unfused ``DotProductAttention``).
 * with ``cp > 1`` the core attention is :func:`~course_lib.context_parallel.ring_attention`
-  over the context-parallel group (:class:`RingSelfAttention`); it computes each block
-  flash-style, so ``attention_backend`` must be ``"flash"``.
+  over the context-parallel group
+  (:class:`~course_lib.context_parallel.ContextParallelSelfAttention`); it computes each
+  block flash-style, so ``attention_backend`` must be ``"flash"``.
 
 The exact list is written for the CPU kernels of torch 2.13 (the course's
 machines, float32); another torch may save different tensors, and the test says
@@ -46,20 +45,22 @@ which storage differs. Shapes: activations are ``[s, b, h]`` as in Megatron.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
 from course_lib import comm
-from course_lib.context_parallel.ring import ring_attention
+from course_lib.context_parallel.attention import build_layer
 from course_lib.context_parallel.zigzag import check_sequence_split, shard_sequence
+from course_lib.process_groups import new_groups
+from course_lib.saved_tensors import SavedTensor, activation_bytes, activation_storages, record_saved_tensors
 from course_lib.sizing import activation_breakdown_per_layer, activation_bytes_per_layer
-from course_lib.tensor_parallel import ParallelSelfAttention, ParallelTransformerLayer, TransformerConfig
+from course_lib.tensor_parallel import TransformerConfig
+from course_lib.topology import RankGrid
 
 __all__ = ["ATTENTION_BACKENDS", "SavedTensor", "ExpectedTensor", "record_saved_tensors", "activation_storages",
-           "activation_bytes", "RingSelfAttention", "build_layer", "local_tokens", "measure_layer", "measure",
+           "activation_bytes", "build_layer", "local_tokens", "measure_layer", "measure",
            "expected_saved_tensors", "expected_activation_bytes", "compare_with_paper", "format_comparison",
            "format_saved_tensors", "memory_vs_seq_length", "plot_memory_vs_seq_length", "PLOT_SETUPS"]
 
@@ -68,144 +69,6 @@ FLOAT32 = 4  # bytes per element: the course's layers run in float32 on CPU
 
 
 # --------------------------------------------------------------------------- measuring
-
-
-@dataclass(frozen=True)
-class SavedTensor:
-    """One tensor autograd saved during the forward pass.
-
-    ``module``: the innermost module running when it was saved ("(layer)" for the
-    layer's own code, e.g. dropout); ``producer``: the op that made the tensor
-    (its ``grad_fn``, "-" when it has none: the layer input, masks, statistics);
-    ``storage``: index of the storage behind it, in first-seen order (views of one
-    tensor share it); ``storage_bytes``: that storage's size; ``parameter``: it is
-    (a view of) a parameter, i.e. not an activation."""
-
-    module: str
-    producer: str
-    shape: tuple
-    dtype: str
-    storage: int
-    storage_bytes: int
-    parameter: bool
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-def record_saved_tensors(module: nn.Module, *args, **kwargs):
-    """Run ``module(*args, **kwargs)`` and record every tensor autograd saves for backward.
-
-    Returns ``(output, records)`` with ``records`` a list of :class:`SavedTensor` in
-    the order they were saved. The saved tensors stay referenced until the records'
-    storages are numbered, so two live tensors never share a storage address by accident.
-    """
-    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    stack: list[str] = []
-    handles = []
-
-    def enter(name):
-        def hook(_module, _args):
-            stack.append(name or "(layer)")      # a pre-hook returning None leaves the inputs alone
-        return hook
-
-    def leave(_module, _args, _output):
-        stack.pop()                               # a hook returning None leaves the output alone
-
-    for name, sub in module.named_modules():
-        handles.append(sub.register_forward_pre_hook(enter(name)))
-        handles.append(sub.register_forward_hook(leave))
-    raw: list[tuple[str, torch.Tensor]] = []
-
-    def pack(t: torch.Tensor):
-        raw.append((stack[-1] if stack else "(outside)", t))
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            output = module(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    index: dict[int, int] = {}
-    records = []
-    for where, t in raw:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        records.append(SavedTensor(module=where, producer=t.grad_fn.name() if t.grad_fn is not None else "-",
-                                   shape=tuple(t.shape), dtype=str(t.dtype).replace("torch.", ""),
-                                   storage=index.setdefault(ptr, len(index)), storage_bytes=storage.nbytes(),
-                                   parameter=ptr in params))
-    return output, records
-
-
-def activation_storages(records: list[SavedTensor]) -> list[dict]:
-    """The distinct non-parameter storages, first-seen order: ``{storage, bytes, module, producer, shapes}``
-    (``shapes``: the shapes of every saved view of it)."""
-    out: dict[int, dict] = {}
-    for r in records:
-        if r.parameter:
-            continue
-        row = out.setdefault(r.storage, dict(storage=r.storage, bytes=r.storage_bytes, module=r.module,
-                                              producer=r.producer, shapes=[]))
-        if r.shape not in row["shapes"]:
-            row["shapes"].append(r.shape)
-    return list(out.values())
-
-
-def activation_bytes(records: list[SavedTensor]) -> int:
-    """Bytes one rank keeps for backward: each distinct non-parameter storage counted once."""
-    return sum(row["bytes"] for row in activation_storages(records))
-
-
-# --------------------------------------------------------------------------- the layer, with CP
-
-
-class RingSelfAttention(nn.Module):
-    """A :class:`~course_lib.tensor_parallel.ParallelSelfAttention` whose core attention is a ring over CP.
-
-    Wraps an existing TP attention (same ``linear_qkv`` / ``linear_proj`` modules and
-    parameter names, so the numbers equal the dense layer's for the same seed) and
-    replaces ``F.scaled_dot_product_attention`` by
-    :func:`~course_lib.context_parallel.ring_attention` (causal, zigzag) over
-    ``cp_group`` -- what Megatron does by handing the CP group to its core attention
-    (``TEDotProductAttention``). Everything else in a layer is per token, so it
-    runs unchanged on the rank's ``s/cp`` tokens. Input/output ``[s/cp, b, h]``
-    (``[s/(cp t), b, h]`` under sequence parallelism); the tokens must be the rank's
-    zigzag chunks (:func:`local_tokens`)."""
-
-    def __init__(self, attention: ParallelSelfAttention, cp_group):
-        super().__init__()
-        if cp_group is None:
-            raise ValueError("cp_group is None: pass the context-parallel process group explicitly")
-        if attention.config.attention_dropout:
-            raise ValueError(f"attention_dropout={attention.config.attention_dropout}: ring attention has no "
-                             f"dropout; use attention_dropout=0 with context parallelism")
-        self.config, self.tp_group, self.cp_group = attention.config, attention.tp_group, cp_group
-        self.linear_qkv, self.linear_proj = attention.linear_qkv, attention.linear_proj
-        self.num_attention_heads_per_partition = attention.num_attention_heads_per_partition
-        self.hidden_size_per_attention_head = attention.hidden_size_per_attention_head
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        mixed_qkv, _ = self.linear_qkv(hidden_states)                          # [s/cp, b, np/t * 3 * hn]
-        s, b = mixed_qkv.shape[:2]
-        nh, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
-        q, k, v = mixed_qkv.view(s, b, nh, 3 * hn).split(hn, dim=-1)          # each [s/cp, b, np/t, hn]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))                   # [b, np/t, s/cp, hn]
-        context = ring_attention(q, k, v, self.cp_group, causal=True, layout="zigzag")  # [b, np/t, s/cp, hn]
-        context = context.permute(2, 0, 1, 3).reshape(s, b, nh * hn)          # [s/cp, b, h/t]
-        output, _ = self.linear_proj(context)                                  # [s/cp, b, h] (TP all-reduce)
-        return output
-
-
-def build_layer(config: TransformerConfig, tp_group, cp_group=None) -> ParallelTransformerLayer:
-    """A :class:`ParallelTransformerLayer` on ``tp_group``; with a CP group of more than one rank its
-    attention runs as a ring (:class:`RingSelfAttention`). Weights come from the global generator
-    exactly as in the dense layer (seed first)."""
-    layer = ParallelTransformerLayer(config, tp_group)
-    if cp_group is not None and comm.group_size(cp_group) > 1:
-        layer.self_attention = RingSelfAttention(layer.self_attention, cp_group)
-    return layer
 
 
 def local_tokens(x: torch.Tensor, tp_group, cp_group=None, sequence_parallel: bool = False) -> torch.Tensor:
@@ -253,19 +116,8 @@ def measure_layer(seq_length: int, micro_batch_size: int, hidden_size: int, num_
     return records
 
 
-def _measure_rank(cases: list[dict], tp: int, cp: int) -> list[list[SavedTensor]]:
-    import torch.distributed as dist
-
-    from course_lib.topology import RankGrid
-
-    grid = RankGrid(tp * cp, tp=tp, cp=cp)
-    me = dist.get_rank()
-    groups = {}
-    for token in ("tp", "cp"):      # every rank creates every group, in the same order
-        for ranks in grid.groups(token):
-            grp = dist.new_group(ranks)
-            if me in ranks:
-                groups[token] = grp
+def _measure_rank(cases: list[dict], tp: int, cp: int, group_timeout: float) -> list[list[SavedTensor]]:
+    groups = new_groups(RankGrid(tp * cp, tp=tp, cp=cp), ["tp", "cp"], timeout=group_timeout)
     return [measure_layer(tp_group=groups["tp"], cp_group=groups["cp"], **case) for case in cases]
 
 
@@ -283,7 +135,8 @@ def measure(cases: list[dict], tp: int = 1, cp: int = 1, timeout: float = 120) -
         _check(case["seq_length"], case["micro_batch_size"], case["hidden_size"], case["num_heads"], tp,
                case.get("sequence_parallel", False), cp, case.get("attention_backend", "flash"),
                case.get("hidden_dropout", 0.0), case.get("attention_dropout", 0.0), case.get("ffn_hidden_size"))
-    per_rank = launch(_measure_rank, world_size=tp * cp, output="none", timeout=timeout, cases=cases, tp=tp, cp=cp)
+    per_rank = launch(_measure_rank, world_size=tp * cp, output="none", timeout=timeout, cases=cases, tp=tp, cp=cp,
+                      group_timeout=timeout)
     return [[per_rank[r][i] for r in range(tp * cp)] for i in range(len(cases))]
 
 

@@ -34,9 +34,11 @@ Conventions
 
 The ring cost model
 -------------------
-:func:`ring_elements_sent` gives the elements one rank *sends* when the
-collective runs as a ring over ``t`` ranks (Patarasuk & Yuan 2009; Narayanan et
-al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+:func:`ring_elements_sent` (one formula for the whole course, kept with the
+other cost formulas in :mod:`course_lib.sizing.comm`, which imports no torch, and
+re-exported here) gives the elements one rank *sends* when the collective runs
+as a ring over ``t`` ranks (Patarasuk & Yuan 2009; Narayanan et al. 2021,
+"Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC'21, section 3.2): a reduce-scatter or an all-gather of ``N``
 elements sends ``N (t-1)/t`` per rank, an all-reduce (= reduce-scatter then
 all-gather) ``2 N (t-1)/t``. With two all-reduces of ``b*s*h`` elements per
@@ -53,13 +55,14 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
+from course_lib.sizing.comm import OPS, ring_elements_sent
+
 __all__ = [
     "OPS", "CommEvent", "CommRecorder", "ring_elements_sent", "record_event",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
     "group_size", "group_rank", "summarize",
 ]
 
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all")
 DIRECTIONS = ("fwd", "bwd")
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); torch >= 2.4 has one or the other.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -104,32 +107,6 @@ class CommEvent:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def ring_elements_sent(op: str, numel: int, group_size: int) -> float:
-    """Elements one rank sends for ``op`` on ``numel`` elements over a ring of ``group_size`` ranks.
-
-    all_reduce ``2 N (t-1)/t`` (reduce-scatter + all-gather); all_gather and
-    reduce_scatter ``N (t-1)/t`` (N = the full tensor); all_to_all ``N (t-1)/t``
-    (a rank keeps its own 1/t); broadcast ``N`` (pipelined chain: every rank but
-    the last forwards the whole tensor); send ``N``; recv ``0``.
-    Reference: Narayanan et al. 2021 (SC'21) section 3.2; Patarasuk & Yuan 2009.
-    """
-    if op not in OPS:
-        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(OPS)}")
-    if not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r} must be an integer >= 1")
-    t = group_size
-    if op in ("send",):
-        return float(numel)
-    if op == "recv":
-        return 0.0
-    if t == 1:
-        return 0.0
-    if op == "broadcast":
-        return float(numel)
-    factor = 2 if op == "all_reduce" else 1
-    return factor * numel * (t - 1) / t
 
 
 # ------------------------------------------------------------------------- recorder

@@ -47,32 +47,31 @@ How a layout splits the model (a rank holds ``vp`` chunks, :class:`GPTChunk`)
   over the CP group (:func:`course_lib.context_parallel.ring_attention`). Weights are
   replicated over CP: their gradients are averaged over the dp-cp group like DP's.
 
-Process groups are created once, in Megatron's rank order, by :func:`new_process_groups` and
-passed in explicitly.
+Process groups are created once, in Megatron's rank order, by
+:func:`course_lib.process_groups.new_process_groups` and passed in explicitly.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm
-from course_lib.tensor_parallel import (ColumnParallelLinear, DenseTransformerLayer, ParallelSelfAttention,
-                                        ParallelTransformerLayer, TransformerConfig, VocabParallelEmbedding,
-                                        copy_dense_to_parallel, is_tensor_parallel,
+from course_lib.context_parallel.attention import build_layer
+# new_process_groups is imported for callers that still take it from here (course_lib.train);
+# its home is course_lib.process_groups.
+from course_lib.process_groups import ProcessGroups, new_process_groups  # noqa: F401
+from course_lib.tensor_parallel import (ColumnParallelLinear, DenseTransformerLayer, TransformerConfig,
+                                        VocabParallelEmbedding, copy_dense_to_parallel, is_tensor_parallel,
                                         scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
-from course_lib.topology import RankGrid
 
-__all__ = ["GPTConfig", "GPTModel", "GPTChunk", "ProcessGroups", "new_process_groups", "build_model",
-           "layer_ranges", "gpt_loss", "sync_tied_embeddings", "allreduce_embedding_grads", "master_name",
-           "padded_vocab_size", "gather_full_parameters"]
+__all__ = ["GPTConfig", "GPTModel", "GPTChunk", "build_model", "layer_ranges", "gpt_loss", "sync_tied_embeddings",
+           "allreduce_embedding_grads", "master_name", "padded_vocab_size", "gather_full_parameters"]
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128) -> int:
@@ -207,68 +206,6 @@ class GPTModel(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
 
 
-# --------------------------------------------------------------------------- process groups
-
-
-@dataclass
-class ProcessGroups:
-    """This rank's process groups and coordinates in the Megatron grid (every field explicit).
-
-    ``tp``, ``cp``, ``pp``, ``dp_cp`` (Megatron's ``_DATA_PARALLEL_GROUP_WITH_CP``: gradient
-    averaging), ``model`` (``tp-pp``, Megatron's ``_MODEL_PARALLEL_GROUP``: the gradient norm)
-    and ``embedding`` (first and last pipeline stage; ``None`` on middle stages).
-    ``coords``: ``{'tp', 'cp', 'dp', 'pp'}`` ranks; ``pp_ranks``: global ranks of my pipeline.
-    """
-
-    grid: RankGrid
-    rank: int
-    coords: dict
-    tp: object
-    cp: object
-    pp: object
-    dp_cp: object
-    model: object
-    embedding: object
-    pp_ranks: list
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.coords["pp"] == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.coords["pp"] == self.grid.pp - 1
-
-
-_GROUP_TOKENS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp-cp", "model": "tp-pp", "embedding": "embedding"}
-
-
-def new_process_groups(grid: RankGrid, timeout: float = 300.0) -> ProcessGroups:
-    """Create every group of ``grid`` (collective: every rank calls it, same order) and return mine.
-
-    Groups are created token by token in the order of ``_GROUP_TOKENS``, each distinct rank
-    list once (``dp-cp`` equals ``dp`` when cp=1; ``embedding`` equals ``pp`` when pp=2), all
-    with ``timeout`` seconds -- Megatron's ``initialize_model_parallel`` does the same walk."""
-    if not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: run under torchrun or course_lib.launch.launch")
-    if dist.get_world_size() != grid.world_size:
-        raise ValueError(f"the grid has world_size={grid.world_size} but {dist.get_world_size()} ranks are running")
-    rank = dist.get_rank()
-    td = datetime.timedelta(seconds=timeout)
-    made: dict = {}
-    mine: dict = {}
-    for field_name, token in _GROUP_TOKENS.items():
-        mine[field_name] = None
-        for ranks in grid.groups(token):
-            key = tuple(ranks)
-            if key not in made:
-                made[key] = dist.new_group(list(ranks), timeout=td)
-            if rank in ranks:
-                mine[field_name] = made[key]
-    return ProcessGroups(grid=grid, rank=rank, coords=grid.coords(rank), pp_ranks=grid.group_of(rank, "pp"),
-                         **mine)
-
-
 # ------------------------------------------------------------------------ the parallel pieces
 
 
@@ -299,39 +236,6 @@ class ParallelLanguageModelEmbedding(nn.Module):
         return F.dropout(x, p=self.config.hidden_dropout, training=self.training)
 
 
-class ContextParallelSelfAttention(ParallelSelfAttention):
-    """:class:`~course_lib.tensor_parallel.ParallelSelfAttention` whose core attention is ring
-    attention over ``cp_group`` (this rank's ``np/t`` heads, its ``s/cp`` zigzag tokens).
-    Same weights and shapes: ``[s_l, b, h]`` in and out (``[s_l/t, b, h]`` under SP)."""
-
-    def __init__(self, config: TransformerConfig, tp_group, cp_group):
-        super().__init__(config, tp_group)
-        if config.attention_dropout:
-            raise ValueError(f"attention_dropout={config.attention_dropout} is not supported with "
-                             f"context-parallel-size > 1 (ring attention here has no dropout); use 0")
-        self.cp_group = cp_group
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from course_lib.context_parallel import ring_attention
-
-        mixed_qkv, _ = self.linear_qkv(hidden_states)                        # [s_l, b, np/t * 3 * hn]
-        s, b = mixed_qkv.shape[:2]
-        nh, hn = self.num_attention_heads_per_partition, self.hidden_size_per_attention_head
-        q, k, v = mixed_qkv.view(s, b, nh, 3 * hn).split(hn, dim=-1)         # each [s_l, b, np/t, hn]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))                 # [b, np/t, s_l, hn]
-        context = ring_attention(q, k, v, self.cp_group, causal=True, layout="zigzag")   # [b, np/t, s_l, hn]
-        context = context.permute(2, 0, 1, 3).reshape(s, b, nh * hn)         # [s_l, b, h/t]
-        output, _ = self.linear_proj(context)                                # [s_l, b, h] (1 all-reduce)
-        return output
-
-
-def _parallel_layer(tcfg: TransformerConfig, tp_group, cp_group, layer_number: int) -> ParallelTransformerLayer:
-    layer = ParallelTransformerLayer(tcfg, tp_group, layer_number=layer_number)
-    if comm.group_size(cp_group) > 1:
-        layer.self_attention = ContextParallelSelfAttention(tcfg, tp_group, cp_group)
-    return layer
-
-
 class GPTChunk(nn.Module):
     """One virtual pipeline stage of the GPT on this rank.
 
@@ -357,7 +261,7 @@ class GPTChunk(nn.Module):
                 for p in final.parameters():
                     p.sequence_parallel = True
             self.decoder = TransformerBlock(
-                {str(i): _parallel_layer(tcfg, tp_group, cp_group, i + 1) for i in layer_ids}, final)
+                {str(i): build_layer(tcfg, tp_group, cp_group, layer_number=i + 1) for i in layer_ids}, final)
             self.output_layer = (ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
                                                       tp_group=tp_group, bias=False, gather_output=False,
                                                       sequence_parallel=sequence_parallel)

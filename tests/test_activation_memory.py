@@ -10,7 +10,7 @@
   Korthikanti's ``10sbh``) stay whole; the s x s score term divides by t, not t^2, and SP
   leaves it alone (myth 4 of COURSE.md).
 * The paper's items add up to Korthikanti's Eq. 1 / 2 / 4 written out here by hand.
-* The TP x CP layer (``RingSelfAttention``) equals the dense layer in outputs and all gradients.
+* The TP x CP layer (``ContextParallelSelfAttention``) equals the dense layer in outputs and all gradients.
 
 The numbers are for torch 2.13's CPU kernels (see the module docstring); another torch skips
 the exact comparison. Equality with the dense layer for TP +- SP itself is proven in
@@ -32,7 +32,8 @@ from course_lib.activation_memory import (PLOT_SETUPS, activation_bytes, activat
 from course_lib.launch import launch
 from course_lib.tensor_parallel import (DenseTransformerLayer, TransformerConfig, allreduce_sequence_parallel_grads,
                                         gather_full_grads)
-from course_lib.topology import RankGrid
+from course_lib.saved_tensors import SavedTensorRecorder
+from helpers import rank_groups
 
 TORCH_2_13 = torch.__version__.startswith("2.13")
 exact = pytest.mark.skipif(not TORCH_2_13, reason="the saved-tensor list is written for torch 2.13's CPU kernels")
@@ -184,14 +185,20 @@ def test_record_saved_tensors_counts_a_storage_once_and_skips_parameters():
     assert activation_bytes(records) == 2 * 3 * 8 * 4
 
 
+def test_the_recorder_also_sees_what_runs_outside_the_module():
+    """The pipeline executor's use: a chunk and then its loss inside one recorder."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(3, 8, requires_grad=True)
+    with SavedTensorRecorder(lin) as saved:
+        loss = lin(x).exp().sum()                 # exp (outside the module) saves its output
+    assert [r["module"] for r in activation_storages(saved.records)] == ["(layer)", "(outside)"]
+    assert activation_bytes(saved.records) == 2 * 3 * 8 * 4
+    assert loss.requires_grad
+
+
 def _ring_layer_equality(x, dy, ref):
-    grid = RankGrid(4, tp=2, cp=2)
-    me, groups = dist.get_rank(), {}
-    for token in ("tp", "cp"):
-        for ranks in grid.groups(token):
-            g = dist.new_group(ranks)
-            if me in ranks:
-                groups[token] = g
+    groups = rank_groups("tp", "cp", tp=2, cp=2)
     tp_g, cp_g = groups["tp"], groups["cp"]
     errors = {}
     for sp in (False, True):
@@ -204,7 +211,8 @@ def _ring_layer_equality(x, dy, ref):
         grads = gather_full_grads(layer, tp_g)
         for g in grads.values():                    # CP ranks hold the same weights: sum their gradients
             dist.all_reduce(g, group=cp_g)
-        errors[sp] = dict(y=(y - local_tokens(ref["y"], tp_g, cp_g, sp)).abs().max().item(),
+        errors[sp] = dict(attention=type(layer.self_attention).__name__,
+                          y=(y - local_tokens(ref["y"], tp_g, cp_g, sp)).abs().max().item(),
                           dx=(xl.grad - local_tokens(ref["dx"], tp_g, cp_g, sp)).abs().max().item(),
                           grads=max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads),
                           n_grads=len(grads))
@@ -222,11 +230,12 @@ def test_ring_layer_equals_dense_layer():
     y.backward(dy)
     ref = dict(y=y.detach(), dx=xd.grad, grads={n: p.grad for n, p in dense.named_parameters()})
     res = launch(_ring_layer_equality, world_size=4, output="none", timeout=120, x=x, dy=dy, ref=ref)
-    worst = max(v for rank in res for e in rank.values() for k, v in e.items() if k != "n_grads")
+    worst = max(e[k] for rank in res for e in rank.values() for k in ("y", "dx", "grads"))
     print(f"\nTP=2 x CP=2 ring layer vs dense, worst max-abs error: {worst:.2e}")
     for rank in res:
         for sp, e in rank.items():
             assert e["n_grads"] == len(ref["grads"])
+            assert e["attention"] == "ContextParallelSelfAttention"
             for what in ("y", "dx", "grads"):
                 assert e[what] <= 1e-5, (sp, what, e[what])
 

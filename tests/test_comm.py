@@ -11,6 +11,7 @@ from course_lib import comm
 from course_lib.collectives import ring_all_reduce
 from course_lib.comm import CommRecorder, ring_elements_sent
 from course_lib.launch import launch
+from helpers import group_of_one
 
 
 def test_ring_elements_sent_formulas():
@@ -109,7 +110,7 @@ def test_wrappers_match_torch_distributed_and_are_recorded():
 
 def test_recorder_queries_and_group_of_one():
     def fn():
-        one = [dist.new_group([q]) for q in range(dist.get_world_size())][dist.get_rank()]
+        one = group_of_one()
         x = torch.ones(4)
         with CommRecorder() as rec:
             same = comm.all_reduce(x, one) is x and comm.all_gather(x, one) is x and comm.reduce_scatter(x, one) is x

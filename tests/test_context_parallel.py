@@ -12,7 +12,9 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from course_lib import context_parallel, data  # noqa: E402
 from course_lib.checks import lab04  # noqa: E402
+from course_lib.context_parallel.attention import ContextParallelSelfAttention  # noqa: E402
 from course_lib.context_parallel.figures import plot_ring_steps  # noqa: E402
 from course_lib.context_parallel.ring import (attention_block, attention_block_backward,  # noqa: E402
                                               kv_bytes_per_step, merge_partials, reference_attention,
@@ -22,6 +24,7 @@ from course_lib.context_parallel.work import (critical_path, imbalance, plot_att
                                               ring_step_work, score_elements, score_elements_closed_form)
 from course_lib.context_parallel.zigzag import (chunks_for_rank, check_sequence_split, rank_chunk_ids,  # noqa: E402
                                                 shard_sequence, token_positions, unshard_sequence)
+from course_lib.tensor_parallel import ParallelSelfAttention, TransformerConfig  # noqa: E402
 
 
 # ------------------------------------------------------------------ zigzag split
@@ -52,6 +55,30 @@ def test_shard_unshard_roundtrip(layout):
     assert torch.equal(unshard_sequence(shards, layout=layout), x)
     tokens = torch.arange(s).repeat(2, 1)                                  # [b, s]: seq_dim=1
     assert shard_sequence(tokens, 0, cp, seq_dim=1, layout=layout)[0].tolist() == token_positions(0, cp, s, layout)
+
+
+def test_one_get_batch_on_this_cp_rank_cuts_the_attention_mask_rows_like_megatron():
+    assert context_parallel.get_batch_on_this_cp_rank is data.get_batch_on_this_cp_rank
+    s = 8
+    mask = torch.tril(torch.ones(s, s, dtype=torch.bool)).expand(2, 1, s, s)
+    batch = {"tokens": torch.arange(2 * s).view(2, s), "attention_mask": mask, "labels": None}
+    part = context_parallel.get_batch_on_this_cp_rank(batch, 1, 2)            # chunks 1 and 2: positions 2..5
+    assert part["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert torch.equal(part["attention_mask"], mask[:, :, 2:6, :])            # query rows cut, every key kept
+    assert part["labels"] is None and set(part) == set(batch)
+    assert context_parallel.get_batch_on_this_cp_rank(batch, 0, 1)["tokens"] is batch["tokens"]
+
+
+def test_context_parallel_attention_overrides_only_the_core_attention():
+    assert issubclass(ContextParallelSelfAttention, ParallelSelfAttention)
+    assert ContextParallelSelfAttention.forward is ParallelSelfAttention.forward   # one head split, one projection
+    assert "core_attention" in vars(ContextParallelSelfAttention)
+    with pytest.raises(ValueError, match="ring attention has no dropout") as e:
+        ContextParallelSelfAttention(TransformerConfig(hidden_size=8, num_attention_heads=2, attention_dropout=0.1),
+                                     tp_group=None, cp_group=object())
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="cp_group is None"):
+        ContextParallelSelfAttention(TransformerConfig(hidden_size=8, num_attention_heads=2), None, None)
 
 
 def test_split_errors_are_one_line():

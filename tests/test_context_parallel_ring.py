@@ -16,19 +16,17 @@ from course_lib.context_parallel.ring import kv_bytes_per_step, ring_attention, 
 from course_lib.context_parallel.work import ring_step_work
 from course_lib.context_parallel.zigzag import get_batch_on_this_cp_rank, shard_sequence
 from course_lib.launch import launch
+from helpers import group_of_one, rank_groups
 
 TOL = 1e-5            # float32 against a float64 reference and against torch's float32 SDPA
 B, NP, S, HN = 2, 4, 32, 8
 
 
 def _groups():
-    """World of 4: CP=2 groups of Megatron's order with TP=2 ([0,2], [1,3]), one CP=4 group, CP=1 groups.
-    Every rank creates every group in the same order."""
-    r = dist.get_rank()
-    cp2 = [dist.new_group(g) for g in ([0, 2], [1, 3])][r % 2]
-    cp4 = dist.new_group([0, 1, 2, 3])
-    cp1 = [dist.new_group([q]) for q in range(4)][r]
-    return {1: cp1, 2: cp2, 4: cp4}
+    """World of 4: CP=2 groups of Megatron's order with TP=2 ([0,2], [1,3]), one CP=4 group, CP=1 groups."""
+    cp2 = rank_groups("cp", tp=2, cp=2)["cp"]
+    cp4 = rank_groups("cp", cp=4)["cp"]
+    return {1: group_of_one(), 2: cp2, 4: cp4}
 
 
 def _inputs(ng, seed=0):
@@ -143,7 +141,7 @@ def _rank_blocks_and_misc():
     out["deterministic"] = all(torch.equal(x, y) for x, y in zip(*runs))
     # Megatron-style batch split
     batch = {"tokens": torch.arange(2 * S).view(2, S), "labels": None}
-    out["batch"] = get_batch_on_this_cp_rank(batch, grp)
+    out["batch"] = get_batch_on_this_cp_rank(batch, r, cp)
     # bad input: one-line ValueErrors, raised before any communication
     errs = {}
     cases = {

@@ -13,7 +13,8 @@ import torch
 from course_lib.data import ByteTokenizer, cp_token_positions, get_batch, get_batch_on_this_cp_rank, get_global_batch
 from course_lib.launch import launch
 from course_lib.model import (GPTConfig, GPTModel, build_model, gather_full_parameters, gpt_loss, layer_ranges,
-                              new_process_groups, padded_vocab_size)
+                              padded_vocab_size)
+from course_lib.process_groups import new_process_groups
 from course_lib.topology import RankGrid
 
 CFG = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, seed=1234)
@@ -118,7 +119,9 @@ def _one_step(tp, pp, cp, vp, sp, optimizer_steps):
         opt.step(1e-2)
     after = gather_full_parameters(chunks, groups)
     positions = chunks[0].embedding.position_ids if chunks[0].embedding is not None else None
-    return dict(start=start, grads=grads, after=after, coords=c, losses=out["losses"], positions=positions)
+    attention = {type(layer.self_attention).__name__ for chunk in chunks for layer in chunk.decoder.layers.values()}
+    return dict(start=start, grads=grads, after=after, coords=c, losses=out["losses"], positions=positions,
+                attention=attention)
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +181,7 @@ def test_context_parallel_ranks_embed_their_true_zigzag_positions():
     res = launch(_one_step, world_size=2, output="none", timeout=120, tp=1, pp=1, cp=2, vp=1, sp=False,
                  optimizer_steps=0)
     got = {r["coords"]["cp"]: r["positions"].tolist() for r in res}
+    assert all(r["attention"] == {"ContextParallelSelfAttention"} for r in res)   # the ring is the core attention
     c = CFG.seq_length // 4
     assert got[0] == list(range(0, c)) + list(range(3 * c, 4 * c))           # chunks 0 and 3
     assert got[1] == list(range(c, 3 * c))                                   # chunks 1 and 2

@@ -1,7 +1,6 @@
 """The executor on real ranks: gradients equal the unsplit model's, memory equals the simulator's,
 the calibrated bubble follows the formula, and plain blocking send/recv really deadlocks 1F1B."""
 
-import datetime
 import os
 
 import pytest
@@ -13,8 +12,10 @@ from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.executor import execute, run_rank_schedule
 from course_lib.pipeline.schedules import build_schedule
 from course_lib.pipeline.simulate import simulate
-from course_lib.pipeline.stages import (StackConfig, StackModel, build_stages, layer_split, make_batch,
+from course_lib.pipeline.stages import (StackConfig, StackModel, build_stages, layer_split, lm_loss, make_batch,
                                         reference_gradients)
+from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
+from helpers import rank_groups
 
 CASES = [  # name, pp, m, vp, layers_per_stage (None: even), p2p (None: the checker's choice)
     ("gpipe", 4, 8, 1, None, None),
@@ -29,6 +30,7 @@ CASES = [  # name, pp, m, vp, layers_per_stage (None: even), p2p (None: the chec
 ]
 
 
+@pytest.mark.slow
 def test_gradients_equal_the_unsplit_model_for_every_schedule(capsys):
     worst = 0.0
     for name, pp, m, vp, layers, p2p in CASES:
@@ -87,6 +89,7 @@ def test_calibrated_bubble_matches_the_formula(capsys):
     assert run.timeline.peak_activations == [4, 3, 2, 1]
 
 
+@pytest.mark.slow     # waits out its 3 s timeout
 def test_blocking_send_recv_really_deadlocks_1f1b():
     """What check_schedule(s, 'blocking') predicts happens on gloo: both ranks sit in dist.send."""
     with pytest.raises(LaunchTimeout):
@@ -95,10 +98,7 @@ def test_blocking_send_recv_really_deadlocks_1f1b():
 
 def _two_pipelines(cfg, m):
     """World 4 = DP 2 x PP 2 in Megatron's order (pp slowest): pipeline groups [0, 2] and [1, 3]."""
-    rank = dist.get_rank()
-    timeout = datetime.timedelta(seconds=20)
-    groups = [dist.new_group([0, 2], timeout=timeout), dist.new_group([1, 3], timeout=timeout)]
-    group = groups[rank % 2]
+    group = rank_groups("pp", pp=2, timeout=20)["pp"]
     pp_rank = dist.get_rank(group)
     s = build_schedule("1f1b", 2, m)
     model, chunks = build_stages(cfg, pp_rank, 2)
@@ -117,6 +117,27 @@ def test_explicit_pipeline_groups_inside_a_bigger_world():
         grads = {**out[replica[0]], **out[replica[1]]}
         assert set(grads) == set(ref)
         assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 1e-5
+
+
+def test_the_pipeline_group_is_explicit_and_bytes_come_from_the_shared_counter():
+    """One stage (p = 1), in this process: no default group to fall back on, and the live bytes are
+    what course_lib.saved_tensors counts for one micro-batch's forward and loss."""
+    cfg = StackConfig(num_layers=2)
+    schedule = build_schedule("1f1b", 1, 2)
+    _, chunks = build_stages(cfg, 0, 1)
+    tokens, labels = make_batch(cfg, 2)
+    shape = (cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size)
+    with pytest.raises(TypeError, match="pp_group"):
+        run_rank_schedule(schedule, 0, chunks, tokens, labels, activation_shape=shape)
+    with pytest.raises(ValueError, match="pp_group is None: pass this rank's pipeline process group") as e:
+        run_rank_schedule(schedule, 0, chunks, tokens, labels, activation_shape=shape, pp_group=None)
+    assert "\n" not in str(e.value)
+    one_stage = object()        # a pipeline of one sends no message: any group object will do
+    out = run_rank_schedule(schedule, 0, chunks, tokens, labels, activation_shape=shape, pp_group=one_stage)
+    mbs = cfg.micro_batch_size
+    with SavedTensorRecorder(chunks[0]) as saved:
+        lm_loss(chunks[0](tokens[:mbs]), labels[:mbs]) / 2
+    assert out["peak_bytes"] == activation_bytes(saved.records) > 0
 
 
 def test_stage_split_rules():

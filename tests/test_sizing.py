@@ -148,9 +148,20 @@ def test_output_activation_terms_korthikanti_4_3():
     assert sizing.activation_bytes_outside_layers(s, b, h, v, t, pp=1) == sbh // t * (1 + 4 * (1 + v // h))
 
 
+def test_one_ring_cost_model_named_as_a_cost():
+    from course_lib import collectives, comm
+
+    assert sizing.ring_elements_sent is comm.ring_elements_sent      # the recorder and the formulas share it
+    assert not hasattr(sizing, "ring_all_reduce")                    # that name is Lab 00's ring, a collective
+    assert callable(collectives.ring_all_reduce)
+    with pytest.raises(ValueError, match="group_size=0 must be a positive integer"):
+        sizing.ring_elements_sent("all_reduce", 8, 0)
+
+
 def test_communication_conventions():
-    assert sizing.ring_all_reduce(100, 4) == 150 and sizing.ring_all_gather(100, 4) == 75
-    assert sizing.ring_all_reduce(100, 1) == 0  # a group of one sends nothing
+    assert sizing.ring_elements_sent("all_reduce", 100, 4) == 150
+    assert sizing.ring_elements_sent("all_gather", 100, 4) == 75
+    assert sizing.ring_elements_sent("all_reduce", 100, 1) == 0  # a group of one sends nothing
     c = sizing.tp_comm_per_layer(128, 2, 64, 4, recompute="full")
     assert c["recompute_forward"] == c["forward"]  # full recompute re-runs the forward collectives
     assert sizing.tp_comm_per_layer(128, 2, 64, 4, recompute="selective")["recompute_forward"] == 0

@@ -40,11 +40,12 @@ from course_lib.comm import (CommEvent, CommRecorder, all_gather, all_reduce, re
                              summarize)
 from course_lib.context_parallel import reference_attention, ring_attention, shard_sequence
 from course_lib.launch import launch
-from course_lib.model import GPTConfig, GPTModel, build_model, gpt_loss, new_process_groups
+from course_lib.model import GPTConfig, GPTModel, build_model, gpt_loss
 from course_lib.pipeline.check import check_schedule
 from course_lib.pipeline.executor import run_rank_schedule, warm_up_autograd
 from course_lib.pipeline.schedules import build_schedule
 from course_lib.pipeline.stages import StackConfig, build_stages, make_batch
+from course_lib.process_groups import new_process_groups
 from course_lib.sizing.measured import cp_layer_volume, dp_volume, pp_rank_volume, tp_layer_volume
 from course_lib.tensor_parallel import (DenseTransformerLayer, ParallelTransformerLayer, TransformerConfig,
                                         allreduce_sequence_parallel_grads, sequence_parallel_params)
@@ -182,9 +183,9 @@ def test_ring_model_is_what_a_send_recv_ring_sends(tp_runs):
         for res in ranks:
             sent = res[("ring", t)]
             assert len(sent) == 2 * (t - 1)                                   # reduce-scatter + all-gather steps
-            assert sum(sent) == sizing.ring_all_reduce(n, t)                 # 2 N (t-1)/t
-            assert sum(sent[: t - 1]) == sizing.ring_all_gather(n, t)        # each phase N (t-1)/t
-            # the recorder's conversion (what measured.py uses) agrees with the real sends too
+            # one cost model for the formulas and the recorder (what measured.py uses): 2 N (t-1)/t,
+            # each phase N (t-1)/t
+            assert sizing.ring_elements_sent is ring_elements_sent
             assert sum(sent) == ring_elements_sent("all_reduce", n, t)
             assert sum(sent[: t - 1]) == ring_elements_sent("reduce_scatter", n, t)
             assert sum(sent[t - 1:]) == ring_elements_sent("all_gather", n, t)
@@ -215,7 +216,7 @@ def test_tp_layer_comm_equals_tp_comm_per_layer(tp_runs, capsys):
                                                    recompute="none" if recompute == "none" else "full")
                 expected = dict(formula)
                 if recompute == "full-early-stop":   # minus the last g (all-reduce) / reduce-scatter
-                    last = sizing.ring_all_gather(S * B * H, t) if sp else sizing.ring_all_reduce(S * B * H, t)
+                    last = ring_elements_sent("all_gather" if sp else "all_reduce", S * B * H, t)
                     expected["recompute_forward"] -= last
                     expected["total"] -= last
                 for res in ranks:
@@ -233,7 +234,7 @@ def test_tp_layer_comm_equals_tp_comm_per_layer(tp_runs, capsys):
                     if sp:
                         assert run["sp_numel"] == 6 * H
                         assert excluded.count() == 1
-                        assert excluded.ring_elements_sent() == sizing.ring_all_reduce(6 * H, t)
+                        assert excluded.ring_elements_sent() == ring_elements_sent("all_reduce", 6 * H, t)
                     else:
                         assert excluded.count() == 0
                     # the measured run is the real layer: output == the dense layer's
@@ -546,7 +547,8 @@ def test_dp_gradient_comm_equals_dp_comm_per_iteration(capsys):
             if tp > 1:   # a whole step's TP traffic: the layers (formula) + the embedding's g (b*s*h, fwd),
                 #          the tied output layer's f (b*s*h, bwd), the loss's three all-reduces of s*b (fwd)
                 per_layer = sizing.tp_comm_per_layer(S, B, H, tp)["total"]
-                extras = 2 * sizing.ring_all_reduce(B * S * H, tp) + 3 * sizing.ring_all_reduce(S * B, tp)
+                extras = (2 * ring_elements_sent("all_reduce", B * S * H, tp)
+                          + 3 * ring_elements_sent("all_reduce", S * B, tp))
                 assert summarize(run["tp_step"]).ring_elements_sent() == LAYERS * per_layer + extras
         for dp_ranks in ([[0, 2], [1, 3]] if dp == 2 else [[0, 1, 2, 3]]):   # replicas agree after the all-reduce
             assert all(torch.equal(ranks[dp_ranks[0]][(tp, dp)]["reduced"], ranks[r][(tp, dp)]["reduced"])
@@ -658,9 +660,9 @@ def test_real_training_step_comm_equals_the_formulas(capsys):
                 # not in the formulas, exactly:
                 sp_grads = rec.filter(source="allreduce_sequence_parallel_grads")
                 assert summarize(sp_grads).ring_elements_sent() == (
-                    sizing.ring_all_reduce(6 * H * layers_here + 2 * H * last, tp) if sp else 0)
+                    ring_elements_sent("all_reduce", 6 * H * layers_here + 2 * H * last, tp) if sp else 0)
                 emb = rec.filter(source="allreduce_embedding_grads")
-                assert summarize(emb).ring_elements_sent() == sizing.ring_all_reduce(V * H // tp, 2)
+                assert summarize(emb).ring_elements_sent() == ring_elements_sent("all_reduce", V * H // tp, 2)
         # TP, per rank: what two more layers per stage add
         extra_layers = (STEP_LAYERS[1] - STEP_LAYERS[0]) // pp
         for small, big in zip(runs[STEP_LAYERS[0]], runs[STEP_LAYERS[1]]):

@@ -89,7 +89,11 @@ def test_not_attempted_is_reported_without_raising(capsys):
     assert not lab02.check_f_g(F_stub, G_ok)
     assert not lab02.check_tp_mlp_from_dense(not_yet)
     assert not lab02.check_collective_prediction(not_yet, elements_ok)
-    assert capsys.readouterr().out.count("not attempted yet") == 5
+    out = capsys.readouterr().out
+    assert out.count("not attempted yet") == 5
+    names = ["column_parallel_forward", "row_parallel_forward", "F_stub and G_ok", "tp_mlp_from_dense",
+             "predict_collectives"]      # the shared line of course_lib.checks.not_attempted, naming the exercise
+    assert out.splitlines() == [f"not attempted yet: write {name} above, then re-run this cell" for name in names]
 
 
 def _hint(capsys, check, answer, *more):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from course_lib.comm import CommRecorder
 from course_lib.launch import launch
+from helpers import group_of_one
 from course_lib.tensor_parallel import (ColumnParallelLinear, DenseMLP, ParallelMLP, ParallelSelfAttention,
                                         RowParallelLinear, TransformerConfig, VocabParallelEmbedding,
                                         copy_dense_to_parallel, copy_to_tensor_model_parallel_region,
@@ -77,8 +78,7 @@ def _rank_mappings():
     events["gather_seq_replicated"] = sorted((e.op, e.direction) for e in rec.events)
 
     # a group of one: every mapping returns its input untouched and communicates nothing
-    singles = [dist.new_group([q]) for q in range(W)]
-    mine = singles[r]
+    mine = group_of_one()
     same = {}
     with CommRecorder() as rec:
         for name, (fn, *_rest) in cases.items():

@@ -3,17 +3,29 @@
 Every checker prints one verdict line and never raises: when the student's
 function still raises ``NotImplementedError`` it prints "not attempted yet",
 so the student notebook runs top to bottom before any exercise is solved.
+Every lab's checkers print that line through :func:`not_attempted`, and call the
+student's code through :func:`call_student` (or :func:`try_student` when they
+need the exception itself); checkers that run it on ranks test
+``RankError.exc_type == "NotImplementedError"``.
 """
+
+
+def try_student(fn, *args):
+    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised (for checkers that inspect it)."""
+    try:
+        return fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - reported to the student
+        return None, exc
 
 
 def call_student(fn, *args):
     """``(value, None)``, or ``(None, message)`` when ``fn`` raised; ``NotImplementedError`` -> ``(None, "todo")``."""
-    try:
-        return fn(*args), None
-    except NotImplementedError:
+    value, exc = try_student(fn, *args)
+    if exc is None:
+        return value, None
+    if isinstance(exc, NotImplementedError):
         return None, "todo"
-    except Exception as exc:  # noqa: BLE001 - reported to the student
-        return None, f"{type(exc).__name__}: {exc}"
+    return None, f"{type(exc).__name__}: {exc}"
 
 
 def not_attempted(name: str) -> bool:

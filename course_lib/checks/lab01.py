@@ -16,17 +16,8 @@ from __future__ import annotations
 
 import itertools
 
+from course_lib.checks import not_attempted, try_student
 from course_lib.topology import RankGrid, divisors
-
-NOT_ATTEMPTED = "not attempted yet: write the function above, then re-run this cell"
-
-
-def _call(fn, *args):
-    """(value, None) or (None, exception)."""
-    try:
-        return fn(*args), None
-    except Exception as exc:  # noqa: BLE001 - reported as a hint
-        return None, exc
 
 
 # ---- exercise 1: derive DP --------------------------------------------------------------
@@ -37,10 +28,9 @@ def check_derive_dp(fn) -> bool:
     cases = [(8, 2, 2, 1), (8, 1, 1, 1), (8, 2, 2, 2), (128, 4, 4, 1), (32, 16, 2, 1), (32, 4, 8, 1),
              (96, 2, 3, 2), (8, 8, 1, 1)]
     for world, tp, pp, cp in cases:
-        got, exc = _call(fn, world, tp, pp, cp)
+        got, exc = try_student(fn, world, tp, pp, cp)
         if isinstance(exc, NotImplementedError):
-            print(NOT_ATTEMPTED)
-            return False
+            return not_attempted("derive_dp")
         want = world // (tp * pp * cp)
         if exc is not None:
             print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) raised {type(exc).__name__}: {exc}")
@@ -57,7 +47,7 @@ def check_derive_dp(fn) -> bool:
                 print("  hint: every rank belongs to exactly one (tp, cp, dp, pp) cell: world = tp·pp·cp·dp")
             return False
     for world, tp, pp, cp in [(8, 3, 1, 1), (12, 2, 4, 1), (8, 2, 2, 4)]:
-        got, exc = _call(fn, world, tp, pp, cp)
+        got, exc = try_student(fn, world, tp, pp, cp)
         if not isinstance(exc, ValueError):
             what = f"returned {got!r}" if exc is None else f"raised {type(exc).__name__}"
             print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) {what}; tp·pp·cp = {tp * pp * cp} does not "
@@ -78,16 +68,14 @@ def check_rank5_groups(answer: dict) -> bool:
     """``answer = {'tp': [...], 'pp': [...], 'dp': [...]}`` for rank 5 of 8 ranks, TP=2, PP=2
     (or a function returning that dict)."""
     if callable(answer):
-        answer, exc = _call(answer)
+        answer, exc = try_student(answer)
         if isinstance(exc, NotImplementedError):
-            print(NOT_ATTEMPTED)
-            return False
+            return not_attempted("rank5_groups")
         if exc is not None:
             print(f"✗ your function raised {type(exc).__name__}: {exc}")
             return False
     if answer is None:
-        print(NOT_ATTEMPTED)
-        return False
+        return not_attempted("rank5_groups")
     if not isinstance(answer, dict) or set(answer) != {"tp", "pp", "dp"}:
         print("✗ give a dict with exactly the keys 'tp', 'pp' and 'dp', e.g. {'tp': [4, 5], ...}")
         return False
@@ -144,10 +132,9 @@ def check_rank_of(fn) -> bool:
     for tp, cp, dp, pp in layouts:
         grid = RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)
         for t, k, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp)):
-            got, exc = _call(fn, t, k, d, p, tp, cp, dp, pp)
+            got, exc = try_student(fn, t, k, d, p, tp, cp, dp, pp)
             if isinstance(exc, NotImplementedError):
-                print(NOT_ATTEMPTED)
-                return False
+                return not_attempted("rank_of")
             want = grid.rank_of(tp=t, cp=k, dp=d, pp=p)
             if exc is not None or got != want:
                 what = f"raised {type(exc).__name__}: {exc}" if exc else f"returned {got!r}"

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course_lib.checks import not_attempted
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
 from course_lib.tensor_parallel import (DenseMLP, ParallelMLP, ParallelTransformerLayer, TransformerConfig,
@@ -28,7 +29,6 @@ from course_lib.tensor_parallel import (DenseMLP, ParallelMLP, ParallelTransform
 __all__ = ["check_column_parallel_forward", "check_row_parallel_forward", "check_f_g",
            "check_tp_mlp_from_dense", "check_collective_prediction"]
 
-_NOT_ATTEMPTED = "not attempted yet: fill in {what} above (it still raises NotImplementedError), then re-run this cell"
 S, B, IN, OUT = 4, 2, 8, 12
 
 
@@ -77,8 +77,7 @@ def check_column_parallel_forward(fn) -> bool:
             try:
                 got = fn(x.clone(), w.clone(), rank, t)
             except NotImplementedError:
-                print(_NOT_ATTEMPTED.format(what="column_parallel_forward"))
-                return False
+                return not_attempted("column_parallel_forward")
             except Exception as exc:  # noqa: BLE001 - shown to the student
                 print(f"✗ rank {rank} of {t} raised {type(exc).__name__}: {exc}")
                 if "shape" in str(exc) or "size" in str(exc):
@@ -130,8 +129,7 @@ def check_row_parallel_forward(fn) -> bool:
             res = launch(_rank_row, world_size=t, output="none", timeout=30, fn=fn)
         except RankError as err:
             if err.exc_type == "NotImplementedError":
-                print(_NOT_ATTEMPTED.format(what="row_parallel_forward"))
-                return False
+                return not_attempted("row_parallel_forward")
             print(f"✗ with {t} ranks, rank {err.rank} raised {_last_line(err.traceback)}")
             if "shape" in err.traceback or "size" in err.traceback:
                 print("  hint: x_shard has in/t features: use weight.chunk(t, dim=1)[rank] ([out, in/t]), "
@@ -225,8 +223,7 @@ def check_f_g(f_cls, g_cls) -> bool:
         res = launch(_rank_f_g, world_size=2, output="none", timeout=30, f_cls=f_cls, g_cls=g_cls)
     except RankError as err:
         if err.exc_type == "NotImplementedError":
-            print(_NOT_ATTEMPTED.format(what="the f and g operators"))
-            return False
+            return not_attempted(f"{f_cls.__name__} and {g_cls.__name__}")
         print(f"✗ rank {err.rank} raised {_last_line(err.traceback)}")
         if "modified by an inplace" in err.traceback or "leaf Variable" in err.traceback:
             print("  hint: all-reduce works in place: all-reduce a copy (x.clone()), not the input itself")
@@ -303,8 +300,7 @@ def check_tp_mlp_from_dense(fn) -> bool:
         res = launch(_rank_mlp_from_dense, world_size=2, output="none", timeout=30, fn=fn)
     except RankError as err:
         if err.exc_type == "NotImplementedError":
-            print(_NOT_ATTEMPTED.format(what="tp_mlp_from_dense"))
-            return False
+            return not_attempted("tp_mlp_from_dense")
         print(f"✗ rank {err.rank} raised {_last_line(err.traceback)}")
         tb = err.traceback
         for name, hint in _SHAPE_HINTS.items():
@@ -374,8 +370,7 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
         try:
             guess = predict_collectives(sp)
         except NotImplementedError:
-            print(_NOT_ATTEMPTED.format(what="predict_collectives"))
-            return False
+            return not_attempted("predict_collectives")
         counts, measured_events[sp] = measured_layer_collectives(2, sp)
         guess = {k: v for k, v in (guess or {}).items() if v}
         if guess != counts:
@@ -400,8 +395,7 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
     try:
         guess = predict_elements_sent(b, s, h, t)
     except NotImplementedError:
-        print(_NOT_ATTEMPTED.format(what="predict_elements_sent"))
-        return False
+        return not_attempted("predict_elements_sent")
     measured = sum(e.ring_elements_sent for e in measured_events[False])
     for bb, ss, hh, tt in ((1, 2048, 12288, 8), (b, s, h, 4)):
         want = 8 * bb * ss * hh * (tt - 1) / tt

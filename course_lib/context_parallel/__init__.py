@@ -8,6 +8,8 @@ Modules, one idea each:
   (forward and reverse ring) and which attention blocks it computes.
 * :mod:`.ring` -- the log-sum-exp merge, the block forward/backward, and
   ``ring_attention`` (a custom autograd function; K/V by send/recv over the CP group).
+* :mod:`.attention` -- the transformer layer under CP: the tensor-parallel attention
+  whose ``core_attention`` is the ring (``ContextParallelSelfAttention``, ``build_layer``).
 * :mod:`.ulysses` -- the all-to-all alternative (Megatron's ``--cp-comm-type a2a``),
   which needs heads % cp == 0.
 * :mod:`.work` -- per-rank attention work, balanced vs contiguous, and its bar chart.
@@ -16,6 +18,7 @@ Modules, one idea each:
 Tensor layout everywhere: ``[b, heads, s_local, head_dim]``.
 """
 
+from course_lib.context_parallel.attention import ContextParallelSelfAttention, build_layer
 from course_lib.context_parallel.figures import plot_ring_steps
 from course_lib.context_parallel.ring import (attention_block, attention_block_backward, kv_bytes_per_step,
                                               merge_partials, reference_attention, ring_attention,
@@ -33,7 +36,7 @@ __all__ = [
     "unshard_sequence", "get_batch_on_this_cp_rank",
     "Block", "kv_source_rank", "step_blocks", "ring_schedule",
     "attention_block", "merge_partials", "attention_block_backward", "reference_attention", "ring_attention",
-    "kv_bytes_per_step", "ring_sends_per_layer", "ulysses_attention",
+    "kv_bytes_per_step", "ring_sends_per_layer", "ulysses_attention", "ContextParallelSelfAttention", "build_layer",
     "score_elements", "score_elements_closed_form", "ring_step_work", "critical_path", "imbalance",
     "plot_attention_work", "plot_ring_steps",
 ]

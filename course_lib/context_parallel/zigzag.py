@@ -153,18 +153,18 @@ def unshard_sequence(shards: Sequence[torch.Tensor], *, seq_dim: int = 2, layout
     return torch.cat([chunks[k] for k in range(num_chunks(cp_size, layout))], dim=seq_dim)
 
 
-def get_batch_on_this_cp_rank(batch: dict, cp_group, *, seq_dim: int = 1, layout: str = "zigzag") -> dict:
-    """Megatron's ``get_batch_on_this_cp_rank`` (``megatron/core/utils.py``), with the group passed in.
+def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
+    """Megatron's ``get_batch_on_this_cp_rank`` (``megatron/training/utils.py``, ``megatron/core/utils.py``)
+    with the CP rank and size passed in: a new dict whose tensors hold this rank's two zigzag chunks.
 
-    Every tensor of ``batch`` (e.g. ``tokens``, ``labels``, ``loss_mask``, ``position_ids``
-    of shape ``[b, s]``) is cut along ``seq_dim`` and this rank keeps its chunks;
-    ``None`` values are left as they are. A group of one returns the batch unchanged."""
-    import torch.distributed as dist
-
-    if cp_group is None:
-        raise ValueError("cp_group is None: pass the context-parallel process group explicitly")
-    cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    Every tensor is cut along dim 1 (``tokens``, ``labels``, ``loss_mask``, ``position_ids``:
+    ``[b, s]``) except ``attention_mask`` (``[b, 1, s, s]``), which is cut along dim 2 -- its query
+    rows; every key column stays, as in Megatron. ``None`` values pass through; the input is not
+    modified; ``cp_size == 1`` returns the same tensors."""
+    cp_size = _check_cp(cp_size)
+    cp_rank = _check_rank(cp_rank, cp_size)
     if cp_size == 1:
         return dict(batch)
-    return {k: (v if v is None else shard_sequence(v, cp_rank, cp_size, seq_dim=seq_dim, layout=layout))
-            for k, v in batch.items()}
+    return {key: value if value is None else
+            shard_sequence(value, cp_rank, cp_size, seq_dim=2 if key == "attention_mask" else 1)
+            for key, value in batch.items()}

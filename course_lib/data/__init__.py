@@ -9,7 +9,8 @@ context-parallel split.
 * ``tokenizer``  -- ``ByteTokenizer`` (257 tokens: 256 bytes + eod), ``vocab_size_with_padding``.
 * ``sampler``    -- ``GPTDataset``, ``get_batch(iteration, micro_batch_index, dp_rank, dp_size,
   micro_batch_size, seq_length, seed)``, ``get_global_batch``.
-* ``cp_split``   -- ``get_batch_on_this_cp_rank(batch, cp_rank, cp_size)`` and helpers.
+* ``cp_split``   -- ``get_batch_on_this_cp_rank(batch, cp_rank, cp_size)`` (from
+  ``course_lib.context_parallel.zigzag``) and helpers.
 """
 
 from course_lib.data.corpus import corpus_text, export_jsonl, load_documents

@@ -12,18 +12,23 @@ sequence into ``2 * cp`` equal chunks and gives rank ``r`` chunks ``r`` and
                  rank 1 -> chunks 1, 2 -> positions 2 3 4 5
 
 Here the CP rank and size are arguments (no global state), and the input dict is
-not modified. The splitting itself is :mod:`course_lib.context_parallel.zigzag`'s; this
-module adds the batch-dict convention and Megatron-style argument checks. Every tensor is cut along dim 1 (``[b, s, ...]``), except
-``attention_mask`` (``[b, 1, s, s]``), which is cut along dim 2 (the query rows), as
-in Megatron. Keep ``position_ids`` with the tokens: the positions a rank holds
-are not contiguous, and learned position embeddings must use the true ones.
+not modified. The split itself and ``get_batch_on_this_cp_rank`` (every tensor cut
+along dim 1, ``[b, s, ...]``, except ``attention_mask``, ``[b, 1, s, s]``, cut along
+dim 2 -- the query rows -- as in Megatron) are :mod:`course_lib.context_parallel.zigzag`'s;
+this module re-exports the latter and adds per-tensor helpers. Keep ``position_ids``
+with the tokens: the positions a rank holds are not contiguous, and learned position
+embeddings must use the true ones.
 """
 
 from __future__ import annotations
 
 import torch
 
-from course_lib.context_parallel.zigzag import chunks_for_rank, shard_sequence, token_positions, unshard_sequence
+from course_lib.context_parallel.zigzag import (chunks_for_rank, get_batch_on_this_cp_rank, shard_sequence,
+                                                token_positions, unshard_sequence)
+
+__all__ = ["cp_chunk_ids", "cp_token_positions", "split_for_cp_rank", "get_batch_on_this_cp_rank",
+           "gather_from_cp_ranks"]
 
 
 def _check(cp_rank: int, cp_size: int, seq_length: int | None = None) -> None:
@@ -59,18 +64,6 @@ def split_for_cp_rank(t: torch.Tensor, cp_rank: int, cp_size: int, seq_dim: int 
         return t
     _check(cp_rank, cp_size, t.shape[seq_dim])
     return shard_sequence(t, cp_rank, cp_size, seq_dim=seq_dim)
-
-
-def get_batch_on_this_cp_rank(batch: dict, cp_rank: int, cp_size: int) -> dict:
-    """Megatron's ``get_batch_on_this_cp_rank`` with explicit rank/size: a new dict whose
-    tensors hold this rank's two chunks (``None`` values pass through)."""
-    out = {}
-    for key, val in batch.items():
-        if val is None:
-            out[key] = None
-        else:
-            out[key] = split_for_cp_rank(val, cp_rank, cp_size, seq_dim=2 if key == "attention_mask" else 1)
-    return out
 
 
 def gather_from_cp_ranks(parts: list[torch.Tensor], seq_dim: int = 1) -> torch.Tensor:

@@ -45,6 +45,7 @@ from course_lib.pipeline.schedules import Action, PipelineSchedule
 from course_lib.pipeline.simulate import Event, Timeline, live_activations
 from course_lib.pipeline.stages import (StackConfig, build_stages, layer_split, lm_loss, make_batch,
                                         reference_gradients)
+from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
 
 _WEIGHT_MODULES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding)
 
@@ -58,27 +59,6 @@ class _Stored:
     sites: list = field(default_factory=list)   # [(layer output, [its params])] for the B/W split
     site_grads: Optional[list] = None
     nbytes: int = 0                    # bytes of activations saved for backward
-
-
-class _SavedBytes:
-    """Count the bytes autograd saves for backward, excluding parameters (activation memory)."""
-
-    def __init__(self, params):
-        self.param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self.seen: set = set()
-        self.nbytes = 0
-
-    def pack(self, t):
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.param_storages and ptr not in self.seen:
-            self.seen.add(ptr)
-            self.nbytes += storage.nbytes()
-        return t
-
-    @staticmethod
-    def unpack(t):
-        return t
 
 
 def _record_sites(module: torch.nn.Module, sites: list):
@@ -117,7 +97,7 @@ class _Prefetcher:
 
 
 def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, tokens, labels, *,
-                      activation_shape, pp_group=None, p2p: str = "batched", compute_time=None,
+                      activation_shape, pp_group, p2p: str = "batched", compute_time=None,
                       loss_fn=None) -> dict:
     """Run rank ``rank``'s part of ``schedule``; return its events, losses and memory figures.
 
@@ -125,8 +105,9 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
     ``tokens``/``labels``: [m * micro_batch, s] (each rank gets the whole batch;
     only stage 0 reads tokens, only the last stage labels). ``activation_shape``:
     ``[s, b, h]`` of what crosses a stage boundary. Gradients accumulate in
-    the modules' ``.grad``. ``pp_group``: the pipeline process group (``None``:
-    the default group). ``compute_time``: ``(t_f, t_b, t_w)`` seconds per micro-batch
+    the modules' ``.grad``. ``pp_group``: the pipeline process group this rank belongs to
+    (``groups.pp``; ``dist.group.WORLD`` only when the whole world is one pipeline), given
+    explicitly: a wrong default would pair ranks of different pipelines. ``compute_time``: ``(t_f, t_b, t_w)`` seconds per micro-batch
     per rank-stage (a chunk takes ``1 / vp`` of it), or ``None`` for real speed.
     ``loss_fn(output, labels)``: the last stage's loss of one micro-batch (a scalar;
     default :func:`~course_lib.pipeline.stages.lm_loss`); the executor divides it by
@@ -134,10 +115,12 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
     """
     loss_fn = lm_loss if loss_fn is None else loss_fn
     p, v, m, S = schedule.pp_size, schedule.vp_size, schedule.num_microbatches, schedule.num_stages
-    group = pp_group if pp_group is not None else dist.group.WORLD
+    if pp_group is None:
+        raise ValueError("pp_group is None: pass this rank's pipeline process group explicitly (groups.pp, or "
+                         "dist.group.WORLD when every rank is a stage of one pipeline)")
 
     def to_global(r):
-        return dist.get_global_rank(group, r) if p > 1 else r
+        return dist.get_global_rank(pp_group, r) if p > 1 else r
 
     mbs = tokens.shape[0] // m
     shape = tuple(activation_shape)  # [s, b, h], Megatron's tensor_shape
@@ -154,7 +137,7 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
     stored: dict = {}
     events, losses = [], []
     live_bytes = peak_bytes = peak_live = 0
-    prefetcher = _Prefetcher(schedule, rank, shape, device, to_global, group) if p2p == "prefetch" else None
+    prefetcher = _Prefetcher(schedule, rank, shape, device, to_global, pp_group) if p2p == "prefetch" else None
 
     def outgoing(msg):
         """The tensor for ``msg``, recorded (kind "pp") for an active CommRecorder."""
@@ -169,17 +152,17 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
             for msg in step.recvs:
                 inbox[msg] = prefetcher.get(msg)
             for msg in step.sends:
-                dist.send(outgoing(msg), dst=to_global(msg.dst), group=group)
+                dist.send(outgoing(msg), dst=to_global(msg.dst), group=pp_group)
             return
         bufs = {msg: torch.empty(shape, device=device) for msg in step.recvs}
         if p2p == "blocking":
             for msg in step.sends:
-                dist.send(outgoing(msg), dst=to_global(msg.dst), group=group)
+                dist.send(outgoing(msg), dst=to_global(msg.dst), group=pp_group)
             for msg, buf in bufs.items():
-                dist.recv(buf, src=to_global(msg.src), group=group)
+                dist.recv(buf, src=to_global(msg.src), group=pp_group)
         else:  # batched: one batch_isend_irecv, like Megatron's _communicate
-            ops = [dist.P2POp(dist.isend, outgoing(msg), to_global(msg.dst), group) for msg in step.sends]
-            ops += [dist.P2POp(dist.irecv, buf, to_global(msg.src), group) for msg, buf in bufs.items()]
+            ops = [dist.P2POp(dist.isend, outgoing(msg), to_global(msg.dst), pp_group) for msg in step.sends]
+            ops += [dist.P2POp(dist.irecv, buf, to_global(msg.src), pp_group) for msg, buf in bufs.items()]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         inbox.update(bufs)
@@ -194,10 +177,9 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
         else:
             x = inp = inbox.pop(inputs_of(schedule, rank, a)[0]).requires_grad_()
         entry = _Stored(x=x, y=None)
-        saved = _SavedBytes(chunk.parameters())
         hooks = _record_sites(chunk, entry.sites) if (a.microbatch, a.chunk_id) in split else []
         try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            with SavedTensorRecorder(chunk) as saved:
                 out = chunk(inp)
                 if s == S - 1:
                     loss = loss_fn(out, labels[rows]) / m   # Megatron: output_tensor /= num_microbatches
@@ -206,9 +188,9 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
         finally:
             for h in hooks:
                 h.remove()
-        entry.y, entry.nbytes = out, saved.nbytes
+        entry.y, entry.nbytes = out, activation_bytes(saved.records)
         stored[(a.microbatch, a.chunk_id)] = entry
-        live_bytes += saved.nbytes
+        live_bytes += entry.nbytes
         for msg in outputs_of(schedule, rank, a):
             outbox[msg] = out.detach().contiguous()
 
@@ -241,7 +223,7 @@ def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, token
     run = {"F": forward, "B": backward, "W": weight}
     plan = comm_plan(schedule, rank, p2p)
     if p > 1:
-        dist.barrier(group=group)  # start together: times are comparable across ranks
+        dist.barrier(group=pp_group)  # start together: times are comparable across ranks
     for item in plan:
         if isinstance(item, Step):
             communicate(item)
@@ -268,8 +250,8 @@ def _pipeline_rank(schedule: PipelineSchedule, cfg: StackConfig, p2p: str, compu
     model, chunks = build_stages(cfg, rank, schedule.pp_size, schedule.vp_size)
     tokens, labels = make_batch(cfg, schedule.num_microbatches)
     shape = (cfg.seq_length, cfg.micro_batch_size, cfg.hidden_size)
-    out = run_rank_schedule(schedule, rank, chunks, tokens, labels, activation_shape=shape, p2p=p2p,
-                            compute_time=compute_time)
+    out = run_rank_schedule(schedule, rank, chunks, tokens, labels, activation_shape=shape,
+                            pp_group=dist.group.WORLD, p2p=p2p, compute_time=compute_time)
     mine = {id(p) for c in chunks.values() for p in c.parameters()}
     out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters() if id(p) in mine and p.grad is not None}
     out["owned"] = sorted(n for n, p in model.named_parameters() if id(p) in mine)

@@ -9,7 +9,8 @@ module                      what it computes (source)
                             Korthikanti 2022 Eq. 7, 8), MFU/HFU, training time (Eq. 4)
 :mod:`.memory`              activation bytes (Korthikanti Table 2, Eq. 1-6), model states (ZeRO
                             §5; Megatron's distributed optimizer)
-:mod:`.comm`                elements sent per rank by TP/SP, PP, DP (ZeRO), CP (Narayanan §3)
+:mod:`.comm`                the ring cost model; elements sent per rank by TP/SP, PP, DP (ZeRO),
+                            CP (Narayanan §3)
 :mod:`.planner`             one configuration end to end, for the explorer widget
 ==========================  =====================================================================
 
@@ -23,8 +24,7 @@ from course_lib.sizing.comm import (
     dp_comm_per_iteration,
     pp_comm_per_iteration,
     pp_send_elements,
-    ring_all_gather,
-    ring_all_reduce,
+    ring_elements_sent,
     tp_comm_per_layer,
 )
 from course_lib.sizing.flops import (

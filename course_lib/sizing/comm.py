@@ -5,9 +5,10 @@ Conventions, everywhere in this module:
 * results count **elements** (multiply by the bytes per element, 2 for bf16 activations and
   16-bit grads, 4 for fp32 grads), and
 * they count what **one rank sends** (bytes out of its link), assuming bandwidth-optimal ring
-  collectives: an all-reduce of N elements over g ranks sends ``2 N (g-1)/g`` per rank, an
-  all-gather or reduce-scatter whose full tensor has N elements sends ``N (g-1)/g`` per rank
-  (so SP's all-gather + reduce-scatter pair moves exactly what TP's all-reduce moves).
+  collectives (:func:`ring_elements_sent`, the course's one ring cost model): an all-reduce of
+  N elements over g ranks sends ``2 N (g-1)/g`` per rank, an all-gather or reduce-scatter whose
+  full tensor has N elements sends ``N (g-1)/g`` per rank (so SP's all-gather + reduce-scatter
+  pair moves exactly what TP's all-reduce moves).
 
 Sources: Narayanan et al. 2021 §3.2 (TP: ``8bsh(t-1)/t`` per layer per micro-batch, forward +
 backward; PP: ``bsh`` per send between consecutive stages, forward and backward) and §3.3.1
@@ -24,23 +25,32 @@ from __future__ import annotations
 from course_lib.sizing import _checks
 
 
-def ring_all_reduce(num_elements: float, group_size: int) -> float:
-    """Elements one rank sends in a ring all-reduce of ``num_elements``: ``2 N (g-1)/g``.
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all")
+"""The operations the ring cost model prices (the ones :mod:`course_lib.comm` issues and records)."""
 
-    A reduce-scatter then an all-gather, ``g - 1`` steps each, one ``N/g`` chunk per step (the
-    ``(d-1)/d`` scaling of Narayanan §3.3.1; the ``(t-1)/t`` of §3.2).
+
+def ring_elements_sent(op: str, numel: float, group_size: int) -> float:
+    """The ring cost model: elements one rank sends for ``op`` on ``numel`` elements over ``group_size`` ranks.
+
+    all_reduce ``2 N (t-1)/t`` (a reduce-scatter then an all-gather, ``t - 1`` steps each, one
+    ``N/t`` chunk per step: the ``(d-1)/d`` of Narayanan §3.3.1, the ``(t-1)/t`` of §3.2);
+    all_gather and reduce_scatter ``N (t-1)/t`` (N = the full tensor; half an all-reduce,
+    Korthikanti §4.2.2); all_to_all ``N (t-1)/t`` (a rank keeps its own 1/t); broadcast ``N``
+    (pipelined chain: every rank but the last forwards the whole tensor); send ``N``; recv ``0``.
+    A cost formula, not a collective: :func:`course_lib.collectives.ring_all_reduce` is the ring
+    itself (Patarasuk & Yuan 2009), whose measured sends this formula predicts.
     """
-    _checks.positive_int("group_size", group_size)
-    return 2 * num_elements * (group_size - 1) / group_size
-
-
-def ring_all_gather(num_elements: float, group_size: int) -> float:
-    """Elements one rank sends in a ring all-gather (or reduce-scatter) whose full tensor has N.
-
-    ``N (g-1)/g``: ``g - 1`` steps of one ``N/g`` shard; half an all-reduce (Korthikanti §4.2.2).
-    """
-    _checks.positive_int("group_size", group_size)
-    return num_elements * (group_size - 1) / group_size
+    if op not in OPS:
+        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(OPS)}")
+    t = _checks.positive_int("group_size", group_size)
+    if op == "send":
+        return float(numel)
+    if op == "recv" or t == 1:
+        return 0.0
+    if op == "broadcast":
+        return float(numel)
+    factor = 2 if op == "all_reduce" else 1
+    return factor * numel * (t - 1) / t
 
 
 def tp_comm_per_layer(
@@ -73,9 +83,10 @@ def tp_comm_per_layer(
     _checks.divisible("seq_length", seq_length, "context-parallel-size", cp)
     mode = _checks.recompute_mode(recompute)
     bsh = micro_batch_size * (seq_length // cp) * hidden_size
-    forward = 2 * ring_all_reduce(bsh, tp)  # 2 all-reduces, or 2 x (all-gather + reduce-scatter)
-    backward = 2 * ring_all_reduce(bsh, tp)
-    sp_extra = 2 * ring_all_gather(bsh, tp) if sequence_parallel else 0.0
+    # 2 all-reduces, or 2 x (all-gather + reduce-scatter): the same elements
+    forward = 2 * ring_elements_sent("all_reduce", bsh, tp)
+    backward = 2 * ring_elements_sent("all_reduce", bsh, tp)
+    sp_extra = 2 * ring_elements_sent("all_gather", bsh, tp) if sequence_parallel else 0.0
     recompute_forward = forward if mode == "full" else 0.0
     return {
         "forward": forward,
@@ -160,7 +171,7 @@ def dp_comm_per_iteration(num_params: float, dp: int, cp: int = 1, zero_stage: i
         raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
     g = dp * cp
     factor = 3 if zero_stage == 3 else 2
-    return {"group_size": g, "total": factor * ring_all_gather(num_params, g)}
+    return {"group_size": g, "total": factor * ring_elements_sent("all_gather", num_params, g)}
 
 
 def cp_comm_per_layer(

@@ -37,6 +37,7 @@ dense model bit for bit.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -162,11 +163,20 @@ class ParallelSelfAttention(nn.Module):
         mixed_qkv = mixed_qkv.view(s, b, nh, 3 * hn)                         # [s, b, np/t, 3*hn]
         q, k, v = mixed_qkv.split(hn, dim=-1)                                # each [s, b, np/t, hn]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))                 # [b, np/t, s, hn]
-        dropout = self.config.attention_dropout if self.training else 0.0
-        context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # [b, np/t, s, hn]
+        context = self.core_attention(q, k, v)                               # [b, np/t, s, hn]
         context = context.permute(2, 0, 1, 3).reshape(s, b, nh * hn)         # [s, b, h/t]: local heads only
         output, _ = self.linear_proj(context)                                # [s, b, h] (1 all-reduce)
         return output
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal ``softmax(q k^T / sqrt(hn)) v`` for this rank's heads: ``[b, np/t, s, hn]`` in and out.
+
+        Megatron's ``core_attention`` submodule (``DotProductAttention``, or Transformer Engine's,
+        which also runs context parallelism): everything around it -- the QKV GEMM, the head
+        split, the projection -- is the same whatever computes it, so a variant overrides only
+        this (:class:`course_lib.context_parallel.ContextParallelSelfAttention`: a ring over CP)."""
+        dropout = self.config.attention_dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
 class ParallelTransformerLayer(nn.Module):
@@ -176,14 +186,20 @@ class ParallelTransformerLayer(nn.Module):
     LayerNorms are replicated; under sequence parallelism their parameters carry
     ``sequence_parallel=True`` and their gradients must be all-reduced over TP
     after backward (:func:`~course_lib.tensor_parallel.allreduce_sequence_parallel_grads`).
+    ``self_attention`` builds the attention as ``self_attention(config, tp_group)`` (Megatron's
+    layer spec names the module the same way); context parallelism passes
+    :class:`~course_lib.context_parallel.ContextParallelSelfAttention` through
+    :func:`course_lib.context_parallel.build_layer`. It is built where the default would be, so
+    the weights drawn from the generator are the same.
     """
 
-    def __init__(self, config: TransformerConfig, tp_group, layer_number: int = 1):
+    def __init__(self, config: TransformerConfig, tp_group, layer_number: int = 1,
+                 self_attention: Callable[..., ParallelSelfAttention] = ParallelSelfAttention):
         super().__init__()
         self.config, self.tp_group, self.layer_number = config, tp_group, layer_number
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.input_layernorm = nn.LayerNorm(h, eps=eps, dtype=config.params_dtype)
-        self.self_attention = ParallelSelfAttention(config, tp_group)
+        self.self_attention = self_attention(config, tp_group)
         self.pre_mlp_layernorm = nn.LayerNorm(h, eps=eps, dtype=config.params_dtype)
         self.mlp = ParallelMLP(config, tp_group)
         if config.sequence_parallel:
