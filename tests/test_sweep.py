@@ -162,7 +162,8 @@ def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
     with pytest.raises(ValueError, match="run 'first' already exists .* choose another --run-name") as err:
         S.run_sweep(["A"], out=out, iters=1, run_name="first", launcher="fork", progress=False)
     assert "\n" not in str(err.value)
-    S.run_sweep(["A"], out=out, iters=1, run_name="second", launcher="fork", progress=False, timeout=120)
+    S.run_sweep(["A"], out=out, iters=1, world_size=2, run_name="second", launcher="fork", progress=False,
+                timeout=120)
     assert (out / "runs" / "first" / "A.log").read_text() == before                  # the first run is kept
     assert (out / "A.log").read_text() == (out / "runs" / "second" / "A.log").read_text()   # latest = newest
     latest = S.latest_summary(out)
@@ -170,6 +171,11 @@ def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
     assert (out / "D.log").read_text() == (out / "runs" / "first" / "D.log").read_text()    # untouched configs
     assert [(s["run"], s["status"], s["rows"]) for s in latest["sources"]] == [
         ("second", "finished", ["A"]), ("first", "finished", ["D", "E"])]
+    # the latest of each config mixes settings: the tables say so, and each config's groups are its own
+    summary = (out / "summary.md").read_text()
+    assert "**Settings differ between rows** (compare them with care): A: 8 layers" in summary
+    assert "2 ranks (fork), 1 iterations; D: 8 layers" in summary
+    assert "on 2 / 8 ranks" in (out / "day22_megatron_3d4d.md").read_text()
 
 
 @pytest.mark.parametrize("call, message", [

@@ -74,7 +74,7 @@ from course_lib.sweep.report import (  # noqa: F401
     plot_memory_per_rank, plot_tokens_per_s, run_lines, runs_caption, summary_markdown)
 from course_lib.sweep.runs import (  # noqa: F401
     COMM_KINDS, DEFAULT_ITERS, LOG_INTERVAL, MB, SETUP_SOURCES, SUMMARY_NAME, SWEEP_BATCH, SWEEP_LR,
-    SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order, measured_timelines,
+    SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order, measured_timelines, model_of,
     parse_configs, run_config, summary_timeline, sweep_rank)
 
 # What the sweep writes at the top of --out (besides <config>.log/.json), and beside them in each run folder.
@@ -92,13 +92,8 @@ def summarize(runs: Sequence[ConfigRun], *, total_s: Optional[float] = None, run
         raise ValueError("no config was run: give at least one (e.g. --configs A)")
     first = runs[0]
     return {"run_name": run_name, "world_size": first.world_size, "iters": first.iters, "launcher": first.launcher,
-            "model": _model_of(first.argv), "total_s": None if total_s is None else round(total_s, 1),
+            "model": model_of(first.argv), "total_s": None if total_s is None else round(total_s, 1),
             "configs": [r.summary() for r in runs]}
-
-
-def _model_of(argv: Sequence[str]) -> dict:
-    """The model and batch sizes a config's ``course_lib.train`` flags give."""
-    return {k: int(argv[argv.index("--" + k.replace("_", "-")) + 1]) for k in list(SWEEP_MODEL) + list(SWEEP_BATCH)}
 
 
 def _source(run: Optional[dict], name: Optional[str], rows: list) -> dict:
@@ -135,7 +130,7 @@ def latest_summary(out, current: Optional[dict] = None) -> dict:
         sources.append(_source(run, name, rows))
     f = found[0]
     return {"run_name": "latest of each config", "world_size": f["world_size"], "iters": f["iters"],
-            "launcher": f["launcher"], "model": _model_of(f["command"].split()), "total_s": None, "configs": found,
+            "launcher": f["launcher"], "model": model_of(f["command"].split()), "total_s": None, "configs": found,
             "sources": sources}
 
 

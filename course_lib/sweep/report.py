@@ -13,7 +13,7 @@ from typing import Sequence
 
 from course_lib.megatron import to_markdown
 from course_lib.megatron.report import STEP_TIME_NOTE
-from course_lib.sweep.runs import MB, kind_order
+from course_lib.sweep.runs import MB, kind_order, model_of
 
 
 # ============================================================================ runs
@@ -123,18 +123,31 @@ def bubble_markdown(summaries: Sequence[dict], sources: Sequence[dict] = ()) -> 
     return "\n".join(lines) + "\n"
 
 
+def _settings(world_size: int, launcher: str, iters: int, m: dict) -> str:
+    return (f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
+            f"sequence {m['seq_length']}, micro-batch {m['micro_batch_size']}, global batch {m['global_batch_size']}; "
+            f"{world_size} ranks ({launcher}), {iters} iterations")
+
+
+def settings_line(sweep: dict) -> str:
+    """What the rows were run with: one line, or each config's own when the rows' runs differ."""
+    each = {s["name"]: _settings(s["world_size"], s["launcher"], s["iters"], model_of(s["command"].split()))
+            for s in sweep["configs"]}
+    if len(set(each.values())) > 1:
+        return ("**Settings differ between rows** (compare them with care): "
+                + "; ".join(f"{n}: {text}" for n, text in each.items()) + ".")
+    return f"Model: {_settings(sweep['world_size'], sweep['launcher'], sweep['iters'], sweep['model'])} per config;"
+
+
 def summary_markdown(sweep: dict, with_runs: bool = True) -> str:
     """The record table, communication and bubble tables of a sweep summary, as Markdown; first
     (``with_runs``) the runs its rows come from and whether each finished."""
     rows = labelled_rows(sweep)
     sources = sweep.get("sources") or ()
-    m = sweep["model"]
     heading = run_lines(sweep) + [""] if with_runs and sources else []
     parts = heading + [
-        f"Model: {m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads, "
-        f"sequence {m['seq_length']}, micro-batch {m['micro_batch_size']}, global batch {m['global_batch_size']}; "
-        f"{sweep['world_size']} ranks ({sweep['launcher']}), {sweep['iters']} iterations per config; "
-        f"memory: tracked tensor bytes (parameters + gradients + Adam state + peak saved activations).",
+        settings_line(sweep) + " memory: tracked tensor bytes (parameters + gradients + Adam state + peak saved "
+        "activations).",
         "", to_markdown(rows), STEP_TIME_NOTE, "", comm_markdown(sweep["configs"], sources=sources),
         "Pipeline bubble (idle / useful time, 1F1B):", "", bubble_markdown(sweep["configs"], sources),
     ]
@@ -211,16 +224,16 @@ def deliverable_markdown(sweep: dict, log_dir: str = "logs/day22") -> str:
     from course_lib.topology import RankGrid
 
     cfgs = sweep["configs"]
-    world = sweep["world_size"]
+    worlds = " / ".join(str(w) for w in sorted({s["world_size"] for s in cfgs}))
     out = ["# Day 22 · 3D/4D parallelism in practice (day22_megatron_3d4d.md)", ""]
     runs = run_lines(sweep)
     if runs:
         out += [f"> {line}" for line in runs] + [""]
     out += ["## 1. TP × PP × DP (× CP) coordinates", "",
-            f"`world_size = TP × PP × CP × DP` on {world} ranks; Megatron's rank order `tp-cp-ep-dp-pp` "
+            f"`world_size = TP × PP × CP × DP` on {worlds} ranks; Megatron's rank order `tp-cp-ep-dp-pp` "
             "(TP fastest).", ""]
     for s in cfgs:
-        grid = RankGrid(world, tp=s["tp"], pp=s["pp"], cp=s["cp"])
+        grid = RankGrid(s["world_size"], tp=s["tp"], pp=s["pp"], cp=s["cp"])
         axes = [a for a in ("tp", "cp", "dp", "pp") if s[a] > 1]
         groups = "; ".join(f"{a.upper()} {grid.groups(a)}" for a in axes) or "—"
         out.append(f"- **{s['name']}** TP {s['tp']} · PP {s['pp']} · CP {s['cp']} · DP {s['dp']}: {groups}")

@@ -72,6 +72,11 @@ def config_argv(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT
     return argv
 
 
+def model_of(argv: Sequence[str]) -> dict:
+    """The model and batch sizes (:data:`SWEEP_MODEL`, :data:`SWEEP_BATCH` keys) a config's flags give."""
+    return {k: int(argv[argv.index("--" + k.replace("_", "-")) + 1]) for k in list(SWEEP_MODEL) + list(SWEEP_BATCH)}
+
+
 # Collectives issued once while the model is built, not in every iteration (Megatron's
 # setup_embeddings_and_output_layer copies the first stage's word embeddings to the last stage).
 SETUP_SOURCES = ("sync_tied_embeddings",)
