@@ -242,8 +242,9 @@ def write_figures(out_dir) -> list:
 
     import matplotlib.pyplot as plt
 
-    path = Path(out_dir) / "00_collectives_before_after.png"
+    from course_lib.safe_files import save_figure_atomic
+
     fig = plot_before_after(before_after(world_size=4))
-    fig.savefig(path, dpi=110)
+    path = save_figure_atomic(fig, Path(out_dir) / "00_collectives_before_after.png", dpi=110)
     plt.close(fig)
     return [path]

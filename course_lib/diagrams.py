@@ -494,19 +494,17 @@ def boundary_sketch(num_layers: int = 8, tp: int = 2, pp: int = 2, *, config: Pa
 def save(obj, path, dpi: int = 150) -> Path:
     """Write a ``graphviz.Digraph`` (.svg/.png/.pdf/.dot) or a matplotlib ``Figure``
     (.svg/.png/.pdf) to ``path``, format from the suffix (``dpi`` for matplotlib PNGs).
-    Output is reproducible: no dates in the metadata, fixed SVG ids."""
+    Output is reproducible: no dates in the metadata, fixed SVG ids. The file is written
+    atomically (``safe_files``); whether ``path`` may be replaced is the caller's check."""
+    from course_lib.safe_files import save_figure_atomic, write_atomic
+
     path = Path(path)
     suffix = path.suffix.lower()
-    path.parent.mkdir(parents=True, exist_ok=True)
     if hasattr(obj, "pipe") and hasattr(obj, "source"):  # graphviz
         if suffix not in FORMATS_GRAPHVIZ:
             raise ValueError(f"cannot write a Graphviz map as {suffix or 'no suffix'!r}; "
                              f"use one of {', '.join(FORMATS_GRAPHVIZ)}")
-        if suffix == ".dot":
-            path.write_text(obj.source)
-        else:
-            path.write_bytes(obj.pipe(format=suffix[1:]))
-        return path
+        return write_atomic(path, obj.source if suffix == ".dot" else obj.pipe(format=suffix[1:]))
     if suffix not in FORMATS_MATPLOTLIB:
         raise ValueError(f"cannot write a matplotlib figure as {suffix or 'no suffix'!r}; "
                          f"use one of {', '.join(FORMATS_MATPLOTLIB)}")
@@ -514,6 +512,5 @@ def save(obj, path, dpi: int = 150) -> Path:
 
     metadata = {"svg": {"Date": None}, "png": {"Software": None}, "pdf": {"CreationDate": None}}[suffix[1:]]
     with matplotlib.rc_context({"svg.hashsalt": "course_lib", "svg.fonttype": "path"}):
-        obj.savefig(path, format=suffix[1:], metadata=metadata, dpi=dpi if suffix == ".png" else None,
-                    bbox_inches="tight")
-    return path
+        return save_figure_atomic(obj, path, format=suffix[1:], metadata=metadata,
+                                  dpi=dpi if suffix == ".png" else None, bbox_inches="tight")

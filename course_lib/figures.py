@@ -3,12 +3,34 @@
 Each lab module that owns pictures registers a writer here: a function
 ``write(out_dir: Path) -> list[Path]``. Figures are written from the same tested
 functions the notebooks call, so the pictures in the repo never drift from the code.
+
+What may be replaced (``figures/`` is generated output that ``make figures`` refreshes,
+but a person's file must never be lost):
+
+1. ``--out`` is checked first (a folder that can be written), before anything is drawn;
+2. every figure is drawn into a temporary folder, so the full list of names is known
+   before anything in ``--out`` is touched;
+3. a name absent from ``--out`` is created; one holding the very same bytes is left
+   alone; one holding other bytes is replaced only when it is still exactly what this
+   command wrote there last time (recorded in ``--out/.course_outputs.json``, see
+   ``safe_files.OutputLedger``), or with ``--force``. Otherwise (a person's file of
+   the same name, or a figure edited by hand) nothing at all is written and the error
+   names the files;
+4. files in ``--out`` that this command does not draw are never touched, with or
+   without ``--force``; each write is atomic.
+
+The committed ``figures/`` carries its ledger, so ``make figures`` refreshes it on any
+machine without ``--force``.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
+import tempfile
 from pathlib import Path
+
+from course_lib.safe_files import OutputLedger, OutputPathError, check_output_dir, write_atomic
 
 # module path -> function name; each function takes the output folder and returns the paths it wrote
 WRITERS = {
@@ -17,18 +39,60 @@ WRITERS = {
     "course_lib.pipeline.plots": "write_figures",
     "course_lib.sweep": "write_figures",
 }
+_LISTED_CONFLICTS = 5  # names shown in the refusal; the rest are counted
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="figures", type=Path, help="output folder (default: figures)")
+    parser.add_argument("--force", action="store_true",
+                        help="also replace files of the same names that this command did not write (or that were "
+                             "edited since); files it does not draw are never touched")
+
+
+def draw_all(folder: Path) -> dict[str, bytes]:
+    """Run every writer into ``folder``; return ``{name relative to folder: bytes}`` of what they wrote."""
+    figures: dict[str, bytes] = {}
+    for module, name in WRITERS.items():
+        for path in getattr(importlib.import_module(module), name)(folder):
+            figures[Path(path).relative_to(folder).as_posix()] = Path(path).read_bytes()
+    return figures
+
+
+def plan_writes(out: Path, figures: dict[str, bytes], *, force: bool) -> list[str]:
+    """The names in ``figures`` to write into ``out`` (new or changed), or ``OutputPathError``
+    naming every file that may not be replaced (see the module docstring)."""
+    ledger = OutputLedger(out)
+    to_write, refused = [], []
+    for name, data in figures.items():
+        target = out / name
+        if target.is_file() and target.read_bytes() == data:
+            continue
+        if target.exists() and (target.is_dir() or not (force or ledger.is_own(name))):
+            refused.append(name)
+        else:
+            to_write.append(name)
+    if refused:
+        shown = ", ".join(refused[:_LISTED_CONFLICTS])
+        more = f" and {len(refused) - _LISTED_CONFLICTS} more" if len(refused) > _LISTED_CONFLICTS else ""
+        raise OutputPathError(f"--out {out}: {shown}{more} already there, not as this command last wrote them "
+                              f"(a file of yours, or a figure edited since); nothing was written: pass --force to "
+                              f"replace them, or choose another folder")
+    return to_write
 
 
 def run(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    args.out.mkdir(parents=True, exist_ok=True)
-    for module, name in WRITERS.items():
-        for path in getattr(importlib.import_module(module), name)(args.out):
-            print(f"wrote {path}")
+    out = check_output_dir(args.out, what="--out")
+    with tempfile.TemporaryDirectory(prefix="course_figures_") as scratch:
+        figures = draw_all(Path(scratch))
+    to_write = plan_writes(out, figures, force=args.force)
+    ledger = OutputLedger(out)
+    for name, data in figures.items():
+        if name in to_write:
+            print(f"wrote {write_atomic(out / name, data)}")
+        ledger.record(name, data)
+    ledger.save()
+    print(f"{len(figures) - len(to_write)} of {len(figures)} figures unchanged in {out}", file=sys.stderr)
     return 0

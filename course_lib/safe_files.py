@@ -8,7 +8,11 @@ everywhere:
 * a path that cannot be written (missing or read-only folder, ``/proc``, a folder
   where a file is wanted) is refused *before* any work starts, in one line;
 * writes are atomic: a temporary file in the same folder, then ``os.replace``,
-  so an interrupted command never leaves half a file behind.
+  so an interrupted command never leaves half a file behind (:func:`write_atomic`,
+  :func:`save_figure_atomic` for a matplotlib figure);
+* a command that regenerates a folder of its own outputs (``figures``) recognises
+  them by an :class:`OutputLedger` (``.course_outputs.json``: name -> SHA-256 of what
+  it wrote): a file still as written may be replaced, anything else needs ``force``.
 
 Refusals raise :class:`OutputPathError` (a ``ValueError``), which the command
 line prints as one line (``error: ...``) and exit code 2.
@@ -16,10 +20,13 @@ line prints as one line (``error: ...``) and exit code 2.
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, Mapping, Union
 
 PathLike = Union[str, os.PathLike]
 
@@ -123,3 +130,65 @@ def write_atomic(path: PathLike, data: Union[str, bytes]) -> Path:
             os.unlink(tmp)
         raise
     return path
+
+
+def save_figure_atomic(fig, path: PathLike, **savefig_kwargs) -> Path:
+    """``fig.savefig(path, **savefig_kwargs)``, atomically: rendered in memory, then :func:`write_atomic`.
+
+    The format comes from ``path``'s suffix unless ``format=`` is given."""
+    path = Path(path)
+    savefig_kwargs.setdefault("format", path.suffix.lstrip(".").lower() or None)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, **savefig_kwargs)
+    return write_atomic(path, buffer.getvalue())
+
+
+LEDGER_NAME = ".course_outputs.json"
+
+
+def _sha256(data: Union[str, bytes]) -> str:
+    return hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
+
+
+class OutputLedger:
+    """What a command wrote in ``folder``: ``{name: SHA-256}`` in ``folder/.course_outputs.json``.
+
+    A file is *its own* (:meth:`is_own`) when the ledger names it and its bytes still hash
+    to what was recorded: written by the command and changed by nobody since, so replacing
+    it loses nothing. A missing or unreadable ledger counts as empty (nothing is own).
+    """
+
+    def __init__(self, folder: PathLike):
+        self.folder = Path(folder)
+        self.path = self.folder / LEDGER_NAME
+        try:
+            hashes = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            hashes = {}
+        self.hashes: dict = hashes if isinstance(hashes, dict) else {}
+
+    def is_own(self, name: str) -> bool:
+        """``folder/name`` is a file this ledger recorded, with the same bytes."""
+        path = self.folder / name
+        recorded = self.hashes.get(name)
+        return recorded is not None and path.is_file() and _sha256(path.read_bytes()) == recorded
+
+    def record(self, name: str, data: Union[str, bytes]) -> None:
+        """Note that ``folder/name`` now holds ``data`` (call :meth:`save` when done)."""
+        self.hashes[name] = _sha256(data)
+
+    def save(self) -> Path:
+        """Write the ledger (atomically)."""
+        return write_atomic(self.path, json.dumps(self.hashes, indent=1, sort_keys=True) + "\n")
+
+    def write(self, files: Mapping[str, Union[str, bytes]]) -> list[Path]:
+        """Write ``{name: text or bytes}`` atomically, record each and save the ledger.
+
+        This does not decide whether a name may be replaced: check first (:meth:`is_own`,
+        :func:`check_output_file`)."""
+        paths = []
+        for name, data in files.items():
+            paths.append(write_atomic(self.folder / name, data))
+            self.record(name, data)
+        self.save()
+        return paths

@@ -9,6 +9,12 @@ With ``--out`` the format comes from the suffix: .svg / .png / .pdf via Graphviz
 (``dot`` must be installed; ``--engine matplotlib`` draws without it), .dot
 writes the Graphviz source. A bad configuration raises ValueError, which the
 CLI prints as one line with exit code 2.
+
+Limits, checked before anything is built: the text tables go up to
+``TABLE_MAX_RANKS`` ranks and the drawings up to ``DRAW_MAX_RANKS`` (beyond that a
+picture is unreadable and the tables' memory, which grows with the world size, is
+wasted: the grid repeats the same pattern at any scale). ``--out`` never replaces an
+existing file without ``--force``, and is written atomically.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from course_lib.safe_files import check_output_file
 from course_lib.topology import DEFAULT_ORDER, ParallelConfig
+
+TABLE_MAX_RANKS = 1 << 20  # 1,048,576 ranks: ~100 MB for the group tables
+DRAW_MAX_RANKS = 1024      # a map of more ranks is unreadable (and takes minutes with matplotlib)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,15 +49,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a picture: .svg, .png, .pdf or .dot (default: print text)")
     parser.add_argument("--engine", choices=("graphviz", "matplotlib"), default="graphviz",
                         help="drawing engine for --out (default graphviz)")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out file")
+
+
+def check_size(world_size: int, drawing: bool) -> None:
+    """Refuse a world too large to tabulate or draw (one line naming the limit)."""
+    if drawing and world_size > DRAW_MAX_RANKS:
+        raise ValueError(f"--world-size {world_size}: rankmap draws at most {DRAW_MAX_RANKS} ranks; drop --out to "
+                         f"print the tables (up to {TABLE_MAX_RANKS} ranks), or draw a smaller world with the same "
+                         f"--tp/--pp/--cp")
+    if world_size > TABLE_MAX_RANKS:
+        raise ValueError(f"--world-size {world_size}: rankmap prints tables for at most {TABLE_MAX_RANKS} ranks; "
+                         f"the grid repeats the same pattern at any scale, so try a smaller world with the same "
+                         f"--tp/--pp/--cp")
+
+
+def _check_out(args: argparse.Namespace) -> Path:
+    """The ``--out`` path: a suffix the engine writes, and a file that may be written (before any work)."""
+    from course_lib import diagrams
+
+    out = Path(args.out)
+    suffix = out.suffix.lower()
+    if args.engine == "matplotlib" and suffix not in diagrams.FORMATS_MATPLOTLIB:
+        raise ValueError(f"--out {args.out}: matplotlib writes {', '.join(diagrams.FORMATS_MATPLOTLIB)}; "
+                         f"change the suffix")
+    if args.engine == "graphviz" and suffix not in diagrams.FORMATS_GRAPHVIZ:
+        raise ValueError(f"--out {args.out}: use a .svg, .png, .pdf or .dot file name")
+    return check_output_file(out, force=args.force, what="--out")
 
 
 def run(args: argparse.Namespace) -> int:
+    if isinstance(args.world_size, int):  # anything else: ParallelConfig's one-line error
+        check_size(args.world_size, drawing=args.out is not None)
+    out = _check_out(args) if args.out is not None else None
     config = ParallelConfig(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, num_layers=args.num_layers,
                             num_attention_heads=args.num_attention_heads, order=args.order)
     grid = config.grid
     if args.highlight is not None:
         grid.coords(args.highlight)  # validates the rank: one-line ValueError
-    if args.out is None:
+    if out is None:
         print(config.summary())
         print(grid.table())
         if args.highlight is not None:
@@ -62,20 +102,13 @@ def run(args: argparse.Namespace) -> int:
 
     from course_lib import diagrams
 
-    out = Path(args.out)
-    suffix = out.suffix.lower()
     if args.engine == "matplotlib":
-        if suffix not in diagrams.FORMATS_MATPLOTLIB:
-            raise ValueError(f"--out {args.out}: matplotlib writes {', '.join(diagrams.FORMATS_MATPLOTLIB)}; "
-                             f"change the suffix")
         import matplotlib
 
         matplotlib.use("Agg")
         fig = diagrams.rank_map_figure(grid, highlight=args.highlight, num_layers=args.num_layers)
         diagrams.save(fig, out)
     else:
-        if suffix not in diagrams.FORMATS_GRAPHVIZ:
-            raise ValueError(f"--out {args.out}: use a .svg, .png, .pdf or .dot file name")
         import graphviz
 
         dot = diagrams.rank_map(grid, highlight=args.highlight, num_layers=args.num_layers)

@@ -195,10 +195,8 @@ def corpus_text() -> str:
 
 def export_jsonl(path, key: str = "text") -> Path:
     """Write the corpus as JSON lines (``{"text": ...}`` per document) for Megatron-LM's
-    ``tools/preprocess_data.py --input PATH --json-keys text``. Returns the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for doc in _documents():
-            f.write(json.dumps({key: doc}, ensure_ascii=False) + "\n")
-    return path
+    ``tools/preprocess_data.py --input PATH --json-keys text``, atomically. Returns the path.
+    Whether ``path`` may be replaced is the caller's check (``safe_files.check_output_file``)."""
+    from course_lib.safe_files import write_atomic
+
+    return write_atomic(path, "".join(json.dumps({key: doc}, ensure_ascii=False) + "\n" for doc in _documents()))

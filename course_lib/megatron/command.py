@@ -23,7 +23,9 @@ gets wrong and the commands here get right:
   (layers / (PP * VPP)); Megatron has no ``--virtual-pipeline-model-parallel-size``.
 
 CLI: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8`` (see
-``add_arguments``).
+``add_arguments``). ``--data-dir`` is shell-quoted in every line printed (a path with
+spaces or ``$`` is safe to paste); ``--export-corpus PATH`` never replaces an existing
+file without ``--force``.
 """
 
 from __future__ import annotations
@@ -87,11 +89,22 @@ class MegatronRun:
                              f"min_lr <= lr); lower min_lr")
         if self.transformer_impl not in (None, "local", "transformer_engine"):
             raise ValueError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
+        _check_data_dir(self.data_dir)
 
     @property
     def data_prefix(self) -> str:
         """What ``preprocess_command`` writes: ``<output-prefix>_text_document`` (.bin/.idx)."""
         return f"{self.data_dir}/gpt_text_text_document"
+
+
+def _check_data_dir(data_dir) -> None:
+    """A ``data_dir`` every printed command can carry safely (each line quotes it with ``shlex.quote``)."""
+    if not isinstance(data_dir, str) or not data_dir:
+        raise ValueError(f"data_dir={data_dir!r} must be a non-empty path")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in data_dir):
+        raise ValueError(f"data_dir={data_dir!r} holds a control character (newline, tab, ...); choose a plain path")
+    if data_dir.startswith("-"):
+        raise ValueError(f"data_dir={data_dir!r} starts with '-' and would read as an option; write ./{data_dir}")
 
 
 def gpu_config(tp: int = 1, pp: int = 1, cp: int = 1, nproc: int = 8, *, seq_length: int = DEFAULT_SEQ_LENGTH,
@@ -223,7 +236,7 @@ def preprocess_command(run: MegatronRun | None = None, workers: int = 1) -> str:
 def setup_commands(run: MegatronRun | None = None) -> str:
     """The seed's setup: clone, install, corpus (ours, exported as JSON lines), tokenizer files, preprocess."""
     run = run or MegatronRun()
-    d = run.data_dir
+    d, q = run.data_dir, shlex.quote
     return "\n".join([
         "# 1. Megatron-LM (the commands below run inside the checkout)",
         "git clone https://github.com/NVIDIA/Megatron-LM.git",
@@ -231,14 +244,14 @@ def setup_commands(run: MegatronRun | None = None) -> str:
         "python -m pip install uv && uv pip install -e .",
         "",
         "# 2. the course corpus as JSON lines (run where course_lib is installed)",
-        f"mkdir -p {d}",
-        f"python -m course_lib megatron-cmd --export-corpus {d}/corpus.jsonl",
+        f"mkdir -p {q(d)}",
+        f"python -m course_lib megatron-cmd --export-corpus {q(f'{d}/corpus.jsonl')}",
         "",
         "# 3. GPT-2 BPE tokenizer files",
-        f"wget -O {d}/gpt2-vocab.json {GPT2_VOCAB_URL}",
-        f"wget -O {d}/gpt2-merges.txt {GPT2_MERGES_URL}",
+        f"wget -O {q(f'{d}/gpt2-vocab.json')} {GPT2_VOCAB_URL}",
+        f"wget -O {q(f'{d}/gpt2-merges.txt')} {GPT2_MERGES_URL}",
         "",
-        "# 4. indexed dataset: writes " + run.data_prefix + ".bin/.idx",
+        f"# 4. indexed dataset: writes {q(run.data_prefix)}.bin/.idx",
         preprocess_command(run),
     ])
 
@@ -341,12 +354,15 @@ def add_arguments(parser) -> None:
                              "preprocess); script: run_tiny_gpt.sh; sweep: the A-F loop; all")
     parser.add_argument("--export-corpus", metavar="PATH",
                         help="write the course corpus as JSON lines for tools/preprocess_data.py and exit")
+    parser.add_argument("--force", action="store_true", help="replace an existing --export-corpus file")
 
 
 def run(args) -> int:
     if args.export_corpus:
         from course_lib.data.corpus import export_jsonl, load_documents
-        path = export_jsonl(args.export_corpus)
+        from course_lib.safe_files import check_output_file
+
+        path = export_jsonl(check_output_file(args.export_corpus, force=args.force, what="--export-corpus"))
         print(f"wrote {len(load_documents())} documents to {path}")
         return 0
     tp, pp, cp = SEED_SWEEP[args.config] if args.config else (1, 1, 1)

@@ -65,6 +65,16 @@ exactly in Megatron's current (0.16+) form, and this parser reads them::
 sorted by name, as ``_print_args``). On CPU there is no CUDA allocator: the course
 reports what it measured and names it in a trailing ``| source: ...`` field
 (e.g. ``tracked tensor bytes`` or ``peak RSS``), which lands in ``memory[i]['source']``.
+
+Any input is read in linear time and bounded memory: every pattern is anchored on a
+fixed substring and has no nested or overlapping repeats, and a line longer than
+``MAX_LINE_CHARS`` (Megatron's lines are under 2 kB; a longer one is a log that lost
+its newlines) is skipped without being held whole and counted in
+``ParsedLog.long_lines_skipped``. ``parse_log_file(path)`` streams a file the same way
+and refuses, in one line naming the file, one that is not UTF-8 text. A ``using world
+size`` line whose sizes cannot multiply to the world size (a size of 0, or TP x PP x CP
+x DP != world, e.g. two ranks' lines spliced together) is a ``ValueError`` naming the
+values, never a row of made-up numbers.
 """
 
 from __future__ import annotations
@@ -73,6 +83,8 @@ import math
 import re
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
 
 # field name in the log -> key in the parsed dict (everything else: _slug(name))
 ITERATION_KEYS = {
@@ -102,28 +114,46 @@ MEMORY_KEYS = {
     "total device memory used": "total_device_memory_used_mb",
 }
 
+# Every pattern starts at a fixed substring and bounds what it repeats, so matching a line costs
+# time linear in its length (no quadratic backtracking, whatever the line holds). Numbers are at
+# most _DIGITS digits: a longer run is not a Megatron number (and int() refuses > 4300 digits).
+_DIGITS = r"\d{1,18}(?!\d)"
 _PREFIX = re.compile(r"^(?:\[[A-Za-z_]+\d+\]:|\d+: )")
 _TIMESTAMP = r"\[(?P<ts>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\]"
-_ITERATION = re.compile(rf"(?:{_TIMESTAMP}\s*)?iteration\s+(?P<it>\d+)/\s*(?P<total>\d+)\s*\|(?P<rest>.*)$")
-_MEMORY = re.compile(r"(?:\[Rank (?P<rank>\d+)\]\s*)?(?P<label>\([^)]*\)|\S.*?) memory \(MB\)\s*\|(?P<rest>.*)$")
-_WORLD = re.compile(r"using world size:\s*(?P<world>\d+)")
-_WORLD_V1 = re.compile(r"using world size:\s*(?P<world>\d+) and model-parallel size:\s*(?P<mp>\d+)")
+_ITERATION = re.compile(rf"(?:{_TIMESTAMP}\s*)?iteration\s+(?P<it>{_DIGITS})/\s*(?P<total>{_DIGITS})\s*\|")
+_MEMORY_MARK = " memory (MB)"
+_MEMORY_TAIL = re.compile(r"\s*\|")                      # after " memory (MB)"
+_RANK_TAG = re.compile(rf"\[Rank (?P<rank>{_DIGITS})\]\s*")
+_MEMORY_ITERATION = re.compile(rf"after ({_DIGITS}) iterations|iteration ({_DIGITS})")
+_VALIDATION_ITERATION = re.compile(rf"iteration ({_DIGITS})")
+_VALIDATION_MARK, _LOSS_AT = "validation", " loss at "
+_WORLD = re.compile(rf"using world size:\s*(?P<world>{_DIGITS})")
+_WORLD_V1 = re.compile(rf"using world size:\s*(?P<world>{_DIGITS}) and model-parallel size:\s*(?P<mp>{_DIGITS})")
 _WORLD_FIELDS = {
-    "dp": re.compile(r"data-parallel[- ]size:\s*(\d+)"),
-    "cp": re.compile(r"(?<!hierarchical )context-parallel size:\s*(\d+)"),
-    "tp": re.compile(r"(?<!encoder-)tensor-model-parallel size:\s*(\d+)"),
-    "pp": re.compile(r"(?<!encoder-)pipeline-model-parallel size:\s*(\d+)"),
-    "encoder_tp": re.compile(r"encoder-tensor-model-parallel size:\s*(\d+)"),
-    "encoder_pp": re.compile(r"encoder-pipeline-model-parallel size:\s*(\d+)"),
+    "dp": re.compile(rf"data-parallel[- ]size:\s*({_DIGITS})"),
+    "cp": re.compile(rf"(?<!hierarchical )context-parallel size:\s*({_DIGITS})"),
+    "tp": re.compile(rf"(?<!encoder-)tensor-model-parallel size:\s*({_DIGITS})"),
+    "pp": re.compile(rf"(?<!encoder-)pipeline-model-parallel size:\s*({_DIGITS})"),
+    "encoder_tp": re.compile(rf"encoder-tensor-model-parallel size:\s*({_DIGITS})"),
+    "encoder_pp": re.compile(rf"encoder-pipeline-model-parallel size:\s*({_DIGITS})"),
 }
-_HIER_CP = re.compile(r"hierarchical context-parallel sizes:\s*(None|\[[^\]]*\])")
+_HIER_CP = re.compile(r"hierarchical context-parallel sizes:\s*(None|\[[^\]]{0,200}\])")
 _ARGS_START = re.compile(r"^-{3,} arguments -{3,}\s*$")
 _ARGS_END = re.compile(r"^-{3,} end of arguments -{3,}\s*$")
 _ARG_LINE = re.compile(r"^\s+([A-Za-z_]\w*) \.* (.*)$")
-_PARAMS = re.compile(r"number of parameters on \((?P<names>[^)]*)\) model parallel rank \((?P<ranks>[^)]*)\):\s*(?P<n>\d+)")
-_THEORY = re.compile(r"Theoretical memory footprints: weight and optimizer=(?P<w>[\d.]+) MB, "
-                     r"activation=(?P<a>[\d.]+) MB, total=(?P<t>[\d.]+) MB")
-_VALIDATION = re.compile(r"validation(?P<suffix>[^|]*?) loss at (?P<label>.*?)\s*\|(?P<rest>.*)$")
+_PARAMS = re.compile(r"number of parameters on \((?P<names>[^)]{0,200})\) model parallel rank "
+                     rf"\((?P<ranks>[^)]{{0,200}})\):\s*(?P<n>{_DIGITS})")
+_THEORY = re.compile(r"Theoretical memory footprints: weight and optimizer=(?P<w>[\d.]{1,40}) MB, "
+                     r"activation=(?P<a>[\d.]{1,40}) MB, total=(?P<t>[\d.]{1,40}) MB")
+_INTEGER = re.compile(r"[+-]?\d+")
+_NUMBER_CHARS = 64  # a field value longer than this is text, not a number
+
+# Megatron's lines are < 2 kB (an arguments-block line with a long --data-path blend may be more);
+# a longer line is a log that lost its newlines, skipped without ever being held whole.
+MAX_LINE_CHARS = 64 * 1024
+# what str.splitlines() splits on, so parse_log(text) sees the lines text.splitlines() gives
+_LINE_BREAK = re.compile("\r\n|[\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029]")
+_FILE_CHUNK_CHARS = 256 * 1024  # characters read at a time by parse_log_file
 
 # arguments copied into .config when the arguments block is printed
 _CONFIG_FROM_ARGS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -138,9 +168,11 @@ def _slug(name: str) -> str:
 
 
 def _number(text: str):
-    """int, float (incl. nan/inf) or None for non-numbers."""
+    """int, float (incl. nan/inf) or None for non-numbers (and for anything over _NUMBER_CHARS)."""
     t = text.strip()
-    if re.fullmatch(r"[+-]?\d+", t):
+    if len(t) > _NUMBER_CHARS:
+        return None
+    if _INTEGER.fullmatch(t):
         return int(t)
     try:
         return float(t)
@@ -185,6 +217,7 @@ class ParsedLog:
     theoretical_memory: dict | None = None
     validation: list[dict] = field(default_factory=list)
     era: str = "unknown"
+    long_lines_skipped: int = 0  # lines over MAX_LINE_CHARS (not Megatron's: a log that lost its newlines)
 
     def loss_curve(self, key: str = "lm_loss") -> list[tuple[int, float]]:
         """``(iteration, loss)`` for every iteration line that printed ``key``."""
@@ -211,7 +244,10 @@ def _parse_world_line(line: str) -> dict | None:
     m = _WORLD_V1.search(line)
     if m:
         world, mp = int(m["world"]), int(m["mp"])
-        return {"world_size": world, "tp": mp, "pp": 1, "cp": 1, "dp": world // mp if mp else None}
+        cfg = {"world_size": world, "tp": mp, "pp": 1, "cp": 1}
+        _check_world_sizes(cfg)
+        cfg["dp"] = world // mp
+        return cfg
     m = _WORLD.search(line)
     if not m:
         return None
@@ -226,9 +262,34 @@ def _parse_world_line(line: str) -> dict | None:
     cfg.setdefault("cp", 1)  # printed since core 0.4; no context parallelism before
     cfg.setdefault("tp", 1)
     cfg.setdefault("pp", 1)
+    _check_world_sizes(cfg)
     if "dp" not in cfg:
         cfg["dp"] = cfg["world_size"] // (cfg["tp"] * cfg["pp"] * cfg["cp"])
     return cfg
+
+
+def _check_world_sizes(cfg: dict) -> None:
+    """The ``using world size`` line's sizes must multiply to the world size (``validate_args``
+    asserts it); anything else is a garbled line, refused with the values rather than turned
+    into a row of made-up numbers (or a ZeroDivisionError)."""
+    names = {"world_size": "world size", "dp": "data-parallel size", "cp": "context-parallel size",
+             "tp": "tensor-model-parallel size", "pp": "pipeline-model-parallel size"}
+    printed = ", ".join(f"{names[k]} {cfg[k]}" for k in names if k in cfg)
+    zero = [names[k] for k in names if cfg.get(k) == 0]
+    if zero:
+        raise ValueError(f"impossible 'using world size' line ({printed}): {', '.join(zero)} is 0; "
+                         f"the line is garbled or not Megatron-LM's")
+    # core 0.9-0.13: encoder ranks come on top of the decoder's (encoder sizes 0 when unused)
+    model = cfg["tp"] * cfg["pp"] + cfg.get("encoder_tp", 0) * cfg.get("encoder_pp", 0)
+    formula = "TP x PP" if not cfg.get("encoder_pp") else "(TP x PP + encoder TP x encoder PP)"
+    world, cp = cfg["world_size"], cfg["cp"]
+    if "dp" in cfg and model * cp * cfg["dp"] != world:
+        raise ValueError(f"impossible 'using world size' line ({printed}): {formula} x CP x DP = "
+                         f"{model * cp * cfg['dp']} != world size {world}; the line is garbled (e.g. two ranks' "
+                         f"output spliced together) or not Megatron-LM's")
+    if "dp" not in cfg and world % (model * cp):
+        raise ValueError(f"impossible 'using world size' line ({printed}): world size {world} is not divisible by "
+                         f"{formula} x CP = {model * cp}; the line is garbled or not Megatron-LM's")
 
 
 def _era(iterations: list[dict]) -> str:
@@ -240,15 +301,144 @@ def _era(iterations: list[dict]) -> str:
     return "0.16+" if "." in ts else "0.6-0.15"
 
 
+def _iter_lines(chunks: Iterable[str]) -> Iterator[str | None]:
+    """The lines of the text that ``chunks`` make when joined, split as ``str.splitlines`` does.
+
+    A line longer than ``MAX_LINE_CHARS`` comes out as ``None`` and is never held whole: memory
+    stays bounded by one chunk plus one line, however long the input's lines are."""
+    head: list[str] = []   # the current line's pieces so far (at most MAX_LINE_CHARS in all)
+    size, too_long, after_cr = 0, False, False
+    for chunk in chunks:
+        start = 1 if after_cr and chunk.startswith("\n") else 0  # a "\r\n" split between two chunks
+        for brk in _LINE_BREAK.finditer(chunk, start):
+            end = brk.start()
+            if too_long or size + end - start > MAX_LINE_CHARS:
+                yield None
+            else:
+                head.append(chunk[start:end])
+                yield "".join(head)
+            head, size, too_long = [], 0, False
+            start = brk.end()
+        after_cr = start == len(chunk) and chunk.endswith("\r")
+        if too_long or size + len(chunk) - start > MAX_LINE_CHARS:
+            head, size, too_long = [], 0, True
+        elif start < len(chunk):
+            head.append(chunk[start:])
+            size += len(chunk) - start
+    if too_long:
+        yield None
+    elif head:
+        yield "".join(head)
+
+
+def _match_memory(line: str) -> tuple[int | None, str, str] | None:
+    """``(rank, label, rest)`` of a ``report_memory`` line, e.g. ``[Rank 3] (after 10 iterations)
+    memory (MB) | allocated: ...``, else None.
+
+    The label runs from the first non-blank character (after an optional ``[Rank N]`` tag) to
+    the first `` memory (MB)`` that is followed by ``|``; found with ``str.find``, in linear time."""
+    first = len(line) - len(line.lstrip())
+    tag = _RANK_TAG.match(line, first)
+    if tag:
+        found = _memory_label(line, tag.end())
+        if found:
+            return int(tag["rank"]), *found
+    found = _memory_label(line, first)
+    return (None, *found) if found else None
+
+
+def _memory_label(line: str, start: int) -> tuple[str, str] | None:
+    """``(label, rest)`` for a label starting at ``start``: a parenthesised ``(...)`` right before
+    `` memory (MB)``, or any text up to the first `` memory (MB) |``."""
+    if start >= len(line) or line[start].isspace():
+        return None
+    if line[start] == "(":
+        close = line.find(")", start)
+        if close >= 0 and line.startswith(_MEMORY_MARK, close + 1):
+            tail = _MEMORY_TAIL.match(line, close + 1 + len(_MEMORY_MARK))
+            if tail:
+                return line[start:close + 1], line[tail.end():]
+    at = line.find(_MEMORY_MARK, start + 1)
+    while at >= 0:
+        tail = _MEMORY_TAIL.match(line, at + len(_MEMORY_MARK))
+        if tail:
+            return line[start:at], line[tail.end():]
+        at = line.find(_MEMORY_MARK, at + 1)
+    return None
+
+
+def _match_validation(line: str) -> tuple[str, str] | None:
+    """``(label, rest)`` of ``validation loss at iteration 40 | lm loss value: ...`` (Megatron may
+    put words between ``validation`` and ``loss at``, never a ``|``), else None. Linear time."""
+    at = line.find(_VALIDATION_MARK)
+    while at >= 0:
+        loss_at = line.find(_LOSS_AT, at + len(_VALIDATION_MARK))
+        if loss_at < 0:
+            return None
+        bar = line.find("|", at + len(_VALIDATION_MARK), loss_at)
+        if bar < 0:
+            label_start = loss_at + len(_LOSS_AT)
+            end = line.find("|", label_start)
+            if end < 0:
+                return None
+            return line[label_start:end].rstrip(), line[end + 1:]
+        at = line.find(_VALIDATION_MARK, bar)
+    return None
+
+
+def _floats(*texts: str) -> list[float] | None:
+    try:
+        return [float(t) for t in texts]
+    except ValueError:
+        return None
+
+
 def parse_log(text: str) -> ParsedLog:
-    """Parse a Megatron-LM (any era) or course training log. Unrecognised lines are ignored."""
+    """Parse a Megatron-LM (any era) or course training log. Unrecognised lines are ignored.
+
+    Linear in the length of ``text`` (see the module docstring); a ``using world size`` line
+    whose sizes are impossible raises ``ValueError`` naming them."""
     if not isinstance(text, str):
         raise ValueError(f"parse_log takes the log text (str), got {type(text).__name__}; "
-                         f"read the file first, e.g. parse_log(Path(p).read_text())")
+                         f"read the file first, e.g. parse_log(Path(p).read_text()), or use parse_log_file(p)")
+    return _parse_lines(_iter_lines([text]))
+
+
+def parse_log_file(path) -> ParsedLog:
+    """Parse the log at ``path``, streamed: memory stays bounded whatever its size or line lengths.
+
+    A file that is not UTF-8 text (binary, NUL bytes, another encoding) or whose header is
+    impossible raises ``ValueError`` in one line naming the file."""
+    path = Path(path)
+    try:
+        return _parse_lines(_iter_lines(_text_chunks(path)))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason}: byte 0x{exc.object[exc.start]:02x}), so not a "
+                         f"training log; give the log as written by Megatron-LM or course_lib.train") from None
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _text_chunks(path: Path) -> Iterator[str]:
+    # newline="": no newline translation; _iter_lines splits every kind of line break itself
+    with open(path, encoding="utf-8", newline="") as f:
+        while chunk := f.read(_FILE_CHUNK_CHARS):
+            if "\0" in chunk:
+                raise ValueError("binary file (it holds NUL bytes), not a training log; give the log as written "
+                                 "by Megatron-LM or course_lib.train")
+            yield chunk
+
+
+def _parse_lines(lines: Iterable[str | None]) -> ParsedLog:
     out = ParsedLog()
     in_args = False
-    for raw in text.splitlines():
-        line = _strip_prefix(raw.rstrip("\n"))
+    for raw in lines:
+        if raw is None:
+            out.long_lines_skipped += 1
+            continue
+        line = _strip_prefix(raw)
         if in_args:
             if _ARGS_END.match(line.strip()):
                 in_args = False
@@ -266,24 +456,24 @@ def parse_log(text: str) -> ParsedLog:
                 out.config = cfg
             continue
         m = _ITERATION.search(line)
-        if m and " loss at " not in line:
+        if m and _LOSS_AT not in line:
             rec = {"iteration": int(m["it"]), "train_iters": int(m["total"]), "timestamp": m["ts"]}
-            rec.update(_fields(m["rest"], ITERATION_KEYS))
+            rec.update(_fields(line[m.end():], ITERATION_KEYS))
             out.iterations.append(rec)
             continue
         if "memory (MB)" in line:
-            m = _MEMORY.search(line)
-            if m:
-                label = m["label"].strip()
-                it = re.search(r"(?:after (\d+) iterations|iteration (\d+))", label)
-                rec = {"rank": int(m["rank"]) if m["rank"] is not None else None,
-                       "iteration": int(it.group(1) or it.group(2)) if it else None,
+            found = _match_memory(line)
+            if found:
+                rank, label, rest = found
+                label = label.strip()
+                it = _MEMORY_ITERATION.search(label)
+                rec = {"rank": rank, "iteration": int(it.group(1) or it.group(2)) if it else None,
                        "label": label.strip("()")}
-                rec.update(_fields(m["rest"], MEMORY_KEYS))
+                rec.update(_fields(rest, MEMORY_KEYS))
                 out.memory.append(rec)
             continue
         m = _PARAMS.search(line)
-        if m:
+        if m and all(_INTEGER.fullmatch(r.strip()) for r in m["ranks"].split(",")):
             names = [_slug(n) for n in m["names"].split(",")]
             ranks = [int(r) for r in m["ranks"].split(",")]
             rec = dict(zip(names, ranks))
@@ -291,16 +481,16 @@ def parse_log(text: str) -> ParsedLog:
             out.parameters.append(rec)
             continue
         m = _THEORY.search(line)
-        if m:
-            out.theoretical_memory = {"weight_and_optimizer_mb": float(m["w"]), "activation_mb": float(m["a"]),
-                                      "total_mb": float(m["t"])}
+        sizes = _floats(m["w"], m["a"], m["t"]) if m else None
+        if sizes:
+            out.theoretical_memory = dict(zip(("weight_and_optimizer_mb", "activation_mb", "total_mb"), sizes))
             continue
-        m = _VALIDATION.search(line)
-        if m:
-            label = m["label"]
-            it = re.search(r"iteration (\d+)", label)
+        found = _match_validation(line)
+        if found:
+            label, rest = found
+            it = _VALIDATION_ITERATION.search(label)
             rec = {"iteration": int(it.group(1)) if it else None, "label": label}
-            rec.update(_fields(m["rest"], {}))
+            rec.update(_fields(rest, {}))
             out.validation.append(rec)
     _fill_config(out)
     out.era = _era(out.iterations)

@@ -22,20 +22,24 @@ How each number is made (so two runs are compared the same way):
   global batch, whole cluster; ``seq_length`` from the arguments block or the
   ``seq_length=`` argument).
 * **notes** -- first -> last ``lm loss``, skipped/nan iterations when non-zero,
-  Megatron's own TFLOP/s/GPU when printed, then your note.
+  Megatron's own TFLOP/s/GPU when printed, lines too long to be Megatron's (skipped), then
+  your note.
 
-CLI: ``python -m course_lib report logs/day22/*.log [--csv out.csv] [--markdown out.md]``.
+CLI: ``python -m course_lib report logs/day22/*.log [--csv out.csv] [--markdown out.md] [--force]``.
+The tables are never written over a log being read, nor over any other existing file
+without ``--force``; every check is made before a log is parsed (``course_lib.safe_files``).
+A log that is not UTF-8 text, or whose ``using world size`` line is impossible, is a one-line
+error naming the file.
 """
 
 from __future__ import annotations
 
 import csv
 import io
-import os
-import tempfile
 from pathlib import Path
 
-from course_lib.megatron.logs import ParsedLog, parse_log
+from course_lib.megatron.logs import ParsedLog, parse_log, parse_log_file
+from course_lib.safe_files import check_output_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 
 COLUMNS = ("config", "TP", "PP", "CP", "DP", "micro-batches", "max mem/rank (MB)", "step time (ms)", "tokens/s",
            "notes")
@@ -57,6 +61,8 @@ def _auto_notes(p: ParsedLog, n_logged: int) -> list[str]:
     tflops = [it["throughput"] for it in p.iterations[1:] if isinstance(it.get("throughput"), (int, float))]
     if tflops:
         notes.append(f"{sorted(tflops)[len(tflops) // 2]:.1f} TFLOP/s/GPU")
+    if p.long_lines_skipped:
+        notes.append(f"{p.long_lines_skipped} over-long lines skipped (newlines lost?)")
     if n_logged == 0:
         notes.append("no iteration lines (crashed, OOM or still running?)")
     elif n_logged == 1:
@@ -127,26 +133,6 @@ def to_csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
-def write_atomic(path, text: str) -> Path:
-    """Write ``text`` to ``path`` via a temporary file + rename (never a half-written table).
-    The file gets the usual mode for new files (``0o666`` minus the umask), not mkstemp's 0600."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
-
-
 # ---- CLI: python -m course_lib report LOG... ------------------------------------------------
 
 def add_arguments(parser) -> None:
@@ -155,8 +141,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--format", choices=("markdown", "csv"), default="markdown", help="what to print")
     parser.add_argument("--markdown", metavar="PATH", help="also write the Markdown table here")
     parser.add_argument("--csv", metavar="PATH", help="also write the CSV table here")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing --markdown/--csv file (never one of the LOGs)")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="sequence length when the logs do not print Megatron's arguments block")
+
+
+def _check_outputs(args, logs: list[Path]) -> dict[str, Path]:
+    """``{flag: path}`` of the tables to write, each checked before any log is parsed."""
+    outputs = {}
+    for flag, value in (("--markdown", args.markdown), ("--csv", args.csv)):
+        if value is not None:
+            outputs[flag] = check_output_file(value, force=args.force, inputs=logs, what=flag)
+    if len(outputs) == 2 and outputs["--markdown"].resolve() == outputs["--csv"].resolve():
+        raise ValueError(f"--markdown and --csv are the same file ({args.csv}); give each table its own name")
+    return outputs
 
 
 def run(args) -> int:
@@ -164,13 +163,13 @@ def run(args) -> int:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ValueError(f"no such log file: {', '.join(missing)}")
-    rows = record_table([parse_log(p.read_text(encoding="utf-8", errors="replace")) for p in paths],
-                        [p.stem for p in paths], seq_length=args.seq_length)
+    outputs = _check_outputs(args, paths)
+    rows = record_table([parse_log_file(p) for p in paths], [p.stem for p in paths], seq_length=args.seq_length)
     md, table_csv = to_markdown(rows), to_csv(rows)
-    if args.markdown:
-        write_atomic(args.markdown, md + "\n" + STEP_TIME_NOTE + "\n")
-    if args.csv:
-        write_atomic(args.csv, table_csv)
+    if "--markdown" in outputs:
+        write_atomic(outputs["--markdown"], md + "\n" + STEP_TIME_NOTE + "\n")
+    if "--csv" in outputs:
+        write_atomic(outputs["--csv"], table_csv)
     if args.format == "csv":
         print(table_csv, end="")
     else:

@@ -139,16 +139,17 @@ def write_figures(out_dir) -> list:
     """Write the lab's figures (simulated Gantt charts for p=4, m=8 and bubble vs m) as PNG; return paths."""
     from pathlib import Path
 
+    from course_lib.safe_files import save_figure_atomic
+
     out = Path(out_dir)
     paths = []
     for name, vp, times in (("gpipe", 1, (1, 2, 0)), ("1f1b", 1, (1, 2, 0)), ("interleaved", 2, (1, 2, 0)),
                             ("zb-h1", 1, (1, 1, 1)), ("zb-h2", 1, (1, 1, 1))):
         fig = gantt(simulate(build_schedule(name, 4, 8, vp), *times))
-        path = out / f"pipeline_gantt_{name}_p4_m8{f'_v{vp}' if vp > 1 else ''}.png"
-        fig.savefig(path, dpi=120)
+        paths.append(save_figure_atomic(fig, out / f"pipeline_gantt_{name}_p4_m8{f'_v{vp}' if vp > 1 else ''}.png",
+                                        dpi=120))
         plt.close(fig)
-        paths.append(path)
     fig = bubble_vs_microbatches()
-    fig.savefig(out / "pipeline_bubble_vs_m.png", dpi=120)
+    paths.append(save_figure_atomic(fig, out / "pipeline_bubble_vs_m.png", dpi=120))
     plt.close(fig)
-    return paths + [out / "pipeline_bubble_vs_m.png"]
+    return paths
