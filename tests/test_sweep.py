@@ -356,6 +356,7 @@ def test_a_killed_sweep_keeps_what_finished_leaves_no_temp_files_and_is_marked_b
     S.run_sweep(["D"], out=out, run_name="next", runner=replay(runs), progress=False)
     settled = json.loads((run_dir / "day22_sweep.json").read_text())
     assert settled["status"] == "interrupted" and not (run_dir / ".launch").exists()
+    assert "> **Run `killed` was interrupted after configs A**" in (run_dir / "day22_megatron_3d4d.md").read_text()
     deliverable = (out / "day22_megatron_3d4d.md").read_text()
     assert "**Run `killed` was interrupted after configs A**: the process was killed" in deliverable
 

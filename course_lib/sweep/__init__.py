@@ -187,17 +187,20 @@ def _record_config(result: ConfigRun, run: dict, out: Path, run_dir: Path, own: 
     _write_tables(run, out, run_dir, own, plots=False)
 
 
+def _write_run_tables(run: dict, run_dir: Path, plots: bool = True) -> None:
+    """A run's own tables (and plots), in its folder; nothing before its first config."""
+    if run["configs"]:
+        sweep = _with_sources(run)
+        for name, data in {**_table_files(sweep), **(_plot_files(sweep) if plots else {})}.items():
+            write_atomic(run_dir / name, data)
+
+
 def _write_tables(run: dict, out: Path, run_dir: Path, own: OwnFiles, plots: bool = True) -> None:
     """The run's tables in its folder, and the tables over the latest result of every config in ``out``."""
-    views = [(_with_sources(run), lambda files: [write_atomic(run_dir / n, d) for n, d in files.items()])]
-    if run["configs"] or any((out / f"{n}.json").is_file() for n in SEED_SWEEP):
-        views.append((latest_summary(out, current=run), own.write))
-    for sweep, write in views:
-        if not sweep["configs"]:
-            continue
-        write(_table_files(sweep))
-        if plots:
-            write(_plot_files(sweep))
+    _write_run_tables(run, run_dir, plots)
+    if any((out / f"{n}.json").is_file() for n in SEED_SWEEP):
+        sweep = latest_summary(out, current=run)
+        own.write({**_table_files(sweep), **(_plot_files(sweep) if plots else {})})
 
 
 # ============================================================================ the sweep
@@ -232,6 +235,22 @@ def _make_run_dir(out: Path, run_name: Optional[str]) -> Path:
     return run_dir
 
 
+def _check_before_training(names: Sequence[str], out, iters, run_name: Optional[str], world_size: int,
+                           force: bool, model: dict) -> tuple[Path, OwnFiles, Path]:
+    """Every check a sweep makes before its first launch (one-line ``ValueError`` s); returns
+    ``out``, its own files, and the new run's folder (created last)."""
+    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
+        raise ValueError(f"--iters={iters!r} must be an integer >= 1")
+    for n in names:
+        config_argv(n, world_size=world_size, iters=iters, **model)
+    if run_name is not None and not _valid_run_name(run_name):
+        raise ValueError(f"--run-name {run_name!r} may only use letters, digits, '-', '_' and '.'")
+    out = check_output_dir(out, what="--out")
+    own = OwnFiles(out)
+    own.check(_top_level_names(names), force=force, what="--out")
+    return out, own, _make_run_dir(out, run_name)
+
+
 def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iters: int = DEFAULT_ITERS,
               run_name: Optional[str] = None, launcher: str = "torchrun", world_size: int = WORLD_SIZE,
               timeout: float = 600, progress: bool = True, stream=None, force: bool = False,
@@ -249,24 +268,16 @@ def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iter
     on. ``runner`` trains one config (default :func:`run_config`; tests pass a stand-in).
     """
     names = list(configs) if configs is not None else list(SEED_SWEEP)
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"--iters={iters!r} must be an integer >= 1")
-    for n in names:                                     # every config checked before the first launch
-        config_argv(n, world_size=world_size, iters=iters, **model)
-    if run_name is not None and not _valid_run_name(run_name):
-        raise ValueError(f"--run-name {run_name!r} may only use letters, digits, '-', '_' and '.'")
-    out = check_output_dir(out, what="--out")
-    own = OwnFiles(out)
-    own.check(_top_level_names(names), force=force, what="--out")
-    run_dir = _make_run_dir(out, run_name)
+    out, own, run_dir = _check_before_training(names, out, iters, run_name, world_size, force, model)
     stream = stream or sys.stdout
 
     def say(text):
         if progress:
             print(text, file=stream, flush=True)
 
-    for killed in settle_killed_runs(out):
-        say(f"run {killed} was killed before it finished: marked interrupted in {out / 'runs' / killed}")
+    for killed_dir, killed in settle_killed_runs(out):
+        _write_run_tables(killed, killed_dir)
+        say(f"run {killed['run_name']} was killed before it finished: marked interrupted in {killed_dir}")
     run = {"run_name": run_dir.name, "status": "running", "started": now(), "ended": None,
            "process": this_process(), "planned": names, "done": [], "stopped_by": None,
            "world_size": world_size, "iters": iters, "launcher": launcher,

@@ -91,10 +91,10 @@ def read_run(run_dir: Path) -> Optional[dict]:
         return None
 
 
-def settle_killed_runs(out: Path) -> list[str]:
+def settle_killed_runs(out: Path) -> list[tuple[Path, dict]]:
     """Mark every killed run under ``out/runs`` as interrupted in its summary and remove the
-    temporary folder it left; return their names."""
-    names = []
+    temporary folder it left; return their folders and settled summaries."""
+    settled_runs = []
     for summary_path in sorted(Path(out).glob(f"runs/*/{SUMMARY_NAME}")):
         run_dir = summary_path.parent
         try:
@@ -104,10 +104,11 @@ def settle_killed_runs(out: Path) -> list[str]:
         summary = settled(written)
         if summary is written:
             continue
-        write_atomic(summary_path, json.dumps({**summary, "settled": now()}, indent=1) + "\n")
+        summary = {**summary, "settled": now()}
+        write_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
         shutil.rmtree(run_dir / LAUNCH_TEMP, ignore_errors=True)
-        names.append(run_dir.name)
-    return names
+        settled_runs.append((run_dir, summary))
+    return settled_runs
 
 
 class Terminated(SystemExit):
