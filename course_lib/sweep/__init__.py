@@ -64,9 +64,9 @@ from typing import Callable, Optional, Sequence
 
 from course_lib.megatron import SEED_SWEEP, to_csv, to_markdown
 from course_lib.megatron.report import STEP_TIME_NOTE
-from course_lib.safe_files import OutputPathError, check_output_dir, write_atomic
+from course_lib.safe_files import OutputLedger, OutputPathError, check_output_dir, write_atomic
 from course_lib.sweep.bookkeeping import (
-    LAUNCH_TEMP, OwnFiles, now, read_run, settle_killed_runs, sigterm_raises, stop_reason, temp_files_in,
+    LAUNCH_TEMP, check_replaceable, now, read_run, settle_killed_runs, sigterm_raises, stop_reason, temp_files_in,
     this_process)
 # The parts, re-exported: ``course_lib.sweep.<name>`` is the public API (tests, Lab 05).
 from course_lib.sweep.report import (  # noqa: F401
@@ -173,7 +173,7 @@ def _save_state(run_dir: Path, run: dict) -> None:
     write_atomic(run_dir / SUMMARY_NAME, json.dumps(run, indent=1) + "\n")
 
 
-def _record_config(result: ConfigRun, run: dict, out: Path, run_dir: Path, own: OwnFiles) -> None:
+def _record_config(result: ConfigRun, run: dict, out: Path, run_dir: Path, own: OutputLedger) -> None:
     """Write one finished config everywhere at once: its log and JSON (the run's and the latest),
     the run's state, and the text tables (the plots wait for the end of the run)."""
     summary = {**result.summary(), "run": run["run_name"]}
@@ -195,7 +195,7 @@ def _write_run_tables(run: dict, run_dir: Path, plots: bool = True) -> None:
             write_atomic(run_dir / name, data)
 
 
-def _write_tables(run: dict, out: Path, run_dir: Path, own: OwnFiles, plots: bool = True) -> None:
+def _write_tables(run: dict, out: Path, run_dir: Path, own: OutputLedger, plots: bool = True) -> None:
     """The run's tables in its folder, and the tables over the latest result of every config in ``out``."""
     _write_run_tables(run, run_dir, plots)
     if any((out / f"{n}.json").is_file() for n in SEED_SWEEP):
@@ -236,7 +236,7 @@ def _make_run_dir(out: Path, run_name: Optional[str]) -> Path:
 
 
 def _check_before_training(names: Sequence[str], out, iters, run_name: Optional[str], world_size: int,
-                           force: bool, model: dict) -> tuple[Path, OwnFiles, Path]:
+                           force: bool, model: dict) -> tuple[Path, OutputLedger, Path]:
     """Every check a sweep makes before its first launch (one-line ``ValueError`` s); returns
     ``out``, its own files, and the new run's folder (created last)."""
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
@@ -246,8 +246,8 @@ def _check_before_training(names: Sequence[str], out, iters, run_name: Optional[
     if run_name is not None and not _valid_run_name(run_name):
         raise ValueError(f"--run-name {run_name!r} may only use letters, digits, '-', '_' and '.'")
     out = check_output_dir(out, what="--out")
-    own = OwnFiles(out)
-    own.check(_top_level_names(names), force=force, what="--out")
+    own = OutputLedger(out)
+    check_replaceable(own, _top_level_names(names), force=force, what="--out")
     return out, own, _make_run_dir(out, run_name)
 
 
@@ -332,8 +332,8 @@ def publish(sweep: dict, folder, log_dir, force: bool = False) -> list[Path]:
 
     Files there are replaced only if the sweep wrote them (or ``force``); checked before anything is written."""
     folder = check_output_dir(folder, what="--figures")
-    own = OwnFiles(folder)
-    own.check(publish_names([s["name"] for s in sweep["configs"]]), force=force, what="--figures")
+    own = OutputLedger(folder)
+    check_replaceable(own, publish_names([s["name"] for s in sweep["configs"]]), force=force, what="--figures")
     data = {k: v for k, v in sweep.items() if k not in ("run_dir", "runs", "process")}
     rows = labelled_rows(sweep)
     files = {SUMMARY_NAME: json.dumps(data, indent=1) + "\n",
@@ -359,14 +359,13 @@ def committed_summary(folder=None) -> dict:
 
 def write_figures(out_dir, sweep: Optional[dict] = None) -> list[Path]:
     """The sweep's plots (``day22_tokens_per_s.png``, ``day22_memory_per_rank.png``) from the committed
-    summary (no training: ``make sweep`` refreshes the numbers); nothing when none is committed.
-    They are recorded as the sweep's own files, so ``make sweep`` may replace them."""
+    summary (no training: ``make sweep`` refreshes the numbers); nothing when none is committed."""
     if sweep is None:
         try:
             sweep = committed_summary()
         except ValueError:
             return []
-    return OwnFiles(out_dir).write(_plot_files(sweep, prefix="day22_"))
+    return [write_atomic(Path(out_dir) / name, png) for name, png in _plot_files(sweep, prefix="day22_").items()]
 
 
 # ============================================================================ CLI
@@ -396,7 +395,7 @@ def run(args) -> int:
     names = parse_configs(args.configs)
     if args.figures is not None:                        # refused before any training, like --out
         check_output_dir(args.figures, what="--figures")
-        OwnFiles(args.figures).check(publish_names(names), force=args.force, what="--figures")
+        check_replaceable(OutputLedger(args.figures), publish_names(names), force=args.force, what="--figures")
     try:
         sweep = run_sweep(names, out=args.out, iters=args.iters, run_name=args.run_name, launcher=args.launcher,
                           world_size=args.nproc_per_node, timeout=args.timeout, force=args.force)

@@ -7,9 +7,10 @@
   says ``running`` while its process is gone was killed: :func:`settled` reports it as
   interrupted, and :func:`settle_killed_runs` writes that down on the next sweep.
 * **Own files.** The sweep replaces a fixed name (``<out>/A.log``, ``record_table.md``,
-  ``figures/day22_megatron_3d4d.md``...) only when the file is exactly what the sweep wrote there
-  (its SHA-256 is in the folder's ledger ``.sweep_outputs.json``); a file a person put there or
-  edited since (the deliverable's conclusions!) needs ``--force``.
+  ``figures/day22_megatron_3d4d.md``...) only when the file is exactly what was written there
+  (its SHA-256 is in the folder's :class:`course_lib.safe_files.OutputLedger`); a file a person
+  put there or edited since (the deliverable's conclusions!) needs ``--force``
+  (:func:`check_replaceable`).
 * **Temporary files.** While a config runs, Python's temporary folder and ``$TMPDIR`` (which
   torchrun and the ranks inherit) point into the run's own folder, ``<run>/.launch/``, which is
   removed after each config; after a kill, the next sweep removes what was left there.
@@ -18,7 +19,6 @@
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -28,12 +28,11 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Iterable, Optional
 
-from course_lib.safe_files import check_output_file, write_atomic
+from course_lib.safe_files import OutputLedger, check_output_file, write_atomic
 from course_lib.sweep.runs import SUMMARY_NAME
 
-LEDGER_NAME = ".sweep_outputs.json"
 LAUNCH_TEMP = ".launch"
 
 
@@ -169,39 +168,9 @@ def temp_files_in(folder: Path):
 # ============================================================================ own files
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-class OwnFiles:
-    """The files the sweep wrote in ``folder``, by name, with their SHA-256 (``folder/.sweep_outputs.json``).
-
-    :meth:`check` (before any work) refuses a name that holds a file the sweep did not write, or
-    that was changed since, unless ``force``; :meth:`write` writes atomically and records the files.
-    """
-
-    def __init__(self, folder: Union[str, os.PathLike]):
-        self.folder = Path(folder)
-        self.ledger = self.folder / LEDGER_NAME
-        try:
-            self.hashes: dict = json.loads(self.ledger.read_text())
-        except (OSError, ValueError):
-            self.hashes = {}
-
-    def is_ours(self, name: str) -> bool:
-        path = self.folder / name
-        return path.is_file() and self.hashes.get(name) == _sha256(path)
-
-    def check(self, names: Iterable[str], *, force: bool = False, what: str = "--out") -> None:
-        """Refuse (``OutputPathError``, one line) if any of ``names`` may not be written."""
-        for name in names:
-            check_output_file(self.folder / name, force=force or self.is_ours(name), what=what)
-
-    def write(self, files: dict) -> list[Path]:
-        """Write ``{name: text or bytes}`` (names relative to the folder) and record them in the ledger."""
-        paths = []
-        for name, data in files.items():
-            paths.append(write_atomic(self.folder / name, data))
-            self.hashes[name] = hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
-        write_atomic(self.ledger, json.dumps(self.hashes, indent=1, sort_keys=True) + "\n")
-        return paths
+def check_replaceable(ledger: OutputLedger, names: Iterable[str], *, force: bool = False,
+                      what: str = "--out") -> None:
+    """Before any work: refuse (``OutputPathError``, one line) a name in ``ledger``'s folder that
+    holds a file not written there as recorded (a person's, or edited since), unless ``force``."""
+    for name in names:
+        check_output_file(ledger.folder / name, force=force or ledger.is_own(name), what=what)
