@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import functools
 import math
 import numbers
@@ -64,7 +65,9 @@ _PARENT_POLL_S = 0.5
 # ``timeout``, and how long after ``timeout`` the ranks' own watchdogs get to
 # report before the launcher stops everything itself.
 _TORCHRUN_STARTUP_S = 60
-_WATCHDOG_GRACE_S = 5
+_WATCHDOG_GRACE_S = 3
+# How much earlier than it is noticed a rank's death is dated (see _death_report).
+_DEATH_NOTICE_S = 0.5
 # Set in every rank process (to its rank), so that launch() can refuse to nest.
 RANK_ENV = "COURSE_LIB_LAUNCH_RANK"
 # RankError.exc_type of a rank that died without reporting (no traceback), and
@@ -257,9 +260,16 @@ def describe_exit(exitcode: int | None) -> str:
     return f"was killed by signal {sig.name}" + (f" ({hint})" if hint else "")
 
 
-def _death_report(rank: int, exitcode: int | None, died_at: float) -> tuple[str, str, float]:
-    """The failure record of a rank that died without reporting, like a rank's own (name, text, time)."""
-    return PROCESS_DIED, f"rank {rank} {describe_exit(exitcode)}; its output is below\n", died_at
+def _death_report(rank: int, exitcode: int | None, noticed_at: float) -> tuple[str, str, float]:
+    """The failure record of a rank that died without reporting, like a rank's own (name, text, time).
+
+    Its peers' failures follow such a death by milliseconds ("Connection closed by
+    peer"), while the death itself is noticed by a process or thread that must
+    first be scheduled -- later still on a busy machine. Dated back by
+    ``_DEATH_NOTICE_S``, the death sorts before the failures it caused.
+    """
+    return (PROCESS_DIED, f"rank {rank} {describe_exit(exitcode)}; its output is below\n",
+            noticed_at - _DEATH_NOTICE_S)
 
 
 def _load_results(payloads: dict[int, bytes], outputs: list[str]) -> RankResults:
@@ -334,15 +344,6 @@ def _parent_pids() -> dict[int, int] | None:
     return parents
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants, parents before children (only ``pid`` where there is no /proc)."""
-    parents = _parent_pids() or {}
-    tree = [pid]
-    for parent in tree:  # grows while it is walked: breadth first
-        tree += [child for child, p in parents.items() if p == parent]
-    return tree
-
-
 def _send(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -355,20 +356,23 @@ def kill_tree(pid: int) -> list[int]:
 
     Each generation is stopped (SIGSTOP) before its children are listed, so that
     no process can start a child we miss, nor reap one (its pid stays its own).
-    ``pid`` must be an unreaped child of this process, or a process we may signal.
+    ``pid`` must be an unreaped child of this process. Without /proc, ``pid``'s
+    process group stands in for its descendants.
     """
+    if _parent_pids() is None:
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return [pid]
     tree, generation = [], [pid]
     while generation:
         for p in generation:
             _send(p, signal.SIGSTOP)
         tree += generation
         parents = _parent_pids() or {}
-        generation = [child for child, p in parents.items() if p in generation and child not in tree]
-    if len(tree) == 1 and _parent_pids() is None and hasattr(os, "killpg"):  # no /proc: its group at least
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
+        generation = [child for child, parent in parents.items() if parent in generation and child not in tree]
     for p in reversed(tree):
         _send(p, signal.SIGKILL)
     return tree
@@ -440,6 +444,9 @@ def _redirect_output(path: str) -> None:
     # the child; replace it with a plain line-buffered file on fd 1.
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = sys.stdout
+    # A crash in native code (segfault, abort) leaves the rank's Python stack in
+    # its own output, not in the launching process's.
+    faulthandler.enable(file=sys.stderr)
 
 
 def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_path, parent_pid):
@@ -526,82 +533,94 @@ def _stop_forked(procs) -> str:
     return _stopped(f"all {len(procs)} rank processes were stopped", wait_gone(pids))
 
 
+def _fork_ranks(ctx, procs, conns, world_size, backend, timeout, listener, fn, kwargs, out_paths):
+    """Fork the ranks (appending each to ``procs``, its pipe to ``conns``), then serve their rendezvous.
+
+    The rendezvous socket is bound before any child exists, but the store's
+    server thread starts only after the last fork: forking while another thread
+    holds a lock can deadlock the child. Returns the store (keep it until the end).
+    """
+    import torch.distributed as dist
+
+    host, port = listener.getsockname()
+    for rank in range(world_size):
+        mine, theirs = ctx.Pipe()
+        p = ctx.Process(target=_fork_child, daemon=True, args=(
+            rank, world_size, backend, timeout, host, port, fn, kwargs, theirs, out_paths[rank], os.getpid()))
+        p.start()
+        theirs.close()
+        procs.append(p)
+        conns[mine] = rank
+    return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout),
+                         master_listen_fd=listener.detach())  # the store owns the socket now
+
+
+def _collect_reports(procs, conns, timeout):
+    """Read each rank's report (or note its death) until all have reported, ``timeout``
+    passes, or ``_GRACE_AFTER_FAILURE_S`` after the first failure. Returns
+    ``({rank: pickled result}, {rank: (exception name, traceback, time)})``."""
+    payloads, failures, deaths = {}, {}, {}
+    watchers = [threading.Thread(target=_record_death, args=(p.pid, p.sentinel, r, deaths), daemon=True)
+                for r, p in enumerate(procs)]
+    for w in watchers:
+        w.start()
+    pending = dict(conns)
+    first_failure_at = None
+    deadline = time.monotonic() + timeout
+    while pending:
+        now = time.monotonic()
+        limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_AFTER_FAILURE_S)
+        if now >= limit:
+            break
+        ready = connection.wait(list(pending), timeout=min(limit - now, _POLL_S))
+        dead = [c for c, r in pending.items() if r in deaths]
+        for c in dict.fromkeys([*ready, *dead]):
+            rank = pending.pop(c)
+            report = _receive(c)
+            if report is None:  # died without reporting (os._exit, a signal, a crash)
+                watchers[rank].join(timeout=2)
+                noticed_at, exitcode = deaths.get(rank, (time.time(), None))
+                report = ("error", pickle.dumps(_death_report(rank, exitcode, noticed_at)))
+            status, payload = report
+            if status == "ok":
+                payloads[rank] = payload
+            else:
+                failures[rank] = pickle.loads(payload)
+                if first_failure_at is None:
+                    first_failure_at = time.monotonic()
+    return payloads, failures
+
+
 def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     import multiprocessing as mp
-
-    import torch.distributed as dist
 
     # backward(grad) imports sympy lazily (~2.5 s); import it once here so that
     # every forked rank inherits it instead of paying for it again.
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
     _libc_prctl()  # looked up here, before the forks
-    ctx = mp.get_context("fork")
-    # The rendezvous socket is bound (port chosen by the OS, so no race) before
-    # any child exists, but the store's server thread starts only after the last
-    # fork: forking while another thread holds a lock can deadlock the child.
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
+    listener.bind(("127.0.0.1", 0))  # the OS picks the port: no race
     listener.listen(world_size)
-    port = listener.getsockname()[1]
-    store = None
     tmp = tempfile.TemporaryDirectory(prefix="course_launch_")
     out_paths = [os.path.join(tmp.name, f"rank{r}.out") for r in range(world_size)]
-    procs, conns, all_conns = [], {}, []
-    payloads, failures = {}, {}
+    procs, conns, store = [], {}, None
     sys.stdout.flush()
     sys.stderr.flush()
 
-    def wait_for_reports():
+    def run_ranks():
         nonlocal store
-        for rank in range(world_size):
-            mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_fork_child, daemon=True, args=(
-                rank, world_size, backend, timeout, "127.0.0.1", port, fn, kwargs, theirs, out_paths[rank],
-                os.getpid()))
-            p.start()
-            theirs.close()
-            procs.append(p)
-            conns[mine] = rank
-            all_conns.append(mine)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout),
-                              master_listen_fd=listener.detach())  # the store owns the socket now
-        deaths: dict[int, tuple[float, int | None]] = {}
-        watchers = [threading.Thread(target=_record_death, args=(p.pid, p.sentinel, r, deaths), daemon=True)
-                    for r, p in enumerate(procs)]
-        for w in watchers:
-            w.start()
-        first_failure_at = None
-        deadline = time.monotonic() + timeout
-        while conns:
-            now = time.monotonic()
-            limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_AFTER_FAILURE_S)
-            if now >= limit:
-                break
-            ready = connection.wait(list(conns), timeout=min(limit - now, _POLL_S))
-            dead = [c for c, r in conns.items() if r in deaths]
-            for c in dict.fromkeys([*ready, *dead]):
-                rank = conns.pop(c)
-                report = _receive(c)
-                if report is None:  # died without reporting (os._exit, a signal, a crash)
-                    watchers[rank].join(timeout=2)
-                    died_at, exitcode = deaths.get(rank, (time.time(), None))
-                    report = ("error", pickle.dumps(_death_report(rank, exitcode, died_at)))
-                status, payload = report
-                if status == "ok":
-                    payloads[rank] = payload
-                else:
-                    failures[rank] = pickle.loads(payload)
-                    if first_failure_at is None:
-                        first_failure_at = time.monotonic()
+        store = _fork_ranks(mp.get_context("fork"), procs, conns, world_size, backend, timeout, listener, fn,
+                            kwargs, out_paths)
+        return _collect_reports(procs, conns, timeout)
 
     try:
         # Reported ranks are parked (see _fork_child), the others failed to
         # report in time: either way, every rank process ends here.
-        _, stopped = _supervise(wait_for_reports, lambda: _stop_forked(procs))
+        (payloads, failures), stopped = _supervise(run_ranks, lambda: _stop_forked(procs))
     finally:
-        for c in all_conns:
+        for c in conns:
             c.close()
         outputs = [Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in out_paths]
         tmp.cleanup()

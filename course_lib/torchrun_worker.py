@@ -108,9 +108,9 @@ def supervise_rank(job_dir: str) -> int:
         finally:
             os._exit(code)
     _, status = os.waitpid(child, 0)
-    died_at, exitcode = time.time(), os.waitstatus_to_exitcode(status)
+    noticed_at, exitcode = time.time(), os.waitstatus_to_exitcode(status)
     if not any((job_path / f"rank{rank}.{ext}").exists() for ext in REPORTS):
-        write_atomic(job_path / f"rank{rank}.err", pickle.dumps(_death_report(rank, exitcode, died_at)))
+        write_atomic(job_path / f"rank{rank}.err", pickle.dumps(_death_report(rank, exitcode, noticed_at)))
     return exitcode if exitcode >= 0 else 128 - exitcode
 
 

@@ -3,7 +3,10 @@
 Module-level rank functions so that torchrun mode can import them.
 """
 
+import ctypes
+import math
 import os
+import stat
 import time
 
 import pytest
@@ -43,12 +46,77 @@ def rank_chatty(lines=40):
     return None
 
 
+def rank_dies_first(how="exit3", dying_rank=1):
+    """``dying_rank`` dies without a word while the others wait for it in a collective (and
+    then fail: "Connection closed by peer"). A child of its own keeps the rank's pipes (not its
+    sockets) open for a second, so a launcher that orders failures by when it *notices* them --
+    the end of the pipe -- rather than by when they happened names a peer."""
+    if dist.get_rank() == dying_rank:
+        if os.fork() == 0:
+            for fd in map(int, os.listdir("/proc/self/fd")):
+                try:
+                    if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                        os.close(fd)
+                except OSError:
+                    pass
+            time.sleep(1)
+            os._exit(0)
+        if how == "exit3":
+            os._exit(3)
+        ctypes.string_at(0)  # SIGSEGV
+    t = torch.zeros(1)
+    dist.all_reduce(t)
+    return dist.get_rank()
+
+
+def rank_holds_the_gil(pid_dir, hung_rank=1):
+    """``hung_rank`` sleeps in C holding the GIL: no Python thread (a watchdog) can run there."""
+    open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w").write(str(os.getpid()))
+    if dist.get_rank() == hung_rank:
+        ctypes.PyDLL(None).sleep(60)
+    return dist.get_rank()
+
+
+def _fail_to_load_here(child_pid):
+    if os.getpid() != child_pid:
+        raise ModuleNotFoundError("No module named 'only_on_the_rank'")
+    return "loaded"
+
+
+class LoadsOnlyOnTheRank:
+    def __reduce__(self):
+        return _fail_to_load_here, (os.getpid(),)
+
+
+def rank_returns_unloadable(bad_rank=1):
+    return LoadsOnlyOnTheRank() if dist.get_rank() == bad_rank else dist.get_rank()
+
+
+def rank_launches_again():
+    return launch(rank_sum, world_size=2, output="none")
+
+
 def _alive(pid):
+    """Whether ``pid`` runs (a zombie -- dead, not yet reaped by whoever adopted it -- does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     return True
+
+
+def _all_gone(pids, within=10):
+    deadline = time.monotonic() + within
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(map(_alive, pids))
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4, 8])
@@ -106,11 +174,44 @@ def test_fork_runs_functions_defined_locally():
     (dict(world_size=2, backend="mpi"), "backend='mpi' is unknown"),
     (dict(world_size=2, output="some"), "output='some' is unknown"),
     (dict(world_size=2, timeout=0), "timeout=0 must be a positive number"),
+    (dict(world_size=2, timeout=math.nan), "timeout=nan must be a positive number"),
+    (dict(world_size=2, timeout=math.inf), "timeout=inf must be a positive number"),
+    (dict(world_size=2, timeout="60"), "timeout='60' must be a positive number"),
+    (dict(world_size=2, timeout=True), "timeout=True must be a positive number"),
+    (dict(world_size=2, timeout=1e12), "timeout=1000000000000.0 must be a positive number"),
+    (dict(world_size=True), "world_size=True must be an integer >= 1"),
+    (dict(world_size=2.0), "world_size=2.0 must be an integer >= 1"),
 ])
 def test_bad_arguments_are_one_line_value_errors(kwargs, message):
     with pytest.raises(ValueError) as info:
         launch(rank_sum, **kwargs)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("how, death", [("exit3", "exited with code 3 without reporting a result"),
+                                        ("sigsegv", "was killed by signal SIGSEGV")])
+def test_fork_names_the_rank_that_died_first_with_its_exit(how, death):
+    with pytest.raises(RankError) as info:
+        launch(rank_dies_first, world_size=3, timeout=30, output="none", how=how)
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ProcessDied"
+    assert str(err).startswith(f"rank 1 {death}"), str(err)
+
+
+def test_fork_result_that_cannot_be_unpickled_names_its_rank():
+    with pytest.raises(RankError) as info:
+        launch(rank_returns_unloadable, world_size=2, output="none")
+    assert info.value.rank == 1
+    assert str(info.value).startswith("rank 1 returned a value that cannot be unpickled in the launching process: "
+                                      "ModuleNotFoundError: No module named 'only_on_the_rank'")
+
+
+def test_a_launch_inside_a_launch_is_refused_in_one_line():
+    with pytest.raises(RankError) as info:
+        launch(rank_launches_again, world_size=2, output="none")
+    last_line = info.value.traceback.strip().splitlines()[-1]
+    assert last_line.startswith("course_lib.launch.LaunchError: launch() was called on rank ")
+    assert "nested launches are not supported" in last_line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has GPUs")
@@ -132,6 +233,26 @@ def test_torchrun_returns_results_and_reports_crashes():
     with pytest.raises(RankError) as info:
         launch(rank_crash, world_size=2, launcher="torchrun", output="none", timeout=60, bad_rank=1)
     assert info.value.rank == 1 and "deliberate failure on rank 1" in info.value.traceback
+
+
+def test_torchrun_names_the_rank_that_died_not_the_peer_it_broke():
+    with pytest.raises(RankError) as info:
+        launch(rank_dies_first, world_size=2, launcher="torchrun", output="none", timeout=60, how="sigsegv")
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ProcessDied"
+    assert str(err).startswith("rank 1 was killed by signal SIGSEGV"), str(err)
+
+
+def test_torchrun_backstop_stops_a_rank_whose_watchdog_cannot_run(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(rank_holds_the_gil, world_size=2, launcher="torchrun", timeout=2, output="none",
+               pid_dir=str(tmp_path), hung_rank=1)
+    assert info.value.unfinished == [1]
+    assert "torchrun and all its rank processes were stopped" in str(info.value)
+    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+    assert len(pids) == 2 and _all_gone(pids)
+    assert time.monotonic() - start < 50  # not timeout + 60 s
 
 
 def test_torchrun_hang_raises_at_timeout(tmp_path):
@@ -164,3 +285,12 @@ def test_torchrun_cell_magic_fails_when_a_rank_fails():
         torchrun_cell("-n 2", "import torch.distributed as dist\nif dist.get_rank() == 1: {}['missing']\n")
     with pytest.raises(ValueError, match="usage: %%torchrun"):
         torchrun_cell("--nproc-per-node many", CELL)
+
+
+def test_torchrun_cell_magic_sys_exit_0_is_a_success_and_other_codes_fail():
+    torchrun_cell("-n 3", "import sys, torch.distributed as dist\n"
+                          "if dist.get_rank() == 0: sys.exit(0)\n"
+                          "if dist.get_rank() == 1: sys.exit(None)\n"
+                          "sys.exit()\n")
+    with pytest.raises(RankError, match=r"rank 1 failed: RuntimeError: the cell called sys.exit\(3\)"):
+        torchrun_cell("-n 2", "import sys, torch.distributed as dist\nif dist.get_rank() == 1: sys.exit(3)\n")
