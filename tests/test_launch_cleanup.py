@@ -26,6 +26,7 @@ CASES = [
     ("fork", signal.SIGKILL, 2, None),
     ("fork", signal.SIGINT, 2, "KeyboardInterrupt: interrupted: all 2 rank processes were stopped"),
     ("fork", signal.SIGUSR1, 2, "RuntimeError: an error in the launching process"),
+    ("fork-polling", signal.SIGKILL, 2, None),  # where there is no parent-death signal (macOS)
     ("torchrun", signal.SIGKILL, 3, None),    # torchrun and its 2 ranks (at least)
     ("cell", signal.SIGINT, 3, "KeyboardInterrupt: interrupted: torchrun and all its rank processes were stopped"),
     ("train", signal.SIGKILL, 3, None),
