@@ -17,12 +17,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 from course_lib import sweep as S
-from course_lib.megatron import COLUMNS, SEED_SWEEP, parse_log
 from course_lib.__main__ import main as course_main
+from course_lib.megatron import COLUMNS, SEED_SWEEP, parse_log
 from course_lib.megatron import report as report_cli
 from course_lib.pipeline import bubble_fraction, build_schedule, simulate
 from course_lib.topology import RankGrid
@@ -389,3 +390,13 @@ def test_a_persons_file_at_a_sweep_name_needs_force(runs, swept, tmp_path):
     with pytest.raises(ValueError, match="--figures .*day22_megatron_3d4d.md already exists; pass --force"):
         S.publish(swept[1], figures, swept[1]["run_dir"])
     assert (figures / "day22_megatron_3d4d.md").read_text() == "my deliverable"
+
+
+def test_make_sweep_may_replace_the_committed_summary_without_force():
+    """figures/ records what `make sweep` published (safe_files.OutputLedger), so the next one replaces it."""
+    from course_lib.safe_files import OutputLedger
+
+    figures = Path(S.__file__).resolve().parents[2] / "figures"
+    names = S.publish_names([s["name"] for s in S.committed_summary(figures)["configs"]])
+    ledger = OutputLedger(figures)
+    assert [n for n in names if not ledger.is_own(n)] == []
