@@ -66,6 +66,7 @@ _PARENT_POLL_S = 0.5
 # report before the launcher stops everything itself.
 _TORCHRUN_STARTUP_S = 60
 _WATCHDOG_GRACE_S = 3
+_TORCHRUN_SIGTERM_S = 10
 # How much earlier than it is noticed a rank's death is dated (see _death_report).
 _DEATH_NOTICE_S = 0.5
 # Set in every rank process (to its rank), so that launch() can refuse to nest.
@@ -657,14 +658,26 @@ def start_torchrun(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
     return subprocess.Popen(guarded, start_new_session=True, **popen_kwargs)
 
 
-def stop_torchrun(proc: subprocess.Popen) -> str:
+def stop_torchrun(proc: subprocess.Popen, rank_pids: Sequence[int] = ()) -> str:
     """Kill torchrun and every process under it (its ranks are in sessions of their own,
-    so no process group holds them all); report, checked, what was stopped."""
+    so no process group holds them all); report, checked, what was stopped.
+
+    ``rank_pids``: rank processes known otherwise, checked too (when torchrun
+    ended by itself, its ranks are no longer under it). Without /proc to find
+    the ranks (macOS), torchrun gets SIGTERM first, on which it stops them itself.
+    """
+    if _parent_pids() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=_TORCHRUN_SIGTERM_S)
+        except subprocess.TimeoutExpired:
+            pass
     pids = kill_tree(proc.pid)
     proc.wait()
-    if _parent_pids() is None:  # nothing to check the ranks with: they end themselves when torchrun ends
-        return "torchrun was stopped (its ranks stop themselves within a second)"
-    return _stopped("torchrun and all its rank processes were stopped", wait_gone(pids))
+    survivors = wait_gone([*pids, *rank_pids])
+    if _parent_pids() is None and not rank_pids:
+        return _stopped("torchrun was stopped, and it stops its ranks (no /proc here to check them)", survivors)
+    return _stopped("torchrun and all its rank processes were stopped", survivors)
 
 
 class _Terminated(KeyboardInterrupt):
@@ -745,6 +758,17 @@ def _wait_for_torchrun(proc: subprocess.Popen, job: Path, world_size: int, timeo
             return False
 
 
+def _rank_pids(job: Path, world_size: int) -> list[int]:
+    """The pids each rank's supervisor recorded (itself and the rank; see torchrun_worker)."""
+    pids = []
+    for r in range(world_size):
+        try:
+            pids += [int(p) for p in (job / f"rank{r}.pids").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
 def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     module, qualname = _importable_name(fn)
     with tempfile.TemporaryDirectory(prefix="course_torchrun_") as tmp:
@@ -759,7 +783,7 @@ def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
         with open(job / "torchrun.log", "wb") as log:
             proc = start_torchrun(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         finished, stopped = _supervise(lambda: _wait_for_torchrun(proc, job, world_size, timeout),
-                                       lambda: stop_torchrun(proc))
+                                       lambda: stop_torchrun(proc, _rank_pids(job, world_size)))
         launcher_log = (job / "torchrun.log").read_text(errors="replace")
 
         def rank_file(r, ext):

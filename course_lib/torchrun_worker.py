@@ -11,7 +11,8 @@ backend, timeout), initialises the process group from torchrun's environment,
 writes ``rank{r}.started`` when ``fn`` starts and then ``rank{r}.pkl`` (the
 return value) or ``rank{r}.err`` (exception name, traceback, time), with its
 output in ``rank{r}.out``; a rank still running at the timeout writes
-``rank{r}.timeout`` and exits. The parent only waits for the child. That is how
+``rank{r}.timeout`` and exits. The parent records both pids in ``rank{r}.pids``
+(the launcher checks that they are gone) and waits for the child. That is how
 the launcher learns how a rank died when it could not say so itself
 (``os._exit``, a segfault, a kill): the parent writes ``rank{r}.err`` with the
 exit code or signal and the moment of death, so the first rank to fail, by
@@ -107,6 +108,7 @@ def supervise_rank(job_dir: str) -> int:
             code = run_rank(job_path, rank)
         finally:
             os._exit(code)
+    write_atomic(job_path / f"rank{rank}.pids", f"{supervisor} {child}")  # for the launcher to check
     _, status = os.waitpid(child, 0)
     noticed_at, exitcode = time.time(), os.waitstatus_to_exitcode(status)
     if not any((job_path / f"rank{rank}.{ext}").exists() for ext in REPORTS):

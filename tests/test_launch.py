@@ -144,7 +144,7 @@ def test_fork_crash_names_the_rank_with_traceback():
 def test_fork_hang_raises_at_timeout_and_kills_every_rank(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
         launch(rank_hang, world_size=3, timeout=3, output="none", pid_dir=str(tmp_path), hung_rank=1)
-    assert info.value.unfinished == [1]
+    assert info.value.unfinished == [1] and "all 3 rank processes were stopped" in str(info.value)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 3 and not any(_alive(p) for p in pids)
 
@@ -257,11 +257,11 @@ def test_torchrun_backstop_stops_a_rank_whose_watchdog_cannot_run(tmp_path):
 
 def test_torchrun_hang_raises_at_timeout(tmp_path):
     with pytest.raises(LaunchTimeout) as info:
-        launch(rank_hang, world_size=2, launcher="torchrun", timeout=6, output="none",
+        launch(rank_hang, world_size=2, launcher="torchrun", timeout=3, output="none",
                pid_dir=str(tmp_path), hung_rank=0)
-    assert info.value.unfinished == [0]
+    assert info.value.unfinished == [0] and "torchrun and all its rank processes were stopped" in str(info.value)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
-    assert len(pids) == 2 and not any(_alive(p) for p in pids)
+    assert len(pids) == 2 and _all_gone(pids)
 
 
 CELL = """
