@@ -98,8 +98,8 @@ class RankError(LaunchError):
         last_line = tb.strip().splitlines()[-1] if tb.strip() else exc_type
         if exc_type in (PROCESS_DIED, RESULT_UNREADABLE):  # the launcher's account: it names the rank
             msg = tb.strip()
-            if rank < len(outputs) and outputs[rank].strip():
-                msg += f"\n\n--- last output of rank {rank} ---\n{_tail(outputs[rank])}"
+            if rank < len(outputs) and outputs[rank].strip():  # a crash's Python stack, if any, is in it
+                msg += f"\n\n--- last output of rank {rank} ---\n{_tail(outputs[rank], 40)}"
         else:
             msg = f"rank {rank} failed: {last_line}\n\n--- traceback of rank {rank} ---\n{tb}"
         if self.other_failures:
@@ -269,8 +269,7 @@ def _death_report(rank: int, exitcode: int | None, noticed_at: float) -> tuple[s
     first be scheduled -- later still on a busy machine. Dated back by
     ``_DEATH_NOTICE_S``, the death sorts before the failures it caused.
     """
-    return (PROCESS_DIED, f"rank {rank} {describe_exit(exitcode)}; its output is below\n",
-            noticed_at - _DEATH_NOTICE_S)
+    return PROCESS_DIED, f"rank {rank} {describe_exit(exitcode)}\n", noticed_at - _DEATH_NOTICE_S
 
 
 def _load_results(payloads: dict[int, bytes], outputs: list[str]) -> RankResults:
