@@ -7,15 +7,27 @@ Every lab's checkers print that line through :func:`not_attempted`, and call the
 student's code through :func:`call_student` (or :func:`try_student` when they
 need the exception itself); checkers that run it on ranks test
 ``RankError.exc_type == "NotImplementedError"``.
+
+Both undo any monkeypatch the student's function made (see
+:func:`course_lib.checks.verdicts.run_student`) and report it as a
+:class:`~course_lib.checks.verdicts.LibraryPatched` error, so a patched
+``F.linear`` or ``RankGrid`` can neither fool a checker nor leak into later
+cells. The robust comparisons and the communication checks are in
+:mod:`course_lib.checks.verdicts`.
 """
 
 
 def try_student(fn, *args):
-    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised (for checkers that inspect it)."""
-    try:
-        return fn(*args), None
-    except Exception as exc:  # noqa: BLE001 - reported to the student
-        return None, exc
+    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised or patched the library
+    (a :class:`~course_lib.checks.verdicts.LibraryPatched`; the patch is undone)."""
+    from course_lib.checks.verdicts import LibraryPatched, run_student
+
+    run = run_student(fn, *args)
+    if run.error is not None:
+        return None, run.error
+    if run.patched:
+        return None, LibraryPatched(run.problem())
+    return run.value, None
 
 
 def call_student(fn, *args):

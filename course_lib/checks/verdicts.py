@@ -1,0 +1,420 @@
+"""Verdict helpers every checker uses: robust comparisons, guarded student calls, traffic checks.
+
+A checker must give the right verdict to *any* answer a student can write, and
+never raise. This module holds the pieces every lab's checker needs:
+
+Numbers and values
+    :func:`as_real` / :func:`same_number` accept a right number of any real type
+    (int, float, ``Fraction``, ``Decimal``, a numpy scalar, a one-element tensor
+    or array) within a relative tolerance, and reject NaN, infinities, bools,
+    complex numbers, strings and ``None`` with a reason the student can act on.
+    :func:`same_value` compares nested answers (tensors, arrays, lists, dicts)
+    and never raises, even for objects whose ``==`` raises or returns an array.
+    :func:`safe_repr` prints any answer in one short line.
+
+Running the student's code
+    :func:`run_student` calls the student's function, undoes any monkeypatch it
+    made (functions and classes of ``torch``, ``torch.nn.functional``,
+    ``torch.distributed`` and every loaded ``course_lib`` module, methods of
+    their classes, of ``torch.Tensor`` and ``torch.nn.Module``) and reports what it
+    changed (:class:`StudentRun`), so a patch can neither fool the checker nor
+    leak into later cells. With ``references=`` it also reports which of the
+    course's own implementations ran inside the call (a profile hook on their
+    code objects: aliases, ``getattr`` or wrappers do not hide them).
+    :func:`course_function` recognises a function that *is* (or wraps, or
+    partially applies) one from ``course_lib``; :func:`course_code_hint` words
+    the verdict.
+
+Communication (see :mod:`course_lib.checks.wire` for how it is seen)
+    Checkers that must prove the algorithm run the student's code on ranks with
+    :func:`launch_checked`: the default process group is replaced by one that
+    records every op (:func:`wire_recorder`) and that refuses collectives inside
+    :func:`point_to_point_only` -- at the process-group level, so no Python name
+    (``distributed_c10d``, a name bound earlier, object collectives, gather +
+    scatter) gets past. Over the recorded :class:`course_lib.comm.CommEvent`
+    lists: :func:`elements_sent`, :func:`collectives`, :func:`describe_ops`,
+    :func:`expect_collectives` (exact ops on given groups) and
+    :func:`refused_collective` (find the refusal in a rank's traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import decimal
+import fractions
+import functools
+import inspect
+import math
+import numbers
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+from course_lib.checks.wire import (REFUSED_MARK, CollectiveRefused, launch_checked, point_to_point_only,
+                                    wire_recorder)
+
+__all__ = [
+    "Verdict", "as_real", "same_number", "same_value", "safe_repr",
+    "StudentRun", "run_student", "undo_patches", "course_function", "course_code_hint", "LibraryPatched",
+    "launch_checked", "point_to_point_only", "wire_recorder", "CollectiveRefused", "REFUSED_MARK",
+    "elements_sent", "collectives", "describe_ops", "expect_collectives", "refused_collective",
+]
+
+
+# ----------------------------------------------------------------------------------- numbers
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``ok`` and, when not ok, ``reason`` (one sentence for the student). Truthy when ok."""
+
+    ok: bool
+    reason: str | None = None
+    value: float | None = None
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def as_real(value) -> tuple[float | None, str | None]:
+    """``(float, None)`` for a finite real number of any type, else ``(None, reason)``.
+
+    Accepted: int, float, ``Fraction``, ``Decimal``, numpy scalars, and tensors or
+    arrays with exactly one real element. Refused with a reason: bools, complex
+    numbers, strings, ``None``, NaN, infinities, containers, anything else.
+    """
+    import numpy as np
+    import torch
+
+    if value is None:
+        return None, "returned None: did the function end without `return`?"
+    if isinstance(value, (bool, np.bool_)):
+        return None, f"returned the bool {value!r}: return the number itself"
+    if isinstance(value, (str, bytes)):
+        return None, f"returned the string {safe_repr(value)}: return a number, not its text"
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        try:
+            numel = value.numel() if isinstance(value, torch.Tensor) else value.size
+            dtype = value.dtype
+        except Exception:  # noqa: BLE001 - an odd subclass
+            return None, f"returned an unreadable {type(value).__name__}"
+        if numel != 1:
+            return None, (f"returned a {type(value).__name__} of shape {tuple(value.shape)}: return one number "
+                          f"(a single value, e.g. `.item()`)")
+        if dtype in (torch.bool, np.bool_) or str(dtype) == "bool":
+            return None, "returned a bool tensor: return the number itself"
+        if getattr(dtype, "is_complex", False) or str(dtype).startswith("complex"):
+            return None, "returned a complex number: the answer is real"
+        value = value.item()
+        if isinstance(value, bool):
+            return None, "returned a bool tensor: return the number itself"
+    if isinstance(value, (complex, np.complexfloating)):
+        return None, f"returned the complex number {value!r}: the answer is real"
+    if not isinstance(value, (numbers.Real, decimal.Decimal, np.number)):
+        return None, f"returned a {type(value).__name__} ({safe_repr(value)}): return a number"
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError, ArithmeticError):
+        return None, f"returned {safe_repr(value)}, which is not a finite number"
+    if math.isnan(number):
+        return None, "returned NaN (not a number): look for 0/0 or an undefined case"
+    if math.isinf(number):
+        return None, f"returned {number} (infinite): look for a division by zero"
+    return number, None
+
+
+def same_number(answer, expected, rel: float = 1e-9, abs_tol: float = 1e-12) -> Verdict:
+    """Is ``answer`` a finite real number within ``rel`` (relative) or ``abs_tol`` of ``expected``?
+
+    ``Verdict.value`` is the answer as a float whenever it is a number (use it to
+    match the answer against known wrong formulas for a hint)."""
+    number, reason = as_real(answer)
+    if reason:
+        return Verdict(False, reason)
+    want = float(expected)
+    if math.isclose(number, want, rel_tol=rel, abs_tol=abs_tol):
+        return Verdict(True, None, number)
+    return Verdict(False, f"returned {number:.6g}, expected {want:.6g}", number)
+
+
+def safe_repr(value, limit: int = 80) -> str:
+    """``repr(value)`` on one line, at most ``limit`` characters; never raises."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a student's __repr__ may raise
+        text = f"<{type(value).__name__} object>"
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def same_value(answer, expected, rel: float = 0.0) -> bool:
+    """Does ``answer`` equal ``expected``? Never raises.
+
+    Numbers compare as numbers of any real type (:func:`same_number`, tolerance
+    ``rel``); tensors and arrays by shape and values (any real dtype); lists and
+    tuples element by element (a tuple answers a list; a tensor or array answers a
+    list of numbers); dicts by keys and values; bools only equal bools; anything
+    else with ``==``, which must return a real bool.
+    """
+    try:
+        return _same(answer, expected, rel)
+    except Exception:  # noqa: BLE001 - an odd answer is a wrong answer, never a crash
+        return False
+
+
+def _same(answer, expected, rel: float) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(expected, (bool, np.bool_)):
+        return isinstance(answer, (bool, np.bool_)) and bool(answer) == bool(expected)
+    if isinstance(expected, (numbers.Real, decimal.Decimal)):
+        return bool(same_number(answer, expected, rel=rel, abs_tol=0.0 if rel == 0 else 1e-12))
+    if isinstance(expected, (torch.Tensor, np.ndarray)):
+        if not isinstance(answer, (torch.Tensor, np.ndarray)):
+            return False
+        a, e = torch.as_tensor(answer), torch.as_tensor(expected)
+        if tuple(a.shape) != tuple(e.shape) or a.dtype == torch.bool or a.is_complex():
+            return False
+        a, e = a.detach().double(), e.detach().double()
+        return bool(torch.equal(a, e) if rel == 0 else torch.allclose(a, e, rtol=rel, atol=0.0))
+    if isinstance(expected, str):
+        return isinstance(answer, str) and answer == expected
+    if isinstance(expected, dict):
+        if not isinstance(answer, dict) or set(answer) != set(expected):
+            return False
+        return all(_same(answer[k], v, rel) for k, v in expected.items())
+    if isinstance(expected, (list, tuple)):
+        if isinstance(answer, (torch.Tensor, np.ndarray)):
+            answer = answer.tolist()
+        if not isinstance(answer, (list, tuple)) or len(answer) != len(expected):
+            return False
+        return all(_same(a, e, rel) for a, e in zip(answer, expected))
+    result = answer == expected
+    return isinstance(result, (bool, np.bool_)) and bool(result)
+
+
+# ------------------------------------------------------------------------ student code
+
+
+class LibraryPatched(RuntimeError):
+    """The student's function replaced a library function (the change was undone)."""
+
+
+@dataclass
+class StudentRun:
+    """What one call of the student's function did: ``value`` or ``error`` (the exception),
+    ``patched`` (library names it replaced; undone) and ``course_code`` (the names of the
+    ``references`` that ran inside the call)."""
+
+    value: Any = None
+    error: BaseException | None = None
+    patched: list[str] = field(default_factory=list)
+    course_code: list[str] = field(default_factory=list)
+
+    @property
+    def todo(self) -> bool:
+        """The exercise's stub still raises ``NotImplementedError``."""
+        return isinstance(self.error, NotImplementedError)
+
+    def problem(self) -> str | None:
+        """One line saying what is wrong with the *call* (not the value): an exception, a patch,
+        the course's own code; None when the call was clean."""
+        if self.error is not None:
+            return f"raised {type(self.error).__name__}: {self.error}"
+        if self.patched:
+            return (f"it replaced {', '.join(self.patched[:3])} (undone by the checker): an exercise's "
+                    f"function must compute its answer, not change the library")
+        if self.course_code:
+            return course_code_hint(self.course_code[0])
+        return None
+
+
+def _guarded_owners():
+    """The modules and classes whose functions a checker relies on: (name, object) pairs."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    owners = [("torch", torch), ("torch.nn.functional", F), ("torch.nn", torch.nn),
+              ("torch.Tensor", torch.Tensor), ("torch.nn.Module", torch.nn.Module)]
+    if dist.is_available():
+        from torch.distributed import distributed_c10d
+
+        owners += [("torch.distributed", dist), ("torch.distributed.distributed_c10d", distributed_c10d)]
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "course_lib" or name.startswith("course_lib.")):
+            continue
+        owners.append((name, module))
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, type) and getattr(value, "__module__", None) == name:
+                owners.append((f"{name}.{attr}", value))
+    return owners
+
+
+def _is_code(value) -> bool:
+    """A function, class or descriptor: what a monkeypatch replaces (state such as caches is left alone)."""
+    return callable(value) or isinstance(value, (staticmethod, classmethod, property))
+
+
+@contextlib.contextmanager
+def undo_patches():
+    """Undo, on exit, every replaced or deleted function/class of the guarded modules and classes
+    (see :func:`run_student`); yields a list that receives the names that were changed."""
+    snapshot = [(name, owner, dict(vars(owner))) for name, owner in _guarded_owners()]
+    changed: list[str] = []
+    try:
+        yield changed
+    finally:
+        for name, owner, before in snapshot:
+            now = vars(owner)
+            try:
+                if now == before:  # identity short-cut: no __eq__ of a value runs unless one changed
+                    continue
+            except Exception:  # noqa: BLE001 - a changed value's __eq__ raised: walk it below
+                pass
+            for key, old in before.items():
+                if now.get(key, _MISSING) is not old and _is_code(old):
+                    changed.append(f"{name}.{key}")
+                    setattr(owner, key, old)
+            if isinstance(owner, type):
+                for key in [k for k in now if k not in before and _is_code(now[k])]:
+                    changed.append(f"{name}.{key}")
+                    delattr(owner, key)
+
+
+_MISSING = object()
+
+
+def _code_objects(fn) -> dict:
+    """``{code object: name}`` of a reference implementation (functions, methods of a class)."""
+    fn = _unwrap(fn)
+    if isinstance(fn, type):
+        found = {}
+        for attr in vars(fn).values():
+            attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+            if callable(attr):
+                found.update(_code_objects(attr))
+        return found
+    code = getattr(fn, "__code__", None)
+    return {code: _qualified(fn)} if code is not None else {}
+
+
+@contextlib.contextmanager
+def _watch_code(references) -> Iterable[list]:
+    """Yields a list that receives the name of each reference whose code runs inside the block."""
+    watched = {}
+    for ref in references:
+        watched.update(_code_objects(ref))
+    seen: list[str] = []
+    if not watched:
+        yield seen
+        return
+
+    def profile(frame, event, _arg):
+        if event == "call" and frame.f_code in watched and watched[frame.f_code] not in seen:
+            seen.append(watched[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield seen
+    finally:
+        sys.setprofile(previous)
+
+
+def run_student(fn, *args, references: Sequence = (), **kwargs) -> StudentRun:
+    """Call ``fn(*args, **kwargs)``; never raises (except ``KeyboardInterrupt``).
+
+    Monkeypatches are undone and listed in ``patched``; ``references`` (course
+    functions or classes the exercise asks the student to write themselves) that
+    ran inside the call are listed in ``course_code``."""
+    run = StudentRun()
+    with undo_patches() as changed:
+        with _watch_code(references) as seen:
+            try:
+                run.value = fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported to the student
+                run.error = exc
+    run.patched, run.course_code = list(changed), list(seen)
+    return run
+
+
+def _unwrap(fn):
+    for _ in range(20):  # partials of wrappers of bound methods...
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif inspect.ismethod(fn):
+            fn = fn.__func__
+        elif getattr(fn, "__wrapped__", None) is not None:
+            fn = fn.__wrapped__
+        else:
+            return fn
+    return fn
+
+
+def _qualified(fn) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', getattr(fn, '__name__', '?'))}"
+
+
+def course_function(fn) -> str | None:
+    """The qualified name when ``fn`` is (or wraps, or partially applies) a function or class of
+    ``course_lib`` itself, else None."""
+    target = _unwrap(fn)
+    module = getattr(target, "__module__", None) or ""
+    if module == "course_lib" or module.startswith("course_lib."):
+        return _qualified(target)
+    return None
+
+
+def course_code_hint(name: str) -> str:
+    """The verdict line for an answer that is (or calls) the course's own implementation ``name``."""
+    return (f"your function runs the course's own {name}: the exercise is to write it yourself "
+            f"(reading it is fine; calling it proves nothing)")
+
+
+# ---------------------------------------------------------------------------- traffic
+
+_POINT_TO_POINT = ("send", "recv")
+
+
+def elements_sent(events, op: str = "send") -> int:
+    """Elements in the ``op`` events (default: every point-to-point send) of one rank."""
+    return sum(e.numel for e in events if e.op == op)
+
+
+def collectives(events) -> list:
+    """The events that are not point-to-point (each one a collective the rank joined)."""
+    return [e for e in events if e.op not in _POINT_TO_POINT]
+
+
+def describe_ops(events) -> str:
+    """``"2 all_reduce on world (12 elements), 1 all_gather on ranks 0,1 (8 elements)"``, or ``"nothing"``."""
+    counts: Counter = Counter()
+    sizes: Counter = Counter()
+    for e in events:
+        counts[(e.op, e.kind)] += 1
+        sizes[(e.op, e.kind)] += e.numel
+    if not counts:
+        return "nothing"
+    return ", ".join(f"{n} {op} on {kind} ({sizes[(op, kind)]} elements)" for (op, kind), n in counts.items())
+
+
+def expect_collectives(events, expected: dict, *, what: str = "the exercise") -> str | None:
+    """None when the collectives among ``events`` are exactly ``expected`` (``{(op, kind): count}``,
+    e.g. ``{("all_reduce", "world"): 1}``); else one line naming what ran instead."""
+    got = Counter((e.op, e.kind) for e in collectives(events))
+    want = Counter({key: n for key, n in expected.items() if n})
+    if got == want:
+        return None
+    wanted = ", ".join(f"{n} {op} on {kind}" for (op, kind), n in want.items()) or "no collective"
+    return f"{what} needs exactly {wanted}; it ran {describe_ops(collectives(events))}"
+
+
+def refused_collective(traceback_text: str) -> str | None:
+    """The refusal line in a rank's traceback (a collective in a point-to-point exercise), or None."""
+    for line in reversed((traceback_text or "").splitlines()):
+        if REFUSED_MARK in line:
+            return line.split(REFUSED_MARK, 1)[1].strip()
+    return None
