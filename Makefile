@@ -18,8 +18,10 @@ PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 # Students work here; labs/ is generated and released (see course_lib/workspace.py).
 WORKSPACE ?= my-labs
+# The course as a static website (course_lib/site/).
+SITE ?= build/site
 
-.PHONY: lab test setup graphviz labs figures solutions benchmarks sweep clean help
+.PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site clean help
 
 help:
 	@echo "make lab        set up, copy new labs into $(WORKSPACE)/ (never over your work), open JupyterLab there"
@@ -29,6 +31,7 @@ help:
 	@echo "make figures    regenerate figures/"
 	@echo "make benchmarks print the speed figures"
 	@echo "make sweep      run the Day 22 configs A-F on 8 ranks (~3 min), refresh figures/day22_*"
+	@echo "make site       build the course as a website in $(SITE)/ (open $(SITE)/index.html; works offline)"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,11 +51,24 @@ graphviz:
 
 setup: $(STAMP) graphviz
 
+# tests/test_site.py opens the built website in headless Chromium (Debian's chromium) and
+# checks that the Chinese terms are drawn with a CJK font; without them that test is skipped
+# (no browser) or says what to install (no font).
+browser:
+	@{ command -v chromium || command -v chromium-browser || command -v google-chrome; } >/dev/null 2>&1 \
+	  && { ! command -v fc-list >/dev/null 2>&1 || [ -n "$$(fc-list :lang=zh)" ]; } || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get install -y -q chromium fonts-noto-cjk >/dev/null || { apt-get update -q && apt-get install -y -q chromium fonts-noto-cjk; } \
+	      || echo "note: could not install chromium and fonts-noto-cjk; the website's browser test will be skipped"; \
+	  else \
+	    echo "note: the website's browser test needs Chromium and a CJK font: 'sudo apt-get install chromium fonts-noto-cjk'"; \
+	  fi; }
+
 lab: setup
 	$(BIN)/python -m course_lib workspace --dir $(WORKSPACE)
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(WORKSPACE) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
-test: setup
+test: setup browser
 	$(BIN)/python -m course_lib labs --check
 	$(PYTEST) tests solutions --nbval $(NBVAL_OPTS)
 	$(PYTEST) labs --nbval-lax --nbval-cell-timeout=300
@@ -69,6 +85,9 @@ figures: setup
 
 sweep: setup
 	$(BIN)/python -m course_lib sweep --out logs/day22 --figures figures $(SWEEP_ARGS)
+
+site: setup
+	$(BIN)/python -m course_lib site --out $(SITE) $(SITE_ARGS)
 
 benchmarks: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
