@@ -25,6 +25,12 @@ process group is not enough -- and checks that nothing is left before it returns
 or raises. If the launching process is itself killed (a killed kernel), its
 ranks die with it: each one asks Linux for a signal when its parent dies
 (``prctl(PR_SET_PDEATHSIG)``; elsewhere a thread polls ``os.getppid()``).
+
+Nor does any temporary file, even when the launching process is killed: forked
+ranks write their output into files that are already deleted (only open
+descriptors hold them), and torchrun's job folder -- the ranks' reports, and
+torch elastic's own ``torchelastic_*`` files, which it never removes -- is made
+and removed by the process that supervises torchrun (:class:`TorchrunAgent`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import numbers
 import os
 import pickle
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +74,8 @@ _PARENT_POLL_S = 0.5
 _TORCHRUN_STARTUP_S = 60
 _WATCHDOG_GRACE_S = 3
 _TORCHRUN_SIGTERM_S = 10
+# How long torchrun's agent may take to remove its job folder and end once released.
+_AGENT_EXIT_S = 10
 # How much earlier than it is noticed a rank's death is dated (see _death_report).
 _DEATH_NOTICE_S = 0.5
 # Set in every rank process (to its rank), so that launch() can refuse to nest.
@@ -351,15 +360,18 @@ def _send(pid: int, sig: int) -> None:
         pass
 
 
-def kill_tree(pid: int) -> list[int]:
-    """SIGKILL ``pid`` and every descendant, whatever session they are in; return their pids.
+def kill_tree(pid: int, keep_root: bool = False) -> list[int]:
+    """SIGKILL ``pid`` and every descendant, whatever session they are in; return the pids killed.
 
     Each generation is stopped (SIGSTOP) before its children are listed, so that
     no process can start a child we miss, nor reap one (its pid stays its own).
-    ``pid`` must be an unreaped child of this process. Without /proc, ``pid``'s
-    process group stands in for its descendants.
+    ``pid`` must be an unreaped child of this process. ``keep_root``: kill only
+    the descendants, and let ``pid`` go on (SIGCONT). Without /proc, ``pid``'s
+    process group stands in for its descendants (``keep_root`` kills nothing).
     """
     if _parent_pids() is None:
+        if keep_root:
+            return []
         for kill in (os.killpg, os.kill):
             try:
                 kill(pid, signal.SIGKILL)
@@ -373,9 +385,12 @@ def kill_tree(pid: int) -> list[int]:
         tree += generation
         parents = _parent_pids() or {}
         generation = [child for child, parent in parents.items() if parent in generation and child not in tree]
-    for p in reversed(tree):
+    victims = tree[1:] if keep_root else tree
+    for p in reversed(victims):
         _send(p, signal.SIGKILL)
-    return tree
+    if keep_root:
+        _send(pid, signal.SIGCONT)
+    return victims
 
 
 def is_running(pid: int) -> bool:
@@ -434,12 +449,10 @@ def _supervise(wait: Callable[[], Any], stop: Callable[[], str]) -> tuple[Any, s
 # --------------------------------------------------------------------------- fork
 
 
-def _redirect_output(path: str) -> None:
-    """Point this process's stdout/stderr (Python objects and C file descriptors) at ``path``."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _redirect_output(fd: int) -> None:
+    """Point this process's stdout/stderr (Python objects and C file descriptors) at the open file ``fd``."""
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.close(fd)
     # A forked Jupyter kernel's sys.stdout talks to threads that do not exist in
     # the child; replace it with a plain line-buffered file on fd 1.
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -449,11 +462,11 @@ def _redirect_output(path: str) -> None:
     faulthandler.enable(file=sys.stderr)
 
 
-def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_path, parent_pid):
+def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_fd, parent_pid):
     die_with_parent(parent_pid)  # first: a killed kernel takes its ranks with it
     status, payload = "error", b""
     try:
-        _redirect_output(out_path)
+        _redirect_output(out_fd)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         import torch
 
@@ -533,7 +546,7 @@ def _stop_forked(procs) -> str:
     return _stopped(f"all {len(procs)} rank processes were stopped", wait_gone(pids))
 
 
-def _fork_ranks(ctx, procs, conns, world_size, backend, timeout, listener, fn, kwargs, out_paths):
+def _fork_ranks(ctx, procs, conns, world_size, backend, timeout, listener, fn, kwargs, out_files):
     """Fork the ranks (appending each to ``procs``, its pipe to ``conns``), then serve their rendezvous.
 
     The rendezvous socket is bound before any child exists, but the store's
@@ -546,7 +559,8 @@ def _fork_ranks(ctx, procs, conns, world_size, backend, timeout, listener, fn, k
     for rank in range(world_size):
         mine, theirs = ctx.Pipe()
         p = ctx.Process(target=_fork_child, daemon=True, args=(
-            rank, world_size, backend, timeout, host, port, fn, kwargs, theirs, out_paths[rank], os.getpid()))
+            rank, world_size, backend, timeout, host, port, fn, kwargs, theirs, out_files[rank].fileno(),
+            os.getpid()))
         p.start()
         theirs.close()
         procs.append(p)
@@ -592,6 +606,13 @@ def _collect_reports(procs, conns, timeout):
     return payloads, failures
 
 
+def _read_back(file) -> str:
+    """All that was written to ``file`` (a temporary file that child processes wrote to
+    through descriptors sharing its offset), read without moving that offset."""
+    fd = file.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+
+
 def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     import multiprocessing as mp
 
@@ -603,8 +624,8 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))  # the OS picks the port: no race
     listener.listen(world_size)
-    tmp = tempfile.TemporaryDirectory(prefix="course_launch_")
-    out_paths = [os.path.join(tmp.name, f"rank{r}.out") for r in range(world_size)]
+    # Each rank's output goes to a file deleted at birth: nothing is left on disk however this process ends.
+    out_files = [tempfile.TemporaryFile(prefix="course_launch_") for _ in range(world_size)]
     procs, conns, store = [], {}, None
     sys.stdout.flush()
     sys.stderr.flush()
@@ -612,7 +633,7 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     def run_ranks():
         nonlocal store
         store = _fork_ranks(mp.get_context("fork"), procs, conns, world_size, backend, timeout, listener, fn,
-                            kwargs, out_paths)
+                            kwargs, out_files)
         return _collect_reports(procs, conns, timeout)
 
     try:
@@ -622,8 +643,9 @@ def _launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     finally:
         for c in conns:
             c.close()
-        outputs = [Path(p).read_text(errors="replace") if os.path.exists(p) else "" for p in out_paths]
-        tmp.cleanup()
+        outputs = [_read_back(f) for f in out_files]
+        for f in out_files:
+            f.close()
         del store
         listener.close()  # a no-op once detached
     if failures:
@@ -642,41 +664,121 @@ def torchrun_command(world_size: int, target: Sequence[str]) -> list[str]:
             f"--nproc-per-node={world_size}", *target]
 
 
-def start_torchrun(cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
-    """Start a :func:`torchrun_command` line so that it cannot outlive this process.
+class TorchrunAgent:
+    """A :func:`torchrun_command` line run so that neither torchrun, nor its ranks, nor its
+    files outlive this process, however it ends. A context manager::
 
-    torchrun runs in a session of its own (so a terminal's Ctrl-C reaches only
-    this process, which then stops the whole tree with :func:`stop_torchrun`),
-    inside ``course_lib.torchrun_worker --agent-of PID``: when this process dies,
-    however it dies, torchrun gets SIGTERM and stops its ranks, as it does on
-    Ctrl-C.
+        with TorchrunAgent(cmd, env=env) as agent:
+            (agent.job / "job.pkl").write_bytes(...)    # the folder the ranks read and write
+            agent.start()
+            code = agent.wait()                         # or poll(seconds); stop() on any trouble
+
+    torchrun runs under an agent, ``python -m course_lib.torchrun_worker --agent-of PID``,
+    in a session of its own (a terminal's Ctrl-C reaches only this process, which then
+    stops the whole tree with :meth:`stop`). The agent makes the job folder ``job``
+    (torchrun's temporary files, torch elastic's ``torchelastic_*``, go to ``job/tmp``),
+    starts torchrun on :meth:`start`, and SIGTERMs it when this process dies, however it
+    dies (torchrun then stops its ranks). Once torchrun has ended and this process has
+    let go of the folder (:meth:`release`, on leaving the ``with`` block) or died, the
+    agent removes the folder and ends. The agent's stdin is a socket to this process:
+    the folder's path comes over it, then "go" goes the other way, then torchrun's exit
+    code; closing it lets go.
     """
-    if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
-        raise ValueError(f"not a torchrun_command() line: {shlex.join(cmd)}")
-    guarded = [cmd[0], "-m", "course_lib.torchrun_worker", "--agent-of", str(os.getpid()), *cmd[3:]]
-    return subprocess.Popen(guarded, start_new_session=True, **popen_kwargs)
 
-
-def stop_torchrun(proc: subprocess.Popen, rank_pids: Sequence[int] = ()) -> str:
-    """Kill torchrun and every process under it (its ranks are in sessions of their own,
-    so no process group holds them all); report, checked, what was stopped.
-
-    ``rank_pids``: rank processes known otherwise, checked too (when torchrun
-    ended by itself, its ranks are no longer under it). Without /proc to find
-    the ranks (macOS), torchrun gets SIGTERM first, on which it stops them itself.
-    """
-    if _parent_pids() is None:
-        proc.terminate()
+    def __init__(self, cmd: Sequence[str], **popen_kwargs):
+        if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
+            raise ValueError(f"not a torchrun_command() line: {shlex.join(cmd)}")
+        # The agent's temporary folder is this process's (tempfile.tempdir included).
+        env = dict(popen_kwargs.pop("env", None) or os.environ, TMPDIR=tempfile.gettempdir())
+        self._channel, theirs = socket.socketpair()
         try:
-            proc.wait(timeout=_TORCHRUN_SIGTERM_S)
-        except subprocess.TimeoutExpired:
+            self.proc = subprocess.Popen(
+                [cmd[0], "-m", "course_lib.torchrun_worker", "--agent-of", str(os.getpid()), *cmd[3:]],
+                stdin=theirs, start_new_session=True, env=env, **popen_kwargs)
+        except BaseException:
+            self._channel.close()
+            raise
+        finally:
+            theirs.close()
+        self.job: Path | None = None
+        self.exit_code: int | None = None  # torchrun's, once it has ended
+        self._ended = False
+        try:
+            path = _receive_line(self._channel)
+        except BaseException:
+            self.release()
+            raise
+        if not path:
+            self.release()
+            raise LaunchError(f"torchrun's agent ended before it started torchrun (exit code {self.proc.returncode})")
+        self.job = Path(os.fsdecode(path))
+
+    def __enter__(self) -> "TorchrunAgent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def start(self) -> None:
+        """Start torchrun (the job folder is ready)."""
+        self._channel.sendall(b"g")
+
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for torchrun to end; whether it has (then see ``exit_code``)."""
+        if not self._ended and connection.wait([self._channel], timeout):
+            code = _receive_line(self._channel)  # nothing: the agent itself died
+            self.exit_code = int(code) if code else None
+            self._ended = True
+        return self._ended
+
+    def wait(self) -> int | None:
+        """Wait for torchrun to end; its exit code (None when its agent was killed)."""
+        while not self.poll(_POLL_S * 10):
             pass
-    pids = kill_tree(proc.pid)
-    proc.wait()
-    survivors = wait_gone([*pids, *rank_pids])
-    if _parent_pids() is None and not rank_pids:
-        return _stopped("torchrun was stopped, and it stops its ranks (no /proc here to check them)", survivors)
-    return _stopped("torchrun and all its rank processes were stopped", survivors)
+        return self.exit_code
+
+    def stop(self, rank_pids: Sequence[int] = ()) -> str:
+        """Kill torchrun and every process under it -- all but the agent, which still has
+        to remove the job folder -- and report, checked, what was stopped.
+
+        ``rank_pids``: rank processes known otherwise, checked too (when torchrun ended
+        by itself, its ranks are no longer under it). Without /proc to find the ranks
+        (macOS), the agent gets SIGTERM, on which torchrun stops them itself.
+        """
+        if self.proc.returncode is not None:  # reaped: its pid may be another's now
+            pids = []
+        elif _parent_pids() is not None:
+            pids = kill_tree(self.proc.pid, keep_root=True)
+        else:
+            self.proc.terminate()
+            pids = [] if self.poll(_TORCHRUN_SIGTERM_S + _AGENT_EXIT_S) else kill_tree(self.proc.pid)
+        survivors = wait_gone([*pids, *rank_pids])
+        if _parent_pids() is None and not rank_pids:
+            return _stopped("torchrun was stopped, and it stops its ranks (no /proc here to check them)", survivors)
+        return _stopped("torchrun and all its rank processes were stopped", survivors)
+
+    def release(self) -> None:
+        """Let go of the job folder: the agent removes it and ends (once torchrun has ended).
+        An agent that does not end within ``_AGENT_EXIT_S`` is killed, and the folder removed here."""
+        self._channel.close()
+        try:
+            self.proc.wait(timeout=_AGENT_EXIT_S)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        if self.job is not None:  # a killed agent could not remove it
+            shutil.rmtree(self.job, ignore_errors=True)
+
+
+def _receive_line(sock: socket.socket) -> bytes:
+    """One line from ``sock``, without its newline; what came before the end if the other side closed it."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            return line
+        line += chunk
+    return line[:-1]
 
 
 class _Terminated(KeyboardInterrupt):
@@ -695,19 +797,22 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
 
     Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
     stopped and return 130 / 143; if this process is killed outright, torchrun
-    stops its ranks itself (:func:`start_torchrun`).
+    stops its ranks itself, and no file is left either (:class:`TorchrunAgent`).
     """
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
     try:
-        proc = start_torchrun(cmd, env=env)
-        code, _ = _supervise(proc.wait, lambda: stop_torchrun(proc))
+        with TorchrunAgent(cmd, env=env) as agent:
+            agent.start()
+            code, _ = _supervise(agent.wait, agent.stop)
     except KeyboardInterrupt as exc:
         print(f"{exc}", file=sys.stderr, flush=True)
         return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if code is None:  # the agent was killed: its own exit code says how
+        code = agent.proc.returncode
     return code if code >= 0 else 128 - code
 
 
@@ -733,7 +838,7 @@ def _import_root(module: str) -> str | None:
     return str(root)
 
 
-def _wait_for_torchrun(proc: subprocess.Popen, job: Path, world_size: int, timeout: float) -> bool:
+def _wait_for_torchrun(agent: TorchrunAgent, world_size: int, timeout: float) -> bool:
     """Wait for torchrun to end; False if it runs past the backstop.
 
     Each rank stops itself ``timeout`` s after it starts ``fn`` (its watchdog,
@@ -744,17 +849,13 @@ def _wait_for_torchrun(proc: subprocess.Popen, job: Path, world_size: int, timeo
     """
     deadline = time.monotonic() + _TORCHRUN_STARTUP_S + timeout
     all_started = False
-    while True:
-        try:
-            proc.wait(timeout=_POLL_S)
-            return True
-        except subprocess.TimeoutExpired:
-            pass
-        if not all_started and all((job / f"rank{r}.started").exists() for r in range(world_size)):
+    while not agent.poll(_POLL_S):
+        if not all_started and all((agent.job / f"rank{r}.started").exists() for r in range(world_size)):
             all_started = True
             deadline = min(deadline, time.monotonic() + timeout + _WATCHDOG_GRACE_S)
         if time.monotonic() >= deadline:
             return False
+    return True
 
 
 def _rank_pids(job: Path, world_size: int) -> list[int]:
@@ -768,33 +869,37 @@ def _rank_pids(job: Path, world_size: int) -> list[int]:
     return pids
 
 
+def _read_reports(job: Path, world_size: int):
+    """What the ranks left in ``job``: (outputs, {rank: failure}, {rank: pickled result}, hung ranks)."""
+    def rank_file(r, ext):
+        return job / f"rank{r}.{ext}"
+
+    outputs = [rank_file(r, "out").read_text(errors="replace") if rank_file(r, "out").exists() else ""
+               for r in range(world_size)]
+    # Written by each rank, or by its supervising parent when it died without a word.
+    failures = {r: pickle.loads(rank_file(r, "err").read_bytes())
+                for r in range(world_size) if rank_file(r, "err").exists()}
+    payloads = {r: rank_file(r, "pkl").read_bytes() for r in range(world_size) if rank_file(r, "pkl").exists()}
+    hung = [r for r in range(world_size) if rank_file(r, "timeout").exists()]
+    return outputs, failures, payloads, hung
+
+
 def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     module, qualname = _importable_name(fn)
-    with tempfile.TemporaryDirectory(prefix="course_torchrun_") as tmp:
-        job = Path(tmp)
-        (job / "job.pkl").write_bytes(pickle.dumps(
-            dict(module=module, qualname=qualname, kwargs=kwargs, backend=backend, timeout=timeout)))
-        cmd = torchrun_command(world_size, ["-m", "course_lib.torchrun_worker", str(job)])
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        # Make fn's module (and whatever the caller could import) importable there.
-        paths = [_import_root(module), *(p or os.getcwd() for p in sys.path)]
-        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-        with open(job / "torchrun.log", "wb") as log:
-            proc = start_torchrun(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        finished, stopped = _supervise(lambda: _wait_for_torchrun(proc, job, world_size, timeout),
-                                       lambda: stop_torchrun(proc, _rank_pids(job, world_size)))
-        launcher_log = (job / "torchrun.log").read_text(errors="replace")
-
-        def rank_file(r, ext):
-            return job / f"rank{r}.{ext}"
-
-        outputs = [rank_file(r, "out").read_text(errors="replace") if rank_file(r, "out").exists() else ""
-                   for r in range(world_size)]
-        # Written by each rank, or by its supervising parent when it died without a word.
-        failures = {r: pickle.loads(rank_file(r, "err").read_bytes())
-                    for r in range(world_size) if rank_file(r, "err").exists()}
-        payloads = {r: rank_file(r, "pkl").read_bytes() for r in range(world_size) if rank_file(r, "pkl").exists()}
-        hung = [r for r in range(world_size) if rank_file(r, "timeout").exists()]
+    job_spec = pickle.dumps(dict(module=module, qualname=qualname, kwargs=kwargs, backend=backend, timeout=timeout))
+    cmd = torchrun_command(world_size, ["-m", "course_lib.torchrun_worker"])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Make fn's module (and whatever the caller could import) importable there.
+    paths = [_import_root(module), *(p or os.getcwd() for p in sys.path)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    with tempfile.TemporaryFile(prefix="course_torchrun_") as log, \
+            TorchrunAgent(cmd, stdout=log, stderr=subprocess.STDOUT, env=env) as agent:
+        (agent.job / "job.pkl").write_bytes(job_spec)
+        agent.start()
+        finished, stopped = _supervise(lambda: _wait_for_torchrun(agent, world_size, timeout),
+                                       lambda: agent.stop(_rank_pids(agent.job, world_size)))
+        outputs, failures, payloads, hung = _read_reports(agent.job, world_size)
+        launcher_log = _read_back(log)
     if hung:  # checked first: the others' errors are the consequence
         raise LaunchTimeout(timeout, hung, outputs, stopped)
     if failures:
@@ -802,7 +907,7 @@ def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     if not finished:
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
     if len(payloads) < world_size:
-        raise LaunchError(f"torchrun exited with code {proc.returncode} before all ranks reported:\n"
+        raise LaunchError(f"torchrun exited with code {agent.exit_code} before all ranks reported:\n"
                           f"{_tail(launcher_log, 30)}")
     results = _load_results(payloads, outputs)
     results.command = shlex.join(["torchrun", *cmd[3:]])

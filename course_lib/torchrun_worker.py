@@ -1,47 +1,121 @@
-"""The programs that ``launch(..., launcher="torchrun")`` runs under torchrun.
+"""The programs that ``launch(..., launcher="torchrun")`` runs: torchrun's agent, torchrun, each rank.
 
-``python -m course_lib.torchrun_worker --agent-of PID TORCHRUN_ARGS...`` is
-torchrun itself (``torch.distributed.run``) tied to the launching process PID:
-when PID dies, however it dies (a killed kernel), torchrun receives SIGTERM and
-stops its ranks, as it does on Ctrl-C in a terminal.
+``python -m course_lib.torchrun_worker --agent-of PID TORCHRUN_ARGS...`` is the
+agent of the launching process PID (:class:`course_lib.launch.TorchrunAgent`):
+it makes the job folder and sends its path to the launcher over its stdin (a
+socket), starts torchrun when the launcher says "go", and sends torchrun's exit
+code back when it ends. torchrun's temporary files go to ``JOB/tmp``. When PID
+dies, however it dies (a killed kernel), or lets go of the socket, torchrun gets
+SIGTERM and stops its ranks (its whole tree is killed if it has not ended
+``_TORCHRUN_SIGTERM_S`` later). Once torchrun has ended and PID has let go (or
+died), the agent removes the job folder: nothing is left, however PID ended.
 
-``python -m course_lib.torchrun_worker JOB_DIR`` is one rank. It forks: the
-child is the rank -- it reads ``JOB_DIR/job.pkl`` (module, qualname, kwargs,
-backend, timeout), initialises the process group from torchrun's environment,
-writes ``rank{r}.started`` when ``fn`` starts and then ``rank{r}.pkl`` (the
-return value) or ``rank{r}.err`` (exception name, traceback, time), with its
-output in ``rank{r}.out``; a rank still running at the timeout writes
-``rank{r}.timeout`` and exits. The parent records both pids in ``rank{r}.pids``
-(the launcher checks that they are gone) and waits for the child. That is how
-the launcher learns how a rank died when it could not say so itself
-(``os._exit``, a segfault, a kill): the parent writes ``rank{r}.err`` with the
-exit code or signal and the moment of death, so the first rank to fail, by
-time, is the one named -- not a peer whose collective broke a moment later
-("Connection reset by peer"). Parent and child both die with their own parent.
+``python -m course_lib.torchrun_worker --torchrun-under PID TORCHRUN_ARGS...``
+is torchrun itself (``torch.distributed.run``), which gets SIGTERM when its
+agent PID dies.
+
+``python -m course_lib.torchrun_worker``, under torchrun, is one rank of the job
+in ``$COURSE_LIB_TORCHRUN_JOB``. It forks: the child is the rank -- it reads
+``JOB/job.pkl`` (module, qualname, kwargs, backend, timeout), initialises the
+process group from torchrun's environment, writes ``rank{r}.started`` when
+``fn`` starts and then ``rank{r}.pkl`` (the return value) or ``rank{r}.err``
+(exception name, traceback, time), with its output in ``rank{r}.out``; a rank
+still running at the timeout writes ``rank{r}.timeout`` and exits. The parent
+records both pids in ``rank{r}.pids`` (the launcher checks that they are gone)
+and waits for the child. That is how the launcher learns how a rank died when it
+could not say so itself (``os._exit``, a segfault, a kill): the parent writes
+``rank{r}.err`` with the exit code or signal and the moment of death, so the
+first rank to fail, by time, is the one named -- not a peer whose collective
+broke a moment later ("Connection reset by peer"). Parent and child both die
+with their own parent.
 """
 
 import importlib
 import os
 import pickle
+import select
+import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
 from pathlib import Path
 
-from course_lib.launch import RANK_ENV, _death_report, _redirect_output, die_with_parent, init_rank
+from course_lib.launch import (_POLL_S, _TORCHRUN_SIGTERM_S, RANK_ENV, _death_report, _redirect_output,
+                               die_with_parent, init_rank, kill_tree)
 from course_lib.safe_files import write_atomic
 
-# Set by the agent for its ranks, which check that it is still their parent.
-AGENT_PID_ENV = "COURSE_LIB_TORCHRUN_AGENT_PID"
+# Set by the agent for torchrun and the ranks: the job folder.
+JOB_ENV = "COURSE_LIB_TORCHRUN_JOB"
+# Set by torchrun for its ranks, which check that it is still their parent.
+TORCHRUN_PID_ENV = "COURSE_LIB_TORCHRUN_PID"
 REPORTS = ("pkl", "err", "timeout")
+# The agent's stdin: a socket to the launcher.
+CHANNEL = 0
 
 
-def agent(launcher_pid: int, torchrun_args: list) -> None:
-    """Run torchrun in this process; SIGTERM when ``launcher_pid`` (the parent) dies."""
-    die_with_parent(launcher_pid, signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
-    os.environ[AGENT_PID_ENV] = str(os.getpid())
+def _launcher_let_go() -> bool:
+    """Whether the launcher closed the channel (it died, or is done with the job folder).
+    It sends nothing after "go", so anything readable is the end."""
+    return bool(select.select([CHANNEL], [], [], 0)[0])
+
+
+def _wait_for_torchrun(torchrun: subprocess.Popen, sigterm_at: list) -> int:
+    """torchrun's exit code. Once the launcher is gone (this process got SIGTERM, or the
+    channel closed), torchrun gets SIGTERM, on which it stops its ranks; if it has not
+    ended ``_TORCHRUN_SIGTERM_S`` later, its whole tree is killed."""
+    terminated_at = None
+    while True:
+        try:
+            return torchrun.wait(timeout=_POLL_S)
+        except subprocess.TimeoutExpired:  # still unreaped: its pid is still its own
+            pass
+        if terminated_at is None and (sigterm_at or _launcher_let_go()):
+            torchrun.terminate()
+            terminated_at = time.monotonic()
+        elif terminated_at is not None and time.monotonic() > terminated_at + _TORCHRUN_SIGTERM_S:
+            kill_tree(torchrun.pid)
+
+
+def _run_job(job: Path, torchrun_args: list, sigterm_at: list) -> int:
+    """Hand the job folder to the launcher, run torchrun when it says go, report its exit code."""
+    os.write(CHANNEL, os.fsencode(job) + b"\n")
+    if not os.read(CHANNEL, 1) or sigterm_at:  # the launcher let go (or died) before saying go
+        return 1
+    env = dict(os.environ, TMPDIR=str(job / "tmp"), **{JOB_ENV: str(job)})
+    torchrun = subprocess.Popen([sys.executable, "-m", "course_lib.torchrun_worker", "--torchrun-under",
+                                 str(os.getpid()), *torchrun_args], stdin=subprocess.DEVNULL, env=env)
+    code = _wait_for_torchrun(torchrun, sigterm_at)
+    try:
+        os.write(CHANNEL, f"{code}\n".encode())
+    except OSError:  # the launcher is gone
+        pass
+    return code
+
+
+def agent(launcher_pid: int, torchrun_args: list) -> int:
+    """Run torchrun for the launcher ``launcher_pid``; leave nothing behind; torchrun's exit code."""
+    sigterm_at = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: sigterm_at.append(time.monotonic()))
+    die_with_parent(launcher_pid, signal.SIGTERM)
+    job = Path(tempfile.mkdtemp(prefix="course_torchrun_"))
+    try:
+        (job / "tmp").mkdir()
+        code = _run_job(job, torchrun_args, sigterm_at)
+        while os.read(CHANNEL, 4096):  # until the launcher lets go of the folder (or dies)
+            pass
+        return code
+    finally:
+        shutil.rmtree(job, ignore_errors=True)
+
+
+def torchrun_under(agent_pid: int, torchrun_args: list) -> None:
+    """Run torchrun in this process; SIGTERM when ``agent_pid`` (the parent) dies."""
+    die_with_parent(agent_pid, signal.SIGTERM)  # torchrun stops its ranks on SIGTERM
+    os.environ[TORCHRUN_PID_ENV] = str(os.getpid())
     from torch.distributed.run import main as torchrun_main
 
     torchrun_main(torchrun_args)
@@ -53,10 +127,16 @@ def _hung(job_path: Path, rank: int) -> None:
     os._exit(124)
 
 
+def _redirect_output_to(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    _redirect_output(fd)
+    os.close(fd)
+
+
 def run_rank(job_path: Path, rank: int) -> int:
     """Be rank ``rank``: run the job's function; leave a report in ``job_path``; the exit code."""
     os.environ[RANK_ENV] = str(rank)
-    _redirect_output(str(job_path / f"rank{rank}.out"))
+    _redirect_output_to(job_path / f"rank{rank}.out")
     job = pickle.loads((job_path / "job.pkl").read_bytes())
     try:
         import torch
@@ -97,8 +177,8 @@ def run_rank(job_path: Path, rank: int) -> int:
 
 def supervise_rank(job_dir: str) -> int:
     """Fork the rank, wait for it, and report its death if it could not; its exit code."""
-    if AGENT_PID_ENV in os.environ:
-        die_with_parent(int(os.environ[AGENT_PID_ENV]))
+    if TORCHRUN_PID_ENV in os.environ:
+        die_with_parent(int(os.environ[TORCHRUN_PID_ENV]))
     job_path, rank, supervisor = Path(job_dir), int(os.environ["RANK"]), os.getpid()
     child = os.fork()
     if child == 0:
@@ -118,9 +198,12 @@ def supervise_rank(job_dir: str) -> int:
 
 def main(argv: list) -> int:
     if argv[:1] == ["--agent-of"]:
-        agent(int(argv[1]), argv[2:])
+        code = agent(int(argv[1]), argv[2:])
+        return code if code >= 0 else 128 - code
+    if argv[:1] == ["--torchrun-under"]:
+        torchrun_under(int(argv[1]), argv[2:])
         return 0
-    return supervise_rank(argv[0])
+    return supervise_rank(os.environ[JOB_ENV])
 
 
 if __name__ == "__main__":

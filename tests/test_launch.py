@@ -7,6 +7,7 @@ import ctypes
 import math
 import os
 import stat
+import tempfile
 import time
 
 import pytest
@@ -225,14 +226,25 @@ def test_torchrun_needs_an_importable_function():
         launch(lambda: 0, world_size=2, launcher="torchrun")
 
 
-def test_torchrun_returns_results_and_reports_crashes():
+@pytest.fixture
+def own_tmpdir(tmp_path, monkeypatch):
+    """This test's own temporary folder (for tempfile and $TMPDIR): what a launch leaves there is its own."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setenv("TMPDIR", str(folder))
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_torchrun_returns_results_and_reports_crashes_and_leaves_no_file(own_tmpdir):
     results = launch(rank_sum, world_size=2, launcher="torchrun", output="none", timeout=60)
     assert [r["total"] for r in results] == [3.0, 3.0]
-    assert results.command == "torchrun --standalone --nproc-per-node=2 -m course_lib.torchrun_worker " + \
-        results.command.split()[-1]
+    assert list(own_tmpdir.iterdir()) == []  # neither the job folder nor torch elastic's torchelastic_*
+    assert results.command == "torchrun --standalone --nproc-per-node=2 -m course_lib.torchrun_worker"
     with pytest.raises(RankError) as info:
         launch(rank_crash, world_size=2, launcher="torchrun", output="none", timeout=60, bad_rank=1)
     assert info.value.rank == 1 and "deliberate failure on rank 1" in info.value.traceback
+    assert list(own_tmpdir.iterdir()) == []
 
 
 def test_torchrun_names_the_rank_that_died_not_the_peer_it_broke():
@@ -255,13 +267,14 @@ def test_torchrun_backstop_stops_a_rank_whose_watchdog_cannot_run(tmp_path):
     assert time.monotonic() - start < 50  # not timeout + 60 s
 
 
-def test_torchrun_hang_raises_at_timeout(tmp_path):
+def test_torchrun_hang_raises_at_timeout(tmp_path, own_tmpdir):
     with pytest.raises(LaunchTimeout) as info:
         launch(rank_hang, world_size=2, launcher="torchrun", timeout=3, output="none",
                pid_dir=str(tmp_path), hung_rank=0)
     assert info.value.unfinished == [0] and "torchrun and all its rank processes were stopped" in str(info.value)
     pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
     assert len(pids) == 2 and _all_gone(pids)
+    assert list(own_tmpdir.iterdir()) == []  # stopped, torchrun's files are gone too
 
 
 CELL = """

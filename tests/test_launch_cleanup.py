@@ -5,8 +5,10 @@ ranks record their pids and sleep, then kills it (SIGKILL: a killed kernel),
 interrupts it (SIGINT: Ctrl-C or a Jupyter interrupt), terminates it (SIGTERM)
 or makes it raise (SIGUSR1), and checks that every process it started -- ranks,
 torchrun, its helpers: the kernel's own process tree, read from /proc, never
-processes found by name -- is gone within 10 s. The kernels start together
-(a module fixture), so the torchrun start-ups overlap.
+processes found by name -- is gone within 10 s, and that no file is left in its
+temporary folder (each kernel has its own $TMPDIR): no job folder, no output
+file, no torch elastic ``torchelastic_*``. The kernels start together (a module
+fixture), so the torchrun start-ups overlap.
 """
 
 import os
@@ -67,8 +69,10 @@ class Kernel:
         self.pid_dir = folder / "pids"
         self.pid_dir.mkdir(parents=True)
         self.log = folder / "kernel.log"
+        self.tmp = folder / "tmp"
+        self.tmp.mkdir()
         self.tree = []
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        env = dict(os.environ, TMPDIR=str(self.tmp), PYTHONPATH=os.pathsep.join(
             p for p in (str(FIXTURES), os.environ.get("PYTHONPATH")) if p))
         with open(self.log, "wb") as log:  # a file, not a pipe: surviving ranks would hold a pipe open
             self.proc = subprocess.Popen(
@@ -111,10 +115,12 @@ def test_no_process_outlives_the_launching_process(kernels, kind, sig, tree_size
     os.kill(kernel.proc.pid, sig)
     kernel.proc.wait(timeout=30)
     deadline = time.monotonic() + GONE_WITHIN_S
-    while any(map(_running, tree)) and time.monotonic() < deadline:
+    while (any(map(_running, tree)) or any(kernel.tmp.iterdir())) and time.monotonic() < deadline:
         time.sleep(0.05)
     survivors = [pid for pid in tree if _running(pid)]
     assert not survivors, (f"{kind} kernel after {sig.name}: {len(survivors)} of its {len(tree)} processes "
                            f"still run ({survivors}; ranks {ranks})")
+    left = sorted(p.name for p in kernel.tmp.iterdir())
+    assert not left, f"{kind} kernel after {sig.name} left temporary files: {left}"
     if message:
         assert message in kernel.log.read_text(), kernel.log.read_text()

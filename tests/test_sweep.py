@@ -34,11 +34,20 @@ ACT_BYTES = S.SWEEP_MODEL["seq_length"] * S.SWEEP_BATCH["micro_batch_size"] * S.
 
 
 @pytest.fixture(scope="module")
-def swept(tmp_path_factory):
+def sweep_tmpdir(tmp_path_factory):
+    """The module sweep's temporary folder ($TMPDIR and tempfile's, while it runs)."""
+    return tmp_path_factory.mktemp("tmp")
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory, sweep_tmpdir):
     out = tmp_path_factory.mktemp("day22")
     progress = io.StringIO()
-    sweep = S.run_sweep(NAMES, out=out, iters=ITERS, run_name="first", launcher="fork", timeout=120,
-                        stream=progress)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(sweep_tmpdir))
+        patch.setattr(tempfile, "tempdir", str(sweep_tmpdir))
+        sweep = S.run_sweep(NAMES, out=out, iters=ITERS, run_name="first", launcher="fork", timeout=120,
+                            stream=progress)
     return out, sweep, progress.getvalue()
 
 
@@ -48,7 +57,7 @@ def runs(swept):
     return {r.name: r for r in swept[1]["runs"]}
 
 
-def test_sweep_writes_every_log_and_table_atomically_under_a_named_run(swept):
+def test_sweep_writes_every_log_and_table_atomically_under_a_named_run(swept, sweep_tmpdir):
     out, sweep, progress = swept
     run_dir = out / "runs" / "first"
     for folder in (out, run_dir):
@@ -57,7 +66,7 @@ def test_sweep_writes_every_log_and_table_atomically_under_a_named_run(swept):
         for f in ("record_table.md", "record_table.csv", "comm_by_group.md", "comm_by_group.csv", "summary.md",
                   "day22_megatron_3d4d.md", "tokens_per_s.png", "memory_per_rank.png"):
             assert (folder / f).stat().st_size > 0, f
-    assert not list(out.rglob("*.tmp*")) and not list(out.rglob(".launch"))   # no temporary file left behind
+    assert not list(out.rglob("*.tmp*")) and not list(sweep_tmpdir.iterdir())  # no temporary file left behind
     umask = os.umask(0)
     os.umask(umask)
     assert (out / "A.log").stat().st_mode & 0o777 == 0o666 & ~umask          # not the temp file's 0600
@@ -201,7 +210,10 @@ def test_parse_configs_and_progress_bar():
     assert S._progress(3, 6, 30.0) == "[############............] 3/6 configs, 30 s, ~30 s left"
 
 
-def test_cli_runs_through_real_torchrun_and_publishes(tmp_path, capsys):
+def test_cli_runs_through_real_torchrun_and_publishes(tmp_path, capsys, monkeypatch):
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     parser = argparse.ArgumentParser()
     S.add_arguments(parser)
     args = parser.parse_args(["--configs", "A", "--iters", "1", "--nproc-per-node", "2",
@@ -218,7 +230,7 @@ def test_cli_runs_through_real_torchrun_and_publishes(tmp_path, capsys):
     committed = S.committed_summary(fig)
     assert committed["launcher"] == "torchrun" and committed["world_size"] == 2
     assert (committed["status"], committed["done"], "process" not in committed) == ("finished", ["A"], True)
-    assert not list(tmp_path.rglob(".launch"))          # torchrun's torchelastic_* and the job folder: gone
+    assert not list((tmp_path / "tmp").iterdir())       # torchrun's torchelastic_* and the job folder: gone
     # publishing again replaces the sweep's own files; an edited deliverable needs --force
     S.publish(committed, fig, tmp_path / "logs" / "runs" / "t")
     (fig / "day22_megatron_3d4d.md").write_text("my conclusions")
@@ -238,7 +250,7 @@ def replay(runs, stop_at=None, stop=None, seen=None):
     it calls ``stop()`` (which raises) instead. ``seen`` collects the temporary folder each call had."""
     def runner(name, **kwargs):
         if seen is not None:
-            seen.append((tempfile.gettempdir(), os.environ.get("TMPDIR"), tempfile.mkdtemp(prefix="course_launch_")))
+            seen.append((tempfile.gettempdir(), os.environ.get("TMPDIR")))
         if name == stop_at:
             stop()
         return runs[name]
@@ -261,7 +273,7 @@ def _csv_notes(path):
 
 
 def test_rows_from_different_runs_are_labelled_and_an_interrupted_run_says_so_everywhere(runs, tmp_path):
-    seen = []
+    seen, outside = [], (tempfile.gettempdir(), os.environ.get("TMPDIR"))
     S.run_sweep(["A", "E"], out=tmp_path, run_name="one", runner=replay(runs, seen=seen), progress=False)
     with pytest.raises(KeyboardInterrupt):
         S.run_sweep(["D", "A", "E"], out=tmp_path, run_name="two", progress=False,
@@ -288,10 +300,8 @@ def test_rows_from_different_runs_are_labelled_and_an_interrupted_run_says_so_ev
     # the plots were redrawn for the mix, and say which runs they show
     assert S.runs_caption(S.latest_summary(tmp_path)) == "run two (interrupted): A, D; run one: E"
     assert (tmp_path / "tokens_per_s.png").read_bytes() != (tmp_path / "runs" / "one" / "tokens_per_s.png").read_bytes()
-    # the launcher's temporary files went into the run's own folder, and are gone
-    assert all(t == env and made.startswith(str(tmp_path / "runs" / r / ".launch"))
-               for (t, env, made), r in zip(seen, ["one", "one", "two", "two", "two"]))
-    assert not list(tmp_path.rglob(".launch")) and tempfile.gettempdir() != seen[0][0]
+    # the sweep leaves the process's temporary folder alone (the launcher leaves no files there)
+    assert seen == [outside] * 5
     # a student's conclusions in the deliverable are never replaced without --force
     (tmp_path / "day22_megatron_3d4d.md").write_text("my conclusions")
     with pytest.raises(ValueError, match=r"day22_megatron_3d4d.md already exists; pass --force") as err:
@@ -318,26 +328,31 @@ def test_every_way_a_run_stops_is_recorded_in_its_summary(runs, tmp_path, stop, 
 
 
 KILLED_SWEEP = """
-import pickle, sys, tempfile, time
+import os, pickle, sys, time
 from pathlib import Path
 from course_lib import sweep as S
+from course_lib.launch import launch
 out, finished, in_flight = map(Path, sys.argv[1:])
 done = pickle.loads(finished.read_bytes())
+def sleeping_rank():
+    if os.environ["RANK"] == "0":
+        in_flight.with_suffix(".tmp").write_text(str(os.getpid()))
+        in_flight.with_suffix(".tmp").replace(in_flight)
+    time.sleep(120)
 def runner(name, **kwargs):
     if name == done.name:
         return done
-    folder = tempfile.mkdtemp(prefix="course_torchrun_")          # what launch() makes for its job
-    in_flight.with_suffix(".tmp").write_text(folder)
-    in_flight.with_suffix(".tmp").replace(in_flight)
-    time.sleep(120)
+    launch(sleeping_rank, world_size=2, timeout=300, output="none")     # killed while its ranks run
 S.run_sweep([done.name, "E"], out=out, run_name="killed", runner=runner, progress=False)
 """
 
 
 def test_a_killed_sweep_keeps_what_finished_leaves_no_temp_files_and_is_marked_by_the_next(runs, tmp_path):
-    out, in_flight = tmp_path / "out", tmp_path / "in_flight"
+    out, in_flight, tmp = tmp_path / "out", tmp_path / "in_flight", tmp_path / "tmp"
+    tmp.mkdir()
     (tmp_path / "A.pkl").write_bytes(pickle.dumps(runs["A"]))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SWEEP, str(out), str(tmp_path / "A.pkl"), str(in_flight)])
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SWEEP, str(out), str(tmp_path / "A.pkl"), str(in_flight)],
+                            env=dict(os.environ, TMPDIR=str(tmp)))
     try:
         deadline = time.monotonic() + 60
         while not in_flight.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -347,8 +362,10 @@ def test_a_killed_sweep_keeps_what_finished_leaves_no_temp_files_and_is_marked_b
         proc.kill()                                     # SIGKILL: the sweep cannot write anything more
         proc.wait()
     run_dir = out / "runs" / "killed"
-    temp = in_flight.read_text()
-    assert temp.startswith(str(run_dir / ".launch")) and os.path.isdir(temp)   # in the run's folder, not /tmp
+    deadline = time.monotonic() + 10
+    while any(tmp.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not list(tmp.iterdir()) and not list(out.rglob("*.tmp*"))          # no temporary file left behind
     assert (out / "A.log").read_text() == (run_dir / "A.log").read_text() == runs["A"].log   # saved as it finished
     assert json.loads((run_dir / "day22_sweep.json").read_text())["status"] == "running"
     source = S.latest_summary(out)["sources"][0]          # read later, the run is known to be killed
@@ -356,7 +373,7 @@ def test_a_killed_sweep_keeps_what_finished_leaves_no_temp_files_and_is_marked_b
     assert source["stopped_by"] == "the process was killed (it ended without marking the run finished)"
     S.run_sweep(["D"], out=out, run_name="next", runner=replay(runs), progress=False)
     settled = json.loads((run_dir / "day22_sweep.json").read_text())
-    assert settled["status"] == "interrupted" and not (run_dir / ".launch").exists()
+    assert settled["status"] == "interrupted"
     assert "> **Run `killed` was interrupted after configs A**" in (run_dir / "day22_megatron_3d4d.md").read_text()
     deliverable = (out / "day22_megatron_3d4d.md").read_text()
     assert "**Run `killed` was interrupted after configs A**: the process was killed" in deliverable

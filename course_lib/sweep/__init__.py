@@ -38,9 +38,8 @@ SIGTERM, a config's error; a run whose process was killed is found by the next s
 marked). Each config's ``.log``/``.json`` is written the moment it finishes, there and as
 ``<out>/<config>.log``/``.json`` (the newest result of each config, so ``python -m course_lib
 report logs/day22/*.log`` reads the latest of every config); the tables at the top of ``<out>``
-are over those latest results and say which run each row comes from. Temporary files (the
-launcher's job folder, torchrun's ``torchelastic_*``) live in the run folder while a config
-runs and are removed after it (:mod:`course_lib.sweep.bookkeeping`). A wrong ``--out`` is
+are over those latest results and say which run each row comes from. No temporary file is
+left, however a sweep ends (:func:`course_lib.launch.launch` sees to it). A wrong ``--out`` is
 refused before any training, and a file the sweep did not write (or that was edited since,
 e.g. the deliverable's conclusions) is never replaced without ``--force``. ``--figures DIR``
 also writes the committed summary (``day22_sweep.json``, the tables, the logs and the plots).
@@ -66,8 +65,7 @@ from course_lib.megatron import SEED_SWEEP, to_csv, to_markdown
 from course_lib.megatron.report import STEP_TIME_NOTE
 from course_lib.safe_files import OutputLedger, OutputPathError, check_output_dir, write_atomic
 from course_lib.sweep.bookkeeping import (
-    LAUNCH_TEMP, check_replaceable, now, read_run, settle_killed_runs, sigterm_raises, stop_reason, temp_files_in,
-    this_process)
+    check_replaceable, now, read_run, settle_killed_runs, sigterm_raises, stop_reason, this_process)
 # The parts, re-exported: ``course_lib.sweep.<name>`` is the public API (tests, Lab 05).
 from course_lib.sweep.report import (  # noqa: F401
     bubble_markdown, comm_csv, comm_markdown, comm_table, conclusions, deliverable_markdown, labelled_rows,
@@ -292,9 +290,7 @@ def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iter
                 tp, pp, cp = SEED_SWEEP[n]
                 say(f"{_progress(i, len(names), time.perf_counter() - start)}  running {n}: TP {tp} x PP {pp} x "
                     f"CP {cp} x DP {world_size // (tp * pp * cp)}")
-                with temp_files_in(run_dir / LAUNCH_TEMP):
-                    result = runner(n, world_size=world_size, iters=iters, launcher=launcher, timeout=timeout,
-                                    **model)
+                result = runner(n, world_size=world_size, iters=iters, launcher=launcher, timeout=timeout, **model)
                 _record_config(result, run, out, run_dir, own)
                 results.append(result)
                 say(f"{_progress(i + 1, len(names), time.perf_counter() - start)}  {n} took {result.wall_s:.1f} s")

@@ -1,4 +1,4 @@
-"""The sweep's bookkeeping: the state of every run, which files are the sweep's own, where temporary files go.
+"""The sweep's bookkeeping: the state of every run, and which files are the sweep's own.
 
 * **Run state.** ``<out>/runs/<run>/day22_sweep.json`` is written when the run starts
   (``"status": "running"``), again as each config finishes (``"done"``), and last of all with
@@ -11,9 +11,9 @@
   (its SHA-256 is in the folder's :class:`course_lib.safe_files.OutputLedger`); a file a person
   put there or edited since (the deliverable's conclusions!) needs ``--force``
   (:func:`check_replaceable`).
-* **Temporary files.** While a config runs, Python's temporary folder and ``$TMPDIR`` (which
-  torchrun and the ranks inherit) point into the run's own folder, ``<run>/.launch/``, which is
-  removed after each config; after a kill, the next sweep removes what was left there.
+
+Temporary files are not the sweep's business: :func:`course_lib.launch.launch` leaves none,
+however it ends (a killed sweep included).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,8 +30,6 @@ from typing import Iterable, Optional
 
 from course_lib.safe_files import OutputLedger, check_output_file, write_atomic
 from course_lib.sweep.runs import SUMMARY_NAME
-
-LAUNCH_TEMP = ".launch"
 
 
 def now() -> str:
@@ -91,8 +87,8 @@ def read_run(run_dir: Path) -> Optional[dict]:
 
 
 def settle_killed_runs(out: Path) -> list[tuple[Path, dict]]:
-    """Mark every killed run under ``out/runs`` as interrupted in its summary and remove the
-    temporary folder it left; return their folders and settled summaries."""
+    """Mark every killed run under ``out/runs`` as interrupted in its summary; return their
+    folders and settled summaries."""
     settled_runs = []
     for summary_path in sorted(Path(out).glob(f"runs/*/{SUMMARY_NAME}")):
         run_dir = summary_path.parent
@@ -105,7 +101,6 @@ def settle_killed_runs(out: Path) -> list[tuple[Path, dict]]:
             continue
         summary = {**summary, "settled": now()}
         write_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
-        shutil.rmtree(run_dir / LAUNCH_TEMP, ignore_errors=True)
         settled_runs.append((run_dir, summary))
     return settled_runs
 
@@ -140,29 +135,6 @@ def sigterm_raises():
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def temp_files_in(folder: Path):
-    """Create temporary files inside ``folder`` while the block runs, and remove it afterwards.
-
-    ``launch`` makes its job folder with ``tempfile``'s defaults and torchrun its
-    ``torchelastic_*`` folder under ``$TMPDIR`` (left there even after a clean run), so both
-    are pointed here. Python's ``tempfile.tempdir`` is process-wide: the sweep runs one config
-    at a time, and restores it (and ``$TMPDIR``) on the way out.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    saved_tempdir, saved_env = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = os.environ["TMPDIR"] = str(folder)
-    try:
-        yield folder
-    finally:
-        tempfile.tempdir = saved_tempdir
-        if saved_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved_env
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 # ============================================================================ own files
