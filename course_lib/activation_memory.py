@@ -50,9 +50,9 @@ from typing import Optional
 
 import torch
 
-from course_lib import comm
+from course_lib import comm, rules
 from course_lib.context_parallel.attention import build_layer
-from course_lib.context_parallel.zigzag import check_sequence_split, shard_sequence
+from course_lib.context_parallel.zigzag import shard_sequence
 from course_lib.process_groups import new_groups
 from course_lib.saved_tensors import SavedTensor, activation_bytes, activation_storages, record_saved_tensors
 from course_lib.sizing import activation_breakdown_per_layer, activation_bytes_per_layer
@@ -158,35 +158,27 @@ def _check(seq_length, micro_batch_size, hidden_size, num_heads, tp, sequence_pa
            hidden_dropout, attention_dropout, ffn_hidden_size):
     for name, value in (("seq_length", seq_length), ("micro_batch_size", micro_batch_size),
                         ("hidden_size", hidden_size), ("num_attention_heads", num_heads),
-                        ("tensor-model-parallel-size", tp), ("context-parallel-size", cp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if hidden_size % num_heads:
-        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_heads}")
-    if num_heads % tp:
-        raise ValueError(f"num_attention_heads={num_heads} is not divisible by tensor-model-parallel-size={tp}")
-    ffn = 4 * hidden_size if ffn_hidden_size is None else ffn_hidden_size
-    if ffn % tp:
-        raise ValueError(f"ffn_hidden_size={ffn} is not divisible by tensor-model-parallel-size={tp}")
+                        (rules.TP, tp), (rules.CP, cp)):
+        rules.integer(name, value)
+    rules.hidden_divisible_by_heads(hidden_size, num_heads)
+    rules.heads_divisible_by_tp(num_heads, tp)
+    ffn = 4 * hidden_size if ffn_hidden_size is None else rules.integer("ffn_hidden_size", ffn_hidden_size)
+    rules.ffn_divisible_by_tp(ffn, tp)
     if attention_backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={attention_backend!r} is unknown: use 'flash' or 'unfused'")
     for name, p in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout)):
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"{name}={p} must be in [0, 1)")
+        rules.probability(name, p)
     if cp > 1:
-        check_sequence_split(seq_length, cp, "zigzag")
+        rules.sequence_split(seq_length, cp)
         if attention_backend != "flash":
             raise ValueError("context-parallel-size>1 runs ring attention, which computes every block "
                              "flash-style (no s x s matrix is stored); use attention_backend='flash'")
-        if attention_dropout:
-            raise ValueError(f"attention_dropout={attention_dropout}: ring attention has no dropout; "
-                             f"use attention_dropout=0 with context parallelism")
+        rules.cp_attention_dropout(attention_dropout, cp)
     if attention_backend == "flash" and attention_dropout:
         raise ValueError(f"attention_dropout={attention_dropout}: the CPU flash kernel has no dropout (torch "
                          f"falls back to the math kernel); use attention_backend='unfused'")
-    if sequence_parallel and (seq_length // cp) % tp:
-        raise ValueError(f"seq_length / context-parallel-size = {seq_length // cp} is not divisible by "
-                         f"tensor-model-parallel-size={tp} (sequence parallelism splits the tokens evenly)")
+    if sequence_parallel:
+        rules.sequence_parallel_split(seq_length, cp, tp)
     return ffn
 
 

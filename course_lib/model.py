@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm
+from course_lib import comm, rules
 from course_lib.context_parallel.attention import build_layer
 # new_process_groups is imported for callers that still take it from here (course_lib.train);
 # its home is course_lib.process_groups.
@@ -105,19 +105,18 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
                      "make_vocab_size_divisible_by"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
+            rules.integer(name, getattr(self, name))
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
-        if self.max_position_embeddings < self.seq_length:
-            raise ValueError(f"seq_length={self.seq_length} is longer than max_position_embeddings="
-                             f"{self.max_position_embeddings}; raise --max-position-embeddings")
+        rules.max_position_embeddings(rules.integer("max_position_embeddings", self.max_position_embeddings),
+                                      self.seq_length)
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                             f"{self.num_attention_heads}")
+        rules.integer("ffn_hidden_size", self.ffn_hidden_size)
+        rules.hidden_divisible_by_heads(self.hidden_size, self.num_attention_heads)
+        for name in ("hidden_dropout", "attention_dropout"):
+            rules.probability(name, getattr(self, name))
+        rules.number("init_method_std", self.init_method_std, 0.0)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -317,15 +316,10 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
     grid, c = groups.grid, groups.coords
     pp, cp = grid.pp, grid.cp
     t = comm.group_size(groups.tp)
-    if config.num_attention_heads % t:
-        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by "
-                         f"tensor-model-parallel-size={t}")
-    if config.padded_vocab_size % t:
-        raise ValueError(f"the padded vocabulary ({config.padded_vocab_size} rows) is not divisible by "
-                         f"tensor-model-parallel-size={t}; use --make-vocab-size-divisible-by a multiple of {t}")
-    if sequence_parallel and (config.seq_length // cp) % t:
-        raise ValueError(f"sequence_parallel needs seq_length/context-parallel-size = {config.seq_length // cp} "
-                         f"divisible by tensor-model-parallel-size={t}")
+    rules.heads_divisible_by_tp(config.num_attention_heads, t)
+    rules.vocab_divisible_by_tp(config.padded_vocab_size, t)
+    if sequence_parallel:
+        rules.sequence_parallel_split(config.seq_length, cp, t)
     from course_lib.data import cp_token_positions
 
     positions = cp_token_positions(config.seq_length, c["cp"], cp)       # [s/cp] global positions

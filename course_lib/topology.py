@@ -14,8 +14,9 @@ listed in Megatron's creation order. ``dp`` is derived: ``world_size / (tp*pp*cp
 
 ``ParallelConfig`` carries the model and batch sizes as well, derives
 ``dp`` and ``num_microbatches = global_batch_size / (micro_batch_size * dp)``
-and checks every rule a Megatron run checks, each failure a one-line
-``ValueError`` that names the rule and a fix.
+and checks every rule a Megatron run checks -- the rules of :mod:`course_lib.rules`,
+each failure a one-line ``ValueError`` that names the rule and a fix -- and renders
+the layout's Megatron-LM flags (:meth:`ParallelConfig.megatron_args`).
 
 No torch here: this module is pure Python + numpy, so it is instant to import
 and the rank-map CLI works without torch.
@@ -29,21 +30,15 @@ from typing import Iterable
 
 import numpy as np
 
+from course_lib import rules
+from course_lib.rules import AXIS_FLAG, divisors  # noqa: F401  (re-exported: topology's names since Lab 01)
+
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 # Megatron appends axes missing from `order` in the order of its name_to_size
 # dict (RankGenerator.__init__); only axes of size 1 may be missing.
 _MEGATRON_APPEND_ORDER = ("tp", "pp", "dp", "ep", "cp")
 SPECIAL_TOKENS = ("embedding", "position_embedding")
-
-# Megatron's command-line flag for each axis (dp has none: it is derived).
-AXIS_FLAG = {
-    "tp": "tensor-model-parallel-size",
-    "pp": "pipeline-model-parallel-size",
-    "cp": "context-parallel-size",
-    "ep": "expert-model-parallel-size",
-    "dp": "data-parallel-size",
-}
 
 # The groups Megatron's initialize_model_parallel builds from the non-expert
 # grid, with the global variable that holds them and what runs inside.
@@ -69,22 +64,6 @@ MEGATRON_GROUPS = {
     "tp-dp": ("_TENSOR_AND_DATA_PARALLEL_GROUP", "fp8 amax reduction, MoE"),
     "tp-dp-cp": ("_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "fp8 amax reduction with cp"),
 }
-
-
-def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer; pass e.g. {name}=1")
-    return int(value)
-
-
-def divisors(n: int) -> list[int]:
-    """All positive divisors of ``n``, ascending."""
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fmt_divisors(n: int, limit: int = 12) -> str:
-    ds = divisors(n)
-    return ", ".join(map(str, ds)) if len(ds) <= limit else ", ".join(map(str, ds[:limit])) + ", ..."
 
 
 def parse_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
@@ -144,22 +123,14 @@ class RankGrid:
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  order: str = DEFAULT_ORDER):
-        world_size = _check_positive_int("world_size", world_size)
-        tp, pp, cp, ep = (_check_positive_int(AXIS_FLAG[n], v) for n, v in
-                          (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
+        tp, pp, cp, ep = (rules.integer(AXIS_FLAG[n], v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
         if ep > 1 and cp > 1:
             raise ValueError(f"{AXIS_FLAG['ep']}={ep} and {AXIS_FLAG['cp']}={cp} cannot both be > 1 in one "
                              "rank grid (Megatron's RankGenerator: CP lives in the dense grid, EP in the "
                              "expert grid); build two grids, one with ep=1 and one with cp=1")
-        model = tp * pp * cp * ep
-        if world_size % model:
-            parts = " × ".join(f"{AXIS_FLAG[n]}={v}" for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))
-                               if v > 1 or n in ("tp", "pp"))
-            raise ValueError(f"world_size={world_size} is not divisible by {parts} = {model}; choose sizes "
-                             f"whose product divides {world_size} (data-parallel-size = world_size / product "
-                             f"is derived)")
-        self.world_size = world_size
-        self.sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": world_size // model, "pp": pp}
+        dp = rules.data_parallel_size(world_size, tp, pp, cp, ep)
+        self.world_size = int(world_size)
+        self.sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
         self.order = parse_order(order, self.sizes)
         self._shape = [self.sizes[a] for a in self.order]  # fastest first
         self._stride = [math.prod(self._shape[:i]) for i in range(len(self._shape))]
@@ -317,12 +288,6 @@ class RankGrid:
 # Whole-run configuration: the checks Megatron's validate_args / initialize_model_parallel do
 # --------------------------------------------------------------------------------------
 
-def _nearby_multiples(value: int, step: int) -> str:
-    lo = (value // step) * step
-    cands = [c for c in (lo, lo + step) if c > 0]
-    return " or ".join(str(c) for c in cands)
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     """A Megatron-style parallel training configuration, validated on creation.
@@ -332,21 +297,25 @@ class ParallelConfig:
     ``ParallelConfig(world_size=8, tp=2, pp=2)`` validates just the grid.
 
     Derived: ``dp`` (= world / (tp·pp·cp), never a flag), ``num_microbatches``
-    (= global / (micro·dp)), ``grid`` (the ``RankGrid``), ``layers_per_stage``.
+    (= global / (micro·dp)), ``grid`` (the ``RankGrid``), ``layers_per_stage``, ``vpp``
+    (model chunks per pipeline rank, 1 without interleaving) and ``notes`` (what was
+    adjusted, one line each).
 
-    Rules (each a one-line ValueError naming the rule and a fix):
-      * world_size % (tp·pp·cp) == 0                 (validate_args)
+    The rules are :mod:`course_lib.rules`' (each a one-line ValueError naming the rule and a fix):
+      * world_size % (tp·pp·cp) == 0 (``data_parallel_size``)
       * the order contains every axis of size > 1; with pp > 1 and cp > 1 it must
         end in 'pp' (initialize_model_parallel's assertion)
       * num_attention_heads % tp == 0, num_query_groups % tp == 0, hidden % heads == 0
       * num_layers % pp == 0 -- an **error**, as in Megatron; an uneven split is only
         accepted when made explicit with ``decoder_first_pipeline_num_layers`` /
-        ``decoder_last_pipeline_num_layers`` (Megatron's flags of the same name), the
+        ``decoder_last_pipeline_num_layers`` (Megatron's flags of the same name, each >= 1), the
         remaining layers dividing evenly over the middle stages
-      * virtual pipeline: pp > 1 and layers per stage % vpp == 0
+      * virtual pipeline: pp > 1, layers of every stage % vpp == 0, and the interleaved
+        schedule's micro-batch groups (num_microbatches % pp == 0); vpp = 1 means none
       * cp > 1: seq_length % (2·cp) == 0 (load-balanced causal CP cuts the sequence
         into 2·cp chunks, two per rank)
-      * sequence_parallel with tp > 1: (seq_length / cp) % tp == 0
+      * sequence_parallel: turned off with tp = 1 (Megatron's policy; said in ``notes``),
+        else (seq_length / cp) % tp == 0
       * global_batch_size % (micro_batch_size · dp) == 0; default global = micro · dp
     """
 
@@ -367,98 +336,61 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = None
     order: str = DEFAULT_ORDER
     grid: RankGrid = field(init=False, repr=False, compare=False)
+    notes: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         grid = RankGrid(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, order=self.order)
         object.__setattr__(self, "grid", grid)
-        tp, pp, cp, dp = self.tp, self.pp, self.cp, grid.dp
-        if pp > 1 and cp > 1 and grid.order[-1] != "pp":
-            raise ValueError(f"order='{self.order}' must end with 'pp' when {AXIS_FLAG['pp']}={pp} and "
-                             f"{AXIS_FLAG['cp']}={cp} (Megatron's initialize_model_parallel asserts it); "
-                             f"use e.g. order='{DEFAULT_ORDER}'")
-        for name in ("num_layers", "num_attention_heads", "hidden_size", "seq_length", "num_query_groups",
-                     "virtual_pipeline_model_parallel_size"):
-            v = getattr(self, name)
-            if v is not None:
-                _check_positive_int(name, v)
-        _check_positive_int("micro_batch_size", self.micro_batch_size)
+        tp, pp, cp = self.tp, self.pp, self.cp
+        rules.order_ends_with_pp(self.order, grid.order[-1], pp, cp)
+        for name in ("num_layers", "num_attention_heads", "hidden_size", "seq_length", "num_query_groups"):
+            if getattr(self, name) is not None:
+                rules.integer(name, getattr(self, name))
+        rules.integer("micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
-            _check_positive_int("global_batch_size", self.global_batch_size)
-
-        heads = self.num_attention_heads
-        if heads is not None and heads % tp:
-            raise ValueError(f"num_attention_heads={heads} is not divisible by {AXIS_FLAG['tp']}={tp}; "
-                             f"use a {AXIS_FLAG['tp']} that divides {heads} ({_fmt_divisors(heads)})")
-        if self.num_query_groups is not None:
-            if self.num_query_groups % tp:
-                raise ValueError(f"num_query_groups={self.num_query_groups} is not divisible by "
-                                 f"{AXIS_FLAG['tp']}={tp}; use a {AXIS_FLAG['tp']} that divides "
-                                 f"{self.num_query_groups} ({_fmt_divisors(self.num_query_groups)})")
-            if heads is not None and heads % self.num_query_groups:
-                raise ValueError(f"num_attention_heads={heads} is not divisible by num_query_groups="
-                                 f"{self.num_query_groups}; use num_query_groups from {_fmt_divisors(heads)}")
-        if heads is not None and self.hidden_size is not None and self.hidden_size % heads:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
-                             f"use a hidden_size that is a multiple of {heads}, e.g. "
-                             f"{_nearby_multiples(self.hidden_size, heads)}")
-        self._check_layers()
-        seq = self.seq_length
-        if seq is not None and cp > 1 and seq % (2 * cp):
-            raise ValueError(f"seq_length={seq} is not divisible by 2 × {AXIS_FLAG['cp']}={cp} = {2 * cp} "
-                             f"(load-balanced causal CP gives each rank 2 of 2·cp chunks); use a multiple of "
-                             f"{2 * cp}, e.g. {_nearby_multiples(seq, 2 * cp)}")
-        if seq is not None and self.sequence_parallel and tp > 1 and (seq // cp) % tp:
-            raise ValueError(f"sequence_parallel needs seq_length/{AXIS_FLAG['cp']} = {seq // cp} divisible by "
-                             f"{AXIS_FLAG['tp']}={tp}; use seq_length a multiple of {cp * tp}, e.g. "
-                             f"{_nearby_multiples(seq, cp * tp)}")
-        mb = self.micro_batch_size
-        if self.global_batch_size is not None and self.global_batch_size % (mb * dp):
-            raise ValueError(f"global_batch_size={self.global_batch_size} is not divisible by micro_batch_size={mb} "
-                             f"× data-parallel-size={dp} = {mb * dp}; use a multiple of {mb * dp}, e.g. "
-                             f"{_nearby_multiples(self.global_batch_size, mb * dp)}")
-
-    def _check_layers(self):
-        L, pp = self.num_layers, self.pp
-        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+            rules.integer("global_batch_size", self.global_batch_size)
+        sequence_parallel, note = rules.sequence_parallel(self.sequence_parallel, tp)
+        object.__setattr__(self, "sequence_parallel", sequence_parallel)
+        object.__setattr__(self, "notes", (note,) if note else ())
         vpp = self.virtual_pipeline_model_parallel_size
-        for name, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
-            if v is not None:
-                if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                    raise ValueError(f"{name}={v!r} must be an integer >= 0")
-                if pp == 1:
-                    raise ValueError(f"{name}={v} needs {AXIS_FLAG['pp']} > 1; drop it or raise "
-                                     f"{AXIS_FLAG['pp']}")
-                if L is None:
+        if vpp is not None and rules.integer(rules.VPP, vpp) == 1:
+            object.__setattr__(self, "virtual_pipeline_model_parallel_size", None)   # Megatron: 1 chunk = none
+
+        heads, seq = self.num_attention_heads, self.seq_length
+        if heads is not None:
+            rules.heads_divisible_by_tp(heads, tp)
+        if self.num_query_groups is not None:
+            rules.query_groups(self.num_query_groups, heads, tp)
+        if heads is not None and self.hidden_size is not None:
+            rules.hidden_divisible_by_heads(self.hidden_size, heads)
+        stages = self._check_layers()
+        if seq is not None and cp > 1:
+            rules.sequence_split(seq, cp)
+        if seq is not None and self.sequence_parallel:
+            rules.sequence_parallel_split(seq, cp, tp)
+        m = rules.num_microbatches(self.effective_global_batch_size, self.micro_batch_size, grid.dp)
+        if self.virtual_pipeline_model_parallel_size is not None:
+            rules.virtual_pipeline(self.virtual_pipeline_model_parallel_size, pp, stages)
+            rules.interleaved_microbatch_group(pp, m, self.virtual_pipeline_model_parallel_size)
+
+    def _check_layers(self) -> list[int] | None:
+        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
+        if self.num_layers is None:
+            for name, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+                if v is not None:
                     raise ValueError(f"{name}={v} needs num_layers; give num_layers too")
-        if vpp is not None and pp == 1:
-            raise ValueError(f"virtual_pipeline_model_parallel_size={vpp} needs {AXIS_FLAG['pp']} > 1 "
-                             f"(interleaved schedule); drop it or raise {AXIS_FLAG['pp']}")
-        if L is None:
-            return
-        if first is None and last is None:
-            if L % pp:
-                raise ValueError(f"num_layers={L} is not divisible by {AXIS_FLAG['pp']}={pp}; use a "
-                                 f"{AXIS_FLAG['pp']} that divides {L} ({_fmt_divisors(L)}) or make the uneven "
-                                 f"split explicit with decoder_first_pipeline_num_layers / "
-                                 f"decoder_last_pipeline_num_layers")
-        else:
-            rest = L - (first or 0) - (last or 0)
-            middle = pp - (first is not None) - (last is not None)
-            if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
-                raise ValueError(f"num_layers={L} minus decoder_first_pipeline_num_layers={first} and "
-                                 f"decoder_last_pipeline_num_layers={last} leaves {rest} layers for {middle} "
-                                 f"middle stage(s), not an even split; choose first/last so the rest divides "
-                                 f"by {max(middle, 1)}")
-        if vpp is not None:
-            for s, n in enumerate(self.layers_per_stage()):
-                if n % vpp:
-                    raise ValueError(f"stage {s} has {n} layers, not divisible by "
-                                     f"virtual_pipeline_model_parallel_size={vpp}; use a vpp that divides {n}")
+            return None
+        return rules.pipeline_split(self.num_layers, self.pp, first, last)
 
     # ---- derived -------------------------------------------------------------
     @property
     def dp(self) -> int:
         return self.grid.dp
+
+    @property
+    def vpp(self) -> int:
+        """Model chunks per pipeline rank (1: no interleaving)."""
+        return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def effective_global_batch_size(self) -> int:
@@ -468,24 +400,19 @@ class ParallelConfig:
     @property
     def num_microbatches(self) -> int:
         """global_batch_size / (micro_batch_size · dp): micro-batches per step per pipeline."""
-        return self.effective_global_batch_size // (self.micro_batch_size * self.dp)
+        return rules.num_microbatches(self.effective_global_batch_size, self.micro_batch_size, self.dp)
+
+    @property
+    def uneven_pipeline(self) -> bool:
+        """Whether the pipeline split is made uneven with decoder_first/last_pipeline_num_layers."""
+        return self.decoder_first_pipeline_num_layers is not None or self.decoder_last_pipeline_num_layers is not None
 
     def layers_per_stage(self) -> list[int]:
         """Number of transformer layers on each pipeline stage."""
         if self.num_layers is None:
             raise ValueError("layers_per_stage() needs num_layers; give num_layers")
-        L, pp = self.num_layers, self.pp
-        first, last = self.decoder_first_pipeline_num_layers, self.decoder_last_pipeline_num_layers
-        if first is None and last is None:
-            return [L // pp] * pp
-        middle = pp - (first is not None) - (last is not None)
-        each = (L - (first or 0) - (last or 0)) // middle if middle else 0
-        out = [each] * pp
-        if first is not None:
-            out[0] = first
-        if last is not None:
-            out[-1] = last
-        return out
+        return rules.pipeline_split(self.num_layers, self.pp, self.decoder_first_pipeline_num_layers,
+                                    self.decoder_last_pipeline_num_layers)
 
     def layer_ranges(self) -> list[range]:
         """0-based global layer indices on each pipeline stage."""
@@ -495,35 +422,45 @@ class ParallelConfig:
             start += n
         return out
 
-    def megatron_flags(self) -> list[str]:
-        """The parallel-layout flags of Megatron-LM's pretrain_gpt.py for this config.
+    def megatron_args(self) -> list[tuple[str, str | None]]:
+        """This config as ``pretrain_gpt.py`` arguments: ``(flag, value)`` pairs, value ``None`` for a switch.
 
-        Note what is *not* here: there is no --data-parallel-size (DP is derived) and
-        --model-parallel-size was removed (use --tensor-model-parallel-size).
+        The one renderer of a layout's Megatron-LM flags (``megatron_flags`` flattens it,
+        :func:`course_lib.megatron.command.pretrain_args` adds a run's). Model sizes appear
+        when given. Note what is *not* here: there is no --data-parallel-size (DP is
+        derived) and --model-parallel-size was removed (use --tensor-model-parallel-size).
+        Interleaving is ``--num-layers-per-virtual-pipeline-stage`` (layers per chunk; also
+        understood by old Megatron-LM), or ``--num-virtual-stages-per-pipeline-rank`` with an
+        uneven split, where Megatron's validate_args refuses the former.
         """
-        flags = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        args: list[tuple[str, str | None]] = [("--tensor-model-parallel-size", str(self.tp)),
+                                              ("--pipeline-model-parallel-size", str(self.pp))]
         if self.cp > 1:
-            flags += ["--context-parallel-size", str(self.cp)]
+            args.append(("--context-parallel-size", str(self.cp)))
         if self.sequence_parallel:
-            flags += ["--sequence-parallel"]
-        for name, flag in (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
-                           ("num_attention_heads", "--num-attention-heads"),
-                           ("num_query_groups", "--num-query-groups"), ("seq_length", "--seq-length")):
-            v = getattr(self, name)
-            if v is not None:
-                if name == "num_query_groups":
-                    flags += ["--group-query-attention"]
-                flags += [flag, str(v)]
-        if self.virtual_pipeline_model_parallel_size is not None:
-            per_stage = self.layers_per_stage()[0] // self.virtual_pipeline_model_parallel_size
-            flags += ["--num-layers-per-virtual-pipeline-stage", str(per_stage)]
-        if self.decoder_first_pipeline_num_layers is not None:
-            flags += ["--decoder-first-pipeline-num-layers", str(self.decoder_first_pipeline_num_layers)]
-        if self.decoder_last_pipeline_num_layers is not None:
-            flags += ["--decoder-last-pipeline-num-layers", str(self.decoder_last_pipeline_num_layers)]
-        flags += ["--micro-batch-size", str(self.micro_batch_size),
-                  "--global-batch-size", str(self.effective_global_batch_size)]
-        return flags
+            args.append(("--sequence-parallel", None))
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None and self.uneven_pipeline:
+            args.append(("--num-virtual-stages-per-pipeline-rank", str(vpp)))
+        elif vpp is not None:
+            args.append(("--num-layers-per-virtual-pipeline-stage", str(self.layers_per_stage()[0] // vpp)))
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            if getattr(self, name) is not None:
+                args.append(("--" + name.replace("_", "-"), str(getattr(self, name))))
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            if getattr(self, name) is not None:
+                args.append(("--" + name.replace("_", "-"), str(getattr(self, name))))
+        if self.num_query_groups is not None:
+            args += [("--group-query-attention", None), ("--num-query-groups", str(self.num_query_groups))]
+        if self.seq_length is not None:
+            args += [("--seq-length", str(self.seq_length)), ("--max-position-embeddings", str(self.seq_length))]
+        args += [("--micro-batch-size", str(self.micro_batch_size)),
+                 ("--global-batch-size", str(self.effective_global_batch_size))]
+        return args
+
+    def megatron_flags(self) -> list[str]:
+        """:meth:`megatron_args` as one flat argv list."""
+        return [x for flag, value in self.megatron_args() for x in ((flag,) if value is None else (flag, value))]
 
     def summary(self) -> str:
         """One line: the sizes and derived numbers."""

@@ -7,9 +7,11 @@
 
 (``python -m course_lib train --nproc-per-node 8 ...`` checks the flags, then runs that command.)
 Flag names are ``pretrain_gpt.py``'s (``megatron/training/arguments.py``); there is no
-``--data-parallel-size``: DP = world / (TP * PP * CP). A bad layout fails with a one-line
-error *before* any process group starts (:func:`validate_args`, built on
-:class:`course_lib.topology.ParallelConfig`).
+``--data-parallel-size``: DP = world / (TP * PP * CP). A bad value or layout fails with a
+one-line error *before* any work starts (:func:`validate_args`: the rules of
+:mod:`course_lib.rules`, through :class:`course_lib.topology.ParallelConfig`), and the run
+reads every layout fact from that validated config. ``--sequence-parallel`` with TP = 1 is
+turned off with a one-line warning, as Megatron does.
 
 One training iteration, as Megatron's ``train_step`` does it:
 
@@ -77,7 +79,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from course_lib import comm
+from course_lib import comm, rules
+from course_lib.data import corpus_tokens
 from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS, LRScheduler, Optimizer, clip_grads
 from course_lib.topology import ParallelConfig
 
@@ -157,57 +160,60 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
-def _positive(name: str, value, allow_zero: bool = False):
-    flag = "--" + name.replace("_", "-")
-    lo = 0 if allow_zero else 1
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{flag}={value!r} must be an integer >= {lo}")
+# The value rule of every Megatron flag the trainer takes (layout sizes are named by their flag).
+_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+          "log_interval", "make_vocab_size_divisible_by")
+_OPTIONAL_SIZES = ("ffn_hidden_size", "max_position_embeddings", "global_batch_size", "lr_decay_iters")
+_PROBABILITIES = ("hidden_dropout", "attention_dropout")
+_NON_NEGATIVE = ("init_method_std", "lr", "min_lr", "weight_decay", "clip_grad")
+_FRACTIONS = ("adam_beta1", "adam_beta2", "sgd_momentum")          # in [0, 1): an average that forgets
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60                                   # a week, as course_lib.launch
+MAX_SEED = 2 ** 32 - 1
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> tuple[argparse.Namespace, ParallelConfig]:
-    """Check a run's flags for ``world_size`` ranks, like Megatron's ``validate_args``.
+def _check_values(a: argparse.Namespace) -> None:
+    """Every flag's value on its own: integers in range, finite numbers in range (no NaN, no inf)."""
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        rules.integer(dest.replace("_", "-"), getattr(a, dest))
+    for dest in _SIZES + tuple(d for d in _OPTIONAL_SIZES if getattr(a, d) is not None):
+        rules.integer(dest, getattr(a, dest))
+    rules.integer("lr_warmup_iters", a.lr_warmup_iters, 0)
+    rules.integer("seed", a.seed, 0, MAX_SEED)
+    for dest in _PROBABILITIES:
+        rules.probability(dest, getattr(a, dest))
+    for dest in _NON_NEGATIVE:
+        rules.number(dest, getattr(a, dest), 0.0)
+    for dest in _FRACTIONS:
+        rules.number(dest, getattr(a, dest), 0.0, 1.0, high_open=True)
+    rules.number("adam_eps", a.adam_eps, 0.0, low_open=True)      # 0 divides 0 by 0 on never-used vocab rows
+    rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
+                 low_open=True)
+
+
+def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
+                  ranks_on_this_machine: Optional[int] = None) -> tuple[argparse.Namespace, ParallelConfig]:
+    """Check a run's flags for ``world_size`` ranks, like Megatron's ``validate_args``: every
+    rule of :mod:`course_lib.rules`, before any work starts.
 
     Returns ``(args, config)``: a copy of ``args`` with the derived values filled in
     (``data_parallel_size``, ``world_size``, ``global_batch_size``,
-    ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...) and the
-    :class:`~course_lib.topology.ParallelConfig`. Raises a one-line ``ValueError``.
-    Pure: no process group, no torch.distributed.
+    ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...) and the validated
+    :class:`~course_lib.topology.ParallelConfig`, which the run reads its layout from. Raises a
+    one-line ``ValueError``. With ``check_memory``, also refuses a run whose estimated bytes
+    (:func:`estimate_memory`) exceed the memory this machine has available for
+    ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
+    No process group, no torch.distributed.
     """
     a = argparse.Namespace(**vars(args))
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                 "num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "log_interval", "make_vocab_size_divisible_by"):
-        _positive(name, getattr(a, name))
+    _check_values(a)
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
-
-    # virtual pipeline: three spellings, one value
-    given = [(f, getattr(a, f)) for f in ("virtual_pipeline_model_parallel_size",
-                                         "num_layers_per_virtual_pipeline_stage",
-                                         "num_virtual_stages_per_pipeline_rank") if getattr(a, f) is not None]
-    if len(given) > 1:
-        raise ValueError(f"give only one of --virtual-pipeline-model-parallel-size, "
-                         f"--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank "
-                         f"(got {', '.join('--' + f.replace('_', '-') for f, _ in given)})")
-    vp = None
-    if given:
-        name, value = given[0]
-        _positive(name, value)
-        if name == "num_layers_per_virtual_pipeline_stage":
-            if pp == 1:
-                raise ValueError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-            per_stage = a.num_layers // pp
-            if a.num_layers % pp or per_stage % value:
-                raise ValueError(f"--num-layers-per-virtual-pipeline-stage={value} must divide the layers per "
-                                 f"pipeline stage (num_layers / pp = {a.num_layers} / {pp})")
-            vp = per_stage // value
-        else:
-            vp = value
-    if vp == 1:
-        vp = None                      # Megatron: one chunk per rank is the plain schedule
-    if a.sequence_parallel and tp == 1:
-        a.sequence_parallel = False    # Megatron: "Disabling sequence parallelism because tensor model
-        #                                 parallelism is disabled"
-
+    vp = rules.virtual_pipeline_size(
+        a.num_layers, pp, virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_pipeline_rank=a.num_virtual_stages_per_pipeline_rank)
+    if vp is not None and a.pipeline_schedule != "1f1b":
+        raise ValueError(f"pipeline_schedule={a.pipeline_schedule} runs one model chunk per rank; virtual "
+                         f"pipeline stages need the interleaved 1F1B schedule (drop --pipeline-schedule)")
     cfg = ParallelConfig(world_size=world_size, tp=tp, pp=pp, cp=cp, num_layers=a.num_layers,
                          num_attention_heads=a.num_attention_heads, hidden_size=a.hidden_size,
                          seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
@@ -215,46 +221,80 @@ def validate_args(args: argparse.Namespace, world_size: int) -> tuple[argparse.N
                          virtual_pipeline_model_parallel_size=vp)
     a.world_size, a.data_parallel_size = world_size, cfg.dp
     a.global_batch_size = cfg.effective_global_batch_size
-    a.virtual_pipeline_model_parallel_size = vp
+    a.sequence_parallel = cfg.sequence_parallel                 # off with TP = 1 (cfg.notes says so)
+    a.virtual_pipeline_model_parallel_size = cfg.virtual_pipeline_model_parallel_size
     a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
 
-    gpt = gpt_config_from_args(a)                       # hidden % heads, max positions
+    gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
     a.max_position_embeddings = gpt.max_position_embeddings
     a.ffn_hidden_size = gpt.ffn_hidden_size
     a.padded_vocab_size = gpt.padded_vocab_size
-    if gpt.padded_vocab_size % tp:
-        raise ValueError(f"the padded vocabulary ({gpt.padded_vocab_size} rows = 257 byte tokens padded to a "
-                         f"multiple of --make-vocab-size-divisible-by={a.make_vocab_size_divisible_by}) is not "
-                         f"divisible by --tensor-model-parallel-size={tp}; use a multiple of {tp}")
-    if gpt.ffn_hidden_size % tp:
-        raise ValueError(f"--ffn-hidden-size={gpt.ffn_hidden_size} is not divisible by "
-                         f"--tensor-model-parallel-size={tp}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(a, name) < 1.0:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)} must be in [0, 1)")
-    if cp > 1 and a.attention_dropout > 0:
-        raise ValueError(f"--attention-dropout={a.attention_dropout} is not supported with "
-                         f"--context-parallel-size={cp} (the course's ring attention has no dropout); "
-                         f"use --attention-dropout 0")
-    if vp is not None:
-        if a.pipeline_schedule != "1f1b":
-            raise ValueError(f"--pipeline-schedule {a.pipeline_schedule} runs one model chunk per rank; virtual "
-                             f"pipeline stages need the interleaved 1F1B schedule (drop --pipeline-schedule)")
-        from course_lib.pipeline.schedules import check_interleaved_config
-
-        check_interleaved_config(pp, cfg.num_microbatches, vp)
-    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
-        if getattr(a, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)} must be >= 0")
+    rules.vocab_divisible_by_tp(gpt.padded_vocab_size, tp)
+    rules.ffn_divisible_by_tp(gpt.ffn_hidden_size, tp)
+    rules.cp_attention_dropout(a.attention_dropout, cp)
+    rules.min_lr(a.min_lr, a.lr)
     a.lr_decay_iters = a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters
-    _positive("lr_decay_iters", a.lr_decay_iters)
-    _positive("lr_warmup_iters", a.lr_warmup_iters, allow_zero=True)
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
-        raise ValueError(f"--lr-warmup-iters={a.lr_warmup_iters} must be < --lr-decay-iters={a.lr_decay_iters}")
-    if a.distributed_timeout_minutes <= 0:
-        raise ValueError(f"--distributed-timeout-minutes={a.distributed_timeout_minutes} must be > 0")
-    _positive("seed", a.seed, allow_zero=True)
+        raise ValueError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
+                         f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
+    rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
+    if check_memory:
+        local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        _check_memory(a, cfg, local)
     return a, cfg
+
+
+def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dict:
+    """Bytes one rank of this run needs at its peak, roughly (float32 everywhere):
+
+    * ``weights``: the dense master every rank builds (:func:`course_lib.model.build_model`),
+      plus this rank's parameters, gradients and Adam's two moments (4 x its share);
+    * ``activations``: what the busiest (first) stage keeps for backward: per layer and
+      micro-batch the ``[s/cp, b, h]``-sized tensors of a layer (~16 h + 3 ffn/t per token) and one
+      ``[b, heads/t, s/cp, s]`` score matrix, times its layers and the micro-batches in flight
+      (all ``m`` for GPipe, ``min(pp, m)`` for 1F1B), plus the logits ``[s/cp, b, V/t]`` (x3);
+    * ``batches``: the step's tokens and labels (int64).
+
+    ``halved``: flags whose value to halve first, to see which one weighs most."""
+    def value(name):
+        v = getattr(a, name)
+        return max(1, v // 2) if name in halved else v
+
+    h, L, s, b = value("hidden_size"), a.num_layers, value("seq_length"), value("micro_batch_size")
+    ffn = a.ffn_hidden_size if "ffn_hidden_size" not in halved else value("ffn_hidden_size")
+    if "hidden_size" in halved and a.ffn_hidden_size == 4 * a.hidden_size:
+        ffn = 4 * h                                           # the default follows the hidden size
+    V, positions, heads = a.padded_vocab_size, max(value("max_position_embeddings"), s), a.num_attention_heads
+    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
+    m = value("global_batch_size") // (b * cfg.dp) or 1
+    layer = 4 * h * h + 2 * h * ffn + ffn + 9 * h
+    master = V * h + positions * h + L * layer + 2 * h
+    mine = V * h // tp + positions * h + (L // pp) * layer // tp + 2 * h
+    tokens = (s // cp) * b
+    inflight = m if a.pipeline_schedule == "gpipe" else min(pp, m)
+    per_layer = tokens * (16 * h + 3 * ffn // tp) + b * max(1, heads // tp) * (s // cp) * s
+    return {"weights": 4 * (master + 4 * mine),
+            "activations": 4 * (per_layer * (L // pp) * inflight + 3 * tokens * V // tp),
+            "batches": 2 * 8 * m * b * s}
+
+
+_MEMORY_FLAGS = ("hidden_size", "seq_length", "micro_batch_size", "ffn_hidden_size", "global_batch_size",
+                 "max_position_embeddings")
+
+
+def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> None:
+    """Refuse a run that cannot fit this machine's memory, naming the flag whose halving saves most."""
+    parts = estimate_memory(a, cfg)
+    needed = ranks * sum(parts.values())
+    available = rules.available_memory_bytes()
+    if available is None or needed <= available:
+        return
+    saved = {flag: needed - ranks * sum(estimate_memory(a, cfg, **{flag: True}).values()) for flag in _MEMORY_FLAGS}
+    flag = max(saved, key=saved.get)
+    detail = (f"{ranks} rank(s) on this machine, each about {rules.format_bytes(parts['weights'])} of weights, "
+              f"gradients and optimizer state and {rules.format_bytes(parts['activations'] + parts['batches'])} of "
+              f"activations and batches")
+    rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
 
 
 def gpt_config_from_args(args: argparse.Namespace):
@@ -271,8 +311,9 @@ def gpt_config_from_args(args: argparse.Namespace):
                      init_method_std=args.init_method_std, seed=args.seed)
 
 
-def _scheduler(args) -> LRScheduler:
-    g = args.global_batch_size
+def _scheduler(args, global_batch_size: int) -> LRScheduler:
+    """Megatron's schedule, counted in samples: ``global_batch_size`` per iteration."""
+    g = global_batch_size
     return LRScheduler(args.lr, args.min_lr, args.lr_decay_style, args.lr_warmup_iters * g, args.lr_decay_iters * g)
 
 
@@ -312,23 +353,30 @@ def _allreduce_dp_grads(params, groups, dp_cp_size: int, kind: str) -> None:
         g.copy_(synced)
 
 
-def finalize_model_grads(chunks, groups) -> None:
+def finalize_model_grads(chunks, groups, config: ParallelConfig) -> None:
     """After the schedule's backward passes, before the optimizer (Megatron's ``finalize_model_grads``,
     ``megatron/core/distributed/finalize_model_grads.py``), in its order:
 
     1. average every gradient over the dp-cp group (``finish_grad_sync``; kind ``"dp"``, or
        ``"dp-cp"`` when cp > 1: CP ranks hold the same weights and saw different tokens);
-    2. sum the sequence-parallel LayerNorm (and row-parallel bias) gradients over TP;
+    2. with sequence parallelism, sum the LayerNorm (and row-parallel bias) gradients over TP;
     3. sum the tied word-embedding gradient over the embedding group (first + last stage).
+
+    ``config``: the run's validated layout (``groups`` were built from its grid).
     """
     from course_lib.model import allreduce_embedding_grads
     from course_lib.tensor_parallel import allreduce_sequence_parallel_grads
 
     params = [p for _, p in _unique_named_params(chunks)]
-    kind = "dp" if groups.grid.cp == 1 else "dp-cp"
-    _allreduce_dp_grads(params, groups, comm.group_size(groups.dp_cp), kind)
-    allreduce_sequence_parallel_grads(torch.nn.ModuleList(chunks), groups.tp)
+    _allreduce_dp_grads(params, groups, config.dp * config.cp, _dp_kind(config))
+    if config.sequence_parallel:
+        allreduce_sequence_parallel_grads(torch.nn.ModuleList(chunks), groups.tp)
     allreduce_embedding_grads(chunks, groups)
+
+
+def _dp_kind(config: ParallelConfig) -> str:
+    """The comm kind of the gradient and loss reductions: ``"dp"``, or ``"dp-cp"`` when cp > 1."""
+    return "dp" if config.cp == 1 else "dp-cp"
 
 
 @torch.no_grad()
@@ -349,17 +397,15 @@ def grad_norm(params, groups, tp_rank: int) -> float:
     return float(total.sqrt())
 
 
-def _rank_batches(args, iteration: int, dp_rank: int, cp_rank: int, device):
+def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
     """Tokens and labels of this rank's ``m`` micro-batches, stacked: ``[m * micro, s / cp]``."""
     from course_lib.data import get_batch, get_batch_on_this_cp_rank
 
-    m = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
     toks, labs = [], []
-    for j in range(m):
-        b = get_batch(iteration, j, dp_rank, args.data_parallel_size, args.micro_batch_size, args.seq_length,
-                      args.seed, global_batch_size=args.global_batch_size)
-        b = get_batch_on_this_cp_rank({"tokens": b["tokens"], "labels": b["labels"]}, cp_rank,
-                                      args.context_parallel_size)
+    for j in range(config.num_microbatches):
+        b = get_batch(iteration, j, coords["dp"], config.dp, config.micro_batch_size, config.seq_length, seed,
+                      global_batch_size=config.effective_global_batch_size)
+        b = get_batch_on_this_cp_rank({"tokens": b["tokens"], "labels": b["labels"]}, coords["cp"], config.cp)
         toks.append(b["tokens"])
         labs.append(b["labels"])
     return torch.cat(toks).to(device), torch.cat(labs).to(device)
@@ -373,11 +419,10 @@ def _log(line: str) -> None:
     sys.stdout.flush()
 
 
-def _print_world_line(args) -> None:
-    _log(f"using world size: {args.world_size}, data-parallel size: {args.data_parallel_size}, "
-         f"context-parallel size: {args.context_parallel_size}, hierarchical context-parallel sizes: None, "
-         f"tensor-model-parallel size: {args.tensor_model_parallel_size}, "
-         f"pipeline-model-parallel size: {args.pipeline_model_parallel_size}")
+def _print_world_line(config: ParallelConfig) -> None:
+    _log(f"using world size: {config.world_size}, data-parallel size: {config.dp}, "
+         f"context-parallel size: {config.cp}, hierarchical context-parallel sizes: None, "
+         f"tensor-model-parallel size: {config.tp}, pipeline-model-parallel size: {config.pp}")
 
 
 def _print_args(args, title: str = "arguments") -> None:
@@ -407,11 +452,14 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: bool = True) -> dict:
+def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = None, print_args: bool = True,
+             record_comm: bool = True) -> dict:
     """Train on the ranks of the running default process group (torchrun or ``launch``).
 
-    ``args``: from :func:`parse_args` (validated here again for this world size). Collective:
-    every rank calls it. Returns this rank's record::
+    ``args``: from :func:`parse_args`, validated here for this world size; or, with ``config``,
+    the pair :func:`validate_args` returned (not checked again). Every layout fact -- sizes, DP,
+    micro-batches, sequence parallelism, virtual stages -- is read from the validated config.
+    Collective: every rank calls it. Returns this rank's record::
 
         {"lm_loss": [per-iteration global-batch loss] (last pipeline stage; None elsewhere),
          "logged": [{"iteration", "lm_loss", "elapsed_ms", "learning_rate", "grad_norm"}] (last rank),
@@ -421,26 +469,32 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
          "pipeline_events": [(action, stage, start, end)] of the last iteration,
          "memory": {"allocated", "max_allocated"} bytes (tracked), "coords": {...}, "num_parameters": int}
     """
-    from course_lib.model import build_model, gpt_loss, new_process_groups
+    from course_lib.model import build_model, gpt_loss
     from course_lib.pipeline.check import check_schedule
     from course_lib.pipeline.executor import run_rank_schedule
     from course_lib.pipeline.schedules import build_schedule
+    from course_lib.process_groups import new_process_groups
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    args, pcfg = validate_args(args, world)
-    groups = new_process_groups(pcfg.grid, timeout=args.distributed_timeout_minutes * 60)
+    if config is None:       # the ranks are running: their memory is already in use, not to be counted again
+        args, config = validate_args(args, world, check_memory=False)
+    elif config.world_size != world:
+        raise ValueError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
+    groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
     c = groups.coords
-    tp, pp, cp = pcfg.tp, pcfg.pp, pcfg.cp
-    vp = args.virtual_pipeline_model_parallel_size or 1
-    m = pcfg.num_microbatches
+    tp, pp, cp, vp, m = config.tp, config.pp, config.cp, config.vpp, config.num_microbatches
+    global_batch_size = config.effective_global_batch_size
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if rank == 0 and print_args:
-        _print_world_line(args)
-        _print_args(args)
+    if rank == 0:
+        for note in config.notes:
+            _log(f"WARNING: {note}")
+        if print_args:
+            _print_world_line(config)
+            _print_args(args)
 
     gpt = gpt_config_from_args(args)
-    chunks = build_model(gpt, groups, vp=vp, sequence_parallel=args.sequence_parallel, device=device)
+    chunks = build_model(gpt, groups, vp=vp, sequence_parallel=config.sequence_parallel, device=device)
     for chunk in chunks:
         chunk.train()
     named = _unique_named_params(chunks)
@@ -455,11 +509,11 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
     name = "interleaved" if vp > 1 else args.pipeline_schedule
     schedule = build_schedule(name, pp, m, vp)
     p2p = check_schedule(schedule)
-    seq_local = args.seq_length // cp
-    shape = (seq_local // (tp if args.sequence_parallel else 1), args.micro_batch_size, args.hidden_size)
-    dp_kind = "dp" if cp == 1 else "dp-cp"
+    seq_local = config.seq_length // cp
+    shape = (seq_local // (tp if config.sequence_parallel else 1), config.micro_batch_size, config.hidden_size)
+    dp_kind = _dp_kind(config)
     optimizer = _optimizer(args, named)
-    scheduler = _scheduler(args)
+    scheduler = _scheduler(args, global_batch_size)
     lr = scheduler.get_lr()
     last_stage = groups.is_last_stage
 
@@ -482,16 +536,16 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
         for p in params:
             p.grad = None
         stats.clear()
-        tokens, labels = _rank_batches(args, iteration - 1, c["dp"], c["cp"], device)
+        tokens, labels = _rank_batches(config, iteration - 1, c, args.seed, device)
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
             out = run_rank_schedule(schedule, c["pp"], dict(enumerate(chunks)), tokens, labels,
                                     activation_shape=shape, pp_group=groups.pp, p2p=p2p, loss_fn=loss_fn)
             peak_activation = max(peak_activation, out["peak_bytes"])
-            finalize_model_grads(chunks, groups)   # DP(-CP) average, SP LayerNorm grads, tied embedding grads
+            finalize_model_grads(chunks, groups, config)   # DP(-CP) average, SP LayerNorm grads, tied embeddings
             norm = grad_norm(params, groups, c["tp"])
             clip_grads(params, norm, args.clip_grad)
             optimizer.step(lr)
-            lr = scheduler.step(args.global_batch_size)
+            lr = scheduler.step(global_batch_size)
             loss = None
             if last_stage:   # the loss of the global batch: token sums and counts over dp-cp
                 both = torch.stack([sum(s for s, _ in stats), sum(n for _, n in stats)]).to(device)
@@ -519,10 +573,10 @@ def pretrain(args: argparse.Namespace, *, print_args: bool = True, record_comm: 
                 avg = total_loss / advanced
                 _log(f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
                      f" iteration {iteration:8d}/{args.train_iters:8d} |"
-                     f" consumed samples: {iteration * args.global_batch_size:12d} |"
+                     f" consumed samples: {iteration * global_batch_size:12d} |"
                      f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
                      f" learning rate: {lr:.6E} |"
-                     f" global batch size: {args.global_batch_size:5d} |"
+                     f" global batch size: {global_batch_size:5d} |"
                      f" lm loss: {avg:.6E} |"
                      f" loss scale: 1.0 |"
                      f" grad norm: {norm:.3f} |"
@@ -565,13 +619,14 @@ def train_single_process(args: argparse.Namespace) -> dict:
     one.virtual_pipeline_model_parallel_size = one.num_layers_per_virtual_pipeline_stage = None
     one.num_virtual_stages_per_pipeline_rank = None
     one.micro_batch_size = args.global_batch_size          # one step = the whole global batch at once
-    args, _ = validate_args(one, world_size=1)
+    args, config = validate_args(one, world_size=1)
     model = GPTModel(gpt_config_from_args(args))
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]
     optimizer = _optimizer(args, named)
-    scheduler = _scheduler(args)
+    global_batch_size = config.effective_global_batch_size
+    scheduler = _scheduler(args, global_batch_size)
     lr = scheduler.get_lr()
     out = {"lm_loss": [], "grad_norm": [], "learning_rate": []}
     with torch.random.fork_rng(devices=[]):
@@ -579,13 +634,13 @@ def train_single_process(args: argparse.Namespace) -> dict:
         for iteration in range(args.train_iters):
             for p in params:
                 p.grad = None
-            batch = get_global_batch(iteration, args.global_batch_size, args.seq_length, args.seed)
+            batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed)
             loss = model.loss(batch["tokens"], batch["labels"])
             loss.backward()
             norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
             clip_grads(params, norm, args.clip_grad)
             optimizer.step(lr)
-            lr = scheduler.step(args.global_batch_size)
+            lr = scheduler.step(global_batch_size)
             out["lm_loss"].append(loss.item())
             out["grad_norm"].append(norm)
             out["learning_rate"].append(lr)
@@ -612,7 +667,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        validate_args(args, world)                                       # before any process group
+        args, config = validate_args(args, world)                        # before any process group
     except ValueError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -620,7 +675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     _init_distributed(args)
     try:
-        pretrain(args)
+        pretrain(args, config=config)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -656,8 +711,7 @@ def run(args: argparse.Namespace) -> int:
     or this process's death stop torchrun and every rank (:func:`course_lib.launch.run_torchrun`)."""
     from course_lib.launch import run_torchrun
 
-    n = args.nproc_per_node
-    _positive("nproc_per_node", n)
+    n = rules.integer("nproc_per_node", args.nproc_per_node)
     validate_args(args, n)
     cmd = torchrun_argv(args, n)
     print("$ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)

@@ -242,7 +242,7 @@ def test_ring_layer_equals_dense_layer():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(tp=3), "num_attention_heads=4 is not divisible by tensor-model-parallel-size=3"),
-    (dict(cp=3), "not divisible by 2\\*cp=6"),
+    (dict(cp=3), "not divisible by 2 × context-parallel-size=3 = 6"),
     (dict(cp=2, attention_backend="unfused"), "use attention_backend='flash'"),
     (dict(attention_dropout=0.1), "use attention_backend='unfused'"),
     (dict(cp=2, attention_dropout=0.1, attention_backend="flash"), "ring attention has no dropout"),

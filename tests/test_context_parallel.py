@@ -82,13 +82,13 @@ def test_context_parallel_attention_overrides_only_the_core_attention():
 
 
 def test_split_errors_are_one_line():
-    with pytest.raises(ValueError, match=r"^seq_length=10 is not divisible by 2\*cp=8 \(zigzag split of "
-                                         r"context-parallel-size=4\); pad the sequence to 8 or 16 tokens$"):
+    with pytest.raises(ValueError, match=r"^seq_length=10 is not divisible by 2 × context-parallel-size=4 = 8 "
+                                         r"\(load-balanced causal CP .*\); use a multiple of 8, e.g. 8 or 16$"):
         check_sequence_split(10, 4, "zigzag")
-    with pytest.raises(ValueError, match=r"seq_length=10 is not divisible by cp=4 \(contiguous"):
+    with pytest.raises(ValueError, match=r"seq_length=10 is not divisible by context-parallel-size=4 \(each rank"):
         check_sequence_split(10, 4, "contiguous")
     assert check_sequence_split(12, 4, "contiguous") == 3
-    with pytest.raises(ValueError, match="seq_length=12 is not divisible by 2\\*cp=8"):
+    with pytest.raises(ValueError, match="seq_length=12 is not divisible by 2 × context-parallel-size=4 = 8"):
         shard_sequence(torch.zeros(1, 1, 12, 2), 0, 4)
     with pytest.raises(ValueError, match="cp_rank=4 must be an integer in 0..3"):
         chunks_for_rank(4, 4)

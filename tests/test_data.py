@@ -177,9 +177,9 @@ def test_sampler_indices_follow_megatron_pretraining_sampler():
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(iteration=0, micro_batch_index=0, dp_rank=0, dp_size=4, micro_batch_size=3, global_batch_size=16),
      "not divisible by micro_batch_size=3"),
-    (dict(iteration=0, micro_batch_index=0, dp_rank=2, dp_size=2, micro_batch_size=1), "dp_rank=2 must be < dp_size=2"),
+    (dict(iteration=0, micro_batch_index=0, dp_rank=2, dp_size=2, micro_batch_size=1), "dp_rank=2 must be an integer in 0..1 for data-parallel-size=2"),
     (dict(iteration=0, micro_batch_index=4, dp_rank=0, dp_size=2, micro_batch_size=1, global_batch_size=8),
-     "micro_batch_index=4 must be <"),
+     "micro_batch_index=4 must be an integer in 0..3 for num_microbatches=4"),
     (dict(iteration=-1, micro_batch_index=0, dp_rank=0, dp_size=1, micro_batch_size=1), "iteration=-1"),
 ])
 def test_sampler_bad_input_is_one_line(kwargs, msg):
@@ -258,10 +258,10 @@ def test_cp_split_balances_causal_work(cp):
 
 
 def test_cp_bad_input_is_one_line():
-    with pytest.raises(ValueError, match=r"not divisible by 2 x context-parallel-size = 4") as e:
+    with pytest.raises(ValueError, match=r"not divisible by 2 × context-parallel-size=2 = 4") as e:
         split_for_cp_rank(torch.zeros(1, 10), 0, 2)
     assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match="cp_rank=2 must be < cp_size=2"):
+    with pytest.raises(ValueError, match="cp_rank=2 must be an integer in 0..1 for context-parallel-size=2"):
         cp_token_positions(8, 2, 2)
     with pytest.raises(ValueError, match="same even number"):
         gather_from_cp_ranks([torch.zeros(1, 4), torch.zeros(1, 2)])

@@ -18,14 +18,15 @@ from course_lib.megatron import (COLUMNS, NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, 
                                  to_csv, to_markdown)
 from course_lib.megatron import command as command_mod
 from course_lib.megatron import report as report_mod
+from course_lib.rules import SP_WITHOUT_TP
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_logs"
 
 # The flags verified by reading NVIDIA/Megatron-LM (git show <rev>:<file>), with where each is defined:
 # at core_v0.15.3 (309ffca6a405) as add_argument(...) in megatron/training/arguments.py, and at main
 # d98e8a64ddf3 (2026-08-22) as a config-dataclass field turned into a flag by ArgumentGroupFactory
-# (field_name -> --field-name) or still as add_argument in arguments.py. All also exist in
-# megatron/arguments.py of core_v0.5.0 (0acc240ebd28).
+# (field_name -> --field-name) or still as add_argument in arguments.py. All but the three flags of an
+# uneven pipeline split also exist in megatron/arguments.py of core_v0.5.0 (0acc240ebd28).
 VERIFIED = {
     # flag:                                   (core_v0.15.3 arguments.py function, main: file::Class.field | function)
     "--tensor-model-parallel-size":           ("_add_distributed_args", "model_parallel_config.py::ModelParallelConfig"),
@@ -33,10 +34,15 @@ VERIFIED = {
     "--context-parallel-size":                ("_add_distributed_args", "model_parallel_config.py::ModelParallelConfig"),
     "--sequence-parallel":                    ("_add_training_args", "model_parallel_config.py::ModelParallelConfig"),
     "--num-layers-per-virtual-pipeline-stage": ("_add_distributed_args", "arguments.py::_add_distributed_args"),
+    "--num-virtual-stages-per-pipeline-rank": ("_add_distributed_args", "arguments.py::_add_distributed_args"),
+    "--decoder-first-pipeline-num-layers":    ("_add_distributed_args", "arguments.py::_add_distributed_args"),
+    "--decoder-last-pipeline-num-layers":     ("_add_distributed_args", "arguments.py::_add_distributed_args"),
     "--use-distributed-optimizer":            ("_add_distributed_args", "arguments.py::_add_distributed_args"),
     "--num-layers":                           ("_add_network_size_args", "transformer_config.py::TransformerConfig"),
     "--hidden-size":                          ("_add_network_size_args", "transformer_config.py::TransformerConfig"),
     "--num-attention-heads":                  ("_add_network_size_args", "transformer_config.py::TransformerConfig"),
+    "--group-query-attention":                ("_add_network_size_args", "arguments.py::_add_network_size_args"),
+    "--num-query-groups":                     ("_add_network_size_args", "transformer_config.py::TransformerConfig"),
     "--seq-length":                           ("_add_data_args", "arguments.py::_add_data_args"),
     "--max-position-embeddings":              ("_add_network_size_args", "arguments.py::_add_network_size_args"),
     "--micro-batch-size":                     ("_add_training_args", "training_config.py::TrainingConfig"),
@@ -68,6 +74,10 @@ VERIFIED_PREPROCESS = {"--input", "--output-prefix", "--json-keys", "--append-eo
                        "--tokenizer-type", "--vocab-file", "--merge-file"}  # tools/preprocess_data.py::get_args
 
 
+# An uneven pipeline split with interleaving: 2 + 6 layers over PP 2, 2 chunks per rank.
+UNEVEN_VPP = gpu_config(1, 2, vpp=2, decoder_first_pipeline_num_layers=2)
+
+
 def _flags(cmd: str) -> list[str]:
     return [t for t in shlex.split(cmd.replace("\\\n", " ")) if t.startswith("--")]
 
@@ -76,7 +86,9 @@ def _variants():
     runs = [MegatronRun(), MegatronRun(precision="fp16", use_distributed_optimizer=True, transformer_impl="local"),
             MegatronRun(precision="fp32", log_throughput=False)]
     cfgs = [gpu_config(*SEED_SWEEP[n]) for n in SEED_SWEEP]
-    cfgs += [gpu_config(2, 2, 2, sequence_parallel=True), gpu_config(1, 4, vpp=2), gpu_config(2, 2, vpp=2)]
+    cfgs += [gpu_config(2, 2, 2, sequence_parallel=True), gpu_config(1, 4, vpp=2), gpu_config(2, 2, vpp=2),
+             gpu_config(2, 1, num_query_groups=4), UNEVEN_VPP, gpu_config(1, 4, decoder_first_pipeline_num_layers=1,
+                                                                         decoder_last_pipeline_num_layers=1)]
     return [(c, r) for c in cfgs for r in runs]
 
 
@@ -163,9 +175,21 @@ def test_megatron_command_for_seed_configs():
     v = _arg_dict(megatron_command(gpu_config(1, 4, vpp=2)))
     assert v["--num-layers-per-virtual-pipeline-stage"] == "1"   # 8 layers / (4 stages x 2 chunks)
     assert _arg_dict(megatron_command(gpu_config(2, 2, vpp=2)))["--num-layers-per-virtual-pipeline-stage"] == "2"
+    # an uneven split with interleaving: Megatron's validate_args refuses --num-layers-per-virtual-pipeline-stage
+    u = _arg_dict(megatron_command(UNEVEN_VPP))
+    assert u["--num-virtual-stages-per-pipeline-rank"] == "2" and u["--decoder-first-pipeline-num-layers"] == "2"
+    assert "--num-layers-per-virtual-pipeline-stage" not in u
     r = _arg_dict(megatron_command(gpu_config(), MegatronRun(precision="fp32", use_distributed_optimizer=True)))
     assert "--bf16" not in r and "--fp16" not in r and "--use-distributed-optimizer" in r
     assert "--nproc_per_node 4" in megatron_command(gpu_config(2, 1, 1, 4, global_batch_size=16))
+
+
+def test_one_renderer_of_the_layout_flags():
+    """ParallelConfig.megatron_args is the layout's part of every pretrain_gpt.py command."""
+    for cfg, run in _variants():
+        layout = cfg.megatron_args()
+        assert pretrain_args(cfg, run)[:len(layout)] == layout
+        assert cfg.megatron_flags() == [x for f, v in layout for x in ([f] if v is None else [f, v])]
 
 
 @pytest.mark.parametrize("kwargs,msg", [
@@ -182,9 +206,12 @@ def test_bad_configs_are_one_line_value_errors(kwargs, msg):
     assert "\n" not in str(e.value)
 
 
-def test_command_level_rules():
-    with pytest.raises(ValueError, match="sequence_parallel needs tensor-model-parallel-size > 1"):
-        megatron_command(gpu_config(sequence_parallel=True))
+def test_command_level_rules(capsys):
+    # Megatron's policy for SP with TP = 1 (the trainer's and the planner's too): off, said in one line
+    assert "--sequence-parallel" not in megatron_command(gpu_config(sequence_parallel=True))
+    assert _cli(command_mod, ["--sp"]) == 0
+    out = capsys.readouterr().out
+    assert f"# {SP_WITHOUT_TP}\n" in out and "--sequence-parallel" not in out
     with pytest.raises(ValueError, match="needs num_layers"):
         megatron_command({"world_size": 8, "tp": 2})
     with pytest.raises(ValueError, match="precision='fp8'"):

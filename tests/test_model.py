@@ -15,7 +15,7 @@ from course_lib.launch import launch
 from course_lib.model import (GPTConfig, GPTModel, build_model, gather_full_parameters, gpt_loss, layer_ranges,
                               padded_vocab_size)
 from course_lib.process_groups import new_process_groups
-from course_lib.topology import RankGrid
+from course_lib.topology import ParallelConfig
 
 CFG = GPTConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, seed=1234)
 MICRO, GLOBAL = 2, 8
@@ -31,9 +31,9 @@ def test_vocabulary_is_padded_once_for_every_tp_size():
 def test_config_rejects_bad_sizes_in_one_line():
     with pytest.raises(ValueError, match="hidden_size=66 is not divisible by num_attention_heads=4"):
         GPTConfig(hidden_size=66, num_attention_heads=4)
-    with pytest.raises(ValueError, match="seq_length=64 is longer than max_position_embeddings=32"):
+    with pytest.raises(ValueError, match="max_position_embeddings=32 is shorter than seq_length=64"):
         GPTConfig(seq_length=64, max_position_embeddings=32)
-    with pytest.raises(ValueError, match="num_layers=0 must be a positive integer"):
+    with pytest.raises(ValueError, match="num_layers=0 must be an integer >= 1"):
         GPTConfig(num_layers=0)
 
 
@@ -89,15 +89,18 @@ def _one_step(tp, pp, cp, vp, sp, optimizer_steps):
     from course_lib.pipeline.schedules import build_schedule
     from course_lib.train import Optimizer, finalize_model_grads
 
-    grid = RankGrid(dist.get_world_size(), tp=tp, pp=pp, cp=cp)
-    groups = new_process_groups(grid, timeout=60)
+    config = ParallelConfig(dist.get_world_size(), tp=tp, pp=pp, cp=cp, num_layers=CFG.num_layers,
+                            num_attention_heads=CFG.num_attention_heads, hidden_size=CFG.hidden_size,
+                            seq_length=CFG.seq_length, micro_batch_size=MICRO, global_batch_size=GLOBAL,
+                            sequence_parallel=sp, virtual_pipeline_model_parallel_size=vp)
+    groups = new_process_groups(config.grid, timeout=60)
     c = groups.coords
-    chunks = build_model(CFG, groups, vp=vp, sequence_parallel=sp)
+    chunks = build_model(CFG, groups, vp=config.vpp, sequence_parallel=config.sequence_parallel)
     start = gather_full_parameters(chunks, groups)
-    m = GLOBAL // (MICRO * grid.dp)
+    m = config.num_microbatches
     toks, labs = [], []
     for j in range(m):
-        b = get_batch(0, j, c["dp"], grid.dp, MICRO, CFG.seq_length, CFG.seed, global_batch_size=GLOBAL)
+        b = get_batch(0, j, c["dp"], config.dp, MICRO, CFG.seq_length, CFG.seed, global_batch_size=GLOBAL)
         b = get_batch_on_this_cp_rank({"tokens": b["tokens"], "labels": b["labels"]}, c["cp"], cp)
         toks.append(b["tokens"])
         labs.append(b["labels"])
@@ -111,7 +114,7 @@ def _one_step(tp, pp, cp, vp, sp, optimizer_steps):
     out = run_rank_schedule(schedule, c["pp"], dict(enumerate(chunks)), torch.cat(toks), torch.cat(labs),
                             activation_shape=shape, pp_group=groups.pp, p2p=check_schedule(schedule),
                             loss_fn=loss_fn)
-    finalize_model_grads(chunks, groups)
+    finalize_model_grads(chunks, groups, config)
     grads = gather_full_parameters(chunks, groups, grads=True)
     named = [(n, p) for chunk in chunks for n, p in chunk.named_parameters()]
     opt = Optimizer(named, "adam", weight_decay=0.01)

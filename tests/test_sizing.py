@@ -33,18 +33,19 @@ def test_impossible_inputs_are_one_line_value_errors():
     msg = one_line_error(sizing.activation_bytes_per_layer, 2048, 1, 384, 6, tp=4,
                          match="num_attention_heads=6 is not divisible by tensor-model-parallel-size=4")
     assert "1, 2, 3, 6" in msg  # names the fix
-    one_line_error(sizing.num_parameters, -1, 512, 100, 64, match="num_layers=-1 must be a positive integer")
+    one_line_error(sizing.num_parameters, -1, 512, 100, 64, match="num_layers=-1 must be an integer >= 1")
     one_line_error(sizing.num_parameters, 2, 512.0, 100, 64, match="hidden_size=512.0")
     one_line_error(sizing.num_parameters, True, 512, 100, 64, match="num_layers=True")
     one_line_error(sizing.flops_per_iteration, 0, 2048, 2, 64, 100, match="global_batch_size=0")
     one_line_error(sizing.flops_per_iteration, 1, 2048, 2, 64, 100, recompute="some",
                    match="recompute='some' is not one of none, selective, full")
     one_line_error(sizing.activation_bytes_per_layer, 1004, 1, 512, 8, tp=8, sequence_parallel=True,
-                   match="seq_length=1004 is not divisible by tensor-model-parallel-size")
+                   match="seq_length/context-parallel-size = 1004 is not divisible by "
+                         "tensor-model-parallel-size=8")
     one_line_error(sizing.activation_bytes_first_stage, 10, 64, 1, 64, 4, pp=4,
                    match="num_layers=10 is not divisible by pipeline-model-parallel-size=4")
     one_line_error(sizing.activation_bytes_first_stage, 8, 64, 1, 64, 4, pp=1, vp=2, match="needs pipeline")
-    one_line_error(sizing.model_state_bytes, -5, match="num_params=-5 must be a positive number")
+    one_line_error(sizing.model_state_bytes, -5, match="num_params=-5 must be a finite number > 0")
     one_line_error(sizing.model_state_bytes, 10, 4, 4, match="zero_stage=4 is not one of 0, 1, 2, 3")
     one_line_error(sizing.megatron_optimizer_bytes_per_param, 2, True, "fp32", "bf16", match="fp32 params")
     one_line_error(sizing.parameters_per_stage, 2, 64, 101, 16, 4, tp=2, match="vocab_size=101")
@@ -62,15 +63,15 @@ def test_validate_config_rules_from_the_seeds():
     one_line_error(validate_config, TINY, pp=3, match="num_layers=8 is not divisible by "
                                                       "pipeline-model-parallel-size=3")
     one_line_error(validate_config, TINY, dp=4, micro_batch_size=4, global_batch_size=40,
-                   match="global-batch-size=40 is not divisible by micro-batch-size \\* data-parallel-size=16; "
-                         "use a multiple of 16 for global-batch-size, e.g. 32 or 48")
+                   match="global_batch_size=40 is not divisible by micro_batch_size=4 × data-parallel-size=4 = 16; "
+                         "use a multiple of 16, e.g. 32 or 48")
     one_line_error(validate_config, TINY, pp=2, vp=2, global_batch_size=3,
-                   match="number of micro-batches=3 is not divisible by pipeline-model-parallel-size")
-    one_line_error(validate_config, TINY, pp=2, vp=3, match="num_layers=8 is not divisible by "
-                                                            "pipeline-model-parallel-size \\* virtual")
+                   match="num_microbatches=3 % microbatch_group_size_per_vp_stage=2 = 1 must be 0 or >= pp_size=2")
+    one_line_error(validate_config, TINY, pp=2, vp=3, match="stage 0 has 4 layers, not divisible by "
+                                                            "virtual_pipeline_model_parallel_size=3")
     one_line_error(validate_config, TINY, zero_stage=5, match="zero_stage=5")
     one_line_error(validate_config, ModelSpec("odd", 2, 512, 8, 50304, 1004), cp=4,
-                   match="seq_length=1004 is not divisible by 2 \\* context-parallel-size=8")
+                   match="seq_length=1004 is not divisible by 2 × context-parallel-size=4 = 8")
     one_line_error(validate_config, ModelSpec("bad", 2, 500, 8, 100, 64), match="hidden_size=500 is not "
                                                                                "divisible by num_attention_heads=8")
     # the Day 22 sweep A-F on 8 ranks (TP/PP/DP, F with CP=2) are all valid
@@ -154,7 +155,7 @@ def test_one_ring_cost_model_named_as_a_cost():
     assert sizing.ring_elements_sent is comm.ring_elements_sent      # the recorder and the formulas share it
     assert not hasattr(sizing, "ring_all_reduce")                    # that name is Lab 00's ring, a collective
     assert callable(collectives.ring_all_reduce)
-    with pytest.raises(ValueError, match="group_size=0 must be a positive integer"):
+    with pytest.raises(ValueError, match="group_size=0 must be an integer >= 1"):
         sizing.ring_elements_sent("all_reduce", 8, 0)
 
 

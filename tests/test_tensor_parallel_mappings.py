@@ -125,9 +125,10 @@ def _rank_bad_inputs():
 
 def test_bad_input_gives_one_line_value_errors():
     msgs = launch(_rank_bad_inputs, world_size=W, output="none", timeout=60)[0]
-    assert msgs["heads"] == "num_attention_heads=6 is not divisible by tensor-model-parallel-size=4: " \
-                           "attention is split by whole heads"
-    assert msgs["ffn"] == "ffn_hidden_size=10 is not divisible by tensor-model-parallel-size=4"
+    assert msgs["heads"] == "num_attention_heads=6 is not divisible by tensor-model-parallel-size=4; " \
+                           "use a tensor-model-parallel-size that divides 6 (1, 2, 3, 6)"
+    assert msgs["ffn"] == "ffn_hidden_size=10 is not divisible by tensor-model-parallel-size=4; " \
+                         "use an ffn_hidden_size that is a multiple of 4, e.g. 8 or 12"
     assert msgs["column"] == "output_size=10 is not divisible by tensor-model-parallel-size=4"
     assert msgs["row"] == "input_size=10 is not divisible by tensor-model-parallel-size=4"
     assert "input_is_parallel=True" in msgs["row_sp"]

@@ -237,8 +237,8 @@ def test_group_of_middle_stage_has_no_embedding_group():
     (dict(world_size=8, tp=3), r"world_size=8 is not divisible by tensor-model-parallel-size=3 × "
                                r"pipeline-model-parallel-size=1 = 3"),
     (dict(world_size=8, tp=2, pp=2, cp=4), r"world_size=8 is not divisible by .* = 16"),
-    (dict(world_size=0), r"world_size=0 must be a positive integer"),
-    (dict(world_size=8, tp=0), r"tensor-model-parallel-size=0 must be a positive integer"),
+    (dict(world_size=0), r"world_size=0 must be an integer >= 1"),
+    (dict(world_size=8, tp=0), r"tensor-model-parallel-size=0 must be an integer >= 1"),
     (dict(world_size=8, tp=2, cp=2, order="tp-dp-pp"),
      r"context-parallel-size=2 but 'cp' is missing from order='tp-dp-pp'; add it, e.g. order='tp-cp-dp-pp'"),
     (dict(world_size=8, order="tp-xp-dp"), r"unknown axis 'xp'"),
@@ -278,7 +278,8 @@ def test_rank_grid_lookup_errors():
     (dict(world_size=8, cp=2, seq_length=102),
      r"^seq_length=102 is not divisible by 2 × context-parallel-size=2 = 4 .* e.g. 100 or 104$"),
     (dict(world_size=8, tp=8, seq_length=100, sequence_parallel=True),
-     r"^sequence_parallel needs seq_length/context-parallel-size = 100 divisible by tensor-model-parallel-size=8"),
+     r"^sequence_parallel: seq_length/context-parallel-size = 100 is not divisible by tensor-model-parallel-size=8; "
+     r"use a seq_length that is a multiple of 8, e.g. 96 or 104$"),
     (dict(world_size=8, tp=2, pp=2, micro_batch_size=2, global_batch_size=6),
      r"^global_batch_size=6 is not divisible by micro_batch_size=2 × data-parallel-size=2 = 4; "
      r"use a multiple of 4, e.g. 4 or 8$"),
@@ -291,7 +292,7 @@ def test_rank_grid_lookup_errors():
      r"needs pipeline-model-parallel-size > 1"),
     (dict(world_size=8, pp=2, num_layers=8, virtual_pipeline_model_parallel_size=3),
      r"stage 0 has 4 layers, not divisible by virtual_pipeline_model_parallel_size=3"),
-    (dict(world_size=8, micro_batch_size=0), r"micro_batch_size=0 must be a positive integer"),
+    (dict(world_size=8, micro_batch_size=0), r"micro_batch_size=0 must be an integer >= 1"),
 ])
 def test_parallel_config_errors(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:

@@ -167,11 +167,11 @@ def test_returned_record_has_communication_and_pipeline_timeline():
       "--pipeline-schedule", "gpipe"], 2, "virtual pipeline stages need the interleaved 1F1B schedule"),
     (["--virtual-pipeline-model-parallel-size", "2"], 1, "needs pipeline-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "4", "--make-vocab-size-divisible-by", "2"], 4,
-     r"padded vocabulary \(258 rows"),
-    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, "not supported with --context-parallel-size=2"),
+     r"vocab_size=258 \(padded\) is not divisible by tensor-model-parallel-size=4"),
+    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, "attention_dropout=0.1 is not supported with context-parallel-size=2"),
     (["--virtual-pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"], 2,
      "give only one of"),
-    (["--tensor-model-parallel-size", "0"], 1, "--tensor-model-parallel-size=0 must be an integer >= 1"),
+    (["--tensor-model-parallel-size", "0"], 1, "tensor-model-parallel-size=0 must be an integer >= 1"),
 ])
 def test_bad_layouts_fail_in_one_line(extra, world, message):
     with pytest.raises(ValueError, match=message) as err:

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from course_lib import comm
+from course_lib import comm, rules
 from course_lib.context_parallel.ring import ring_attention
 from course_lib.tensor_parallel import ParallelSelfAttention, ParallelTransformerLayer, TransformerConfig
 
@@ -37,9 +37,7 @@ class ContextParallelSelfAttention(ParallelSelfAttention):
     def __init__(self, config: TransformerConfig, tp_group, cp_group):
         if cp_group is None:
             raise ValueError("cp_group is None: pass the context-parallel process group explicitly")
-        if config.attention_dropout:
-            raise ValueError(f"attention_dropout={config.attention_dropout}: ring attention has no dropout; "
-                             f"use attention_dropout=0 with context-parallel-size > 1")
+        rules.cp_attention_dropout(config.attention_dropout)
         super().__init__(config, tp_group)
         self.cp_group = cp_group
 

@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from course_lib import rules
+
 __all__ = [
     "LAYOUTS", "chunks_for_rank", "rank_chunk_ids", "num_chunks", "check_sequence_split",
     "token_positions", "shard_sequence", "unshard_sequence", "get_batch_on_this_cp_rank",
@@ -38,16 +40,11 @@ LAYOUTS = ("zigzag", "contiguous")
 
 
 def _check_cp(cp_size) -> int:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"context-parallel-size={cp_size!r} must be an integer >= 1")
-    return cp_size
+    return rules.integer(rules.CP, cp_size)
 
 
 def _check_rank(cp_rank, cp_size: int) -> int:
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank={cp_rank!r} must be an integer in 0..{cp_size - 1} "
-                         f"for context-parallel-size={cp_size}")
-    return cp_rank
+    return rules.rank_in("cp_rank", cp_rank, cp_size, rules.CP)
 
 
 def _check_layout(layout) -> str:
@@ -89,17 +86,7 @@ def check_sequence_split(seq_length: int, cp_size: int, layout: str = "zigzag") 
 
     zigzag needs ``seq_length % (2·cp) == 0`` (Megatron: "sequence length must be
     divisible by 2 * context_parallel_size"); contiguous needs ``% cp == 0``."""
-    cp_size = _check_cp(cp_size)
-    n = num_chunks(cp_size, layout)
-    if isinstance(seq_length, bool) or not isinstance(seq_length, int) or seq_length < 1:
-        raise ValueError(f"seq_length={seq_length!r} must be a positive integer")
-    if seq_length % n:
-        rule = "2*cp" if layout == "zigzag" else "cp"
-        lo, hi = (seq_length // n) * n, (seq_length // n + 1) * n
-        near = f"{lo} or {hi}" if lo else f"{hi}"
-        raise ValueError(f"seq_length={seq_length} is not divisible by {rule}={n} ({layout} split of "
-                         f"context-parallel-size={cp_size}); pad the sequence to {near} tokens")
-    return seq_length // n
+    return rules.sequence_split(seq_length, _check_cp(cp_size), _check_layout(layout))
 
 
 def token_positions(cp_rank: int, cp_size: int, seq_length: int, layout: str = "zigzag") -> list[int]:

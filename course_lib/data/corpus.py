@@ -25,6 +25,8 @@ import functools
 import json
 from pathlib import Path
 
+from course_lib import rules
+
 PROSE_PATH = Path(__file__).with_name("prose.txt")
 
 _POW2 = (1, 2, 4, 8)
@@ -110,13 +112,23 @@ def _bubble_facts() -> list[str]:
     return docs
 
 
+def _obeys(rule, *args) -> bool:
+    """Whether ``rule(*args)`` (a :mod:`course_lib.rules` check) accepts the values: the facts
+    state the course's rules, so they are decided by them."""
+    try:
+        rule(*args)
+    except ValueError:
+        return False
+    return True
+
+
 def _microbatch_facts() -> list[str]:
     docs = []
     for gbs in (8, 16, 32, 64, 128, 256):
         lines = []
         for mbs in (1, 2, 4, 8):
             for dp in (1, 2, 4, 8):
-                if gbs % (mbs * dp):
+                if not _obeys(rules.num_microbatches, gbs, mbs, dp):
                     lines.append(f"A global batch of {gbs} cannot be cut into micro-batches of {mbs} over {dp} "
                                  f"data-parallel ranks, because {gbs} is not divisible by {mbs} x {dp} = {mbs * dp}.")
                 else:
@@ -131,7 +143,7 @@ def _divisibility_facts() -> list[str]:
     for heads in (4, 6, 8, 12, 16, 32):
         lines = []
         for tp in (1, 2, 3, 4, 5, 6, 8):
-            if heads % tp:
+            if not _obeys(rules.heads_divisible_by_tp, heads, tp):
                 lines.append(f"{heads} attention heads cannot be split over {tp} tensor-parallel ranks, because "
                              f"{heads} is not divisible by {tp}.")
             else:
@@ -141,7 +153,7 @@ def _divisibility_facts() -> list[str]:
     for layers in (8, 12, 24, 32, 72):
         lines = []
         for pp in (1, 2, 3, 4, 5, 8):
-            if layers % pp:
+            if not _obeys(rules.pipeline_split, layers, pp):
                 lines.append(f"{layers} layers do not divide evenly over {pp} pipeline stages; an uneven split "
                              f"must be given explicitly.")
             else:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from course_lib import rules
 from course_lib.context_parallel.zigzag import (chunks_for_rank, get_batch_on_this_cp_rank, shard_sequence,
                                                 token_positions, unshard_sequence)
 
@@ -32,15 +33,9 @@ __all__ = ["cp_chunk_ids", "cp_token_positions", "split_for_cp_rank", "get_batch
 
 
 def _check(cp_rank: int, cp_size: int, seq_length: int | None = None) -> None:
-    for name, v, lo in (("cp_size", cp_size, 1), ("cp_rank", cp_rank, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
-    if cp_rank >= cp_size:
-        raise ValueError(f"cp_rank={cp_rank} must be < cp_size={cp_size}")
-    if seq_length is not None and seq_length % (2 * cp_size):
-        raise ValueError(f"sequence length {seq_length} is not divisible by 2 x context-parallel-size = "
-                         f"{2 * cp_size} (load-balanced CP gives each rank 2 of 2*cp chunks); use a multiple "
-                         f"of {2 * cp_size}")
+    rules.rank_in("cp_rank", cp_rank, rules.integer(rules.CP, cp_size), rules.CP)
+    if seq_length is not None:
+        rules.sequence_split(seq_length, cp_size)
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:

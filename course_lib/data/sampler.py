@@ -40,16 +40,11 @@ import functools
 import numpy as np
 import torch
 
+from course_lib import rules
 from course_lib.data.corpus import load_documents
 from course_lib.data.tokenizer import ByteTokenizer
 
 DEFAULT_SEED = 1234  # Megatron's --seed default
-
-
-def _check_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
-    return int(value)
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,15 +77,13 @@ class GPTDataset:
     """
 
     def __init__(self, seq_length: int, seed: int = DEFAULT_SEED, tokens=None):
-        self.seq_length = _check_int("seq_length", seq_length)
-        self.seed = _check_int("seed", seed, minimum=0)
+        self.seq_length = rules.integer("seq_length", seq_length)
+        self.seed = rules.integer("seed", seed, minimum=0)
         self.tokens = corpus_tokens() if tokens is None else np.asarray(tokens, dtype=np.int64)
         if self.tokens.ndim != 1:
             raise ValueError(f"tokens must be a 1-D token stream, got shape {tuple(self.tokens.shape)}")
+        rules.seq_length_fits_corpus(self.seq_length, len(self.tokens))
         self.num_windows = (len(self.tokens) - 1) // self.seq_length
-        if self.num_windows < 1:
-            raise ValueError(f"seq_length={seq_length} needs at least seq_length + 1 = {seq_length + 1} tokens, "
-                             f"the stream has {len(self.tokens)}; use a smaller seq_length")
         self._perms: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -104,7 +97,7 @@ class GPTDataset:
         return self._perms[epoch]
 
     def window_of(self, idx: int) -> int:
-        epoch, j = divmod(_check_int("sample index", idx, minimum=0), self.num_windows)
+        epoch, j = divmod(rules.integer("sample index", idx, minimum=0), self.num_windows)
         return int(self.shuffle_index(epoch)[j])
 
     def __getitem__(self, idx: int) -> np.ndarray:
@@ -135,21 +128,13 @@ def microbatch_sample_indices(iteration: int, micro_batch_index: int, dp_rank: i
     ``global_batch_size`` defaults to ``micro_batch_size * dp_size`` (one micro-batch
     per step, Megatron's default when ``--global-batch-size`` is not given).
     """
-    iteration = _check_int("iteration", iteration, minimum=0)
-    dp_size = _check_int("dp_size", dp_size)
-    micro = _check_int("micro_batch_size", micro_batch_size)
-    gbs = micro * dp_size if global_batch_size is None else _check_int("global_batch_size", global_batch_size)
-    if gbs % (micro * dp_size):
-        raise ValueError(f"global_batch_size={gbs} is not divisible by micro_batch_size={micro} x dp_size={dp_size} "
-                         f"= {micro * dp_size}; use a multiple of {micro * dp_size}")
-    num_micro = gbs // (micro * dp_size)
-    dp_rank = _check_int("dp_rank", dp_rank, minimum=0)
-    if dp_rank >= dp_size:
-        raise ValueError(f"dp_rank={dp_rank} must be < dp_size={dp_size}")
-    mb = _check_int("micro_batch_index", micro_batch_index, minimum=0)
-    if mb >= num_micro:
-        raise ValueError(f"micro_batch_index={mb} must be < number of micro-batches = global_batch_size / "
-                         f"(micro_batch_size x dp_size) = {num_micro}")
+    iteration = rules.integer("iteration", iteration, minimum=0)
+    dp_size = rules.integer(rules.DP, dp_size)
+    micro = rules.integer("micro_batch_size", micro_batch_size)
+    gbs = micro * dp_size if global_batch_size is None else rules.integer("global_batch_size", global_batch_size)
+    num_micro = rules.num_microbatches(gbs, micro, dp_size)
+    dp_rank = rules.rank_in("dp_rank", dp_rank, dp_size, rules.DP)
+    mb = rules.rank_in("micro_batch_index", micro_batch_index, num_micro, "num_microbatches")
     start = iteration * gbs + mb * micro * dp_size + dp_rank * micro
     return range(start, start + micro)
 
@@ -164,7 +149,7 @@ def get_batch(iteration: int, micro_batch_index: int, dp_rank: int, dp_size: int
     """
     idx = microbatch_sample_indices(iteration, micro_batch_index, dp_rank, dp_size, micro_batch_size,
                                     global_batch_size)
-    ds = _corpus_dataset(_check_int("seq_length", seq_length), _check_int("seed", seed, minimum=0)) \
+    ds = _corpus_dataset(rules.integer("seq_length", seq_length), rules.integer("seed", seed, minimum=0)) \
         if dataset is None else dataset
     if ds.seq_length != seq_length:
         raise ValueError(f"dataset.seq_length={ds.seq_length} differs from seq_length={seq_length}; "

@@ -20,7 +20,11 @@ gets wrong and the commands here get right:
 * DP is never a flag; ``--context-parallel-size`` is printed only when CP > 1, so
   A-E also run on branches older than context parallelism.
 * Interleaved pipelining is ``--num-layers-per-virtual-pipeline-stage``
-  (layers / (PP * VPP)); Megatron has no ``--virtual-pipeline-model-parallel-size``.
+  (layers / (PP * VPP)), or ``--num-virtual-stages-per-pipeline-rank`` with an uneven
+  split (``validate_args`` refuses the former there); Megatron has no
+  ``--virtual-pipeline-model-parallel-size``.
+* ``--sequence-parallel`` with TP = 1 is turned off with a one-line note, as Megatron
+  does (and the course's trainer and planner).
 
 CLI: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8`` (see
 ``add_arguments``). ``--data-dir`` is shell-quoted in every line printed (a path with
@@ -33,6 +37,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
+from course_lib import rules
 from course_lib.topology import ParallelConfig
 
 # The seed's GPU model: 8 layers so PP = 1/2/4 divide, 8 heads so TP = 1/2/4/8 divide.
@@ -81,12 +86,12 @@ class MegatronRun:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
         for name in ("train_iters", "log_interval", "eval_interval"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr={self.min_lr} is larger than lr={self.lr} (validate_args asserts "
-                             f"min_lr <= lr); lower min_lr")
+            rules.integer(name, getattr(self, name))
+        for name in ("lr_warmup_iters", "eval_iters", "seed"):
+            rules.integer(name, getattr(self, name), 0)
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+            rules.number(name, getattr(self, name), 0.0)
+        rules.min_lr(self.min_lr, self.lr)
         if self.transformer_impl not in (None, "local", "transformer_engine"):
             raise ValueError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
         _check_data_dir(self.data_dir)
@@ -129,36 +134,15 @@ def _as_config(config) -> ParallelConfig:
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(cfg, name) is None:
             raise ValueError(f"a Megatron command needs {name}; give it in the config (e.g. gpu_config(...))")
-    if cfg.sequence_parallel and cfg.tp == 1:
-        raise ValueError("sequence_parallel needs tensor-model-parallel-size > 1 (Megatron silently turns it "
-                         "off at TP=1); drop sequence parallel (--sp) or raise TP")
     return cfg
 
 
 def pretrain_args(config, run: MegatronRun | None = None) -> list[tuple[str, str | None]]:
-    """The ``pretrain_gpt.py`` arguments as ``(flag, value)`` pairs (value ``None`` for switches)."""
+    """The ``pretrain_gpt.py`` arguments as ``(flag, value)`` pairs (value ``None`` for switches):
+    the config's own (:meth:`ParallelConfig.megatron_args`, the one renderer of a layout's
+    flags), then the run's."""
     cfg, run = _as_config(config), run or MegatronRun()
-    vpp = cfg.virtual_pipeline_model_parallel_size
-    args: list[tuple[str, str | None]] = [
-        ("--tensor-model-parallel-size", str(cfg.tp)),
-        ("--pipeline-model-parallel-size", str(cfg.pp)),
-    ]
-    if cfg.cp > 1:
-        args.append(("--context-parallel-size", str(cfg.cp)))
-    if cfg.sequence_parallel:
-        args.append(("--sequence-parallel", None))
-    if vpp is not None and vpp > 1:
-        args.append(("--num-layers-per-virtual-pipeline-stage", str(cfg.num_layers // cfg.pp // vpp)))
-    if run.use_distributed_optimizer:
-        args.append(("--use-distributed-optimizer", None))
-    args += [
-        ("--num-layers", str(cfg.num_layers)),
-        ("--hidden-size", str(cfg.hidden_size)),
-        ("--num-attention-heads", str(cfg.num_attention_heads)),
-        ("--seq-length", str(cfg.seq_length)),
-        ("--max-position-embeddings", str(cfg.seq_length)),
-        ("--micro-batch-size", str(cfg.micro_batch_size)),
-        ("--global-batch-size", str(cfg.effective_global_batch_size)),
+    args = cfg.megatron_args() + [
         ("--train-iters", str(run.train_iters)),
         ("--lr", f"{run.lr:g}"),
         ("--min-lr", f"{run.min_lr:g}"),
@@ -168,6 +152,8 @@ def pretrain_args(config, run: MegatronRun | None = None) -> list[tuple[str, str
         ("--clip-grad", f"{run.clip_grad:g}"),
         ("--seed", str(run.seed)),
     ]
+    if run.use_distributed_optimizer:
+        args.append(("--use-distributed-optimizer", None))
     if run.precision != "fp32":
         args.append((f"--{run.precision}", None))
     if run.transformer_impl is not None:
@@ -293,7 +279,7 @@ DP=$(( GPUS / (TP * PP * CP) ))
 (( NUM_LAYERS % PP == 0 )) || fail "num-layers=$NUM_LAYERS is not divisible by PP=$PP; use PP in 1 2 4 8"
 (( GBS % (MBS * DP) == 0 )) || fail "global-batch-size=$GBS is not divisible by micro-batch-size*DP=$(( MBS * DP ))"
 (( CP == 1 || SEQ % (2 * CP) == 0 )) || fail "seq-length=$SEQ is not divisible by 2*CP=$(( 2 * CP ))"
-(( SP == 0 || TP > 1 )) || fail "SP=1 needs TP > 1"
+if (( SP == 1 && TP == 1 )); then echo "run_tiny_gpt.sh: SP=1 has no effect with TP=1: turned off, as Megatron does" >&2; SP=0; fi
 (( VPP == 1 || (PP > 1 && (NUM_LAYERS / PP) % VPP == 0) )) || fail "VPP=$VPP needs PP > 1 and layers per stage divisible by VPP"
 echo "world $GPUS = TP $TP x PP $PP x CP $CP x DP $DP; $(( GBS / (MBS * DP) )) micro-batches per step"
 
@@ -336,7 +322,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--pp", type=int, default=None, help="--pipeline-model-parallel-size (default 1)")
     g.add_argument("--cp", type=int, default=None, help="--context-parallel-size (default 1)")
     g.add_argument("--nproc", type=int, default=8, help="GPUs (torchrun --nproc_per_node); DP = nproc/(tp*pp*cp)")
-    g.add_argument("--sp", action="store_true", help="--sequence-parallel (needs tp > 1)")
+    g.add_argument("--sp", action="store_true", help="--sequence-parallel (turned off with tp = 1, as Megatron does)")
     g.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved 1F1B)")
     g = parser.add_argument_group("batch and training")
     g.add_argument("--seq-length", type=int, default=DEFAULT_SEQ_LENGTH)
@@ -375,14 +361,13 @@ def run(args) -> int:
                        transformer_impl=args.transformer_impl, data_dir=args.data_dir)
     cfg = gpu_config(tp, pp, cp, args.nproc, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, sequence_parallel=args.sp, vpp=args.vpp)
-    _as_config(cfg)
     parts = []
     if args.show in ("setup", "all"):
         parts.append(setup_commands(mrun))
     elif args.show == "preprocess":
         parts.append(preprocess_command(mrun))
     if args.show in ("train", "all"):
-        notes = [describe(cfg)]
+        notes = [describe(cfg)] + [f"# {note}" for note in cfg.notes]
         if cfg.virtual_pipeline_model_parallel_size and cfg.virtual_pipeline_model_parallel_size > 1 and cfg.pp == 2:
             notes.append("# Megatron-LM core <= 0.5 requires PP > 2 for the interleaved schedule")
         if cfg.cp > 1 and mrun.transformer_impl == "local":

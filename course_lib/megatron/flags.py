@@ -10,8 +10,10 @@ Checked by reading NVIDIA/Megatron-LM at two points (``git show <rev>:<file>``):
   ``field_name`` -> ``--field-name``); the entry names the dataclass field, or the
   ``arguments.py`` function for flags still written out.
 
-All of them also exist, as ``add_argument`` calls, in ``megatron/arguments.py`` of
-``core_v0.5.0`` (0acc240ebd28). ``tests/test_megatron_bridge.py`` keeps this table
+All of them but the flags of an uneven pipeline split (``--decoder-first-pipeline-num-layers``,
+``--decoder-last-pipeline-num-layers`` and ``--num-virtual-stages-per-pipeline-rank``, the
+spelling of interleaving such a split needs) also exist, as ``add_argument`` calls, in
+``megatron/arguments.py`` of ``core_v0.5.0`` (0acc240ebd28). ``tests/test_megatron_bridge.py`` keeps this table
 and the generated commands in sync, and re-checks the table against a Megatron-LM
 checkout when ``MEGATRON_LM_DIR`` points to one.
 """
@@ -35,6 +37,12 @@ PRETRAIN_FLAGS: dict[str, tuple[str, str]] = {
                             "megatron/core/model_parallel_config.py::ModelParallelConfig.sequence_parallel"),
     "--num-layers-per-virtual-pipeline-stage": ("megatron/training/arguments.py::_add_distributed_args",
                                                 "megatron/training/arguments.py::_add_distributed_args"),
+    "--num-virtual-stages-per-pipeline-rank": ("megatron/training/arguments.py::_add_distributed_args",
+                                               "megatron/training/arguments.py::_add_distributed_args"),
+    "--decoder-first-pipeline-num-layers": ("megatron/training/arguments.py::_add_distributed_args",
+                                            "megatron/training/arguments.py::_add_distributed_args"),
+    "--decoder-last-pipeline-num-layers": ("megatron/training/arguments.py::_add_distributed_args",
+                                           "megatron/training/arguments.py::_add_distributed_args"),
     "--use-distributed-optimizer": ("megatron/training/arguments.py::_add_distributed_args",
                                     "megatron/training/arguments.py::_add_distributed_args"),
     "--num-layers": ("megatron/training/arguments.py::_add_network_size_args",
@@ -43,6 +51,10 @@ PRETRAIN_FLAGS: dict[str, tuple[str, str]] = {
                       "megatron/core/transformer/transformer_config.py::TransformerConfig.hidden_size"),
     "--num-attention-heads": ("megatron/training/arguments.py::_add_network_size_args",
                               "megatron/core/transformer/transformer_config.py::TransformerConfig.num_attention_heads"),
+    "--group-query-attention": ("megatron/training/arguments.py::_add_network_size_args",
+                                "megatron/training/arguments.py::_add_network_size_args"),
+    "--num-query-groups": ("megatron/training/arguments.py::_add_network_size_args",
+                           "megatron/core/transformer/transformer_config.py::TransformerConfig.num_query_groups"),
     "--seq-length": ("megatron/training/arguments.py::_add_data_args",
                      "megatron/training/arguments.py::_add_data_args"),
     "--max-position-embeddings": ("megatron/training/arguments.py::_add_network_size_args",

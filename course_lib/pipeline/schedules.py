@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from course_lib import rules
+
 KINDS = ("F", "B", "W")
 
 
@@ -110,27 +112,7 @@ def check_interleaved_config(pp_size: int, num_microbatches: int, vp_size: int,
     ``pp_size <= group <= num_microbatches``, and ``num_microbatches % group`` is 0
     or ``>= pp_size``. With the default group this means ``num_microbatches % pp_size == 0``.
     """
-    _check_int("pp_size", pp_size, 1)
-    _check_int("num_microbatches", num_microbatches, 1)
-    _check_int("vp_size", vp_size, 1)
-    if pp_size < 2:
-        raise ValueError(f"the interleaved schedule needs pipeline-model-parallel-size >= 2, got pp_size="
-                         f"{pp_size}: with one stage there is nothing to interleave")
-    if vp_size < 2:
-        raise ValueError(f"vp_size={vp_size}: the interleaved schedule needs >= 2 model chunks per rank; "
-                         f"Megatron treats virtual-pipeline size 1 as no interleaving: use schedule_1f1b")
-    group = pp_size if microbatch_group_size is None else microbatch_group_size
-    _check_int("microbatch_group_size", group, 1)
-    if group > num_microbatches or group < pp_size:
-        raise ValueError(f"microbatch_group_size_per_vp_stage={group} must be in [pp_size={pp_size}, "
-                         f"num_microbatches={num_microbatches}]: use more micro-batches or a group "
-                         f"size between them")
-    remainder = num_microbatches % group
-    if 0 < remainder < pp_size:
-        raise ValueError(f"num_microbatches={num_microbatches} % microbatch_group_size_per_vp_stage="
-                         f"{group} = {remainder} must be 0 or >= pp_size={pp_size} (a smaller last group "
-                         f"would stall the pipeline): change num_microbatches or the group size")
-    return group
+    return rules.interleaved_microbatch_group(pp_size, num_microbatches, vp_size, microbatch_group_size)
 
 
 # ----------------------------------------------------------------------------- schedules

@@ -1,53 +1,31 @@
-"""Input checks shared by the sizing calculators: one-line ValueErrors that name the rule and a fix.
+"""Input checks of the sizing calculators: :mod:`course_lib.rules`' value rules under the names the
+formulas use, plus the two checks that are the calculators' own (the recompute mode, a GPT shape).
 
-Names in messages follow Megatron-LM's flags (``--tensor-model-parallel-size`` ...), so an error
-reads the same as the one a real launch would give.
+Every layout rule (heads % tp, layers % pp, seq % 2·cp, micro-batches, ...) is called from
+:mod:`course_lib.rules` directly, so an error reads the same as the one a real launch, the
+trainer or ``megatron-cmd`` gives.
 """
 
 from __future__ import annotations
 
-from numbers import Real
+from course_lib import rules
 
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 def positive_int(name: str, value) -> int:
     """``value`` as an int, or ValueError unless it is an integer >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer (>= 1)")
-    return value
+    return rules.integer(name, value)
 
 
 def non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a non-negative integer (>= 0)")
-    return value
+    """``value`` as an int, or ValueError unless it is an integer >= 0."""
+    return rules.integer(name, value, 0)
 
 
 def positive_number(name: str, value) -> float:
-    """``value`` as a number, or ValueError unless it is a real number > 0."""
-    if isinstance(value, bool) or not isinstance(value, Real) or not value > 0:
-        raise ValueError(f"{name}={value!r} must be a positive number (> 0)")
-    return value
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def divisible(name: str, value: int, by_name: str, by: int, change_value: bool = False) -> None:
-    """ValueError ``"<name>=<value> is not divisible by <by_name>=<by>; <fix>"`` unless by | value.
-
-    The fix lists the divisors of ``value`` to choose ``by_name`` from, or, with
-    ``change_value=True`` (e.g. a batch size), the nearest multiples of ``by``.
-    """
-    if value % by:
-        if change_value:
-            below, above = value - value % by, value - value % by + by
-            fix = f"use a multiple of {by} for {name}, e.g. {below or above} or {above}"
-        else:
-            fix = f"choose {by_name} among the divisors of {value}: {_divisors(value)}"
-        raise ValueError(f"{name}={value} is not divisible by {by_name}={by}; {fix}")
+    """``value``, or ValueError unless it is a finite real number > 0."""
+    return rules.number(name, value, 0.0, low_open=True)
 
 
 def recompute_mode(recompute) -> str:
@@ -66,12 +44,12 @@ def recompute_mode(recompute) -> str:
 
 def model_shape(num_layers, hidden_size, num_heads=None, vocab_size=None, seq_length=None) -> None:
     """Check a GPT shape: positive sizes, and hidden_size divisible by the number of heads."""
-    positive_int("num_layers", num_layers)
-    positive_int("hidden_size", hidden_size)
+    rules.integer("num_layers", num_layers)
+    rules.integer("hidden_size", hidden_size)
     if num_heads is not None:
-        positive_int("num_attention_heads", num_heads)
-        divisible("hidden_size", hidden_size, "num_attention_heads", num_heads)
+        rules.integer("num_attention_heads", num_heads)
+        rules.hidden_divisible_by_heads(hidden_size, num_heads)
     if vocab_size is not None:
-        positive_int("vocab_size", vocab_size)
+        rules.integer("vocab_size", vocab_size)
     if seq_length is not None:
-        positive_int("seq_length", seq_length)
+        rules.integer("seq_length", seq_length)

@@ -22,6 +22,7 @@ schedules.py ``get_tensor_shapes``); gradients are reduced over the data-paralle
 
 from __future__ import annotations
 
+from course_lib import rules
 from course_lib.sizing import _checks
 
 
@@ -80,7 +81,7 @@ def tp_comm_per_layer(
                         ("hidden_size", hidden_size), ("tensor-model-parallel-size", tp),
                         ("context-parallel-size", cp)):
         _checks.positive_int(name, value)
-    _checks.divisible("seq_length", seq_length, "context-parallel-size", cp)
+    rules.sequence_split(seq_length, cp, "contiguous")
     mode = _checks.recompute_mode(recompute)
     bsh = micro_batch_size * (seq_length // cp) * hidden_size
     # 2 all-reduces, or 2 x (all-gather + reduce-scatter): the same elements
@@ -110,12 +111,9 @@ def pp_send_elements(
                         ("hidden_size", hidden_size), ("tensor-model-parallel-size", tp),
                         ("context-parallel-size", cp)):
         _checks.positive_int(name, value)
-    _checks.divisible("seq_length", seq_length, "context-parallel-size", cp)
-    s = seq_length // cp
+    s = rules.sequence_split(seq_length, cp, "contiguous")
     if sequence_parallel:
-        _checks.divisible("seq_length / context-parallel-size", s, "tensor-model-parallel-size "
-                          "(sequence parallel)", tp)
-        s //= tp
+        s = rules.sequence_parallel_split(seq_length, cp, tp)
     return s * micro_batch_size * hidden_size
 
 
@@ -198,9 +196,9 @@ def cp_comm_per_layer(
         _checks.positive_int(name, value)
     _checks.model_shape(1, hidden_size, num_heads)
     g = num_heads if num_query_groups is None else _checks.positive_int("num_query_groups", num_query_groups)
-    _checks.divisible("num_attention_heads", num_heads, "num_query_groups", g)
-    _checks.divisible("num_attention_heads", num_heads, "tensor-model-parallel-size", tp)
-    _checks.divisible("seq_length", seq_length, "context-parallel-size", cp)
+    rules.query_groups(g, num_heads, 1)
+    rules.heads_divisible_by_tp(num_heads, tp)
+    rules.sequence_split(seq_length, cp, "contiguous")
     head_dim = hidden_size // num_heads
     kv_heads_per_rank = g // tp if g >= tp else 1  # Megatron replicates K/V heads when g < t
     chunk = (seq_length // cp) * micro_batch_size * head_dim * kv_heads_per_rank

@@ -19,6 +19,7 @@ exact integer arithmetic; no torch.
 
 from __future__ import annotations
 
+from course_lib import rules
 from course_lib.sizing import _checks
 
 
@@ -89,13 +90,9 @@ def parameters_per_stage(
     _checks.model_shape(num_layers, hidden_size, num_heads, vocab_size, seq_length)
     _checks.positive_int("tensor-model-parallel-size", tp)
     _checks.positive_int("pipeline-model-parallel-size", pp)
-    _checks.divisible("num_attention_heads", num_heads, "tensor-model-parallel-size", tp)
-    _checks.divisible("num_layers", num_layers, "pipeline-model-parallel-size", pp)
-    if vocab_size % tp:
-        raise ValueError(
-            f"vocab_size={vocab_size} is not divisible by tensor-model-parallel-size={tp}; pad it "
-            "as Megatron does (--make-vocab-size-divisible-by 128 pads to a multiple of 128*tp)"
-        )
+    rules.heads_divisible_by_tp(num_heads, tp)
+    rules.pipeline_split(num_layers, pp)
+    rules.vocab_divisible_by_tp(vocab_size, tp)
     h = hidden_size
     per_layer = (12 * h * h + 7 * h) // tp + 6 * h  # exact: tp | heads | h
     stages = [(num_layers // pp) * per_layer] * pp

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from course_lib import rules
 from course_lib.sizing import _checks
 
 
@@ -63,17 +64,6 @@ def activation_breakdown_per_layer(seq_length: int, micro_batch_size: int, hidde
             "total": attention + mlp + layernorm}
 
 
-def _check_parallel(seq_length, micro_batch_size, hidden_size, num_heads, tp, sequence_parallel,
-                    seq_name="seq_length"):
-    _checks.model_shape(1, hidden_size, num_heads)
-    _checks.positive_int(seq_name, seq_length)
-    _checks.positive_int("micro_batch_size", micro_batch_size)
-    _checks.positive_int("tensor-model-parallel-size", tp)
-    _checks.divisible("num_attention_heads", num_heads, "tensor-model-parallel-size", tp)
-    if sequence_parallel:
-        _checks.divisible(seq_name, seq_length, "tensor-model-parallel-size (sequence parallel)", tp)
-
-
 def activation_bytes_per_layer(
     seq_length: int,
     micro_batch_size: int,
@@ -108,11 +98,12 @@ def activation_bytes_per_layer(
     keys) -- an upper bound: Megatron's CP runs flash attention, which stores no score matrix at
     all, i.e. behaves like ``recompute="selective"`` for that term.
     """
-    _checks.positive_int("context-parallel-size", cp)
-    _checks.positive_int("seq_length", seq_length)
-    _checks.divisible("seq_length", seq_length, "context-parallel-size", cp)
-    _check_parallel(seq_length // cp, micro_batch_size, hidden_size, num_heads, tp, sequence_parallel,
-                    "seq_length" if cp == 1 else "seq_length / context-parallel-size")
+    _checks.model_shape(1, hidden_size, num_heads)
+    rules.sequence_split(seq_length, cp, "contiguous")
+    _checks.positive_int("micro_batch_size", micro_batch_size)
+    rules.heads_divisible_by_tp(num_heads, _checks.positive_int(rules.TP, tp))
+    if sequence_parallel:
+        rules.sequence_parallel_split(seq_length, cp, tp)
     mode = _checks.recompute_mode(recompute)
     sbh = seq_length // cp * micro_batch_size * hidden_size
     scores = 5 * num_heads * (seq_length // cp) * seq_length * micro_batch_size  # 5as^2b at cp=1
@@ -160,22 +151,15 @@ def activation_bytes_first_stage(
     Embeddings and the output layer are separate: :func:`activation_bytes_outside_layers`.
     """
     _checks.model_shape(num_layers, hidden_size, num_heads)
-    _checks.positive_int("pipeline-model-parallel-size", pp)
-    _checks.positive_int("virtual-pipeline-model-parallel-size", vp)
-    _checks.divisible("num_layers", num_layers, "pipeline-model-parallel-size", pp)
-    if vp > 1:
-        if pp == 1:
-            raise ValueError("virtual-pipeline-model-parallel-size>1 needs pipeline-model-parallel-size>1; "
-                             "set vp=1 or use pipeline parallelism")
-        _checks.divisible("num_layers", num_layers, "pipeline-model-parallel-size * virtual-pipeline-"
-                          "model-parallel-size", pp * vp)
+    stages = rules.pipeline_split(num_layers, _checks.positive_int(rules.PP, pp))
+    if _checks.positive_int(rules.VPP, vp) > 1:
+        rules.virtual_pipeline(vp, pp, stages)
     per_layer = activation_bytes_per_layer(seq_length, micro_batch_size, hidden_size, num_heads, tp,
                                            sequence_parallel, recompute, cp)
     if num_microbatches is not None:
         _checks.positive_int("num_microbatches", num_microbatches)
         if vp > 1:
-            _checks.divisible("num_microbatches", num_microbatches, "pipeline-model-parallel-size "
-                              "(interleaved schedule)", pp, change_value=True)
+            rules.interleaved_microbatch_group(pp, num_microbatches, vp)
         elif num_microbatches < pp:
             return float(per_layer * (num_layers // pp) * num_microbatches)
     return per_layer * num_layers * interleaving_factor(pp, vp)
@@ -200,10 +184,9 @@ def output_activation_terms(
                         ("hidden_size", hidden_size), ("vocab_size", vocab_size),
                         ("tensor-model-parallel-size", tp)):
         _checks.positive_int(name, value)
-    _checks.divisible("hidden_size", hidden_size, "tensor-model-parallel-size", tp)
-    _checks.divisible("vocab_size", vocab_size, "tensor-model-parallel-size", tp)
+    rules.vocab_divisible_by_tp(vocab_size, tp)
     if sequence_parallel:
-        _checks.divisible("seq_length", seq_length, "tensor-model-parallel-size (sequence parallel)", tp)
+        rules.sequence_parallel_split(seq_length, 1, tp)
     sb = seq_length * micro_batch_size
     sbh = sb * hidden_size
     logits = 4 * sb * vocab_size // tp

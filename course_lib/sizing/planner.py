@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from course_lib import rules
 from course_lib.sizing import _checks
 from course_lib.sizing.comm import cp_comm_per_layer, dp_comm_per_iteration, pp_comm_per_iteration, tp_comm_per_layer
 from course_lib.sizing.flops import flops_per_iteration, num_parameters, parameters_per_stage
@@ -24,6 +25,7 @@ from course_lib.sizing.memory import (
     model_state_bytes,
     output_activation_terms,
 )
+from course_lib.topology import ParallelConfig
 
 GB = 1e9
 
@@ -78,50 +80,45 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def parallel_config(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False, micro_batch_size=1,
+                    global_batch_size=None) -> ParallelConfig:
+    """The layout as a validated :class:`~course_lib.topology.ParallelConfig` on ``tp·pp·dp·cp`` GPUs.
+
+    The planner takes DP (it sizes a cluster); the config derives it back from the world size, so
+    every layout rule -- heads, layers, CP chunks, SP, micro-batches, interleaving -- is the one
+    the trainer and ``megatron-cmd`` apply (:mod:`course_lib.rules`). ``vp = 1``: no interleaving.
+    """
+    rules.integer("vocab_size", model.vocab_size)
+    sizes = {name: rules.integer(flag, value) for name, flag, value in (
+        ("tp", rules.TP, tp), ("pp", rules.PP, pp), ("dp", rules.DP, dp), ("cp", rules.CP, cp),
+        ("vp", rules.VPP, vp))}
+    return ParallelConfig(world_size=sizes["tp"] * sizes["pp"] * sizes["dp"] * sizes["cp"], tp=tp, pp=pp, cp=cp,
+                          num_layers=model.num_layers, num_attention_heads=model.num_heads,
+                          hidden_size=model.hidden_size, seq_length=model.seq_length,
+                          micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                          sequence_parallel=sequence_parallel, virtual_pipeline_model_parallel_size=vp)
+
+
 def validate_config(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False,
                     recompute="none", zero_stage=0, micro_batch_size=1, global_batch_size=None) -> int:
     """Check a configuration the way Megatron would; return the number of micro-batches.
 
-    Rules (each a one-line ValueError): positive sizes; ``num_attention_heads % tp == 0``;
-    ``num_layers % pp == 0`` (and ``% (pp * vp)`` when interleaving, which needs ``pp > 1``);
-    ``vocab_size % tp == 0``; with SP ``seq_length % (cp * tp) == 0``; with CP
-    ``seq_length % (2 * cp) == 0`` (Megatron's load-balanced chunks); ``global_batch_size`` a
-    multiple of ``micro_batch_size * dp`` (micro-batches = global / (micro x DP)), and with
-    interleaving a multiple of ``pp`` micro-batches (Narayanan §2.2.2).
+    The layout rules are :func:`parallel_config`'s (the rule book's); the planner adds its own
+    inputs: the recompute mode, the ZeRO stage and ``vocab_size % tp == 0`` (the model's
+    vocabulary is already padded, e.g. GPT-2's 50257 to 50304).
     """
-    _checks.model_shape(model.num_layers, model.hidden_size, model.num_heads, model.vocab_size,
-                        model.seq_length)
-    for name, value in (("tensor-model-parallel-size", tp), ("pipeline-model-parallel-size", pp),
-                        ("data-parallel-size", dp), ("context-parallel-size", cp),
-                        ("virtual-pipeline-model-parallel-size", vp),
-                        ("micro-batch-size", micro_batch_size)):
-        _checks.positive_int(name, value)
+    return _checked(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage, micro_batch_size,
+                    global_batch_size).num_microbatches
+
+
+def _checked(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage, micro_batch_size,
+             global_batch_size) -> ParallelConfig:
+    config = parallel_config(model, tp, pp, dp, cp, vp, sequence_parallel, micro_batch_size, global_batch_size)
     _checks.recompute_mode(recompute)
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
-    _checks.divisible("num_attention_heads", model.num_heads, "tensor-model-parallel-size", tp)
-    _checks.divisible("num_layers", model.num_layers, "pipeline-model-parallel-size", pp)
-    if vp > 1:
-        if pp == 1:
-            raise ValueError("virtual-pipeline-model-parallel-size>1 needs pipeline-model-parallel-size>1; "
-                             "set vp=1 or use pipeline parallelism")
-        _checks.divisible("num_layers", model.num_layers,
-                          "pipeline-model-parallel-size * virtual-pipeline-model-parallel-size", pp * vp)
-    _checks.divisible("vocab_size", model.vocab_size, "tensor-model-parallel-size", tp)
-    if cp > 1:
-        _checks.divisible("seq_length", model.seq_length, "2 * context-parallel-size", 2 * cp)
-    if sequence_parallel and tp > 1:
-        _checks.divisible("seq_length", model.seq_length,
-                          "context-parallel-size * tensor-model-parallel-size (sequence parallel)", cp * tp)
-    gbs = micro_batch_size * dp if global_batch_size is None else global_batch_size
-    _checks.positive_int("global-batch-size", gbs)
-    _checks.divisible("global-batch-size", gbs, "micro-batch-size * data-parallel-size", micro_batch_size * dp,
-                      change_value=True)
-    m = gbs // (micro_batch_size * dp)
-    if vp > 1:
-        _checks.divisible("number of micro-batches", m, "pipeline-model-parallel-size (interleaved schedule)", pp,
-                          change_value=True)
-    return m
+    rules.vocab_divisible_by_tp(model.vocab_size, tp)
+    return config
 
 
 @dataclass
@@ -172,21 +169,20 @@ def plan(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False
     times the layers and micro-batches of the busiest rank, 2 bytes per element.
     FLOPs: Eq. 7 (model) and Eq. 3 / Eq. 8 (hardware, by recompute mode).
     """
-    m = validate_config(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage,
-                        micro_batch_size, global_batch_size)
+    config = _checked(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage, micro_batch_size,
+                      global_batch_size)
     _checks.positive_number("gpu_memory_gb", gpu_memory_gb)
     recompute = _checks.recompute_mode(recompute)
-    notes = []
-    if sequence_parallel and tp == 1:
-        notes.append("sequence parallelism has no effect with tp=1 (Megatron turns it off)")
-        sequence_parallel = False
+    m = config.num_microbatches
+    notes = list(config.notes)
+    sequence_parallel = config.sequence_parallel          # off with tp = 1, as Megatron does (said in notes)
     s, b, h, a, L = model.seq_length, micro_batch_size, model.hidden_size, model.num_heads, model.num_layers
-    gbs = m * micro_batch_size * dp
+    gbs = config.effective_global_batch_size
 
     stage_params = parameters_per_stage(L, h, model.vocab_size, s, a, tp, pp)
     per_layer = activation_bytes_per_layer(s, b, h, a, tp, sequence_parallel, recompute, cp)
     outside = output_activation_terms(s // cp, b, h, model.vocab_size, tp, sequence_parallel)
-    layers_per_stage = L // pp
+    layers_per_stage = config.layers_per_stage()[0]
 
     def stage(index: int, inflight: float) -> dict:
         states = model_state_bytes(stage_params[index], dp * cp, zero_stage)

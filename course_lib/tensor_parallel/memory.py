@@ -16,6 +16,8 @@ it for the split weights. (Pass ``bytes_per_param=16`` to see that.)
 
 from __future__ import annotations
 
+from course_lib import rules
+
 from .init import divide
 from .transformer import TransformerConfig
 
@@ -29,10 +31,8 @@ def layer_parameter_shapes(config: TransformerConfig, tp: int) -> list[dict]:
     Rows ``{name, shape (per rank), full_shape, split (bool), partition_dim}`` in
     ``named_parameters()`` order. Raises ValueError when the config cannot be split."""
     h, ffn = config.hidden_size, config.ffn_hidden_size
-    if config.num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by "
-                         f"tensor-model-parallel-size={tp}")
-    divide(ffn, tp, "ffn_hidden_size")
+    rules.heads_divisible_by_tp(config.num_attention_heads, tp)
+    rules.ffn_divisible_by_tp(ffn, tp)
     rows = []
 
     def add(name, full, split_dim=None):

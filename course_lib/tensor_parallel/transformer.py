@@ -43,9 +43,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm
+from course_lib import comm, rules
 
-from .init import divide, init_method_normal, scaled_init_method_normal
+from .init import init_method_normal, scaled_init_method_normal
 from .layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["TransformerConfig", "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerLayer",
@@ -74,15 +74,14 @@ class TransformerConfig:
 
     def __post_init__(self):
         for name in ("hidden_size", "num_attention_heads", "num_layers"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
+            rules.integer(name, getattr(self, name))
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = 4 * self.hidden_size
-        divide(self.hidden_size, self.num_attention_heads, "hidden_size", by="num_attention_heads")
+        rules.integer("ffn_hidden_size", self.ffn_hidden_size)
+        rules.hidden_divisible_by_heads(self.hidden_size, self.num_attention_heads)
         for name in ("hidden_dropout", "attention_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+            rules.probability(name, getattr(self, name))
+        rules.number("init_method_std", self.init_method_std, 0.0)
 
     @property
     def kv_channels(self) -> int:
@@ -115,8 +114,7 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group):
         super().__init__()
-        t = _tp_size(tp_group)
-        divide(config.ffn_hidden_size, t, "ffn_hidden_size")
+        rules.ffn_divisible_by_tp(config.ffn_hidden_size, _tp_size(tp_group))
         self.config, self.tp_group = config, tp_group
         kw = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                   params_dtype=config.params_dtype)
@@ -142,12 +140,9 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(self, config: TransformerConfig, tp_group):
         super().__init__()
-        t = _tp_size(tp_group)
-        if config.num_attention_heads % t:
-            raise ValueError(f"num_attention_heads={config.num_attention_heads} is not divisible by "
-                             f"tensor-model-parallel-size={t}: attention is split by whole heads")
         self.config, self.tp_group = config, tp_group
-        self.num_attention_heads_per_partition = config.num_attention_heads // t
+        self.num_attention_heads_per_partition = rules.heads_divisible_by_tp(config.num_attention_heads,
+                                                                             _tp_size(tp_group))
         self.hidden_size_per_attention_head = config.kv_channels
         kw = dict(tp_group=tp_group, bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
                   params_dtype=config.params_dtype)

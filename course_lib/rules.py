@@ -1,0 +1,455 @@
+"""The rule book: every rule a parallel layout and a training run obey, each written once.
+
+Each rule is a function that returns what it checked (or derived) and otherwise raises a
+one-line ``ValueError`` in one style::
+
+    <name>=<value> <what is wrong>; <the fix>
+
+Names: the parallel sizes by Megatron-LM's flag (``tensor-model-parallel-size``,
+``pipeline-model-parallel-size``, ``context-parallel-size``, ``data-parallel-size``), every
+other value by Megatron's argument name (``num_attention_heads``, ``seq_length``, ``lr``: the
+flag ``--num-attention-heads`` with ``_`` for ``-``, as Megatron's own ``validate_args`` writes
+them). So a rule reads the same whoever applies it: ``ParallelConfig``, the trainer, the
+planner, ``megatron-cmd`` or a layer used on its own.
+
+Pure Python (no torch, no numpy): the ground floor that every other module may import, and
+instant to import for the rank-map CLI.
+
+The rules, and the entry points that apply them
+-----------------------------------------------
+Values
+  * :func:`integer` -- an int (not a bool) ``>= minimum`` (sizes ``>= 1``, seeds and counts
+    ``>= 0``): everyone.
+  * :func:`number` -- a finite real number in a range (``>= 0``, ``> 0``, ``[0, 1)``...): NaN and
+    inf are refused for every float flag of the trainer (:func:`course_lib.train.validate_args`),
+    ``megatron-cmd`` (``MegatronRun``), the planner and the sizing formulas.
+  * :func:`probability` -- dropout in ``[0, 1)``: trainer, ``TransformerConfig`` (the layers),
+    ``activation_memory``.
+  * :func:`rank_in` -- a rank or index in ``0..size-1``: the CP split, the data sampler.
+Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
+  * :func:`data_parallel_size` -- ``world % (tp·pp·cp·ep) == 0``, DP derived:
+    ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``.
+  * :func:`order_ends_with_pp` -- with pp > 1 and cp > 1 the rank order ends in ``pp``: ``ParallelConfig``.
+  * :func:`heads_divisible_by_tp` -- ``num_attention_heads % tp == 0``: ``ParallelConfig`` (trainer,
+    planner, megatron-cmd, rankmap), ``ParallelSelfAttention``, ``build_model``,
+    ``tensor_parallel.memory``, ``activation_memory``, the sizing formulas.
+  * :func:`query_groups` -- ``num_query_groups % tp == 0`` and ``heads % groups == 0``:
+    ``ParallelConfig``, ``sizing.comm``.
+  * :func:`hidden_divisible_by_heads` -- ``hidden_size % num_attention_heads == 0``:
+    ``ParallelConfig``, ``GPTConfig``, ``TransformerConfig``, ``activation_memory``, sizing.
+  * :func:`ffn_divisible_by_tp` -- ``ffn_hidden_size % tp == 0``: trainer, ``ParallelMLP``,
+    ``tensor_parallel.memory``, ``activation_memory``.
+  * :func:`vocab_divisible_by_tp` -- the padded vocabulary splits evenly over TP: trainer,
+    planner, ``build_model``, ``sizing.flops``.
+  * :func:`pipeline_split` -- ``num_layers % pp == 0``, or an explicit uneven split with
+    ``decoder_first/last_pipeline_num_layers`` (each ``>= 1``, the rest even over the middle
+    stages); returns the layers per stage: ``ParallelConfig``, the sizing formulas.
+  * :func:`virtual_pipeline_size` -- one value from Megatron's three spellings of the
+    interleaved schedule (``--num-layers-per-virtual-pipeline-stage`` is refused with an
+    uneven split, as Megatron does); ``vpp == 1`` means no interleaving: trainer.
+  * :func:`virtual_pipeline` -- ``pp > 1`` and every stage's layers divisible by vpp:
+    ``ParallelConfig``.
+  * :func:`interleaved_microbatch_group` -- the interleaved schedule's micro-batch groups
+    (``num_microbatches % pp == 0`` by default): ``ParallelConfig`` (trainer, planner,
+    megatron-cmd), ``pipeline.schedules.check_interleaved_config`` (bubbles, schedules).
+  * :func:`sequence_split` -- ``seq_length % (2·cp) == 0`` (load-balanced causal CP; ``% cp``
+    for the contiguous split): ``ParallelConfig``, ``context_parallel.zigzag`` (hence
+    ``data.cp_split``, ``build_model``), ``activation_memory``.
+  * :func:`sequence_parallel` -- Megatron's policy: with tp = 1 sequence parallelism is turned
+    off, and :data:`SP_WITHOUT_TP` says so in one line: ``ParallelConfig`` (trainer, planner,
+    megatron-cmd).
+  * :func:`sequence_parallel_split` -- ``(seq_length / cp) % tp == 0`` under SP:
+    ``ParallelConfig``, ``build_model``, ``activation_memory``, ``sizing.memory``/``comm``.
+  * :func:`num_microbatches` -- ``m = global_batch_size / (micro_batch_size · dp)``, a whole
+    number: ``ParallelConfig`` (trainer, planner, megatron-cmd), ``data.sampler``.
+  * :func:`cp_attention_dropout` -- ring attention has no dropout: trainer,
+    ``ContextParallelSelfAttention``, ``activation_memory``.
+Run
+  * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
+  * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
+  * :func:`seq_length_fits_corpus` -- a sample needs ``seq_length + 1`` tokens: trainer,
+    ``data.GPTDataset``.
+  * :func:`fits_in_memory` -- the estimated bytes of a run fit the memory this machine has,
+    naming the flag that matters most: trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from numbers import Integral, Real
+
+# Megatron's command-line flag for each parallel axis (dp has none: it is derived).
+AXIS_FLAG = {
+    "tp": "tensor-model-parallel-size",
+    "pp": "pipeline-model-parallel-size",
+    "cp": "context-parallel-size",
+    "ep": "expert-model-parallel-size",
+    "dp": "data-parallel-size",
+}
+TP, PP, CP, DP = (AXIS_FLAG[a] for a in ("tp", "pp", "cp", "dp"))
+
+UNEVEN_FLAGS = "decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers"
+VPP = "virtual_pipeline_model_parallel_size"
+
+SP_WITHOUT_TP = ("sequence_parallel has no effect with tensor-model-parallel-size=1: turned off, as Megatron "
+                 "does (Disabling sequence parallelism because tensor model parallelism is disabled)")
+"""The one line every entry point prints when it turns sequence parallelism off (tp = 1)."""
+
+
+# ============================================================================ values
+
+
+def integer(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an int, or ValueError unless it is an integer (not a bool) in ``[minimum, maximum]``."""
+    ok = isinstance(value, Integral) and not isinstance(value, bool)
+    if ok and value >= minimum and (maximum is None or value <= maximum):
+        return int(value)
+    bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+    raise ValueError(f"{name}={value!r} must be an integer {bound}")
+
+
+def number(name: str, value, low: float | None = None, high: float | None = None, *,
+           low_open: bool = False, high_open: bool = False) -> float:
+    """``value`` as a float, or ValueError unless it is a finite real number (not a bool) in the
+    interval from ``low`` to ``high`` (closed ends unless ``low_open`` / ``high_open``)."""
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = ((low is None or (value > low if low_open else value >= low))
+              and (high is None or (value < high if high_open else value <= high)))
+    if ok:
+        return float(value)
+    if low is not None and high is not None:
+        bound = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+        bound = f"a finite number {'>' if low_open else '>='} {low:g}"
+    elif high is not None:
+        bound = f"a finite number {'<' if high_open else '<='} {high:g}"
+    else:
+        bound = "a finite number"
+    raise ValueError(f"{name}={value!r} must be {bound}")
+
+
+def probability(name: str, value) -> float:
+    """A dropout probability: a finite number in ``[0, 1)``."""
+    return number(name, value, 0.0, 1.0, high_open=True)
+
+
+def rank_in(name: str, value, size: int, size_name: str) -> int:
+    """A rank (or index) of a group of ``size``: an integer in ``0..size-1``."""
+    if isinstance(value, Integral) and not isinstance(value, bool) and 0 <= value < size:
+        return int(value)
+    raise ValueError(f"{name}={value!r} must be an integer in 0..{size - 1} for {size_name}={size}")
+
+
+# ============================================================================ helpers for the messages
+
+
+def divisors(n: int) -> list[int]:
+    """All positive divisors of ``n``, ascending."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def _divisor_list(n: int, limit: int = 12) -> str:
+    ds = divisors(n)
+    return ", ".join(map(str, ds)) if len(ds) <= limit else ", ".join(map(str, ds[:limit])) + ", ..."
+
+
+def nearby_multiples(value: int, step: int) -> str:
+    """The multiples of ``step`` just below and above ``value`` (positive ones), e.g. ``"28 or 32"``."""
+    low = (value // step) * step
+    return " or ".join(str(c) for c in (low, low + step) if c > 0)
+
+
+def _use_divisor(value: int, size_name: str) -> str:
+    return f"use a {size_name} that divides {value} ({_divisor_list(value)})"
+
+
+# ============================================================================ layout
+
+
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> int:
+    """``world_size / (tp·pp·cp·ep)``: the derived data-parallel size, a whole number (never a flag)."""
+    world_size = integer("world_size", world_size)
+    sizes = {a: integer(AXIS_FLAG[a], v) for a, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
+    model = math.prod(sizes.values())
+    if world_size % model:
+        parts = " × ".join(f"{AXIS_FLAG[a]}={v}" for a, v in sizes.items() if v > 1 or a in ("tp", "pp"))
+        raise ValueError(f"world_size={world_size} is not divisible by {parts} = {model}; choose sizes whose "
+                         f"product divides {world_size} ({DP} = world_size / product is derived)")
+    return world_size // model
+
+
+def order_ends_with_pp(order: str, last_axis: str, pp: int, cp: int) -> None:
+    """Megatron's ``initialize_model_parallel`` asserts that a rank order with pp > 1 and cp > 1 ends in pp."""
+    if pp > 1 and cp > 1 and last_axis != "pp":
+        raise ValueError(f"order='{order}' must end with 'pp' when {PP}={pp} and {CP}={cp} (Megatron's "
+                         f"initialize_model_parallel asserts it); use e.g. order='tp-cp-ep-dp-pp'")
+
+
+def heads_divisible_by_tp(num_attention_heads: int, tp: int) -> int:
+    """Attention is split by whole heads: ``num_attention_heads % tp == 0``; returns heads per rank."""
+    if num_attention_heads % tp:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by {TP}={tp}; "
+                         f"{_use_divisor(num_attention_heads, TP)}")
+    return num_attention_heads // tp
+
+
+def query_groups(num_query_groups: int, num_attention_heads: int | None, tp: int) -> None:
+    """Grouped-query attention: the groups split over TP, and the heads split into the groups."""
+    if num_query_groups % tp:
+        raise ValueError(f"num_query_groups={num_query_groups} is not divisible by {TP}={tp}; "
+                         f"{_use_divisor(num_query_groups, TP)}")
+    if num_attention_heads is not None and num_attention_heads % num_query_groups:
+        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by num_query_groups="
+                         f"{num_query_groups}; use num_query_groups from {_divisor_list(num_attention_heads)}")
+
+
+def hidden_divisible_by_heads(hidden_size: int, num_attention_heads: int) -> int:
+    """Every head gets ``hidden_size / num_attention_heads`` channels; returns that number."""
+    if hidden_size % num_attention_heads:
+        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}; "
+                         f"use a hidden_size that is a multiple of {num_attention_heads}, e.g. "
+                         f"{nearby_multiples(hidden_size, num_attention_heads)}")
+    return hidden_size // num_attention_heads
+
+
+def ffn_divisible_by_tp(ffn_hidden_size: int, tp: int) -> int:
+    """The MLP's fc1 is column-parallel: ``ffn_hidden_size % tp == 0``; returns the columns per rank."""
+    if ffn_hidden_size % tp:
+        raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by {TP}={tp}; use an "
+                         f"ffn_hidden_size that is a multiple of {tp}, e.g. {nearby_multiples(ffn_hidden_size, tp)}")
+    return ffn_hidden_size // tp
+
+
+def vocab_divisible_by_tp(padded_vocab_size: int, tp: int) -> int:
+    """The vocab-parallel embedding splits its rows evenly over TP; returns the rows per rank."""
+    if padded_vocab_size % tp:
+        above = -(-padded_vocab_size // tp) * tp
+        raise ValueError(f"vocab_size={padded_vocab_size} (padded) is not divisible by {TP}={tp}: the vocab-parallel "
+                         f"embedding splits its rows evenly; pad the vocabulary to a multiple of {tp}, e.g. {above} "
+                         f"(a make_vocab_size_divisible_by that is a multiple of {tp})")
+    return padded_vocab_size // tp
+
+
+def pipeline_split(num_layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:
+    """The transformer layers on each pipeline stage.
+
+    Even (``num_layers % pp == 0``, an error otherwise, as in Megatron), or uneven when made
+    explicit with Megatron's ``decoder_first_pipeline_num_layers`` / ``..._last_...`` (each
+    ``>= 1``, needing pp > 1), the remaining layers dividing evenly over the middle stages."""
+    for name, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+        if v is not None:
+            integer(name, v)
+            if pp == 1:
+                raise ValueError(f"{name}={v} needs {PP} > 1; drop it or raise {PP}")
+    if first is None and last is None:
+        if num_layers % pp:
+            raise ValueError(f"num_layers={num_layers} is not divisible by {PP}={pp}; "
+                             f"{_use_divisor(num_layers, PP)} or make the uneven split explicit with {UNEVEN_FLAGS}")
+        return [num_layers // pp] * pp
+    rest = num_layers - (first or 0) - (last or 0)
+    middle = pp - (first is not None) - (last is not None)
+    if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
+        raise ValueError(f"num_layers={num_layers} minus decoder_first_pipeline_num_layers={first} and "
+                         f"decoder_last_pipeline_num_layers={last} leaves {rest} layers for {middle} middle "
+                         f"stage(s), not an even split; choose first/last so the rest divides by {max(middle, 1)}")
+    stages = [rest // middle if middle else 0] * pp
+    if first is not None:
+        stages[0] = first
+    if last is not None:
+        stages[-1] = last
+    return stages
+
+
+def virtual_pipeline_size(num_layers: int, pp: int, *, virtual_pipeline_model_parallel_size: int | None = None,
+                          num_layers_per_virtual_pipeline_stage: int | None = None,
+                          num_virtual_stages_per_pipeline_rank: int | None = None,
+                          uneven: bool = False) -> int | None:
+    """Model chunks per pipeline rank from one of Megatron's three spellings (None: no interleaving).
+
+    ``--num-layers-per-virtual-pipeline-stage`` counts layers per chunk and needs an even split
+    (Megatron's validate_args: "please use --num-virtual-stages-per-pipeline-rank ... when enable
+    uneven pipeline parallelism"); a size of 1 means the plain schedule, as in Megatron."""
+    given = {name: v for name, v in (("virtual_pipeline_model_parallel_size", virtual_pipeline_model_parallel_size),
+                                     ("num_layers_per_virtual_pipeline_stage", num_layers_per_virtual_pipeline_stage),
+                                     ("num_virtual_stages_per_pipeline_rank", num_virtual_stages_per_pipeline_rank))
+             if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(f'{n}={v}' for n, v in given.items())} are given together; give only one "
+                         f"of --virtual-pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, "
+                         f"--num-virtual-stages-per-pipeline-rank")
+    if not given:
+        return None
+    (name, value), = given.items()
+    integer(name, value)
+    if name == "num_layers_per_virtual_pipeline_stage":
+        if pp == 1:
+            raise ValueError(f"{name}={value} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
+        if uneven:
+            raise ValueError(f"{name}={value} cannot describe an uneven pipeline split ({UNEVEN_FLAGS}); use "
+                             f"num_virtual_stages_per_pipeline_rank (--num-virtual-stages-per-pipeline-rank), as "
+                             f"Megatron's validate_args asks")
+        per_stage = pipeline_split(num_layers, pp)[0]
+        if per_stage % value:
+            raise ValueError(f"{name}={value} does not divide the {per_stage} layers per pipeline stage "
+                             f"(num_layers={num_layers} / {PP}={pp}); use one of {_divisor_list(per_stage)}")
+        value = per_stage // value
+    return None if value == 1 else value
+
+
+def virtual_pipeline(vpp: int, pp: int, layers_per_stage: list[int] | None) -> None:
+    """Interleaving needs pp > 1, and every stage's layers divide into ``vpp`` equal chunks."""
+    integer(VPP, vpp)
+    if pp == 1:
+        raise ValueError(f"{VPP}={vpp} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
+    for stage, n in enumerate(layers_per_stage or []):
+        if n % vpp:
+            raise ValueError(f"stage {stage} has {n} layers, not divisible by {VPP}={vpp}; use a "
+                             f"{VPP} that divides {n} ({_divisor_list(n)})")
+
+
+def interleaved_microbatch_group(pp_size: int, num_microbatches: int, vp_size: int,
+                                 microbatch_group_size: int | None = None) -> int:
+    """Megatron's rules for the interleaved schedule; returns the micro-batch group size used.
+
+    ``microbatch_group_size`` is ``--microbatch-group-size-per-virtual-pipeline-stage``
+    (default ``pp_size``): how many consecutive micro-batches run on one model chunk before
+    switching. ``forward_backward_pipelining_with_interleaving`` requires
+    ``pp_size <= group <= num_microbatches`` and ``num_microbatches % group`` 0 or ``>= pp_size``;
+    with the default group that is ``num_microbatches % pp_size == 0``."""
+    integer("pp_size", pp_size)
+    integer("num_microbatches", num_microbatches)
+    integer("vp_size", vp_size)
+    if pp_size < 2:
+        raise ValueError(f"the interleaved schedule needs {PP} >= 2, got pp_size={pp_size}: with one stage "
+                         f"there is nothing to interleave")
+    if vp_size < 2:
+        raise ValueError(f"vp_size={vp_size}: the interleaved schedule needs >= 2 model chunks per rank; Megatron "
+                         f"treats virtual-pipeline size 1 as no interleaving: use schedule_1f1b")
+    group = pp_size if microbatch_group_size is None else integer("microbatch_group_size", microbatch_group_size)
+    if group > num_microbatches or group < pp_size:
+        raise ValueError(f"microbatch_group_size_per_vp_stage={group} must be in [pp_size={pp_size}, "
+                         f"num_microbatches={num_microbatches}]: use more micro-batches or a group size between them")
+    remainder = num_microbatches % group
+    if 0 < remainder < pp_size:
+        raise ValueError(f"num_microbatches={num_microbatches} % microbatch_group_size_per_vp_stage={group} = "
+                         f"{remainder} must be 0 or >= pp_size={pp_size} (a smaller last group would stall the "
+                         f"pipeline): change num_microbatches or the group size")
+    return group
+
+
+def sequence_split(seq_length: int, cp: int, layout: str = "zigzag") -> int:
+    """Context parallelism cuts the sequence into equal chunks: ``2·cp`` for the load-balanced
+    (zigzag) causal split, two per rank, as Megatron's ``validate_args`` asks; ``cp`` for the
+    contiguous one. Returns the chunk length."""
+    integer("seq_length", seq_length)
+    integer(CP, cp)
+    chunks = 2 * cp if layout == "zigzag" else cp
+    if seq_length % chunks:
+        if layout == "zigzag":
+            rule = (f"2 × {CP}={cp} = {chunks} (load-balanced causal CP gives each rank 2 of 2·cp chunks)")
+        else:
+            rule = f"{CP}={cp} (each rank holds seq_length/cp consecutive tokens)"
+        raise ValueError(f"seq_length={seq_length} is not divisible by {rule}; use a multiple of {chunks}, e.g. "
+                         f"{nearby_multiples(seq_length, chunks)}")
+    return seq_length // chunks
+
+
+def sequence_parallel(sequence_parallel: bool, tp: int) -> tuple[bool, str | None]:
+    """Megatron's policy for sequence parallelism with tp = 1: off, said in one line.
+
+    Returns ``(sequence_parallel as it applies, note or None)``; the note is :data:`SP_WITHOUT_TP`."""
+    if sequence_parallel and tp == 1:
+        return False, SP_WITHOUT_TP
+    return bool(sequence_parallel), None
+
+
+def sequence_parallel_split(seq_length: int, cp: int, tp: int) -> int:
+    """Sequence parallelism splits each CP rank's ``seq_length / cp`` tokens over TP; returns tokens per rank."""
+    local = seq_length // cp
+    if local % tp:
+        step = math.lcm(2 * cp, cp * tp) if cp > 1 else tp
+        raise ValueError(f"sequence_parallel: seq_length/{CP} = {local} is not divisible by {TP}={tp}; use a "
+                         f"seq_length that is a multiple of {step}, e.g. {nearby_multiples(seq_length, step)}")
+    return local // tp
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> int:
+    """Micro-batches per step per pipeline: ``global_batch_size / (micro_batch_size · dp)``, a whole number."""
+    per_step = micro_batch_size * dp
+    if global_batch_size % per_step:
+        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size="
+                         f"{micro_batch_size} × {DP}={dp} = {per_step}; use a multiple of {per_step}, e.g. "
+                         f"{nearby_multiples(global_batch_size, per_step)}")
+    return global_batch_size // per_step
+
+
+def cp_attention_dropout(attention_dropout: float, cp: int | None = None) -> None:
+    """Ring attention (context parallelism) computes attention blockwise with no dropout.
+
+    ``cp``: the context-parallel size (the rule applies when > 1); None for a layer that is
+    context-parallel by construction."""
+    if attention_dropout and (cp is None or cp > 1):
+        where = "context parallelism" if cp is None else f"{CP}={cp}"
+        raise ValueError(f"attention_dropout={attention_dropout} is not supported with {where}: ring attention "
+                         f"has no dropout; use attention_dropout=0")
+
+
+# ============================================================================ run
+
+
+def max_position_embeddings(max_positions: int, seq_length: int) -> int:
+    """A learned position table must cover every position of a sample."""
+    if max_positions < seq_length:
+        raise ValueError(f"max_position_embeddings={max_positions} is shorter than seq_length={seq_length}; "
+                         f"use a max_position_embeddings >= {seq_length}")
+    return max_positions
+
+
+def min_lr(min_lr_value: float, lr: float) -> None:
+    """The learning rate decays towards ``min_lr``, which may not exceed ``lr`` (Megatron asserts it)."""
+    if min_lr_value > lr:
+        raise ValueError(f"min_lr={min_lr_value:g} is larger than lr={lr:g} (Megatron's validate_args asserts "
+                         f"min_lr <= lr); use a min_lr <= {lr:g}")
+
+
+def seq_length_fits_corpus(seq_length: int, num_tokens: int) -> None:
+    """A sample is ``seq_length + 1`` consecutive tokens of the corpus (tokens and shifted labels)."""
+    if seq_length + 1 > num_tokens:
+        raise ValueError(f"seq_length={seq_length} needs at least seq_length + 1 = {seq_length + 1} tokens, the "
+                         f"corpus has {num_tokens}; use a seq_length < {num_tokens}")
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Bytes for a message, decimal units: ``"23.8 GB"``, ``"15,400 TB"``."""
+    if num_bytes >= 1e15:
+        return f"{num_bytes / 1e12:,.0f} TB"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g} {unit}"
+    return f"{num_bytes / 1e3:.3g} kB"
+
+
+def fits_in_memory(flag: str, value, needed_bytes: float, available_bytes: float | None, detail: str) -> None:
+    """Refuse a run whose estimated memory exceeds what this machine has, naming the flag that
+    weighs most (``flag=value``) and what the bytes are (``detail``). ``available_bytes`` None: unknown."""
+    if available_bytes is not None and needed_bytes > available_bytes:
+        raise ValueError(f"{flag}={value} needs about {format_bytes(needed_bytes)} of memory ({detail}) but this "
+                         f"machine has {format_bytes(available_bytes)} available; use a smaller {flag}")
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this machine can still give (Linux ``MemAvailable``; else free pages; None if unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
