@@ -131,7 +131,7 @@ def _settings(world_size: int, launcher: str, iters: int, m: dict) -> str:
 
 def settings_line(sweep: dict) -> str:
     """What the rows were run with: one line, or each config's own when the rows' runs differ."""
-    each = {s["name"]: _settings(s["world_size"], s["launcher"], s["iters"], model_of(s["command"].split()))
+    each = {s["name"]: _settings(s["world_size"], s["launcher"], s["iters"], model_of(s))
             for s in sweep["configs"]}
     if len(set(each.values())) > 1:
         return ("**Settings differ between rows** (compare them with care): "

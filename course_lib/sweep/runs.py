@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from course_lib.megatron import SEED_SWEEP, parse_log, record_table
+from course_lib.topology import ParallelConfig
 
 
 WORLD_SIZE = 8
@@ -43,12 +44,14 @@ def parse_configs(text: Optional[str]) -> list[str]:
     return names
 
 
-def config_argv(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT_ITERS,
-                log_interval: int = LOG_INTERVAL, **model) -> list[str]:
-    """The ``course_lib.train`` (Megatron) flags of config ``name``, checked for ``world_size`` ranks.
+def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT_ITERS,
+                 log_interval: int = LOG_INTERVAL, **model) -> tuple[list[str], ParallelConfig]:
+    """Config ``name``'s ``course_lib.train`` (Megatron) flags and its validated layout for ``world_size`` ranks.
 
     ``model`` overrides :data:`SWEEP_MODEL` / :data:`SWEEP_BATCH` entries (e.g. ``hidden_size=128``).
-    A layout that cannot run raises the one-line ``ValueError`` of :func:`course_lib.train.validate_args`.
+    Validated once, here (:func:`course_lib.train.validate_args`): a layout that cannot run raises
+    its one-line ``ValueError``, prefixed with the config; the run reads its layout from the
+    returned :class:`~course_lib.topology.ParallelConfig`.
     """
     from course_lib.train import parse_args, validate_args
 
@@ -66,14 +69,33 @@ def config_argv(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT
         argv += ["--" + key.replace("_", "-"), str(value)]
     argv += ["--train-iters", str(iters), "--log-interval", str(min(log_interval, iters)), "--lr", f"{SWEEP_LR:g}"]
     try:
-        validate_args(parse_args(argv), world_size)
+        _, config = validate_args(parse_args(argv), world_size)
     except ValueError as exc:
         raise ValueError(f"config {name} (TP {tp}, PP {pp}, CP {cp}) on {world_size} ranks: {exc}") from None
-    return argv
+    return argv, config
 
 
-def model_of(argv: Sequence[str]) -> dict:
-    """The model and batch sizes (:data:`SWEEP_MODEL`, :data:`SWEEP_BATCH` keys) a config's flags give."""
+def config_argv(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT_ITERS,
+                log_interval: int = LOG_INTERVAL, **model) -> list[str]:
+    """The flags of :func:`sweep_config` (checked the same way)."""
+    return sweep_config(name, world_size=world_size, iters=iters, log_interval=log_interval, **model)[0]
+
+
+def model_sizes(config: ParallelConfig) -> dict:
+    """The model and batch sizes (:data:`SWEEP_MODEL`, :data:`SWEEP_BATCH` keys) of a validated config."""
+    return {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "seq_length": config.seq_length,
+            "micro_batch_size": config.micro_batch_size, "global_batch_size": config.effective_global_batch_size}
+
+
+def model_of(source) -> dict:
+    """The model and batch sizes of a config: a summary's ``model`` (written from its validated
+    config); for a summary written before it had one, or a list of flags, read from the flags."""
+    if isinstance(source, dict):
+        if "model" in source:
+            return dict(source["model"])
+        source = source["command"].split()
+    argv = list(source)
     return {k: int(argv[argv.index("--" + k.replace("_", "-")) + 1]) for k in list(SWEEP_MODEL) + list(SWEEP_BATCH)}
 
 
@@ -160,6 +182,7 @@ class ConfigRun:
     log: str
     records: list
     wall_s: float
+    model: dict          # the model and batch sizes of its validated config (model_sizes)
 
     @property
     def command(self) -> str:
@@ -249,6 +272,7 @@ class ConfigRun:
             "bubble": self.bubble(),
             "timeline": self.timeline_events(),
             "lm_loss": self.lm_loss,
+            "model": dict(self.model),
             "row": row,
         }
 
@@ -284,10 +308,8 @@ def run_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT_
                timeout: float = 600, log_interval: int = LOG_INTERVAL, **model) -> ConfigRun:
     """Train config ``name`` on ``world_size`` real ranks; return its :class:`ConfigRun`."""
     from course_lib.launch import launch
-    from course_lib.train import parse_args, validate_args
 
-    argv = config_argv(name, world_size=world_size, iters=iters, log_interval=log_interval, **model)
-    args, cfg = validate_args(parse_args(argv), world_size)
+    argv, cfg = sweep_config(name, world_size=world_size, iters=iters, log_interval=log_interval, **model)
     if launcher == "fork":
         from course_lib.pipeline.executor import warm_up_autograd
 
@@ -295,10 +317,10 @@ def run_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAULT_
     start = time.perf_counter()
     res = launch(sweep_rank, world_size=world_size, launcher=launcher, output="none", timeout=timeout, argv=argv)
     wall = time.perf_counter() - start
-    tp, pp, cp = SEED_SWEEP[name]
+    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
     run = ConfigRun(name=name, tp=tp, pp=pp, cp=cp, dp=cfg.dp, world_size=world_size,
                     num_microbatches=cfg.num_microbatches, iters=iters, argv=argv, launcher=launcher, log="",
-                    records=list(res), wall_s=wall)
+                    records=list(res), wall_s=wall, model=model_sizes(cfg))
     header = (f"# course_lib sweep: config {name} (TP {tp}, PP {pp}, CP {cp}, DP {cfg.dp}) on {world_size} ranks, "
               f"launched with {launcher}; the same run from a shell:\n$ {run.command}\n")
     run.log = header + "".join(o if o.endswith("\n") or not o else o + "\n" for o in res.outputs)
