@@ -103,8 +103,7 @@ class GPTConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-                     "make_vocab_size_divisible_by"):
+        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by"):
             rules.integer(name, getattr(self, name))
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
@@ -112,11 +111,7 @@ class GPTConfig:
                                       self.seq_length)
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        rules.integer("ffn_hidden_size", self.ffn_hidden_size)
-        rules.hidden_divisible_by_heads(self.hidden_size, self.num_attention_heads)
-        for name in ("hidden_dropout", "attention_dropout"):
-            rules.probability(name, getattr(self, name))
-        rules.number("init_method_std", self.init_method_std, 0.0)
+        self.transformer_config()        # the layers' own checks: heads, hidden % heads, ffn, dropout, init
 
     @property
     def padded_vocab_size(self) -> int:

@@ -86,6 +86,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from course_lib import rules
+
 # field name in the log -> key in the parsed dict (everything else: _slug(name))
 ITERATION_KEYS = {
     "consumed samples": "consumed_samples",
@@ -508,5 +510,8 @@ def _fill_config(out: ParsedLog) -> None:
     if "global_batch_size" not in cfg and out.iterations and "global_batch_size" in out.iterations[-1]:
         cfg["global_batch_size"] = out.iterations[-1]["global_batch_size"]
     gbs, mbs, dp = cfg.get("global_batch_size"), cfg.get("micro_batch_size"), cfg.get("dp")
-    if all(isinstance(v, int) and v > 0 for v in (gbs, mbs, dp)) and gbs % (mbs * dp) == 0:
-        cfg["num_microbatches"] = gbs // (mbs * dp)
+    if all(isinstance(v, int) and v > 0 for v in (gbs, mbs, dp)):
+        try:
+            cfg["num_microbatches"] = rules.num_microbatches(gbs, mbs, dp)
+        except ValueError:
+            pass                                   # a log whose sizes disagree: no count to report
