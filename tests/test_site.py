@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import shutil
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -113,6 +117,15 @@ def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_pa
                              previous=None, next=None)
 
 
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_each_theory_figure_finds_its_heading(path):
+    """A renamed heading would move its figure to the introduction: update THEORY_FIGURES (course_lib/site/pictures.py)."""
+    markdown = ["".join(c["source"]) for c in read_notebook(path)["cells"] if c["cell_type"] == "markdown"]
+    for figure in pictures.THEORY_FIGURES.get(path.stem[:2], []):
+        assert any(figure.anchor in text for text in markdown), f"{path.name} has no {figure.anchor!r}"
+        assert (ROOT / "figures" / figure.name).is_file()
+
+
 # ---------------------------------------------------------------------------------------
 # The README's tables, the widgets' default views
 # ---------------------------------------------------------------------------------------
@@ -182,6 +195,11 @@ def test_site_never_replaces_a_file_it_did_not_write(tmp_path, capsys):
     assert "0 written, " in capsys.readouterr().err
 
 
+def test_site_refuses_an_unknown_lab_in_one_line(tmp_path, capsys):
+    assert main(_tiny_site_args(tmp_path, tmp_path / "site") + ["--labs", "99"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: --labs 99: no such lab in {tmp_path / 'solutions'}"
+
+
 def test_site_refuses_a_missing_readme_table_in_one_line(tmp_path, capsys):
     (tmp_path / "README.md").write_text("# Course\n\nno tables\n")
     args = _tiny_site_args(tmp_path, tmp_path / "site")
@@ -220,16 +238,35 @@ PAGE_FACTS = """(() => {
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
+    """``.out``: the site built from a snapshot of solutions/, ``.solutions``: that snapshot (pages are compared
+    with the notebooks they came from, even while someone edits solutions/)."""
     out = tmp_path_factory.mktemp("site")
-    assert main(["site", "--out", str(out), "--solutions", str(ROOT / "solutions"),
+    snapshot = tmp_path_factory.mktemp("solutions")
+    for path in SOLUTIONS:
+        shutil.copyfile(path, snapshot / path.name)
+    assert main(["site", "--out", str(out), "--solutions", str(snapshot),
                  "--figures", str(ROOT / "figures"), "--readme", str(ROOT / "README.md")]) == 0
-    return out
+    return SimpleNamespace(out=out, solutions=snapshot)
 
 
 @pytest.fixture(scope="module")
 def browser():
     with Chromium(CHROMIUM) as chromium:
+        group = chromium.process.pid  # the browser leads its own process group
         yield chromium
+    assert _group_gone(group, within=10.0), "a Chromium process outlived the browser's close()"
+
+
+def _group_gone(group: int, within: float) -> bool:
+    """No process of ``group`` is left (its helpers' zombies are reaped by init shortly after close)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _visit(browser, path: Path):
@@ -255,7 +292,8 @@ def _title(path: Path) -> str:
 @needs_chromium
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_each_lab_page_reads_well_in_chromium(site, browser, path):
-    visit, facts = _visit(browser, site / f"{path.stem}.html")
+    path = site.solutions / path.name  # the notebook as it was when the page was built
+    visit, facts = _visit(browser, site.out / f"{path.stem}.html")
     assert visit.errors == [], f"{path.stem}.html logged errors"
     assert [url for url in visit.requests if not url.startswith(("file:", "data:"))] == [], "must work offline"
     assert facts["h1"] == _title(path)
@@ -272,10 +310,10 @@ def test_each_lab_page_reads_well_in_chromium(site, browser, path):
 @pytest.mark.slow
 @needs_chromium
 def test_the_index_links_every_lab_and_shows_the_map_and_glossary(site, browser):
-    visit, facts = _visit(browser, site / "index.html")
+    visit, facts = _visit(browser, site.out / "index.html")
     assert visit.errors == [] and all(url.startswith(("file:", "data:")) for url in visit.requests)
     assert {f"{path.stem}.html" for path in SOLUTIONS} <= set(facts["links"])
-    assert all((site / link).is_file() for link in facts["links"] if link.endswith(".html"))
+    assert all((site.out / link).is_file() for link in facts["links"] if link.endswith(".html"))
     assert "Course map" in facts["text"] and "Total: " in facts["text"] and "张量并行" in facts["text"]
     assert set(visit.fonts) <= _families(facts["fontStack"])
 
