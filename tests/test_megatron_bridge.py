@@ -236,11 +236,13 @@ def test_run_tiny_gpt_script_passes_the_same_flags(tmp_path):
     env_base = {"PATH": f"{stub.parent}:{os.environ['PATH']}"}
     cases = [(dict(TP=tp, PP=pp, CP=cp), gpu_config(tp, pp, cp)) for tp, pp, cp in SEED_SWEEP.values()]
     cases += [(dict(TP=2, PP=2, CP=2, SP=1), gpu_config(2, 2, 2, sequence_parallel=True)),
-              (dict(TP=1, PP=4, VPP=2), gpu_config(1, 4, vpp=2))]
+              (dict(TP=1, PP=4, VPP=2), gpu_config(1, 4, vpp=2)),
+              (dict(TP=1, SP=1), gpu_config(1, sequence_parallel=True))]     # SP off at TP 1, as in Megatron
     for env, cfg in cases:
         env = {**env_base, "GPUS": "8", **{k: str(v) for k, v in env.items()}}
         out = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
+        assert ("has no effect with TP=1" in out.stderr) == (env.get("SP") == "1" and env["TP"] == "1")
         lines = out.stdout.splitlines()
         assert lines[0].startswith(f"world 8 = TP {cfg.tp} x PP {cfg.pp} x CP {cfg.cp} x DP {cfg.dp};")
         assert lines[1] == "CUDA_DEVICE_MAX_CONNECTIONS=1"
