@@ -54,7 +54,8 @@ def _tiny_solution():
     return {"nbformat": 4, "nbformat_minor": 5,
             "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
                          "widgets": {"state": {}}},
-            "cells": [{"cell_type": "markdown", "id": "title", "metadata": {}, "source": "# Lab 00 — Tiny (张量并行)\n\nTheory."},
+            "cells": [{"cell_type": "markdown", "id": "title", "metadata": {},
+                       "source": "# Lab 00 — Tiny (张量并行)\n\nTheory."},
                       _code("# NBVAL_IGNORE_OUTPUT\nprint('shown')", [_stream("shown\n")]),
                       _code(EXERCISE + "print(double(2))", [_stream("4\n")]),
                       _code("_ = check(double)", [_stream("✓ double is right\n")])]}
@@ -114,12 +115,12 @@ def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_pa
     lab = build.Lab(tmp_path / "00_tiny.ipynb", "Lab 00 — Tiny")
     with pytest.raises(ValueError, match=r"00_tiny.html would show solution code .*'secret_answer = x \* 2'"):
         build.lab_page_files(lab, _tiny_solution(), ROOT / "figures", build.Renderer("Course"),
-                             previous=None, next=None)
+                             previous=None, following=None)
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_each_theory_figure_finds_its_heading(path):
-    """A renamed heading would move its figure to the introduction: update THEORY_FIGURES (course_lib/site/pictures.py)."""
+    """A renamed heading would move its figure to the introduction: update course_lib/site/pictures.py."""
     markdown = ["".join(c["source"]) for c in read_notebook(path)["cells"] if c["cell_type"] == "markdown"]
     for figure in pictures.THEORY_FIGURES.get(path.stem[:2], []):
         assert any(figure.anchor in text for text in markdown), f"{path.name} has no {figure.anchor!r}"
@@ -205,7 +206,8 @@ def test_site_refuses_a_missing_readme_table_in_one_line(tmp_path, capsys):
     args = _tiny_site_args(tmp_path, tmp_path / "site")
     args[args.index("--readme") + 1] = str(tmp_path / "README.md")
     assert main(args) == 2
-    assert capsys.readouterr().err.strip().endswith("no heading 'Course map'; the site's index reads its table from there")
+    assert capsys.readouterr().err.strip().endswith(
+        "no heading 'Course map'; the site's index reads its table from there")
 
 
 # ---------------------------------------------------------------------------------------
@@ -231,7 +233,8 @@ PAGE_FACTS = """(() => {
     text: main.innerText,
     fontStack: getComputedStyle(main).fontFamily,
   };
-  main.appendChild(Object.assign(document.createElement('span'), {id: 'cjk-probe', textContent: '张量并行流水线并行'}));
+  main.appendChild(Object.assign(document.createElement('span'),
+                                 {id: 'cjk-probe', textContent: '张量并行流水线并行'}));
   return facts;
 })()"""
 

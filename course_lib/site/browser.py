@@ -18,6 +18,7 @@ Debian: ``apt-get install chromium`` (the test suite skips its browser test with
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import json
 import os
@@ -237,8 +238,6 @@ class Chromium:
         finally:
             self.call("Target.closeTarget", {"targetId": target})
             self._session_events(session)
-        import base64
-
         Path(path).write_bytes(base64.b64decode(shot["data"]))
         return Path(path)
 

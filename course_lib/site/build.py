@@ -13,6 +13,7 @@ Before a page is kept, its text is searched for solution lines
 
 from __future__ import annotations
 
+import html
 import json
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -106,7 +107,7 @@ class Renderer:
         parts = [env.loader.get_source(env, f"static/{name}")[0] for name in ("index.css", "theme-light.css")]
         return "\n".join(parts).encode("utf-8")
 
-    def page(self, notebook: dict, title: str, *, previous: Lab | None = None, next: Lab | None = None,
+    def page(self, notebook: dict, title: str, *, previous: Lab | None = None, following: Lab | None = None,
              notice: str = "") -> str:
         """The HTML of one page."""
         import nbformat
@@ -115,7 +116,7 @@ class Renderer:
         node = nbformat.reads(json.dumps({**notebook, "metadata": metadata}), as_version=4)  # joins line lists
         site = {"assets": ASSETS, "course": self.course, "notice": notice,
                 "previous": previous and {"href": previous.page, "label": previous.label},
-                "next": next and {"href": next.page, "label": next.label},
+                "next": following and {"href": following.page, "label": following.label},
                 "footer": "Built with <code>make site</code> (<code>python -m course_lib site</code>) from the "
                           "tested notebooks in <code>solutions/</code>. Every file is local: the pages work "
                           "offline, from <code>file://</code> or any static host."}
@@ -164,14 +165,16 @@ def index_notebook(readme_text: str, labs: list[Lab], where: str = "README.md") 
              "Every lab as a page you can read before running anything: the theory, the pictures, the code and "
              "its outputs. Exercise cells show what you will fill in, never the solution. To run the labs: "
              "`make lab` (see the README).")
-    return _markdown_notebook(intro, "## Course map\n\n" + course_map_markdown(course_map, labs, where),
-                              "## Glossary (术语表)\n\n" + glossary.markdown())
+    return _markdown_notebook(intro, f"## {course_map.heading}\n\n" + course_map_markdown(course_map, labs, where),
+                              f"## {glossary.heading}\n\n" + glossary.markdown())
 
 
 def lab_notice(lab: Lab) -> str:
-    return (f"A read-only page built from <code>solutions/{lab.stem}.ipynb</code> with its stored outputs. "
+    """The line above a lab page: what it is, and how to run the lab."""
+    stem = html.escape(lab.stem)
+    return (f"A read-only page built from <code>solutions/{stem}.ipynb</code> with its stored outputs. "
             f"Exercise cells show the stub you fill in (their outputs are left out). To run the lab: "
-            f"<code>make lab</code>, then open <code>my-labs/{lab.stem}.ipynb</code>.")
+            f"<code>make lab</code>, then open <code>my-labs/{stem}.ipynb</code>.")
 
 
 def find_labs(solutions_dir: Path, only: list[str] | None = None) -> list[tuple[Lab, dict]]:
@@ -188,7 +191,7 @@ def find_labs(solutions_dir: Path, only: list[str] | None = None) -> list[tuple[
 
 
 def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Renderer, *,
-                   previous: Lab | None, next: Lab | None, warn=None) -> dict[str, bytes]:
+                   previous: Lab | None, following: Lab | None, warn=None) -> dict[str, bytes]:
     """The page of one lab and the pictures it adds; ``ValueError`` if the page would show a solution line."""
     try:
         notebook = reader_notebook(solution)
@@ -197,7 +200,7 @@ def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Render
         raise ValueError(f"{lab.source}: {exc}") from None
     files = pictures.replace_widget_outputs(notebook, lab.stem)  # first: picture names use the notebook's cell numbers
     files.update(pictures.add_theory_figures(notebook, lab.number, figures_dir, warn=warn))
-    page = renderer.page(notebook, lab.title, previous=previous, next=next, notice=lab_notice(lab))
+    page = renderer.page(notebook, lab.title, previous=previous, following=following, notice=lab_notice(lab))
     leaked = leaked_lines(html_text(page), secret)
     if leaked:
         raise ValueError(f"{lab.page} would show solution code from {lab.source} ({leaked[0]!r}); nothing was written")
@@ -216,13 +219,14 @@ def build_site(solutions_dir: Path, figures_dir: Path, readme_path: Path, only: 
         raise ValueError(f"--figures {figures_dir}: no such folder (the committed figures/; 'make figures' redraws it)")
     labs = find_labs(Path(solutions_dir), only)
     renderer = Renderer(readme.title(readme_text, str(readme_path)))
-    files = {f"{ASSETS}/jupyterlab.css": renderer.jupyterlab_css(), f"{ASSETS}/site.css": (HERE / "site.css").read_bytes()}
+    files = {f"{ASSETS}/jupyterlab.css": renderer.jupyterlab_css(),
+             f"{ASSETS}/site.css": (HERE / "site.css").read_bytes()}
     order = [lab for lab, _ in labs]
     for i, (lab, solution) in enumerate(labs):
         files.update(lab_page_files(lab, solution, Path(figures_dir), renderer, warn=warn,
                                     previous=order[i - 1] if i else None,
-                                    next=order[i + 1] if i + 1 < len(order) else None))
+                                    following=order[i + 1] if i + 1 < len(order) else None))
     index = renderer.page(index_notebook(readme_text, order, str(readme_path)), "Course map",
-                          next=order[0] if order else None)
+                          following=order[0] if order else None)
     files["index.html"] = index.encode("utf-8")
     return files

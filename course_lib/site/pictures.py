@@ -46,7 +46,8 @@ THEORY_FIGURES: dict[str, list[TheoryFigure]] = {
            TheoryFigure("Where TP and PP cut the model", "tp_pp_boundaries_72layers_tp4_pp4.png",
                         "Seed 001's 72 layers on TP=4 × PP=4: PP cuts between blocks, TP cuts inside them")],
     "02": [TheoryFigure("Why tensor parallelism", "tp_pp_boundaries_8layers_tp2_pp2.png",
-                        "Where TP cuts (inside each block: column- then row-parallel) and where PP cuts (between blocks)")],
+                        "Where TP cuts (inside each block: column- then row-parallel) "
+                        "and where PP cuts (between blocks)")],
     "03": [TheoryFigure("Where the pipeline boundary sits", "tp_pp_boundaries_8layers_tp2_pp2.png",
                         "PP cuts between Transformer blocks; the activation [s, b, h] crosses each cut"),
            TheoryFigure("The bubble, derived", "pipeline_bubble_vs_m.png",
@@ -86,7 +87,8 @@ def add_theory_figures(notebook: dict, lab_number: str, figures_dir: Path, warn=
     """
     warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
     files, cells = {}, notebook["cells"]
-    for number, figure in reversed(list(enumerate(THEORY_FIGURES.get(lab_number, [])))):  # reversed: same-anchor figures keep their order
+    # inserted last to first, so that figures sharing an anchor keep their order
+    for number, figure in reversed(list(enumerate(THEORY_FIGURES.get(lab_number, [])))):
         path = figures_dir / figure.name
         if not path.is_file():
             raise ValueError(f"{path}: no such figure; run 'make figures' (python -m course_lib figures) to draw it")

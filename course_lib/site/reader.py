@@ -13,8 +13,6 @@ shows must not be lines of a page's text.
 from __future__ import annotations
 
 import copy
-from pathlib import Path
-
 from course_lib.labgen import BEGIN, END, EXERCISE_TAGS, HINT, make_lab
 
 # Test-harness markers: meaningful to nbval, noise to a reader.
@@ -91,9 +89,3 @@ def leaked_lines(page_text: str, secret: set[str]) -> list[str]:
     """The lines of ``secret`` that are lines of ``page_text`` (compared stripped), in page order."""
     return [line for line in dict.fromkeys(raw.strip() for raw in page_text.splitlines()) if line in secret]
 
-
-def solution_lines_of(path: Path) -> set[str]:
-    """:func:`solution_lines` of the notebook at ``path``."""
-    from course_lib.notebook_stamp import read_notebook
-
-    return solution_lines(read_notebook(path))

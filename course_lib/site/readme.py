@@ -18,10 +18,12 @@ _HOURS = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(h|min)\s*$")
 
 @dataclass(frozen=True)
 class Table:
-    """A markdown table: ``header`` cells and ``rows`` of cells (markdown text, stripped)."""
+    """A markdown table: ``header`` cells and ``rows`` of cells (markdown text, stripped), and the
+    ``heading`` it was found under."""
 
     header: list[str]
     rows: list[list[str]]
+    heading: str = ""
 
     def column(self, name: str, where: str) -> int:
         """The index of the column named ``name``; a one-line ``ValueError`` naming ``where`` otherwise."""
@@ -71,11 +73,11 @@ def section_table(readme: str, heading: str, where: str = "README.md") -> Table:
     (before the next heading of the same or a higher level).
     """
     lines = readme.splitlines()
-    start = level = None
+    start = level = found = None
     for number, line in enumerate(lines):
         match = _HEADING.match(line)
         if match and match.group(2).startswith(heading):
-            start, level = number + 1, len(match.group(1))
+            start, level, found = number + 1, len(match.group(1)), match.group(2)
             break
     if start is None:
         raise ValueError(f"{where}: no heading '{heading}'; the site's index reads its table from there")
@@ -89,7 +91,7 @@ def section_table(readme: str, heading: str, where: str = "README.md") -> Table:
                 if not line.lstrip().startswith("|"):
                     break
                 rows.append(split_row(line))
-            return Table(header, rows)
+            return Table(header, rows, found)
     raise ValueError(f"{where}: no table under the heading '{heading}'")
 
 
