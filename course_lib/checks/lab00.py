@@ -1,39 +1,131 @@
-"""Checker for Lab 00's exercise: a ring all-reduce built only from send/recv.
+"""Checkers for Lab 00's exercises; each proves the algorithm through what ran on real ranks.
 
-``check_ring_all_reduce(fn)`` runs ``fn(x)`` on real ranks (world sizes 2, 3
-and 4; tensor sizes smaller than, equal to and not divisible by the world
-size) and compares it with ``dist.all_reduce``. Collectives are switched off
-inside the check, so a solution that calls ``dist.all_reduce`` is caught. It
-prints one verdict line and, when wrong, the most specific hint it can find.
+* ``check_ring_all_reduce(fn)``: ``fn(x) -> sum over ranks``, built from point-to-point
+  messages only. Runs on 2, 3 and 4 ranks whose process group refuses collectives
+  (:func:`course_lib.checks.verdicts.point_to_point_only`: however they are reached) and
+  records every send: a ring sends to one neighbour only, ``2(W-1)·N`` elements over all
+  ranks (``2(W-1)/W·N`` each) -- a "ring" that forwards whole tensors gets the right sum
+  with ``(W-1)·N`` per rank and is rejected. Wrong sums are matched against simulated
+  buggy rings, so each bug gets its own hint (an all-gather bug is not told to fix its
+  reduce-scatter).
+* ``check_all_reduce_from_halves(fn)``: all-reduce written as one reduce-scatter and one
+  all-gather; the recorded collectives must be exactly those two.
+* ``check_grad_sync(fn)``: ``fn(model, bucket_numel)`` averages the data-parallel
+  gradients with one all-reduce per bucket (PyTorch DDP / CS336's bucketed DDP): checked
+  against a single-process baseline *and* by traffic (bucket count and sizes).
+
+Each prints one verdict line ("not attempted yet" while the stub raises
+NotImplementedError) and, when wrong, the most specific hint it can find.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Callable, Optional
+
 import torch
 import torch.distributed as dist
 
+from course_lib import collectives
 from course_lib.checks import not_attempted
-from course_lib.launch import LaunchTimeout, RankError, launch
+from course_lib.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
+                                        describe_ops, launch_checked, point_to_point_only, refused_collective,
+                                        run_student, safe_repr, wire_recorder)
+from course_lib.launch import LaunchTimeout, RankError
 
 WORLD_SIZES = (2, 3, 4)
 NUMELS = (4, 12, 10, 1)  # multiples of W first, then not divisible, then fewer elements than ranks
-_FORBIDDEN = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "reduce_scatter",
-              "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce", "all_to_all",
-              "all_to_all_single")
+P2P_RULE = ("this exercise builds all-reduce from point-to-point messages only (dist.send/recv, isend/irecv, "
+            "batch_isend_irecv); collectives are switched off in the process group itself")
+_RING_REFERENCES = (collectives.ring_all_reduce, collectives.apply_collective)
 
 
-def _forbid_collectives():
-    def refuse(name):
-        def _refuse(*args, **kwargs):
-            raise RuntimeError(f"dist.{name} is not allowed in this exercise: build the ring from "
-                               f"dist.send/dist.recv (or isend/irecv, batch_isend_irecv)")
-        return _refuse
-    for name in _FORBIDDEN:
-        setattr(dist, name, refuse(name))
+# ------------------------------------------------------------------------------ helpers
 
 
-def _rank_trial(fn, numels):
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _as_picklable(value):
+    """A tensor as it is; anything else as its type and repr (it travels back from a rank)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return {"type": type(value).__name__, "repr": safe_repr(value)}
+
+
+def _student_on_rank(fn, *args, references=()) -> dict:
+    """Run the student's code on this rank, recording every op. An exception (a refused collective
+    too) is raised again, so that the launch fails at once and names the first rank that failed."""
+    with wire_recorder() as rec:
+        run = run_student(fn, *args, references=references)
+    if run.error is not None:
+        raise run.error
+    if run.patched:
+        raise LibraryPatched(run.problem())
+    return dict(got=_as_picklable(run.value), course_code=run.course_code, events=rec.events)
+
+
+def _launch_trials(rank_fn, world: int, timeout: float, name: str, **kwargs):
+    """Launch ``rank_fn`` on checked ranks; (per-rank results, None) or (None, verdict already printed)."""
+    try:
+        return launch_checked(rank_fn, world, timeout=timeout, **kwargs), None
+    except LaunchTimeout:
+        print(f"✗ with {world} ranks the ranks waited for each other until the timeout ({timeout:g} s): a deadlock.\n"
+              f"  hint: if every rank first calls a blocking dist.send, nobody is receiving. Use "
+              f"dist.isend + dist.recv (then wait), batch_isend_irecv, or let even ranks send first; "
+              f"and wait() for every request you start.")
+        return None, False
+    except RankError as err:
+        if err.exc_type == "NotImplementedError":
+            return None, not_attempted(name)
+        print(f"✗ with {world} ranks, {_rank_failure(err)}")
+        hint = _failure_hint(err)
+        if hint:
+            print(f"  hint: {hint}")
+        return None, False
+
+
+def _rank_failure(err: RankError) -> str:
+    refusal = refused_collective(err.traceback)
+    if refusal:
+        return f"rank {err.rank} ran a collective: {refusal}"
+    last = err.traceback.strip().splitlines()[-1] if err.traceback.strip() else err.exc_type
+    if err.exc_type == "LibraryPatched":
+        return f"rank {err.rank}'s function changed the library: {last.split(': ', 1)[-1]}"
+    return f"rank {err.rank} failed: {last}"
+
+
+def _failure_hint(err: RankError) -> Optional[str]:
+    text = err.traceback
+    if refused_collective(text):
+        return ("collectives are refused however they are reached (dist.*, distributed_c10d, object "
+                "collectives, gather/scatter, new groups); exchange chunks with your neighbours using send/recv")
+    if any("doesn't match expected size" in out for out in err.outputs):
+        return ("a message arrived into a receive buffer of another size (gloo then aborts the process): the "
+                "chunk a rank receives must be the one its neighbour sends -- check the chunk indices (with N "
+                "not a multiple of W the chunks differ in size)")
+    if "must match the size of tensor" in text:
+        return ("chunks differ in size when W does not divide N: combine a chunk only with the same-index chunk "
+                "arriving from your neighbour")
+    if "itself" in text:
+        return "the right neighbour is (rank + 1) % W, the left one (rank - 1) % W"
+    if "Connection closed" in text or "Timed out" in text or "Connection reset" in text:
+        return "every send needs a matching recv on the neighbour in the same step"
+    return None
+
+
+def _course_code_used(per_rank: list) -> bool:
+    """Print the verdict when a trial ran the course's own implementation; True if printed."""
+    for trials in per_rank:
+        for t in trials:
+            if t["course_code"]:
+                print(f"✗ {course_code_hint(t['course_code'][0])}")
+                return True
+    return False
+
+
+# ------------------------------------------------------------- exercise 1: the ring
+
+
+def _rank_ring_trial(fn, numels):
+    rank = dist.get_rank()
     inputs = []
     for numel in numels:
         g = torch.Generator().manual_seed(1000 * numel + rank)
@@ -41,20 +133,126 @@ def _rank_trial(fn, numels):
     expected = []
     for x in inputs:
         y = x.clone()
-        dist.all_reduce(y)
+        dist.all_reduce(y)  # the checker's own reference, before collectives are switched off
         expected.append(y)
-    _forbid_collectives()  # from here on only point-to-point is allowed
     results = []
     for x, want in zip(inputs, expected):
-        got = fn(x.clone())
-        results.append(dict(numel=x.numel(), x=x, want=want, got=got, world=world))
+        with point_to_point_only(P2P_RULE):
+            trial = _student_on_rank(fn, x.clone(), references=_RING_REFERENCES)
+        results.append(dict(trial, numel=x.numel(), x=x, want=want))
     return results
 
 
-def diagnose(x: torch.Tensor, want: torch.Tensor, got, world: int) -> str | None:
-    """The hint for one rank's wrong result, or None when it is right."""
+def simulate_ring(inputs: list, *, rs_send=lambda r, s, w: (r - s) % w, rs_recv=lambda r, s, w: (r - s - 1) % w,
+                  rs_combine: str = "add", rs_steps: Optional[int] = None, ag_send=lambda r, s, w: (r + 1 - s) % w,
+                  ag_recv=lambda r, s, w: (r - s) % w, ag_combine: str = "replace",
+                  ag_steps: Optional[int] = None) -> Optional[list]:
+    """Every rank's result of a ring all-reduce run in one process, with the given chunk rules.
+
+    The defaults are the correct ring (:func:`course_lib.collectives.ring_all_reduce`); the
+    checker changes one rule at a time to reproduce a student's bug. ``*_combine``: "add",
+    "replace" or "add_own" (add the chunk one *sent*). Returns None when the rules send a
+    chunk into a slot of another size (such a program would fail before giving a result)."""
+    w = len(inputs)
+    chunks = [[c.clone() for c in torch.tensor_split(x, w)] for x in inputs]
+    phases = (("rs", rs_send, rs_recv, rs_combine, w - 1 if rs_steps is None else rs_steps),
+              ("ag", ag_send, ag_recv, ag_combine, w - 1 if ag_steps is None else ag_steps))
+    for _, send, recv, combine, steps in phases:
+        for s in range(steps):
+            outgoing = [chunks[r][send(r, s, w)].clone() for r in range(w)]
+            for r in range(w):
+                slot, incoming = recv(r, s, w), outgoing[(r - 1) % w]
+                own = outgoing[r]
+                if chunks[r][slot].shape != incoming.shape:
+                    return None
+                if combine == "add":
+                    chunks[r][slot] = chunks[r][slot] + incoming
+                elif combine == "add_own":
+                    chunks[r][slot] = chunks[r][slot] + own
+                else:
+                    chunks[r][slot] = incoming
+    return [torch.cat(c) for c in chunks]
+
+
+RING_BUGS: dict[str, tuple[dict, str]] = {
+    "all-gather adds": (dict(ag_combine="add"),
+                        "the reduce-scatter phase is right; in the all-gather phase *replace* your chunk with the "
+                        "incoming one -- it is already the full sum, adding counts partial sums again"),
+    "no all-gather": (dict(ag_steps=0),
+                      "after the reduce-scatter phase each rank holds one finished chunk only: add the all-gather "
+                      "phase, W-1 more steps that pass the finished chunks on"),
+    "all-gather one step short": (dict(ag_steps=-1),
+                                  "the all-gather phase needs W-1 steps: one is missing, so the last chunk to arrive "
+                                  "is still a partial sum"),
+    "all-gather sends the wrong chunk": (dict(ag_send=lambda r, s, w: (r - s) % w,
+                                              ag_recv=lambda r, s, w: (r - s - 1) % w),
+                                         "the reduce-scatter phase is right; in the all-gather phase rank r starts with "
+                                         "the chunk it finished, (r + 1) % W: in step s send chunk (r + 1 - s) % W and "
+                                         "replace chunk (r - s) % W with the incoming one"),
+    "reduce-scatter one step short": (dict(rs_steps=-1),
+                                      "the reduce-scatter phase needs W-1 steps for a chunk to collect all W "
+                                      "contributions: one is missing"),
+    "reduce-scatter replaces": (dict(rs_combine="replace"),
+                                "in the reduce-scatter phase *add* the incoming chunk to your own (replacing it drops "
+                                "your contribution)"),
+}
+
+
+def _bug_steps(spec: dict, world: int) -> dict:
+    """Negative step counts in :data:`RING_BUGS` mean "W-1 minus that many"."""
+    spec = dict(spec)
+    for key in ("rs_steps", "ag_steps"):
+        if key in spec and spec[key] < 0:
+            spec[key] = max(0, world - 1 + spec[key])
+    return spec
+
+
+def _matching_bug(runs: dict) -> Optional[str]:
+    """The hint of each simulated bug whose results equal the student's on every rank, for every
+    tensor size and world size that ran (``runs``: world -> per-rank trials); None when none does.
+    Several bugs give the same wrong sums on 2 ranks, few on 2, 3 and 4; when two still agree
+    (replacing in the reduce-scatter phase, or sending the reduce-scatter's chunks again in the
+    all-gather phase) both are named."""
+    hints = [hint for spec, hint in RING_BUGS.values()
+             if all(_bug_reproduces(spec, per_rank) for per_rank in runs.values())]
+    if len(hints) > 1:
+        return "two mistakes give exactly these sums -- either " + "; or ".join(hints)
+    return hints[0] if hints else None
+
+
+def _bug_reproduces(spec: dict, per_rank: list) -> bool:
+    world = len(per_rank)
+    for i in range(len(per_rank[0])):
+        simulated = simulate_ring([per_rank[r][i]["x"] for r in range(world)], **_bug_steps(spec, world))
+        if simulated is None:
+            return False
+        for r, want in enumerate(simulated):
+            got = per_rank[r][i]["got"]
+            if not (isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)):
+                return False
+    return True
+
+
+def _phase_hint(x_all: list, want: torch.Tensor, got_all: list) -> str:
+    """When no known bug matches: which phase went wrong, judged by which chunks each rank got right."""
+    world = len(x_all)
+    finished = []
+    for got in got_all:
+        right = [i for i, (g, w) in enumerate(zip(torch.tensor_split(got, world), torch.tensor_split(want, world)))
+                 if w.numel() and torch.equal(g, w)]
+        finished.append(right)
+    if all(finished) and len({i for f in finished for i in f}) == world:
+        return ("every rank finishes a chunk, so the reduce-scatter phase works; the all-gather phase passes the "
+                "finished chunks wrong: in step s rank r sends chunk (r + 1 - s) % W and replaces chunk (r - s) % W")
+    return ("in reduce-scatter step s rank r sends chunk (r - s) % W to (r + 1) % W and adds the incoming one "
+            "to chunk (r - s - 1) % W; after W-1 steps chunk (r + 1) % W holds the full sum")
+
+
+def diagnose(x: torch.Tensor, want: torch.Tensor, got, world: int) -> Optional[str]:
+    """The hint for one rank's wrong result judged alone, or None when it is right."""
     if not isinstance(got, torch.Tensor):
-        return f"return the reduced tensor (got {type(got).__name__}); e.g. `return torch.cat(chunks)`"
+        kind = got.get("type") if isinstance(got, dict) else type(got).__name__
+        return f"return the reduced tensor (got {kind}); e.g. `return torch.cat(chunks)`"
     if got.shape != want.shape:
         return (f"the result has shape {tuple(got.shape)} but the input had {tuple(want.shape)}: "
                 f"join the W chunks back together (torch.cat) in chunk order")
@@ -64,45 +262,307 @@ def diagnose(x: torch.Tensor, want: torch.Tensor, got, world: int) -> str | None
         return "the result equals this rank's input: add the chunk you receive to your own chunk"
     if torch.allclose(got, x * world):
         return "the result is your own input times W: add the chunk you *received*, not the one you sent"
-    if torch.allclose(got.sum(), want.sum() * 2) or torch.allclose(got, want * 2):
-        return "values are doubled: in the all-gather phase replace your chunk with the incoming one, do not add"
-    wrong = (got != want).nonzero().flatten().tolist()
-    return (f"elements {wrong[:6]}{'...' if len(wrong) > 6 else ''} are wrong: in reduce-scatter step s "
-            f"rank r sends chunk (r - s) % W and adds the incoming one to chunk (r - s - 1) % W")
+    return None
+
+
+def _ring_traffic_hint(per_rank: list, trial_index: int, world: int) -> Optional[str]:
+    """None when the sends of one trial form a ring moving 2(W-1)·N elements in all; else the hint."""
+    n = per_rank[0][trial_index]["numel"]
+    sends = [[e for e in trials[trial_index]["events"] if e.op == "send"] for trials in per_rank]
+    directions = set()
+    for rank, events in enumerate(sends):
+        peers = sorted({e.peer for e in events if e.numel})
+        if len(peers) > 1:
+            return (f"rank {rank} sent to ranks {peers}: in a ring every rank sends only to its right neighbour "
+                    f"(rank + 1) % W and receives only from its left one")
+        for peer in peers:
+            directions.add((peer - rank) % world)
+    if len(directions) > 1:
+        return "some ranks send right and others left: a ring passes chunks in one direction"
+    if world > 2 and directions and directions != {1} and directions != {world - 1}:
+        return "each rank must send to a neighbour, (rank + 1) % W (or consistently (rank - 1) % W)"
+    total = sum(e.numel for events in sends for e in events)
+    ring_total = 2 * (world - 1) * n
+    per_rank_max = 2 * (world - 1) * math.ceil(n / world)
+    heaviest = max(sum(e.numel for e in events) for events in sends)
+    if total == ring_total and heaviest <= per_rank_max:
+        return None
+    if total == world * (world - 1) * n:
+        return (f"the sum is right, but each rank sent (W-1)·N = {(world - 1) * n} elements: whole tensors "
+                f"passed around the ring. A ring all-reduce sends chunks of N/W: 2(W-1)/W·N = "
+                f"{2 * (world - 1) * n / world:g} per rank. Split x into W chunks: reduce-scatter them, then "
+                f"all-gather them")
+    return (f"the sum is right, but the ranks sent {total} elements in all ({heaviest} on the busiest rank); a "
+            f"ring all-reduce sends exactly 2(W-1)·N = {ring_total} (each of the W chunks travels W-1 hops in "
+            f"each of the two phases)")
+
+
+def _right(t: dict) -> bool:
+    got, want = t["got"], t["want"]
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.equal(got, want)
+
+
+def _shown(got) -> object:
+    return got.tolist()[:6] if isinstance(got, torch.Tensor) else got.get("repr")
+
+
+def ring_problems(runs: dict) -> Optional[list]:
+    """The verdict lines for the first wrong sum, else for the first trial whose messages are not a ring;
+    None when every trial is right. ``runs``: world size -> per-rank lists of trials (dicts with ``x``,
+    ``want``, ``got``, ``numel`` and the recorded ``events``)."""
+    for world, per_rank in runs.items():
+        for i, numel in enumerate(t["numel"] for t in per_rank[0]):
+            trials = [per_rank[r][i] for r in range(world)]
+            wrong = [r for r, t in enumerate(trials) if not _right(t)]
+            if not wrong:
+                continue
+            t = trials[wrong[0]]
+            hint = diagnose(t["x"], t["want"], t["got"], world) or _matching_bug(runs) or _phase_hint(
+                [tr["x"] for tr in trials], t["want"], [tr["got"] for tr in trials])
+            lines = [f"✗ wrong with {world} ranks on rank {wrong[0]} for a tensor of {numel} elements "
+                     f"(expected {t['want'].tolist()[:6]}, got {_shown(t['got'])})", f"  hint: {hint}"]
+            if numel < world or numel % world:
+                lines.append("  (N is not a multiple of W here: torch.tensor_split gives chunks of unequal "
+                             "size, some possibly empty)")
+            return lines
+    for world, per_rank in runs.items():
+        for i in range(len(per_rank[0])):
+            hint = _ring_traffic_hint(per_rank, i, world)
+            if hint:
+                return [f"✗ not a ring all-reduce with {world} ranks for a tensor of {per_rank[0][i]['numel']} "
+                        f"elements", f"  hint: {hint}"]
+    return None
 
 
 def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
-    """Print a verdict on ``fn`` (``fn(x: Tensor[N]) -> Tensor[N]``, the sum over ranks)."""
+    """Print a verdict on ``fn`` (``fn(x: Tensor[N]) -> Tensor[N]``, the sum over ranks, point-to-point only)."""
+    runs = {}
     for world in WORLD_SIZES:
-        try:
-            per_rank = launch(_rank_trial, world_size=world, output="none", timeout=timeout, fn=fn,
-                              numels=NUMELS)
-        except RankError as err:
-            if err.exc_type == "NotImplementedError":
-                return not_attempted("my_ring_all_reduce")
-            print(f"✗ with {world} ranks, rank {err.rank} raised {err.traceback.strip().splitlines()[-1]}")
-            if "to itself" in err.traceback or "self" in err.traceback.lower() and "send" in err.traceback:
-                print("  hint: the right neighbour is (rank + 1) % W, the left one (rank - 1) % W")
-            elif "Connection closed" in err.traceback or "Timed out" in err.traceback:
-                print("  hint: every send needs a matching recv on the neighbour in the same step")
+        per_rank, verdict = _launch_trials(_rank_ring_trial, world, timeout, "my_ring_all_reduce", fn=fn,
+                                           numels=NUMELS)
+        if per_rank is None:
+            return verdict
+        if _course_code_used(per_rank):
             return False
-        except LaunchTimeout:
-            print(f"✗ with {world} ranks the ranks waited for each other until the timeout: a deadlock.\n"
-                  f"  hint: if every rank first calls a blocking dist.send, nobody is receiving. Use "
-                  f"dist.isend + dist.recv (then wait), batch_isend_irecv, or let even ranks send first.")
+        runs[world] = per_rank
+    problems = ring_problems(runs)
+    if problems:
+        print("\n".join(problems))
+        return False
+    print(f"✓ my_ring_all_reduce equals dist.all_reduce for world sizes {list(WORLD_SIZES)} and tensor sizes "
+          f"{list(NUMELS)}; it used only point-to-point messages, each rank sending to one neighbour, "
+          f"2(W-1)/W·N elements per rank")
+    return True
+
+
+# ------------------------------------------- exercise 2: reduce-scatter + all-gather
+
+
+HALVES_WORLDS = (2, 4)
+HALVES_NUMELS = (8, 24)  # multiples of 2 and 4
+
+
+def _rank_halves_trial(fn, numels):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = []
+    for numel in numels:
+        g = torch.Generator().manual_seed(7 * numel + rank)
+        x = torch.randint(-9, 10, (numel,), generator=g).float()
+        want = x.clone()
+        dist.all_reduce(want)
+        own_chunks = torch.tensor_split(x, world)
+        trial = _student_on_rank(fn, x.clone())
+        results.append(dict(trial, numel=numel, x=x, want=want, own_chunk=own_chunks[rank]))
+    return results
+
+
+def _halves_value_hint(t: dict, world: int, per_rank_trials: list) -> str:
+    got, want, x = t["got"], t["want"], t["x"]
+    if not isinstance(got, torch.Tensor):
+        return f"return the all-gathered tensor (got {got.get('type')})"
+    if got.numel() == want.numel() // world:
+        return ("that is the reduce-scattered shard (N/W elements): all-gather the shards of every rank to get "
+                "the full sum back")
+    if got.shape != want.shape:
+        return f"the result must have the input's shape {tuple(want.shape)}, not {tuple(got.shape)}"
+    if torch.allclose(got * world, want):
+        return "W times too small: all-reduce sums (ReduceOp.SUM, the default); averaging is a separate step"
+    gathered_inputs = torch.cat([tr["own_chunk"] for tr in per_rank_trials])
+    if torch.equal(got, gathered_inputs):
+        return ("you all-gathered each rank's own input chunk, not the reduce-scattered sums: gather the output "
+                "of reduce_scatter")
+    return ("reduce_scatter_tensor(shard, x) leaves on rank r the sum of chunk r (N/W elements); "
+            "all_gather_into_tensor(out, shard) puts the W shards back together in rank order")
+
+
+def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
+    """``fn(x: Tensor[N]) -> Tensor[N]`` must all-reduce ``x`` with exactly one reduce-scatter and one all-gather."""
+    for world in HALVES_WORLDS:
+        per_rank, verdict = _launch_trials(_rank_halves_trial, world, timeout, "my_all_reduce_rs_ag", fn=fn,
+                                           numels=HALVES_NUMELS)
+        if per_rank is None:
+            return verdict
+        for i, numel in enumerate(HALVES_NUMELS):
+            trials = [per_rank[r][i] for r in range(world)]
+            events = trials[0]["events"]
+            ops = collective_events(events)
+            used = {e.op for e in ops}
+            right = all(isinstance(t["got"], torch.Tensor) and t["got"].shape == t["want"].shape
+                        and torch.equal(t["got"], t["want"]) for t in trials)
+            if "all_reduce" in used:
+                print(f"✗ with {world} ranks it ran {describe_ops(ops)}")
+                print("  hint: all-reduce is what this exercise builds: use one reduce-scatter, then one all-gather "
+                      "(no all_reduce)")
+                return False
+            if not right:
+                rank = next(r for r, t in enumerate(trials) if not (
+                    isinstance(t["got"], torch.Tensor) and t["got"].shape == t["want"].shape
+                    and torch.equal(t["got"], t["want"])))
+                t = trials[rank]
+                print(f"✗ wrong with {world} ranks on rank {rank} for a tensor of {numel} elements "
+                      f"(expected {t['want'].tolist()[:6]}, got {_shown(t['got'])})")
+                print(f"  hint: {_halves_value_hint(t, world, trials)}")
+                return False
+            wanted = [("reduce_scatter", numel), ("all_gather", numel)]
+            got = [(e.op, e.numel) for e in ops]
+            if got != wanted:
+                print(f"✗ the sum is right with {world} ranks, but it ran {describe_ops(ops) if ops else 'no collective'}")
+                if got == [("all_gather", numel * world)]:
+                    print(f"  hint: you gathered every rank's whole tensor ({numel * world} elements) and summed "
+                          f"locally: each rank receives (W-1)·N elements instead of 2(W-1)/W·N. Reduce-scatter "
+                          f"first, so each rank only gathers the N/W finished elements of the others")
+                else:
+                    print(f"  hint: exactly one reduce_scatter of the {numel} elements, then one all_gather of the "
+                          f"N/W-element shards (all-gather's full size is {numel} again)")
+                return False
+    print(f"✓ my_all_reduce_rs_ag equals all_reduce on {list(HALVES_WORLDS)} ranks using exactly one reduce-scatter "
+          f"and one all-gather: each moves (W-1)/W·N per rank, 2(W-1)/W·N together -- a ring all-reduce's traffic")
+    return True
+
+
+# ------------------------------------------ exercise 3: bucketed gradient all-reduce
+
+
+GLOBAL_BATCH = 16
+BUCKETS = (40, 1000, 8)  # elements per bucket: several buckets, one bucket, one tensor per bucket
+
+
+def grad_sync_model() -> torch.nn.Module:
+    """The small model of the exercise (same weights on every rank): 83 parameters in 4 tensors."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def grad_sync_batch():
+    """The global batch ``(x [16, 6], y [16, 3])``; rank r of W trains on rows ``r*16/W ... (r+1)*16/W``."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
+def expected_buckets(sizes: list, bucket_numel: int) -> list:
+    """Bucket sizes (elements) when the gradients of ``sizes`` (in ``model.parameters()`` order) are packed
+    in *reverse* order, a new bucket starting whenever the next gradient would overflow ``bucket_numel``."""
+    buckets: list = []
+    for n in reversed(sizes):
+        if buckets and buckets[-1] + n <= bucket_numel:
+            buckets[-1] += n
+        else:
+            buckets.append(n)
+    return buckets
+
+
+def baseline_gradients() -> dict:
+    """Gradients of the mean loss over the whole global batch in one process: what every rank must end with."""
+    model = grad_sync_model()
+    x, y = grad_sync_batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rank_grad_sync_trial(fn, buckets):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = grad_sync_batch()
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    results = []
+    for bucket_numel in buckets:
+        model = grad_sync_model()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        from course_lib import train
+
+        trial = _student_on_rank(fn, model, bucket_numel, references=(train._allreduce_dp_grads,))
+        grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+        results.append(dict(trial, bucket_numel=bucket_numel, grads=grads, local=local))
+    return results
+
+
+def _close(a, b) -> bool:
+    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _grad_value_hint(trials: list, reference: dict, world: int) -> str:
+    t = trials[0]
+    names = list(reference)
+    if all(_close(t["grads"][n], t["local"][n]) for n in names):
+        return ("the gradients are still this rank's own (computed on its 16/W samples): all-reduce them over "
+                "the data-parallel group")
+    if all(_close(t["grads"][n], reference[n] * world) for n in names):
+        return ("W times too large: all-reduce sums the ranks' gradients; each rank's loss is a mean over its own "
+                "samples, so divide by W to get the gradient of the global batch's mean loss")
+    wrong = [n for n in names if not _close(t["grads"][n], reference[n])]
+    return (f"{', '.join(wrong)} differ from the single-process gradients: every gradient element must be "
+            f"all-reduced exactly once (and divided by W), then copied back into its param.grad")
+
+
+def check_grad_sync(fn, timeout: float = 20) -> bool:
+    """``fn(model, bucket_numel)`` must average every ``param.grad`` over the ranks with one all-reduce per
+    bucket (buckets filled in reverse parameter order, at most ``bucket_numel`` elements unless one
+    gradient alone is larger)."""
+    reference = baseline_gradients()
+    sizes = [g.numel() for g in reference.values()]
+    for world in (2, 4):
+        per_rank, verdict = _launch_trials(_rank_grad_sync_trial, world, timeout, "sync_gradients", fn=fn,
+                                           buckets=BUCKETS)
+        if per_rank is None:
+            return verdict
+        if _course_code_used(per_rank):
             return False
-        for rank, trials in enumerate(per_rank):
-            for t in trials:
-                hint = diagnose(t["x"], t["want"], t["got"], world)
-                if hint:
-                    print(f"✗ wrong with {world} ranks on rank {rank} for a tensor of {t['numel']} elements "
-                          f"(expected {t['want'].tolist()[:6]}, got "
-                          f"{t['got'].tolist()[:6] if isinstance(t['got'], torch.Tensor) else t['got']})")
-                    print(f"  hint: {hint}")
-                    if t["numel"] < world or t["numel"] % world:
-                        print("  (N is not a multiple of W here: torch.tensor_split gives chunks of unequal "
-                              "size, some possibly empty)")
+        for i, bucket_numel in enumerate(BUCKETS):
+            trials = [per_rank[r][i] for r in range(world)]
+            for rank, t in enumerate(trials):
+                if not all(_close(t["grads"][n], g) for n, g in reference.items()):
+                    print(f"✗ with {world} ranks and bucket_numel={bucket_numel}, rank {rank}'s gradients differ "
+                          f"from the single-process baseline (the mean loss over all {GLOBAL_BATCH} samples)")
+                    print(f"  hint: {_grad_value_hint([t], reference, world)}")
                     return False
-    print(f"✓ ring_all_reduce equals dist.all_reduce for world sizes {list(WORLD_SIZES)} "
-          f"and tensor sizes {list(NUMELS)}, using only point-to-point messages")
+            ops = collective_events(trials[0]["events"])
+            got = [e.numel for e in ops if e.op == "all_reduce"]
+            want = expected_buckets(sizes, bucket_numel)
+            if got == want and len(ops) == len(got):
+                continue
+            print(f"✗ the gradients are right with {world} ranks and bucket_numel={bucket_numel}, but it ran "
+                  f"{describe_ops(ops)}; the buckets should be all-reduces of {want} elements")
+            if len(ops) != len(got):
+                hint = "use only all_reduce (one per bucket) on the data-parallel group"
+            elif sum(got) != sum(sizes):
+                hint = (f"{sum(got)} elements went through all-reduce but the model has {sum(sizes)}: every "
+                        f"gradient element exactly once")
+            elif got == sizes or got == sizes[::-1]:
+                hint = (f"that is one all-reduce per parameter tensor ({len(sizes)} calls): pack the gradients into "
+                        f"buckets (torch.cat of the flattened grads) of at most bucket_numel elements -- fewer, "
+                        f"larger messages")
+            elif got == [sum(sizes)]:
+                hint = ("one all-reduce of everything ignores bucket_numel: start a new bucket when the next "
+                        "gradient would overflow it (DDP does, to overlap communication with the backward)")
+            elif got == expected_buckets(sizes[::-1], bucket_numel):
+                hint = ("those are buckets in model.parameters() order: fill them in reverse, the order backward "
+                        "produces the gradients, so the last layer's bucket can be sent first")
+            else:
+                hint = ("go through the gradients in reverse parameter order; add each to the current bucket unless "
+                        "it would exceed bucket_numel, else start a new bucket (a gradient larger than the bucket "
+                        "gets one of its own)")
+            print(f"  hint: {hint}")
+            return False
+    print(f"✓ sync_gradients gives every rank the single-process gradients on 2 and 4 ranks, with one all-reduce "
+          f"per bucket (bucket sizes for bucket_numel={BUCKETS[0]}: {expected_buckets(sizes, BUCKETS[0])} elements)")
     return True

@@ -390,15 +390,21 @@ def collectives(events) -> list:
 
 
 def describe_ops(events) -> str:
-    """``"2 all_reduce on world (12 elements), 1 all_gather on ranks 0,1 (8 elements)"``, or ``"nothing"``."""
-    counts: Counter = Counter()
-    sizes: Counter = Counter()
+    """``"2 all_reduce on world (8 + 4 elements), 1 all_gather on ranks 0,1 (8 elements)"``, or ``"nothing"``."""
+    sizes: dict = {}
     for e in events:
-        counts[(e.op, e.kind)] += 1
-        sizes[(e.op, e.kind)] += e.numel
-    if not counts:
+        sizes.setdefault((e.op, e.kind), []).append(e.numel)
+    if not sizes:
         return "nothing"
-    return ", ".join(f"{n} {op} on {kind} ({sizes[(op, kind)]} elements)" for (op, kind), n in counts.items())
+
+    def elements(numels):
+        if len(numels) == 1:
+            return f"{numels[0]} elements"
+        if len(numels) <= 8:
+            return " + ".join(map(str, numels)) + " elements"
+        return f"{sum(numels)} elements in all"
+
+    return ", ".join(f"{len(n)} {op} on {kind} ({elements(n)})" for (op, kind), n in sizes.items())
 
 
 def expect_collectives(events, expected: dict, *, what: str = "the exercise") -> str | None:

@@ -49,6 +49,10 @@ _RECORDERS: list["WireRecorder"] = []
 _POLICY = {"p2p_only": None}  # None, or the text that names the exercise's rule
 
 
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
 class CollectiveRefused(RuntimeError):
     """A collective ran inside :func:`point_to_point_only`."""
 
@@ -119,7 +123,7 @@ class CheckedProcessGroup(dist.ProcessGroup):
         rule = _POLICY["p2p_only"]
         if rule is not None:
             self._record(op, tensors, numel=numel, reduce_op=reduce_op)
-            raise CollectiveRefused(f"{REFUSED_MARK} a {op} ran on the process group ({self._label}): {rule}")
+            raise CollectiveRefused(f"{REFUSED_MARK} {_article(op)} {op} ran on the process group ({self._label}): {rule}")
         self._record(op, tensors, numel=numel, reduce_op=reduce_op)
         return getattr(self._inner, method)(*args)
 
@@ -146,7 +150,7 @@ class CheckedProcessGroup(dist.ProcessGroup):
     # ---- collectives: recorded, refused inside point_to_point_only()
     def allreduce(self, tensors, opts):
         return self._collective("all_reduce", tensors, "allreduce", tensors, opts,
-                                reduce_op=str(opts.reduceOp).split(".")[-1].lower())
+                                reduce_op=str(getattr(opts.reduceOp, "op", opts.reduceOp)).split(".")[-1].lower())
 
     def allreduce_coalesced(self, tensors, opts):
         return self._collective("all_reduce", tensors, "allreduce_coalesced", tensors, opts)
