@@ -115,6 +115,9 @@ def make_lab(solution: dict) -> dict:
     if not isinstance(solution.get("metadata", {}), dict):
         raise ValueError("the notebook's 'metadata' must be a JSON object")
     lab = copy.deepcopy(solution)
+    # Saved widget state describes the solution run's outputs, which a lab does not have
+    # (tens of kB of stale state in Labs 01, 03 and 06).
+    lab.get("metadata", {}).pop("widgets", None)
     for index, cell in enumerate(lab["cells"]):
         source = _checked_source(index, cell)
         if cell["cell_type"] != "code":

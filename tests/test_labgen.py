@@ -75,6 +75,16 @@ def test_make_lab_clears_outputs_and_tags_only_exercise_cells():
     assert nb.cells[1].outputs, "the solution notebook itself is left untouched"
 
 
+def test_make_lab_drops_the_solution_runs_widget_state():
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {"x": {}}}}
+    nb.metadata["kernelspec"] = {"name": "python3"}
+    nb.cells = [nbformat.v4.new_code_cell("print(1)")]
+    lab = make_lab(nb)
+    assert "widgets" not in lab["metadata"] and lab["metadata"]["kernelspec"] == {"name": "python3"}
+    assert "widgets" in nb.metadata, "the solution notebook itself is left untouched"
+
+
 def test_committed_labs_are_generated_from_solutions_and_stamped():
     statuses, extras = survey(ROOT / "solutions", ROOT / "labs")
     not_current = [(s.path.name, s.state) for s in statuses if s.state != "current"]
