@@ -9,10 +9,9 @@ def _todo(*args):
 
 def test_lab01_uses_the_shared_not_attempted_line(capsys):
     assert not lab01.check_derive_dp(_todo)
-    assert not lab01.check_rank5_groups(_todo)
-    assert not lab01.check_rank5_groups(None)
+    assert not lab01.check_groups_of(_todo)
     assert not lab01.check_rank_of(_todo)
-    names = ["derive_dp", "rank5_groups", "rank5_groups", "rank_of"]
+    names = ["derive_dp", "groups_of", "rank_of"]
     assert capsys.readouterr().out.splitlines() == [
         f"not attempted yet: write {name} above, then re-run this cell" for name in names]
 

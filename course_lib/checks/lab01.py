@@ -1,23 +1,61 @@
 """Checkers for Lab 01's exercises (the rank grid).
 
 * ``check_derive_dp(fn)``: ``fn(world_size, tp, pp, cp) -> dp`` (ValueError when impossible)
-* ``check_rank5_groups(answer)``: the TP/PP/DP groups of rank 5 for 8 ranks, TP=2, PP=2
-  (a dict, or a function returning it)
+* ``check_groups_of(fn)``: ``fn(rank, layout) -> {"tp": [...], "cp": [...], "dp": [...], "pp": [...]}``,
+  every rank of many layouts (``layout = {"world_size": 8, "tp": 2, "pp": 2, "cp": 1}``)
 * ``check_rank_of(fn)``: ``fn(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp) -> rank`` in
   Megatron's default order tp-cp-ep-dp-pp
 
 Each prints one verdict line (✓ / ✗, or "not attempted yet" when the exercise
 still raises NotImplementedError) and, when wrong, the most specific hint it can
 find. Expected values come from ``course_lib.topology.RankGrid``, which the tests
-compare with Megatron-LM's own algorithm.
+compare with Megatron-LM's own algorithm. The exercises ask for the arithmetic, so
+an answer that calls ``RankGrid`` or ``ParallelConfig`` is told so; the student's
+code runs through :func:`course_lib.checks.verdicts.run_student` (a monkeypatch of
+``RankGrid`` is undone and reported). Any real integer type is a right answer.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from course_lib.checks import not_attempted, try_student
-from course_lib.topology import RankGrid, divisors
+from course_lib.checks import not_attempted
+from course_lib.checks.verdicts import LibraryPatched, as_real, course_code_hint, run_student, safe_repr
+from course_lib.topology import ParallelConfig, RankGrid, divisors
+
+COURSE_TOPOLOGY = (RankGrid, ParallelConfig)
+"""What the exercises ask the student to compute without: the course's own grid."""
+
+
+def _call(fn, *args):
+    """``(value, exception)`` of the student's call; a patch or the course's grid becomes the exception."""
+    run = run_student(fn, *args, references=COURSE_TOPOLOGY)
+    if run.error is not None:
+        return None, run.error
+    if run.patched:
+        return None, LibraryPatched(run.problem())
+    if run.course_code:
+        return None, _CourseCode(course_code_hint(run.course_code[0]))
+    return run.value, None
+
+
+class _CourseCode(Exception):
+    """The student's function ran the course's own implementation."""
+
+
+def _int_value(value):
+    """The integer ``value`` stands for (int, numpy integer, integral float/Fraction, one-element tensor), or None."""
+    number, _ = as_real(value)
+    if number is None or not number.is_integer():
+        return None
+    return int(number)
+
+
+def _verdict_for_exception(call: str, exc: BaseException) -> None:
+    if isinstance(exc, (_CourseCode, LibraryPatched)):
+        print(f"✗ {call}: {exc}")
+    else:
+        print(f"✗ {call} raised {type(exc).__name__}: {exc}")
 
 
 # ---- exercise 1: derive DP --------------------------------------------------------------
@@ -28,28 +66,34 @@ def check_derive_dp(fn) -> bool:
     cases = [(8, 2, 2, 1), (8, 1, 1, 1), (8, 2, 2, 2), (128, 4, 4, 1), (32, 16, 2, 1), (32, 4, 8, 1),
              (96, 2, 3, 2), (8, 8, 1, 1)]
     for world, tp, pp, cp in cases:
-        got, exc = try_student(fn, world, tp, pp, cp)
+        got, exc = _call(fn, world, tp, pp, cp)
         if isinstance(exc, NotImplementedError):
             return not_attempted("derive_dp")
         want = world // (tp * pp * cp)
         if exc is not None:
-            print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) raised {type(exc).__name__}: {exc}")
+            _verdict_for_exception(f"derive_dp({world}, tp={tp}, pp={pp}, cp={cp})", exc)
             return False
-        if got != want or isinstance(got, bool):
-            print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) returned {got!r}, expected {want}")
-            if got == world // (tp * pp):
+        value = _int_value(got)
+        if value != want:
+            print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) returned {safe_repr(got)}, expected {want}")
+            if value is None and as_real(got)[1]:
+                print(f"  hint: {as_real(got)[1]}")
+            elif value is None:
+                print("  hint: DP counts whole replicas: return an integer (use //, after checking divisibility)")
+            elif value == world // (tp * pp):
                 print("  hint: context parallelism is a factor of the world size too: dp = world / (tp·pp·cp)")
-            elif isinstance(got, float):
-                print("  hint: return an int (use //, after checking divisibility)")
-            elif got == tp * pp * cp:
+            elif value == tp * pp * cp:
                 print("  hint: that is the model-parallel size tp·pp·cp; dp is what is left: world / (tp·pp·cp)")
             else:
                 print("  hint: every rank belongs to exactly one (tp, cp, dp, pp) cell: world = tp·pp·cp·dp")
             return False
     for world, tp, pp, cp in [(8, 3, 1, 1), (12, 2, 4, 1), (8, 2, 2, 4)]:
-        got, exc = try_student(fn, world, tp, pp, cp)
+        got, exc = _call(fn, world, tp, pp, cp)
+        if isinstance(exc, (_CourseCode, LibraryPatched)):
+            _verdict_for_exception(f"derive_dp({world}, tp={tp}, pp={pp}, cp={cp})", exc)
+            return False
         if not isinstance(exc, ValueError):
-            what = f"returned {got!r}" if exc is None else f"raised {type(exc).__name__}"
+            what = f"returned {safe_repr(got)}" if exc is None else f"raised {type(exc).__name__}"
             print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) {what}; tp·pp·cp = {tp * pp * cp} does not "
                   f"divide {world}")
             print("  hint: raise ValueError naming the rule, e.g. "
@@ -62,51 +106,116 @@ def check_derive_dp(fn) -> bool:
     return True
 
 
-# ---- exercise 2: the groups of rank 5, by hand -------------------------------------------
+# ---- exercise 2: every group of a rank, for any layout --------------------------------------
 
-def check_rank5_groups(answer: dict) -> bool:
-    """``answer = {'tp': [...], 'pp': [...], 'dp': [...]}`` for rank 5 of 8 ranks, TP=2, PP=2
-    (or a function returning that dict)."""
-    if callable(answer):
-        answer, exc = try_student(answer)
-        if isinstance(exc, NotImplementedError):
-            return not_attempted("rank5_groups")
-        if exc is not None:
-            print(f"✗ your function raised {type(exc).__name__}: {exc}")
-            return False
-    if answer is None:
-        return not_attempted("rank5_groups")
-    if not isinstance(answer, dict) or set(answer) != {"tp", "pp", "dp"}:
-        print("✗ give a dict with exactly the keys 'tp', 'pp' and 'dp', e.g. {'tp': [4, 5], ...}")
-        return False
-    grid = RankGrid(8, tp=2, pp=2)
-    want = grid.groups_of(5, ["tp", "pp", "dp"])
-    hints = {
-        "tp": "TP neighbours are consecutive ranks (tp varies fastest): rank 5's TP group is the block of 2 "
-              "ranks that starts at a multiple of 2",
-        "pp": "the PP group links the same (tp, dp) position in every stage; a stage holds world/pp = 4 "
-              "ranks, so the partner is 4 ranks away",
-        "dp": "DP partners share tp rank and stage; dp is the next axis after tp, so the stride is tp = 2",
-    }
-    ok = True
-    for axis in ("tp", "pp", "dp"):
-        got = answer[axis]
+AXES = ("tp", "cp", "dp", "pp")
+GROUP_LAYOUTS = [(8, 2, 2, 1), (16, 2, 2, 2), (8, 1, 1, 1), (32, 4, 2, 1), (16, 2, 1, 2), (24, 2, 3, 1),
+                 (16, 1, 4, 2), (12, 3, 1, 2)]
+"""(world_size, tp, pp, cp): the seed's 8 = 2x2x2 first, then CP, DP = 1..4, odd sizes."""
+
+_GROUP_HINTS = {
+    "tp": "TP neighbours are consecutive ranks (tp varies fastest): rank r's TP group is the block of tp ranks "
+          "starting at r - r % tp",
+    "cp": "CP partners share tp rank, dp rank and stage; cp is the next axis after tp, so the stride is tp",
+    "dp": "DP partners share tp rank, cp rank and stage; dp comes after tp and cp in tp-cp-ep-dp-pp, so the "
+          "stride is tp·cp",
+    "pp": "the PP group links the same (tp, cp, dp) position in every stage; a stage holds world/pp ranks, so "
+          "the stride is world/pp = tp·cp·dp",
+}
+
+
+def layout_of(world: int, tp: int, pp: int, cp: int) -> dict:
+    """The ``layout`` dict the exercise receives."""
+    return {"world_size": world, "tp": tp, "pp": pp, "cp": cp}
+
+
+def _int_list(value):
+    """``value`` as a list of ints (list, tuple, range, array or tensor of integers), or None."""
+    try:
+        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+            value = value.tolist()
+        if isinstance(value, (str, bytes, dict)) or isinstance(value, bool):
+            return None
+        items = [_int_value(v) for v in value]
+    except Exception:  # noqa: BLE001 - not iterable, or a raising element
+        return None
+    return None if any(v is None for v in items) else items
+
+
+def _student_groups(fn, layout: tuple, axis: str) -> list:
+    """The student's ``axis`` group of every rank of ``layout`` (None where the call fails)."""
+    out = []
+    for rank in range(layout[0]):
+        got, exc = _call(fn, rank, layout_of(*layout))
+        out.append(_int_list(got[axis]) if exc is None and isinstance(got, dict) and axis in got else None)
+    return out
+
+
+def _matching_order(fn, layout: tuple, axis: str):
+    """The other rank order whose ``axis`` groups equal the student's for *every* rank of ``layout``."""
+    world, tp, pp, cp = layout
+    theirs = _student_groups(fn, layout, axis)
+    for order, name in (("tp-dp-cp-pp", "order tp-dp-cp-pp (DP before CP)"),
+                        ("tp-cp-pp-dp", "order tp-cp-pp-dp (PP before DP)"), ("pp-dp-cp-tp", "PP fastest")):
         try:
-            got_list = [int(r) for r in got]
-        except TypeError:
-            got_list = None
-        if got_list != want[axis]:
-            ok = False
-            if got_list is not None and sorted(got_list) == want[axis]:
-                print(f"✗ {axis}: right ranks, wrong order: list them in group-rank order, {want[axis]}")
-            else:
-                print(f"✗ {axis}: {got!r} is not rank 5's {axis.upper()} group")
-                print(f"  hint: {hints[axis]}")
-                if got_list is not None and 5 not in got_list:
-                    print("  (rank 5 must be in each of its own groups)")
-    if ok:
-        print(f"✓ rank 5: TP {want['tp']}, PP {want['pp']}, DP {want['dp']} — exactly Megatron's groups")
-    return ok
+            grid = RankGrid(world, tp=tp, pp=pp, cp=cp, order=order)
+        except ValueError:
+            continue  # Megatron refuses some orders when cp > 1
+        if all(grid.group_of(r, axis) == theirs[r] for r in range(world)):
+            return name
+    return None
+
+
+def _group_mistake(fn, got, want: list, rank: int, axis: str, layout: tuple) -> list:
+    """The verdict lines for one wrong group."""
+    lines = [f"✗ groups_of({rank}, {layout_of(*layout)})[{axis!r}] = {safe_repr(got)}, expected {want}"]
+    ints = _int_list(got)
+    if ints is None:
+        lines.append("  hint: give each group as a list of ints, e.g. [4, 5]")
+    elif sorted(ints) == want:
+        lines.append(f"  hint: right ranks, wrong order: list them in group-rank order (ascending here), {want}")
+    else:
+        order = _matching_order(fn, layout, axis)
+        if order:
+            lines.append(f"  hint: those are the {axis.upper()} groups under {order}; Megatron's default "
+                         f"tp-cp-ep-dp-pp puts tp fastest, then cp, dp, pp. {_GROUP_HINTS[axis]}")
+        else:
+            lines.append(f"  hint: {_GROUP_HINTS[axis]}")
+        if rank not in ints:
+            lines.append(f"  (rank {rank} must be in each of its own groups)")
+    return lines
+
+
+def check_groups_of(fn) -> bool:
+    """``fn(rank, layout) -> {"tp": [...], "cp": [...], "dp": [...], "pp": [...]}``: the four groups of
+    ``rank`` (lists in group-rank order) for ``layout = {"world_size", "tp", "pp", "cp"}`` in Megatron's
+    default order, for every rank of the layouts in :data:`GROUP_LAYOUTS`."""
+    checked = 0
+    for layout in GROUP_LAYOUTS:
+        world, tp, pp, cp = layout
+        grid = RankGrid(world, tp=tp, pp=pp, cp=cp)
+        for rank in range(world):
+            got, exc = _call(fn, rank, layout_of(*layout))
+            if isinstance(exc, NotImplementedError):
+                return not_attempted("groups_of")
+            if exc is not None:
+                _verdict_for_exception(f"groups_of({rank}, {layout_of(*layout)})", exc)
+                return False
+            if not isinstance(got, dict) or set(got) != set(AXES):
+                keys = sorted(map(str, got)) if isinstance(got, dict) else type(got).__name__
+                print(f"✗ groups_of({rank}, {layout_of(*layout)}) returned {safe_repr(got)} ({keys})")
+                print("  hint: return a dict with exactly the keys 'tp', 'cp', 'dp' and 'pp', each a list of "
+                      "ranks, e.g. {'tp': [4, 5], 'cp': [5], 'dp': [5, 7], 'pp': [1, 5]}")
+                return False
+            want = grid.groups_of(rank, AXES)
+            for axis in AXES:
+                if _int_list(got[axis]) != want[axis]:
+                    print("\n".join(_group_mistake(fn, got[axis], want[axis], rank, axis, layout)))
+                    return False
+            checked += 1
+    print(f"✓ groups_of gives Megatron's TP, CP, DP and PP groups of all {checked} ranks of {len(GROUP_LAYOUTS)} "
+          f"layouts (rank 5 of 8 = 2×2×2: TP [4, 5], DP [5, 7], PP [1, 5])")
+    return True
 
 
 # ---- exercise 3: coordinates -> rank ------------------------------------------------------
@@ -124,6 +233,20 @@ def _alternatives(c, s):
     }
 
 
+def _matching_formula(fn, sizes: tuple):
+    """The name of the wrong formula that gives the student's rank for *every* coordinate of the layout
+    (at one coordinate several agree), or None."""
+    tp, cp, dp, pp = sizes
+    coords = list(itertools.product(range(tp), range(cp), range(dp), range(pp)))
+    theirs = [_int_value(_call(fn, *c, *sizes)[0]) for c in coords]
+    named = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    for name in _alternatives(dict(tp=0, cp=0, dp=0, pp=0), named):
+        if all(_alternatives(dict(tp=t, cp=k, dp=d, pp=p), named)[name] == mine
+               for (t, k, d, p), mine in zip(coords, theirs)):
+            return name
+    return None
+
+
 def check_rank_of(fn) -> bool:
     """``fn(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp)`` must return the
     global rank in Megatron's default order tp-cp-ep-dp-pp (tp fastest)."""
@@ -132,20 +255,22 @@ def check_rank_of(fn) -> bool:
     for tp, cp, dp, pp in layouts:
         grid = RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)
         for t, k, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp)):
-            got, exc = try_student(fn, t, k, d, p, tp, cp, dp, pp)
+            got, exc = _call(fn, t, k, d, p, tp, cp, dp, pp)
             if isinstance(exc, NotImplementedError):
                 return not_attempted("rank_of")
+            if isinstance(exc, (_CourseCode, LibraryPatched)):
+                _verdict_for_exception(f"rank_of({t}, {k}, {d}, {p}, ...)", exc)
+                return False
             want = grid.rank_of(tp=t, cp=k, dp=d, pp=p)
-            if exc is not None or got != want:
-                what = f"raised {type(exc).__name__}: {exc}" if exc else f"returned {got!r}"
+            value = _int_value(got) if exc is None else None
+            if exc is not None or value != want:
+                what = f"raised {type(exc).__name__}: {exc}" if exc else f"returned {safe_repr(got)}"
                 print(f"✗ rank_of(tp_rank={t}, cp_rank={k}, dp_rank={d}, pp_rank={p}) with tp={tp}, cp={cp}, "
                       f"dp={dp}, pp={pp} {what}; expected {want}")
-                coords, sizes = {"tp": t, "cp": k, "dp": d, "pp": p}, {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-                for name, value in _alternatives(coords, sizes).items():
-                    if exc is None and got == value:
-                        print(f"  hint: your formula matches '{name}'. Megatron's order tp-cp-ep-dp-pp puts tp "
-                              f"fastest: rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank))")
-                        break
+                name = None if exc is not None else _matching_formula(fn, (tp, cp, dp, pp))
+                if name:
+                    print(f"  hint: your formula matches '{name}'. Megatron's order tp-cp-ep-dp-pp puts tp "
+                          f"fastest: rank = tp_rank + tp·(cp_rank + cp·(dp_rank + dp·pp_rank))")
                 else:
                     print("  hint: each axis' stride is the product of the sizes of the axes before it in the "
                           "order: tp 1, cp tp, dp tp·cp, pp tp·cp·dp")

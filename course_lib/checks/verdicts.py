@@ -288,14 +288,17 @@ _MISSING = object()
 
 
 def _code_objects(fn) -> dict:
-    """``{code object: name}`` of a reference implementation (functions, methods of a class)."""
+    """``{code object: name}`` of a reference implementation (a function; for a class, every method,
+    each named after the class)."""
     fn = _unwrap(fn)
     if isinstance(fn, type):
         found = {}
         for attr in vars(fn).values():
             attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
-            if callable(attr):
-                found.update(_code_objects(attr))
+            attr = attr.fget if isinstance(attr, property) else attr
+            code = getattr(_unwrap(attr), "__code__", None) if callable(attr) else None
+            if code is not None:
+                found[code] = _qualified(fn)
         return found
     code = getattr(fn, "__code__", None)
     return {code: _qualified(fn)} if code is not None else {}
