@@ -19,10 +19,14 @@ start from identical numbers. (Megatron's ``--use-cpu-initialization`` applies t
 per weight -- draw the full matrix, keep a shard -- but from a generator seeded per pipeline
 stage; its default GPU initialisation draws each shard from a per-rank seed.)
 
-The vocabulary is padded **once** to a multiple of ``make_vocab_size_divisible_by`` (257 byte
-tokens -> 384), and every TP size must divide that. Megatron pads to a multiple of
-``make_vocab_size_divisible_by * tp`` (384 for TP 1, 512 for TP 2), so its models of different
-TP sizes differ in their padding rows; here they must not.
+Vocabulary padding, said out loud: Megatron pads the vocabulary to a multiple of
+``make_vocab_size_divisible_by * tp`` (257 byte tokens -> 384 for TP 1, 512 for TP 2 and 4,
+1024 for TP 8), so its models of different TP sizes differ in their padding rows -- and in
+their parameter counts per rank. :attr:`GPTConfig.vocab_padding_tp` is the TP size the
+padding is computed for: Megatron's choice is the run's own TP; the course's layouts choose
+``1`` explicitly (``--uniform-vocab-padding`` in :mod:`course_lib.train`), padding every layout
+to 384 rows, which TP 1, 2, 4 and 8 all divide, so that TP = 1 and TP = 4 start from the same
+model and their losses can be compared number for number.
 
 How a layout splits the model (a rank holds ``vp`` chunks, :class:`GPTChunk`)
 -----------------------------------------------------------------------------
@@ -63,6 +67,7 @@ from torch import nn
 
 from course_lib import comm, rules
 from course_lib.context_parallel.attention import build_layer
+from course_lib.data.tokenizer import vocab_size_with_padding
 # new_process_groups is imported for callers that still take it from here (course_lib.train);
 # its home is course_lib.process_groups.
 from course_lib.process_groups import ProcessGroups, new_process_groups  # noqa: F401
@@ -74,18 +79,20 @@ __all__ = ["GPTConfig", "GPTModel", "GPTChunk", "build_model", "layer_ranges", "
            "allreduce_embedding_grads", "master_name", "padded_vocab_size", "gather_full_parameters"]
 
 
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128) -> int:
-    """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by`` (257 -> 384).
-
-    One padding for every TP size (Megatron multiplies the multiple by TP; see the module doc)."""
-    m = make_vocab_size_divisible_by
-    return int(math.ceil(vocab_size / m) * m)
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
+                      tensor_model_parallel_size: int = 1) -> int:
+    """Megatron's padded vocabulary: ``vocab_size`` rounded up to a multiple of
+    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (257 -> 384 for TP 1, 512 for TP 2;
+    :func:`course_lib.data.vocab_size_with_padding`)."""
+    return vocab_size_with_padding(vocab_size, tensor_model_parallel_size, make_vocab_size_divisible_by)
 
 
 @dataclass(frozen=True)
 class GPTConfig:
     """Model sizes (Megatron's argument names). ``vocab_size`` is the tokenizer's (257 for
-    :class:`course_lib.data.ByteTokenizer`); the embedding has ``padded_vocab_size`` rows.
+    :class:`course_lib.data.ByteTokenizer`); the embedding has ``padded_vocab_size`` rows, a
+    multiple of ``make_vocab_size_divisible_by * vocab_padding_tp`` (Megatron pads for the run's
+    own TP; the default 1 pads every layout alike, see the module doc).
     ``max_position_embeddings`` defaults to ``seq_length``; ``ffn_hidden_size`` to ``4 h``."""
 
     num_layers: int = 4
@@ -94,6 +101,7 @@ class GPTConfig:
     seq_length: int = 32
     vocab_size: int = 257
     make_vocab_size_divisible_by: int = 128
+    vocab_padding_tp: int = 1
     max_position_embeddings: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
     hidden_dropout: float = 0.0
@@ -103,7 +111,8 @@ class GPTConfig:
     seed: int = 1234
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by"):
+        for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by",
+                     "vocab_padding_tp"):
             rules.integer(name, getattr(self, name))
         if self.max_position_embeddings is None:
             object.__setattr__(self, "max_position_embeddings", self.seq_length)
@@ -115,7 +124,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by)
+        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.vocab_padding_tp)
 
     def transformer_config(self, sequence_parallel: bool = False) -> TransformerConfig:
         return TransformerConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,

@@ -33,7 +33,8 @@ One training iteration, as Megatron's ``train_step`` does it:
 
 The reported ``lm loss`` is the mean over every token of the global batch (sum and count
 all-reduced over dp-cp), so with dropout off every layout prints the loss a single process
-computes on the same global batch (:func:`train_single_process`); ``tests/test_train.py``
+computes on the same global batch with the same padded vocabulary (:func:`train_single_process`;
+with ``--uniform-vocab-padding`` that is one model for every layout); ``tests/test_train.py``
 checks this to 1e-4 (measured: 1e-7 to 2e-6 over 20 iterations, 8 ranks). The layouts sum in
 different orders, so their numbers differ by float32 rounding (~1e-7); stable training keeps
 that small, but a loss spike amplifies it (Adam at lr 3e-3 with no warm-up on the 4-layer test
@@ -59,8 +60,10 @@ line reports **tracked tensor bytes** -- parameters + gradients + optimizer stat
 ``torch.cuda.memory_allocated`` and friends, exactly like Megatron.
 
 Deviations from Megatron, on purpose: dropout defaults to 0 (Megatron: 0.1) so that layouts
-can be compared number for number; the vocabulary is padded once for every TP size (see
-:mod:`course_lib.model`); the loss mask is all ones (no ``--eod-mask-loss``); no mixed
+can be compared number for number; ``--uniform-vocab-padding`` (a course flag, which the
+course's layouts pass) pads the vocabulary once for every TP size, where
+``--make-vocab-size-divisible-by`` alone pads, as in Megatron, to a multiple of it times TP --
+a different model for each TP size (see :mod:`course_lib.model`); the loss mask is all ones (no ``--eod-mask-loss``); no mixed
 precision (loss scale is always 1.0); ``--pipeline-schedule`` is the course's (Megatron picks
 1F1B, or interleaved 1F1B when virtual stages are given).
 """
@@ -121,7 +124,11 @@ def _add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argumen
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
     g.add_argument("--seq-length", type=int, default=64)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq-length")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times TP (Megatron's meaning)")
+    g.add_argument("--uniform-vocab-padding", action="store_true",
+                   help="course flag: pad as for TP = 1 on every layout (a multiple of "
+                        "--make-vocab-size-divisible-by), so every TP size trains the same model")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
@@ -297,6 +304,12 @@ def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> Non
     rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
 
 
+def vocab_padding_tp(args: argparse.Namespace) -> int:
+    """The TP size the vocabulary is padded for: the run's own (Megatron), or 1 with
+    ``--uniform-vocab-padding`` (every layout the same model: what the course's layouts choose)."""
+    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size
+
+
 def gpt_config_from_args(args: argparse.Namespace):
     """The :class:`~course_lib.model.GPTConfig` of a run (byte vocabulary, 257 tokens)."""
     from course_lib.data import ByteTokenizer
@@ -306,6 +319,7 @@ def gpt_config_from_args(args: argparse.Namespace):
                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
                      vocab_size=ByteTokenizer.vocab_size,
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     vocab_padding_tp=vocab_padding_tp(args),
                      max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
                      hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                      init_method_std=args.init_method_std, seed=args.seed)
@@ -614,13 +628,14 @@ def train_single_process(args: argparse.Namespace) -> dict:
     if args.global_batch_size is None:
         raise ValueError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
+    padding_tp = vocab_padding_tp(args)                   # the layout's vocabulary, padded as it pads it
     one.tensor_model_parallel_size = one.pipeline_model_parallel_size = one.context_parallel_size = 1
     one.sequence_parallel = False
     one.virtual_pipeline_model_parallel_size = one.num_layers_per_virtual_pipeline_stage = None
     one.num_virtual_stages_per_pipeline_rank = None
     one.micro_batch_size = args.global_batch_size          # one step = the whole global batch at once
     args, config = validate_args(one, world_size=1)
-    model = GPTModel(gpt_config_from_args(args))
+    model = GPTModel(gpt_config_from_args(args).with_(vocab_padding_tp=padding_tp))
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]

@@ -574,7 +574,7 @@ def _step_argv(flags, layers):
     return ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *flags,
             "--num-layers", str(layers), "--hidden-size", str(H), "--num-attention-heads", str(HEADS),
             "--seq-length", str(STEP_S), "--micro-batch-size", str(STEP_MBS), "--train-iters", "1",
-            "--log-interval", "1"]
+            "--log-interval", "1", "--uniform-vocab-padding"]
 
 
 def _step_rank(argv):

@@ -22,9 +22,9 @@ from course_lib.megatron import parse_log
 from course_lib.train import (LRScheduler, Optimizer, args_to_argv, build_parser, main, parse_args, pretrain,
                               run, torchrun_argv, train_single_process, validate_args)
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--log-interval", "2",
-        "--lr", "3e-3", "--lr-decay-style", "constant"]
+BASE = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+        "--log-interval", "2", "--lr", "3e-3", "--lr-decay-style", "constant"]
 TOL = 1e-4
 
 
@@ -135,6 +135,18 @@ def test_parity_check_catches_a_missing_embedding_all_reduce(reference):
     res = launch(_rank, world_size=2, output="none", timeout=120,
                  argv=BASE + ["--pipeline-model-parallel-size", "2"], sabotage="embedding")
     assert _rel(res[-1]["lm_loss"], reference["lm_loss"]) > 1e-3
+
+
+def test_vocabulary_padding_is_megatrons_unless_the_layout_asks_for_one_model(reference):
+    """--make-vocab-size-divisible-by pads to a multiple of it x TP (Megatron's meaning); the course's
+    layouts pass --uniform-vocab-padding to train one model whatever the TP size (BASE does)."""
+    megatron = BASE[1:] + ["--tensor-model-parallel-size", "2", "--train-iters", "2"]
+    assert validate_args(parse_args(megatron), 2)[0].padded_vocab_size == 512          # 257 -> 2 x 128 x 2
+    assert validate_args(parse_args(BASE + ["--tensor-model-parallel-size", "2"]), 2)[0].padded_vocab_size == 384
+    res = launch(_rank, world_size=2, output="none", timeout=120, argv=megatron)
+    own = train_single_process(parse_args(megatron))                   # the reference pads as the layout does
+    assert _rel(res[-1]["lm_loss"], own["lm_loss"]) < TOL
+    assert _rel(res[-1]["lm_loss"], reference["lm_loss"][:2]) > 10 * TOL   # 512 rows: another model
 
 
 def test_returned_record_has_communication_and_pipeline_timeline():

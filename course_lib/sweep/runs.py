@@ -67,7 +67,8 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
             "--context-parallel-size", str(cp)]
     for key, value in sizes.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
-    argv += ["--train-iters", str(iters), "--log-interval", str(min(log_interval, iters)), "--lr", f"{SWEEP_LR:g}"]
+    argv += ["--train-iters", str(iters), "--log-interval", str(min(log_interval, iters)), "--lr", f"{SWEEP_LR:g}",
+             "--uniform-vocab-padding"]          # A-F train one model (384 vocabulary rows), compared row by row
     try:
         _, config = validate_args(parse_args(argv), world_size)
     except ValueError as exc:
