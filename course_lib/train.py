@@ -63,9 +63,9 @@ Deviations from Megatron, on purpose: dropout defaults to 0 (Megatron: 0.1) so t
 can be compared number for number; ``--uniform-vocab-padding`` (a course flag, which the
 course's layouts pass) pads the vocabulary once for every TP size, where
 ``--make-vocab-size-divisible-by`` alone pads, as in Megatron, to a multiple of it times TP --
-a different model for each TP size (see :mod:`course_lib.model`); the loss mask is all ones (no ``--eod-mask-loss``); no mixed
-precision (loss scale is always 1.0); ``--pipeline-schedule`` is the course's (Megatron picks
-1F1B, or interleaved 1F1B when virtual stages are given).
+a different model for each TP size (see :mod:`course_lib.model`); the loss mask is all ones
+(no ``--eod-mask-loss``); no mixed precision (loss scale is always 1.0); ``--pipeline-schedule``
+is the course's (Megatron picks 1F1B, or interleaved 1F1B when virtual stages are given).
 """
 
 from __future__ import annotations

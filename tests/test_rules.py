@@ -305,7 +305,8 @@ def test_every_size_flag_refuses_zero_and_negatives():
         for value in (minimum - 1, -7):
             argv = _train_argv(BASE) + [f"{action.option_strings[0]}={value}"]
             msg = _message(lambda: validate_args(parse_args(argv), 8))
-            axis = action.dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size")
+            axis = action.dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "context_parallel_size")
             name = action.dest.replace("_", "-") if axis else action.dest
             assert re.match(rf"{name}={value} must be an integer (>= {minimum}|in {minimum}\.\.)", msg), msg
 
