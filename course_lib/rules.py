@@ -13,7 +13,8 @@ them). So a rule reads the same whoever applies it: ``ParallelConfig``, the trai
 planner, ``megatron-cmd`` or a layer used on its own.
 
 Pure Python (no torch, no numpy): the ground floor that every other module may import, and
-instant to import for the rank-map CLI.
+instant to import for the rank-map CLI. (The corpus's generated fact sentences about heads,
+layers and micro-batches are decided by these rules too, ``data.corpus``.)
 
 The rules, and the entry points that apply them
 -----------------------------------------------
@@ -61,7 +62,8 @@ Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``Transform
   * :func:`sequence_parallel_split` -- ``(seq_length / cp) % tp == 0`` under SP:
     ``ParallelConfig``, ``build_model``, ``activation_memory``, ``sizing.memory``/``comm``.
   * :func:`num_microbatches` -- ``m = global_batch_size / (micro_batch_size · dp)``, a whole
-    number: ``ParallelConfig`` (trainer, planner, megatron-cmd), ``data.sampler``.
+    number: ``ParallelConfig`` (trainer, planner, megatron-cmd), ``data.sampler``, the log
+    parser (``megatron.logs``).
   * :func:`cp_attention_dropout` -- ring attention has no dropout: trainer,
     ``ContextParallelSelfAttention``, ``activation_memory``.
 Run
