@@ -1,0 +1,63 @@
+"""The MoE router: softmax top-k gating with the Switch load-balancing loss and the z-loss.
+
+Megatron: ``megatron/core/transformer/moe/router.py`` (``TopKRouter``) and
+``moe_utils.py`` (``topk_softmax_with_capacity``, ``switch_load_balancing_loss_func``,
+``z_loss_func``). Flags: ``--num-experts``, ``--moe-router-topk``, ``--moe-aux-loss-coeff``,
+``--moe-z-loss-coeff``, ``--moe-router-pre-softmax``.
+
+Papers: Shazeer et al. 2017 (top-k gating), Lepikhin et al. 2020 "GShard" (top-2, aux loss),
+Fedus et al. 2021 "Switch Transformer" (eq. 4: ``aux = α · E · Σ_i f_i · P_i``), Zoph et al.
+2022 "ST-MoE" (router z-loss: ``mean(logsumexp(logits)²)``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from course_lib import rules
+
+__all__ = ["route", "switch_load_balancing_loss", "z_loss"]
+
+
+def switch_load_balancing_loss(scores: torch.Tensor, indices: torch.Tensor, num_experts: int,
+                               coeff: float) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss, in Megatron's form (``switch_load_balancing_loss_func``).
+
+    ``scores``: [T, E] softmax over all experts; ``indices``: [T, k] chosen experts.
+    ``f_i`` = share of the T·k routing slots that went to expert i, ``P_i`` = mean score of
+    expert i; ``aux = coeff · E · Σ_i f_i · P_i`` (= coeff when the load is perfectly uniform).
+    Gradients flow through ``P`` only (the counts are not differentiable)."""
+    num_tokens, topk = indices.shape
+    tokens_per_expert = torch.bincount(indices.flatten(), minlength=num_experts).to(scores.dtype)  # [E]
+    return (scores.sum(0) * tokens_per_expert).sum() * (num_experts * coeff / (num_tokens * num_tokens * topk))
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """ST-MoE's router z-loss: ``coeff · mean_t(logsumexp(logits_t)²)`` -- keeps logits small. [T, E] -> []."""
+    return coeff * torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, topk: int, *, aux_loss_coeff: float = 0.0,
+          z_loss_coeff: float | None = None, pre_softmax: bool = False):
+    """Route each token to ``topk`` experts.
+
+    ``x``: [T, H] tokens; ``weight``: [E, H] (Megatron's ``router.weight``).
+    Returns ``probs`` [T, k] (gate values), ``indices`` [T, k] (expert ids) and the auxiliary loss
+    (a scalar: load balancing + z-loss). Megatron's default (``pre_softmax=False``): top-k on the
+    logits, then softmax over the k chosen (the gates of one token sum to 1); ``pre_softmax=True``:
+    softmax over all experts, then top-k. The aux loss always uses the softmax over all experts."""
+    num_experts = weight.shape[0]
+    topk = rules.integer("moe-router-topk", topk, maximum=num_experts)
+    logits = x @ weight.t()                                   # [T, E]
+    scores = torch.softmax(logits, dim=-1)                    # [T, E]
+    if pre_softmax:
+        probs, indices = torch.topk(scores, topk, dim=-1)     # [T, k]
+    else:
+        top_logits, indices = torch.topk(logits, topk, dim=-1)
+        probs = torch.softmax(top_logits, dim=-1)             # [T, k]
+    aux = x.new_zeros(())
+    if aux_loss_coeff:
+        aux = aux + switch_load_balancing_loss(scores, indices, num_experts, aux_loss_coeff)
+    if z_loss_coeff:
+        aux = aux + z_loss(logits, z_loss_coeff)
+    return probs, indices, aux
