@@ -1,9 +1,18 @@
-"""Lab 05's checkers: right answers pass, typical mistakes get their specific hint, stubs are "not attempted"."""
+"""Lab 05's checkers: a table of wrong answers per exercise -- right-numbers-wrong-algorithm ones included --
+each with its specific hint; right answers written differently (numpy, Fraction, float) accepted; stubs are
+"not attempted"; the course's own code is recognised; the conclusions are the student's (a light check)."""
 
+from fractions import Fraction
+
+import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 
+from course_lib import sizing
 from course_lib.checks import lab05 as L
-from course_lib.megatron import SEED_SWEEP
+from course_lib.megatron import SEED_SWEEP, parse_log
+from course_lib.topology import ParallelConfig
 
 
 def _todo(*args):
@@ -40,12 +49,40 @@ def layout_never_raises(world, tp, pp, cp, micro, gbs):
     return dp, gbs // (micro * dp)
 
 
+def layout_numpy(world, tp, pp, cp, micro, gbs):
+    dp, m = layout(world, tp, pp, cp, micro, gbs)
+    return np.array([dp, m])
+
+
+def layout_fractions(world, tp, pp, cp, micro, gbs):
+    dp, m = layout(world, tp, pp, cp, micro, gbs)
+    return Fraction(dp), torch.tensor(m)
+
+
+def layout_true_division(world, tp, pp, cp, micro, gbs):    # 8 / 3 is not a number of replicas
+    dp = world / (tp * pp * cp)
+    if dp != int(dp) or gbs % (micro * dp):
+        raise ValueError("no")
+    return dp, gbs / (micro * dp)
+
+
+def layout_course(world, tp, pp, cp, micro, gbs):
+    cfg = ParallelConfig(world_size=world, tp=tp, pp=pp, cp=cp, micro_batch_size=micro, global_batch_size=gbs)
+    return cfg.dp, cfg.num_microbatches
+
+
 @pytest.mark.parametrize("fn, ok, text", [
     (layout, True, "✓ derive_layout"),
+    (layout_floats, True, "✓ derive_layout"),
+    (layout_numpy, True, "✓ derive_layout"),
+    (layout_fractions, True, "✓ derive_layout"),
+    (layout_true_division, True, "✓ derive_layout"),
     (layout_no_cp, False, "CP ranks are not data-parallel replicas"),
     (layout_no_dp, False, "m = global / (micro * DP)"),
-    (layout_floats, False, "return Python ints"),
+    (lambda *a: (float("nan"), 2), False, "NaN"),
+    (lambda *a: "2, 8", False, "return a pair (dp, num_microbatches)"),
     (layout_never_raises, False, "Megatron refuses it: raise ValueError"),
+    (layout_course, False, "the course's own course_lib.topology.ParallelConfig"),
     (_todo, False, "not attempted yet: write derive_layout"),
 ])
 def test_check_layout(fn, ok, text, capsys):
@@ -89,16 +126,44 @@ def smallest(configs, world, micro, gbs):
     return min(b, key=b.get)
 
 
+def largest_dp_ignores_cp(configs, world, micro, gbs):
+    b = {n: (pp - 1) / (gbs / (micro * (world // (tp * pp)))) for n, (tp, pp, cp) in configs.items()}
+    return max(b, key=b.get)
+
+
+def largest_m_ignores_dp(configs, world, micro, gbs):       # the same m for everyone: depth decides
+    return max(configs, key=lambda n: (configs[n][1] - 1) / (gbs / micro))
+
+
+def largest_fractions(configs, world, micro, gbs):
+    b = {n: Fraction(pp - 1, gbs // (micro * (world // (tp * pp * cp)))) for n, (tp, pp, cp) in configs.items()}
+    return np.str_(max(b, key=b.get))
+
+
 @pytest.mark.parametrize("fn, ok, text", [
     (largest, True, "✓ largest_bubble"),
     (largest_share, True, "✓ largest_bubble"),
+    (largest_fractions, True, "✓ largest_bubble"),
     (deepest, False, "depth alone does not decide"),
+    (largest_m_ignores_dp, False, "depth alone does not decide"),
+    (largest_dp_ignores_cp, False, "CP ranks are not data-parallel replicas"),
     (smallest, False, "that is the *smallest* bubble"),
+    (lambda configs, *a: 0.375, False, "return the *name* of a config"),
     (_todo, False, "not attempted yet: write largest_bubble"),
 ])
 def test_check_largest_bubble(fn, ok, text, capsys):
     assert L.check_largest_bubble(fn) is ok
-    assert text in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert text in out, out
+    if fn is largest_dp_ignores_cp:
+        assert "depth alone" not in out      # its answer on one sweep is the deepest config: not the diagnosis
+
+
+def test_bubble_cases_tell_the_mistakes_apart():
+    """Ignoring CP picks the deepest config on one sweep, and a config that is not the deepest on another."""
+    picks = [(largest_dp_ignores_cp(*c), deepest(*c), largest(*c)) for c in L.BUBBLE_CASES]
+    assert any(no_cp == deep != right for no_cp, deep, right in picks)
+    assert any(no_cp != deep for no_cp, deep, _ in picks)
 
 
 def test_bubble_cases_include_ones_where_the_deepest_pipeline_is_not_the_answer():
@@ -140,8 +205,22 @@ def parse_missing_loss(line):
     return d
 
 
+def parse_numpy(line):
+    d = parse(line)
+    return {"iteration": np.int64(d["iteration"]), "elapsed_ms": np.float64(d["elapsed_ms"]),
+            "lm_loss": torch.tensor(d["lm_loss"], dtype=torch.float64)}
+
+
+def parse_course(line):
+    it = parse_log(line).iterations[0]
+    return {"iteration": it["iteration"], "elapsed_ms": it["elapsed_ms"], "lm_loss": it["lm_loss"]}
+
+
 @pytest.mark.parametrize("fn, ok, text", [
     (parse, True, "✓ parse_iteration_line reads 5 formats"),
+    (parse_numpy, True, "✓ parse_iteration_line reads 5 formats"),
+    (lambda line: {**parse(line), "lm_loss": float("nan")}, False, "expected"),
+    (parse_course, False, "the course's own"),
     (parse_assumes_first_field, False, "since core 0.6 the line starts with a '[date time]' stamp"),
     (parse_total_iterations, False, "take the number before the '/'"),
     (parse_missing_loss, False, "return a dict with the keys iteration, elapsed_ms, lm_loss"),
@@ -160,3 +239,191 @@ def test_checker_lines_are_the_fixtures_formats():
     assert eras == {"Megatron before core 0.6": "pre-0.6", "Megatron core 0.6-0.15": "0.6-0.15",
                     "Megatron core 0.16+": "0.16+", "the course's CPU log": "0.16+",
                     "torchrun --tee (prefix)": "0.6-0.15"}
+
+
+# ---------------------------------------------------------------- exercise 2: one distributed-optimizer step
+
+def dist_opt_ok(params, grad, group, make_optimizer):
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    shard_grad = torch.empty(grad.numel() // d, dtype=grad.dtype)
+    dist.reduce_scatter_tensor(shard_grad, grad, group=group)
+    shard = params.chunk(d)[r].clone().requires_grad_()
+    shard.grad = shard_grad / d
+    opt = make_optimizer([shard])
+    opt.step()
+    out = torch.empty_like(params)
+    dist.all_gather_into_tensor(out, shard.detach(), group=group)
+    return out, opt
+
+
+def dist_opt_lists(params, grad, group, make_optimizer):     # list collectives, AVG reduce-scatter by hand
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    shard_grad = torch.empty(grad.numel() // d, dtype=grad.dtype)
+    dist.reduce_scatter(shard_grad, list((grad / d).chunk(d)), group=group)
+    shard = torch.nn.Parameter(params.chunk(d)[r].clone())
+    shard.grad = shard_grad
+    opt = make_optimizer([shard])
+    opt.step()
+    pieces = [torch.empty_like(shard) for _ in range(d)]
+    dist.all_gather(pieces, shard.detach(), group=group)
+    return torch.cat(pieces), opt
+
+
+def dist_opt_plain_ddp(params, grad, group, make_optimizer):   # right numbers: every rank holds all the state
+    d = dist.get_world_size(group)
+    g = grad.clone()
+    dist.all_reduce(g, group=group)
+    p = params.clone().requires_grad_()
+    p.grad = g / d
+    opt = make_optimizer([p])
+    opt.step()
+    return p.detach(), opt
+
+
+def dist_opt_all_reduce_shard(params, grad, group, make_optimizer):  # right numbers and state, twice the traffic
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    g = grad.clone()
+    dist.all_reduce(g, group=group)
+    shard = params.chunk(d)[r].clone().requires_grad_()
+    shard.grad = g.chunk(d)[r] / d
+    opt = make_optimizer([shard])
+    opt.step()
+    out = torch.empty_like(params)
+    dist.all_gather_into_tensor(out, shard.detach(), group=group)
+    return out, opt
+
+
+def dist_opt_sum(params, grad, group, make_optimizer):
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    shard_grad = torch.empty(grad.numel() // d, dtype=grad.dtype)
+    dist.reduce_scatter_tensor(shard_grad, grad, group=group)
+    shard = params.chunk(d)[r].clone().requires_grad_()
+    shard.grad = shard_grad                                    # the sum, not the average
+    opt = make_optimizer([shard])
+    opt.step()
+    out = torch.empty_like(params)
+    dist.all_gather_into_tensor(out, shard.detach(), group=group)
+    return out, opt
+
+
+def dist_opt_shard_only(params, grad, group, make_optimizer):
+    out, opt = dist_opt_ok(params, grad, group, make_optimizer)
+    return out.chunk(dist.get_world_size(group))[dist.get_rank(group)], opt
+
+
+def dist_opt_full_state(params, grad, group, make_optimizer):  # right numbers and traffic, optimizer for all N
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    shard_grad = torch.empty(grad.numel() // d, dtype=grad.dtype)
+    dist.reduce_scatter_tensor(shard_grad, grad, group=group)
+    full = params.clone().requires_grad_()
+    full.grad = torch.zeros_like(params)
+    full.grad.chunk(d)[r].copy_(shard_grad / d)
+    opt = make_optimizer([full])
+    opt.step()
+    out = torch.empty_like(params)
+    dist.all_gather_into_tensor(out, full.detach().chunk(d)[r].contiguous(), group=group)
+    return out, opt
+
+
+def dist_opt_broadcasts(params, grad, group, make_optimizer):
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    shard_grad = torch.empty(grad.numel() // d, dtype=grad.dtype)
+    dist.reduce_scatter_tensor(shard_grad, grad, group=group)
+    shard = params.chunk(d)[r].clone().requires_grad_()
+    shard.grad = shard_grad / d
+    opt = make_optimizer([shard])
+    opt.step()
+    pieces = [shard.detach().clone() if q == r else torch.empty_like(shard) for q in range(d)]
+    for q in range(d):
+        dist.broadcast(pieces[q], src=q, group=group)
+    return torch.cat(pieces), opt
+
+
+@pytest.mark.parametrize("fn, ok, text", [
+    (dist_opt_ok, True, "✓ distributed_optimizer_step"),
+    (dist_opt_lists, True, "✓ distributed_optimizer_step"),
+    (_todo, False, "not attempted yet: write distributed_optimizer_step"),
+    (dist_opt_plain_ddp, False, "that is plain data parallelism"),
+    (dist_opt_all_reduce_shard, False, "sends half as much"),
+    (dist_opt_sum, False, "divide your shard by d"),
+    (dist_opt_shard_only, False, "you returned only your shard"),
+    (dist_opt_full_state, False, "for your 1/d shard only"),
+    (dist_opt_broadcasts, False, "reduce-scatter the gradients over DP"),
+    (lambda params, grad, group, make: params, False, "return a pair (new_params, optimizer)"),
+])
+def test_check_distributed_optimizer_step(fn, ok, text, capsys):
+    assert L.check_distributed_optimizer_step(fn) is ok
+    out = capsys.readouterr().out
+    assert text in out, out
+
+
+# ---------------------------------------------------------------- exercise 5: the student's conclusions
+
+SWEEP = {"configs": [
+    {"name": "A", "tp": 1, "pp": 1, "dp": 8, "step_time_ms": 207.5, "tokens_per_s": 2468.0,
+     "model_states_mb_per_rank": [6.5098] * 8, "comm_per_iteration": {"dp": {"calls": 2.0, "sent_bytes": 2986000.0}}},
+    {"name": "D", "tp": 2, "pp": 2, "dp": 2, "step_time_ms": 1021.9, "tokens_per_s": 501.0,
+     "model_states_mb_per_rank": [1.7559] * 4 + [1.7266] * 4,
+     "comm_per_iteration": {"tp": {"calls": 160.0, "sent_bytes": 1117184.0}}},
+]}
+
+
+def _plans():
+    big = sizing.ModelSpec("13B GPT", num_layers=40, hidden_size=5120, num_heads=40, vocab_size=51200,
+                           seq_length=2048)
+    return {big.name: {name: sizing.plan(big, tp=tp, pp=pp, dp=8 // (tp * pp * cp), cp=cp, micro_batch_size=1,
+                                         global_batch_size=64, sequence_parallel=tp > 1)
+                       for name, (tp, pp, cp) in SEED_SWEEP.items()}}
+
+
+GOOD = {
+    "tiny_gpt": "A: on our CPU run A took 207.5 ms per step and D 1,021.9 ms, about 4.9 times slower, so no split.",
+    "gpt_13b": "D, because A would need 254.02 GB per rank and D fits at 76.53 GB with a small bubble.",
+    "rule": "TP inside a node until a layer fits, PP across nodes for depth, DP for the rest, CP for long sequences.",
+    "sweep": "TP all-reduces dominate: D issued 160 TP calls per iteration while A's model states were 6.51 MB.",
+}
+
+
+@pytest.mark.parametrize("answers, ok, text", [
+    (GOOD, True, "✓ your conclusions are written"),
+    ({**GOOD, "sweep": "Model parallelism made things slower on the CPU, as I expected from the theory."}, False,
+     "'sweep': cite at least one number"),
+    ({**GOOD, "tiny_gpt": "I would take the simplest one, since it has 2468 tokens/s per second in total."}, False,
+     "'tiny_gpt': name the config"),
+    ({**GOOD, "rule": "use whatever makes the model fit on the machine you happen to have today"}, False,
+     "'rule': say when to use each of TP, PP, DP and CP"),
+    ({**GOOD, "gpt_13b": "..."}, False, "'gpt_13b': write your choice from A-F for the 13B GPT"),
+    ({k: v for k, v in GOOD.items() if k != "rule"}, False, "'rule': write your own rule"),
+    ("A is best", False, "return a dict"),
+])
+def test_check_conclusions(answers, ok, text, capsys):
+    assert L.check_conclusions(lambda: answers, SWEEP, _plans()) is ok
+    out = capsys.readouterr().out
+    assert text in out, out
+
+
+def test_conclusions_not_attempted_and_course_reading_after_them(capsys):
+    assert not L.check_conclusions(_todo, SWEEP)
+    L.print_course_reading(_plans(), unlocked=False)
+    out = capsys.readouterr().out
+    assert "not attempted yet: write my_conclusions" in out and "appears here once" in out and "D --" not in out
+    L.print_course_reading(_plans(), unlocked=True)
+    out = capsys.readouterr().out
+    assert "13B GPT: D -- A needs 254.02 GB per rank" in out and "Rule of thumb" in out
+
+
+def test_cited_numbers_match_at_the_precision_written():
+    numbers = L.measured_numbers(SWEEP)
+    assert L.cited_numbers("A 207.5 ms, D 1,021.9 ms, 1.73-1.76 MB, ratio 4.9", numbers) == [
+        "207.5", "1,021.9", "1.73", "1.76", "4.9"]
+    assert L.cited_numbers("TP 2, PP 4, 8 ranks, 300 tokens, 200.0 ms", numbers) == []
+
+
+def test_deliverable_carries_the_students_conclusions_first():
+    report = "# Day 22\n\n## 5. Conclusions (TP / PP / CP trade-offs)\n\n- Throughput: A is fastest.\n" \
+             "- Your choice for this model and why (memory, throughput, communication, complexity): …\n"
+    mine = L.with_your_conclusions(report, lambda: GOOD)
+    assert mine.index("### Mine") < mine.index(GOOD["sweep"]) < mine.index("### What the numbers say") \
+        < mine.index("- Throughput: A is fastest.")
+    assert "Your choice for this model" not in mine
+    assert "not written yet" in L.with_your_conclusions(report, _todo)

@@ -3,33 +3,58 @@ the single-rank column split, in-process for every rank), compares it with the r
 prints one verdict line plus the most specific hint it can find. A function that still raises
 ``NotImplementedError`` gets a "not attempted yet" line, never an exception.
 
-===================================  ============================================================
-checker                              exercise
-===================================  ============================================================
-check_column_parallel_forward(fn)    ``fn(x, weight, rank, world_size) -> Y_rank``
-check_row_parallel_forward(fn)       ``fn(x_shard, weight, group) -> Y`` (one all-reduce)
-check_f_g(f_cls, g_cls)              the conjugate operators as ``torch.autograd.Function``\\ s
-check_tp_mlp_from_dense(fn)          ``fn(dense: DenseMLP, tp_group) -> ParallelMLP``
-check_collective_prediction(fn, fe)  predicted collectives of a layer, and elements sent per rank
-===================================  ============================================================
+The checkers prove the *algorithm*, not only the numbers: ranks run on a process group that
+records every operation (:mod:`course_lib.checks.wire`), so a row-parallel forward that gathers
+its input and runs the dense GEMM, or a cross-entropy that gathers the logits, is refused with a
+hint saying what the exercise asks for -- however the collective was called. Student code runs
+through :func:`~course_lib.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is
+undone and named, and a function that runs the course's own implementation is told so.
+
+=========================================  ============================================================
+checker                                    exercise
+=========================================  ============================================================
+check_column_parallel_forward(fn)          ``fn(x, weight, rank, world_size) -> Y_rank``
+check_row_parallel_forward(fn)             ``fn(x_shard, weight, group) -> Y`` (exactly one all-reduce)
+check_f_g(f_cls, g_cls)                    the conjugate operators as ``torch.autograd.Function``\\ s
+check_tp_mlp_from_dense(fn)                ``fn(dense: DenseMLP, tp_group) -> ParallelMLP``
+check_collective_prediction(fn, fe)        predicted collectives of a layer, and elements sent per rank
+check_vocab_parallel_cross_entropy(fn)     ``fn(logits [s,b,V/t], target [s,b], group) -> loss [s,b]``
+=========================================  ============================================================
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.checks import not_attempted
+from course_lib.checks.verdicts import (as_real, course_code_hint, course_function, describe_ops, launch_checked,
+                                        run_student, safe_repr, same_number, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
-from course_lib.tensor_parallel import (DenseMLP, ParallelMLP, ParallelTransformerLayer, TransformerConfig,
-                                        gather_full_grads)
+from course_lib.tensor_parallel import (ColumnParallelLinear, DenseMLP, ParallelMLP, ParallelTransformerLayer,
+                                        RowParallelLinear, TransformerConfig, copy_dense_to_parallel,
+                                        gather_full_grads, vocab_parallel_cross_entropy)
+from course_lib.tensor_parallel import mappings
+from course_lib.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
 __all__ = ["check_column_parallel_forward", "check_row_parallel_forward", "check_f_g",
-           "check_tp_mlp_from_dense", "check_collective_prediction"]
+           "check_tp_mlp_from_dense", "check_collective_prediction", "check_vocab_parallel_cross_entropy",
+           "student_on_rank"]
 
 S, B, IN, OUT = 4, 2, 8, 12
+# The course's own implementations of each exercise: running one inside the student's function is reported.
+# (Methods, not classes: an autograd.Function class refers to itself through its backward class.)
+COLUMN_REFS = (ColumnParallelLinear.forward,)
+ROW_REFS = (RowParallelLinear.forward,)
+F_G_REFS = (mappings._CopyToModelParallelRegion.forward, mappings._CopyToModelParallelRegion.backward,
+            mappings._ReduceFromModelParallelRegion.forward, mappings._ReduceFromModelParallelRegion.backward,
+            mappings.copy_to_tensor_model_parallel_region, mappings.reduce_from_tensor_model_parallel_region)
+MLP_REFS = (copy_dense_to_parallel,)
+CE_REFS = (vocab_parallel_cross_entropy, _VocabParallelCrossEntropy.forward, _VocabParallelCrossEntropy.backward)
 
 
 def _data(seed=0):
@@ -38,12 +63,71 @@ def _data(seed=0):
 
 
 def _close(a, b, tol=1e-5) -> bool:
-    return isinstance(a, torch.Tensor) and a.shape == b.shape and (a - b).abs().max().item() <= tol
+    """Same shape and values within ``tol`` (relative to the reference's scale), all finite; never raises."""
+    try:
+        if not isinstance(a, torch.Tensor) or tuple(a.shape) != tuple(b.shape) or a.is_complex():
+            return False
+        diff = (a.detach().double() - b.detach().double()).abs()
+        return bool(torch.isfinite(diff).all()) and diff.max().item() <= tol * max(1.0, b.abs().max().item())
+    except Exception:  # noqa: BLE001 - an odd answer is a wrong answer
+        return False
 
 
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else text
+
+
+def _portable(value):
+    """A tensor as it is (detached); anything else as a short description that pickles."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return f"a {type(value).__name__} ({safe_repr(value, 50)})"
+
+
+def student_on_rank(fn, *args, references=()) -> dict:
+    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
+
+    Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
+    returns ``value`` (a tensor, or a description of what came back), ``events`` (the rank's
+    :class:`~course_lib.comm.CommEvent` list), ``patched`` (library names it replaced, undone) and
+    ``course_code`` (the ``references`` that ran inside it)."""
+    with wire_recorder() as rec:
+        run = run_student(fn, *args, references=references)
+    if run.error is not None:
+        raise run.error
+    return dict(value=_portable(run.value), events=list(rec.events), patched=run.patched,
+                course_code=run.course_code)
+
+
+def _call_problem(result: dict) -> str | None:
+    """The line for a call that patched the library or ran the course's own code, else None."""
+    if result["patched"]:
+        return (f"it replaced {', '.join(result['patched'][:3])} (undone by the checker): an exercise's function "
+                f"must compute its answer, not change the library")
+    if result["course_code"]:
+        return course_code_hint(result["course_code"][0])
+    return None
+
+
+def _course_answer(*fns) -> bool:
+    """Print the verdict for an answer that *is* the course's own implementation; True when it is."""
+    for fn in fns:
+        name = course_function(fn)
+        if name:
+            print(f"✗ {course_code_hint(name)}")
+            return True
+    return False
+
+
+def _rank_failure(err: RankError, name: str, size_hint: str | None = None) -> bool:
+    """Print the verdict for a rank that raised; ``not attempted`` for the stub. Returns False."""
+    if err.exc_type == "NotImplementedError":
+        return not_attempted(name)
+    print(f"✗ rank {err.rank} raised {_last_line(err.traceback)}")
+    if size_hint and ("shape" in err.traceback or "size" in err.traceback):
+        print(f"  hint: {size_hint}")
+    return False
 
 
 # ------------------------------------------------------------------------- column
@@ -56,6 +140,8 @@ def diagnose_column(got, x, weight, rank, t) -> str | None:
         return None
     if not isinstance(got, torch.Tensor):
         return f"return the output tensor Y_i (got {type(got).__name__})"
+    if not bool(torch.isfinite(got).all()):
+        return "the output holds NaN or inf: Y_i = F.linear(x, weight.chunk(t, dim=0)[rank]) is finite"
     full = F.linear(x, weight)
     if _close(got, full):
         return ("you returned the full output [s, b, out]: column-parallel rank i computes only its "
@@ -71,20 +157,25 @@ def diagnose_column(got, x, weight, rank, t) -> str | None:
 
 def check_column_parallel_forward(fn) -> bool:
     """``fn(x [s,b,in], weight [out,in], rank, world_size) -> [s, b, out/world_size]``; no communication."""
+    if _course_answer(fn):
+        return False
     x, w = _data()
     for t in (2, 4):
         for rank in range(t):
-            try:
-                got = fn(x.clone(), w.clone(), rank, t)
-            except NotImplementedError:
+            run = run_student(fn, x.clone(), w.clone(), rank, t, references=COLUMN_REFS)
+            if run.todo:
                 return not_attempted("column_parallel_forward")
-            except Exception as exc:  # noqa: BLE001 - shown to the student
+            if run.error is not None:
+                exc = run.error
                 print(f"✗ rank {rank} of {t} raised {type(exc).__name__}: {exc}")
                 if "shape" in str(exc) or "size" in str(exc):
                     print("  hint: split the weight's dim 0 (output features), not dim 1: "
                           "weight.chunk(world_size, dim=0)[rank] has shape [out/t, in]")
                 return False
-            hint = diagnose_column(got, x, w, rank, t)
+            if run.problem():
+                print(f"✗ {run.problem()}")
+                return False
+            hint = diagnose_column(run.value, x, w, rank, t)
             if hint:
                 print(f"✗ wrong on rank {rank} of {t}\n  hint: {hint}")
                 return False
@@ -95,24 +186,32 @@ def check_column_parallel_forward(fn) -> bool:
 
 # ---------------------------------------------------------------------------- row
 
+ROW_ALGORITHM = ("row-parallel rank i multiplies only its own slice x_shard by its rows of the weight "
+                 "(weight.chunk(t, dim=1)[rank]) and the partial sums are added by exactly one all-reduce")
+
 
 def _rank_row(fn):
     t, r = dist.get_world_size(), dist.get_rank()
     x, w = _data(1)
-    got = fn(x.chunk(t, -1)[r].contiguous().clone(), w.clone(), dist.group.WORLD)
-    return dict(got=got, x=x, w=w, rank=r, t=t)
+    x_shard = x.chunk(t, -1)[r].contiguous()
+    result = student_on_rank(fn, x_shard.clone(), w.clone(), dist.group.WORLD, references=ROW_REFS)
+    return dict(result, x=x, w=w, rank=r, t=t)
 
 
 def diagnose_row(got, x, w, rank, t) -> str | None:
+    """The hint for a wrong row-parallel output (values only), or None when the values are right."""
     want = F.linear(x, w)
     if _close(got, want):
         return None
     if not isinstance(got, torch.Tensor):
-        return f"return the output tensor Y (got {type(got).__name__})"
+        return f"return the output tensor Y (got {got if isinstance(got, str) else type(got).__name__})"
     partial = F.linear(x.chunk(t, -1)[rank], w.chunk(t, 1)[rank])
     if _close(got, partial):
         return ("this is only rank's partial sum X_i A_i: all-reduce it over `group` "
                 "(dist.all_reduce(y, group=group)) -- that all-reduce is the g operator")
+    if _close(got, want / t):
+        return ("the result is t times too small: op=ReduceOp.AVG divides the sum by t, but the partial sums "
+                "X_i A_i must be added -- all-reduce with the default op, ReduceOp.SUM")
     if _close(got, want * t):
         return "the result is t times too large: all-reduce once, and do not also sum the ranks by hand"
     if got.shape != want.shape:
@@ -122,30 +221,57 @@ def diagnose_row(got, x, w, rank, t) -> str | None:
             "slice of x: weight.chunk(t, dim=1)[rank]")
 
 
+def diagnose_row_traffic(events) -> str | None:
+    """The hint when the row-parallel forward did not communicate as one all-reduce (sum), else None."""
+    others = [e for e in events if e.op != "all_reduce"]
+    if any(e.op == "all_gather" for e in others):
+        return ("you all-gathered (ran " + describe_ops(events) + "): gathering x and running the dense GEMM "
+                "gives the right numbers, but it is not tensor parallelism -- " + ROW_ALGORITHM)
+    if others:
+        return f"it ran {describe_ops(events)}: {ROW_ALGORITHM}"
+    reduces = [e for e in events if e.op == "all_reduce"]
+    if len(reduces) != 1:
+        return f"it ran {describe_ops(events) if reduces else 'no collective'}: {ROW_ALGORITHM}"
+    if reduces[0].reduce_op not in (None, "sum"):
+        return (f"the all-reduce used op {reduces[0].reduce_op.upper()}: the partial sums are added, "
+                f"ReduceOp.SUM (the default)")
+    return None
+
+
+def _row_hint(r: dict) -> str | None:
+    """The one hint for a rank's row-parallel result: a patch or the course's code, then gathering
+    (right numbers, wrong algorithm), then wrong values, then any other traffic; None when right."""
+    problem = _call_problem(r)
+    if problem:
+        return problem
+    traffic = diagnose_row_traffic(r["events"])
+    if traffic and any(e.op == "all_gather" for e in r["events"]):
+        return traffic
+    return diagnose_row(r["value"], r["x"], r["w"], r["rank"], r["t"]) or traffic
+
+
 def check_row_parallel_forward(fn) -> bool:
-    """``fn(x_shard [s,b,in/t], weight [out,in], group) -> Y [s,b,out]`` on every rank."""
+    """``fn(x_shard [s,b,in/t], weight [out,in], group) -> Y [s,b,out]`` on every rank, one all-reduce."""
+    if _course_answer(fn):
+        return False
     for t in (2, 4):
         try:
-            res = launch(_rank_row, world_size=t, output="none", timeout=30, fn=fn)
+            res = launch_checked(_rank_row, world_size=t, fn=fn)
         except RankError as err:
-            if err.exc_type == "NotImplementedError":
-                return not_attempted("row_parallel_forward")
-            print(f"✗ with {t} ranks, rank {err.rank} raised {_last_line(err.traceback)}")
-            if "shape" in err.traceback or "size" in err.traceback:
-                print("  hint: x_shard has in/t features: use weight.chunk(t, dim=1)[rank] ([out, in/t]), "
-                      "with t = dist.get_world_size(group) and rank = dist.get_rank(group)")
-            return False
+            return _rank_failure(err, "row_parallel_forward",
+                                 "x_shard has in/t features: use weight.chunk(t, dim=1)[rank] ([out, in/t]), "
+                                 "with t = dist.get_world_size(group) and rank = dist.get_rank(group)")
         except LaunchTimeout:
             print(f"✗ with {t} ranks the ranks waited for each other: every rank must call the same "
                   f"all-reduce on the same group")
             return False
         for r in res:
-            hint = diagnose_row(r["got"], r["x"], r["w"], r["rank"], r["t"])
+            hint = _row_hint(r)
             if hint:
-                print(f"✗ wrong on rank {r['rank']} of {t}\n  hint: {hint}")
+                print(f"✗ rank {r['rank']} of {t}\n  hint: {hint}")
                 return False
     print("✓ row_parallel_forward: every rank ends with the dense output X A for t = 2 and 4, "
-          "after one all-reduce of the partial sums")
+          "after exactly one all-reduce of the partial sums and no other communication")
     return True
 
 
@@ -158,16 +284,30 @@ def _rank_f_g(f_cls, g_cls):
     xs = [torch.randn(3, 4, generator=gen(q)) for q in range(t)]
     dys = [torch.randn(3, 4, generator=gen(10 + q)) for q in range(t)]
     out = {}
-    # f alone: forward identity, backward all-reduce
-    x = xs[0].clone().requires_grad_()  # f's input is the same on every rank
-    y = f_cls.apply(x, g)
-    y.backward(dys[r].clone())
-    out["f"] = dict(y=y.detach(), dx=x.grad, x=xs[0], dy=dys[r], dysum=sum(dys))
-    # g alone: forward all-reduce, backward identity
-    x = xs[r].clone().requires_grad_()
-    y = g_cls.apply(x, g)
-    y.backward(dys[0].clone())  # g's output is the same on every rank, so is its gradient
-    out["g"] = dict(y=y.detach(), dx=x.grad, x=xs[r], xsum=sum(xs), dy=dys[0])
+
+    def phases(cls, x, dy):
+        """What cls.apply(x, group) does in each pass: y, dx and the ops of each pass, recorded apart."""
+        x = x.clone().requires_grad_()
+        with wire_recorder() as fwd:
+            run = run_student(cls.apply, x, g, references=F_G_REFS)
+        if run.error is not None:
+            raise run.error
+        y = run.value
+        info = dict(patched=run.patched, course_code=run.course_code, events=list(fwd.events), bwd_events=[],
+                    dx=None, y=_portable(y))
+        if isinstance(y, torch.Tensor) and y.requires_grad:
+            with wire_recorder() as bwd:
+                back = run_student(y.backward, dy.clone(), references=F_G_REFS)
+            if back.error is not None:
+                raise back.error
+            info.update(patched=run.patched + back.patched, course_code=run.course_code + back.course_code,
+                        bwd_events=list(bwd.events), dx=x.grad)
+        return info
+
+    # f alone: forward identity, backward all-reduce (f's input is the same on every rank)
+    out["f"] = dict(phases(f_cls, xs[0], dys[r]), x=xs[0], dy=dys[r], dysum=sum(dys))
+    # g alone: forward all-reduce, backward identity (g's output, so its gradient, is the same on every rank)
+    out["g"] = dict(phases(g_cls, xs[r], dys[0]), x=xs[r], xsum=sum(xs), dy=dys[0])
     # a 2-layer MLP built from them, vs the dense one
     cfg = TransformerConfig(hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
     torch.manual_seed(3)
@@ -179,8 +319,13 @@ def _rank_f_g(f_cls, g_cls):
     yd = F.linear(F.gelu(F.linear(xd, dense.linear_fc1.weight)), dense.linear_fc2.weight)
     yd.sum().backward()
     xp = xin.clone().requires_grad_()
-    yp = g_cls.apply(F.linear(F.gelu(F.linear(f_cls.apply(xp, g), w1)), w2), g)
-    yp.sum().backward()
+
+    def mlp():
+        yp = g_cls.apply(F.linear(F.gelu(F.linear(f_cls.apply(xp, g), w1)), w2), g)
+        yp.sum().backward()
+        return yp
+
+    yp = student_on_rank(mlp)["value"]
     out["mlp"] = dict(y=(yp - yd).abs().max().item(), dx=(xp.grad - xd.grad).abs().max().item(),
                       dw=max((w1.grad - dense.linear_fc1.weight.grad.chunk(t, 0)[r]).abs().max().item(),
                              (w2.grad - dense.linear_fc2.weight.grad.chunk(t, 1)[r]).abs().max().item()))
@@ -197,6 +342,9 @@ def diagnose_f(o, t) -> str | None:
     if _close(o["dx"], o["dy"]):
         return ("f's backward must all-reduce the gradient over the group: every rank used the whole input, "
                 "so its gradient is the sum of the ranks' partial gradients")
+    if _close(o["dx"], o["dysum"] / t):
+        return ("f's backward is t times too small: op=ReduceOp.AVG divides by t, but the ranks' partial "
+                "gradients are added (ReduceOp.SUM, the default)")
     if not _close(o["dx"], o["dysum"]):
         return "f's backward should return the all-reduced (summed over ranks) gradient"
     return None
@@ -206,6 +354,9 @@ def diagnose_g(o, t) -> str | None:
     if not _close(o["y"], o["xsum"]):
         if _close(o["y"], o["x"]):
             return "g's forward must all-reduce (sum) its input over the group: each rank holds a partial sum"
+        if _close(o["y"], o["xsum"] / t):
+            return ("g's forward is t times too small: op=ReduceOp.AVG divides by t, but the partial sums are "
+                    "added (ReduceOp.SUM, the default)")
         return "g's forward must return the sum over ranks of its input (dist.all_reduce on a copy)"
     if o["dx"] is None:
         return "g's backward must return the gradient (and None for the group argument)"
@@ -217,13 +368,28 @@ def diagnose_g(o, t) -> str | None:
     return None
 
 
+def _f_g_traffic(name: str, o: dict) -> str | None:
+    """The hint when f or g communicates other than one all-reduce in the one pass that needs it."""
+    passes = {"f": (o["events"], o["bwd_events"]), "g": (o["bwd_events"], o["events"])}[name]
+    quiet, busy = passes
+    quiet_pass, busy_pass = ("forward", "backward") if name == "f" else ("backward", "forward")
+    if quiet:
+        return (f"{name}'s {quiet_pass} pass must not communicate; it ran {describe_ops(quiet)}")
+    if [e.op for e in busy] != ["all_reduce"]:
+        return (f"{name}'s {busy_pass} pass is exactly one all-reduce (a sum); it ran {describe_ops(busy)} -- "
+                f"gathering every rank's tensor and adding them by hand moves t times the data")
+    return None
+
+
 def check_f_g(f_cls, g_cls) -> bool:
     """``f_cls.apply(x, group)``: identity / all-reduce; ``g_cls.apply(x, group)``: all-reduce / identity."""
+    if _course_answer(f_cls, g_cls):
+        return False
     try:
-        res = launch(_rank_f_g, world_size=2, output="none", timeout=30, f_cls=f_cls, g_cls=g_cls)
+        res = launch_checked(_rank_f_g, world_size=2, f_cls=f_cls, g_cls=g_cls)
     except RankError as err:
         if err.exc_type == "NotImplementedError":
-            return not_attempted(f"{f_cls.__name__} and {g_cls.__name__}")
+            return not_attempted(f"{getattr(f_cls, '__name__', 'f')} and {getattr(g_cls, '__name__', 'g')}")
         print(f"✗ rank {err.rank} raised {_last_line(err.traceback)}")
         if "modified by an inplace" in err.traceback or "leaf Variable" in err.traceback:
             print("  hint: all-reduce works in place: all-reduce a copy (x.clone()), not the input itself")
@@ -235,7 +401,9 @@ def check_f_g(f_cls, g_cls) -> bool:
         return False
     for r in res:
         for name, diag in (("f", diagnose_f), ("g", diagnose_g)):
-            hint = diag(r[name], 2)
+            o = r[name]
+            problem = _call_problem(o)
+            hint = problem or diag(o, 2) or _f_g_traffic(name, o)
             if hint:
                 print(f"✗ operator {name} is wrong\n  hint: {hint}")
                 return False
@@ -245,7 +413,7 @@ def check_f_g(f_cls, g_cls) -> bool:
                   f"(output {m['y']:.2g}, dX {m['dx']:.2g}, dW {m['dw']:.2g})\n  hint: return the gradient "
                   f"as a new tensor, and keep no state between calls except ctx")
             return False
-    print("✓ f and g are conjugate: f = identity forward / all-reduce backward, g = all-reduce forward / "
+    print("✓ f and g are conjugate: f = identity forward / one all-reduce backward, g = one all-reduce forward / "
           "identity backward; the 2-rank MLP built from them equals the dense MLP (output, dX and dW)")
     return True
 
@@ -261,19 +429,22 @@ def _rank_mlp_from_dense(fn):
     with torch.no_grad():  # non-zero biases, so a wrongly split bias shows
         for p in (dense.linear_fc1.bias, dense.linear_fc2.bias):
             p.normal_()
-    par = fn(dense, g)
-    info = dict(type=type(par).__name__)
-    if not isinstance(par, ParallelMLP):
+    want = {"linear_fc1.weight": dense.linear_fc1.weight.detach().chunk(t, 0)[r].clone(),
+            "linear_fc1.bias": dense.linear_fc1.bias.detach().chunk(t, 0)[r].clone(),
+            "linear_fc2.weight": dense.linear_fc2.weight.detach().chunk(t, 1)[r].clone(),
+            "linear_fc2.bias": dense.linear_fc2.bias.detach().clone()}
+    run = run_student(fn, dense, g, references=MLP_REFS)
+    if run.error is not None:
+        raise run.error
+    par = run.value
+    info = dict(type=type(par).__name__, patched=run.patched, course_code=run.course_code)
+    if not isinstance(par, ParallelMLP) or _call_problem(info):
         return info
     info["shapes"] = {n: tuple(p.shape) for n, p in par.named_parameters()}
-    info["want_shapes"] = {"linear_fc1.weight": (16 // t, 8), "linear_fc1.bias": (16 // t,),
-                           "linear_fc2.weight": (8, 16 // t), "linear_fc2.bias": (8,)}
+    info["want_shapes"] = {n: tuple(v.shape) for n, v in want.items()}
     if info["shapes"] != info["want_shapes"]:
         return info
-    want = {"linear_fc1.weight": dense.linear_fc1.weight.chunk(t, 0)[r],
-            "linear_fc1.bias": dense.linear_fc1.bias.chunk(t, 0)[r],
-            "linear_fc2.weight": dense.linear_fc2.weight.chunk(t, 1)[r], "linear_fc2.bias": dense.linear_fc2.bias}
-    info["wrong"] = [n for n, p in par.named_parameters() if not torch.equal(p.detach(), want[n].detach())]
+    info["wrong"] = [n for n, p in par.named_parameters() if not torch.equal(p.detach(), want[n])]
     x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(5))
     xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     yd, yp = dense(xd), par(xp)
@@ -296,8 +467,10 @@ _SHAPE_HINTS = {
 
 def check_tp_mlp_from_dense(fn) -> bool:
     """``fn(dense: DenseMLP, tp_group) -> ParallelMLP`` holding this rank's slices of the dense weights."""
+    if _course_answer(fn):
+        return False
     try:
-        res = launch(_rank_mlp_from_dense, world_size=2, output="none", timeout=30, fn=fn)
+        res = launch_checked(_rank_mlp_from_dense, world_size=2, fn=fn)
     except RankError as err:
         if err.exc_type == "NotImplementedError":
             return not_attempted("tp_mlp_from_dense")
@@ -311,7 +484,14 @@ def check_tp_mlp_from_dense(fn) -> bool:
             if "size" in tb or "shape" in tb:
                 print("  hint: " + "; ".join(_SHAPE_HINTS.values()))
         return False
+    except LaunchTimeout:
+        print("✗ the ranks waited for each other: building the layer needs no communication")
+        return False
     for rank, info in enumerate(res):
+        problem = _call_problem(info)
+        if problem:
+            print(f"✗ {problem}")
+            return False
         if info["type"] != "ParallelMLP":
             print(f"✗ rank {rank} returned a {info['type']}: build a ParallelMLP(dense.config, tp_group) and copy "
                   f"this rank's slices into it (under torch.no_grad())")
@@ -362,17 +542,37 @@ def _fmt(counts: dict) -> str:
     return ", ".join(f"{d} {op} x{n}" for (d, op), n in sorted(counts.items())) or "nothing"
 
 
+def _as_counts(guess) -> dict | None:
+    """The prediction as ``{(direction, op): int}`` without zero entries, or None when it is not one."""
+    if not isinstance(guess, dict):
+        return None
+    counts = {}
+    for key, value in guess.items():
+        number, reason = as_real(value)
+        if reason or number != int(number) or not (isinstance(key, tuple) and len(key) == 2):
+            return None
+        if number:
+            counts[tuple(key)] = int(number)
+    return counts
+
+
 def check_collective_prediction(predict_collectives, predict_elements_sent) -> bool:
     """``predict_collectives(sequence_parallel) -> {(direction, op): count}`` for one layer (t=2), and
     ``predict_elements_sent(b, s, h, t) -> float``: elements one rank sends per layer, fwd+bwd, no SP."""
     measured_events = {}
     for sp in (False, True):
-        try:
-            guess = predict_collectives(sp)
-        except NotImplementedError:
+        run = run_student(predict_collectives, sp)
+        if run.todo:
             return not_attempted("predict_collectives")
+        if run.problem():
+            print(f"✗ predict_collectives({sp}): {run.problem()}")
+            return False
         counts, measured_events[sp] = measured_layer_collectives(2, sp)
-        guess = {k: v for k, v in (guess or {}).items() if v}
+        guess = _as_counts({} if run.value is None else run.value)
+        if guess is None:
+            print(f"✗ predict_collectives({sp}) returned {safe_repr(run.value)}: return a dict "
+                  f"{{(direction, op): count}}, e.g. {{('fwd', 'all_reduce'): 2}}")
+            return False
         if guess != counts:
             print(f"✗ sequence_parallel={sp}: you predicted {_fmt(guess)}; measured {_fmt(counts)}")
             if not any(d == "bwd" for d, _ in guess):
@@ -392,28 +592,148 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
                       "in each pass?")
             return False
     b, s, h, t = 2, 8, 16, 2
-    try:
-        guess = predict_elements_sent(b, s, h, t)
-    except NotImplementedError:
-        return not_attempted("predict_elements_sent")
     measured = sum(e.ring_elements_sent for e in measured_events[False])
-    for bb, ss, hh, tt in ((1, 2048, 12288, 8), (b, s, h, 4)):
-        want = 8 * bb * ss * hh * (tt - 1) / tt
-        try:
-            other = predict_elements_sent(bb, ss, hh, tt)
-        except Exception:  # noqa: BLE001
-            other = None
-        if other is None or abs(other - want) > 1e-6 * want:
-            print(f"✗ predict_elements_sent({bb}, {ss}, {hh}, {tt}) = {other}, expected {want:,.0f}\n"
-                  f"  hint: a ring all-reduce of N elements sends 2N(t-1)/t per rank; a layer all-reduces "
-                  f"b*s*h elements twice forward and twice backward")
+    hint = ("a ring all-reduce of N elements sends 2N(t-1)/t per rank; a layer all-reduces b*s*h elements twice "
+            "forward and twice backward (per micro-batch)")
+    for bb, ss, hh, tt, want in ((b, s, h, t, measured), (1, 2048, 12288, 8, None), (b, s, h, 4, None)):
+        want = 8 * bb * ss * hh * (tt - 1) / tt if want is None else want
+        run = run_student(predict_elements_sent, bb, ss, hh, tt)
+        if run.todo:
+            return not_attempted("predict_elements_sent")
+        if run.error is not None or run.problem():
+            print(f"✗ predict_elements_sent({bb}, {ss}, {hh}, {tt}): {run.problem()}")
             return False
-    if guess is None or abs(guess - measured) > 1e-6 * measured:
-        print(f"✗ predict_elements_sent({b}, {s}, {h}, {t}) = {guess}, measured {measured:,.0f} elements sent "
-              f"per rank\n  hint: a ring all-reduce of N elements sends 2N(t-1)/t per rank; a layer all-reduces "
-              f"b*s*h elements twice forward and twice backward")
-        return False
+        verdict = same_number(run.value, want, rel=1e-6)
+        if not verdict:
+            what = "measured" if (bb, ss, hh, tt) == (b, s, h, t) else "expected"
+            print(f"✗ predict_elements_sent({bb}, {ss}, {hh}, {tt}): {verdict.reason.replace('expected', what)} "
+                  f"elements sent per rank\n  hint: {hint}")
+            return False
     print(f"✓ your predictions match the recorded collectives of a ParallelTransformerLayer on 2 ranks, "
           f"with and without sequence parallelism, and the {measured:,.0f} elements each rank sends per layer "
-          f"(= 8·b·s·h·(t-1)/t, Narayanan et al. 2021)")
+          f"and micro-batch (= 8·b·s·h·(t-1)/t, Narayanan et al. 2021)")
+    return True
+
+
+# ------------------------------------------------------------- vocab-parallel cross-entropy
+
+CE_S, CE_B, CE_V = 4, 2, 16
+CE_CASES = (("logits near 1000", 30.0, 1000.0), ("ordinary logits", 2.0, 0.0))
+CE_ALGORITHM = ("only per-token numbers cross the wire: all-reduce the max logit (op=MAX), the target's logit "
+                "and the sum of exp(logit - max), [s, b] each -- never the [s, b, V] logits")
+
+
+def _rank_vocab_ce(fn):
+    g, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for name, scale, offset in CE_CASES:
+        full = torch.randn(CE_S, CE_B, CE_V, generator=gen) * scale + offset
+        target = torch.randint(0, CE_V, (CE_S, CE_B), generator=gen)
+        result = student_on_rank(fn, full.chunk(t, -1)[r].contiguous(), target.clone(), g, references=CE_REFS)
+        out.append(dict(result, case=name, full=full, target=target, rank=r, t=t))
+    return out
+
+
+def _ce_wrong_formulas(full, target, rank, t) -> list:
+    """(loss this rank would return, hint) for the usual mistakes, in float64."""
+    z = full.double()
+    lse = torch.logsumexp(z, -1)
+    z_t = z.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    top = z.max(-1).values
+    part = z.shape[-1] // t
+    mine = (target >= rank * part) & (target < (rank + 1) * part)
+    local = z.chunk(t, -1)[rank]
+    return [
+        (lse - z_t - math.log(t), "the loss is log(t) too small: op=ReduceOp.AVG made the sum of exp t times too "
+                                  "small -- the slices' sums are added (ReduceOp.SUM)"),
+        (torch.where(mine, lse - z_t, lse - top),
+         "on ranks that do not hold the target's id the target logit is missing: mask it to 0 there and "
+         "all-reduce (sum) it, so every rank gets the owner's value"),
+        (torch.logsumexp(local, -1) - z_t,
+         "the softmax denominator sums over the *whole* vocabulary: all-reduce (sum) the sum of exp(logit - max) "
+         "of your slice"),
+    ]
+
+
+def diagnose_vocab_ce(value, full, target, rank, t) -> str | None:
+    """The hint for a wrong per-token loss (values only), or None when right."""
+    want = F.cross_entropy(full.double().reshape(-1, full.shape[-1]), target.reshape(-1),
+                           reduction="none").view(target.shape)
+    if _close(value, want, tol=1e-5):
+        return None
+    if not isinstance(value, torch.Tensor):
+        return f"return the loss of every token as a tensor [s, b] (got {value})"
+    if value.numel() == 1 or tuple(value.shape) != tuple(want.shape):
+        return (f"expected the loss of every token, shape [s, b] = {tuple(want.shape)}, got {tuple(value.shape)} "
+                f"(reduction='none': no mean, no sum)")
+    if not bool(torch.isfinite(value).all()):
+        return ("exp() overflowed (inf or nan) with logits near 1000: subtract the max logit -- all-reduced with "
+                "op=ReduceOp.MAX so every rank subtracts the same number -- before exp")
+    for guess, hint in _ce_wrong_formulas(full, target, rank, t):
+        if _close(value, guess, tol=1e-5):
+            return hint
+    return ("loss = log(sum over the whole vocabulary of exp(z - max)) - (z_target - max), with max, the sum of "
+            "exp and the target's logit all-reduced over the group")
+
+
+def diagnose_vocab_ce_traffic(events, s: int, b: int) -> str | None:
+    """The hint when the cross-entropy moved more than per-token numbers, or skipped the max; else None."""
+    bulky = [e for e in events if e.op != "all_reduce" or e.numel > 2 * s * b]
+    if bulky:
+        return f"it ran {describe_ops(events)}: {CE_ALGORITHM}"
+    if sum(e.numel for e in events) > 3 * s * b:
+        return f"it ran {describe_ops(events)}, more than 3·s·b numbers: {CE_ALGORITHM}"
+    if not any(e.reduce_op == "max" for e in events):
+        return ("the max logit was not all-reduced (op=MAX): every rank must subtract the *same* max, the "
+                "largest over the whole vocabulary")
+    if not any(e.reduce_op in (None, "sum") for e in events):
+        return "the target's logit and the sum of exp are added over the group: all-reduce them with ReduceOp.SUM"
+    return None
+
+
+def _vocab_ce_hint(r: dict) -> str | None:
+    """The one hint for a rank's cross-entropy: a patch or the course's code, then logits on the wire
+    (right numbers, wrong algorithm), then an overflow, then a missing MAX, then wrong values; None when right."""
+    problem = _call_problem(r)
+    if problem:
+        return problem
+    traffic = diagnose_vocab_ce_traffic(r["events"], CE_S, CE_B)
+    if traffic and any(e.op != "all_reduce" or e.numel > 2 * CE_S * CE_B for e in r["events"]):
+        return traffic
+    values = diagnose_vocab_ce(r["value"], r["full"], r["target"], r["rank"], r["t"])
+    if values and "overflowed" in values:
+        return values
+    return traffic or values
+
+
+def check_vocab_parallel_cross_entropy(fn) -> bool:
+    """``fn(logits [s,b,V/t], target [s,b], group) -> loss [s,b]`` equal to ``F.cross_entropy`` on the
+    full logits, moving only all-reduces of ``[s, b]`` numbers (one of them a MAX) over the group."""
+    if _course_answer(fn):
+        return False
+    for t in (2, 4):
+        try:
+            res = launch_checked(_rank_vocab_ce, world_size=t, fn=fn)
+        except RankError as err:
+            if err.exc_type == "NotImplementedError":
+                return not_attempted("vocab_parallel_cross_entropy")
+            print(f"✗ with {t} ranks, rank {err.rank} raised {_last_line(err.traceback)}")
+            if "out of bounds" in err.traceback or "index" in err.traceback.lower():
+                print("  hint: target ids are in the full vocabulary: subtract your first id (rank·V/t), and "
+                      "mask the tokens whose id is outside your slice")
+            return False
+        except LaunchTimeout:
+            print(f"✗ with {t} ranks the ranks waited for each other: every rank must issue the same all-reduces "
+                  f"in the same order")
+            return False
+        for per_rank in zip(*res):  # case by case, every rank
+            for r in per_rank:
+                hint = _vocab_ce_hint(r)
+                if hint:
+                    print(f"✗ {r['case']}, rank {r['rank']} of {t}\n  hint: {hint}")
+                    return False
+    print(f"✓ vocab_parallel_cross_entropy equals F.cross_entropy on the full logits for t = 2 and 4, logits near "
+          f"1000 included, and each rank sent only all-reduces of [s, b] numbers (the max among them) -- "
+          f"never the {CE_S}·{CE_B}·{CE_V} logits")
     return True

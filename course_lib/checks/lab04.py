@@ -1,11 +1,16 @@
-"""Checkers for Lab 04's exercises (context parallelism: the log-sum-exp merge and the zigzag split).
+"""Checkers for Lab 04's exercises (context parallelism: the log-sum-exp merge, one ring, the zigzag split).
 
 Each checker calls the student's function on many settings, compares with an
 independent reference (full softmax attention computed in one piece; the
 zigzag rule of Megatron's ``get_batch_on_this_cp_rank``), prints one verdict
 line and, when wrong, the most specific hint it can find. A function that still
 raises ``NotImplementedError`` gets a "not attempted yet" line. Every checker
-returns True/False and never raises.
+returns True/False and never raises; a monkeypatch the student's code makes is
+undone, and an answer that is (or runs) the course's own implementation is told so.
+
+The ring is checked by what crossed the wire: its ranks run on a process group
+that refuses every collective (:func:`~course_lib.checks.verdicts.point_to_point_only`),
+and each rank must send exactly ``2(cp - 1)`` K or V blocks, to one neighbour.
 """
 
 from __future__ import annotations
@@ -14,14 +19,40 @@ import math
 
 import torch
 
-from course_lib.checks import call_student, not_attempted
-from course_lib.context_parallel.ring import attention_block
+import torch.distributed as dist
+
+from course_lib.checks import not_attempted
+from course_lib.checks.lab02 import student_on_rank
+from course_lib.checks.verdicts import (as_real, course_code_hint, course_function, describe_ops, launch_checked,
+                                        point_to_point_only, refused_collective, run_student, safe_repr)
+from course_lib.context_parallel import zigzag
+from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention
 from course_lib.context_parallel.work import score_elements
+from course_lib.launch import LaunchTimeout, RankError
 
-__all__ = ["check_merge", "check_chunks_for_rank"]
+__all__ = ["check_merge", "check_chunks_for_rank", "check_ring_attention"]
+
+_todo = not_attempted
+# The course's own implementations: an answer that is one, or runs one, is told so.
+MERGE_REFS = (merge_partials,)
+CHUNK_REFS = (zigzag.chunks_for_rank,)
+RING_REFS = (ring_attention, RingAttention.forward)
 
 
-_call, _todo = call_student, not_attempted
+def _call(fn, *args, references=()):
+    """``(value, None)``, ``(None, "todo")`` for the stub, or ``(None, what went wrong)``: an exception,
+    a monkeypatch (undone), or the course's own code running inside the call."""
+    run = run_student(fn, *args, references=references)
+    if run.todo:
+        return None, "todo"
+    return (None, run.problem()) if run.problem() else (run.value, None)
+
+
+def _course_answer(fn) -> bool:
+    name = course_function(fn)
+    if name:
+        print(f"✗ {course_code_hint(name)}")
+    return bool(name)
 
 
 # ------------------------------------------------------------------ (a) merge
@@ -93,6 +124,8 @@ def check_merge(fn) -> bool:
     ``out_i`` [b, h, s, d] is softmax attention over key block i alone, ``lse_i`` [b, h, s]
     the log of its softmax denominator. The result must equal attention over both
     blocks at once (checked against one softmax over the concatenated keys)."""
+    if _course_answer(fn):
+        return False
     worst = 0.0
     cases = _merge_cases()
     for name, q, k1, v1, k2, v2 in cases:
@@ -102,11 +135,11 @@ def check_merge(fn) -> bool:
         scores = torch.matmul(q, torch.cat([k1, k2], 2).transpose(-1, -2)) * scale
         want_out = torch.matmul(torch.softmax(scores, -1), torch.cat([v1, v2], 2))
         want_lse = torch.logsumexp(scores, -1)
-        got, err = _call(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone())
+        got, err = _call(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone(), references=MERGE_REFS)
         if err == "todo":
             return _todo("merge")
         if err:
-            print(f"✗ merge raised {err} ({name})")
+            print(f"✗ merge: {err} ({name})")
             if "size of tensor" in err or "must match" in err or "broadcast" in err:
                 print("  hint: lse has shape [b, h, s] and out [b, h, s, d]: scale with "
                       "exp(lse_i - lse).unsqueeze(-1)")
@@ -148,7 +181,137 @@ def check_merge(fn) -> bool:
     return True
 
 
-# ------------------------------------------------------------------ (b) zigzag chunks
+
+# ------------------------------------------------------------------ (b) one ring
+
+RING_B, RING_H, RING_S, RING_D = 1, 2, 16, 4
+RING_RULE = ("ring attention passes K/V blocks from rank to rank with send/recv; all-gathering K and V is "
+             "Megatron's --cp-comm-type all_gather, not a ring")
+
+
+def _rank_ring(fn):
+    g, cp, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(RING_B, RING_H, RING_S, RING_D, generator=gen, dtype=torch.float64) for _ in range(3))
+    blocks = [(k.chunk(cp, 2)[i], v.chunk(cp, 2)[i]) for i in range(cp)]
+    mine = q.chunk(cp, 2)[r].contiguous()
+    with point_to_point_only(RING_RULE):
+        result = student_on_rank(fn, mine.clone(), blocks[r][0].contiguous(), blocks[r][1].contiguous(), g,
+                                 references=RING_REFS)
+    return dict(result, q=mine, blocks=blocks, rank=r, cp=cp)
+
+
+def _attention_over(q, blocks):
+    """Softmax attention of ``q`` over the concatenation of ``blocks`` ([(k, v)], duplicates allowed)."""
+    k = torch.cat([b[0] for b in blocks], 2)
+    v = torch.cat([b[1] for b in blocks], 2)
+    return attention_block(q, k, v)[0]
+
+
+def _ring_value_hint(out, q, blocks, rank, cp) -> str | None:
+    """The hint for wrong ring outputs (values only), or None when right."""
+    want = _attention_over(q, blocks)
+    if _close(out, want):
+        return None
+    if not isinstance(out, torch.Tensor):
+        return f"return this rank's attention rows as a tensor [b, h, s/cp, d] (got {out})"
+    if out.shape != want.shape:
+        if out.dim() == want.dim() and out.shape[2] == cp * want.shape[2]:
+            return ("you appended the per-step outputs: every step's output is for the *same* queries, so merge "
+                    "it into the running (out, lse) with your merge from Exercise 1")
+        return f"expected this rank's rows [b, h, s/cp, d] = {tuple(want.shape)}, got {tuple(out.shape)}"
+    prev = blocks[(rank - 1) % cp]
+    guesses = [
+        ([blocks[rank]], "this is attention over your own block only: pass K/V around the ring, cp − 1 times, "
+                         "merging each block that arrives"),
+        ([blocks[rank]] + [prev] * (cp - 1),
+         "every step brought rank r−1's block again: pass on the block you just *received*, not your own, so that "
+         "after cp − 1 steps every block has come by"),
+        (blocks + [blocks[rank]], "one step too many: after cp − 1 transfers you would receive your own block "
+                                  "back and count it twice"),
+    ]
+    for keys, hint in guesses:
+        if _close(out, _attention_over(q, keys)):
+            return hint
+    parts = [attention_block(q, kb, vb)[0] for kb, vb in blocks]
+    if _close(out, sum(parts) / cp):
+        return ("you averaged the per-step outputs: weight each by its share of the softmax denominator -- merge "
+                "them with the log-sum-exp rule (your merge from Exercise 1)")
+    return ("the output differs from full attention: start from attention_block(q, k, v) on your own block, then "
+            "cp − 1 times receive the next block, attention_block on it and merge")
+
+
+def _ring_traffic_hint(events, rank, cp, kv_numel) -> str | None:
+    """The hint when a rank's sends are not a ring's: 2(cp−1) blocks, all to one neighbour."""
+    sent, want = sum(e.numel for e in events if e.op == "send"), 2 * (cp - 1) * kv_numel
+    if sent != want:
+        return (f"rank {rank} sent {sent} elements ({describe_ops(events)}); a ring sends one K and one V block per "
+                f"step, cp − 1 steps: {want} elements")
+    peers = sorted({e.peer for e in events if e.op == "send"})
+    if len(peers) > 1:
+        return (f"rank {rank} sent to ranks {peers}: in a ring each rank sends only to one neighbour (r+1) and "
+                f"receives from the other (r−1), passing on what it received")
+    return None
+
+
+def check_ring_attention(fn, timeout: float = 15) -> bool:
+    """``fn(q, k, v, group) -> out``: this rank's rows of (unmasked) attention over the whole sequence, each
+    rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only."""
+    if _course_answer(fn):
+        return False
+    for cp in (2, 4):
+        try:
+            res = launch_checked(_rank_ring, world_size=cp, timeout=timeout, fn=fn)
+        except RankError as err:
+            if err.exc_type == "NotImplementedError":
+                calls_merge = ", in merge" in err.traceback
+                return _todo("merge (Exercise 1), which ring_attention_forward calls," if calls_merge
+                             else "ring_attention_forward")
+            refused = refused_collective(err.traceback)
+            if refused:
+                print(f"✗ with {cp} ranks: {refused}\n  hint: send your K and V to rank r+1 and receive the next "
+                      f"block from rank r−1 (dist.batch_isend_irecv), cp − 1 times")
+                return False
+            last = [line for line in err.traceback.strip().splitlines() if line.strip()]
+            print(f"✗ with {cp} ranks, rank {err.rank} raised {last[-1] if last else err.exc_type}")
+            return False
+        except LaunchTimeout:
+            print(f"✗ with {cp} ranks the ranks waited for each other (a deadlock)\n  hint: if every rank first "
+                  f"sends and then receives, all can wait at once: post each send together with its receive "
+                  f"(dist.batch_isend_irecv), or let even ranks send first and odd ranks receive first")
+            return False
+        for r in res:
+            problem = (f"it replaced {', '.join(r['patched'][:3])} (undone by the checker)" if r["patched"]
+                       else course_code_hint(r["course_code"][0]) if r["course_code"] else None)
+            kv_numel = r["blocks"][0][0].numel()
+            hint = (problem or _ring_value_hint(r["value"], r["q"], r["blocks"], r["rank"], cp)
+                    or _ring_traffic_hint(r["events"], r["rank"], cp, kv_numel))
+            if hint:
+                print(f"✗ with {cp} ranks, rank {r['rank']}\n  hint: {hint}")
+                return False
+    print("✓ ring_attention_forward equals full attention on 2 and 4 ranks, using only send/recv: each rank "
+          "passed 2(cp − 1) K/V blocks to its neighbour and merged what arrived with log-sum-exp")
+    return True
+
+
+# ------------------------------------------------------------------ (c) zigzag chunks
+
+
+def _chunk_pair(got) -> tuple | None:
+    """The answer as a pair of ints (ints of any type: numpy, 0-d tensors, 3.0), or None."""
+    try:
+        items = list(got)
+    except Exception:  # noqa: BLE001 - not a sequence
+        return None
+    if len(items) != 2:
+        return None
+    pair = []
+    for item in items:
+        number, reason = as_real(item)
+        if reason or number != int(number):
+            return None
+        pair.append(int(number))
+    return tuple(pair)
 
 
 _CHUNK_MISTAKES = [
@@ -171,22 +334,22 @@ _CHUNK_MISTAKES = [
 
 def check_chunks_for_rank(fn) -> bool:
     """``fn(rank, cp) -> (a, b)``: the two chunks (of 2·cp) rank ``rank`` holds in the load-balanced split."""
+    if _course_answer(fn):
+        return False
     n_cases = 0
     for cp in range(1, 9):
         table = []
         for r in range(cp):
-            got, err = _call(fn, r, cp)
+            got, err = _call(fn, r, cp, references=CHUNK_REFS)
             if err == "todo":
                 return _todo("chunks_for_rank")
             if err:
-                print(f"✗ chunks_for_rank({r}, {cp}) raised {err}")
+                print(f"✗ chunks_for_rank({r}, {cp}): {err}")
                 return False
-            try:
-                pair = tuple(int(x) for x in got)
-            except (TypeError, ValueError):
-                pair = None
-            if pair is None or len(pair) != 2:
-                print(f"✗ chunks_for_rank({r}, {cp}) returned {got!r}: return a pair of chunk ids (a, b)")
+            pair = _chunk_pair(got)
+            if pair is None:
+                print(f"✗ chunks_for_rank({r}, {cp}) returned {safe_repr(got)}: return a pair of whole chunk ids "
+                      f"(a, b)")
                 return False
             table.append(pair)
         want = [(r, 2 * cp - 1 - r) for r in range(cp)]

@@ -1,0 +1,202 @@
+"""Lab 04's checkers (the merge and zigzag tables live in test_context_parallel.py): the ring's table of
+wrong answers -- collectives, a direct exchange, wrong steps -- each with its hint, right rings written
+differently, and the robust verdicts of the merge and zigzag checkers (odd number types, the course's code)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.checks import lab04
+from course_lib.context_parallel import merge_partials, ring_attention
+from course_lib.context_parallel.ring import attention_block
+from course_lib.context_parallel.zigzag import chunks_for_rank
+
+
+def not_yet(*args):
+    raise NotImplementedError("write it")
+
+
+def merge(o1, l1, o2, l2):
+    lse = torch.logaddexp(l1, l2)
+    return torch.exp(l1 - lse).unsqueeze(-1) * o1 + torch.exp(l2 - lse).unsqueeze(-1) * o2, lse
+
+
+def _neighbours(group, step=1):
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    return cp, r, (r + step) % cp, (r - step) % cp
+
+
+def _exchange(k, v, to, frm, group):
+    k_in, v_in = torch.empty_like(k), torch.empty_like(v)
+    ops = [dist.P2POp(dist.isend, k, to, group), dist.P2POp(dist.isend, v, to, group),
+           dist.P2POp(dist.irecv, k_in, frm, group), dist.P2POp(dist.irecv, v_in, frm, group)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    return k_in, v_in
+
+
+def ring_ok(q, k, v, group, step=1, steps=None, merge_fn=merge, forward_received=True):
+    cp, r, to, frm = _neighbours(group, step)
+    out, lse = attention_block(q, k, v)
+    mine = (k, v)
+    for _ in range(cp - 1 if steps is None else steps(cp)):
+        k, v = _exchange(k, v, to, frm, group) if forward_received else _exchange(*mine, to, frm, group)
+        o, l_ = attention_block(q, k, v)
+        out, lse = merge_fn(out, lse, o, l_)
+    return out
+
+
+def ring_backwards(q, k, v, group):              # the other direction is a ring too
+    return ring_ok(q, k, v, group, step=-1)
+
+
+def ring_blocking_even_odd(q, k, v, group):
+    cp, r, to, frm = _neighbours(group)
+    out, lse = attention_block(q, k, v)
+    kv = torch.cat([k, v], -1).contiguous()       # K and V in one message
+    for _ in range(cp - 1):
+        incoming = torch.empty_like(kv)
+        if r % 2 == 0:
+            dist.send(kv, to, group=group)
+            dist.recv(incoming, frm, group=group)
+        else:
+            dist.recv(incoming, frm, group=group)
+            dist.send(kv, to, group=group)
+        kv = incoming
+        o, l_ = attention_block(q, *kv.split(k.shape[-1], -1))
+        out, lse = merge(out, lse, o, l_)
+    return out
+
+
+def ring_course_merge(q, k, v, group):           # the course's merge inside the student's own ring is fine
+    return ring_ok(q, k, v, group, merge_fn=merge_partials)
+
+
+def ring_all_gather(q, k, v, group):             # right numbers: Megatron's all_gather flavour, not a ring
+    cp = dist.get_world_size(group)
+    ks, vs = [torch.empty_like(k) for _ in range(cp)], [torch.empty_like(v) for _ in range(cp)]
+    dist.all_gather(ks, k.contiguous(), group=group)
+    dist.all_gather(vs, v.contiguous(), group=group)
+    return attention_block(q, torch.cat(ks, 2), torch.cat(vs, 2))[0]
+
+
+def ring_gather_objects(q, k, v, group):         # the same through object collectives
+    cp = dist.get_world_size(group)
+    blocks = [None] * cp
+    dist.all_gather_object(blocks, (k, v), group=group)
+    return attention_block(q, torch.cat([b[0] for b in blocks], 2), torch.cat([b[1] for b in blocks], 2))[0]
+
+
+def ring_direct(q, k, v, group):                 # right numbers, right volume: every rank sends to every rank
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = attention_block(q, k, v)
+    for step in range(1, cp):
+        k_in, v_in = _exchange(k, v, (r + step) % cp, (r - step) % cp, group)
+        o, l_ = attention_block(q, k_in, v_in)
+        out, lse = merge(out, lse, o, l_)
+    return out
+
+
+def ring_own_block_only(q, k, v, group):
+    return attention_block(q, k, v)[0]
+
+
+def ring_resends_own(q, k, v, group):
+    return ring_ok(q, k, v, group, forward_received=False)
+
+
+def ring_one_step_too_many(q, k, v, group):
+    return ring_ok(q, k, v, group, steps=lambda cp: cp)
+
+
+def ring_appends(q, k, v, group):
+    cp, r, to, frm = _neighbours(group)
+    outs = [attention_block(q, k, v)[0]]
+    for _ in range(cp - 1):
+        k, v = _exchange(k, v, to, frm, group)
+        outs.append(attention_block(q, k, v)[0])
+    return torch.cat(outs, 2)
+
+
+def ring_averages(q, k, v, group):
+    cp, r, to, frm = _neighbours(group)
+    outs = [attention_block(q, k, v)[0]]
+    for _ in range(cp - 1):
+        k, v = _exchange(k, v, to, frm, group)
+        outs.append(attention_block(q, k, v)[0])
+    return sum(outs) / cp
+
+
+def _ring_with_unwritten_merge():
+    def merge(*args):                            # the notebook's stub of Exercise 1
+        raise NotImplementedError("write merge")
+
+    def ring(q, k, v, group):
+        return ring_ok(q, k, v, group, merge_fn=merge)
+    return ring
+
+
+ring_calls_unwritten_merge = _ring_with_unwritten_merge()
+
+
+@pytest.mark.parametrize("answer, ok, text", [
+    (ring_ok, True, "✓ ring_attention_forward"),
+    (ring_backwards, True, "✓ ring_attention_forward"),
+    (ring_blocking_even_odd, True, "✓ ring_attention_forward"),
+    (ring_course_merge, True, "✓ ring_attention_forward"),
+    (not_yet, False, "not attempted yet: write ring_attention_forward"),
+    (ring_calls_unwritten_merge, False, "not attempted yet: write merge (Exercise 1)"),
+    (ring_all_gather, False, "--cp-comm-type all_gather, not a ring"),
+    (ring_gather_objects, False, "--cp-comm-type all_gather, not a ring"),
+    (ring_direct, False, "sends only to one neighbour"),
+    (ring_own_block_only, False, "your own block only"),
+    (ring_resends_own, False, "pass on the block you just *received*"),
+    (ring_one_step_too_many, False, "one step too many"),
+    (ring_appends, False, "you appended the per-step outputs"),
+    (ring_averages, False, "you averaged the per-step outputs"),
+    (ring_attention, False, "the course's own"),
+])
+def test_check_ring_attention(capsys, answer, ok, text):
+    assert lab04.check_ring_attention(answer) is ok
+    out = capsys.readouterr().out
+    assert text in out, out
+
+
+@pytest.mark.parametrize("fn, ok, expect", [
+    (lambda r, cp: (np.int64(r), torch.tensor(2 * cp - 1 - r)), True, "✓ chunks_for_rank matches"),
+    (lambda r, cp: [float(r), 2.0 * cp - 1 - r], True, "✓ chunks_for_rank matches"),
+    (lambda r, cp: (r + 0.5, 2 * cp - 1 - r), False, "return a pair of whole chunk ids"),
+    (lambda r, cp: (float("nan"), 2 * cp - 1 - r), False, "return a pair of whole chunk ids"),
+    (lambda r, cp: np.array([r, 2 * cp - 1 - r, 0]), False, "return a pair of whole chunk ids"),
+    (chunks_for_rank, False, "the course's own"),
+])
+def test_check_chunks_for_rank_robust(capsys, fn, ok, expect):
+    assert lab04.check_chunks_for_rank(fn) is ok
+    assert expect in capsys.readouterr().out
+
+
+def _merge_float32(o1, l1, o2, l2):
+    out, lse = merge(o1.float(), l1.float(), o2.float(), l2.float())
+    return out, lse
+
+
+def _merge_patches_logaddexp(o1, l1, o2, l2):
+    torch.logaddexp = lambda a, b: a            # a patch that would leak into later cells
+    return merge(o1, l1, o2, l2)
+
+
+@pytest.mark.parametrize("fn, ok, expect", [
+    (merge, True, "✓ merge equals one softmax"),
+    (lambda o1, l1, o2, l2: merge(o1, l1, o2, l2)[::-1], False, "out has shape"),
+    (lambda o1, l1, o2, l2: (o1.numpy(), l1), False, "must return two tensors"),
+    (_merge_patches_logaddexp, False, "replaced torch.logaddexp"),
+    (merge_partials, False, "the course's own"),
+])
+def test_check_merge_robust(capsys, fn, ok, expect):
+    logaddexp = torch.logaddexp
+    assert lab04.check_merge(fn) is ok
+    assert expect in capsys.readouterr().out
+    assert torch.logaddexp is logaddexp
