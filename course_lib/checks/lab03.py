@@ -5,21 +5,47 @@ course's tested implementation (Megatron's order, the simulator, the formulas),
 prints one verdict line and, when wrong, the most specific hint it can find. A
 function that still raises ``NotImplementedError`` gets a "not attempted yet" line.
 Every checker returns True/False and never raises.
+
+* ``check_warmup(fn)``, ``check_order(fn)``: 1F1B's warm-up count and per-rank order.
+  A wrong order is matched against known mistakes on *every* setting (on 2 stages and
+  2 micro-batches a warm-up one step too long *is* GPipe's order; on the others it is
+  not), so the hint names the real mistake.
+* ``check_bubble(fn)``: any real number type is accepted (``Fraction(p - 1, v * m)``,
+  a float64 tensor, numpy); NaN, infinities and non-numbers are refused with a reason.
+* ``check_peak_memory(fn)``: per-rank peaks as any sequence of integers.
+* ``check_orders_on_ranks(orders)``: the student's own per-rank 1F1B orders run on real
+  ranks by :func:`course_lib.pipeline.executor.execute` (Megatron's paired send/recv); a
+  deadlock becomes a hint naming the first blocked message, and the gradients and each
+  rank's measured peak memory are checked.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 from course_lib.checks import call_student, not_attempted
+from course_lib.checks.verdicts import as_real, safe_repr, same_number
 from course_lib.pipeline.bubbles import bubble_fraction
-from course_lib.pipeline.check import check_schedule
+from course_lib.pipeline.check import _check_complete, _check_dependencies, check_schedule, simulate_p2p
 from course_lib.pipeline.schedules import (build_schedule, from_orders, num_warmup_microbatches, parse_action,
-                                           schedule_1f1b, schedule_gpipe)
+                                           schedule_1f1b)
 from course_lib.pipeline.simulate import simulate
 
 SETTINGS = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12)]
 
 
 _call, _todo = call_student, not_attempted
+
+
+def _integer(value) -> Optional[int]:
+    """The integer ``value`` stands for (any real type), or None."""
+    number, _ = as_real(value)
+    return int(number) if number is not None and number.is_integer() else None
+
+
+def _outcome(got, err) -> str:
+    """``"raised ValueError: ..."`` or ``"returned 0.5"``."""
+    return f"raised {err}" if err else f"returned {safe_repr(got)}"
 
 
 def check_warmup(fn) -> bool:
@@ -30,17 +56,20 @@ def check_warmup(fn) -> bool:
             if err == "todo":
                 return _todo("warmup_1f1b")
             want = num_warmup_microbatches(p, m, r)
-            if err or got != want:
-                print(f"✗ warmup_1f1b({p}, {m}, {r}) returned {err or repr(got)}, expected {want}")
-                if got == p - r - 1:
+            value = None if err else _integer(got)
+            if value != want:
+                print(f"✗ warmup_1f1b({p}, {m}, {r}) {_outcome(got, err)}, expected {want}")
+                if value == p - r - 1:
                     print("  hint: with fewer micro-batches than stages a rank cannot warm up with more "
                           "forwards than there are micro-batches: cap it at m")
-                elif got == p - r:
-                    print("  hint: the last rank (r = p-1) needs no warm-up at all: it can run B0 right "
-                          "after F0, since the loss is computed there")
-                elif got == r or got == min(r, m):
+                elif value in (p - r, min(p - r, m)):
+                    print("  hint: one forward too many: the last rank (r = p-1) needs no warm-up at all -- it "
+                          "runs B0 right after F0, since the loss is computed there; rank r needs p - r - 1")
+                elif value in (r, min(r, m)):
                     print("  hint: it is the *first* stage that waits longest for its first gradient: "
                           "count the stages after rank r")
+                elif not err and value is None:
+                    print(f"  hint: return a whole number of forwards ({as_real(got)[1] or 'an integer'})")
                 else:
                     print("  hint: rank r must run F until its first gradient can arrive: that is the "
                           "number of stages after it, p - r - 1 (but never more than m)")
@@ -49,10 +78,60 @@ def check_warmup(fn) -> bool:
     return True
 
 
+# ---- exercise 2: the order, and the mistakes that give another order ------------------------------
+
+
+def _one_f_one_b(m: int, warmup: int, backward_first: bool = False) -> list:
+    """A 1F1B-shaped order with the given warm-up (Megatron's when ``warmup = min(p - r - 1, m)``)."""
+    warmup = max(0, min(warmup, m))
+    order = [f"F{i}" for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [f"B{i}", f"F{warmup + i}"] if backward_first else [f"F{warmup + i}", f"B{i}"]
+    return order + [f"B{i}" for i in range(m - warmup, m)]
+
+
+ORDER_MISTAKES: dict[str, tuple[Callable, str]] = {
+    "warm-up one step too long": (
+        lambda p, m, r: _one_f_one_b(m, p - r),
+        "the warm-up is one forward too long: rank r runs p - r - 1 forwards before its first backward "
+        "(the last rank none: B0 right after F0); each extra warm-up forward is one more micro-batch held"),
+    "warm-up one step too short": (
+        lambda p, m, r: _one_f_one_b(m, p - r - 2),
+        "the warm-up is one forward too short: rank r must run p - r - 1 forwards before the first gradient "
+        "can come back from the p - r - 1 stages after it"),
+    "backward before forward in the steady state": (
+        lambda p, m, r: _one_f_one_b(m, min(p - r - 1, m), backward_first=True),
+        "in the steady state each step is one forward F(w + i) *then* one backward B(i): the forward keeps "
+        "the next stage busy while the gradient travels back"),
+    "GPipe": (
+        lambda p, m, r: [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)],
+        "that is GPipe (all forwards, then all backwards): after the warm-up, alternate one forward and one "
+        "backward"),
+    "warm-up the same on every rank": (
+        lambda p, m, r: _one_f_one_b(m, p - 1),
+        "every rank warms up with p - 1 forwards; rank r needs only the number of stages after it, p - r - 1"),
+}
+
+
+def _as_strings(got) -> Optional[list]:
+    try:
+        return [str(parse_action(a)) for a in got]
+    except (ValueError, TypeError):
+        return None
+
+
+def _matching_mistake(answers: dict) -> Optional[str]:
+    """The hint of the known mistake whose orders equal the student's on *every* (p, m, r) answered."""
+    for make, hint in ORDER_MISTAKES.values():
+        if all(got == make(p, m, r) for (p, m, r), got in answers.items()):
+            return hint
+    return None
+
+
 def check_order(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> list`` of "F0"/"B0" strings (or Actions)."""
+    answers, wrong = {}, []
     for p, m in SETTINGS:
-        orders = []
         for r in range(p):
             got, err = _call(fn, p, m, r)
             if err == "todo":
@@ -60,37 +139,43 @@ def check_order(fn) -> bool:
             if err:
                 print(f"✗ order_1f1b({p}, {m}, {r}) raised {err}")
                 return False
-            try:
-                got = [str(parse_action(a)) for a in got]
-            except (ValueError, TypeError) as exc:
-                print(f"✗ order_1f1b({p}, {m}, {r}) must return strings like 'F0', 'B0': {exc}")
+            strings = _as_strings(got)
+            if strings is None:
+                print(f"✗ order_1f1b({p}, {m}, {r}) must return a list of strings like 'F0', 'B0'; got "
+                      f"{safe_repr(got)}")
                 return False
-            orders.append(got)
-            want = [str(a) for a in schedule_1f1b(p, m, r)]
-            if got == want:
-                continue
-            print(f"✗ order_1f1b({p}, {m}, {r}) = {' '.join(got)}")
-            print(f"  expected           {' '.join(want)}")
-            if got == [str(a) for a in schedule_gpipe(p, m, r)]:
-                print("  hint: that is GPipe (all forwards, then all backwards): after the warm-up, "
-                      "alternate one forward and one backward")
-            elif sorted(got) != sorted(want):
-                print("  hint: each micro-batch needs exactly one F and one B on every rank")
-            else:
-                try:
-                    check_schedule(from_orders(orders + [want for _ in range(p - len(orders))]), "batched")
-                except ValueError as exc:
-                    print(f"  the checker says: {exc}")
-                print("  hint: warm-up forwards first, then steady pairs F(w + i), B(i), then the "
-                      "remaining backwards -- backwards go in micro-batch order 0, 1, 2, ...")
-            return False
-    print(f"✓ order_1f1b equals Megatron's forward_backward_pipelining_without_interleaving order "
-          f"for {len(SETTINGS)} (p, m) settings, every rank")
-    return True
+            answers[(p, m, r)] = strings
+            if strings != [str(a) for a in schedule_1f1b(p, m, r)]:
+                wrong.append((p, m, r))
+    if not wrong:
+        print(f"✓ order_1f1b equals Megatron's forward_backward_pipelining_without_interleaving order "
+              f"for {len(SETTINGS)} (p, m) settings, every rank")
+        return True
+    # show a pipeline deep enough to read (on 1 or 2 stages several mistakes give the same order)
+    p, m, r = next((key for key in wrong if 3 <= key[0] <= 4 and key[1] >= 4), wrong[0])
+    got, want = answers[(p, m, r)], [str(a) for a in schedule_1f1b(p, m, r)]
+    print(f"✗ order_1f1b({p}, {m}, {r}) = {' '.join(got)}")
+    print(f"  expected           {' '.join(want)}")
+    hint = _matching_mistake(answers)
+    if hint is None and sorted(got) != sorted(want):
+        hint = "each micro-batch needs exactly one F and one B on every rank"
+    if hint is None:
+        orders = [answers[(p, m, q)] for q in range(p)]
+        try:
+            check_schedule(from_orders(orders), "batched")
+        except ValueError as exc:
+            print(f"  the schedule checker says: {exc}")
+        hint = ("warm-up forwards first, then steady pairs F(w + i), B(i), then the remaining backwards -- "
+                "backwards go in micro-batch order 0, 1, 2, ...")
+    print(f"  hint: {hint}")
+    return False
+
+
+# ---- exercise 3: the bubble ------------------------------------------------------------------------
 
 
 def check_bubble(fn) -> bool:
-    """``fn(pp, num_microbatches, vp) -> float``: bubble time over ideal time."""
+    """``fn(pp, num_microbatches, vp) -> number``: bubble time over ideal time (any real type)."""
     for p in (1, 2, 4, 8):
         for m in (1, 4, 8, 16):
             for vp in (1, 2):
@@ -102,20 +187,44 @@ def check_bubble(fn) -> bool:
                     simulated = simulate(build_schedule(name, p, m, vp), 1.0, 2.0).bubble_fraction
                 except ValueError:
                     simulated = bubble_fraction(p, m, vp)  # interleaved needs m % p == 0
-                if err or not isinstance(got, (int, float)) or abs(got - simulated) > 1e-9:
-                    print(f"✗ bubble({p}, {m}, {vp}) returned {err or repr(got)}; the simulated schedule "
-                          f"idles {simulated:.4f} of its useful time")
-                    if isinstance(got, (int, float)) and abs(got - (p - 1) / (vp * m + p - 1)) < 1e-9:
-                        print("  hint: that is the share of the *whole* iteration, (p-1)/(m+p-1); here we "
-                              "divide the bubble by the ideal (useful) time m * (t_f + t_b)")
-                    elif isinstance(got, (int, float)) and abs(got - (p - 1) / m) < 1e-9 and vp > 1:
-                        print("  hint: with v chunks per rank each bubble step is v times shorter")
-                    else:
-                        print("  hint: the first micro-batch needs p - 1 steps to reach the last stage and "
-                              "p - 1 to come back; compare that with m steps of useful work")
-                    return False
+                verdict = same_number(got, simulated, rel=1e-9) if not err else None
+                if verdict:
+                    continue
+                print(f"✗ bubble({p}, {m}, {vp}) {_outcome(got, err)}; the simulated schedule "
+                      f"idles {simulated:.4f} of its useful time")
+                value = verdict.value if verdict is not None else None
+                if err:
+                    print("  hint: compute it from p, m and vp: (p - 1) idle steps against m useful ones")
+                elif value is None:
+                    print(f"  hint: {verdict.reason}")
+                elif abs(value - (p - 1) / (vp * m + p - 1)) < 1e-9:
+                    print("  hint: that is the share of the *whole* iteration, (p-1)/(m+p-1); here we "
+                          "divide the bubble by the ideal (useful) time m * (t_f + t_b)")
+                elif abs(value - (p - 1) / m) < 1e-9 and vp > 1:
+                    print("  hint: with v chunks per rank each bubble step is v times shorter")
+                elif (p - 1) % (vp * m) and value == (p - 1) // (vp * m):
+                    print("  hint: integer division (//) rounds the fraction down to a whole number: use /")
+                else:
+                    print("  hint: the first micro-batch needs p - 1 steps to reach the last stage and "
+                          "p - 1 to come back; compare that with m steps of useful work")
+                return False
     print("✓ bubble equals the simulated 1F1B and interleaved schedules for 32 (p, m, v) settings")
     return True
+
+
+# ---- exercise 4: peak memory ----------------------------------------------------------------------
+
+
+def _integers(value) -> Optional[list]:
+    try:
+        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+            value = value.tolist()
+        if isinstance(value, (str, bytes, dict)):
+            return None
+        items = [_integer(v) for v in value]
+    except Exception:  # noqa: BLE001 - not a sequence
+        return None
+    return None if any(v is None for v in items) else items
 
 
 def check_peak_memory(fn) -> bool:
@@ -126,20 +235,152 @@ def check_peak_memory(fn) -> bool:
             if err == "todo":
                 return _todo("peak_activations")
             want = simulate(build_schedule(name, p, m)).peak_activations
-            if err or list(got or []) != want:
-                print(f"✗ peak_activations({p}, {m}, {name!r}) returned {err or got}; simulated {want}")
-                if name == "1f1b" and got is not None and list(got) == [min(p - r - 1, m) for r in range(p)]:
+            values = None if err else _integers(got)
+            if values != want:
+                print(f"✗ peak_activations({p}, {m}, {name!r}) {_outcome(got, err)}; simulated {want}")
+                if name == "1f1b" and values == [min(p - r - 1, m) for r in range(p)]:
                     print("  hint: off by one -- after the warm-up a rank runs one more forward before "
                           "its first backward frees anything")
-                elif name == "1f1b" and got is not None and list(got) == [m] * p:
+                elif name == "1f1b" and values == [m] * p:
                     print("  hint: that is GPipe; in 1F1B each backward frees a micro-batch, so a rank "
                           "holds only its warm-up forwards plus one")
                 elif name == "zb-h1":
                     print("  hint: in ZB-H1 a micro-batch is freed by its W, which rank r runs r "
                           "backwards late: every rank ends up holding as many as rank 0")
+                elif values is None and not err:
+                    print("  hint: return one whole number per rank, e.g. [4, 3, 2, 1]")
                 else:
                     print("  hint: walk the rank's order: +1 at each F, -1 when the micro-batch's last "
                           "backward piece runs; take the maximum")
                 return False
     print("✓ peak_activations equals the simulated peaks of GPipe, 1F1B and ZB-H1 on every rank")
+    return True
+
+
+# ---- exercise 5: your orders on real ranks ---------------------------------------------------------
+
+RANKS_P, RANKS_M = 3, 4
+"""The pipeline of exercise 5: 3 stages, 4 micro-batches."""
+
+
+def _student_orders(orders, p: int, m: int):
+    """``(list of per-rank string lists, None)`` or ``(None, verdict line)``; ``orders`` is the list itself,
+    a function returning it, or an ``order_1f1b``-style function of ``(p, m, r)``."""
+    if callable(orders):
+        got, err = _call(orders)
+        if err and "missing" in err and "positional" in err:  # an order_1f1b(p, m, r)
+            per_rank = []
+            for r in range(p):
+                one, err = _call(orders, p, m, r)
+                if err:
+                    return None, err
+                per_rank.append(one)
+            got, err = per_rank, None
+        if err:
+            return None, err
+        orders = got
+    if not isinstance(orders, (list, tuple)) or len(orders) != p:
+        return None, f"give {p} lists, one per pipeline rank (got {safe_repr(orders)})"
+    out = []
+    for r, order in enumerate(orders):
+        strings = _as_strings(order) if isinstance(order, (list, tuple)) else None
+        if strings is None:
+            return None, f"rank {r}'s order must be a list of strings like 'F0', 'B0' (got {safe_repr(order)})"
+        out.append(strings)
+    return out, None
+
+
+def _schedule_problem(orders: list, p: int, m: int) -> Optional[str]:
+    """Why the orders cannot be a schedule of ``m`` micro-batches (missing, repeated, B before F), or None."""
+    ids = sorted({int(a[1:]) for order in orders for a in order})
+    if ids and ids[-1] >= m:
+        return f"micro-batch {ids[-1]} does not exist: there are {m}, numbered 0 to {m - 1}"
+    try:
+        schedule = from_orders(orders)
+        _check_complete(schedule)
+    except ValueError as exc:
+        return str(exc)
+    if schedule.num_microbatches != m:
+        return f"every rank runs F and B of all {m} micro-batches"
+    return None
+
+
+def _first_blocked(schedule) -> str:
+    """The first blocked message of a schedule that deadlocked on real ranks (the checker's account)."""
+    try:
+        _check_dependencies(schedule)
+    except ValueError as exc:
+        return str(exc)
+    try:
+        simulate_p2p(schedule, "batched")
+    except ValueError as exc:
+        return str(exc)
+    return "no message is blocked in the simulation: the ranks were slower than the timeout"
+
+
+def check_orders_on_ranks(orders, timeout: float = 6) -> bool:
+    """Run the student's per-rank orders for 3 stages and 4 micro-batches on 3 real ranks.
+
+    ``orders``: a list of 3 lists like ``["F0", "F1", "B0", ...]``, a function returning it, or an
+    ``order_1f1b(p, m, r)`` function. They run through the pipeline executor with Megatron's paired
+    send/recv (``batch_isend_irecv``); the gradients must equal the unsplit model's and rank r may hold at
+    most ``min(p - r, m)`` micro-batches (1F1B's memory). Any order that does both passes."""
+    from course_lib.launch import LaunchTimeout, RankError
+    from course_lib.pipeline.executor import execute
+    from course_lib.pipeline.stages import StackConfig, reference_gradients
+
+    p, m = RANKS_P, RANKS_M
+    per_rank, problem = _student_orders(orders, p, m)
+    if problem == "todo":
+        return _todo("orders_1f1b_by_hand")
+    if problem:
+        print(f"✗ {problem}")
+        return False
+    problem = _schedule_problem(per_rank, p, m)
+    if problem:
+        print(f"✗ these orders cannot run: {problem}")
+        return False
+    schedule = from_orders(per_rank, name="yours")
+    cfg = StackConfig(num_layers=6)
+    try:
+        run = execute(schedule, cfg, p2p="batched", check=False, timeout=timeout)
+    except LaunchTimeout as exc:
+        print(f"✗ on {p} real ranks the pipeline hung (ranks {exc.unfinished} still waiting after {timeout:g} s): "
+              f"a deadlock")
+        print(f"  first blocked message: {_first_blocked(schedule)}")
+        print("  hint: a rank can only run F(i) once stage r-1 has sent micro-batch i, and B(i) once stage r+1 "
+              "has sent its gradient; each send is posted together with the next receive (Megatron's "
+              "send_forward_recv_backward), so both neighbours must be at matching steps")
+        return False
+    except RankError as exc:
+        print(f"✗ on {p} real ranks, rank {exc.rank} failed: {exc.traceback.strip().splitlines()[-1]}")
+        print(f"  first blocked message: {_first_blocked(schedule)}")
+        return False
+    _, reference = reference_gradients(cfg, m)
+    error = run.max_grad_error(reference)
+    if error > 1e-5:
+        print(f"✗ the gradients differ from the unsplit model's by {error:.1e}")
+        return False
+    simulated = simulate(schedule, 1.0, 2.0).bubble_fraction
+    if simulated > bubble_fraction(p, m) + 1e-9:
+        print(f"✗ your orders run and give the right gradients, but they idle more than 1F1B: simulated bubble "
+              f"{simulated:.3f} of the useful time (t_b = 2 t_f), 1F1B's (p-1)/m = {bubble_fraction(p, m):.3f}")
+        print("  hint: a rank that waits for B(i) before sending F(i+1) on serialises the pipeline; rank r needs "
+              "p - r - 1 warm-up forwards to keep the stages after it busy while the first gradient comes back")
+        return False
+    limit = [min(p - r, m) for r in range(p)]
+    peaks = run.timeline.peak_activations
+    over = [r for r in range(p) if peaks[r] > limit[r]]
+    if over:
+        r = over[0]
+        print(f"✗ your orders run and give the right gradients, but rank {r} held {peaks[r]} micro-batches at "
+              f"once (measured: {peaks}); 1F1B holds at most min(p - r, m) = {limit}")
+        print("  hint: " + ("that is GPipe's memory: " if peaks == [m] * p else "")
+              + "start each rank's backwards as soon as the first gradient can arrive -- after p - r - 1 "
+                "warm-up forwards -- and alternate F and B from then on")
+        return False
+    megatron = per_rank == [[str(a) for a in schedule_1f1b(p, m, r)] for r in range(p)]
+    memory = "exactly Megatron's 1F1B order" if megatron else f"within 1F1B's bound {limit}"
+    print(f"✓ your orders ran on {p} real ranks with Megatron's paired send/recv: gradients equal the unsplit "
+          f"model's (within 1e-5), peak micro-batches held per rank {peaks} ({memory})")
     return True

@@ -220,6 +220,7 @@ def install_checked_world(timeout: float = 20) -> None:
     if isinstance(c10d._get_default_group(), CheckedProcessGroup):
         return
     store, rank, world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+    dist.barrier()  # every rank has finished connecting the old group before any rank closes it
     dist.destroy_process_group()
     dist.init_process_group(BACKEND, store=dist.PrefixStore(f"{BACKEND}/", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
