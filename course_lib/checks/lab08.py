@@ -1,0 +1,431 @@
+"""Checkers for Lab 08's exercises (Mixture of Experts: the expert groups, the all-to-all dispatch, the aux loss).
+
+Each checker runs the student's function on many settings, compares with an
+independent reference (:class:`course_lib.moe.grid.MoEGrid`, the single-process
+:class:`course_lib.moe.layer.MoELayer`, :func:`course_lib.moe.router.switch_load_balancing_loss`),
+prints one verdict line and, when wrong, the most specific hint it can find. A
+function that still raises ``NotImplementedError`` gets a "not attempted yet" line;
+every checker returns True/False and never raises.
+
+The dispatch is checked on 4 real ranks (two EP layouts) twice over: by result (the
+rows each rank receives, then the whole layer -- experts and combine -- against one
+process) and by traffic (a checked process group records every op: the rows cross
+as all-to-all, ``tokens × top-k × hidden`` elements per rank, nothing all-gathered).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib.checks import not_attempted
+from course_lib.checks.verdicts import (course_code_hint, course_function, describe_ops, launch_checked,
+                                        run_student, safe_repr, wire_recorder)
+from course_lib.launch import LaunchTimeout, RankError
+from course_lib.moe.grid import MoEGrid, rank_groups
+from course_lib.moe.layer import MoELayer, make_master_weights
+from course_lib.moe.router import route, switch_load_balancing_loss
+from course_lib.topology import DEFAULT_ORDER, parse_order
+
+__all__ = ["check_expert_groups_of", "check_dispatch", "check_aux_loss", "EXPERT_LAYOUTS", "layout_of",
+           "dispatch_inputs"]
+
+# (world, tp, pp, cp, ep, expert_tp): folded CP, expert TP != TP, PP > 1, EP = world. The first has CP 2 and
+# expert TP = TP, so "EP inside the dense grid" fails there first, with its own hint.
+EXPERT_LAYOUTS = ((8, 2, 1, 2, 2, 2), (8, 2, 2, 1, 2, 1), (8, 1, 1, 2, 4, 1), (16, 2, 2, 1, 4, 1),
+                  (16, 2, 1, 2, 2, 2), (8, 1, 2, 1, 2, 1), (4, 1, 1, 1, 4, 1), (16, 4, 1, 1, 2, 1))
+KEYS = ("ep", "expert_dp")
+
+
+def layout_of(world, tp, pp, cp, ep, expert_tp) -> dict:
+    return dict(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp)
+
+
+def _int_list(value):
+    """A list of Python ints (from a list/tuple/tensor/array of integers), or None."""
+    try:
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+            value = value.tolist()
+        if not isinstance(value, (list, tuple, range)):
+            return None
+        out = []
+        for v in value:
+            if isinstance(v, bool) or int(v) != v:
+                return None
+            out.append(int(v))
+        return out
+    except Exception:  # noqa: BLE001 - an odd answer is a wrong answer
+        return None
+
+
+# ------------------------------------------------------------------ (1) expert groups
+
+
+def _wrong_models(world, tp, pp, cp, ep, etp):
+    """(hint, {"ep": groups, "expert_dp": groups}) for the typical wrong pictures of the expert grid."""
+    order = parse_order(DEFAULT_ORDER, {"tp": 2, "cp": 2, "ep": 2, "dp": 2, "pp": 2})
+
+    def grid(sizes):
+        return {"ep": rank_groups(order, sizes, "ep"), "expert_dp": rank_groups(order, sizes, "dp")}
+
+    models = []
+    if world % (tp * ep * pp) == 0 and cp == 1:  # with cp = 1 the dense-grid picture differs only by its TP size
+        models.append((
+            "you used the dense TP size: the expert grid's fastest axis is layout['expert_tp'] "
+            "(--expert-tensor-parallel-size), so EP members are expert_tp ranks apart",
+            grid({"tp": tp, "cp": 1, "ep": ep, "dp": world // (tp * ep * pp), "pp": pp})))
+    if world % (tp * cp * ep * pp) == 0:
+        models.append((
+            "you put EP into the dense grid and divided the dense DP by EP (tp·cp·ep·dp·pp): since MoE parallel "
+            "folding the expert layers have a grid of their own -- expert_tp × ep × expert_dp × pp with cp = 1, "
+            "expert_dp = world / (expert_tp·ep·pp) -- and the dense DP is left whole",
+            grid({"tp": tp, "cp": cp, "ep": ep, "dp": world // (tp * cp * ep * pp), "pp": pp})))
+    if world % (etp * cp * ep * pp) == 0:
+        models.append((
+            "you kept a CP axis in the expert grid: the expert grid has cp = 1, the context-parallel ranks are "
+            "folded into EP and expert DP (expert_dp = world / (expert_tp·ep·pp))",
+            grid({"tp": etp, "cp": cp, "ep": ep, "dp": world // (etp * cp * ep * pp), "pp": pp})))
+    if world % (tp * ep * pp) == 0:
+        models.append((
+            "you used the dense TP size: the expert grid's fastest axis is layout['expert_tp'] "
+            "(--expert-tensor-parallel-size), so EP members are expert_tp ranks apart",
+            grid({"tp": tp, "cp": 1, "ep": ep, "dp": world // (tp * ep * pp), "pp": pp})))
+    edp = world // (etp * ep * pp)
+    ep_first = parse_order("ep-tp-cp-dp-pp", {"tp": 2, "cp": 2, "ep": 2, "dp": 2, "pp": 2})
+    sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
+    models.append((
+        "you numbered EP fastest: Megatron's order is tp-cp-ep-dp-pp, so expert TP varies fastest, then EP, "
+        "then expert DP, then PP",
+        {"ep": rank_groups(ep_first, sizes, "ep"), "expert_dp": rank_groups(ep_first, sizes, "dp")}))
+    dense = MoEGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp)
+    models.append((
+        "that is a dense group: the dense DP group (with CP) keeps all world/(tp·pp) ranks; the expert layers "
+        "carve it into EP (who shares the experts out) and expert DP (who holds the same experts)",
+        {"ep": dense.dense_groups("dp-cp"), "expert_dp": dense.dense_groups("dp-cp")}))
+    return models
+
+
+def _group_hint(got, rank, key, layout) -> str:
+    world, tp, pp, cp, ep, etp = layout
+    for hint, model in _wrong_models(world, tp, pp, cp, ep, etp):
+        wrong = next((g for g in model[key] if rank in g), None)
+        if wrong is not None and got == wrong:
+            return hint
+    if got is not None and rank not in got:
+        return f"a rank is a member of its own groups: {rank} is missing"
+    return ("build the expert grid: sizes expert_tp, ep, expert_dp = world / (expert_tp·ep·pp), pp (cp = 1), "
+            "numbered tp fastest, then ep, dp, pp; a rank's EP group varies only its ep coordinate")
+
+
+def check_expert_groups_of(fn) -> bool:
+    """``fn(rank, layout) -> {"ep": [...], "expert_dp": [...]}``: the expert-parallel and expert-data-parallel
+    groups of ``rank`` (ascending global ranks) for ``layout = {"world_size", "tp", "pp", "cp", "ep",
+    "expert_tp"}`` in Megatron's default order, checked on every rank of :data:`EXPERT_LAYOUTS`."""
+    name = course_function(fn)
+    if name:
+        print(f"✗ {course_code_hint(name)}")
+        return False
+    checked = 0
+    for layout in EXPERT_LAYOUTS:
+        grid = MoEGrid(*layout[:1], tp=layout[1], pp=layout[2], cp=layout[3], ep=layout[4], expert_tp=layout[5])
+        for rank in range(layout[0]):
+            call = f"expert_groups_of({rank}, {layout_of(*layout)})"
+            run = run_student(fn, rank, layout_of(*layout), references=(MoEGrid,))
+            if run.todo:
+                return not_attempted("expert_groups_of")
+            if run.problem():
+                print(f"✗ {call}: {run.problem()}")
+                return False
+            got = run.value
+            if not isinstance(got, dict) or set(got) != set(KEYS):
+                print(f"✗ {call} returned {safe_repr(got)}")
+                print("  hint: return a dict with exactly the keys 'ep' and 'expert_dp', each a list of global "
+                      "ranks, e.g. {'ep': [0, 1], 'expert_dp': [1, 5]}")
+                return False
+            for key, token in (("ep", "ep"), ("expert_dp", "dp")):
+                want = grid.expert_group_of(rank, token)
+                answer = _int_list(got[key])
+                if answer is not None and answer != want and sorted(answer) == want:
+                    answer = sorted(answer)  # any order of the same ranks is the same group
+                if answer != want:
+                    print(f"✗ {call}[{key!r}] = {safe_repr(got[key])}, expected {want}")
+                    print("  hint: " + _group_hint(answer, rank, key, layout))
+                    return False
+            checked += 1
+    print(f"✓ expert_groups_of gives Megatron's EP and expert-DP groups of all {checked} ranks of "
+          f"{len(EXPERT_LAYOUTS)} layouts (world 8, TP2 PP2 EP2, expert TP 1: rank 5 -> EP [4, 5], expert DP [5, 7])")
+    return True
+
+
+# ------------------------------------------------------------------ (2) dispatch over all-to-all
+
+DISPATCH_WORLD, DISPATCH_EPS = 4, (2, 4)
+TOKENS, HIDDEN, EXPERTS, TOPK, FFN = 12, 8, 8, 2, 16
+
+
+def dispatch_inputs(rank: int, hidden: int = HIDDEN, experts: int = EXPERTS, topk: int = TOPK, tokens: int = TOKENS):
+    """The dispatch input of global ``rank`` (deterministic, so every rank can rebuild every other's):
+    ``(tokens [T, H], rows [T·k, H] sorted by expert, tokens_per_expert [E], probs, indices, perm)``."""
+    master = make_master_weights(hidden, experts, FFN, seed=8)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(100 + rank))
+    probs, indices, _ = route(x, master["router"], topk)
+    flat = indices.flatten()
+    perm = torch.argsort(flat, stable=True)
+    return x, x[perm // topk], torch.bincount(flat, minlength=experts), probs, indices, perm
+
+
+def _expected_received(members, my_index, ep):
+    """Rows (and counts [ep, L]) my group rank receives: from each member in group order, its rows for my experts."""
+    per = EXPERTS // ep
+    mine = slice(my_index * per, (my_index + 1) * per)
+    rows, counts = [], []
+    for src in members:
+        _, sorted_rows, tpe, *_ = dispatch_inputs(src)
+        start = int(tpe[:mine.start].sum())
+        n = int(tpe[mine].sum())
+        rows.append(sorted_rows[start:start + n])
+        counts.append(tpe[mine].tolist())
+    return torch.cat(rows), counts
+
+
+def _received_hint(got, want, counts_want, members, my_index, ep) -> str:
+    if got.shape[0] == sum(int(dispatch_inputs(s)[1].shape[0]) for s in members):
+        return ("you received every row of every rank: send each rank only the rows routed to *its* experts "
+                "(input_split_sizes[j] = rows for experts j·L .. j·L+L-1)")
+    if got.shape[0] == want.shape[0]:
+        return ("the right number of rows in the wrong order or from the wrong rank: rows routed to experts "
+                "j·L .. j·L+L-1 go to group rank j, and what arrives is grouped by source rank")
+    return ("exchange the counts first (all_to_all_single of tokens_per_expert, L numbers per destination) so "
+            "that every rank knows output_split_sizes, then all_to_all_single the rows with "
+            "input_split_sizes = rows per destination rank")
+
+
+def _flat_counts(counts):
+    """``counts`` [ep, L] as one flat list of ints (from a tensor, nested lists or a flat list), or None."""
+    try:
+        if isinstance(counts, torch.Tensor):
+            return _int_list(counts.flatten())
+        if isinstance(counts, (list, tuple)) and counts and not isinstance(counts[0], (int, float)):
+            return _int_list([c for row in counts for c in _int_list(row)])
+    except Exception:  # noqa: BLE001 - an odd answer is a wrong answer
+        return None
+    return _int_list(counts)
+
+
+def _dispatch_rank(fn):
+    rank = dist.get_rank()
+    outcome = []
+    for ep in DISPATCH_EPS:
+        grid = MoEGrid(DISPATCH_WORLD, ep=ep)
+        group, members = None, None
+        for ranks in grid.expert_groups("ep"):
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                group, members = g, ranks
+        x, rows, tpe, probs, indices, perm = dispatch_inputs(rank)
+        with wire_recorder() as rec:
+            run = run_student(fn, rows.clone(), tpe.clone(), group,
+                              references=(MoELayer._through_experts_of_the_group,))
+        if run.error is not None:
+            raise run.error  # the launcher stops the other ranks at once and reports this one
+        got = run.value
+        my_index = members.index(rank)
+        want, counts_want = _expected_received(members, my_index, ep)
+        problem = None
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            problem = f"dispatch must return (received, counts), got {safe_repr(got)}"
+        else:
+            received, counts = got
+            counts = _flat_counts(counts)
+            if not isinstance(received, torch.Tensor) or received.dim() != 2 or received.shape[1] != HIDDEN:
+                problem = f"received must be a tensor [rows, {HIDDEN}], got {safe_repr(received)}"
+            elif received.shape != want.shape or not torch.equal(received, want):
+                problem = (f"group rank {my_index} of EP{ep} received {received.shape[0]} rows, expected "
+                           f"{want.shape[0]} (its experts' rows from ranks {members}, in rank order)\n  hint: "
+                           + _received_hint(received, want, counts_want, members, my_index, ep))
+            elif counts != [c for row in counts_want for c in row]:
+                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[1])}, expected {counts_want}\n  hint: "
+                           f"counts[s][l] = rows that source rank s sent for my local expert l")
+        ok = torch.tensor([0 if problem else 1])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank agrees before the combine (no half-run collective)
+        error = None
+        if ok.item():
+            layer = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=8), moe_router_topk=TOPK, ep_group=group)
+            error = _combine_error(layer, received, counts_want, x, rows, tpe, probs, perm, group, ep)
+        outcome.append(dict(ep=ep, problem=problem, error=error, events=list(rec.events), patched=run.patched,
+                            course_code=run.course_code, rank=rank))
+        if not ok.item():
+            break
+    return outcome
+
+
+def _combine_error(layer, received, counts, x, rows, tpe, probs, perm, group, ep) -> float:
+    """Experts on the received rows, all-to-all back, unpermute: max error against one process."""
+    L = EXPERTS // ep
+    counts = torch.tensor(counts)                                                # [ep, L]
+    by_expert = torch.cat([received[int(counts.flatten()[:s * L + l].sum()):][:int(counts[s, l])]
+                           for l in range(L) for s in range(ep)])
+    y = layer.experts(by_expert, counts.sum(0).tolist())
+    by_source, offsets = [], counts.t().flatten().cumsum(0).tolist()
+    for s in range(ep):
+        for l in range(L):
+            i = l * ep + s
+            start = offsets[i - 1] if i else 0
+            by_source.append(y[start:offsets[i]])
+    back = torch.empty_like(rows)
+    input_splits = tpe.view(ep, L).sum(1).tolist()
+    dist.all_to_all_single(back, torch.cat(by_source), output_split_sizes=input_splits,
+                           input_split_sizes=counts.sum(1).tolist(), group=group)
+    out = torch.zeros_like(x).index_add(0, perm // TOPK, back * probs.flatten()[perm].unsqueeze(-1))
+    want, _ = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=8), moe_router_topk=TOPK)(x)
+    return float((out - want).abs().max())
+
+
+def _traffic_problem(events, ep) -> str | None:
+    """None when the rows crossed as all-to-all, T·k·H elements (plus at most 2E for the counts)."""
+    other = [e for e in events if e.op != "all_to_all"]
+    if other:
+        return (f"the dispatch ran {describe_ops(other)}: the alltoall dispatcher sends each row only to the rank "
+                f"that holds its expert, with all_to_all_single (gathering everything is the allgather dispatcher)")
+    sent, rows = sum(e.numel for e in events), TOKENS * TOPK * HIDDEN
+    if not rows <= sent <= rows + 2 * EXPERTS:
+        return (f"each rank sent {sent} elements by all-to-all ({describe_ops(events)}); the dispatch sends each of "
+                f"its T·k = {TOKENS * TOPK} (token, expert) rows once: {rows} elements of rows, plus the counts")
+    return None
+
+
+def check_dispatch(fn, timeout: float = 30) -> bool:
+    """``fn(rows, tokens_per_expert, group) -> (received, counts)``: the alltoall token dispatch of one rank.
+
+    ``rows`` [T·k, H]: this rank's (token, expert) rows sorted by expert; ``tokens_per_expert`` [E];
+    ``group``: the EP group, whose rank j holds experts ``j·L .. j·L+L-1`` (L = E / ep). Returns the rows
+    for my experts, grouped by source rank (group order), and ``counts`` [ep, L] (rows from source s for my
+    local expert l). Run on 4 ranks for EP2 and EP4; checked by result and by traffic."""
+    name = course_function(fn)
+    if name:
+        print(f"✗ {course_code_hint(name)}")
+        return False
+    try:
+        ranks = launch_checked(_dispatch_rank, world_size=DISPATCH_WORLD, timeout=timeout, fn=fn)
+    except RankError as err:
+        if err.exc_type == "NotImplementedError":
+            return not_attempted("dispatch")
+        last = [line for line in err.traceback.strip().splitlines() if line.strip()]
+        print(f"✗ rank {err.rank} raised {last[-1] if last else err.exc_type}")
+        if "split" in err.traceback.lower():
+            print("  hint: input_split_sizes are the rows you send to each group rank (sum = T·k), "
+                  "output_split_sizes the rows you receive from each (learn them from the counts exchange)")
+        return False
+    except LaunchTimeout:
+        print("✗ the ranks waited for each other (a deadlock)\n  hint: every rank of the EP group must join "
+              "each all-to-all, in the same order")
+        return False
+    for step in range(len(DISPATCH_EPS)):
+        for res in (r[step] for r in ranks if len(r) > step):
+            if res["patched"] or res["course_code"]:
+                print("✗ " + (course_code_hint(res["course_code"][0]) if res["course_code"] else
+                              f"it replaced {', '.join(res['patched'][:3])} (undone by the checker)"))
+                return False
+            if res["problem"]:
+                print(f"✗ {res['problem']}")
+                return False
+            traffic = _traffic_problem(res["events"], res["ep"])
+            if traffic:
+                print(f"✗ EP{res['ep']}, rank {res['rank']}: {traffic}")
+                return False
+            if res["error"] is None or res["error"] > 1e-5:
+                print(f"✗ EP{res['ep']}: the layer differs from one process by {res['error']}")
+                return False
+    worst = max(res["error"] for r in ranks for res in r)
+    print(f"✓ dispatch delivers every row to its expert on 4 ranks (EP2 and EP4): the layer equals one process "
+          f"(max error {'< 1e-6' if worst < 1e-6 else f'{worst:.0e}'}); each rank sent its "
+          f"{TOKENS}×{TOPK}×{HIDDEN} = {TOKENS * TOPK * HIDDEN} row elements by all-to-all, nothing gathered")
+    return True
+
+
+# ------------------------------------------------------------------ (3) the aux loss
+
+
+AUX_TOL = 1e-5  # relative: float32 or float64 answers
+
+
+def _aux_cases():
+    g = torch.Generator().manual_seed(15)
+    cases = []
+    for tokens, experts, topk, coeff, skew in ((32, 4, 1, 1e-2, 0.0), (50, 8, 2, 1.0, 2.0), (7, 6, 3, 0.1, 0.5),
+                                               (64, 16, 4, 1e-3, 3.0)):
+        logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
+        logits[:, 0] += skew
+        scores = torch.softmax(logits, -1)
+        cases.append((scores, torch.topk(logits, topk, -1).indices, experts, coeff))
+    return cases
+
+
+def _aux_hint(value, scores, indices, experts, coeff) -> str:
+    tokens, topk = indices.shape
+    f = torch.bincount(indices.flatten(), minlength=experts).double() / (tokens * topk)
+    p = scores.mean(0)
+    guesses = (
+        (coeff * (f * p).sum(), "you forgot the factor E (num_experts): with it a perfectly balanced router "
+                                "scores exactly coeff"),
+        (coeff * experts * (p * p).sum(), "you used the mean probabilities P_i where the fractions f_i belong: "
+                                          "f_i counts the routing slots expert i received (bincount of indices)"),
+        (coeff * experts * (f * f).sum(), "you used f_i twice: the second factor is P_i, the mean router "
+                                          "probability, which carries the gradient"),
+        (coeff * experts * topk * (f * p).sum(), "f_i divides by T·k (all routing slots), not by T"),
+        (coeff * experts * (f * p).sum() / topk, "f_i divides by T·k once; you divided by k again"),
+        (experts * (f * p).sum(), "you forgot to multiply by coeff (--moe-aux-loss-coeff)"),
+    )
+    for guess, hint in guesses:
+        if abs(value - float(guess)) <= AUX_TOL * max(1e-3, abs(float(guess))):
+            return hint
+    return "aux = coeff · E · Σ_i f_i · P_i with f_i = slots to expert i / (T·k) and P_i = mean score of expert i"
+
+
+def check_aux_loss(fn) -> bool:
+    """``fn(scores, indices, num_experts, coeff) -> loss``: the Switch load-balancing loss (value and gradient
+    with respect to ``scores``), checked against :func:`course_lib.moe.router.switch_load_balancing_loss`."""
+    name = course_function(fn)
+    if name:
+        print(f"✗ {course_code_hint(name)}")
+        return False
+    cases = _aux_cases()
+    for scores, indices, experts, coeff in cases:
+        what = f"T={scores.shape[0]}, E={experts}, k={indices.shape[1]}, coeff={coeff}"
+        mine = scores.clone().requires_grad_()
+        run = run_student(fn, mine, indices.clone(), experts, coeff, references=(switch_load_balancing_loss,))
+        if run.todo:
+            return not_attempted("aux_loss")
+        if run.problem():
+            print(f"✗ aux_loss ({what}): {run.problem()}")
+            return False
+        got = run.value
+        ref = scores.clone().requires_grad_()
+        want = switch_load_balancing_loss(ref, indices, experts, coeff)
+        want.backward()
+        if not isinstance(got, torch.Tensor) or got.numel() != 1:
+            print(f"✗ aux_loss ({what}) returned {safe_repr(got)}: return a scalar tensor (it is added to the loss "
+                  f"and back-propagated)")
+            return False
+        value, want = float(got.detach()), float(want.detach())
+        if abs(value - want) > AUX_TOL * max(1e-3, abs(want)):
+            print(f"✗ aux_loss ({what}) = {value:.6g}, expected {want:.6g}")
+            print("  hint: " + _aux_hint(value, scores, indices, experts, coeff))
+            return False
+        if not got.requires_grad:
+            print(f"✗ aux_loss ({what}) has the right value but no gradient: P_i must be computed from scores "
+                  f"with torch operations (no .item(), no detach) so that the router learns to balance")
+            return False
+        try:
+            grad, = torch.autograd.grad(got, mine, allow_unused=True)
+        except Exception as exc:  # noqa: BLE001 - reported
+            grad, _ = None, exc
+        if grad is None or not torch.allclose(grad.double(), ref.grad, rtol=1e-5, atol=1e-9):
+            print(f"✗ aux_loss ({what}) has the right value but the wrong gradient: the gradient flows through "
+                  f"P_i = scores.mean(0) only; f_i are counts, constants")
+            return False
+    print(f"✓ aux_loss equals the Switch / Megatron load-balancing loss on {len(cases)} cases (top-1 to top-4, "
+          f"skewed routers), value and gradient")
+    return True

@@ -1,0 +1,236 @@
+"""Lab 08's checkers: tables of wrong answers, each rejected with its hint, and right answers written
+differently, accepted. The dispatch runs on 4 fork ranks (one launch per answer)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.checks import lab08
+from course_lib.moe.grid import MoEGrid
+from course_lib.moe.router import switch_load_balancing_loss
+
+
+def not_yet(*args):
+    raise NotImplementedError("write it")
+
+
+# ------------------------------------------------------------------ (1) expert groups
+
+
+def _coords_solution(rank, layout, *, etp_key="expert_tp", fold_cp=True, ep_first=False, as_type=list):
+    world, ep, pp = layout["world_size"], layout["ep"], layout["pp"]
+    etp = layout[etp_key]
+    cp = 1 if fold_cp else layout["cp"]
+    edp = world // (etp * cp * ep * pp)
+    sizes = [("ep", ep), ("tp", etp)] if ep_first else [("tp", etp), ("ep", ep)]
+    sizes += [("cp", cp), ("dp", edp), ("pp", pp)]
+    coord, rest = {}, rank
+    for axis, n in sizes:
+        coord[axis], rest = rest % n, rest // n
+
+    def number(**change):
+        c, out, stride = dict(coord, **change), 0, 1
+        for axis, n in sizes:
+            out, stride = out + c[axis] * stride, stride * n
+        return out
+
+    return {"ep": as_type([number(ep=i) for i in range(ep)]),
+            "expert_dp": as_type([number(dp=i) for i in range(edp)])}
+
+
+def right_groups(rank, layout):
+    return _coords_solution(rank, layout)
+
+
+def right_groups_numpy_descending(rank, layout):   # any integer type, any order of the members
+    out = _coords_solution(rank, layout)
+    return {k: np.array(sorted(v, reverse=True), dtype=np.int64) for k, v in out.items()}
+
+
+def right_groups_tuple_tensor(rank, layout):
+    out = _coords_solution(rank, layout)
+    return {"ep": tuple(out["ep"]), "expert_dp": torch.tensor(out["expert_dp"])}
+
+
+def ep_in_dense_grid(rank, layout):                # the pre-folding picture: dense DP divided by EP
+    world, tp, pp, cp, ep = (layout[k] for k in ("world_size", "tp", "pp", "cp", "ep"))
+    from course_lib.moe.grid import rank_groups
+    order = ("tp", "cp", "ep", "dp", "pp")
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": world // (tp * cp * ep * pp), "pp": pp}
+    pick = lambda token: next(g for g in rank_groups(order, sizes, token) if rank in g)  # noqa: E731
+    return {"ep": pick("ep"), "expert_dp": pick("dp")}
+
+
+def dense_dp_for_expert_dp(rank, layout):          # the dense DP (with CP): same tp and pp coordinate
+    out = _coords_solution(rank, layout)
+    tp, world, pp = layout["tp"], layout["world_size"], layout["pp"]
+    per_stage = world // pp
+    stage, t = rank // per_stage, rank % tp
+    return {"ep": out["ep"], "expert_dp": [stage * per_stage + j for j in range(t, per_stage, tp)]}
+
+
+def course_grid(rank, layout):
+    g = MoEGrid(layout["world_size"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], ep=layout["ep"],
+                expert_tp=layout["expert_tp"])
+    return {"ep": g.expert_group_of(rank, "ep"), "expert_dp": g.expert_group_of(rank, "dp")}
+
+
+GROUP_WRONG = [
+    (not_yet, "not attempted yet"),
+    (ep_in_dense_grid, "divided the dense DP by EP"),
+    (lambda r, lay: _coords_solution(r, lay, fold_cp=False), "with cp = 1"),  # = the dense-grid mistake when expert_tp = tp
+    (lambda r, lay: _coords_solution(r, lay, etp_key="tp"), "used the dense TP size"),
+    (lambda r, lay: _coords_solution(r, lay, ep_first=True), "numbered EP fastest"),
+    (dense_dp_for_expert_dp, "that is a dense group"),
+    (lambda r, lay: [0], "exactly the keys 'ep' and 'expert_dp'"),
+    (lambda r, lay: {"ep": [], "expert_dp": []}, "is missing"),
+    (course_grid, "the course's own"),
+]
+
+
+@pytest.mark.parametrize("fn, hint", GROUP_WRONG)
+def test_expert_groups_wrong_answers_get_their_hint(fn, hint, capsys):
+    assert lab08.check_expert_groups_of(fn) is False
+    out = capsys.readouterr().out
+    assert hint in out, out
+
+
+@pytest.mark.parametrize("fn", [right_groups, right_groups_numpy_descending, right_groups_tuple_tensor])
+def test_expert_groups_right_answers_pass(fn, capsys):
+    assert lab08.check_expert_groups_of(fn) is True
+    assert "✓" in capsys.readouterr().out
+
+
+def test_expert_layouts_are_valid_and_cover_the_mistakes():
+    grids = [MoEGrid(w, tp=t, pp=p, cp=c, ep=e, expert_tp=x) for w, t, p, c, e, x in lab08.EXPERT_LAYOUTS]
+    assert any(g.cp > 1 for g in grids) and any(g.expert_tp != g.tp for g in grids) and any(g.pp > 1 for g in grids)
+
+
+# ------------------------------------------------------------------ (2) dispatch
+
+
+def _splits(tokens_per_expert, ep):
+    return tokens_per_expert.view(ep, -1).sum(1).tolist()
+
+
+def dispatch_right(rows, tokens_per_expert, group):
+    ep = dist.get_world_size(group)
+    counts = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(counts, tokens_per_expert, group=group)
+    counts = counts.view(ep, -1)
+    received = rows.new_empty(int(counts.sum()), rows.shape[1])
+    dist.all_to_all_single(received, rows, output_split_sizes=counts.sum(1).tolist(),
+                           input_split_sizes=_splits(tokens_per_expert, ep), group=group)
+    return received, counts
+
+
+def dispatch_right_lists(rows, tokens_per_expert, group):   # counts by list all_to_all, returned as nested lists
+    ep = dist.get_world_size(group)
+    outs = [torch.empty(tokens_per_expert.numel() // ep, dtype=tokens_per_expert.dtype) for _ in range(ep)]
+    dist.all_to_all(outs, list(tokens_per_expert.chunk(ep)), group=group)
+    counts = [o.tolist() for o in outs]
+    received = rows.new_empty(sum(map(sum, counts)), rows.shape[1])
+    dist.all_to_all_single(received, rows, [sum(c) for c in counts], _splits(tokens_per_expert, ep), group=group)
+    return received, counts
+
+
+def dispatch_all_gather(rows, tokens_per_expert, group):     # the allgather dispatcher: right rows, wrong wire
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    every_count = [torch.empty_like(tokens_per_expert) for _ in range(ep)]
+    dist.all_gather(every_count, tokens_per_expert, group=group)
+    every_rows = [torch.empty_like(rows) for _ in range(ep)]  # every rank holds T·k rows here
+    dist.all_gather(every_rows, rows, group=group)
+    L = tokens_per_expert.numel() // ep
+    mine, counts = [], []
+    for c, r in zip(every_count, every_rows):
+        start = int(c[:me * L].sum())
+        mine.append(r[start:start + int(c[me * L:(me + 1) * L].sum())])
+        counts.append(c[me * L:(me + 1) * L])
+    return torch.cat(mine), torch.stack(counts)
+
+
+def dispatch_everything(rows, tokens_per_expert, group):     # every rank sends all its rows to every rank
+    ep = dist.get_world_size(group)
+    received = rows.new_empty(ep * rows.shape[0], rows.shape[1])
+    dist.all_to_all_single(received, rows.repeat(ep, 1), group=group)
+    return received, torch.zeros(ep, tokens_per_expert.numel() // ep, dtype=torch.long)
+
+
+def dispatch_wrong_counts(rows, tokens_per_expert, group):   # right rows, counts not exchanged (my own sent)
+    received, _ = dispatch_right(rows, tokens_per_expert, group)
+    ep = dist.get_world_size(group)
+    return received, tokens_per_expert.view(ep, -1)
+
+
+DISPATCH_WRONG = [
+    (not_yet, "not attempted yet"),
+    (dispatch_all_gather, "allgather dispatcher"),
+    (dispatch_everything, "you received every row of every rank"),
+    (dispatch_wrong_counts, "counts[s][l] = rows that source rank s sent"),
+    (lambda rows, tpe, group: rows, "must return (received, counts)"),
+]
+
+
+@pytest.mark.parametrize("fn, hint", DISPATCH_WRONG)
+def test_dispatch_wrong_answers_get_their_hint(fn, hint, capsys):
+    assert lab08.check_dispatch(fn) is False
+    out = capsys.readouterr().out
+    assert hint in out, out
+
+
+@pytest.mark.parametrize("fn", [dispatch_right, dispatch_right_lists])
+def test_dispatch_right_answers_pass(fn, capsys):
+    assert lab08.check_dispatch(fn) is True
+    out = capsys.readouterr().out
+    assert "✓" in out and "192 row elements" in out, out
+
+
+# ------------------------------------------------------------------ (3) aux loss
+
+
+def _f_p(scores, indices, E):
+    T, k = indices.shape
+    return torch.bincount(indices.flatten(), minlength=E).to(scores.dtype) / (T * k), scores.mean(0)
+
+
+def aux_right(scores, indices, E, coeff):
+    f, p = _f_p(scores, indices, E)
+    return coeff * E * (f * p).sum()
+
+
+def aux_right_float32_loop(scores, indices, E, coeff):     # a loop, float32 counts: same value and gradient
+    T, k = indices.shape
+    total = 0
+    for i in range(E):
+        f_i = float((indices == i).sum()) / (T * k)
+        total = total + f_i * scores[:, i].mean()
+    return total * E * coeff
+
+
+AUX_WRONG = [
+    (not_yet, "not attempted yet"),
+    (lambda s, i, E, c: c * (lambda f, p: (f * p).sum())(*_f_p(s, i, E)), "forgot the factor E"),
+    (lambda s, i, E, c: c * E * (s.mean(0) ** 2).sum(), "mean probabilities P_i where the fractions f_i belong"),
+    (lambda s, i, E, c: c * E * (_f_p(s, i, E)[0] ** 2).sum(), "you used f_i twice"),
+    (lambda s, i, E, c: aux_right(s, i, E, c) * i.shape[1], "divides by T·k (all routing slots), not by T"),
+    (lambda s, i, E, c: aux_right(s, i, E, c) / c, "forgot to multiply by coeff"),
+    (lambda s, i, E, c: aux_right(s.detach(), i, E, c), "no gradient"),
+    (lambda s, i, E, c: aux_right(s, i, E, c).item(), "return a scalar tensor"),
+    (switch_load_balancing_loss, "the course's own"),
+]
+
+
+@pytest.mark.parametrize("fn, hint", AUX_WRONG)
+def test_aux_loss_wrong_answers_get_their_hint(fn, hint, capsys):
+    assert lab08.check_aux_loss(fn) is False
+    out = capsys.readouterr().out
+    assert hint in out, out
+
+
+@pytest.mark.parametrize("fn", [aux_right, aux_right_float32_loop])
+def test_aux_loss_right_answers_pass(fn, capsys):
+    assert lab08.check_aux_loss(fn) is True
+    assert "✓" in capsys.readouterr().out
