@@ -234,3 +234,21 @@ def test_aux_loss_wrong_answers_get_their_hint(fn, hint, capsys):
 def test_aux_loss_right_answers_pass(fn, capsys):
     assert lab08.check_aux_loss(fn) is True
     assert "✓" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the lab's pictures (course_lib.moe.plots)
+
+
+def test_rank_map_table_and_figures():
+    import matplotlib
+    matplotlib.use("Agg")
+    from course_lib.moe.plots import group_index_table, plot_tokens_per_expert, plot_two_grids, tokens_per_expert
+
+    grid = MoEGrid(8, tp=2, pp=2, ep=2, expert_tp=1)
+    table = dict(group_index_table(grid))
+    assert table["dense DP (with CP)"] == [0, 1, 0, 1, 2, 3, 2, 3]    # dense DP [0, 2], [1, 3], ...
+    assert table["EP (all-to-all)"] == [0, 0, 1, 1, 2, 2, 3, 3]       # EP [0, 1], [2, 3], ...
+    assert table["PP"] == [0, 1, 2, 3, 0, 1, 2, 3]
+    counts = tokens_per_expert([torch.tensor([[0, 1], [0, 3]]), torch.tensor([[2, 0]])], 4)
+    assert counts == [[2, 1, 0, 1], [1, 0, 1, 0]]
+    assert plot_two_grids(grid).axes and len(plot_tokens_per_expert({"a": counts, "b": counts}, ep=2).axes) == 2

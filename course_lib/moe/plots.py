@@ -1,0 +1,83 @@
+"""Pictures of an MoE run: the dense and expert grids on one rank map, tokens per expert per rank.
+
+Pure functions (matplotlib is imported when a figure is drawn): Lab 08 uses them.
+"""
+
+from __future__ import annotations
+
+__all__ = ["GRID_ROWS", "group_index_table", "plot_two_grids", "tokens_per_expert", "plot_tokens_per_expert"]
+
+# (label, which grid, token): the rows of the rank map, dense layers first.
+GRID_ROWS = (("dense TP", "dense", "tp"), ("dense DP (with CP)", "dense", "dp-cp"), ("PP", "dense", "pp"),
+             ("expert TP", "expert", "tp"), ("EP (all-to-all)", "expert", "ep"), ("expert DP", "expert", "dp"))
+
+
+def group_index_table(grid) -> list[tuple[str, list[int]]]:
+    """For each row of :data:`GRID_ROWS`: (label, [index of the group that holds rank r, r = 0..world-1])."""
+    table = []
+    for label, which, token in GRID_ROWS:
+        groups = grid.dense_groups(token) if which == "dense" else grid.expert_groups(token)
+        index = {rank: i for i, group in enumerate(groups) for rank in group}
+        table.append((label, [index[r] for r in range(grid.world_size)]))
+    return table
+
+
+def plot_two_grids(grid, ax=None):
+    """The rank map: one column per rank, one row per kind of group (dense above, expert below); ranks
+    of one group share a colour and the group's number. Returns the figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    table = group_index_table(grid)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.0 + 0.6 * grid.world_size, 0.5 * len(table) + 1.2))
+    values = np.array([row for _, row in table], dtype=float)
+    scaled = values / np.maximum(values.max(axis=1, keepdims=True), 1)
+    ax.imshow(scaled, cmap="tab20c", aspect="auto", vmin=0, vmax=1.25)
+    for i, (_, row) in enumerate(table):
+        for r, g in enumerate(row):
+            ax.text(r, i, str(g), ha="center", va="center", fontsize=9)
+    ax.axhline(2.5, color="black", linewidth=2)
+    ax.set_xticks(range(grid.world_size), [str(r) for r in range(grid.world_size)])
+    ax.set_yticks(range(len(table)), [label for label, _ in table])
+    ax.set_xlabel("global rank (cell: number of the rank's group)")
+    etp = f", expert TP {grid.expert_tp}" if grid.expert_tp != grid.tp else ""
+    ax.set_title(f"world {grid.world_size}: TP {grid.tp}, PP {grid.pp}, CP {grid.cp}, EP {grid.ep}{etp} -> "
+                 f"dense DP {grid.dp}, expert DP {grid.expert_dp}", fontsize=10)
+    return ax.figure
+
+
+def tokens_per_expert(indices_by_rank, num_experts: int) -> list[list[int]]:
+    """Routing slots per expert, one list per rank: ``indices_by_rank`` is a list of [T, k] expert ids."""
+    import torch
+
+    return [torch.bincount(torch.as_tensor(ix).flatten(), minlength=num_experts).tolist() for ix in indices_by_rank]
+
+
+def plot_tokens_per_expert(panels: dict, ep: int):
+    """One panel per entry of ``panels`` (title -> per-rank counts from :func:`tokens_per_expert`): stacked
+    bars of the slots each expert receives from each rank; the dashed line is a perfectly balanced load and
+    the shading marks the experts each EP rank holds. Returns the figure."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.2), sharey=True, squeeze=False)
+    for ax, (title, counts) in zip(axes[0], panels.items()):
+        counts = np.asarray(counts)
+        ranks, experts = counts.shape
+        bottom = np.zeros(experts)
+        for r in range(ranks):
+            ax.bar(range(experts), counts[r], bottom=bottom, label=f"from rank {r}")
+            bottom += counts[r]
+        ax.axhline(counts.sum() / experts, color="black", linestyle="--", linewidth=1)
+        per = experts // ep
+        for j in range(0, ep, 2):
+            ax.axvspan(j * per - 0.5, (j + 1) * per - 0.5, color="grey", alpha=0.12)
+        ax.set_title(f"{title}: busiest EP rank {max(counts.sum(0).reshape(ep, per).sum(1)) / (counts.sum() / ep):.2f}"
+                     f"× its fair share", fontsize=10)
+        ax.set_xlabel("expert (shaded: held by one EP rank)")
+        ax.set_xticks(range(experts))
+    axes[0][0].set_ylabel("routing slots")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
