@@ -8,6 +8,7 @@ command names to modules (imported lazily, so ``rankmap`` does not pay for
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -43,6 +44,9 @@ def main(argv=None) -> int:
     except ValueError as exc:  # configuration errors: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `... | head` closed our stdout: not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -57,13 +57,13 @@ def highlight_roles(grid: RankGrid, rank: int | None) -> dict[int, str]:
 
 def stage_layout(grid: RankGrid) -> list[list[list[int]]]:
     """``layout[stage][box]`` = the TP group (ranks in tp order) of each box in a
-    stage, boxes ordered by their (ep, cp, dp) coordinates (DP partners side by
+    stage, boxes ordered by their (cp, dp) coordinates (DP partners side by
     side) so that a box sits at the same position in every stage (PP partners line
     up vertically)."""
     stages: list[list[tuple[tuple[int, ...], list[int]]]] = [[] for _ in range(grid.pp)]
     for group in grid.groups("tp"):
         c = grid.coords(group[0])
-        key = (c.get("ep", 0), c["cp"], c["dp"])
+        key = (c["cp"], c["dp"])
         stages[c["pp"]].append((key, group))
     return [[g for _, g in sorted(s)] for s in stages]
 
@@ -74,7 +74,7 @@ def _box_label(grid: RankGrid, group: list[int]) -> str:
     if grid.cp > 1:
         parts.append(f"cp {c['cp']}")
     if grid.ep > 1:
-        parts.append(f"ep {c['ep']}")
+        parts.append(f"ep {grid.expert_coords(group[0])['ep']}")
     return "TP group" + (" · " + " ".join(parts) if parts else "")
 
 

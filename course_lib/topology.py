@@ -102,15 +102,18 @@ class RankGrid:
 
     Args:
         world_size: number of ranks (GPUs).
-        tp, pp, cp, ep: tensor-, pipeline-, context- and expert-parallel sizes.
-            ``dp = world_size // (tp*pp*cp*ep)`` is derived, never given.
+        tp, pp, cp: tensor-, pipeline- and context-parallel sizes.
+            ``dp = world_size // (tp*pp*cp)`` is derived, never given.
+        ep, expert_tp: expert-model-parallel and expert tensor-parallel sizes
+            (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``; default tp).
         order: axes joined by '-', **first varies fastest** (Megatron's default
             ``"tp-cp-ep-dp-pp"``: TP neighbours get consecutive ranks, i.e. the same
             NVLink box; pipeline stages are the slowest axis).
 
-    Megatron builds the non-expert groups from a grid with ``ep=1`` and the expert
-    groups from a second grid with ``cp=1``; like ``RankGenerator``, one grid may
-    not have both ``ep > 1`` and ``cp > 1``.
+    Like Megatron-core (MoE parallel folding, ``initialize_model_parallel``), the same
+    ranks are numbered twice: ``groups``/``coords`` are the **dense** grid (ep = 1, so DP
+    is world / (tp·pp·cp) whatever EP is) and ``expert_groups``/``expert_coords`` the
+    **expert** grid (expert_tp × ep × expert_dp × pp, cp = 1), see :mod:`course_lib.moe.grid`.
 
     >>> g = RankGrid(8, tp=2, pp=2)
     >>> g.groups("tp"), g.groups("pp"), g.groups("dp")
@@ -122,26 +125,39 @@ class RankGrid:
     """
 
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                 order: str = DEFAULT_ORDER):
+                 expert_tp: int | None = None, order: str = DEFAULT_ORDER):
         tp, pp, cp, ep = (rules.integer(AXIS_FLAG[n], v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
-        if ep > 1 and cp > 1:
-            raise ValueError(f"{AXIS_FLAG['ep']}={ep} and {AXIS_FLAG['cp']}={cp} cannot both be > 1 in one "
-                             "rank grid (Megatron's RankGenerator: CP lives in the dense grid, EP in the "
-                             "expert grid); build two grids, one with ep=1 and one with cp=1")
-        dp = rules.data_parallel_size(world_size, tp, pp, cp, ep)
+        # The dense grid has ep = 1 (Megatron-core since MoE parallel folding): EP never shrinks DP.
+        dp = rules.data_parallel_size(world_size, tp, pp, cp)
         self.world_size = int(world_size)
-        self.sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+        self.sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
         self.order = parse_order(order, self.sizes)
         self._shape = [self.sizes[a] for a in self.order]  # fastest first
         self._stride = [math.prod(self._shape[:i]) for i in range(len(self._shape))]
         self._cache: dict[tuple, np.ndarray] = {}
+        self._ep, self._expert_tp = ep, expert_tp
+        self._moe = None
+        if ep > 1 or expert_tp is not None:
+            self.moe  # validate the expert grid now (Megatron's rules), not at first use
+
+    @property
+    def moe(self):
+        """The dense + expert grids as :class:`course_lib.moe.grid.MoEGrid` (validated)."""
+        if self._moe is None:
+            from course_lib.moe.grid import MoEGrid  # moe.grid imports this module
+
+            self._moe = MoEGrid(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self._ep,
+                                expert_tp=self._expert_tp, order=self.order_str)
+        return self._moe
 
     # ---- sizes -------------------------------------------------------------
     tp = property(lambda self: self.sizes["tp"])
     pp = property(lambda self: self.sizes["pp"])
     cp = property(lambda self: self.sizes["cp"])
-    ep = property(lambda self: self.sizes["ep"])
-    dp = property(lambda self: self.sizes["dp"], doc="data-parallel size, derived: world / (tp*pp*cp*ep)")
+    dp = property(lambda self: self.sizes["dp"], doc="data-parallel size, derived: world / (tp*pp*cp), whatever ep is")
+    ep = property(lambda self: self._ep, doc="expert-model-parallel size (the expert grid's; the dense grid has ep = 1)")
+    expert_tp = property(lambda self: self.moe.expert_tp, doc="expert tensor-parallel size (default: tp)")
+    expert_dp = property(lambda self: self.moe.expert_dp, doc="expert data-parallel size: world / (expert_tp*ep*pp)")
 
     @property
     def order_str(self) -> str:
@@ -149,13 +165,14 @@ class RankGrid:
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Axes reported by ``coords`` (ep only when ep > 1), in grid order."""
-        return tuple(a for a in self.order if a != "ep" or self.ep > 1)
+        """Axes reported by ``coords`` (the dense grid's: tp, cp, dp, pp), in grid order."""
+        return tuple(a for a in self.order if a != "ep")
 
     def __repr__(self) -> str:
-        ep = f", ep={self.ep}" if self.ep > 1 else ""
-        return (f"RankGrid(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, cp={self.cp}{ep}, "
-                f"dp={self.dp}, order='{self.order_str}')")
+        expert = (f", ep={self.ep}, expert_tp={self.expert_tp}, expert_dp={self.expert_dp}"
+                  if self._moe is not None else "")
+        return (f"RankGrid(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, cp={self.cp}, "
+                f"dp={self.dp}{expert}, order='{self.order_str}')")
 
     # ---- coordinates ---------------------------------------------------------
     def _check_rank(self, rank) -> int:
@@ -164,7 +181,8 @@ class RankGrid:
         return int(rank)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank``: ``{'tp': .., 'cp': .., 'dp': .., 'pp': ..}`` (+ 'ep' if ep > 1)."""
+        """Coordinates of ``rank`` in the dense grid: ``{'tp': .., 'cp': .., 'dp': .., 'pp': ..}``
+        (its place in the expert grid: :meth:`expert_coords`)."""
         rank = self._check_rank(rank)
         idx = {a: (rank // d) % s for a, s, d in zip(self.order, self._shape, self._stride)}
         return {a: idx[a] for a in self.axes}
@@ -246,13 +264,28 @@ class RankGrid:
         """``{token: group containing rank}`` for the main groups (see ``main_tokens``)."""
         return {t: self.group_of(rank, t) for t in (tokens or self.main_tokens())}
 
+    # ---- the expert grid (MoE layers) ------------------------------------------
+    def expert_groups(self, token: str) -> list[list[int]]:
+        """Groups of the expert grid (Megatron's second ``RankGenerator``: expert_tp × ep ×
+        expert_dp × pp, cp = 1): ``"ep"`` (token all-to-all), ``"tp"`` (expert TP), ``"dp"``
+        (expert DP: expert-gradient reduction), ``"pp"``, ``"tp-ep"``, ``"tp-ep-pp"``."""
+        return self.moe.expert_groups(token)
+
+    def expert_group_of(self, rank: int, token: str) -> list[int]:
+        """The expert-grid ``token`` group that contains ``rank``."""
+        return self.moe.expert_group_of(self._check_rank(rank), token)
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` in the expert grid: ``{'tp', 'ep', 'dp', 'pp'}`` (each its
+        index inside that expert group)."""
+        rank = self._check_rank(rank)
+        return {a: self.moe.expert_group_of(rank, a).index(rank) for a in ("tp", "ep", "dp", "pp")}
+
     def main_tokens(self) -> list[str]:
-        """The groups worth showing for this grid: tp, cp, dp (dp-cp), pp, tp-pp, embedding."""
+        """The dense groups worth showing for this grid: tp, cp, dp (dp-cp), pp, tp-pp, embedding."""
         toks = ["tp"]
         if self.cp > 1:
             toks.append("cp")
-        if self.ep > 1:
-            toks.append("ep")
         toks.append("dp")
         if self.cp > 1:
             toks.append("dp-cp")
@@ -275,6 +308,13 @@ class RankGrid:
             if len(arr) > max_groups:
                 shown += f" ... ({len(arr) - max_groups} more)"
             lines.append(f"{t:<20} {arr.shape[1]:>4} {arr.shape[0]:>5}  {shown}")
+        if tokens is None and self.ep > 1:
+            for t in ("ep", "tp", "dp"):
+                groups = self.expert_groups(t)
+                shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:max_groups])
+                if len(groups) > max_groups:
+                    shown += f" ... ({len(groups) - max_groups} more)"
+                lines.append(f"{'expert ' + t:<20} {len(groups[0]):>4} {len(groups):>5}  {shown}")
         return "\n".join(lines)
 
     def coords_table(self) -> str:

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from course_lib.safe_files import check_output_file
-from course_lib.topology import DEFAULT_ORDER, ParallelConfig
+from course_lib.topology import DEFAULT_ORDER, ParallelConfig, RankGrid
 
 TABLE_MAX_RANKS = 1 << 20  # 1,048,576 ranks: ~100 MB for the group tables
 DRAW_MAX_RANKS = 1024      # a map of more ranks is unreadable (and takes minutes with matplotlib)
@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pipeline-model-parallel size (default 1)")
     parser.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                         help="context-parallel size (default 1); DP is derived: world / (tp*pp*cp)")
+    parser.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                        help="expert-model-parallel size (default 1): adds the expert grid (MoE layers); "
+                             "the dense DP is unchanged")
+    parser.add_argument("--expert-tp", "--expert-tensor-parallel-size", dest="expert_tp", type=int, default=None,
+                        help="expert tensor-parallel size (default: --tp)")
     parser.add_argument("--order", default=DEFAULT_ORDER,
                         help=f"rank order, first axis fastest (default {DEFAULT_ORDER}, Megatron's)")
     parser.add_argument("--num-layers", type=int, default=None, help="label each stage with its layer range")
@@ -85,6 +90,9 @@ def run(args: argparse.Namespace) -> int:
     config = ParallelConfig(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, num_layers=args.num_layers,
                             num_attention_heads=args.num_attention_heads, order=args.order)
     grid = config.grid
+    if args.ep > 1 or args.expert_tp is not None:  # the expert grid too (Megatron's MoE parallel folding)
+        grid = RankGrid(args.world_size, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                        expert_tp=args.expert_tp, order=args.order)
     if args.highlight is not None:
         grid.coords(args.highlight)  # validates the rank: one-line ValueError
     if out is None:
@@ -94,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"rank {args.highlight}: coords {grid.coords(args.highlight)}")
             for token, group in grid.groups_of(args.highlight).items():
                 print(f"  {token:<10} {group}")
+            if grid.ep > 1:
+                for token in ("ep", "tp", "dp"):
+                    print(f"  {'expert ' + token:<10} {grid.expert_group_of(args.highlight, token)}")
         if grid.world_size <= 128:
             print(grid.coords_table())
         else:

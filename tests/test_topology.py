@@ -189,7 +189,11 @@ def test_expert_grid_matches_oracle():
                     dp = world // (tp * ep * pp)
                     g = RankGrid(world, tp=tp, pp=pp, ep=ep)
                     for token in ("ep", "tp-ep", "tp-ep-pp", "dp", "pp"):
-                        assert g.groups(token) == oracle_get_ranks(tp, ep, dp, pp, 1, "tp-cp-ep-dp-pp", token)
+                        assert g.expert_groups(token) == oracle_get_ranks(tp, ep, dp, pp, 1, "tp-cp-ep-dp-pp",
+                                                                          token)
+                    # the dense grid ignores ep: its DP is world / (tp·pp), as Megatron's
+                    assert g.groups("dp") == RankGrid(world, tp=tp, pp=pp).groups("dp")
+                    assert g.dp == world // (tp * pp) and g.expert_dp == dp
 
 
 def test_groups_partition_the_world_and_token_order_is_irrelevant():
@@ -216,7 +220,8 @@ def test_coords_formula_and_roundtrip():
     alt = RankGrid(8, tp=2, pp=2, order="tp-pp-dp")
     assert alt.coords(5) == {"tp": 1, "pp": 0, "dp": 1, "cp": 0}
     ep = RankGrid(16, tp=2, ep=4)
-    assert ep.coords(7) == {"tp": 1, "cp": 0, "ep": 3, "dp": 0, "pp": 0}
+    assert ep.coords(7) == {"tp": 1, "cp": 0, "dp": 3, "pp": 0}          # dense: ep does not exist there
+    assert ep.expert_coords(7) == {"tp": 1, "ep": 3, "dp": 0, "pp": 0}   # expert grid: tp-ep-dp-pp
     for r in range(16):
         assert ep.rank_of(**ep.coords(r)) == r
 
@@ -243,7 +248,8 @@ def test_group_of_middle_stage_has_no_embedding_group():
      r"context-parallel-size=2 but 'cp' is missing from order='tp-dp-pp'; add it, e.g. order='tp-cp-dp-pp'"),
     (dict(world_size=8, order="tp-xp-dp"), r"unknown axis 'xp'"),
     (dict(world_size=8, order="tp-dp-tp-pp"), r"repeats axis 'tp'"),
-    (dict(world_size=8, tp=2, ep=2, cp=2), r"cannot both be > 1"),
+    (dict(world_size=8, tp=2, ep=8), r"world_size=8 is not divisible by expert-tensor-parallel-size=2 × "
+                                     r"expert-model-parallel-size=8"),
 ])
 def test_rank_grid_errors(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -338,3 +344,15 @@ def test_megatron_flags_have_no_derived_dp():
     assert "--data-parallel-size" not in flags and "--model-parallel-size" not in flags
     assert "--num-workers" not in flags
     assert ParallelConfig(8, tp=2, pp=2, cp=2).megatron_flags()[4:6] == ["--context-parallel-size", "2"]
+
+
+def test_rankmap_prints_the_expert_grid_beside_the_dense_one(capsys):
+    from course_lib.__main__ import main
+
+    assert main(["rankmap", "--world-size", "8", "--tp", "2", "--pp", "2", "--ep", "2", "--highlight", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "dp                      2     4  [0,2] [1,3] [4,6] [5,7]" in out   # dense DP: EP does not shrink it
+    assert "expert ep               2     4  [0,2] [1,3] [4,6] [5,7]" in out
+    assert "expert dp               1     8" in out and "  expert ep  [5, 7]" in out
+    assert main(["rankmap", "--world-size", "8", "--tp", "2", "--pp", "2", "--ep", "4"]) == 2
+    assert "expert-model-parallel-size=4" in capsys.readouterr().err

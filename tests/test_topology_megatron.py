@@ -26,6 +26,8 @@ LAYOUTS = [
     (1, 4, 1, 1, "tp-cp-ep-dp-pp"),  # config E
     (4, 1, 2, 1, "tp-cp-ep-dp-pp"),
     (1, 2, 1, 2, "tp-cp-ep-dp-pp"),  # MoE: expert-model-parallel 2
+    (2, 2, 1, 2, "tp-cp-ep-dp-pp"),  # MoE on the seed's grid: dense DP stays 2 (EP does not shrink it)
+    (2, 1, 2, 2, "tp-cp-ep-dp-pp"),  # CP and EP together: legal since MoE parallel folding
 ]
 
 
@@ -71,13 +73,14 @@ def test_rank_grid_equals_megatron_initialize_model_parallel():
     per_rank = launch(_megatron_groups, world_size=8, backend="gloo", timeout=120, output="none",
                       layouts=LAYOUTS)
     for i, (tp, pp, cp, ep, order) in enumerate(LAYOUTS):
-        dense = RankGrid(8, tp=tp, pp=pp, cp=cp, order=order)
-        expert = RankGrid(8, tp=tp, pp=pp, ep=ep, order=order)  # Megatron: cp folded into expert dp
+        grid = RankGrid(8, tp=tp, pp=pp, cp=cp, ep=ep, order=order)  # dense (ep folded away) + expert grid
         for rank in range(8):
             got = per_rank[rank][i]
             for token, theirs in got.items():
-                grid, tok = (expert, token.split(":")[1]) if token.startswith("expert:") else (dense, token)
-                assert grid.group_of(rank, tok) == theirs, (LAYOUTS[i], rank, token)
+                if token.startswith("expert:"):
+                    assert grid.expert_group_of(rank, token.split(":")[1]) == theirs, (LAYOUTS[i], rank, token)
+                else:
+                    assert grid.group_of(rank, token) == theirs, (LAYOUTS[i], rank, token)
     # the seed's groups, straight from Megatron
     first = [per_rank[r][0] for r in range(8)]
     assert sorted({tuple(g["tp"]) for g in first}) == [(0, 1), (2, 3), (4, 5), (6, 7)]
