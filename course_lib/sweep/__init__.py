@@ -90,7 +90,7 @@ def summarize(runs: Sequence[ConfigRun], *, total_s: Optional[float] = None, run
         raise ValueError("no config was run: give at least one (e.g. --configs A)")
     first = runs[0]
     return {"run_name": run_name, "world_size": first.world_size, "iters": first.iters, "launcher": first.launcher,
-            "model": model_of(first.argv), "total_s": None if total_s is None else round(total_s, 1),
+            "model": dict(first.model), "total_s": None if total_s is None else round(total_s, 1),
             "configs": [r.summary() for r in runs]}
 
 
@@ -128,7 +128,7 @@ def latest_summary(out, current: Optional[dict] = None) -> dict:
         sources.append(_source(run, name, rows))
     f = found[0]
     return {"run_name": "latest of each config", "world_size": f["world_size"], "iters": f["iters"],
-            "launcher": f["launcher"], "model": model_of(f["command"].split()), "total_s": None, "configs": found,
+            "launcher": f["launcher"], "model": model_of(f), "total_s": None, "configs": found,
             "sources": sources}
 
 
