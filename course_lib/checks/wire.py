@@ -5,8 +5,8 @@ course's wrappers. A checker must see *everything* a student's code sends,
 however it was called: ``dist.all_reduce``, ``torch.distributed.distributed_c10d
 .all_reduce``, a name bound before the checker ran (``from torch.distributed
 import all_reduce as ar``), object collectives (``all_gather_object`` pickles
-into an all-gather), ``gather`` + ``scatter``, functional collectives, DTensor.
-Replacing ``dist.*`` attributes catches none of those reliably.
+into an all-gather), ``gather`` + ``scatter``. Replacing ``dist.*`` attributes catches
+none of those reliably.
 
 So the checker replaces the *process group itself*. :func:`install_checked_world`
 (called on each rank by :func:`launch_checked`) destroys the launcher's default
@@ -14,7 +14,9 @@ group and creates a new one with the backend ``"course_checked"``: a Python
 ``ProcessGroup`` (:class:`CheckedProcessGroup`) that wraps a real gloo group.
 Every Python entry point of ``torch.distributed`` ends in a method of the
 group object (the C++ dispatcher calls ``ProcessGroup::allreduce`` etc., which
-a Python subclass overrides), so this is the one place nothing gets past:
+a Python subclass overrides), so this is the one place nothing gets past
+(functional collectives and DTensor, which dispatch to a C++ backend the checked
+group does not have, fail on it instead of getting past):
 
 * every op is recorded as a :class:`course_lib.comm.CommEvent` (``source=
   "process_group"``; ``kind`` = ``"world"`` or ``"ranks 0,2"``; ``peer`` the
