@@ -209,8 +209,7 @@ def test_plan_composes_the_formulas():
     assert p.comm["tp"] == 2 * sizing.tp_comm_per_layer(s, b, h, 2)["total"] * (L // 2) * 8
     assert p.comm["dp"] == 2 * sizing.dp_comm_per_iteration(stages[0], 2)["total"]
     assert p.model_flops == sizing.flops_per_iteration(64, s, L, h, v, "none")
-    if sizing.HAVE_BUBBLES:
-        assert p.bubble == sizing.bubble_fraction(2, 8)
+    assert p.bubble == sizing.bubble_fraction(2, 8)
 
 
 def test_plan_fit_verdicts_and_notes():

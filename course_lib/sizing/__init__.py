@@ -54,11 +54,6 @@ from course_lib.sizing.memory import (
 )
 from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan, validate_config
 
-try:  # shared with the pipeline lab; absent until course_lib/pipeline/bubbles.py exists
-    from course_lib.pipeline.bubbles import bubble_fraction, inflight_microbatches, pipeline_bubble_time
-except ImportError:  # pragma: no cover - depends on which modules are installed
-    HAVE_BUBBLES = False
-else:
-    HAVE_BUBBLES = True
+from course_lib.pipeline.bubbles import bubble_fraction, inflight_microbatches, pipeline_bubble_time
 
 __all__ = [name for name in dir() if not name.startswith("_")]
