@@ -16,6 +16,16 @@ def _todo(*args):
     raise NotImplementedError
 
 
+class Weird:
+    """An answer whose comparisons raise: a checker must still give a verdict."""
+
+    def __eq__(self, other):
+        raise RuntimeError("no comparing me")
+
+    __ne__ = __lt__ = __float__ = __eq__
+    __hash__ = None
+
+
 # ---------------------------------------------------------------- Exercise 1: Eq. 2
 
 def params_ok(l, h, v, s):
@@ -60,6 +70,7 @@ def params_tensor(l, h, v, s):
     (lambda l, h, v, s: float("nan"), False, "NaN"),
     (lambda l, h, v, s: str(params_ok(l, h, v, s)), False, "return a number, not its text"),
     (lambda l, h, v, s: np.array([params_ok(l, h, v, s)] * 2), False, "return one number"),
+    (lambda l, h, v, s: Weird(), False, "return a number"),
     (sizing.num_parameters, False, "the course's own"),
     (lambda l, h, v, s: sizing.num_parameters(l, h, v, s), False, "the course's own"),
 ])

@@ -81,6 +81,7 @@ def layout_course(world, tp, pp, cp, micro, gbs):
     (layout_no_dp, False, "m = global / (micro * DP)"),
     (lambda *a: (float("nan"), 2), False, "NaN"),
     (lambda *a: "2, 8", False, "return a pair (dp, num_microbatches)"),
+    (lambda *a: (Weird(), Weird()), False, "return two numbers"),
     (layout_never_raises, False, "Megatron refuses it: raise ValueError"),
     (layout_course, False, "the course's own course_lib.topology.ParallelConfig"),
     (_todo, False, "not attempted yet: write derive_layout"),
@@ -126,6 +127,18 @@ def smallest(configs, world, micro, gbs):
     return min(b, key=b.get)
 
 
+class Weird:
+    """An answer whose comparisons and hash raise: a checker must still give a verdict."""
+
+    def __eq__(self, other):
+        raise RuntimeError("no comparing me")
+
+    __ne__ = __lt__ = __eq__
+
+    def __hash__(self):
+        raise RuntimeError("no hashing me")
+
+
 def largest_dp_ignores_cp(configs, world, micro, gbs):
     b = {n: (pp - 1) / (gbs / (micro * (world // (tp * pp)))) for n, (tp, pp, cp) in configs.items()}
     return max(b, key=b.get)
@@ -149,6 +162,8 @@ def largest_fractions(configs, world, micro, gbs):
     (largest_dp_ignores_cp, False, "CP ranks are not data-parallel replicas"),
     (smallest, False, "that is the *smallest* bubble"),
     (lambda configs, *a: 0.375, False, "return the *name* of a config"),
+    (lambda configs, *a: Weird(), False, "return the *name* of a config"),
+    (lambda configs, *a: ["E"], False, "return the *name* of a config"),
     (_todo, False, "not attempted yet: write largest_bubble"),
 ])
 def test_check_largest_bubble(fn, ok, text, capsys):

@@ -435,6 +435,8 @@ CONCLUSIONS = {
     "rule": "your own rule for when to use TP, PP, DP and CP",
     "sweep": "the conclusions of your sweep (for the deliverable)",
 }
+LABELS = {"tiny_gpt": "My choice for the seed's tiny GPT", "gpt_13b": "My choice for the 13B GPT",
+          "rule": "My rule for TP, PP, DP and CP", "sweep": "What my sweep shows"}
 CHOICES = ("tiny_gpt", "gpt_13b")
 CITING = ("tiny_gpt", "gpt_13b", "sweep")
 _SETTINGS = {"name", "tp", "pp", "dp", "cp", "vp", "world_size", "iters", "micro_batches", "timeline", "command",
@@ -579,7 +581,7 @@ def with_your_conclusions(report: str, fn) -> str:
     run = run_student(fn)
     answers = run.value if run.error is None and isinstance(run.value, dict) else None
     if answers:
-        mine = [f"- **{CONCLUSIONS[k].split(' (')[0].capitalize()}:** {answers.get(k, '…')}" for k in CONCLUSIONS]
+        mine = [f"- **{LABELS[k]}:** {answers.get(k, '…')}" for k in CONCLUSIONS]
     else:
         mine = ["- (not written yet: write `my_conclusions` in §6 of the Lab 05 notebook)"]
     lines = report.splitlines()
