@@ -202,7 +202,7 @@ def test_ring_computes_only_scheduled_blocks_and_rejects_bad_input(monkeypatch):
         assert e["head_dim"].startswith("head dims differ")
         assert "use one dtype" in e["dtype"]
         assert "causal='yes' must be True or False" in e["causal"]
-        assert "seq_length=12 is not divisible by 2*cp=8" in e["shard"]
+        assert "seq_length=12 is not divisible by 2 × context-parallel-size=4 = 8" in e["shard"]
 
 
 def test_bfloat16_runs_and_is_close():
