@@ -1,8 +1,8 @@
 # Two commands on a fresh machine:
 #   make lab    set up (once), copy any lab you lack into my-labs/ (your work,
 #               git-ignored, never overwritten), then open JupyterLab there
-#   make test   set up (once), then run every test: unit tests, strict nbval over
-#               solutions/, lax nbval over labs/
+#   make test   set up (once), then run every test in one pytest session: unit tests,
+#               strict nbval over solutions/, lax nbval over labs/ (course_lib/nbval_labs.py)
 # Set-up is incremental: the venv is created once, torch is installed only when
 # missing, and the package is reinstalled only when pyproject.toml changes.
 
@@ -70,8 +70,7 @@ lab: setup
 
 test: setup browser
 	$(BIN)/python -m course_lib labs --check
-	$(PYTEST) tests solutions --nbval $(NBVAL_OPTS)
-	$(PYTEST) labs --nbval-lax --nbval-cell-timeout=300
+	$(PYTEST) -p course_lib.nbval_labs tests solutions labs --nbval $(NBVAL_OPTS)
 
 labs: setup
 	$(BIN)/python -m course_lib labs
