@@ -70,7 +70,7 @@ lab: setup
 
 test: setup browser
 	$(BIN)/python -m course_lib labs --check
-	$(PYTEST) -p course_lib.nbval_labs tests solutions labs --nbval $(NBVAL_OPTS)
+	$(PYTEST) -p course_lib.nbval_labs solutions labs tests --nbval $(NBVAL_OPTS)
 
 labs: setup
 	$(BIN)/python -m course_lib labs
