@@ -40,6 +40,30 @@ def call_student(fn, *args):
     return None, f"{type(exc).__name__}: {exc}"
 
 
+def checked_call(fn, *args, references=()):
+    """``(value, None)``, ``(None, "todo")`` for the stub, or ``(None, what went wrong)``: an exception,
+    a monkeypatch (undone), or the course's own code (``references``) running inside the call."""
+    from course_lib.checks.verdicts import run_student
+
+    run = run_student(fn, *args, references=references)
+    if run.todo:
+        return None, "todo"
+    problem = run.problem()
+    return (None, problem) if problem else (run.value, None)
+
+
+def is_course_answer(*fns) -> bool:
+    """Print the verdict for an answer that *is* the course's own implementation; True when one is."""
+    from course_lib.checks.verdicts import course_code_hint, course_function
+
+    for fn in fns:
+        name = course_function(fn)
+        if name:
+            print(f"✗ {course_code_hint(name)}")
+            return True
+    return False
+
+
 def not_attempted(name: str) -> bool:
     """Print the "not attempted yet" verdict for exercise ``name``; return False."""
     print(f"not attempted yet: write {name} above, then re-run this cell")

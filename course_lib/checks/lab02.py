@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.checks import not_attempted
-from course_lib.checks.verdicts import (as_real, course_code_hint, course_function, describe_ops, launch_checked,
+from course_lib.checks import is_course_answer, not_attempted
+from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, same_number, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
@@ -110,16 +110,6 @@ def _call_problem(result: dict) -> str | None:
     return None
 
 
-def _course_answer(*fns) -> bool:
-    """Print the verdict for an answer that *is* the course's own implementation; True when it is."""
-    for fn in fns:
-        name = course_function(fn)
-        if name:
-            print(f"✗ {course_code_hint(name)}")
-            return True
-    return False
-
-
 def _rank_failure(err: RankError, name: str, size_hint: str | None = None) -> bool:
     """Print the verdict for a rank that raised; ``not attempted`` for the stub. Returns False."""
     if err.exc_type == "NotImplementedError":
@@ -157,7 +147,7 @@ def diagnose_column(got, x, weight, rank, t) -> str | None:
 
 def check_column_parallel_forward(fn) -> bool:
     """``fn(x [s,b,in], weight [out,in], rank, world_size) -> [s, b, out/world_size]``; no communication."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     x, w = _data()
     for t in (2, 4):
@@ -252,7 +242,7 @@ def _row_hint(r: dict) -> str | None:
 
 def check_row_parallel_forward(fn) -> bool:
     """``fn(x_shard [s,b,in/t], weight [out,in], group) -> Y [s,b,out]`` on every rank, one all-reduce."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for t in (2, 4):
         try:
@@ -383,7 +373,7 @@ def _f_g_traffic(name: str, o: dict) -> str | None:
 
 def check_f_g(f_cls, g_cls) -> bool:
     """``f_cls.apply(x, group)``: identity / all-reduce; ``g_cls.apply(x, group)``: all-reduce / identity."""
-    if _course_answer(f_cls, g_cls):
+    if is_course_answer(f_cls, g_cls):
         return False
     try:
         res = launch_checked(_rank_f_g, world_size=2, f_cls=f_cls, g_cls=g_cls)
@@ -467,7 +457,7 @@ _SHAPE_HINTS = {
 
 def check_tp_mlp_from_dense(fn) -> bool:
     """``fn(dense: DenseMLP, tp_group) -> ParallelMLP`` holding this rank's slices of the dense weights."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     try:
         res = launch_checked(_rank_mlp_from_dense, world_size=2, fn=fn)
@@ -710,7 +700,7 @@ def _vocab_ce_hint(r: dict) -> str | None:
 def check_vocab_parallel_cross_entropy(fn) -> bool:
     """``fn(logits [s,b,V/t], target [s,b], group) -> loss [s,b]`` equal to ``F.cross_entropy`` on the
     full logits, moving only all-reduces of ``[s, b]`` numbers (one of them a MAX) over the group."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for t in (2, 4):
         try:

@@ -21,10 +21,10 @@ import torch
 
 import torch.distributed as dist
 
-from course_lib.checks import not_attempted
+from course_lib.checks import checked_call, is_course_answer, not_attempted
 from course_lib.checks.lab02 import student_on_rank
-from course_lib.checks.verdicts import (as_real, course_code_hint, course_function, describe_ops, launch_checked,
-                                        point_to_point_only, refused_collective, run_student, safe_repr)
+from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
+                                        point_to_point_only, refused_collective, safe_repr)
 from course_lib.context_parallel import zigzag
 from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention
 from course_lib.context_parallel.work import score_elements
@@ -37,25 +37,6 @@ _todo = not_attempted
 MERGE_REFS = (merge_partials,)
 CHUNK_REFS = (zigzag.chunks_for_rank,)
 RING_REFS = (ring_attention, RingAttention.forward)
-
-
-def _call(fn, *args, references=()):
-    """``(value, None)``, ``(None, "todo")`` for the stub, or ``(None, what went wrong)``: an exception,
-    a monkeypatch (undone), or the course's own code running inside the call."""
-    run = run_student(fn, *args, references=references)
-    if run.todo:
-        return None, "todo"
-    return (None, run.problem()) if run.problem() else (run.value, None)
-
-
-def _course_answer(fn) -> bool:
-    name = course_function(fn)
-    if name:
-        print(f"✗ {course_code_hint(name)}")
-    return bool(name)
-
-
-# ------------------------------------------------------------------ (a) merge
 
 
 def _merge_cases():
@@ -124,7 +105,7 @@ def check_merge(fn) -> bool:
     ``out_i`` [b, h, s, d] is softmax attention over key block i alone, ``lse_i`` [b, h, s]
     the log of its softmax denominator. The result must equal attention over both
     blocks at once (checked against one softmax over the concatenated keys)."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     worst = 0.0
     cases = _merge_cases()
@@ -135,7 +116,7 @@ def check_merge(fn) -> bool:
         scores = torch.matmul(q, torch.cat([k1, k2], 2).transpose(-1, -2)) * scale
         want_out = torch.matmul(torch.softmax(scores, -1), torch.cat([v1, v2], 2))
         want_lse = torch.logsumexp(scores, -1)
-        got, err = _call(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone(), references=MERGE_REFS)
+        got, err = checked_call(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone(), references=MERGE_REFS)
         if err == "todo":
             return _todo("merge")
         if err:
@@ -257,7 +238,7 @@ def _ring_traffic_hint(events, rank, cp, kv_numel) -> str | None:
 def check_ring_attention(fn, timeout: float = 15) -> bool:
     """``fn(q, k, v, group) -> out``: this rank's rows of (unmasked) attention over the whole sequence, each
     rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for cp in (2, 4):
         try:
@@ -334,13 +315,13 @@ _CHUNK_MISTAKES = [
 
 def check_chunks_for_rank(fn) -> bool:
     """``fn(rank, cp) -> (a, b)``: the two chunks (of 2·cp) rank ``rank`` holds in the load-balanced split."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     n_cases = 0
     for cp in range(1, 9):
         table = []
         for r in range(cp):
-            got, err = _call(fn, r, cp, references=CHUNK_REFS)
+            got, err = checked_call(fn, r, cp, references=CHUNK_REFS)
             if err == "todo":
                 return _todo("chunks_for_rank")
             if err:

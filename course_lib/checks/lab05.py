@@ -25,33 +25,16 @@ import re
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import not_attempted
-from course_lib.checks.verdicts import (as_real, course_code_hint, course_function, describe_ops, launch_checked,
+from course_lib.checks import checked_call, is_course_answer, not_attempted
+from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.megatron import SEED_SWEEP, parse_log
-from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.topology import ParallelConfig
 
 _todo = not_attempted
 LAYOUT_REFS = (ParallelConfig.__init__,)
 PARSE_REFS = (parse_log,)
-
-
-def _call(fn, *args, references=()):
-    """``(value, None)``, ``(None, "todo")`` for the stub, or ``(None, what went wrong)``: an exception,
-    a monkeypatch (undone), or the course's own code running inside the call."""
-    run = run_student(fn, *args, references=references)
-    if run.todo:
-        return None, "todo"
-    return (None, run.problem()) if run.problem() else (run.value, None)
-
-
-def _course_answer(fn) -> bool:
-    name = course_function(fn)
-    if name:
-        print(f"✗ {course_code_hint(name)}")
-    return bool(name)
 
 
 def _whole(value) -> int | None:
@@ -77,10 +60,10 @@ def _want(world, tp, pp, cp, micro, gbs):
 def check_layout(fn) -> bool:
     """``fn(world_size, tp, pp, cp, micro_batch_size, global_batch_size) -> (dp, num_microbatches)``;
     raises ValueError when the layout is impossible."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for case in LAYOUTS:
-        got, err = _call(fn, *case, references=LAYOUT_REFS)
+        got, err = checked_call(fn, *case, references=LAYOUT_REFS)
         if err == "todo":
             return _todo("derive_layout")
         world, tp, pp, cp, micro, gbs = case
@@ -120,7 +103,7 @@ def check_layout(fn) -> bool:
                 print("  hint: micro-batches per step m = global / (micro * DP)")
         return False
     for world, tp, pp, cp, micro, gbs, rule in BAD_LAYOUTS:
-        got, err = _call(fn, world, tp, pp, cp, micro, gbs, references=LAYOUT_REFS)
+        got, err = checked_call(fn, world, tp, pp, cp, micro, gbs, references=LAYOUT_REFS)
         if err == "todo":
             return _todo("derive_layout")
         if err and err.startswith("raised ValueError"):
@@ -176,11 +159,11 @@ BUBBLE_MISTAKES = [
 def check_largest_bubble(fn) -> bool:
     """``fn(configs: {name: (tp, pp, cp)}, world_size, micro_batch_size, global_batch_size) -> name``
     of the config with the largest 1F1B bubble (p-1)/m."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     answers, first_wrong = [], None
     for i, (configs, world, micro, gbs) in enumerate(BUBBLE_CASES):
-        got, err = _call(fn, dict(configs), world, micro, gbs)
+        got, err = checked_call(fn, dict(configs), world, micro, gbs)
         if err == "todo":
             return _todo("largest_bubble")
         shown = ", ".join(f"{n}: TP{t} PP{p} CP{c}" for n, (t, p, c) in configs.items())
@@ -253,10 +236,10 @@ def _parsed_ok(got, want) -> bool:
 
 def check_parse_line(fn) -> bool:
     """``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}``."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for era, line in ITERATION_LINES.items():
-        got, err = _call(fn, line, references=PARSE_REFS)
+        got, err = checked_call(fn, line, references=PARSE_REFS)
         if err == "todo":
             return _todo("parse_iteration_line")
         ref = parse_log(line).iterations[0]
@@ -395,7 +378,7 @@ def _tensor_close(a, b) -> bool:
 def check_distributed_optimizer_step(fn, timeout: float = 20) -> bool:
     """``fn(params [N], grad [N], dp_group, make_optimizer) -> (new_params [N], optimizer)``: one step of
     Megatron's distributed optimizer (ZeRO-1 over DP), against single-process SGD with momentum and Adam."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     # Building the first torch.optim optimizer imports torch._dynamo (~2.5 s): once here, not in every rank.
     _one_step(OPTIMIZERS["Adam"][0], torch.zeros(2), torch.zeros(2))

@@ -14,8 +14,8 @@ raises; a monkeypatch is undone; an answer that is the course's own function is 
 from __future__ import annotations
 
 from course_lib import sizing
-from course_lib.checks import not_attempted
-from course_lib.checks.verdicts import course_code_hint, course_function, run_student, same_number
+from course_lib.checks import checked_call, is_course_answer, not_attempted
+from course_lib.checks.verdicts import same_number
 
 __all__ = ["check_gpt_parameters", "check_model_state_bytes"]
 
@@ -24,23 +24,6 @@ TABLE1_SHAPES = [(24, 2304), (30, 3072), (36, 4096), (40, 6144), (48, 8192), (60
                  (96, 16384), (105, 20480), (128, 25600)]
 PARAMETER_CASES = [(2, 8, 100, 16), (3, 16, 50, 20)] + [(l, h, 51200, 2048) for l, h in TABLE1_SHAPES]
 REL = 1e-9
-
-
-def _call(fn, *args, references=()):
-    run = run_student(fn, *args, references=references)
-    if run.todo:
-        return None, "todo"
-    return (None, run.problem()) if run.problem() else (run.value, None)
-
-
-def _course_answer(fn) -> bool:
-    name = course_function(fn)
-    if name:
-        print(f"✗ {course_code_hint(name)}")
-    return bool(name)
-
-
-# ------------------------------------------------------------------ Exercise 1: Eq. 2
 
 
 def _parameter_terms(layers, h, vocab, seq) -> list:
@@ -79,11 +62,11 @@ def _parameter_hint(value: float, layers, h, vocab, seq) -> str:
 def check_gpt_parameters(fn) -> bool:
     """``fn(num_layers, hidden_size, vocab_size, seq_length) -> parameters``: Narayanan et al. 2021's Eq. 2,
     ``12lh² + 13lh + (V + s)h`` -- checked on Table 1's ten models and on small shapes."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for layers, h, vocab, seq in PARAMETER_CASES:
         args = f"gpt_parameters({layers}, {h}, {vocab}, {seq})"
-        got, err = _call(fn, layers, h, vocab, seq, references=(sizing.num_parameters,
+        got, err = checked_call(fn, layers, h, vocab, seq, references=(sizing.num_parameters,
                                                                   sizing.parameter_breakdown))
         if err == "todo":
             return not_attempted("gpt_parameters")
@@ -155,11 +138,11 @@ def check_model_state_bytes(fn) -> bool:
     """``fn(params_on_gpu, tp, dp, cp, distributed_optimizer) -> bytes`` of weights, gradients and optimizer
     state on one GPU for Megatron's bf16 training with Adam (18 bytes per parameter, 6 + 12/(dp·cp) with
     ``--use-distributed-optimizer``)."""
-    if _course_answer(fn):
+    if is_course_answer(fn):
         return False
     for params, tp, dp, cp, distributed in STATE_CASES:
         args = f"model_state_bytes_per_gpu({params:,}, tp={tp}, dp={dp}, cp={cp}, distributed_optimizer={distributed})"
-        got, err = _call(fn, params, tp, dp, cp, distributed,
+        got, err = checked_call(fn, params, tp, dp, cp, distributed,
                          references=(sizing.megatron_optimizer_bytes_per_param, sizing.model_state_bytes))
         if err == "todo":
             return not_attempted("model_state_bytes_per_gpu")
