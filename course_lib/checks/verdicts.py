@@ -231,8 +231,22 @@ class StudentRun:
         return None
 
 
+_OWNERS_CACHE: dict = {}
+
+
 def _guarded_owners():
-    """The modules and classes whose functions a checker relies on: (name, object) pairs."""
+    """The modules and classes whose functions a checker relies on: (name, object) pairs.
+
+    Cached while ``sys.modules`` keeps its size: scanning its thousands of entries (torch,
+    megatron-core) on every student call made a checker that calls the student's function a
+    hundred times take seconds."""
+    key = len(sys.modules)
+    if _OWNERS_CACHE.get("key") != key:
+        _OWNERS_CACHE.update(key=key, owners=_scan_owners())
+    return _OWNERS_CACHE["owners"]
+
+
+def _scan_owners():
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
