@@ -233,9 +233,10 @@ PAGE_FACTS = """(() => {
     text: main.innerText,
     fontStack: getComputedStyle(main).fontFamily,
   };
-  main.appendChild(Object.assign(document.createElement('span'),
-                                 {id: 'cjk-probe', textContent: '张量并行流水线并行'}));
-  return facts;
+  const probe = main.appendChild(Object.assign(document.createElement('span'),
+                                               {id: 'cjk-probe', textContent: '张量并行流水线并行'}));
+  probe.getBoundingClientRect();  // lay it out now, then let a frame be drawn, so its fonts are known
+  return document.fonts.ready.then(() => new Promise(done => requestAnimationFrame(() => done(facts))));
 })()"""
 
 
