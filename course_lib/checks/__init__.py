@@ -64,6 +64,12 @@ def is_course_answer(*fns) -> bool:
     return False
 
 
+def raised_line(err) -> str:
+    """The last non-empty line of a rank's traceback (``err``: a ``RankError``), else its exception name."""
+    lines = [line for line in err.traceback.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else err.exc_type
+
+
 def not_attempted(name: str) -> bool:
     """Print the "not attempted yet" verdict for exercise ``name``; return False."""
     print(f"not attempted yet: write {name} above, then re-run this cell")

@@ -21,7 +21,7 @@ import torch
 
 import torch.distributed as dist
 
-from course_lib.checks import checked_call, is_course_answer, not_attempted
+from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
 from course_lib.checks.lab02 import student_on_rank
 from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         point_to_point_only, refused_collective, safe_repr)
@@ -253,8 +253,7 @@ def check_ring_attention(fn, timeout: float = 15) -> bool:
                 print(f"✗ with {cp} ranks: {refused}\n  hint: send your K and V to rank r+1 and receive the next "
                       f"block from rank r−1 (dist.batch_isend_irecv), cp − 1 times")
                 return False
-            last = [line for line in err.traceback.strip().splitlines() if line.strip()]
-            print(f"✗ with {cp} ranks, rank {err.rank} raised {last[-1] if last else err.exc_type}")
+            print(f"✗ with {cp} ranks, rank {err.rank} raised {raised_line(err)}")
             return False
         except LaunchTimeout:
             print(f"✗ with {cp} ranks the ranks waited for each other (a deadlock)\n  hint: if every rank first "

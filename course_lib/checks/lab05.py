@@ -25,7 +25,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import checked_call, is_course_answer, not_attempted
+from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
 from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
@@ -388,8 +388,7 @@ def check_distributed_optimizer_step(fn, timeout: float = 20) -> bool:
         except RankError as err:
             if err.exc_type == "NotImplementedError":
                 return _todo("distributed_optimizer_step")
-            lines = [line for line in err.traceback.strip().splitlines() if line.strip()]
-            print(f"✗ with {d} DP ranks, rank {err.rank} raised {lines[-1] if lines else err.exc_type}")
+            print(f"✗ with {d} DP ranks, rank {err.rank} raised {raised_line(err)}")
             if "shape" in err.traceback or "size" in err.traceback:
                 print("  hint: the reduce-scatter's output holds N/d elements (grad.numel() // d); the all-gather's "
                       "output all N")

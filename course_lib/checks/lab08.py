@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import not_attempted
-from course_lib.checks.verdicts import (course_code_hint, course_function, describe_ops, launch_checked,
+from course_lib.checks import is_course_answer, not_attempted, raised_line
+from course_lib.checks.verdicts import (course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.moe.grid import MoEGrid, rank_groups
@@ -123,9 +123,7 @@ def check_expert_groups_of(fn) -> bool:
     """``fn(rank, layout) -> {"ep": [...], "expert_dp": [...]}``: the expert-parallel and expert-data-parallel
     groups of ``rank`` (ascending global ranks) for ``layout = {"world_size", "tp", "pp", "cp", "ep",
     "expert_tp"}`` in Megatron's default order, checked on every rank of :data:`EXPERT_LAYOUTS`."""
-    name = course_function(fn)
-    if name:
-        print(f"✗ {course_code_hint(name)}")
+    if is_course_answer(fn):
         return False
     checked = 0
     for layout in EXPERT_LAYOUTS:
@@ -303,17 +301,14 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
     ``group``: the EP group, whose rank j holds experts ``j·L .. j·L+L-1`` (L = E / ep). Returns the rows
     for my experts, grouped by source rank (group order), and ``counts`` [ep, L] (rows from source s for my
     local expert l). Run on 4 ranks for EP2 and EP4; checked by result and by traffic."""
-    name = course_function(fn)
-    if name:
-        print(f"✗ {course_code_hint(name)}")
+    if is_course_answer(fn):
         return False
     try:
         ranks = launch_checked(_dispatch_rank, world_size=DISPATCH_WORLD, timeout=timeout, fn=fn)
     except RankError as err:
         if err.exc_type == "NotImplementedError":
             return not_attempted("dispatch")
-        last = [line for line in err.traceback.strip().splitlines() if line.strip()]
-        print(f"✗ rank {err.rank} raised {last[-1] if last else err.exc_type}")
+        print(f"✗ rank {err.rank} raised {raised_line(err)}")
         if "split" in err.traceback.lower():
             print("  hint: input_split_sizes are the rows you send to each group rank (sum = T·k), "
                   "output_split_sizes the rows you receive from each (learn them from the counts exchange)")
@@ -387,9 +382,7 @@ def _aux_hint(value, scores, indices, experts, coeff) -> str:
 def check_aux_loss(fn) -> bool:
     """``fn(scores, indices, num_experts, coeff) -> loss``: the Switch load-balancing loss (value and gradient
     with respect to ``scores``), checked against :func:`course_lib.moe.router.switch_load_balancing_loss`."""
-    name = course_function(fn)
-    if name:
-        print(f"✗ {course_code_hint(name)}")
+    if is_course_answer(fn):
         return False
     cases = _aux_cases()
     for scores, indices, experts, coeff in cases:
