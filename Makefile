@@ -21,7 +21,7 @@ WORKSPACE ?= my-labs
 # The course as a static website (course_lib/site/).
 SITE ?= build/site
 
-.PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site clean help
+.PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site gpu-check clean help
 
 help:
 	@echo "make lab        set up, copy new labs into $(WORKSPACE)/ (never over your work), open JupyterLab there"
@@ -31,6 +31,7 @@ help:
 	@echo "make figures    regenerate figures/"
 	@echo "make benchmarks print the speed figures"
 	@echo "make sweep      run the Day 22 configs A-F on 8 ranks (~3 min), refresh figures/day22_*"
+	@echo "make gpu-check  on a machine with an NVIDIA GPU: the CUDA/NCCL tests and a measured-vs-projected step (course_lib/gpu_check.py)"
 	@echo "make site       build the course as a website in $(SITE)/ (open $(SITE)/index.html; works offline)"
 
 $(BIN)/python:
@@ -87,6 +88,9 @@ sweep: setup
 
 site: setup
 	$(BIN)/python -m course_lib site --out $(SITE) $(SITE_ARGS)
+
+gpu-check: setup
+	$(BIN)/python -m course_lib.gpu_check $(GPU_CHECK_ARGS)
 
 benchmarks: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -23,6 +23,10 @@ COMMANDS = {
     "train": ("course_lib.train", "train the tiny GPT under a TP/PP/CP/DP layout with Megatron's flags (checks, then runs torchrun)"),
     "sweep": ("course_lib.sweep", "train the tiny GPT under the Day 22 configs A-F on 8 ranks: logs, record table, communication, bubble, plots"),
     "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
+    "project": ("course_lib.sizing.projection",
+                "project a layout's step time, tokens/s, MFU and communication on a named GPU cluster (A100, H100, H200)"),
+    "ds-config": ("course_lib.megatron.ds_config",
+                  "read a DeepSpeed ds_config.json and print the equivalent Megatron-LM and course flags"),
     "site": ("course_lib.site", "build the course as a static website (index + one page per lab, works offline)"),
 }
 
