@@ -1,0 +1,55 @@
+"""State sharding on real ranks: Megatron's DDP, distributed optimizer and Megatron-FSDP (ZeRO-1/2/3).
+
+Named like Megatron-LM's ``megatron/core/distributed/`` (``param_and_grad_buffer.py``,
+``distributed_data_parallel.py``, ``fsdp/``) and ``megatron/core/optimizer/distrib_optimizer.py``;
+the behaviour follows those files, the code is the course's own. Works on any ``torch.nn.Module``
+(the course GPT, a tensor-parallel MLP, a small MLP in a test) with an explicit data-parallel
+process group (Megatron's ``dp x cp`` group, :attr:`course_lib.process_groups.ProcessGroups.dp_cp`);
+gloo on CPU, and the same code on NCCL/CUDA (tensors stay on the params' device; offload uses
+pinned host memory when CUDA is present).
+
+API (what Lab 07 calls)
+-----------------------
+::
+
+    from course_lib.distributed import wrap
+
+    ddp = wrap(model, dp_group,                       # a ProcessGroups works too (its .dp_cp is used)
+               strategy="optim",                      # Megatron-FSDP's --data-parallel-sharding-strategy:
+                                                      #   "no_shard" (DDP), "optim" (ZeRO-1 = --use-distributed-optimizer),
+                                                      #   "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3)
+               bucket_size=40_000,                    # --ddp-bucket-size, elements per bucket (None: one bucket)
+               overlap_grad_reduce=True,              # --overlap-grad-reduce: a bucket's collective starts in backward
+               overlap_param_gather=True,             # --overlap-param-gather: next step's all-gather waited for in forward
+               cpu_offload=False,                     # --optimizer-cpu-offload: Adam state + update on the host
+               grad_reduce_in_fp32=True,              # --accumulate-allreduce-grads-in-fp32 (16-bit params only)
+               optimizer="adam", weight_decay=0.01,   # course_lib.optimizer.Optimizer's elementwise AdamW/SGD
+               loss_scaler=None)                      # optional, see "Loss scaler protocol" below
+
+    for it in range(steps):
+        ddp.zero_grad()
+        loss = loss_fn(ddp(x_my_slice), y_my_slice)   # ddp(...) == model(...); the local mean loss
+        loss.backward()                                # (x loss_scaler.scale when a scaler is given: ddp.scale_loss)
+        result = ddp.step(lr)                          # finish grad sync, shard update, param all-gather
+                                                       # -> {"skipped": bool, "found_inf": bool}
+    ddp.bytes_per_rank()   # {"params", "grads", "optimizer", ...} bytes measured from the tensors held
+    ddp.timeline           # [{"rank", "name", "kind", "start", "end"}] seconds since the step's start
+    ddp.comm               # a course_lib.comm.CommRecorder holding every collective this wrapper issued
+
+Gradient averaging follows Megatron: each rank's local mean loss, grads scaled by 1/d and summed over
+the d ranks of the group (= the gradient of the global batch's mean loss, what one process computes).
+
+Loss scaler protocol (``course_lib.mixed_precision`` implements it; any object with these works)
+----------------------------------------------------------------------------------------------
+* ``scale`` -- float, the factor the loss was multiplied by before ``backward``;
+* ``unscale_and_check(grads) -> found_inf`` -- ``grads``: list of this rank's fp32 main-grad
+  tensors (its shard); divides them by ``scale`` in place, returns True if any is inf/NaN;
+* ``update(found_inf)`` -- grows/backs off the scale (Megatron's ``DynamicGradScaler``).
+``found_inf`` is OR-ed over the data-parallel group (each rank sees only its shard) before
+``update``; a step with ``found_inf`` is skipped (params untouched), as Megatron counts
+"skipped iterations".
+"""
+
+from course_lib.distributed.engine import STRATEGIES, ShardedDataParallel, wrap  # noqa: F401
+
+__all__ = ["wrap", "ShardedDataParallel", "STRATEGIES"]
