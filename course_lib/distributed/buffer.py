@@ -1,0 +1,111 @@
+"""The contiguous grad (and param) buffer, split into buckets -- the layout only, no communication.
+
+Megatron-LM's ``megatron/core/distributed/param_and_grad_buffer.py`` (``_ParamAndGradBuffer``):
+parameters are laid out in **reverse** order of ``model.parameters()`` (roughly the order backward
+produces their grads), packed into one flat buffer per dtype, and cut into buckets of at least
+``bucket_size`` elements (``--ddp-bucket-size``) without splitting a parameter; with the distributed
+optimizer each bucket is padded so that the data-parallel size ``d`` divides it, and rank ``r`` of the
+group owns elements ``[r*n/d, (r+1)*n/d)`` of every bucket (``n`` = padded bucket size). A parameter
+may straddle two ranks' shards: each rank updates only its piece (``distrib_optimizer.py``'s
+``_build_model_gbuf_param_range_map``). Megatron pads buckets to a multiple of ``lcm(d, 128)`` for
+alignment; the course pads to a multiple of ``d`` only, so that a model whose buckets ``d`` divides has
+no padding and the measured bytes equal the formulas of :mod:`course_lib.sizing.memory` exactly.
+
+Megatron-FSDP (``megatron/core/distributed/fsdp/``) buckets by *FSDP unit* (a module whose parameters
+are gathered together) instead: :func:`unit_buckets`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ParamRange:
+    """One parameter's place in its bucket: elements ``[start, end)`` of the flat bucket."""
+
+    name: str
+    param: torch.nn.Parameter
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Bucket:
+    """A bucket's layout: ``params`` (in buffer order), ``numel`` (padded to a multiple of ``dp``)
+    and ``shard_numel = numel / dp`` (elements each data-parallel rank owns)."""
+
+    index: int
+    params: list  # [ParamRange]
+    numel: int
+    dp: int
+    data_numel: int = 0  # elements that belong to parameters (numel - padding)
+    module: object = None  # the FSDP unit of a unit bucket (None for size buckets)
+    state: dict = field(default_factory=dict)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.dp
+
+    @property
+    def padding(self) -> int:
+        return self.numel - self.data_numel
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """Elements ``[lo, hi)`` of the bucket that data-parallel rank ``rank`` owns."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def pieces(self, rank: int) -> list[tuple[ParamRange, int, int]]:
+        """``(param range, lo, hi)`` for each parameter overlapping ``rank``'s shard, ``[lo, hi)`` in
+        bucket coordinates (clipped to the shard): what that rank's optimizer updates."""
+        s_lo, s_hi = self.shard_range(rank)
+        out = []
+        for pr in self.params:
+            lo, hi = max(pr.start, s_lo), min(pr.end, s_hi)
+            if lo < hi:
+                out.append((pr, lo, hi))
+        return out
+
+
+def _pad(n: int, dp: int) -> int:
+    return -(-n // dp) * dp
+
+
+def _bucket(index: int, named: list, dp: int, module=None) -> Bucket:
+    ranges, offset = [], 0
+    for name, p in named:
+        ranges.append(ParamRange(name, p, offset, offset + p.numel()))
+        offset += p.numel()
+    return Bucket(index, ranges, _pad(offset, dp), dp, offset, module)
+
+
+def size_buckets(named_params: list, bucket_size, dp: int) -> list[Bucket]:
+    """Buckets of ``>= bucket_size`` elements over ``named_params`` taken in reverse order
+    (Megatron's layout); ``bucket_size=None`` gives one bucket. ``named_params``: ``[(name, param)]``."""
+    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
+                                    or bucket_size < 1):
+        raise ValueError(f"bucket_size={bucket_size!r} (--ddp-bucket-size) must be a positive number of "
+                         f"elements or None for one bucket")
+    buckets, current, count = [], [], 0
+    for name, p in reversed(named_params):
+        current.append((name, p))
+        count += p.numel()
+        if bucket_size is not None and count >= bucket_size:
+            buckets.append(_bucket(len(buckets), current, dp))
+            current, count = [], 0
+    if current:
+        buckets.append(_bucket(len(buckets), current, dp))
+    return buckets
+
+
+def unit_buckets(units: list, dp: int) -> list[Bucket]:
+    """One bucket per FSDP unit (``[(module, [(name, param)])]``), in reverse order of ``units``
+    (the order backward reaches them), each unit's parameters in reverse order."""
+    return [_bucket(i, list(reversed(named)), dp, module)
+            for i, (module, named) in enumerate(reversed(units))]

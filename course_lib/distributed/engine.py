@@ -1,0 +1,563 @@
+"""One wrapper for Megatron's DDP, distributed optimizer and Megatron-FSDP's ZeRO-2/3 (see the package doc).
+
+What each strategy keeps on a rank (``P`` parameters, ``d`` data-parallel ranks; Megatron-FSDP's
+``--data-parallel-sharding-strategy``, ZeRO's stages, Rajbhandari et al. 2020 §5):
+
+======================  ========  ===================  ======================  ================================
+strategy                ZeRO      params (model dtype)  grads (grad dtype)      optimizer (fp32 main, Adam m, v)
+======================  ========  ===================  ======================  ================================
+``no_shard``            0 (DDP)   P                     P                       P
+``optim``               1         P                     P (only 1/d reduced)    P/d  (``--use-distributed-optimizer``)
+``optim_grads``         2         P                     P/d                     P/d
+``optim_grads_params``  3         P/d (+ one unit)      P/d                     P/d
+======================  ========  ===================  ======================  ================================
+
+Communication per step over the group (Megatron's ``param_and_grad_buffer.py``, ZeRO §7.2):
+``no_shard``: one all-reduce of the grad buffer; ``optim`` / ``optim_grads``: reduce-scatter of the
+grad buffer, all-gather of the updated param shards (the same volume); ``optim_grads_params``:
+all-gather of each unit's params before its forward *and* before its backward, reduce-scatter of
+its grads -- 1.5x an all-reduce (ZeRO §7.2.2).
+
+Mixed precision (Megatron's ``Float16OptimizerWithFloat16Params``, ``megatron/core/optimizer/
+optimizer.py``): 16-bit model params, fp32 main params in the optimizer, main grads accumulated and
+reduced in fp32 (``grad_reduce_in_fp32``, Megatron's ``--accumulate-allreduce-grads-in-fp32``) or in
+the model dtype with an fp32 main-grad copy per shard. With fp32 params the main params *are* the
+model params (Megatron keeps no copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from course_lib.comm import CommRecorder, _all_gather_tensor, _reduce_scatter_tensor, record_event
+from course_lib.distributed.buffer import size_buckets, unit_buckets
+from course_lib.distributed.offload import HostPool
+from course_lib.optimizer import Optimizer, _no_weight_decay
+
+__all__ = ["STRATEGIES", "ShardedDataParallel", "wrap"]
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's ``--data-parallel-sharding-strategy`` values (ZeRO stage = index)."""
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SOURCE = "course_lib.distributed"
+
+
+def _dp_group(groups):
+    """The data-parallel (x CP) group: a :class:`~course_lib.process_groups.ProcessGroups`' ``dp_cp``,
+    or the group itself."""
+    group = getattr(groups, "dp_cp", groups)
+    if group is None:
+        raise ValueError("the data-parallel group is None: pass the dp_cp group (or a ProcessGroups) explicitly")
+    return group
+
+
+def _first_tensor(out):
+    """The first tensor of a module's output that requires grad (tensor, tuple/list or dict), else None."""
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def find_units(module: torch.nn.Module, named: list, unit_modules=None) -> list:
+    """FSDP units ``[(name, module, [(param name, param)])]`` in module order.
+
+    ``unit_modules`` (Megatron-FSDP's ``fsdp_unit_modules``): classes; each module of one of those
+    classes is a unit holding every parameter below it. ``None``: every module that owns parameters
+    directly is a unit (a ``Linear``, a ``LayerNorm``). Parameters left over go to the root."""
+    wanted = {id(p) for _, p in named}
+    claimed: set = set()
+    units = []
+    for mname, m in module.named_modules():
+        if unit_modules is not None:
+            if m is module or not isinstance(m, tuple(unit_modules)):
+                continue
+            params = [(f"{mname}.{n}", p) for n, p in m.named_parameters()]
+        else:
+            params = [(f"{mname}.{n}" if mname else n, p) for n, p in m.named_parameters(recurse=False)]
+        params = [(n, p) for n, p in params if id(p) in wanted and id(p) not in claimed]
+        if params:
+            claimed.update(id(p) for _, p in params)
+            units.append((mname, m, params))
+    rest = [(n, p) for n, p in named if id(p) not in claimed]
+    if rest:
+        units.insert(0, ("", module, rest))
+    return units
+
+
+class ShardedDataParallel:
+    """``module`` trained data-parallel over ``dp_group`` with one of :data:`STRATEGIES`.
+
+    Call it like the module; then ``backward``; then :meth:`step`. See the package docstring for
+    every argument; ``fsdp_unit_modules``: classes whose instances are ZeRO-3 units (see
+    :func:`find_units`). Tensors: every bucket ``b`` holds a flat ``[b.numel]`` param buffer in the
+    model dtype (``[b.numel / d]`` under ZeRO-3) and a flat grad buffer ``[b.numel]`` in the grad
+    dtype (``[b.numel / d]`` under ZeRO-2/3); the optimizer holds fp32 ``[b.numel / d]`` slices
+    (``[b.numel]`` for ``no_shard``). Model parameters become views of the param buffer (Megatron's
+    ``param.data = buffer view``); under ZeRO-3 they are empty except while their unit is gathered.
+    """
+
+    def __init__(self, module: torch.nn.Module, dp_group, *, strategy: str = "no_shard", bucket_size=None,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 cpu_offload: bool = False, grad_reduce_in_fp32: bool = True, optimizer: str = "adam",
+                 weight_decay: float = 0.01, loss_scaler=None, fsdp_unit_modules=None, **optimizer_kwargs):
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} (--data-parallel-sharding-strategy) is unknown: use one of "
+                             f"{', '.join(STRATEGIES)}")
+        self.module, self.group, self.strategy = module, _dp_group(dp_group), strategy
+        self.dp, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.rank = dist.get_rank()
+        stage = STRATEGIES.index(strategy)
+        self.shard_optim, self.shard_grads, self.shard_params = stage >= 1, stage >= 2, stage >= 3
+        if overlap_param_gather and not self.shard_optim:
+            raise ValueError("overlap_param_gather=True (--overlap-param-gather) needs sharded optimizer state: "
+                             "use strategy='optim' or above (Megatron: --use-distributed-optimizer)")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the module has no parameter that requires grad: nothing to train")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
+            raise ValueError(f"params have dtypes {sorted(map(str, dtypes))}: use one of fp32/bf16/fp16 for all "
+                             f"(model.to(torch.bfloat16) for --bf16)")
+        self.param_dtype = next(iter(dtypes))
+        self.grad_dtype = torch.float32 if grad_reduce_in_fp32 else self.param_dtype
+        self.device = named[0][1].device
+        self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
+        self.loss_scaler = loss_scaler
+        self.comm = CommRecorder()
+        self.timeline: list[dict] = []
+        self._t0 = time.perf_counter()
+        self._sync = True
+        self._decay = {id(p): not _no_weight_decay(n, p) for n, p in named}
+        self._shapes = {id(p): p.shape for _, p in named}
+
+        self.units = find_units(module, named, fsdp_unit_modules)
+        self.buckets = (unit_buckets([(m, ps) for _, m, ps in self.units], self.dp) if self.shard_params
+                        else size_buckets(named, bucket_size, self.dp))
+        self._where = {id(pr.param): (b, pr) for b in self.buckets for pr in b.params}
+        self._unit_of = {id(p): i for i, (_, _, ps) in enumerate(self.units) for _, p in ps}
+        self._unit_bucket = {i: sorted({self._where[id(p)][0].index for _, p in ps})
+                             for i, (_, _, ps) in enumerate(self.units)}
+        self._unit_pending = [set() for _ in self.units]
+        self._unit_bwd_started = [False] * len(self.units)
+        self._init_buffers()
+        self._init_optimizer(optimizer, weight_decay, cpu_offload, optimizer_kwargs)
+        self._hooks = self._register_hooks()
+
+    # ------------------------------------------------------------------ storage
+
+    def _init_buffers(self) -> None:
+        src = dist.get_global_rank(self.group, 0)
+        for b in self.buckets:
+            st = b.state
+            full = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
+            for pr in b.params:
+                full[pr.start:pr.end].copy_(pr.param.data.reshape(-1))
+            if self.dp > 1:  # every replica starts from group rank 0's values (Megatron's broadcast_params)
+                dist.broadcast(full, src=src, group=self.group)
+            lo, hi = b.shard_range(self.dp_rank) if self.shard_optim else (0, b.numel)
+            st.update(lo=lo, hi=hi, pending=set(), ready=False, grad_work=None, gather_work=None)
+            if self.shard_params:
+                st["param_shard"], st["param_full"] = full[lo:hi].clone(), None
+                self._release(b)
+            else:
+                st["param_full"] = full
+                self._point_params(b, full)
+            st["grad_full"] = None if self.shard_grads else torch.zeros(b.numel, dtype=self.grad_dtype,
+                                                                        device=self.device)
+            st["grad_shard"] = (torch.zeros(b.shard_numel, dtype=self.grad_dtype, device=self.device)
+                                if self.shard_grads else None)
+            st["pending"] = {id(pr.param) for pr in b.params}
+
+    def _point_params(self, b, full: torch.Tensor) -> None:
+        for pr in b.params:
+            pr.param.data = full[pr.start:pr.end].view(self._shapes[id(pr.param)])
+
+    def _release(self, b) -> None:
+        """ZeRO-3: drop the gathered params of bucket ``b`` (each param becomes an empty tensor)."""
+        b.state["param_full"] = None
+        for pr in b.params:
+            pr.param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+
+    def _model_shard(self, b) -> torch.Tensor:
+        """This rank's slice of ``b``'s params in the model dtype ``[hi - lo]`` (a view: writes land in the model)."""
+        st = b.state
+        return st["param_shard"] if self.shard_params else st["param_full"][st["lo"]:st["hi"]]
+
+    def _grad_shard(self, b) -> torch.Tensor:
+        st = b.state
+        return st["grad_shard"] if self.shard_grads else st["grad_full"][st["lo"]:st["hi"]]
+
+    def _init_optimizer(self, kind, weight_decay, cpu_offload, kwargs) -> None:
+        self.pool = HostPool(self.device) if cpu_offload else None
+        self._pieces = []
+        for b in self.buckets:
+            st = b.state
+            lo, hi = st["lo"], st["hi"]
+            shard = self._model_shard(b)
+            if self.pool is not None:
+                st["main"] = self.pool.empty(hi - lo)
+                st["main"].copy_(shard)
+                st["host_grad"] = self.pool.empty(hi - lo, self.grad_dtype)
+            elif self.param_dtype == torch.float32:
+                st["main"] = shard  # Megatron keeps no copy of fp32 params
+            else:
+                st["main"] = shard.float()
+            st["main_grad"] = (torch.zeros(hi - lo, device=self.device)
+                               if self.pool is None and self.grad_dtype != torch.float32 else None)
+            pieces = (b.pieces(self.dp_rank) if self.shard_optim else [(pr, pr.start, pr.end) for pr in b.params])
+            for pr, plo, phi in pieces:
+                wd = weight_decay if self._decay[id(pr.param)] else 0.0
+                self._pieces.append((st["main"][plo - lo:phi - lo], wd, b, plo - lo, phi - lo))
+        self.optimizer = Optimizer([], kind, weight_decay=weight_decay, **kwargs)
+        self.optimizer.params = [(view, wd) for view, wd, *_ in self._pieces]
+
+    # ------------------------------------------------------------------ timeline and collectives
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _span(self, name: str, kind: str) -> dict:
+        ev = {"rank": self.rank, "name": name, "kind": kind, "start": self._now(), "end": None}
+        self.timeline.append(ev)
+        return ev
+
+    def _collective(self, op: str, out: torch.Tensor, inp: torch.Tensor, name: str, tag: str, async_op: bool):
+        """Issue ``op`` over the group (recorded in :attr:`comm` and any active CommRecorder, and on the
+        timeline); returns the work handle (``None`` when done or when the group has one rank)."""
+        if self.dp == 1:
+            if op != "all_reduce":
+                out.copy_(inp)
+            return None
+        numel = inp.numel() if op != "all_gather" else out.numel()
+        with self.comm:
+            record_event(op, numel, group_size=self.dp, kind="dp", dtype=inp.dtype, source=_SOURCE, tag=tag)
+        ev = self._span(name, op)
+        if op == "all_reduce":
+            work = dist.all_reduce(inp, group=self.group, async_op=async_op)
+        elif op == "reduce_scatter":
+            work = _reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op)
+        else:
+            work = _all_gather_tensor(out, inp, group=self.group, async_op=async_op)
+        if not async_op:
+            ev["end"] = self._now()
+            return None
+        self._on_done(work, ev)
+        return work
+
+    def _on_done(self, work, ev: dict) -> None:
+        """Stamp ``ev['end']`` when ``work`` completes (its future; gloo's reduce-scatter has none: a thread)."""
+        def stamp(*_):
+            ev["end"] = self._now()
+        try:
+            work.get_future().then(stamp)
+        except RuntimeError:
+            threading.Thread(target=lambda: (work.wait(), stamp()), daemon=True).start()
+
+    # ------------------------------------------------------------------ grads
+
+    def _launch_grad_reduce(self, b, async_op: bool) -> None:
+        st = b.state
+        if st["grad_full"] is None or st["grad_work"] is not None:
+            return
+        st["grad_full"].mul_(1.0 / self.dp)  # Megatron's gradient_scaling_factor = 1/d, then a sum
+        if not self.shard_optim:
+            st["grad_out"] = None
+            st["grad_work"] = self._collective("all_reduce", st["grad_full"], st["grad_full"], f"bucket {b.index}",
+                                               "grads", async_op) or "done"
+        else:
+            st["grad_out"] = torch.empty(b.shard_numel, dtype=self.grad_dtype, device=self.device)
+            st["grad_work"] = self._collective("reduce_scatter", st["grad_out"], st["grad_full"],
+                                               f"bucket {b.index}", "grads", async_op) or "done"
+
+    def _finish_grad_reduce(self, b) -> None:
+        st = b.state
+        work = st["grad_work"]
+        if work is None:
+            return
+        if work != "done":
+            work.wait()
+        out = st.pop("grad_out")
+        if out is not None:
+            if self.shard_grads:
+                st["grad_shard"].add_(out)  # accumulate: several backward passes may feed one step
+                st["grad_full"] = None      # ZeRO-2/3 keep only the shard
+            else:
+                st["grad_full"][st["lo"]:st["hi"]].copy_(out)
+        st["grad_work"], st["ready"] = None, False
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: add ``p.grad`` into its bucket's main grad (fp32 when
+        ``grad_reduce_in_fp32``), drop ``p.grad``; a complete bucket starts its collective."""
+        b, pr = self._where[id(p)]
+        st = b.state
+        if st["grad_full"] is None:
+            st["grad_full"] = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+        st["grad_full"][pr.start:pr.end].add_(p.grad.reshape(-1))
+        p.grad = None
+        st["pending"].discard(id(p))
+        u = self._unit_of[id(p)]
+        self._unit_pending[u].discard(id(p))
+        if not self._unit_pending[u]:
+            self._unit_backward_done(u)
+        if not st["pending"]:
+            st["pending"] = {id(q.param) for q in b.params}
+            st["ready"] = True
+            if self.shard_params:
+                self._release(b)
+            if self.overlap_grad_reduce and self._sync:
+                self._launch_grad_reduce(b, async_op=True)
+
+    def finish_grad_sync(self) -> None:
+        """Reduce every bucket not yet reduced (all of them without ``overlap_grad_reduce``) and wait."""
+        for b in self.buckets:
+            if b.state["grad_work"] is None:
+                self._launch_grad_reduce(b, async_op=False)
+        for b in self.buckets:
+            self._finish_grad_reduce(b)
+            b.state["pending"] = {id(pr.param) for pr in b.params}
+            if self.shard_params and b.state["param_full"] is not None:
+                self._release(b)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Grad accumulation over micro-batches: no collective starts inside (Megatron's ``no_sync``)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    # ------------------------------------------------------------------ params
+
+    def _launch_gather(self, b, async_op: bool) -> None:
+        st = b.state
+        if st["gather_work"] is not None or (self.shard_params and st["param_full"] is not None):
+            return
+        if self.shard_params:
+            full = torch.empty(b.numel, dtype=self.param_dtype, device=self.device)
+            inp = st["param_shard"]
+        else:
+            full, inp = st["param_full"], self._model_shard(b).clone()
+        work = self._collective("all_gather", full, inp, f"bucket {b.index}", "params", async_op)
+        st["gather_work"] = (work, full)
+        if work is None:
+            self._wait_gather(b)
+
+    def _wait_gather(self, b) -> None:
+        st = b.state
+        if st["gather_work"] is None:
+            return
+        work, full = st["gather_work"]
+        if work is not None:
+            work.wait()
+        st["gather_work"] = None
+        if self.shard_params:
+            st["param_full"] = full
+            self._point_params(b, full)
+
+    def _wait_param_gathers(self) -> None:
+        for b in self.buckets:
+            self._wait_gather(b)
+
+    def _ensure_unit(self, u: int) -> None:
+        for i in self._unit_bucket[u]:
+            b = self.buckets[i]
+            if self.shard_params and b.state["param_full"] is None and b.state["gather_work"] is None:
+                self._launch_gather(b, async_op=False)
+            self._wait_gather(b)
+
+    def _prefetch_unit(self, u: int) -> None:
+        if 0 <= u < len(self.units):
+            for i in self._unit_bucket[u]:
+                self._launch_gather(self.buckets[i], async_op=True)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _register_hooks(self) -> list:
+        handles = []
+        for b in self.buckets:
+            for pr in b.params:
+                handles.append(pr.param.register_post_accumulate_grad_hook(self._on_grad))
+        for u, (name, m, _) in enumerate(self.units):
+            handles.append(m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u)))
+            handles.append(m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out)))
+        return handles
+
+    def _before_forward(self, u: int) -> None:
+        self._unit_fwd = self._span(self.units[u][0] or "root", "forward")
+        if self.shard_params:
+            self._ensure_unit(u)
+            self._prefetch_unit(u + 1)
+        elif self.overlap_param_gather:
+            for i in self._unit_bucket[u]:
+                self._wait_gather(self.buckets[i])
+
+    def _after_forward(self, u: int, out) -> None:
+        self._unit_fwd["end"] = self._now()
+        if self.shard_params:
+            for i in self._unit_bucket[u]:
+                self._release(self.buckets[i])
+        t = _first_tensor(out) if torch.is_grad_enabled() else None
+        if t is not None:
+            self._unit_pending[u] = {id(p) for _, p in self.units[u][2]}
+            self._unit_bwd_started[u] = False
+            t.register_hook(lambda grad, u=u: self._before_backward(u))
+
+    def _before_backward(self, u: int) -> None:
+        if self._unit_bwd_started[u]:
+            return
+        self._unit_bwd_started[u] = True
+        self._unit_bwd = getattr(self, "_unit_bwd", {})
+        self._unit_bwd[u] = self._span(self.units[u][0] or "root", "backward")
+        if self.shard_params:
+            self._ensure_unit(u)
+            self._prefetch_unit(u - 1)
+
+    def _unit_backward_done(self, u: int) -> None:
+        ev = getattr(self, "_unit_bwd", {}).pop(u, None)
+        if ev is not None:
+            ev["end"] = self._now()
+
+    # ------------------------------------------------------------------ the public API
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss * loss_scaler.scale`` (the loss itself without a scaler): call backward on this."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    def zero_grad(self) -> None:
+        """Start an iteration: grads to zero, the timeline restarted (its times count from here)."""
+        self.timeline = []
+        self._t0 = time.perf_counter()
+        if self.pool is not None:
+            self.pool.reset_moved()
+        for b in self.buckets:
+            st = b.state
+            for key in ("grad_full", "grad_shard"):
+                if st[key] is not None:
+                    st[key].zero_()
+            for pr in b.params:
+                pr.param.grad = None
+
+    @torch.no_grad()
+    def step(self, lr: float) -> dict:
+        """Finish the grad reduction, update this rank's shard (fp32), all-gather the params.
+
+        Returns ``{"skipped": bool, "found_inf": bool}`` (a loss scaler's overflow skips the update)."""
+        self.finish_grad_sync()
+        self._wait_param_gathers()
+        ev = self._span("optimizer", "optimizer")
+        for b in self.buckets:
+            st, g = b.state, self._grad_shard(b)
+            if self.pool is not None:
+                self.pool.to_host(st["host_grad"], g)
+                st["g32"] = st["host_grad"].float()
+            elif st["main_grad"] is not None:
+                st["g32"] = st["main_grad"].copy_(g)
+            else:
+                st["g32"] = g
+        found_inf = False
+        if self.loss_scaler is not None:
+            found = bool(self.loss_scaler.unscale_and_check([b.state["g32"] for b in self.buckets]))
+            flag = torch.tensor([float(found)], device=self.device)
+            if self.dp > 1:  # each rank saw only its shard: OR over the group
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            found_inf = bool(flag.item())
+        if not found_inf:
+            for view, _, b, a, z in self._pieces:
+                view.grad = b.state["g32"][a:z]
+            self.optimizer.step(lr)
+            for view, *_ in self._pieces:
+                view.grad = None
+            for b in self.buckets:
+                st, shard = b.state, self._model_shard(b)
+                if self.pool is not None:
+                    self.pool.to_device(shard, st["main"])
+                elif st["main"] is not shard:
+                    shard.copy_(st["main"])
+        for b in self.buckets:
+            b.state.pop("g32", None)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf)
+        ev["end"] = self._now()
+        if self.shard_optim and not self.shard_params and not found_inf:
+            for b in reversed(self.buckets):  # forward order: the last bucket holds the first layers
+                self._launch_gather(b, async_op=self.overlap_param_gather)
+        return {"skipped": found_inf, "found_inf": found_inf}
+
+    def bytes_per_rank(self) -> dict:
+        """Bytes this rank holds, measured from the tensors' storages (each storage counted once).
+
+        ``params``: model-dtype params (the param buffer, or the ZeRO-3 shard plus any gathered unit);
+        ``grads``: the grad buffer or shard; ``optimizer``: optimizer tensors on the compute device (fp32
+        main params when they are a copy, fp32 main grads when grads are 16-bit, Adam's moments);
+        ``optimizer_host``: the same on the host (``cpu_offload``); ``moved_d2h`` / ``moved_h2d``: bytes
+        the offload copied since :meth:`zero_grad`; ``padding_elements``: bucket padding."""
+        self._wait_param_gathers()
+        seen: set = set()
+
+        def nbytes(tensors) -> int:
+            total = 0
+            for t in tensors:
+                if t is None or t.numel() == 0:
+                    continue
+                s = t.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+            return total
+
+        params = nbytes([pr.param.data for b in self.buckets for pr in b.params]
+                        + [b.state.get("param_shard") for b in self.buckets])
+        grads = nbytes([b.state["grad_full"] if not self.shard_grads else b.state["grad_shard"]
+                        for b in self.buckets] + [pr.param.grad for b in self.buckets for pr in b.params])
+        opt = nbytes([b.state["main"] for b in self.buckets] + [b.state["main_grad"] for b in self.buckets]
+                     + [b.state.get("host_grad") for b in self.buckets]
+                     + [t for st in self.optimizer.state.values() for t in st.values()])
+        host = self.pool is not None
+        out = {"params": params, "grads": grads, "optimizer": 0 if host else opt,
+               "optimizer_host": opt if host else 0, "padding_elements": sum(b.padding for b in self.buckets)}
+        moved = self.pool.moved if host else {"d2h": 0, "h2d": 0}
+        out.update(moved_d2h=moved["d2h"], moved_h2d=moved["h2d"])
+        return out
+
+    def full_parameters(self) -> dict:
+        """``{name: full parameter}`` (ZeRO-3: all-gathered, then released; recorded with tag
+        ``"inspect"``) -- for checks against a single-process run."""
+        self._wait_param_gathers()
+        out = {}
+        for b in self.buckets:
+            if self.shard_params:
+                full = torch.empty(b.numel, dtype=self.param_dtype, device=self.device)
+                self._collective("all_gather", full, b.state["param_shard"], f"bucket {b.index}", "inspect", False)
+            else:
+                full = b.state["param_full"]
+            for pr in b.params:
+                out[pr.name] = full[pr.start:pr.end].view(self._shapes[id(pr.param)]).clone()
+        return out
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def wrap(model: torch.nn.Module, groups, **kwargs) -> ShardedDataParallel:
+    """``ShardedDataParallel(model, groups, **kwargs)``: the Lab 07 entry point (see the package docstring).
+
+    ``groups``: the data-parallel group, or a :class:`~course_lib.process_groups.ProcessGroups`
+    (its ``dp_cp`` group is used, as Megatron reduces grads over data x context parallel ranks)."""
+    return ShardedDataParallel(model, groups, **kwargs)

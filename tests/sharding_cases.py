@@ -1,0 +1,108 @@
+"""Shared by tests/test_distributed_optimizer.py and tests/test_megatron_fsdp.py: the model, the data,
+the single-process reference and one data-parallel run of :func:`course_lib.distributed.wrap`.
+
+The model is a small MLP whose every parameter has a multiple of 4 elements, so buckets need no
+padding on 4 ranks and the measured bytes can equal the formulas exactly. The reference trains the
+same model in one process on the whole global batch with ``course_lib.optimizer.Optimizer``
+(bf16: a bf16 model, fp32 master copies, grads cast to fp32 -- written out here, not the code under
+test).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IN, HID, OUT = 16, 32, 8
+GLOBAL_BATCH, ITERS, LR, SEED = 16, 4, 1e-2, 1234
+
+
+class MLP(nn.Module):
+    """``[n, 16] -> [n, 8]``: Linear 16->32, LayerNorm, GELU, Linear 32->32, GELU, Linear 32->8."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HID)
+        self.norm = nn.LayerNorm(HID)
+        self.fc2 = nn.Linear(HID, HID)
+        self.fc3 = nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        return self.fc3(torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.norm(self.fc1(x))))))
+
+
+NUM_PARAMS = IN * HID + HID + 2 * HID + HID * HID + HID + HID * OUT + OUT  # 1928
+
+
+def make_model(dtype=torch.float32) -> MLP:
+    torch.manual_seed(SEED)
+    return MLP().to(dtype)
+
+
+def batch(it: int, dtype=torch.float32):
+    """The global batch of iteration ``it``: ``x [16, 16]``, ``y [16, 8]``."""
+    g = torch.Generator().manual_seed(100 + it)
+    return torch.randn(GLOBAL_BATCH, IN, generator=g).to(dtype), torch.randn(GLOBAL_BATCH, OUT, generator=g).to(dtype)
+
+
+def loss_fn(out, y):
+    return torch.nn.functional.mse_loss(out.float(), y.float())
+
+
+def reference(dtype=torch.float32, iters: int = ITERS) -> tuple[list, dict]:
+    """One process, the whole batch: losses per iteration and the final params (fp32 master values)."""
+    from course_lib.optimizer import Optimizer
+    model = make_model(dtype)
+    named = list(model.named_parameters())
+    master = [(n, p.detach().float().clone()) for n, p in named]
+    opt = Optimizer(master)
+    losses = []
+    for it in range(iters):
+        x, y = batch(it, dtype)
+        for p in model.parameters():
+            p.grad = None
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        for (_, m), (_, p) in zip(master, named):
+            m.grad = p.grad.float()
+        opt.step(LR)
+        with torch.no_grad():
+            for (_, m), (_, p) in zip(master, named):
+                p.copy_(m)
+        losses.append(loss.item())
+    return losses, {n: m for n, m in master}
+
+
+def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
+        break_with=None, **kwargs) -> dict:
+    """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
+    each global batch. Returns the local losses, the final full params, bytes per rank, the
+    collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper."""
+    from course_lib.distributed import wrap
+    model = model if model is not None else make_model(dtype)
+    ddp = wrap(model, dp_group, **kwargs)
+    if break_with is not None:
+        break_with(ddp)
+    rows = GLOBAL_BATCH // dp
+    losses = []
+    for it in range(iters):
+        x, y = batch(it, dtype)
+        x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
+        ddp.zero_grad()
+        ddp.comm.clear()
+        loss = loss_fn(ddp(x), y)
+        ddp.scale_loss(loss).backward()
+        result = ddp.step(LR)
+        losses.append(loss.item())
+    return dict(losses=losses, params=ddp.full_parameters(), bytes=ddp.bytes_per_rank(),
+                events=[e for e in ddp.comm.events if e.tag in ("grads", "params")],
+                timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
+
+
+def global_losses(per_rank: list) -> list:
+    """The global batch's mean loss per iteration: the mean of the ranks' local means (equal rows)."""
+    return [sum(r["losses"][i] for r in per_rank) / len(per_rank) for i in range(len(per_rank[0]["losses"]))]
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
