@@ -8,12 +8,19 @@
 (``python -m course_lib train --nproc-per-node 8 ...`` checks the flags, then runs that command.)
 Flag names are ``pretrain_gpt.py``'s (``megatron/training/arguments.py``); there is no
 ``--data-parallel-size``: DP = world / (TP * PP * CP). A bad value or layout fails with a
-one-line error *before* any work starts (:func:`validate_args`: the rules of
-:mod:`course_lib.rules`, through :class:`course_lib.topology.ParallelConfig`), and the run
-reads every layout fact from that validated config. ``--sequence-parallel`` with TP = 1 is
+one-line error *before* any work starts (:func:`~course_lib.training.arguments.validate_args`:
+the rules of :mod:`course_lib.rules`, through :class:`course_lib.topology.ParallelConfig`), and
+the run reads every layout fact from that validated config. ``--sequence-parallel`` with TP = 1 is
 turned off with a one-line warning, as Megatron does.
 
-One training iteration, as Megatron's ``train_step`` does it:
+The trainer's rooms, as Megatron's: the flags and their checks in
+:mod:`course_lib.training.arguments` (``megatron/training/arguments.py``); the gradient
+synchronisation after backward in :mod:`course_lib.training.finalize_model_grads`
+(``megatron/core/distributed/finalize_model_grads.py``); the log lines' format, writer and
+reader together in :mod:`course_lib.megatron.logs`; here, :func:`pretrain`, a loop over
+:func:`train_step`, and the command-line entry points.
+
+One training iteration, :func:`train_step`, as Megatron's ``train_step`` does it:
 
 1. every rank takes its micro-batches of the global batch (``course_lib.data``: Megatron's
    sampler order, sharded by DP rank, cut along the sequence for CP) -- ``m = global /
@@ -21,7 +28,7 @@ One training iteration, as Megatron's ``train_step`` does it:
 2. the pipeline schedule (1F1B, GPipe, or interleaved 1F1B with virtual stages) runs on real
    ranks through :func:`course_lib.pipeline.executor.run_rank_schedule`; the last stage's
    loss per micro-batch is ``sum(token losses) / tokens / m`` (``forward_step``);
-3. ``finalize_model_grads``: gradients averaged over the dp-cp group (one coalesced
+3. :func:`~course_lib.training.finalize_model_grads.finalize_model_grads`: gradients averaged over the dp-cp group (one coalesced
    all-reduce, then ``/ (dp * cp)``), sequence-parallel LayerNorm gradients summed over TP,
    the tied word-embedding gradient summed over the embedding group (first + last stage);
 4. the gradient norm over the model-parallel group (each parameter counted once: TP
@@ -42,8 +49,8 @@ model spikes at iteration 11, and by iteration 20 two layouts differ by percents
 warm-up or a smaller lr before reading a loss difference as a bug.
 
 Log lines (rank 0 prints the first two, the last rank the iteration line, every rank with
-DP rank 0 its memory line; formats of Megatron core 0.16, read by
-:func:`course_lib.megatron.parse_log`)::
+DP rank 0 its memory line; formats of Megatron core 0.16, written and read by
+:mod:`course_lib.megatron.logs`)::
 
     using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
     ------------------------ arguments ------------------------ ... (sorted)
@@ -72,257 +79,46 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import os
 import shlex
 import sys
 import time
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from course_lib import comm, rules
-from course_lib.data import corpus_tokens
-from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS, LRScheduler, Optimizer, clip_grads
+from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
+from course_lib.launch import init_rank, resolve_backend, run_torchrun, torchrun_command
+from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
+                                      world_size_line)
+from course_lib.model import GPTModel, build_model, gpt_loss
+from course_lib.optimizer import LRScheduler, Optimizer, clip_grads
+from course_lib.pipeline.check import check_schedule
+from course_lib.pipeline.executor import run_rank_schedule
+from course_lib.pipeline.schedules import PipelineSchedule, build_schedule
+from course_lib.process_groups import ProcessGroups, new_process_groups
 from course_lib.topology import ParallelConfig
+# What the rest of the course imports from here (the flags, the gradient steps), re-exported:
+from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
+                                           gpt_config_from_args, parse_args, validate_args, vocab_padding_tp)
+from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
+                                                      finalize_model_grads, grad_norm, unique_named_params)
 
-SCHEDULES = ("1f1b", "gpipe")
+# course_lib.checks.lab00 recognises the course's own DP all-reduce by this name
+_allreduce_dp_grads = allreduce_dp_grads
+
 MEMORY_SOURCE_CPU = "tracked tensor bytes"
-
-# ============================================================================ arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``python -m course_lib train`` command: Megatron's flags plus torchrun's ``--nproc-per-node``."""
-    _add_megatron_arguments(parser)
+    add_megatron_arguments(parser)
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to start on this machine (torchrun's flag)")
     return parser
-
-
-def _add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron's flags (same names, same meaning as ``megatron/training/arguments.py``)."""
-    g = parser.add_argument_group("parallel layout (DP is derived: world / (TP*PP*CP))")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="split LayerNorm/dropout activations along the sequence inside the TP group")
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
-                   help="model chunks per pipeline rank (interleaved 1F1B)")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
-                   help="newer Megatron spelling: layers per model chunk")
-    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
-                   help="newer Megatron spelling: model chunks per pipeline rank")
-    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b",
-                   help="course flag: 1f1b (Megatron's) or gpipe; virtual stages imply interleaved 1F1B")
-    g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=8)
-    g.add_argument("--hidden-size", type=int, default=128)
-    g.add_argument("--num-attention-heads", type=int, default=8)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
-    g.add_argument("--seq-length", type=int, default=64)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq-length")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary to a multiple of this times TP (Megatron's meaning)")
-    g.add_argument("--uniform-vocab-padding", action="store_true",
-                   help="course flag: pad as for TP = 1 on every layout (a multiple of "
-                        "--make-vocab-size-divisible-by), so every TP size trains the same model")
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
-    g.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default micro * DP")
-    g.add_argument("--train-iters", type=int, default=20)
-    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train-iters")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--sgd-momentum", type=float, default=0.9)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=5)
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="default: nccl with one GPU per rank, else gloo")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
-    return parser
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m course_lib.train`` (what torchrun runs on every rank)."""
-    parser = argparse.ArgumentParser(prog="python -m course_lib.train", description=__doc__.splitlines()[0])
-    return _add_megatron_arguments(parser)
-
-
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The flags of ``argv`` (``sys.argv[1:]`` when None), not yet validated."""
-    return build_parser().parse_args(argv)
-
-
-# The value rule of every Megatron flag the trainer takes (layout sizes are named by their flag).
-_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
-          "log_interval", "make_vocab_size_divisible_by")
-_OPTIONAL_SIZES = ("ffn_hidden_size", "max_position_embeddings", "global_batch_size", "lr_decay_iters")
-_PROBABILITIES = ("hidden_dropout", "attention_dropout")
-_NON_NEGATIVE = ("init_method_std", "lr", "min_lr", "weight_decay", "clip_grad")
-_FRACTIONS = ("adam_beta1", "adam_beta2", "sgd_momentum")          # in [0, 1): an average that forgets
-MAX_TIMEOUT_MINUTES = 7 * 24 * 60                                   # a week, as course_lib.launch
-MAX_SEED = 2 ** 32 - 1
-
-
-def _check_values(a: argparse.Namespace) -> None:
-    """Every flag's value on its own: integers in range, finite numbers in range (no NaN, no inf)."""
-    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        rules.integer(dest.replace("_", "-"), getattr(a, dest))
-    for dest in _SIZES + tuple(d for d in _OPTIONAL_SIZES if getattr(a, d) is not None):
-        rules.integer(dest, getattr(a, dest))
-    rules.integer("lr_warmup_iters", a.lr_warmup_iters, 0)
-    rules.integer("seed", a.seed, 0, MAX_SEED)
-    for dest in _PROBABILITIES:
-        rules.probability(dest, getattr(a, dest))
-    for dest in _NON_NEGATIVE:
-        rules.number(dest, getattr(a, dest), 0.0)
-    for dest in _FRACTIONS:
-        rules.number(dest, getattr(a, dest), 0.0, 1.0, high_open=True)
-    rules.number("adam_eps", a.adam_eps, 0.0, low_open=True)      # 0 divides 0 by 0 on never-used vocab rows
-    rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
-                 low_open=True)
-
-
-def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
-                  ranks_on_this_machine: Optional[int] = None) -> tuple[argparse.Namespace, ParallelConfig]:
-    """Check a run's flags for ``world_size`` ranks, like Megatron's ``validate_args``: every
-    rule of :mod:`course_lib.rules`, before any work starts.
-
-    Returns ``(args, config)``: a copy of ``args`` with the derived values filled in
-    (``data_parallel_size``, ``world_size``, ``global_batch_size``,
-    ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...) and the validated
-    :class:`~course_lib.topology.ParallelConfig`, which the run reads its layout from. Raises a
-    one-line ``ValueError``. With ``check_memory``, also refuses a run whose estimated bytes
-    (:func:`estimate_memory`) exceed the memory this machine has available for
-    ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
-    No process group, no torch.distributed.
-    """
-    a = argparse.Namespace(**vars(args))
-    _check_values(a)
-    tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
-    vp = rules.virtual_pipeline_size(
-        a.num_layers, pp, virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
-        num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
-        num_virtual_stages_per_pipeline_rank=a.num_virtual_stages_per_pipeline_rank)
-    if vp is not None and a.pipeline_schedule != "1f1b":
-        raise ValueError(f"pipeline_schedule={a.pipeline_schedule} runs one model chunk per rank; virtual "
-                         f"pipeline stages need the interleaved 1F1B schedule (drop --pipeline-schedule)")
-    cfg = ParallelConfig(world_size=world_size, tp=tp, pp=pp, cp=cp, num_layers=a.num_layers,
-                         num_attention_heads=a.num_attention_heads, hidden_size=a.hidden_size,
-                         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
-                         global_batch_size=a.global_batch_size, sequence_parallel=a.sequence_parallel,
-                         virtual_pipeline_model_parallel_size=vp)
-    a.world_size, a.data_parallel_size = world_size, cfg.dp
-    a.global_batch_size = cfg.effective_global_batch_size
-    a.sequence_parallel = cfg.sequence_parallel                 # off with TP = 1 (cfg.notes says so)
-    a.virtual_pipeline_model_parallel_size = cfg.virtual_pipeline_model_parallel_size
-    a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
-
-    gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
-    a.max_position_embeddings = gpt.max_position_embeddings
-    a.ffn_hidden_size = gpt.ffn_hidden_size
-    a.padded_vocab_size = gpt.padded_vocab_size
-    rules.vocab_divisible_by_tp(gpt.padded_vocab_size, tp)
-    rules.ffn_divisible_by_tp(gpt.ffn_hidden_size, tp)
-    rules.cp_attention_dropout(a.attention_dropout, cp)
-    rules.min_lr(a.min_lr, a.lr)
-    a.lr_decay_iters = a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters
-    if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
-        raise ValueError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
-                         f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
-    rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
-    if check_memory:
-        local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        _check_memory(a, cfg, local)
-    return a, cfg
-
-
-def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dict:
-    """Bytes one rank of this run needs at its peak, roughly (float32 everywhere):
-
-    * ``weights``: the dense master every rank builds (:func:`course_lib.model.build_model`),
-      plus this rank's parameters, gradients and Adam's two moments (4 x its share);
-    * ``activations``: what the busiest (first) stage keeps for backward: per layer and
-      micro-batch the ``[s/cp, b, h]``-sized tensors of a layer (~16 h + 3 ffn/t per token) and one
-      ``[b, heads/t, s/cp, s]`` score matrix, times its layers and the micro-batches in flight
-      (all ``m`` for GPipe, ``min(pp, m)`` for 1F1B), plus the logits ``[s/cp, b, V/t]`` (x3);
-    * ``batches``: the step's tokens and labels (int64).
-
-    ``halved``: flags whose value to halve first, to see which one weighs most."""
-    def value(name):
-        v = getattr(a, name)
-        return max(1, v // 2) if name in halved else v
-
-    h, L, s, b = value("hidden_size"), a.num_layers, value("seq_length"), value("micro_batch_size")
-    ffn = a.ffn_hidden_size if "ffn_hidden_size" not in halved else value("ffn_hidden_size")
-    if "hidden_size" in halved and a.ffn_hidden_size == 4 * a.hidden_size:
-        ffn = 4 * h                                           # the default follows the hidden size
-    V, positions, heads = a.padded_vocab_size, max(value("max_position_embeddings"), s), a.num_attention_heads
-    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
-    m = value("global_batch_size") // (b * cfg.dp) or 1
-    layer = 4 * h * h + 2 * h * ffn + ffn + 9 * h
-    master = V * h + positions * h + L * layer + 2 * h
-    mine = V * h // tp + positions * h + (L // pp) * layer // tp + 2 * h
-    tokens = (s // cp) * b
-    inflight = m if a.pipeline_schedule == "gpipe" else min(pp, m)
-    per_layer = tokens * (16 * h + 3 * ffn // tp) + b * max(1, heads // tp) * (s // cp) * s
-    return {"weights": 4 * (master + 4 * mine),
-            "activations": 4 * (per_layer * (L // pp) * inflight + 3 * tokens * V // tp),
-            "batches": 2 * 8 * m * b * s}
-
-
-_MEMORY_FLAGS = ("hidden_size", "seq_length", "micro_batch_size", "ffn_hidden_size", "global_batch_size",
-                 "max_position_embeddings")
-
-
-def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> None:
-    """Refuse a run that cannot fit this machine's memory, naming the flag whose halving saves most."""
-    parts = estimate_memory(a, cfg)
-    needed = ranks * sum(parts.values())
-    available = rules.available_memory_bytes()
-    if available is None or needed <= available:
-        return
-    saved = {flag: needed - ranks * sum(estimate_memory(a, cfg, **{flag: True}).values()) for flag in _MEMORY_FLAGS}
-    flag = max(saved, key=saved.get)
-    detail = (f"{ranks} rank(s) on this machine, each about {rules.format_bytes(parts['weights'])} of weights, "
-              f"gradients and optimizer state and {rules.format_bytes(parts['activations'] + parts['batches'])} of "
-              f"activations and batches")
-    rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
-
-
-def vocab_padding_tp(args: argparse.Namespace) -> int:
-    """The TP size the vocabulary is padded for: the run's own (Megatron), or 1 with
-    ``--uniform-vocab-padding`` (every layout the same model: what the course's layouts choose)."""
-    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size
-
-
-def gpt_config_from_args(args: argparse.Namespace):
-    """The :class:`~course_lib.model.GPTConfig` of a run (byte vocabulary, 257 tokens)."""
-    from course_lib.data import ByteTokenizer
-    from course_lib.model import GPTConfig
-
-    return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                     vocab_size=ByteTokenizer.vocab_size,
-                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     vocab_padding_tp=vocab_padding_tp(args),
-                     max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
-                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                     init_method_std=args.init_method_std, seed=args.seed)
 
 
 def _scheduler(args, global_batch_size: int) -> LRScheduler:
@@ -336,85 +132,58 @@ def _optimizer(args, named_params) -> Optimizer:
                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, momentum=args.sgd_momentum)
 
 
-# ============================================================================ the parallel run
+# ============================================================================ one iteration
 
 
-def _unique_named_params(chunks):
-    seen, out = set(), []
-    for c, chunk in enumerate(chunks):
-        for name, p in chunk.named_parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append((name, p))
-    return out
+@dataclass
+class TrainingSetup:
+    """What every iteration of a run uses, built once by :func:`setup_training` (Megatron's
+    ``setup_model_and_optimizer`` plus ``get_forward_backward_func``).
 
-
-@torch.no_grad()
-def _allreduce_dp_grads(params, groups, dp_cp_size: int, kind: str) -> None:
-    """Average every gradient over the dp-cp group: one flat all-reduce, then ``/ (dp*cp)``."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    if dp_cp_size == 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
-    comm.all_reduce(flat, groups.dp_cp, kind=kind, direction="bwd", source="finish_grad_sync")
-    flat.div_(dp_cp_size)
-    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        g.copy_(synced)
-
-
-def finalize_model_grads(chunks, groups, config: ParallelConfig) -> None:
-    """After the schedule's backward passes, before the optimizer (Megatron's ``finalize_model_grads``,
-    ``megatron/core/distributed/finalize_model_grads.py``), in its order:
-
-    1. average every gradient over the dp-cp group (``finish_grad_sync``; kind ``"dp"``, or
-       ``"dp-cp"`` when cp > 1: CP ranks hold the same weights and saw different tokens);
-    2. with sequence parallelism, sum the LayerNorm (and row-parallel bias) gradients over TP;
-    3. sum the tied word-embedding gradient over the embedding group (first + last stage).
-
-    ``config``: the run's validated layout (``groups`` were built from its grid).
+    ``chunks``: this rank's model chunks (one per virtual stage); ``params``: their parameters,
+    each once; ``schedule``/``p2p``: the pipeline schedule and its checked sends;
+    ``activation_shape``: ``[s/cp (/tp with SP), micro, hidden]``, what a stage sends;
+    ``finalize_model_grads_func``: the gradient step after backward (Megatron's
+    ``config.finalize_model_grads_func``; a test passes a broken one to see the parity check fail).
     """
-    from course_lib.model import allreduce_embedding_grads
-    from course_lib.tensor_parallel import allreduce_sequence_parallel_grads
 
-    params = [p for _, p in _unique_named_params(chunks)]
-    _allreduce_dp_grads(params, groups, config.dp * config.cp, _dp_kind(config))
-    if config.sequence_parallel:
-        allreduce_sequence_parallel_grads(torch.nn.ModuleList(chunks), groups.tp)
-    allreduce_embedding_grads(chunks, groups)
+    config: ParallelConfig
+    groups: ProcessGroups
+    chunks: list
+    params: list
+    optimizer: Optimizer
+    scheduler: LRScheduler
+    schedule: PipelineSchedule
+    p2p: str
+    activation_shape: tuple
+    device: torch.device
+    seed: int
+    clip_grad: float
+    finalize_model_grads_func: Callable = finalize_model_grads
 
 
-def _dp_kind(config: ParallelConfig) -> str:
-    """The comm kind of the gradient and loss reductions: ``"dp"``, or ``"dp-cp"`` when cp > 1."""
-    return "dp" if config.cp == 1 else "dp-cp"
-
-
-@torch.no_grad()
-def grad_norm(params, groups, tp_rank: int) -> float:
-    """L2 norm of the whole model's gradient, each parameter counted once (Megatron's
-    ``get_grad_norm_fp32``: skip TP duplicates on TP ranks > 0 and the ``shared`` embedding
-    copy), squares summed over the model-parallel (tp-pp) group."""
-    from course_lib.tensor_parallel import is_tensor_parallel
-
-    device = params[0].device
-    total = torch.zeros(1, dtype=torch.float64, device=device)
-    for p in params:
-        if p.grad is None or getattr(p, "shared", False):
-            continue
-        if is_tensor_parallel(p) or tp_rank == 0:
-            total += p.grad.double().pow(2).sum()
-    comm.all_reduce(total, groups.model, kind="tp-pp", direction="bwd", source="get_grad_norm_fp32")
-    return float(total.sqrt())
+def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: ProcessGroups, device: torch.device, *,
+                   finalize_model_grads_func: Callable = finalize_model_grads) -> TrainingSetup:
+    """Build this rank's model chunks (from the dense master, :func:`course_lib.model.build_model`),
+    optimizer, learning-rate schedule and pipeline schedule for the validated ``config``."""
+    chunks = build_model(gpt_config_from_args(args), groups, vp=config.vpp,
+                         sequence_parallel=config.sequence_parallel, device=device)
+    for chunk in chunks:
+        chunk.train()
+    named = unique_named_params(chunks)
+    name = "interleaved" if config.vpp > 1 else args.pipeline_schedule
+    schedule = build_schedule(name, config.pp, config.num_microbatches, config.vpp)
+    seq_local = config.seq_length // config.cp
+    shape = (seq_local // (config.tp if config.sequence_parallel else 1), config.micro_batch_size, config.hidden_size)
+    return TrainingSetup(config=config, groups=groups, chunks=chunks, params=[p for _, p in named],
+                         optimizer=_optimizer(args, named),
+                         scheduler=_scheduler(args, config.effective_global_batch_size),
+                         schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
+                         seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func)
 
 
 def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
     """Tokens and labels of this rank's ``m`` micro-batches, stacked: ``[m * micro, s / cp]``."""
-    from course_lib.data import get_batch, get_batch_on_this_cp_rank
-
     toks, labs = [], []
     for j in range(config.num_microbatches):
         b = get_batch(iteration, j, coords["dp"], config.dp, config.micro_batch_size, config.seq_length, seed,
@@ -425,55 +194,71 @@ def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: in
     return torch.cat(toks).to(device), torch.cat(labs).to(device)
 
 
-def _log(line: str) -> None:
-    """Print one log line with a single write: several ranks share torchrun's stdout, and
-    ``print`` writes the text and its newline separately when output is unbuffered, so
-    another rank's line could land between them."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+def train_step(setup: TrainingSetup, iteration: int) -> dict:
+    """One iteration (1-based) on this rank, as Megatron's ``train_step``
+    (``megatron/training/training.py``): this rank's micro-batches, forward and backward through
+    the pipeline schedule, ``finalize_model_grads``, the gradient norm and clipping, the optimizer
+    step at the current learning rate, then the schedule's step. Collective: every rank calls it.
+
+    Returns ``{"lm_loss": the global batch's mean token loss (last stage; None elsewhere),
+    "grad_norm": the model's norm before clipping, "learning_rate": the rate after the step,
+    "peak_bytes": activation bytes saved for backward at the peak, "events": the schedule's
+    (action, stage, start, end)}``."""
+    s, groups, config = setup, setup.groups, setup.config
+    c = groups.coords
+    for p in s.params:
+        p.grad = None
+    stats: list = []                 # (token-loss sum, token count) per micro-batch of the last stage
+
+    def loss_fn(logits, labels):
+        total, count = gpt_loss(logits, labels, groups.tp)
+        stats.append((total.detach().double(), count.double()))
+        return total / count
+
+    tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device)
+    out = run_rank_schedule(s.schedule, c["pp"], dict(enumerate(s.chunks)), tokens, labels,
+                            activation_shape=s.activation_shape, pp_group=groups.pp, p2p=s.p2p, loss_fn=loss_fn)
+    s.finalize_model_grads_func(s.chunks, groups, config)   # DP(-CP) average, SP LayerNorm grads, tied embeddings
+    norm = grad_norm(s.params, groups, c["tp"])
+    clip_grads(s.params, norm, s.clip_grad)
+    s.optimizer.step(s.scheduler.get_lr())
+    lr = s.scheduler.step(config.effective_global_batch_size)
+    loss = None
+    if groups.is_last_stage:         # the loss of the global batch: token sums and counts over dp-cp
+        both = torch.stack([sum(t for t, _ in stats), sum(n for _, n in stats)]).to(s.device)
+        comm.all_reduce(both, groups.dp_cp, kind=dp_kind(config), direction="fwd", source="loss_reduction")
+        loss = float(both[0] / both[1])
+    return {"lm_loss": loss, "grad_norm": norm, "learning_rate": lr, "peak_bytes": out["peak_bytes"],
+            "events": out["events"]}
 
 
-def _print_world_line(config: ParallelConfig) -> None:
-    _log(f"using world size: {config.world_size}, data-parallel size: {config.dp}, "
-         f"context-parallel size: {config.cp}, hierarchical context-parallel sizes: None, "
-         f"tensor-model-parallel size: {config.tp}, pipeline-model-parallel size: {config.pp}")
-
-
-def _print_args(args, title: str = "arguments") -> None:
-    """Megatron's ``_print_args``: ``'  {} {} {}'.format(name, '.' * (48 - len(name)), value)``, sorted."""
-    lines = ["  {} {} {}".format(k, "." * (48 - len(k)), v) for k, v in vars(args).items()]
-    _log(f"------------------------ {title} ------------------------")
-    for line in sorted(lines, key=lambda x: x.lower()):
-        _log(line)
-    _log(f"-------------------- end of {title} ---------------------")
-
-
-def _memory_line(rank: int, iteration: int, tracked: dict, cuda: bool) -> str:
-    mb = 1024.0 * 1024.0
-    s = f"(after {iteration} iterations) memory (MB)"
-    if cuda:
-        s += f" | allocated: {torch.cuda.memory_allocated() / mb:.2f}"
-        s += f" | max allocated: {torch.cuda.max_memory_allocated() / mb:.2f}"
-        s += f" | reserved: {torch.cuda.memory_reserved() / mb:.2f}"
-        s += f" | max reserved: {torch.cuda.max_memory_reserved() / mb:.2f}"
-    else:
-        s += f" | allocated: {tracked['allocated'] / mb:.2f} | max allocated: {tracked['max_allocated'] / mb:.2f}"
-        s += f" | reserved: 0.00 | max reserved: 0.00 | source: {MEMORY_SOURCE_CPU}"
-    return f"[Rank {rank}] {s}"
+# ============================================================================ the run
 
 
 def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _memory_line(rank: int, iteration: int, tracked: dict, cuda: bool) -> str:
+    """CUDA's allocator numbers, as Megatron reports them; on CPU the tracked tensor bytes, named."""
+    if cuda:
+        return memory_line(rank, iteration, allocated=torch.cuda.memory_allocated(),
+                           max_allocated=torch.cuda.max_memory_allocated(),
+                           reserved=torch.cuda.memory_reserved(), max_reserved=torch.cuda.max_memory_reserved())
+    return memory_line(rank, iteration, allocated=tracked["allocated"], max_allocated=tracked["max_allocated"],
+                       source=MEMORY_SOURCE_CPU)
+
+
 def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = None, print_args: bool = True,
-             record_comm: bool = True) -> dict:
-    """Train on the ranks of the running default process group (torchrun or ``launch``).
+             record_comm: bool = True, finalize_model_grads_func: Callable = finalize_model_grads) -> dict:
+    """Train on the ranks of the running default process group (torchrun or ``launch``): a loop
+    over :func:`train_step`, logging as Megatron's ``training_log`` does.
 
     ``args``: from :func:`parse_args`, validated here for this world size; or, with ``config``,
     the pair :func:`validate_args` returned (not checked again). Every layout fact -- sizes, DP,
     micro-batches, sequence parallelism, virtual stages -- is read from the validated config.
-    Collective: every rank calls it. Returns this rank's record::
+    ``finalize_model_grads_func``: the gradient step after backward (Megatron's
+    ``config.finalize_model_grads_func``). Collective: every rank calls it. Returns this rank's record::
 
         {"lm_loss": [per-iteration global-batch loss] (last pipeline stage; None elsewhere),
          "logged": [{"iteration", "lm_loss", "elapsed_ms", "learning_rate", "grad_norm"}] (last rank),
@@ -483,12 +268,6 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
          "pipeline_events": [(action, stage, start, end)] of the last iteration,
          "memory": {"allocated", "max_allocated"} bytes (tracked), "coords": {...}, "num_parameters": int}
     """
-    from course_lib.model import build_model, gpt_loss
-    from course_lib.pipeline.check import check_schedule
-    from course_lib.pipeline.executor import run_rank_schedule
-    from course_lib.pipeline.schedules import build_schedule
-    from course_lib.process_groups import new_process_groups
-
     world, rank = dist.get_world_size(), dist.get_rank()
     if config is None:       # the ranks are running: their memory is already in use, not to be counted again
         args, config = validate_args(args, world, check_memory=False)
@@ -496,47 +275,24 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
         raise ValueError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
     groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
     c = groups.coords
-    tp, pp, cp, vp, m = config.tp, config.pp, config.cp, config.vpp, config.num_microbatches
     global_batch_size = config.effective_global_batch_size
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if rank == 0:
         for note in config.notes:
-            _log(f"WARNING: {note}")
+            print_line(f"WARNING: {note}")
         if print_args:
-            _print_world_line(config)
-            _print_args(args)
+            print_line(world_size_line(config.world_size, config.dp, config.cp, config.tp, config.pp))
+            for line in arguments_lines(vars(args)):
+                print_line(line)
 
-    gpt = gpt_config_from_args(args)
-    chunks = build_model(gpt, groups, vp=vp, sequence_parallel=config.sequence_parallel, device=device)
-    for chunk in chunks:
-        chunk.train()
-    named = _unique_named_params(chunks)
-    params = [p for _, p in named]
-    num_parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    setup = setup_training(args, config, groups, device, finalize_model_grads_func=finalize_model_grads_func)
+    params = setup.params
+    num_parameters = sum(p.numel() for chunk in setup.chunks for p in chunk.parameters())
     if c["dp"] == 0 and c["cp"] == 0:
-        _log(f" > number of parameters on (tensor, pipeline) model parallel rank ({c['tp']}, {c['pp']}): "
-             f"{num_parameters}")
+        print_line(parameters_line(c["tp"], c["pp"], num_parameters))
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
     torch.manual_seed(args.seed + 100 * c["pp"])
-
-    name = "interleaved" if vp > 1 else args.pipeline_schedule
-    schedule = build_schedule(name, pp, m, vp)
-    p2p = check_schedule(schedule)
-    seq_local = config.seq_length // cp
-    shape = (seq_local // (tp if config.sequence_parallel else 1), config.micro_batch_size, config.hidden_size)
-    dp_kind = _dp_kind(config)
-    optimizer = _optimizer(args, named)
-    scheduler = _scheduler(args, global_batch_size)
-    lr = scheduler.get_lr()
-    last_stage = groups.is_last_stage
-
-    stats: list = []
-
-    def loss_fn(logits, labels):
-        total, count = gpt_loss(logits, labels, groups.tp)
-        stats.append((total.detach().double(), count.double()))
-        return total / count
 
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": num_parameters}
@@ -547,24 +303,10 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     interval_start = time.perf_counter()
     for iteration in range(1, args.train_iters + 1):
         it_start = time.perf_counter()
-        for p in params:
-            p.grad = None
-        stats.clear()
-        tokens, labels = _rank_batches(config, iteration - 1, c, args.seed, device)
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
-            out = run_rank_schedule(schedule, c["pp"], dict(enumerate(chunks)), tokens, labels,
-                                    activation_shape=shape, pp_group=groups.pp, p2p=p2p, loss_fn=loss_fn)
-            peak_activation = max(peak_activation, out["peak_bytes"])
-            finalize_model_grads(chunks, groups, config)   # DP(-CP) average, SP LayerNorm grads, tied embeddings
-            norm = grad_norm(params, groups, c["tp"])
-            clip_grads(params, norm, args.clip_grad)
-            optimizer.step(lr)
-            lr = scheduler.step(global_batch_size)
-            loss = None
-            if last_stage:   # the loss of the global batch: token sums and counts over dp-cp
-                both = torch.stack([sum(s for s, _ in stats), sum(n for _, n in stats)]).to(device)
-                comm.all_reduce(both, groups.dp_cp, kind=dp_kind, direction="fwd", source="loss_reduction")
-                loss = float(both[0] / both[1])
+            step = train_step(setup, iteration)
+        peak_activation = max(peak_activation, step["peak_bytes"])
+        loss, norm, lr = step["lm_loss"], step["grad_norm"], step["learning_rate"]
         record["lm_loss"].append(loss)
         record["grad_norm"].append(norm)
         record["learning_rate"].append(lr)
@@ -575,7 +317,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
                 if e.op != "recv":
                     kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
             record["comm"] = kinds
-        record["pipeline_events"] = out["events"]
+        record["pipeline_events"] = step["events"]
         if loss is not None:
             total_loss += loss
         advanced += 1
@@ -585,28 +327,20 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
             elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
             if rank == world - 1:
                 avg = total_loss / advanced
-                _log(f" [{datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S.%f')}]"
-                     f" iteration {iteration:8d}/{args.train_iters:8d} |"
-                     f" consumed samples: {iteration * global_batch_size:12d} |"
-                     f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-                     f" learning rate: {lr:.6E} |"
-                     f" global batch size: {global_batch_size:5d} |"
-                     f" lm loss: {avg:.6E} |"
-                     f" loss scale: 1.0 |"
-                     f" grad norm: {norm:.3f} |"
-                     f" number of skipped iterations: {0:3d} |"
-                     f" number of nan iterations: {0:3d} |")
+                print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
+                                          elapsed_ms=elapsed_ms, learning_rate=lr,
+                                          global_batch_size=global_batch_size, lm_loss=avg, grad_norm=norm))
                 record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
                                              learning_rate=lr, grad_norm=norm))
             if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
                 total_loss, advanced = 0.0, 0
                 interval_start = time.perf_counter()
             if report_memory:
-                held = _bytes(params) + _bytes(p.grad for p in params) + optimizer.state_bytes()
+                held = _bytes(params) + _bytes(p.grad for p in params) + setup.optimizer.state_bytes()
                 tracked = {"allocated": held, "max_allocated": held + peak_activation}
                 record["memory"] = tracked
                 if c["dp"] == 0:
-                    _log(_memory_line(rank, iteration, tracked, cuda))
+                    print_line(_memory_line(rank, iteration, tracked, cuda))
                 if iteration > 1:
                     report_memory = False
     record.setdefault("memory", {"allocated": _bytes(params), "max_allocated": _bytes(params) + peak_activation})
@@ -622,9 +356,6 @@ def train_single_process(args: argparse.Namespace) -> dict:
     global batch (no micro-batches, no torch.distributed), same data, optimizer and schedule.
 
     Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...]}`` per iteration."""
-    from course_lib.data import get_global_batch
-    from course_lib.model import GPTModel
-
     if args.global_batch_size is None:
         raise ValueError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
@@ -666,8 +397,6 @@ def train_single_process(args: argparse.Namespace) -> dict:
 
 
 def _init_distributed(args) -> None:
-    from course_lib.launch import init_rank, resolve_backend
-
     timeout = args.distributed_timeout_minutes * 60
     world = int(os.environ.get("WORLD_SIZE", "1"))
     backend = args.distributed_backend or resolve_backend("auto", world)
@@ -697,26 +426,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def args_to_argv(args: argparse.Namespace) -> list[str]:
-    """The ``course_lib.train`` flags that reproduce ``args`` (only values that differ from the defaults)."""
-    argv = []
-    for action in build_parser()._actions:
-        if not action.option_strings or action.dest == "help" or not hasattr(args, action.dest):
-            continue
-        value, flag = getattr(args, action.dest), action.option_strings[0]
-        if value == action.default:
-            continue
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        else:
-            argv += [flag, str(value)]
-    return argv
-
-
 def torchrun_argv(args: argparse.Namespace, nproc_per_node: int) -> list[str]:
     """The torchrun command line for ``args`` on ``nproc_per_node`` ranks of this machine."""
-    from course_lib.launch import torchrun_command
-
     return torchrun_command(nproc_per_node, ["-m", "course_lib.train", *args_to_argv(args)])
 
 
@@ -724,8 +435,6 @@ def run(args: argparse.Namespace) -> int:
     """``python -m course_lib train --nproc-per-node N [Megatron flags]``: check the layout for N
     ranks (a one-line error when it is wrong), print the torchrun command, run it. Ctrl-C, SIGTERM
     or this process's death stop torchrun and every rank (:func:`course_lib.launch.run_torchrun`)."""
-    from course_lib.launch import run_torchrun
-
     n = rules.integer("nproc_per_node", args.nproc_per_node)
     validate_args(args, n)
     cmd = torchrun_argv(args, n)

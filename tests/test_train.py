@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from course_lib.launch import launch
 from course_lib.megatron import parse_log
-from course_lib.train import (LRScheduler, Optimizer, args_to_argv, build_parser, main, parse_args, pretrain,
-                              run, torchrun_argv, train_single_process, validate_args)
+from course_lib.train import (LRScheduler, Optimizer, add_arguments, args_to_argv, build_parser, main, parse_args,
+                              pretrain, run, torchrun_argv, train_single_process, validate_args)
+from course_lib.training.finalize_model_grads import finalize_model_grads
 
 BASE = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
@@ -28,12 +29,15 @@ BASE = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64", "
 TOL = 1e-4
 
 
-def _rank(argv, sabotage=None):
-    if sabotage == "embedding":          # a broken trainer: forget the tied-embedding all-reduce
-        import course_lib.model as model
+def _rank(argv, finalize_model_grads_func=finalize_model_grads):
+    return pretrain(parse_args(argv), finalize_model_grads_func=finalize_model_grads_func)
 
-        model.allreduce_embedding_grads = lambda *a, **k: 0
-    return pretrain(parse_args(argv))
+
+def _finalize_without_embedding_all_reduce(chunks, groups, config):
+    """A broken trainer's gradient step: on PP2 x DP1 without SP the tied-embedding all-reduce is
+    ``finalize_model_grads``'s only work, so skipping it all forgets exactly that one."""
+    if config.dp * config.cp != 1 or config.sequence_parallel or config.pp == 1:
+        raise ValueError(f"this sabotage is for PP > 1, DP = CP = 1, no SP; got {config}")
 
 
 def _rel(a, b):
@@ -133,7 +137,8 @@ def test_optimizer_paths_sgd_warmup_cosine_and_clipping(reference):
 
 def test_parity_check_catches_a_missing_embedding_all_reduce(reference):
     res = launch(_rank, world_size=2, output="none", timeout=120,
-                 argv=BASE + ["--pipeline-model-parallel-size", "2"], sabotage="embedding")
+                 argv=BASE + ["--pipeline-model-parallel-size", "2"],
+                 finalize_model_grads_func=_finalize_without_embedding_all_reduce)
     assert _rel(res[-1]["lm_loss"], reference["lm_loss"]) > 1e-3
 
 
@@ -262,8 +267,6 @@ def test_learning_rate_schedule_matches_megatron_formula():
 def test_real_torchrun_run_prints_megatron_lines_with_the_baseline_loss(reference, capfd):
     """``python -m course_lib train --nproc-per-node 4 ...`` = torchrun ... -m course_lib.train (slow: ~10 s)."""
     parser = argparse.ArgumentParser()
-    from course_lib.train import add_arguments
-
     add_arguments(parser)
     args = parser.parse_args(BASE + ["--nproc-per-node", "4", "--tensor-model-parallel-size", "2",
                                      "--pipeline-model-parallel-size", "2", "--sequence-parallel"])
@@ -282,8 +285,6 @@ def test_real_torchrun_run_prints_megatron_lines_with_the_baseline_loss(referenc
 
 def test_course_cli_rejects_a_bad_layout_without_starting_torchrun():
     parser = argparse.ArgumentParser()
-    from course_lib.train import add_arguments
-
     add_arguments(parser)
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor-model-parallel-size=8"):
         run(parser.parse_args(BASE + ["--nproc-per-node", "8", "--tensor-model-parallel-size", "8"]))

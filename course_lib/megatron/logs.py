@@ -79,9 +79,11 @@ values, never a row of made-up numbers.
 
 from __future__ import annotations
 
+import datetime
 import math
 import re
 import statistics
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -515,3 +517,73 @@ def _fill_config(out: ParsedLog) -> None:
             cfg["num_microbatches"] = rules.num_microbatches(gbs, mbs, dp)
         except ValueError:
             pass                                   # a log whose sizes disagree: no count to report
+
+
+# ============================================================================ writers
+# The lines the course's trainer prints (course_lib.train), in Megatron 0.16's form: the one place
+# their format is written, next to the parser that reads it back (tests/test_megatron_log_writers.py
+# writes each one and parses it). Each returns the line; print_line writes it.
+
+_MB = 1024.0 * 1024.0
+
+
+def print_line(line: str, stream=None) -> None:
+    """Write one log line with a single ``write`` (default ``sys.stdout``): several ranks share
+    torchrun's stdout, and ``print`` writes the text and its newline separately when output is
+    unbuffered, so another rank's line could land between them."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
+
+
+def world_size_line(world_size: int, dp: int, cp: int, tp: int, pp: int) -> str:
+    """``validate_args``'s first line (``megatron/training/arguments.py``, core 0.13+ wording)."""
+    return (f"using world size: {world_size}, data-parallel size: {dp}, context-parallel size: {cp}, "
+            f"hierarchical context-parallel sizes: None, tensor-model-parallel size: {tp}, "
+            f"pipeline-model-parallel size: {pp}")
+
+
+def arguments_lines(args: dict, title: str = "arguments") -> list[str]:
+    """Megatron's ``_print_args`` block: ``'  {} {} {}'.format(name, '.' * (48 - len(name)), value)``
+    for each of ``args`` (a dict, e.g. ``vars(namespace)``), sorted case-insensitively, between its
+    two rulers."""
+    lines = ["  {} {} {}".format(k, "." * (48 - len(k)), v) for k, v in args.items()]
+    return ([f"------------------------ {title} ------------------------"]
+            + sorted(lines, key=lambda x: x.lower())
+            + [f"-------------------- end of {title} ---------------------"])
+
+
+def parameters_line(tp_rank: int, pp_rank: int, count: int) -> str:
+    """``get_model``'s line (``megatron/training/training.py``): this rank's parameter count."""
+    return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+
+
+def iteration_line(iteration: int, train_iters: int, *, consumed_samples: int, elapsed_ms: float,
+                   learning_rate: float, global_batch_size: int, lm_loss: float, grad_norm: float,
+                   loss_scale: float = 1.0, skipped_iterations: int = 0, nan_iterations: int = 0,
+                   timestamp: str | None = None) -> str:
+    """``training_log``'s iteration line (``megatron/training/training.py``, core 0.16+: the
+    timestamp has microseconds). ``timestamp``: ``'%Y-%m-%d %H:%M:%S.%f'``, default now."""
+    if timestamp is None:
+        timestamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+    return (f" [{timestamp}] iteration {iteration:8d}/{train_iters:8d} |"
+            f" consumed samples: {consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
+            f" learning rate: {learning_rate:.6E} |"
+            f" global batch size: {global_batch_size:5d} |"
+            f" lm loss: {lm_loss:.6E} |"
+            f" loss scale: {loss_scale:.1f} |"
+            f" grad norm: {grad_norm:.3f} |"
+            f" number of skipped iterations: {skipped_iterations:3d} |"
+            f" number of nan iterations: {nan_iterations:3d} |")
+
+
+def memory_line(rank: int, iteration: int, *, allocated: float, max_allocated: float, reserved: float = 0.0,
+                max_reserved: float = 0.0, source: str | None = None) -> str:
+    """``report_memory``'s line (``megatron/training/utils.py``, core 0.16+: ``:.2f``), from bytes.
+    ``source``: what was measured when it is not CUDA's allocator (the course's trailing field,
+    e.g. ``tracked tensor bytes``); None for CUDA's numbers, as Megatron prints them."""
+    line = (f"[Rank {rank}] (after {iteration} iterations) memory (MB)"
+            f" | allocated: {allocated / _MB:.2f} | max allocated: {max_allocated / _MB:.2f}"
+            f" | reserved: {reserved / _MB:.2f} | max reserved: {max_reserved / _MB:.2f}")
+    return line if source is None else f"{line} | source: {source}"

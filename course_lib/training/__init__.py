@@ -1,0 +1,11 @@
+"""The trainer's parts that are not its loop (the loop and the entry points: :mod:`course_lib.train`).
+
+* :mod:`course_lib.training.arguments` -- Megatron's flags, their value and layout checks
+  (``validate_args``), the memory estimate, the model config and the command line the flags
+  make (``megatron/training/arguments.py``);
+* :mod:`course_lib.training.finalize_model_grads` -- the gradients after backward: the dp-cp
+  average, the sequence-parallel and tied-embedding sums, the norm that clipping reads
+  (``megatron/core/distributed/finalize_model_grads.py``).
+
+The log lines the trainer prints are written and read in one module, :mod:`course_lib.megatron.logs`.
+"""

@@ -1,0 +1,274 @@
+"""The trainer's flags: Megatron's names, every value and layout rule checked before any work starts.
+
+Like Megatron's ``megatron/training/arguments.py`` (``parse_args`` + ``validate_args``), for the
+course's trainer (:mod:`course_lib.train`):
+
+* :func:`add_megatron_arguments` / :func:`build_parser` / :func:`parse_args` -- the flags, with
+  ``pretrain_gpt.py``'s names and meanings (there is no ``--data-parallel-size``: DP = world /
+  (TP * PP * CP));
+* :func:`validate_args` -- each flag's value on its own (:func:`_check_values`), then the layout
+  (:class:`~course_lib.topology.ParallelConfig`) and the cross-flag rules, every one from
+  :mod:`course_lib.rules`; returns the args with derived values filled in and the validated config
+  that the run reads every layout fact from;
+* :func:`estimate_memory` -- a run's bytes per rank, so that a run that cannot fit this machine is
+  refused by name (the flag whose halving saves most) instead of dying in an allocation;
+* :func:`gpt_config_from_args` -- the model the flags describe; :func:`args_to_argv` -- the flags
+  that reproduce a namespace (for the torchrun command line).
+
+Adding a flag: define it in :func:`add_megatron_arguments` (its group), give its value rule in
+:func:`_check_values` (a ``rules`` call, or a name in one of the tuples above it), and put any
+cross-flag rule in :mod:`course_lib.rules`, called from :func:`validate_args`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional, Sequence
+
+from course_lib import rules
+from course_lib.data import ByteTokenizer, corpus_tokens
+from course_lib.model import GPTConfig
+from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
+from course_lib.topology import ParallelConfig
+
+SCHEDULES = ("1f1b", "gpipe")
+DESCRIPTION = "Train the tiny GPT under any TP x PP x CP x DP (+SP, +interleaving) layout: Megatron's flags."
+
+
+def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's flags (same names, same meaning as ``megatron/training/arguments.py``)."""
+    g = parser.add_argument_group("parallel layout (DP is derived: world / (TP*PP*CP))")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split LayerNorm/dropout activations along the sequence inside the TP group")
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="newer Megatron spelling: layers per model chunk")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="newer Megatron spelling: model chunks per pipeline rank")
+    g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b",
+                   help="course flag: 1f1b (Megatron's) or gpipe; virtual stages imply interleaved 1F1B")
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=8)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=8)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default seq-length")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary to a multiple of this times TP (Megatron's meaning)")
+    g.add_argument("--uniform-vocab-padding", action="store_true",
+                   help="course flag: pad as for TP = 1 on every layout (a multiple of "
+                        "--make-vocab-size-divisible-by), so every TP size trains the same model")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
+    g.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default micro * DP")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adam")
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=5)
+    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
+                   help="default: nccl with one GPU per rank, else gloo")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m course_lib.train`` (what torchrun runs on every rank)."""
+    parser = argparse.ArgumentParser(prog="python -m course_lib.train", description=DESCRIPTION)
+    return add_megatron_arguments(parser)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """The flags of ``argv`` (``sys.argv[1:]`` when None), not yet validated."""
+    return build_parser().parse_args(argv)
+
+
+# The value rule of every Megatron flag the trainer takes (layout sizes are named by their flag).
+_SIZES = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters",
+          "log_interval", "make_vocab_size_divisible_by")
+_OPTIONAL_SIZES = ("ffn_hidden_size", "max_position_embeddings", "global_batch_size", "lr_decay_iters")
+_PROBABILITIES = ("hidden_dropout", "attention_dropout")
+_NON_NEGATIVE = ("init_method_std", "lr", "min_lr", "weight_decay", "clip_grad")
+_FRACTIONS = ("adam_beta1", "adam_beta2", "sgd_momentum")          # in [0, 1): an average that forgets
+MAX_TIMEOUT_MINUTES = 7 * 24 * 60                                   # a week, as course_lib.launch
+MAX_SEED = 2 ** 32 - 1
+
+
+def _check_values(a: argparse.Namespace) -> None:
+    """Every flag's value on its own: integers in range, finite numbers in range (no NaN, no inf)."""
+    for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        rules.integer(dest.replace("_", "-"), getattr(a, dest))
+    for dest in _SIZES + tuple(d for d in _OPTIONAL_SIZES if getattr(a, d) is not None):
+        rules.integer(dest, getattr(a, dest))
+    rules.integer("lr_warmup_iters", a.lr_warmup_iters, 0)
+    rules.integer("seed", a.seed, 0, MAX_SEED)
+    for dest in _PROBABILITIES:
+        rules.probability(dest, getattr(a, dest))
+    for dest in _NON_NEGATIVE:
+        rules.number(dest, getattr(a, dest), 0.0)
+    for dest in _FRACTIONS:
+        rules.number(dest, getattr(a, dest), 0.0, 1.0, high_open=True)
+    rules.number("adam_eps", a.adam_eps, 0.0, low_open=True)      # 0 divides 0 by 0 on never-used vocab rows
+    rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
+                 low_open=True)
+
+
+def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
+                  ranks_on_this_machine: Optional[int] = None) -> tuple[argparse.Namespace, ParallelConfig]:
+    """Check a run's flags for ``world_size`` ranks, like Megatron's ``validate_args``: every
+    rule of :mod:`course_lib.rules`, before any work starts.
+
+    Returns ``(args, config)``: a copy of ``args`` with the derived values filled in
+    (``data_parallel_size``, ``world_size``, ``global_batch_size``,
+    ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...) and the validated
+    :class:`~course_lib.topology.ParallelConfig`, which the run reads its layout from. Raises a
+    one-line ``ValueError``. With ``check_memory``, also refuses a run whose estimated bytes
+    (:func:`estimate_memory`) exceed the memory this machine has available for
+    ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
+    No process group, no torch.distributed.
+    """
+    a = argparse.Namespace(**vars(args))
+    _check_values(a)
+    tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
+    vp = rules.virtual_pipeline_size(
+        a.num_layers, pp, virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
+        num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
+        num_virtual_stages_per_pipeline_rank=a.num_virtual_stages_per_pipeline_rank)
+    if vp is not None and a.pipeline_schedule != "1f1b":
+        raise ValueError(f"pipeline_schedule={a.pipeline_schedule} runs one model chunk per rank; virtual "
+                         f"pipeline stages need the interleaved 1F1B schedule (drop --pipeline-schedule)")
+    cfg = ParallelConfig(world_size=world_size, tp=tp, pp=pp, cp=cp, num_layers=a.num_layers,
+                         num_attention_heads=a.num_attention_heads, hidden_size=a.hidden_size,
+                         seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
+                         global_batch_size=a.global_batch_size, sequence_parallel=a.sequence_parallel,
+                         virtual_pipeline_model_parallel_size=vp)
+    a.world_size, a.data_parallel_size = world_size, cfg.dp
+    a.global_batch_size = cfg.effective_global_batch_size
+    a.sequence_parallel = cfg.sequence_parallel                 # off with TP = 1 (cfg.notes says so)
+    a.virtual_pipeline_model_parallel_size = cfg.virtual_pipeline_model_parallel_size
+    a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
+
+    gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
+    a.max_position_embeddings = gpt.max_position_embeddings
+    a.ffn_hidden_size = gpt.ffn_hidden_size
+    a.padded_vocab_size = gpt.padded_vocab_size
+    rules.vocab_divisible_by_tp(gpt.padded_vocab_size, tp)
+    rules.ffn_divisible_by_tp(gpt.ffn_hidden_size, tp)
+    rules.cp_attention_dropout(a.attention_dropout, cp)
+    rules.min_lr(a.min_lr, a.lr)
+    a.lr_decay_iters = a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters
+    if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
+        raise ValueError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
+                         f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
+    rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
+    if check_memory:
+        local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        _check_memory(a, cfg, local)
+    return a, cfg
+
+
+def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dict:
+    """Bytes one rank of this run needs at its peak, roughly (float32 everywhere):
+
+    * ``weights``: the dense master every rank builds (:func:`course_lib.model.build_model`),
+      plus this rank's parameters, gradients and Adam's two moments (4 x its share);
+    * ``activations``: what the busiest (first) stage keeps for backward: per layer and
+      micro-batch the ``[s/cp, b, h]``-sized tensors of a layer (~16 h + 3 ffn/t per token) and one
+      ``[b, heads/t, s/cp, s]`` score matrix, times its layers and the micro-batches in flight
+      (all ``m`` for GPipe, ``min(pp, m)`` for 1F1B), plus the logits ``[s/cp, b, V/t]`` (x3);
+    * ``batches``: the step's tokens and labels (int64).
+
+    ``halved``: flags whose value to halve first, to see which one weighs most."""
+    def value(name):
+        v = getattr(a, name)
+        return max(1, v // 2) if name in halved else v
+
+    h, L, s, b = value("hidden_size"), a.num_layers, value("seq_length"), value("micro_batch_size")
+    ffn = a.ffn_hidden_size if "ffn_hidden_size" not in halved else value("ffn_hidden_size")
+    if "hidden_size" in halved and a.ffn_hidden_size == 4 * a.hidden_size:
+        ffn = 4 * h                                           # the default follows the hidden size
+    V, positions, heads = a.padded_vocab_size, max(value("max_position_embeddings"), s), a.num_attention_heads
+    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
+    m = value("global_batch_size") // (b * cfg.dp) or 1
+    layer = 4 * h * h + 2 * h * ffn + ffn + 9 * h
+    master = V * h + positions * h + L * layer + 2 * h
+    mine = V * h // tp + positions * h + (L // pp) * layer // tp + 2 * h
+    tokens = (s // cp) * b
+    inflight = m if a.pipeline_schedule == "gpipe" else min(pp, m)
+    per_layer = tokens * (16 * h + 3 * ffn // tp) + b * max(1, heads // tp) * (s // cp) * s
+    return {"weights": 4 * (master + 4 * mine),
+            "activations": 4 * (per_layer * (L // pp) * inflight + 3 * tokens * V // tp),
+            "batches": 2 * 8 * m * b * s}
+
+
+_MEMORY_FLAGS = ("hidden_size", "seq_length", "micro_batch_size", "ffn_hidden_size", "global_batch_size",
+                 "max_position_embeddings")
+
+
+def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> None:
+    """Refuse a run that cannot fit this machine's memory, naming the flag whose halving saves most."""
+    parts = estimate_memory(a, cfg)
+    needed = ranks * sum(parts.values())
+    available = rules.available_memory_bytes()
+    if available is None or needed <= available:
+        return
+    saved = {flag: needed - ranks * sum(estimate_memory(a, cfg, **{flag: True}).values()) for flag in _MEMORY_FLAGS}
+    flag = max(saved, key=saved.get)
+    detail = (f"{ranks} rank(s) on this machine, each about {rules.format_bytes(parts['weights'])} of weights, "
+              f"gradients and optimizer state and {rules.format_bytes(parts['activations'] + parts['batches'])} of "
+              f"activations and batches")
+    rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
+
+
+def vocab_padding_tp(args: argparse.Namespace) -> int:
+    """The TP size the vocabulary is padded for: the run's own (Megatron), or 1 with
+    ``--uniform-vocab-padding`` (every layout the same model: what the course's layouts choose)."""
+    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size
+
+
+def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
+    """The :class:`~course_lib.model.GPTConfig` of a run (byte vocabulary, 257 tokens)."""
+    return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                     num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
+                     vocab_size=ByteTokenizer.vocab_size,
+                     make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                     vocab_padding_tp=vocab_padding_tp(args),
+                     max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
+                     hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                     init_method_std=args.init_method_std, seed=args.seed)
+
+
+def args_to_argv(args: argparse.Namespace) -> list[str]:
+    """The ``course_lib.train`` flags that reproduce ``args`` (only values that differ from the defaults)."""
+    argv = []
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help" or not hasattr(args, action.dest):
+            continue
+        value, flag = getattr(args, action.dest), action.option_strings[0]
+        if value == action.default:
+            continue
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, str(value)]
+    return argv
+
