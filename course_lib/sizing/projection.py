@@ -1,0 +1,438 @@
+"""Project one layout onto a named GPU cluster: step time, tokens/s, TFLOP/s per GPU, MFU, and why.
+
+``python -m course_lib project`` prints it; :func:`project` is the tested function. It adds
+**time** to :func:`course_lib.sizing.planner.plan` (which already validates the layout and
+counts FLOPs, bytes and memory with the papers' formulas) and to nothing else:
+
+1. **Compute per micro-batch and pipeline rank.** The GEMM FLOPs of one micro-batch through
+   the rank's layers, ``t_gemm = FLOPs / (peak x gemm_efficiency)``, per layer and sequence
+   taken from :func:`.flops.flops_per_iteration` (Narayanan Eq. 3 / Korthikanti Eq. 7-8: the
+   forward is a third of the model FLOPs, the backward two thirds, full recompute adds one
+   forward), divided over ``tp x cp``. Plus the memory-bound element-wise work the papers do
+   not count as FLOPs (LayerNorm, GeLU, softmax, dropout): the activation bytes of Korthikanti
+   Table 2 (:func:`.memory.activation_bytes_per_layer`) moved through HBM once forward and
+   twice backward (read, and the gradient written).
+2. **Communication per group**, priced with the alpha-beta model on the link the group's
+   ranks use: ranks are numbered in Megatron's order tp-cp-ep-dp-pp
+   (:class:`course_lib.topology.RankGrid`) and placed ``gpus_per_node`` to a node (torchrun's
+   ``--nproc-per-node``: rank r on node ``r // gpus_per_node``), so a group whose ranks sit on
+   more than one node talks over the network, else over NVLink. Bytes are
+   :mod:`.comm`'s (the ring cost model). TP and PP transfers sit on the critical path of each
+   micro-batch (Megatron 2021: blocking all-reduces and blocking send/recv); DP's gradient
+   reduction follows the backward pass unless ``dp_overlap`` hides part of it.
+3. **The pipeline** runs through the course's schedule simulator
+   (:func:`course_lib.pipeline.simulate.simulate`: 1F1B, or interleaved with ``vp > 1``) with
+   those per-rank times, so the bubble is the simulated one, not a formula.
+4. **Step** = pipeline makespan + exposed DP reduction + tied-embedding all-reduce +
+   optimizer step (memory-bound: Adam's fp32 state read and written through HBM).
+
+Every assumption is a field of :class:`Assumptions` with its default and source. The one
+calibrated constant is :data:`GEMM_EFFICIENCY`, fitted once to Narayanan et al. 2021 Table 1
+(tests/test_projection.py prints every row's error); everything else is a datasheet number
+(:mod:`.hardware`) or a paper's formula.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+from course_lib import rules
+from course_lib.sizing import _checks
+from course_lib.sizing.comm import cp_comm_per_layer, pp_send_elements, ring_elements_sent, tp_comm_per_layer
+from course_lib.sizing.flops import flops_per_iteration
+from course_lib.sizing.hardware import HARDWARE, Hardware, get_hardware
+from course_lib.sizing.memory import activation_bytes_per_layer, output_activation_terms
+from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan
+
+GEMM_EFFICIENCY = 0.61
+"""Fraction of the dense bf16 peak a transformer's GEMMs reach: the one constant fitted to
+Narayanan et al. 2021 Table 1 (A100, 1.7B-1T, full recompute, micro-batch 1): the value that
+minimises the summed squared log-error of the projected achieved TFLOP/s per GPU over the ten
+rows (0.600: -1.2 % mean, 0.610: +0.1 %, 0.620: +1.4 %; tests/test_projection.py prints every
+row's error with it). Everything else the projection uses is a datasheet number or a paper's
+formula. Table 1's end-to-end 44-52 % of peak is lower because the step also pays for
+element-wise work, communication, the bubble and the optimizer, which are priced separately."""
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Every modelling choice of :func:`project`, by name (default; source)."""
+
+    gemm_efficiency: float = GEMM_EFFICIENCY
+    """fraction of peak FLOP/s the GEMMs reach (fitted once to Narayanan Table 1)."""
+    elementwise_traffic: float = 1.0
+    """HBM passes over Korthikanti Table 2's activation bytes per forward (backward: twice
+    that; full recompute: once more). 1 = each stored byte written once and read once."""
+    flash_attention: bool = False
+    """the attention core fused (Dao 2022): no ``5as^2b`` score bytes through HBM. Off for the
+    2021 runs of Table 1; on for Megatron-core with Transformer Engine (--attention-backend)."""
+    link_efficiency: float = 1.0
+    """fraction of a link's peak bandwidth a collective reaches (1: the datasheet's)."""
+    tp_overlap: float = 0.0
+    """fraction of TP communication hidden behind GEMMs (0 in Megatron 2021; Megatron-core's
+    --tp-comm-overlap with Transformer Engine userbuffers hides much of it on Hopper)."""
+    cp_overlap: float = 0.0
+    """fraction of the CP ring hidden behind attention blocks (Transformer Engine overlaps the
+    next K/V exchange with the current block's attention; 0 = none hidden, an upper bound)."""
+    pp_overlap: float = 0.0
+    """fraction of pipeline send/recv hidden (0: Megatron's 1F1B waits on each p2p pair,
+    pipeline_parallel/schedules.py; --overlap-p2p-comm overlaps them in the interleaved schedule)."""
+    pp_scatter_gather: bool = True
+    """Narayanan §4.1's scatter/gather: across nodes each TP rank sends 1/t of the boundary
+    tensor on its own HCA, then an all-gather over NVLink rebuilds it."""
+    dp_overlap: float = 0.0
+    """fraction of the DP gradient reduction hidden behind the backward pass (0 in Megatron
+    2021, which reduced after backward; --overlap-grad-reduce in Megatron-core hides most)."""
+    optimizer_bytes_per_param: float = 28.0
+    """HBM bytes Adam moves per parameter it updates: fp32 weight, m and v read and written
+    (ZeRO §3.1's 12 bytes, x2), the 2-byte gradient read and the 2-byte weight written."""
+
+    def __post_init__(self):
+        for name in ("gemm_efficiency", "link_efficiency"):
+            rules.number(name, getattr(self, name), 0.0, 1.0, low_open=True)
+        for name in ("tp_overlap", "cp_overlap", "pp_overlap", "dp_overlap"):
+            rules.number(name, getattr(self, name), 0.0, 1.0)
+        rules.number("elementwise_traffic", self.elementwise_traffic, 0.0)
+        rules.number("optimizer_bytes_per_param", self.optimizer_bytes_per_param, 0.0)
+
+
+ASSUMPTION_NAMES = tuple(f.name for f in fields(Assumptions))
+
+
+@dataclass
+class GroupComm:
+    """One process group's communication in one step (the busiest rank's view)."""
+
+    name: str
+    group_size: int
+    link: str            # "NVLink", "network" or "-" (size-1 group)
+    bytes_sent: float    # per rank per step
+    seconds: float       # transfer + start-up time per step, before any overlap
+    exposed: float       # seconds left on the step after overlap
+    overlap: str = ""
+
+
+@dataclass
+class Projection:
+    """What :func:`project` computed (seconds, bytes, FLOP/s); ``plan`` holds the sizing."""
+
+    plan: Plan
+    hardware: Hardware
+    num_nodes: int
+    assumptions: Assumptions
+    t_forward: list          # seconds per micro-batch, per pipeline rank (compute + TP + PP)
+    t_backward: list
+    compute: dict            # per micro-batch on the busiest rank: gemm_forward, gemm_backward, elementwise
+    groups: dict             # name -> GroupComm
+    pipeline_time: float     # simulated makespan of the schedule
+    bubble: float            # simulated bubble fraction (idle / busy), Narayanan's t_pb / t_id
+    step_time: float
+    timeline: object = None
+    notes: list = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.plan.config["global_batch_size"] * self.plan.model.seq_length / self.step_time
+
+    @property
+    def achieved_flops_per_gpu(self) -> float:
+        """Narayanan's X: the FLOPs run (Eq. 3 with full recompute) per second per GPU."""
+        return self.plan.hardware_flops / (self.step_time * self.world_size)
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (Korthikanti Eq. 7) per second per GPU over the dense peak."""
+        return self.plan.model_flops / (self.step_time * self.world_size * self.hardware.peak_flops)
+
+    @property
+    def hfu(self) -> float:
+        return self.achieved_flops_per_gpu / self.hardware.peak_flops
+
+    def summary(self) -> str:
+        """A deterministic, rounded text report (what ``python -m course_lib project`` prints)."""
+        p, c = self.plan, self.plan.config
+        lines = [
+            self.hardware.summary(),
+            f"{p.model.name}: {p.num_parameters / 1e9:.1f}B parameters; TP={c['tp']} PP={c['pp']} DP={c['dp']} "
+            f"CP={c['cp']} VP={c['vp']} SP={c['sequence_parallel']} recompute={c['recompute']} on "
+            f"{self.world_size} GPUs = {self.num_nodes} node(s) of {self.hardware.gpus_per_node}; "
+            f"{p.num_microbatches} micro-batches of {c['micro_batch_size']} (global batch {c['global_batch_size']})",
+            f"memory of the busiest rank {p.memory['total'] / 1e9:.1f} GB of {self.hardware.hbm_gb:.0f} GB: "
+            f"{'fits' if p.fits else 'does NOT fit'}",
+            f"step {_t(self.step_time)} | {self.tokens_per_s:,.0f} tokens/s | "
+            f"{self.achieved_flops_per_gpu / 1e12:.1f} TFLOP/s per GPU (HFU {self.hfu:.1%}) | MFU {self.mfu:.1%}",
+            f"pipeline (simulated schedule) {_t(self.pipeline_time)}, bubble {self.bubble:.3f} "
+            f"(formula (p-1)/(v m) = {(c['pp'] - 1) / (c['vp'] * p.num_microbatches):.3f})",
+            "per micro-batch on the busiest rank: " + ", ".join(
+                f"{k.replace('_', ' ')} {_t(v)}" for k, v in self.compute.items()),
+            f"{'group':<10}{'size':>5}  {'link':<8}{'sent/step':>13}{'time':>11}{'exposed':>11}  overlap",
+        ]
+        for g in self.groups.values():
+            lines.append(f"{g.name:<10}{g.group_size:>5}  {g.link:<8}{g.bytes_sent / 1e9:>10.3f} GB"
+                         f"{_t(g.seconds):>11}{_t(g.exposed):>11}  {g.overlap}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _t(seconds: float) -> str:
+    """A duration with a readable unit, 3 significant digits."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if seconds >= scale or unit == "us":
+            return f"{seconds / scale:.3g} {unit}"
+
+
+def _layer_flops(model: ModelSpec, recompute: str) -> tuple[int, int]:
+    """(per-layer, logits) FLOPs of one sequence's forward + backward, from flops.py's closed forms.
+
+    F is linear in the number of layers, so one layer costs ``F(l=2) - F(l=1)`` and the logit
+    layer ``F(l=1) - layer``: the formulas stay in :mod:`.flops`.
+    """
+    s, h, V = model.seq_length, model.hidden_size, model.vocab_size
+    one, two = (flops_per_iteration(1, s, n, h, V, recompute=recompute) for n in (1, 2))
+    return two - one, one - (two - one)
+
+
+def _spans_nodes(groups: list, gpus_per_node: int) -> bool:
+    return any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
+
+
+def _num_nodes(world: int, hw: Hardware, num_nodes) -> int:
+    needed = math.ceil(world / hw.gpus_per_node)
+    if num_nodes is None:
+        return needed
+    n = rules.integer("num_nodes", num_nodes)
+    if n != needed:
+        raise ValueError(f"num_nodes={n} does not hold tp*pp*dp*cp = {world} GPUs at {hw.gpus_per_node} per node: "
+                         f"use num_nodes={needed}, or change dp so the layout fills {n} node(s) "
+                         f"(dp = {n * hw.gpus_per_node} / (tp*pp*cp))")
+    return n
+
+
+def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel=False, recompute="none",
+            zero_stage=0, micro_batch_size=1, global_batch_size=None, hardware="H100", num_nodes=None,
+            assumptions: Assumptions | None = None, **overrides) -> Projection:
+    """Project ``model`` under one layout on ``hardware`` (a name of :data:`.hardware.HARDWARE`).
+
+    The layout arguments are :func:`.planner.plan`'s (validated there, one-line ValueErrors).
+    ``dp`` may be left out when ``num_nodes`` is given: it is then derived as Megatron does,
+    ``num_nodes * gpus_per_node / (tp * pp * cp)``. ``overrides`` set fields of
+    :class:`Assumptions` by name (``gemm_efficiency=0.6, dp_overlap=0.8``).
+    """
+    hw = get_hardware(hardware)
+    for name in overrides:
+        if name not in ASSUMPTION_NAMES:
+            raise ValueError(f"{name}= is not an assumption of project(): use one of {', '.join(ASSUMPTION_NAMES)}")
+    a = replace(assumptions or Assumptions(), **overrides)
+    if dp is None:
+        if num_nodes is None:
+            dp = 1
+        else:
+            world = rules.integer("num_nodes", num_nodes) * hw.gpus_per_node
+            dp = rules.data_parallel_size(world, rules.integer(rules.TP, tp), rules.integer(rules.PP, pp),
+                                          rules.integer(rules.CP, cp))
+    p = plan(model, tp=tp, pp=pp, dp=dp, cp=cp, vp=vp, sequence_parallel=sequence_parallel, recompute=recompute,
+             zero_stage=zero_stage, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+             gpu_memory_gb=hw.hbm_gb)
+    c = p.config
+    sp, mode, m, world = c["sequence_parallel"], c["recompute"], p.num_microbatches, p.world_size
+    nodes = _num_nodes(world, hw, num_nodes)
+    s, b, h, heads, L = model.seq_length, micro_batch_size, model.hidden_size, model.num_heads, model.num_layers
+    layers = L // pp
+    notes = list(p.notes)
+
+    from course_lib.topology import RankGrid  # numpy; imported here so `sizing` stays light
+
+    grid = RankGrid(world, tp=tp, pp=pp, cp=cp)
+    gpn = hw.gpus_per_node
+
+    def link(token: str, size: int) -> tuple[str, float, float]:
+        if size == 1:
+            return "-", math.inf, 0.0
+        if _spans_nodes(grid.groups(token), gpn):
+            return "network", hw.internode_bandwidth * a.link_efficiency, hw.inter_latency_s
+        return "NVLink", hw.nvlink_bandwidth * a.link_efficiency, hw.intra_latency_s
+
+    # ---- compute per micro-batch, per pipeline rank (seconds)
+    rate = hw.peak_flops * a.gemm_efficiency
+    layer_none, logits = _layer_flops(model, "none")
+    layer_fwd = layer_none / 3 * b / (tp * cp)
+    extra = (_layer_flops(model, mode)[0] - layer_none) * b / (tp * cp)  # recomputed forward FLOPs
+    logits_fwd = logits / 3 * b / tp
+    act = activation_bytes_per_layer(s, b, h, heads, tp, sp, "selective" if a.flash_attention else "none", cp)
+    mem_fwd = layers * act * a.elementwise_traffic / hw.hbm_bandwidth
+    out_bytes = output_activation_terms(s // cp, b, h, model.vocab_size, tp, sp)["output"]
+    mem_out = out_bytes * a.elementwise_traffic / hw.hbm_bandwidth
+    gemm_f = [layers * layer_fwd / rate + (logits_fwd / rate if r == pp - 1 else 0.0) for r in range(pp)]
+    gemm_b = [layers * (2 * layer_fwd + extra) / rate + (2 * logits_fwd / rate if r == pp - 1 else 0.0)
+              for r in range(pp)]
+    mem_f = [mem_fwd + (mem_out if r == pp - 1 else 0.0) for r in range(pp)]
+    mem_b = [2 * x + (mem_fwd if mode == "full" else 0.0) for x in mem_f]
+
+    groups: dict[str, GroupComm] = {}
+
+    # ---- TP: 2 collectives per layer forward, 2 backward (x2 with SP), +2 SP all-gathers, + recompute
+    name, bw, alpha = link("tp", tp)
+    tp_f = tp_b = 0.0
+    if tp > 1:
+        d = tp_comm_per_layer(s, b, h, tp, sp, mode, cp)
+        per = 2 if sp else 1
+        n_f, n_b = 2 * per * layers, (2 * per + (2 if sp else 0) + (2 * per if mode == "full" else 0)) * layers
+        bytes_f = 2.0 * d["forward"] * layers
+        bytes_b = 2.0 * (d["backward"] + d["sp_backward_all_gather"] + d["recompute_forward"]) * layers
+        tp_f, tp_b = bytes_f / bw + n_f * alpha, bytes_b / bw + n_b * alpha
+        total = (tp_f + tp_b) * m
+        groups["tp"] = GroupComm("tp", tp, name, (bytes_f + bytes_b) * m, total, total * (1 - a.tp_overlap),
+                                 f"{a.tp_overlap:.0%} hidden (tp_overlap)")
+        tp_f, tp_b = tp_f * (1 - a.tp_overlap), tp_b * (1 - a.tp_overlap)
+
+    # ---- CP: the K/V ring in attention
+    name, bw, alpha = link("cp", cp)
+    cp_f = cp_b = 0.0
+    if cp > 1:
+        d = cp_comm_per_layer(s, b, h, heads, cp, tp)
+        cp_f = 2.0 * d["forward"] * layers / bw + 2 * (cp - 1) * layers * alpha
+        cp_b = 2.0 * d["backward_estimate"] * layers / bw + 4 * (cp - 1) * layers * alpha
+        total = (cp_f + cp_b) * m
+        groups["cp"] = GroupComm("cp", cp, name, 2.0 * d["total_estimate"] * layers * m, total,
+                                 total * (1 - a.cp_overlap), f"{a.cp_overlap:.0%} hidden (cp_overlap)")
+        cp_f, cp_b = cp_f * (1 - a.cp_overlap), cp_b * (1 - a.cp_overlap)
+
+    # ---- PP: one boundary tensor per micro-batch and model chunk each way (blocking send/recv pairs)
+    name, bw, alpha = link("pp", pp)
+    pp_one = 0.0
+    if pp > 1:
+        x = 2.0 * pp_send_elements(s, b, h, tp, cp, sp)  # bytes of one send
+        gather = 0.0
+        if name == "network" and a.pp_scatter_gather and tp > 1 and not sp:
+            x /= tp  # each TP rank sends its 1/t on its own HCA, then an NVLink all-gather
+            tp_link = link("tp", tp)
+            gather = ring_elements_sent("all_gather", x * tp, tp) / tp_link[1] + tp_link[2]
+            notes.append("PP across nodes with Narayanan §4.1's scatter/gather: each TP rank sends 1/t "
+                         "of the boundary tensor, an NVLink all-gather rebuilds it")
+        pp_one = (x / bw + alpha + gather)
+        sends = 2 * m * vp  # a middle rank: one activation and one gradient per micro-batch and chunk
+        total = pp_one * sends
+        groups["pp"] = GroupComm("pp", pp, name, x * sends, total, total * (1 - a.pp_overlap),
+                                 f"{a.pp_overlap:.0%} hidden (pp_overlap): 1F1B waits on each send/recv pair")
+        pp_one *= 1 - a.pp_overlap
+
+    t_f = [gemm_f[r] + mem_f[r] + tp_f + cp_f + vp * pp_one for r in range(pp)]
+    t_b = [gemm_b[r] + mem_b[r] + tp_b + cp_b + vp * pp_one for r in range(pp)]
+
+    # ---- the pipeline, simulated
+    from course_lib.pipeline.cli import MAX_PASSES
+    from course_lib.pipeline.schedules import build_schedule
+    from course_lib.pipeline.simulate import simulate
+
+    if pp * vp * m > MAX_PASSES:
+        raise ValueError(f"pp {pp} x vp {vp} x {m} micro-batches = {pp * vp * m} passes; the schedule simulator "
+                         f"handles at most {MAX_PASSES}: raise micro_batch_size or lower global_batch_size")
+    schedule = build_schedule("interleaved" if vp > 1 else "1f1b", pp, m, vp)
+    timeline = simulate(schedule, t_f, t_b)
+    pipeline_time = timeline.makespan
+
+    # ---- after the backward: DP gradients, tied embedding, optimizer
+    token = "dp-cp" if cp > 1 else "dp"
+    name, bw, alpha = link(token, dp * cp)
+    if dp * cp > 1:
+        t_dp = p.comm["dp"] / bw + alpha
+        groups["dp"] = GroupComm(token, dp * cp, name, p.comm["dp"], t_dp, t_dp * (1 - a.dp_overlap),
+                                 f"{a.dp_overlap:.0%} hidden behind backward (dp_overlap)")
+    if pp > 1:
+        name, bw, alpha = link("embedding", 2)
+        emb = 2.0 * ring_elements_sent("all_reduce", model.vocab_size // tp * h, 2)
+        groups["embedding"] = GroupComm("embedding", 2, name, emb, emb / bw + alpha, emb / bw + alpha,
+                                        "none: tied word-embedding gradient, first + last stage")
+    updated = max(p.params_per_stage) / (dp * cp if zero_stage >= 1 else 1)
+    t_opt = updated * a.optimizer_bytes_per_param / hw.hbm_bandwidth
+    step = pipeline_time + sum(g.exposed for g in groups.values() if g.name in ("dp", "dp-cp", "embedding")) + t_opt
+
+    compute = {"gemm_forward": gemm_f[0], "gemm_backward": gemm_b[0], "elementwise": mem_f[0] + mem_b[0],
+               "optimizer_step": t_opt}
+    if not p.fits:
+        notes.append(f"the busiest rank needs {p.memory['total'] / 1e9:.1f} GB, more than the "
+                     f"{hw.hbm_gb:.0f} GB of HBM: the projection is of a run that would not start")
+    return Projection(plan=p, hardware=hw, num_nodes=nodes, assumptions=a, t_forward=t_f, t_backward=t_b,
+                      compute=compute, groups=groups, pipeline_time=pipeline_time, bubble=timeline.bubble_fraction,
+                      step_time=step, timeline=timeline, notes=notes)
+
+
+# ============================================================================ command line
+
+def _preset(name: str) -> dict:
+    for key, value in PRESETS.items():
+        if key.lower() == name.strip().lower() or key.split(" (")[0].lower() == name.strip().lower():
+            return value
+    raise ValueError(f"--model {name!r} is not a preset: use one of {', '.join(repr(k) for k in PRESETS)}, "
+                     f"or give --num-layers, --hidden-size and --num-attention-heads")
+
+
+def add_arguments(parser) -> None:
+    parser.description = ("Project a layout's step time, tokens/s, TFLOP/s per GPU, MFU and per-group communication "
+                          "on a GPU cluster (a model, not a measurement: every assumption is a flag).")
+    parser.add_argument("--hardware", default="H100", help=f"GPU profile: {', '.join(HARDWARE)} (default H100)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="nodes (DP = nodes x GPUs per node / (TP PP CP))")
+    parser.add_argument("--model", default=None, help=f"a preset: {'; '.join(PRESETS)}")
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-attention-heads", type=int, default=None)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=51200, help="padded vocabulary (default 51200)")
+    parser.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None)
+    parser.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=None)
+    parser.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=None)
+    parser.add_argument("--virtual-pipeline-model-parallel-size", "--vp", dest="vp", type=int, default=None)
+    parser.add_argument("--sequence-parallel", action="store_true", default=None)
+    parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+                        help="activation recomputation (absent: none, unless the preset recomputes)")
+    parser.add_argument("--use-distributed-optimizer", action="store_true", default=None,
+                        help="shard the optimizer state over DP (ZeRO-1)")
+    parser.add_argument("--micro-batch-size", type=int, default=None)
+    parser.add_argument("--global-batch-size", type=int, default=None)
+    for f in fields(Assumptions):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag, action=argparse_bool(), default=None, help=f"assumption (default {f.default})")
+        else:
+            parser.add_argument(flag, type=float, default=None, help=f"assumption (default {f.default:g})")
+
+
+def argparse_bool():
+    import argparse
+
+    return argparse.BooleanOptionalAction
+
+
+def run(args) -> int:
+    preset = _preset(args.model) if args.model else None
+    if preset:
+        model, config = preset["model"], dict(preset["config"])
+        config.pop("dp", None)  # derived from --num-nodes, as Megatron derives it from the launch
+    else:
+        missing = [flag for flag, v in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
+                                        ("--num-attention-heads", args.num_attention_heads)) if v is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} missing: give the model's shape, or --model with a preset "
+                             f"({'; '.join(PRESETS)})")
+        model = ModelSpec("model", args.num_layers, args.hidden_size, args.num_attention_heads, args.vocab_size,
+                          args.seq_length)
+        config = dict(tp=1, pp=1, cp=1, vp=1, sequence_parallel=False, recompute="none", zero_stage=0,
+                      micro_batch_size=1, global_batch_size=None)
+    for key in ("tp", "pp", "cp", "vp", "micro_batch_size", "global_batch_size"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
+    if args.sequence_parallel:
+        config["sequence_parallel"] = True
+    if args.recompute_granularity:
+        config["recompute"] = args.recompute_granularity
+    if args.use_distributed_optimizer:
+        config["zero_stage"] = 1
+    overrides = {f.name: getattr(args, f.name) for f in fields(Assumptions) if getattr(args, f.name) is not None}
+    proj = project(model, hardware=args.hardware, num_nodes=args.num_nodes, **config, **overrides)
+    print(proj.summary())
+    return 0
