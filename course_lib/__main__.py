@@ -16,7 +16,7 @@ COMMANDS = {
     "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
     "workspace": ("course_lib.workspace", "copy new labs into your workspace my-labs/ (never over your work); --fresh NN for a fresh copy"),
     "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
-    "rankmap": ("course_lib.topology_cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
+    "rankmap": ("course_lib.topology.cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
     "megatron-cmd": ("course_lib.megatron.command",
                      "print the real Megatron-LM commands (pretrain_gpt.py, preprocess_data.py, run_tiny_gpt.sh)"),
     "report": ("course_lib.megatron.report", "read training logs (Megatron-LM or course) into the Day 22 record table"),

@@ -1,4 +1,4 @@
-"""Diagrams, the rankmap CLI, the topology widget and Lab 01's checkers.
+"""The topology pictures (rank map, boundary sketch), the rankmap CLI, the widget and Lab 01's checkers.
 
 Pictures are checked by what they contain (every rank, every link, the right
 labels), computed independently from the seed's group lists -- not by pixels.
@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from course_lib import diagrams  # noqa: E402
+from course_lib.topology import boundaries, rankmap  # noqa: E402
 from course_lib.topology import ParallelConfig, RankGrid  # noqa: E402
 
 SEED = RankGrid(8, tp=2, pp=2)  # TP [0,1][2,3][4,5][6,7]; PP [0,4][1,5][2,6][3,7]; DP [0,2][1,3][4,6][5,7]
@@ -28,16 +28,16 @@ def _close_figures():
 # ---- pure layout helpers ------------------------------------------------------------------
 
 def test_highlight_roles_and_layout_for_the_seed():
-    assert diagrams.highlight_roles(SEED, 5) == {5: "self", 4: "tp", 7: "dp", 1: "pp"}
-    assert diagrams.highlight_roles(SEED, None) == {}
-    assert diagrams.stage_layout(SEED) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert rankmap.highlight_roles(SEED, 5) == {5: "self", 4: "tp", 7: "dp", 1: "pp"}
+    assert rankmap.highlight_roles(SEED, None) == {}
+    assert rankmap.stage_layout(SEED) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 
 
 @pytest.mark.parametrize("grid", [RankGrid(128, tp=4, pp=4), RankGrid(8, tp=2, pp=2, cp=2),
                                   RankGrid(24, tp=2, pp=3, cp=2, order="tp-pp-dp-cp"),
                                   RankGrid(32, tp=16, pp=2), RankGrid(32, tp=4, pp=8)])
 def test_stage_layout_lines_up_pp_partners(grid):
-    layout = diagrams.stage_layout(grid)
+    layout = rankmap.stage_layout(grid)
     where = {r: (s, b, k) for s, boxes in enumerate(layout) for b, g in enumerate(boxes) for k, r in enumerate(g)}
     assert sorted(where) == list(range(grid.world_size))
     for group in grid.groups("pp"):  # the same box and cell in every stage, stage = pp rank
@@ -49,13 +49,13 @@ def test_stage_layout_lines_up_pp_partners(grid):
 
 
 def test_links_for_the_seed():
-    links = diagrams.links(SEED, "ranks", highlight=5)
+    links = rankmap.links(SEED, "ranks", highlight=5)
     pp = {(a, b) for axis, a, b, _ in links if axis == "pp"}
     dp = {(a, b) for axis, a, b, _ in links if axis == "dp"}
     assert pp == {(0, 4), (1, 5), (2, 6), (3, 7)}
     assert dp == {(0, 2), (1, 3), (4, 6), (5, 7)}
     assert {(axis, a, b) for axis, a, b, bold in links if bold} == {("pp", 1, 5), ("dp", 5, 7)}
-    merged = diagrams.links(SEED, "groups", highlight=5)  # one link per pair of TP boxes
+    merged = rankmap.links(SEED, "groups", highlight=5)  # one link per pair of TP boxes
     assert sorted((axis, bold) for axis, _, _, bold in merged) == [
         ("dp", False), ("dp", True), ("pp", False), ("pp", True)]
 
@@ -67,7 +67,7 @@ def _cells(source):
 
 
 def test_graphviz_rank_map_of_the_seed(tmp_path):
-    dot = diagrams.rank_map(SEED, highlight=5, num_layers=8)
+    dot = rankmap.rank_map(SEED, highlight=5, num_layers=8)
     src = dot.source
     assert _cells(src) == list(range(8))
     assert src.count("subgraph cluster_stage") == 2
@@ -75,29 +75,29 @@ def test_graphviz_rank_map_of_the_seed(tmp_path):
     pp_edges = re.findall(r"(s\d+b\d+):p(\d+):s -> (s\d+b\d+):p(\d+):n", src)
     assert len(pp_edges) == 4  # rank-to-rank PP arrows
     assert src.count("style=dashed") == 2  # DP: one link per pair of boxes, in each stage
-    assert diagrams.COLORS["self"] in src and "rank 5: tp [4, 5]  dp [5, 7]  pp [1, 5]" in src
-    svg = diagrams.save(dot, tmp_path / "seed.svg").read_text()
+    assert rankmap.COLORS["self"] in src and "rank 5: tp [4, 5]  dp [5, 7]  pp [1, 5]" in src
+    svg = rankmap.save(dot, tmp_path / "seed.svg").read_text()
     texts = re.findall(r">(\d+)</text>", svg)
     assert sorted(set(map(int, texts)) & set(range(8))) == list(range(8))
-    assert diagrams.save(dot, tmp_path / "seed.dot").read_text() == src
+    assert rankmap.save(dot, tmp_path / "seed.dot").read_text() == src
 
 
 def test_graphviz_rank_map_128_ranks_and_cp():
-    src = diagrams.rank_map(RankGrid(128, tp=4, pp=4), highlight=37, num_layers=72).source
+    src = rankmap.rank_map(RankGrid(128, tp=4, pp=4), highlight=37, num_layers=72).source
     assert _cells(src) == list(range(128))
     assert src.count("subgraph cluster_stage") == 4 and src.count("TP group · dp") == 32
     assert "layers 54–71" in src
-    cp = diagrams.rank_map(RankGrid(8, tp=2, pp=2, cp=2)).source
+    cp = rankmap.rank_map(RankGrid(8, tp=2, pp=2, cp=2)).source
     assert cp.count("style=dotted") == 2 and "style=dashed" not in cp  # dp = 1: no DP links
 
 
 def test_save_rejects_unknown_suffix(tmp_path):
     with pytest.raises(ValueError, match=r"cannot write a Graphviz map as '.gif'"):
-        diagrams.save(diagrams.rank_map(SEED), tmp_path / "x.gif")
+        rankmap.save(rankmap.rank_map(SEED), tmp_path / "x.gif")
     with pytest.raises(ValueError, match=r"cannot write a matplotlib figure as '.dot'"):
-        diagrams.save(diagrams.rank_map_figure(SEED), tmp_path / "x.dot")
+        rankmap.save(rankmap.rank_map_figure(SEED), tmp_path / "x.dot")
     with pytest.raises(ValueError, match="detail="):
-        diagrams.rank_map(SEED, detail="everything")
+        rankmap.rank_map(SEED, detail="everything")
 
 
 # ---- matplotlib ----------------------------------------------------------------------------
@@ -108,16 +108,16 @@ def _numbers(fig):
 
 @pytest.mark.parametrize("grid", [SEED, RankGrid(128, tp=4, pp=4), RankGrid(8, tp=2, pp=2, cp=2)])
 def test_matplotlib_rank_map_shows_every_rank_once(grid):
-    fig = diagrams.rank_map_figure(grid, highlight=grid.world_size - 3)
+    fig = rankmap.rank_map_figure(grid, highlight=grid.world_size - 3)
     assert isinstance(fig, matplotlib.figure.Figure)
     assert _numbers(fig) == list(range(grid.world_size))
 
 
 def test_matplotlib_rank_map_draws_seed_links():
-    fig = diagrams.rank_map_figure(SEED, highlight=5)
+    fig = rankmap.rank_map_figure(SEED, highlight=5)
     arrows = [p for p in fig.axes[0].patches if isinstance(p, matplotlib.patches.FancyArrowPatch)]
     colors = [matplotlib.colors.to_hex(p.get_edgecolor()) for p in arrows]
-    assert colors.count(diagrams.COLORS["pp"]) == 4 and colors.count(diagrams.COLORS["dp"]) == 4
+    assert colors.count(rankmap.COLORS["pp"]) == 4 and colors.count(rankmap.COLORS["dp"]) == 4
 
 
 # ---- the hand-drawn boundary picture ---------------------------------------------------------
@@ -127,11 +127,11 @@ def _texts(fig):
 
 
 def _tp_cuts(fig):
-    return [ln for ln in fig.axes[0].lines if matplotlib.colors.to_hex(ln.get_color()) == diagrams.COLORS["tp"]]
+    return [ln for ln in fig.axes[0].lines if matplotlib.colors.to_hex(ln.get_color()) == rankmap.COLORS["tp"]]
 
 
 def test_boundary_sketch_seed_000():
-    fig = diagrams.boundary_sketch(8, tp=2, pp=2)
+    fig = boundaries.boundary_sketch(8, tp=2, pp=2)
     texts = _texts(fig)
     assert "PP cut: stage 0 (layers 0–3) | stage 1 (layers 4–7)" in texts
     assert sum("⊕ all-reduce (g) over TP" in t for t in texts) == 2 * 4  # 2 per layer, 4 layers drawn
@@ -142,7 +142,7 @@ def test_boundary_sketch_seed_000():
 
 
 def test_boundary_sketch_seed_001_and_uneven_split():
-    fig = diagrams.boundary_sketch(72, tp=4, pp=4, xkcd=False)
+    fig = boundaries.boundary_sketch(72, tp=4, pp=4, xkcd=False)
     texts = _texts(fig)
     assert [t for t in texts if t.startswith("PP cut")] == [
         "PP cut: stage 0 (layers 0–17) | stage 1 (layers 18–35)",
@@ -151,21 +151,21 @@ def test_boundary_sketch_seed_001_and_uneven_split():
     assert len(_tp_cuts(fig)) == 4 * 2 * 3
     uneven = ParallelConfig(4, pp=4, num_layers=10, decoder_first_pipeline_num_layers=1,
                             decoder_last_pipeline_num_layers=1)
-    texts = _texts(diagrams.boundary_sketch(config=uneven, xkcd=False))
+    texts = _texts(boundaries.boundary_sketch(config=uneven, xkcd=False))
     assert "PP cut: stage 0 (layers 0–0) | stage 1 (layers 1–4)" in texts
     assert not any("all-reduce (g)" in t for t in texts)  # tp = 1: nothing to all-reduce
     with pytest.raises(ValueError, match="num_layers=10 is not divisible by pipeline-model-parallel-size=4"):
-        diagrams.boundary_sketch(10, tp=1, pp=4)
+        boundaries.boundary_sketch(10, tp=1, pp=4)
 
 
 # ---- CLI -------------------------------------------------------------------------------------
 
 def _cli_args(*argv):
-    from course_lib import topology_cli
+    from course_lib.topology import cli
 
     parser = argparse.ArgumentParser()
-    topology_cli.add_arguments(parser)
-    return topology_cli, parser.parse_args(argv)
+    cli.add_arguments(parser)
+    return cli, parser.parse_args(argv)
 
 
 def test_cli_text_table(capsys):
@@ -193,7 +193,7 @@ def test_cli_writes_svg_with_every_rank(tmp_path):
 def test_cli_bad_config_is_one_line_and_nonzero(capsys, monkeypatch):
     import course_lib.__main__ as main_mod
 
-    monkeypatch.setitem(main_mod.COMMANDS, "rankmap", ("course_lib.topology_cli", "rank map"))
+    monkeypatch.setitem(main_mod.COMMANDS, "rankmap", ("course_lib.topology.cli", "rank map"))
     for argv, msg in [(["--tp", "3"], "world_size=8 is not divisible by tensor-model-parallel-size=3"),
                       (["--tp", "2", "--cp", "2", "--order", "tp-dp-pp"], "'cp' is missing from order"),
                       (["--highlight", "8"], "rank=8 is outside the grid"),
@@ -207,7 +207,7 @@ def test_cli_bad_config_is_one_line_and_nonzero(capsys, monkeypatch):
 # ---- widget ----------------------------------------------------------------------------------
 
 def test_widget_render_and_controls():
-    from course_lib.widgets_topology import RankMapWidget, render
+    from course_lib.topology.widget import RankMapWidget, render
 
     out = render(8, tp=2, pp=2, highlight=5)
     assert out["error"] is None and "<svg" in out["svg"]

@@ -34,12 +34,11 @@ Pure Python, no torch: instant to import (the rank-map CLI and widgets can use i
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field
 
 from course_lib import rules
 from course_lib.rules import AXIS_FLAG
-from course_lib.topology import DEFAULT_ORDER, parse_order
+from course_lib.topology.grid import DEFAULT_ORDER, parse_order, rank_groups
 
 __all__ = ["MoEGrid", "expert_groups", "rank_groups", "EXPERT_TOKENS", "EXPERT_TOKEN_GROUP",
            "EP_FLAG", "EXPERT_TP_FLAG"]
@@ -59,33 +58,10 @@ EXPERT_TOKEN_GROUP = {
 EXPERT_TOKENS = tuple(EXPERT_TOKEN_GROUP)
 
 
-def rank_groups(order: tuple[str, ...], sizes: dict[str, int], token: str) -> list[list[int]]:
-    """Groups of ``token`` in a grid laid out along ``order`` (first axis fastest).
-
-    A group is the set of ranks that differ only along the token's axes; members are
-    listed with the grid's first axis fastest, groups with the other axes' first axis
-    fastest -- the semantics of Megatron's ``generate_masked_orthogonal_rank_groups``.
-    ``order``: every axis once (as returned by ``parse_order``); ``sizes``: axis -> size.
-    """
-    inside = set(token.split("-"))
-    unknown = inside - set(order)
-    if unknown:
-        raise ValueError(f"token={token!r} has unknown axis {sorted(unknown)[0]!r}; use axes of {'-'.join(order)}")
-    stride = {a: math.prod(sizes[b] for b in order[:i]) for i, a in enumerate(order)}
-
-    def offsets(axes: list[str]) -> list[int]:
-        out = [0]
-        for a in axes:  # later axes vary slower
-            out = [o + i * stride[a] for i in range(sizes[a]) for o in out]
-        return out
-
-    members = offsets([a for a in order if a in inside])
-    return [[base + m for m in members] for base in offsets([a for a in order if a not in inside])]
-
-
 @functools.lru_cache(maxsize=4096)
 def _cached_groups(order: tuple[str, ...], shape: tuple[int, ...], token: str) -> tuple[tuple[int, ...], ...]:
-    """``rank_groups`` memoised on the grid's shape (a grid is rebuilt for many layouts)."""
+    """:func:`course_lib.topology.grid.rank_groups` (the one group algorithm, shared with ``RankGrid``)
+    memoised on the grid's shape (a grid is rebuilt for many layouts)."""
     return tuple(map(tuple, rank_groups(order, dict(zip(order, shape)), token)))
 
 

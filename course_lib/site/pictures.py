@@ -131,7 +131,7 @@ def _note(what: str) -> str:
 
 
 def _rank_map_view(stem: str, args, kwargs) -> WidgetView:
-    from course_lib.widgets_topology import RankMapWidget, render
+    from course_lib.topology.widget import RankMapWidget, render
 
     call = inspect.signature(RankMapWidget).bind(*args, **kwargs)
     call.apply_defaults()

@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 
 from course_lib.safe_files import check_output_file
-from course_lib.topology import DEFAULT_ORDER, ParallelConfig, RankGrid
+from course_lib.topology import rankmap
+from course_lib.topology.config import ParallelConfig
+from course_lib.topology.grid import DEFAULT_ORDER, RankGrid
 
 TABLE_MAX_RANKS = 1 << 20  # 1,048,576 ranks: ~100 MB for the group tables
 DRAW_MAX_RANKS = 1024      # a map of more ranks is unreadable (and takes minutes with matplotlib)
@@ -71,14 +73,12 @@ def check_size(world_size: int, drawing: bool) -> None:
 
 def _check_out(args: argparse.Namespace) -> Path:
     """The ``--out`` path: a suffix the engine writes, and a file that may be written (before any work)."""
-    from course_lib import diagrams
-
     out = Path(args.out)
     suffix = out.suffix.lower()
-    if args.engine == "matplotlib" and suffix not in diagrams.FORMATS_MATPLOTLIB:
-        raise ValueError(f"--out {args.out}: matplotlib writes {', '.join(diagrams.FORMATS_MATPLOTLIB)}; "
+    if args.engine == "matplotlib" and suffix not in rankmap.FORMATS_MATPLOTLIB:
+        raise ValueError(f"--out {args.out}: matplotlib writes {', '.join(rankmap.FORMATS_MATPLOTLIB)}; "
                          f"change the suffix")
-    if args.engine == "graphviz" and suffix not in diagrams.FORMATS_GRAPHVIZ:
+    if args.engine == "graphviz" and suffix not in rankmap.FORMATS_GRAPHVIZ:
         raise ValueError(f"--out {args.out}: use a .svg, .png, .pdf or .dot file name")
     return check_output_file(out, force=args.force, what="--out")
 
@@ -111,20 +111,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"(per-rank coordinates omitted for {grid.world_size} ranks)")
         return 0
 
-    from course_lib import diagrams
-
     if args.engine == "matplotlib":
         import matplotlib
 
         matplotlib.use("Agg")
-        fig = diagrams.rank_map_figure(grid, highlight=args.highlight, num_layers=args.num_layers)
-        diagrams.save(fig, out)
+        fig = rankmap.rank_map_figure(grid, highlight=args.highlight, num_layers=args.num_layers)
+        rankmap.save(fig, out)
     else:
         import graphviz
 
-        dot = diagrams.rank_map(grid, highlight=args.highlight, num_layers=args.num_layers)
+        dot = rankmap.rank_map(grid, highlight=args.highlight, num_layers=args.num_layers)
         try:
-            diagrams.save(dot, out)
+            rankmap.save(dot, out)
         except graphviz.ExecutableNotFound:
             raise ValueError("Graphviz's 'dot' program is not installed; install graphviz, or use "
                              "--out NAME.dot, or --engine matplotlib") from None

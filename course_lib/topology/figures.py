@@ -2,8 +2,8 @@
 
 ``write_figures(out_dir)`` writes, for each seed layout, the Graphviz map (SVG)
 and the matplotlib map (PNG), plus the boundary sketch -- all from the tested
-functions in ``course_lib.diagrams``. ``python -m course_lib.figures_topology``
-(or ``main()``) writes them into ``figures/``.
+functions in :mod:`course_lib.topology.rankmap` and :mod:`course_lib.topology.boundaries`.
+``python -m course_lib.topology.figures`` (or ``main()``) writes them into ``figures/``.
 
 Seed layouts: 8 = TP2 x PP2 x DP2 (seed 003); 32 GPUs as TP16 x PP2 and as
 TP4 x PP8 (seed 000); 128 = TP4 x PP4 x DP8 with 72 layers (seed 001);
@@ -31,22 +31,23 @@ def write_figures(out_dir) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from course_lib import diagrams
-    from course_lib.topology import RankGrid
+    from course_lib.topology.boundaries import boundary_sketch
+    from course_lib.topology.grid import RankGrid
+    from course_lib.topology.rankmap import rank_map, rank_map_figure, save
 
     out_dir = Path(out_dir)
     written = []
     for name, (kwargs, layers, highlight) in SEED_LAYOUTS.items():
         grid = RankGrid(**kwargs)
-        written.append(diagrams.save(diagrams.rank_map(grid, highlight=highlight, num_layers=layers),
+        written.append(save(rank_map(grid, highlight=highlight, num_layers=layers),
                                      out_dir / f"{name}.svg"))
-        fig = diagrams.rank_map_figure(grid, highlight=highlight, num_layers=layers)
-        written.append(diagrams.save(fig, out_dir / f"{name}.png"))
+        fig = rank_map_figure(grid, highlight=highlight, num_layers=layers)
+        written.append(save(fig, out_dir / f"{name}.png"))
         plt.close(fig)
     for name, (layers, tp, pp) in {"tp_pp_boundaries_8layers_tp2_pp2": (8, 2, 2),
                                    "tp_pp_boundaries_72layers_tp4_pp4": (72, 4, 4)}.items():
-        fig = diagrams.boundary_sketch(layers, tp, pp)
-        written.append(diagrams.save(fig, out_dir / f"{name}.png", dpi=100))
+        fig = boundary_sketch(layers, tp, pp)
+        written.append(save(fig, out_dir / f"{name}.png", dpi=100))
         plt.close(fig)
     return written
 

@@ -1,28 +1,22 @@
-"""Pictures of the rank grid, all drawn from one ``RankGrid``.
+"""The rank map: pictures of the rank grid, all drawn from one ``RankGrid``.
 
 * ``rank_map(grid)`` -> ``graphviz.Digraph``: pipeline stages as clusters, TP
   groups as boxes of rank cells, PP send/recv as solid arrows, DP links dashed,
   CP links dotted; ``highlight=r`` colours rank r's groups.
 * ``rank_map_figure(grid)`` -> matplotlib ``Figure``: the same map without Graphviz.
-* ``boundary_sketch(num_layers, tp, pp)`` -> ``Figure``: the seed-000 "hand-drawn"
-  picture -- Transformer blocks stacked, PP cuts *between* blocks (stage, layer
-  range, send/recv), TP cuts *inside* blocks (QKV/FC1 column-split, proj/FC2
-  row-split, the one all-reduce after each row-parallel GEMM), in xkcd style.
 * ``save(obj, path)``: SVG/PNG/PDF (and DOT for Graphviz) chosen by suffix.
 
-Which collective runs where follows Megatron-LM (Shoeybi et al. 2019, sec. 3;
-``megatron/core/tensor_parallel/mappings.py``: f = identity forward / all-reduce
-backward before the column-parallel GEMM, g = all-reduce forward / identity
-backward after the row-parallel GEMM).
+The groups and what runs in each follow Megatron-LM's ``initialize_model_parallel``
+(``megatron/core/parallel_state.py``; see :data:`course_lib.topology.grid.MEGATRON_GROUPS`).
+The picture of where PP and TP cut the model is :mod:`course_lib.topology.boundaries`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from pathlib import Path
 
-from course_lib.topology import ParallelConfig, RankGrid
+from course_lib.topology.config import ParallelConfig
+from course_lib.topology.grid import RankGrid
 
 COLORS = {
     "self": "#d62728",  # the highlighted rank
@@ -306,184 +300,6 @@ def rank_map_figure(grid: RankGrid, highlight: int | None = None, num_layers: in
     ax.set_aspect("equal")
     ax.axis("off")
     fig.tight_layout()
-    return fig
-
-
-# ----------------------------------------------------------------------------------------
-# The seed-000 hand-drawn picture: where PP and TP cut the model
-# ----------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _sketch_style(xkcd: bool):
-    import matplotlib.pyplot as plt
-
-    if not xkcd:
-        yield
-        return
-    logger = logging.getLogger("matplotlib.font_manager")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with plt.xkcd(scale=0.6, length=120, randomness=2):
-            # xkcd's fonts are rarely installed: keep the wobble, use a font we have
-            plt.rcParams["font.family"] = ["DejaVu Sans"]
-            yield
-    finally:
-        logger.setLevel(level)
-
-
-def boundary_sketch(num_layers: int = 8, tp: int = 2, pp: int = 2, *, config: ParallelConfig | None = None,
-                    blocks_per_stage: int | None = None, xkcd: bool = True):
-    """Where pipeline and tensor parallelism cut a GPT (seed 000's hand-drawn picture).
-
-    The model is a stack of Transformer layers, stage 0 on top. PP cuts run
-    *between* layers (horizontal, red): each is labelled with the stages, their
-    layer ranges and the send/recv of activations [s, b, h] (forward) and their
-    gradients (backward). TP cuts run *inside* each layer (vertical, orange): QKV
-    and FC1 are column-split (whole heads / FFN columns per rank, no
-    communication), proj and FC2 are row-split (their input is already split) and
-    are followed by the layer's only forward communication, an all-reduce (g).
-    Give ``config`` (a ``ParallelConfig``) for an explicit uneven layer split.
-    Returns the ``Figure``.
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyBboxPatch, Rectangle
-
-    if config is None:
-        config = ParallelConfig(tp * pp, tp=tp, pp=pp, num_layers=num_layers)
-    tp, pp = config.tp, config.pp
-    ranges = config.layer_ranges()
-    if blocks_per_stage is None:
-        blocks_per_stage = 2 if pp <= 2 else 1
-
-    # geometry (data units): halves of a block = attention | MLP
-    halves = [("attention", 3.2, 6.7, ["QKV", "attention", "proj"], ["column", "local", "row"]),
-              ("MLP", 7.1, 10.6, ["FC1", "GeLU", "FC2"], ["column", "local", "row"])]
-    row_names = ["column-split", "local", "row-split", "after row-split"]
-    row_h, block_h, block_gap, cut_h = 0.55, 4 * 0.55 + 0.55, 0.45, 1.1
-
-    # plan the vertical stack: (kind, payload) from top to bottom
-    items = [("embed", None)]
-    for s, rng in enumerate(ranges):
-        shown = list(rng) if len(rng) <= blocks_per_stage else \
-            ([rng[0]] + ([rng[-1]] if blocks_per_stage > 1 else []))
-        items.append(("stage", s))
-        for i, layer in enumerate(shown):
-            items.append(("block", (s, layer)))
-            if i == 0 and len(rng) > len(shown):
-                items.append(("more", len(rng) - len(shown)))
-        if s < pp - 1:
-            items.append(("cut", s))
-    items.append(("head", None))
-    heights = {"embed": 0.9, "stage": 0.15, "block": block_h + block_gap, "more": 0.6, "cut": cut_h, "head": 0.9}
-    total = sum(heights[k] for k, _ in items)
-
-    with _sketch_style(xkcd):
-        fig, ax = plt.subplots(figsize=(11.5, max(5.0, 0.62 * total + 1.0)))
-        y = 0.0
-        stage_top = {}
-        first_block = True
-        fs = 8.5
-        for kind, payload in items:
-            h = heights[kind]
-            if kind == "embed":
-                ax.add_patch(FancyBboxPatch((1.9, y - 0.75), 8.6, 0.55, boxstyle="round,pad=0.02",
-                                            facecolor="#eeeeee", edgecolor="black"))
-                ax.text(6.2, y - 0.47, "word embedding (vocab split over TP) + position embedding",
-                        ha="center", va="center", fontsize=fs)
-            elif kind == "head":
-                ax.add_patch(FancyBboxPatch((1.9, y - 0.75), 8.6, 0.55, boxstyle="round,pad=0.02",
-                                            facecolor="#eeeeee", edgecolor="black"))
-                ax.text(6.2, y - 0.47, "LM head + loss (vocab-parallel; tied weights → embedding-group "
-                        "all-reduce with stage 0)" if pp > 1 else "LM head + loss (vocab-parallel)",
-                        ha="center", va="center", fontsize=fs)
-            elif kind == "stage":
-                stage_top[payload] = y
-            elif kind == "more":
-                ax.text(6.2, y - 0.3, f"⋮  {payload} more layer{'s' if payload > 1 else ''} like these  ⋮",
-                        ha="center", va="center", fontsize=fs, style="italic")
-            elif kind == "cut":
-                s = payload
-                yc = y - h / 2
-                ax.plot([0.2, 13.6], [yc, yc], color=COLORS["self"], lw=2.2, ls="--")
-                a, b = ranges[s], ranges[s + 1]
-                ax.text(0.25, yc + 0.12, f"PP cut: stage {s} (layers {a.start}–{a.stop - 1}) | "
-                        f"stage {s + 1} (layers {b.start}–{b.stop - 1})", fontsize=fs, color=COLORS["self"],
-                        va="bottom")
-                ax.text(0.25, yc - 0.12, "send activations [s, b, h] ↓ forward · send their gradients ↑ "
-                        "backward  (point-to-point in the pp group)", fontsize=fs - 0.5, color=COLORS["self"],
-                        va="top")
-            elif kind == "block":
-                s, layer = payload
-                top = y
-                ax.add_patch(FancyBboxPatch((1.6, top - block_h), 9.15, block_h - 0.05,
-                                            boxstyle="round,pad=0.04", facecolor="#fbfbf4", edgecolor="black",
-                                            lw=1.2))
-                ax.text(1.7, top - 0.22, f"Transformer layer {layer}", fontsize=fs, va="center",
-                        fontweight="bold")
-                for i, rn in enumerate(row_names):
-                    ax.text(1.75, top - 0.45 - (i + 1) * row_h + row_h * 0.45, rn, fontsize=fs - 1.5,
-                            va="center", color="#555555", style="italic")
-                for name, x0, x1, rows, kinds in halves:
-                    w = (x1 - x0) / tp
-                    ax.text((x0 + x1) / 2, top - 0.22, name, ha="center", va="center", fontsize=fs - 0.5)
-                    if tp > 1:  # f: where the column-parallel input enters (identity fwd, all-reduce bwd)
-                        ax.text(x0 - 0.12, top - 0.45 - row_h + row_h * 0.45, "f", ha="center", va="center",
-                                fontsize=fs - 1.5, color=COLORS["self"],
-                                bbox=dict(boxstyle="circle,pad=0.15", fc="white", ec=COLORS["self"], lw=0.8))
-                    for i, (lab, kd) in enumerate(zip(rows, kinds)):
-                        yr = top - 0.45 - (i + 1) * row_h
-                        fc = {"column": "#ffe9cc", "local": "#ffffff", "row": "#ffd9b3"}[kd]
-                        for k in range(tp):
-                            ax.add_patch(Rectangle((x0 + k * w, yr), w, row_h * 0.9, facecolor=fc,
-                                                   edgecolor="#999999", lw=0.6))
-                            if tp <= 4:
-                                ax.text(x0 + (k + 0.5) * w, yr + row_h * 0.45, f"{lab}·{k}" if tp > 1 else lab,
-                                        ha="center", va="center", fontsize=fs - 1.5)
-                        if tp > 4:  # too narrow for per-shard names: one label over the row
-                            ax.text((x0 + x1) / 2, yr + row_h * 0.45, f"{lab} ({tp} shards)", ha="center",
-                                    va="center", fontsize=fs - 1.5, zorder=5,
-                                    bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
-                    # the all-reduce (g) after the row-parallel GEMM
-                    yr = top - 0.45 - 4 * row_h
-                    ax.add_patch(Rectangle((x0, yr), x1 - x0, row_h * 0.9, facecolor="#fde0e0",
-                                           edgecolor=COLORS["self"], lw=1.0))
-                    ax.text((x0 + x1) / 2, yr + row_h * 0.45, "⊕ all-reduce (g) over TP" if tp > 1 else
-                            "+ residual", ha="center", va="center", fontsize=fs - 1, color=COLORS["self"])
-                    # vertical TP cuts through the split rows, stopping at the all-reduce
-                    for k in range(1, tp):
-                        xk = x0 + k * w
-                        ax.plot([xk, xk], [top - 0.4, yr + row_h * 0.95], color=COLORS["tp"], lw=1.8, ls="--")
-                if first_block and tp > 1:
-                    ax.text(10.9, top - 0.45 - 1 * row_h + 0.25, "column split: each TP rank owns\n"
-                            "whole heads / FFN columns: no comm", fontsize=fs - 1, va="center", color="#7a4a00")
-                    ax.text(10.9, top - 0.45 - 3 * row_h + 0.25, "row split: input already split,\n"
-                            "output = partial sums", fontsize=fs - 1, va="center", color="#7a4a00")
-                    ax.text(10.9, top - 0.45 - 4 * row_h + 0.25, "the only forward comm: 2 all-reduces\n"
-                            "per layer (2 more backward, by f)", fontsize=fs - 1, va="center",
-                            color=COLORS["self"])
-                    ax.text(10.9, top - 0.22, "(f): identity forward,\nall-reduce backward", fontsize=fs - 1,
-                            va="center", color=COLORS["self"])
-                    ax.text((halves[0][1] + halves[0][2]) / 2, top - block_h - 0.15,
-                            f"TP cuts (orange, vertical): {tp} shards", ha="center", va="top", fontsize=fs - 1,
-                            color=COLORS["tp"])
-                first_block = False
-            y -= h
-        # stage labels down the left edge
-        bounds = sorted(stage_top.items())
-        for i, (s, top) in enumerate(bounds):
-            bottom = bounds[i + 1][1] + cut_h if i + 1 < len(bounds) else y + heights["head"]
-            r = ranges[s]
-            ax.add_patch(Rectangle((0.2, bottom + 0.1), 1.1, top - bottom - 0.25, facecolor="#eaf2fb",
-                                   edgecolor=COLORS["pp"], lw=1.0))
-            ax.text(0.75, (top + bottom) / 2, f"stage {s}\nlayers {r.start}–{r.stop - 1}", rotation=90,
-                    ha="center", va="center", fontsize=fs, color=COLORS["pp"])
-        ax.set_xlim(0, 13.8)
-        ax.set_ylim(y - 0.1, 0.3)
-        ax.axis("off")
-        ax.set_title(f"Where PP and TP cut a {config.num_layers}-layer GPT: TP={tp} (inside layers), "
-                     f"PP={pp} (between layers)", fontsize=11)
-        fig.tight_layout()
     return fig
 
 

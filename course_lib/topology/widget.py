@@ -3,7 +3,7 @@
 A thin layer over tested functions: ``render(...)`` (pure: sizes in, SVG text and
 an HTML table out, or a one-line error) is what the widget calls on every change.
 
-    from course_lib.widgets_topology import RankMapWidget
+    from course_lib.topology.widget import RankMapWidget
     RankMapWidget(world_size=8, tp=2, pp=2)   # in a notebook cell
 """
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 import html
 import io
 
-from course_lib.topology import DEFAULT_ORDER, MEGATRON_GROUPS, ParallelConfig, RankGrid, divisors
+from course_lib.rules import divisors
+from course_lib.topology.config import ParallelConfig
+from course_lib.topology.grid import DEFAULT_ORDER, MEGATRON_GROUPS, RankGrid
 
 ORDERS = [
     ("tp-cp-ep-dp-pp  (Megatron default)", "tp-cp-ep-dp-pp"),
@@ -51,18 +53,18 @@ def render(world_size: int, tp: int, pp: int, cp: int = 1, order: str = DEFAULT_
             grid.coords(highlight)
     except ValueError as exc:
         return {"svg": None, "table": None, "grid": None, "error": str(exc)}
-    from course_lib import diagrams
+    from course_lib.topology.rankmap import rank_map, rank_map_figure
 
     svg = None
     if engine == "graphviz":
         try:
-            svg = diagrams.rank_map(grid, highlight=highlight).pipe(format="svg").decode()
+            svg = rank_map(grid, highlight=highlight).pipe(format="svg").decode()
         except Exception:  # noqa: BLE001 - no `dot` binary: fall back to matplotlib
             svg = None
     if svg is None:
         import matplotlib.pyplot as plt
 
-        fig = diagrams.rank_map_figure(grid, highlight=highlight)
+        fig = rank_map_figure(grid, highlight=highlight)
         buf = io.StringIO()
         fig.savefig(buf, format="svg", bbox_inches="tight")
         plt.close(fig)
