@@ -66,6 +66,25 @@ __all__ = ["ATTENTION_BACKENDS", "SavedTensor", "ExpectedTensor", "record_saved_
 
 ATTENTION_BACKENDS = ("flash", "unfused")
 FLOAT32 = 4  # bytes per element: the course's layers run in float32 on CPU
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Layer dtypes :func:`measure_layer` and :func:`expected_saved_tensors` take (``dtype=``): float32 (the
+default), or a 16-bit dtype as under Megatron's ``--bf16`` / ``--fp16`` (params and activations
+16-bit; see :mod:`course_lib.mixed_precision`)."""
+
+
+def _check_dtype(dtype, cp: int, attention_backend: str) -> int:
+    """Bytes per activation element for ``dtype``; 16-bit layers only with the flash kernel and cp = 1.
+
+    torch's CPU math kernel computes a 16-bit attention in float32 (it saves float32 copies of q,
+    k, v and the scores), which is neither the paper's layer nor Megatron's; the ring's 16-bit
+    bookkeeping is not written out here."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype} is not one of float32, bfloat16, float16")
+    if dtype != torch.float32 and (attention_backend != "flash" or cp > 1):
+        raise ValueError(f"dtype={dtype} with attention_backend={attention_backend!r}, cp={cp}: 16-bit layers are "
+                         f"measured with attention_backend='flash' and cp=1 (torch's CPU math kernel upcasts "
+                         f"16-bit attention to float32)")
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- measuring
@@ -95,10 +114,12 @@ def _sdpa_backend(attention_backend: str):
 def measure_layer(seq_length: int, micro_batch_size: int, hidden_size: int, num_heads: int, *, tp_group,
                   cp_group=None, sequence_parallel: bool = False, attention_backend: str = "flash",
                   hidden_dropout: float = 0.0, attention_dropout: float = 0.0,
-                  ffn_hidden_size: Optional[int] = None, seed: int = 0) -> list[SavedTensor]:
+                  ffn_hidden_size: Optional[int] = None, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> list[SavedTensor]:
     """Inside a rank: build the layer, run one forward on this rank's tokens, return what it saved.
 
-    Same arguments as :func:`expected_saved_tensors` (the groups give ``tp`` and ``cp``)."""
+    Same arguments as :func:`expected_saved_tensors` (the groups give ``tp`` and ``cp``); with a
+    16-bit ``dtype`` the layer's params and its input ``[s, b, h]`` are cast to it."""
     tp = comm.group_size(tp_group)
     cp = comm.group_size(cp_group) if cp_group is not None else 1
     _check(seq_length, micro_batch_size, hidden_size, num_heads, tp, sequence_parallel, cp, attention_backend,
@@ -107,10 +128,11 @@ def measure_layer(seq_length: int, micro_batch_size: int, hidden_size: int, num_
     config = TransformerConfig(hidden_size=hidden_size, num_attention_heads=num_heads,
                                ffn_hidden_size=ffn_hidden_size, sequence_parallel=sequence_parallel,
                                hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
-    layer = build_layer(config, tp_group, cp_group)
+    _check_dtype(dtype, cp, attention_backend)
+    layer = build_layer(config, tp_group, cp_group).to(dtype)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(seq_length, micro_batch_size, hidden_size, generator=g)
-    x = local_tokens(x, tp_group, cp_group, sequence_parallel).requires_grad_()
+    x = local_tokens(x, tp_group, cp_group, sequence_parallel).to(dtype).requires_grad_()
     with _sdpa_backend(attention_backend) if cp == 1 else nullcontext():
         _, records = record_saved_tensors(layer, x)
     return records
@@ -127,7 +149,7 @@ def measure(cases: list[dict], tp: int = 1, cp: int = 1, timeout: float = 120) -
     ``cases``: dicts of :func:`measure_layer` keyword arguments (``seq_length``,
     ``micro_batch_size``, ``hidden_size``, ``num_heads``, optionally
     ``sequence_parallel``, ``attention_backend``, ``hidden_dropout``,
-    ``attention_dropout``, ``ffn_hidden_size``). Returns ``result[case][rank]``: the
+    ``attention_dropout``, ``ffn_hidden_size``, ``dtype``). Returns ``result[case][rank]``: the
     records of that rank (use :func:`activation_bytes` on them)."""
     from course_lib.launch import launch
 
@@ -135,6 +157,7 @@ def measure(cases: list[dict], tp: int = 1, cp: int = 1, timeout: float = 120) -
         _check(case["seq_length"], case["micro_batch_size"], case["hidden_size"], case["num_heads"], tp,
                case.get("sequence_parallel", False), cp, case.get("attention_backend", "flash"),
                case.get("hidden_dropout", 0.0), case.get("attention_dropout", 0.0), case.get("ffn_hidden_size"))
+        _check_dtype(case.get("dtype", torch.float32), cp, case.get("attention_backend", "flash"))
     per_rank = launch(_measure_rank, world_size=tp * cp, output="none", timeout=timeout, cases=cases, tp=tp, cp=cp,
                       group_timeout=timeout)
     return [[per_rank[r][i] for r in range(tp * cp)] for i in range(len(cases))]
@@ -186,7 +209,8 @@ def expected_saved_tensors(seq_length: int, micro_batch_size: int, hidden_size: 
                            tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
                            attention_backend: str = "flash", hidden_dropout: float = 0.0,
                            attention_dropout: float = 0.0,
-                           ffn_hidden_size: Optional[int] = None) -> list[ExpectedTensor]:
+                           ffn_hidden_size: Optional[int] = None,
+                           dtype: torch.dtype = torch.float32) -> list[ExpectedTensor]:
     """Every storage one rank keeps for the backward of one layer, in the order torch saves them.
 
     Read off the code of :class:`~course_lib.tensor_parallel.ParallelTransformerLayer`
@@ -195,9 +219,13 @@ def expected_saved_tensors(seq_length: int, micro_batch_size: int, hidden_size: 
     float32: 4 bytes per element, dropout masks included). Symbols: ``s_l = s/cp``
     tokens on this rank, ``s_t = s_l/t`` under sequence parallelism (else ``s_l``)
     for the per-token parts, ``h/t`` and ``a/t`` the rank's share of the hidden size
-    and heads, ``hn = h/a``."""
+    and heads, ``hn = h/a``.
+
+    ``dtype`` 16-bit (flash kernel, cp = 1): every activation, the LayerNorm statistics and the
+    dropout masks take 2 bytes per element; the flash kernel's log-sum-exp stays float32 (4)."""
     ffn = _check(seq_length, micro_batch_size, hidden_size, num_heads, tp, sequence_parallel, cp,
                  attention_backend, hidden_dropout, attention_dropout, ffn_hidden_size)
+    elem = _check_dtype(dtype, cp, attention_backend)
     b, h, t = micro_batch_size, hidden_size, tp
     s_l = seq_length // cp
     s_t = s_l // t if sequence_parallel else s_l
@@ -209,7 +237,7 @@ def expected_saved_tensors(seq_length: int, micro_batch_size: int, hidden_size: 
         n = 1
         for d in shape:
             n *= d
-        items.append(ExpectedTensor(name, tuple(shape), n * FLOAT32, term))
+        items.append(ExpectedTensor(name, tuple(shape), n * (FLOAT32 if term == "lse" else elem), term))
 
     def layernorm(i, what):
         add(f"LayerNorm {i} input ({what}){sp_note}", (s_t, b, h), "layernorm_inputs")
