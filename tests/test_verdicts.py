@@ -148,13 +148,47 @@ def _rank_every_way_to_a_collective():
             verdicts[name] = refused_collective(str(exc)) or repr(exc)
     with point_to_point_only("use send/recv"):
         dist.barrier()  # no data: allowed
-    return total.tolist(), rec.events, verdicts
+    return total.tolist(), rec.events, verdicts, _student_on_rank_results(rank)
+
+
+def _student_on_rank_results(rank):
+    """On a rank: student_on_rank's value, wire, patches and course code for three student functions."""
+    import torch.distributed as dist
+
+    from course_lib.checks.verdicts import student_on_rank
+
+    def summed(t):
+        dist.all_reduce(t)
+        return t
+
+    def patching(t):
+        F.linear = lambda *a, **k: None  # a monkeypatch the checker must undo
+        return [t.sum().item()]
+
+    tensor_run = student_on_rank(summed, torch.ones(2) * rank)
+    list_run = student_on_rank(patching, torch.ones(2))
+    try:
+        student_on_rank(lambda: 1 / 0)
+        raised = None
+    except ZeroDivisionError as exc:
+        raised = type(exc).__name__
+    course_run = student_on_rank(collectives.ring_all_reduce, torch.ones(3), references=(collectives.ring_all_reduce,))
+    return dict(value=tensor_run["value"].tolist(), ops=describe_ops(tensor_run["events"]),
+                listed=list_run["value"], patched=list_run["patched"], restored=F.linear is torch._C._nn.linear,
+                raised=raised, course_code=course_run["course_code"])
 
 
 def test_collectives_are_refused_at_the_process_group_level_however_they_are_reached():
     from course_lib.checks.verdicts import launch_checked
 
-    for total, events, verdicts in launch_checked(_rank_every_way_to_a_collective, 3, timeout=30):
+    for total, events, verdicts, on_rank in launch_checked(_rank_every_way_to_a_collective, 3, timeout=30):
+        # student_on_rank: the value comes back (a tensor as is, anything else described), with the wire seen,
+        # a patch undone and named, the student's exception raised again and the course's own code named
+        assert on_rank["value"] == [3.0, 3.0] and on_rank["ops"] == "1 all_reduce on world (2 elements)"
+        assert on_rank["listed"] == "a list ([2.0])" and on_rank["restored"]
+        assert any("linear" in name for name in on_rank["patched"]), on_rank["patched"]
+        assert on_rank["raised"] == "ZeroDivisionError"
+        assert on_rank["course_code"] == ["course_lib.collectives.ring_all_reduce"], on_rank["course_code"]
         assert total == [3.0] * 4
         assert all("use send/recv" in v for v in verdicts.values()), verdicts
         assert expect_collectives(events, {("all_reduce", "world"): 1}) is None

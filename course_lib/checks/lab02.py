@@ -31,8 +31,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.checks import is_course_answer, not_attempted
-from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
-                                        run_student, safe_repr, same_number, wire_recorder)
+from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked, portable,
+                                        run_student, safe_repr, same_number, student_on_rank, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
 from course_lib.tensor_parallel import (ColumnParallelLinear, DenseMLP, ParallelMLP, ParallelTransformerLayer,
@@ -42,8 +42,7 @@ from course_lib.tensor_parallel import mappings
 from course_lib.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
 __all__ = ["check_column_parallel_forward", "check_row_parallel_forward", "check_f_g",
-           "check_tp_mlp_from_dense", "check_collective_prediction", "check_vocab_parallel_cross_entropy",
-           "student_on_rank"]
+           "check_tp_mlp_from_dense", "check_collective_prediction", "check_vocab_parallel_cross_entropy"]
 
 S, B, IN, OUT = 4, 2, 8, 12
 # The course's own implementations of each exercise: running one inside the student's function is reported.
@@ -76,28 +75,6 @@ def _close(a, b, tol=1e-5) -> bool:
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else text
-
-
-def _portable(value):
-    """A tensor as it is (detached); anything else as a short description that pickles."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    return f"a {type(value).__name__} ({safe_repr(value, 50)})"
-
-
-def student_on_rank(fn, *args, references=()) -> dict:
-    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
-
-    Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
-    returns ``value`` (a tensor, or a description of what came back), ``events`` (the rank's
-    :class:`~course_lib.comm.CommEvent` list), ``patched`` (library names it replaced, undone) and
-    ``course_code`` (the ``references`` that ran inside it)."""
-    with wire_recorder() as rec:
-        run = run_student(fn, *args, references=references)
-    if run.error is not None:
-        raise run.error
-    return dict(value=_portable(run.value), events=list(rec.events), patched=run.patched,
-                course_code=run.course_code)
 
 
 def _call_problem(result: dict) -> str | None:
@@ -284,7 +261,7 @@ def _rank_f_g(f_cls, g_cls):
             raise run.error
         y = run.value
         info = dict(patched=run.patched, course_code=run.course_code, events=list(fwd.events), bwd_events=[],
-                    dx=None, y=_portable(y))
+                    dx=None, y=portable(y))
         if isinstance(y, torch.Tensor) and y.requires_grad:
             with wire_recorder() as bwd:
                 back = run_student(y.backward, dy.clone(), references=F_G_REFS)

@@ -23,7 +23,9 @@ Running the student's code
     code objects: aliases, ``getattr`` or wrappers do not hide them).
     :func:`course_function` recognises a function that *is* (or wraps, or
     partially applies) one from ``course_lib``; :func:`course_code_hint` words
-    the verdict.
+    the verdict. :func:`student_on_rank` is :func:`run_student` inside a rank of
+    :func:`launch_checked`, with the rank's wire recorded and the value made
+    :func:`portable` (it travels back to the checker).
 
 Communication (see :mod:`course_lib.checks.wire` for how it is seen)
     Checkers that must prove the algorithm run the student's code on ranks with
@@ -56,7 +58,8 @@ from course_lib.checks.wire import (REFUSED_MARK, CollectiveRefused, launch_chec
 
 __all__ = [
     "Verdict", "as_real", "same_number", "same_value", "safe_repr",
-    "StudentRun", "run_student", "undo_patches", "course_function", "course_code_hint", "LibraryPatched",
+    "StudentRun", "run_student", "student_on_rank", "portable", "undo_patches", "course_function",
+    "course_code_hint", "LibraryPatched",
     "launch_checked", "point_to_point_only", "wire_recorder", "CollectiveRefused", "REFUSED_MARK",
     "elements_sent", "collectives", "describe_ops", "expect_collectives", "refused_collective",
 ]
@@ -357,6 +360,31 @@ def run_student(fn, *args, references: Sequence = (), **kwargs) -> StudentRun:
     run.patched, run.course_code = list(changed), list(seen)
     return run
 
+
+
+def portable(value):
+    """What travels back from a rank: a tensor as it is (detached, cloned); anything else as a
+    short description that pickles (``"a list ([1, 2])"``)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return f"a {type(value).__name__} ({safe_repr(value, 50)})"
+
+
+def student_on_rank(fn, *args, references: Sequence = ()) -> dict:
+    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
+
+    Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
+    returns ``value`` (:func:`portable` of what came back), ``events`` (the rank's
+    :class:`~course_lib.comm.CommEvent` list), ``patched`` (library names it replaced, undone) and
+    ``course_code`` (the ``references`` that ran inside it)."""
+    with wire_recorder() as rec:
+        run = run_student(fn, *args, references=references)
+    if run.error is not None:
+        raise run.error
+    return dict(value=portable(run.value), events=list(rec.events), patched=run.patched,
+                course_code=run.course_code)
 
 def _unwrap(fn):
     for _ in range(20):  # partials of wrappers of bound methods...
