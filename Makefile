@@ -12,7 +12,9 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 # Machines without an NVIDIA driver get the tested CPU release (the notebooks'
 # printed numbers were produced with it); GPU machines get any torch >= 2.4.
-TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,torch==2.13.0)
+# The CPU pin is written only here (.ci/run reads it: make -s print-torch-cpu).
+TORCH_CPU  ?= torch==2.13.0
+TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,$(TORCH_CPU))
 JOBS   ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
@@ -21,7 +23,7 @@ WORKSPACE ?= my-labs
 # The course as a static website (course_lib/site/).
 SITE ?= build/site
 
-.PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site gpu-check clean help
+.PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site gpu-check clean help print-torch-cpu
 
 help:
 	@echo "make lab        set up, copy new labs into $(WORKSPACE)/ (never over your work), open JupyterLab there"
@@ -94,6 +96,9 @@ gpu-check: setup
 
 benchmarks: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+print-torch-cpu:
+	@echo '$(TORCH_CPU)'
 
 clean:
 	rm -rf $(VENV) build *.egg-info
