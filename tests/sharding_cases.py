@@ -39,6 +39,44 @@ def make_model(dtype=torch.float32) -> MLP:
     return MLP().to(dtype)
 
 
+class DenseMLP3(nn.Module):
+    """``[n, 16] -> [n, 8]``: Linear 16->32, GELU, Linear 32->32, GELU, Linear 32->8 (the TP MLP's reference)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(IN, HID), nn.Linear(HID, HID), nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        return self.fc3(torch.nn.functional.gelu(self.fc2(torch.nn.functional.gelu(self.fc1(x)))))
+
+
+class TPMLP(nn.Module):
+    """DenseMLP3 with Megatron's TP pair: fc1 column-parallel, fc2 row-parallel, fc3 replicated."""
+
+    def __init__(self, tp_group):
+        from course_lib.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(IN, HID, tp_group=tp_group)
+        self.fc2 = RowParallelLinear(HID, HID, tp_group=tp_group)
+        self.fc3 = nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        h, _ = self.fc1(x)
+        h, _ = self.fc2(torch.nn.functional.gelu(h))
+        return self.fc3(torch.nn.functional.gelu(h))
+
+
+def make_dense3() -> DenseMLP3:
+    torch.manual_seed(SEED)
+    return DenseMLP3()
+
+
+def make_tp_model(tp_group) -> TPMLP:
+    from course_lib.tensor_parallel import copy_dense_to_parallel
+    with torch.no_grad():
+        return copy_dense_to_parallel(make_dense3(), TPMLP(tp_group), tp_group)
+
+
 def batch(it: int, dtype=torch.float32):
     """The global batch of iteration ``it``: ``x [16, 16]``, ``y [16, 8]``."""
     g = torch.Generator().manual_seed(100 + it)
@@ -49,10 +87,11 @@ def loss_fn(out, y):
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
-def reference(dtype=torch.float32, iters: int = ITERS) -> tuple[list, dict]:
-    """One process, the whole batch: losses per iteration and the final params (fp32 master values)."""
+def reference(dtype=torch.float32, iters: int = ITERS, factory=None) -> tuple[list, dict]:
+    """One process, the whole batch: losses per iteration and the final params (fp32 master values).
+    ``factory()``: the model (default: :func:`make_model` in ``dtype``)."""
     from course_lib.optimizer import Optimizer
-    model = make_model(dtype)
+    model = factory() if factory is not None else make_model(dtype)
     named = list(model.named_parameters())
     master = [(n, p.detach().float().clone()) for n, p in named]
     opt = Optimizer(master)
@@ -74,10 +113,11 @@ def reference(dtype=torch.float32, iters: int = ITERS) -> tuple[list, dict]:
 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
-        break_with=None, **kwargs) -> dict:
+        break_with=None, tp_group=None, **kwargs) -> dict:
     """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
     each global batch. Returns the local losses, the final full params, bytes per rank, the
-    collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper."""
+    collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper;
+    ``tp_group``: the model is tensor-parallel over it (params are gathered for the comparison)."""
     from course_lib.distributed import wrap
     model = model if model is not None else make_model(dtype)
     ddp = wrap(model, dp_group, **kwargs)
@@ -94,7 +134,11 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
         ddp.scale_loss(loss).backward()
         result = ddp.step(LR)
         losses.append(loss.item())
-    return dict(losses=losses, params=ddp.full_parameters(), bytes=ddp.bytes_per_rank(),
+    params = ddp.full_parameters()
+    if tp_group is not None:  # this rank holds TP shards: the whole tensors from the TP group
+        from course_lib.tensor_parallel import gather_full_params
+        params = gather_full_params(model, tp_group)
+    return dict(losses=losses, params=params, bytes=ddp.bytes_per_rank(),
                 events=[e for e in ddp.comm.events if e.tag in ("grads", "params")],
                 timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
 

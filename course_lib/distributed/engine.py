@@ -117,6 +117,7 @@ class ShardedDataParallel:
         self.module, self.group, self.strategy = module, _dp_group(dp_group), strategy
         self.dp, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.rank = dist.get_rank()
+        self.gradient_scaling_factor = 1.0 / self.dp  # Megatron's: grads scaled by 1/d, then summed
         stage = STRATEGIES.index(strategy)
         self.shard_optim, self.shard_grads, self.shard_params = stage >= 1, stage >= 2, stage >= 3
         if overlap_param_gather and not self.shard_optim:
@@ -270,7 +271,7 @@ class ShardedDataParallel:
         st = b.state
         if st["grad_full"] is None or st["grad_work"] is not None:
             return
-        st["grad_full"].mul_(1.0 / self.dp)  # Megatron's gradient_scaling_factor = 1/d, then a sum
+        st["grad_full"].mul_(self.gradient_scaling_factor)
         if not self.shard_optim:
             st["grad_out"] = None
             st["grad_work"] = self._collective("all_reduce", st["grad_full"], st["grad_full"], f"bucket {b.index}",

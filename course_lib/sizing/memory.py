@@ -230,7 +230,8 @@ class ModelStateBytes(NamedTuple):
         return self.weights + self.grads + self.optimizer
 
 
-def model_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, k: float = 12) -> ModelStateBytes:
+def model_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, k: float = 12,
+                      param_bytes: float = 2, grad_bytes: float = 2) -> ModelStateBytes:
     """Model-state bytes per data-parallel rank with ZeRO-DP (Rajbhandari et al. 2020, §3.1, §5).
 
     Mixed-precision Adam keeps fp16 weights (2 bytes/param), fp16 gradients (2) and K = 12 bytes of
@@ -246,6 +247,12 @@ def model_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, k: fl
     ZeRO Figure 1 / §5: Psi = 7.5B on N_d = 64 gives 120 GB, 31.4 GB, 16.6 GB and 1.9 GB.
     ``num_params`` is the count this rank is responsible for (after TP/PP, see
     :func:`~course_lib.sizing.flops.parameters_per_rank`).
+
+    ``param_bytes`` / ``grad_bytes`` (default 2, the paper's fp16) generalise the paper's
+    ``2 + 2``: fp32 training is ``param_bytes = grad_bytes = 4, k = 8`` (Adam's two moments; the
+    params are the master copy), Megatron's bf16 default ``param_bytes = 2, grad_bytes = 4``
+    (``--accumulate-allreduce-grads-in-fp32``), ``k = 12``. Checked byte for byte against
+    :mod:`course_lib.distributed` on real ranks (tests/test_megatron_fsdp.py).
     """
     _checks.positive_number("num_params", num_params)
     _checks.positive_int("dp", dp)
@@ -254,8 +261,11 @@ def model_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, k: fl
         raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
     if isinstance(k, bool) or not (isinstance(k, (int, float)) and k >= 0):
         raise ValueError(f"k={k!r} must be a non-negative number of optimizer bytes per parameter")
+    for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
+            raise ValueError(f"{name}={value!r} must be a positive number of bytes per parameter (2 or 4)")
     n = dp
-    weights, grads, optimizer = 2.0 * num_params, 2.0 * num_params, k * num_params
+    weights, grads, optimizer = param_bytes * num_params, grad_bytes * num_params, k * num_params
     if zero_stage >= 1:
         optimizer /= n
     if zero_stage >= 2:
@@ -305,3 +315,21 @@ def megatron_optimizer_bytes_per_param(
     if distributed_optimizer:
         optimizer /= dp
     return ModelStateBytes(float(param), float(grad), float(optimizer))
+
+
+def optimizer_offload_bytes_per_param(dp: int = 1, distributed_optimizer: bool = False,
+                                      params_dtype: str = "bf16", grad_dtype: str = "fp32") -> dict:
+    """Bytes per parameter with ``--optimizer-cpu-offload``: what stays on the host and what moves.
+
+    ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, §4.1) and Megatron-LM's ``HybridDeviceOptimizer``
+    (``megatron/core/optimizer/cpu_offloading/``): the fp32 main params (4 bytes) and Adam's two
+    moments (8) live on the host, with a host copy of the grad shard in the grad dtype; each step
+    the grad shard moves device -> host and the updated params host -> device. The device keeps
+    only the model's params and grads (:func:`megatron_optimizer_bytes_per_param`'s ``weights`` and
+    ``grads``); its optimizer term is 0. All host terms are divided by ``d`` with the distributed
+    optimizer (each rank offloads its shard). Returns ``{"device_optimizer", "host", "d2h", "h2d"}``.
+    """
+    base = megatron_optimizer_bytes_per_param(dp, distributed_optimizer, params_dtype, grad_dtype)
+    share = dp if distributed_optimizer else 1
+    return {"device_optimizer": 0.0, "host": (12 + base.grads) / share, "d2h": base.grads / share,
+            "h2d": base.weights / share}

@@ -1,0 +1,219 @@
+"""Megatron's DDP and distributed optimizer (course_lib.distributed) against one process, on 4 real ranks.
+
+One fork launch of 4 gloo ranks trains the MLP of tests/sharding_cases.py in every mode below and
+returns losses, final params, bytes per rank, the last step's collectives and its timeline. Checked:
+
+* every fp32 mode (DDP DP4 with bucketed overlapped all-reduce; distributed optimizer DP4 with
+  ``overlap_grad_reduce`` + ``overlap_param_gather``, and without; TP2 x DP2 with the TP layers; a
+  constant loss scale) gives the single-process loss within 1e-4 relative at every iteration and the
+  same final params; bf16 params with fp32 main params/grads equal a single-process bf16 run within 1e-3;
+* measured bytes per rank equal Megatron's distributed-optimizer table
+  (``megatron_optimizer_bytes_per_param``) for fp32/fp32, bf16/fp32 and bf16/bf16, with and without
+  the distributed optimizer;
+* measured communication per step (the CommRecorder's events) equals ``dp_comm_per_iteration``;
+* the timeline: with ``overlap_grad_reduce`` the first bucket's reduce-scatter starts before backward
+  ends; without it every collective starts after backward;
+* breaking one piece moves the loss: skipping the param all-gather, skipping the grad reduce-scatter
+  (while a missing 1/d is invisible to Adam, checked too); a loss scaler's overflow on one rank skips
+  the step on every rank.
+"""
+
+import pytest
+import torch
+
+import sharding_cases as C
+from course_lib.comm import summarize
+from course_lib.launch import launch
+from course_lib.sizing.comm import dp_comm_per_iteration
+from course_lib.sizing.memory import megatron_optimizer_bytes_per_param
+
+WORLD = 4
+
+
+class ConstantScaler:
+    """The loss-scaler protocol with a fixed scale: checks that the wrapper unscales."""
+
+    def __init__(self, scale=1024.0, overflow_on_rank=None):
+        self.scale, self.overflow_on_rank, self.updates = scale, overflow_on_rank, []
+
+    def unscale_and_check(self, grads):
+        import torch.distributed as dist
+        for g in grads:
+            g.div_(self.scale)
+        return dist.get_rank() == self.overflow_on_rank or any(not torch.isfinite(g).all() for g in grads)
+
+    def update(self, found_inf):
+        self.updates.append(bool(found_inf))
+
+
+def _skip_param_gather(ddp):
+    ddp._launch_gather = lambda b, async_op: None
+
+
+def _no_grad_scaling(ddp):
+    ddp.gradient_scaling_factor = 1.0  # grads summed over the ranks instead of averaged
+
+
+def _skip_grad_reduce(ddp):
+    """Each rank keeps its own grads for its shard: the reduce-scatter becomes a local slice."""
+    real = ddp._collective
+
+    def local(op, out, inp, name, tag, async_op):
+        if op != "reduce_scatter":
+            return real(op, out, inp, name, tag, async_op)
+        out.copy_(inp[ddp.dp_rank * out.numel():(ddp.dp_rank + 1) * out.numel()])
+        return None
+    ddp._collective = local
+
+
+def _run_on_ranks():
+    import torch.distributed as dist
+    from helpers import rank_groups
+    dp4 = rank_groups("dp")["dp"]
+    r = dist.get_rank(dp4)
+    common = dict(bucket_size=600)
+    runs = {
+        "ddp": dict(strategy="no_shard", overlap_grad_reduce=True, **common),
+        "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
+        "distopt_sync": dict(strategy="optim", **common),
+        "scaled": dict(strategy="optim", loss_scaler=ConstantScaler(), **common),
+        "bf16": dict(strategy="optim", dtype=torch.bfloat16, overlap_grad_reduce=True, **common),
+        "bf16_ddp": dict(strategy="no_shard", dtype=torch.bfloat16, **common),
+        "bf16_grads16": dict(strategy="optim", dtype=torch.bfloat16, grad_reduce_in_fp32=False, **common),
+        "broken_gather": dict(strategy="optim", break_with=_skip_param_gather, **common),
+        "broken_scaling": dict(strategy="optim", break_with=_no_grad_scaling, **common),
+        "broken_reduce": dict(strategy="optim", break_with=_skip_grad_reduce, **common),
+    }
+    out = {name: C.run(dp4, r, WORLD, **kw) for name, kw in runs.items()}
+    scaler = ConstantScaler(overflow_on_rank=2)
+    out["overflow"] = C.run(dp4, r, WORLD, iters=1, strategy="optim", loss_scaler=scaler, **common)
+    out["overflow"]["updates"] = scaler.updates
+    g = rank_groups("tp", "dp", tp=2)
+    out["tp2dp2"] = C.run(g["dp"], dist.get_rank(g["dp"]), 2, model=C.make_tp_model(g["tp"]), tp_group=g["tp"],
+                          strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=300)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_run_on_ranks, world_size=WORLD, backend="gloo", timeout=120, output="none")
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16), "dense3": C.reference(factory=C.make_dense3)}
+
+
+def _losses_close(runs, name, ref_losses, rtol):
+    got = C.global_losses([r[name] for r in runs])
+    errs = [C.rel(a, b) for a, b in zip(got, ref_losses)]
+    assert max(errs) < rtol, (name, got, ref_losses)
+    return max(errs)
+
+
+@pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"),
+                                      ("scaled", "fp32"), ("tp2dp2", "dense3")])
+def test_fp32_modes_equal_one_process(runs, refs, name, ref):
+    ref_losses, ref_params = refs[ref]
+    _losses_close(runs, name, ref_losses, 1e-4)
+    for r in runs:  # every rank ends with the single-process params
+        assert r[name]["params"].keys() == ref_params.keys()
+        for n, p in ref_params.items():
+            torch.testing.assert_close(r[name]["params"][n], p, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["bf16", "bf16_ddp", "bf16_grads16"])
+def test_bf16_modes_equal_one_process_bf16(runs, refs, name):
+    ref_losses, ref_params = refs["bf16"]
+    _losses_close(runs, name, ref_losses, 1e-3)
+    # bf16 params: 16-bit compute rounds differently on a quarter of the batch, and Adam turns a
+    # near-zero grad's rounding into a step of up to lr; so: 99% of the elements within 2 bf16 ulps,
+    # none further than lr per step.
+    got = torch.cat([runs[0][name]["params"][n].float().flatten() for n in ref_params])
+    want = torch.cat([p.flatten() for p in ref_params.values()])
+    assert {p.dtype for p in runs[0][name]["params"].values()} == {torch.bfloat16}
+    diff = (got - want).abs()
+    assert (diff > 2 ** -7 * want.abs() + 1e-3).float().mean() < 0.01
+    assert diff.max() <= C.ITERS * C.LR
+
+
+@pytest.mark.parametrize("name,distributed,params_dtype,grad_dtype", [
+    ("ddp", False, "fp32", "fp32"), ("distopt", True, "fp32", "fp32"), ("bf16_ddp", False, "bf16", "fp32"),
+    ("bf16", True, "bf16", "fp32"), ("bf16_grads16", True, "bf16", "bf16")])
+def test_bytes_per_rank_equal_megatron_table(runs, name, distributed, params_dtype, grad_dtype):
+    per_param = megatron_optimizer_bytes_per_param(WORLD, distributed, params_dtype, grad_dtype)
+    for r in runs:
+        got = r[name]["bytes"]
+        assert got["padding_elements"] == 0
+        assert got["params"] == per_param.weights * C.NUM_PARAMS
+        assert got["grads"] == per_param.grads * C.NUM_PARAMS
+        assert got["optimizer"] == per_param.optimizer * C.NUM_PARAMS
+
+
+@pytest.mark.parametrize("name,ops", [("ddp", {"all_reduce"}), ("distopt", {"reduce_scatter", "all_gather"}),
+                                      ("bf16", {"reduce_scatter", "all_gather"})])
+def test_comm_per_step_equals_formula(runs, name, ops):
+    for r in runs:
+        rec = summarize(r[name]["events"])
+        assert {e.op for e in rec.events} == ops
+        assert rec.count() == 2 * len(ops)  # two buckets of 600+ elements
+        want = dp_comm_per_iteration(C.NUM_PARAMS, WORLD, zero_stage=1 if "all_gather" in ops else 0)["total"]
+        assert rec.ring_elements_sent() == pytest.approx(want, rel=1e-12)
+    # bf16 params, fp32 grads: the grads cross the wire in fp32, the params in bf16
+    if name == "bf16":
+        rec = summarize(runs[0][name]["events"])
+        assert rec.bytes(op="reduce_scatter") == 4 * C.NUM_PARAMS
+        assert rec.bytes(op="all_gather") == 2 * C.NUM_PARAMS
+
+
+def test_tp2dp2_reduces_over_dp_only(runs):
+    rec = summarize(runs[0]["tp2dp2"]["events"])
+    assert {e.group_size for e in rec.events} == {2}
+    # this rank's params: fc1 (column) and fc2's weight (row) halved by TP, fc2's bias and fc3 whole
+    local = (C.IN * C.HID + C.HID) // 2 + C.HID * C.HID // 2 + C.HID + C.HID * C.OUT + C.OUT
+    assert rec.ring_elements_sent() == pytest.approx(dp_comm_per_iteration(local, 2, zero_stage=1)["total"])
+
+
+def _spans(timeline, kind):
+    return [e for e in timeline if e["kind"] == kind]
+
+
+def test_overlap_grad_reduce_starts_in_backward(runs):
+    for r in runs:
+        tl = r["distopt"]["timeline"]
+        backward_end = max(e["end"] for e in _spans(tl, "backward"))
+        first = min(e["start"] for e in _spans(tl, "reduce_scatter"))
+        assert first < backward_end  # the first bucket's reduce-scatter ran while backward went on
+        assert all(e["end"] is not None and e["end"] >= e["start"] for e in tl)
+        tl = r["distopt_sync"]["timeline"]
+        backward_end = max(e["end"] for e in _spans(tl, "backward"))
+        assert min(e["start"] for e in _spans(tl, "reduce_scatter")) >= backward_end
+        ag = _spans(r["distopt"]["timeline"], "all_gather")
+        opt = _spans(r["distopt"]["timeline"], "optimizer")[0]
+        assert len(ag) == 2 and all(e["start"] >= opt["end"] for e in ag)
+
+
+def test_breaking_a_piece_moves_the_loss(runs, refs):
+    ref_losses, _ = refs["fp32"]
+    for name in ("broken_gather", "broken_reduce"):
+        got = C.global_losses([r[name] for r in runs])
+        assert C.rel(got[0], ref_losses[0]) < 1e-6  # the first forward is before any update
+        assert max(C.rel(a, b) for a, b in zip(got[1:], ref_losses[1:])) > 1e-3, name
+
+
+def test_adam_does_not_see_a_missing_one_over_d(runs, refs):
+    """Summing instead of averaging the grads scales them by d: Adam's m / sqrt(v) cancels the
+    factor (up to eps), so the loss does not move -- SGD's would. A fact worth knowing, not a licence."""
+    got = C.global_losses([r["broken_scaling"] for r in runs])
+    assert max(C.rel(a, b) for a, b in zip(got, refs["fp32"][0])) < 1e-4
+
+
+def test_overflow_on_one_rank_skips_the_step_everywhere(runs):
+    import sharding_cases
+    start = {n: p.detach() for n, p in sharding_cases.make_model().named_parameters()}
+    for r in runs:
+        assert r["overflow"]["skipped"] and r["overflow"]["updates"] == [True]
+        for n, p in start.items():
+            assert torch.equal(r["overflow"]["params"][n], p)
+    assert all(not r["scaled"]["skipped"] for r in runs)
