@@ -68,9 +68,7 @@ from torch import nn
 from course_lib import comm, rules
 from course_lib.context_parallel.attention import build_layer
 from course_lib.data.tokenizer import vocab_size_with_padding
-# new_process_groups is imported for callers that still take it from here (course_lib.train);
-# its home is course_lib.process_groups.
-from course_lib.process_groups import ProcessGroups, new_process_groups  # noqa: F401
+from course_lib.process_groups import ProcessGroups
 from course_lib.tensor_parallel import (ColumnParallelLinear, DenseTransformerLayer, TransformerConfig,
                                         VocabParallelEmbedding, copy_dense_to_parallel, is_tensor_parallel,
                                         scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
