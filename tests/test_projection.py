@@ -168,3 +168,20 @@ def test_cli_prints_the_projection_and_refuses_in_one_line(capsys):
     assert len(err.splitlines()) == 1 and err.startswith("error:")
     assert main(["project", "--hidden-size", "512"]) == 2
     assert "--num-layers, --num-attention-heads missing" in capsys.readouterr().err
+
+
+def test_breakdown_sums_to_the_step_and_configs_derive_dp():
+    from course_lib.megatron import SEED_SWEEP
+    from course_lib.sizing.projection import project_configs
+
+    seed = ModelSpec("seed", 8, 512, 8, 50304, 1024)
+    projected = project_configs(seed, SEED_SWEEP, micro_batch_size=4, global_batch_size=64)
+    assert {n: p.plan.config["dp"] for n, p in projected.items()} == {
+        n: 8 // (tp * pp * cp) for n, (tp, pp, cp) in SEED_SWEEP.items()}
+    for proj in projected.values():
+        parts = proj.breakdown()
+        assert sum(parts.values()) == pytest.approx(proj.step_time, rel=1e-12)
+        assert min(parts.values()) >= -1e-15
+    assert projected["A"].breakdown()["tp"] == 0 < projected["B"].breakdown()["tp"]
+    assert projected["E"].breakdown()["bubble"] > projected["D"].breakdown()["bubble"] > 0
+    assert projected["A"].breakdown()["bubble"] == pytest.approx(0, abs=1e-15)

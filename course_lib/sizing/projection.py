@@ -121,8 +121,10 @@ class Projection:
     hardware: Hardware
     num_nodes: int
     assumptions: Assumptions
-    t_forward: list          # seconds per micro-batch, per pipeline rank (compute + TP + PP)
+    t_forward: list          # seconds per micro-batch, per pipeline rank (compute + TP + CP + PP)
     t_backward: list
+    parts: dict              # seconds per micro-batch, per pipeline rank: gemm, elementwise, tp, cp, pp
+    after: dict              # seconds after the pipeline: dp, embedding, optimizer
     compute: dict            # per micro-batch on the busiest rank: gemm_forward, gemm_backward, elementwise
     groups: dict             # name -> GroupComm
     pipeline_time: float     # simulated makespan of the schedule
@@ -134,6 +136,18 @@ class Projection:
     @property
     def world_size(self) -> int:
         return self.plan.world_size
+
+    def breakdown(self) -> dict:
+        """Where the step goes, in seconds, on the pipeline rank with the most work: ``gemm``,
+        ``elementwise``, ``tp``, ``cp``, ``pp`` (its exposed part, x micro-batches), ``bubble`` (its
+        idle time in the simulated schedule), then ``dp``, ``embedding``, ``optimizer``. Sums to
+        :attr:`step_time`."""
+        m = self.plan.num_microbatches
+        rank = max(range(len(self.t_forward)), key=lambda r: self.t_forward[r] + self.t_backward[r])
+        out = {k: m * v[rank] for k, v in self.parts.items()}
+        out["bubble"] = self.pipeline_time - sum(out.values())
+        out.update(self.after)
+        return out
 
     @property
     def tokens_per_s(self) -> float:
@@ -321,6 +335,8 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
                                  f"{a.pp_overlap:.0%} hidden (pp_overlap): 1F1B waits on each send/recv pair")
         pp_one *= 1 - a.pp_overlap
 
+    parts = {"gemm": [gemm_f[r] + gemm_b[r] for r in range(pp)], "elementwise": [mem_f[r] + mem_b[r] for r in range(pp)],
+             "tp": [tp_f + tp_b] * pp, "cp": [cp_f + cp_b] * pp, "pp": [2 * vp * pp_one] * pp}
     t_f = [gemm_f[r] + mem_f[r] + tp_f + cp_f + vp * pp_one for r in range(pp)]
     t_b = [gemm_b[r] + mem_b[r] + tp_b + cp_b + vp * pp_one for r in range(pp)]
 
@@ -350,7 +366,9 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
                                         "none: tied word-embedding gradient, first + last stage")
     updated = max(p.params_per_stage) / (dp * cp if zero_stage >= 1 else 1)
     t_opt = updated * a.optimizer_bytes_per_param / hw.hbm_bandwidth
-    step = pipeline_time + sum(g.exposed for g in groups.values() if g.name in ("dp", "dp-cp", "embedding")) + t_opt
+    after = {"dp": groups["dp"].exposed if "dp" in groups else 0.0,
+             "embedding": groups["embedding"].exposed if "embedding" in groups else 0.0, "optimizer": t_opt}
+    step = pipeline_time + sum(after.values())
 
     compute = {"gemm_forward": gemm_f[0], "gemm_backward": gemm_b[0], "elementwise": mem_f[0] + mem_b[0],
                "optimizer_step": t_opt}
@@ -358,8 +376,18 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
         notes.append(f"the busiest rank needs {p.memory['total'] / 1e9:.1f} GB, more than the "
                      f"{hw.hbm_gb:.0f} GB of HBM: the projection is of a run that would not start")
     return Projection(plan=p, hardware=hw, num_nodes=nodes, assumptions=a, t_forward=t_f, t_backward=t_b,
-                      compute=compute, groups=groups, pipeline_time=pipeline_time, bubble=timeline.bubble_fraction,
+                      parts=parts, after=after, compute=compute, groups=groups, pipeline_time=pipeline_time, bubble=timeline.bubble_fraction,
                       step_time=step, timeline=timeline, notes=notes)
+
+
+def project_configs(model: ModelSpec, configs: dict, world_size: int = 8, hardware="H100", **kw) -> dict:
+    """``{name: Projection}`` for named layouts ``{name: (tp, pp, cp)}`` on ``world_size`` GPUs
+    (DP derived, as Megatron does); ``kw`` go to :func:`project` (batch sizes, SP, assumptions)."""
+    out = {}
+    for name, (tp, pp, cp) in configs.items():
+        dp = rules.data_parallel_size(world_size, tp, pp, cp)
+        out[name] = project(model, tp=tp, pp=pp, cp=cp, dp=dp, hardware=hardware, **kw)
+    return out
 
 
 # ============================================================================ command line
