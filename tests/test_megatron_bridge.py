@@ -16,7 +16,10 @@ from course_lib.megatron import (COLUMNS, NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, 
                                  MegatronRun, gpu_config, megatron_command, parse_log, preprocess_command,
                                  pretrain_args, record_table, run_tiny_gpt_script, setup_commands, sweep_script,
                                  to_csv, to_markdown)
+from course_lib.megatron import cluster
 from course_lib.megatron import command as command_mod
+from course_lib.megatron.command import SHARDING, MoESpec, cluster_launch, sharding_variants
+from course_lib.megatron.flags import MCORE_FIELDS, MOE_FLAGS, SHARDING_FLAGS, TORCHRUN_FLAGS
 from course_lib.megatron import report as report_mod
 from course_lib.rules import SP_WITHOUT_TP
 
@@ -129,9 +132,11 @@ def test_flags_exist_in_a_megatron_checkout():
         *sorted((root / "megatron/training/config").glob("*.py")), *sorted((root / "megatron/training").glob("*_config.py"))]
         if p.exists())
     excluded = " ".join(re.findall(r"exclude\s*=\s*\[(.*?)\]", args_py, re.S))
-    for flag in PRETRAIN_FLAGS:
+    newer = [*SHARDING_FLAGS, *MOE_FLAGS] if (root / "megatron/core/transformer/moe").exists() else []
+    for flag in [*PRETRAIN_FLAGS, *newer]:
         field = flag[2:].replace("-", "_")
-        literal = re.search(rf"""['"]{re.escape(flag)}['"]""", args_py)
+        literal = (re.search(rf"""['"]{re.escape(flag)}['"]""", args_py)
+                   or re.search(rf"""arg_names["']:\s*\[["']{re.escape(flag)}["']""", dataclass_text))
         generated = ("ArgumentGroupFactory(" in args_py and re.search(rf"^    {field}\s*:", dataclass_text, re.M)
                      and not re.search(rf"""['"]{field}['"]""", excluded))
         assert literal or generated, flag
@@ -495,3 +500,231 @@ def test_through_the_course_cli(monkeypatch, capsys):
     assert err.count("\n") == 1 and "divisible" in err
     assert cli.main(["report", *map(str, sorted(FIXTURES.glob("*.log")))]) == 0
     assert capsys.readouterr().out.startswith("| config |")
+
+
+# ---- issue 14: the distributed-optimizer / Megatron-FSDP variants; issue 15: MoE -----------------
+
+# Verified at core_v0.16.1 (55ac708) and main (d98e8a6) by building Megatron's own parser
+# (megatron/training/arguments.py::add_megatron_arguments) from each revision's source: all of these
+# are option strings of both (see course_lib/megatron/flags.py).
+VERIFIED_SHARDING = {"--overlap-grad-reduce", "--overlap-param-gather", "--use-megatron-fsdp",
+                     "--data-parallel-sharding-strategy", "--ckpt-format", "--optimizer-cpu-offload",
+                     "--optimizer-offload-fraction", "--use-precision-aware-optimizer"}
+VERIFIED_MOE = {"--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--moe-router-topk",
+                "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-token-dispatcher-type",
+                "--moe-ffn-hidden-size", "--moe-grouped-gemm", "--swiglu", "--normalization",
+                "--position-embedding-type", "--disable-bias-linear", "--untie-embeddings-and-output-weights"}
+D = gpu_config(*SEED_SWEEP["D"])
+MOE_D = MoESpec(8, expert_model_parallel_size=2)
+
+
+def _mcore_dataclass_fields() -> dict[str, set[str]]:
+    """Field names of the installed megatron-core's config dataclasses, read from its source with ast
+    (importing megatron.core costs seconds; a base class's fields count for its subclasses)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("megatron-core is not installed (optional extra: pip install .[megatron])")
+    root = Path(list(spec.submodule_search_locations)[0])
+    classes, bases = {}, {}
+    for rel in ("distributed/distributed_data_parallel_config.py", "optimizer/optimizer_config.py",
+                "transformer/transformer_config.py", "model_parallel_config.py"):
+        for node in ast.walk(ast.parse((root / rel).read_text())):
+            if isinstance(node, ast.ClassDef):
+                classes[node.name] = {n.target.id for n in node.body
+                                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                bases[node.name] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+    for name in classes:
+        for base in bases[name]:
+            classes[name] |= classes.get(base, set())
+    return classes
+
+
+def test_sharding_and_moe_flag_tables_are_the_verified_lists():
+    assert set(SHARDING_FLAGS) == VERIFIED_SHARDING and set(MOE_FLAGS) == VERIFIED_MOE
+    for table in (SHARDING_FLAGS, MOE_FLAGS):
+        for flag, (v016, main) in table.items():
+            for where in (v016, main):
+                assert where.startswith("megatron/"), flag
+                if "Config." in where and "argparse_meta" not in where:   # generated: field name = flag
+                    assert where.rsplit(".", 1)[1] == flag[2:].replace("-", "_"), flag
+    assert not (set(SHARDING_FLAGS) | set(MOE_FLAGS)) & set(NOT_MEGATRON_FLAGS)
+
+
+def test_installed_megatron_core_has_the_fields_these_flags_set():
+    fields = _mcore_dataclass_fields()
+    for flag, where in MCORE_FIELDS.items():
+        cls, field = where.split(".")
+        assert field in fields[cls], (flag, where)
+    assert set(MCORE_FIELDS) >= set(SHARDING_FLAGS) - {"--ckpt-format"}     # a checkpoint option, not mcore
+    assert "num_experts" not in fields["TransformerConfig"]      # --num-experts sets num_moe_experts
+
+
+def test_sharding_variants_follow_megatrons_rules():
+    """validate_args (main d98e8a6): --overlap-param-gather needs the distributed optimizer or
+    Megatron-FSDP and --overlap-grad-reduce; Megatron-FSDP needs --ckpt-format fsdp_dtensor and
+    CUDA_DEVICE_MAX_CONNECTIONS unset or > 1; --optimizer-cpu-offload needs --use-precision-aware-optimizer."""
+    text = sharding_variants(D)
+    blocks = text.split("\n\n")
+    assert len(blocks) == len(SHARDING) == 4
+    used = set()
+    for name, block in zip(SHARDING, blocks):
+        assert block.startswith(f"# {name} = {SHARDING[name].zero}: each of the DP x CP = 2 ranks keeps 1/2")
+        cmd = block[block.index("torchrun") - (0 if SHARDING[name].fsdp else len("CUDA_DEVICE_MAX_CONNECTIONS=1 ")):]
+        d = _arg_dict(cmd)
+        flags = _flags(cmd)
+        assert len(flags) == len(set(flags)), name
+        assert set(flags) - {"--nproc_per_node"} <= set(PRETRAIN_FLAGS) | set(SHARDING_FLAGS), name
+        used |= set(flags)
+        assert "--overlap-grad-reduce" in d and "--overlap-param-gather" in d
+        assert ("--use-distributed-optimizer" in d) != ("--use-megatron-fsdp" in d)
+        if SHARDING[name].fsdp:
+            assert d["--ckpt-format"] == "fsdp_dtensor" and "CUDA_DEVICE_MAX_CONNECTIONS" not in cmd
+            assert d["--data-parallel-sharding-strategy"] == {"fsdp": "optim_grads_params",
+                                                              "fsdp-optim-grads": "optim_grads"}[name]
+            assert "validate_args warns" in block                 # TP 2 with FSDP: said in one line
+        else:
+            assert cmd.startswith("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun") and "--ckpt-format" not in d
+        assert ("--optimizer-cpu-offload" in d) == ("--use-precision-aware-optimizer" in d) == (name == "offload")
+        assert "--bf16" in d and d["--tensor-model-parallel-size"] == "2" and d["--pipeline-model-parallel-size"] == "2"
+    assert used >= VERIFIED_SHARDING
+    # --distributed-optimizer with dist-opt is printed once; an unknown variant is one line
+    once = _flags(megatron_command(D, MegatronRun(sharding="dist-opt", use_distributed_optimizer=True)))
+    assert once.count("--use-distributed-optimizer") == 1
+    with pytest.raises(ValueError, match="sharding='zero3' is unknown; use one of dist-opt"):
+        MegatronRun(sharding="zero3")
+
+
+def test_moe_command_is_mixtral_style_and_checked():
+    cmd = megatron_command(gpu_config(2, 2, sequence_parallel=True), moe=MOE_D)
+    d = _arg_dict(cmd)
+    flags = _flags(cmd)
+    assert len(flags) == len(set(flags)) and set(flags) - {"--nproc_per_node"} <= set(PRETRAIN_FLAGS) | set(MOE_FLAGS)
+    assert (d["--num-experts"], d["--expert-model-parallel-size"], d["--moe-router-topk"]) == ("8", "2", "2")
+    assert d["--moe-token-dispatcher-type"] == "alltoall" and d["--moe-router-load-balancing-type"] == "aux_loss"
+    assert d["--moe-aux-loss-coeff"] == "0.01" and d["--moe-ffn-hidden-size"] == str(512 * 14336 // 4096)
+    assert d["--normalization"] == "RMSNorm" and d["--position-embedding-type"] == "rope"
+    assert "--expert-tensor-parallel-size" not in d             # Megatron's default: TP
+    assert "--moe-grouped-gemm" in d                            # Transformer Engine (the default impl)
+    local = _arg_dict(megatron_command(D, MegatronRun(transformer_impl="local"),
+                                       MoESpec(8, 4, expert_tensor_parallel_size=1, moe_router_topk=1)))
+    assert "--moe-grouped-gemm" not in local and local["--expert-tensor-parallel-size"] == "1"
+    used = set(flags) | set(local)
+    assert used >= VERIFIED_MOE
+    notes = MOE_D.notes(D, None)
+    assert notes[0] == ("MoE: 8 experts, top-2; expert grid expert-TP 2 x EP 2 x expert-DP 1 x PP 2 "
+                        "(4 experts per rank); dense DP stays 2")
+    assert any("sequence parallelism must be used" in n for n in notes)   # D has TP 2 and no SP
+
+
+@pytest.mark.parametrize("kwargs, cfg, message", [
+    (dict(num_experts=6, expert_model_parallel_size=4), D, "num-experts=6 is not divisible by "
+                                                           "expert-model-parallel-size=4"),
+    (dict(num_experts=8, expert_model_parallel_size=8), D, "world_size=8 is not divisible by "
+                                                           "expert-tensor-parallel-size=2 × expert-model-parallel-size=8"),
+    (dict(num_experts=4, moe_router_topk=5), D, "moe-router-topk=5"),
+    (dict(num_experts=8, moe_token_dispatcher_type="flex"), D, "moe-token-dispatcher-type='flex' is unknown"),
+    (dict(num_experts=8, moe_aux_loss_coeff=float("nan")), D, "moe-aux-loss-coeff=nan"),
+])
+def test_bad_moe_layouts_are_one_line_value_errors(kwargs, cfg, message):
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        megatron_command(cfg, moe=MoESpec(**kwargs))
+    assert "\n" not in str(err.value)
+
+
+def test_torchrun_flags_exist_in_the_installed_torch():
+    from torch.distributed.run import get_args_parser
+
+    options = set(get_args_parser()._option_string_actions)
+    assert set(TORCHRUN_FLAGS) <= options
+
+
+def _torchrun_options(cmd: str) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's part of a printed torchrun line, parsed by torch's own parser ($VARs filled in)."""
+    from torch.distributed.run import get_args_parser
+
+    env = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500", "JOB_ID": "j1", "NODE_RANK": "1",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "77"}
+    words = shlex.split(re.sub(r"\$(\w+)", lambda m: env[m.group(1)], cmd.replace("\\\n", " ")))
+    start = words.index("torchrun") + 1
+    return get_args_parser().parse_args(words[start:]), words
+
+
+def test_cluster_launch_parses_with_torchruns_own_parser():
+    text = cluster_launch(D, nodes=2, gpus_per_node=4)
+    assert text.startswith("# 2 nodes x 4 GPUs = world 8; global rank = node_rank x 4 + local_rank")
+    c10d_cmd, static_cmd = [b for b in text.split("\n\n") if b.lstrip("#").startswith(" ----") and "torchrun" in b][:2]
+    c10d_cmd = c10d_cmd[c10d_cmd.index("torchrun"):]
+    a, words = _torchrun_options(c10d_cmd)
+    assert (a.nnodes, a.nproc_per_node, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id) == ("2", "4", "c10d",
+                                                                                      "node0:29500", "j1")
+    assert a.training_script == "pretrain_gpt.py"
+    assert shlex.join(a.training_script_args) == shlex.join(_flags_and_values(megatron_command(D)))
+    s, _ = _torchrun_options(static_cmd[static_cmd.index("torchrun"):])
+    assert (s.nnodes, s.node_rank, s.master_addr, s.master_port, s.rdzv_backend) == ("2", 1, "node0", 29500, "static")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in text and "# export NCCL_DEBUG=INFO" in text
+    assert "export NCCL_DEBUG=INFO" in cluster_launch(D, nodes=2, gpus_per_node=4, debug=True).replace(
+        "# export NCCL_DEBUG=INFO", "")
+    fsdp = cluster_launch(D, MegatronRun(sharding="fsdp"), nodes=4, gpus_per_node=2)
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" not in fsdp and "# export CUDA_DEVICE_MAX_CONNECTIONS=32" in fsdp
+    with pytest.raises(ValueError, match=r"nodes=3 × gpus_per_node=4 = 12 is not the world size 8"):
+        cluster_launch(D, nodes=3, gpus_per_node=4)
+    with pytest.raises(ValueError, match="rendezvous='etcd' is unknown"):
+        cluster.torchrun_command(["x.py"], 2, 2, rendezvous="etcd")
+
+
+def _flags_and_values(cmd: str) -> list[str]:
+    words = shlex.split(cmd.replace("\\\n", " "))
+    return words[words.index("pretrain_gpt.py") + 1:]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_sbatch_script_runs_one_torchrun_per_node_at_the_first_host(tmp_path):
+    """Run the script with stub scontrol/srun (Slurm's names): MASTER_ADDR is the allocation's first host,
+    srun starts one task per node, and each task's torchrun line parses with torch's parser."""
+    script = cluster.sbatch_script(["pretrain_gpt.py", "--data-path", "my data/$x"], 2, 8,
+                                   env=cluster.environment(tp=2))
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --ntasks-per-node=1" in script
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && '
+                                      'printf "gpu07\\ngpu08\\n"\n')
+    (bin_dir / "srun").write_text('#!/usr/bin/env bash\necho "CDMC=$CUDA_DEVICE_MAX_CONNECTIONS"\n'
+                                  'for a in "$@"; do printf "%s\\n" "$a"; done\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NNODES": "2",
+           "SLURM_JOB_ID": "4242"}
+    out = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "CDMC=1"
+    assert lines[1:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=1", "torchrun"]
+    from torch.distributed.run import get_args_parser
+
+    a = get_args_parser().parse_args(lines[4:])
+    assert (a.nnodes, a.nproc_per_node, a.rdzv_backend, a.rdzv_endpoint, a.rdzv_id) == ("2", "8", "c10d",
+                                                                                      "gpu07:29500", "4242")
+    assert a.training_script == "pretrain_gpt.py" and a.training_script_args == ["--data-path", "my data/$x"]
+
+
+def test_megatron_cmd_cli_cluster_sharding_and_moe(capsys):
+    assert _cli(command_mod, ["--config", "D", "--nodes", "2", "--gpus-per-node", "4", "--sharding", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "# fsdp = ZeRO-3" in out and "srun --ntasks-per-node=1" in out and "--use-megatron-fsdp" in out
+    assert _cli(command_mod, ["--config", "D", "--show", "sharding"]) == 0
+    assert capsys.readouterr().out.count("torchrun --nproc_per_node 8 pretrain_gpt.py") == 4
+    assert _cli(command_mod, ["--config", "D", "--sp", "--num-experts", "8", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "# MoE: 8 experts, top-2" in out and "--expert-model-parallel-size 2" in out
+    with pytest.raises(ValueError, match="--nodes and --gpus-per-node go together"):
+        _cli(command_mod, ["--nodes", "2"])
+    with pytest.raises(ValueError, match="nproc=8 is not nodes=2 × gpus_per_node=8 = 16"):
+        _cli(command_mod, ["--nodes", "2", "--gpus-per-node", "8", "--nproc", "8"])
+    with pytest.raises(ValueError, match="need --num-experts"):
+        _cli(command_mod, ["--ep", "2"])

@@ -55,6 +55,107 @@ GPT2_MERGES_URL = "https://huggingface.co/gpt2/resolve/main/merges.txt"
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """One way Megatron-LM shards the training state over the data-parallel (x CP) ranks."""
+
+    zero: str                                  # the ZeRO stage it corresponds to (Rajbhandari et al. 2020)
+    what: str                                  # what each DP rank keeps 1/d of
+    flags: tuple[tuple[str, str | None], ...]
+    fsdp: bool = False
+
+
+# The distributed-optimizer / Megatron-FSDP variants (issue 14). Every flag is in flags.SHARDING_FLAGS
+# (checked at core_v0.16.1 and main). Rules they follow, from validate_args (main d98e8a6):
+# --overlap-param-gather needs the distributed optimizer or Megatron-FSDP, and --overlap-grad-reduce;
+# Megatron-FSDP needs --ckpt-format fsdp_dtensor (and, v1, turns on the distributed optimizer itself);
+# --optimizer-cpu-offload needs --use-precision-aware-optimizer. The sharding strategy's default
+# changed ('no_shard' at core_v0.16.1, 'optim_grads_params' at main), so it is always spelled out.
+_OVERLAP = (("--overlap-grad-reduce", None), ("--overlap-param-gather", None))
+SHARDING = {
+    "dist-opt": Sharding("ZeRO-1", "fp32 main params and Adam state; grads reduce-scattered, params all-gathered",
+                         (("--use-distributed-optimizer", None),) + _OVERLAP),
+    "fsdp-optim-grads": Sharding("ZeRO-2", "optimizer state and grads (Megatron-FSDP)",
+                                 (("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads"),
+                                  ("--ckpt-format", "fsdp_dtensor")) + _OVERLAP, fsdp=True),
+    "fsdp": Sharding("ZeRO-3", "params, grads and optimizer state; params all-gathered just before use",
+                     (("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
+                      ("--ckpt-format", "fsdp_dtensor")) + _OVERLAP, fsdp=True),
+    "offload": Sharding("ZeRO-1 + offload", "as dist-opt, with Adam state and the update on the host (CPU)",
+                        (("--use-distributed-optimizer", None), ("--optimizer-cpu-offload", None),
+                         ("--optimizer-offload-fraction", "1.0"), ("--use-precision-aware-optimizer", None))
+                        + _OVERLAP),
+}
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A Mixtral-style MoE (Jiang et al. 2024: 8 experts, top-2; SwiGLU experts, RMSNorm, RoPE, no
+    biases, untied embeddings) in Megatron-LM's flags (``flags.MOE_FLAGS``).
+
+    ``expert_tensor_parallel_size`` ``None`` means TP (Megatron's default, ``validate_args``);
+    ``moe_ffn_hidden_size`` ``None`` means 3.5 x hidden (Mixtral-8x7B: 14336 / 4096).
+    ``moe_grouped_gemm`` is printed only with Transformer Engine (the default ``--transformer-impl``):
+    TE's GroupedLinear; ``validate_args`` asserts compute capability >= 8.
+    """
+
+    num_experts: int
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None
+    moe_router_topk: int = 2
+    moe_aux_loss_coeff: float = 1e-2
+    moe_ffn_hidden_size: int | None = None
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = True
+
+    def __post_init__(self):
+        rules.integer("expert-model-parallel-size", self.expert_model_parallel_size)
+        rules.moe_experts(rules.integer("num-experts", self.num_experts), self.expert_model_parallel_size)
+        if self.expert_tensor_parallel_size is not None:
+            rules.integer("expert-tensor-parallel-size", self.expert_tensor_parallel_size)
+        rules.integer("moe-router-topk", self.moe_router_topk, maximum=self.num_experts)
+        rules.number("moe-aux-loss-coeff", self.moe_aux_loss_coeff, 0.0)
+        if self.moe_ffn_hidden_size is not None:
+            rules.integer("moe-ffn-hidden-size", self.moe_ffn_hidden_size)
+        rules.moe_dispatcher(self.moe_token_dispatcher_type)
+
+    def grid(self, cfg: ParallelConfig):
+        """The dense and expert grids (``MoEGrid``: world divisible by expert-TP x EP x PP, and the rest)."""
+        from course_lib.moe.grid import MoEGrid
+
+        return MoEGrid(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=self.expert_model_parallel_size,
+                       expert_tp=self.expert_tensor_parallel_size)
+
+    def args(self, cfg: ParallelConfig, transformer_impl: str | None) -> list[tuple[str, str | None]]:
+        self.grid(cfg)
+        ffn = self.moe_ffn_hidden_size or cfg.hidden_size * 7 // 2
+        args = [("--num-experts", str(self.num_experts)),
+                ("--expert-model-parallel-size", str(self.expert_model_parallel_size))]
+        if self.expert_tensor_parallel_size is not None:
+            args.append(("--expert-tensor-parallel-size", str(self.expert_tensor_parallel_size)))
+        args += [("--moe-router-topk", str(self.moe_router_topk)),
+                 ("--moe-router-load-balancing-type", "aux_loss"),
+                 ("--moe-aux-loss-coeff", f"{self.moe_aux_loss_coeff:g}"),
+                 ("--moe-token-dispatcher-type", self.moe_token_dispatcher_type),
+                 ("--moe-ffn-hidden-size", str(ffn))]
+        if self.moe_grouped_gemm and transformer_impl != "local":
+            args.append(("--moe-grouped-gemm", None))
+        return args + [("--swiglu", None), ("--normalization", "RMSNorm"), ("--position-embedding-type", "rope"),
+                       ("--disable-bias-linear", None), ("--untie-embeddings-and-output-weights", None)]
+
+    def notes(self, cfg: ParallelConfig, transformer_impl: str | None) -> list[str]:
+        g = self.grid(cfg)
+        out = [f"MoE: {self.num_experts} experts, top-{self.moe_router_topk}; expert grid expert-TP {g.expert_tp} x "
+               f"EP {g.ep} x expert-DP {g.expert_dp} x PP {g.pp} ({self.num_experts // g.ep} experts per rank); "
+               f"dense DP stays {g.dp}"]
+        if g.ep > 1 and cfg.tp > 1 and not cfg.sequence_parallel:
+            out.append("Megatron warns: with expert parallelism and TP > 1, sequence parallelism must be used: "
+                       "add --sp (ModelParallelConfig.__post_init__)")
+        if self.moe_grouped_gemm and transformer_impl == "local":
+            out.append("--moe-grouped-gemm left out: it is Transformer Engine's GroupedLinear")
+        return out
+
+
+@dataclass(frozen=True)
 class MegatronRun:
     """Everything a ``pretrain_gpt.py`` command needs besides the parallel layout and model.
 
@@ -74,6 +175,7 @@ class MegatronRun:
     seed: int = 1234
     precision: str = "bf16"
     use_distributed_optimizer: bool = False
+    sharding: str | None = None
     log_interval: int = 10
     log_throughput: bool = True
     eval_interval: int = 1000
@@ -92,9 +194,16 @@ class MegatronRun:
         for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
             rules.number(name, getattr(self, name), 0.0)
         rules.min_lr(self.min_lr, self.lr)
+        if self.sharding is not None and self.sharding not in SHARDING:
+            raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {', '.join(SHARDING)}")
         if self.transformer_impl not in (None, "local", "transformer_engine"):
             raise ValueError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
         _check_data_dir(self.data_dir)
+
+    @property
+    def megatron_fsdp(self) -> bool:
+        """Whether the run shards with Megatron-FSDP (``--use-megatron-fsdp``)."""
+        return self.sharding is not None and SHARDING[self.sharding].fsdp
 
     @property
     def data_prefix(self) -> str:
@@ -137,12 +246,13 @@ def _as_config(config) -> ParallelConfig:
     return cfg
 
 
-def pretrain_args(config, run: MegatronRun | None = None) -> list[tuple[str, str | None]]:
+def pretrain_args(config, run: MegatronRun | None = None,
+                  moe: MoESpec | None = None) -> list[tuple[str, str | None]]:
     """The ``pretrain_gpt.py`` arguments as ``(flag, value)`` pairs (value ``None`` for switches):
     the config's own (:meth:`ParallelConfig.megatron_args`, the one renderer of a layout's
-    flags), then the run's."""
+    flags), the MoE's (``moe``), then the run's."""
     cfg, run = _as_config(config), run or MegatronRun()
-    args = cfg.megatron_args() + [
+    args = cfg.megatron_args() + (moe.args(cfg, run.transformer_impl) if moe else []) + [
         ("--train-iters", str(run.train_iters)),
         ("--lr", f"{run.lr:g}"),
         ("--min-lr", f"{run.min_lr:g}"),
@@ -152,8 +262,10 @@ def pretrain_args(config, run: MegatronRun | None = None) -> list[tuple[str, str
         ("--clip-grad", f"{run.clip_grad:g}"),
         ("--seed", str(run.seed)),
     ]
-    if run.use_distributed_optimizer:
+    sharding = SHARDING[run.sharding].flags if run.sharding else ()
+    if run.use_distributed_optimizer and ("--use-distributed-optimizer", None) not in sharding:
         args.append(("--use-distributed-optimizer", None))
+    args += list(sharding)
     if run.precision != "fp32":
         args.append((f"--{run.precision}", None))
     if run.transformer_impl is not None:
@@ -179,15 +291,36 @@ def _render(prefix: str, args: list[tuple[str, str | None]]) -> str:
     return " \\\n".join(lines)
 
 
-def megatron_command(config, run: MegatronRun | None = None) -> str:
+def megatron_command(config, run: MegatronRun | None = None, moe: MoESpec | None = None) -> str:
     """The ``torchrun ... pretrain_gpt.py`` command (run inside a Megatron-LM checkout).
+
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set except with Megatron-FSDP, where ``validate_args``
+    asserts it is unset or > 1 (:mod:`course_lib.megatron.cluster`).
 
     >>> print(megatron_command(gpu_config(tp=2, pp=2)).splitlines()[0])
     CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 8 pretrain_gpt.py \\
     """
-    cfg = _as_config(config)
-    args = pretrain_args(cfg, run)
-    return _render(f"CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node {cfg.world_size} pretrain_gpt.py", args)
+    cfg, run = _as_config(config), run or MegatronRun()
+    args = pretrain_args(cfg, run, moe)
+    env = "" if run.megatron_fsdp else "CUDA_DEVICE_MAX_CONNECTIONS=1 "
+    return _render(f"{env}torchrun --nproc_per_node {cfg.world_size} pretrain_gpt.py", args)
+
+
+def cluster_launch(config, run: MegatronRun | None = None, moe: MoESpec | None = None, *, nodes: int,
+                   gpus_per_node: int, debug: bool = False) -> str:
+    """The multi-node launch of ``pretrain_gpt.py``: torchrun on every node (c10d, or static) and a
+    Slurm sbatch script (:func:`course_lib.megatron.cluster.launch_text`). ``nodes x gpus_per_node``
+    must equal the config's world size."""
+    from course_lib.megatron import cluster
+
+    cfg, run = _as_config(config), run or MegatronRun()
+    nodes, gpus = rules.integer("nodes", nodes), rules.integer("gpus_per_node", gpus_per_node)
+    if nodes * gpus != cfg.world_size:
+        raise ValueError(f"nodes={nodes} × gpus_per_node={gpus} = {nodes * gpus} is not the world size "
+                         f"{cfg.world_size}; give --nproc {nodes * gpus} or leave --nproc out")
+    program = ["pretrain_gpt.py"] + [x for f, v in pretrain_args(cfg, run, moe) for x in ([f] if v is None else [f, v])]
+    env = cluster.environment(tp=cfg.tp, cp=cfg.cp, megatron_fsdp=run.megatron_fsdp, debug=debug)
+    return cluster.launch_text(program, nodes, gpus, env=env, job_name="megatron")
 
 
 def describe(config) -> str:
@@ -311,7 +444,7 @@ def sweep_script(log_dir: str = "logs/day22") -> str:
 
 # ---- CLI: python -m course_lib megatron-cmd ----------------------------------------------
 
-SHOW = ("train", "preprocess", "setup", "script", "sweep", "all")
+SHOW = ("train", "preprocess", "setup", "script", "sweep", "sharding", "all")
 
 
 def add_arguments(parser) -> None:
@@ -321,7 +454,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--tp", type=int, default=None, help="--tensor-model-parallel-size (default 1)")
     g.add_argument("--pp", type=int, default=None, help="--pipeline-model-parallel-size (default 1)")
     g.add_argument("--cp", type=int, default=None, help="--context-parallel-size (default 1)")
-    g.add_argument("--nproc", type=int, default=8, help="GPUs (torchrun --nproc_per_node); DP = nproc/(tp*pp*cp)")
+    g.add_argument("--nproc", type=int, default=None,
+                   help="GPUs (torchrun --nproc_per_node; default 8, or nodes x gpus-per-node); DP = nproc/(tp*pp*cp)")
     g.add_argument("--sp", action="store_true", help="--sequence-parallel (turned off with tp = 1, as Megatron does)")
     g.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank (interleaved 1F1B)")
     g = parser.add_argument_group("batch and training")
@@ -333,14 +467,64 @@ def add_arguments(parser) -> None:
     g.add_argument("--log-interval", type=int, default=MegatronRun.log_interval)
     g.add_argument("--precision", choices=PRECISIONS, default=MegatronRun.precision)
     g.add_argument("--distributed-optimizer", action="store_true", help="--use-distributed-optimizer")
+    g.add_argument("--sharding", choices=sorted(SHARDING), default=None,
+                   help="shard the training state: dist-opt (ZeRO-1), fsdp-optim-grads (ZeRO-2), fsdp (ZeRO-3, "
+                        "Megatron-FSDP), offload (dist-opt with the optimizer on the host); --show sharding: all")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None)
     g.add_argument("--data-dir", default=MegatronRun.data_dir, help="relative to the Megatron-LM checkout")
+    g = parser.add_argument_group("mixture of experts (a Mixtral-style command: SwiGLU, RMSNorm, RoPE)")
+    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--expert-model-parallel-size", "--ep", type=int, default=1, dest="ep")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, dest="expert_tp",
+                   help="default: TP (Megatron's)")
+    g.add_argument("--moe-router-topk", type=int, default=MoESpec.moe_router_topk)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=MoESpec.moe_aux_loss_coeff)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default 3.5 x hidden (Mixtral)")
+    g = parser.add_argument_group("cluster (multi-node launch: torchrun c10d/static and a Slurm sbatch script)")
+    g.add_argument("--nodes", type=int, default=None, help="nodes; with --gpus-per-node (world = nodes x GPUs)")
+    g.add_argument("--gpus-per-node", type=int, default=None)
+    g.add_argument("--nccl-debug", action="store_true", help="export NCCL_DEBUG=INFO in the launch")
     parser.add_argument("--show", choices=SHOW, default="train",
-                        help="train: the pretrain_gpt.py command; preprocess; setup (clone, corpus, tokenizer, "
-                             "preprocess); script: run_tiny_gpt.sh; sweep: the A-F loop; all")
+                        help="train: the pretrain_gpt.py command (the multi-node launch with --nodes); preprocess; "
+                             "setup (clone, corpus, tokenizer, preprocess); script: run_tiny_gpt.sh; sweep: the A-F "
+                             "loop; sharding: the distributed-optimizer / Megatron-FSDP variants; all")
     parser.add_argument("--export-corpus", metavar="PATH",
                         help="write the course corpus as JSON lines for tools/preprocess_data.py and exit")
     parser.add_argument("--force", action="store_true", help="replace an existing --export-corpus file")
+
+
+def _world(args) -> int:
+    """--nproc, or nodes x GPUs per node (both given: they must agree)."""
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise ValueError("--nodes and --gpus-per-node go together, e.g. --nodes 2 --gpus-per-node 8")
+    if args.nodes is None:
+        return 8 if args.nproc is None else args.nproc
+    world = rules.integer("nodes", args.nodes) * rules.integer("gpus_per_node", args.gpus_per_node)
+    if args.nproc is not None and args.nproc != world:
+        raise ValueError(f"nproc={args.nproc} is not nodes={args.nodes} × gpus_per_node={args.gpus_per_node} = "
+                         f"{world}; leave --nproc out with --nodes")
+    return world
+
+
+def _sharding_note(name: str, cfg: ParallelConfig) -> str:
+    s = SHARDING[name]
+    d = cfg.dp * cfg.cp
+    note = f"# {name} = {s.zero}: each of the DP x CP = {d} ranks keeps 1/{d} of the {s.what}"
+    if s.fsdp and (cfg.tp > 1 or cfg.cp > 1):
+        note += ("\n# Megatron-FSDP with TP/CP > 1: validate_args warns that they want different "
+                 "CUDA_DEVICE_MAX_CONNECTIONS (FSDP asserts != 1): left unset")
+    return note
+
+
+def sharding_variants(config, run: MegatronRun | None = None, moe: MoESpec | None = None) -> str:
+    """Every :data:`SHARDING` variant of one configuration (the Day 23 table: config D with the
+    distributed optimizer, ZeRO-2/3 through Megatron-FSDP, and offload), one command each."""
+    cfg, run = _as_config(config), run or MegatronRun()
+    blocks = []
+    for name in SHARDING:
+        variant = MegatronRun(**{**run.__dict__, "sharding": name, "use_distributed_optimizer": False})
+        blocks.append(_sharding_note(name, cfg) + "\n" + megatron_command(cfg, variant, moe))
+    return "\n\n".join(blocks)
 
 
 def run(args) -> int:
@@ -357,10 +541,18 @@ def run(args) -> int:
     cp = args.cp if args.cp is not None else cp
     mrun = MegatronRun(train_iters=args.train_iters, lr=args.lr, min_lr=min(MegatronRun.min_lr, args.lr),
                        log_interval=args.log_interval, precision=args.precision,
-                       use_distributed_optimizer=args.distributed_optimizer,
+                       use_distributed_optimizer=args.distributed_optimizer, sharding=args.sharding,
                        transformer_impl=args.transformer_impl, data_dir=args.data_dir)
-    cfg = gpu_config(tp, pp, cp, args.nproc, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+    nproc = _world(args)
+    cfg = gpu_config(tp, pp, cp, nproc, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, sequence_parallel=args.sp, vpp=args.vpp)
+    moe = None
+    if args.num_experts is not None or args.ep > 1 or args.expert_tp is not None:
+        if args.num_experts is None:
+            raise ValueError("--expert-model-parallel-size/--expert-tensor-parallel-size need --num-experts, "
+                             "e.g. --num-experts 8")
+        moe = MoESpec(args.num_experts, args.ep, args.expert_tp, args.moe_router_topk, args.moe_aux_loss_coeff,
+                      args.moe_ffn_hidden_size)
     parts = []
     if args.show in ("setup", "all"):
         parts.append(setup_commands(mrun))
@@ -372,7 +564,17 @@ def run(args) -> int:
             notes.append("# Megatron-LM core <= 0.5 requires PP > 2 for the interleaved schedule")
         if cfg.cp > 1 and mrun.transformer_impl == "local":
             notes.append("# context parallelism runs in Transformer Engine's attention: drop --transformer-impl local")
-        parts.append("\n".join(notes + [megatron_command(cfg, mrun)]))
+        notes += [f"# {note}" for note in (moe.notes(cfg, mrun.transformer_impl) if moe else [])]
+        if mrun.sharding:
+            notes.append(_sharding_note(mrun.sharding, cfg))
+        if args.nodes:
+            text = cluster_launch(cfg, mrun, moe, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                                  debug=args.nccl_debug)
+        else:
+            text = megatron_command(cfg, mrun, moe)
+        parts.append("\n".join(notes + [text]))
+    if args.show in ("sharding", "all"):
+        parts.append(sharding_variants(cfg, mrun, moe))
     if args.show in ("script", "all"):
         parts.append(run_tiny_gpt_script(mrun, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                                          global_batch_size=args.global_batch_size))

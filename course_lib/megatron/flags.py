@@ -22,6 +22,7 @@ from __future__ import annotations
 
 VERIFIED_AT = {
     "core_v0.15.3": "309ffca6a40553362d44fd17efc56b772fa1aa44",
+    "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
     "main": "d98e8a64ddf34856e74b24714e3bedb2f5a39553",
 }
 
@@ -134,3 +135,104 @@ NOT_MEGATRON_FLAGS: dict[str, str] = {
     "--model-parallel-size": "deprecated: validate_args asserts it is unset; use --tensor-model-parallel-size",
     "--num-workers": "data-loader worker processes per rank, not the number of GPUs",
 }
+
+
+# ---- the sharding variants (issue 14) and MoE (issue 15) ------------------------------------------
+#
+# Checked at core_v0.16.1 (55ac7082517c, 2026-03-16; the 0.16 release the course installs as
+# megatron-core 0.16.1) and main d98e8a6 in two ways: the place that defines each flag (below), and
+# Megatron's own parser -- megatron/training/arguments.py::add_megatron_arguments built on an
+# argparse.ArgumentParser from `git archive <rev> megatron` (877 option strings at main, 681 at core_v0.16.1;
+# imports it cannot satisfy here, triton/regex/pydantic, stubbed): every flag below is an option
+# string of both parsers. flag -> (where at core_v0.16.1, where at main).
+
+SHARDING_FLAGS: dict[str, tuple[str, str]] = {
+    "--overlap-grad-reduce": ("megatron/training/arguments.py::_add_distributed_args",
+                              "megatron/training/arguments.py::_add_distributed_args"),
+    "--overlap-param-gather": ("megatron/training/arguments.py::_add_distributed_args",
+                               "megatron/training/arguments.py::_add_distributed_args"),
+    "--use-megatron-fsdp": ("megatron/training/arguments.py::_add_distributed_args",
+                            "megatron/training/config/common_config.py::DistributedInitConfig.use_megatron_fsdp"),
+    # default 'no_shard' at core_v0.16.1, 'optim_grads_params' at main: the commands always spell it out
+    "--data-parallel-sharding-strategy": ("megatron/training/arguments.py::_add_distributed_args",
+                                          "megatron/training/arguments.py::_add_distributed_args"),
+    # validate_args: Megatron-FSDP asserts ckpt_format == 'fsdp_dtensor' (both revisions)
+    "--ckpt-format": ("megatron/training/training_config.py::CheckpointConfig.ckpt_format",
+                      "megatron/training/config/training_config.py::CheckpointConfig.ckpt_format"),
+    # validate_args: --optimizer-cpu-offload asserts --use-precision-aware-optimizer
+    "--optimizer-cpu-offload": ("megatron/training/arguments.py::_add_training_args",
+                                "megatron/training/arguments.py::_add_training_args"),
+    "--optimizer-offload-fraction": ("megatron/training/arguments.py::_add_training_args",
+                                     "megatron/training/arguments.py::_add_training_args"),
+    "--use-precision-aware-optimizer": ("megatron/training/arguments.py::_add_experimental_args",
+                                        "megatron/training/arguments.py::_add_experimental_args"),
+}
+
+MOE_FLAGS: dict[str, tuple[str, str]] = {
+    "--num-experts": ("megatron/training/arguments.py::_add_moe_args",
+                      "megatron/training/arguments.py::_add_moe_args"),
+    "--expert-model-parallel-size": (
+        "megatron/core/model_parallel_config.py::ModelParallelConfig.expert_model_parallel_size",
+        "megatron/core/model_parallel_config.py::ModelParallelConfig.expert_model_parallel_size"),
+    "--expert-tensor-parallel-size": (
+        "megatron/core/model_parallel_config.py::ModelParallelConfig.expert_tensor_parallel_size",
+        "megatron/core/model_parallel_config.py::ModelParallelConfig.expert_tensor_parallel_size"),
+    "--moe-router-topk": ("megatron/core/transformer/transformer_config.py::TransformerConfig.moe_router_topk",
+                          "megatron/core/transformer/transformer_config.py::TransformerConfig.moe_router_topk"),
+    "--moe-router-load-balancing-type": ("megatron/training/arguments.py::_add_moe_args",
+                                         "megatron/training/arguments.py::_add_moe_args"),
+    "--moe-aux-loss-coeff": ("megatron/training/arguments.py::_add_moe_args",
+                             "megatron/training/arguments.py::_add_moe_args"),
+    "--moe-token-dispatcher-type": (
+        "megatron/core/transformer/transformer_config.py::TransformerConfig.moe_token_dispatcher_type",
+        "megatron/core/transformer/transformer_config.py::TransformerConfig.moe_token_dispatcher_type"),
+    "--moe-ffn-hidden-size": (
+        "megatron/core/transformer/transformer_config.py::TransformerConfig.moe_ffn_hidden_size",
+        "megatron/core/transformer/transformer_config.py::TransformerConfig.moe_ffn_hidden_size"),
+    # validate_args asserts compute capability >= 8 (Ampere); TE's GroupedLinear (transformer_engine impl)
+    "--moe-grouped-gemm": ("megatron/core/transformer/transformer_config.py::TransformerConfig.moe_grouped_gemm",
+                           "megatron/core/transformer/transformer_config.py::TransformerConfig.moe_grouped_gemm"),
+    # Mixtral's dense parts: SwiGLU, RMSNorm, RoPE, no linear biases, untied embeddings
+    "--swiglu": ("megatron/training/arguments.py::_add_network_size_args",
+                 "megatron/training/arguments.py::_add_network_size_args"),
+    "--normalization": ("megatron/core/transformer/transformer_config.py::TransformerConfig.normalization",
+                        "megatron/core/transformer/transformer_config.py::TransformerConfig.normalization"),
+    "--position-embedding-type": ("megatron/training/arguments.py::_add_network_size_args",
+                                  "megatron/training/arguments.py::_add_network_size_args"),
+    "--disable-bias-linear": (
+        "megatron/core/transformer/transformer_config.py::TransformerConfig.add_bias_linear (argparse_meta)",
+        "megatron/core/transformer/transformer_config.py::TransformerConfig.add_bias_linear (argparse_meta)"),
+    "--untie-embeddings-and-output-weights": ("megatron/training/arguments.py::_add_network_size_args",
+                                              "megatron/training/arguments.py::_add_network_size_args"),
+}
+
+# The installed megatron-core's own config dataclasses hold what these flags set (checked with
+# dataclasses.fields in tests/test_megatron_bridge.py): flag -> "Class.field" under megatron.core.
+MCORE_FIELDS: dict[str, str] = {
+    "--use-distributed-optimizer": "DistributedDataParallelConfig.use_distributed_optimizer",
+    "--overlap-grad-reduce": "DistributedDataParallelConfig.overlap_grad_reduce",
+    "--overlap-param-gather": "DistributedDataParallelConfig.overlap_param_gather",
+    "--use-megatron-fsdp": "DistributedDataParallelConfig.use_megatron_fsdp",
+    "--data-parallel-sharding-strategy": "DistributedDataParallelConfig.data_parallel_sharding_strategy",
+    "--optimizer-cpu-offload": "OptimizerConfig.optimizer_cpu_offload",
+    "--optimizer-offload-fraction": "OptimizerConfig.optimizer_offload_fraction",
+    "--use-precision-aware-optimizer": "OptimizerConfig.use_precision_aware_optimizer",
+    "--bf16": "OptimizerConfig.bf16",
+    "--num-experts": "TransformerConfig.num_moe_experts",          # the one renamed field
+    "--expert-model-parallel-size": "TransformerConfig.expert_model_parallel_size",
+    "--expert-tensor-parallel-size": "TransformerConfig.expert_tensor_parallel_size",
+    "--moe-router-topk": "TransformerConfig.moe_router_topk",
+    "--moe-router-load-balancing-type": "TransformerConfig.moe_router_load_balancing_type",
+    "--moe-aux-loss-coeff": "TransformerConfig.moe_aux_loss_coeff",
+    "--moe-token-dispatcher-type": "TransformerConfig.moe_token_dispatcher_type",
+    "--moe-ffn-hidden-size": "TransformerConfig.moe_ffn_hidden_size",
+    "--moe-grouped-gemm": "TransformerConfig.moe_grouped_gemm",
+    "--normalization": "TransformerConfig.normalization",
+    "--disable-bias-linear": "TransformerConfig.add_bias_linear",
+    "--swiglu": "TransformerConfig.gated_linear_unit",
+}
+
+# torchrun's own options (torch.distributed.run.get_args_parser; checked against the installed torch).
+TORCHRUN_FLAGS: tuple[str, ...] = ("--nnodes", "--nproc-per-node", "--node-rank", "--master-addr", "--master-port",
+                                   "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+                                   "--standalone")
