@@ -1,8 +1,8 @@
 """Run a pipeline schedule on real ranks: real processes, real P2P messages, real gradients.
 
-:func:`run_rank_schedule` is the worker (inside one rank): it walks the rank's
-:func:`~course_lib.pipeline.check.comm_plan` -- actions and point-to-point steps --
-and for each action runs real autograd on its model chunk:
+:func:`run_rank_schedule` is the worker (inside one rank): a :class:`RankRunner` walks
+the rank's :func:`~course_lib.pipeline.check.comm_plan` -- actions and point-to-point
+steps -- and for each action runs real autograd on its model chunk (one method each):
 
 * ``F``: receive the ``[s, b, h]`` activation (stage 0: take the tokens), run the
   chunk, keep input and output for the backward, send the output on (the last
@@ -96,152 +96,190 @@ class _Prefetcher:
         return buf
 
 
+class RankRunner:
+    """One rank's part of a schedule, run for real: the state lives here, one method per action.
+
+    ``forward`` / ``backward`` / ``weight`` run the ``F`` / ``B`` / ``W`` actions on a model
+    chunk (Megatron's ``forward_step`` / ``backward_step``; the B/W split of Qi et al. 2023);
+    ``communicate`` runs one point-to-point :class:`~course_lib.pipeline.check.Step` in the
+    chosen protocol; :meth:`run` walks the rank's ``comm_plan``. Arguments: see
+    :func:`run_rank_schedule`, which builds one and runs it.
+
+    State: ``inbox`` (received ``[s, b, h]`` tensors by message), ``outbox`` (tensors to send),
+    ``stored`` (each live micro-batch's :class:`_Stored` by ``(microbatch, chunk)``),
+    ``live_bytes`` (activation bytes held for backward now), and what :meth:`run` reports:
+    ``events``, ``losses``, ``peak_live``, ``peak_bytes``.
+    """
+
+    def __init__(self, schedule: PipelineSchedule, rank: int, chunks: dict, tokens, labels, *,
+                 activation_shape, pp_group, p2p: str = "batched", compute_time=None, loss_fn=None):
+        if pp_group is None:
+            raise ValueError("pp_group is None: pass this rank's pipeline process group explicitly (groups.pp, or "
+                             "dist.group.WORLD when every rank is a stage of one pipeline)")
+        self.schedule, self.rank, self.chunks = schedule, rank, chunks
+        self.tokens, self.labels = tokens, labels
+        self.pp_group, self.p2p = pp_group, p2p
+        self.loss_fn = lm_loss if loss_fn is None else loss_fn
+        self.num_microbatches = schedule.num_microbatches
+        self.micro_batch_size = tokens.shape[0] // self.num_microbatches
+        self.shape = tuple(activation_shape)  # [s, b, h], Megatron's tensor_shape
+        self.device = tokens.device           # receive buffers live where the model runs (CPU with gloo)
+        self.split = {(a.microbatch, a.chunk_id) for a in schedule.ranks[rank] if a.kind == "W"}
+        self.durations = None
+        if compute_time is not None:
+            t_f, t_b, t_w = (float(t) / schedule.vp_size for t in compute_time)
+            self.durations = {"F": t_f, "B": t_b, "W": t_w}
+        self.inbox: dict = {}
+        self.outbox: dict = {}
+        self.stored: dict = {}
+        self.events: list = []
+        self.losses: list = []
+        self.live_bytes = self.peak_bytes = self.peak_live = 0
+        self.prefetcher = (_Prefetcher(schedule, rank, self.shape, self.device, self.to_global, pp_group)
+                           if p2p == "prefetch" else None)
+
+    # ---- point-to-point -------------------------------------------------------------------
+    def to_global(self, r: int) -> int:
+        """Global rank of pipeline rank ``r`` (the group's own numbering is the schedule's)."""
+        return dist.get_global_rank(self.pp_group, r) if self.schedule.pp_size > 1 else r
+
+    def outgoing(self, msg):
+        """The tensor for ``msg``, recorded (kind "pp") for an active CommRecorder."""
+        t = self.outbox.pop(msg)
+        comm.record_event("send", t.numel(), group_size=self.schedule.pp_size, kind="pp",
+                          direction="fwd" if msg.kind == "act" else "bwd", source="pipeline_executor",
+                          tag=str(msg), peer=self.to_global(msg.dst), dtype=t.dtype)
+        return t
+
+    def communicate(self, step: Step) -> None:
+        """Send ``step.sends`` and receive ``step.recvs`` (into ``inbox``) in the ``p2p`` protocol."""
+        group = self.pp_group
+        if self.p2p == "prefetch":
+            for msg in step.recvs:
+                self.inbox[msg] = self.prefetcher.get(msg)
+            for msg in step.sends:
+                dist.send(self.outgoing(msg), dst=self.to_global(msg.dst), group=group)
+            return
+        bufs = {msg: torch.empty(self.shape, device=self.device) for msg in step.recvs}
+        if self.p2p == "blocking":
+            for msg in step.sends:
+                dist.send(self.outgoing(msg), dst=self.to_global(msg.dst), group=group)
+            for msg, buf in bufs.items():
+                dist.recv(buf, src=self.to_global(msg.src), group=group)
+        else:  # batched: one batch_isend_irecv, like Megatron's _communicate
+            ops = [dist.P2POp(dist.isend, self.outgoing(msg), self.to_global(msg.dst), group) for msg in step.sends]
+            ops += [dist.P2POp(dist.irecv, buf, self.to_global(msg.src), group) for msg, buf in bufs.items()]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.inbox.update(bufs)
+
+    # ---- the actions ----------------------------------------------------------------------
+    def forward(self, a: Action, s: int) -> None:
+        """F: run chunk ``a.chunk_id`` on micro-batch ``a.microbatch`` (virtual stage ``s``)."""
+        chunk = self.chunks[a.chunk_id]
+        rows = slice(a.microbatch * self.micro_batch_size, (a.microbatch + 1) * self.micro_batch_size)
+        x = None
+        if s == 0:
+            inp = self.tokens[rows]
+        else:
+            x = inp = self.inbox.pop(inputs_of(self.schedule, self.rank, a)[0]).requires_grad_()
+        entry = _Stored(x=x, y=None)
+        hooks = _record_sites(chunk, entry.sites) if (a.microbatch, a.chunk_id) in self.split else []
+        try:
+            with SavedTensorRecorder(chunk) as saved:
+                out = chunk(inp)
+                if s == self.schedule.num_stages - 1:
+                    loss = self.loss_fn(out, self.labels[rows]) / self.num_microbatches  # Megatron's forward_step
+                    self.losses.append(loss.item())
+                    out = loss
+        finally:
+            for h in hooks:
+                h.remove()
+        entry.y, entry.nbytes = out, activation_bytes(saved.records)
+        self.stored[(a.microbatch, a.chunk_id)] = entry
+        self.live_bytes += entry.nbytes
+        for msg in outputs_of(self.schedule, self.rank, a):
+            self.outbox[msg] = out.detach().contiguous()
+
+    def backward(self, a: Action, s: int) -> None:
+        """B: the input gradient (full backward, or the B half of a B/W split); queue it for sending."""
+        key = (a.microbatch, a.chunk_id)
+        entry = self.stored[key]
+        last = s == self.schedule.num_stages - 1
+        grad_in = None if last else self.inbox.pop(inputs_of(self.schedule, self.rank, a)[0])
+        if key in self.split:  # B: input gradient (+ the layer-output gradients W will need)
+            targets = ([entry.x] if entry.x is not None else []) + [out for out, _ in entry.sites]
+            grads = torch.autograd.grad(entry.y, targets, grad_outputs=grad_in, retain_graph=True,
+                                        allow_unused=True)
+            x_grad = grads[0] if entry.x is not None else None
+            entry.site_grads = list(grads[1:] if entry.x is not None else grads)
+        else:                  # full backward: input and weight gradients at once
+            torch.autograd.backward(entry.y, grad_tensors=grad_in)
+            x_grad = entry.x.grad if entry.x is not None else None
+            self.live_bytes -= self.stored.pop(key).nbytes
+        for msg in outputs_of(self.schedule, self.rank, a):
+            self.outbox[msg] = x_grad.contiguous()
+
+    def weight(self, a: Action, s: int) -> None:
+        """W: the weight gradients of a B/W-split micro-batch, layer by layer; frees its activations."""
+        entry = self.stored.pop((a.microbatch, a.chunk_id))
+        for (out, params), g in zip(entry.sites, entry.site_grads):
+            if g is not None:
+                _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
+        self.live_bytes -= entry.nbytes
+
+    def _pad(self, a: Action, start: float) -> None:
+        """Sleep until the action has taken its calibrated duration (``compute_time``)."""
+        wanted = self.durations[a.kind]
+        if a.kind == "B" and (a.microbatch, a.chunk_id) not in self.split:
+            wanted += self.durations["W"]
+        rest = start + wanted - time.perf_counter()
+        if rest > 0:
+            time.sleep(rest)
+
+    def run(self) -> dict:
+        """Walk the rank's ``comm_plan``; return its events, losses and memory figures."""
+        action = {"F": self.forward, "B": self.backward, "W": self.weight}
+        if self.schedule.pp_size > 1:
+            dist.barrier(group=self.pp_group)  # start together: times are comparable across ranks
+        for item in comm_plan(self.schedule, self.rank, self.p2p):
+            if isinstance(item, Step):
+                self.communicate(item)
+                continue
+            s = self.schedule.stage(self.rank, item)
+            start = time.perf_counter()
+            action[item.kind](item, s)
+            if self.durations is not None:
+                self._pad(item, start)
+            self.events.append((str(item), s, start, time.perf_counter()))
+            self.peak_live = max(self.peak_live, len(self.stored))
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        return dict(events=self.events, losses=self.losses, peak_live=self.peak_live, peak_bytes=self.peak_bytes,
+                    p2p=self.p2p)
+
+
 def run_rank_schedule(schedule: PipelineSchedule, rank: int, chunks: dict, tokens, labels, *,
                       activation_shape, pp_group, p2p: str = "batched", compute_time=None,
                       loss_fn=None) -> dict:
-    """Run rank ``rank``'s part of ``schedule``; return its events, losses and memory figures.
+    """Run rank ``rank``'s part of ``schedule`` (a :class:`RankRunner`); return its events, losses and memory.
 
     ``chunks``: ``{chunk id: module}`` (virtual stage ``chunk * pp + rank``);
     ``tokens``/``labels``: [m * micro_batch, s] (each rank gets the whole batch;
     only stage 0 reads tokens, only the last stage labels). ``activation_shape``:
     ``[s, b, h]`` of what crosses a stage boundary. Gradients accumulate in
     the modules' ``.grad``. ``pp_group``: the pipeline process group this rank belongs to
-    (``groups.pp``; ``dist.group.WORLD`` only when the whole world is one pipeline), given
-    explicitly: a wrong default would pair ranks of different pipelines. ``compute_time``: ``(t_f, t_b, t_w)`` seconds per micro-batch
-    per rank-stage (a chunk takes ``1 / vp`` of it), or ``None`` for real speed.
-    ``loss_fn(output, labels)``: the last stage's loss of one micro-batch (a scalar;
-    default :func:`~course_lib.pipeline.stages.lm_loss`); the executor divides it by
-    the number of micro-batches, as Megatron's ``forward_step`` does.
+    (``groups.pp``; ``dist.group.WORLD`` only when the whole world is one pipeline), required
+    and never defaulted: a wrong default would pair ranks of different pipelines.
+    ``compute_time``: ``(t_f, t_b, t_w)`` seconds per micro-batch per rank-stage (a chunk
+    takes ``1 / vp`` of it), or ``None`` for real speed. ``loss_fn(output, labels)``: the last
+    stage's loss of one micro-batch (a scalar; default :func:`~course_lib.pipeline.stages.lm_loss`);
+    the executor divides it by the number of micro-batches, as Megatron's ``forward_step`` does.
+
+    Returns ``{"events": [(action, stage, start, end)], "losses": [...], "peak_live": micro-batches
+    held at most, "peak_bytes": activation bytes held at most, "p2p": protocol}``.
     """
-    loss_fn = lm_loss if loss_fn is None else loss_fn
-    p, v, m, S = schedule.pp_size, schedule.vp_size, schedule.num_microbatches, schedule.num_stages
-    if pp_group is None:
-        raise ValueError("pp_group is None: pass this rank's pipeline process group explicitly (groups.pp, or "
-                         "dist.group.WORLD when every rank is a stage of one pipeline)")
-
-    def to_global(r):
-        return dist.get_global_rank(pp_group, r) if p > 1 else r
-
-    mbs = tokens.shape[0] // m
-    shape = tuple(activation_shape)  # [s, b, h], Megatron's tensor_shape
-    device = tokens.device           # receive buffers live where the model runs (CPU with gloo)
-    actions = schedule.ranks[rank]
-    split = {(a.microbatch, a.chunk_id) for a in actions if a.kind == "W"}
-    durations = None
-    if compute_time is not None:
-        t_f, t_b, t_w = (float(t) / v for t in compute_time)
-        durations = {"F": t_f, "B": t_b, "W": t_w}
-
-    inbox: dict = {}
-    outbox: dict = {}
-    stored: dict = {}
-    events, losses = [], []
-    live_bytes = peak_bytes = peak_live = 0
-    prefetcher = _Prefetcher(schedule, rank, shape, device, to_global, pp_group) if p2p == "prefetch" else None
-
-    def outgoing(msg):
-        """The tensor for ``msg``, recorded (kind "pp") for an active CommRecorder."""
-        t = outbox.pop(msg)
-        comm.record_event("send", t.numel(), group_size=p, kind="pp",
-                          direction="fwd" if msg.kind == "act" else "bwd", source="pipeline_executor",
-                          tag=str(msg), peer=to_global(msg.dst), dtype=t.dtype)
-        return t
-
-    def communicate(step: Step):
-        if p2p == "prefetch":
-            for msg in step.recvs:
-                inbox[msg] = prefetcher.get(msg)
-            for msg in step.sends:
-                dist.send(outgoing(msg), dst=to_global(msg.dst), group=pp_group)
-            return
-        bufs = {msg: torch.empty(shape, device=device) for msg in step.recvs}
-        if p2p == "blocking":
-            for msg in step.sends:
-                dist.send(outgoing(msg), dst=to_global(msg.dst), group=pp_group)
-            for msg, buf in bufs.items():
-                dist.recv(buf, src=to_global(msg.src), group=pp_group)
-        else:  # batched: one batch_isend_irecv, like Megatron's _communicate
-            ops = [dist.P2POp(dist.isend, outgoing(msg), to_global(msg.dst), pp_group) for msg in step.sends]
-            ops += [dist.P2POp(dist.irecv, buf, to_global(msg.src), pp_group) for msg, buf in bufs.items()]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        inbox.update(bufs)
-
-    def forward(a: Action, s: int):
-        nonlocal live_bytes
-        chunk = chunks[a.chunk_id]
-        rows = slice(a.microbatch * mbs, (a.microbatch + 1) * mbs)
-        x = None
-        if s == 0:
-            inp = tokens[rows]
-        else:
-            x = inp = inbox.pop(inputs_of(schedule, rank, a)[0]).requires_grad_()
-        entry = _Stored(x=x, y=None)
-        hooks = _record_sites(chunk, entry.sites) if (a.microbatch, a.chunk_id) in split else []
-        try:
-            with SavedTensorRecorder(chunk) as saved:
-                out = chunk(inp)
-                if s == S - 1:
-                    loss = loss_fn(out, labels[rows]) / m   # Megatron: output_tensor /= num_microbatches
-                    losses.append(loss.item())
-                    out = loss
-        finally:
-            for h in hooks:
-                h.remove()
-        entry.y, entry.nbytes = out, activation_bytes(saved.records)
-        stored[(a.microbatch, a.chunk_id)] = entry
-        live_bytes += entry.nbytes
-        for msg in outputs_of(schedule, rank, a):
-            outbox[msg] = out.detach().contiguous()
-
-    def backward(a: Action, s: int):
-        nonlocal live_bytes
-        key = (a.microbatch, a.chunk_id)
-        entry = stored[key]
-        grad_in = inbox.pop(inputs_of(schedule, rank, a)[0]) if s < S - 1 else None
-        if key in split:  # B: input gradient (+ the layer-output gradients W will need)
-            targets = ([entry.x] if entry.x is not None else []) + [out for out, _ in entry.sites]
-            grads = torch.autograd.grad(entry.y, targets, grad_outputs=grad_in, retain_graph=True,
-                                        allow_unused=True)
-            x_grad = grads[0] if entry.x is not None else None
-            entry.site_grads = list(grads[1:] if entry.x is not None else grads)
-        else:             # full backward: input and weight gradients at once
-            torch.autograd.backward(entry.y, grad_tensors=grad_in)
-            x_grad = entry.x.grad if entry.x is not None else None
-            live_bytes -= stored.pop(key).nbytes
-        for msg in outputs_of(schedule, rank, a):
-            outbox[msg] = x_grad.contiguous()
-
-    def weight(a: Action, s: int):
-        nonlocal live_bytes
-        entry = stored.pop((a.microbatch, a.chunk_id))
-        for (out, params), g in zip(entry.sites, entry.site_grads):
-            if g is not None:
-                _accumulate(params, torch.autograd.grad(out, params, g, retain_graph=True, allow_unused=True))
-        live_bytes -= entry.nbytes
-
-    run = {"F": forward, "B": backward, "W": weight}
-    plan = comm_plan(schedule, rank, p2p)
-    if p > 1:
-        dist.barrier(group=pp_group)  # start together: times are comparable across ranks
-    for item in plan:
-        if isinstance(item, Step):
-            communicate(item)
-            continue
-        s = schedule.stage(rank, item)
-        start = time.perf_counter()
-        run[item.kind](item, s)
-        if durations is not None:
-            wanted = durations[item.kind]
-            if item.kind == "B" and (item.microbatch, item.chunk_id) not in split:
-                wanted += durations["W"]
-            rest = start + wanted - time.perf_counter()
-            if rest > 0:
-                time.sleep(rest)
-        events.append((str(item), s, start, time.perf_counter()))
-        peak_live = max(peak_live, len(stored))
-        peak_bytes = max(peak_bytes, live_bytes)
-    return dict(events=events, losses=losses, peak_live=peak_live, peak_bytes=peak_bytes, p2p=p2p)
+    return RankRunner(schedule, rank, chunks, tokens, labels, activation_shape=activation_shape,
+                      pp_group=pp_group, p2p=p2p, compute_time=compute_time, loss_fn=loss_fn).run()
 
 
 def _pipeline_rank(schedule: PipelineSchedule, cfg: StackConfig, p2p: str, compute_time) -> dict:
@@ -310,7 +348,8 @@ def execute(schedule: PipelineSchedule, cfg: StackConfig = StackConfig(), *, p2p
     """
     from course_lib.launch import launch
 
-    layer_split(cfg.num_layers, schedule.num_stages, cfg.layers_per_stage)  # bad splits fail here, in one line
+    layer_split(cfg.num_layers, schedule.num_stages, cfg.layers_per_stage,  # bad splits fail here, in one line
+                vp_size=schedule.vp_size)
     if check:
         chosen = check_schedule(schedule, p2p)
     elif p2p in ("blocking", "batched", "prefetch"):
@@ -335,4 +374,4 @@ def execute(schedule: PipelineSchedule, cfg: StackConfig = StackConfig(), *, p2p
                        [res["owned"] for res in results])
 
 
-__all__ = ["run_rank_schedule", "execute", "PipelineRun", "reference_gradients", "live_activations"]
+__all__ = ["run_rank_schedule", "RankRunner", "execute", "PipelineRun", "reference_gradients", "live_activations"]

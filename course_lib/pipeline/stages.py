@@ -8,9 +8,9 @@ final LayerNorm -> output layer -> cross-entropy. Activations are ``[s, b, h]``
 The pipeline boundary sits *between* blocks: stage ``k`` owns a contiguous run of
 blocks, stage 0 also the embedding, the last stage also the head and the loss.
 Only the ``[s, b, h]`` activation crosses a boundary (forward) and its gradient
-(backward). :func:`layer_split` gives the run of each stage, evenly or from an
-explicit list (Megatron: ``--decoder-first-pipeline-num-layers`` /
-``--pipeline-model-parallel-layout`` for uneven splits).
+(backward). :func:`layer_split` gives the run of each stage, evenly (by the rules of
+:mod:`course_lib.rules`, as Megatron checks them) or from an explicit list (Megatron:
+``--decoder-first-pipeline-num-layers`` / ``--pipeline-model-parallel-layout`` for uneven splits).
 
 Every rank builds the whole model from the same seed and keeps its stages' parts,
 so parameter names and values equal the unsplit model's: gradients compare 1:1.
@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from course_lib import rules
 
 
 @dataclass(frozen=True)
@@ -106,15 +108,24 @@ def lm_loss(logits, labels):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.transpose(0, 1).reshape(-1))
 
 
-def layer_split(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]] = None) -> list:
-    """The blocks of each stage as ``range`` s: even (``num_layers % num_stages == 0``) or explicit."""
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
+def layer_split(num_layers: int, num_stages: int, layers_per_stage: Optional[Sequence[int]] = None, *,
+                vp_size: int = 1) -> list:
+    """The blocks of each (virtual) stage as ``range`` s: even, or an explicit ``layers_per_stage``.
+
+    An even split follows Megatron's rules in :mod:`course_lib.rules`: ``num_layers`` divides over
+    the ``num_stages // vp_size`` pipeline ranks (:func:`~course_lib.rules.pipeline_split`) and each
+    rank's layers over its ``vp_size`` model chunks (:func:`~course_lib.rules.virtual_pipeline`).
+    ``layers_per_stage``: one count ``>= 0`` per virtual stage, adding up to ``num_layers``
+    (Megatron's ``--pipeline-model-parallel-layout`` spells such a split out layer by layer)."""
+    rules.integer("num_stages", num_stages)
     if layers_per_stage is None:
-        if num_layers % num_stages:
-            raise ValueError(f"num_layers={num_layers} is not divisible by the {num_stages} pipeline stages: "
-                             f"give layers_per_stage (an uneven split, e.g. fewer blocks on the first "
-                             f"stage, which also holds the embedding) or change num_layers")
+        pp = num_stages // rules.integer("vp_size", vp_size)
+        if pp * vp_size != num_stages:
+            raise ValueError(f"num_stages={num_stages} is not divisible by vp_size={vp_size}; num_stages counts "
+                             f"the virtual stages, pp_size * vp_size")
+        per_rank = rules.pipeline_split(num_layers, pp)
+        if vp_size > 1:
+            rules.virtual_pipeline(vp_size, pp, per_rank)
         counts = [num_layers // num_stages] * num_stages
     else:
         counts = list(layers_per_stage)
@@ -153,7 +164,7 @@ class Stage(nn.Module):
 
 def build_stages(cfg: StackConfig, pp_rank: int, pp_size: int, vp_size: int = 1):
     """``(model, {chunk: Stage})`` for ``pp_rank``: chunk ``c`` is virtual stage ``c * pp_size + pp_rank``."""
-    split = layer_split(cfg.num_layers, pp_size * vp_size, cfg.layers_per_stage)
+    split = layer_split(cfg.num_layers, pp_size * vp_size, cfg.layers_per_stage, vp_size=vp_size)
     model = StackModel(cfg)
     return model, {c: Stage(model, c * pp_size + pp_rank, split) for c in range(vp_size)}
 

@@ -94,8 +94,27 @@ def parse_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
     return tuple(tokens)
 
 
-def rank_group_array(order: tuple[str, ...], sizes: dict[str, int], token: str) -> np.ndarray:
-    """Groups of ``token`` in a grid laid out along ``order`` (first axis fastest): int64 [num_groups, group_size].
+def _group_offsets(order: tuple[str, ...], sizes: dict[str, int], token: str) -> tuple[list[int], list[int]]:
+    """``(first rank of each group, offset of each member)`` of ``token``'s groups: group ``g``
+    is ``[bases[g] + m for m in members]``. Megatron's ``generate_masked_orthogonal_rank_groups``:
+    members vary along the token's axes, groups along the others, first axis fastest in both."""
+    inside = set(token.split("-"))
+    unknown = inside - set(order)
+    if unknown:
+        raise ValueError(f"token={token!r} has unknown axis {sorted(unknown)[0]!r}; use axes of {'-'.join(order)}")
+    stride = {a: math.prod(sizes[b] for b in order[:i]) for i, a in enumerate(order)}
+
+    def offsets(axes: list[str]) -> list[int]:
+        out = [0]
+        for a in axes:  # later axes vary slower
+            out = [o + i * stride[a] for i in range(sizes[a]) for o in out]
+        return out
+
+    return offsets([a for a in order if a not in inside]), offsets([a for a in order if a in inside])
+
+
+def rank_groups(order: tuple[str, ...], sizes: dict[str, int], token: str) -> list[list[int]]:
+    """Groups of ``token`` in a grid laid out along ``order`` (first axis fastest), as lists of ranks.
 
     A group is the set of ranks that differ only along the token's axes (``token``: axes
     joined by '-', in any order); members are listed with the grid's first axis fastest,
@@ -103,25 +122,14 @@ def rank_group_array(order: tuple[str, ...], sizes: dict[str, int], token: str) 
     ``generate_masked_orthogonal_rank_groups`` (``megatron/core/parallel_state.py``).
     ``order``: every axis once (as returned by :func:`parse_order`); ``sizes``: axis -> size.
     """
-    inside = set(token.split("-"))
-    unknown = inside - set(order)
-    if unknown:
-        raise ValueError(f"token={token!r} has unknown axis {sorted(unknown)[0]!r}; use axes of {'-'.join(order)}")
-    stride = {a: math.prod(sizes[b] for b in order[:i]) for i, a in enumerate(order)}
-
-    def offsets(axes: list[str]) -> np.ndarray:
-        out = np.zeros(1, dtype=np.int64)
-        for a in axes:  # later axes vary slower: index i of axis a adds i * stride[a]
-            out = (np.arange(sizes[a], dtype=np.int64)[:, None] * stride[a] + out[None, :]).reshape(-1)
-        return out
-
-    members = offsets([a for a in order if a in inside])
-    return offsets([a for a in order if a not in inside])[:, None] + members[None, :]
+    bases, members = _group_offsets(order, sizes, token)
+    return [[base + m for m in members] for base in bases]
 
 
-def rank_groups(order: tuple[str, ...], sizes: dict[str, int], token: str) -> list[list[int]]:
-    """:func:`rank_group_array` as lists of global ranks."""
-    return rank_group_array(order, sizes, token).tolist()
+def rank_group_array(order: tuple[str, ...], sizes: dict[str, int], token: str) -> np.ndarray:
+    """:func:`rank_groups` as an int64 array [num_groups, group_size] (fast for a million ranks)."""
+    bases, members = _group_offsets(order, sizes, token)
+    return np.add.outer(np.asarray(bases, dtype=np.int64), np.asarray(members, dtype=np.int64))
 
 
 class RankGrid:
