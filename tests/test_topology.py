@@ -1,4 +1,4 @@
-"""RankGrid and ParallelConfig (course_lib/topology.py).
+"""RankGrid (course_lib/topology/grid.py) and ParallelConfig (course_lib/topology/config.py).
 
 The groups are checked against a TEST ORACLE written here: Megatron-LM's
 algorithm (``megatron/core/parallel_state.py``: ``RankGenerator`` +
