@@ -3,6 +3,8 @@
 Each lab module that owns pictures registers a writer here: a function
 ``write(out_dir: Path) -> list[Path]``. Figures are written from the same tested
 functions the notebooks call, so the pictures in the repo never drift from the code.
+The notebooks' theory shows them as ``![caption](../figures/NAME.png)``
+(:mod:`course_lib.notebook_figures`); their PNGs are kept small (:func:`compact_png`).
 
 What may be replaced (``figures/`` is generated output that ``make figures`` refreshes,
 but a person's file must never be lost):
@@ -26,6 +28,7 @@ machine without ``--force``.
 from __future__ import annotations
 
 import importlib
+import io
 import sys
 import tempfile
 from pathlib import Path
@@ -37,8 +40,15 @@ WRITERS = {
     "course_lib.collectives": "write_figures",
     "course_lib.figures_topology": "write_figures",
     "course_lib.pipeline.plots": "write_figures",
+    "course_lib.figures": "write_theory_figures",
     "course_lib.sweep": "write_figures",
 }
+# The PNGs of these writers are stored as 64-colour palettes: the same picture to the eye, 4-6 times
+# smaller, since the labs carry them as cell attachments (course_lib.notebook_figures). The sweep's
+# plots stay exactly as `make sweep` publishes them.
+COMPACT_WRITERS = ("course_lib.collectives", "course_lib.figures_topology", "course_lib.pipeline.plots",
+                   "course_lib.figures")
+PALETTE_COLOURS = 64
 _LISTED_CONFLICTS = 5  # names shown in the refusal; the rest are counted
 
 
@@ -49,12 +59,47 @@ def add_arguments(parser) -> None:
                              "edited since); files it does not draw are never touched")
 
 
+def compact_png(data: bytes) -> bytes:
+    """A PNG as an optimised palette PNG of :data:`PALETTE_COLOURS` colours (median cut, on white)."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data)).convert("RGBA")
+    flat = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image).convert("RGB")
+    buffer = io.BytesIO()
+    flat.quantize(colors=PALETTE_COLOURS, method=Image.Quantize.MEDIANCUT).save(buffer, "PNG", optimize=True)
+    return buffer.getvalue()
+
+
+def write_theory_figures(out_dir) -> list[Path]:
+    """Pictures only a lab's theory needs (no other module draws them into ``figures/``).
+
+    ``cp_ring_steps_cp4_contiguous.png``: Lab 04 §4.3, the causal ring on 4 ranks with a contiguous
+    split -- the last rank computes most blocks, the reason for the zigzag split. Drawn by
+    :func:`course_lib.context_parallel.plot_ring_steps` from the schedule ring attention runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib.context_parallel import plot_ring_steps
+
+    fig = plot_ring_steps(4, layout="contiguous", causal=True)
+    path = Path(out_dir) / "cp_ring_steps_cp4_contiguous.png"
+    fig.savefig(path, dpi=80, bbox_inches="tight")
+    plt.close(fig)
+    return [path]
+
+
 def draw_all(folder: Path) -> dict[str, bytes]:
-    """Run every writer into ``folder``; return ``{name relative to folder: bytes}`` of what they wrote."""
+    """Run every writer into ``folder``; return ``{name relative to folder: bytes}`` of what they wrote
+    (the PNGs of :data:`COMPACT_WRITERS` as palette PNGs)."""
     figures: dict[str, bytes] = {}
     for module, name in WRITERS.items():
         for path in getattr(importlib.import_module(module), name)(folder):
-            figures[Path(path).relative_to(folder).as_posix()] = Path(path).read_bytes()
+            data = Path(path).read_bytes()
+            if module in COMPACT_WRITERS and Path(path).suffix.lower() == ".png":
+                data = compact_png(data)
+            figures[Path(path).relative_to(folder).as_posix()] = data
     return figures
 
 

@@ -7,7 +7,9 @@ raises ``NotImplementedError``; a line ``### HINT: text`` inside the block becom
 the stub's message. Outputs are cleared and exercise cells are tagged
 ``raises-exception`` so ``pytest --nbval-lax labs/`` accepts the stub's error.
 A marker anywhere else (a markdown cell, after code on a line, in lower case)
-would leak the solution into the lab, so it is refused.
+would leak the solution into the lab, so it is refused. A theory picture,
+``![caption](../figures/NAME.png)`` in a markdown cell, travels inside the lab as a
+cell attachment (:mod:`course_lib.notebook_figures`).
 
 Each lab carries a stamp (:mod:`course_lib.notebook_stamp`) proving it is what
 the generator wrote. The generator replaces a lab only when the stamp proves
@@ -29,6 +31,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from course_lib.notebook_figures import FIGURES_PREFIX, embed_figures
 from course_lib.notebook_stamp import content_hash, dumps, is_untouched, read_if_notebook, read_notebook, stamped
 from course_lib.safe_files import check_output_dir, write_atomic
 from course_lib.workspace import DEFAULT_WORKSPACE, free_name
@@ -142,10 +145,19 @@ def make_lab(solution: dict) -> dict:
     return lab
 
 
+def lab_notebook(solution_path: Path) -> dict:
+    """The lab for one solution file: :func:`make_lab`, with its theory's ``../figures/NAME`` pictures
+    carried as cell attachments (:mod:`course_lib.notebook_figures`), so they show in ``my-labs/``
+    (JupyterLab serves nothing above its root), on GitHub and before anything runs."""
+    lab = make_lab(read_notebook(solution_path))
+    embed_figures(lab, Path(solution_path).parent / FIGURES_PREFIX)
+    return lab
+
+
 def lab_text(solution_path: Path) -> str:
     """The exact text of the lab generated from one solution notebook, stamp included."""
     try:
-        return dumps(stamped(make_lab(read_notebook(solution_path))))
+        return dumps(stamped(lab_notebook(solution_path)))
     except ValueError as exc:
         message = str(exc)
         raise ValueError(message if message.startswith(str(solution_path)) else f"{solution_path}: {message}") from None

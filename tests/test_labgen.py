@@ -6,7 +6,9 @@ every refusal is one line that names the file (and the cell) and a step that
 loses nothing.
 """
 
+import base64
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -270,3 +272,72 @@ def test_markers_that_would_leak_the_solution_are_refused(course, capsys, cells,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: solutions/03_leak.ipynb: ") and expected in err[0], err
     assert not (course / "labs/03_leak.ipynb").exists()
+
+
+# --- theory pictures: ../figures/NAME in solutions/, a cell attachment in labs/ -------------------
+
+PNG = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+                    "1f15c4890000000d4944415478da63f8ffff3f0005fe02fea7d6a0b30000000049454e44ae426082")
+
+
+def test_a_theory_figure_travels_in_the_lab_as_an_attachment(course):
+    (course / "figures").mkdir()
+    (course / "figures/ring.png").write_bytes(PNG)
+    write_solution(course, "03_pic.ipynb", '# Ring\n\n![the ring](../figures/ring.png "a title") and again '
+                                           '![same](../figures/ring.png), ![web](https://example.org/x.png)',
+                   "print(1)")
+    assert main(["labs"]) == 0
+    cell = read_notebook(course / "labs/03_pic.ipynb")["cells"][0]
+    assert "".join(cell["source"]) == ('Ring\n\n![the ring](attachment:ring.png "a title") and again '
+                              '![same](attachment:ring.png), ![web](https://example.org/x.png)')
+    assert list(cell["attachments"]) == ["ring.png"]
+    assert base64.b64decode(cell["attachments"]["ring.png"]["image/png"]) == PNG
+    assert "../figures" in "".join(read_notebook(course / "solutions/03_pic.ipynb")["cells"][0]["source"])
+    assert main(["labs", "--check"]) == 0
+    (course / "figures/ring.png").write_bytes(PNG + b"\0")  # a redrawn figure: the lab lags until regenerated
+    assert main(["labs", "--check"]) == 1
+
+
+@pytest.mark.parametrize("markdown, expected", [
+    ("# T\n\n![x](../figures/gone.png)", "cell 0 (id c000): ../figures/gone.png: no such figure in"),
+    ("# T\n\n![x](figures/a.png)", "cell 0 (id c000): image 'figures/a.png': a notebook's picture is a generated "
+                                   "file of figures/"),
+    ("# T\n\n![x](../figures/sub/a.png)", "image '../figures/sub/a.png'"),
+    ("# T\n\n![x](../figures/notes.md)", "image '../figures/notes.md'"),
+    ('# T\n\n<img src="../figures/a.png">', "<img src='../figures/a.png'>: write a local picture as markdown"),
+])
+def test_a_picture_no_reader_could_find_is_one_line_and_writes_nothing(course, capsys, markdown, expected):
+    write_solution(course, "03_pic.ipynb", markdown)
+    capsys.readouterr()
+    assert main(["labs"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: solutions/03_pic.ipynb: ") and expected in err[0], err
+    assert not (course / "labs/03_pic.ipynb").exists()
+
+
+def test_every_picture_of_the_course_is_a_generated_figure_and_resolves_in_its_lab():
+    """Each ../figures/NAME a solution shows is a file `python -m course_lib figures` wrote (its ledger holds
+    NAME with these very bytes), and the generated lab shows it from an attachment holding those bytes."""
+    from course_lib.notebook_figures import notebook_figures
+    from course_lib.safe_files import OutputLedger
+
+    ledger, shown = OutputLedger(ROOT / "figures"), {}
+    for solution in sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")):
+        names = notebook_figures(read_notebook(solution))
+        shown[solution.stem] = names
+        for name in names:
+            data = (ROOT / "figures" / name).read_bytes()
+            assert ledger.is_own(name), f"{solution.name}: figures/{name} is not what `course_lib figures` wrote"
+            assert len(data) < 150_000, f"figures/{name}: {len(data)} bytes travel in every copy of the lab"
+        lab = read_notebook(ROOT / "labs" / solution.name)
+        images = [(cell, target) for cell in lab["cells"] if cell["cell_type"] == "markdown"
+                  for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", "".join(cell["source"]))]
+        assert [t for _, t in images if not t.startswith(("attachment:", "https:"))] == [], solution.name
+        for cell, target in images:
+            if target.startswith("attachment:"):
+                name = target[len("attachment:"):]
+                assert base64.b64decode(cell["attachments"][name]["image/png"]) == \
+                    (ROOT / "figures" / name).read_bytes(), f"labs/{solution.name}: {name}"
+    for stem in ("00_collectives", "01_topology", "02_tensor_parallel", "03_pipeline",
+                 "04_sequence_context_parallel", "06_sizing_a_real_run"):
+        assert shown.get(stem), f"{stem}: its theory shows no picture"

@@ -118,6 +118,25 @@ def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_pa
                              previous=None, following=None)
 
 
+def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page():
+    """``../figures/NAME`` in a markdown cell becomes ``assets/figures/NAME`` with the file copied; a lab that
+    shows its own pictures gets no THEORY_FIGURES inserted; a missing figure stops the build in one line."""
+    from course_lib.site import build
+
+    solution = _tiny_solution()
+    solution["cells"][0]["source"] += "\n\n![8 ranks](../figures/rankmap_8_tp2_pp2_dp2.png)"
+    lab = build.Lab(ROOT / "solutions/00_tiny.ipynb", "Lab 00 — Tiny")
+    renderer = build.Renderer("Course")
+    files = build.lab_page_files(lab, solution, ROOT / "figures", renderer, previous=None, following=None)
+    assert sorted(files) == ["00_tiny.html", "assets/figures/rankmap_8_tp2_pp2_dp2.png"]
+    assert files["assets/figures/rankmap_8_tp2_pp2_dp2.png"] == (ROOT / "figures/rankmap_8_tp2_pp2_dp2.png").read_bytes()
+    page = files["00_tiny.html"].decode()
+    assert 'src="assets/figures/rankmap_8_tp2_pp2_dp2.png"' in page and "../figures" not in page
+    solution["cells"][0]["source"] += "\n\n![gone](../figures/gone.png)"
+    with pytest.raises(ValueError, match=r"00_tiny.ipynb: cell 0 \(id title\): ../figures/gone.png: no such figure"):
+        build.lab_page_files(lab, solution, ROOT / "figures", renderer, previous=None, following=None)
+
+
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
 def test_each_theory_figure_finds_its_heading(path):
     """A renamed heading would move its figure to the introduction: update course_lib/site/pictures.py."""

@@ -148,3 +148,19 @@ def test_no_lab_depends_on_the_folder_it_is_opened_from():
             source = "".join(cell["source"])
             if cell["cell_type"] == "code":
                 assert not relative.search(source), f"{lab.name} cell {index}: {relative.search(source).group(0)}"
+
+
+def test_a_labs_pictures_travel_with_its_copy_in_the_workspace(tmp_path, capsys):
+    """JupyterLab opened at my-labs/ serves nothing above it: each theory picture of a copied lab is a cell
+    attachment of that copy (course_lib.notebook_figures), never a ../ path."""
+    assert main(["workspace", "--labs", str(ROOT / "labs"), "--dir", str(tmp_path / "my-labs")]) == 0
+    shown = 0
+    for copy in sorted((tmp_path / "my-labs").glob("[0-9][0-9]_*.ipynb")):
+        for index, cell in enumerate(read_notebook(copy)["cells"]):
+            if cell["cell_type"] != "markdown":
+                continue
+            for target in re.findall(r"!\[[^\]]*\]\(([^)\s]+)", "".join(cell["source"])):
+                assert target.startswith("attachment:"), f"{copy.name} cell {index}: {target}"
+                assert target[len("attachment:"):] in cell.get("attachments", {}), f"{copy.name} cell {index}"
+                shown += 1
+    assert shown >= 6

@@ -1,8 +1,10 @@
 """Build the website's files in memory: ``{path inside the site: bytes}``.
 
 Each lab page is ``solutions/NN_topic.ipynb`` as :func:`reader.reader_notebook` gives
-it (student stubs, outputs of non-exercise cells), plus :mod:`pictures` (figures beside
-the theory, widgets' default views), rendered by nbconvert's ``HTMLExporter`` with
+it (student stubs, outputs of non-exercise cells), its theory's ``../figures/NAME``
+pictures copied to ``assets/figures/`` (:func:`course_lib.notebook_figures.link_figures`),
+plus :mod:`pictures` (widgets' default views; figures beside the theory of a lab that
+shows none of its own), rendered by nbconvert's ``HTMLExporter`` with
 :file:`page.html.j2` (JupyterLab's markup; no CDN). The index is a notebook of
 markdown cells rendered the same way: the README's course map (linked to the pages,
 with the total time) and glossary.
@@ -20,6 +22,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from course_lib.labgen import solution_notebooks
+from course_lib.notebook_figures import link_figures
 from course_lib.notebook_stamp import read_notebook
 from course_lib.site import pictures, readme
 from course_lib.site.reader import leaked_lines, reader_notebook, solution_lines
@@ -199,7 +202,13 @@ def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Render
     except ValueError as exc:
         raise ValueError(f"{lab.source}: {exc}") from None
     files = pictures.replace_widget_outputs(notebook, lab.stem)  # first: picture names use the notebook's cell numbers
-    files.update(pictures.add_theory_figures(notebook, lab.number, figures_dir, warn=warn))
+    try:
+        shown = link_figures(notebook, figures_dir, pictures.FIGURE_FOLDER)  # the theory's own ../figures/NAME
+    except ValueError as exc:
+        raise ValueError(f"{lab.source}: {exc}") from None
+    files.update(shown)
+    if not shown:  # a lab whose theory shows no picture of its own gets THEORY_FIGURES beside its headings
+        files.update(pictures.add_theory_figures(notebook, lab.number, figures_dir, warn=warn))
     page = renderer.page(notebook, lab.title, previous=previous, following=following, notice=lab_notice(lab))
     leaked = leaked_lines(html_text(page), secret)
     if leaked:

@@ -1,6 +1,7 @@
 """The pictures a lab page adds to its notebook: figures beside the theory, and each widget's default view.
 
-* :data:`THEORY_FIGURES`: per lab, which files of ``figures/`` (drawn by
+* :data:`THEORY_FIGURES`: for a lab whose notebook shows no ``../figures/NAME`` picture of
+  its own (see :mod:`course_lib.notebook_figures`), which files of ``figures/`` (drawn by
   ``python -m course_lib figures`` from the tested drawing functions) go after which
   markdown cell. A figure goes after the first markdown cell containing its anchor
   text; when a notebook no longer has that text, after the lab's introduction, with
@@ -35,31 +36,11 @@ class TheoryFigure:
     caption: str
 
 
-# lab number -> its figures, in page order
+# lab number -> its figures, in page order. Only for a lab whose theory shows no picture of its own: a
+# notebook that writes ![caption](../figures/NAME) (course_lib.notebook_figures) gets exactly those.
 THEORY_FIGURES: dict[str, list[TheoryFigure]] = {
-    "00": [TheoryFigure("Ranks, the world and groups", "rankmap_8_tp2_pp2_dp2.svg",
-                        "8 ranks as Megatron groups them for TP=2, PP=2, DP=2 (rank 5's groups coloured)")],
-    "01": [TheoryFigure("32- and 128-GPU scenarios", "rankmap_32_tp16_pp2.svg",
-                        "Seed 000, scenario 1: 32 ranks, TP=16 × PP=2 (every TP group spans two 8-GPU nodes)"),
-           TheoryFigure("32- and 128-GPU scenarios", "rankmap_32_tp4_pp8.svg",
-                        "Seed 000, scenario 2: 32 ranks, TP=4 × PP=8"),
-           TheoryFigure("Where TP and PP cut the model", "tp_pp_boundaries_72layers_tp4_pp4.png",
-                        "Seed 001's 72 layers on TP=4 × PP=4: PP cuts between blocks, TP cuts inside them")],
-    "02": [TheoryFigure("Why tensor parallelism", "tp_pp_boundaries_8layers_tp2_pp2.png",
-                        "Where TP cuts (inside each block: column- then row-parallel) "
-                        "and where PP cuts (between blocks)")],
-    "03": [TheoryFigure("Where the pipeline boundary sits", "tp_pp_boundaries_8layers_tp2_pp2.png",
-                        "PP cuts between Transformer blocks; the activation [s, b, h] crosses each cut"),
-           TheoryFigure("The bubble, derived", "pipeline_bubble_vs_m.png",
-                        "Bubble (p−1)/(v·m) against the number of micro-batches m, for several p and v")],
-    "04": [TheoryFigure("TP, SP and CP side by side", "rankmap_8_tp2_pp2_cp2.svg",
-                        "Config F: 8 ranks, TP=2 × PP=2 × CP=2, CP links dotted (rank 5's groups coloured)")],
     "05": [TheoryFigure("MAP", "rankmap_8_tp2_pp2_dp2.svg", "Config D: TP=2 × PP=2 × DP=2 on 8 ranks"),
            TheoryFigure("MAP", "rankmap_8_tp2_pp2_cp2.svg", "Config F: TP=2 × PP=2 × CP=2 on 8 ranks")],
-    "06": [TheoryFigure("What one GPU holds", "rankmap_128_tp4_pp4_dp8.svg",
-                        "Seed 001's 128 GPUs: TP=4 × PP=4 × DP=8 (rank 37's groups coloured)"),
-           TheoryFigure("What one GPU holds", "tp_pp_boundaries_72layers_tp4_pp4.png",
-                        "The same run's 72 layers: 18 per pipeline stage, every GEMM split 4 ways")],
 }
 
 
