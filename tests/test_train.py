@@ -57,6 +57,30 @@ def _megatron_logged(values, interval):
     return out
 
 
+def _check_printed_log(log, reference, world, extra, memory_ranks):
+    """A run's printed lines, parsed back: the layout of its ``extra`` flags on ``world`` ranks, the
+    reference's losses as Megatron 0.16 logs them (BASE: 4 iterations, interval 2), its grad norm
+    and learning rate at each logged iteration (to the printed digits), and a memory line from
+    ``memory_ranks`` (DP rank 0 of each model-parallel position) after iterations 1 and 2."""
+    world_line = {k: log.config[k] for k in ("world_size", "tp", "pp", "cp", "dp")}
+    tp, pp, cp = (int(extra[extra.index(f) + 1]) if f in extra else 1 for f in
+                  ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"))
+    assert world_line == dict(world_size=world, tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp))
+    assert log.config["num_microbatches"] == 8 // (2 * world_line["dp"])
+    expected = _megatron_logged(reference["lm_loss"], 2)
+    assert [it["iteration"] for it in log.iterations] == sorted(expected) == [1, 2, 4]
+    for it in log.iterations:
+        i = it["iteration"]
+        assert abs(it["lm_loss"] - expected[i]) / expected[i] < TOL
+        assert it["consumed_samples"] == 8 * i and it["global_batch_size"] == 8
+        assert it["grad_norm"] == pytest.approx(reference["grad_norm"][i - 1], abs=5e-4)         # :.3f
+        assert it["learning_rate"] == pytest.approx(reference["learning_rate"][i - 1], rel=1e-6)  # :.6E
+    assert {m["rank"] for m in log.memory} == memory_ranks
+    assert all(m["source"] == "tracked tensor bytes" and m["max_allocated_mb"] >= m["allocated_mb"] > 0
+               for m in log.memory)
+    assert [m["iteration"] for m in log.memory if m["rank"] == 0] == [1, 2]
+
+
 @pytest.fixture(scope="module")
 def reference():
     return train_single_process(parse_args(BASE))
@@ -68,8 +92,7 @@ LAYOUTS = {   # name: (world size, extra flags)
     "TP2 x DP2": (4, ["--tensor-model-parallel-size", "2"]),
     "PP2 x DP2": (4, ["--pipeline-model-parallel-size", "2"]),
     "PP2 x DP2, GPipe": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"]),
-    "TP2+SP x PP2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                         "--pipeline-model-parallel-size", "2"]),
+    # TP2+SP x PP2 runs through real torchrun: test_real_torchrun_run_prints_megatron_lines_with_the_baseline_loss
     "PP2 interleaved vp2 x DP2": (4, ["--pipeline-model-parallel-size", "2",
                                       "--virtual-pipeline-model-parallel-size", "2"]),
     "TP2 x CP2 + SP": (4, ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
@@ -94,22 +117,8 @@ def test_loss_curve_equals_single_process_baseline(layout, reference):
         assert _rel(r["grad_norm"], reference["grad_norm"]) < TOL
     assert last["learning_rate"] == pytest.approx(reference["learning_rate"])
     # what it printed is what Megatron prints, and the course's parser reads it back
-    log = parse_log("\n".join(res.outputs))
-    world_line = {k: log.config[k] for k in ("world_size", "tp", "pp", "cp", "dp")}
-    tp, pp, cp = (int(extra[extra.index(f) + 1]) if f in extra else 1 for f in
-                  ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size"))
-    assert world_line == dict(world_size=world, tp=tp, pp=pp, cp=cp, dp=world // (tp * pp * cp))
-    assert log.config["num_microbatches"] == 8 // (2 * world_line["dp"])
-    expected = _megatron_logged(reference["lm_loss"], 2)
-    assert [it["iteration"] for it in log.iterations] == sorted(expected) == [1, 2, 4]
-    for it in log.iterations:
-        assert abs(it["lm_loss"] - expected[it["iteration"]]) / expected[it["iteration"]] < TOL
-        assert it["consumed_samples"] == 8 * it["iteration"] and it["global_batch_size"] == 8
-    mem_ranks = {m["rank"] for m in log.memory}
-    assert mem_ranks == {r for r in range(world) if res[r]["coords"]["dp"] == 0}   # DP rank 0 of each position
-    assert all(m["source"] == "tracked tensor bytes" and m["max_allocated_mb"] >= m["allocated_mb"] > 0
-               for m in log.memory)
-    assert [m["iteration"] for m in log.memory if m["rank"] == 0] == [1, 2]
+    _check_printed_log(parse_log("\n".join(res.outputs)), reference, world, extra,
+                       memory_ranks={r for r in range(world) if res[r]["coords"]["dp"] == 0})
 
 
 def test_pp4_interleaved_equals_single_process_baseline():
@@ -265,21 +274,22 @@ def test_learning_rate_schedule_matches_megatron_formula():
 
 
 def test_real_torchrun_run_prints_megatron_lines_with_the_baseline_loss(reference, capfd):
-    """``python -m course_lib train --nproc-per-node 4 ...`` = torchrun ... -m course_lib.train (slow: ~10 s)."""
+    """``python -m course_lib train --nproc-per-node 4 ...`` = torchrun ... -m course_lib.train (slow: ~15 s).
+
+    The one real torchrun launch of this file, so it carries a layout's whole parity check (TP2+SP x
+    PP2, which LAYOUTS leaves to it): the printed losses, grad norms and learning rates against
+    the single process, the world line, the arguments block, the parameter and memory lines."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(BASE + ["--nproc-per-node", "4", "--tensor-model-parallel-size", "2",
-                                     "--pipeline-model-parallel-size", "2", "--sequence-parallel"])
-    assert run(args) == 0
+    extra = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"]
+    assert run(parser.parse_args(BASE + ["--nproc-per-node", "4"] + extra)) == 0
     out = capfd.readouterr().out
     assert out.splitlines()[0].startswith("$ torchrun --standalone --nproc-per-node=4 -m course_lib.train")
     log = parse_log(out)
-    assert {k: log.config[k] for k in ("world_size", "tp", "pp", "cp", "dp")} == dict(world_size=4, tp=2, pp=2,
-                                                                                   cp=1, dp=1)
+    _check_printed_log(log, reference, 4, extra, memory_ranks={0, 1, 2, 3})            # DP = 1: every rank
     assert log.args["sequence_parallel"] is True and log.args["seq_length"] == 32
-    expected = _megatron_logged(reference["lm_loss"], 2)
-    assert {it["iteration"]: it["lm_loss"] for it in log.iterations} == pytest.approx(expected, rel=TOL)
-    assert log.era == "0.16+" and sorted({m["rank"] for m in log.memory}) == [0, 1, 2, 3]
+    assert log.args["data_parallel_size"] == 1 and log.args["padded_vocab_size"] == 384
+    assert log.era == "0.16+"
     assert sorted((p["tensor"], p["pipeline"]) for p in log.parameters) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
