@@ -48,8 +48,11 @@ The oldest form, ``using world size: 8 and model-parallel size: 2`` (v1.0), is r
 as TP = model-parallel size, PP = 1. Lines may carry a launcher prefix
 (``[default0]:`` from ``torchrun --tee``, ``3: `` from ``srun -l``).
 
-The contract for the course's own logs (``course_lib.train``): print these lines,
-exactly in Megatron's current (0.16+) form, and this parser reads them::
+The contract for the course's own logs (``course_lib.train``): this module also writes
+them -- :func:`world_size_line`, :func:`arguments_lines`, :func:`parameters_line`,
+:func:`iteration_line`, :func:`memory_line`, each printed with :func:`print_line` -- exactly
+in Megatron's current (0.16+) form, so the format lives here once and the parser reads back
+what the writers wrote (``tests/test_megatron_log_writers.py``)::
 
     using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
     ------------------------ arguments ------------------------
@@ -520,9 +523,8 @@ def _fill_config(out: ParsedLog) -> None:
 
 
 # ============================================================================ writers
-# The lines the course's trainer prints (course_lib.train), in Megatron 0.16's form: the one place
-# their format is written, next to the parser that reads it back (tests/test_megatron_log_writers.py
-# writes each one and parses it). Each returns the line; print_line writes it.
+# The lines the course's trainer prints (course_lib.train), in Megatron 0.16's form (see the module
+# docstring). Each returns the line, without a newline; print_line writes it.
 
 _MB = 1024.0 * 1024.0
 
