@@ -189,3 +189,76 @@ def launch_text(program: list[str], nodes: int, procs_per_node: int, *, env: lis
         sbatch_script(program, nodes, procs, env=env, job_name=job_name, gpus=gpus, master_port=master_port,
                       workdir=workdir).rstrip("\n"),
     ])
+
+
+# ---- N "nodes" on this machine: the same torchrun lines, each node a torchrun of its own ------------
+
+
+@dataclass
+class NodeRun:
+    """One local "node": its torchrun command line, exit code and combined stdout/stderr."""
+
+    command: str
+    exit_code: int | None
+    output: str
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes_here(program: list[str], nodes: int = 2, procs_per_node: int = 2, *, rendezvous: str = "static",
+                   timeout: float = 120, env: dict[str, str] | None = None) -> list[NodeRun]:
+    """Run ``program`` as ``nodes`` torchrun "nodes" on this machine, all at once, meeting at
+    127.0.0.1 (the lines :func:`torchrun_command` prints, with the variables filled in) and
+    return each node's :class:`NodeRun` in node order (static: node rank; c10d: start order).
+
+    ``program`` is what follows torchrun's options, e.g. ``["-m", "course_lib.train", ...]``.
+    Every node runs under :class:`course_lib.launch.TorchrunAgent`, so no node, rank or file
+    outlives this call: a node still running after ``timeout`` s is stopped (with its ranks) and
+    the others too, then ``TimeoutError`` is raised.
+    """
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from course_lib.launch import TorchrunAgent, _read_back
+
+    nodes, procs = _check(nodes, procs_per_node, rendezvous, DEFAULT_MASTER_PORT)
+    timeout = rules.number("timeout", timeout, 0.0)
+    port = free_port()
+    base = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
+    runs, agents, logs = [], [], []
+    try:
+        for r in range(nodes):
+            opts = torchrun_args(nodes, procs, rendezvous=rendezvous, master_addr="127.0.0.1", master_port=port,
+                                 rdzv_id=f"local{port}", node_rank=r)
+            cmd = [sys.executable, "-m", "torch.distributed.run", *opts, *program]
+            log = tempfile.TemporaryFile(prefix="course_node_")
+            logs.append(log)
+            agent = TorchrunAgent(cmd, stdout=log, stderr=subprocess.STDOUT, env=base)
+            agents.append(agent)
+            agent.start()
+            runs.append(" ".join(["torchrun", *map(shlex.quote, cmd[3:])]))
+        deadline = time.monotonic() + timeout
+        while not all(a.poll(0.1) for a in agents):
+            if time.monotonic() > deadline:
+                stopped = "; ".join(a.stop() for a in agents)
+                raise TimeoutError(f"{nodes} local nodes did not finish within timeout={timeout:g}s; {stopped}")
+        return [NodeRun(c, a.exit_code, _read_back(log)) for c, a, log in zip(runs, agents, logs)]
+    finally:
+        for a in agents:
+            if a.exit_code is None:
+                a.stop()
+            a.release()
+        for log in logs:
+            log.close()
