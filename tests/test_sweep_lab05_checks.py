@@ -442,3 +442,54 @@ def test_deliverable_carries_the_students_conclusions_first():
         < mine.index("- Throughput: A is fastest.")
     assert "Your choice for this model" not in mine
     assert "not written yet" in L.with_your_conclusions(report, _todo)
+
+
+# ---------------------------------------------------------------- exercise 6: which config wins on 8 x H100
+
+def gpu_right():
+    return {"tiny_gpt": ("A", "dp_fits"), "gpt_13b": ("D", "small_tp_short_pp")}
+
+
+def gpu_lists_numpy_lowercase():
+    return {"tiny_gpt": [np.str_("a"), "dp_fits"], "gpt_13b": ["d ", np.str_("small_tp_short_pp")]}
+
+
+def _gpu(tiny, big):
+    return lambda: {"tiny_gpt": tiny, "gpt_13b": big}
+
+
+@pytest.mark.parametrize("fn, ok, text", [
+    (gpu_right, True, "✓ predict_gpu_winner: A for the tiny GPT"),
+    (gpu_lists_numpy_lowercase, True, "✓ predict_gpu_winner"),
+    (_gpu(("B", "tp_is_free"), ("D", "small_tp_short_pp")), False, "TP 2's all-reduces take"),
+    (_gpu(("E", "deep_pp"), ("D", "small_tp_short_pp")), False, "PP 4 idles longer in the bubble"),
+    (_gpu(("A", "dp_fits"), ("A", "dp_fits")), False, "A does not fit: its busiest rank needs 254.0 GB of 80 GB"),
+    (_gpu(("A", "dp_fits"), ("E", "deep_pp")), False, "E does not fit"),
+    (_gpu(("A", "dp_fits"), ("C", "tp_is_free")), False, "TP 4's all-reduces take"),
+    (_gpu(("A", "dp_fits"), ("F", "least_memory")), False, "CP adds a K/V ring"),
+    (_gpu(("A", "as_on_cpu"), ("D", "small_tp_short_pp")), False, "gloo on 2 shared cores"),
+    (_gpu(("A", "dp_fits"), ("D", "least_memory")), False, "memory only decides whether a config fits"),
+    (_gpu(("A", "dp_fits"), ("D", "dp_fits")), False, "D is right, but not because"),
+    (_gpu(("A", "because it is simple"), ("D", "small_tp_short_pp")), False, "is not a key of lab05.GPU_REASONS"),
+    (_gpu(("G", "dp_fits"), ("D", "small_tp_short_pp")), False, "is not one of the configs A, B, C, D, E, F"),
+    (_gpu("A", ("D", "small_tp_short_pp")), False, "is not a pair (config, reason)"),
+    (lambda: {"tiny_gpt": ("A", "dp_fits")}, False, "return a dict with the keys tiny_gpt, gpt_13b"),
+    (lambda: None, False, "return a dict with the keys"),
+    (_todo, False, "not attempted"),
+])
+def test_check_gpu_winner(fn, ok, text, capsys):
+    assert L.check_gpu_winner(fn) is ok
+    assert text in capsys.readouterr().out
+
+
+def test_gpu_winner_cases_are_the_labs_story():
+    # the checker's expected answers: DP alone for the model that fits, the least split that fits for 13B;
+    # on the *CPU* sweep TP is several times slower than A, on NVLink only a fraction (the lesson's contrast)
+    projected = L.gpu_projections()
+    assert L.gpu_winner(projected["tiny_gpt"]) == "A" and L.gpu_winner(projected["gpt_13b"]) == "D"
+    assert not any(projected["gpt_13b"][n].plan.fits for n in "ABE")
+    assert all(projected["tiny_gpt"][n].plan.fits for n in SEED_SWEEP)
+    tiny = projected["tiny_gpt"]
+    assert tiny["B"].step_time < 2 * tiny["A"].step_time
+    # every wrong config that fits is slower than the winner, and each wrong reason has its own hint
+    assert set(L.GPU_REASONS) == {"dp_fits", "small_tp_short_pp"} | set(L._REASON_HINTS)

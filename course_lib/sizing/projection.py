@@ -178,22 +178,22 @@ class Projection:
             f"{p.num_microbatches} micro-batches of {c['micro_batch_size']} (global batch {c['global_batch_size']})",
             f"memory of the busiest rank {p.memory['total'] / 1e9:.1f} GB of {self.hardware.hbm_gb:.0f} GB: "
             f"{'fits' if p.fits else 'does NOT fit'}",
-            f"step {_t(self.step_time)} | {self.tokens_per_s:,.0f} tokens/s | "
+            f"step {seconds_text(self.step_time)} | {self.tokens_per_s:,.0f} tokens/s | "
             f"{self.achieved_flops_per_gpu / 1e12:.1f} TFLOP/s per GPU (HFU {self.hfu:.1%}) | MFU {self.mfu:.1%}",
-            f"pipeline (simulated schedule) {_t(self.pipeline_time)}, bubble {self.bubble:.3f} "
+            f"pipeline (simulated schedule) {seconds_text(self.pipeline_time)}, bubble {self.bubble:.3f} "
             f"(formula (p-1)/(v m) = {(c['pp'] - 1) / (c['vp'] * p.num_microbatches):.3f})",
             "per micro-batch on the busiest rank: " + ", ".join(
-                f"{k.replace('_', ' ')} {_t(v)}" for k, v in self.compute.items()),
+                f"{k.replace('_', ' ')} {seconds_text(v)}" for k, v in self.compute.items()),
             f"{'group':<10}{'size':>5}  {'link':<8}{'sent/step':>13}{'time':>11}{'exposed':>11}  overlap",
         ]
         for g in self.groups.values():
             lines.append(f"{g.name:<10}{g.group_size:>5}  {g.link:<8}{g.bytes_sent / 1e9:>10.3f} GB"
-                         f"{_t(g.seconds):>11}{_t(g.exposed):>11}  {g.overlap}")
+                         f"{seconds_text(g.seconds):>11}{seconds_text(g.exposed):>11}  {g.overlap}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
-def _t(seconds: float) -> str:
+def seconds_text(seconds: float) -> str:
     """A duration with a readable unit, 3 significant digits."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if seconds >= scale or unit == "us":
