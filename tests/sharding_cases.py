@@ -150,3 +150,15 @@ def global_losses(per_rank: list) -> list:
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b)
+
+
+def skip_grad_reduce(ddp) -> None:
+    """Sabotage: each rank keeps its own grads for its shard (the reduce-scatter becomes a local slice)."""
+    real = ddp._collective
+
+    def local(op, out, inp, name, tag, async_op):
+        if op != "reduce_scatter":
+            return real(op, out, inp, name, tag, async_op)
+        out.copy_(inp[ddp.dp_rank * out.numel():(ddp.dp_rank + 1) * out.numel()])
+        return None
+    ddp._collective = local

@@ -54,18 +54,6 @@ def _no_grad_scaling(ddp):
     ddp.gradient_scaling_factor = 1.0  # grads summed over the ranks instead of averaged
 
 
-def _skip_grad_reduce(ddp):
-    """Each rank keeps its own grads for its shard: the reduce-scatter becomes a local slice."""
-    real = ddp._collective
-
-    def local(op, out, inp, name, tag, async_op):
-        if op != "reduce_scatter":
-            return real(op, out, inp, name, tag, async_op)
-        out.copy_(inp[ddp.dp_rank * out.numel():(ddp.dp_rank + 1) * out.numel()])
-        return None
-    ddp._collective = local
-
-
 def _run_on_ranks():
     import torch.distributed as dist
     from helpers import rank_groups
@@ -82,7 +70,7 @@ def _run_on_ranks():
         "bf16_grads16": dict(strategy="optim", dtype=torch.bfloat16, grad_reduce_in_fp32=False, **common),
         "broken_gather": dict(strategy="optim", break_with=_skip_param_gather, **common),
         "broken_scaling": dict(strategy="optim", break_with=_no_grad_scaling, **common),
-        "broken_reduce": dict(strategy="optim", break_with=_skip_grad_reduce, **common),
+        "broken_reduce": dict(strategy="optim", break_with=C.skip_grad_reduce, **common),
     }
     out = {name: C.run(dp4, r, WORLD, **kw) for name, kw in runs.items()}
     scaler = ConstantScaler(overflow_on_rank=2)

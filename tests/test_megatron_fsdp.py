@@ -30,17 +30,6 @@ WORLD = 4
 STAGES = {"ddp": 0, "z1": 1, "z2": 2, "z3": 3}
 
 
-def _skip_grad_reduce(ddp):
-    real = ddp._collective
-
-    def local(op, out, inp, name, tag, async_op):
-        if op != "reduce_scatter":
-            return real(op, out, inp, name, tag, async_op)
-        out.copy_(inp[ddp.dp_rank * out.numel():(ddp.dp_rank + 1) * out.numel()])
-        return None
-    ddp._collective = local
-
-
 def _fsdp2(rank: int) -> dict:
     """The MLP under FSDP2: each Linear / LayerNorm and the root ``fully_shard``-ed, AdamW with
     Megatron's no-decay rule for biases and 1-D params (what course_lib.optimizer.Optimizer does)."""
@@ -85,7 +74,7 @@ def _run_on_ranks():
         "z3_offload": dict(strategy="optim_grads_params", cpu_offload=True),
         "bf16_z2": dict(strategy="optim_grads", dtype=torch.bfloat16, overlap_grad_reduce=True, **b),
         "bf16_z3": dict(strategy="optim_grads_params", dtype=torch.bfloat16, overlap_grad_reduce=True),
-        "z3_broken": dict(strategy="optim_grads_params", break_with=_skip_grad_reduce),
+        "z3_broken": dict(strategy="optim_grads_params", break_with=C.skip_grad_reduce),
     }
     out = {name: C.run(dp4, r, WORLD, **kw) for name, kw in runs.items()}
     out["fsdp2"] = _fsdp2(dist.get_rank())
