@@ -666,16 +666,13 @@ def check_gpu_winner(fn, hardware: str = "H100") -> bool:
     :data:`GPU_REASONS` that says why. Compared with :func:`course_lib.sizing.projection.project`."""
     if is_course_answer(fn):
         return False
-    run = run_student(fn)
-    if run.todo:
+    answers, err = checked_call(fn)
+    if err == "todo":
         return _todo("predict_gpu_winner")
-    if run.problem():
-        print(f"✗ predict_gpu_winner: {run.problem()}")
-        return False
-    answers = run.value
-    if not isinstance(answers, dict) or set(answers) != set(GPU_MODELS):
-        print(f"✗ predict_gpu_winner returned {safe_repr(answers)}: return a dict with the keys "
-              f"{', '.join(GPU_MODELS)}, each (config, reason)")
+    shape = (None if isinstance(answers, dict) and set(answers) == set(GPU_MODELS) else
+             f"returned {safe_repr(answers)}: return a dict with the keys {', '.join(GPU_MODELS)}, each (config, reason)")
+    if err or shape:
+        print(f"✗ predict_gpu_winner: {err or shape}")
         return False
     projected = gpu_projections(hardware)
     for key, label in GPU_MODELS.items():
