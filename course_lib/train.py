@@ -38,6 +38,17 @@ One training iteration, :func:`train_step`, as Megatron's ``train_step`` does it
    step its slice of the full tensor would), then the learning-rate schedule
    (``OptimizerParamScheduler``: warm-up, then constant / linear / cosine decay, in samples).
 
+Mixed precision (``--bf16`` / ``--fp16``, :mod:`course_lib.mixed_precision`): the schedule's
+forward and backward run under ``torch.autocast`` in the 16-bit dtype -- every GEMM computes on
+16-bit copies of the fp32 params, which stay the optimizer's main params -- and the logits are
+cast to fp32 before the loss (Megatron's ``Float16Module``). Gradients land in fp32 and are
+reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``, which ``--bf16`` switches on as
+Megatron does; with ``--fp16`` the trainer also reduces in fp32, where Megatron without the flag
+would reduce in 16-bit). ``--fp16`` scales the loss (:func:`~course_lib.mixed_precision.make_loss_scaler`):
+after ``finalize_model_grads`` the grads are unscaled and checked for inf/NaN, the flag
+all-reduced with MAX over the model-parallel group, and an overflowing iteration is skipped
+(no step, no learning-rate step) and counted in the log line's ``number of skipped iterations``.
+
 The reported ``lm loss`` is the mean over every token of the global batch (sum and count
 all-reduced over dp-cp), so with dropout off every layout prints the loss a single process
 computes on the same global batch with the same padded vocabulary (:func:`train_single_process`;
@@ -94,6 +105,7 @@ from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_bat
 from course_lib.launch import init_rank, resolve_backend, run_torchrun, torchrun_command
 from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
                                       world_size_line)
+from course_lib.mixed_precision import DTYPES, make_loss_scaler
 from course_lib.model import GPTModel, build_model, gpt_loss
 from course_lib.optimizer import LRScheduler, Optimizer, clip_grads
 from course_lib.pipeline.check import check_schedule
@@ -160,6 +172,23 @@ class TrainingSetup:
     seed: int
     clip_grad: float
     finalize_model_grads_func: Callable = finalize_model_grads
+    precision: str = "fp32"           # "bf16" / "fp16": autocast compute (course_lib.mixed_precision)
+    scaler: object = None             # fp16's loss scaler, else None
+
+
+def _precision(args) -> str:
+    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
+
+
+def _loss_scaler(args):
+    return make_loss_scaler(getattr(args, "fp16", False), args.loss_scale, args.initial_loss_scale,
+                            args.min_loss_scale, args.loss_scale_window, args.hysteresis) if _precision(args) == "fp16" \
+        else None
+
+
+def _autocast(device: torch.device, precision: str):
+    """16-bit compute for ``--bf16``/``--fp16`` (a no-op context for fp32)."""
+    return torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
 
 
 def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: ProcessGroups, device: torch.device, *,
@@ -179,7 +208,8 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
                          optimizer=_optimizer(args, named),
                          scheduler=_scheduler(args, config.effective_global_batch_size),
                          schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
-                         seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func)
+                         seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
+                         precision=_precision(args), scaler=_loss_scaler(args))
 
 
 def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
@@ -211,25 +241,34 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
     stats: list = []                 # (token-loss sum, token count) per micro-batch of the last stage
 
     def loss_fn(logits, labels):
-        total, count = gpt_loss(logits, labels, groups.tp)
+        total, count = gpt_loss(logits.float(), labels, groups.tp)   # fp32 logits and loss (Float16Module)
         stats.append((total.detach().double(), count.double()))
-        return total / count
+        return total / count if s.scaler is None else s.scaler.scale_loss(total / count).squeeze()
 
     tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device)
-    out = run_rank_schedule(s.schedule, c["pp"], dict(enumerate(s.chunks)), tokens, labels,
-                            activation_shape=s.activation_shape, pp_group=groups.pp, p2p=s.p2p, loss_fn=loss_fn)
+    with _autocast(s.device, s.precision):
+        out = run_rank_schedule(s.schedule, c["pp"], dict(enumerate(s.chunks)), tokens, labels,
+                                activation_shape=s.activation_shape, pp_group=groups.pp, p2p=s.p2p, loss_fn=loss_fn)
     s.finalize_model_grads_func(s.chunks, groups, config)   # DP(-CP) average, SP LayerNorm grads, tied embeddings
+    skipped = False
+    if s.scaler is not None:         # Megatron: unscale, found_inf MAX over the model-parallel group, skip
+        skipped = s.scaler.unscale_and_check([p.grad for p in s.params], groups.model)
+        s.scaler.update(skipped)
     norm = grad_norm(s.params, groups, c["tp"])
-    clip_grads(s.params, norm, s.clip_grad)
-    s.optimizer.step(s.scheduler.get_lr())
-    lr = s.scheduler.step(config.effective_global_batch_size)
+    if skipped:
+        lr = s.scheduler.get_lr()    # Megatron: no optimizer step and no scheduler step
+    else:
+        clip_grads(s.params, norm, s.clip_grad)
+        s.optimizer.step(s.scheduler.get_lr())
+        lr = s.scheduler.step(config.effective_global_batch_size)
     loss = None
     if groups.is_last_stage:         # the loss of the global batch: token sums and counts over dp-cp
         both = torch.stack([sum(t for t, _ in stats), sum(n for _, n in stats)]).to(s.device)
         comm.all_reduce(both, groups.dp_cp, kind=dp_kind(config), direction="fwd", source="loss_reduction")
         loss = float(both[0] / both[1])
     return {"lm_loss": loss, "grad_norm": norm, "learning_rate": lr, "peak_bytes": out["peak_bytes"],
-            "events": out["events"]}
+            "events": out["events"], "skipped": skipped,
+            "loss_scale": 1.0 if s.scaler is None else s.scaler.value}
 
 
 # ============================================================================ the run
@@ -296,7 +335,8 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
 
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": num_parameters}
-    total_loss, advanced = 0.0, 0
+    total_loss, advanced, skipped_in_interval = 0.0, 0, 0
+    record["skipped"], record["loss_scale"] = [], []
     report_memory = True
     peak_activation = 0
     dist.barrier()
@@ -318,7 +358,10 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
                     kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
             record["comm"] = kinds
         record["pipeline_events"] = step["events"]
-        if loss is not None:
+        record["skipped"].append(step["skipped"])
+        record["loss_scale"].append(step["loss_scale"])
+        skipped_in_interval += step["skipped"]
+        if loss is not None and not step["skipped"]:   # Megatron averages the advanced iterations only
             total_loss += loss
         advanced += 1
         first = iteration == 1
@@ -326,14 +369,15 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
             dist.barrier()
             elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
             if rank == world - 1:
-                avg = total_loss / advanced
+                avg = total_loss / max(1, advanced - skipped_in_interval)
                 print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
                                           elapsed_ms=elapsed_ms, learning_rate=lr,
-                                          global_batch_size=global_batch_size, lm_loss=avg, grad_norm=norm))
+                                          global_batch_size=global_batch_size, lm_loss=avg, grad_norm=norm,
+                                          loss_scale=step["loss_scale"], skipped_iterations=skipped_in_interval))
                 record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
                                              learning_rate=lr, grad_norm=norm))
             if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                total_loss, advanced = 0.0, 0
+                total_loss, advanced, skipped_in_interval = 0.0, 0, 0
                 interval_start = time.perf_counter()
             if report_memory:
                 held = _bytes(params) + _bytes(p.grad for p in params) + setup.optimizer.state_bytes()
@@ -381,7 +425,10 @@ def train_single_process(args: argparse.Namespace) -> dict:
             for p in params:
                 p.grad = None
             batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed)
-            loss = model.loss(batch["tokens"], batch["labels"])
+            with _autocast(torch.device("cpu"), _precision(args)):
+                logits = model(batch["tokens"])                                    # [s, b, V]
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     batch["labels"].t().reshape(-1))
             loss.backward()
             norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
             clip_grads(params, norm, args.clip_grad)

@@ -268,3 +268,52 @@ def test_bf16_layer_activation_bytes_equal_korthikanti_up_to_named_terms():
             assert dtypes == {("bfloat16", None), ("float32", (B, A // T, S))}     # only the lse is fp32
     with pytest.raises(ValueError, match="attention_backend='flash' and cp=1"):
         am.expected_saved_tensors(S, B, H, A, attention_backend="unfused", dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- the trainer's flags
+
+TRAIN = ["--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
+         "--log-interval", "1", "--lr", "3e-3", "--lr-decay-style", "constant"]
+
+
+def _train_ranks(runs):
+    from course_lib.train import parse_args, pretrain
+
+    return [pretrain(parse_args(argv), print_args=False) for argv in runs]
+
+
+def test_trainer_bf16_matches_one_process_and_fp16_skips_overflows():
+    from course_lib.megatron import parse_log
+    from course_lib.train import parse_args, train_single_process
+
+    bf16 = TRAIN + ["--bf16"]
+    fp16 = TRAIN + ["--fp16", "--initial-loss-scale", str(2.0 ** 40), "--tensor-model-parallel-size", "2"]
+    res = launch(_train_ranks, world_size=2, backend="gloo", timeout=120, output="none", runs=[bf16, fp16])
+    ref16 = train_single_process(parse_args(bf16))
+    got = res[-1][0]["lm_loss"]
+    # bf16 on 2 DP ranks vs one bf16 process: 1e-3 relative (the tolerance; reductions in fp32)
+    assert max(abs(a - b) / b for a, b in zip(got, ref16["lm_loss"])) < 1e-3
+    # fp16, TP2: 2**40 overflows; both TP ranks skip together (found_inf MAX over the model-parallel group)
+    rec = [r[1] for r in res]
+    assert rec[0]["skipped"] == rec[1]["skipped"] and rec[0]["skipped"][:2] == [True, True]
+    k = rec[0]["skipped"].count(True)
+    scales = rec[0]["loss_scale"]
+    assert scales[0] == 2.0 ** 40 and scales[1] == 2.0 ** 39            # hysteresis 2: the second one backs off
+    log = parse_log(res.outputs[1])
+    sk = [int(x) for x in rec[0]["skipped"]]
+    # one line per iteration (--log-interval 1); Megatron 0.16 keeps iteration 1 in the next interval
+    assert [it["skipped_iterations"] for it in log.iterations[-3:]] == [sk[0], sk[0] + sk[1], sk[2]]
+    assert [it["loss_scale"] for it in log.iterations[-3:]] == scales and k >= 2
+
+
+def test_trainer_precision_flags_follow_megatrons_rules():
+    from course_lib.train import args_to_argv, parse_args, validate_args
+
+    a, _ = validate_args(parse_args(TRAIN + ["--bf16"]), 1)
+    assert a.accumulate_allreduce_grads_in_fp32 is True           # validate_args turns it on for bf16
+    assert "--bf16" in args_to_argv(a)
+    for extra, match in ((["--bf16", "--fp16"], "mutually exclusive"), (["--fp16", "--hysteresis", "0"], "--hysteresis=0"),
+                         (["--fp16", "--loss-scale", "-1"], "loss scale=-1")):
+        with pytest.raises(ValueError, match=match):
+            validate_args(parse_args(TRAIN + extra), 1)

@@ -88,6 +88,17 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with one GPU per rank, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g = parser.add_argument_group("mixed precision (Megatron's _add_mixed_precision_args; course_lib.mixed_precision)")
+    g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main params and grads")
+    g.add_argument("--fp16", action="store_true", help="fp16 compute with loss scaling, fp32 main params")
+    g.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (fp16); default: dynamic")
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="dynamic loss scaling starts here")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="dynamic loss scaling never goes below")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="good iterations in a row before the loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflowing iterations tolerated before backing off")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
+                   help="accumulate and all-reduce grads in fp32 (on with --bf16, as Megatron's validate_args)")
     return parser
 
 
@@ -130,6 +141,17 @@ def _check_values(a: argparse.Namespace) -> None:
     rules.number("adam_eps", a.adam_eps, 0.0, low_open=True)      # 0 divides 0 by 0 on never-used vocab rows
     rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
                  low_open=True)
+    _check_precision(a)
+
+
+def _check_precision(a: argparse.Namespace) -> None:
+    """--bf16 / --fp16 exclusive; the loss-scale flags' values (built once as Megatron's scaler would be)."""
+    from course_lib.mixed_precision import make_loss_scaler, precision_dtype
+
+    precision_dtype(getattr(a, "bf16", False), getattr(a, "fp16", False))
+    if getattr(a, "fp16", False):
+        make_loss_scaler(True, a.loss_scale, a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window,
+                         a.hysteresis)
 
 
 def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
@@ -148,6 +170,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     """
     a = argparse.Namespace(**vars(args))
     _check_values(a)
+    if getattr(a, "bf16", False):       # Megatron's validate_args: bf16 accumulates and all-reduces in fp32
+        a.accumulate_allreduce_grads_in_fp32 = True
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
     vp = rules.virtual_pipeline_size(
         a.num_layers, pp, virtual_pipeline_model_parallel_size=a.virtual_pipeline_model_parallel_size,
