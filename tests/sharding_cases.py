@@ -143,6 +143,56 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
                 timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
 
 
+GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)
+"""The course GPT (course_lib.model.GPTModel, tied embeddings): 38,272 parameters, 4 divides every unit."""
+
+
+def gpt_batch(it: int):
+    """Tokens and labels ``[8, 16]`` of iteration ``it`` (byte vocabulary)."""
+    t = torch.randint(0, 257, (8, GPT["seq_length"] + 1), generator=torch.Generator().manual_seed(it))
+    return t[:, :-1], t[:, 1:]
+
+
+def gpt_loss(logits, labels):
+    """Mean cross-entropy of logits ``[s, b, V]`` against labels ``[b, s]``."""
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.t().reshape(-1))
+
+
+def gpt_reference(iters: int = 3) -> tuple[list, int]:
+    """One process on the whole batch: losses per iteration and the parameter count."""
+    from course_lib.model import GPTConfig, GPTModel
+    from course_lib.optimizer import Optimizer
+    model = GPTModel(GPTConfig(**GPT))
+    opt, losses = Optimizer(list(model.named_parameters())), []
+    for it in range(iters):
+        x, y = gpt_batch(it)
+        for p in model.parameters():
+            p.grad = None
+        loss = gpt_loss(model(x), y)
+        loss.backward()
+        opt.step(LR)
+        losses.append(loss.item())
+    return losses, sum(p.numel() for p in model.parameters())
+
+
+def run_gpt(dp_group, dp_rank: int, dp: int, iters: int = 3, **kwargs) -> dict:
+    """The GPT wrapped with ``wrap(..., **kwargs)``; ZeRO-3 units are its transformer layers (the
+    root unit keeps the tied embedding, used by the embedding and the output layer)."""
+    from course_lib.distributed import wrap
+    from course_lib.model import GPTConfig, GPTModel
+    model = GPTModel(GPTConfig(**GPT))
+    ddp = wrap(model, dp_group, fsdp_unit_modules=(type(model.decoder.layers["0"]),), **kwargs)
+    rows, losses = 8 // dp, []
+    for it in range(iters):
+        x, y = gpt_batch(it)
+        ddp.zero_grad()
+        loss = gpt_loss(ddp(x[dp_rank * rows:(dp_rank + 1) * rows]), y[dp_rank * rows:(dp_rank + 1) * rows])
+        loss.backward()
+        ddp.step(LR)
+        losses.append(loss.item())
+    return dict(losses=losses, bytes=ddp.bytes_per_rank(), units=[name for name, _, _ in ddp.units])
+
+
 def global_losses(per_rank: list) -> list:
     """The global batch's mean loss per iteration: the mean of the ranks' local means (equal rows)."""
     return [sum(r["losses"][i] for r in per_rank) / len(per_rank) for i in range(len(per_rank[0]["losses"]))]

@@ -14,7 +14,8 @@ without ``--optimizer-cpu-offload``, in fp32 and bf16, and with ``torch.distribu
   the all-reduce's: per unit an all-gather before forward, another before backward and a
   reduce-scatter of grads; the next unit's all-gather is issued before its forward starts (prefetch);
 * FSDP2 trains to the same losses as our ZeRO-3 and holds the same param and optimizer bytes per rank;
-* skipping ZeRO-3's grad reduce-scatter moves the loss.
+* skipping ZeRO-3's grad reduce-scatter moves the loss;
+* the course GPT (tied embeddings) under ZeRO-3 equals one process, with the formula's bytes.
 """
 
 import pytest
@@ -77,6 +78,7 @@ def _run_on_ranks():
         "z3_broken": dict(strategy="optim_grads_params", break_with=C.skip_grad_reduce),
     }
     out = {name: C.run(dp4, r, WORLD, **kw) for name, kw in runs.items()}
+    out["gpt_z3"] = C.run_gpt(dp4, r, WORLD, strategy="optim_grads_params", overlap_grad_reduce=True)
     out["fsdp2"] = _fsdp2(dist.get_rank())
     dist.barrier()
     return out
@@ -179,3 +181,15 @@ def test_skipping_zero3_grad_reduce_moves_the_loss(runs, refs):
     got = C.global_losses([r["z3_broken"] for r in runs])
     assert C.rel(got[0], refs["fp32"][0][0]) < 1e-6
     assert max(C.rel(a, b) for a, b in zip(got[1:], refs["fp32"][0][1:])) > 1e-3
+
+
+def test_course_gpt_under_zero3(runs):
+    """The course GPT (tied embeddings; units: its transformer layers + the root) trains like one process."""
+    ref, num_params = C.gpt_reference()
+    got = C.global_losses([r["gpt_z3"] for r in runs])
+    assert max(C.rel(a, b) for a, b in zip(got, ref)) < 1e-4, (got, ref)
+    r0 = runs[0]["gpt_z3"]
+    assert r0["units"] == ["", "decoder.layers.0", "decoder.layers.1"]
+    want = model_state_bytes(num_params, WORLD, 3, k=8, param_bytes=4, grad_bytes=4)
+    got = r0["bytes"]
+    assert (got["params"], got["grads"], got["optimizer"]) == (want.weights, want.grads, want.optimizer)
