@@ -110,7 +110,7 @@ SYNC_TABLE = [
     ("sync_one_bucket", False, ["one all-reduce of everything"]),
     ("sync_forward_order", False, ["fill them in reverse"]),
     ("sync_broadcast_rank0", False, ["differ from the single-process baseline"]),
-    ("sync_via_course", False, ["course's own course_lib.train._allreduce_dp_grads"]),
+    ("sync_via_course", False, ["course's own course_lib.training.finalize_model_grads.allreduce_dp_grads"]),
 ]
 
 

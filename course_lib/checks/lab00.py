@@ -488,9 +488,9 @@ def _rank_grad_sync_trial(fn, buckets):
         model = grad_sync_model()
         torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         local = {n: p.grad.clone() for n, p in model.named_parameters()}
-        from course_lib import train
+        from course_lib.training.finalize_model_grads import allreduce_dp_grads
 
-        trial = _student_on_rank(fn, model, bucket_numel, references=(train._allreduce_dp_grads,))
+        trial = _student_on_rank(fn, model, bucket_numel, references=(allreduce_dp_grads,))
         grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
         results.append(dict(trial, bucket_numel=bucket_numel, grads=grads, local=local))
     return results
