@@ -263,7 +263,7 @@ def test_rank_grid_lookup_errors():
                       (lambda: g.rank_of(tp=2), r"tp=2 is outside 0..1"),
                       (lambda: g.rank_of(xx=0), r"unknown axis 'xx'"),
                       (lambda: g.groups("tp-mp"), r"unknown axis 'mp'"),
-                      (lambda: g.groups("tp-tp"), r"repeats an axis")]:
+                      (lambda: g.groups("tp-tp"), r"repeats axis 'tp'; list each axis once")]:
         with pytest.raises(ValueError, match=msg):
             call()
     # size-1 axes may be omitted from the order (Megatron appends them)

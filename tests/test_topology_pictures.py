@@ -6,6 +6,8 @@ labels), computed independently from the seed's group lists -- not by pixels.
 
 import argparse
 import re
+import subprocess
+import sys
 
 import matplotlib
 
@@ -202,6 +204,25 @@ def test_cli_bad_config_is_one_line_and_nonzero(capsys, monkeypatch):
         err = capsys.readouterr().err
         assert code == 2
         assert err.count("\n") == 1 and msg in err and "Traceback" not in err
+
+
+# ---- the package -----------------------------------------------------------------------------
+
+def test_package_names_and_a_light_import():
+    """``course_lib.topology`` re-exports the grid, the config and (loaded on first use) the pictures;
+    importing it loads no torch, matplotlib or Graphviz, so the rank-map CLI's text path stays instant."""
+    import course_lib.topology as topology
+    from course_lib.topology import widget
+
+    assert topology.rank_map is rankmap.rank_map and topology.rank_map_figure is rankmap.rank_map_figure
+    assert topology.boundary_sketch is boundaries.boundary_sketch and topology.RankMapWidget is widget.RankMapWidget
+    assert repr(RankGrid).endswith("'course_lib.topology.RankGrid'>")  # as a reader imports it
+    with pytest.raises(AttributeError, match="no attribute 'diagrams'"):
+        topology.diagrams  # noqa: B018
+    code = ("import sys, course_lib.topology, course_lib.topology.cli; "
+            "print(sorted(m for m in ('torch', 'matplotlib', 'graphviz') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 # ---- widget ----------------------------------------------------------------------------------

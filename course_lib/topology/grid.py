@@ -63,6 +63,22 @@ MEGATRON_GROUPS = {
 }
 
 
+def split_axes(name: str, text, example: str, also: str = "") -> list[str]:
+    """The axes of ``text`` (``"tp-cp-dp"``), each checked: one-line ValueError naming ``name`` for
+    an empty string, an unknown axis or a repeated one (``example`` and ``also`` make the fix)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"{name}={text!r} must be axes joined by '-', e.g. '{example}'{also}")
+    parts = [t.strip() for t in text.lower().split("-")]
+    for t in parts:
+        if t not in AXES:
+            raise ValueError(f"{name}={text!r} has unknown axis {t!r}; use {', '.join(AXES)} joined by '-', "
+                             f"e.g. '{example}'{also}")
+    dup = sorted({t for t in parts if parts.count(t) > 1})
+    if dup:
+        raise ValueError(f"{name}={text!r} repeats axis {dup[0]!r}; list each axis once, e.g. '{example}'")
+    return parts
+
+
 def parse_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
     """Validate ``order`` like Megatron's RankGenerator and return the full axis order.
 
@@ -70,16 +86,7 @@ def parse_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
     size > 1 that is missing is an error. Unknown or repeated axes are errors too
     (Megatron fails on them with a KeyError or builds wrong groups).
     """
-    if not isinstance(order, str) or not order.strip():
-        raise ValueError(f"order={order!r} must be a '-'-joined list of axes such as '{DEFAULT_ORDER}'")
-    tokens = [t.strip() for t in order.lower().split("-")]
-    for t in tokens:
-        if t not in AXES:
-            raise ValueError(f"order={order!r} has unknown axis {t!r}; use only {', '.join(AXES)} "
-                             f"joined by '-', e.g. '{DEFAULT_ORDER}'")
-    dup = sorted({t for t in tokens if tokens.count(t) > 1})
-    if dup:
-        raise ValueError(f"order={order!r} repeats axis {dup[0]!r}; list each axis once, e.g. '{DEFAULT_ORDER}'")
+    tokens = split_axes("order", order, DEFAULT_ORDER)
     given = list(tokens)
     for name in _MEGATRON_APPEND_ORDER:
         if name not in tokens:
@@ -98,10 +105,7 @@ def _group_offsets(order: tuple[str, ...], sizes: dict[str, int], token: str) ->
     """``(first rank of each group, offset of each member)`` of ``token``'s groups: group ``g``
     is ``[bases[g] + m for m in members]``. Megatron's ``generate_masked_orthogonal_rank_groups``:
     members vary along the token's axes, groups along the others, first axis fastest in both."""
-    inside = set(token.split("-"))
-    unknown = inside - set(order)
-    if unknown:
-        raise ValueError(f"token={token!r} has unknown axis {sorted(unknown)[0]!r}; use axes of {'-'.join(order)}")
+    inside = set(split_axes("token", token, "dp-cp"))
     stride = {a: math.prod(sizes[b] for b in order[:i]) for i, a in enumerate(order)}
 
     def offsets(axes: list[str]) -> list[int]:
@@ -237,15 +241,7 @@ class RankGrid:
 
     # ---- groups -------------------------------------------------------------
     def _parse_token(self, token: str) -> tuple[str, ...]:
-        if not isinstance(token, str) or not token.strip():
-            raise ValueError(f"token={token!r} must name axes joined by '-', e.g. 'tp' or 'dp-cp'")
-        parts = [t.strip() for t in token.lower().split("-")]
-        for t in parts:
-            if t not in AXES:
-                raise ValueError(f"token={token!r} has unknown axis {t!r}; use {', '.join(AXES)} joined by '-', "
-                                 f"or one of {', '.join(SPECIAL_TOKENS)}")
-        if len(set(parts)) != len(parts):
-            raise ValueError(f"token={token!r} repeats an axis; list each axis once, e.g. 'dp-cp'")
+        parts = split_axes("token", token, "dp-cp", also=f", or one of {', '.join(SPECIAL_TOKENS)}")
         return tuple(sorted(parts, key=self.order.index))
 
     def group_array(self, token: str) -> np.ndarray:
