@@ -54,6 +54,34 @@ def _no_grad_scaling(ddp):
     ddp.gradient_scaling_factor = 1.0  # grads summed over the ranks instead of averaged
 
 
+BAD_INPUTS = [  # (kwargs of wrap, the flag the message must name)
+    (dict(strategy="zero3"), "--data-parallel-sharding-strategy"),
+    (dict(strategy="no_shard", overlap_param_gather=True, overlap_grad_reduce=True), "--use-distributed-optimizer"),
+    (dict(strategy="optim", overlap_param_gather=True), "--overlap-grad-reduce"),
+    (dict(bucket_size=0), "--ddp-bucket-size"),
+    (dict(bucket_size=1.5), "--ddp-bucket-size"),
+]
+
+
+def _bad_inputs(group) -> list:
+    from course_lib.distributed import wrap
+    messages = []
+    for kwargs, _ in BAD_INPUTS:
+        try:
+            wrap(C.make_model(), group, **kwargs)
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    mixed = C.make_model()
+    mixed.fc3.to(torch.bfloat16)
+    try:
+        wrap(mixed, group)
+        messages.append(None)
+    except ValueError as e:
+        messages.append(str(e))
+    return messages
+
+
 def _run_on_ranks():
     import torch.distributed as dist
     from helpers import rank_groups
@@ -76,6 +104,7 @@ def _run_on_ranks():
     scaler = ConstantScaler(overflow_on_rank=2)
     out["overflow"] = C.run(dp4, r, WORLD, iters=1, strategy="optim", loss_scaler=scaler, **common)
     out["overflow"]["updates"] = scaler.updates
+    out["errors"] = _bad_inputs(dp4)
     g = rank_groups("tp", "dp", tp=2)
     out["tp2dp2"] = C.run(g["dp"], dist.get_rank(g["dp"]), 2, model=C.make_tp_model(g["tp"]), tp_group=g["tp"],
                           strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=300)
@@ -205,3 +234,10 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(runs):
         for n, p in start.items():
             assert torch.equal(r["overflow"]["params"][n], p)
     assert all(not r["scaled"]["skipped"] for r in runs)
+
+
+def test_bad_input_is_one_line_naming_the_flag(runs):
+    messages = runs[0]["errors"]
+    for (kwargs, flag), msg in zip(BAD_INPUTS, messages):
+        assert msg is not None and "\n" not in msg and flag in msg, (kwargs, msg)
+    assert messages[-1] is not None and "bf16" in messages[-1] and "\n" not in messages[-1]

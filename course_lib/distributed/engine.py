@@ -123,6 +123,9 @@ class ShardedDataParallel:
         if overlap_param_gather and not self.shard_optim:
             raise ValueError("overlap_param_gather=True (--overlap-param-gather) needs sharded optimizer state: "
                              "use strategy='optim' or above (Megatron: --use-distributed-optimizer)")
+        if overlap_param_gather and not overlap_grad_reduce:
+            raise ValueError("overlap_param_gather=True (--overlap-param-gather) needs overlap_grad_reduce=True "
+                             "(Megatron's validate_args: 'Must use --overlap-param-gather with --overlap-grad-reduce')")
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the module has no parameter that requires grad: nothing to train")
@@ -151,6 +154,8 @@ class ShardedDataParallel:
                              for i, (_, _, ps) in enumerate(self.units)}
         self._unit_pending = [set() for _ in self.units]
         self._unit_bwd_started = [False] * len(self.units)
+        self._fwd_span: dict = {}  # unit -> its open forward span (units nest: the root holds the others)
+        self._bwd_span: dict = {}
         self._init_buffers()
         self._init_optimizer(optimizer, weight_decay, cpu_offload, optimizer_kwargs)
         self._hooks = self._register_hooks()
@@ -396,7 +401,7 @@ class ShardedDataParallel:
         return handles
 
     def _before_forward(self, u: int) -> None:
-        self._unit_fwd = self._span(self.units[u][0] or "root", "forward")
+        self._fwd_span[u] = self._span(self.units[u][0] or "root", "forward")
         if self.shard_params:
             self._ensure_unit(u)
             self._prefetch_unit(u + 1)
@@ -405,7 +410,7 @@ class ShardedDataParallel:
                 self._wait_gather(self.buckets[i])
 
     def _after_forward(self, u: int, out) -> None:
-        self._unit_fwd["end"] = self._now()
+        self._fwd_span.pop(u)["end"] = self._now()
         if self.shard_params:
             for i in self._unit_bucket[u]:
                 self._release(self.buckets[i])
@@ -419,14 +424,13 @@ class ShardedDataParallel:
         if self._unit_bwd_started[u]:
             return
         self._unit_bwd_started[u] = True
-        self._unit_bwd = getattr(self, "_unit_bwd", {})
-        self._unit_bwd[u] = self._span(self.units[u][0] or "root", "backward")
+        self._bwd_span[u] = self._span(self.units[u][0] or "root", "backward")
         if self.shard_params:
             self._ensure_unit(u)
             self._prefetch_unit(u - 1)
 
     def _unit_backward_done(self, u: int) -> None:
-        ev = getattr(self, "_unit_bwd", {}).pop(u, None)
+        ev = self._bwd_span.pop(u, None)
         if ev is not None:
             ev["end"] = self._now()
 
