@@ -108,17 +108,25 @@ def _all_text(notebook) -> str:
     return "\n".join(parts)
 
 
-def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def renderer():
+    """One nbconvert exporter for the page tests (building it is the slow part)."""
+    from course_lib.site import build
+
+    return build.Renderer("Course")
+
+
+def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_path, renderer):
     from course_lib.site import build
 
     monkeypatch.setattr(build, "reader_notebook", copy.deepcopy)  # a bug: the solution itself is rendered
     lab = build.Lab(tmp_path / "00_tiny.ipynb", "Lab 00 — Tiny")
     with pytest.raises(ValueError, match=r"00_tiny.html would show solution code .*'secret_answer = x \* 2'"):
-        build.lab_page_files(lab, _tiny_solution(), ROOT / "figures", build.Renderer("Course"),
+        build.lab_page_files(lab, _tiny_solution(), ROOT / "figures", renderer,
                              previous=None, following=None)
 
 
-def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page():
+def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page(renderer):
     """``../figures/NAME`` in a markdown cell becomes ``assets/figures/NAME`` with the file copied; a lab that
     shows its own pictures gets no THEORY_FIGURES inserted; a missing figure stops the build in one line."""
     from course_lib.site import build
@@ -126,7 +134,6 @@ def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page():
     solution = _tiny_solution()
     solution["cells"][0]["source"] += "\n\n![8 ranks](../figures/rankmap_8_tp2_pp2_dp2.png)"
     lab = build.Lab(ROOT / "solutions/00_tiny.ipynb", "Lab 00 — Tiny")
-    renderer = build.Renderer("Course")
     files = build.lab_page_files(lab, solution, ROOT / "figures", renderer, previous=None, following=None)
     assert sorted(files) == ["00_tiny.html", "assets/figures/rankmap_8_tp2_pp2_dp2.png"]
     assert files["assets/figures/rankmap_8_tp2_pp2_dp2.png"] == (ROOT / "figures/rankmap_8_tp2_pp2_dp2.png").read_bytes()
