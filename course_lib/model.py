@@ -107,6 +107,14 @@ class GPTConfig:
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
     seed: int = 1234
+    # Mixture of Experts (Megatron's flags; num_experts None: a dense model). See course_lib.moe.transformer.
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_layer_freq: object = 1
+    moe_token_dispatcher_type: str = "alltoall"
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by",
@@ -119,6 +127,36 @@ class GPTConfig:
         if self.ffn_hidden_size is None:
             object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
         self.transformer_config()        # the layers' own checks: heads, hidden % heads, ffn, dropout, init
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        """Megatron's MoE checks (``validate_args``): experts >= 1 (0 means none), top-k <= experts,
+        ``moe_ffn_hidden_size`` defaults to ``ffn_hidden_size``, a valid ``moe_layer_freq``."""
+        object.__setattr__(self, "num_experts", rules.moe_experts(self.num_experts))
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+        if self.num_experts is None:
+            return
+        from course_lib.moe.transformer import moe_layer_pattern
+
+        rules.integer("moe-router-topk", self.moe_router_topk, maximum=self.num_experts)
+        if self.moe_ffn_hidden_size is None:
+            object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
+        rules.integer("moe-ffn-hidden-size", self.moe_ffn_hidden_size)
+        rules.number("moe-aux-loss-coeff", self.moe_aux_loss_coeff, 0.0)
+        if self.moe_z_loss_coeff is not None:
+            rules.number("moe-z-loss-coeff", self.moe_z_loss_coeff, 0.0)
+        rules.moe_dispatcher(self.moe_token_dispatcher_type)
+        moe_layer_pattern(self.num_layers, self.moe_layer_freq)
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """0-based indices of the layers whose MLP is an MoE (``--moe-layer-freq``); [] for a dense model."""
+        if self.num_experts is None:
+            return []
+        from course_lib.moe.transformer import moe_layer_pattern
+
+        return [i for i, moe in enumerate(moe_layer_pattern(self.num_layers, self.moe_layer_freq)) if moe]
 
     @property
     def padded_vocab_size(self) -> int:
@@ -183,7 +221,10 @@ class GPTModel(nn.Module):
     Built in a forked RNG state seeded with ``config.seed`` (the global generator is left
     untouched), drawing, in order: word embeddings ``[V, h]``, position embeddings
     ``[max_pos, h]``, then each layer's ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
-    ``linear_fc2`` (``N(0, 0.02^2)``; the two output GEMMs scaled by ``1/sqrt(2 L)``).
+    ``linear_fc2`` (``N(0, 0.02^2)``; the two output GEMMs scaled by ``1/sqrt(2 L)``); an MoE
+    layer (``config.moe_layers``) then draws its router ``[E, h]``, experts' fc1 ``[E, F, h]`` and
+    fc2 ``[E, h, F]`` and takes them as its ``mlp`` (:class:`course_lib.moe.transformer.MoEMLP`), so
+    its attention holds the same numbers as the dense model's.
     ``forward(tokens [b, s], position_ids=None) -> logits [s, b, V]`` (padded ``V``).
     """
 
@@ -195,6 +236,11 @@ class GPTModel(nn.Module):
             torch.manual_seed(config.seed)
             self.embedding = LanguageModelEmbedding(config)
             layers = {str(i): DenseTransformerLayer(tcfg, layer_number=i + 1) for i in range(config.num_layers)}
+            if config.moe_layers:
+                from course_lib.moe.transformer import MoEMLP
+
+                for i in config.moe_layers:
+                    layers[str(i)].mlp = MoEMLP(config, i + 1, None, init=True)
             self.decoder = TransformerBlock(layers, nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon))
 
     def forward(self, tokens: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -247,7 +293,8 @@ class GPTChunk(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, layer_ids: range, *, pre_process: bool, post_process: bool,
-                 tp_group, cp_group, position_ids: torch.Tensor, sequence_parallel: bool = False):
+                 tp_group, cp_group, position_ids: torch.Tensor, sequence_parallel: bool = False,
+                 moe_groups=None):
         super().__init__()
         self.config, self.layer_ids = config, layer_ids
         self.pre_process, self.post_process = pre_process, post_process
@@ -263,6 +310,13 @@ class GPTChunk(nn.Module):
                     p.sequence_parallel = True
             self.decoder = TransformerBlock(
                 {str(i): build_layer(tcfg, tp_group, cp_group, layer_number=i + 1) for i in layer_ids}, final)
+            for i in set(config.moe_layers) & set(layer_ids):       # the MLP of an MoE layer is an MoEMLP
+                from course_lib.moe.transformer import MoEMLP
+
+                mlp = MoEMLP(config, i + 1, moe_groups)
+                if sequence_parallel:
+                    mlp.mark_sequence_parallel()
+                self.decoder.layers[str(i)].mlp = mlp
             self.output_layer = (ColumnParallelLinear(config.hidden_size, config.padded_vocab_size,
                                                       tp_group=tp_group, bias=False, gather_output=False,
                                                       sequence_parallel=sequence_parallel)
@@ -296,7 +350,14 @@ def _load_from_master(chunk: GPTChunk, master: GPTModel, tp_group) -> None:
     if chunk.embedding is not None:
         copy_dense_to_parallel(master.embedding, chunk.embedding, tp_group)
     for i in chunk.layer_ids:
-        copy_dense_to_parallel(master.decoder.layers[str(i)], chunk.decoder.layers[str(i)], tp_group)
+        dense, mine = master.decoder.layers[str(i)], chunk.decoder.layers[str(i)]
+        if hasattr(mine.mlp, "load_from_master"):           # an MoE layer: the experts are cut by EP/expert TP
+            for name, child in mine.named_children():
+                if name != "mlp":
+                    copy_dense_to_parallel(getattr(dense, name), child, tp_group)
+            mine.mlp.load_from_master(dense.mlp)
+        else:
+            copy_dense_to_parallel(dense, mine, tp_group)
     if chunk.post_process:
         copy_dense_to_parallel(master.decoder.final_layernorm, chunk.decoder.final_layernorm, tp_group)
         if chunk.pre_process:
@@ -309,11 +370,14 @@ def _load_from_master(chunk: GPTChunk, master: GPTModel, tp_group) -> None:
 
 
 def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequence_parallel: bool = False,
-                master: Optional[GPTModel] = None, device=None) -> list[GPTChunk]:
+                master: Optional[GPTModel] = None, device=None, moe_groups=None) -> list[GPTChunk]:
     """This rank's model chunks (``vp`` of them; chunk ``c`` is virtual stage ``c * pp + pp_rank``).
 
     Every rank builds the dense master (``config.seed``) -- or takes ``master`` -- and keeps its
     pieces. Collective over the embedding group when ``pp > 1`` (see :func:`sync_tied_embeddings`).
+    A config with ``num_experts`` needs ``moe_groups``
+    (:func:`course_lib.moe.transformer.new_moe_process_groups` of the same grid): each MoE layer keeps
+    its ``num_experts / ep`` experts, split over expert TP.
     """
     grid, c = groups.grid, groups.coords
     pp, cp = grid.pp, grid.cp
@@ -322,6 +386,12 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
     rules.vocab_divisible_by_tp(config.padded_vocab_size, t)
     if sequence_parallel:
         rules.sequence_parallel_split(config.seq_length, cp, t)
+    if config.num_experts is not None:
+        rules.moe_sequence_parallel(config.num_experts, t, sequence_parallel)
+        if moe_groups is None:
+            raise ValueError(f"num_experts={config.num_experts}: pass moe_groups="
+                             f"course_lib.moe.transformer.new_moe_process_groups(grid) to build_model")
+        rules.moe_experts(config.num_experts, moe_groups.size("ep"))
     from course_lib.data import cp_token_positions
 
     positions = cp_token_positions(config.seq_length, c["cp"], cp)       # [s/cp] global positions
@@ -332,7 +402,7 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
         stage = chunk_id * pp + c["pp"]
         chunk = GPTChunk(config, ranges[stage], pre_process=stage == 0, post_process=stage == pp * vp - 1,
                          tp_group=groups.tp, cp_group=groups.cp, position_ids=positions,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, moe_groups=moe_groups)
         _load_from_master(chunk, master, groups.tp)
         if chunk.pre_process and not chunk.post_process:
             chunk.embedding.word_embeddings.weight.shared_embedding = True
@@ -388,7 +458,8 @@ def gpt_loss(logits: torch.Tensor, labels: torch.Tensor, tp_group) -> tuple[torc
 
 def gather_full_parameters(chunks: list[GPTChunk], groups: ProcessGroups, grads: bool = False) -> dict:
     """``{master name: full tensor}`` of what this rank's chunks hold (TP shards all-gathered).
-    Collective over TP. For tests and notebooks: compare with :class:`GPTModel`'s tensors."""
+    Collective over TP (and, for expert weights, over expert TP and EP: every expert, unsplit).
+    For tests and notebooks: compare with :class:`GPTModel`'s tensors."""
     out = {}
     for chunk in chunks:
         for name, p in chunk.named_parameters():
@@ -396,7 +467,10 @@ def gather_full_parameters(chunks: list[GPTChunk], groups: ProcessGroups, grads:
             if value is None:
                 raise ValueError(f"{name} has no gradient: run backward first")
             value = value.detach()
-            if is_tensor_parallel(p):
+            if hasattr(p, "expert_partition_dim"):         # decoder.layers.<i>.mlp.experts.linear_fc1.weight
+                owner = chunk.get_submodule(name.rsplit(".experts.", 1)[0])
+                value = owner.full_expert_tensor(value, p.expert_partition_dim)
+            elif is_tensor_parallel(p):
                 value = comm.all_gather(value, groups.tp, dim=p.partition_dim, kind="tp")
             out[master_name(name)] = value.clone()
     return out

@@ -455,3 +455,50 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+# ============================================================================ mixture of experts
+# Megatron: megatron/training/arguments.py (validate_args, "Expert parallelism check", "MoE Spec check").
+
+MOE_DISPATCHERS = ("alltoall", "allgather")
+
+
+def moe_experts(num_experts, ep: int = 1) -> int | None:
+    """``--num-experts`` (None or 0: no MoE, as Megatron) divisible by ``--expert-model-parallel-size``;
+    ep > 1 needs experts. Returns num_experts or None."""
+    if num_experts in (None, 0):
+        if ep > 1:
+            raise ValueError(f"{AXIS_FLAG['ep']}={ep} needs experts: set num-experts (a multiple of {ep}) or use "
+                             f"{AXIS_FLAG['ep']}=1")
+        return None
+    n = integer("num-experts", num_experts)
+    if n % ep:
+        raise ValueError(f"num-experts={n} is not divisible by {AXIS_FLAG['ep']}={ep}; each expert-parallel rank "
+                         f"holds num_experts / ep experts: use a multiple of {ep}, e.g. {nearby_multiples(n, ep)}")
+    return n
+
+
+def moe_ffn_divisible_by_expert_tp(moe_ffn_hidden_size: int, expert_tp: int) -> int:
+    """Each expert's fc1 is column-parallel over the expert-TP group; returns the columns per rank."""
+    if moe_ffn_hidden_size % expert_tp:
+        raise ValueError(f"moe-ffn-hidden-size={moe_ffn_hidden_size} is not divisible by "
+                         f"expert-tensor-parallel-size={expert_tp}; use a multiple of {expert_tp}, e.g. "
+                         f"{nearby_multiples(moe_ffn_hidden_size, expert_tp)}")
+    return moe_ffn_hidden_size // expert_tp
+
+
+def moe_sequence_parallel(num_experts, tp: int, sequence_parallel: bool) -> None:
+    """MoE with TP > 1 needs sequence parallelism (Megatron: "When using MoE and tensor parallelism,
+    sequence parallelism must be used"): the experts must not see each token t times."""
+    if num_experts and tp > 1 and not sequence_parallel:
+        raise ValueError(f"num-experts={num_experts} with {TP}={tp} needs sequence parallelism (Megatron: 'When "
+                         f"using MoE and tensor parallelism, sequence parallelism must be used'); add "
+                         f"--sequence-parallel")
+
+
+def moe_dispatcher(dispatcher: str) -> str:
+    """``--moe-token-dispatcher-type``: one of :data:`MOE_DISPATCHERS`."""
+    if dispatcher not in MOE_DISPATCHERS:
+        raise ValueError(f"moe-token-dispatcher-type={dispatcher!r} is unknown; use one of "
+                         f"{', '.join(MOE_DISPATCHERS)}")
+    return dispatcher

@@ -185,12 +185,15 @@ class MoELayer(torch.nn.Module):
         return _reorder_chunks(back, input_splits, self.send_order)                   # back to slice order
 
 
-def reduce_moe_grads(module: torch.nn.Module, dp_group, expert_dp_group) -> None:
+def reduce_moe_grads(module: torch.nn.Module, dp_group, expert_dp_group, divide_by: int = 1) -> None:
     """Sum gradients like Megatron's DDP with MoE: parameters marked ``allreduce = False`` (experts)
-    over the expert data-parallel group, every other one over the (dense) data-parallel group."""
+    over the expert data-parallel group, every other one over the (dense) data-parallel group; then
+    divide all of them by ``divide_by`` (Megatron: the dense dp·cp size for both kinds)."""
     for p in module.parameters():
         if p.grad is None:
             continue
         expert = getattr(p, "allreduce", True) is False
         comm.all_reduce(p.grad, expert_dp_group if expert else dp_group, kind="expert_dp" if expert else "dp",
                         source="reduce_moe_grads")
+        if divide_by != 1:
+            p.grad.div_(divide_by)

@@ -1,0 +1,412 @@
+"""MoE layers inside the course GPT: the router, the experts and the two token dispatchers.
+
+A transformer layer whose MLP is a Mixture of Experts (Megatron: ``megatron/core/transformer/moe/
+moe_layer.py`` ``MoELayer``, ``router.py`` ``TopKRouter``, ``experts.py``, ``token_dispatcher.py``).
+:class:`MoEMLP` takes the place of the dense MLP of the layers that ``--moe-layer-freq`` selects
+(:func:`moe_layer_pattern`); the same class with ``groups=None`` is the single-process MoE of the
+reference model, so every layout starts from the same master numbers.
+
+Parameters (``E`` experts, ``L = E / ep`` on this rank, ``F`` = ``--moe-ffn-hidden-size``):
+
+* ``router.weight`` ``[E, H]`` -- replicated; under sequence parallelism it sees only this rank's
+  tokens, so it carries ``sequence_parallel = True`` (its gradient is summed over TP, as Megatron's
+  ``Router.reset_parameters`` marks it);
+* ``experts.linear_fc1.weight`` ``[L, F/etp, H]`` and ``experts.linear_fc2.weight`` ``[L, H, F/etp]``
+  -- the rank's experts stacked (Megatron's GroupedMLP keeps them stacked too), split over the expert
+  tensor-parallel group along F (fc1 column-parallel, fc2 row-parallel), no biases (Megatron's MoE
+  runs are configured with ``--disable-bias-linear``). They carry ``allreduce = False`` (Megatron's
+  mark): their gradients are reduced over the **expert** data-parallel group, not DP.
+
+The route of a token (``T`` = this rank's tokens, ``k`` = top-k):
+
+* ``--moe-token-dispatcher-type alltoall`` (``MoEAlltoAllTokenDispatcher``): the ``T·k`` rows
+  sorted by expert go to the EP rank that holds their expert by one uneven all-to-all over the EP
+  group; with expert TP > 1 the received rows are all-gathered over the expert-TP group (every TP
+  shard of an expert needs all its rows), each shard computes its part, a reduce-scatter sums the
+  parts back, and the mirror all-to-all returns the outputs. Rows cross the EP group once each way:
+  ``T·k·H`` elements per rank per pass.
+* ``--moe-token-dispatcher-type allgather`` (``MoEAllGatherTokenDispatcher``): every rank of the
+  tp-ep group all-gathers everybody's tokens and gates, runs its experts on the rows routed to them,
+  and a reduce-scatter over tp-ep sums the outputs back to their owners: ``(n-1)·T·H`` elements in,
+  whatever ``k`` is -- the contrast the lab measures.
+
+Sequence parallelism: the tokens of a layer are already split over TP (``[s/t, b, h]``), so the MoE
+layer needs no gather of its own; the aux-loss statistics (tokens per expert) are summed over the
+dense tp-cp group (Megatron's ``tp_cp_group``). Megatron requires sequence parallelism with MoE and
+TP > 1 (``megatron/training/yaml_arguments.py``: "When using MoE and tensor parallelism, sequence
+parallelism must be used"): :func:`course_lib.rules.moe_sequence_parallel`.
+
+The auxiliary losses do not change the output: like Megatron's ``MoEAuxLossAutoScaler`` they are
+attached to it, and backward adds ``aux_loss_scale`` (``1 / micro-batches``, set by the training
+loop) times their gradient. Their values (coefficient divided out) are summed per layer in
+``metrics`` for :func:`track_moe_metrics`, which logs them like Megatron's ``track_moe_metrics``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from course_lib import comm, rules
+from course_lib.moe.layer import _reorder_chunks, all_to_all_uneven
+from course_lib.moe.router import route
+
+__all__ = ["moe_layer_pattern", "MoEMLP", "MoEGroups", "new_moe_process_groups", "is_expert_param",
+           "finalize_moe_grads", "track_moe_metrics", "set_aux_loss_scale", "moe_modules", "DISPATCHERS"]
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def moe_layer_pattern(num_layers: int, moe_layer_freq=1) -> list[int]:
+    """Megatron's ``--moe-layer-freq``: 1 for an MoE layer, 0 for a dense one, per layer (0-based).
+
+    An int ``k``: layer ``i`` is MoE when ``i % k == 0`` (``k = 1``: every layer); a list: the pattern
+    itself, one entry per layer (``megatron/core/models/gpt/gpt_layer_specs.py``,
+    ``get_gpt_decoder_block_spec``). ``moe_layer_pattern(4, 2) == [1, 0, 1, 0]``."""
+    num_layers = rules.integer("num-layers", num_layers)
+    if isinstance(moe_layer_freq, bool):
+        raise ValueError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer")
+    if isinstance(moe_layer_freq, int):
+        k = rules.integer("moe-layer-freq", moe_layer_freq)
+        return [1 if i % k == 0 else 0 for i in range(num_layers)]
+    pattern = list(moe_layer_freq) if isinstance(moe_layer_freq, (list, tuple)) else None
+    if pattern is None or any(v not in (0, 1) or isinstance(v, bool) for v in pattern):
+        raise ValueError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer, "
+                         f"e.g. [1, 0, 1, 0]")
+    if len(pattern) != num_layers:
+        raise ValueError(f"moe-layer-freq has {len(pattern)} entries but num-layers={num_layers}: give one 0/1 "
+                         f"per layer")
+    return pattern
+
+
+class MoEGroups:
+    """This rank's MoE process groups (every one with a timeout), from :func:`new_moe_process_groups`:
+
+    ``ep`` (expert-model-parallel: the all-to-all), ``expert_tp`` (the experts' tensor parallelism),
+    ``tp_ep`` (the allgather dispatcher's group), ``expert_dp`` (expert gradients), ``dp_cp`` (dense
+    gradients, Megatron's data-parallel group with CP), ``tp_cp`` (the dense tp-cp group: the aux-loss
+    statistics), ``pp`` (the metrics' sum over stages); ``grid``: the :class:`~course_lib.moe.grid.MoEGrid`."""
+
+    FIELDS = {"ep": ("expert", "ep"), "expert_tp": ("expert", "tp"), "tp_ep": ("expert", "tp-ep"),
+              "expert_dp": ("expert", "dp"), "dp_cp": ("dense", "dp-cp"), "tp_cp": ("dense", "tp-cp"),
+              "pp": ("dense", "pp")}
+
+    def __init__(self, grid, **groups):
+        self.grid = grid
+        for name in self.FIELDS:
+            setattr(self, name, groups[name])
+
+    def size(self, name: str) -> int:
+        return comm.group_size(getattr(self, name))
+
+
+def new_moe_process_groups(grid, timeout: float | None = None) -> MoEGroups:
+    """Create every MoE group of ``grid`` (a :class:`~course_lib.topology.RankGrid` with ``ep`` /
+    ``expert_tp``, or a :class:`~course_lib.moe.grid.MoEGrid`) and return this rank's. Collective: every
+    rank creates every group in the same order, each distinct rank list once, each with a timeout."""
+    import datetime
+
+    from course_lib.process_groups import DEFAULT_TIMEOUT
+
+    moe_grid = getattr(grid, "moe", grid)
+    wait = datetime.timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
+    me, made, mine = dist.get_rank(), {}, {}
+    for name, (which, token) in MoEGroups.FIELDS.items():
+        groups = moe_grid.expert_groups(token) if which == "expert" else moe_grid.dense_groups(token)
+        for ranks in groups:
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks), timeout=wait)
+            if me in ranks:
+                mine[name] = made[key]
+    return MoEGroups(moe_grid, **mine)
+
+
+class _Stacked(nn.Module):
+    """Holds one stacked expert weight as ``.weight`` (so names read ``experts.linear_fc1.weight``)."""
+
+    def __init__(self, weight: torch.Tensor, partition_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.weight.allreduce = False                  # Megatron: reduced over expert DP, not DP
+        self.weight.expert_partition_dim = partition_dim
+
+
+class _Experts(nn.Module):
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor):
+        super().__init__()
+        self.linear_fc1 = _Stacked(fc1, 1)             # [L, F/etp, H]  column-parallel over expert TP
+        self.linear_fc2 = _Stacked(fc2, 2)             # [L, H, F/etp]  row-parallel over expert TP
+
+    def forward(self, rows: torch.Tensor, chunk_sizes: list[int], chunk_experts: list[int]) -> torch.Tensor:
+        """Chunk ``c`` of ``rows`` ([N, H], chunks of ``chunk_sizes``) through local expert
+        ``chunk_experts[c]``: ``gelu(x W1^T) W2^T`` -> [N, H] (a partial sum when expert TP > 1)."""
+        w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        outs = [F.gelu(chunk @ w1[e].t()) @ w2[e].t()
+                for chunk, e in zip(torch.split(rows, [int(n) for n in chunk_sizes]), chunk_experts)]
+        return torch.cat(outs) if outs else rows[:0]
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Megatron's ``MoEAuxLossAutoScaler``: forward returns ``output``; backward also sends ``scale``
+    as the gradient of ``aux`` (so the aux loss trains the router without entering the LM loss)."""
+
+    @staticmethod
+    def forward(ctx, output, aux, scale: float):
+        ctx.scale = scale
+        ctx.save_for_backward(aux)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (aux,) = ctx.saved_tensors
+        return grad_output, torch.full_like(aux, ctx.scale), None
+
+
+class _Uneven(torch.autograd.Function):
+    """All-gather (``gather=True``) or reduce-scatter of row blocks of different sizes over ``group``;
+    each one's backward is the other.
+
+    Written with ``all_to_all_single``, which gloo and NCCL both run with uneven splits. Recorded as
+    ``all_gather`` / ``reduce_scatter``, kind ``"expert_tp"``, numel = the gathered rows × row size
+    (the course's convention)."""
+
+    @staticmethod
+    def forward(ctx, x, group, sizes, gather):
+        ctx.group, ctx.sizes, ctx.gather = group, sizes, gather
+        return _uneven(x, group, sizes, gather)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _uneven(grad, ctx.group, ctx.sizes, not ctx.gather), None, None, None
+
+
+def _uneven(x: torch.Tensor, group, sizes: list[int], gather: bool) -> torch.Tensor:
+    """Uneven all-gather (``gather``: this rank's ``sizes[me]`` rows sent to every member) or
+    reduce-scatter (block j of ``x``, ``sizes[j]`` rows, sent to member j; the t copies summed)."""
+    t, me = comm.group_size(group), comm.group_rank(group)
+    row = x[0].numel() if x.dim() > 1 else 1
+    comm.record_event("all_gather" if gather else "reduce_scatter", sum(sizes) * row, group_size=t,
+                      kind="expert_tp", dtype=x.dtype, reduce_op=None if gather else "sum",
+                      source="moe_expert_tp_gather" if gather else "moe_expert_tp_reduce_scatter")
+    out = x.new_empty(((sum(sizes) if gather else t * sizes[me]),) + tuple(x.shape[1:]))
+    inp = torch.cat([x] * t) if gather else x
+    dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=list(sizes) if gather else [sizes[me]] * t,
+                           input_split_sizes=[sizes[me]] * t if gather else list(sizes), group=group)
+    return out if gather else out.view((t, sizes[me]) + tuple(x.shape[1:])).sum(0)
+
+
+class MoEMLP(nn.Module):
+    """The MoE MLP of one transformer layer on this rank. ``forward(x [s, b, h]) -> [s, b, h]``
+    (``[s/t, b, h]`` under sequence parallelism; the aux losses ride along, see the module doc).
+
+    Args:
+        config: a :class:`course_lib.model.GPTConfig` with ``num_experts`` set.
+        layer_number: 1-based (the metrics' row).
+        groups: :class:`MoEGroups`, or ``None`` for the single-process MoE (every expert local).
+        init: draw the master weights from the global generator (the reference model), else the
+            values are placeholders for :meth:`load_from_master`.
+    """
+
+    def __init__(self, config, layer_number: int, groups: MoEGroups | None = None, init: bool = False):
+        super().__init__()
+        self.config, self.layer_number, self.groups = config, layer_number, groups
+        E, H, Fh = config.num_experts, config.hidden_size, config.moe_ffn_hidden_size
+        self.ep = 1 if groups is None else groups.size("ep")
+        self.etp = 1 if groups is None else groups.size("expert_tp")
+        if E % self.ep:
+            raise ValueError(f"num-experts={E} is not divisible by expert-model-parallel-size={self.ep}; "
+                             f"use a multiple of {self.ep}")
+        rules.moe_ffn_divisible_by_expert_tp(Fh, self.etp)
+        self.num_local_experts = E // self.ep
+        ep_rank = 0 if groups is None else comm.group_rank(groups.ep)
+        self.local_expert_indices = list(range(ep_rank * self.num_local_experts,
+                                               (ep_rank + 1) * self.num_local_experts))
+        self.topk = rules.integer("moe-router-topk", config.moe_router_topk, maximum=E)
+        self.dispatcher = config.moe_token_dispatcher_type
+        self.aux_loss_scale = 1.0
+        self.send_order = list(range(self.ep))   # identity; a test passes a wrong one to prove misrouting is caught
+        tcfg = config.transformer_config()
+        router = torch.empty(E, H)
+        fc1 = torch.empty(E, Fh, H)
+        fc2 = torch.empty(E, H, Fh)
+        if init:                                           # Megatron: router and fc1 init_method, fc2 scaled
+            tcfg.init_method(router)
+            tcfg.init_method(fc1)
+            tcfg.output_layer_init_method(fc2)
+        self.router = nn.Module()
+        self.router.weight = nn.Parameter(router)
+        local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+        self.experts = _Experts(fc1[local].chunk(self.etp, 1)[0].clone(), fc2[local].chunk(self.etp, 2)[0].clone())
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    # -------------------------------------------------------------------------------------- weights
+    def mark_sequence_parallel(self) -> None:
+        """The router sees this rank's ``s/t`` tokens only: its gradient is a partial sum over TP."""
+        self.router.weight.sequence_parallel = True
+
+    @torch.no_grad()
+    def load_from_master(self, master: "MoEMLP") -> None:
+        """Copy this rank's slice of the single-process MoE ``master``: the router whole, experts
+        ``local_expert_indices``, expert-TP shard ``expert_tp_rank`` along F."""
+        r = 0 if self.groups is None else comm.group_rank(self.groups.expert_tp)
+        local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+        self.router.weight.copy_(master.router.weight)
+        for mine, full in ((self.experts.linear_fc1.weight, master.experts.linear_fc1.weight),
+                           (self.experts.linear_fc2.weight, master.experts.linear_fc2.weight)):
+            mine.copy_(full[local].chunk(self.etp, mine.expert_partition_dim)[r])
+
+    def full_expert_tensor(self, value: torch.Tensor, partition_dim: int) -> torch.Tensor:
+        """All experts, unsplit: gather ``value`` (an expert weight or grad of this rank) over expert TP
+        along ``partition_dim``, then over EP along dim 0. Collective over both groups."""
+        if self.groups is None:
+            return value.detach().clone()
+        value = comm.all_gather(value.detach().contiguous(), self.groups.expert_tp, dim=partition_dim,
+                                kind="expert_tp", source="gather_full_parameters")
+        return comm.all_gather(value, self.groups.ep, dim=0, kind="ep", source="gather_full_parameters").clone()
+
+    # -------------------------------------------------------------------------------------- forward
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        tokens = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
+        parts: dict = {}
+        partition = None if self.groups is None or self.groups.size("tp_cp") == 1 else self.groups.tp_cp
+        probs, indices, aux = route(tokens, self.router.weight, self.topk,
+                                    aux_loss_coeff=self.config.moe_aux_loss_coeff,
+                                    z_loss_coeff=self.config.moe_z_loss_coeff,
+                                    sequence_partition_group=partition, parts=parts)   # [T, k], [T, k], []
+        self._record(parts)
+        if self.dispatcher == "allgather" and self.groups is not None and self.groups.size("tp_ep") > 1:
+            out = self._allgather(tokens, probs, indices)
+        else:
+            out = self._alltoall(tokens, probs, indices)
+        if aux.requires_grad:
+            out = _AttachAuxLoss.apply(out, aux, self.aux_loss_scale)
+        return out.reshape(shape)
+
+    def _record(self, parts: dict) -> None:
+        coeffs = {"load_balancing_loss": self.config.moe_aux_loss_coeff, "z_loss": self.config.moe_z_loss_coeff}
+        for name, value in parts.items():   # this rank's share: the shares add up over tp-cp
+            self.metrics[name] = self.metrics.get(name, 0.0) + value.detach() / coeffs[name]
+
+    def _alltoall(self, tokens, probs, indices):
+        """Permute -> all-to-all over EP -> (gather over expert TP) -> experts -> mirror -> unpermute."""
+        E, L, ep, k = self.config.num_experts, self.num_local_experts, self.ep, self.topk
+        flat = indices.flatten()                                                       # [T·k]
+        perm = torch.argsort(flat, stable=True)
+        permuted = tokens[perm // k]                                                   # [T·k, H] by expert
+        per_slice = torch.bincount(flat, minlength=E).view(ep, L)                      # [ep, L]
+        if ep > 1:
+            dest = [self.send_order.index(d) for d in range(ep)]                       # slice sent to rank d
+            send = _reorder_chunks(permuted, per_slice.sum(1).tolist(), dest)
+            counts = comm.all_to_all(per_slice[dest].flatten().contiguous(), self.groups.ep, kind="ep",
+                                     source="moe_token_counts", tag="counts").view(ep, L)  # [source, L]
+            input_splits, output_splits = per_slice[dest].sum(1).tolist(), counts.sum(1).tolist()
+            rows = all_to_all_uneven(send, self.groups.ep, output_splits, input_splits, "moe_dispatch")
+        else:
+            rows, counts = permuted, per_slice
+        y = self._experts_over_expert_tp(rows, counts)                                 # [N, H]
+        if ep > 1:
+            back = all_to_all_uneven(y, self.groups.ep, input_splits, output_splits, "moe_combine")
+            y = _reorder_chunks(back, input_splits, self.send_order)
+        weighted = y * probs.flatten()[perm].unsqueeze(-1)                             # [T·k, H]
+        return torch.zeros_like(tokens).index_add(0, perm // k, weighted)             # [T, H]
+
+    def _experts_over_expert_tp(self, rows, counts):
+        """``rows`` [N, H] in chunks (source, local expert) of ``counts`` [ep, L] -> expert outputs [N, H].
+        With expert TP every shard needs every row: uneven all-gather, partial outputs, reduce-scatter."""
+        L = self.num_local_experts
+        if self.etp == 1:
+            return self.experts(rows, counts.flatten().tolist(), list(range(L)) * counts.shape[0])
+        group = self.groups.expert_tp
+        every = comm.all_gather(counts.flatten().contiguous(), group, kind="expert_tp",
+                                source="moe_token_counts").view(self.etp, -1)         # [etp, ep·L]
+        sizes = every.sum(1).tolist()
+        gathered = _Uneven.apply(rows, group, sizes, True)                             # [Σ N_m, H]
+        partial = self.experts(gathered, every.flatten().tolist(), list(range(L)) * (every.numel() // L))
+        return _Uneven.apply(partial, group, sizes, False)                       # [N, H] summed
+
+    def _allgather(self, tokens, probs, indices):
+        """Megatron's allgather dispatcher: gather every token and gate of the tp-ep group, run the local
+        experts on the rows routed to them, reduce-scatter the (partial) outputs back to their owners."""
+        from course_lib.tensor_parallel import (gather_from_sequence_parallel_region,
+                                                reduce_scatter_to_sequence_parallel_region)
+
+        group, L, k = self.groups.tp_ep, self.num_local_experts, self.topk
+        every_token = gather_from_sequence_parallel_region(tokens, group, kind="ep")   # [n·T, H]
+        every_prob = gather_from_sequence_parallel_region(probs, group, kind="ep")     # [n·T, k]
+        every_index = comm.all_gather(indices.contiguous(), group, kind="ep", source="moe_allgather_indices")
+        local = every_index.flatten() - self.local_expert_indices[0]                   # [n·T·k]
+        mine = ((local >= 0) & (local < L)).nonzero().flatten()
+        order = mine[torch.argsort(local[mine], stable=True)]                           # my pairs by expert
+        sizes = torch.bincount(local[order], minlength=L).tolist()
+        y = self.experts(every_token[order // k], sizes, list(range(L)))               # [n_mine, H]
+        weighted = y * every_prob.flatten()[order].unsqueeze(-1)
+        out = torch.zeros_like(every_token).index_add(0, order // k, weighted)         # [n·T, H] partial
+        return reduce_scatter_to_sequence_parallel_region(out, group, kind="ep")       # [T, H]
+
+
+def moe_modules(chunks) -> list[MoEMLP]:
+    """Every :class:`MoEMLP` of this rank's model chunks, in layer order."""
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoEMLP)]
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    """An expert weight (Megatron's ``allreduce = False``): reduced over expert DP, not DP."""
+    return getattr(p, "allreduce", True) is False
+
+
+def set_aux_loss_scale(chunks, scale: float) -> None:
+    """The gradient the aux losses send back, per micro-batch (Megatron: ``MoEAuxLossAutoScaler.
+    set_loss_scale(loss_scale / num_microbatches)`` in ``forward_step``)."""
+    for m in moe_modules(chunks):
+        m.aux_loss_scale = float(scale)
+
+
+@torch.no_grad()
+def finalize_moe_grads(chunks, groups, moe_groups: MoEGroups, sequence_parallel: bool = False) -> None:
+    """Megatron's ``finalize_model_grads`` for a model with MoE layers, in its order:
+
+    1. dense gradients averaged over the dense dp-cp group; expert gradients **summed over the expert
+       data-parallel group** and divided by the same dp·cp (``DistributedDataParallel``: both scaling
+       factors are ``1 / data_parallel_world_size`` -- an expert's gradient already holds the tokens
+       that every EP rank sent it, so the expert-DP sum covers every dense DP replica);
+    2. with sequence parallelism, the ``sequence_parallel`` gradients (LayerNorms, router) summed over TP;
+    3. the tied word-embedding gradient summed over the embedding group."""
+    from course_lib.model import allreduce_embedding_grads
+    from course_lib.moe.layer import reduce_moe_grads
+    from course_lib.tensor_parallel import allreduce_sequence_parallel_grads
+
+    module = nn.ModuleList(chunks)
+    reduce_moe_grads(module, moe_groups.dp_cp, moe_groups.expert_dp, divide_by=moe_groups.size("dp_cp"))
+    if sequence_parallel:
+        allreduce_sequence_parallel_grads(module, groups.tp)
+    allreduce_embedding_grads(chunks, groups)
+
+
+@torch.no_grad()
+def track_moe_metrics(chunks, moe_groups: MoEGroups, num_microbatches: int = 1) -> tuple[dict, str]:
+    """Reduce and clear the per-layer aux-loss values like Megatron's ``track_moe_metrics``
+    (``megatron/core/transformer/moe/moe_logging.py``, ``MoEMetricsTracker.report``): per layer, sum
+    over the pipeline stages and over the tp-cp group (each rank's value is its share), average over
+    data parallel, then the mean over the MoE layers, times ``1 / num_microbatches``. Collective over
+    PP, tp-cp and dp-cp: every rank calls it. Returns ``({name: value}, " load_balancing_loss:
+    1.000000E+00 |")`` -- the piece Megatron appends to the iteration line."""
+    config = chunks[0].config
+    pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
+    names = ("load_balancing_loss",) * bool(config.moe_aux_loss_coeff) + ("z_loss",) * bool(config.moe_z_loss_coeff)
+    out = {}
+    for name in names:
+        values = torch.zeros(config.num_layers, dtype=torch.float64)
+        for m in moe_modules(chunks):
+            values[m.layer_number - 1] += float(m.metrics.pop(name, 0.0))
+        for group, op in ((moe_groups.pp, "sum"), (moe_groups.tp_cp, "sum"), (moe_groups.dp_cp, "avg")):
+            if comm.group_size(group) > 1:
+                n = comm.group_size(group)
+                comm.all_reduce(values, group, kind="dp" if op == "avg" else "tp", source="track_moe_metrics")
+                if op == "avg":
+                    values /= n
+        out[name] = float(values.sum()) / sum(pattern) / num_microbatches
+    return out, "".join(f" {name}: {value:.6E} |" for name, value in out.items())
