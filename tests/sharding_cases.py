@@ -87,14 +87,14 @@ def loss_fn(out, y):
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
-def reference(dtype=torch.float32, iters: int = ITERS, factory=None) -> tuple[list, dict]:
+def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: str = "adam") -> tuple[list, dict]:
     """One process, the whole batch: losses per iteration and the final params (fp32 master values).
-    ``factory()``: the model (default: :func:`make_model` in ``dtype``)."""
+    ``factory()``: the model (default: :func:`make_model` in ``dtype``); ``optimizer``: "adam" or "sgd"."""
     from course_lib.optimizer import Optimizer
     model = factory() if factory is not None else make_model(dtype)
     named = list(model.named_parameters())
     master = [(n, p.detach().float().clone()) for n, p in named]
-    opt = Optimizer(master)
+    opt = Optimizer(master, optimizer)
     losses = []
     for it in range(iters):
         x, y = batch(it, dtype)

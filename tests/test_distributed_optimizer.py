@@ -24,6 +24,7 @@ import torch
 import sharding_cases as C
 from course_lib.comm import summarize
 from course_lib.launch import launch
+from course_lib.mixed_precision import ConstantLossScaler
 from course_lib.sizing.comm import dp_comm_per_iteration
 from course_lib.sizing.memory import megatron_optimizer_bytes_per_param
 
@@ -31,7 +32,7 @@ WORLD = 4
 
 
 class ConstantScaler:
-    """The loss-scaler protocol with a fixed scale: checks that the wrapper unscales."""
+    """The loss-scaler protocol (float scale) with an overflow injected on one rank."""
 
     def __init__(self, scale=1024.0, overflow_on_rank=None):
         self.scale, self.overflow_on_rank, self.updates = scale, overflow_on_rank, []
@@ -93,6 +94,8 @@ def _run_on_ranks():
         "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
         "distopt_sync": dict(strategy="optim", **common),
         "scaled": dict(strategy="optim", loss_scaler=ConstantScaler(), **common),
+        # SGD, not Adam: Adam would not notice grads left scaled by 4096 (m / sqrt(v) cancels it)
+        "scaled_course": dict(strategy="optim", optimizer="sgd", loss_scaler=ConstantLossScaler(2.0 ** 12), **common),
         "bf16": dict(strategy="optim", dtype=torch.bfloat16, overlap_grad_reduce=True, **common),
         "bf16_ddp": dict(strategy="no_shard", dtype=torch.bfloat16, **common),
         "bf16_grads16": dict(strategy="optim", dtype=torch.bfloat16, grad_reduce_in_fp32=False, **common),
@@ -119,7 +122,8 @@ def runs():
 
 @pytest.fixture(scope="module")
 def refs():
-    return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16), "dense3": C.reference(factory=C.make_dense3)}
+    return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16), "dense3": C.reference(factory=C.make_dense3),
+            "fp32_sgd": C.reference(optimizer="sgd")}
 
 
 def _losses_close(runs, name, ref_losses, rtol):
@@ -130,7 +134,7 @@ def _losses_close(runs, name, ref_losses, rtol):
 
 
 @pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"),
-                                      ("scaled", "fp32"), ("tp2dp2", "dense3")])
+                                      ("scaled", "fp32"), ("scaled_course", "fp32_sgd"), ("tp2dp2", "dense3")])
 def test_fp32_modes_equal_one_process(runs, refs, name, ref):
     ref_losses, ref_params = refs[ref]
     _losses_close(runs, name, ref_losses, 1e-4)

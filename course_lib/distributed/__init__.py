@@ -41,12 +41,13 @@ the d ranks of the group (= the gradient of the global batch's mean loss, what o
 
 Loss scaler protocol (``course_lib.mixed_precision`` implements it; any object with these works)
 ----------------------------------------------------------------------------------------------
-* ``scale`` -- float, the factor the loss was multiplied by before ``backward``;
+* ``scale`` -- float or ``[1]`` fp32 tensor, the factor the loss is multiplied by before ``backward``
+  (:meth:`ShardedDataParallel.scale_loss`);
 * ``unscale_and_check(grads) -> found_inf`` -- ``grads``: list of this rank's fp32 main-grad
   tensors (its shard); divides them by ``scale`` in place, returns True if any is inf/NaN;
 * ``update(found_inf)`` -- grows/backs off the scale (Megatron's ``DynamicGradScaler``).
-``found_inf`` is OR-ed over the data-parallel group (each rank sees only its shard) before
-``update``; a step with ``found_inf`` is skipped (params untouched), as Megatron counts
+``found_inf`` is OR-ed over the data-parallel group (each rank sees only its shard), and over the
+model-parallel group when ``wrap`` was given a ProcessGroups, before ``update``; a step with ``found_inf`` is skipped (params untouched), as Megatron counts
 "skipped iterations".
 """
 

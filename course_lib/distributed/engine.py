@@ -115,6 +115,7 @@ class ShardedDataParallel:
             raise ValueError(f"strategy={strategy!r} (--data-parallel-sharding-strategy) is unknown: use one of "
                              f"{', '.join(STRATEGIES)}")
         self.module, self.group, self.strategy = module, _dp_group(dp_group), strategy
+        self.model_group = getattr(dp_group, "model", None)  # a ProcessGroups: found_inf is OR-ed over TP x PP too
         self.dp, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.rank = dist.get_rank()
         self.gradient_scaling_factor = 1.0 / self.dp  # Megatron's: grads scaled by 1/d, then summed
@@ -441,7 +442,10 @@ class ShardedDataParallel:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss * loss_scaler.scale`` (the loss itself without a scaler): call backward on this."""
-        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+        if self.loss_scaler is None:
+            return loss
+        scale = self.loss_scaler.scale
+        return loss * (scale.to(loss.device) if isinstance(scale, torch.Tensor) else scale)
 
     def zero_grad(self) -> None:
         """Start an iteration: grads to zero, the timeline restarted (its times count from here)."""
@@ -478,8 +482,9 @@ class ShardedDataParallel:
         if self.loss_scaler is not None:
             found = bool(self.loss_scaler.unscale_and_check([b.state["g32"] for b in self.buckets]))
             flag = torch.tensor([float(found)], device=self.device)
-            if self.dp > 1:  # each rank saw only its shard: OR over the group
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            for group in (self.group, self.model_group):  # each rank saw only its shard: OR over dp, then model
+                if group is not None and dist.get_world_size(group) > 1:
+                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             found_inf = bool(flag.item())
         if not found_inf:
             for view, _, b, a, z in self._pieces:
