@@ -1,0 +1,273 @@
+"""Lab 07's checkers: right answers (written differently from the notebook's) pass, every wrong answer in the
+table fails with its own hint, the stub says "not attempted yet". The ZeRO-1 answers run on real ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.checks import lab07
+from course_lib.sizing import model_state_bytes
+
+
+# ------------------------------------------------------------------ (a) ZeRO-1 step: answers
+
+
+def _flat(ts):
+    return torch.cat([t.reshape(-1) for t in ts])
+
+
+def _unflat(flat, like):
+    out, i = [], 0
+    for t in like:
+        out.append(flat[i:i + t.numel()].view_as(t).clone())
+        i += t.numel()
+    return out
+
+
+def zero1_torch_optim(params, grads, dp_group, state):
+    """Right: torch.optim.Adam on a shard, tensor collectives."""
+    d, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    n = sum(p.numel() for p in params)
+    size = -(-n // d)
+    flat_g = torch.nn.functional.pad(_flat(grads), (0, size * d - n))
+    g = torch.empty(size, dtype=flat_g.dtype)
+    dist.reduce_scatter_tensor(g, flat_g, group=dp_group)
+    if "main" not in state:
+        flat_p = torch.nn.functional.pad(_flat(params), (0, size * d - n))
+        state["main"] = torch.nn.Parameter(flat_p[r * size:(r + 1) * size].clone())
+        state["opt"] = torch.optim.Adam([state["main"]], **lab07.ADAM)
+    state["main"].grad = g / d
+    state["opt"].step()
+    full = torch.empty(size * d, dtype=flat_g.dtype)
+    dist.all_gather_into_tensor(full, state["main"].detach(), group=dp_group)
+    return _unflat(full[:n], params)
+
+
+def zero1_by_hand(params, grads, dp_group, state):
+    """Right, differently: list collectives and Adam written out (moments in `state`)."""
+    d, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    lr, (b1, b2), eps = lab07.ADAM["lr"], lab07.ADAM["betas"], lab07.ADAM["eps"]
+    flat = _flat(grads)
+    n = flat.numel()
+    chunk = (n + d - 1) // d
+    buf = torch.zeros(chunk * d, dtype=flat.dtype)
+    buf[:n] = flat
+    mine = torch.zeros(chunk, dtype=flat.dtype)
+    dist.reduce_scatter(mine, list(buf.split(chunk)), group=dp_group)
+    mine /= d
+    if not state:
+        p = torch.zeros(chunk * d, dtype=flat.dtype)
+        p[:n] = _flat(params)
+        state.update(p=p[r * chunk:(r + 1) * chunk].clone(), m=torch.zeros(chunk, dtype=flat.dtype),
+                     v=torch.zeros(chunk, dtype=flat.dtype), t=0)
+    state["t"] += 1
+    state["m"].mul_(b1).add_(mine, alpha=1 - b1)
+    state["v"].mul_(b2).addcmul_(mine, mine, value=1 - b2)
+    denom = (state["v"] / (1 - b2 ** state["t"])).sqrt() + eps
+    state["p"] -= lr / (1 - b1 ** state["t"]) * state["m"] / denom
+    parts = [torch.empty(chunk, dtype=flat.dtype) for _ in range(d)]
+    dist.all_gather(parts, state["p"], group=dp_group)
+    return _unflat(torch.cat(parts)[:n], params)
+
+
+def zero1_ddp(params, grads, dp_group, state):
+    flat = _flat(grads)
+    dist.all_reduce(flat, group=dp_group)
+    if "p" not in state:
+        state["p"] = torch.nn.Parameter(_flat(params).clone())
+        state["opt"] = torch.optim.Adam([state["p"]], **lab07.ADAM)
+    state["p"].grad = flat / dist.get_world_size(dp_group)
+    state["opt"].step()
+    return _unflat(state["p"].detach(), params)
+
+
+def zero1_summed(params, grads, dp_group, state):
+    return zero1_torch_optim(params, [g * dist.get_world_size(dp_group) for g in grads], dp_group, state)
+
+
+def zero1_fresh_state(params, grads, dp_group, state):
+    return zero1_torch_optim(params, grads, dp_group, {})
+
+
+def zero1_no_padding(params, grads, dp_group, state):
+    d = dist.get_world_size(dp_group)
+    flat = _flat(grads)
+    g = torch.empty(flat.numel() // d, dtype=flat.dtype)
+    dist.reduce_scatter_tensor(g, flat, group=dp_group)
+    return params
+
+
+def zero1_full_state(params, grads, dp_group, state):
+    """Right numbers and right ops, but Adam over every parameter on every rank."""
+    d = dist.get_world_size(dp_group)
+    n = sum(p.numel() for p in params)
+    size = -(-n // d)
+    flat_g = torch.nn.functional.pad(_flat(grads), (0, size * d - n))
+    g = torch.empty(size, dtype=flat_g.dtype)
+    dist.reduce_scatter_tensor(g, flat_g, group=dp_group)
+    full_g = torch.empty(size * d, dtype=flat_g.dtype)
+    dist.all_gather_into_tensor(full_g, g / d, group=dp_group)
+    if "p" not in state:
+        state["p"] = torch.nn.Parameter(_flat(params).clone())
+        state["opt"] = torch.optim.Adam([state["p"]], **lab07.ADAM)
+    state["p"].grad = full_g[:n]
+    state["opt"].step()
+    return _unflat(state["p"].detach(), params)
+
+
+def zero1_flat(params, grads, dp_group, state):
+    return _flat(zero1_torch_optim(params, grads, dp_group, state))
+
+
+def zero1_todo(params, grads, dp_group, state):
+    raise NotImplementedError
+
+
+def test_zero1_right_answers_pass(capsys):
+    assert lab07.check_zero1_step(zero1_torch_optim, world_sizes=(2, 4))
+    assert lab07.check_zero1_step(zero1_by_hand, world_sizes=(4,))
+    out = capsys.readouterr().out
+    assert out.count("✓") == 2 and "15 (d=2)" in out and "24 (d=4)" in out
+
+
+WRONG_ZERO1 = [
+    (zero1_ddp, "plain data parallelism"),
+    (zero1_summed, "*sum*"),
+    (zero1_fresh_state, "forgot the first one's Adam moments"),
+    (zero1_no_padding, "pad the flat buffers with zeros to 30"),
+    (zero1_full_state, "your `state` holds"),
+    (zero1_flat, "you returned the flat buffer"),
+    (zero1_todo, "not attempted yet: write zero1_step"),
+]
+
+
+@pytest.mark.parametrize("fn, hint", WRONG_ZERO1, ids=[f.__name__ for f, _ in WRONG_ZERO1])
+def test_zero1_wrong_answers_get_their_hint(capsys, fn, hint):
+    assert not lab07.check_zero1_step(fn, world_sizes=(2,))
+    out = capsys.readouterr().out
+    assert hint in out and "✓" not in out
+
+
+def test_padded():
+    assert [lab07.padded(29, d) for d in (1, 2, 3, 4)] == [29, 30, 30, 32] and lab07.NUMEL == 29
+
+
+# ------------------------------------------------------------------ (b) bytes per rank
+
+
+def bytes_right(num_params, dp, stage):
+    weights = 2 * num_params / (dp if stage == 3 else 1)
+    grads = 2 * num_params / (dp if stage >= 2 else 1)
+    return weights + grads + 12 * num_params / (dp if stage >= 1 else 1)
+
+
+def bytes_right_numpy(num_params, dp, stage):
+    import numpy as np
+    per = np.array([2.0, 2.0, 12.0])
+    div = np.array([dp if stage >= 3 else 1, dp if stage >= 2 else 1, dp if stage >= 1 else 1])
+    return np.float64(num_params) * (per / div).sum()
+
+
+def test_zero_bytes_right_answers_and_zero_figure_1(capsys):
+    assert lab07.check_zero_bytes(bytes_right) and lab07.check_zero_bytes(bytes_right_numpy)
+    # ZeRO Figure 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB (computed independently here)
+    assert [round(bytes_right(7.5e9, 64, s) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+WRONG_BYTES = [
+    (lambda n, dp, s: bytes_right(n, dp, min(s + 1, 3)), "stage"),
+    (lambda n, dp, s: bytes_right(n, dp, s) + 2 * n / (dp if s >= 1 else 1), "Megatron's optimizer bytes"),
+    (lambda n, dp, s: bytes_right(n, dp, s) / 1e9, "return bytes, not GB"),
+    (lambda n, dp, s: 16 * n / dp, "stage 3's count"),
+    (lambda n, dp, s: 16 * n, "stage 0's count"),
+    (lambda n, dp, s: 17 * n, "(2 + 2 + K) bytes per parameter"),
+    (lambda n, dp, s: bytes_right(n, dp, s) * dp, "whole data-parallel group"),
+    (lambda n, dp, s: (_ for _ in ()).throw(NotImplementedError), "not attempted yet"),
+    (lambda n, dp, s: "120 GB", "return a number, not its text"),
+]
+
+
+@pytest.mark.parametrize("fn, hint", WRONG_BYTES)
+def test_zero_bytes_wrong_answers(capsys, fn, hint):
+    assert not lab07.check_zero_bytes(fn)
+    out = capsys.readouterr().out
+    assert hint in out, out
+
+
+def test_bytes_hints_name_the_mistake():
+    n, dp = 1e6, 8
+    assert "stage 1's count" in lab07._bytes_hint(model_state_bytes(n, dp, 1).total, n, dp, 2)
+    assert "whole data-parallel group" in lab07._bytes_hint(model_state_bytes(n, dp, 2).total * dp, n, dp, 2)
+    assert "GiB" in lab07._bytes_hint(model_state_bytes(n, dp, 2).total / 2 ** 30, n, dp, 2)
+
+
+# ------------------------------------------------------------------ (c) what a ds_config shards
+
+
+def shards_right(config):
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    sharded = ["optimizer", "grads", "params"][:stage]
+    off = []
+    if zero.get("cpu_offload") or zero.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"):
+        off.append("optimizer states")
+    if zero.get("offload_param", {}).get("device", "none") != "none":
+        off.append("parameters")
+    return {"sharded": sharded, "offloaded": tuple(off)}
+
+
+def shards_right_sets(config):
+    z = config.get("zero_optimization") or {}
+    stage = int(z.get("stage", 0))
+    table = {0: set(), 1: {"OS"}, 2: {"OS", "G"}, 3: {"OS", "G", "P"}}
+    offloaded = {"Optimizer-States"} if (z.get("offload_optimizer") or {}).get("device") in {"cpu", "nvme"} \
+        or z.get("cpu_offload") is True else set()
+    if (z.get("offload_param") or {}).get("device") in {"cpu", "nvme"}:
+        offloaded.add("weights")
+    return {"sharded": table[stage], "offloaded": offloaded}
+
+
+def test_what_it_shards_right_answers(capsys):
+    assert lab07.check_what_it_shards(shards_right) and lab07.check_what_it_shards(shards_right_sets)
+
+
+def _offloaded_not_sharded(config):
+    ans = shards_right(config)
+    norm = {"optimizer": "optimizer states", "grads": "gradients", "params": "parameters"}
+    return {"sharded": {norm[x] for x in ans["sharded"]} - set(ans["offloaded"]), "offloaded": ans["offloaded"]}
+
+
+def _none_is_offload(config):
+    ans = shards_right(config)
+    if "offload_param" in config.get("zero_optimization", {}):
+        return {"sharded": ans["sharded"], "offloaded": set(ans["offloaded"]) | {"parameters"}}
+    return ans
+
+
+WRONG_SHARDS = [
+    (lambda c: {**shards_right(c), "sharded": ["optimizer", "grads", "params"][:c.get("zero_optimization", {})
+                                                                              .get("stage", 0) + 1]},
+     "shards"),
+    (_offloaded_not_sharded, "offloaded states are still sharded"),
+    (_none_is_offload, "a device of \"none\""),
+    (lambda c: {**shards_right(c), "offloaded": ["optimizer"] if c.get("zero_optimization", {})
+                .get("offload_optimizer", {}).get("device") == "cpu" else []}, "to CPU or NVMe"),
+    (lambda c: {"sharded": "optimizer"}, "the keys 'sharded' and 'offloaded'"),
+    (lambda c: {"sharded": ["adam moments"], "offloaded": []}, "each value is a set"),
+    (lambda c: (_ for _ in ()).throw(NotImplementedError), "not attempted yet"),
+]
+
+
+@pytest.mark.parametrize("fn, hint", WRONG_SHARDS)
+def test_what_it_shards_wrong_answers(capsys, fn, hint):
+    assert not lab07.check_what_it_shards(fn)
+    out = capsys.readouterr().out
+    assert hint in out, out
+
+
+def test_the_truth_table_is_deepspeeds_definition():
+    assert lab07.ds_truth({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}) == {
+        "sharded": {"optimizer states", "gradients", "parameters"}, "offloaded": {"parameters"}}
+    assert lab07.ds_truth({}) == {"sharded": set(), "offloaded": set()}
