@@ -114,7 +114,7 @@ class GPTConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_layer_freq: object = 1
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: str = "allgather"            # Megatron's default (TransformerConfig)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "seq_length", "vocab_size", "make_vocab_size_divisible_by",

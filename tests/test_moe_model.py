@@ -31,7 +31,8 @@ from course_lib.process_groups import new_process_groups
 from course_lib.topology import RankGrid
 
 BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, num_experts=8,
-            moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
+            moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
+            moe_token_dispatcher_type="alltoall")
 MICRO, STEPS, LR = 2, 3, 0.5
 LAYOUTS4 = {  # name: (grid sizes, config changes, misrouted)
     "ep2": (dict(ep=2), dict(moe_layer_freq=2), False),
@@ -279,3 +280,38 @@ def test_all_to_all_bytes_per_moe_layer_are_tokens_times_topk_times_hidden_each_
 def test_the_allgather_dispatcher_sends_no_all_to_all_and_gathers_every_token(runs4):
     for r in runs4:
         assert not r["ep2-allgather"]["events"]
+
+
+def test_trainer_flags_reach_the_model_and_bad_layouts_are_one_line_errors():
+    from course_lib.training.arguments import args_to_argv, gpt_config_from_args, parse_args, validate_args
+
+    argv = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--moe-layer-freq", "([1]+[0])*4", "--moe-aux-loss-coeff", "0.01"]
+    args, _ = validate_args(parse_args(argv), 4, check_memory=False)
+    assert (args.expert_tensor_parallel_size, args.moe_ffn_hidden_size) == (2, args.ffn_hidden_size)
+    config = gpt_config_from_args(args)
+    assert config.moe_layers == [0, 2, 4, 6] and config.moe_token_dispatcher_type == "allgather"  # Megatron's default
+    assert gpt_config_from_args(parse_args(args_to_argv(args))).moe_layers == [0, 2, 4, 6]
+    for argv, world, message in (
+            (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2, "num-experts=3 is not divisible by"),
+            (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs sequence parallelism"),
+            (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
+              "--sequence-parallel"], 4, r"world_size=4 is not divisible by expert-tensor-parallel-size=2 × "),
+            (["--expert-model-parallel-size", "2"], 2, "expert-model-parallel-size=2 needs experts"),
+            (["--num-experts", "4", "--moe-router-topk", "5"], 1, "moe-router-topk=5"),
+            (["--num-experts", "4", "--moe-ffn-hidden-size", "30", "--expert-tensor-parallel-size", "4"], 4,
+             "moe-ffn-hidden-size=30 is not divisible by expert-tensor-parallel-size=4")):
+        with pytest.raises(ValueError, match=message):
+            validate_args(parse_args(argv), world, check_memory=False)
+
+
+def test_moe_layer_freq_follows_megatron():
+    from course_lib.moe.transformer import moe_layer_pattern, parse_moe_layer_freq
+
+    assert moe_layer_pattern(6, 1) == [1] * 6 and moe_layer_pattern(6, 4) == [1, 0, 0, 0, 1, 0]
+    assert parse_moe_layer_freq("([1]*3+[0]*1)*3") == [1, 1, 1, 0] * 3 and parse_moe_layer_freq("2") == 2
+    for bad in ('__import__("os")', "[1]*[2]", "[1]*10**9"):
+        with pytest.raises(ValueError, match="moe-layer-freq="):
+            parse_moe_layer_freq(bad)
+    with pytest.raises(ValueError, match="moe-layer-freq has 3 entries but num-layers=4"):
+        GPTConfig(**{**BASE, "moe_layer_freq": [1, 0, 1]})

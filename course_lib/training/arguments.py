@@ -29,10 +29,13 @@ from typing import Optional, Sequence
 from course_lib import rules
 from course_lib.data import ByteTokenizer, corpus_tokens
 from course_lib.model import GPTConfig
+from course_lib.moe.transformer import parse_moe_layer_freq
 from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
 from course_lib.topology import ParallelConfig
 
 SCHEDULES = ("1f1b", "gpipe")
+MOE_CONFIG_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                    "moe_layer_freq", "moe_token_dispatcher_type")   # GPTConfig fields of the same names
 DESCRIPTION = "Train the tiny GPT under any TP x PP x CP x DP (+SP, +interleaving) layout: Megatron's flags."
 
 
@@ -67,6 +70,17 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
+    g = parser.add_argument_group("mixture of experts (Megatron's _add_moe_args; course_lib.moe)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
+    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+                   help="an int k (layer i is MoE when i %% k == 0) or a 0/1 pattern such as '([1]*3+[0]*1)*2'")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default ffn-hidden-size")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="Switch load-balancing loss; 1e-2 is a start")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="ST-MoE router z-loss; 1e-3 is a start")
+    g.add_argument("--moe-token-dispatcher-type", choices=rules.MOE_DISPATCHERS, default="allgather")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="ranks that split the experts")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None, help="default tensor-model-parallel-size")
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument("--global-batch-size", type=int, default=None, help="default micro * DP")
@@ -154,6 +168,28 @@ def _check_precision(a: argparse.Namespace) -> None:
                          a.hysteresis)
 
 
+def _check_moe(a: argparse.Namespace, world_size: int) -> None:
+    """The MoE flags (Megatron's ``validate_args``): experts divisible by EP, expert TP defaults to TP,
+    the expert grid valid (world divisible by expert_tp·ep·pp, :class:`course_lib.moe.grid.MoEGrid`),
+    SP with TP > 1, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` and splits over expert TP."""
+    from course_lib.moe.grid import MoEGrid
+
+    ep = rules.integer("expert-model-parallel-size", getattr(a, "expert_model_parallel_size", 1))
+    a.expert_model_parallel_size = ep
+    a.num_experts = rules.moe_experts(getattr(a, "num_experts", None), ep)
+    etp = getattr(a, "expert_tensor_parallel_size", None)
+    a.expert_tensor_parallel_size = (a.tensor_model_parallel_size if etp is None
+                                     else rules.integer("expert-tensor-parallel-size", etp))
+    if a.num_experts is None:
+        return
+    rules.moe_sequence_parallel(a.num_experts, a.tensor_model_parallel_size, a.sequence_parallel)
+    MoEGrid(world_size, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
+            cp=a.context_parallel_size, ep=ep, expert_tp=a.expert_tensor_parallel_size)
+    if getattr(a, "moe_ffn_hidden_size", None) is None:
+        a.moe_ffn_hidden_size = a.ffn_hidden_size
+    rules.moe_ffn_divisible_by_expert_tp(a.moe_ffn_hidden_size, a.expert_tensor_parallel_size)
+
+
 def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
                   ranks_on_this_machine: Optional[int] = None) -> tuple[argparse.Namespace, ParallelConfig]:
     """Check a run's flags for ``world_size`` ranks, like Megatron's ``validate_args``: every
@@ -198,6 +234,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     rules.vocab_divisible_by_tp(gpt.padded_vocab_size, tp)
     rules.ffn_divisible_by_tp(gpt.ffn_hidden_size, tp)
     rules.cp_attention_dropout(a.attention_dropout, cp)
+    _check_moe(a, world_size)
     rules.min_lr(a.min_lr, a.lr)
     a.lr_decay_iters = a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
@@ -278,7 +315,8 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
                      vocab_padding_tp=vocab_padding_tp(args),
                      max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
                      hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                     init_method_std=args.init_method_std, seed=args.seed)
+                     init_method_std=args.init_method_std, seed=args.seed,
+                     **{k: getattr(args, k) for k in MOE_CONFIG_FLAGS if hasattr(args, k)})
 
 
 def args_to_argv(args: argparse.Namespace) -> list[str]:
