@@ -23,6 +23,7 @@ import torch
 
 import sharding_cases as C
 from course_lib.comm import summarize
+from course_lib.distributed import overlap_seconds, plot_timeline
 from course_lib.launch import launch
 from course_lib.mixed_precision import ConstantLossScaler
 from course_lib.sizing.comm import dp_comm_per_iteration
@@ -245,3 +246,14 @@ def test_bad_input_is_one_line_naming_the_flag(runs):
     for (kwargs, flag), msg in zip(BAD_INPUTS, messages):
         assert msg is not None and "\n" not in msg and flag in msg, (kwargs, msg)
     assert messages[-1] is not None and "bf16" in messages[-1] and "\n" not in messages[-1]
+
+
+def test_overlap_is_measured_and_drawn(runs):
+    import matplotlib
+    matplotlib.use("Agg")
+    for r in runs:
+        assert overlap_seconds(r["distopt"]["timeline"]) > 0
+        assert overlap_seconds(r["distopt_sync"]["timeline"]) == 0
+    ax = plot_timeline([r["distopt"]["timeline"] for r in runs])
+    assert len(ax.get_yticks()) == 2 * WORLD
+    assert len(ax.patches) == sum(len(r["distopt"]["timeline"]) for r in runs)  # one bar per span

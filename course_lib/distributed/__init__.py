@@ -35,6 +35,9 @@ API (what Lab 07 calls)
     ddp.bytes_per_rank()   # {"params", "grads", "optimizer", ...} bytes measured from the tensors held
     ddp.timeline           # [{"rank", "name", "kind", "start", "end"}] seconds since the step's start
     ddp.comm               # a course_lib.comm.CommRecorder holding every collective this wrapper issued
+    overlap_seconds(ddp.timeline)           # seconds a collective ran under compute (0 without overlap)
+    plot_timeline([tl_rank0, tl_rank1, ...])  # compute and comm lanes per rank (timelines returned by ranks)
+    ddp.full_parameters()  # {name: full tensor} (ZeRO-3: gathered for inspection, tag "inspect")
 
 Gradient averaging follows Megatron: each rank's local mean loss, grads scaled by 1/d and summed over
 the d ranks of the group (= the gradient of the global batch's mean loss, what one process computes).
@@ -52,5 +55,6 @@ model-parallel group when ``wrap`` was given a ProcessGroups, before ``update``;
 """
 
 from course_lib.distributed.engine import STRATEGIES, ShardedDataParallel, wrap  # noqa: F401
+from course_lib.distributed.timeline import overlap_seconds, plot_timeline  # noqa: F401
 
-__all__ = ["wrap", "ShardedDataParallel", "STRATEGIES"]
+__all__ = ["wrap", "ShardedDataParallel", "STRATEGIES", "overlap_seconds", "plot_timeline"]

@@ -5,8 +5,8 @@ and ZeRO-Offload (Ren et al. 2021, "ZeRO-Offload: Democratizing Billion-Scale Mo
 arXiv:2101.06840, §4.1): fp32 main params and Adam's moments stay on the host and the update runs
 there; each step the grad shard goes device -> host and the updated param shard host -> device.
 
-On a GPU run the pool is pinned host memory (``pin_memory=True``, so the copies can be
-asynchronous). On a CPU run "host" and "device" are the same memory, so the pool is a separate,
+On a GPU run the pool is pinned host memory (``pin_memory=True``: page-locked, so the DMA engine
+copies it at full PCIe/NVLink-C2C speed). On a CPU run "host" and "device" are the same memory, so the pool is a separate,
 tracked allocation: the tensors are still distinct, every byte still moves through :meth:`to_host`
 / :meth:`to_device`, and :attr:`allocated` / :attr:`moved` count them.
 """
@@ -34,15 +34,14 @@ class HostPool:
         return t
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst`` (host, from :meth:`empty`) <- ``src`` (device), counted as device -> host."""
-        dst.copy_(src, non_blocking=self.pin)
+        """``dst`` (host, from :meth:`empty`) <- ``src`` (device), counted as device -> host.
+        Blocking: the host update reads ``dst`` right after (overlapping these copies is left out)."""
+        dst.copy_(src)
         self.moved["d2h"] += src.numel() * src.element_size()
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst`` (device) <- ``src`` (host), cast to ``dst``'s dtype, counted in ``dst``'s bytes."""
-        if self.pin:
-            torch.cuda.current_stream().synchronize()  # the host update must be done before the copy reads it
-        dst.copy_(src, non_blocking=self.pin)
+        dst.copy_(src)
         self.moved["h2d"] += dst.numel() * dst.element_size()
 
     def reset_moved(self) -> None:
