@@ -8,6 +8,7 @@ import math
 import os
 import stat
 import tempfile
+import threading
 import time
 
 import pytest
@@ -226,55 +227,109 @@ def test_torchrun_needs_an_importable_function():
         launch(lambda: 0, world_size=2, launcher="torchrun")
 
 
-@pytest.fixture
-def own_tmpdir(tmp_path, monkeypatch):
-    """This test's own temporary folder (for tempfile and $TMPDIR): what a launch leaves there is its own."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setenv("TMPDIR", str(folder))
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
+# ---- torchrun: every launch of this file's torchrun tests runs at once (a module fixture) ------------
+#
+# A torchrun launch costs seconds of start-up, most of it waiting (imports, rendezvous, timeouts), so
+# the six launches below run concurrently, each in a thread of its own, and each test reads its
+# launch's outcome. They share one temporary folder ($TMPDIR and tempfile's), checked empty once
+# every launch has ended: no launch, clean, crashed, dead, hung or stopped by the backstop, leaves a
+# job folder or a torchelastic_* file behind.
+
+def _outcome(fn, **kwargs):
+    """(return value or exception, monotonic time the launch ended)."""
+    try:
+        value = launch(fn, world_size=2, launcher="torchrun", output="none", **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the outcome under test
+        value = exc
+    return value, time.monotonic()
 
 
-def test_torchrun_returns_results_and_reports_crashes_and_leaves_no_file(own_tmpdir):
-    results = launch(rank_sum, world_size=2, launcher="torchrun", output="none", timeout=60)
+def _when_all_started(pid_dir, n, box):
+    """Record (monotonic) when the ``n`` ranks of a launch have written their pid files (fn started)."""
+    while len(list(pid_dir.glob("*.pid"))) < n and "stop" not in box:
+        time.sleep(0.05)
+    box["all_started"] = time.monotonic()
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    folder = tmp_path_factory.mktemp("torchrun")
+    own_tmp = folder / "tmp"
+    own_tmp.mkdir()
+    pid_dirs = {name: folder / name for name in ("gil", "hang")}
+    for d in pid_dirs.values():
+        d.mkdir()
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = str(own_tmp), str(own_tmp)
+    started = {}
+    watcher = threading.Thread(target=_when_all_started, args=(pid_dirs["gil"], 2, started), daemon=True)
+    watcher.start()
+    jobs = {
+        "sum": (rank_sum, dict(timeout=60)),
+        "crash": (rank_crash, dict(timeout=60, bad_rank=1)),
+        "sigsegv": (rank_dies_first, dict(timeout=60, how="sigsegv")),
+        "gil": (rank_holds_the_gil, dict(timeout=2, pid_dir=str(pid_dirs["gil"]), hung_rank=1)),
+        "hang": (rank_hang, dict(timeout=3, pid_dir=str(pid_dirs["hang"]), hung_rank=0)),
+    }
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futures = {name: pool.submit(_outcome, fn, **kw) for name, (fn, kw) in jobs.items()}
+            runs = {name: f.result() for name, f in futures.items()}
+    finally:
+        started["stop"] = True
+        os.environ.pop("TMPDIR", None)
+        if saved[0] is not None:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+    runs["left_in_tmp"] = sorted(p.name for p in own_tmp.iterdir())
+    runs["gil_started_at"] = started.get("all_started")
+    runs["pid_dirs"] = pid_dirs
+    return runs
+
+
+def test_torchrun_returns_results_and_leaves_no_file(torchrun_runs):
+    results, _ = torchrun_runs["sum"]
+    assert not isinstance(results, Exception), results
     assert [r["total"] for r in results] == [3.0, 3.0]
-    assert list(own_tmpdir.iterdir()) == []  # neither the job folder nor torch elastic's torchelastic_*
     assert results.command == "torchrun --standalone --nproc-per-node=2 -m course_lib.torchrun_worker"
-    with pytest.raises(RankError) as info:
-        launch(rank_crash, world_size=2, launcher="torchrun", output="none", timeout=60, bad_rank=1)
-    assert info.value.rank == 1 and "deliberate failure on rank 1" in info.value.traceback
-    assert list(own_tmpdir.iterdir()) == []
+    assert torchrun_runs["left_in_tmp"] == []  # no launch left its job folder or torch elastic's torchelastic_*
 
 
-def test_torchrun_names_the_rank_that_died_not_the_peer_it_broke():
-    with pytest.raises(RankError) as info:
-        launch(rank_dies_first, world_size=2, launcher="torchrun", output="none", timeout=60, how="sigsegv")
-    err = info.value
+def test_torchrun_reports_crashes_with_the_traceback(torchrun_runs):
+    err, _ = torchrun_runs["crash"]
+    assert isinstance(err, RankError), err
+    assert err.rank == 1 and "deliberate failure on rank 1" in err.traceback
+
+
+def test_torchrun_names_the_rank_that_died_not_the_peer_it_broke(torchrun_runs):
+    err, _ = torchrun_runs["sigsegv"]
+    assert isinstance(err, RankError), err
     assert err.rank == 1 and err.exc_type == "ProcessDied"
     assert str(err).startswith("rank 1 was killed by signal SIGSEGV"), str(err)
 
 
-def test_torchrun_backstop_stops_a_rank_whose_watchdog_cannot_run(tmp_path):
-    start = time.monotonic()
-    with pytest.raises(LaunchTimeout) as info:
-        launch(rank_holds_the_gil, world_size=2, launcher="torchrun", timeout=2, output="none",
-               pid_dir=str(tmp_path), hung_rank=1)
-    assert info.value.unfinished == [1]
-    assert "torchrun and all its rank processes were stopped" in str(info.value)
-    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+def test_torchrun_backstop_stops_a_rank_whose_watchdog_cannot_run(torchrun_runs):
+    err, ended = torchrun_runs["gil"]
+    assert isinstance(err, LaunchTimeout), err
+    assert err.unfinished == [1]
+    assert "torchrun and all its rank processes were stopped" in str(err)
+    pids = [int(p.read_text()) for p in torchrun_runs["pid_dirs"]["gil"].glob("*.pid")]
     assert len(pids) == 2 and _all_gone(pids)
-    assert time.monotonic() - start < 50  # not timeout + 60 s
+    # stopped at timeout (2 s) + the watchdogs' grace (3 s) after both ranks started fn, not after the
+    # 60 s allowed for start-up (timed from the start of fn: the launches start up concurrently)
+    started = torchrun_runs["gil_started_at"]
+    assert started is not None and ended - started < 2 + 3 + 10, ended - started
 
 
-def test_torchrun_hang_raises_at_timeout(tmp_path, own_tmpdir):
-    with pytest.raises(LaunchTimeout) as info:
-        launch(rank_hang, world_size=2, launcher="torchrun", timeout=3, output="none",
-               pid_dir=str(tmp_path), hung_rank=0)
-    assert info.value.unfinished == [0] and "torchrun and all its rank processes were stopped" in str(info.value)
-    pids = [int(p.read_text()) for p in tmp_path.glob("*.pid")]
+def test_torchrun_hang_raises_at_timeout(torchrun_runs):
+    err, _ = torchrun_runs["hang"]
+    assert isinstance(err, LaunchTimeout), err
+    assert err.unfinished == [0] and "torchrun and all its rank processes were stopped" in str(err)
+    pids = [int(p.read_text()) for p in torchrun_runs["pid_dirs"]["hang"].glob("*.pid")]
     assert len(pids) == 2 and _all_gone(pids)
-    assert list(own_tmpdir.iterdir()) == []  # stopped, torchrun's files are gone too
+    assert torchrun_runs["left_in_tmp"] == []  # stopped, torchrun's files are gone too
 
 
 CELL = """

@@ -1,7 +1,8 @@
 """No rank outlives its launch, however the launching process ends.
 
 Each case starts a stand-in kernel (tests/fixtures/launch_kernel.py) whose 2
-ranks record their pids and sleep, then kills it (SIGKILL: a killed kernel),
+ranks (per launch: the SIGKILL case runs a fork, a torchrun and a ``train`` launch in one kernel)
+record their pids and sleep, then kills it (SIGKILL: a killed kernel),
 interrupts it (SIGINT: Ctrl-C or a Jupyter interrupt), terminates it (SIGTERM)
 or makes it raise (SIGUSR1), and checks that every process it started -- ranks,
 torchrun, its helpers: the kernel's own process tree, read from /proc, never
@@ -25,13 +26,13 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads proces
 
 # (kernel kind, signal, processes in its tree besides itself, what it must say on its way out)
 CASES = [
-    ("fork", signal.SIGKILL, 2, None),
+    # one SIGKILLed kernel running three launches at once: a fork launch (2 ranks), a torchrun
+    # launch and `python -m course_lib train` (torchrun and its 2 ranks each, at least)
+    ("fork+torchrun+train", signal.SIGKILL, 2 + 3 + 3, None),
     ("fork", signal.SIGINT, 2, "KeyboardInterrupt: interrupted: all 2 rank processes were stopped"),
     ("fork", signal.SIGUSR1, 2, "RuntimeError: an error in the launching process"),
     ("fork-polling", signal.SIGKILL, 2, None),  # where there is no parent-death signal (macOS)
-    ("torchrun", signal.SIGKILL, 3, None),    # torchrun and its 2 ranks (at least)
     ("cell", signal.SIGINT, 3, "KeyboardInterrupt: interrupted: torchrun and all its rank processes were stopped"),
-    ("train", signal.SIGKILL, 3, None),
     ("train", signal.SIGTERM, 3, "terminated: torchrun and all its rank processes were stopped"),
 ]
 START_TIMEOUT_S = 240   # every kernel starts at once on a 2-core machine
@@ -80,11 +81,11 @@ class Kernel:
                  kind, str(self.pid_dir)], stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def rank_pids(self):
-        return [int(p.read_text()) for p in sorted(self.pid_dir.glob("rank*.pid"))]
+        return [int(p.read_text()) for p in sorted(self.pid_dir.glob("**/rank*.pid"))]
 
     def wait_for_ranks(self):
         deadline = time.monotonic() + START_TIMEOUT_S
-        while len(self.rank_pids()) < 2:
+        while len(self.rank_pids()) < 2 * len(self.kind.split("+")):
             assert self.proc.poll() is None, f"the {self.kind} kernel ended early:\n{self.log.read_text()}"
             assert time.monotonic() < deadline, f"the {self.kind} kernel's ranks never started"
             time.sleep(0.2)
