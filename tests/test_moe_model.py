@@ -104,7 +104,10 @@ def _run_layouts(layouts):
         replica = groups.coords["dp"]
         wrong = [w for w, real in (("skipped", grid.expert_dp > 1),
                                    ("over_dense_dp", grid.expert_groups("dp") != grid.moe.dense_groups("dp-cp"))) if real]
-        res = dict(coords=groups.coords, wrong=wrong, tp_rank=groups.coords["tp"], post=chunks[0].post_process,
+        held = {id(p): p for p in chunks[0].parameters()}.values()
+        numel = {"expert": sum(p.numel() for p in held if hasattr(p, "expert_partition_dim"))}
+        numel["dense"] = sum(p.numel() for p in held) - numel["expert"]
+        res = dict(numel=numel, coords=groups.coords, wrong=wrong, tp_rank=groups.coords["tp"], post=chunks[0].post_process,
                    pre=chunks[0].pre_process, losses=[], local_experts=[m.local_expert_indices for m in moe_modules(chunks)])
         for step in range(1 if misrouted else STEPS):
             tokens, labels = batch(replica, step)
@@ -315,3 +318,21 @@ def test_moe_layer_freq_follows_megatron():
             parse_moe_layer_freq(bad)
     with pytest.raises(ValueError, match="moe-layer-freq has 3 entries but num-layers=4"):
         GPTConfig(**{**BASE, "moe_layer_freq": [1, 0, 1]})
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep4", "tp2-ep2-sp"])
+def test_parameters_each_rank_holds_equal_the_sizing_formula(runs4, name):
+    """course_lib.sizing.moe's per-rank counts (dense split over TP, experts over expert TP × EP) equal
+    what the ranks' modules hold (pp = 1: exact)."""
+    from course_lib.sizing.moe import moe_bytes_per_rank, moe_parameter_counts
+
+    sizes, changes, _ = LAYOUTS4[name]
+    c = config_of(changes)
+    counts = moe_parameter_counts(num_layers=c.num_layers, hidden_size=c.hidden_size,
+                                  num_attention_heads=c.num_attention_heads, vocab_size=c.padded_vocab_size,
+                                  num_experts=c.num_experts, moe_router_topk=c.moe_router_topk,
+                                  moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_layer_freq=c.moe_layer_freq,
+                                  max_position_embeddings=c.max_position_embeddings)
+    want = moe_bytes_per_rank(counts, world_size=4, **sizes)
+    for r in runs4:
+        assert r[name]["numel"] == {"expert": want["expert_params"], "dense": want["dense_params"]}

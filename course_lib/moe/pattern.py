@@ -1,0 +1,67 @@
+"""Which layers are MoE: Megatron's ``--moe-layer-freq`` (pure Python, no torch).
+
+Used by the model (:mod:`course_lib.moe.transformer`), the trainer's flags and the sizing
+calculators (:mod:`course_lib.sizing.moe`).
+"""
+
+from __future__ import annotations
+
+from course_lib import rules
+
+__all__ = ["moe_layer_pattern", "parse_moe_layer_freq"]
+
+
+def moe_layer_pattern(num_layers: int, moe_layer_freq=1) -> list[int]:
+    """Megatron's ``--moe-layer-freq``: 1 for an MoE layer, 0 for a dense one, per layer (0-based).
+
+    An int ``k``: layer ``i`` is MoE when ``i % k == 0`` (``k = 1``: every layer); a list: the pattern
+    itself, one entry per layer (``megatron/core/models/gpt/gpt_layer_specs.py``,
+    ``get_gpt_decoder_block_spec``). ``moe_layer_pattern(4, 2) == [1, 0, 1, 0]``."""
+    num_layers = rules.integer("num-layers", num_layers)
+    if isinstance(moe_layer_freq, bool):
+        raise ValueError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer")
+    if isinstance(moe_layer_freq, int):
+        k = rules.integer("moe-layer-freq", moe_layer_freq)
+        return [1 if i % k == 0 else 0 for i in range(num_layers)]
+    pattern = list(moe_layer_freq) if isinstance(moe_layer_freq, (list, tuple)) else None
+    if pattern is None or any(v not in (0, 1) or isinstance(v, bool) for v in pattern):
+        raise ValueError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer, "
+                         f"e.g. [1, 0, 1, 0]")
+    if len(pattern) != num_layers:
+        raise ValueError(f"moe-layer-freq has {len(pattern)} entries but num-layers={num_layers}: give one 0/1 "
+                         f"per layer")
+    return pattern
+
+
+def parse_moe_layer_freq(text):
+    """``--moe-layer-freq`` from the command line: ``"2"`` -> 2, ``"([1]*3+[0]*1)*2"`` -> a 0/1 list.
+
+    Megatron's ``moe_freq_type`` evaluates the string as Python; here only list displays of integers,
+    ``+`` and ``*`` by an integer are accepted (nothing else is run)."""
+    import ast
+
+    if isinstance(text, (int, list, tuple)):
+        return text
+    source = str(text).strip()
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) == isinstance(right, list):
+                return left + right
+            if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                items, times = (left, right) if isinstance(left, list) else (right, left)
+                if 0 <= times and len(items) * times <= 1_000_000:   # a layer pattern, not a memory bomb
+                    return items * times
+        raise ValueError(f"moe-layer-freq={source!r} must be an integer or a list pattern such as "
+                         f"'([1]*3+[0]*1)*2' (lists of 0/1, + and * only)")
+
+    try:
+        tree = ast.parse(source, mode="eval").body
+    except SyntaxError:
+        tree = None
+    return value(tree) if tree is not None else value(ast.Constant(None))
