@@ -33,9 +33,9 @@ CASES = [  # name, pp, m, vp, layers_per_stage (None: even), p2p (None: the chec
 ]
 WORLD = 4
 # The pipelines each case runs on, in a world of 4 ranks (Megatron's order, pp slowest): pp 4 is
-# the whole world, pp 2 two pipelines [0, 2] and [1, 3] (explicit groups inside a bigger world),
-# pp 1 four one-rank pipelines, pp 3 the ranks [0, 1, 2] (rank 3 sits that case out).
-PIPELINES = {4: [[0, 1, 2, 3]], 3: [[0, 1, 2]], 2: [[0, 2], [1, 3]], 1: [[0], [1], [2], [3]]}
+# the whole world, pp 2 two pipelines [0, 2] and [1, 3] at once (explicit groups inside a bigger
+# world), pp 3 the ranks [0, 1, 2], pp 1 rank 0; the other ranks sit a case out.
+PIPELINES = {4: [[0, 1, 2, 3]], 3: [[0, 1, 2]], 2: [[0, 2], [1, 3]], 1: [[0]]}
 
 
 def _config(pp, vp, layers):
