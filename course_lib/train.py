@@ -130,6 +130,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_megatron_arguments(parser)
     parser.add_argument("--nproc-per-node", type=int, default=1,
                         help="ranks to start on this machine (torchrun's flag)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes (torchrun's --nnodes): world = nodes x nproc-per-node; > 1 needs --print-launch")
+    parser.add_argument("--print-launch", action="store_true",
+                        help="print the multi-node launch (torchrun c10d/static, Slurm sbatch) instead of running")
     return parser
 
 
@@ -483,6 +487,16 @@ def run(args: argparse.Namespace) -> int:
     ranks (a one-line error when it is wrong), print the torchrun command, run it. Ctrl-C, SIGTERM
     or this process's death stop torchrun and every rank (:func:`course_lib.launch.run_torchrun`)."""
     n = rules.integer("nproc_per_node", args.nproc_per_node)
+    nodes = rules.integer("nodes", getattr(args, "nodes", 1))
+    if nodes > 1 or getattr(args, "print_launch", False):
+        from course_lib.megatron.cluster import environment, launch_text
+
+        validate_args(args, nodes * n)
+        if not args.print_launch:
+            raise ValueError(f"nodes={nodes} runs on other machines: add --print-launch for their commands")
+        print(launch_text(["-m", "course_lib.train", *args_to_argv(args)], nodes, n, env=environment(gpus=False),
+                          job_name="course-train", gpus=False))
+        return 0
     validate_args(args, n)
     cmd = torchrun_argv(args, n)
     print("$ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)

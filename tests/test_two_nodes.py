@@ -48,3 +48,35 @@ def test_two_torchrun_nodes_train_the_single_process_model(rendezvous, expected)
     assert "[Rank 1]" in first[0].output and "[Rank 1]" not in last[0].output    # TP group [0, 1] in one node
     if rendezvous == "static":
         assert first[0] is nodes[0]                 # --node-rank 0 holds global ranks 0 and 1
+
+
+def test_train_print_launch_is_the_launch_run_here(capsys):
+    """``python -m course_lib train ... --nodes 2 --print-launch`` prints the torchrun lines this file runs."""
+    import argparse
+    import re
+    import shlex
+
+    from torch.distributed.run import get_args_parser
+
+    from course_lib.train import add_arguments, run
+
+    parser = add_arguments(argparse.ArgumentParser())
+    assert run(parser.parse_args(BASE + LAYOUT + ["--nodes", "2", "--nproc-per-node", "2", "--print-launch"])) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# 2 nodes x 2 processes = world 4")
+    assert "export OMP_NUM_THREADS=1" in out and "#SBATCH --nodes=2" in out and "srun --ntasks-per-node=1" in out
+    blocks = [b[b.index("torchrun"):] for b in out.split("\n\n") if "\ntorchrun \\" in b]
+    env = {"MASTER_ADDR": "n0", "MASTER_PORT": "1234", "JOB_ID": "j", "NODE_RANK": "1"}
+    parsed = [get_args_parser().parse_args(shlex.split(re.sub(r"\$(\w+)", lambda m: env[m.group(1)],
+                                                                b.replace("\\\n", " ")))[1:]) for b in blocks]
+    c10d, static = parsed
+    assert (c10d.nnodes, c10d.nproc_per_node, c10d.rdzv_backend, c10d.rdzv_endpoint) == ("2", "2", "c10d", "n0:1234")
+    assert (static.nnodes, static.node_rank, static.master_addr, static.master_port) == ("2", 1, "n0", 1234)
+    for a in parsed:
+        assert a.module and a.training_script == "course_lib.train"
+        assert parse_args(a.training_script_args) == parse_args(BASE + LAYOUT)
+    with pytest.raises(ValueError, match="nodes=2 runs on other machines: add --print-launch"):
+        run(parser.parse_args(BASE + LAYOUT + ["--nodes", "2", "--nproc-per-node", "2"]))
+    with pytest.raises(ValueError, match="world_size=4 is not divisible by tensor-model-parallel-size=8"):
+        run(parser.parse_args(BASE + ["--tensor-model-parallel-size", "8", "--nodes", "2", "--nproc-per-node", "2",
+                                      "--print-launch"]))
