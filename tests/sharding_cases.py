@@ -10,6 +10,8 @@ test).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -87,15 +89,22 @@ def loss_fn(out, y):
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
-def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: str = "adam") -> tuple[list, dict]:
-    """One process, the whole batch: losses per iteration and the final params (fp32 master values).
+class Reference(NamedTuple):
+    losses: list       # per iteration
+    params: dict       # final fp32 master values
+    grad_norms: list   # per iteration, before clipping
+
+
+def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: str = "adam",
+              clip_grad: float = 0.0) -> Reference:
+    """One process, the whole batch, the course's optimizer and clipping written out here.
     ``factory()``: the model (default: :func:`make_model` in ``dtype``); ``optimizer``: "adam" or "sgd"."""
-    from course_lib.optimizer import Optimizer
+    from course_lib.optimizer import Optimizer, clip_grads
     model = factory() if factory is not None else make_model(dtype)
     named = list(model.named_parameters())
     master = [(n, p.detach().float().clone()) for n, p in named]
     opt = Optimizer(master, optimizer)
-    losses = []
+    losses, norms = [], []
     for it in range(iters):
         x, y = batch(it, dtype)
         for p in model.parameters():
@@ -104,16 +113,18 @@ def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: 
         loss.backward()
         for (_, m), (_, p) in zip(master, named):
             m.grad = p.grad.float()
+        norms.append(float(torch.sqrt(sum(m.grad.double().square().sum() for _, m in master))))
+        clip_grads([m for _, m in master], norms[-1], clip_grad)
         opt.step(LR)
         with torch.no_grad():
             for (_, m), (_, p) in zip(master, named):
                 p.copy_(m)
         losses.append(loss.item())
-    return losses, {n: m for n, m in master}
+    return Reference(losses, {n: m for n, m in master}, norms)
 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
-        break_with=None, tp_group=None, **kwargs) -> dict:
+        break_with=None, tp_group=None, clip_grad: float = 0.0, **kwargs) -> dict:
     """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
     each global batch. Returns the local losses, the final full params, bytes per rank, the
     collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper;
@@ -124,7 +135,7 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
     if break_with is not None:
         break_with(ddp)
     rows = GLOBAL_BATCH // dp
-    losses = []
+    losses, norms = [], []
     for it in range(iters):
         x, y = batch(it, dtype)
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
@@ -132,13 +143,14 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
         ddp.comm.clear()
         loss = loss_fn(ddp(x), y)
         ddp.scale_loss(loss).backward()
-        result = ddp.step(LR)
+        result = ddp.step(LR, clip_grad=clip_grad)
         losses.append(loss.item())
+        norms.append(result["grad_norm"])
     params = ddp.full_parameters()
     if tp_group is not None:  # this rank holds TP shards: the whole tensors from the TP group
         from course_lib.tensor_parallel import gather_full_params
         params = gather_full_params(model, tp_group)
-    return dict(losses=losses, params=params, bytes=ddp.bytes_per_rank(),
+    return dict(losses=losses, grad_norms=norms, params=params, bytes=ddp.bytes_per_rank(),
                 events=[e for e in ddp.comm.events if e.tag in ("grads", "params")],
                 timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
 

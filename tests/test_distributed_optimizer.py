@@ -30,6 +30,7 @@ from course_lib.sizing.comm import dp_comm_per_iteration
 from course_lib.sizing.memory import megatron_optimizer_bytes_per_param
 
 WORLD = 4
+CLIP = 0.3  # below every iteration's grad norm, so clipping acts
 
 
 class ConstantScaler:
@@ -87,6 +88,9 @@ def _bad_inputs(group) -> list:
 def _run_on_ranks():
     import torch.distributed as dist
     from helpers import rank_groups
+
+    from course_lib.process_groups import new_process_groups
+    from course_lib.topology import RankGrid
     dp4 = rank_groups("dp")["dp"]
     r = dist.get_rank(dp4)
     common = dict(bucket_size=600)
@@ -94,6 +98,7 @@ def _run_on_ranks():
         "ddp": dict(strategy="no_shard", overlap_grad_reduce=True, **common),
         "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
         "distopt_sync": dict(strategy="optim", **common),
+        "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, **common),  # SGD: Adam hides a scale
         "scaled": dict(strategy="optim", loss_scaler=ConstantScaler(), **common),
         # SGD, not Adam: Adam would not notice grads left scaled by 4096 (m / sqrt(v) cancels it)
         "scaled_course": dict(strategy="optim", optimizer="sgd", loss_scaler=ConstantLossScaler(2.0 ** 12), **common),
@@ -109,8 +114,9 @@ def _run_on_ranks():
     out["overflow"] = C.run(dp4, r, WORLD, iters=1, strategy="optim", loss_scaler=scaler, **common)
     out["overflow"]["updates"] = scaler.updates
     out["errors"] = _bad_inputs(dp4)
-    g = rank_groups("tp", "dp", tp=2)
-    out["tp2dp2"] = C.run(g["dp"], dist.get_rank(g["dp"]), 2, model=C.make_tp_model(g["tp"]), tp_group=g["tp"],
+    # TP2 x DP2 with the course's ProcessGroups: grads over dp_cp, the grad norm over dp_cp then tp-pp
+    pg = new_process_groups(RankGrid(WORLD, tp=2), timeout=60)
+    out["tp2dp2"] = C.run(pg, dist.get_rank(pg.dp_cp), 2, model=C.make_tp_model(pg.tp), tp_group=pg.tp,
                           strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=300)
     dist.barrier()
     return out
@@ -124,7 +130,7 @@ def runs():
 @pytest.fixture(scope="module")
 def refs():
     return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16), "dense3": C.reference(factory=C.make_dense3),
-            "fp32_sgd": C.reference(optimizer="sgd")}
+            "fp32_sgd": C.reference(optimizer="sgd"), "fp32_clip": C.reference(optimizer="sgd", clip_grad=CLIP)}
 
 
 def _losses_close(runs, name, ref_losses, rtol):
@@ -135,19 +141,28 @@ def _losses_close(runs, name, ref_losses, rtol):
 
 
 @pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"),
-                                      ("scaled", "fp32"), ("scaled_course", "fp32_sgd"), ("tp2dp2", "dense3")])
+                                      ("scaled", "fp32"), ("scaled_course", "fp32_sgd"), ("tp2dp2", "dense3"),
+                                      ("clipped", "fp32_clip")])
 def test_fp32_modes_equal_one_process(runs, refs, name, ref):
-    ref_losses, ref_params = refs[ref]
+    ref_losses, ref_params, ref_norms = refs[ref]
     _losses_close(runs, name, ref_losses, 1e-4)
-    for r in runs:  # every rank ends with the single-process params
+    for r in runs:  # every rank sees the whole model's grad norm and ends with the single-process params
+        assert max(C.rel(a, b) for a, b in zip(r[name]["grad_norms"], ref_norms)) < 1e-5
         assert r[name]["params"].keys() == ref_params.keys()
         for n, p in ref_params.items():
             torch.testing.assert_close(r[name]["params"][n], p, rtol=1e-5, atol=1e-6)
 
 
+def test_clipping_acts(refs):
+    """The clipped reference is not the unclipped one: the 'clipped' row above can fail."""
+    assert min(refs["fp32_sgd"].grad_norms) > CLIP
+    clip, plain = refs["fp32_clip"].params, refs["fp32_sgd"].params
+    assert max((clip[n] - plain[n]).abs().max().item() for n in plain) > 1e-3
+
+
 @pytest.mark.parametrize("name", ["bf16", "bf16_ddp", "bf16_grads16"])
 def test_bf16_modes_equal_one_process_bf16(runs, refs, name):
-    ref_losses, ref_params = refs["bf16"]
+    ref_losses, ref_params, _ = refs["bf16"]
     _losses_close(runs, name, ref_losses, 1e-3)
     # bf16 params: 16-bit compute rounds differently on a quarter of the batch, and Adam turns a
     # near-zero grad's rounding into a step of up to lr; so: 99% of the elements within 2 bf16 ulps,
@@ -217,7 +232,7 @@ def test_overlap_grad_reduce_starts_in_backward(runs):
 
 
 def test_breaking_a_piece_moves_the_loss(runs, refs):
-    ref_losses, _ = refs["fp32"]
+    ref_losses = refs["fp32"].losses
     for name in ("broken_gather", "broken_reduce"):
         got = C.global_losses([r[name] for r in runs])
         assert C.rel(got[0], ref_losses[0]) < 1e-6  # the first forward is before any update

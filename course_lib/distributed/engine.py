@@ -37,7 +37,8 @@ import torch.distributed as dist
 from course_lib.comm import CommRecorder, _all_gather_tensor, _reduce_scatter_tensor, record_event
 from course_lib.distributed.buffer import size_buckets, unit_buckets
 from course_lib.distributed.offload import HostPool
-from course_lib.optimizer import Optimizer, _no_weight_decay
+from course_lib.optimizer import Optimizer, _no_weight_decay, clip_grads
+from course_lib.tensor_parallel.sharding import is_tensor_parallel
 
 __all__ = ["STRATEGIES", "ShardedDataParallel", "wrap"]
 
@@ -115,7 +116,9 @@ class ShardedDataParallel:
             raise ValueError(f"strategy={strategy!r} (--data-parallel-sharding-strategy) is unknown: use one of "
                              f"{', '.join(STRATEGIES)}")
         self.module, self.group, self.strategy = module, _dp_group(dp_group), strategy
-        self.model_group = getattr(dp_group, "model", None)  # a ProcessGroups: found_inf is OR-ed over TP x PP too
+        self.model_group = getattr(dp_group, "model", None)  # a ProcessGroups: found_inf, grad norm over TP x PP too
+        tp_group = getattr(dp_group, "tp", None)
+        self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self.dp, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.rank = dist.get_rank()
         self.gradient_scaling_factor = 1.0 / self.dp  # Megatron's: grads scaled by 1/d, then summed
@@ -207,7 +210,7 @@ class ShardedDataParallel:
 
     def _init_optimizer(self, kind, weight_decay, cpu_offload, kwargs) -> None:
         self.pool = HostPool(self.device) if cpu_offload else None
-        self._pieces = []
+        self._pieces = []  # (fp32 main view, weight decay, bucket, start, end in the shard, counted in the norm)
         for b in self.buckets:
             st = b.state
             lo, hi = st["lo"], st["hi"]
@@ -225,7 +228,9 @@ class ShardedDataParallel:
             pieces = (b.pieces(self.dp_rank) if self.shard_optim else [(pr, pr.start, pr.end) for pr in b.params])
             for pr, plo, phi in pieces:
                 wd = weight_decay if self._decay[id(pr.param)] else 0.0
-                self._pieces.append((st["main"][plo - lo:phi - lo], wd, b, plo - lo, phi - lo))
+                # the grad norm counts a param once: TP shards everywhere, TP-replicated ones on TP rank 0
+                counted = self._tp_rank == 0 or is_tensor_parallel(pr.param)
+                self._pieces.append((st["main"][plo - lo:phi - lo], wd, b, plo - lo, phi - lo, counted))
         self.optimizer = Optimizer([], kind, weight_decay=weight_decay, **kwargs)
         self.optimizer.params = [(view, wd) for view, wd, *_ in self._pieces]
 
@@ -462,10 +467,27 @@ class ShardedDataParallel:
                 pr.param.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float) -> dict:
+    def grad_norm(self) -> float:
+        """L2 norm of the whole model's (unscaled, reduced) grad, from this rank's shards: squares
+        summed over the shard, then over the dp group (sharded strategies) and the model group
+        (Megatron's ``get_grad_norm_fp32`` over the distributed optimizer's grad-stats group). Only
+        valid inside :meth:`step` (it reads the fp32 main grads)."""
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for _, _, b, a, z, counted in self._pieces:
+            if counted:
+                sq += b.state["g32"][a:z].double().square().sum().to(self.device)
+        groups = ([self.group] if self.shard_optim else []) + [self.model_group]
+        for group in groups:
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        return float(sq.sqrt())
+
+    def step(self, lr: float, clip_grad: float = 0.0) -> dict:
         """Finish the grad reduction, update this rank's shard (fp32), all-gather the params.
 
-        Returns ``{"skipped": bool, "found_inf": bool}`` (a loss scaler's overflow skips the update)."""
+        ``clip_grad`` (Megatron's ``--clip-grad``; 0: off): grads scaled by ``clip_grad / (norm + 1e-6)``
+        when that is < 1. Returns ``{"skipped": bool, "found_inf": bool, "grad_norm": float or None}``
+        (a loss scaler's overflow skips the update; the norm is None then)."""
         self.finish_grad_sync()
         self._wait_param_gathers()
         ev = self._span("optimizer", "optimizer")
@@ -486,9 +508,12 @@ class ShardedDataParallel:
                 if group is not None and dist.get_world_size(group) > 1:
                     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
             found_inf = bool(flag.item())
+        norm = None
         if not found_inf:
-            for view, _, b, a, z in self._pieces:
+            norm = self.grad_norm()
+            for view, _, b, a, z, _ in self._pieces:
                 view.grad = b.state["g32"][a:z]
+            clip_grads([view for view, *_ in self._pieces], norm, clip_grad)
             self.optimizer.step(lr)
             for view, *_ in self._pieces:
                 view.grad = None
@@ -506,7 +531,7 @@ class ShardedDataParallel:
         if self.shard_optim and not self.shard_params and not found_inf:
             for b in reversed(self.buckets):  # forward order: the last bucket holds the first layers
                 self._launch_gather(b, async_op=self.overlap_param_gather)
-        return {"skipped": found_inf, "found_inf": found_inf}
+        return {"skipped": found_inf, "found_inf": found_inf, "grad_norm": norm}
 
     def bytes_per_rank(self) -> dict:
         """Bytes this rank holds, measured from the tensors' storages (each storage counted once).
