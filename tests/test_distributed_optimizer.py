@@ -63,6 +63,7 @@ BAD_INPUTS = [  # (kwargs of wrap, the flag the message must name)
     (dict(strategy="optim", overlap_param_gather=True), "--overlap-grad-reduce"),
     (dict(bucket_size=0), "--ddp-bucket-size"),
     (dict(bucket_size=1.5), "--ddp-bucket-size"),
+    (dict(use_distributed_optimizer=True, strategy="no_shard"), "--use-distributed-optimizer"),
 ]
 
 
@@ -97,7 +98,7 @@ def _run_on_ranks():
     runs = {
         "ddp": dict(strategy="no_shard", overlap_grad_reduce=True, **common),
         "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
-        "distopt_sync": dict(strategy="optim", **common),
+        "distopt_sync": dict(use_distributed_optimizer=True, **common),  # = strategy "optim"
         "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, **common),  # SGD: Adam hides a scale
         "scaled": dict(strategy="optim", loss_scaler=ConstantScaler(), **common),
         # SGD, not Adam: Adam would not notice grads left scaled by 4096 (m / sqrt(v) cancels it)

@@ -39,6 +39,14 @@ API (what Lab 07 calls)
     plot_timeline([tl_rank0, tl_rank1, ...])  # compute and comm lanes per rank (timelines returned by ranks)
     ddp.full_parameters()  # {name: full tensor} (ZeRO-3: gathered for inspection, tag "inspect")
 
+``use_distributed_optimizer=True`` is ``strategy="optim"``. Under ZeRO-3 (``optim_grads_params``)
+the buckets are the FSDP units -- by default every module that owns parameters directly, or the
+instances of ``fsdp_unit_modules=(SomeLayerClass,)`` with the rest in a root unit (Megatron-FSDP's
+``fsdp_unit_modules``) -- so ``bucket_size`` is not used, and the next unit is always prefetched
+(forward: the next one, backward: the previous one). A weight shared by two units (tied embeddings)
+must sit in a unit that spans both uses: for the course GPT, ``fsdp_unit_modules=(type of its
+layer,)`` keeps the embedding in the root unit, live for the whole forward and backward.
+
 Gradient averaging follows Megatron: each rank's local mean loss, grads scaled by 1/d and summed over
 the d ranks of the group (= the gradient of the global batch's mean loss, what one process computes).
 

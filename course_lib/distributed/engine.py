@@ -590,9 +590,17 @@ class ShardedDataParallel:
         self._hooks = []
 
 
-def wrap(model: torch.nn.Module, groups, **kwargs) -> ShardedDataParallel:
+def wrap(model: torch.nn.Module, groups, *, use_distributed_optimizer: bool = False,
+         **kwargs) -> ShardedDataParallel:
     """``ShardedDataParallel(model, groups, **kwargs)``: the Lab 07 entry point (see the package docstring).
 
     ``groups``: the data-parallel group, or a :class:`~course_lib.process_groups.ProcessGroups`
-    (its ``dp_cp`` group is used, as Megatron reduces grads over data x context parallel ranks)."""
+    (its ``dp_cp`` group is used, as Megatron reduces grads over data x context parallel ranks).
+    ``use_distributed_optimizer=True`` (Megatron's ``--use-distributed-optimizer``) is
+    ``strategy="optim"``."""
+    if use_distributed_optimizer:
+        strategy = kwargs.setdefault("strategy", "optim")
+        if strategy == "no_shard":
+            raise ValueError("use_distributed_optimizer=True (--use-distributed-optimizer) shards the optimizer "
+                             "but strategy='no_shard' shards nothing: drop one of them")
     return ShardedDataParallel(model, groups, **kwargs)
