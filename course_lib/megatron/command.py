@@ -15,8 +15,9 @@ gets wrong and the commands here get right:
 * ``tools/preprocess_data.py`` requires ``--workers`` (``required=True`` in
   ``get_args``); the seed's command omits it and fails.
 * With TP > 1 or CP > 1 on GPUs before Blackwell, ``validate_args`` asserts
-  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (core_v0.15.3 ``megatron/training/arguments.py``),
-  so the commands export it.
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``megatron/training/arguments.py`` at core_v0.15.3,
+  core_v0.16.1 and main d98e8a6), so the commands export it -- except with Megatron-FSDP,
+  where it asserts the opposite (unset or > 1) and only warns about TP/CP.
 * DP is never a flag; ``--context-parallel-size`` is printed only when CP > 1, so
   A-E also run on branches older than context parallelism.
 * Interleaved pipelining is ``--num-layers-per-virtual-pipeline-stage``
@@ -25,6 +26,19 @@ gets wrong and the commands here get right:
   ``--virtual-pipeline-model-parallel-size``.
 * ``--sequence-parallel`` with TP = 1 is turned off with a one-line note, as Megatron
   does (and the course's trainer and planner).
+
+Beyond one node and dense models (flags in ``flags.SHARDING_FLAGS`` / ``flags.MOE_FLAGS``, checked at
+core_v0.16.1 and main):
+
+* ``--nodes N --gpus-per-node G``: the multi-node launch (:func:`cluster_launch`, rendered by
+  :mod:`course_lib.megatron.cluster`): torchrun with c10d or static rendezvous on every node, and a
+  Slurm ``sbatch`` script running one torchrun per node with ``srun``.
+* ``--sharding dist-opt|fsdp-optim-grads|fsdp|offload`` (``--show sharding``: all four): Megatron's
+  distributed optimizer (ZeRO-1) and Megatron-FSDP (ZeRO-2/3), with overlap, and CPU offload of
+  the optimizer (:data:`SHARDING`; the rules each follows are beside it).
+* ``--num-experts E --ep EP [--expert-tensor-parallel-size T --moe-router-topk K]``: a Mixtral-style
+  MoE (:class:`MoESpec`), checked by the course's rules (``rules.moe_experts``, the expert grid of
+  ``course_lib.moe.grid.MoEGrid``).
 
 CLI: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8`` (see
 ``add_arguments``). ``--data-dir`` is shell-quoted in every line printed (a path with
