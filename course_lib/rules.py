@@ -502,3 +502,50 @@ def moe_dispatcher(dispatcher: str) -> str:
         raise ValueError(f"moe-token-dispatcher-type={dispatcher!r} is unknown; use one of "
                          f"{', '.join(MOE_DISPATCHERS)}")
     return dispatcher
+
+
+# ============================================================================ state sharding
+# Megatron: megatron/training/arguments.py (validate_args: --overlap-param-gather, Megatron-FSDP,
+# --optimizer-cpu-offload) and megatron/core/optimizer/optimizer_config.py; the course's engine:
+# course_lib.distributed.
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def sharding_flags(*, use_distributed_optimizer: bool, use_megatron_fsdp: bool, strategy: str,
+                   overlap_grad_reduce: bool, overlap_param_gather: bool, optimizer_cpu_offload: bool,
+                   use_precision_aware_optimizer: bool, optimizer: str = "adam") -> None:
+    """The state-sharding flags together, as Megatron's ``validate_args`` (plus the course's
+    no_shard + overlap-param-gather, where there is nothing to gather)."""
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"data-parallel-sharding-strategy={strategy!r} is unknown; use one of "
+                         f"{', '.join(SHARDING_STRATEGIES)}")
+    if overlap_param_gather and not (use_distributed_optimizer or use_megatron_fsdp):
+        raise ValueError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp "
+                         "(Megatron's validate_args): add --use-distributed-optimizer or drop the flag")
+    if overlap_param_gather and not overlap_grad_reduce:
+        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron: 'Must use "
+                         "--overlap-param-gather with --overlap-grad-reduce'): add --overlap-grad-reduce")
+    if overlap_param_gather and use_megatron_fsdp and strategy == "no_shard":
+        raise ValueError("--overlap-param-gather with --data-parallel-sharding-strategy no_shard: every rank "
+                         "already holds the updated params, there is nothing to gather; use optim or above")
+    if optimizer_cpu_offload and not use_precision_aware_optimizer:
+        raise ValueError("--optimizer-cpu-offload must be used with --use-precision-aware-optimizer (Megatron's "
+                         "validate_args: the hybrid device optimizer reuses its code path): add that flag")
+    if use_precision_aware_optimizer and optimizer != "adam":
+        raise ValueError(f"--use-precision-aware-optimizer only supported with adam (Megatron's OptimizerConfig), "
+                         f"got optimizer={optimizer}: use --optimizer adam")
+
+
+def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_microbatches: int) -> None:
+    """What the course's engine (:mod:`course_lib.distributed`) can run inside the trainer: one
+    model chunk per rank (it wraps one module; Megatron wraps each virtual stage in its own DDP),
+    and ZeRO-3 needs each micro-batch's backward to follow its own forward's gather (GPipe runs
+    every forward first, so the engine would meet a released unit in backward)."""
+    if vpp > 1:
+        raise ValueError(f"virtual-pipeline-model-parallel-size={vpp} with the sharding flags: the course's "
+                         f"engine wraps one model chunk per rank; drop the virtual pipeline stages")
+    if strategy == "optim_grads_params" and pipeline_schedule == "gpipe" and num_microbatches > 1:
+        raise ValueError(f"--data-parallel-sharding-strategy optim_grads_params with --pipeline-schedule gpipe and "
+                         f"{num_microbatches} micro-batches: ZeRO-3 re-gathers a unit for the backward that "
+                         f"follows its forward; use --pipeline-schedule 1f1b")

@@ -118,6 +118,9 @@ from course_lib.training.arguments import (add_megatron_arguments, args_to_argv,
                                            gpt_config_from_args, parse_args, validate_args, vocab_padding_tp)
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
+from course_lib.training.arguments import uses_sharding_engine
+from course_lib.training.sharding import (allreduce_embedding_grads_in_buffer, build_engine, schedule_sync,
+                                          state_bytes)
 
 # course_lib.checks.lab00 recognises the course's own DP all-reduce by this name
 _allreduce_dp_grads = allreduce_dp_grads
@@ -178,6 +181,10 @@ class TrainingSetup:
     finalize_model_grads_func: Callable = finalize_model_grads
     precision: str = "fp32"           # "bf16" / "fp16": autocast compute (course_lib.mixed_precision)
     scaler: object = None             # fp16's loss scaler, else None
+    engine: object = None             # course_lib.distributed's wrapper with the sharding flags, else None
+    finalizer: object = None          # its course_lib.training.sharding.ShardedGradFinalizer
+    pipeline_schedule: str = "1f1b"
+    num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
 
 
 def _precision(args) -> str:
@@ -208,12 +215,18 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
     schedule = build_schedule(name, config.pp, config.num_microbatches, config.vpp)
     seq_local = config.seq_length // config.cp
     shape = (seq_local // (config.tp if config.sequence_parallel else 1), config.micro_batch_size, config.hidden_size)
+    num_parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+    scaler = _loss_scaler(args)
+    engine = finalizer = None
+    if uses_sharding_engine(args):   # DP reduction + optimizer through course_lib.distributed
+        engine, finalizer = build_engine(args, chunks, groups, config, scaler)
     return TrainingSetup(config=config, groups=groups, chunks=chunks, params=[p for _, p in named],
-                         optimizer=_optimizer(args, named),
+                         optimizer=_optimizer(args, named) if engine is None else engine.optimizer,
                          scheduler=_scheduler(args, config.effective_global_batch_size),
                          schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
                          seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
-                         precision=_precision(args), scaler=_loss_scaler(args))
+                         precision=_precision(args), scaler=scaler, engine=engine, finalizer=finalizer,
+                         pipeline_schedule=name, num_parameters=num_parameters)
 
 
 def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
@@ -242,17 +255,25 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
     c = groups.coords
     for p in s.params:
         p.grad = None
+    if s.engine is not None:
+        s.engine.zero_grad()
     stats: list = []                 # (token-loss sum, token count) per micro-batch of the last stage
+    sync = contextlib.ExitStack()    # the engine's no_sync over all but the last micro-batch
+    on_last_forward = schedule_sync(s.engine, config, s.pipeline_schedule, sync) if s.engine else (lambda: None)
 
     def loss_fn(logits, labels):
         total, count = gpt_loss(logits.float(), labels, groups.tp)   # fp32 logits and loss (Float16Module)
         stats.append((total.detach().double(), count.double()))
+        if len(stats) == config.num_microbatches:
+            on_last_forward()
         return total / count if s.scaler is None else s.scaler.scale_loss(total / count).squeeze()
 
     tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device)
-    with _autocast(s.device, s.precision):
+    with sync, _autocast(s.device, s.precision):
         out = run_rank_schedule(s.schedule, c["pp"], dict(enumerate(s.chunks)), tokens, labels,
                                 activation_shape=s.activation_shape, pp_group=groups.pp, p2p=s.p2p, loss_fn=loss_fn)
+    if s.engine is not None:         # the engine reduces, the finalizer clips, the shard is updated
+        return _engine_step(s, out, stats)
     s.finalize_model_grads_func(s.chunks, groups, config)   # DP(-CP) average, SP LayerNorm grads, tied embeddings
     skipped = False
     if s.scaler is not None:         # Megatron: unscale, found_inf MAX over the model-parallel group, skip
@@ -265,10 +286,28 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
         clip_grads(s.params, norm, s.clip_grad)
         s.optimizer.step(s.scheduler.get_lr())
         lr = s.scheduler.step(config.effective_global_batch_size)
+    return _step_record(s, out, stats, norm, lr, skipped)
+
+
+def _engine_step(s: TrainingSetup, out: dict, stats: list) -> dict:
+    """The rest of :func:`train_step` on the sharding engine (:mod:`course_lib.training.sharding`):
+    with pp > 1 the tied-embedding sum in the local grad buffer, then ``engine.step`` -- dp-cp
+    reduction, the finalizer (SP sums, fp16 unscale/found-inf, norm, clipping), the shard's update
+    and the param all-gather."""
+    if s.config.pp > 1:
+        allreduce_embedding_grads_in_buffer(s.engine, s.chunks, s.groups)
+    skipped = s.engine.step(s.scheduler.get_lr())["skipped"]
+    if s.engine.shard_params:        # ZeRO-3: drop any unit a backward prefetch gathered after its own
+        s.engine.finish_grad_sync()  # backward (pp > 1: the root unit), so the next forward gathers anew
+    lr = s.scheduler.get_lr() if skipped else s.scheduler.step(s.config.effective_global_batch_size)
+    return _step_record(s, out, stats, s.finalizer.norm, lr, skipped)
+
+
+def _step_record(s: TrainingSetup, out: dict, stats: list, norm: float, lr: float, skipped: bool) -> dict:
     loss = None
-    if groups.is_last_stage:         # the loss of the global batch: token sums and counts over dp-cp
+    if s.groups.is_last_stage:       # the loss of the global batch: token sums and counts over dp-cp
         both = torch.stack([sum(t for t, _ in stats), sum(n for _, n in stats)]).to(s.device)
-        comm.all_reduce(both, groups.dp_cp, kind=dp_kind(config), direction="fwd", source="loss_reduction")
+        comm.all_reduce(both, s.groups.dp_cp, kind=dp_kind(s.config), direction="fwd", source="loss_reduction")
         loss = float(both[0] / both[1])
     return {"lm_loss": loss, "grad_norm": norm, "learning_rate": lr, "peak_bytes": out["peak_bytes"],
             "events": out["events"], "skipped": skipped,
@@ -290,6 +329,17 @@ def _memory_line(rank: int, iteration: int, tracked: dict, cuda: bool) -> str:
                            reserved=torch.cuda.memory_reserved(), max_reserved=torch.cuda.max_memory_reserved())
     return memory_line(rank, iteration, allocated=tracked["allocated"], max_allocated=tracked["max_allocated"],
                        source=MEMORY_SOURCE_CPU)
+
+
+def _state_fields(sharded) -> str:
+    """The sharding engine's measured bytes of this rank, appended to the memory line as fields
+    (``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | optimizer on host (bytes): N``;
+    :func:`course_lib.megatron.parse_log` reads them as ``params_bytes`` ...); empty without the engine."""
+    if sharded is None:
+        return ""
+    return "".join(f" | {label} (bytes): {sharded[key]}" for key, label in
+                   (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+                    ("optimizer_host", "optimizer on host")))
 
 
 def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = None, print_args: bool = True,
@@ -322,7 +372,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if rank == 0:
-        for note in config.notes:
+        for note in (*config.notes, *getattr(args, "sharding_notes", ())):
             print_line(f"WARNING: {note}")
         if print_args:
             print_line(world_size_line(config.world_size, config.dp, config.cp, config.tp, config.pp))
@@ -331,7 +381,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
 
     setup = setup_training(args, config, groups, device, finalize_model_grads_func=finalize_model_grads_func)
     params = setup.params
-    num_parameters = sum(p.numel() for chunk in setup.chunks for p in chunk.parameters())
+    num_parameters = setup.num_parameters
     if c["dp"] == 0 and c["cp"] == 0:
         print_line(parameters_line(c["tp"], c["pp"], num_parameters))
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
@@ -384,11 +434,15 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
                 total_loss, advanced, skipped_in_interval = 0.0, 0, 0
                 interval_start = time.perf_counter()
             if report_memory:
-                held = _bytes(params) + _bytes(p.grad for p in params) + setup.optimizer.state_bytes()
+                sharded = state_bytes(setup.engine) if setup.engine is not None else None
+                held = (_bytes(params) + _bytes(p.grad for p in params) + setup.optimizer.state_bytes()
+                        if sharded is None else sharded["params"] + sharded["grads"] + sharded["optimizer"])
                 tracked = {"allocated": held, "max_allocated": held + peak_activation}
                 record["memory"] = tracked
+                if sharded is not None:
+                    record["state_bytes"] = sharded
                 if c["dp"] == 0:
-                    print_line(_memory_line(rank, iteration, tracked, cuda))
+                    print_line(_memory_line(rank, iteration, tracked, cuda) + _state_fields(sharded))
                 if iteration > 1:
                     report_memory = False
     record.setdefault("memory", {"allocated": _bytes(params), "max_allocated": _bytes(params) + peak_activation})

@@ -113,6 +113,25 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--hysteresis", type=int, default=2, help="overflowing iterations tolerated before backing off")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true",
                    help="accumulate and all-reduce grads in fp32 (on with --bf16, as Megatron's validate_args)")
+    g = parser.add_argument_group("state sharding (Megatron's _add_distributed_args; course_lib.distributed)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the fp32 main params and optimizer state over the DP (x CP) group (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="a bucket's grad reduction starts in backward as soon as its grads are ready")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="the param all-gather after the step is waited for in the next forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per grad bucket (default: one bucket)")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Megatron-FSDP: shard by --data-parallel-sharding-strategy (turns on the distributed "
+                        "optimizer, as Megatron-FSDP v1 does)")
+    g.add_argument("--data-parallel-sharding-strategy", choices=rules.SHARDING_STRATEGIES, default="optim_grads_params",
+                   help="with --use-megatron-fsdp: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
+                        "optim_grads_params (ZeRO-3)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="optimizer state and update on the host (needs --use-precision-aware-optimizer)")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Megatron's precision-aware (hybrid device) optimizer path; Adam only")
     return parser
 
 
@@ -156,6 +175,8 @@ def _check_values(a: argparse.Namespace) -> None:
     rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
                  low_open=True)
     _check_precision(a)
+    if getattr(a, "ddp_bucket_size", None) is not None:
+        rules.integer("ddp-bucket-size", a.ddp_bucket_size)
 
 
 def _check_precision(a: argparse.Namespace) -> None:
@@ -241,10 +262,54 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
         raise ValueError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
                          f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
     rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
+    _check_sharding(a, cfg)
     if check_memory:
         local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         _check_memory(a, cfg, local)
     return a, cfg
+
+
+def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
+    """The state-sharding flags (Megatron's validate_args, and what the course's engine runs):
+    ``--use-megatron-fsdp`` turns the distributed optimizer on (Megatron-FSDP v1, with Megatron's
+    warning in ``a.sharding_notes``); every rule is :func:`course_lib.rules.sharding_flags` /
+    :func:`course_lib.rules.sharding_layout`."""
+    for dest in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "use_megatron_fsdp",
+                 "optimizer_cpu_offload", "use_precision_aware_optimizer"):
+        setattr(a, dest, bool(getattr(a, dest, False)))
+    a.ddp_bucket_size = getattr(a, "ddp_bucket_size", None)
+    a.data_parallel_sharding_strategy = getattr(a, "data_parallel_sharding_strategy", "optim_grads_params")
+    a.sharding_notes = ()
+    if a.use_megatron_fsdp and not a.use_distributed_optimizer:
+        a.use_distributed_optimizer = True
+        a.sharding_notes = ("Megatron-FSDP v1 is only compatible with --use-distributed-optimizer. "
+                            "Using DistributedOptimizer...",)
+    rules.sharding_flags(use_distributed_optimizer=a.use_distributed_optimizer,
+                         use_megatron_fsdp=a.use_megatron_fsdp, strategy=a.data_parallel_sharding_strategy,
+                         overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
+                         optimizer_cpu_offload=a.optimizer_cpu_offload,
+                         use_precision_aware_optimizer=a.use_precision_aware_optimizer, optimizer=a.optimizer)
+    if uses_sharding_engine(a):
+        rules.sharding_layout(sharding_strategy(a), vpp=cfg.vpp, pipeline_schedule=a.pipeline_schedule,
+                              num_microbatches=cfg.num_microbatches)
+
+
+def uses_sharding_engine(args: argparse.Namespace) -> bool:
+    """Whether the DP grad reduction and the optimizer step go through :mod:`course_lib.distributed`
+    (any state-sharding, overlap, bucket or offload flag); otherwise the trainer's one coalesced
+    all-reduce (:func:`course_lib.training.finalize_model_grads.allreduce_dp_grads`)."""
+    return bool(getattr(args, "use_distributed_optimizer", False) or getattr(args, "use_megatron_fsdp", False)
+                or getattr(args, "overlap_grad_reduce", False) or getattr(args, "optimizer_cpu_offload", False)
+                or getattr(args, "ddp_bucket_size", None) is not None)
+
+
+def sharding_strategy(args: argparse.Namespace) -> str:
+    """Megatron-FSDP's strategy name for the flags: ``--data-parallel-sharding-strategy`` with
+    ``--use-megatron-fsdp``; else ``optim`` with ``--use-distributed-optimizer`` (ZeRO-1), else
+    ``no_shard`` (DDP)."""
+    if getattr(args, "use_megatron_fsdp", False):
+        return args.data_parallel_sharding_strategy
+    return "optim" if getattr(args, "use_distributed_optimizer", False) else "no_shard"
 
 
 def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dict:

@@ -1,0 +1,187 @@
+"""The trainer on the state-sharding engine: ``--use-distributed-optimizer``, ``--use-megatron-fsdp``, overlap, offload.
+
+With any of the sharding flags (:func:`~course_lib.training.arguments.uses_sharding_engine`) the
+trainer's model chunk is wrapped by :func:`course_lib.distributed.wrap` (Megatron's
+``DistributedDataParallel`` + ``DistributedOptimizer``, or Megatron-FSDP's strategy): the engine's
+post-accumulate-grad hooks take every gradient into its bucketed fp32 buffer, its ``step`` reduces
+over the dp-cp group (all-reduce, or reduce-scatter for the sharded strategies), updates this rank's
+shard and all-gathers the params. What Megatron's ``finalize_model_grads`` and optimizer do around
+that reduction, the trainer does here, on the engine's buffers:
+
+* **before** the reduction (pp > 1): the tied word-embedding gradient summed over the embedding
+  group (first + last stage), in the engine's full local grad buffer
+  (:func:`allreduce_embedding_grads_in_buffer`). The buckets of the first and the last stage hold
+  different parameters, so the embedding's *shards* would not line up (Megatron gives the shared
+  embedding a bucket of its own for this reason; the course's engine does not) -- the sum is taken
+  on the full local gradient instead, and the reduction waits for it (no overlap with pp > 1);
+* **between** the reduction and the update, through the engine's loss-scaler protocol
+  (:class:`ShardedGradFinalizer`, Megatron's ``DistributedOptimizer.step``): the
+  sequence-parallel LayerNorm (and row-parallel bias) gradients summed over TP -- shard by shard,
+  since the TP ranks of one DP position lay their buckets out alike; for fp16, unscaling and the
+  found-inf flag (MAX over the model-parallel group, then the engine's over dp-cp: the whole
+  world, as Megatron's grad-stats group with the distributed optimizer); the gradient norm of the
+  whole model from the shards (each parameter once: TP duplicates on TP rank 0 only, the last
+  stage's embedding copy not at all; squares summed over dp-cp when sharded, then over tp-pp,
+  ``get_grad_norm_fp32``) and clipping of the shards to ``--clip-grad``.
+
+Micro-batches: Megatron's ``no_sync`` -- with ``--overlap-grad-reduce`` and pp = 1 under 1F1B a
+bucket's reduction starts during the *last* micro-batch's backward; earlier ones only accumulate
+(:func:`schedule_sync`). ZeRO-3 with pp > 1: the 1F1B cool-down runs backward passes back to back;
+:func:`regather_for_each_backward` makes each backward pass gather the units again (the engine
+gathers once per forward).
+
+Tensors: the engine's buckets (``engine.buckets``) hold flat ``[numel]`` buffers; this rank's
+shard of a bucket is elements ``[lo, hi)`` (``[0, numel)`` for ``no_shard``); the grads handed to
+:meth:`ShardedGradFinalizer.unscale_and_check` are fp32 ``[hi - lo]`` tensors, one per bucket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from types import SimpleNamespace
+
+import torch
+
+from course_lib import comm
+from course_lib.distributed import wrap
+from course_lib.model import _shared_embedding_weight
+from course_lib.optimizer import clip_grads
+from course_lib.tensor_parallel import is_tensor_parallel
+from course_lib.training.arguments import sharding_strategy
+from course_lib.training.finalize_model_grads import dp_kind
+
+__all__ = ["ShardedGradFinalizer", "build_engine", "schedule_sync", "allreduce_embedding_grads_in_buffer",
+           "regather_for_each_backward", "state_bytes"]
+
+
+def _shard_range(engine, b) -> tuple[int, int]:
+    """Elements ``[lo, hi)`` of bucket ``b`` this rank's optimizer updates."""
+    return b.shard_range(engine.dp_rank) if engine.shard_optim else (0, b.numel)
+
+
+def _pieces(engine, b, grad: torch.Tensor) -> list:
+    """``(param, view)`` for every parameter overlapping this rank's shard of ``b``; ``view``: the
+    piece of ``grad`` (``[hi - lo]``, the shard) that belongs to it."""
+    lo, hi = _shard_range(engine, b)
+    out = []
+    for pr in b.params:
+        a, z = max(pr.start, lo), min(pr.end, hi)
+        if a < z:
+            out.append((pr.param, grad[a - lo:z - lo]))
+    return out
+
+
+class ShardedGradFinalizer:
+    """The engine's loss-scaler protocol, used for what Megatron's distributed optimizer does between
+    the grad reduction and the update (see the module docstring): SP sums over TP, fp16 unscaling and
+    found-inf, the grad norm, clipping. ``scaler``: fp16's loss scaler (or None); after each step
+    :attr:`norm` holds the gradient norm before clipping."""
+
+    def __init__(self, groups, config, clip_grad: float, scaler=None):
+        self.groups, self.config, self.clip_grad, self.scaler = groups, config, clip_grad, scaler
+        self.engine = None      # set by build_engine once the engine exists
+        self.norm = float("nan")
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.scaler is None else self.scaler.value
+
+    @torch.no_grad()
+    def unscale_and_check(self, grads) -> bool:
+        """``grads``: this rank's fp32 grad shard of every bucket (``engine.buckets`` order), modified in place."""
+        engine, groups = self.engine, self.groups
+        pieces = [pv for b, g in zip(engine.buckets, grads) for pv in _pieces(engine, b, g)]
+        if self.config.sequence_parallel:
+            sp = [v for p, v in pieces if getattr(p, "sequence_parallel", False)]
+            if sp and comm.group_size(groups.tp) > 1:
+                flat = torch.cat(sp)
+                comm.all_reduce(flat, groups.tp, kind="tp", direction="bwd",
+                                source="allreduce_sequence_parallel_grads")
+                offset = 0
+                for v in sp:
+                    v.copy_(flat[offset:offset + v.numel()])
+                    offset += v.numel()
+        found_inf = False
+        if self.scaler is not None:     # local check, then MAX over tp-pp; the engine ORs over dp-cp
+            found_inf = self.scaler.unscale_and_check(list(grads), groups.model)
+        tp_rank = groups.coords["tp"]
+        total = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+        for p, v in pieces:
+            if not getattr(p, "shared", False) and (is_tensor_parallel(p) or tp_rank == 0):
+                total += v.double().pow(2).sum()
+        if engine.shard_optim:          # each dp-cp rank holds different elements
+            comm.all_reduce(total, groups.dp_cp, kind=dp_kind(self.config), direction="bwd",
+                            source="get_grad_norm_fp32")
+        comm.all_reduce(total, groups.model, kind="tp-pp", direction="bwd", source="get_grad_norm_fp32")
+        self.norm = float(total.sqrt())
+        if not found_inf:
+            clip_grads([SimpleNamespace(grad=g) for g in grads], self.norm, self.clip_grad)
+        return found_inf
+
+    def update(self, found_inf: bool) -> None:
+        if self.scaler is not None:
+            self.scaler.update(found_inf)
+
+
+def build_engine(args, chunks: list, groups, config, scaler=None):
+    """Wrap this rank's one model chunk with the flags' strategy; returns ``(engine, finalizer)``.
+    ZeRO-3 units are the transformer layers (the chunk itself holds the embeddings, the final
+    LayerNorm and the output layer, which share the tied word embedding)."""
+    (chunk,) = chunks
+    finalizer = ShardedGradFinalizer(groups, config, args.clip_grad, scaler)
+    layer_types = tuple({type(layer) for layer in chunk.decoder.layers.values()})
+    engine = wrap(chunk, groups, strategy=sharding_strategy(args), bucket_size=args.ddp_bucket_size,
+                  overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
+                  cpu_offload=args.optimizer_cpu_offload, grad_reduce_in_fp32=True, optimizer=args.optimizer,
+                  weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                  momentum=args.sgd_momentum, loss_scaler=finalizer, fsdp_unit_modules=layer_types or None)
+    finalizer.engine = engine
+    if engine.shard_params and config.pp > 1:
+        regather_for_each_backward(engine, chunk)
+    return engine, finalizer
+
+
+def schedule_sync(engine, config, pipeline_schedule: str, stack: contextlib.ExitStack):
+    """Megatron's ``no_sync`` over the micro-batches: enters ``engine.no_sync()`` on ``stack`` and returns
+    ``on_last_forward()``, to call when the last micro-batch's forward runs its loss: with pp = 1 under
+    1F1B that micro-batch's backward comes next, so the sync (and ``--overlap-grad-reduce``) is let
+    through for it; with pp > 1 (the embedding sum comes first) or GPipe the reduction waits for
+    ``engine.step``."""
+    stack.enter_context(engine.no_sync())
+    overlap_last = config.pp == 1 and pipeline_schedule == "1f1b"
+    return stack.close if overlap_last else (lambda: None)
+
+
+@torch.no_grad()
+def allreduce_embedding_grads_in_buffer(engine, chunks: list, groups) -> int:
+    """pp > 1: sum the tied word-embedding gradient over the embedding group in the engine's full
+    local grad buffer, before the dp-cp reduction (Megatron's ``_allreduce_word_embedding_grads``).
+    Returns the elements reduced."""
+    weight = _shared_embedding_weight(chunks, groups)
+    if weight is None or comm.group_size(groups.embedding) == 1:
+        return 0
+    for b in engine.buckets:
+        for pr in b.params:
+            if pr.param is weight:
+                view = b.state["grad_full"][pr.start:pr.end]
+                comm.all_reduce(view, groups.embedding, kind="embedding", direction="bwd",
+                                source="allreduce_embedding_grads")
+                return view.numel()
+    return 0
+
+
+def regather_for_each_backward(engine, chunk: torch.nn.Module) -> None:
+    """ZeRO-3 under pipeline 1F1B: a tensor hook on the chunk's output (registered before the
+    engine's own) marks every unit's backward as not started, so that each micro-batch's backward
+    gathers the units again -- the cool-down's back-to-back backward passes included."""
+    def on_forward(module, args, out):
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: engine._unit_bwd_started.__setitem__(
+                slice(None), [False] * len(engine._unit_bwd_started)))
+    chunk.register_forward_hook(on_forward, prepend=True)
+
+
+def state_bytes(engine) -> dict:
+    """This rank's measured ``{"params", "grads", "optimizer", "optimizer_host"}`` bytes (the engine's)."""
+    b = engine.bytes_per_rank()
+    return {k: b[k] for k in ("params", "grads", "optimizer", "optimizer_host")}

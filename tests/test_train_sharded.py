@@ -1,0 +1,169 @@
+"""The course trainer on the state-sharding engine (course_lib.distributed): Megatron's sharding flags on real ranks.
+
+One fork launch of 4 gloo ranks runs :func:`course_lib.train.pretrain` in every mode below, each
+against :func:`course_lib.train.train_single_process` (one process, the whole global batch, the
+trainer's own optimizer -- not the engine). Checked:
+
+* fp32 modes -- DP4 with ``--use-distributed-optimizer`` (+ ``--overlap-grad-reduce
+  --overlap-param-gather``, buckets, 2 micro-batches), TP2 x DP2 with the distributed optimizer and
+  overlap, TP2+SP x DP2 under ZeRO-2, DP4 ZeRO-2 and ZeRO-3 (``--use-megatron-fsdp
+  --data-parallel-sharding-strategy``), ``--optimizer-cpu-offload``, PP2 x DP2 with the distributed
+  optimizer and with ZeRO-3 (tied embeddings across stages) -- give the single-process loss within
+  1e-4 relative and its grad norm at every iteration; ``--bf16`` with the distributed optimizer
+  equals one bf16 process within 1e-3;
+* the memory line each run prints carries the engine's measured bytes of params, grads and
+  optimizer state per rank, equal to ``course_lib.sizing.memory``'s formulas (ZeRO's by stage for
+  fp32, offload's host bytes);
+* breaking a piece moves the loss: skipping the tied-embedding sum before the reduction (PP2);
+* bad flag combinations fail in one line naming the flag (Megatron's validate_args rules).
+"""
+
+import pytest
+
+from course_lib.launch import launch
+from course_lib.megatron import parse_log
+from course_lib.sizing.memory import model_state_bytes, optimizer_offload_bytes_per_param
+from course_lib.train import parse_args, pretrain, train_single_process, validate_args
+
+WORLD = 4
+BASE = ["--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3",
+        "--log-interval", "1", "--lr", "3e-3", "--lr-decay-style", "constant"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+MODES = {  # name: (extra flags, ZeRO stage, offloaded)
+    "dp4_distopt_overlap": (DISTOPT + OVERLAP + ["--ddp-bucket-size", "3000"], 1, False),
+    "dp4_distopt": (DISTOPT, 1, False),
+    "tp2dp2_distopt_overlap": (TP2 + DISTOPT + OVERLAP + ["--ddp-bucket-size", "2000"], 1, False),
+    "tp2sp_dp2_zero2": (TP2 + ["--sequence-parallel"] + FSDP + ["optim_grads", "--overlap-grad-reduce"], 2, False),
+    "dp4_zero2": (FSDP + ["optim_grads", "--overlap-grad-reduce"], 2, False),
+    "dp4_zero3": (FSDP + ["optim_grads_params", "--overlap-grad-reduce"], 3, False),
+    "dp4_offload": (DISTOPT + OFFLOAD, 1, True),
+    "pp2dp2_distopt": (PP2 + DISTOPT + ["--overlap-grad-reduce"], 1, False),
+    "pp2dp2_zero3": (PP2 + FSDP + ["optim_grads_params"], 3, False),
+}
+BF16 = ["--bf16"] + DISTOPT + ["--overlap-grad-reduce"]
+
+
+def _skip_embedding_sum(*args):
+    return 0
+
+
+def _on_ranks():
+    import io
+    from contextlib import redirect_stdout
+
+    import course_lib.train as train
+
+    out = {}
+    for name, (extra, _, _) in {**MODES, "bf16_distopt": (BF16, 1, False)}.items():
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            rec = pretrain(parse_args(BASE + extra), print_args=False, record_comm=False)
+        out[name] = {"lm_loss": rec["lm_loss"], "grad_norm": rec["grad_norm"], "log": buf.getvalue(),
+                     "state_bytes": rec.get("state_bytes"), "num_parameters": rec["num_parameters"]}
+    real, train.allreduce_embedding_grads_in_buffer = train.allreduce_embedding_grads_in_buffer, _skip_embedding_sum
+    try:
+        out["broken_embedding"] = {"lm_loss": pretrain(parse_args(BASE + MODES["pp2dp2_distopt"][0]), print_args=False,
+                                                       record_comm=False)["lm_loss"]}
+    finally:
+        train.allreduce_embedding_grads_in_buffer = real
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_on_ranks, world_size=WORLD, output="none", timeout=180)
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return {"fp32": train_single_process(parse_args(BASE)), "bf16": train_single_process(parse_args(BASE + ["--bf16"]))}
+
+
+def _losses(runs, name):
+    """The global batch's loss per iteration, from the last rank (the last pipeline stage)."""
+    return runs[-1][name]["lm_loss"]
+
+
+def _rel(got, want):
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_fp32_modes_equal_one_process(runs, refs, name):
+    ref = refs["fp32"]
+    assert _rel(_losses(runs, name), ref["lm_loss"]) < 1e-4, (name, _losses(runs, name), ref["lm_loss"])
+    for r in runs:  # every rank computes the same norm of the whole model's gradient
+        assert r[name]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_bf16_distributed_optimizer_equals_one_bf16_process(runs, refs):
+    assert _rel(_losses(runs, "bf16_distopt"), refs["bf16"]["lm_loss"]) < 1e-3
+    assert _rel(refs["bf16"]["lm_loss"], refs["fp32"]["lm_loss"]) > 1e-5  # bf16 did compute in 16 bits
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_memory_line_shows_the_sharded_bytes_of_the_formulas(runs, name):
+    _, stage, offloaded = MODES[name]
+    tp = 2 if "tp2" in name else 1
+    d = WORLD // (tp * (2 if "pp2" in name else 1))
+    printed = 0
+    for rank, r in enumerate(runs):
+        lines = parse_log(r[name]["log"]).memory
+        if not lines:  # only DP rank 0 of each model-parallel position prints
+            continue
+        printed += 1
+        mem = lines[0]
+        psi = r[name]["num_parameters"]
+        want = model_state_bytes(psi, d, stage, k=8, param_bytes=4, grad_bytes=4)
+        got = {k: mem[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}
+        assert got["params"] == want.weights and got["grads"] == want.grads, (name, rank, got, want)
+        if offloaded:
+            host = optimizer_offload_bytes_per_param(d, True, "fp32", "fp32")
+            assert got["optimizer"] == 0 and mem["optimizer_on_host_bytes"] == host["host"] * psi
+        else:
+            assert got["optimizer"] == want.optimizer and mem["optimizer_on_host_bytes"] == 0
+        assert mem["allocated_mb"] == pytest.approx(sum(got.values()) / 2 ** 20, abs=0.006)
+        assert got == {k: r[name]["state_bytes"][k] for k in got}
+    assert printed == WORLD // d
+
+
+def test_memory_moves_with_the_stage(runs):
+    """DP4 on one model: ZeRO-1 < DDP's 16 bytes/param, ZeRO-2 < ZeRO-1, ZeRO-3 < ZeRO-2, offload: 0 on device."""
+    held = {n: sum(runs[0][n]["state_bytes"][k] for k in ("params", "grads", "optimizer"))
+            for n in ("dp4_distopt", "dp4_zero2", "dp4_zero3", "dp4_offload")}
+    psi = runs[0]["dp4_distopt"]["num_parameters"]
+    assert 16 * psi > held["dp4_distopt"] > held["dp4_zero2"] > held["dp4_zero3"]
+    assert held["dp4_offload"] == 8 * psi
+
+
+def test_skipping_the_embedding_sum_moves_the_loss(runs, refs):
+    got, want = _losses(runs, "broken_embedding"), refs["fp32"]["lm_loss"]
+    assert abs(got[0] - want[0]) / want[0] < 1e-6  # the first forward is before any update
+    assert _rel(got[1:], want[1:]) > 1e-4
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--overlap-param-gather", "--overlap-grad-reduce"], "--use-distributed-optimizer"),
+    (DISTOPT + ["--overlap-param-gather"], "--overlap-grad-reduce"),
+    (DISTOPT + ["--optimizer-cpu-offload"], "--use-precision-aware-optimizer"),
+    (DISTOPT + OFFLOAD + ["--optimizer", "sgd"], "--optimizer adam"),
+    (FSDP + ["no_shard", "--overlap-grad-reduce", "--overlap-param-gather"], "no_shard"),
+    (PP2 + ["--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2"] + DISTOPT,
+     "virtual-pipeline-model-parallel-size"),
+    (FSDP + ["optim_grads_params", "--pipeline-schedule", "gpipe"], "--pipeline-schedule 1f1b"),
+    (DISTOPT + ["--ddp-bucket-size", "0"], "ddp-bucket-size"),
+])
+def test_bad_sharding_flags_fail_in_one_line(extra, flag):
+    with pytest.raises(ValueError) as e:
+        validate_args(parse_args(BASE + extra), WORLD, check_memory=False)
+    assert flag in str(e.value) and "\n" not in str(e.value)
+
+
+def test_megatron_fsdp_turns_the_distributed_optimizer_on():
+    args, _ = validate_args(parse_args(BASE + FSDP + ["optim_grads"]), WORLD, check_memory=False)
+    assert args.use_distributed_optimizer and "Using DistributedOptimizer" in args.sharding_notes[0]
