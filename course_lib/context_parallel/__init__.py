@@ -13,13 +13,13 @@ Modules, one idea each:
 * :mod:`.ulysses` -- the all-to-all alternative (Megatron's ``--cp-comm-type a2a``),
   which needs heads % cp == 0.
 * :mod:`.work` -- per-rank attention work, balanced vs contiguous, and its bar chart.
-* :mod:`.figures` -- the ring step by step.
+* :mod:`.plots` -- the ring step by step.
 
 Tensor layout everywhere: ``[b, heads, s_local, head_dim]``.
 """
 
 from course_lib.context_parallel.attention import ContextParallelSelfAttention, build_layer
-from course_lib.context_parallel.figures import plot_ring_steps
+from course_lib.context_parallel.plots import plot_ring_steps
 from course_lib.context_parallel.ring import (attention_block, attention_block_backward, kv_bytes_per_step,
                                               merge_partials, reference_attention, ring_attention,
                                               ring_sends_per_layer)
