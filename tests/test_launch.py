@@ -129,7 +129,10 @@ def test_fork_returns_results_in_rank_order(world_size):
     assert all(r["total"] == expected and r["world"] == world_size for r in results)
     assert len({r["pid"] for r in results}) == world_size  # really separate processes
     assert not any(_alive(r["pid"]) for r in results)
-    assert results.outputs[0].strip() == f"rank 0 of {world_size} on gloo"
+    # backend="auto": NCCL (in the launcher's cpu:gloo,cuda:nccl group) when every rank has a GPU, else gloo
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = "cpu:gloo,cuda:nccl" if gpus >= world_size else "gloo"
+    assert results.outputs[0].strip() == f"rank 0 of {world_size} on {backend}"
 
 
 def test_fork_crash_names_the_rank_with_traceback():
