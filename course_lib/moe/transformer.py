@@ -257,6 +257,7 @@ class MoEMLP(nn.Module):
                                     z_loss_coeff=self.config.moe_z_loss_coeff,
                                     sequence_partition_group=partition, parts=parts)   # [T, k], [T, k], []
         self._record(parts)
+        self.tokens_per_expert = torch.bincount(indices.flatten(), minlength=self.config.num_experts)  # [E], this rank
         if self.dispatcher == "allgather" and self.groups is not None and self.groups.size("tp_ep") > 1:
             out = self._allgather(tokens, probs, indices)
         else:
