@@ -89,11 +89,11 @@ def unscale_and_check(grads: Iterable[Optional[torch.Tensor]], scale: torch.Tens
 
     The flag is a ``[1]`` fp32 tensor all-reduced with MAX over ``group`` (recorded by
     :mod:`course_lib.comm` as kind ``"mp"``); ``group=None`` or a group of one: this rank alone."""
+    grads = [g for g in grads if g is not None]
+    device = grads[0].device if grads else scale.device      # NCCL reduces CUDA tensors: the flag lives with them
     inv = scale.double().reciprocal().float()
-    found = torch.zeros(1, dtype=torch.float32, device=scale.device)
+    found = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads:
-        if g is None:
-            continue
         if g.dtype != torch.float32:
             raise ValueError(f"unscale_and_check: grads must be the fp32 main grads, got {g.dtype}")
         g.mul_(inv.to(g.device))
