@@ -20,6 +20,7 @@ from unittest import mock
 
 import pytest
 
+from course_lib import rules
 from course_lib.moe.grid import EXPERT_TOKENS, MoEGrid, expert_groups
 from course_lib.rules import divisors
 
@@ -194,5 +195,8 @@ def test_refusals_are_one_line_and_name_the_flags(kwargs, message):
 
 
 def test_local_experts_refuses_experts_not_divisible_by_ep():
-    with pytest.raises(ValueError, match=r"num-experts=6 is not divisible by expert-model-parallel-size=4"):
+    with pytest.raises(ValueError, match=r"num-experts=6 is not divisible by expert-model-parallel-size=4") as e:
         MoEGrid(4, ep=4).local_experts(0, 6)
+    with pytest.raises(ValueError) as rule:
+        rules.moe_experts(6, 4)
+    assert str(e.value) == str(rule.value)  # the rule book's rule, one message

@@ -162,10 +162,7 @@ class MoEGrid:
     def local_experts(self, rank: int, num_experts: int) -> list[int]:
         """Global indices of the experts ``rank`` holds: ``num_experts / ep`` consecutive ones
         (Megatron's ``local_expert_indices``). ``--num-experts`` must be divisible by ``ep``."""
-        n = rules.integer("num-experts", num_experts)
-        if n % self.ep:
-            raise ValueError(f"num-experts={n} is not divisible by {EP_FLAG}={self.ep}; each expert-parallel "
-                             f"rank holds num_experts / ep experts: use a multiple of {self.ep}")
+        n = rules.moe_experts(rules.integer("num-experts", num_experts), self.ep)
         per = n // self.ep
         first = self.ep_rank(rank) * per
         return list(range(first, first + per))
