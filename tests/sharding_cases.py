@@ -10,6 +10,7 @@ test).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -124,11 +125,12 @@ def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: 
 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
-        break_with=None, tp_group=None, clip_grad: float = 0.0, **kwargs) -> dict:
+        break_with=None, tp_group=None, clip_grad: float = 0.0, micro_batches: int = 1, **kwargs) -> dict:
     """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
     each global batch. Returns the local losses, the final full params, bytes per rank, the
     collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper;
-    ``tp_group``: the model is tensor-parallel over it (params are gathered for the comparison)."""
+    ``tp_group``: the model is tensor-parallel over it (params are gathered for the comparison);
+    ``micro_batches``: the rank's rows in that many micro-batches, all but the last under ``no_sync``."""
     from course_lib.distributed import wrap
     model = model if model is not None else make_model(dtype)
     ddp = wrap(model, dp_group, **kwargs)
@@ -141,10 +143,15 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
         x, y = x[dp_rank * rows:(dp_rank + 1) * rows], y[dp_rank * rows:(dp_rank + 1) * rows]
         ddp.zero_grad()
         ddp.comm.clear()
-        loss = loss_fn(ddp(x), y)
-        ddp.scale_loss(loss).backward()
+        loss = 0.0
+        for m, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            # gradient accumulation: only the last micro-batch's backward starts the collectives
+            with ddp.no_sync() if m < micro_batches - 1 else contextlib.nullcontext():
+                part = loss_fn(ddp(xm), ym) / micro_batches
+                ddp.scale_loss(part).backward()
+            loss += part.item()
         result = ddp.step(LR, clip_grad=clip_grad)
-        losses.append(loss.item())
+        losses.append(loss)
         norms.append(result["grad_norm"])
     params = ddp.full_parameters()
     if tp_group is not None:  # this rank holds TP shards: the whole tensors from the TP group

@@ -11,6 +11,9 @@ returns losses, final params, bytes per rank, the last step's collectives and it
   (``megatron_optimizer_bytes_per_param``) for fp32/fp32, bf16/fp32 and bf16/bf16, with and without
   the distributed optimizer;
 * measured communication per step (the CommRecorder's events) equals ``dp_comm_per_iteration``;
+* gradient accumulation over 2 micro-batches (all but the last under ``no_sync``) equals one
+  process and communicates once per step;
+* the grad norm from the shards (and ``clip_grad``) equals one process's;
 * the timeline: with ``overlap_grad_reduce`` the first bucket's reduce-scatter starts before backward
   ends; without it every collective starts after backward;
 * breaking one piece moves the loss: skipping the param all-gather, skipping the grad reduce-scatter
@@ -99,6 +102,8 @@ def _run_on_ranks():
         "ddp": dict(strategy="no_shard", overlap_grad_reduce=True, **common),
         "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
         "distopt_sync": dict(use_distributed_optimizer=True, **common),  # = strategy "optim"
+        "accumulated": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, micro_batches=2,
+                            **common),
         "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, **common),  # SGD: Adam hides a scale
         "scaled": dict(strategy="optim", loss_scaler=ConstantScaler(), **common),
         # SGD, not Adam: Adam would not notice grads left scaled by 4096 (m / sqrt(v) cancels it)
@@ -141,7 +146,7 @@ def _losses_close(runs, name, ref_losses, rtol):
     return max(errs)
 
 
-@pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"),
+@pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"), ("accumulated", "fp32"),
                                       ("scaled", "fp32"), ("scaled_course", "fp32_sgd"), ("tp2dp2", "dense3"),
                                       ("clipped", "fp32_clip")])
 def test_fp32_modes_equal_one_process(runs, refs, name, ref):
@@ -190,7 +195,8 @@ def test_bytes_per_rank_equal_megatron_table(runs, name, distributed, params_dty
 
 
 @pytest.mark.parametrize("name,ops", [("ddp", {"all_reduce"}), ("distopt", {"reduce_scatter", "all_gather"}),
-                                      ("bf16", {"reduce_scatter", "all_gather"})])
+                                      ("bf16", {"reduce_scatter", "all_gather"}),
+                                      ("accumulated", {"reduce_scatter", "all_gather"})])  # once per step
 def test_comm_per_step_equals_formula(runs, name, ops):
     for r in runs:
         rec = summarize(r[name]["events"])

@@ -5,8 +5,8 @@ One fork launch of 4 gloo ranks trains the MLP of tests/sharding_cases.py with
 without ``--optimizer-cpu-offload``, in fp32 and bf16, and with ``torch.distributed.fsdp.fully_shard``
 (FSDP2) on a CPU gloo DeviceMesh. Checked:
 
-* every fp32 strategy gives the single-process loss within 1e-4 relative at every iteration and the
-  same final params; bf16 ZeRO-2/3 equal a single-process bf16 run within 1e-3;
+* every fp32 strategy (also with 2 accumulated micro-batches) gives the single-process loss within
+  1e-4 relative at every iteration, its grad norm and the same final params; bf16 ZeRO-2/3 equal a single-process bf16 run within 1e-3;
 * measured bytes per rank of params, grads and optimizer state equal ZeRO's ``model_state_bytes`` by
   stage (fp32: 4 + 4 + 8; bf16 with fp32 grads: 2 + 4 + 12), offload's host bytes and bytes moved
   equal ``optimizer_offload_bytes_per_param``;
@@ -71,6 +71,8 @@ def _run_on_ranks():
         "z2": dict(strategy="optim_grads", overlap_grad_reduce=True, **b),
         "z3": dict(strategy="optim_grads_params", overlap_grad_reduce=True),
         "z3_sync": dict(strategy="optim_grads_params"),
+        "z3_accumulated": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2),
+        "z2_accumulated": dict(strategy="optim_grads", overlap_grad_reduce=True, micro_batches=2, **b),
         "z1_offload": dict(strategy="optim", cpu_offload=True, **b),
         "z3_offload": dict(strategy="optim_grads_params", cpu_offload=True),
         "bf16_z2": dict(strategy="optim_grads", dtype=torch.bfloat16, overlap_grad_reduce=True, **b),
@@ -97,7 +99,8 @@ def refs():
     return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16)}
 
 
-@pytest.mark.parametrize("name", ["ddp", "z1", "z2", "z3", "z3_sync", "z1_offload", "z3_offload"])
+@pytest.mark.parametrize("name", ["ddp", "z1", "z2", "z3", "z3_sync", "z1_offload", "z3_offload", "z2_accumulated",
+                                  "z3_accumulated"])
 def test_fp32_strategies_equal_one_process(runs, refs, name):
     ref_losses, ref_params, ref_norms = refs["fp32"]
     got = C.global_losses([r[name] for r in runs])
