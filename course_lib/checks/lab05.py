@@ -670,7 +670,8 @@ def check_gpu_winner(fn, hardware: str = "H100") -> bool:
     if err == "todo":
         return _todo("predict_gpu_winner")
     shape = (None if isinstance(answers, dict) and set(answers) == set(GPU_MODELS) else
-             f"returned {safe_repr(answers)}: return a dict with the keys {', '.join(GPU_MODELS)}, each (config, reason)")
+             f"returned {safe_repr(answers)}: return a dict with the keys {', '.join(GPU_MODELS)}, "
+             "each (config, reason)")
     if err or shape:
         print(f"✗ predict_gpu_winner: {err or shape}")
         return False
@@ -678,7 +679,8 @@ def check_gpu_winner(fn, hardware: str = "H100") -> bool:
     for key, label in GPU_MODELS.items():
         answer = answers[key]
         if not isinstance(answer, (tuple, list)) or len(answer) != 2 or not all(isinstance(x, str) for x in answer):
-            print(f"✗ {key}: {safe_repr(answer)} is not a pair (config, reason) of two strings, e.g. ('A', 'dp_fits')")
+            print(f"✗ {key}: {safe_repr(answer)} is not a pair (config, reason) of two strings, "
+                  "e.g. ('A', 'dp_fits')")
             return False
         got, reason = answer[0].strip().upper(), answer[1].strip()
         if got not in SEED_SWEEP:
@@ -696,7 +698,8 @@ def check_gpu_winner(fn, hardware: str = "H100") -> bool:
             return False
         if reason != _reason_for(plans[want]):
             print(f"✗ {label}: {want} is right, but not because {GPU_REASONS[reason]!r}")
-            print(f"  hint: {_REASON_HINTS.get(reason) or 'look at which configs fit, then at what each adds to the step'}")
+            hint = _REASON_HINTS.get(reason) or "look at which configs fit, then at what each adds to the step"
+            print(f"  hint: {hint}")
             return False
     tiny, big = (projected[k] for k in GPU_MODELS)
     tw, bw = gpu_winner(tiny), gpu_winner(big)

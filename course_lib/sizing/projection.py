@@ -39,7 +39,6 @@ import math
 from dataclasses import dataclass, field, fields, replace
 
 from course_lib import rules
-from course_lib.sizing import _checks
 from course_lib.sizing.comm import cp_comm_per_layer, pp_send_elements, ring_elements_sent, tp_comm_per_layer
 from course_lib.sizing.flops import flops_per_iteration
 from course_lib.sizing.hardware import HARDWARE, Hardware, get_hardware
@@ -60,34 +59,34 @@ element-wise work, communication, the bubble and the optimizer, which are priced
 class Assumptions:
     """Every modelling choice of :func:`project`, by name (default; source)."""
 
-    gemm_efficiency: float = GEMM_EFFICIENCY
-    """fraction of peak FLOP/s the GEMMs reach (fitted once to Narayanan Table 1)."""
-    elementwise_traffic: float = 1.0
-    """HBM passes over Korthikanti Table 2's activation bytes per forward (backward: twice
-    that; full recompute: once more). 1 = each stored byte written once and read once."""
-    flash_attention: bool = False
-    """the attention core fused (Dao 2022): no ``5as^2b`` score bytes through HBM. Off for the
-    2021 runs of Table 1; on for Megatron-core with Transformer Engine (--attention-backend)."""
-    link_efficiency: float = 1.0
-    """fraction of a link's peak bandwidth a collective reaches (1: the datasheet's)."""
-    tp_overlap: float = 0.0
-    """fraction of TP communication hidden behind GEMMs (0 in Megatron 2021; Megatron-core's
-    --tp-comm-overlap with Transformer Engine userbuffers hides much of it on Hopper)."""
-    cp_overlap: float = 0.0
-    """fraction of the CP ring hidden behind attention blocks (Transformer Engine overlaps the
-    next K/V exchange with the current block's attention; 0 = none hidden, an upper bound)."""
-    pp_overlap: float = 0.0
-    """fraction of pipeline send/recv hidden (0: Megatron's 1F1B waits on each p2p pair,
-    pipeline_parallel/schedules.py; --overlap-p2p-comm overlaps them in the interleaved schedule)."""
-    pp_scatter_gather: bool = True
-    """Narayanan §4.1's scatter/gather: across nodes each TP rank sends 1/t of the boundary
-    tensor on its own HCA, then an all-gather over NVLink rebuilds it."""
-    dp_overlap: float = 0.0
-    """fraction of the DP gradient reduction hidden behind the backward pass (0 in Megatron
-    2021, which reduced after backward; --overlap-grad-reduce in Megatron-core hides most)."""
-    optimizer_bytes_per_param: float = 28.0
-    """HBM bytes Adam moves per parameter it updates: fp32 weight, m and v read and written
-    (ZeRO §3.1's 12 bytes, x2), the 2-byte gradient read and the 2-byte weight written."""
+    gemm_efficiency: float = field(default=GEMM_EFFICIENCY, metadata={"help": (
+        'fraction of peak FLOP/s the GEMMs reach (fitted once to Narayanan Table 1).')})
+    elementwise_traffic: float = field(default=1.0, metadata={"help": (
+        "HBM passes over Korthikanti Table 2's activation bytes per forward (backward: twice that; full "
+        'recompute: once more). 1 = each stored byte written once and read once.')})
+    flash_attention: bool = field(default=False, metadata={"help": (
+        'the attention core fused (Dao 2022): no ``5as^2b`` score bytes through HBM. Off for the 2021 runs of '
+        'Table 1; on for Megatron-core with Transformer Engine (--attention-backend).')})
+    link_efficiency: float = field(default=1.0, metadata={"help": (
+        "fraction of a link's peak bandwidth a collective reaches (1: the datasheet's).")})
+    tp_overlap: float = field(default=0.0, metadata={"help": (
+        "fraction of TP communication hidden behind GEMMs (0 in Megatron 2021; Megatron-core's "
+        '--tp-comm-overlap with Transformer Engine userbuffers hides much of it on Hopper).')})
+    cp_overlap: float = field(default=0.0, metadata={"help": (
+        'fraction of the CP ring hidden behind attention blocks (Transformer Engine overlaps the next K/V '
+        "exchange with the current block's attention; 0 = none hidden, an upper bound).")})
+    pp_overlap: float = field(default=0.0, metadata={"help": (
+        "fraction of pipeline send/recv hidden (0: Megatron's 1F1B waits on each p2p pair, "
+        'pipeline_parallel/schedules.py; --overlap-p2p-comm overlaps them in the interleaved schedule).')})
+    pp_scatter_gather: bool = field(default=True, metadata={"help": (
+        "Narayanan §4.1's scatter/gather: across nodes each TP rank sends 1/t of the boundary tensor on its "
+        'own HCA, then an all-gather over NVLink rebuilds it.')})
+    dp_overlap: float = field(default=0.0, metadata={"help": (
+        'fraction of the DP gradient reduction hidden behind the backward pass (0 in Megatron 2021, which '
+        'reduced after backward; --overlap-grad-reduce in Megatron-core hides most).')})
+    optimizer_bytes_per_param: float = field(default=28.0, metadata={"help": (
+        "HBM bytes Adam moves per parameter it updates: fp32 weight, m and v read and written (ZeRO §3.1's 12 "
+        'bytes, x2), the 2-byte gradient read and the 2-byte weight written.')})
 
     def __post_init__(self):
         for name in ("gemm_efficiency", "link_efficiency"):
@@ -334,7 +333,8 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
 
     # the messages sit on the dependency path of the schedule (a stage waits for its input), so their
     # cost is what they add to the simulated makespan: the bubble includes the waits, as a measured one does
-    parts = {"gemm": [gemm_f[r] + gemm_b[r] for r in range(pp)], "elementwise": [mem_f[r] + mem_b[r] for r in range(pp)],
+    parts = {"gemm": [gemm_f[r] + gemm_b[r] for r in range(pp)],
+             "elementwise": [mem_f[r] + mem_b[r] for r in range(pp)],
              "tp": [tp_f + tp_b] * pp, "cp": [cp_f + cp_b] * pp}
     t_f = [gemm_f[r] + mem_f[r] + tp_f + cp_f for r in range(pp)]
     t_b = [gemm_b[r] + mem_b[r] + tp_b + cp_b for r in range(pp)]
@@ -381,8 +381,8 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
         notes.append(f"the busiest rank needs {p.memory['total'] / 1e9:.1f} GB, more than the "
                      f"{hw.hbm_gb:.0f} GB of HBM: the projection is of a run that would not start")
     return Projection(plan=p, hardware=hw, num_nodes=nodes, assumptions=a, t_forward=t_f, t_backward=t_b,
-                      parts=parts, after=after, compute=compute, groups=groups, pipeline_time=pipeline_time, bubble=timeline.bubble_fraction,
-                      step_time=step, timeline=timeline, notes=notes)
+                      parts=parts, after=after, compute=compute, groups=groups, pipeline_time=pipeline_time,
+                      bubble=timeline.bubble_fraction, step_time=step, timeline=timeline, notes=notes)
 
 
 def project_configs(model: ModelSpec, configs: dict, world_size: int = 8, hardware="H100", **kw) -> dict:
@@ -430,9 +430,10 @@ def add_arguments(parser) -> None:
     for f in fields(Assumptions):
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse_bool(), default=None, help=f"assumption (default {f.default})")
+            parser.add_argument(flag, action=argparse_bool(), default=None,
+                                help=f"{f.metadata['help']} (default {f.default})")
         else:
-            parser.add_argument(flag, type=float, default=None, help=f"assumption (default {f.default:g})")
+            parser.add_argument(flag, type=float, default=None, help=f"{f.metadata['help']} (default {f.default:g})")
 
 
 def argparse_bool():
