@@ -94,12 +94,25 @@ def test_stage_0_overlap_only_reduces_and_stage_2_without_offload():
     assert b["megatron"].total == pytest.approx(2 * 1000 + 18 * 1000 / 4)    # fp16 grads 2 + optimizer 16, / d
 
 
+def test_course_trainer_takes_the_same_flags():
+    from course_lib.training.arguments import parse_args
+
+    t = dsc.translate(dsc.load(ZERO3))
+    argv, left_out = dsc.course_flags(t)
+    a = parse_args(argv)
+    assert a.use_megatron_fsdp and a.data_parallel_sharding_strategy == "optim_grads_params" and a.bf16
+    assert a.optimizer_cpu_offload and a.micro_batch_size == 4 and a.global_batch_size == 256
+    assert set(left_out) == {"--ckpt-format", "--suggested-communication-unit-size"}
+    assert set(left_out) | {f for f in argv if f.startswith("--")} == set(_flags(t))
+
+
 def test_cli_prints_flags_bytes_and_unmapped(capsys):
     assert main(["ds-config", str(ZERO3), "--num-params", "7.5e9"]) == 0
     out = capsys.readouterr().out
     assert "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params" in out
     assert "DeepSpeed ZeRO-3: " in out and "= 15 GB" in out and "host 11.2 GB" in out
     assert "without a Megatron-LM equivalent:" in out
+    assert "python -m course_lib train --nproc-per-node 8 --use-megatron-fsdp" in out
 
 
 @pytest.mark.parametrize("text, match", [

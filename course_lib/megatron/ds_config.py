@@ -469,6 +469,27 @@ def translate(config: dict, dp: int | None = None) -> Translation:
     return t
 
 
+# ----------------------------------------------------------------------------------- the course trainer
+
+
+def course_flags(t: Translation) -> tuple[list[str], list[str]]:
+    """``(argv, left_out)``: the translated flags the course's trainer (``python -m course_lib train``,
+    :mod:`course_lib.training.arguments`) takes -- same names, same meaning -- as an argv its parser
+    accepts, and the Megatron flags it does not have."""
+    from course_lib.training.arguments import build_parser
+
+    parser = build_parser()
+    known = {o for a in parser._actions for o in a.option_strings}
+    argv, left_out = [], []
+    for flag, value in t.flags:
+        if flag not in known:
+            left_out.append(flag)
+            continue
+        argv += [flag] if value is None else [flag, _render([flag, value]).split(" ", 1)[1]]
+    parser.parse_args(argv)            # every value is one the trainer accepts (argparse exits otherwise)
+    return argv, left_out
+
+
 # ----------------------------------------------------------------------------------- bytes
 
 
@@ -507,6 +528,10 @@ def report(t: Translation, num_params: float | None = None, dp: int | None = Non
     lines = [f"# {name}: ZeRO stage {t.stage}, {t.precision}"
              + (f", DP {t.dp}" if t.dp else "") + f" (flags verified against Megatron-LM {VERIFIED_AT[0]} "
              f"{VERIFIED_AT[1][:12]})", "Megatron-LM flags:", "  " + (t.command_line() or "(none: the defaults)")]
+    argv, left_out = course_flags(t)
+    nproc = f"--nproc-per-node {t.dp} " if t.dp else ""
+    lines.append(f"course trainer (same flags, on CPU ranks): python -m course_lib train {nproc}{' '.join(argv)}"
+                 + (f"  [not in the course trainer: {' '.join(left_out)}]" if left_out else ""))
     lines.append("from:")
     for key, flags, reason in t.why:
         lines.append(f"  {key} -> {flags}: {reason}")
