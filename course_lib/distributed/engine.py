@@ -160,6 +160,7 @@ class ShardedDataParallel:
         self._unit_bwd_started = [False] * len(self.units)
         self._fwd_span: dict = {}  # unit -> its open forward span (units nest: the root holds the others)
         self._bwd_span: dict = {}
+        self._open_spans: dict = {}  # id(async work) -> the stamp that ends its timeline span
         self._init_buffers()
         self._init_optimizer(optimizer, weight_decay, cpu_offload, optimizer_kwargs)
         self._hooks = self._register_hooks()
@@ -270,11 +271,20 @@ class ShardedDataParallel:
     def _on_done(self, work, ev: dict) -> None:
         """Stamp ``ev['end']`` when ``work`` completes (its future; gloo's reduce-scatter has none: a thread)."""
         def stamp(*_):
-            ev["end"] = self._now()
+            if ev["end"] is None:
+                ev["end"] = self._now()
+        self._open_spans[id(work)] = stamp
         try:
             work.get_future().then(stamp)
         except RuntimeError:
             threading.Thread(target=lambda: (work.wait(), stamp()), daemon=True).start()
+
+    def _wait(self, work) -> None:
+        """Wait for ``work``; its span ends now unless its completion was already stamped."""
+        work.wait()
+        stamp = self._open_spans.pop(id(work), None)
+        if stamp is not None:
+            stamp()
 
     # ------------------------------------------------------------------ grads
 
@@ -298,7 +308,7 @@ class ShardedDataParallel:
         if work is None:
             return
         if work != "done":
-            work.wait()
+            self._wait(work)
         out = st.pop("grad_out")
         if out is not None:
             if self.shard_grads:
@@ -372,7 +382,7 @@ class ShardedDataParallel:
             return
         work, full = st["gather_work"]
         if work is not None:
-            work.wait()
+            self._wait(work)
         st["gather_work"] = None
         if self.shard_params:
             st["param_full"] = full
