@@ -197,3 +197,14 @@ def test_course_gpt_under_zero3(runs):
     want = model_state_bytes(num_params, WORLD, 3, k=8, param_bytes=4, grad_bytes=4)
     got = r0["bytes"]
     assert (got["params"], got["grads"], got["optimizer"]) == (want.weights, want.grads, want.optimizer)
+
+
+def test_formula_extensions_keep_the_paper_and_refuse_bad_bytes():
+    """model_state_bytes' default is still ZeRO's 2 + 2 + K; param/grad bytes must be positive numbers."""
+    assert model_state_bytes(7.5e9, 64, 0) == model_state_bytes(7.5e9, 64, 0, param_bytes=2, grad_bytes=2)
+    assert model_state_bytes(1, 1, 0, k=8, param_bytes=4, grad_bytes=4).total == 16
+    for bad in (0, -2, True, "4"):
+        with pytest.raises(ValueError, match="param_bytes"):
+            model_state_bytes(1, 1, 0, param_bytes=bad)
+    off = optimizer_offload_bytes_per_param(8, False, "bf16", "bf16")
+    assert off == {"device_optimizer": 0.0, "host": 14.0, "d2h": 2.0, "h2d": 2.0}  # not sharded: d ignored
