@@ -51,6 +51,13 @@ How a layout splits the model (a rank holds ``vp`` chunks, :class:`GPTChunk`)
   over the CP group (:func:`course_lib.context_parallel.ring_attention`). Weights are
   replicated over CP: their gradients are averaged over the dp-cp group like DP's.
 
+* **EP** (MoE, ``config.num_experts``): the layers ``--moe-layer-freq`` selects take an MoE MLP
+  (:class:`course_lib.moe.transformer.MoEMLP`): a replicated router and ``num_experts / ep``
+  experts of the master's, split over expert TP; tokens travel to their experts by all-to-all over
+  the EP group (or all-gather over tp-ep). Expert gradients are reduced over the expert
+  data-parallel group (:func:`course_lib.moe.transformer.finalize_moe_grads`), and the groups come
+  from Megatron's second (expert) grid (:func:`course_lib.moe.transformer.new_moe_process_groups`).
+
 Process groups are created once, in Megatron's rank order, by
 :func:`course_lib.process_groups.new_process_groups` and passed in explicitly.
 """
@@ -388,6 +395,7 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
         rules.sequence_parallel_split(config.seq_length, cp, t)
     if config.num_experts is not None:
         rules.moe_sequence_parallel(config.num_experts, t, sequence_parallel)
+        rules.moe_context_parallel(config.num_experts, cp)
         if moe_groups is None:
             raise ValueError(f"num_experts={config.num_experts}: pass moe_groups="
                              f"course_lib.moe.transformer.new_moe_process_groups(grid) to build_model")

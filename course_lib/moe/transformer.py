@@ -374,12 +374,12 @@ def track_moe_metrics(chunks, moe_groups: MoEGroups, num_microbatches: int = 1) 
     data parallel, then the mean over the MoE layers, times ``1 / num_microbatches``. Collective over
     PP, tp-cp and dp-cp: every rank calls it. Returns ``({name: value}, " load_balancing_loss:
     1.000000E+00 |")`` -- the piece Megatron appends to the iteration line."""
-    config = chunks[0].config
+    config, device = chunks[0].config, next(chunks[0].parameters()).device
     pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
     names = ("load_balancing_loss",) * bool(config.moe_aux_loss_coeff) + ("z_loss",) * bool(config.moe_z_loss_coeff)
     out = {}
     for name in names:
-        values = torch.zeros(config.num_layers, dtype=torch.float64)
+        values = torch.zeros(config.num_layers, dtype=torch.float64, device=device)   # NCCL reduces on the GPU
         for m in moe_modules(chunks):
             values[m.layer_number - 1] += float(m.metrics.pop(name, 0.0))
         for group, op in ((moe_groups.pp, "sum"), (moe_groups.tp_cp, "sum"), (moe_groups.dp_cp, "avg")):

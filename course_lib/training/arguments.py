@@ -204,6 +204,7 @@ def _check_moe(a: argparse.Namespace, world_size: int) -> None:
     if a.num_experts is None:
         return
     rules.moe_sequence_parallel(a.num_experts, a.tensor_model_parallel_size, a.sequence_parallel)
+    rules.moe_context_parallel(a.num_experts, a.context_parallel_size)
     MoEGrid(world_size, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
             cp=a.context_parallel_size, ep=ep, expert_tp=a.expert_tensor_parallel_size)
     if getattr(a, "moe_ffn_hidden_size", None) is None:
