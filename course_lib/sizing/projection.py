@@ -109,8 +109,14 @@ class GroupComm:
     link: str            # "NVLink", "network" or "-" (size-1 group)
     bytes_sent: float    # per rank per step
     seconds: float       # transfer + start-up time per step, before any overlap
-    exposed: float       # seconds left on the step after overlap
+    _exposed: object     # seconds left on the step after overlap (or a function computing it, called once)
     overlap: str = ""
+
+    @property
+    def exposed(self) -> float:
+        if callable(self._exposed):
+            self._exposed = float(self._exposed())
+        return self._exposed
 
 
 @dataclass
@@ -352,7 +358,9 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
     pipeline_time = timeline.makespan
     if pp > 1:
         sends = 2 * m * vp  # a middle rank: one activation and one gradient per micro-batch and chunk
-        added = pipeline_time - simulate(schedule, t_f, t_b).makespan
+        def added(schedule=schedule, t_f=t_f, t_b=t_b, with_messages=pipeline_time):
+            return with_messages - simulate(schedule, t_f, t_b).makespan  # a second simulation, when asked
+
         groups["pp"] = GroupComm("pp", pp, name, x * sends, pp_raw * sends, added,
                                  f"{a.pp_overlap:.0%} hidden (pp_overlap); exposed = what the waits add to the "
                                  f"simulated schedule (in its bubble)")
