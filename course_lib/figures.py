@@ -38,7 +38,7 @@ from course_lib.safe_files import OutputLedger, OutputPathError, check_output_di
 # module path -> function name; each function takes the output folder and returns the paths it wrote
 WRITERS = {
     "course_lib.collectives": "write_figures",
-    "course_lib.figures_topology": "write_figures",
+    "course_lib.topology.figures": "write_figures",
     "course_lib.pipeline.plots": "write_figures",
     "course_lib.figures": "write_theory_figures",
     "course_lib.sweep": "write_figures",
@@ -46,7 +46,7 @@ WRITERS = {
 # The PNGs of these writers are stored as 64-colour palettes: the same picture to the eye, 4-6 times
 # smaller, since the labs carry them as cell attachments (course_lib.notebook_figures). The sweep's
 # plots stay exactly as `make sweep` publishes them.
-COMPACT_WRITERS = ("course_lib.collectives", "course_lib.figures_topology", "course_lib.pipeline.plots",
+COMPACT_WRITERS = ("course_lib.collectives", "course_lib.topology.figures", "course_lib.pipeline.plots",
                    "course_lib.figures")
 PALETTE_COLOURS = 64
 _LISTED_CONFLICTS = 5  # names shown in the refusal; the rest are counted

@@ -8,8 +8,8 @@
   a warning, so an edited heading never breaks the build.
 * :func:`widget_view`: a widget cannot run on a static page, so its output is replaced
   by a picture of the view the widget opens with, drawn by the same tested function
-  the widget calls (``widgets_topology.render``, ``pipeline.widget.explore``,
-  ``widgets_sizing.memory_figure``), with the call's own arguments.
+  the widget calls (``topology.widget.render``, ``pipeline.widget.explore``,
+  ``sizing.widget.memory_figure``), with the call's own arguments.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def _rank_map_view(stem: str, args, kwargs) -> WidgetView:
     name = f"{WIDGET_FOLDER}/{stem}-rank-map.svg"
     caption = f"Rank map widget on start: {out['grid']!r}"
     return WidgetView({name: out["svg"].encode("utf-8")},
-                      _note("widgets_topology.render") + figure_html(name, caption) + out["table"])
+                      _note("topology.widget.render") + figure_html(name, caption) + out["table"])
 
 
 def _pipeline_view(stem: str, args, kwargs) -> WidgetView:
@@ -140,14 +140,14 @@ def _pipeline_view(stem: str, args, kwargs) -> WidgetView:
 
 def _sizing_view(stem: str, args, kwargs) -> WidgetView:
     from course_lib.sizing.planner import PRESETS, plan, summary
-    from course_lib.widgets_sizing import explorer, memory_figure
+    from course_lib.sizing.widget import explorer, memory_figure
 
     call = inspect.signature(explorer).bind(*args, **kwargs)
     call.apply_defaults()
     preset = PRESETS[call.arguments["preset"]]  # the explorer loads every control from the preset
     p = plan(preset["model"], **preset["config"])
     name = f"{WIDGET_FOLDER}/{stem}-sizing.png"
-    return WidgetView({name: _png(memory_figure(p))}, _note("widgets_sizing.memory_figure") +
+    return WidgetView({name: _png(memory_figure(p))}, _note("sizing.widget.memory_figure") +
                       figure_html(name, f"Sizing explorer on start: {call.arguments['preset']}") +
                       f"<pre>{html.escape(summary(p))}</pre>")
 

@@ -12,7 +12,7 @@ Modules, one idea each:
 :mod:`.dense`       the single-process reference with the same structure
 :mod:`.sharding`    dense <-> shards, gradient re-assembly, SP gradient all-reduce
 :mod:`.memory`      per-rank parameter bytes vs TP size (table and bar chart)
-:mod:`.pictures`    column/row split drawings
+:mod:`.plots`       column/row split drawings
 ==================  ==========================================================
 
 Every function and layer takes the TP process group explicitly; a group of one
