@@ -125,12 +125,14 @@ def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: 
 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
-        break_with=None, tp_group=None, clip_grad: float = 0.0, micro_batches: int = 1, **kwargs) -> dict:
+        break_with=None, tp_group=None, clip_grad: float = 0.0, micro_batches: int = 1, probe=None,
+        **kwargs) -> dict:
     """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
     each global batch. Returns the local losses, the final full params, bytes per rank, the
     collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper;
     ``tp_group``: the model is tensor-parallel over it (params are gathered for the comparison);
-    ``micro_batches``: the rank's rows in that many micro-batches, all but the last under ``no_sync``."""
+    ``micro_batches``: the rank's rows in that many micro-batches, all but the last under ``no_sync``;
+    ``probe(ddp, model)``: anything picklable to return as ``"probe"`` after the last step."""
     from course_lib.distributed import wrap
     model = model if model is not None else make_model(dtype)
     ddp = wrap(model, dp_group, **kwargs)
@@ -157,7 +159,7 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
     if tp_group is not None:  # this rank holds TP shards: the whole tensors from the TP group
         from course_lib.tensor_parallel import gather_full_params
         params = gather_full_params(model, tp_group)
-    return dict(losses=losses, grad_norms=norms, params=params, bytes=ddp.bytes_per_rank(),
+    return dict(losses=losses, grad_norms=norms, params=params, probe=probe(ddp, model) if probe else None, bytes=ddp.bytes_per_rank(),
                 events=[e for e in ddp.comm.events if e.tag in ("grads", "params")],
                 timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
 

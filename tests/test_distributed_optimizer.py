@@ -60,6 +60,14 @@ def _no_grad_scaling(ddp):
     ddp.gradient_scaling_factor = 1.0  # grads summed over the ranks instead of averaged
 
 
+def _main_grads(ddp, model):
+    """The last step's main grads (averaged over dp), or main_grad's refusal (ZeRO-2/3)."""
+    try:
+        return {n: ddp.main_grad(p).clone() for n, p in model.named_parameters()}
+    except ValueError as e:
+        return str(e)
+
+
 BAD_INPUTS = [  # (kwargs of wrap, the flag the message must name)
     (dict(strategy="zero3"), "--data-parallel-sharding-strategy"),
     (dict(strategy="no_shard", overlap_param_gather=True, overlap_grad_reduce=True), "--use-distributed-optimizer"),
@@ -99,9 +107,10 @@ def _run_on_ranks():
     r = dist.get_rank(dp4)
     common = dict(bucket_size=600)
     runs = {
-        "ddp": dict(strategy="no_shard", overlap_grad_reduce=True, **common),
+        "ddp": dict(strategy="no_shard", overlap_grad_reduce=True, probe=_main_grads, **common),
         "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
         "distopt_sync": dict(use_distributed_optimizer=True, **common),  # = strategy "optim"
+        "zero2_main_grad": dict(strategy="optim_grads", iters=1, probe=_main_grads),
         "accumulated": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, micro_batches=2,
                             **common),
         "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, **common),  # SGD: Adam hides a scale
@@ -279,3 +288,12 @@ def test_overlap_is_measured_and_drawn(runs):
     ax = plot_timeline([r["distopt"]["timeline"] for r in runs])
     assert len(ax.get_yticks()) == 2 * WORLD
     assert len(ax.patches) == sum(len(r["distopt"]["timeline"]) for r in runs)  # one bar per span
+
+
+def test_main_grad_is_the_averaged_grad(runs, refs):
+    for r in runs:
+        grads = r["ddp"]["probe"]
+        norm = float(torch.sqrt(sum(g.double().square().sum() for g in grads.values())))
+        assert C.rel(norm, refs["fp32"].grad_norms[-1]) < 1e-5
+        assert grads["fc1.weight"].shape == (C.HID, C.IN)
+        assert "1/d grad shard" in r["zero2_main_grad"]["probe"]

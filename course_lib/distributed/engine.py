@@ -579,6 +579,18 @@ class ShardedDataParallel:
         out.update(moved_d2h=moved["d2h"], moved_h2d=moved["h2d"])
         return out
 
+    def main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s accumulated grad in the grad buffer (grad dtype, ``param``'s shape): Megatron's
+        ``param.main_grad``. After :meth:`finish_grad_sync` it is the dp average under ``no_shard``;
+        under ``optim`` only this rank's shard of it is averaged. A trainer all-reduces tied-embedding
+        and sequence-parallel LayerNorm grads here (``finalize_model_grads``). ZeRO-2/3 keep no full
+        buffer past the reduce-scatter, so there is none to return."""
+        if self.shard_grads:
+            raise ValueError(f"main_grad: strategy={self.strategy!r} keeps only a 1/d grad shard; use "
+                             f"strategy 'no_shard' or 'optim' for full main grads")
+        b, pr = self._where[id(param)]
+        return b.state["grad_full"][pr.start:pr.end].view(self._shapes[id(param)])
+
     def full_parameters(self) -> dict:
         """``{name: full parameter}`` (ZeRO-3: all-gathered, then released; recorded with tag
         ``"inspect"``) -- for checks against a single-process run."""
