@@ -11,12 +11,19 @@ module                      what it computes (source)
                             §5; Megatron's distributed optimizer)
 :mod:`.comm`                the ring cost model; elements sent per rank by TP/SP, PP, DP (ZeRO),
                             CP (Narayanan §3)
-:mod:`.planner`             one configuration end to end, for the explorer widget
+:mod:`.planner`             one configuration end to end (validated once, then bytes and FLOPs)
+:mod:`.hardware`            GPU profiles (A100, H100, H200): peak FLOP/s, HBM, NVLink, network;
+                            each number with its datasheet
+:mod:`.projection`          a plan timed on a named GPU cluster: step time, tokens/s, MFU, each
+                            group's communication on NVLink or the network (checked against
+                            Narayanan 2021 Table 1); ``python -m course_lib project``
+:mod:`.moe`                 Mixture-of-Experts parameters, active parameters, bytes per rank
+:mod:`.widget`              the sizing explorer (ipywidgets over :mod:`.planner`)
 ==========================  =====================================================================
 
 The pipeline-bubble functions (``bubble_fraction``, ``pipeline_bubble_time``,
 ``inflight_microbatches``) live with the pipeline lab in :mod:`course_lib.pipeline.bubbles` and
-are re-exported here when that module is present (one implementation, shared).
+are re-exported here (one implementation, shared).
 """
 
 from course_lib.sizing.comm import (
@@ -53,6 +60,8 @@ from course_lib.sizing.memory import (
     output_activation_terms,
 )
 from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan, validate_config
+from course_lib.sizing.hardware import HARDWARE, Hardware, get_hardware
+from course_lib.sizing.projection import Assumptions, Projection, project
 
 from course_lib.pipeline.bubbles import bubble_fraction, inflight_microbatches, pipeline_bubble_time
 
