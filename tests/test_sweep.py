@@ -133,6 +133,31 @@ def test_communication_per_group_matches_the_model_shapes(swept, runs):
     assert "| config | tp | pp | dp | embedding | tp-pp |" in md
 
 
+def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(runs, tmp_path):
+    """The Day 22 table's sharded row (Lab 07): D with Megatron-FSDP's ZeRO-3 over its DP 2, through the
+    sweep (fork, 2 iterations), against the single process and against the swept D. fp32 Adam holds
+    4 + 4 + 8 = 16 bytes per parameter; ZeRO-3 over d = 2 ranks leaves 8 on each (ZeRO's formula)."""
+    from course_lib.sizing.memory import model_state_bytes
+
+    sweep = S.run_sweep(["D-zero3"], out=tmp_path, iters=ITERS, run_name="z3", launcher="fork", timeout=120,
+                        progress=False)
+    z3 = sweep["runs"][0]
+    assert "--use-megatron-fsdp" in z3.argv and "optim_grads_params" in z3.argv
+    ok, worst = S.check_loss_parity(z3)
+    assert ok and worst < 1e-4, worst
+    for d_rank, z_rank in zip(runs["D"].records, z3.records):
+        psi = z_rank["num_parameters"]
+        assert d_rank["memory"]["allocated"] == 16 * psi
+        want = model_state_bytes(psi, 2, 3, k=8, param_bytes=4, grad_bytes=4)
+        assert z_rank["memory"]["allocated"] == want.weights + want.grads + want.optimizer == 8 * psi
+        assert z_rank["state_bytes"]["params"] == want.weights
+    memory = parse_log(z3.log).memory                       # the log's memory lines carry the sharded bytes
+    assert memory and all(m["params_bytes"] == 2 * z3.records[m["rank"]]["num_parameters"] for m in memory)
+    rows = (tmp_path / "record_table.csv").read_text().splitlines()
+    assert [r.split(",")[0] for r in rows[1:]] == ["D-zero3"]
+    assert z3.row()["max mem/rank (MB)"] < runs["D"].row()["max mem/rank (MB)"]
+
+
 def test_groups_seen_by_the_ranks_are_megatrons(runs):
     grid = RankGrid(8, tp=2, pp=2, cp=1)
     assert runs["D"].groups() == {axis: sorted(grid.groups(axis)) for axis in ("tp", "cp", "dp", "pp")}
@@ -189,7 +214,7 @@ def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: S.parse_configs("A,G"), "unknown config G: the seed's sweep has A, B, C, D, E, F"),
+    (lambda: S.parse_configs("A,G"), "unknown config G: the sweep has A, B, C, D, E, F, D-distopt, D-zero3"),
     (lambda: S.parse_configs("A,a"), "names a config twice"),
     (lambda: S.config_argv("F", world_size=4), "config F .* world_size=4 is not divisible by"),
     (lambda: S.config_argv("C", world_size=8, num_attention_heads=6), "num_attention_heads=6 is not divisible"),
@@ -206,6 +231,8 @@ def test_bad_input_fails_in_one_line_before_anything_runs(call, message):
 
 def test_parse_configs_and_progress_bar():
     assert S.parse_configs(None) == list("ABCDEF") and S.parse_configs("e, a") == ["E", "A"]
+    assert S.parse_configs("all,d-zero3") == [*"ABCDEF", "D-zero3"]          # the sharded rows only by name
+    assert S.SWEEP_CONFIGS["D-distopt"] == S.SWEEP_CONFIGS["D-zero3"] == SEED_SWEEP["D"]
     assert S._progress(0, 6, 0.0) == "[........................] 0/6 configs, 0 s"
     assert S._progress(3, 6, 30.0) == "[############............] 3/6 configs, 30 s, ~30 s left"
 

@@ -72,7 +72,7 @@ from course_lib.sweep.report import (  # noqa: F401
     plot_memory_per_rank, plot_tokens_per_s, run_lines, runs_caption, summary_markdown)
 from course_lib.sweep.runs import (  # noqa: F401
     COMM_KINDS, DEFAULT_ITERS, LOG_INTERVAL, MB, SETUP_SOURCES, SUMMARY_NAME, SWEEP_BATCH, SWEEP_LR,
-    SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order, measured_timelines, model_of,
+    SHARDED_CONFIGS, SWEEP_CONFIGS, SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order, measured_timelines, model_of,
     parse_configs, run_config, summary_timeline, sweep_rank)
 
 # What the sweep writes at the top of --out (besides <config>.log/.json), and beside them in each run folder.
@@ -113,7 +113,7 @@ def latest_summary(out, current: Optional[dict] = None) -> dict:
     with ``sources``: the runs those results come from and how each ended (``current``: the state
     of a run in progress, newer than its file)."""
     out = Path(out)
-    found = [json.loads((out / f"{n}.json").read_text()) for n in SEED_SWEEP if (out / f"{n}.json").is_file()]
+    found = [json.loads((out / f"{n}.json").read_text()) for n in SWEEP_CONFIGS if (out / f"{n}.json").is_file()]
     if not found:
         raise ValueError(f"no sweep results in {out}: run `python -m course_lib sweep --out {out}` first")
     rows_by_run: dict = {}
@@ -196,7 +196,7 @@ def _write_run_tables(run: dict, run_dir: Path, plots: bool = True) -> None:
 def _write_tables(run: dict, out: Path, run_dir: Path, own: OutputLedger, plots: bool = True) -> None:
     """The run's tables in its folder, and the tables over the latest result of every config in ``out``."""
     _write_run_tables(run, run_dir, plots)
-    if any((out / f"{n}.json").is_file() for n in SEED_SWEEP):
+    if any((out / f"{n}.json").is_file() for n in SWEEP_CONFIGS):
         sweep = latest_summary(out, current=run)
         own.write({**_table_files(sweep), **(_plot_files(sweep) if plots else {})})
 
@@ -287,7 +287,7 @@ def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iter
     try:
         with sigterm_raises():
             for i, n in enumerate(names):
-                tp, pp, cp = SEED_SWEEP[n]
+                tp, pp, cp = SWEEP_CONFIGS[n]
                 say(f"{_progress(i, len(names), time.perf_counter() - start)}  running {n}: TP {tp} x PP {pp} x "
                     f"CP {cp} x DP {world_size // (tp * pp * cp)}")
                 result = runner(n, world_size=world_size, iters=iters, launcher=launcher, timeout=timeout, **model)
@@ -370,7 +370,8 @@ def write_figures(out_dir, sweep: Optional[dict] = None) -> list[Path]:
 def add_arguments(parser) -> None:
     parser.description = ("Train the tiny GPT under the Day 22 configs A-F on real ranks; save each log, the "
                           "record table, communication by group, the bubble and plots.")
-    parser.add_argument("--configs", default=None, help="comma-separated subset of A,B,C,D,E,F (default: all)")
+    parser.add_argument("--configs", default=None,
+                        help=f"comma-separated subset of {','.join(SWEEP_CONFIGS)} (default: the seed's A-F)")
     parser.add_argument("--out", default="logs/day22", type=Path, help="output folder (default logs/day22)")
     parser.add_argument("--iters", type=int, default=DEFAULT_ITERS, help=f"--train-iters per config "
                                                                        f"(default {DEFAULT_ITERS})")

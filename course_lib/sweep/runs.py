@@ -25,19 +25,33 @@ LOG_INTERVAL = 2
 COMM_KINDS = ("tp", "cp", "pp", "dp", "dp-cp", "embedding", "tp-pp")   # display order
 MB = 1024.0 * 1024.0
 SUMMARY_NAME = "day22_sweep.json"
+# Config D (TP 2, PP 2, DP 2) again with its DP state sharded (Lab 07, course_lib.distributed through
+# course_lib.train's Megatron flags): the distributed optimizer (ZeRO-1) and Megatron-FSDP's ZeRO-3.
+# Not in the default sweep (A-F, the seed's); run them by name: --configs D,D-distopt,D-zero3.
+SHARDED_CONFIGS = {
+    "D-distopt": ("D", ("--use-distributed-optimizer",)),
+    "D-zero3": ("D", ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params")),
+}
+SWEEP_CONFIGS = {**SEED_SWEEP, **{name: SEED_SWEEP[base] for name, (base, _) in SHARDED_CONFIGS.items()}}
+"""Every config the sweep can run: ``{name: (tp, pp, cp)}``, the seed's A-F then :data:`SHARDED_CONFIGS`."""
 
 
 # ============================================================================ one config
 
 
 def parse_configs(text: Optional[str]) -> list[str]:
-    """``"A,C"`` -> ``["A", "C"]`` (seed order kept as given; ``None``/``"all"`` -> A-F)."""
+    """``"A,C"`` -> ``["A", "C"]`` (order kept as given; ``None``/``"all"`` -> the seed's A-F; the
+    sharded variants of :data:`SHARDED_CONFIGS` only by name: ``"D,D-zero3"``, or ``"all,D-distopt,D-zero3"``
+    for the whole Day 22 table)."""
     if text is None or text.strip().lower() in ("", "all"):
         return list(SEED_SWEEP)
-    names = [n.strip().upper() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in SEED_SWEEP]
+    canonical = {n.upper(): n for n in SWEEP_CONFIGS}
+    names = []
+    for item in (n.strip() for n in text.split(",") if n.strip()):
+        names += list(SEED_SWEEP) if item.lower() == "all" else [canonical.get(item.upper(), item)]
+    bad = [n for n in names if n not in SWEEP_CONFIGS]
     if bad:
-        raise ValueError(f"unknown config {', '.join(bad)}: the seed's sweep has {', '.join(SEED_SWEEP)} "
+        raise ValueError(f"unknown config {', '.join(bad)}: the sweep has {', '.join(SWEEP_CONFIGS)} "
                          f"(e.g. --configs A,D)")
     if len(set(names)) != len(names):
         raise ValueError(f"--configs {text} names a config twice; give each once")
@@ -55,13 +69,13 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
     """
     from course_lib.train import parse_args, validate_args
 
-    if name not in SEED_SWEEP:
-        raise ValueError(f"unknown config {name!r}: use one of {', '.join(SEED_SWEEP)}")
+    if name not in SWEEP_CONFIGS:
+        raise ValueError(f"unknown config {name!r}: use one of {', '.join(SWEEP_CONFIGS)}")
     unknown = set(model) - set(SWEEP_MODEL) - set(SWEEP_BATCH)
     if unknown:
         raise ValueError(f"unknown model setting {', '.join(sorted(unknown))}: use "
                          f"{', '.join(list(SWEEP_MODEL) + list(SWEEP_BATCH))}")
-    tp, pp, cp = SEED_SWEEP[name]
+    tp, pp, cp = SWEEP_CONFIGS[name]
     sizes = {**SWEEP_MODEL, **SWEEP_BATCH, **model}
     argv = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--context-parallel-size", str(cp)]
@@ -69,6 +83,7 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
         argv += ["--" + key.replace("_", "-"), str(value)]
     argv += ["--train-iters", str(iters), "--log-interval", str(min(log_interval, iters)), "--lr", f"{SWEEP_LR:g}",
              "--uniform-vocab-padding"]          # A-F train one model (384 vocabulary rows), compared row by row
+    argv += list(SHARDED_CONFIGS.get(name, ("", ()))[1])
     try:
         _, config = validate_args(parse_args(argv), world_size)
     except ValueError as exc:
