@@ -155,7 +155,8 @@ def _losses_close(runs, name, ref_losses, rtol):
     return max(errs)
 
 
-@pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"), ("accumulated", "fp32"),
+@pytest.mark.parametrize("name,ref", [("ddp", "fp32"), ("distopt", "fp32"), ("distopt_sync", "fp32"),
+                                      ("accumulated", "fp32"),
                                       ("scaled", "fp32"), ("scaled_course", "fp32_sgd"), ("tp2dp2", "dense3"),
                                       ("clipped", "fp32_clip")])
 def test_fp32_modes_equal_one_process(runs, refs, name, ref):

@@ -6,7 +6,8 @@ without ``--optimizer-cpu-offload``, in fp32 and bf16, and with ``torch.distribu
 (FSDP2) on a CPU gloo DeviceMesh. Checked:
 
 * every fp32 strategy (also with 2 accumulated micro-batches) gives the single-process loss within
-  1e-4 relative at every iteration, its grad norm and the same final params; bf16 ZeRO-2/3 equal a single-process bf16 run within 1e-3;
+  1e-4 relative at every iteration, its grad norm and the same final params; bf16 ZeRO-2/3 equal a
+  single-process bf16 run within 1e-3;
 * measured bytes per rank of params, grads and optimizer state equal ZeRO's ``model_state_bytes`` by
   stage (fp32: 4 + 4 + 8; bf16 with fp32 grads: 2 + 4 + 12), offload's host bytes and bytes moved
   equal ``optimizer_offload_bytes_per_param``;

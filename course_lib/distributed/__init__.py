@@ -16,11 +16,13 @@ API (what Lab 07 calls)
 
     ddp = wrap(model, dp_group,                       # a ProcessGroups works too (its .dp_cp is used)
                strategy="optim",                      # Megatron-FSDP's --data-parallel-sharding-strategy:
-                                                      #   "no_shard" (DDP), "optim" (ZeRO-1 = --use-distributed-optimizer),
+                                                      #   "no_shard" (DDP), "optim" (ZeRO-1, Megatron's
+                                                      #   --use-distributed-optimizer),
                                                       #   "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3)
                bucket_size=40_000,                    # --ddp-bucket-size, elements per bucket (None: one bucket)
                overlap_grad_reduce=True,              # --overlap-grad-reduce: a bucket's collective starts in backward
-               overlap_param_gather=True,             # --overlap-param-gather: next step's all-gather waited for in forward
+               overlap_param_gather=True,             # --overlap-param-gather: the next step's all-gather,
+                                                      #   waited for in forward
                cpu_offload=False,                     # --optimizer-cpu-offload: Adam state + update on the host
                grad_reduce_in_fp32=True,              # --accumulate-allreduce-grads-in-fp32 (16-bit params only)
                optimizer="adam", weight_decay=0.01,   # course_lib.optimizer.Optimizer's elementwise AdamW/SGD
@@ -30,8 +32,10 @@ API (what Lab 07 calls)
         ddp.zero_grad()
         loss = loss_fn(ddp(x_my_slice), y_my_slice)   # ddp(...) == model(...); the local mean loss
         loss.backward()                                # (x loss_scaler.scale when a scaler is given: ddp.scale_loss)
-        result = ddp.step(lr)                          # finish grad sync, shard update, param all-gather
-                                                       # -> {"skipped": bool, "found_inf": bool}
+        result = ddp.step(lr, clip_grad=0.0)           # finish grad sync, shard update, param all-gather
+                                                       # -> {"skipped", "found_inf", "grad_norm"}
+    with ddp.no_sync(): ...                            # micro-batches before the last: no collective
+    ddp.main_grad(param)   # Megatron's param.main_grad (no_shard / optim), for finalize_model_grads
     ddp.bytes_per_rank()   # {"params", "grads", "optimizer", ...} bytes measured from the tensors held
     ddp.timeline           # [{"rank", "name", "kind", "start", "end"}] seconds since the step's start
     ddp.comm               # a course_lib.comm.CommRecorder holding every collective this wrapper issued
@@ -58,8 +62,20 @@ Loss scaler protocol (``course_lib.mixed_precision`` implements it; any object w
   tensors (its shard); divides them by ``scale`` in place, returns True if any is inf/NaN;
 * ``update(found_inf)`` -- grows/backs off the scale (Megatron's ``DynamicGradScaler``).
 ``found_inf`` is OR-ed over the data-parallel group (each rank sees only its shard), and over the
-model-parallel group when ``wrap`` was given a ProcessGroups, before ``update``; a step with ``found_inf`` is skipped (params untouched), as Megatron counts
-"skipped iterations".
+model-parallel group when ``wrap`` was given a ProcessGroups, before ``update``; a step with
+``found_inf`` is skipped (params untouched), as Megatron counts "skipped iterations".
+
+What to compare the measurements with (``course_lib.sizing``)
+-------------------------------------------------------------
+* ``bytes_per_rank()`` -- ``sizing.memory.model_state_bytes(P, d, stage, k, param_bytes, grad_bytes)``
+  (ZeRO's ``(2 + 2 + K) P`` by stage; fp32: ``4, 4, k=8``; bf16 with fp32 grads: ``2, 4, k=12``),
+  ``sizing.memory.megatron_optimizer_bytes_per_param(d, distributed, params_dtype, grad_dtype)``
+  (Megatron's table: 16 / 8 + 8/d, 18 / 6 + 12/d, 20 / 4 + 16/d), and with ``cpu_offload``
+  ``sizing.memory.optimizer_offload_bytes_per_param`` (host bytes, bytes moved each way);
+* ``comm`` -- ``sizing.comm.dp_comm_per_iteration(P, d, zero_stage=...)["total"]`` equals
+  ``ddp.comm.ring_elements_sent()`` of one step (ZeRO-3: 1.5x the all-reduce).
+Each equality is asserted on 4 real ranks in tests/test_distributed_optimizer.py and
+tests/test_megatron_fsdp.py.
 """
 
 from course_lib.distributed.engine import STRATEGIES, ShardedDataParallel, wrap  # noqa: F401

@@ -6,9 +6,9 @@ arXiv:2101.06840, §4.1): fp32 main params and Adam's moments stay on the host a
 there; each step the grad shard goes device -> host and the updated param shard host -> device.
 
 On a GPU run the pool is pinned host memory (``pin_memory=True``: page-locked, so the DMA engine
-copies it at full PCIe/NVLink-C2C speed). On a CPU run "host" and "device" are the same memory, so the pool is a separate,
-tracked allocation: the tensors are still distinct, every byte still moves through :meth:`to_host`
-/ :meth:`to_device`, and :attr:`allocated` / :attr:`moved` count them.
+copies it at full PCIe/NVLink-C2C speed). On a CPU run "host" and "device" are the same memory,
+so the pool is a separate, tracked allocation: the tensors are still distinct, every byte still
+moves through :meth:`to_host` / :meth:`to_device`, and :attr:`allocated` / :attr:`moved` count them.
 """
 
 from __future__ import annotations
