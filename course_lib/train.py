@@ -49,6 +49,21 @@ after ``finalize_model_grads`` the grads are unscaled and checked for inf/NaN, t
 all-reduced with MAX over the model-parallel group, and an overflowing iteration is skipped
 (no step, no learning-rate step) and counted in the log line's ``number of skipped iterations``.
 
+State sharding (Megatron's ``--use-distributed-optimizer``, ``--overlap-grad-reduce``,
+``--overlap-param-gather``, ``--ddp-bucket-size``, ``--use-megatron-fsdp
+--data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}``,
+``--optimizer-cpu-offload`` with ``--use-precision-aware-optimizer``; rules in
+:func:`course_lib.rules.sharding_flags`): the model chunk is wrapped by :mod:`course_lib.distributed`
+and steps 3-5 run on its buckets -- reduce(-scatter) over dp-cp, the finalizer's sums, norm and
+clipping on the shards, the shard's update, the param all-gather (ZeRO-3: gathered per unit in
+forward and backward) -- see :mod:`course_lib.training.sharding`. Flag semantics are Megatron-LM
+main's (``--use-megatron-fsdp`` turns the distributed optimizer on, and the strategy defaults to
+``optim_grads_params``; core 0.16.1 defaulted it to ``no_shard`` and did not). One model chunk per
+rank (no virtual stages); ZeRO-3 under GPipe needs one micro-batch. The memory line then reports
+the engine's measured bytes and appends them as ``| params (bytes): N | grads (bytes): N |
+optimizer (bytes): N | optimizer on host (bytes): N``. ``--bf16`` keeps fp32 params (autocast), so
+the bytes are fp32's: 4 + 4 + 8 per parameter before sharding.
+
 The reported ``lm loss`` is the mean over every token of the global batch (sum and count
 all-reduced over dp-cp), so with dropout off every layout prints the loss a single process
 computes on the same global batch with the same padded vocabulary (:func:`train_single_process`;

@@ -8,6 +8,13 @@ seed's shape ratios made small enough for a 2-core laptop (:data:`SWEEP_MODEL`: 
 8 heads as in the seed; hidden 64 and sequence 32 instead of 512 and 1024; micro-batch 1,
 global batch 16, so every config gets the seed's GPU micro-batch count ``16 / DP``).
 
+Config D also runs with its data-parallel state sharded (Lab 07, :data:`SHARDED_CONFIGS`):
+``D-distopt`` (``--use-distributed-optimizer``, ZeRO-1) and ``D-zero3`` (``--use-megatron-fsdp
+--data-parallel-sharding-strategy optim_grads_params``) -- same layout and losses, the memory
+columns move (model states per rank: 16 bytes per fp32 parameter in D, 8 + 8/DP with the
+distributed optimizer, 16/DP with ZeRO-3). They run by name only, so the default sweep stays the
+seed's six: ``--configs all,D-distopt,D-zero3`` gives the whole Day 22 table.
+
 How a config runs, and where each number comes from
 ---------------------------------------------------
 * **Launch**: ``launch(sweep_rank, launcher="torchrun")`` -- real ``torchrun --standalone

@@ -5,7 +5,9 @@
   make (``megatron/training/arguments.py``);
 * :mod:`course_lib.training.finalize_model_grads` -- the gradients after backward: the dp-cp
   average, the sequence-parallel and tied-embedding sums, the norm that clipping reads
-  (``megatron/core/distributed/finalize_model_grads.py``).
+  (``megatron/core/distributed/finalize_model_grads.py``);
+* :mod:`course_lib.training.sharding` -- the same steps on :mod:`course_lib.distributed`'s buckets
+  when a state-sharding flag is on (``--use-distributed-optimizer``, ``--use-megatron-fsdp``, ...).
 
 The log lines the trainer prints are written and read in one module, :mod:`course_lib.megatron.logs`.
 """
