@@ -8,7 +8,8 @@ trainer's own optimizer -- not the engine). Checked:
   --overlap-param-gather``, buckets, 2 micro-batches), TP2 x DP2 with the distributed optimizer and
   overlap, TP2+SP x DP2 under ZeRO-2, DP4 ZeRO-2 and ZeRO-3 (``--use-megatron-fsdp
   --data-parallel-sharding-strategy``), ``--optimizer-cpu-offload``, PP2 x DP2 with the distributed
-  optimizer and with ZeRO-3 (tied embeddings across stages) -- give the single-process loss within
+  optimizer and with ZeRO-3 (tied embeddings across stages), CP2 x DP2 (the state sharded over
+  dp x cp) -- give the single-process loss within
   1e-4 relative and its grad norm at every iteration; ``--bf16`` with the distributed optimizer
   equals one bf16 process within 1e-3;
 * the memory line each run prints carries the engine's measured bytes of params, grads and
@@ -42,6 +43,7 @@ MODES = {  # name: (extra flags, ZeRO stage, offloaded)
     "dp4_zero2": (FSDP + ["optim_grads", "--overlap-grad-reduce"], 2, False),
     "dp4_zero3": (FSDP + ["optim_grads_params", "--overlap-grad-reduce"], 3, False),
     "dp4_offload": (DISTOPT + OFFLOAD, 1, True),
+    "cp2dp2_distopt_overlap": (["--context-parallel-size", "2"] + DISTOPT + OVERLAP, 1, False),
     "pp2dp2_distopt": (PP2 + DISTOPT + ["--overlap-grad-reduce"], 1, False),
     "pp2dp2_zero3": (PP2 + FSDP + ["optim_grads_params"], 3, False),
 }
@@ -110,7 +112,8 @@ def test_bf16_distributed_optimizer_equals_one_bf16_process(runs, refs):
 def test_memory_line_shows_the_sharded_bytes_of_the_formulas(runs, name):
     _, stage, offloaded = MODES[name]
     tp = 2 if "tp2" in name else 1
-    d = WORLD // (tp * (2 if "pp2" in name else 1))
+    d = WORLD // (tp * (2 if "pp2" in name else 1))      # the dp x cp group the state is sharded over
+    cp = 2 if "cp2" in name else 1
     printed = 0
     for rank, r in enumerate(runs):
         lines = parse_log(r[name]["log"]).memory
@@ -129,7 +132,7 @@ def test_memory_line_shows_the_sharded_bytes_of_the_formulas(runs, name):
             assert got["optimizer"] == want.optimizer and mem["optimizer_on_host_bytes"] == 0
         assert mem["allocated_mb"] == pytest.approx(sum(got.values()) / 2 ** 20, abs=0.006)
         assert got == {k: r[name]["state_bytes"][k] for k in got}
-    assert printed == WORLD // d
+    assert printed == WORLD // (d // cp)                 # ranks with DP rank 0 print
 
 
 def test_memory_moves_with_the_stage(runs):
