@@ -314,7 +314,8 @@ def test_trainer_precision_flags_follow_megatrons_rules():
     a, _ = validate_args(parse_args(TRAIN + ["--bf16"]), 1)
     assert a.accumulate_allreduce_grads_in_fp32 is True           # validate_args turns it on for bf16
     assert "--bf16" in args_to_argv(a)
-    for extra, match in ((["--bf16", "--fp16"], "mutually exclusive"), (["--fp16", "--hysteresis", "0"], "--hysteresis=0"),
+    for extra, match in ((["--bf16", "--fp16"], "mutually exclusive"),
+                         (["--fp16", "--hysteresis", "0"], "--hysteresis=0"),
                          (["--fp16", "--loss-scale", "-1"], "loss scale=-1")):
         with pytest.raises(ValueError, match=match):
             validate_args(parse_args(TRAIN + extra), 1)

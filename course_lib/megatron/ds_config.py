@@ -411,7 +411,8 @@ def translate(config: dict, dp: int | None = None) -> Translation:
                              f"gradient_accumulation_steps x DP = {nums['micro']} x {nums['ga']} x DP for any DP")
         implied = nums["tbs"] // (nums["micro"] * nums["ga"])
         if t.dp is not None and implied != t.dp:
-            raise ValueError(f"train_batch_size={nums['tbs']} = {nums['micro']} x {nums['ga']} x DP gives DP={implied}, "
+            raise ValueError(f"train_batch_size={nums['tbs']} = {nums['micro']} x {nums['ga']} x DP gives "
+                             f"DP={implied}, "
                              f"but --dp={t.dp}: fix one of them")
         t.dp = implied
     if "tbs" in nums:
