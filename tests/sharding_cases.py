@@ -94,6 +94,7 @@ class Reference(NamedTuple):
     losses: list       # per iteration
     params: dict       # final fp32 master values
     grad_norms: list   # per iteration, before clipping
+    dtype: torch.dtype  # the model's
 
 
 def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: str = "adam",
@@ -121,7 +122,7 @@ def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: 
             for (_, m), (_, p) in zip(master, named):
                 p.copy_(m)
         losses.append(loss.item())
-    return Reference(losses, {n: m for n, m in master}, norms)
+    return Reference(losses, {n: m for n, m in master}, norms, dtype)
 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,

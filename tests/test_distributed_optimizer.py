@@ -6,7 +6,8 @@ returns losses, final params, bytes per rank, the last step's collectives and it
 * every fp32 mode (DDP DP4 with bucketed overlapped all-reduce; distributed optimizer DP4 with
   ``overlap_grad_reduce`` + ``overlap_param_gather``, and without; TP2 x DP2 with the TP layers; a
   constant loss scale) gives the single-process loss within 1e-4 relative at every iteration and the
-  same final params; bf16 params with fp32 main params/grads equal a single-process bf16 run within 1e-3;
+  same final params; bf16 params with fp32 main params/grads (and bf16 grads), and fp16 params with
+  the course's ConstantLossScaler, equal a single-process 16-bit run within 1e-3;
 * measured bytes per rank equal Megatron's distributed-optimizer table
   (``megatron_optimizer_bytes_per_param``) for fp32/fp32, bf16/fp32 and bf16/bf16, with and without
   the distributed optimizer;
@@ -118,6 +119,7 @@ def _run_on_ranks():
         # SGD, not Adam: Adam would not notice grads left scaled by 4096 (m / sqrt(v) cancels it)
         "scaled_course": dict(strategy="optim", optimizer="sgd", loss_scaler=ConstantLossScaler(2.0 ** 12), **common),
         "bf16": dict(strategy="optim", dtype=torch.bfloat16, overlap_grad_reduce=True, **common),
+        "fp16": dict(strategy="optim", dtype=torch.float16, loss_scaler=ConstantLossScaler(2.0 ** 10), **common),
         "bf16_ddp": dict(strategy="no_shard", dtype=torch.bfloat16, **common),
         "bf16_grads16": dict(strategy="optim", dtype=torch.bfloat16, grad_reduce_in_fp32=False, **common),
         "broken_gather": dict(strategy="optim", break_with=_skip_param_gather, **common),
@@ -145,7 +147,8 @@ def runs():
 @pytest.fixture(scope="module")
 def refs():
     return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16), "dense3": C.reference(factory=C.make_dense3),
-            "fp32_sgd": C.reference(optimizer="sgd"), "fp32_clip": C.reference(optimizer="sgd", clip_grad=CLIP)}
+            "fp32_sgd": C.reference(optimizer="sgd"), "fp32_clip": C.reference(optimizer="sgd", clip_grad=CLIP),
+            "fp16": C.reference(torch.float16)}
 
 
 def _losses_close(runs, name, ref_losses, rtol):
@@ -160,7 +163,7 @@ def _losses_close(runs, name, ref_losses, rtol):
                                       ("scaled", "fp32"), ("scaled_course", "fp32_sgd"), ("tp2dp2", "dense3"),
                                       ("clipped", "fp32_clip")])
 def test_fp32_modes_equal_one_process(runs, refs, name, ref):
-    ref_losses, ref_params, ref_norms = refs[ref]
+    ref_losses, ref_params, ref_norms, _ = refs[ref]
     _losses_close(runs, name, ref_losses, 1e-4)
     for r in runs:  # every rank sees the whole model's grad norm and ends with the single-process params
         assert max(C.rel(a, b) for a, b in zip(r[name]["grad_norms"], ref_norms)) < 1e-5
@@ -176,16 +179,17 @@ def test_clipping_acts(refs):
     assert max((clip[n] - plain[n]).abs().max().item() for n in plain) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["bf16", "bf16_ddp", "bf16_grads16"])
-def test_bf16_modes_equal_one_process_bf16(runs, refs, name):
-    ref_losses, ref_params, _ = refs["bf16"]
+@pytest.mark.parametrize("name,ref", [("bf16", "bf16"), ("bf16_ddp", "bf16"), ("bf16_grads16", "bf16"),
+                                      ("fp16", "fp16")])
+def test_16_bit_modes_equal_one_process_16_bit(runs, refs, name, ref):
+    ref_losses, ref_params, _, _ = refs[ref]
     _losses_close(runs, name, ref_losses, 1e-3)
     # bf16 params: 16-bit compute rounds differently on a quarter of the batch, and Adam turns a
     # near-zero grad's rounding into a step of up to lr; so: 99% of the elements within 2 bf16 ulps,
     # none further than lr per step.
     got = torch.cat([runs[0][name]["params"][n].float().flatten() for n in ref_params])
     want = torch.cat([p.flatten() for p in ref_params.values()])
-    assert {p.dtype for p in runs[0][name]["params"].values()} == {torch.bfloat16}
+    assert {p.dtype for p in runs[0][name]["params"].values()} == {refs[ref].dtype}
     diff = (got - want).abs()
     assert (diff > 2 ** -7 * want.abs() + 1e-3).float().mean() < 0.01
     assert diff.max() <= C.ITERS * C.LR
