@@ -156,6 +156,8 @@ def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(runs, t
     rows = (tmp_path / "record_table.csv").read_text().splitlines()
     assert [r.split(",")[0] for r in rows[1:]] == ["D-zero3"]
     assert z3.row()["max mem/rank (MB)"] < runs["D"].row()["max mem/rank (MB)"]
+    said = [c for c in S.conclusions([runs["D"].summary(), z3.summary()]) if c.startswith("Sharding: D-zero3")]
+    assert len(said) == 1 and "0.50x D's" in said[0]
 
 
 def test_groups_seen_by_the_ranks_are_megatrons(runs):

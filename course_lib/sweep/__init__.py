@@ -79,8 +79,8 @@ from course_lib.sweep.report import (  # noqa: F401
     plot_memory_per_rank, plot_tokens_per_s, run_lines, runs_caption, summary_markdown)
 from course_lib.sweep.runs import (  # noqa: F401
     COMM_KINDS, DEFAULT_ITERS, LOG_INTERVAL, MB, SETUP_SOURCES, SUMMARY_NAME, SWEEP_BATCH, SWEEP_LR,
-    SHARDED_CONFIGS, SWEEP_CONFIGS, SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order, measured_timelines, model_of,
-    parse_configs, run_config, summary_timeline, sweep_rank)
+    SHARDED_CONFIGS, SWEEP_CONFIGS, SWEEP_MODEL, WORLD_SIZE, ConfigRun, check_loss_parity, config_argv, kind_order,
+    measured_timelines, model_of, parse_configs, run_config, summary_timeline, sweep_rank)
 
 # What the sweep writes at the top of --out (besides <config>.log/.json), and beside them in each run folder.
 TABLE_NAMES = ("record_table.md", "record_table.csv", "comm_by_group.md", "comm_by_group.csv", "summary.md",

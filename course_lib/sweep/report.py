@@ -13,7 +13,7 @@ from typing import Sequence
 
 from course_lib.megatron import to_markdown
 from course_lib.megatron.report import STEP_TIME_NOTE
-from course_lib.sweep.runs import MB, kind_order, model_of
+from course_lib.sweep.runs import MB, SHARDED_CONFIGS, kind_order, model_of
 
 
 # ============================================================================ runs
@@ -272,6 +272,14 @@ def conclusions(summaries: Sequence[dict]) -> list[str]:
         ratios = ", ".join(f"{n} {max(s['model_states_mb_per_rank']) / ref:.2f}" for n, s in by.items() if n != "A")
         lines.append(f"Memory: model states on the busiest rank, relative to A: {ratios}. TP and PP split the "
                      f"weights; DP and CP replicate them.")
+    for name, (base, flags) in SHARDED_CONFIGS.items():
+        if name in by and base in by:
+            mine, theirs = max(by[name]["model_states_mb_per_rank"]), max(by[base]["model_states_mb_per_rank"])
+            what = ("optimizer state, grads and params are" if "optim_grads_params" in flags
+                    else "optimizer state is")
+            lines.append(f"Sharding: {name} ({' '.join(flags)}) keeps {mine:.2f} MB of model states on its "
+                         f"busiest rank, {mine / theirs:.2f}x {base}'s {theirs:.2f} MB, with the same layout: the "
+                         f"DP replicas' {what} split over DP {by[name]['dp']} instead of copied.")
     for s in summaries:
         c = {k: v for k, v in s["comm_per_iteration"].items() if k != "tp-pp"}
         if c:
