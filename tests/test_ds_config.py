@@ -141,6 +141,19 @@ def test_bad_configs_are_one_line_errors_naming_the_key(tmp_path, capsys, text, 
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
+def test_a_sizing_model_gives_the_parameters_per_gpu(capsys):
+    from course_lib import sizing
+
+    m = sizing.PRESETS["GPT-3 175B"]["model"]
+    stages = sizing.parameters_per_stage(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length, m.num_heads, 8, 8)
+    assert dsc.params_per_gpu("GPT-3 175B", 8, 8) == max(stages)
+    assert main(["ds-config", str(ZERO3), "--model", "GPT-3 175B", "--tp", "8", "--pp", "8"]) == 0
+    assert f"({max(stages):.4g} parameters, DP 8)" in capsys.readouterr().out
+    assert main(["ds-config", str(ZERO3), "--model", "GPT-4"]) == 2
+    assert "not a sizing preset" in capsys.readouterr().err
+    assert main(["ds-config", str(ZERO3), "--model", "GPT-3 175B", "--num-params", "1e9"]) == 2
+
+
 def test_dp_given_and_implied_must_agree(tmp_path):
     with pytest.raises(ValueError, match="--dp=4"):
         dsc.translate(dsc.load(ZERO3), dp=4)

@@ -1,6 +1,6 @@
 """The ds_config.json bridge: a DeepSpeed config read as Megatron-LM flags.
 
-``python -m course_lib ds-config FILE [--dp D] [--num-params N]`` reads a DeepSpeed config and
+``python -m course_lib ds-config FILE [--dp D] [--num-params N | --model NAME --tp T --pp P]`` reads a DeepSpeed config and
 prints, one line each: the equivalent Megatron-LM flags (and the key each comes from), the model
 state bytes per GPU from :mod:`course_lib.sizing` for DeepSpeed's ZeRO stage and for the Megatron
 flags, and every option that has no Megatron equivalent. Bad JSON, unknown keys and wrong types
@@ -565,9 +565,31 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (for --global-batch-size and bytes)")
     parser.add_argument("--num-params", type=float, default=None,
                         help="parameters per GPU after TP/PP (e.g. 7.5e9), for the bytes per GPU")
+    parser.add_argument("--model", default=None,
+                        help="instead of --num-params: a course_lib.sizing preset ('GPT-3 175B', 'Llama-like 70B', "
+                             "'1T (Narayanan Table 1)', 'tiny GPT (seed)'); its busiest stage's parameters per GPU")
+    parser.add_argument("--tp", type=int, default=1, help="with --model: tensor-model-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="with --model: pipeline-model-parallel size")
+
+
+def params_per_gpu(model: str, tp: int = 1, pp: int = 1) -> int:
+    """Parameters on the busiest GPU (the largest pipeline stage) of a :data:`course_lib.sizing.PRESETS` model
+    under ``tp`` x ``pp`` (:func:`course_lib.sizing.parameters_per_stage`, Narayanan Eq. 2 split by TP/PP)."""
+    from course_lib import sizing
+
+    if model not in sizing.PRESETS:
+        raise ValueError(f"--model {model!r} is not a sizing preset: use one of {', '.join(sizing.PRESETS)}")
+    m = sizing.PRESETS[model]["model"]
+    return max(sizing.parameters_per_stage(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length, m.num_heads,
+                                           rules.integer("--tp", tp), rules.integer("--pp", pp)))
 
 
 def run(args) -> int:
     t = translate(load(args.file), dp=args.dp)
-    print(report(t, args.num_params, args.dp, name=Path(args.file).name))
+    num_params = args.num_params
+    if args.model is not None:
+        if num_params is not None:
+            raise ValueError("--model and --num-params both give the parameters per GPU: pass one of them")
+        num_params = params_per_gpu(args.model, args.tp, args.pp)
+    print(report(t, num_params, args.dp, name=Path(args.file).name))
     return 0
