@@ -204,10 +204,11 @@ def main(argv=None) -> int:
                               cwd=ROOT).returncode
         print(f"(a) pytest {' '.join(files)}: {'passed' if code == 0 else 'FAILED'}", flush=True)
         ok &= code == 0
+    from course_lib.gpu_check import nccl_probe as probe  # importable by torchrun's ranks (not __main__'s)
     from course_lib.launch import launch
 
     world = min(n, 2)
-    res = launch(nccl_probe, world_size=world, launcher="torchrun", backend="nccl", output="none", timeout=120)
+    res = launch(probe, world_size=world, launcher="torchrun", backend="nccl", output="none", timeout=120)
     probe_ok = all(r["gpu"] == world and r["cpu"] == world and r["gpu_device"].startswith("cuda") for r in res)
     print(f"(a) launcher cpu:gloo,cuda:nccl group on {world} rank(s): nccl all-reduce {res[0]['gpu']:g} on "
           f"{res[0]['gpu_device']}, gloo all-reduce {res[0]['cpu']:g} on cpu (backend {res[0]['backend']}): "
