@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
-from course_lib.checks.lab02 import student_on_rank
+from course_lib.checks.verdicts import student_on_rank
 from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         point_to_point_only, refused_collective, safe_repr)
 from course_lib.context_parallel import zigzag
