@@ -127,12 +127,13 @@ def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
         break_with=None, tp_group=None, clip_grad: float = 0.0, micro_batches: int = 1, probe=None,
-        **kwargs) -> dict:
+        forwards_first: bool = False, **kwargs) -> dict:
     """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
     each global batch. Returns the local losses, the final full params, bytes per rank, the
     collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper;
     ``tp_group``: the model is tensor-parallel over it (params are gathered for the comparison);
-    ``micro_batches``: the rank's rows in that many micro-batches, all but the last under ``no_sync``;
+    ``micro_batches``: the rank's rows in that many micro-batches, all but the last under ``no_sync``
+    (``forwards_first``: all their forwards before any backward, as a pipeline's warm-up does);
     ``probe(ddp, model)``: anything picklable to return as ``"probe"`` after the last step."""
     from course_lib.distributed import wrap
     model = model if model is not None else make_model(dtype)
@@ -147,10 +148,14 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
         ddp.zero_grad()
         ddp.comm.clear()
         loss = 0.0
-        for m, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        parts = list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
+        if forwards_first:  # a pipeline's warm-up: every forward, then every backward
+            parts = [loss_fn(ddp(xm), ym) / micro_batches for xm, ym in parts]
+        for m, part in enumerate(parts):
             # gradient accumulation: only the last micro-batch's backward starts the collectives
             with ddp.no_sync() if m < micro_batches - 1 else contextlib.nullcontext():
-                part = loss_fn(ddp(xm), ym) / micro_batches
+                if not forwards_first:
+                    part = loss_fn(ddp(part[0]), part[1]) / micro_batches
                 ddp.scale_loss(part).backward()
             loss += part.item()
         result = ddp.step(LR, clip_grad=clip_grad)

@@ -5,7 +5,8 @@ One fork launch of 4 gloo ranks trains the MLP of tests/sharding_cases.py with
 without ``--optimizer-cpu-offload``, in fp32 and bf16, and with ``torch.distributed.fsdp.fully_shard``
 (FSDP2) on a CPU gloo DeviceMesh. Checked:
 
-* every fp32 strategy (also with 2 accumulated micro-batches) gives the single-process loss within
+* every fp32 strategy (also with 2 accumulated micro-batches, and ZeRO-3 with both forwards before
+  both backwards, a pipeline's order) gives the single-process loss within
   1e-4 relative at every iteration, its grad norm and the same final params; bf16 ZeRO-2/3 equal a
   single-process bf16 run within 1e-3;
 * measured bytes per rank of params, grads and optimizer state equal ZeRO's ``model_state_bytes`` by
@@ -73,6 +74,8 @@ def _run_on_ranks():
         "z3": dict(strategy="optim_grads_params", overlap_grad_reduce=True),
         "z3_sync": dict(strategy="optim_grads_params"),
         "z3_accumulated": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2),
+        "z3_pipelined": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2,
+                             forwards_first=True),
         "z2_accumulated": dict(strategy="optim_grads", overlap_grad_reduce=True, micro_batches=2, **b),
         "z1_offload": dict(strategy="optim", cpu_offload=True, **b),
         "z3_offload": dict(strategy="optim_grads_params", cpu_offload=True),
@@ -101,7 +104,7 @@ def refs():
 
 
 @pytest.mark.parametrize("name", ["ddp", "z1", "z2", "z3", "z3_sync", "z1_offload", "z3_offload", "z2_accumulated",
-                                  "z3_accumulated"])
+                                  "z3_accumulated", "z3_pipelined"])
 def test_fp32_strategies_equal_one_process(runs, refs, name):
     ref_losses, ref_params, ref_norms, _ = refs["fp32"]
     got = C.global_losses([r[name] for r in runs])

@@ -434,11 +434,18 @@ class ShardedDataParallel:
         if t is not None:
             self._unit_pending[u] = {id(p) for _, p in self.units[u][2]}
             self._unit_bwd_started[u] = False
-            t.register_hook(lambda grad, u=u: self._before_backward(u))
+            fired = [False]  # per forward call: each micro-batch's backward gathers the unit again
+
+            def before_backward(grad, u=u, fired=fired):
+                if not fired[0]:
+                    fired[0] = True
+                    self._before_backward(u)
+            t.register_hook(before_backward)
 
     def _before_backward(self, u: int) -> None:
-        if self._unit_bwd_started[u]:
-            return
+        """A unit's backward is about to run (the grad of its output exists): open its span; ZeRO-3:
+        gather it (if released) and prefetch the unit before it. Called once per forward call, so
+        pipelined micro-batches (forward, forward, backward, backward) each gather the unit."""
         self._unit_bwd_started[u] = True
         self._bwd_span[u] = self._span(self.units[u][0] or "root", "backward")
         if self.shard_params:
