@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
-from course_lib.checks.verdicts import student_on_rank
 from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
-                                        point_to_point_only, refused_collective, safe_repr)
+                                        point_to_point_only, refused_collective, safe_repr, student_on_rank)
 from course_lib.context_parallel import zigzag
 from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention
 from course_lib.context_parallel.work import score_elements
