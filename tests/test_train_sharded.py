@@ -15,6 +15,8 @@ trainer's own optimizer -- not the engine). Checked:
 * the memory line each run prints carries the engine's measured bytes of params, grads and
   optimizer state per rank, equal to ``course_lib.sizing.memory``'s formulas (ZeRO's by stage for
   fp32, offload's host bytes);
+* ``--fp16`` with dynamic loss scaling through the engine (TP2 x DP2, distributed optimizer and ZeRO-3)
+  skips the same overflowing iteration, with the same loss scales and losses, as the trainer without it;
 * breaking a piece moves the loss: skipping the tied-embedding sum before the reduction (PP2);
 * bad flag combinations fail in one line naming the flag (Megatron's validate_args rules).
 """
@@ -48,6 +50,8 @@ MODES = {  # name: (extra flags, ZeRO stage, offloaded)
     "pp2dp2_zero3": (PP2 + FSDP + ["optim_grads_params"], 3, False),
 }
 BF16 = ["--bf16"] + DISTOPT + ["--overlap-grad-reduce"]
+# fp16 with dynamic loss scaling, TP2 x DP2: at 4e5 iterations 1-3 step and iteration 4 overflows (measured)
+FP16 = TP2 + ["--fp16", "--initial-loss-scale", "4e5", "--hysteresis", "1", "--train-iters", "4"]
 
 
 def _skip_embedding_sum(*args):
@@ -61,12 +65,15 @@ def _on_ranks():
     import course_lib.train as train
 
     out = {}
-    for name, (extra, _, _) in {**MODES, "bf16_distopt": (BF16, 1, False)}.items():
+    extra_modes = {"bf16_distopt": BF16, "fp16_plain": FP16, "fp16_distopt": FP16 + DISTOPT + OVERLAP,
+                   "fp16_zero3": FP16 + FSDP + ["optim_grads_params"]}
+    for name, extra in {**{n: m[0] for n, m in MODES.items()}, **extra_modes}.items():
         buf = io.StringIO()
         with redirect_stdout(buf):
             rec = pretrain(parse_args(BASE + extra), print_args=False, record_comm=False)
         out[name] = {"lm_loss": rec["lm_loss"], "grad_norm": rec["grad_norm"], "log": buf.getvalue(),
-                     "state_bytes": rec.get("state_bytes"), "num_parameters": rec["num_parameters"]}
+                     "state_bytes": rec.get("state_bytes"), "num_parameters": rec["num_parameters"],
+                     "skipped": rec["skipped"], "loss_scale": rec["loss_scale"]}
     real, train.allreduce_embedding_grads_in_buffer = train.allreduce_embedding_grads_in_buffer, _skip_embedding_sum
     try:
         out["broken_embedding"] = {"lm_loss": pretrain(parse_args(BASE + MODES["pp2dp2_distopt"][0]), print_args=False,
@@ -106,6 +113,19 @@ def test_fp32_modes_equal_one_process(runs, refs, name):
 def test_bf16_distributed_optimizer_equals_one_bf16_process(runs, refs):
     assert _rel(_losses(runs, "bf16_distopt"), refs["bf16"]["lm_loss"]) < 1e-3
     assert _rel(refs["bf16"]["lm_loss"], refs["fp32"]["lm_loss"]) > 1e-5  # bf16 did compute in 16 bits
+
+
+@pytest.mark.parametrize("name", ["fp16_distopt", "fp16_zero3"])
+def test_fp16_loss_scaling_skips_the_same_iterations_as_the_trainer_without_the_engine(runs, name):
+    """The engine's step with the trainer's loss scaler: unscale, found-inf over the world, skip, back off --
+    the same iterations, scales, losses and norms as the trainer's own fp16 path (no engine)."""
+    plain = runs[-1]["fp16_plain"]
+    assert plain["skipped"] == [False, False, False, True]           # an overflow really happened
+    for r in runs:
+        got = r[name]
+        assert got["skipped"] == plain["skipped"] and got["loss_scale"] == plain["loss_scale"]
+        assert got["grad_norm"][:3] == pytest.approx(plain["grad_norm"][:3], rel=1e-6)
+    assert runs[-1][name]["lm_loss"] == pytest.approx(plain["lm_loss"], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", list(MODES))
