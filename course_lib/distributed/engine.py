@@ -229,8 +229,11 @@ class ShardedDataParallel:
             pieces = (b.pieces(self.dp_rank) if self.shard_optim else [(pr, pr.start, pr.end) for pr in b.params])
             for pr, plo, phi in pieces:
                 wd = weight_decay if self._decay[id(pr.param)] else 0.0
-                # the grad norm counts a param once: TP shards everywhere, TP-replicated ones on TP rank 0
-                counted = self._tp_rank == 0 or is_tensor_parallel(pr.param)
+                # the grad norm counts a param once (Megatron's param_is_not_shared and
+                # param_is_not_tensor_parallel_duplicate): not the last stage's copy of a tied
+                # embedding (``shared``), TP shards everywhere, TP-replicated params on TP rank 0
+                counted = (not getattr(pr.param, "shared", False)
+                           and (self._tp_rank == 0 or is_tensor_parallel(pr.param)))
                 self._pieces.append((st["main"][plo - lo:phi - lo], wd, b, plo - lo, phi - lo, counted))
         self.optimizer = Optimizer([], kind, weight_decay=weight_decay, **kwargs)
         self.optimizer.params = [(view, wd) for view, wd, *_ in self._pieces]
