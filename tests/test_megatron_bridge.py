@@ -728,3 +728,65 @@ def test_megatron_cmd_cli_cluster_sharding_and_moe(capsys):
         _cli(command_mod, ["--nodes", "2", "--gpus-per-node", "8", "--nproc", "8"])
     with pytest.raises(ValueError, match="need --num-experts"):
         _cli(command_mod, ["--ep", "2"])
+
+
+# Builds Megatron-LM's own argument parser from a checkout (in a subprocess: imports it cannot satisfy
+# here -- triton, regex, pydantic, Python 3.12's typing.override -- are stubbed) and prints its options.
+_MEGATRON_PARSER = r"""
+import argparse, json, sys, types, typing, warnings
+warnings.filterwarnings("ignore")
+sys.path.insert(0, sys.argv[1])
+if not hasattr(typing, "override"):
+    typing.override = lambda f: f
+
+class _Base:
+    def __init_subclass__(cls, **kw): pass
+    def __init__(self, *a, **k): pass
+
+class _Any:
+    def __init__(self, *a, **k): pass
+    def __call__(self, *a, **k): return _Any()
+    def __getattr__(self, n): return _Any()
+    def __mro_entries__(self, bases): return (_Base,)
+    def __iter__(self): return iter(())
+    def __bool__(self): return False
+
+class _Stub(types.ModuleType):
+    __path__ = []
+    def __getattr__(self, n):
+        if n == "__version__": return "0.0.0"
+        if n.startswith("__"): raise AttributeError(n)
+        return _Any()
+
+for _ in range(60):
+    for m in [k for k in sys.modules if k.startswith("megatron")]:
+        del sys.modules[m]
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+        break
+    except ModuleNotFoundError as e:
+        if e.name.startswith("megatron"): raise
+        parts = e.name.split(".")
+        for i in range(1, len(parts) + 1):
+            sys.modules.setdefault(".".join(parts[:i]), _Stub(".".join(parts[:i])))
+parser = argparse.ArgumentParser(allow_abbrev=False)
+add_megatron_arguments(parser)
+print(json.dumps(sorted(k for k in parser._option_string_actions if k.startswith("--"))))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM checkout")
+def test_every_flag_is_an_option_of_megatrons_own_parser():
+    """The strongest check: the flags the course prints are option strings of the parser Megatron-LM
+    itself builds (``add_megatron_arguments``), at core_v0.16.1 and main alike."""
+    import json
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MEGATRON_PARSER, os.environ["MEGATRON_LM_DIR"]],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    options = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert len(options) > 500
+    for table in (PRETRAIN_FLAGS, SHARDING_FLAGS, MOE_FLAGS):
+        assert set(table) <= options, sorted(set(table) - options)
+    assert not {"--data-parallel-size", "--virtual-pipeline-model-parallel-size"} & options

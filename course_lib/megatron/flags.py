@@ -15,7 +15,10 @@ All of them but the flags of an uneven pipeline split (``--decoder-first-pipelin
 spelling of interleaving such a split needs) also exist, as ``add_argument`` calls, in
 ``megatron/arguments.py`` of ``core_v0.5.0`` (0acc240ebd28). ``tests/test_megatron_bridge.py`` keeps this table
 and the generated commands in sync, and re-checks the table against a Megatron-LM
-checkout when ``MEGATRON_LM_DIR`` points to one.
+checkout when ``MEGATRON_LM_DIR`` points to one -- by reading its source, and by building the
+parser Megatron-LM itself builds (``add_megatron_arguments``): every flag here is one of its
+option strings at core_v0.16.1 and at main. The tables below this one (``SHARDING_FLAGS``,
+``MOE_FLAGS``, ``MCORE_FIELDS``, ``TORCHRUN_FLAGS``) say where each newer flag is defined.
 """
 
 from __future__ import annotations
