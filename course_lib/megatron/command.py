@@ -159,7 +159,8 @@ class MoESpec:
     def notes(self, cfg: ParallelConfig, transformer_impl: str | None) -> list[str]:
         g = self.grid(cfg)
         out = [f"MoE: {self.num_experts} experts, top-{self.moe_router_topk}; expert grid expert-TP {g.expert_tp} x "
-               f"EP {g.ep} x expert-DP {g.expert_dp} x PP {g.pp} ({self.num_experts // g.ep} experts per rank); "
+               f"EP {g.ep} x expert-DP {g.expert_dp} x PP {g.pp} ({self.num_experts // g.ep} "
+               f"expert{'s' if self.num_experts // g.ep > 1 else ''} per rank); "
                f"dense DP stays {g.dp}"]
         if g.ep > 1 and cfg.tp > 1 and not cfg.sequence_parallel:
             out.append("Megatron warns: with expert parallelism and TP > 1, sequence parallelism must be used: "
