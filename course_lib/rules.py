@@ -66,6 +66,14 @@ Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``Transform
     parser (``megatron.logs``).
   * :func:`cp_attention_dropout` -- ring attention has no dropout: trainer,
     ``ContextParallelSelfAttention``, ``activation_memory``.
+Mixture of experts (the expert grid's own checks live in ``moe.grid.MoEGrid``)
+  * :func:`moe_experts` -- ``num_experts % ep == 0``, and ep > 1 needs experts: trainer, ``GPTConfig``,
+    ``moe.transformer.MoEMLP`` (via ``build_model``).
+  * :func:`moe_ffn_divisible_by_expert_tp` -- ``moe_ffn_hidden_size % expert_tp == 0``: trainer, ``MoEMLP``.
+  * :func:`moe_sequence_parallel` -- MoE with tp > 1 needs sequence parallelism (Megatron): trainer,
+    ``build_model``.
+  * :func:`moe_context_parallel` -- the course's MoE model is not tested with CP yet: trainer, ``build_model``.
+  * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``.
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.

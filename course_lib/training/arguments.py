@@ -175,6 +175,7 @@ def _check_values(a: argparse.Namespace) -> None:
     rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
                  low_open=True)
     _check_precision(a)
+    _check_moe_values(a)
     if getattr(a, "ddp_bucket_size", None) is not None:
         rules.integer("ddp-bucket-size", a.ddp_bucket_size)
 
@@ -187,6 +188,19 @@ def _check_precision(a: argparse.Namespace) -> None:
     if getattr(a, "fp16", False):
         make_loss_scaler(True, a.loss_scale, a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window,
                          a.hysteresis)
+
+
+def _check_moe_values(a: argparse.Namespace) -> None:
+    """The MoE flags' values on their own (sizes >= 1, coefficients >= 0 and finite). Unlike Megatron,
+    ``--num-experts 0`` is refused like every size (leave the flag out for a dense model)."""
+    for dest in ("num_experts", "moe_ffn_hidden_size", "expert_tensor_parallel_size"):
+        if getattr(a, dest, None) is not None:
+            rules.integer(dest, getattr(a, dest))
+    rules.integer("moe_router_topk", getattr(a, "moe_router_topk", 2))
+    rules.integer("expert_model_parallel_size", getattr(a, "expert_model_parallel_size", 1))
+    rules.number("moe_aux_loss_coeff", getattr(a, "moe_aux_loss_coeff", 0.0), 0.0)
+    if getattr(a, "moe_z_loss_coeff", None) is not None:
+        rules.number("moe_z_loss_coeff", a.moe_z_loss_coeff, 0.0)
 
 
 def _check_moe(a: argparse.Namespace, world_size: int) -> None:
