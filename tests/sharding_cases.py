@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 IN, HID, OUT = 16, 32, 8
-GLOBAL_BATCH, ITERS, LR, SEED = 16, 4, 1e-2, 1234
+GLOBAL_BATCH, ITERS, LR, SEED = 16, 3, 1e-2, 1234
 
 
 class MLP(nn.Module):
