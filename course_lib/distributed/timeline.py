@@ -4,7 +4,10 @@
 ``{"rank", "name", "kind", "start", "end"}`` (seconds since ``zero_grad``): ``kind`` is
 ``"forward"`` / ``"backward"`` (one span per unit: a module owning parameters), ``"optimizer"``,
 or the collective (``"all_reduce"``, ``"reduce_scatter"``, ``"all_gather"``; ``name`` = its bucket),
-a collective's span running from its issue to its completion. This module measures how much of the
+a collective's span running from its issue to its completion (an async one: its future's callback,
+or the wait that saw it done; on CUDA a blocking collective's end is when the host returned, as NCCL
+runs on its own stream -- use ``overlap_grad_reduce`` / ``overlap_param_gather`` or a profiler there).
+This module measures how much of the
 communication ran under compute (:func:`overlap_seconds`) and draws it (:func:`plot_timeline`).
 """
 
