@@ -133,7 +133,7 @@ def test_communication_per_group_matches_the_model_shapes(swept, runs):
     assert "| config | tp | pp | dp | embedding | tp-pp |" in md
 
 
-def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(runs, tmp_path):
+def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(swept, runs, tmp_path):
     """The Day 22 table's sharded row (Lab 07): D with Megatron-FSDP's ZeRO-3 over its DP 2, through the
     sweep (fork, 2 iterations), against the single process and against the swept D. fp32 Adam holds
     4 + 4 + 8 = 16 bytes per parameter; ZeRO-3 over d = 2 ranks leaves 8 on each (ZeRO's formula)."""
@@ -158,6 +158,17 @@ def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(runs, t
     assert z3.row()["max mem/rank (MB)"] < runs["D"].row()["max mem/rank (MB)"]
     said = [c for c in S.conclusions([runs["D"].summary(), z3.summary()]) if c.startswith("Sharding: D-zero3")]
     assert len(said) == 1 and "0.50x D's" in said[0]
+    # --figures DIR --add: the new row joins a committed table without re-running the others
+    fig = tmp_path / "figures"
+    S.publish(swept[1], fig, swept[1]["run_dir"])
+    S.publish(S.add_to_committed(sweep, fig), fig, sweep["run_dir"])
+    table = [r.split(",") for r in (fig / "day22_record_table.csv").read_text().splitlines()[1:]]
+    assert [r[0] for r in table] == NAMES + ["D-zero3"]
+    assert ["run z3" in r[-1] for r in table] == [False] * len(NAMES) + [True]
+    assert all("run first" in r[-1] for r in table[:len(NAMES)])
+    assert (fig / "day22_logs" / "A.log").read_text() == (swept[0] / "A.log").read_text()
+    assert (fig / "day22_logs" / "D-zero3.log").read_text() == z3.log
+    assert [c["name"] for c in S.committed_summary(fig)["configs"]] == NAMES + ["D-zero3"]
 
 
 def test_groups_seen_by_the_ranks_are_megatrons(runs):
@@ -224,6 +235,7 @@ def test_rerun_keeps_earlier_runs_and_refuses_to_overwrite_a_named_one(swept):
     (lambda: S.run_sweep(["A"], iters=0), "--iters=0 must be an integer >= 1"),
     (lambda: S.run_sweep(["A"], run_name="../x"), "--run-name '../x' may only use"),
     (lambda: S.committed_summary("/nonexistent"), "no committed sweep at"),
+    (lambda: S.run(argparse.Namespace(configs="D-zero3", add=True, figures=None)), "--add adds this run's configs"),
 ])
 def test_bad_input_fails_in_one_line_before_anything_runs(call, message):
     with pytest.raises(ValueError, match=message) as err:

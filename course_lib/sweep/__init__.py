@@ -333,7 +333,9 @@ def publish(sweep: dict, folder, log_dir, force: bool = False) -> list[Path]:
     """Write the committed summary into ``folder`` (e.g. ``figures/``): ``day22_sweep.json``, the
     tables, the deliverable ``day22_megatron_3d4d.md``, the plots and the logs (``day22_logs/<config>.log``).
 
-    Files there are replaced only if the sweep wrote them (or ``force``); checked before anything is written."""
+    Files there are replaced only if the sweep wrote them (or ``force``); checked before anything is written.
+    A config whose log is not in ``log_dir`` keeps the one committed in ``folder/day22_logs`` (rows
+    carried over by :func:`add_to_committed`)."""
     folder = check_output_dir(folder, what="--figures")
     own = OutputLedger(folder)
     check_replaceable(own, publish_names([s["name"] for s in sweep["configs"]]), force=force, what="--figures")
@@ -345,9 +347,31 @@ def publish(sweep: dict, folder, log_dir, force: bool = False) -> list[Path]:
              "day22_comm_by_group.csv": comm_csv(sweep["configs"], sources=sweep.get("sources") or ()),
              "day22_megatron_3d4d.md": deliverable_markdown(sweep, str(folder / "day22_logs"))}
     for s in sweep["configs"]:
-        files[f"day22_logs/{s['name']}.log"] = (Path(log_dir) / f"{s['name']}.log").read_text()
+        log = Path(log_dir) / f"{s['name']}.log"
+        log = log if log.is_file() else Path(folder) / "day22_logs" / f"{s['name']}.log"
+        files[f"day22_logs/{s['name']}.log"] = log.read_text()
     files.update(_plot_files(sweep, prefix="day22_"))
     return own.write(files)
+
+
+def add_to_committed(sweep: dict, folder=None) -> dict:
+    """The committed summary in ``folder`` (default ``figures/``) with ``sweep``'s configs added at the
+    end (a committed row of the same name is replaced): what ``--figures DIR --add`` publishes, so new
+    rows (e.g. ``D-distopt``, ``D-zero3``) join the Day 22 table without re-running A-F. Every row
+    keeps the run it comes from, and the tables say so (their step times come from different runs)."""
+    old = committed_summary(folder)
+    names = [s["name"] for s in sweep["configs"]]
+    kept = [{**s, "run": s.get("run") or old["run_name"]} for s in old["configs"] if s["name"] not in names]
+    sources = [src for src in old.get("sources") or () if src["run"] != sweep["run_name"]]
+    if not sources and kept:
+        sources = [{"run": old["run_name"], "status": "finished", "planned": [s["name"] for s in old["configs"]],
+                    "done": [s["name"] for s in old["configs"]], "stopped_by": None, "rows": []}]
+    for src in sources:
+        src["rows"] = [s["name"] for s in kept if s["run"] == src["run"]]
+    new = [{**s, "run": s.get("run") or sweep["run_name"]} for s in sweep["configs"]]
+    return {**sweep, "run_name": f"{old['run_name']} + {sweep['run_name']}", "total_s": None,
+            "configs": kept + new,
+            "sources": [src for src in sources if src["rows"]] + list(sweep.get("sources") or ())}
 
 
 def committed_summary(folder=None) -> dict:
@@ -390,6 +414,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds per config before it is declared hung")
     parser.add_argument("--figures", type=Path, default=None,
                         help="also write the committed summary (json, tables, logs, plots) into this folder")
+    parser.add_argument("--add", action="store_true",
+                        help="with --figures: add this run's configs to the summary committed there (replacing "
+                             "rows of the same name) instead of replacing it, e.g. --configs D-distopt,D-zero3")
     parser.add_argument("--force", action="store_true",
                         help="replace files at the sweep's output names even if the sweep did not write them, "
                              "or they were edited since (e.g. a filled-in day22_megatron_3d4d.md)")
@@ -397,9 +424,14 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     names = parse_configs(args.configs)
+    add = getattr(args, "add", False)
+    if add and args.figures is None:
+        raise ValueError("--add adds this run's configs to a committed summary: give --figures DIR too")
     if args.figures is not None:                        # refused before any training, like --out
         check_output_dir(args.figures, what="--figures")
-        check_replaceable(OutputLedger(args.figures), publish_names(names), force=args.force, what="--figures")
+        published = [s["name"] for s in committed_summary(args.figures)["configs"]] if add else []
+        check_replaceable(OutputLedger(args.figures), publish_names(list(dict.fromkeys(published + names))),
+                          force=args.force, what="--figures")
     try:
         sweep = run_sweep(names, out=args.out, iters=args.iters, run_name=args.run_name, launcher=args.launcher,
                           world_size=args.nproc_per_node, timeout=args.timeout, force=args.force)
@@ -409,7 +441,8 @@ def run(args) -> int:
     print(summary_markdown(sweep))
     print(f"logs and tables: {sweep['run_dir']} (this run), {args.out} (latest of each config)")
     if args.figures is not None:
-        for p in publish(sweep, args.figures, sweep["run_dir"], force=args.force):
+        for p in publish(add_to_committed(sweep, args.figures) if add else sweep, args.figures, sweep["run_dir"],
+                         force=args.force):
             print(f"wrote {p}")
     print(f"sweep time: {sweep['total_s']:.1f} s ({len(names)} config(s) x {args.nproc_per_node} ranks, "
           f"{args.launcher}, {args.iters} iterations each)")
