@@ -27,6 +27,8 @@ Values
   * :func:`probability` -- dropout in ``[0, 1)``: trainer, ``TransformerConfig`` (the layers),
     ``activation_memory``.
   * :func:`rank_in` -- a rank or index in ``0..size-1``: the CP split, the data sampler.
+  * :func:`removed_flag` -- a flag Megatron-LM removed is refused in Megatron's own words
+    (``--model-parallel-size``): trainer.
 Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
   * :func:`data_parallel_size` -- ``world % (tp·pp·cp·ep) == 0``, DP derived:
     ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``.
@@ -108,6 +110,14 @@ SP_WITHOUT_TP = ("sequence_parallel has no effect with tensor-model-parallel-siz
 
 
 # ============================================================================ values
+
+
+def removed_flag(flag: str, value, replacement: str) -> None:
+    """Refuse a flag Megatron-LM removed, in the words of its ``validate_args``
+    (``megatron/training/arguments.py``: "--model-parallel-size is no longer valid, use
+    --tensor-model-parallel-size instead"). ``value`` None means the flag was not given."""
+    if value is not None:
+        raise ValueError(f"--{flag} is no longer valid, use --{replacement} instead")
 
 
 def integer(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:

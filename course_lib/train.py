@@ -384,7 +384,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
     c = groups.coords
     global_batch_size = config.effective_global_batch_size
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    cuda = torch.cuda.is_available() and "nccl" in dist.get_backend()  # the launcher's is "cpu:gloo,cuda:nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if rank == 0:
         for note in (*config.notes, *getattr(args, "sharding_notes", ())):

@@ -249,6 +249,7 @@ TRAINER_VALUES = [
     (["--hidden-dropout", "nan"], lambda: rules.probability("hidden_dropout", math.nan)),
     (["--seq-length", "100000"], lambda: rules.seq_length_fits_corpus(100000, 72757)),
     (["--tensor-model-parallel-size", "0"], lambda: rules.integer("tensor-model-parallel-size", 0)),
+    (["--model-parallel-size", "2"], lambda: rules.removed_flag("model-parallel-size", 2, "tensor-model-parallel-size")),
 ]
 
 

@@ -53,6 +53,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="newer Megatron spelling: layers per model chunk")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="newer Megatron spelling: model chunks per pipeline rank")
+    g.add_argument("--model-parallel-size", type=int, default=None,
+                   help="removed from Megatron-LM: refused with Megatron's message (use --tensor-model-parallel-size)")
     g.add_argument("--pipeline-schedule", choices=SCHEDULES, default="1f1b",
                    help="course flag: 1f1b (Megatron's) or gpipe; virtual stages imply interleaved 1F1B")
     g = parser.add_argument_group("model")
@@ -159,6 +161,7 @@ MAX_SEED = 2 ** 32 - 1
 
 def _check_values(a: argparse.Namespace) -> None:
     """Every flag's value on its own: integers in range, finite numbers in range (no NaN, no inf)."""
+    rules.removed_flag("model-parallel-size", a.model_parallel_size, "tensor-model-parallel-size")
     for dest in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         rules.integer(dest.replace("_", "-"), getattr(a, dest))
     for dest in _SIZES + tuple(d for d in _OPTIONAL_SIZES if getattr(a, d) is not None):
