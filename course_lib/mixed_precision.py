@@ -76,10 +76,7 @@ BACKOFF_FACTOR = 0.5
 
 def precision_dtype(bf16: bool = False, fp16: bool = False) -> torch.dtype:
     """The compute dtype for Megatron's ``--bf16`` / ``--fp16`` (neither: fp32); both -> one-line ValueError."""
-    if bf16 and fp16:
-        raise ValueError("--bf16 and --fp16 are mutually exclusive (Megatron's validate_args asserts "
-                         "not args.fp16 under args.bf16): pass one of them")
-    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[rules.precision(bf16, fp16)]
 
 
 @torch.no_grad()
@@ -108,7 +105,7 @@ class _LossScaler:
     """Shared protocol: ``scale`` [1] fp32, ``unscale_and_check``, ``update``, ``skipped_iterations``."""
 
     def __init__(self, scale: float):
-        value = rules.number("loss scale", scale, low=0.0, low_open=True)
+        value = rules.number("loss_scale", scale, low=0.0, low_open=True)
         self._scale = torch.tensor([float(value)], dtype=torch.float32)
         self.skipped_iterations = 0
 
@@ -156,16 +153,14 @@ class DynamicLossScaler(_LossScaler):
                  growth_factor: float = GROWTH_FACTOR, backoff_factor: float = BACKOFF_FACTOR,
                  growth_interval: int = LOSS_SCALE_WINDOW, hysteresis: int = HYSTERESIS):
         super().__init__(initial_scale)
-        self.min_scale = rules.number("--min-loss-scale", min_scale, low=0.0, low_open=True)
-        if self.min_scale > self.value:
-            raise ValueError(f"--min-loss-scale={min_scale} must be <= --initial-loss-scale={initial_scale}")
+        _, _, self.min_scale, growth_interval, hysteresis = rules.loss_scale(
+            None, initial_scale, min_scale, growth_interval, hysteresis)
         if rules.number("growth_factor", growth_factor) <= 1.0:
             raise ValueError(f"growth_factor={growth_factor} must be > 1")
         if not 0.0 < rules.number("backoff_factor", backoff_factor) < 1.0:
             raise ValueError(f"backoff_factor={backoff_factor} must be between 0 and 1")
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
-        self.growth_interval = rules.integer("--loss-scale-window", growth_interval)
-        self.hysteresis = rules.integer("--hysteresis", hysteresis)
+        self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.growth_tracker = 0
         self.hysteresis_tracker = self.hysteresis
 
@@ -194,15 +189,13 @@ def make_loss_scaler(fp16: bool, loss_scale: Optional[float] = None, initial_los
     constant; fp16 without: dynamic; otherwise (bf16, fp32) none (returns None).
 
     ``--loss-scale-window`` is a float flag in Megatron; it must be a whole number here."""
+    loss_scale, initial, minimum, window, hysteresis = rules.loss_scale(
+        loss_scale, initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis)
     if not fp16:
         return None
     if loss_scale is not None:
         return ConstantLossScaler(loss_scale)
-    window = rules.number("--loss-scale-window", loss_scale_window, low=1.0)
-    if window != int(window):
-        raise ValueError(f"--loss-scale-window={loss_scale_window} must be a whole number of iterations")
-    return DynamicLossScaler(initial_loss_scale, min_loss_scale, GROWTH_FACTOR, BACKOFF_FACTOR, int(window),
-                             hysteresis)
+    return DynamicLossScaler(initial, minimum, GROWTH_FACTOR, BACKOFF_FACTOR, window, hysteresis)
 
 
 def skipped_iterations_text(count: int) -> str:

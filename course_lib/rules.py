@@ -27,6 +27,10 @@ Values
   * :func:`probability` -- dropout in ``[0, 1)``: trainer, ``TransformerConfig`` (the layers),
     ``activation_memory``.
   * :func:`rank_in` -- a rank or index in ``0..size-1``: the CP split, the data sampler.
+  * :func:`precision` -- ``--bf16`` and ``--fp16`` exclusive: trainer, ``mixed_precision``.
+  * :func:`loss_scale` -- the loss-scale flags (``--loss-scale`` > 0, ``--initial-loss-scale`` >=
+    ``--min-loss-scale`` > 0, a whole ``--loss-scale-window`` >= 1, ``--hysteresis`` >= 1), checked
+    whether or not ``--fp16`` is on: trainer, ``mixed_precision.make_loss_scaler`` and its scalers.
   * :func:`removed_flag` -- a flag Megatron-LM removed is refused in Megatron's own words
     (``--model-parallel-size``): trainer.
 Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
@@ -110,6 +114,32 @@ SP_WITHOUT_TP = ("sequence_parallel has no effect with tensor-model-parallel-siz
 
 
 # ============================================================================ values
+
+
+def precision(bf16: bool, fp16: bool) -> str:
+    """``"bf16"``, ``"fp16"`` or ``"fp32"``; both flags -> ValueError (Megatron's ``validate_args``
+    asserts ``not args.fp16`` under ``args.bf16``)."""
+    if bf16 and fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive (Megatron's validate_args asserts "
+                         "not args.fp16 under args.bf16): pass one of them")
+    return "bf16" if bf16 else "fp16" if fp16 else "fp32"
+
+
+def loss_scale(loss_scale_value, initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis) -> tuple:
+    """The fp16 loss-scale flags (Megatron's ``--loss-scale`` (None: dynamic), ``--initial-loss-scale``,
+    ``--min-loss-scale``, ``--loss-scale-window``, ``--hysteresis``), returned as
+    ``(loss_scale, initial, min, window: int, hysteresis: int)``."""
+    if loss_scale_value is not None:
+        loss_scale_value = number("loss_scale", loss_scale_value, 0.0, low_open=True)
+    initial = number("initial_loss_scale", initial_loss_scale, 0.0, low_open=True)
+    minimum = number("min_loss_scale", min_loss_scale, 0.0, low_open=True)
+    if minimum > initial:
+        raise ValueError(f"min_loss_scale={min_loss_scale!r} must be <= initial_loss_scale={initial_loss_scale!r}; "
+                         "lower --min-loss-scale or raise --initial-loss-scale")
+    window = number("loss_scale_window", loss_scale_window, 1.0)
+    if window != int(window):
+        raise ValueError(f"loss_scale_window={loss_scale_window!r} must be a whole number of iterations")
+    return loss_scale_value, initial, minimum, int(window), integer("hysteresis", hysteresis)
 
 
 def removed_flag(flag: str, value, replacement: str) -> None:

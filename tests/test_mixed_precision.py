@@ -81,10 +81,10 @@ def test_megatron_defaults_and_which_scaler_is_built():
 
 @pytest.mark.parametrize("call, match", [
     (lambda: precision_dtype(bf16=True, fp16=True), "mutually exclusive"),
-    (lambda: make_loss_scaler(True, loss_scale=0), "loss scale=0"),
-    (lambda: make_loss_scaler(True, min_loss_scale=8, initial_loss_scale=4), "--min-loss-scale=8"),
-    (lambda: make_loss_scaler(True, loss_scale_window=2.5), "--loss-scale-window=2.5"),
-    (lambda: make_loss_scaler(True, hysteresis=0), "--hysteresis=0"),
+    (lambda: make_loss_scaler(True, loss_scale=0), "loss_scale=0"),
+    (lambda: make_loss_scaler(True, min_loss_scale=8, initial_loss_scale=4), "min_loss_scale=8"),
+    (lambda: make_loss_scaler(True, loss_scale_window=2.5), "loss_scale_window=2.5"),
+    (lambda: make_loss_scaler(True, hysteresis=0), "hysteresis=0"),
     (lambda: unscale_and_check([torch.ones(2, dtype=torch.bfloat16)], torch.ones(1)), "fp32 main grads"),
 ])
 def test_bad_settings_are_one_line_errors(call, match):
@@ -317,7 +317,7 @@ def test_trainer_precision_flags_follow_megatrons_rules():
     assert a.accumulate_allreduce_grads_in_fp32 is True           # validate_args turns it on for bf16
     assert "--bf16" in args_to_argv(a)
     for extra, match in ((["--bf16", "--fp16"], "mutually exclusive"),
-                         (["--fp16", "--hysteresis", "0"], "--hysteresis=0"),
-                         (["--fp16", "--loss-scale", "-1"], "loss scale=-1")):
+                         (["--fp16", "--hysteresis", "0"], "hysteresis=0"),
+                         (["--fp16", "--loss-scale", "-1"], "loss_scale=-1")):
         with pytest.raises(ValueError, match=match):
             validate_args(parse_args(TRAIN + extra), 1)

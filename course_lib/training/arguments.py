@@ -184,13 +184,9 @@ def _check_values(a: argparse.Namespace) -> None:
 
 
 def _check_precision(a: argparse.Namespace) -> None:
-    """--bf16 / --fp16 exclusive; the loss-scale flags' values (built once as Megatron's scaler would be)."""
-    from course_lib.mixed_precision import make_loss_scaler, precision_dtype
-
-    precision_dtype(getattr(a, "bf16", False), getattr(a, "fp16", False))
-    if getattr(a, "fp16", False):
-        make_loss_scaler(True, a.loss_scale, a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window,
-                         a.hysteresis)
+    """--bf16 / --fp16 exclusive; the loss-scale flags' values, whether or not --fp16 is on."""
+    rules.precision(a.bf16, a.fp16)
+    rules.loss_scale(a.loss_scale, a.initial_loss_scale, a.min_loss_scale, a.loss_scale_window, a.hysteresis)
 
 
 def _check_moe_values(a: argparse.Namespace) -> None:
