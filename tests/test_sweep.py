@@ -158,6 +158,9 @@ def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(swept, 
     assert z3.row()["max mem/rank (MB)"] < runs["D"].row()["max mem/rank (MB)"]
     said = [c for c in S.conclusions([runs["D"].summary(), z3.summary()]) if c.startswith("Sharding: D-zero3")]
     assert len(said) == 1 and "0.50x D's" in said[0]
+    # ZeRO-3's DP traffic: 2 all-gathers per unit per micro-batch + 1 reduce-scatter = (2 * 8 + 1) / 2 all-reduces
+    price = [c for c in S.conclusions([runs["D"].summary(), z3.summary()]) if c.startswith("Sharding's price")]
+    assert len(price) == 1 and "8.5x D's" in price[0]
     # --figures DIR --add: the new row joins a committed table without re-running the others
     fig = tmp_path / "figures"
     S.publish(swept[1], fig, swept[1]["run_dir"])

@@ -280,6 +280,12 @@ def conclusions(summaries: Sequence[dict]) -> list[str]:
             lines.append(f"Sharding: {name} ({' '.join(flags)}) keeps {mine:.2f} MB of model states on its "
                          f"busiest rank, {mine / theirs:.2f}x {base}'s {theirs:.2f} MB, with the same layout: the "
                          f"DP replicas' {what} split over DP {by[name]['dp']} instead of copied.")
+            dp_mb = [by[n]["comm_per_iteration"].get("dp", {}).get("sent_bytes", 0) / MB for n in (name, base)]
+            if "optim_grads_params" in flags and dp_mb[1]:
+                lines.append(f"Sharding's price: {name} sends {dp_mb[0]:.2f} MB per rank per iteration over DP, "
+                             f"{dp_mb[0] / dp_mb[1]:.1f}x {base}'s {dp_mb[1]:.2f} MB: ZeRO-3 all-gathers every unit "
+                             f"before its forward and again before its backward for each of the "
+                             f"{by[name]['micro_batches']} micro-batches (1.5x an all-reduce only with one).")
     for s in summaries:
         c = {k: v for k, v in s["comm_per_iteration"].items() if k != "tp-pp"}
         if c:
