@@ -94,7 +94,7 @@ class ShardedGradFinalizer:
         if self.config.sequence_parallel:
             sp = [v for p, v in pieces if getattr(p, "sequence_parallel", False)]
             if sp and comm.group_size(groups.tp) > 1:
-                flat = torch.cat(sp)
+                flat = torch.cat(sp).to(engine.device)
                 comm.all_reduce(flat, groups.tp, kind="tp", direction="bwd",
                                 source="allreduce_sequence_parallel_grads")
                 offset = 0
@@ -102,13 +102,16 @@ class ShardedGradFinalizer:
                     v.copy_(flat[offset:offset + v.numel()])
                     offset += v.numel()
         found_inf = False
+        device = engine.device          # the flag and the norm live there (offloaded grads are on the host)
         if self.scaler is not None:     # local check, then MAX over tp-pp; the engine ORs over dp-cp
-            found_inf = self.scaler.unscale_and_check(list(grads), groups.model)
+            flag = torch.tensor([float(self.scaler.unscale_and_check(list(grads)))], device=device)
+            comm.all_reduce(flag, groups.model, op="max", kind="mp", source="unscale_and_check")
+            found_inf = bool(flag.item() > 0)
         tp_rank = groups.coords["tp"]
-        total = torch.zeros(1, dtype=torch.float64, device=grads[0].device)
+        total = torch.zeros(1, dtype=torch.float64, device=device)
         for p, v in pieces:
             if not getattr(p, "shared", False) and (is_tensor_parallel(p) or tp_rank == 0):
-                total += v.double().pow(2).sum()
+                total += v.double().pow(2).sum().to(device)
         if engine.shard_optim:          # each dp-cp rank holds different elements
             comm.all_reduce(total, groups.dp_cp, kind=dp_kind(self.config), direction="bwd",
                             source="get_grad_norm_fp32")
