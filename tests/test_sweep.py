@@ -172,6 +172,7 @@ def test_config_d_under_zero3_halves_its_model_states_with_the_same_loss(swept, 
     assert (fig / "day22_logs" / "A.log").read_text() == (swept[0] / "A.log").read_text()
     assert (fig / "day22_logs" / "D-zero3.log").read_text() == z3.log
     assert [c["name"] for c in S.committed_summary(fig)["configs"]] == NAMES + ["D-zero3"]
+    assert S._committed_rows_not_in(fig, NAMES) == ["D-zero3"]    # what a plain --figures run would drop, said
 
 
 def test_groups_seen_by_the_ranks_are_megatrons(runs):

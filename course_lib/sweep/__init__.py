@@ -374,6 +374,14 @@ def add_to_committed(sweep: dict, folder=None) -> dict:
             "sources": [src for src in sources if src["rows"]] + list(sweep.get("sources") or ())}
 
 
+def _committed_rows_not_in(folder, names: Sequence[str]) -> list[str]:
+    """The configs of the summary committed in ``folder`` that ``names`` does not run ([] without one)."""
+    try:
+        return [s["name"] for s in committed_summary(folder)["configs"] if s["name"] not in names]
+    except ValueError:
+        return []
+
+
 def committed_summary(folder=None) -> dict:
     """The committed full sweep (``figures/day22_sweep.json``, written by ``make sweep``)."""
     folder = Path(folder) if folder is not None else Path(__file__).resolve().parents[2] / "figures"
@@ -441,6 +449,10 @@ def run(args) -> int:
     print(summary_markdown(sweep))
     print(f"logs and tables: {sweep['run_dir']} (this run), {args.out} (latest of each config)")
     if args.figures is not None:
+        dropped = [] if add else _committed_rows_not_in(args.figures, names)
+        if dropped:
+            print(f"note: {args.figures} also held the rows {', '.join(dropped)}; this run's summary replaces it "
+                  f"without them (keep them with --add, or run them too: --configs all,{','.join(dropped)})")
         for p in publish(add_to_committed(sweep, args.figures) if add else sweep, args.figures, sweep["run_dir"],
                          force=args.force):
             print(f"wrote {p}")
