@@ -26,9 +26,8 @@ that reduction, the trainer does here, on the engine's buffers:
 
 Micro-batches: Megatron's ``no_sync`` -- with ``--overlap-grad-reduce`` and pp = 1 under 1F1B a
 bucket's reduction starts during the *last* micro-batch's backward; earlier ones only accumulate
-(:func:`schedule_sync`). ZeRO-3 with pp > 1: the 1F1B cool-down runs backward passes back to back;
-:func:`regather_for_each_backward` makes each backward pass gather the units again (the engine
-gathers once per forward).
+(:func:`schedule_sync`). ZeRO-3 with pp > 1: the engine gathers a unit for each forward call's
+backward, so the 1F1B cool-down's back-to-back backward passes each find it gathered.
 
 Tensors: the engine's buckets (``engine.buckets``) hold flat ``[numel]`` buffers; this rank's
 shard of a bucket is elements ``[lo, hi)`` (``[0, numel)`` for ``no_shard``); the grads handed to
@@ -51,7 +50,7 @@ from course_lib.training.arguments import sharding_strategy
 from course_lib.training.finalize_model_grads import dp_kind
 
 __all__ = ["ShardedGradFinalizer", "build_engine", "schedule_sync", "allreduce_embedding_grads_in_buffer",
-           "regather_for_each_backward", "state_bytes"]
+           "state_bytes"]
 
 
 def _shard_range(engine, b) -> tuple[int, int]:
@@ -139,8 +138,6 @@ def build_engine(args, chunks: list, groups, config, scaler=None):
                   weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                   momentum=args.sgd_momentum, loss_scaler=finalizer, fsdp_unit_modules=layer_types or None)
     finalizer.engine = engine
-    if engine.shard_params and config.pp > 1:
-        regather_for_each_backward(engine, chunk)
     return engine, finalizer
 
 
@@ -171,17 +168,6 @@ def allreduce_embedding_grads_in_buffer(engine, chunks: list, groups) -> int:
                                 source="allreduce_embedding_grads")
                 return view.numel()
     return 0
-
-
-def regather_for_each_backward(engine, chunk: torch.nn.Module) -> None:
-    """ZeRO-3 under pipeline 1F1B: a tensor hook on the chunk's output (registered before the
-    engine's own) marks every unit's backward as not started, so that each micro-batch's backward
-    gathers the units again -- the cool-down's back-to-back backward passes included."""
-    def on_forward(module, args, out):
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(lambda grad: engine._unit_bwd_started.__setitem__(
-                slice(None), [False] * len(engine._unit_bwd_started)))
-    chunk.register_forward_hook(on_forward, prepend=True)
 
 
 def state_bytes(engine) -> dict:
