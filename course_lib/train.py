@@ -97,8 +97,8 @@ can be compared number for number; ``--uniform-vocab-padding`` (a course flag, w
 course's layouts pass) pads the vocabulary once for every TP size, where
 ``--make-vocab-size-divisible-by`` alone pads, as in Megatron, to a multiple of it times TP --
 a different model for each TP size (see :mod:`course_lib.model`); the loss mask is all ones
-(no ``--eod-mask-loss``); no mixed precision (loss scale is always 1.0); ``--pipeline-schedule``
-is the course's (Megatron picks 1F1B, or interleaved 1F1B when virtual stages are given).
+(no ``--eod-mask-loss``); ``--bf16`` keeps fp32 params under autocast (Megatron: 16-bit params);
+``--pipeline-schedule`` is the course's (Megatron picks 1F1B, or interleaved 1F1B when virtual stages are given).
 """
 
 from __future__ import annotations
