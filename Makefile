@@ -32,7 +32,7 @@ help:
 	@echo "make solutions  re-execute solutions/ in place (refreshes their stored outputs)"
 	@echo "make figures    regenerate figures/"
 	@echo "make benchmarks print the speed figures"
-	@echo "make sweep      run the Day 22 configs A-F on 8 ranks (~3 min), refresh figures/day22_*"
+	@echo "make sweep      run the Day 22 configs A-F, D-distopt, D-zero3 on 8 ranks (~4 min), refresh figures/day22_*"
 	@echo "make gpu-check  on a machine with an NVIDIA GPU: the CUDA/NCCL tests and a measured-vs-projected step (course_lib/gpu_check.py)"
 	@echo "make site       build the course as a website in $(SITE)/ (open $(SITE)/index.html; works offline)"
 
@@ -86,7 +86,7 @@ figures: setup
 	$(BIN)/python -m course_lib figures --out figures
 
 sweep: setup
-	$(BIN)/python -m course_lib sweep --out logs/day22 --figures figures $(SWEEP_ARGS)
+	$(BIN)/python -m course_lib sweep --configs all,D-distopt,D-zero3 --out logs/day22 --figures figures $(SWEEP_ARGS)
 
 site: setup
 	$(BIN)/python -m course_lib site --out $(SITE) $(SITE_ARGS)

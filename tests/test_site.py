@@ -127,8 +127,8 @@ def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_pa
 
 
 def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page(renderer):
-    """``../figures/NAME`` in a markdown cell becomes ``assets/figures/NAME`` with the file copied; a lab that
-    shows its own pictures gets no THEORY_FIGURES inserted; a missing figure stops the build in one line."""
+    """``../figures/NAME`` in a markdown cell becomes ``assets/figures/NAME`` with the file copied; a missing
+    figure stops the build in one line."""
     from course_lib.site import build
 
     solution = _tiny_solution()
@@ -142,15 +142,6 @@ def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page(renderer):
     solution["cells"][0]["source"] += "\n\n![gone](../figures/gone.png)"
     with pytest.raises(ValueError, match=r"00_tiny.ipynb: cell 0 \(id title\): ../figures/gone.png: no such figure"):
         build.lab_page_files(lab, solution, ROOT / "figures", renderer, previous=None, following=None)
-
-
-@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
-def test_each_theory_figure_finds_its_heading(path):
-    """A renamed heading would move its figure to the introduction: update course_lib/site/pictures.py."""
-    markdown = ["".join(c["source"]) for c in read_notebook(path)["cells"] if c["cell_type"] == "markdown"]
-    for figure in pictures.THEORY_FIGURES.get(path.stem[:2], []):
-        assert any(figure.anchor in text for text in markdown), f"{path.name} has no {figure.anchor!r}"
-        assert (ROOT / "figures" / figure.name).is_file()
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,8 +3,7 @@
 Each lab page is ``solutions/NN_topic.ipynb`` as :func:`reader.reader_notebook` gives
 it (student stubs, outputs of non-exercise cells), its theory's ``../figures/NAME``
 pictures copied to ``assets/figures/`` (:func:`course_lib.notebook_figures.link_figures`),
-plus :mod:`pictures` (widgets' default views; figures beside the theory of a lab that
-shows none of its own), rendered by nbconvert's ``HTMLExporter`` with
+plus :mod:`pictures` (widgets' default views), rendered by nbconvert's ``HTMLExporter`` with
 :file:`page.html.j2` (JupyterLab's markup; no CDN). The index is a notebook of
 markdown cells rendered the same way: the README's course map (linked to the pages,
 with the total time) and glossary.
@@ -194,7 +193,7 @@ def find_labs(solutions_dir: Path, only: list[str] | None = None) -> list[tuple[
 
 
 def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Renderer, *,
-                   previous: Lab | None, following: Lab | None, warn=None) -> dict[str, bytes]:
+                   previous: Lab | None, following: Lab | None) -> dict[str, bytes]:
     """The page of one lab and the pictures it adds; ``ValueError`` if the page would show a solution line."""
     try:
         notebook = reader_notebook(solution)
@@ -207,8 +206,6 @@ def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Render
     except ValueError as exc:
         raise ValueError(f"{lab.source}: {exc}") from None
     files.update(shown)
-    if not shown:  # a lab whose theory shows no picture of its own gets THEORY_FIGURES beside its headings
-        files.update(pictures.add_theory_figures(notebook, lab.number, figures_dir, warn=warn))
     page = renderer.page(notebook, lab.title, previous=previous, following=following, notice=lab_notice(lab))
     leaked = leaked_lines(html_text(page), secret)
     if leaked:
@@ -217,8 +214,8 @@ def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Render
     return files
 
 
-def build_site(solutions_dir: Path, figures_dir: Path, readme_path: Path, only: list[str] | None = None,
-               warn=None) -> dict[str, bytes]:
+def build_site(solutions_dir: Path, figures_dir: Path, readme_path: Path,
+               only: list[str] | None = None) -> dict[str, bytes]:
     """Every file of the site, ``{relative path: bytes}`` (nothing is written here)."""
     try:
         readme_text = Path(readme_path).read_text(encoding="utf-8")
@@ -232,7 +229,7 @@ def build_site(solutions_dir: Path, figures_dir: Path, readme_path: Path, only: 
              f"{ASSETS}/site.css": (HERE / "site.css").read_bytes()}
     order = [lab for lab, _ in labs]
     for i, (lab, solution) in enumerate(labs):
-        files.update(lab_page_files(lab, solution, Path(figures_dir), renderer, warn=warn,
+        files.update(lab_page_files(lab, solution, Path(figures_dir), renderer,
                                     previous=order[i - 1] if i else None,
                                     following=order[i + 1] if i + 1 < len(order) else None))
     index = renderer.page(index_notebook(readme_text, order, str(readme_path)), "Course map",

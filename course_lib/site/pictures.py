@@ -1,11 +1,8 @@
-"""The pictures a lab page adds to its notebook: figures beside the theory, and each widget's default view.
+"""The pictures a lab page adds to its notebook: each widget's default view.
 
-* :data:`THEORY_FIGURES`: for a lab whose notebook shows no ``../figures/NAME`` picture of
-  its own (see :mod:`course_lib.notebook_figures`), which files of ``figures/`` (drawn by
-  ``python -m course_lib figures`` from the tested drawing functions) go after which
-  markdown cell. A figure goes after the first markdown cell containing its anchor
-  text; when a notebook no longer has that text, after the lab's introduction, with
-  a warning, so an edited heading never breaks the build.
+(A lab's theory pictures are its own ``![caption](../figures/NAME)`` lines, copied by
+:func:`course_lib.notebook_figures.link_figures`.)
+
 * :func:`widget_view`: a widget cannot run on a static page, so its output is replaced
   by a picture of the view the widget opens with, drawn by the same tested function
   the widget calls (``topology.widget.render``, ``pipeline.widget.explore``,
@@ -18,30 +15,11 @@ import ast
 import html
 import inspect
 import io
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 FIGURE_FOLDER = "assets/figures"
 WIDGET_FOLDER = "assets/widgets"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
-
-
-@dataclass(frozen=True)
-class TheoryFigure:
-    """One file of ``figures/`` shown after the markdown cell that contains ``anchor``."""
-
-    anchor: str
-    name: str
-    caption: str
-
-
-# lab number -> its figures, in page order. Only for a lab whose theory shows no picture of its own: a
-# notebook that writes ![caption](../figures/NAME) (course_lib.notebook_figures) gets exactly those.
-THEORY_FIGURES: dict[str, list[TheoryFigure]] = {
-    "05": [TheoryFigure("MAP", "rankmap_8_tp2_pp2_dp2.svg", "Config D: TP=2 × PP=2 × DP=2 on 8 ranks"),
-           TheoryFigure("MAP", "rankmap_8_tp2_pp2_cp2.svg", "Config F: TP=2 × PP=2 × CP=2 on 8 ranks")],
-}
 
 
 def _source(cell: dict) -> str:
@@ -53,36 +31,6 @@ def figure_html(src: str, caption: str, alt: str | None = None) -> str:
     """A ``<figure>`` with an image and its caption (escaped)."""
     return (f'<figure class="course-figure"><img src="{html.escape(src)}" alt="{html.escape(alt or caption)}">'
             f"<figcaption>{html.escape(caption)}</figcaption></figure>")
-
-
-def _markdown_cell(cell_id: str, text: str) -> dict:
-    return {"cell_type": "markdown", "id": cell_id, "metadata": {"tags": ["course-site-figure"]}, "source": text}
-
-
-def add_theory_figures(notebook: dict, lab_number: str, figures_dir: Path, warn=None) -> dict[str, bytes]:
-    """Insert the lab's :data:`THEORY_FIGURES` into ``notebook`` (in place); return ``{site path: bytes}``.
-
-    A missing file is a one-line ``ValueError`` (``figures/`` is committed: ``make figures``
-    redraws it); a missing anchor puts the figure after the first markdown cell and calls
-    ``warn(message)`` (default: print to stderr).
-    """
-    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
-    files, cells = {}, notebook["cells"]
-    # inserted last to first, so that figures sharing an anchor keep their order
-    for number, figure in reversed(list(enumerate(THEORY_FIGURES.get(lab_number, [])))):
-        path = figures_dir / figure.name
-        if not path.is_file():
-            raise ValueError(f"{path}: no such figure; run 'make figures' (python -m course_lib figures) to draw it")
-        site_path = f"{FIGURE_FOLDER}/{figure.name}"
-        files[site_path] = path.read_bytes()
-        markdown = [i for i, cell in enumerate(cells) if cell.get("cell_type") == "markdown"]
-        anchored = [i for i in markdown if figure.anchor in _source(cells[i])]
-        if not anchored:
-            warn(f"lab {lab_number}: no markdown cell mentions {figure.anchor!r}; {figure.name} goes after the "
-                 f"introduction (update THEORY_FIGURES in {Path(__file__).name})")
-        after = anchored[0] if anchored else (markdown[0] if markdown else -1)
-        cells.insert(after + 1, _markdown_cell(f"course-figure-{number}", figure_html(site_path, figure.caption)))
-    return files
 
 
 # ----------------------------------------------------------------------------------------
