@@ -69,6 +69,39 @@ class TPMLP(nn.Module):
         return self.fc3(torch.nn.functional.gelu(h))
 
 
+class Block(nn.Module):
+    """``[n, i] -> [n, o]``: Linear then GELU (a ZeRO-3 unit of :class:`HeadLast`)."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.fc = nn.Linear(i, o)
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x))
+
+
+class HeadLast(nn.Module):
+    """``[n, 16] -> [n, 8]``: two :class:`Block` s, then a head Linear 32->8 owned by the model itself.
+
+    With ``fsdp_unit_modules=(Block,)`` the head sits in the root unit, which runs *first* in
+    backward -- a pipeline's last stage (output layer and final LayerNorm in the root)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(IN, HID), Block(HID, HID)])
+        self.head = nn.Linear(HID, OUT)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_head_last() -> HeadLast:
+    torch.manual_seed(SEED)
+    return HeadLast()
+
+
 def make_dense3() -> DenseMLP3:
     torch.manual_seed(SEED)
     return DenseMLP3()
@@ -127,14 +160,15 @@ def reference(dtype=torch.float32, iters: int = ITERS, factory=None, optimizer: 
 
 def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, iters: int = ITERS,
         break_with=None, tp_group=None, clip_grad: float = 0.0, micro_batches: int = 1, probe=None,
-        forwards_first: bool = False, **kwargs) -> dict:
+        forwards_first: bool = False, grad_norm: bool = True, **kwargs) -> dict:
     """Train ``model`` (default: the MLP) with ``wrap(model, dp_group, **kwargs)`` on this rank's rows of
     each global batch. Returns the local losses, the final full params, bytes per rank, the
     collectives of the last step and its timeline. ``break_with(ddp)`` may sabotage the wrapper;
     ``tp_group``: the model is tensor-parallel over it (params are gathered for the comparison);
     ``micro_batches``: the rank's rows in that many micro-batches, all but the last under ``no_sync``
     (``forwards_first``: all their forwards before any backward, as a pipeline's warm-up does);
-    ``probe(ddp, model)``: anything picklable to return as ``"probe"`` after the last step."""
+    ``probe(ddp, model)``: anything picklable to return as ``"probe"`` after the last step;
+    ``grad_norm``: ask ``step`` for the norm (without it and without clipping it computes none)."""
     from course_lib.distributed import wrap
     model = model if model is not None else make_model(dtype)
     ddp = wrap(model, dp_group, **kwargs)
@@ -158,7 +192,7 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
                     part = loss_fn(ddp(part[0]), part[1]) / micro_batches
                 ddp.scale_loss(part).backward()
             loss += part.item()
-        result = ddp.step(LR, clip_grad=clip_grad)
+        result = ddp.step(LR, clip_grad=clip_grad, grad_norm=grad_norm)
         losses.append(loss)
         norms.append(result["grad_norm"])
     params = ddp.full_parameters()

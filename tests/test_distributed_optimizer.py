@@ -61,6 +61,11 @@ def _no_grad_scaling(ddp):
     ddp.gradient_scaling_factor = 1.0  # grads summed over the ranks instead of averaged
 
 
+def _norm_events(ddp, model):
+    """The last step's grad-norm all-reduces as the engine recorded them: ``[(op, kind, group size)]``."""
+    return [(e.op, e.kind, e.group_size) for e in ddp.comm.events if e.source == "get_grad_norm_fp32"]
+
+
 def _main_grads(ddp, model):
     """The last step's main grads (averaged over dp), or main_grad's refusal (ZeRO-2/3)."""
     try:
@@ -114,7 +119,9 @@ def _run_on_ranks():
         "zero2_main_grad": dict(strategy="optim_grads", iters=1, probe=_main_grads),
         "accumulated": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, micro_batches=2,
                             **common),
-        "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, **common),  # SGD: Adam hides a scale
+        "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, probe=_norm_events,
+                        grad_norm=False, **common),  # SGD: Adam hides a scale; clipping alone asks for the norm
+        "no_norm": dict(strategy="optim", grad_norm=False, probe=_norm_events, **common),
         "scaled": dict(strategy="optim", loss_scaler=ConstantScaler(), **common),
         # SGD, not Adam: Adam would not notice grads left scaled by 4096 (m / sqrt(v) cancels it)
         "scaled_course": dict(strategy="optim", optimizer="sgd", loss_scaler=ConstantLossScaler(2.0 ** 12), **common),
@@ -134,7 +141,8 @@ def _run_on_ranks():
     # TP2 x DP2 with the course's ProcessGroups: grads over dp_cp, the grad norm over dp_cp then tp-pp
     pg = new_process_groups(RankGrid(WORLD, tp=2), timeout=60)
     out["tp2dp2"] = C.run(pg, dist.get_rank(pg.dp_cp), 2, model=C.make_tp_model(pg.tp), tp_group=pg.tp,
-                          strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=300)
+                          strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=300,
+                          probe=_norm_events)
     dist.barrier()
     return out
 
@@ -231,6 +239,15 @@ def test_tp2dp2_reduces_over_dp_only(runs):
     # this rank's params: fc1 (column) and fc2's weight (row) halved by TP, fc2's bias and fc3 whole
     local = (C.IN * C.HID + C.HID) // 2 + C.HID * C.HID // 2 + C.HID + C.HID * C.OUT + C.OUT
     assert rec.ring_elements_sent() == pytest.approx(dp_comm_per_iteration(local, 2, zero_stage=1)["total"])
+
+
+def test_grad_norm_is_computed_once_when_asked_and_recorded(runs):
+    """step() computes the norm only for clipping or when asked (a trainer computing its own norm
+    pays no second one), through recorded all-reduces: over dp (sharded), then over the model group."""
+    for r in runs:
+        assert r["no_norm"]["grad_norms"] == [None] * C.ITERS and r["no_norm"]["probe"] == []
+        assert r["clipped"]["probe"] == [("all_reduce", "dp", WORLD)]
+        assert r["tp2dp2"]["probe"] == [("all_reduce", "dp", 2), ("all_reduce", "tp-pp", 2)]
 
 
 def _spans(timeline, kind):

@@ -81,6 +81,11 @@ def _run_on_ranks():
         "bf16_z2": dict(strategy="optim_grads", dtype=torch.bfloat16, overlap_grad_reduce=True, **b),
         "bf16_z3": dict(strategy="optim_grads_params", dtype=torch.bfloat16, overlap_grad_reduce=True),
         "z3_broken": dict(strategy="optim_grads_params", break_with=C.skip_grad_reduce),
+        # the root unit (the head) runs first in backward, like a pipeline's last stage
+        "z3_root_last": dict(strategy="optim_grads_params", overlap_grad_reduce=True, model=C.make_head_last(),
+                             fsdp_unit_modules=(C.Block,)),
+        "z3_root_last_pipelined": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2,
+                                       forwards_first=True, model=C.make_head_last(), fsdp_unit_modules=(C.Block,)),
     }
     out = {name: C.run(dp4, r, WORLD, **kw) for name, kw in runs.items()}
     out["gpt_z3"] = C.run_gpt(dp4, r, WORLD, strategy="optim_grads_params", overlap_grad_reduce=True)
@@ -99,7 +104,8 @@ def runs():
 
 @pytest.fixture(scope="module")
 def refs():
-    return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16)}
+    return {"fp32": C.reference(), "bf16": C.reference(torch.bfloat16),
+            "head_last": C.reference(factory=C.make_head_last)}
 
 
 @pytest.mark.parametrize("name", ["ddp", "z1", "z2", "z3", "z3_sync", "z1_offload", "z3_offload", "z3_accumulated",
@@ -173,6 +179,23 @@ def test_zero3_prefetches_the_next_unit(runs):
         reduces = [e for e in tl if e["kind"] == "reduce_scatter"]
         backward_end = max(e["end"] for e in tl if e["kind"] == "backward")
         assert min(e["start"] for e in reduces) < backward_end  # overlap_grad_reduce
+
+
+@pytest.mark.parametrize("name,micro_batches", [("z3_root_last", 1), ("z3_root_last_pipelined", 2)])
+def test_zero3_never_regathers_a_unit_whose_backward_is_over(runs, refs, name, micro_batches):
+    """The root unit (the head) runs first in backward; a backward prefetch of it after that would
+    be left gathered into step(), hold pre-update values and feed them to the next forward."""
+    ref_losses, ref_params, ref_norms, _ = refs["head_last"]
+    got = C.global_losses([r[name] for r in runs])
+    assert max(C.rel(a, b) for a, b in zip(got, ref_losses)) < 1e-5, (got, ref_losses)
+    units = 3  # root (head), blocks.0, blocks.1
+    for r in runs:
+        assert max(C.rel(a, b) for a, b in zip(r[name]["grad_norms"], ref_norms)) < 1e-5
+        for n, p in ref_params.items():
+            torch.testing.assert_close(r[name]["params"][n], p, rtol=1e-5, atol=1e-6)
+        # per micro-batch one gather per unit for its forward and one for its backward, no more
+        gathers = summarize(r[name]["events"]).count(op="all_gather")
+        assert gathers == 2 * units * micro_batches, gathers
 
 
 def test_fsdp2_matches_our_zero3(runs):

@@ -32,10 +32,13 @@ API (what Lab 07 calls)
         ddp.zero_grad()
         loss = loss_fn(ddp(x_my_slice), y_my_slice)   # ddp(...) == model(...); the local mean loss
         loss.backward()                                # (x loss_scaler.scale when a scaler is given: ddp.scale_loss)
-        result = ddp.step(lr, clip_grad=0.0)           # finish grad sync, shard update, param all-gather
-                                                       # -> {"skipped", "found_inf", "grad_norm"}
+        result = ddp.step(lr, clip_grad=0.0,           # finish grad sync, shard update, param all-gather
+                          grad_norm=True)              # -> {"skipped", "found_inf", "grad_norm"}; the norm
+                                                       #   only when clipping or grad_norm=True asks for it
     with ddp.no_sync(): ...                            # micro-batches before the last: no collective
-    ddp.main_grad(param)   # Megatron's param.main_grad (no_shard / optim), for finalize_model_grads
+    ddp.main_grad(param)   # Megatron's param.main_grad: after backward and before step, this rank's
+                           #   local grad (every strategy; e.g. the tied-embedding sum over pp stages);
+                           #   after step, the reduced one (no_shard / optim)
     ddp.bytes_per_rank()   # {"params", "grads", "optimizer", ...} bytes measured from the tensors held
     ddp.timeline           # [{"rank", "name", "kind", "start", "end"}] seconds since the step's start
     ddp.comm               # a course_lib.comm.CommRecorder holding every collective this wrapper issued
@@ -47,7 +50,9 @@ API (what Lab 07 calls)
 the buckets are the FSDP units -- by default every module that owns parameters directly, or the
 instances of ``fsdp_unit_modules=(SomeLayerClass,)`` with the rest in a root unit (Megatron-FSDP's
 ``fsdp_unit_modules``) -- so ``bucket_size`` is not used, and the next unit is always prefetched
-(forward: the next one, backward: the previous one). A weight shared by two units (tied embeddings)
+(forward: the next one, backward: the previous one, unless its backward for this micro-batch is
+already over: on a pipeline's last stage the root unit runs first in backward). ``step`` leaves no
+unit gathered (a gathered copy is stale once the shard is updated). A weight shared by two units (tied embeddings)
 must sit in a unit that spans both uses: for the course GPT, ``fsdp_unit_modules=(type of its
 layer,)`` keeps the embedding in the root unit, live for the whole forward and backward.
 

@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from course_lib import comm
 from course_lib.comm import CommRecorder, _all_gather_tensor, _reduce_scatter_tensor, record_event
 from course_lib.distributed.buffer import size_buckets, unit_buckets
 from course_lib.distributed.offload import HostPool
@@ -157,7 +158,9 @@ class ShardedDataParallel:
         self._unit_bucket = {i: sorted({self._where[id(p)][0].index for _, p in ps})
                              for i, (_, _, ps) in enumerate(self.units)}
         self._unit_pending = [set() for _ in self.units]
-        self._unit_bwd_started = [False] * len(self.units)
+        # forward calls of unit u whose backward has not started yet: a backward prefetch gathers a
+        # unit only while it is > 0 (never a unit whose backward is over for this micro-batch)
+        self._bwd_todo = [0] * len(self.units)
         self._fwd_span: dict = {}  # unit -> its open forward span (units nest: the root holds the others)
         self._bwd_span: dict = {}
         self._open_spans: dict = {}  # id(async work) -> the stamp that ends its timeline span
@@ -391,9 +394,13 @@ class ShardedDataParallel:
             st["param_full"] = full
             self._point_params(b, full)
 
-    def _wait_param_gathers(self) -> None:
+    def _wait_param_gathers(self, release: bool = False) -> None:
+        """Wait for every gather in flight; ``release`` (ZeRO-3): then drop every gathered unit, so
+        the next forward gathers the updated shards (a gathered copy is stale after an update)."""
         for b in self.buckets:
             self._wait_gather(b)
+            if release and self.shard_params and b.state["param_full"] is not None:
+                self._release(b)
 
     def _ensure_unit(self, u: int) -> None:
         for i in self._unit_bucket[u]:
@@ -402,7 +409,13 @@ class ShardedDataParallel:
                 self._launch_gather(b, async_op=False)
             self._wait_gather(b)
 
-    def _prefetch_unit(self, u: int) -> None:
+    def _prefetch_unit(self, u: int, backward: bool = False) -> None:
+        """Start gathering unit ``u`` (forward: the next unit; ``backward``: the previous one, only if
+        a forward call of it still waits for its backward -- on a pipeline's last stage the root unit
+        (output layer, final LayerNorm) runs *first* in backward, and gathering it again after that
+        would leave a copy nobody releases, stale once the step updates the shard)."""
+        if backward and not (0 <= u < len(self.units) and self._bwd_todo[u] > 0):
+            return
         if 0 <= u < len(self.units):
             for i in self._unit_bucket[u]:
                 self._launch_gather(self.buckets[i], async_op=True)
@@ -436,7 +449,7 @@ class ShardedDataParallel:
         t = _first_tensor(out) if torch.is_grad_enabled() else None
         if t is not None:
             self._unit_pending[u] = {id(p) for _, p in self.units[u][2]}
-            self._unit_bwd_started[u] = False
+            self._bwd_todo[u] += 1
             fired = [False]  # per forward call: each micro-batch's backward gathers the unit again
 
             def before_backward(grad, u=u, fired=fired):
@@ -449,11 +462,11 @@ class ShardedDataParallel:
         """A unit's backward is about to run (the grad of its output exists): open its span; ZeRO-3:
         gather it (if released) and prefetch the unit before it. Called once per forward call, so
         pipelined micro-batches (forward, forward, backward, backward) each gather the unit."""
-        self._unit_bwd_started[u] = True
+        self._bwd_todo[u] -= 1
         self._bwd_span[u] = self._span(self.units[u][0] or "root", "backward")
         if self.shard_params:
             self._ensure_unit(u)
-            self._prefetch_unit(u - 1)
+            self._prefetch_unit(u - 1, backward=True)
 
     def _unit_backward_done(self, u: int) -> None:
         ev = self._bwd_span.pop(u, None)
@@ -476,6 +489,7 @@ class ShardedDataParallel:
         """Start an iteration: grads to zero, the timeline restarted (its times count from here)."""
         self.timeline = []
         self._t0 = time.perf_counter()
+        self._bwd_todo = [0] * len(self.units)
         if self.pool is not None:
             self.pool.reset_moved()
         for b in self.buckets:
@@ -490,26 +504,34 @@ class ShardedDataParallel:
     def grad_norm(self) -> float:
         """L2 norm of the whole model's (unscaled, reduced) grad, from this rank's shards: squares
         summed over the shard, then over the dp group (sharded strategies) and the model group
-        (Megatron's ``get_grad_norm_fp32`` over the distributed optimizer's grad-stats group). Only
-        valid inside :meth:`step` (it reads the fp32 main grads)."""
+        (Megatron's ``get_grad_norm_fp32`` over the distributed optimizer's grad-stats group), through
+        :func:`course_lib.comm.all_reduce` (recorded in :attr:`comm` and any active recorder, source
+        ``"get_grad_norm_fp32"``). Only valid inside :meth:`step` (it reads the fp32 main grads,
+        after the loss scaler's ``unscale_and_check`` -- where a trainer sums sequence-parallel
+        grads over TP first)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for _, _, b, a, z, counted in self._pieces:
             if counted:
                 sq += b.state["g32"][a:z].double().square().sum().to(self.device)
-        groups = ([self.group] if self.shard_optim else []) + [self.model_group]
-        for group in groups:
-            if group is not None and dist.get_world_size(group) > 1:
-                dist.all_reduce(sq, group=group)
+        groups = ([(self.group, "dp")] if self.shard_optim else []) + [(self.model_group, "tp-pp")]
+        with self.comm:
+            for group, kind in groups:
+                if group is not None:
+                    comm.all_reduce(sq, group, kind=kind, direction="bwd", source="get_grad_norm_fp32")
         return float(sq.sqrt())
 
-    def step(self, lr: float, clip_grad: float = 0.0) -> dict:
+    def step(self, lr: float, clip_grad: float = 0.0, grad_norm: bool = False) -> dict:
         """Finish the grad reduction, update this rank's shard (fp32), all-gather the params.
 
         ``clip_grad`` (Megatron's ``--clip-grad``; 0: off): grads scaled by ``clip_grad / (norm + 1e-6)``
-        when that is < 1. Returns ``{"skipped": bool, "found_inf": bool, "grad_norm": float or None}``
-        (a loss scaler's overflow skips the update; the norm is None then)."""
+        when that is < 1. The norm (:meth:`grad_norm`, one or two all-reduces) is computed only when
+        clipping needs it or ``grad_norm=True`` asks for it: a trainer that takes the norm itself
+        in its loss scaler's ``unscale_and_check`` (:class:`course_lib.training.sharding.ShardedGradFinalizer`)
+        leaves both off, so the norm is computed once. Returns ``{"skipped": bool, "found_inf": bool,
+        "grad_norm": float or None}`` (None when not computed; a loss scaler's overflow skips the
+        update, and the norm is None then too)."""
         self.finish_grad_sync()
-        self._wait_param_gathers()
+        self._wait_param_gathers(release=True)
         ev = self._span("optimizer", "optimizer")
         for b in self.buckets:
             st, g = b.state, self._grad_shard(b)
@@ -530,10 +552,11 @@ class ShardedDataParallel:
             found_inf = bool(flag.item())
         norm = None
         if not found_inf:
-            norm = self.grad_norm()
             for view, _, b, a, z, _ in self._pieces:
                 view.grad = b.state["g32"][a:z]
-            clip_grads([view for view, *_ in self._pieces], norm, clip_grad)
+            if clip_grad > 0 or grad_norm:
+                norm = self.grad_norm()
+                clip_grads([view for view, *_ in self._pieces], norm, clip_grad)
             self.optimizer.step(lr)
             for view, *_ in self._pieces:
                 view.grad = None
@@ -591,15 +614,21 @@ class ShardedDataParallel:
 
     def main_grad(self, param: torch.Tensor) -> torch.Tensor:
         """``param``'s accumulated grad in the grad buffer (grad dtype, ``param``'s shape): Megatron's
-        ``param.main_grad``. After :meth:`finish_grad_sync` it is the dp average under ``no_shard``;
-        under ``optim`` only this rank's shard of it is averaged. A trainer all-reduces tied-embedding
-        and sequence-parallel LayerNorm grads here (``finalize_model_grads``). ZeRO-2/3 keep no full
-        buffer past the reduce-scatter, so there is none to return."""
-        if self.shard_grads:
-            raise ValueError(f"main_grad: strategy={self.strategy!r} keeps only a 1/d grad shard; use "
-                             f"strategy 'no_shard' or 'optim' for full main grads")
+        ``param.main_grad``, a view -- writes land in the buffer the reduction reads.
+
+        Before the reduction (after backward, before :meth:`finish_grad_sync` / :meth:`step`) it is
+        this rank's local, unreduced sum over its micro-batches, under every strategy: a trainer sums
+        the tied word-embedding grad over the embedding group here (Megatron's
+        ``_allreduce_word_embedding_grads``, before the dp reduction). After the reduction it is the
+        dp average under ``no_shard``; under ``optim`` only this rank's shard of it is averaged.
+        ZeRO-2/3 keep no full buffer past the reduce-scatter (only a 1/d grad shard): ValueError then."""
         b, pr = self._where[id(param)]
-        return b.state["grad_full"][pr.start:pr.end].view(self._shapes[id(param)])
+        full = b.state["grad_full"]
+        if full is None or b.state["grad_work"] is not None:
+            raise ValueError(f"main_grad: strategy={self.strategy!r} keeps only a 1/d grad shard once the "
+                             f"reduce-scatter started (or no backward ran yet); read main_grad after backward, "
+                             f"before step, or use strategy 'no_shard' / 'optim' for full main grads")
+        return full[pr.start:pr.end].view(self._shapes[id(param)])
 
     def full_parameters(self) -> dict:
         """``{name: full parameter}`` (ZeRO-3: all-gathered, then released; recorded with tag
