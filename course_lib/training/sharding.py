@@ -22,12 +22,15 @@ that reduction, the trainer does here, on the engine's buffers:
   world, as Megatron's grad-stats group with the distributed optimizer); the gradient norm of the
   whole model from the shards (each parameter once: TP duplicates on TP rank 0 only, the last
   stage's embedding copy not at all; squares summed over dp-cp when sharded, then over tp-pp,
-  ``get_grad_norm_fp32``) and clipping of the shards to ``--clip-grad``.
+  ``get_grad_norm_fp32``) and clipping of the shards to ``--clip-grad``. The norm is computed
+  here and only here: ``engine.step(lr)`` without ``clip_grad`` or ``grad_norm=True`` computes none.
 
 Micro-batches: Megatron's ``no_sync`` -- with ``--overlap-grad-reduce`` and pp = 1 under 1F1B a
 bucket's reduction starts during the *last* micro-batch's backward; earlier ones only accumulate
 (:func:`schedule_sync`). ZeRO-3 with pp > 1: the engine gathers a unit for each forward call's
-backward, so the 1F1B cool-down's back-to-back backward passes each find it gathered.
+backward, so the 1F1B cool-down's back-to-back backward passes each find it gathered, and never
+gathers again a unit whose backward is over (the last stage's root unit runs first in backward);
+after ``engine.step`` no gathered unit is left, so the next forward gathers the updated shards.
 
 Tensors: the engine's buckets (``engine.buckets``) hold flat ``[numel]`` buffers; this rank's
 shard of a bucket is elements ``[lo, hi)`` (``[0, numel)`` for ``no_shard``); the grads handed to
@@ -155,19 +158,14 @@ def schedule_sync(engine, config, pipeline_schedule: str, stack: contextlib.Exit
 @torch.no_grad()
 def allreduce_embedding_grads_in_buffer(engine, chunks: list, groups) -> int:
     """pp > 1: sum the tied word-embedding gradient over the embedding group in the engine's full
-    local grad buffer, before the dp-cp reduction (Megatron's ``_allreduce_word_embedding_grads``).
-    Returns the elements reduced."""
+    local grad buffer (``engine.main_grad``), before the dp-cp reduction (Megatron's
+    ``_allreduce_word_embedding_grads``). Returns the elements reduced."""
     weight = _shared_embedding_weight(chunks, groups)
     if weight is None or comm.group_size(groups.embedding) == 1:
         return 0
-    for b in engine.buckets:
-        for pr in b.params:
-            if pr.param is weight:
-                view = b.state["grad_full"][pr.start:pr.end]
-                comm.all_reduce(view, groups.embedding, kind="embedding", direction="bwd",
-                                source="allreduce_embedding_grads")
-                return view.numel()
-    return 0
+    view = engine.main_grad(weight)     # this rank's local (unreduced) grad, a view of the buffer
+    comm.all_reduce(view, groups.embedding, kind="embedding", direction="bwd", source="allreduce_embedding_grads")
+    return view.numel()
 
 
 def state_bytes(engine) -> dict:
