@@ -80,6 +80,8 @@ Mixture of experts (the expert grid's own checks live in ``moe.grid.MoEGrid``)
     ``build_model``.
   * :func:`moe_context_parallel` -- the course's MoE model is not tested with CP yet: trainer, ``build_model``.
   * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``.
+  * :func:`moe_state_sharding` -- MoE without the sharding engine's flags (it shards and reduces over
+    dense DP only, not expert DP): trainer (``train.setup_training``, ``train.run``).
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
@@ -551,6 +553,20 @@ def moe_context_parallel(num_experts, cp: int) -> None:
         raise ValueError(f"num-experts={num_experts} with {CP}={cp}: the course's MoE model is not tested with "
                          f"context parallelism yet; use {CP}=1 (expert layers fold CP into EP and expert DP in "
                          f"Megatron)")
+
+
+def moe_state_sharding(num_experts, sharding_flags) -> None:
+    """``--num-experts`` with a flag that routes the gradients and the optimizer through the sharding
+    engine (``--use-distributed-optimizer``, ``--use-megatron-fsdp``, ...: ``course_lib.distributed``)
+    is refused: the engine reduces and shards over the dense dp-cp group, while expert gradients must be
+    summed over the expert data-parallel group (Megatron's ``expert_data_parallel_group`` buffers).
+    ``sharding_flags``: the names of the engine flags this run sets."""
+    flags = [f"--{f.strip('-').replace('_', '-')}" for f in sharding_flags or ()]
+    if num_experts and flags:
+        raise ValueError(f"--num-experts={num_experts} with {' / '.join(flags)}: the course's sharding engine "
+                         f"knows nothing of expert data parallelism yet (expert grads and optimizer state belong "
+                         f"to the expert-DP group); drop {' and '.join(flags)} for MoE runs (the trainer's "
+                         f"all-reduce reduces experts over expert DP)")
 
 
 def moe_dispatcher(dispatcher: str) -> str:

@@ -122,6 +122,8 @@ from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_li
                                       world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
 from course_lib.model import GPTModel, build_model, gpt_loss
+from course_lib.moe.grid import MoEGrid
+from course_lib.moe.transformer import new_moe_process_groups, set_aux_loss_scale, track_moe_metrics
 from course_lib.optimizer import LRScheduler, Optimizer, clip_grads
 from course_lib.pipeline.check import check_schedule
 from course_lib.pipeline.executor import run_rank_schedule
@@ -178,7 +180,8 @@ class TrainingSetup:
     each once; ``schedule``/``p2p``: the pipeline schedule and its checked sends;
     ``activation_shape``: ``[s/cp (/tp with SP), micro, hidden]``, what a stage sends;
     ``finalize_model_grads_func``: the gradient step after backward (Megatron's
-    ``config.finalize_model_grads_func``; a test passes a broken one to see the parity check fail).
+    ``config.finalize_model_grads_func``; a test passes a broken one to see the parity check fail),
+    called as ``f(chunks, groups, config)``, plus ``moe_groups=`` in an MoE run.
     """
 
     config: ParallelConfig
@@ -200,6 +203,7 @@ class TrainingSetup:
     finalizer: object = None          # its course_lib.training.sharding.ShardedGradFinalizer
     pipeline_schedule: str = "1f1b"
     num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
+    moe_groups: object = None         # --num-experts: course_lib.moe.transformer.MoEGroups, else None
 
 
 def _precision(args) -> str:
@@ -220,9 +224,20 @@ def _autocast(device: torch.device, precision: str):
 def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: ProcessGroups, device: torch.device, *,
                    finalize_model_grads_func: Callable = finalize_model_grads) -> TrainingSetup:
     """Build this rank's model chunks (from the dense master, :func:`course_lib.model.build_model`),
-    optimizer, learning-rate schedule and pipeline schedule for the validated ``config``."""
+    optimizer, learning-rate schedule and pipeline schedule for the validated ``config``.
+
+    With ``--num-experts`` the MoE groups come first (collective, with the run's timeout): Megatron's
+    expert grid (:class:`~course_lib.moe.grid.MoEGrid`: ``--expert-model-parallel-size``,
+    ``--expert-tensor-parallel-size``, the dense grid's order), and each MoE layer keeps its experts."""
+    check_moe_flags(args)
+    moe_groups = None
+    if getattr(args, "num_experts", None):
+        moe_grid = MoEGrid(config.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
+                           ep=args.expert_model_parallel_size, expert_tp=args.expert_tensor_parallel_size,
+                           order=groups.grid.order_str)
+        moe_groups = new_moe_process_groups(moe_grid, timeout=args.distributed_timeout_minutes * 60)
     chunks = build_model(gpt_config_from_args(args), groups, vp=config.vpp,
-                         sequence_parallel=config.sequence_parallel, device=device)
+                         sequence_parallel=config.sequence_parallel, device=device, moe_groups=moe_groups)
     for chunk in chunks:
         chunk.train()
     named = unique_named_params(chunks)
@@ -241,7 +256,16 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
                          schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
                          seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
                          precision=_precision(args), scaler=scaler, engine=engine, finalizer=finalizer,
-                         pipeline_schedule=name, num_parameters=num_parameters)
+                         pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups)
+
+
+def check_moe_flags(args) -> None:
+    """:func:`course_lib.rules.moe_state_sharding` for ``args``: ``--num-experts`` with any flag that
+    sends the run through the sharding engine (which reduces over dense DP only) is refused."""
+    if getattr(args, "num_experts", None) and uses_sharding_engine(args):
+        flags = [f for f in ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce",
+                             "optimizer_cpu_offload") if getattr(args, f, False)]
+        rules.moe_state_sharding(args.num_experts, flags or ["ddp_bucket_size"])
 
 
 def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
@@ -284,17 +308,21 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
         return total / count if s.scaler is None else s.scaler.scale_loss(total / count).squeeze()
 
     tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device)
+    if s.moe_groups is not None:     # the aux losses' gradient: the factor each micro-batch's LM loss gets
+        set_aux_loss_scale(s.chunks, (1.0 if s.scaler is None else s.scaler.value) / config.num_microbatches)
     with sync, _autocast(s.device, s.precision):
         out = run_rank_schedule(s.schedule, c["pp"], dict(enumerate(s.chunks)), tokens, labels,
                                 activation_shape=s.activation_shape, pp_group=groups.pp, p2p=s.p2p, loss_fn=loss_fn)
     if s.engine is not None:         # the engine reduces, the finalizer clips, the shard is updated
         return _engine_step(s, out, stats)
-    s.finalize_model_grads_func(s.chunks, groups, config)   # DP(-CP) average, SP LayerNorm grads, tied embeddings
+    moe = {} if s.moe_groups is None else {"moe_groups": s.moe_groups}
+    s.finalize_model_grads_func(s.chunks, groups, config, **moe)   # DP(-CP) average (experts: expert DP),
+    # SP LayerNorm grads, tied embeddings
     skipped = False
     if s.scaler is not None:         # Megatron: unscale, found_inf MAX over the model-parallel group, skip
         skipped = s.scaler.unscale_and_check([p.grad for p in s.params], groups.model)
         s.scaler.update(skipped)
-    norm = grad_norm(s.params, groups, c["tp"])
+    norm = grad_norm(s.params, groups, c["tp"], s.moe_groups)
     if skipped:
         lr = s.scheduler.get_lr()    # Megatron: no optimizer step and no scheduler step
     else:
@@ -324,8 +352,10 @@ def _step_record(s: TrainingSetup, out: dict, stats: list, norm: float, lr: floa
         both = torch.stack([sum(t for t, _ in stats), sum(n for _, n in stats)]).to(s.device)
         comm.all_reduce(both, s.groups.dp_cp, kind=dp_kind(s.config), direction="fwd", source="loss_reduction")
         loss = float(both[0] / both[1])
+    moe_losses = {} if s.moe_groups is None else \
+        track_moe_metrics(s.chunks, s.moe_groups, s.config.num_microbatches)[0]   # collective: every rank
     return {"lm_loss": loss, "grad_norm": norm, "learning_rate": lr, "peak_bytes": out["peak_bytes"],
-            "events": out["events"], "skipped": skipped,
+            "events": out["events"], "skipped": skipped, "moe_losses": moe_losses,
             "loss_scale": 1.0 if s.scaler is None else s.scaler.value}
 
 
@@ -369,7 +399,9 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     ``config.finalize_model_grads_func``). Collective: every rank calls it. Returns this rank's record::
 
         {"lm_loss": [per-iteration global-batch loss] (last pipeline stage; None elsewhere),
-         "logged": [{"iteration", "lm_loss", "elapsed_ms", "learning_rate", "grad_norm"}] (last rank),
+         "logged": [{"iteration", "lm_loss", "elapsed_ms", "learning_rate", "grad_norm"}
+                    (+ "load_balancing_loss"/"z_loss" with MoE, averaged over the interval)] (last rank),
+         "moe_losses": [per-iteration {name: value} of track_moe_metrics] (every rank; {} for a dense model),
          "grad_norm": [...], "learning_rate": [...], "elapsed_ms": [per iteration],
          "comm": {group kind: bytes of the last iteration's collectives on this rank (full
                   tensors, course_lib.comm's convention) and of its pipeline sends},
@@ -405,7 +437,8 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": num_parameters}
     total_loss, advanced, skipped_in_interval = 0.0, 0, 0
-    record["skipped"], record["loss_scale"] = [], []
+    total_moe: dict = {}             # MoE losses summed over the interval (Megatron's total_loss_dict)
+    record["skipped"], record["loss_scale"], record["moe_losses"] = [], [], []
     report_memory = True
     peak_activation = 0
     dist.barrier()
@@ -428,10 +461,14 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
             record["comm"] = kinds
         record["pipeline_events"] = step["events"]
         record["skipped"].append(step["skipped"])
+        record["moe_losses"].append(step["moe_losses"])
         record["loss_scale"].append(step["loss_scale"])
         skipped_in_interval += step["skipped"]
         if loss is not None and not step["skipped"]:   # Megatron averages the advanced iterations only
             total_loss += loss
+        if not step["skipped"]:
+            for name, value in step["moe_losses"].items():
+                total_moe[name] = total_moe.get(name, 0.0) + value
         advanced += 1
         first = iteration == 1
         if iteration % args.log_interval == 0 or first:
@@ -439,14 +476,17 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
             elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
             if rank == world - 1:
                 avg = total_loss / max(1, advanced - skipped_in_interval)
+                moe_avg = {name: value / max(1, advanced - skipped_in_interval) for name, value in total_moe.items()}
                 print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
                                           elapsed_ms=elapsed_ms, learning_rate=lr,
                                           global_batch_size=global_batch_size, lm_loss=avg, grad_norm=norm,
-                                          loss_scale=step["loss_scale"], skipped_iterations=skipped_in_interval))
+                                          loss_scale=step["loss_scale"], skipped_iterations=skipped_in_interval,
+                                          extra_losses=moe_avg))
                 record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
-                                             learning_rate=lr, grad_norm=norm))
+                                             learning_rate=lr, grad_norm=norm, **moe_avg))
             if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
                 total_loss, advanced, skipped_in_interval = 0.0, 0, 0
+                total_moe = {}
                 interval_start = time.perf_counter()
             if report_memory:
                 sharded = state_bytes(setup.engine) if setup.engine is not None else None
@@ -472,7 +512,12 @@ def train_single_process(args: argparse.Namespace) -> dict:
     """The reference: the dense :class:`~course_lib.model.GPTModel` in this process, one step per
     global batch (no micro-batches, no torch.distributed), same data, optimizer and schedule.
 
-    Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...]}`` per iteration."""
+    With ``--num-experts`` the global batch is taken in micro-batches of ``--micro-batch-size``
+    (the order every layout's sampler shares, :func:`course_lib.data.microbatch_sample_indices`),
+    each loss ``/ m``, gradients accumulated: the load-balancing loss is a function of a micro-batch's
+    tokens (Megatron computes it per micro-batch, scaled by ``1 / m``), so the reference must see the
+    same micro-batches. Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...],
+    "moe_losses": [{name: value}]}`` per iteration (``{}`` for a dense model)."""
     if args.global_batch_size is None:
         raise ValueError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
@@ -481,8 +526,11 @@ def train_single_process(args: argparse.Namespace) -> dict:
     one.sequence_parallel = False
     one.virtual_pipeline_model_parallel_size = one.num_layers_per_virtual_pipeline_stage = None
     one.num_virtual_stages_per_pipeline_rank = None
+    micro = args.micro_batch_size if getattr(args, "num_experts", None) else args.global_batch_size
     one.micro_batch_size = args.global_batch_size          # one step = the whole global batch at once
+    one.expert_model_parallel_size, one.expert_tensor_parallel_size = 1, None
     args, config = validate_args(one, world_size=1)
+    m = config.effective_global_batch_size // micro        # micro-batches (1 for a dense model)
     model = GPTModel(gpt_config_from_args(args).with_(vocab_padding_tp=padding_tp))
     model.train()
     named = list(model.named_parameters())
@@ -491,23 +539,30 @@ def train_single_process(args: argparse.Namespace) -> dict:
     global_batch_size = config.effective_global_batch_size
     scheduler = _scheduler(args, global_batch_size)
     lr = scheduler.get_lr()
-    out = {"lm_loss": [], "grad_norm": [], "learning_rate": []}
+    out = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "moe_losses": []}
+    moe = bool(getattr(args, "num_experts", None))
+    if moe:
+        set_aux_loss_scale([model], 1.0 / m)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
         for iteration in range(args.train_iters):
             for p in params:
                 p.grad = None
             batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed)
-            with _autocast(torch.device("cpu"), _precision(args)):
-                logits = model(batch["tokens"])                                    # [s, b, V]
-            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                                     batch["labels"].t().reshape(-1))
-            loss.backward()
+            loss = 0.0
+            for tokens, labels in zip(batch["tokens"].split(micro), batch["labels"].split(micro)):
+                with _autocast(torch.device("cpu"), _precision(args)):
+                    logits = model(tokens)                                         # [s, micro, V]
+                part = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                         labels.t().reshape(-1)) / m
+                part.backward()
+                loss = loss + part.detach()
             norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
             clip_grads(params, norm, args.clip_grad)
             optimizer.step(lr)
             lr = scheduler.step(global_batch_size)
-            out["lm_loss"].append(loss.item())
+            out["lm_loss"].append(float(loss))
+            out["moe_losses"].append(track_moe_metrics([model], None, m)[0] if moe else {})
             out["grad_norm"].append(norm)
             out["learning_rate"].append(lr)
     return out
@@ -532,6 +587,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, config = validate_args(args, world)                        # before any process group
+        check_moe_flags(args)
     except ValueError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -567,6 +623,7 @@ def run(args: argparse.Namespace) -> int:
                           job_name="course-train", gpus=False))
         return 0
     validate_args(args, n)
+    check_moe_flags(args)
     cmd = torchrun_argv(args, n)
     print("$ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

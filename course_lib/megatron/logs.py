@@ -563,9 +563,14 @@ def parameters_line(tp_rank: int, pp_rank: int, count: int) -> str:
 def iteration_line(iteration: int, train_iters: int, *, consumed_samples: int, elapsed_ms: float,
                    learning_rate: float, global_batch_size: int, lm_loss: float, grad_norm: float,
                    loss_scale: float = 1.0, skipped_iterations: int = 0, nan_iterations: int = 0,
-                   timestamp: str | None = None) -> str:
+                   timestamp: str | None = None, extra_losses: dict | None = None) -> str:
     """``training_log``'s iteration line (``megatron/training/training.py``, core 0.16+: the
-    timestamp has microseconds). ``timestamp``: ``'%Y-%m-%d %H:%M:%S.%f'``, default now."""
+    timestamp has microseconds). ``timestamp``: ``'%Y-%m-%d %H:%M:%S.%f'``, default now.
+    ``extra_losses``: ``{name: value}`` printed right after ``lm loss`` in the same ``:.6E`` form --
+    the MoE losses (``load_balancing_loss``, ``z_loss``) that Megatron main's ``track_moe_metrics``
+    adds to ``total_loss_dict`` (``megatron/core/transformer/moe/moe_logging.py``); the parser reads
+    each back under its name."""
+    extra = "".join(f" {name}: {value:.6E} |" for name, value in (extra_losses or {}).items())
     if timestamp is None:
         timestamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
     return (f" [{timestamp}] iteration {iteration:8d}/{train_iters:8d} |"
@@ -573,7 +578,7 @@ def iteration_line(iteration: int, train_iters: int, *, consumed_samples: int, e
             f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
             f" learning rate: {learning_rate:.6E} |"
             f" global batch size: {global_batch_size:5d} |"
-            f" lm loss: {lm_loss:.6E} |"
+            f" lm loss: {lm_loss:.6E} |{extra}"
             f" loss scale: {loss_scale:.1f} |"
             f" grad norm: {grad_norm:.3f} |"
             f" number of skipped iterations: {skipped_iterations:3d} |"

@@ -66,11 +66,13 @@ class MoEGroups:
     ``ep`` (expert-model-parallel: the all-to-all), ``expert_tp`` (the experts' tensor parallelism),
     ``tp_ep`` (the allgather dispatcher's group), ``expert_dp`` (expert gradients), ``dp_cp`` (dense
     gradients, Megatron's data-parallel group with CP), ``tp_cp`` (the dense tp-cp group: the aux-loss
-    statistics), ``pp`` (the metrics' sum over stages); ``grid``: the :class:`~course_lib.moe.grid.MoEGrid`."""
+    statistics), ``pp`` (the metrics' sum over stages), ``tp_ep_pp`` (the expert model-parallel group,
+    Megatron's ``_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP``: the experts' share of the grad norm);
+    ``grid``: the :class:`~course_lib.moe.grid.MoEGrid`."""
 
     FIELDS = {"ep": ("expert", "ep"), "expert_tp": ("expert", "tp"), "tp_ep": ("expert", "tp-ep"),
               "expert_dp": ("expert", "dp"), "dp_cp": ("dense", "dp-cp"), "tp_cp": ("dense", "tp-cp"),
-              "pp": ("dense", "pp")}
+              "pp": ("dense", "pp"), "tp_ep_pp": ("expert", "tp-ep-pp")}
 
     def __init__(self, grid, **groups):
         self.grid = grid
@@ -367,13 +369,14 @@ def finalize_moe_grads(chunks, groups, moe_groups: MoEGroups, sequence_parallel:
 
 
 @torch.no_grad()
-def track_moe_metrics(chunks, moe_groups: MoEGroups, num_microbatches: int = 1) -> tuple[dict, str]:
+def track_moe_metrics(chunks, moe_groups: MoEGroups | None, num_microbatches: int = 1) -> tuple[dict, str]:
     """Reduce and clear the per-layer aux-loss values like Megatron's ``track_moe_metrics``
     (``megatron/core/transformer/moe/moe_logging.py``, ``MoEMetricsTracker.report``): per layer, sum
     over the pipeline stages and over the tp-cp group (each rank's value is its share), average over
     data parallel, then the mean over the MoE layers, times ``1 / num_microbatches``. Collective over
     PP, tp-cp and dp-cp: every rank calls it. Returns ``({name: value}, " load_balancing_loss:
-    1.000000E+00 |")`` -- the piece Megatron appends to the iteration line."""
+    1.000000E+00 |")`` -- the piece Megatron appends to the iteration line. ``moe_groups=None``: one
+    process holds the whole model (the single-process reference), nothing to reduce."""
     config, device = chunks[0].config, next(chunks[0].parameters()).device
     pattern = moe_layer_pattern(config.num_layers, config.moe_layer_freq)
     names = ("load_balancing_loss",) * bool(config.moe_aux_loss_coeff) + ("z_loss",) * bool(config.moe_z_loss_coeff)
@@ -382,7 +385,9 @@ def track_moe_metrics(chunks, moe_groups: MoEGroups, num_microbatches: int = 1) 
         values = torch.zeros(config.num_layers, dtype=torch.float64, device=device)   # NCCL reduces on the GPU
         for m in moe_modules(chunks):
             values[m.layer_number - 1] += float(m.metrics.pop(name, 0.0))
-        for group, op in ((moe_groups.pp, "sum"), (moe_groups.tp_cp, "sum"), (moe_groups.dp_cp, "avg")):
+        reductions = () if moe_groups is None else \
+            ((moe_groups.pp, "sum"), (moe_groups.tp_cp, "sum"), (moe_groups.dp_cp, "avg"))
+        for group, op in reductions:
             if comm.group_size(group) > 1:
                 n = comm.group_size(group)
                 comm.all_reduce(values, group, kind="dp" if op == "avg" else "tp", source="track_moe_metrics")
