@@ -10,7 +10,10 @@ tensor as an op saves it), notes which submodule was running, and identifies the
 *storage* behind it: q, k and v are three views of one fused QKV output, so they
 cost one storage, not three. :func:`activation_storages` keeps the distinct
 storages that are not parameters (a GEMM also saves its weight, which is not an
-activation) and :func:`activation_bytes` adds up their bytes.
+activation) and :func:`activation_bytes` adds up their bytes. Whether a tensor is a
+parameter is decided when it is saved, against the storages the parameters have at
+that moment: under ZeRO-3 (:mod:`course_lib.distributed`) a unit's weights live in a
+gathered buffer only while the unit runs, and are released by the time the block ends.
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ class SavedTensorRecorder:
         self.module = module
         self.records: list[SavedTensor] = []
         self._stack: list[str] = []
-        self._raw: list[tuple[str, torch.Tensor]] = []
+        self._raw: list[tuple[str, torch.Tensor, bool]] = []
+        self._params: list[torch.Tensor] = []
         self._handles: list = []
         self._hooks = None
 
@@ -70,10 +74,14 @@ class SavedTensorRecorder:
         self._stack.pop()                            # a hook returning None leaves the output alone
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        self._raw.append((self._stack[-1] if self._stack else "(outside)", t))
+        # a parameter now, not at the block's end (ZeRO-3 releases its gathered weights by then)
+        params = {p.untyped_storage().data_ptr() for p in self._params if p.numel() > 0}
+        is_param = t.numel() > 0 and t.untyped_storage().data_ptr() in params
+        self._raw.append((self._stack[-1] if self._stack else "(outside)", t, is_param))
         return t
 
     def __enter__(self) -> "SavedTensorRecorder":
+        self._params = list(self.module.parameters())
         for name, sub in self.module.named_modules():
             self._handles.append(sub.register_forward_pre_hook(self._enter_module(name)))
             self._handles.append(sub.register_forward_hook(self._leave_module))
@@ -86,16 +94,16 @@ class SavedTensorRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        params = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
         index: dict[int, int] = {}
-        for where, t in self._raw:
+        for where, t, is_param in self._raw:
             storage = t.untyped_storage()
             ptr = storage.data_ptr()
             self.records.append(SavedTensor(
                 module=where, producer=t.grad_fn.name() if t.grad_fn is not None else "-", shape=tuple(t.shape),
                 dtype=str(t.dtype).replace("torch.", ""), storage=index.setdefault(ptr, len(index)),
-                storage_bytes=storage.nbytes(), parameter=ptr in params))
+                storage_bytes=storage.nbytes(), parameter=is_param))
         self._raw.clear()
+        self._params = []
 
 
 def record_saved_tensors(module: nn.Module, *args, **kwargs):

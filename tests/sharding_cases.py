@@ -199,10 +199,11 @@ def run(dp_group, dp_rank: int, dp: int, *, dtype=torch.float32, model=None, ite
     if tp_group is not None:  # this rank holds TP shards: the whole tensors from the TP group
         from course_lib.tensor_parallel import gather_full_params
         params = gather_full_params(model, tp_group)
-    return dict(losses=losses, grad_norms=norms, params=params, probe=probe(ddp, model) if probe else None,
-                bytes=ddp.bytes_per_rank(),
-                events=[e for e in ddp.comm.events if e.tag in ("grads", "params")],
-                timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
+    out = dict(losses=losses, grad_norms=norms, params=params, bytes=ddp.bytes_per_rank(),
+               events=[e for e in ddp.comm.events if e.tag in ("grads", "params")],
+               timeline=[dict(e) for e in ddp.timeline], skipped=result["skipped"])
+    out["probe"] = probe(ddp, model) if probe else None  # last: a probe may run the model again
+    return out
 
 
 GPT = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16)

@@ -61,6 +61,15 @@ def _fsdp2(rank: int) -> dict:
                               for t in st.values() if t.dim() > 0))
 
 
+def _saved_activation_bytes(ddp, model) -> int:
+    """Activation bytes autograd keeps for one forward of 4 rows (course_lib.saved_tensors), the
+    model under ZeRO-3: each unit's gathered weights are released before the recorder's block ends."""
+    from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
+    with SavedTensorRecorder(model) as rec:
+        ddp(C.batch(0)[0][:4])
+    return activation_bytes(rec.records)
+
+
 def _run_on_ranks():
     import torch.distributed as dist
     from helpers import rank_groups
@@ -72,7 +81,7 @@ def _run_on_ranks():
         "z1": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **b),
         "z2": dict(strategy="optim_grads", overlap_grad_reduce=True, **b),
         "z3": dict(strategy="optim_grads_params", overlap_grad_reduce=True),
-        "z3_sync": dict(strategy="optim_grads_params"),
+        "z3_sync": dict(strategy="optim_grads_params", probe=_saved_activation_bytes),
         "z3_accumulated": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2),
         "z3_pipelined": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2,
                              forwards_first=True),
@@ -196,6 +205,18 @@ def test_zero3_never_regathers_a_unit_whose_backward_is_over(runs, refs, name, m
         # per micro-batch one gather per unit for its forward and one for its backward, no more
         gathers = summarize(r[name]["events"]).count(op="all_gather")
         assert gathers == 2 * units * micro_batches, gathers
+
+
+def test_zero3_weights_saved_for_backward_are_not_activations(runs):
+    """A weight a GEMM saves is a parameter when it is saved, though ZeRO-3 releases it right after."""
+    from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
+    model = C.make_model()
+    with SavedTensorRecorder(model) as rec:
+        model(C.batch(0)[0][:4])
+    want = activation_bytes(rec.records)
+    assert sum(r.parameter for r in rec.records) >= 3   # fc1..fc3 saved their weights: excluded
+    for r in runs:
+        assert r["z3_sync"]["probe"] == want
 
 
 def test_fsdp2_matches_our_zero3(runs):
