@@ -43,7 +43,11 @@ LAYOUTS_4 = {   # name: extra flags, on 4 ranks
     "EP4, allgather dispatcher (DP4, expert DP1)": [EP, "4", "--moe-token-dispatcher-type", "allgather"],
     "TP2 x EP2 + SP (DP2, expert TP2, expert DP1)": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                       EP, "2"],
+    # the aux loss's gradient takes the loss scale too (forgetting it: loss 1.2e-3 off, measured);
+    # overflow flags: dense over tp-pp, experts over tp-ep-pp
+    "EP2 + fp16, loss scale 128": [EP, "2", "--fp16", "--loss-scale", "128"],
 }
+FP16 = "EP2 + fp16, loss scale 128"
 LAYOUT_8 = ("TP2 x PP2 x EP2, expert TP1, MoE every 2nd layer (DP2, expert DP2)",
             ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
              EP, "2", "--expert-tensor-parallel-size", "1", "--moe-layer-freq", "2"])
@@ -84,15 +88,17 @@ def _reference(argv):
     return ref
 
 
-def _check_layout(name, res, ref):
+def _check_layout(name, res, ref, stats_tol=TOL):
     """Loss, grad norm and load-balancing loss of every iteration equal the reference's; the printed
-    iteration lines carry ``load_balancing_loss`` right after ``lm loss``, as Megatron prints it."""
+    iteration lines carry ``load_balancing_loss`` right after ``lm loss``, as Megatron prints it.
+    ``stats_tol``: the grad norm's and the load-balancing loss's relative tolerance (fp16's GEMMs round
+    at 2^-11 = 4.9e-4: measured 1.6e-4 and 2.3e-4 there; the loss stays at 6.7e-6)."""
     last = res[-1][name]
     assert _rel(last["lm_loss"], ref["lm_loss"]) < TOL, (name, last["lm_loss"], ref["lm_loss"])
     for r in res:
-        assert _rel(r[name]["grad_norm"], ref["grad_norm"]) < TOL, (name, r[name]["grad_norm"], ref["grad_norm"])
+        assert _rel(r[name]["grad_norm"], ref["grad_norm"]) < stats_tol, (name, r[name]["grad_norm"], ref["grad_norm"])
         lbl = [m["load_balancing_loss"] for m in r[name]["moe_losses"]]
-        assert _rel(lbl, ref["load_balancing_loss"]) < TOL, (name, lbl, ref["load_balancing_loss"])
+        assert _rel(lbl, ref["load_balancing_loss"]) < stats_tol, (name, lbl, ref["load_balancing_loss"])
     lines = [line for line in last["log"].splitlines() if " iteration " in line]
     assert len(lines) == 3 and all(" | lm loss: " in line and "E+00 | load_balancing_loss: " in line
                                    and line.index("load_balancing_loss") < line.index("loss scale") for line in lines)
@@ -100,17 +106,19 @@ def _check_layout(name, res, ref):
     expected = _megatron_logged(ref["load_balancing_loss"], 2)
     assert [it["iteration"] for it in logged] == sorted(expected) == [1, 2, 4]
     for it in logged:
-        assert it["load_balancing_loss"] == pytest.approx(expected[it["iteration"]], rel=1e-5)   # :.6E
+        assert it["load_balancing_loss"] == pytest.approx(expected[it["iteration"]], rel=max(1e-5, stats_tol))
         assert it["lm_loss"] == pytest.approx(_megatron_logged(ref["lm_loss"], 2)[it["iteration"]], rel=TOL)
 
 
 @pytest.fixture(scope="module")
 def references():
     """Each layout's reference, from its own flags; train_single_process sets TP, PP, EP, SP to one
-    process (and the dispatcher type does nothing without an EP group), so the three 4-rank layouts
-    share EP2's model and batches: one reference for them, one for the 8-rank layout's MoE pattern."""
+    process (and the dispatcher type does nothing without an EP group), so the fp32 4-rank layouts
+    share EP2's model and batches: one reference for them, one for fp16, one for the 8-rank layout's
+    MoE pattern."""
     ep2 = _reference(BASE + LAYOUTS_4["EP2 (DP4, expert DP2)"])
-    return {**{name: ep2 for name in LAYOUTS_4}, LAYOUT_8[0]: _reference(BASE + LAYOUT_8[1])}
+    return {**{name: ep2 for name in LAYOUTS_4}, FP16: _reference(BASE + LAYOUTS_4[FP16]),
+            LAYOUT_8[0]: _reference(BASE + LAYOUT_8[1])}
 
 
 def test_moe_layouts_on_4_ranks_equal_one_process_and_a_skipped_expert_dp_sum_is_caught(references):
@@ -118,12 +126,13 @@ def test_moe_layouts_on_4_ranks_equal_one_process_and_a_skipped_expert_dp_sum_is
     runs[BROKEN] = BASE + LAYOUTS_4["EP2 (DP4, expert DP2)"]
     res = launch(_ranks, world_size=4, output="none", timeout=240, runs=runs)
     for name in LAYOUTS_4:
-        _check_layout(name, res, references[name])
+        _check_layout(name, res, references[name], stats_tol=1e-3 if name == FP16 else TOL)
     ref = references["EP2 (DP4, expert DP2)"]
     # the reference is not a trivial target: the aux loss moves the router, the experts are trained
     assert ref["load_balancing_loss"][0] != pytest.approx(ref["load_balancing_loss"][-1], rel=1e-3)
     broken = res[-1][BROKEN]      # measured: loss 1.2e-3, grad norm 1.0e-2 relative off (the others: < 3e-7)
     assert _rel(broken["lm_loss"], ref["lm_loss"]) > 1e-3 and _rel(broken["grad_norm"], ref["grad_norm"]) > 5e-3
+    assert not any(res[-1][FP16]["skipped"])                                 # every fp16 step was taken
     assert "expert_dp" in res[0]["EP2 (DP4, expert DP2)"]["comm"]          # the expert-DP all-reduce ran
     assert "expert_dp" not in res[0]["EP4, allgather dispatcher (DP4, expert DP1)"]["comm"]   # group of one
 

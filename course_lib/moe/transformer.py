@@ -294,7 +294,8 @@ class MoEMLP(nn.Module):
             back = all_to_all_uneven(y, self.groups.ep, input_splits, output_splits, "moe_combine")
             y = _reorder_chunks(back, input_splits, self.send_order)
         weighted = y * probs.flatten()[perm].unsqueeze(-1)                             # [T·k, H]
-        return torch.zeros_like(tokens).index_add(0, perm // k, weighted)             # [T, H]
+        # under autocast the expert GEMMs are 16-bit: unpermute in the residual stream's dtype
+        return torch.zeros_like(tokens).index_add(0, perm // k, weighted.to(tokens.dtype))   # [T, H]
 
     def _experts_over_expert_tp(self, rows, counts):
         """``rows`` [N, H] in chunks (source, local expert) of ``counts`` [ep, L] -> expert outputs [N, H].
@@ -326,7 +327,7 @@ class MoEMLP(nn.Module):
         sizes = torch.bincount(local[order], minlength=L).tolist()
         y = self.experts(every_token[order // k], sizes, list(range(L)))               # [n_mine, H]
         weighted = y * every_prob.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(every_token).index_add(0, order // k, weighted)         # [n·T, H] partial
+        out = torch.zeros_like(every_token).index_add(0, order // k, weighted.to(every_token.dtype))  # [n·T, H]
         return reduce_scatter_to_sequence_parallel_region(out, group, kind="ep")       # [T, H]
 
 
