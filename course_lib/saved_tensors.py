@@ -60,7 +60,7 @@ class SavedTensorRecorder:
         self.module = module
         self.records: list[SavedTensor] = []
         self._stack: list[str] = []
-        self._raw: list[tuple[str, torch.Tensor, bool]] = []
+        self._raw: list[tuple[str, torch.Tensor, bool, int]] = []
         self._params: list[torch.Tensor] = []
         self._handles: list = []
         self._hooks = None
@@ -74,10 +74,12 @@ class SavedTensorRecorder:
         self._stack.pop()                            # a hook returning None leaves the output alone
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        # a parameter now, not at the block's end (ZeRO-3 releases its gathered weights by then)
+        # a parameter now, not at the block's end: ZeRO-3 releases its gathered weights by then
+        # (and frees their storage, so its size is taken now too)
         params = {p.untyped_storage().data_ptr() for p in self._params if p.numel() > 0}
-        is_param = t.numel() > 0 and t.untyped_storage().data_ptr() in params
-        self._raw.append((self._stack[-1] if self._stack else "(outside)", t, is_param))
+        storage = t.untyped_storage()
+        is_param = t.numel() > 0 and storage.data_ptr() in params
+        self._raw.append((self._stack[-1] if self._stack else "(outside)", t, is_param, storage.nbytes()))
         return t
 
     def __enter__(self) -> "SavedTensorRecorder":
@@ -95,13 +97,12 @@ class SavedTensorRecorder:
             handle.remove()
         self._handles.clear()
         index: dict[int, int] = {}
-        for where, t, is_param in self._raw:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+        for where, t, is_param, nbytes in self._raw:
+            ptr = t.untyped_storage().data_ptr()
             self.records.append(SavedTensor(
                 module=where, producer=t.grad_fn.name() if t.grad_fn is not None else "-", shape=tuple(t.shape),
                 dtype=str(t.dtype).replace("torch.", ""), storage=index.setdefault(ptr, len(index)),
-                storage_bytes=storage.nbytes(), parameter=is_param))
+                storage_bytes=nbytes, parameter=is_param))
         self._raw.clear()
         self._params = []
 

@@ -61,13 +61,17 @@ def _fsdp2(rank: int) -> dict:
                               for t in st.values() if t.dim() > 0))
 
 
-def _saved_activation_bytes(ddp, model) -> int:
-    """Activation bytes autograd keeps for one forward of 4 rows (course_lib.saved_tensors), the
-    model under ZeRO-3: each unit's gathered weights are released before the recorder's block ends."""
+def _saved_bytes(model_call, model) -> dict:
+    """One forward of 4 rows: ``activation_bytes`` autograd keeps (course_lib.saved_tensors) and
+    ``held_bytes``, the bytes of every distinct storage it holds once the forward is over."""
     from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
     with SavedTensorRecorder(model) as rec:
-        ddp(C.batch(0)[0][:4])
-    return activation_bytes(rec.records)
+        model_call(C.batch(0)[0][:4])
+    kept = []   # the same forward again, keeping what autograd saves (hooks do not nest: not inside rec)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        model_call(C.batch(0)[0][:4])
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept}
+    return dict(activation_bytes=activation_bytes(rec.records), held_bytes=sum(storages.values()))
 
 
 def _run_on_ranks():
@@ -81,7 +85,7 @@ def _run_on_ranks():
         "z1": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **b),
         "z2": dict(strategy="optim_grads", overlap_grad_reduce=True, **b),
         "z3": dict(strategy="optim_grads_params", overlap_grad_reduce=True),
-        "z3_sync": dict(strategy="optim_grads_params", probe=_saved_activation_bytes),
+        "z3_sync": dict(strategy="optim_grads_params", probe=_saved_bytes),
         "z3_accumulated": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2),
         "z3_pipelined": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2,
                              forwards_first=True),
@@ -207,16 +211,34 @@ def test_zero3_never_regathers_a_unit_whose_backward_is_over(runs, refs, name, m
         assert gathers == 2 * units * micro_batches, gathers
 
 
-def test_zero3_weights_saved_for_backward_are_not_activations(runs):
-    """A weight a GEMM saves is a parameter when it is saved, though ZeRO-3 releases it right after."""
-    from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
+def test_zero3_frees_the_weights_saved_for_backward(runs):
+    """A weight a GEMM saves is a parameter when it is saved, though ZeRO-3 releases it right after;
+    and released means freed: after the forward autograd holds the activations and no gathered unit
+    (one process holds its weights too, whose storages it saved)."""
     model = C.make_model()
-    with SavedTensorRecorder(model) as rec:
-        model(C.batch(0)[0][:4])
-    want = activation_bytes(rec.records)
-    assert sum(r.parameter for r in rec.records) >= 3   # fc1..fc3 saved their weights: excluded
+    one = _saved_bytes(model, model)
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert one["held_bytes"] > one["activation_bytes"] and one["held_bytes"] <= one["activation_bytes"] + weights
     for r in runs:
-        assert r["z3_sync"]["probe"] == want
+        assert r["z3_sync"]["probe"]["activation_bytes"] == one["activation_bytes"]
+        assert r["z3_sync"]["probe"]["held_bytes"] == one["activation_bytes"]
+
+
+def test_saved_tensors_decide_parameter_at_save_time():
+    """One process: each Linear's weight is swapped for an empty tensor right after its forward (a
+    ZeRO-3 release that does not free): the recorder still counts the saved weights as parameters."""
+    from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
+
+    def record(release: bool) -> int:
+        model = C.make_model()
+        handles = [m.register_forward_hook(lambda mod, args, out: setattr(mod.weight, "data", torch.empty(0)))
+                   for m in (model.fc1, model.fc2, model.fc3)] if release else []
+        with SavedTensorRecorder(model) as rec:
+            model(C.batch(0)[0][:4])
+        for h in handles:
+            h.remove()
+        return activation_bytes(rec.records)
+    assert record(release=True) == record(release=False)
 
 
 def test_fsdp2_matches_our_zero3(runs):

@@ -182,7 +182,7 @@ class ShardedDataParallel:
             lo, hi = b.shard_range(self.dp_rank) if self.shard_optim else (0, b.numel)
             st.update(lo=lo, hi=hi, pending=set(), ready=False, grad_work=None, gather_work=None)
             if self.shard_params:
-                st["param_shard"], st["param_full"] = full[lo:hi].clone(), None
+                st["param_shard"], st["param_full"], st["gathered"] = full[lo:hi].clone(), None, full
                 self._release(b)
             else:
                 st["param_full"] = full
@@ -198,10 +198,18 @@ class ShardedDataParallel:
             pr.param.data = full[pr.start:pr.end].view(self._shapes[id(pr.param)])
 
     def _release(self, b) -> None:
-        """ZeRO-3: drop the gathered params of bucket ``b`` (each param becomes an empty tensor)."""
-        b.state["param_full"] = None
+        """ZeRO-3: drop the gathered params of bucket ``b`` (each param becomes an empty tensor) and
+        free the gathered buffer's storage (``resize_(0)``, as FSDP2 and Megatron-FSDP do): autograd
+        still holds views of it saved for backward (a GEMM saves ``weight.t()``), so merely dropping
+        the references would keep every unit's full weights alive until backward. The unit's next
+        gather refills the same storage, which those saved views then read."""
+        st = b.state
+        if st["gather_work"] is not None:   # never free a buffer a collective is writing into
+            self._wait_gather(b)
+        st["param_full"] = None
         for pr in b.params:
             pr.param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        st["gathered"].untyped_storage().resize_(0)
 
     def _model_shard(self, b) -> torch.Tensor:
         """This rank's slice of ``b``'s params in the model dtype ``[hi - lo]`` (a view: writes land in the model)."""
@@ -372,8 +380,9 @@ class ShardedDataParallel:
         st = b.state
         if st["gather_work"] is not None or (self.shard_params and st["param_full"] is not None):
             return
-        if self.shard_params:
-            full = torch.empty(b.numel, dtype=self.param_dtype, device=self.device)
+        if self.shard_params:       # refill the unit's own storage (freed by _release)
+            full = st["gathered"]
+            full.untyped_storage().resize_(b.numel * full.element_size())
             inp = st["param_shard"]
         else:
             full, inp = st["param_full"], self._model_shard(b).clone()
