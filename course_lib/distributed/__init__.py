@@ -51,8 +51,10 @@ the buckets are the FSDP units -- by default every module that owns parameters d
 instances of ``fsdp_unit_modules=(SomeLayerClass,)`` with the rest in a root unit (Megatron-FSDP's
 ``fsdp_unit_modules``) -- so ``bucket_size`` is not used, and the next unit is always prefetched
 (forward: the next one, backward: the previous one, unless its backward for this micro-batch is
-already over: on a pipeline's last stage the root unit runs first in backward). ``step`` leaves no
-unit gathered (a gathered copy is stale once the shard is updated). A weight shared by two units (tied embeddings)
+already over: on a pipeline's last stage the root unit runs first in backward). Releasing a unit
+frees its gathered storage (``resize_(0)``, as FSDP2 does; autograd's saved weight views point into
+it and read it again once the unit is re-gathered for backward), and ``step`` leaves no unit
+gathered (a gathered copy is stale once the shard is updated). A weight shared by two units (tied embeddings)
 must sit in a unit that spans both uses: for the course GPT, ``fsdp_unit_modules=(type of its
 layer,)`` keeps the embedding in the root unit, live for the whole forward and backward.
 
