@@ -82,6 +82,10 @@ Mixture of experts (the expert grid's own checks live in ``moe.grid.MoEGrid``)
   * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``.
   * :func:`moe_state_sharding` -- MoE without the sharding engine's flags (it shards and reduces over
     dense DP only, not expert DP): trainer (``train.setup_training``, ``train.run``).
+State sharding
+  * :func:`sharding_flags` -- the state-sharding flags together (distributed optimizer, Megatron FSDP
+    and its strategy, overlap, CPU offload), as Megatron's ``validate_args``: trainer
+    (``training.arguments``).
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
