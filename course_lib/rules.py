@@ -86,6 +86,8 @@ State sharding
   * :func:`sharding_flags` -- the state-sharding flags together (distributed optimizer, Megatron FSDP
     and its strategy, overlap, CPU offload), as Megatron's ``validate_args``: trainer
     (``training.arguments``).
+  * :func:`sharding_layout` -- what the course's engine runs inside the trainer (one model chunk per
+    rank; ZeRO-3 not under GPipe with several micro-batches): trainer (``training.arguments``).
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
