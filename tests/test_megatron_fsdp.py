@@ -17,6 +17,10 @@ without ``--optimizer-cpu-offload``, in fp32 and bf16, and with ``torch.distribu
   reduce-scatter of grads; the next unit's all-gather is issued before its forward starts (prefetch);
 * FSDP2 trains to the same losses as our ZeRO-3 and holds the same param and optimizer bytes per rank;
 * skipping ZeRO-3's grad reduce-scatter moves the loss;
+* a root unit that runs first in backward (a pipeline's last stage) is never gathered again after its
+  backward: the next step's forward sees updated params (= one process), one gather per unit per
+  pass; after a ZeRO-3 forward autograd holds the activations only (released units are freed), and
+  ``course_lib.saved_tensors`` counts the saved weights as parameters, not activations;
 * the course GPT (tied embeddings) under ZeRO-3 equals one process, with the formula's bytes.
 """
 
