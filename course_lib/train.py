@@ -146,15 +146,12 @@ from course_lib.process_groups import ProcessGroups, new_process_groups
 from course_lib.topology import ParallelConfig
 # What the rest of the course imports from here (the flags, the gradient steps), re-exported:
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
-                                           gpt_config_from_args, parse_args, validate_args, vocab_padding_tp)
+                                           gpt_config_from_args, parse_args, uses_sharding_engine, validate_args,
+                                           vocab_padding_tp)
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
-from course_lib.training.arguments import uses_sharding_engine
 from course_lib.training.sharding import (allreduce_embedding_grads_in_buffer, build_engine, schedule_sync,
                                           state_bytes)
-
-# course_lib.checks.lab00 recognises the course's own DP all-reduce by this name
-_allreduce_dp_grads = allreduce_dp_grads
 
 MEMORY_SOURCE_CPU = "tracked tensor bytes"
 
@@ -243,7 +240,6 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
     With ``--num-experts`` the MoE groups come first (collective, with the run's timeout): Megatron's
     expert grid (:class:`~course_lib.moe.grid.MoEGrid`: ``--expert-model-parallel-size``,
     ``--expert-tensor-parallel-size``, the dense grid's order), and each MoE layer keeps its experts."""
-    check_moe_flags(args)
     moe_groups = None
     if getattr(args, "num_experts", None):
         moe_grid = MoEGrid(config.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
@@ -271,15 +267,6 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
                          seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
                          precision=_precision(args), scaler=scaler, engine=engine, finalizer=finalizer,
                          pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups)
-
-
-def check_moe_flags(args) -> None:
-    """:func:`course_lib.rules.moe_state_sharding` for ``args``: ``--num-experts`` with any flag that
-    sends the run through the sharding engine (which reduces over dense DP only) is refused."""
-    if getattr(args, "num_experts", None) and uses_sharding_engine(args):
-        flags = [f for f in ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce",
-                             "optimizer_cpu_offload") if getattr(args, f, False)]
-        rules.moe_state_sharding(args.num_experts, flags or ["ddp_bucket_size"])
 
 
 def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
@@ -361,8 +348,6 @@ def _engine_step(s: TrainingSetup, out: dict, stats: list) -> dict:
     if s.config.pp > 1:
         allreduce_embedding_grads_in_buffer(s.engine, s.chunks, s.groups)
     skipped = s.engine.step(s.scheduler.get_lr())["skipped"]
-    if s.engine.shard_params:        # ZeRO-3: drop any unit a backward prefetch gathered after its own
-        s.engine.finish_grad_sync()  # backward (pp > 1: the root unit), so the next forward gathers anew
     lr = s.scheduler.get_lr() if skipped else s.scheduler.step(s.config.effective_global_batch_size)
     return _step_record(s, out, stats, s.finalizer.norm, lr, skipped)
 
@@ -608,7 +593,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, config = validate_args(args, world)                        # before any process group
-        check_moe_flags(args)
     except ValueError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -644,7 +628,6 @@ def run(args: argparse.Namespace) -> int:
                           job_name="course-train", gpus=False))
         return 0
     validate_args(args, n)
-    check_moe_flags(args)
     cmd = torchrun_argv(args, n)
     print("$ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

@@ -179,7 +179,7 @@ def test_skipping_the_embedding_sum_moves_the_loss(runs, refs):
     (PP2 + ["--num-layers", "4", "--virtual-pipeline-model-parallel-size", "2"] + DISTOPT,
      "virtual-pipeline-model-parallel-size"),
     (FSDP + ["optim_grads_params", "--pipeline-schedule", "gpipe"], "--pipeline-schedule 1f1b"),
-    (DISTOPT + ["--ddp-bucket-size", "0"], "ddp-bucket-size"),
+    (DISTOPT + ["--ddp-bucket-size", "0"], "ddp_bucket_size=0"),
 ])
 def test_bad_sharding_flags_fail_in_one_line(extra, flag):
     with pytest.raises(ValueError) as e:

@@ -180,7 +180,7 @@ def _check_values(a: argparse.Namespace) -> None:
     _check_precision(a)
     _check_moe_values(a)
     if getattr(a, "ddp_bucket_size", None) is not None:
-        rules.integer("ddp-bucket-size", a.ddp_bucket_size)
+        rules.integer("ddp_bucket_size", a.ddp_bucket_size)
 
 
 def _check_precision(a: argparse.Namespace) -> None:
@@ -287,11 +287,13 @@ def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
     """The state-sharding flags (Megatron's validate_args, and what the course's engine runs):
     ``--use-megatron-fsdp`` turns the distributed optimizer on (Megatron-FSDP v1, with Megatron's
     warning in ``a.sharding_notes``); every rule is :func:`course_lib.rules.sharding_flags` /
-    :func:`course_lib.rules.sharding_layout`."""
+    :func:`course_lib.rules.sharding_layout`; with ``--num-experts``, :func:`course_lib.rules.moe_state_sharding`."""
     for dest in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "use_megatron_fsdp",
                  "optimizer_cpu_offload", "use_precision_aware_optimizer"):
         setattr(a, dest, bool(getattr(a, dest, False)))
     a.ddp_bucket_size = getattr(a, "ddp_bucket_size", None)
+    given = [f for f in ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce",
+                         "optimizer_cpu_offload") if getattr(a, f)] or ["ddp_bucket_size"]   # as the user wrote them
     a.data_parallel_sharding_strategy = getattr(a, "data_parallel_sharding_strategy", "optim_grads_params")
     a.sharding_notes = ()
     if a.use_megatron_fsdp and not a.use_distributed_optimizer:
@@ -306,6 +308,8 @@ def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
     if uses_sharding_engine(a):
         rules.sharding_layout(sharding_strategy(a), vpp=cfg.vpp, pipeline_schedule=a.pipeline_schedule,
                               num_microbatches=cfg.num_microbatches)
+        if getattr(a, "num_experts", None):  # the engine reduces over dense DP only
+            rules.moe_state_sharding(a.num_experts, given)
 
 
 def uses_sharding_engine(args: argparse.Namespace) -> bool:
