@@ -200,3 +200,20 @@ def test_local_experts_refuses_experts_not_divisible_by_ep():
     with pytest.raises(ValueError) as rule:
         rules.moe_experts(6, 4)
     assert str(e.value) == str(rule.value)  # the rule book's rule, one message
+
+
+def test_expert_placement_says_who_holds_which_experts_and_where_the_all_to_all_runs():
+    from course_lib.moe.plots import expert_placement, expert_placement_html
+
+    # order tp-cp-ep-dp-pp, first axis fastest. expert TP 1: EP is the fastest axis, neighbours swap tokens.
+    rows = expert_placement(MoEGrid(8, tp=2, ep=2, expert_tp=1), num_experts=4)
+    assert [r["ranks"] for r in rows] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert all(r["experts"] == [[0, 1], [2, 3]] for r in rows)
+    # expert TP 2 (= tp): the TP pair 0,1 shares experts 0,1 (each a shard); EP strides over the TP pairs.
+    rows = expert_placement(MoEGrid(8, tp=2, ep=2), num_experts=4)
+    assert [r["ranks"] for r in rows] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert rows[0]["experts"] == rows[1]["experts"] == [[0, 1], [2, 3]]
+    html = expert_placement_html(MoEGrid(8, tp=2, ep=2), 4)
+    assert "<td>[0, 2]</td>" in html and "0: [0, 1] 2: [2, 3]" in html and "expert TP 2" in html
+    with pytest.raises(ValueError, match="num-experts"):
+        expert_placement(MoEGrid(8, ep=4), num_experts=6)

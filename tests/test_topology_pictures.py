@@ -244,6 +244,24 @@ def test_widget_render_and_controls():
     assert "world_size=12, tp=2, pp=2, cp=3, dp=1" in w.status.value
 
 
+def test_widget_expert_view_appears_only_with_ep():
+    from course_lib.topology.widget import RankMapWidget, expert_view, render
+
+    assert expert_view(8, tp=2, pp=2) is None and render(8, tp=2, pp=2)["experts"] is None  # EP 1: today's view
+    ex = expert_view(8, tp=2, pp=1, ep=2, num_experts=4)
+    assert "<svg" in ex["svg"] and "<td>[0, 2]</td>" in ex["table"] and (ex["grid"].ep, ex["grid"].expert_dp) == (2, 2)
+    assert "num-experts" in render(8, tp=1, pp=1, ep=4, num_experts=6)["error"]
+    w = RankMapWidget(world_size=8, tp=2, pp=1, engine="matplotlib")
+    assert w.experts.value == ""
+    w.controls["num_experts"].value = 4
+    w.controls["ep"].value = 2
+    assert "Expert grid" in w.experts.value and "<td>[0, 2]</td>" in w.experts.value
+    w.controls["expert_tp"].value = 1
+    assert "<td>[0, 1]</td>" in w.experts.value
+    w.controls["ep"].value = 8  # expert tp 1 x ep 8 fits 8 ranks, but 4 experts do not split 8 ways
+    assert w.experts.value == "" and "num-experts" in w.status.value
+
+
 # ---- Lab 01 checkers ---------------------------------------------------------------------------
 
 def test_lab01_checkers(capsys):

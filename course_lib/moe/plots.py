@@ -5,7 +5,7 @@ Pure functions (matplotlib is imported when a figure is drawn): Lab 08 uses them
 
 from __future__ import annotations
 
-__all__ = ["GRID_ROWS", "group_index_table", "plot_two_grids", "tokens_per_expert", "plot_tokens_per_expert"]
+__all__ = ["GRID_ROWS", "group_index_table", "expert_placement", "expert_placement_html", "plot_two_grids", "tokens_per_expert", "plot_tokens_per_expert"]
 
 # (label, which grid, token): the rows of the rank map, dense layers first.
 GRID_ROWS = (("dense TP", "dense", "tp"), ("dense DP (with CP)", "dense", "dp-cp"), ("PP", "dense", "pp"),
@@ -20,6 +20,35 @@ def group_index_table(grid) -> list[tuple[str, list[int]]]:
         index = {rank: i for i, group in enumerate(groups) for rank in group}
         table.append((label, [index[r] for r in range(grid.world_size)]))
     return table
+
+
+def expert_placement(grid, num_experts: int) -> list[dict]:
+    """Who holds which experts: one row per all-to-all (EP) group, in the group's order.
+
+    Each row is ``{"ep_group": i, "ranks": [global ranks of the EP group], "experts": [[experts held by
+    ranks[j]] for each j]}``; rank ``ranks[j]`` holds the ``num_experts / ep`` consecutive experts of EP
+    rank ``j`` (Megatron's ``local_expert_indices``, megatron/core/transformer/moe/moe_layer.py). Ranks of
+    one expert-TP group sit in different rows at the same position and hold the same experts, each a
+    1/expert_tp shard of them. ``--num-experts`` must be divisible by ``ep`` (``rules.moe_experts``).
+    """
+    return [{"ep_group": i, "ranks": list(group), "experts": [grid.local_experts(r, num_experts) for r in group]}
+            for i, group in enumerate(grid.expert_groups("ep"))]
+
+
+def expert_placement_html(grid, num_experts: int, limit: int = 32) -> str:
+    """:func:`expert_placement` as an HTML table (first ``limit`` EP groups), for the rank-map widget."""
+    import html
+
+    rows = []
+    placement = expert_placement(grid, num_experts)
+    for row in placement[:limit]:
+        cells = " ".join(f"{r}: [{', '.join(map(str, e))}]" for r, e in zip(row["ranks"], row["experts"]))
+        rows.append(f"<tr><td>{row['ep_group']}</td><td>[{', '.join(map(str, row['ranks']))}]</td>"
+                    f"<td>{html.escape(cells)}</td></tr>")
+    more = f"<tr><td colspan=3>… ({len(placement) - limit} more)</td></tr>" if len(placement) > limit else ""
+    head = ("<tr><th>EP group</th><th>all-to-all runs in</th>"
+            f"<th>rank: experts held (of {num_experts}; expert TP {grid.expert_tp} shards each)</th></tr>")
+    return f"<table>{head}{''.join(rows)}{more}</table>"
 
 
 def plot_two_grids(grid, ax=None):
