@@ -252,3 +252,30 @@ def test_rank_map_table_and_figures():
     counts = tokens_per_expert([torch.tensor([[0, 1], [0, 3]]), torch.tensor([[2, 0]])], 4)
     assert counts == [[2, 1, 0, 1], [1, 0, 1, 0]]
     assert plot_two_grids(grid).axes and len(plot_tokens_per_expert({"a": counts, "b": counts}, ep=2).axes) == 2
+
+
+def test_moe_timeline_phase_order_and_drawing():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib.moe.plots import MOE_PHASES, phase_order, plot_moe_timeline
+
+    def span(rank, kind, start, end):
+        return {"rank": rank, "name": kind, "kind": kind, "start": start, "end": end}
+
+    # listed out of order, one span still open: the order is by start time, open spans skipped
+    tl = [span(0, "combine", 0.004, 0.005), span(0, "route", 0.0, 0.001), span(0, "experts", 0.002, 0.004),
+          span(0, "dispatch", 0.001, 0.002), span(0, "forward", 0.0, 0.005), span(0, "backward", 0.006, None)]
+    assert [k for k in phase_order(tl) if k in MOE_PHASES] == ["route", "dispatch", "experts", "combine"]
+    assert "backward" not in phase_order(tl)
+    tl = [e for e in tl if e["kind"] != "forward"]  # a pass-wide span would hide the phases in its lane
+    ax = plot_moe_timeline([tl, [dict(e, rank=1) for e in tl]], title="EP2")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0 compute", "rank 0 comm", "rank 1 compute",
+                                                           "rank 1 comm"]
+    assert len(ax.patches) == 2 * 4  # four closed spans per rank
+    # route, experts | combine, dispatch (ms, in the listed order)
+    assert [round(p.get_width(), 6) for p in ax.patches[:4]] == [1.0, 2.0, 1.0, 1.0]
+    assert [p.get_y() + p.get_height() / 2 for p in ax.patches[:4]] == [0, 0, 1, 1]
+    plt.close(ax.figure)

@@ -5,7 +5,8 @@ Pure functions (matplotlib is imported when a figure is drawn): Lab 08 uses them
 
 from __future__ import annotations
 
-__all__ = ["GRID_ROWS", "group_index_table", "expert_placement", "expert_placement_html", "plot_two_grids", "tokens_per_expert", "plot_tokens_per_expert"]
+__all__ = ["GRID_ROWS", "group_index_table", "expert_placement", "expert_placement_html", "plot_two_grids", "tokens_per_expert", "plot_tokens_per_expert",
+           "MOE_PHASES", "phase_order", "plot_moe_timeline"]
 
 # (label, which grid, token): the rows of the rank map, dense layers first.
 GRID_ROWS = (("dense TP", "dense", "tp"), ("dense DP (with CP)", "dense", "dp-cp"), ("PP", "dense", "pp"),
@@ -110,3 +111,32 @@ def plot_tokens_per_expert(panels: dict, ep: int):
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+# The phases of one MoE layer's forward, in the order they run (Megatron's MoELayer.forward:
+# router -> token_dispatcher.token_permutation (all-to-all) -> experts -> token_unpermutation (all-to-all)).
+MOE_PHASES = ("route", "dispatch", "experts", "combine")
+MOE_COLORS = {"route": "#55a868", "dispatch": "#c44e52", "experts": "#4c72b0", "combine": "#8172b3",
+              "forward": "#bbbbbb", "backward": "#dd8452"}
+
+
+def phase_order(timeline: list) -> list[str]:
+    """The ``kind`` s of one rank's timeline (``{"rank", "name", "kind", "start", "end"}`` spans, seconds,
+    as in :mod:`course_lib.distributed.timeline`) in the order they started; spans still open are skipped."""
+    return [e["kind"] for e in sorted((e for e in timeline if e["end"] is not None), key=lambda e: e["start"])]
+
+
+def plot_moe_timeline(timelines: list, ax=None, title: str | None = None):
+    """Per rank two rows of ``timelines`` (one list of spans per rank): compute (``route``, ``experts``,
+    and ``forward`` / ``backward`` spans of other work) above, the two all-to-alls (``dispatch``,
+    ``combine``) below; milliseconds on the x axis. Drawn by Lab 07's
+    :func:`course_lib.distributed.timeline.plot_timeline` with the MoE phases as its lanes. Returns the axes."""
+    from unittest import mock
+
+    from course_lib.distributed import timeline
+
+    with mock.patch.multiple(timeline, COMPUTE=("route", "experts", "forward", "backward"),
+                             COLLECTIVES=("dispatch", "combine"), COLORS=MOE_COLORS):
+        ax = timeline.plot_timeline(timelines, ax=ax, title=title)
+    ax.set_xlabel("ms since the step began")
+    return ax
