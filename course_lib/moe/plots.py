@@ -5,8 +5,8 @@ Pure functions (matplotlib is imported when a figure is drawn): Lab 08 uses them
 
 from __future__ import annotations
 
-__all__ = ["GRID_ROWS", "group_index_table", "expert_placement", "expert_placement_html", "plot_two_grids", "tokens_per_expert", "plot_tokens_per_expert",
-           "MOE_PHASES", "phase_order", "plot_moe_timeline"]
+__all__ = ["GRID_ROWS", "group_index_table", "expert_placement", "expert_placement_html", "plot_two_grids",
+           "tokens_per_expert", "plot_tokens_per_expert", "MOE_PHASES", "phase_order", "plot_moe_timeline"]
 
 # (label, which grid, token): the rows of the rank map, dense layers first.
 GRID_ROWS = (("dense TP", "dense", "tp"), ("dense DP (with CP)", "dense", "dp-cp"), ("PP", "dense", "pp"),
