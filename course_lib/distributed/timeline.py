@@ -48,9 +48,13 @@ def overlap_seconds(timeline: list) -> float:
     return total
 
 
-def plot_timeline(timelines: list, ax=None, title: str | None = None):
+def plot_timeline(timelines: list, ax=None, title: str | None = None, *, compute=COMPUTE, collectives=COLLECTIVES,
+                  colors=None):
     """One row per rank and lane (compute above, communication below) of ``timelines`` (a list of
-    per-rank timelines, e.g. what each rank returned); milliseconds on the x axis. Returns the axes."""
+    per-rank timelines, e.g. what each rank returned); milliseconds on the x axis. ``compute`` /
+    ``collectives``: the event kinds of each lane; ``colors``: kind -> colour (default: this engine's).
+    Returns the axes."""
+    colors = COLORS if colors is None else colors
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
@@ -59,17 +63,17 @@ def plot_timeline(timelines: list, ax=None, title: str | None = None):
     labels, y = [], 0
     for tl in timelines:
         rank = tl[0]["rank"] if tl else "?"
-        for lane, kinds in (("compute", COMPUTE), ("comm", COLLECTIVES)):
+        for lane, kinds in (("compute", compute), ("comm", collectives)):
             for e in tl:
                 if e["kind"] in kinds and e["end"] is not None:
                     ax.barh(y, (e["end"] - e["start"]) * 1e3, left=e["start"] * 1e3, height=0.8,
-                            color=COLORS[e["kind"]], edgecolor="white", linewidth=0.5)
+                            color=colors[e["kind"]], edgecolor="white", linewidth=0.5)
             labels.append(f"rank {rank} {lane}")
             y += 1
     ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("ms since zero_grad")
-    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()], loc="upper center",
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper center",
               bbox_to_anchor=(0.5, -0.25), ncol=6, fontsize=8, frameon=False)
     if title:
         ax.set_title(title)

@@ -131,12 +131,9 @@ def plot_moe_timeline(timelines: list, ax=None, title: str | None = None):
     and ``forward`` / ``backward`` spans of other work) above, the two all-to-alls (``dispatch``,
     ``combine``) below; milliseconds on the x axis. Drawn by Lab 07's
     :func:`course_lib.distributed.timeline.plot_timeline` with the MoE phases as its lanes. Returns the axes."""
-    from unittest import mock
+    from course_lib.distributed.timeline import plot_timeline
 
-    from course_lib.distributed import timeline
-
-    with mock.patch.multiple(timeline, COMPUTE=("route", "experts", "forward", "backward"),
-                             COLLECTIVES=("dispatch", "combine"), COLORS=MOE_COLORS):
-        ax = timeline.plot_timeline(timelines, ax=ax, title=title)
+    ax = plot_timeline(timelines, ax=ax, title=title, compute=("route", "experts", "forward", "backward"),
+                       collectives=("dispatch", "combine"), colors=MOE_COLORS)
     ax.set_xlabel("ms since the step began")
     return ax
