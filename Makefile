@@ -2,7 +2,7 @@
 #   make lab    set up (once), copy any lab you lack into my-labs/ (your work,
 #               git-ignored, never overwritten), then open JupyterLab there
 #   make test   set up (once), then run every test in one pytest session: unit tests,
-#               strict nbval over solutions/, lax nbval over labs/ (course_lib/nbval_labs.py)
+#               strict nbval over solutions/, lax nbval over labs/ (course_lib/classroom/notebooks/nbval_plugin.py)
 # Set-up is incremental: the venv is created once, torch is installed only when
 # missing, and the package is reinstalled only when pyproject.toml changes.
 
@@ -18,9 +18,9 @@ TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,$(TORCH
 JOBS   ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
-# Students work here; labs/ is generated and released (see course_lib/workspace.py).
+# Students work here; labs/ is generated and released (see course_lib/classroom/notebooks/workspace.py).
 WORKSPACE ?= my-labs
-# The course as a static website (course_lib/site/).
+# The course as a static website (course_lib/classroom/site/).
 SITE ?= build/site
 
 .PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site gpu-check clean help print-torch-cpu
@@ -33,7 +33,7 @@ help:
 	@echo "make figures    regenerate figures/"
 	@echo "make benchmarks print the speed figures"
 	@echo "make sweep      run the Day 22 configs A-F, D-distopt, D-zero3 on 8 ranks (~4 min), refresh figures/day22_*"
-	@echo "make gpu-check  on a machine with an NVIDIA GPU: the CUDA/NCCL tests and a measured-vs-projected step (course_lib/gpu_check.py)"
+	@echo "make gpu-check  on a machine with an NVIDIA GPU: the CUDA/NCCL tests and a measured-vs-projected step (course_lib/classroom/gpu_check.py)"
 	@echo "make site       build the course as a website in $(SITE)/ (open $(SITE)/index.html; works offline)"
 
 $(BIN)/python:
@@ -73,7 +73,7 @@ lab: setup
 
 test: setup browser
 	$(BIN)/python -m course_lib labs --check
-	$(PYTEST) -p course_lib.nbval_labs solutions labs tests --nbval $(NBVAL_OPTS)
+	$(PYTEST) -p course_lib.classroom.notebooks.nbval_plugin solutions labs tests --nbval $(NBVAL_OPTS)
 
 labs: setup
 	$(BIN)/python -m course_lib labs
@@ -92,7 +92,7 @@ site: setup
 	$(BIN)/python -m course_lib site --out $(SITE) $(SITE_ARGS)
 
 gpu-check: setup
-	$(BIN)/python -m course_lib.gpu_check $(GPU_CHECK_ARGS)
+	$(BIN)/python -m course_lib.classroom.gpu_check $(GPU_CHECK_ARGS)
 
 benchmarks: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

@@ -11,6 +11,6 @@ __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):
-    from course_lib.magics import load_ipython_extension as _load
+    from course_lib.launch.magic import load_ipython_extension as _load
 
     _load(ipython)

@@ -13,9 +13,9 @@ import sys
 
 COMMANDS = {
     # name: (module, one-line help)
-    "labs": ("course_lib.labgen", "generate labs/ from solutions/ (or --check that labs/ is current)"),
-    "workspace": ("course_lib.workspace", "copy new labs into your workspace my-labs/ (never over your work); --fresh NN for a fresh copy"),
-    "figures": ("course_lib.figures", "regenerate figures/ from the tested drawing functions"),
+    "labs": ("course_lib.classroom.notebooks.generator", "generate labs/ from solutions/ (or --check that labs/ is current)"),
+    "workspace": ("course_lib.classroom.notebooks.workspace", "copy new labs into your workspace my-labs/ (never over your work); --fresh NN for a fresh copy"),
+    "figures": ("course_lib.classroom.figures", "regenerate figures/ from the tested drawing functions"),
     "rankmap": ("course_lib.topology.cli", "print or draw the TP/PP/DP/CP rank grid and its process groups"),
     "megatron-cmd": ("course_lib.megatron.command",
                      "print the real Megatron-LM commands (pretrain_gpt.py, preprocess_data.py, run_tiny_gpt.sh)"),
@@ -27,7 +27,7 @@ COMMANDS = {
                 "project a layout's step time, tokens/s, MFU and communication on a named GPU cluster (A100, H100, H200)"),
     "ds-config": ("course_lib.megatron.ds_config",
                   "read a DeepSpeed ds_config.json and print the equivalent Megatron-LM and course flags"),
-    "site": ("course_lib.site", "build the course as a static website (index + one page per lab, works offline)"),
+    "site": ("course_lib.classroom.site", "build the course as a static website (index + one page per lab, works offline)"),
 }
 
 

@@ -1,6 +1,6 @@
 """Every lab's checkers report an exercise that still raises NotImplementedError the same way."""
 
-from course_lib.checks import call_student, lab01, not_attempted, try_student
+from course_lib.classroom.checks import call_student, lab01, not_attempted, try_student
 
 
 def _todo(*args):

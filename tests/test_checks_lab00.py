@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import lab00_answers as answers
-from course_lib.checks import lab00
-from course_lib.checks.lab00 import (NUMELS, RING_BUGS, WORLD_SIZES, check_all_reduce_from_halves,
+from course_lib.classroom.checks import lab00
+from course_lib.classroom.checks.lab00 import (NUMELS, RING_BUGS, WORLD_SIZES, check_all_reduce_from_halves,
                                      check_grad_sync, check_ring_all_reduce, expected_buckets, ring_problems,
                                      simulate_ring)
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import lab07
+from course_lib.classroom.checks import lab07
 from course_lib.sizing import model_state_bytes
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import lab08
+from course_lib.classroom.checks import lab08
 from course_lib.moe.grid import MoEGrid
 from course_lib.moe.router import switch_load_balancing_loss
 

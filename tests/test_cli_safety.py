@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from course_lib import figures as figures_mod
+from course_lib.classroom import figures as figures_mod
 from course_lib.__main__ import main
 from course_lib.megatron import logs as logs_mod
 from course_lib.megatron.logs import parse_log

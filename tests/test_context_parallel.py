@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from course_lib import context_parallel, data  # noqa: E402
-from course_lib.checks import lab04  # noqa: E402
+from course_lib.classroom.checks import lab04  # noqa: E402
 from course_lib.context_parallel.attention import ContextParallelSelfAttention  # noqa: E402
 from course_lib.context_parallel.plots import plot_ring_steps  # noqa: E402
 from course_lib.context_parallel.ring import (attention_block, attention_block_backward,  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import lab04
+from course_lib.classroom.checks import lab04
 from course_lib.context_parallel import merge_partials, ring_attention
 from course_lib.context_parallel.ring import attention_block
 from course_lib.context_parallel.zigzag import chunks_for_rank

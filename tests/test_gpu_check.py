@@ -1,9 +1,9 @@
-"""course_lib.gpu_check (``make gpu-check``) on a machine without a GPU: one line, exit 0; its pieces."""
+"""course_lib.classroom.gpu_check (``make gpu-check``) on a machine without a GPU: one line, exit 0; its pieces."""
 
 import pytest
 import torch
 
-from course_lib import gpu_check
+from course_lib.classroom import gpu_check
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: make gpu-check runs the checks")

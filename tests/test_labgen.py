@@ -1,4 +1,4 @@
-"""The solutions -> labs generator (course_lib.labgen) and the committed labs/.
+"""The solutions -> labs generator (course_lib.classroom.notebooks.generator) and the committed labs/.
 
 The generator may replace a lab only when the lab's stamp proves it is what the
 generator wrote; edited labs and notebooks no solution generates are kept, and
@@ -16,8 +16,8 @@ import nbformat
 import pytest
 
 from course_lib.__main__ import main
-from course_lib.labgen import make_lab, stub_source, survey
-from course_lib.notebook_stamp import is_untouched, read_notebook
+from course_lib.classroom.notebooks.generator import make_lab, stub_source, survey
+from course_lib.classroom.notebooks.stamp import is_untouched, read_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -318,7 +318,7 @@ def test_a_picture_no_reader_could_find_is_one_line_and_writes_nothing(course, c
 def test_every_picture_of_the_course_is_a_generated_figure_and_resolves_in_its_lab():
     """Each ../figures/NAME a solution shows is a file `python -m course_lib figures` wrote (its ledger holds
     NAME with these very bytes), and the generated lab shows it from an attachment holding those bytes."""
-    from course_lib.notebook_figures import notebook_figures
+    from course_lib.classroom.notebooks.figures import notebook_figures
     from course_lib.safe_files import OutputLedger
 
     ledger, shown = OutputLedger(ROOT / "figures"), {}

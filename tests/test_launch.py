@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.launch import LaunchTimeout, RankError, launch
-from course_lib.magics import torchrun_cell
+from course_lib.launch.magic import torchrun_cell
 
 
 def rank_sum(scale=1.0):
@@ -296,7 +296,7 @@ def test_torchrun_returns_results_and_leaves_no_file(torchrun_runs):
     results, _ = torchrun_runs["sum"]
     assert not isinstance(results, Exception), results
     assert [r["total"] for r in results] == [3.0, 3.0]
-    assert results.command == "torchrun --standalone --nproc-per-node=2 -m course_lib.torchrun_worker"
+    assert results.command == "torchrun --standalone --nproc-per-node=2 -m course_lib.launch.worker"
     assert torchrun_runs["left_in_tmp"] == []  # no launch left its job folder or torch elastic's torchelastic_*
 
 

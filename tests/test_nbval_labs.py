@@ -1,4 +1,4 @@
-"""course_lib.nbval_labs: in one ``pytest --nbval`` session, labs/ is compared laxly and solutions/ strictly."""
+"""course_lib.classroom.notebooks.nbval_plugin: in one ``pytest --nbval`` session, labs/ is compared laxly and solutions/ strictly."""
 
 import subprocess
 import sys
@@ -21,7 +21,7 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     _notebook(tmp_path / "labs" / "good.ipynb", "3\n")
     _notebook(tmp_path / "labs" / "marked_wrong.ipynb", "4\n")   # NBVAL_CHECK_OUTPUT is still compared
     _notebook(tmp_path / "solutions" / "strict.ipynb", "3\n")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "course_lib.nbval_labs", "labs", "solutions",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "course_lib.classroom.notebooks.nbval_plugin", "labs", "solutions",
                            "--nbval", "-q", "-p", "no:cacheprovider", "-rf"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     failed = sorted(line[len("FAILED "):].split(" - ")[0] for line in done.stdout.splitlines()

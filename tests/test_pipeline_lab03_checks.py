@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.checks import lab03
+from course_lib.classroom.checks import lab03
 from course_lib.pipeline.schedules import Action
 
 

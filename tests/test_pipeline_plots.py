@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 from course_lib.pipeline.plots import bubble_vs_microbatches, gantt, gantt_compare, memory_bars  # noqa: E402
 from course_lib.pipeline.schedules import build_schedule  # noqa: E402
 from course_lib.pipeline.simulate import simulate  # noqa: E402
-from course_lib.pipeline.widget import explore, pipeline_widget  # noqa: E402
+from course_lib.classroom.widgets.pipeline import explore, pipeline_widget  # noqa: E402
 
 
 def test_gantt_draws_one_box_per_action_with_ids():

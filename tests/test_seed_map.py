@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.notebook_stamp import read_notebook
+from course_lib.classroom.notebooks.stamp import read_notebook
 from course_lib.pipeline.bubbles import bubble_fraction, bubble_share
-from course_lib.site import readme
+from course_lib.classroom.site import readme
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED_MAP = ROOT / "docs" / "seed_map.md"

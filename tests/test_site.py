@@ -1,4 +1,4 @@
-"""The course website (course_lib.site): built from solutions/, checked in a real headless Chromium.
+"""The course website (course_lib.classroom.site): built from solutions/, checked in a real headless Chromium.
 
 Fast tests check the pieces: what a page shows of a notebook (stubs, never the solution,
 no outputs of exercise cells), the solution-leak check (a planted solution line is
@@ -23,11 +23,11 @@ from types import SimpleNamespace
 import pytest
 
 from course_lib.__main__ import main
-from course_lib.labgen import make_lab, stub_source
-from course_lib.notebook_stamp import read_notebook
-from course_lib.site import pictures, readme
-from course_lib.site.browser import Chromium, find_chromium
-from course_lib.site.reader import leaked_lines, reader_notebook, solution_lines
+from course_lib.classroom.notebooks.generator import make_lab, stub_source
+from course_lib.classroom.notebooks.stamp import read_notebook
+from course_lib.classroom.site import pictures, readme
+from course_lib.classroom.site.browser import Chromium, find_chromium
+from course_lib.classroom.site.reader import leaked_lines, reader_notebook, solution_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -111,13 +111,13 @@ def _all_text(notebook) -> str:
 @pytest.fixture(scope="module")
 def renderer():
     """One nbconvert exporter for the page tests (building it is the slow part)."""
-    from course_lib.site import build
+    from course_lib.classroom.site import build
 
     return build.Renderer("Course")
 
 
 def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_path, renderer):
-    from course_lib.site import build
+    from course_lib.classroom.site import build
 
     monkeypatch.setattr(build, "reader_notebook", copy.deepcopy)  # a bug: the solution itself is rendered
     lab = build.Lab(tmp_path / "00_tiny.ipynb", "Lab 00 — Tiny")
@@ -129,7 +129,7 @@ def test_a_page_that_would_show_the_solution_stops_the_build(monkeypatch, tmp_pa
 def test_a_theory_picture_of_the_notebook_is_copied_beside_the_page(renderer):
     """``../figures/NAME`` in a markdown cell becomes ``assets/figures/NAME`` with the file copied; a missing
     figure stops the build in one line."""
-    from course_lib.site import build
+    from course_lib.classroom.site import build
 
     solution = _tiny_solution()
     solution["cells"][0]["source"] += "\n\n![8 ranks](../figures/rankmap_8_tp2_pp2_dp2.png)"
@@ -179,7 +179,7 @@ def test_the_pipeline_widget_starts_where_its_static_view_is_drawn():
     """The page draws pipeline_widget() with explore()'s defaults: the sliders must start there."""
     import inspect
 
-    from course_lib.pipeline.widget import explore, pipeline_widget
+    from course_lib.classroom.widgets.pipeline import explore, pipeline_widget
 
     box = pipeline_widget()
     start = [control.value for row in box.children[:2] for control in row.children]

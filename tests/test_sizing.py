@@ -22,7 +22,7 @@ def one_line_error(fn, *args, match, **kwargs):
 
 
 def test_sizing_does_not_import_torch():
-    code = "import sys, course_lib.sizing, course_lib.sizing.widget; print('torch' in sys.modules)"
+    code = "import sys, course_lib.sizing, course_lib.classroom.widgets.sizing; print('torch' in sys.modules)"
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -250,7 +250,7 @@ def test_widget_pieces():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from course_lib.sizing.widget import describe, memory_figure
+    from course_lib.classroom.widgets.sizing import describe, memory_figure
 
     assert describe(TINY, tp=3).startswith("invalid configuration: num_attention_heads=8 is not divisible")
     p = plan(TINY, **PRESETS["tiny GPT (seed)"]["config"])
@@ -265,7 +265,7 @@ def test_explorer_widget_updates_and_explains():
     import matplotlib
 
     matplotlib.use("Agg")
-    from course_lib.sizing.widget import explorer
+    from course_lib.classroom.widgets.sizing import explorer
 
     box = explorer("tiny GPT (seed)")
     text = box.children[-2]  # the summary; the figure goes to the Output widget below it

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from course_lib import sizing
-from course_lib.checks import lab06
+from course_lib.classroom.checks import lab06
 
 
 def _todo(*args):

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import sizing
-from course_lib.checks import lab05 as L
+from course_lib.classroom.checks import lab05 as L
 from course_lib.megatron import SEED_SWEEP, parse_log
 from course_lib.topology import ParallelConfig
 

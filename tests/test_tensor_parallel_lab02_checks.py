@@ -12,7 +12,7 @@ from torch.distributed import all_reduce as bound_all_reduce
 from torch.distributed import distributed_c10d
 
 from course_lib import comm
-from course_lib.checks import lab02
+from course_lib.classroom.checks import lab02
 from course_lib.tensor_parallel import ParallelMLP, copy_dense_to_parallel, mappings, vocab_parallel_cross_entropy
 
 

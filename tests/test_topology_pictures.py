@@ -212,10 +212,9 @@ def test_package_names_and_a_light_import():
     """``course_lib.topology`` re-exports the grid, the config and (loaded on first use) the pictures;
     importing it loads no torch, matplotlib or Graphviz, so the rank-map CLI's text path stays instant."""
     import course_lib.topology as topology
-    from course_lib.topology import widget
 
     assert topology.rank_map is rankmap.rank_map and topology.rank_map_figure is rankmap.rank_map_figure
-    assert topology.boundary_sketch is boundaries.boundary_sketch and topology.RankMapWidget is widget.RankMapWidget
+    assert topology.boundary_sketch is boundaries.boundary_sketch
     assert repr(RankGrid).endswith("'course_lib.topology.RankGrid'>")  # as a reader imports it
     with pytest.raises(AttributeError, match="no attribute 'diagrams'"):
         topology.diagrams  # noqa: B018
@@ -228,7 +227,7 @@ def test_package_names_and_a_light_import():
 # ---- widget ----------------------------------------------------------------------------------
 
 def test_widget_render_and_controls():
-    from course_lib.topology.widget import RankMapWidget, render
+    from course_lib.classroom.widgets.topology import RankMapWidget, render
 
     out = render(8, tp=2, pp=2, highlight=5)
     assert out["error"] is None and "<svg" in out["svg"]
@@ -245,7 +244,7 @@ def test_widget_render_and_controls():
 
 
 def test_widget_expert_view_appears_only_with_ep():
-    from course_lib.topology.widget import RankMapWidget, expert_view, render
+    from course_lib.classroom.widgets.topology import RankMapWidget, expert_view, render
 
     assert expert_view(8, tp=2, pp=2) is None and render(8, tp=2, pp=2)["experts"] is None  # EP 1: today's view
     ex = expert_view(8, tp=2, pp=1, ep=2, num_experts=4)
@@ -265,7 +264,7 @@ def test_widget_expert_view_appears_only_with_ep():
 # ---- Lab 01 checkers ---------------------------------------------------------------------------
 
 def test_lab01_checkers(capsys):
-    from course_lib.checks import lab01
+    from course_lib.classroom.checks import lab01
 
     def good_dp(world, tp, pp, cp):
         if world % (tp * pp * cp):

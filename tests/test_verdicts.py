@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import course_lib.collectives as collectives
 import course_lib.topology as topology
-from course_lib.checks import call_student, try_student
-from course_lib.checks.verdicts import (LibraryPatched, collectives as collective_events, course_function,
+from course_lib.classroom.checks import call_student, try_student
+from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_function,
                                         describe_ops, elements_sent, expect_collectives, refused_collective,
                                         run_student, safe_repr, same_number, same_value)
 
@@ -115,7 +115,7 @@ def _rank_every_way_to_a_collective():
     import torch.distributed.distributed_c10d as c10d
     from torch.distributed import all_reduce as bound_all_reduce
 
-    from course_lib.checks.verdicts import point_to_point_only, wire_recorder
+    from course_lib.classroom.checks.verdicts import point_to_point_only, wire_recorder
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x = torch.ones(4) * rank
@@ -155,7 +155,7 @@ def _student_on_rank_results(rank):
     """On a rank: student_on_rank's value, wire, patches and course code for three student functions."""
     import torch.distributed as dist
 
-    from course_lib.checks.verdicts import student_on_rank
+    from course_lib.classroom.checks.verdicts import student_on_rank
 
     def summed(t):
         dist.all_reduce(t)
@@ -179,7 +179,7 @@ def _student_on_rank_results(rank):
 
 
 def test_collectives_are_refused_at_the_process_group_level_however_they_are_reached():
-    from course_lib.checks.verdicts import launch_checked
+    from course_lib.classroom.checks.verdicts import launch_checked
 
     for total, events, verdicts, on_rank in launch_checked(_rank_every_way_to_a_collective, 3, timeout=30):
         # student_on_rank: the value comes back (a tensor as is, anything else described), with the wire seen,

@@ -1,4 +1,4 @@
-"""The student workspace (course_lib.workspace): labs are copied in, never copied over work.
+"""The student workspace (course_lib.classroom.notebooks.workspace): labs are copied in, never copied over work.
 
 Each test builds a released labs/ folder in tmp_path from stamped notebooks, the way
 the generator writes them, and plays a student's edits with nbformat, the way Jupyter saves.
@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 from course_lib.__main__ import main
-from course_lib.notebook_stamp import dumps, is_untouched, read_notebook, stamped
+from course_lib.classroom.notebooks.stamp import dumps, is_untouched, read_notebook, stamped
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,7 @@ def test_no_lab_depends_on_the_folder_it_is_opened_from():
 
 def test_a_labs_pictures_travel_with_its_copy_in_the_workspace(tmp_path, capsys):
     """JupyterLab opened at my-labs/ serves nothing above it: each theory picture of a copied lab is a cell
-    attachment of that copy (course_lib.notebook_figures), never a ../ path."""
+    attachment of that copy (course_lib.classroom.notebooks.figures), never a ../ path."""
     assert main(["workspace", "--labs", str(ROOT / "labs"), "--dir", str(tmp_path / "my-labs")]) == 0
     shown = 0
     for copy in sorted((tmp_path / "my-labs").glob("[0-9][0-9]_*.ipynb")):

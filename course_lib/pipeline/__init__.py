@@ -9,11 +9,11 @@
 :mod:`.stages`      a small LM cut into stages between its blocks
 :mod:`.executor`    runs a schedule on real ranks (P2P, autograd, timings)
 :mod:`.plots`       Gantt charts, bubble-vs-m and memory pictures
-:mod:`.widget`      the interactive explorer (thin, over the functions above)
 ==================  ==========================================================
 
 The pure modules (schedules, check, bubbles, simulate) never import torch; the
-rest load on first use.
+rest load on first use. The interactive explorer is course machinery:
+:mod:`course_lib.classroom.widgets.pipeline`.
 """
 
 from course_lib.pipeline.bubbles import (bubble_fraction, bubble_share, inflight_microbatches,
@@ -31,7 +31,6 @@ _LAZY = {
     "StackConfig": "stages", "StackModel": "stages", "build_stages": "stages", "layer_split": "stages",
     "reference_gradients": "stages",
     "gantt": "plots", "gantt_compare": "plots", "bubble_vs_microbatches": "plots", "memory_bars": "plots",
-    "pipeline_widget": "widget",
 }
 
 

@@ -18,7 +18,6 @@ module                      what it computes (source)
                             group's communication on NVLink or the network (checked against
                             Narayanan 2021 Table 1); ``python -m course_lib project``
 :mod:`.moe`                 Mixture-of-Experts parameters, active parameters, bytes per rank
-:mod:`.widget`              the sizing explorer (ipywidgets over :mod:`.planner`)
 ==========================  =====================================================================
 
 The pipeline-bubble functions (``bubble_fraction``, ``pipeline_bubble_time``,

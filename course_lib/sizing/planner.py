@@ -1,7 +1,7 @@
 """One parallel configuration, sized end to end: memory per rank, bubble, communication, FLOPs.
 
 :func:`plan` is the pure, tested function under the explorer widget
-(:mod:`course_lib.sizing.widget`): it only combines the paper formulas of :mod:`.flops`,
+(:mod:`course_lib.classroom.widgets.sizing`): it only combines the paper formulas of :mod:`.flops`,
 :mod:`.memory` and :mod:`.comm`, and :func:`validate_config` turns every impossible
 combination into a one-line ValueError that the widget shows instead of a plot.
 

@@ -7,14 +7,14 @@
                     :mod:`course_lib.rules`, with its Megatron-LM flags
 :mod:`.rankmap`     the rank map (Graphviz and matplotlib) and ``save``
 :mod:`.boundaries`  the hand-drawn picture of where PP and TP cut a GPT
-:mod:`.widget`      the interactive rank map (thin, over ``rankmap``)
 :mod:`.cli`         ``python -m course_lib rankmap``
 :mod:`.figures`     writes the seed layouts' pictures into ``figures/``
 ==================  ==========================================================
 
 The process groups built from a grid live in :mod:`course_lib.process_groups` (they need
 torch). The grid and the config are pure Python + numpy: importing this package loads no
-torch, matplotlib or Graphviz; the picture modules load on first use.
+torch, matplotlib or Graphviz; the picture modules load on first use. The interactive rank map is course
+machinery: :mod:`course_lib.classroom.widgets.topology`.
 """
 
 from course_lib.rules import AXIS_FLAG, divisors  # noqa: F401  (topology's names since Lab 01)
@@ -28,7 +28,6 @@ RankGrid.__module__ = ParallelConfig.__module__ = __name__
 _LAZY = {
     "rank_map": "rankmap", "rank_map_figure": "rankmap", "save": "rankmap",
     "boundary_sketch": "boundaries",
-    "RankMapWidget": "widget",
 }
 
 

@@ -3,7 +3,7 @@
 A thin layer over tested functions: ``render(...)`` (pure: sizes in, SVG text and
 an HTML table out, or a one-line error) is what the widget calls on every change.
 
-    from course_lib.topology.widget import RankMapWidget
+    from course_lib.classroom.widgets.topology import RankMapWidget
     RankMapWidget(world_size=8, tp=2, pp=2)   # in a notebook cell
 """
 

@@ -2,7 +2,7 @@
 
 * :func:`check_zero1_step` -- the student's ZeRO-1 step (flatten, pad to a multiple of d,
   reduce-scatter the grads, Adam on the own shard, all-gather the params) runs on 2 and 4 real ranks
-  whose process group records every op (:mod:`course_lib.checks.wire`). It must equal two steps of
+  whose process group records every op (:mod:`course_lib.classroom.checks.wire`). It must equal two steps of
   single-process ``torch.optim.Adam`` on the averaged gradient, keep Adam state for its shard only,
   and send exactly one reduce-scatter and one all-gather of the padded buffer per step over the DP
   group (no all-reduce: plain data parallelism gives the same numbers and is refused by its traffic
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
-from course_lib.checks.lab05 import _tensor_close
-from course_lib.checks.verdicts import as_real, course_code_hint, describe_ops, launch_checked, run_student, \
+from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.lab05 import _tensor_close
+from course_lib.classroom.checks.verdicts import as_real, course_code_hint, describe_ops, launch_checked, run_student, \
     safe_repr, wire_recorder
 from course_lib.distributed import ShardedDataParallel
 from course_lib.launch import LaunchTimeout, RankError

@@ -4,7 +4,7 @@ Each lab module that owns pictures registers a writer here: a function
 ``write(out_dir: Path) -> list[Path]``. Figures are written from the same tested
 functions the notebooks call, so the pictures in the repo never drift from the code.
 The notebooks' theory shows them as ``![caption](../figures/NAME.png)``
-(:mod:`course_lib.notebook_figures`); their PNGs are kept small (:func:`compact_png`).
+(:mod:`course_lib.classroom.notebooks.figures`); their PNGs are kept small (:func:`compact_png`).
 
 What may be replaced (``figures/`` is generated output that ``make figures`` refreshes,
 but a person's file must never be lost):
@@ -40,14 +40,14 @@ WRITERS = {
     "course_lib.collectives": "write_figures",
     "course_lib.topology.figures": "write_figures",
     "course_lib.pipeline.plots": "write_figures",
-    "course_lib.figures": "write_theory_figures",
+    "course_lib.classroom.figures": "write_theory_figures",
     "course_lib.sweep": "write_figures",
 }
 # The PNGs of these writers are stored as 64-colour palettes: the same picture to the eye, 4-6 times
-# smaller, since the labs carry them as cell attachments (course_lib.notebook_figures). The sweep's
+# smaller, since the labs carry them as cell attachments (course_lib.classroom.notebooks.figures). The sweep's
 # plots stay exactly as `make sweep` publishes them.
 COMPACT_WRITERS = ("course_lib.collectives", "course_lib.topology.figures", "course_lib.pipeline.plots",
-                   "course_lib.figures")
+                   "course_lib.classroom.figures")
 PALETTE_COLOURS = 64
 _LISTED_CONFLICTS = 5  # names shown in the refusal; the rest are counted
 

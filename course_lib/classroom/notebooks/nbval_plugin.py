@@ -5,7 +5,7 @@ the student notebooks (they must run top to bottom with the exercises unsolved; 
 are not stored, so only cells marked ``# NBVAL_CHECK_OUTPUT`` are compared, as
 ``--nbval-lax`` would) in a single pytest session, so that ``pytest-xdist`` keeps both cores
 busy across all three instead of idling at the end of each. Load it with
-``pytest -p course_lib.nbval_labs``; notebooks in a folder named ``labs`` get the lax treatment.
+``pytest -p course_lib.classroom.notebooks.nbval_plugin``; notebooks in a folder named ``labs`` get the lax treatment.
 """
 
 from __future__ import annotations

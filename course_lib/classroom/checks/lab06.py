@@ -14,8 +14,8 @@ raises; a monkeypatch is undone; an answer that is the course's own function is 
 from __future__ import annotations
 
 from course_lib import sizing
-from course_lib.checks import checked_call, is_course_answer, not_attempted
-from course_lib.checks.verdicts import same_number
+from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.verdicts import same_number
 
 __all__ = ["check_gpt_parameters", "check_model_state_bytes"]
 

@@ -5,11 +5,11 @@ lab: theory, pictures, code and the stored outputs of ``solutions/`` — exercis
 the student's stub, never the solution, and lose their outputs. Pages need no network:
 open ``build/site/index.html`` from disk or put the folder on any static host.
 
-* :mod:`course_lib.site.build` -- the pages (nbconvert's ``HTMLExporter``, :file:`page.html.j2`);
-* :mod:`course_lib.site.reader` -- what a reader sees of a notebook, and the solution-leak check;
-* :mod:`course_lib.site.pictures` -- figures beside the theory, widgets' default views;
-* :mod:`course_lib.site.readme` -- the README's tables;
-* :mod:`course_lib.site.browser` -- headless Chromium, to check the built pages as a reader sees them.
+* :mod:`course_lib.classroom.site.build` -- the pages (nbconvert's ``HTMLExporter``, :file:`page.html.j2`);
+* :mod:`course_lib.classroom.site.reader` -- what a reader sees of a notebook, and the solution-leak check;
+* :mod:`course_lib.classroom.site.pictures` -- figures beside the theory, widgets' default views;
+* :mod:`course_lib.classroom.site.readme` -- the README's tables;
+* :mod:`course_lib.classroom.site.browser` -- headless Chromium, to check the built pages as a reader sees them.
 
 Writing follows :mod:`course_lib.safe_files`: ``--out`` is checked before any work; a file
 is replaced only when it is still what this command wrote there last time (the folder's
@@ -42,9 +42,9 @@ def run(args) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from course_lib.figures import plan_writes
+    from course_lib.classroom.figures import plan_writes
     from course_lib.safe_files import OutputLedger, check_output_dir, write_atomic
-    from course_lib.site.build import build_site
+    from course_lib.classroom.site.build import build_site
 
     out = check_output_dir(args.out, what="--out")
     files = build_site(args.solutions, args.figures, args.readme, only=args.labs)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from course_lib.checks import call_student, not_attempted
-from course_lib.checks.verdicts import as_real, safe_repr, same_number
+from course_lib.classroom.checks import call_student, not_attempted
+from course_lib.classroom.checks.verdicts import as_real, safe_repr, same_number
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.check import _check_complete, _check_dependencies, check_schedule, simulate_p2p
 from course_lib.pipeline.schedules import (build_schedule, from_orders, num_warmup_microbatches, parse_action,

@@ -8,7 +8,7 @@ up to date with ``labs/``:
 
 * a lab the workspace lacks is copied in;
 * a lab that changed in ``labs/`` replaces the student's copy only when the
-  copy's stamp (:mod:`course_lib.notebook_stamp`) proves it untouched since it
+  copy's stamp (:mod:`course_lib.classroom.notebooks.stamp`) proves it untouched since it
   was copied -- then it holds no work, and replacing it loses nothing;
 * otherwise the new version arrives beside it, as ``NN_name.updated.ipynb``
   (``.updated-2``, ... when that name holds work), once per new version.
@@ -27,7 +27,7 @@ from itertools import count
 from pathlib import Path
 from typing import Iterator, Optional
 
-from course_lib.notebook_stamp import is_untouched, read_if_notebook, version
+from course_lib.classroom.notebooks.stamp import is_untouched, read_if_notebook, version
 from course_lib.safe_files import check_output_dir, write_atomic
 
 DEFAULT_WORKSPACE = "my-labs"

@@ -1,6 +1,6 @@
 """The programs that ``launch(..., launcher="torchrun")`` runs: torchrun's agent, torchrun, each rank.
 
-``python -m course_lib.torchrun_worker --agent-of PID TORCHRUN_ARGS...`` is the
+``python -m course_lib.launch.worker --agent-of PID TORCHRUN_ARGS...`` is the
 agent of the launching process PID (:class:`course_lib.launch.TorchrunAgent`):
 it makes the job folder and sends its path to the launcher over its stdin (a
 socket), starts torchrun when the launcher says "go", and sends torchrun's exit
@@ -10,11 +10,11 @@ SIGTERM and stops its ranks (its whole tree is killed if it has not ended
 ``_TORCHRUN_SIGTERM_S`` later). Once torchrun has ended and PID has let go (or
 died), the agent removes the job folder: nothing is left, however PID ended.
 
-``python -m course_lib.torchrun_worker --torchrun-under PID TORCHRUN_ARGS...``
+``python -m course_lib.launch.worker --torchrun-under PID TORCHRUN_ARGS...``
 is torchrun itself (``torch.distributed.run``), which gets SIGTERM when its
 agent PID dies.
 
-``python -m course_lib.torchrun_worker``, under torchrun, is one rank of the job
+``python -m course_lib.launch.worker``, under torchrun, is one rank of the job
 in ``$COURSE_LIB_TORCHRUN_JOB``. It forks: the child is the rank -- it reads
 ``JOB/job.pkl`` (module, qualname, kwargs, backend, timeout), initialises the
 process group from torchrun's environment, writes ``rank{r}.started`` when
@@ -86,7 +86,7 @@ def _run_job(job: Path, torchrun_args: list, sigterm_at: list) -> int:
     if not os.read(CHANNEL, 1) or sigterm_at:  # the launcher let go (or died) before saying go
         return 1
     env = dict(os.environ, TMPDIR=str(job / "tmp"), **{JOB_ENV: str(job)})
-    torchrun = subprocess.Popen([sys.executable, "-m", "course_lib.torchrun_worker", "--torchrun-under",
+    torchrun = subprocess.Popen([sys.executable, "-m", "course_lib.launch.worker", "--torchrun-under",
                                  str(os.getpid()), *torchrun_args], stdin=subprocess.DEVNULL, env=env)
     code = _wait_for_torchrun(torchrun, sigterm_at)
     try:

@@ -6,7 +6,7 @@ one-line ValueError of :func:`~course_lib.sizing.planner.validate_config`) inste
 
 Usage in a notebook::
 
-    from course_lib.sizing.widget import explorer
+    from course_lib.classroom.widgets.sizing import explorer
     explorer()                      # starts on the GPT-3 175B preset
 
 :func:`memory_figure` and :func:`describe` are the pieces the widget draws with; they work
@@ -15,7 +15,7 @@ without ipywidgets (e.g. in tests and static notebook cells).
 
 from __future__ import annotations
 
-from .planner import GB, PRESETS, Plan, plan, summary
+from course_lib.sizing.planner import GB, PRESETS, Plan, plan, summary
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 COLORS = {"weights": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}

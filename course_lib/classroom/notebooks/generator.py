@@ -9,13 +9,13 @@ the stub's message. Outputs are cleared and exercise cells are tagged
 A marker anywhere else (a markdown cell, after code on a line, in lower case)
 would leak the solution into the lab, so it is refused. A theory picture,
 ``![caption](../figures/NAME.png)`` in a markdown cell, travels inside the lab as a
-cell attachment (:mod:`course_lib.notebook_figures`).
+cell attachment (:mod:`course_lib.classroom.notebooks.figures`).
 
-Each lab carries a stamp (:mod:`course_lib.notebook_stamp`) proving it is what
+Each lab carries a stamp (:mod:`course_lib.classroom.notebooks.stamp`) proving it is what
 the generator wrote. The generator replaces a lab only when the stamp proves
 nobody edited it; an edited lab, or a notebook in ``labs/`` that no solution
 generates, is kept and reported. Students work in their own copies in
-``my-labs/`` (:mod:`course_lib.workspace`), never in ``labs/``.
+``my-labs/`` (:mod:`course_lib.classroom.notebooks.workspace`), never in ``labs/``.
 
     python -m course_lib labs           # bring labs/ up to date (never over an edited notebook)
     python -m course_lib labs --check   # exit 1, saying why, when labs/ differs from what solutions/ give
@@ -31,10 +31,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from course_lib.notebook_figures import FIGURES_PREFIX, embed_figures
-from course_lib.notebook_stamp import content_hash, dumps, is_untouched, read_if_notebook, read_notebook, stamped
+from course_lib.classroom.notebooks.figures import FIGURES_PREFIX, embed_figures
+from course_lib.classroom.notebooks.stamp import content_hash, dumps, is_untouched, read_if_notebook, read_notebook, stamped
 from course_lib.safe_files import check_output_dir, write_atomic
-from course_lib.workspace import DEFAULT_WORKSPACE, free_name
+from course_lib.classroom.notebooks.workspace import DEFAULT_WORKSPACE, free_name
 
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 EXERCISE_TAGS = ("exercise", "raises-exception")
@@ -147,7 +147,7 @@ def make_lab(solution: dict) -> dict:
 
 def lab_notebook(solution_path: Path) -> dict:
     """The lab for one solution file: :func:`make_lab`, with its theory's ``../figures/NAME`` pictures
-    carried as cell attachments (:mod:`course_lib.notebook_figures`), so they show in ``my-labs/``
+    carried as cell attachments (:mod:`course_lib.classroom.notebooks.figures`), so they show in ``my-labs/``
     (JupyterLab serves nothing above its root), on GitHub and before anything runs."""
     lab = make_lab(read_notebook(solution_path))
     embed_figures(lab, Path(solution_path).parent / FIGURES_PREFIX)

@@ -2,7 +2,7 @@
 
 Each lab page is ``solutions/NN_topic.ipynb`` as :func:`reader.reader_notebook` gives
 it (student stubs, outputs of non-exercise cells), its theory's ``../figures/NAME``
-pictures copied to ``assets/figures/`` (:func:`course_lib.notebook_figures.link_figures`),
+pictures copied to ``assets/figures/`` (:func:`course_lib.classroom.notebooks.figures.link_figures`),
 plus :mod:`pictures` (widgets' default views), rendered by nbconvert's ``HTMLExporter`` with
 :file:`page.html.j2` (JupyterLab's markup; no CDN). The index is a notebook of
 markdown cells rendered the same way: the README's course map (linked to the pages,
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 
-from course_lib.labgen import solution_notebooks
-from course_lib.notebook_figures import link_figures
-from course_lib.notebook_stamp import read_notebook
-from course_lib.site import pictures, readme
-from course_lib.site.reader import leaked_lines, reader_notebook, solution_lines
+from course_lib.classroom.notebooks.generator import solution_notebooks
+from course_lib.classroom.notebooks.figures import link_figures
+from course_lib.classroom.notebooks.stamp import read_notebook
+from course_lib.classroom.site import pictures, readme
+from course_lib.classroom.site.reader import leaked_lines, reader_notebook, solution_lines
 
 HERE = Path(__file__).parent
 PAGE_TEMPLATE = HERE / "page.html.j2"

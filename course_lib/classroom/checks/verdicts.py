@@ -27,7 +27,7 @@ Running the student's code
     :func:`launch_checked`, with the rank's wire recorded and the value made
     :func:`portable` (it travels back to the checker).
 
-Communication (see :mod:`course_lib.checks.wire` for how it is seen)
+Communication (see :mod:`course_lib.classroom.checks.wire` for how it is seen)
     Checkers that must prove the algorithm run the student's code on ranks with
     :func:`launch_checked`: the default process group is replaced by one that
     records every op (:func:`wire_recorder`) and that refuses collectives inside
@@ -53,7 +53,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from course_lib.checks.wire import (REFUSED_MARK, CollectiveRefused, launch_checked, point_to_point_only,
+from course_lib.classroom.checks.wire import (REFUSED_MARK, CollectiveRefused, launch_checked, point_to_point_only,
                                     wire_recorder)
 
 __all__ = [

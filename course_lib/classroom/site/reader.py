@@ -13,7 +13,7 @@ shows must not be lines of a page's text.
 from __future__ import annotations
 
 import copy
-from course_lib.labgen import BEGIN, END, EXERCISE_TAGS, HINT, make_lab
+from course_lib.classroom.notebooks.generator import BEGIN, END, EXERCISE_TAGS, HINT, make_lab
 
 # Test-harness markers: meaningful to nbval, noise to a reader.
 _HARNESS_LINE_PREFIXES = ("# NBVAL_",)

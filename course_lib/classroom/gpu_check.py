@@ -1,6 +1,6 @@
 """``make gpu-check``: the course's GPU path, run on a machine with an NVIDIA GPU.
 
-``python -m course_lib.gpu_check [--iters N] [--skip-tests] [--hardware NAME]`` runs, in order:
+``python -m course_lib.classroom.gpu_check [--iters N] [--skip-tests] [--hardware NAME]`` runs, in order:
 
 (a) **The code that only runs on a GPU.** The unit-test files that touch CUDA/NCCL (found by
     grepping ``tests/`` for ``torch.cuda`` / ``nccl``, today ``tests/test_launch.py``) under pytest,
@@ -59,7 +59,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NO_GPU = "gpu-check: no CUDA GPU on this machine (torch {torch}): nothing to check; run `make gpu-check` where one is"
 # The MFU run (b): the course GPT at a size where the GEMMs dominate a step.
 MFU_MODEL = dict(num_layers=8, hidden_size=2048, num_attention_heads=16, seq_length=1024, micro_batch_size=8)
@@ -185,7 +185,7 @@ def projection_line(step_time: float, hardware: str | None, vocab: int) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m course_lib.gpu_check", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m course_lib.classroom.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=10, help="iterations of the MFU run (b)")
     parser.add_argument("--skip-tests", action="store_true", help="skip (a)'s pytest run")
     parser.add_argument("--hardware", default=None, help="projection profile (default: from the device name)")
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
                               cwd=ROOT).returncode
         print(f"(a) pytest {' '.join(files)}: {'passed' if code == 0 else 'FAILED'}", flush=True)
         ok &= code == 0
-    from course_lib.gpu_check import nccl_probe as probe  # importable by torchrun's ranks (not __main__'s)
+    from course_lib.classroom.gpu_check import nccl_probe as probe  # importable by torchrun's ranks (not __main__'s)
     from course_lib.launch import launch
 
     world = min(n, 2)

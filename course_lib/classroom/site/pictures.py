@@ -1,12 +1,12 @@
 """The pictures a lab page adds to its notebook: each widget's default view.
 
 (A lab's theory pictures are its own ``![caption](../figures/NAME)`` lines, copied by
-:func:`course_lib.notebook_figures.link_figures`.)
+:func:`course_lib.classroom.notebooks.figures.link_figures`.)
 
 * :func:`widget_view`: a widget cannot run on a static page, so its output is replaced
   by a picture of the view the widget opens with, drawn by the same tested function
-  the widget calls (``topology.widget.render``, ``pipeline.widget.explore``,
-  ``sizing.widget.memory_figure``), with the call's own arguments.
+  the widget calls (``widgets.topology.render``, ``widgets.pipeline.explore``,
+  ``widgets.sizing.memory_figure``), with the call's own arguments.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _note(what: str) -> str:
 
 
 def _rank_map_view(stem: str, args, kwargs) -> WidgetView:
-    from course_lib.topology.widget import RankMapWidget, render
+    from course_lib.classroom.widgets.topology import RankMapWidget, render
 
     call = inspect.signature(RankMapWidget).bind(*args, **kwargs)
     call.apply_defaults()
@@ -70,32 +70,32 @@ def _rank_map_view(stem: str, args, kwargs) -> WidgetView:
     name = f"{WIDGET_FOLDER}/{stem}-rank-map.svg"
     caption = f"Rank map widget on start: {out['grid']!r}"
     return WidgetView({name: out["svg"].encode("utf-8")},
-                      _note("topology.widget.render") + figure_html(name, caption) + out["table"])
+                      _note("widgets.topology.render") + figure_html(name, caption) + out["table"])
 
 
 def _pipeline_view(stem: str, args, kwargs) -> WidgetView:
-    from course_lib.pipeline.widget import explore
+    from course_lib.classroom.widgets.pipeline import explore
 
     if args or kwargs:
         raise ValueError("pipeline_widget() takes no arguments; its view starts at explore()'s defaults")
     fig, text = explore()  # pipeline_widget's sliders start at explore()'s defaults
     name = f"{WIDGET_FOLDER}/{stem}-pipeline.png"
     defaults = ", ".join(f"{k}={p.default!r}" for k, p in inspect.signature(explore).parameters.items())
-    return WidgetView({name: _png(fig)}, _note("pipeline.widget.explore") +
+    return WidgetView({name: _png(fig)}, _note("widgets.pipeline.explore") +
                       figure_html(name, f"Pipeline explorer on start: explore({defaults})") +
                       f"<pre>{html.escape(text)}</pre>")
 
 
 def _sizing_view(stem: str, args, kwargs) -> WidgetView:
     from course_lib.sizing.planner import PRESETS, plan, summary
-    from course_lib.sizing.widget import explorer, memory_figure
+    from course_lib.classroom.widgets.sizing import explorer, memory_figure
 
     call = inspect.signature(explorer).bind(*args, **kwargs)
     call.apply_defaults()
     preset = PRESETS[call.arguments["preset"]]  # the explorer loads every control from the preset
     p = plan(preset["model"], **preset["config"])
     name = f"{WIDGET_FOLDER}/{stem}-sizing.png"
-    return WidgetView({name: _png(memory_figure(p))}, _note("sizing.widget.memory_figure") +
+    return WidgetView({name: _png(memory_figure(p))}, _note("widgets.sizing.memory_figure") +
                       figure_html(name, f"Sizing explorer on start: {call.arguments['preset']}") +
                       f"<pre>{html.escape(summary(p))}</pre>")
 

@@ -4,10 +4,10 @@ prints one verdict line plus the most specific hint it can find. A function that
 ``NotImplementedError`` gets a "not attempted yet" line, never an exception.
 
 The checkers prove the *algorithm*, not only the numbers: ranks run on a process group that
-records every operation (:mod:`course_lib.checks.wire`), so a row-parallel forward that gathers
+records every operation (:mod:`course_lib.classroom.checks.wire`), so a row-parallel forward that gathers
 its input and runs the dense GEMM, or a cross-entropy that gathers the logits, is refused with a
 hint saying what the exercise asks for -- however the collective was called. Student code runs
-through :func:`~course_lib.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is
+through :func:`~course_lib.classroom.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is
 undone and named, and a function that runs the course's own implementation is told so.
 
 =========================================  ============================================================
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course_lib.checks import is_course_answer, not_attempted
-from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked, portable,
+from course_lib.classroom.checks import is_course_answer, not_attempted
+from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked, portable,
                                         run_student, safe_repr, same_number, student_on_rank, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch

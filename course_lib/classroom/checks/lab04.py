@@ -9,7 +9,7 @@ returns True/False and never raises; a monkeypatch the student's code makes is
 undone, and an answer that is (or runs) the course's own implementation is told so.
 
 The ring is checked by what crossed the wire: its ranks run on a process group
-that refuses every collective (:func:`~course_lib.checks.verdicts.point_to_point_only`),
+that refuses every collective (:func:`~course_lib.classroom.checks.verdicts.point_to_point_only`),
 and each rank must send exactly ``2(cp - 1)`` K or V blocks, to one neighbour.
 """
 
@@ -21,8 +21,8 @@ import torch
 
 import torch.distributed as dist
 
-from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
-from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
+from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         point_to_point_only, refused_collective, safe_repr, student_on_rank)
 from course_lib.context_parallel import zigzag
 from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention

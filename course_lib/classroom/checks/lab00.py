@@ -2,7 +2,7 @@
 
 * ``check_ring_all_reduce(fn)``: ``fn(x) -> sum over ranks``, built from point-to-point
   messages only. Runs on 2, 3 and 4 ranks whose process group refuses collectives
-  (:func:`course_lib.checks.verdicts.point_to_point_only`: however they are reached) and
+  (:func:`course_lib.classroom.checks.verdicts.point_to_point_only`: however they are reached) and
   records every send: a ring sends to one neighbour only, ``2(W-1)·N`` elements over all
   ranks (``2(W-1)/W·N`` each) -- a "ring" that forwards whole tensors gets the right sum
   with ``(W-1)·N`` per rank and is rejected. Wrong sums are matched against simulated
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import collectives
-from course_lib.checks import not_attempted
-from course_lib.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
+from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
                                         describe_ops, launch_checked, point_to_point_only, refused_collective,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import is_course_answer, not_attempted, raised_line
-from course_lib.checks.verdicts import (course_code_hint, describe_ops, launch_checked,
+from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.verdicts import (course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.moe.grid import MoEGrid, rank_groups

@@ -9,7 +9,7 @@ True/False and never raises; numbers of any real type are accepted, a
 monkeypatch is undone, and an answer that runs the course's own code is told so.
 
 The distributed-optimizer step runs on ranks whose process group records every
-op (:mod:`course_lib.checks.wire`): plain DDP (an all-reduce and a full update)
+op (:mod:`course_lib.classroom.checks.wire`): plain DDP (an all-reduce and a full update)
 gives the same weights and is refused by its traffic and its optimizer state.
 The conclusions (review question 6, checklist item 10, the deliverable) are the
 student's: :func:`check_conclusions` only checks that they are written and cite
@@ -25,8 +25,8 @@ import re
 import torch
 import torch.distributed as dist
 
-from course_lib.checks import checked_call, is_course_answer, not_attempted, raised_line
-from course_lib.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
+from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.megatron import SEED_SWEEP, parse_log

@@ -11,7 +11,7 @@ still raises NotImplementedError) and, when wrong, the most specific hint it can
 find. Expected values come from ``course_lib.topology.RankGrid``, which the tests
 compare with Megatron-LM's own algorithm. The exercises ask for the arithmetic, so
 an answer that calls ``RankGrid`` or ``ParallelConfig`` is told so; the student's
-code runs through :func:`course_lib.checks.verdicts.run_student` (a monkeypatch of
+code runs through :func:`course_lib.classroom.checks.verdicts.run_student` (a monkeypatch of
 ``RankGrid`` is undone and reported). Any real integer type is a right answer.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import itertools
 
-from course_lib.checks import not_attempted
-from course_lib.checks.verdicts import LibraryPatched, as_real, course_code_hint, run_student, safe_repr
+from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.verdicts import LibraryPatched, as_real, course_code_hint, run_student, safe_repr
 from course_lib.topology import ParallelConfig, RankGrid, divisors
 
 COURSE_TOPOLOGY = (RankGrid, ParallelConfig)

@@ -673,7 +673,7 @@ class TorchrunAgent:
             agent.start()
             code = agent.wait()                         # or poll(seconds); stop() on any trouble
 
-    torchrun runs under an agent, ``python -m course_lib.torchrun_worker --agent-of PID``,
+    torchrun runs under an agent, ``python -m course_lib.launch.worker --agent-of PID``,
     in a session of its own (a terminal's Ctrl-C reaches only this process, which then
     stops the whole tree with :meth:`stop`). The agent makes the job folder ``job``
     (torchrun's temporary files, torch elastic's ``torchelastic_*``, go to ``job/tmp``),
@@ -693,7 +693,7 @@ class TorchrunAgent:
         self._channel, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [cmd[0], "-m", "course_lib.torchrun_worker", "--agent-of", str(os.getpid()), *cmd[3:]],
+                [cmd[0], "-m", "course_lib.launch.worker", "--agent-of", str(os.getpid()), *cmd[3:]],
                 stdin=theirs, start_new_session=True, env=env, **popen_kwargs)
         except BaseException:
             self._channel.close()
@@ -887,7 +887,7 @@ def _read_reports(job: Path, world_size: int):
 def _launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     module, qualname = _importable_name(fn)
     job_spec = pickle.dumps(dict(module=module, qualname=qualname, kwargs=kwargs, backend=backend, timeout=timeout))
-    cmd = torchrun_command(world_size, ["-m", "course_lib.torchrun_worker"])
+    cmd = torchrun_command(world_size, ["-m", "course_lib.launch.worker"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # Make fn's module (and whatever the caller could import) importable there.
     paths = [_import_root(module), *(p or os.getcwd() for p in sys.path)]

@@ -9,18 +9,18 @@ need the exception itself); checkers that run it on ranks test
 ``RankError.exc_type == "NotImplementedError"``.
 
 Both undo any monkeypatch the student's function made (see
-:func:`course_lib.checks.verdicts.run_student`) and report it as a
-:class:`~course_lib.checks.verdicts.LibraryPatched` error, so a patched
+:func:`course_lib.classroom.checks.verdicts.run_student`) and report it as a
+:class:`~course_lib.classroom.checks.verdicts.LibraryPatched` error, so a patched
 ``F.linear`` or ``RankGrid`` can neither fool a checker nor leak into later
 cells. The robust comparisons and the communication checks are in
-:mod:`course_lib.checks.verdicts`.
+:mod:`course_lib.classroom.checks.verdicts`.
 """
 
 
 def try_student(fn, *args):
     """``(value, None)``, or ``(None, exception)`` when ``fn`` raised or patched the library
-    (a :class:`~course_lib.checks.verdicts.LibraryPatched`; the patch is undone)."""
-    from course_lib.checks.verdicts import LibraryPatched, run_student
+    (a :class:`~course_lib.classroom.checks.verdicts.LibraryPatched`; the patch is undone)."""
+    from course_lib.classroom.checks.verdicts import LibraryPatched, run_student
 
     run = run_student(fn, *args)
     if run.error is not None:
@@ -43,7 +43,7 @@ def call_student(fn, *args):
 def checked_call(fn, *args, references=()):
     """``(value, None)``, ``(None, "todo")`` for the stub, or ``(None, what went wrong)``: an exception,
     a monkeypatch (undone), or the course's own code (``references``) running inside the call."""
-    from course_lib.checks.verdicts import run_student
+    from course_lib.classroom.checks.verdicts import run_student
 
     run = run_student(fn, *args, references=references)
     if run.todo:
@@ -54,7 +54,7 @@ def checked_call(fn, *args, references=()):
 
 def is_course_answer(*fns) -> bool:
     """Print the verdict for an answer that *is* the course's own implementation; True when one is."""
-    from course_lib.checks.verdicts import course_code_hint, course_function
+    from course_lib.classroom.checks.verdicts import course_code_hint, course_function
 
     for fn in fns:
         name = course_function(fn)
