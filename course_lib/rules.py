@@ -95,6 +95,11 @@ Run
     ``data.GPTDataset``.
   * :func:`fits_in_memory` -- the estimated bytes of a run fit the memory this machine has,
     naming the flag that matters most: trainer.
+Launch (processes on this machine)
+  * :func:`launch_ranks` -- the ranks one launch starts here: 1..:data:`MAX_LAUNCH_RANKS`:
+    ``launch``, the trainer's ``--nproc-per-node``.
+  * :func:`timeout_seconds` -- a wait in seconds, from :data:`MIN_TIMEOUT_S` (a rendezvous needs
+    that long) to :data:`MAX_TIMEOUT_S`: ``launch``, ``sweep --timeout``.
 """
 
 from __future__ import annotations
@@ -191,6 +196,27 @@ def number(name: str, value, low: float | None = None, high: float | None = None
 def probability(name: str, value) -> float:
     """A dropout probability: a finite number in ``[0, 1)``."""
     return number(name, value, 0.0, 1.0, high_open=True)
+
+
+MAX_LAUNCH_RANKS = 1024        # each rank is a process with its own torch (~300 MB): more is not a laptop's
+MIN_TIMEOUT_S = 1.0            # below this the ranks' TCP rendezvous itself times out (a torch traceback)
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer is a typo, and some OS timers overflow
+
+
+def launch_ranks(name: str, value) -> int:
+    """The number of rank processes one launch starts on this machine: an integer in ``1..MAX_LAUNCH_RANKS``."""
+    if isinstance(value, Integral) and not isinstance(value, bool) and value > MAX_LAUNCH_RANKS:
+        raise ValueError(f"{name}={value} starts more processes than one machine runs ({MAX_LAUNCH_RANKS} at most); "
+                         f"use several nodes, or fewer ranks")
+    return integer(name, value)
+
+
+def timeout_seconds(name: str, value) -> float:
+    """A timeout in seconds: a finite number in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``."""
+    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < MIN_TIMEOUT_S:
+        raise ValueError(f"{name}={value!r} is shorter than a rendezvous takes; give at least {MIN_TIMEOUT_S:g} "
+                         f"second (e.g. {name}=60)")
+    return number(name, value, MIN_TIMEOUT_S, MAX_TIMEOUT_S)
 
 
 def rank_in(name: str, value, size: int, size_name: str) -> int:

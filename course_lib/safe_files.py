@@ -12,7 +12,12 @@ everywhere:
   :func:`save_figure_atomic` for a matplotlib figure);
 * a command that regenerates a folder of its own outputs (``figures``) recognises
   them by an :class:`OutputLedger` (``.course_outputs.json``: name -> SHA-256 of what
-  it wrote): a file still as written may be replaced, anything else needs ``force``.
+  it wrote): a file still as written may be replaced, anything else needs ``force``;
+  a ``.course_outputs.json`` that is not such a ledger is never written over.
+
+Reading goes through one bounded reader too: :func:`read_json` (every JSON file a command
+reads: notebooks, ledgers, sweep summaries, ds_config files) refuses, in one line naming the
+file, what is not plain JSON or is too large or too deeply nested to handle safely.
 
 Refusals raise :class:`OutputPathError` (a ``ValueError``), which the command
 line prints as one line (``error: ...``) and exit code 2.
@@ -33,6 +38,76 @@ PathLike = Union[str, os.PathLike]
 
 class OutputPathError(ValueError):
     """An output path that must not or cannot be written; the message says why and what to do."""
+
+
+MAX_JSON_BYTES = 256 * 2**20  # a notebook with its outputs is a few MB; a ds_config a few kB
+MAX_JSON_DEPTH = 100          # a notebook nests about 6 levels, a ds_config 4
+
+
+def _refuse_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        seen[key] = value
+    return seen
+
+
+def _refuse_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _depth(value) -> int:
+    """How deeply ``value`` nests lists and objects (iteratively: no recursion to overflow)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            if level <= MAX_JSON_DEPTH:
+                stack.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def loads_json(text: str, source: str):
+    """The JSON value in ``text`` (from ``source``, named in errors); a one-line ``ValueError`` otherwise.
+
+    Refused: invalid JSON, ``NaN``/``Infinity`` (Python writes them, JSON has none), a key given
+    twice in one object (the second would silently win), nesting deeper than ``MAX_JSON_DEPTH``."""
+    try:
+        value = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file this course "
+                         f"writes or reads") from None
+    except ValueError as exc:
+        raise ValueError(f"{source}: not plain JSON ({exc})") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file this course "
+                         f"writes or reads")
+    return value
+
+
+def read_json(path: PathLike, what: str = ""):
+    """The JSON value in file ``path``, read within bounds; a one-line ``ValueError`` naming the file otherwise.
+
+    ``what`` (e.g. ``"--deepspeed-config"``) prefixes the file's name in errors. Besides
+    :func:`loads_json`'s refusals: a file that cannot be read, is not UTF-8, or is larger
+    than ``MAX_JSON_BYTES``."""
+    path = Path(path)
+    source = f"{what} {path}" if what else str(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise ValueError(f"{source}: {size} bytes, more than the {MAX_JSON_BYTES} this course reads "
+                             f"as JSON")
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise ValueError(f"{source}: cannot read it ({exc.strerror or exc})") from None
+    return loads_json(text, source)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -146,6 +221,13 @@ def save_figure_atomic(fig, path: PathLike, **savefig_kwargs) -> Path:
 LEDGER_NAME = ".course_outputs.json"
 
 
+def _is_ledger(value) -> bool:
+    """``value`` has a ledger's shape: ``{file name: 64 hex digits}``."""
+    return isinstance(value, dict) and all(
+        isinstance(name, str) and isinstance(digest, str) and len(digest) == 64
+        and all(c in "0123456789abcdef" for c in digest) for name, digest in value.items())
+
+
 def _sha256(data: Union[str, bytes]) -> str:
     return hashlib.sha256(data.encode("utf-8") if isinstance(data, str) else data).hexdigest()
 
@@ -155,17 +237,24 @@ class OutputLedger:
 
     A file is *its own* (:meth:`is_own`) when the ledger names it and its bytes still hash
     to what was recorded: written by the command and changed by nobody since, so replacing
-    it loses nothing. A missing or unreadable ledger counts as empty (nothing is own).
+    it loses nothing. A missing ledger counts as empty (nothing is own). A
+    ``.course_outputs.json`` that is not a ledger (a person's file, or another tool's) is
+    refused when the ledger is opened, before any work: it is never written over.
     """
 
     def __init__(self, folder: PathLike):
         self.folder = Path(folder)
         self.path = self.folder / LEDGER_NAME
-        try:
-            hashes = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            hashes = {}
-        self.hashes: dict = hashes if isinstance(hashes, dict) else {}
+        self.hashes: dict = {}
+        if self.path.exists():
+            try:
+                hashes = read_json(self.path) if self.path.is_file() else None
+            except ValueError:
+                hashes = None
+            if not _is_ledger(hashes):
+                raise OutputPathError(f"{self.path} is not a course_lib output ledger ({{file name: SHA-256}}), so "
+                                      f"it is not ours to rewrite; move it away or choose another folder")
+            self.hashes = hashes
 
     def is_own(self, name: str) -> bool:
         """``folder/name`` is a file this ledger recorded, with the same bytes."""

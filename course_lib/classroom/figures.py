@@ -103,10 +103,10 @@ def draw_all(folder: Path) -> dict[str, bytes]:
     return figures
 
 
-def plan_writes(out: Path, figures: dict[str, bytes], *, force: bool) -> list[str]:
-    """The names in ``figures`` to write into ``out`` (new or changed), or ``OutputPathError``
+def plan_writes(ledger: OutputLedger, figures: dict[str, bytes], *, force: bool) -> list[str]:
+    """The names in ``figures`` to write into the ledger's folder (new or changed), or ``OutputPathError``
     naming every file that may not be replaced (see the module docstring)."""
-    ledger = OutputLedger(out)
+    out = ledger.folder
     to_write, refused = [], []
     for name, data in figures.items():
         target = out / name
@@ -130,10 +130,10 @@ def run(args) -> int:
 
     matplotlib.use("Agg")
     out = check_output_dir(args.out, what="--out")
+    ledger = OutputLedger(out)  # a .course_outputs.json that is not ours is refused before any drawing
     with tempfile.TemporaryDirectory(prefix="course_figures_") as scratch:
         figures = draw_all(Path(scratch))
-    to_write = plan_writes(out, figures, force=args.force)
-    ledger = OutputLedger(out)
+    to_write = plan_writes(ledger, figures, force=args.force)
     for name, data in figures.items():
         if name in to_write:
             print(f"wrote {write_atomic(out / name, data)}")

@@ -38,6 +38,7 @@ import csv
 import io
 from pathlib import Path
 
+from course_lib import rules
 from course_lib.megatron.logs import ParsedLog, parse_log, parse_log_file
 from course_lib.safe_files import check_output_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 
@@ -163,6 +164,8 @@ def run(args) -> int:
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise ValueError(f"no such log file: {', '.join(missing)}")
+    if args.seq_length is not None:
+        rules.integer("--seq-length", args.seq_length)
     outputs = _check_outputs(args, paths)
     rows = record_table([parse_log_file(p) for p in paths], [p.stem for p in paths], seq_length=args.seq_length)
     md, table_csv = to_markdown(rows), to_csv(rows)

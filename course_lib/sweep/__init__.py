@@ -68,9 +68,10 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from course_lib import rules
 from course_lib.megatron import SEED_SWEEP, to_csv, to_markdown
 from course_lib.megatron.report import STEP_TIME_NOTE
-from course_lib.safe_files import OutputLedger, OutputPathError, check_output_dir, write_atomic
+from course_lib.safe_files import OutputLedger, OutputPathError, check_output_dir, read_json, write_atomic
 from course_lib.sweep.bookkeeping import (
     check_replaceable, now, read_run, settle_killed_runs, sigterm_raises, stop_reason, this_process)
 # The parts, re-exported: ``course_lib.sweep.<name>`` is the public API (tests, Lab 05).
@@ -120,7 +121,7 @@ def latest_summary(out, current: Optional[dict] = None) -> dict:
     with ``sources``: the runs those results come from and how each ended (``current``: the state
     of a run in progress, newer than its file)."""
     out = Path(out)
-    found = [json.loads((out / f"{n}.json").read_text()) for n in SWEEP_CONFIGS if (out / f"{n}.json").is_file()]
+    found = [read_json(out / f"{n}.json") for n in SWEEP_CONFIGS if (out / f"{n}.json").is_file()]
     if not found:
         raise ValueError(f"no sweep results in {out}: run `python -m course_lib sweep --out {out}` first")
     rows_by_run: dict = {}
@@ -240,12 +241,12 @@ def _make_run_dir(out: Path, run_name: Optional[str]) -> Path:
     return run_dir
 
 
-def _check_before_training(names: Sequence[str], out, iters, run_name: Optional[str], world_size: int,
+def _check_before_training(names: Sequence[str], out, iters, timeout, run_name: Optional[str], world_size: int,
                            force: bool, model: dict) -> tuple[Path, OutputLedger, Path]:
     """Every check a sweep makes before its first launch (one-line ``ValueError`` s); returns
     ``out``, its own files, and the new run's folder (created last)."""
-    if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"--iters={iters!r} must be an integer >= 1")
+    rules.integer("--iters", iters)
+    rules.timeout_seconds("--timeout", timeout)
     for n in names:
         config_argv(n, world_size=world_size, iters=iters, **model)
     if run_name is not None and not _valid_run_name(run_name):
@@ -273,7 +274,7 @@ def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iter
     on. ``runner`` trains one config (default :func:`run_config`; tests pass a stand-in).
     """
     names = list(configs) if configs is not None else list(SEED_SWEEP)
-    out, own, run_dir = _check_before_training(names, out, iters, run_name, world_size, force, model)
+    out, own, run_dir = _check_before_training(names, out, iters, timeout, run_name, world_size, force, model)
     stream = stream or sys.stdout
 
     def say(text):
@@ -389,7 +390,7 @@ def committed_summary(folder=None) -> dict:
     if not path.is_file():
         raise ValueError(f"no committed sweep at {path}: run `make sweep` (python -m course_lib sweep --figures "
                          f"{folder})")
-    return json.loads(path.read_text())
+    return read_json(path)
 
 
 def write_figures(out_dir, sweep: Optional[dict] = None) -> list[Path]:

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Optional
 
-from course_lib.safe_files import OutputLedger, check_output_file, write_atomic
+from course_lib.safe_files import OutputLedger, check_output_file, read_json, write_atomic
 from course_lib.sweep.runs import SUMMARY_NAME
 
 
@@ -81,7 +81,7 @@ def settled(summary: dict) -> dict:
 def read_run(run_dir: Path) -> Optional[dict]:
     """The settled summary of the run in ``run_dir``, or ``None`` if it has none (or one that cannot be read)."""
     try:
-        return settled(json.loads((Path(run_dir) / SUMMARY_NAME).read_text()))
+        return settled(read_json(Path(run_dir) / SUMMARY_NAME))
     except (OSError, ValueError):
         return None
 
@@ -93,7 +93,7 @@ def settle_killed_runs(out: Path) -> list[tuple[Path, dict]]:
     for summary_path in sorted(Path(out).glob(f"runs/*/{SUMMARY_NAME}")):
         run_dir = summary_path.parent
         try:
-            written = json.loads(summary_path.read_text())
+            written = read_json(summary_path)
         except (OSError, ValueError):
             continue
         summary = settled(written)

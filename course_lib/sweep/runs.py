@@ -49,6 +49,8 @@ def parse_configs(text: Optional[str]) -> list[str]:
     names = []
     for item in (n.strip() for n in text.split(",") if n.strip()):
         names += list(SEED_SWEEP) if item.lower() == "all" else [canonical.get(item.upper(), item)]
+    if not names:
+        raise ValueError(f"--configs {text!r} names no config; give at least one (e.g. --configs A,D, or all)")
     bad = [n for n in names if n not in SWEEP_CONFIGS]
     if bad:
         raise ValueError(f"unknown config {', '.join(bad)}: the sweep has {', '.join(SWEEP_CONFIGS)} "

@@ -24,6 +24,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from course_lib.safe_files import read_json
+
 STAMP_KEY = "course_lib"
 HASH_FIELD = "generated_sha256"
 
@@ -34,17 +36,9 @@ def dumps(notebook: dict) -> str:
 
 
 def read_notebook(path: Path) -> dict:
-    """The JSON object in ``path``; a one-line ``ValueError`` naming the file when it is not one."""
-    try:
-        text = Path(path).read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}); is it a Jupyter notebook?") from None
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    try:
-        notebook = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    """The JSON object in ``path``; a one-line ``ValueError`` naming the file when it is not one
+    (read by :func:`course_lib.safe_files.read_json`: bounded, no NaN, no duplicate keys)."""
+    notebook = read_json(path)
     if not isinstance(notebook, dict):
         raise ValueError(f"{path}: a notebook is a JSON object with a 'cells' list, "
                          f"not a JSON {type(notebook).__name__}")

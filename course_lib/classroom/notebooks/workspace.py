@@ -120,7 +120,10 @@ def sync(labs_dir: Path, workspace: Path) -> list[str]:
 def find_lab(labs_dir: Path, which: str) -> Path:
     """The released lab named by ``which``: its number (``03`` or ``3``), its stem or its file name."""
     releases = release_labs(labs_dir)
-    key = f"{int(which):02d}" if which.isdigit() else which
+    if not which.strip():
+        raise ValueError("--fresh '': name a lab, by number (--fresh 03) or name; the labs are "
+                         f"{', '.join(p.stem for p in releases)}")
+    key = f"{int(which):02d}" if which.isascii() and which.isdigit() else which
     for path in releases:
         if key in (path.name, path.stem) or path.name.startswith(f"{key}_"):
             return path
@@ -153,7 +156,7 @@ def run(args) -> int:
     if args.dir.resolve() == args.labs.resolve():
         raise ValueError(f"--dir {args.dir} is the labs folder; your workspace must be a folder of its own "
                          f"(default: {DEFAULT_WORKSPACE})")
-    if args.fresh:
+    if args.fresh is not None:
         print(fresh_copy(args.labs, args.dir, args.fresh))
         return 0
     for message in sync(args.labs, args.dir):

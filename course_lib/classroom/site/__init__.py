@@ -47,9 +47,9 @@ def run(args) -> int:
     from course_lib.classroom.site.build import build_site
 
     out = check_output_dir(args.out, what="--out")
+    ledger = OutputLedger(out)  # a .course_outputs.json that is not ours is refused before any building
     files = build_site(args.solutions, args.figures, args.readme, only=args.labs)
-    to_write = plan_writes(out, files, force=args.force)
-    ledger = OutputLedger(out)
+    to_write = plan_writes(ledger, files, force=args.force)
     for name, data in files.items():
         if name in to_write:
             write_atomic(out / name, data)
