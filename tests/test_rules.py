@@ -40,7 +40,7 @@ SEED = {(1, 1, 1): "A", (2, 1, 1): "B", (4, 1, 1): "C", (2, 2, 1): "D", (1, 4, 1
 def no_torchrun(monkeypatch):
     def tripwire(*args, **kwargs):
         raise AssertionError("a bad run reached torchrun")
-    monkeypatch.setattr("course_lib.launch.run_torchrun", tripwire)
+    monkeypatch.setattr("course_lib.train.run_torchrun", tripwire)  # the name train.run calls
 
 
 def _message(call) -> str:

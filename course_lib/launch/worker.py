@@ -7,7 +7,7 @@ socket), starts torchrun when the launcher says "go", and sends torchrun's exit
 code back when it ends. torchrun's temporary files go to ``JOB/tmp``. When PID
 dies, however it dies (a killed kernel), or lets go of the socket, torchrun gets
 SIGTERM and stops its ranks (its whole tree is killed if it has not ended
-``_TORCHRUN_SIGTERM_S`` later). Once torchrun has ended and PID has let go (or
+``TORCHRUN_SIGTERM_S`` later). Once torchrun has ended and PID has let go (or
 died), the agent removes the job folder: nothing is left, however PID ended.
 
 ``python -m course_lib.launch.worker --torchrun-under PID TORCHRUN_ARGS...``
@@ -44,8 +44,10 @@ import time
 import traceback
 from pathlib import Path
 
-from course_lib.launch import (_POLL_S, _TORCHRUN_SIGTERM_S, RANK_ENV, _death_report, _redirect_output,
-                               die_with_parent, init_rank, kill_tree)
+from course_lib.launch.contract import RANK_ENV, init_rank
+from course_lib.launch.output import redirect_output
+from course_lib.launch.process_tree import POLL_S, death_report, die_with_parent, kill_tree
+from course_lib.launch.torchrun import TORCHRUN_SIGTERM_S
 from course_lib.safe_files import write_atomic
 
 # Set by the agent for torchrun and the ranks: the job folder.
@@ -66,17 +68,17 @@ def _launcher_let_go() -> bool:
 def _wait_for_torchrun(torchrun: subprocess.Popen, sigterm_at: list) -> int:
     """torchrun's exit code. Once the launcher is gone (this process got SIGTERM, or the
     channel closed), torchrun gets SIGTERM, on which it stops its ranks; if it has not
-    ended ``_TORCHRUN_SIGTERM_S`` later, its whole tree is killed."""
+    ended ``TORCHRUN_SIGTERM_S`` later, its whole tree is killed."""
     terminated_at = None
     while True:
         try:
-            return torchrun.wait(timeout=_POLL_S)
+            return torchrun.wait(timeout=POLL_S)
         except subprocess.TimeoutExpired:  # still unreaped: its pid is still its own
             pass
         if terminated_at is None and (sigterm_at or _launcher_let_go()):
             torchrun.terminate()
             terminated_at = time.monotonic()
-        elif terminated_at is not None and time.monotonic() > terminated_at + _TORCHRUN_SIGTERM_S:
+        elif terminated_at is not None and time.monotonic() > terminated_at + TORCHRUN_SIGTERM_S:
             kill_tree(torchrun.pid)
 
 
@@ -129,7 +131,7 @@ def _hung(job_path: Path, rank: int) -> None:
 
 def _redirect_output_to(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    _redirect_output(fd)
+    redirect_output(fd)
     os.close(fd)
 
 
@@ -192,7 +194,7 @@ def supervise_rank(job_dir: str) -> int:
     _, status = os.waitpid(child, 0)
     noticed_at, exitcode = time.time(), os.waitstatus_to_exitcode(status)
     if not any((job_path / f"rank{rank}.{ext}").exists() for ext in REPORTS):
-        write_atomic(job_path / f"rank{rank}.err", pickle.dumps(_death_report(rank, exitcode, noticed_at)))
+        write_atomic(job_path / f"rank{rank}.err", pickle.dumps(death_report(rank, exitcode, noticed_at)))
     return exitcode if exitcode >= 0 else 128 - exitcode
 
 

@@ -229,7 +229,8 @@ def run_nodes_here(program: list[str], nodes: int = 2, procs_per_node: int = 2, 
     import tempfile
     import time
 
-    from course_lib.launch import TorchrunAgent, _read_back
+    from course_lib.launch import TorchrunAgent
+    from course_lib.launch.output import read_back
 
     nodes, procs = _check(nodes, procs_per_node, rendezvous, DEFAULT_MASTER_PORT)
     timeout = rules.number("timeout", timeout, 0.0)
@@ -254,7 +255,7 @@ def run_nodes_here(program: list[str], nodes: int = 2, procs_per_node: int = 2, 
             if time.monotonic() > deadline:
                 stopped = "; ".join(a.stop() for a in agents)
                 raise TimeoutError(f"{nodes} local nodes did not finish within timeout={timeout:g}s; {stopped}")
-        return [NodeRun(c, a.exit_code, _read_back(log)) for c, a, log in zip(runs, agents, logs)]
+        return [NodeRun(c, a.exit_code, read_back(log)) for c, a, log in zip(runs, agents, logs)]
     finally:
         for a in agents:
             if a.exit_code is None:

@@ -233,6 +233,193 @@ def _num_nodes(world: int, hw: Hardware, num_nodes) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class _Run:
+    """What every step of :func:`project` reads: the model, its validated plan, the layout (as given), the
+    cluster and the assumptions."""
+
+    model: ModelSpec
+    plan: Plan
+    hw: Hardware
+    assumptions: Assumptions
+    grid: object         # the layout's RankGrid (Megatron's rank order tp-cp-ep-dp-pp)
+    tp: int
+    pp: int
+    cp: int
+    vp: int
+    dp: int
+    b: int               # micro-batch size
+    zero_stage: int
+
+    @property
+    def sp(self) -> bool:
+        return self.plan.config["sequence_parallel"]
+
+    @property
+    def mode(self) -> str:
+        return self.plan.config["recompute"]
+
+    @property
+    def m(self) -> int:
+        return self.plan.num_microbatches
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers per pipeline rank."""
+        return self.model.num_layers // self.pp
+
+    def link(self, token: str, size: int) -> tuple[str, float, float]:
+        """``(link, bandwidth, latency)`` of the ``token`` groups of ``size`` ranks: "network" when a group's
+        ranks sit on more than one node (``gpus_per_node`` to a node), else "NVLink"; "-" for one rank."""
+        if size == 1:
+            return "-", math.inf, 0.0
+        if _spans_nodes(self.grid.groups(token), self.hw.gpus_per_node):
+            return "network", self.hw.internode_bandwidth * self.assumptions.link_efficiency, self.hw.inter_latency_s
+        return "NVLink", self.hw.nvlink_bandwidth * self.assumptions.link_efficiency, self.hw.intra_latency_s
+
+
+def _assumptions(assumptions: Assumptions | None, overrides: dict) -> Assumptions:
+    for name in overrides:
+        if name not in ASSUMPTION_NAMES:
+            raise ValueError(f"{name}= is not an assumption of project(): use one of {', '.join(ASSUMPTION_NAMES)}")
+    return replace(assumptions or Assumptions(), **overrides)
+
+
+def _data_parallel_size(dp, num_nodes, hw: Hardware, tp, pp, cp):
+    """``dp`` as given; left out, Megatron's ``num_nodes * gpus_per_node / (tp * pp * cp)`` (1 without nodes)."""
+    if dp is not None:
+        return dp
+    if num_nodes is None:
+        return 1
+    world = rules.integer("num_nodes", num_nodes) * hw.gpus_per_node
+    return rules.data_parallel_size(world, rules.integer(rules.TP, tp), rules.integer(rules.PP, pp),
+                                    rules.integer(rules.CP, cp))
+
+
+def _compute(run: _Run) -> tuple[list, list, list, list]:
+    """Seconds per micro-batch and pipeline rank: GEMMs forward and backward, element-wise work forward
+    and backward (the logits on the last rank)."""
+    model, hw, a, tp, pp, cp, b = run.model, run.hw, run.assumptions, run.tp, run.pp, run.cp, run.b
+    s, h, layers = model.seq_length, model.hidden_size, run.layers
+    rate = hw.peak_flops * a.gemm_efficiency
+    layer_none, logits = _layer_flops(model, "none")
+    layer_fwd = layer_none / 3 * b / (tp * cp)
+    extra = (_layer_flops(model, run.mode)[0] - layer_none) * b / (tp * cp)  # recomputed forward FLOPs
+    logits_fwd = logits / 3 * b / tp
+    act = activation_bytes_per_layer(s, b, h, model.num_heads, tp, run.sp, "selective" if a.flash_attention else "none",
+                                     cp)
+    mem_fwd = layers * act * a.elementwise_traffic / hw.hbm_bandwidth
+    out_bytes = output_activation_terms(s // cp, b, h, model.vocab_size, tp, run.sp)["output"]
+    mem_out = out_bytes * a.elementwise_traffic / hw.hbm_bandwidth
+    gemm_f = [layers * layer_fwd / rate + (logits_fwd / rate if r == pp - 1 else 0.0) for r in range(pp)]
+    gemm_b = [layers * (2 * layer_fwd + extra) / rate + (2 * logits_fwd / rate if r == pp - 1 else 0.0)
+              for r in range(pp)]
+    mem_f = [mem_fwd + (mem_out if r == pp - 1 else 0.0) for r in range(pp)]
+    mem_b = [2 * x + (mem_fwd if run.mode == "full" else 0.0) for x in mem_f]
+    return gemm_f, gemm_b, mem_f, mem_b
+
+
+def _tp_comm(run: _Run, groups: dict) -> tuple[float, float]:
+    """TP's exposed seconds per micro-batch (forward, backward); adds the ``tp`` group. 2 collectives per
+    layer forward, 2 backward (x2 with SP), +2 SP all-gathers backward, + the recomputed forward's."""
+    tp, sp, mode, layers, a = run.tp, run.sp, run.mode, run.layers, run.assumptions
+    if tp == 1:
+        return 0.0, 0.0
+    name, bw, alpha = run.link("tp", tp)
+    d = tp_comm_per_layer(run.model.seq_length, run.b, run.model.hidden_size, tp, sp, mode, run.cp)
+    per = 2 if sp else 1
+    n_f, n_b = 2 * per * layers, (2 * per + (2 if sp else 0) + (2 * per if mode == "full" else 0)) * layers
+    bytes_f = 2.0 * d["forward"] * layers
+    bytes_b = 2.0 * (d["backward"] + d["sp_backward_all_gather"] + d["recompute_forward"]) * layers
+    tp_f, tp_b = bytes_f / bw + n_f * alpha, bytes_b / bw + n_b * alpha
+    total = (tp_f + tp_b) * run.m
+    groups["tp"] = GroupComm("tp", tp, name, (bytes_f + bytes_b) * run.m, total, total * (1 - a.tp_overlap),
+                             f"{a.tp_overlap:.0%} hidden (tp_overlap)")
+    return tp_f * (1 - a.tp_overlap), tp_b * (1 - a.tp_overlap)
+
+
+def _cp_comm(run: _Run, groups: dict) -> tuple[float, float]:
+    """CP's exposed seconds per micro-batch (forward, backward), the K/V ring in attention; adds the ``cp`` group."""
+    cp, layers, a = run.cp, run.layers, run.assumptions
+    if cp == 1:
+        return 0.0, 0.0
+    name, bw, alpha = run.link("cp", cp)
+    d = cp_comm_per_layer(run.model.seq_length, run.b, run.model.hidden_size, run.model.num_heads, cp, run.tp)
+    cp_f = 2.0 * d["forward"] * layers / bw + 2 * (cp - 1) * layers * alpha
+    cp_b = 2.0 * d["backward_estimate"] * layers / bw + 4 * (cp - 1) * layers * alpha
+    total = (cp_f + cp_b) * run.m
+    groups["cp"] = GroupComm("cp", cp, name, 2.0 * d["total_estimate"] * layers * run.m, total,
+                             total * (1 - a.cp_overlap), f"{a.cp_overlap:.0%} hidden (cp_overlap)")
+    return cp_f * (1 - a.cp_overlap), cp_b * (1 - a.cp_overlap)
+
+
+def _pp_message(run: _Run, notes: list) -> tuple[str, float, float]:
+    """One pipeline message, a boundary tensor each way per micro-batch and model chunk (blocking
+    send/recv pairs): ``(link, bytes sent, seconds)``; zeros without PP."""
+    tp, sp = run.tp, run.sp
+    if run.pp == 1:
+        return "-", 0.0, 0.0
+    name, bw, alpha = run.link("pp", run.pp)
+    x = 2.0 * pp_send_elements(run.model.seq_length, run.b, run.model.hidden_size, tp, run.cp, sp)  # bytes of one send
+    gather = 0.0
+    if name == "network" and run.assumptions.pp_scatter_gather and tp > 1 and not sp:
+        x /= tp  # each TP rank sends its 1/t on its own HCA, then an NVLink all-gather
+        tp_link = run.link("tp", tp)
+        gather = ring_elements_sent("all_gather", x * tp, tp) / tp_link[1] + tp_link[2]
+        notes.append("PP across nodes with Narayanan §4.1's scatter/gather: each TP rank sends 1/t "
+                     "of the boundary tensor, an NVLink all-gather rebuilds it")
+    return name, x, x / bw + alpha + gather
+
+
+def _pipeline(run: _Run, t_f: list, t_b: list, message: tuple[str, float, float], groups: dict):
+    """The simulated schedule (1F1B, or interleaved with ``vp > 1``) of the per-rank times; adds the ``pp``
+    group, whose exposed time is what the messages add to the makespan (a second simulation, when asked)."""
+    from course_lib.pipeline.cli import MAX_PASSES
+    from course_lib.pipeline.schedules import build_schedule
+    from course_lib.pipeline.simulate import simulate
+
+    pp, vp, m, a = run.pp, run.vp, run.m, run.assumptions
+    name, x, pp_raw = message
+    if pp * vp * m > MAX_PASSES:
+        raise ValueError(f"pp {pp} x vp {vp} x {m} micro-batches = {pp * vp * m} passes; the schedule simulator "
+                         f"handles at most {MAX_PASSES}: raise micro_batch_size or lower global_batch_size")
+    schedule = build_schedule("interleaved" if vp > 1 else "1f1b", pp, m, vp)
+    # the messages sit on the dependency path of the schedule (a stage waits for its input), so their
+    # cost is what they add to the simulated makespan: the bubble includes the waits, as a measured one does
+    timeline = simulate(schedule, t_f, t_b, p2p_latency=pp_raw * (1 - a.pp_overlap))
+    if pp > 1:
+        sends = 2 * m * vp  # a middle rank: one activation and one gradient per micro-batch and chunk
+
+        def added(schedule=schedule, t_f=t_f, t_b=t_b, with_messages=timeline.makespan):
+            return with_messages - simulate(schedule, t_f, t_b).makespan
+
+        groups["pp"] = GroupComm("pp", pp, name, x * sends, pp_raw * sends, added,
+                                 f"{a.pp_overlap:.0%} hidden (pp_overlap); exposed = what the waits add to the "
+                                 f"simulated schedule (in its bubble)")
+    return timeline
+
+
+def _after_backward(run: _Run, groups: dict) -> dict:
+    """Seconds after the pipeline: exposed DP gradient reduction, tied-embedding all-reduce, optimizer
+    step; adds the ``dp`` and ``embedding`` groups."""
+    p, a, tp, dp, cp = run.plan, run.assumptions, run.tp, run.dp, run.cp
+    token = "dp-cp" if cp > 1 else "dp"
+    name, bw, alpha = run.link(token, dp * cp)
+    if dp * cp > 1:
+        t_dp = p.comm["dp"] / bw + alpha
+        groups["dp"] = GroupComm(token, dp * cp, name, p.comm["dp"], t_dp, t_dp * (1 - a.dp_overlap),
+                                 f"{a.dp_overlap:.0%} hidden behind backward (dp_overlap)")
+    if run.pp > 1:
+        name, bw, alpha = run.link("embedding", 2)
+        emb = 2.0 * ring_elements_sent("all_reduce", run.model.vocab_size // tp * run.model.hidden_size, 2)
+        groups["embedding"] = GroupComm("embedding", 2, name, emb, emb / bw + alpha, emb / bw + alpha,
+                                        "none: tied word-embedding gradient, first + last stage")
+    updated = max(p.params_per_stage) / (dp * cp if run.zero_stage >= 1 else 1)
+    t_opt = updated * a.optimizer_bytes_per_param / run.hw.hbm_bandwidth
+    return {"dp": groups["dp"].exposed if "dp" in groups else 0.0,
+            "embedding": groups["embedding"].exposed if "embedding" in groups else 0.0, "optimizer": t_opt}
+
+
 def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel=False, recompute="none",
             zero_stage=0, micro_batch_size=1, global_batch_size=None, hardware="H100", num_nodes=None,
             assumptions: Assumptions | None = None, **overrides) -> Projection:
@@ -244,153 +431,39 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
     :class:`Assumptions` by name (``gemm_efficiency=0.6, dp_overlap=0.8``).
     """
     hw = get_hardware(hardware)
-    for name in overrides:
-        if name not in ASSUMPTION_NAMES:
-            raise ValueError(f"{name}= is not an assumption of project(): use one of {', '.join(ASSUMPTION_NAMES)}")
-    a = replace(assumptions or Assumptions(), **overrides)
-    if dp is None:
-        if num_nodes is None:
-            dp = 1
-        else:
-            world = rules.integer("num_nodes", num_nodes) * hw.gpus_per_node
-            dp = rules.data_parallel_size(world, rules.integer(rules.TP, tp), rules.integer(rules.PP, pp),
-                                          rules.integer(rules.CP, cp))
+    a = _assumptions(assumptions, overrides)
+    dp = _data_parallel_size(dp, num_nodes, hw, tp, pp, cp)
     p = plan(model, tp=tp, pp=pp, dp=dp, cp=cp, vp=vp, sequence_parallel=sequence_parallel, recompute=recompute,
              zero_stage=zero_stage, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
              gpu_memory_gb=hw.hbm_gb)
-    c = p.config
-    sp, mode, m, world = c["sequence_parallel"], c["recompute"], p.num_microbatches, p.world_size
-    nodes = _num_nodes(world, hw, num_nodes)
-    s, b, h, heads, L = model.seq_length, micro_batch_size, model.hidden_size, model.num_heads, model.num_layers
-    layers = L // pp
+    nodes = _num_nodes(p.world_size, hw, num_nodes)
     notes = list(p.notes)
 
     from course_lib.topology import RankGrid  # numpy; imported here so `sizing` stays light
 
-    grid = RankGrid(world, tp=tp, pp=pp, cp=cp)
-    gpn = hw.gpus_per_node
-
-    def link(token: str, size: int) -> tuple[str, float, float]:
-        if size == 1:
-            return "-", math.inf, 0.0
-        if _spans_nodes(grid.groups(token), gpn):
-            return "network", hw.internode_bandwidth * a.link_efficiency, hw.inter_latency_s
-        return "NVLink", hw.nvlink_bandwidth * a.link_efficiency, hw.intra_latency_s
-
-    # ---- compute per micro-batch, per pipeline rank (seconds)
-    rate = hw.peak_flops * a.gemm_efficiency
-    layer_none, logits = _layer_flops(model, "none")
-    layer_fwd = layer_none / 3 * b / (tp * cp)
-    extra = (_layer_flops(model, mode)[0] - layer_none) * b / (tp * cp)  # recomputed forward FLOPs
-    logits_fwd = logits / 3 * b / tp
-    act = activation_bytes_per_layer(s, b, h, heads, tp, sp, "selective" if a.flash_attention else "none", cp)
-    mem_fwd = layers * act * a.elementwise_traffic / hw.hbm_bandwidth
-    out_bytes = output_activation_terms(s // cp, b, h, model.vocab_size, tp, sp)["output"]
-    mem_out = out_bytes * a.elementwise_traffic / hw.hbm_bandwidth
-    gemm_f = [layers * layer_fwd / rate + (logits_fwd / rate if r == pp - 1 else 0.0) for r in range(pp)]
-    gemm_b = [layers * (2 * layer_fwd + extra) / rate + (2 * logits_fwd / rate if r == pp - 1 else 0.0)
-              for r in range(pp)]
-    mem_f = [mem_fwd + (mem_out if r == pp - 1 else 0.0) for r in range(pp)]
-    mem_b = [2 * x + (mem_fwd if mode == "full" else 0.0) for x in mem_f]
-
+    run = _Run(model, p, hw, a, RankGrid(p.world_size, tp=tp, pp=pp, cp=cp), tp=tp, pp=pp, cp=cp, vp=vp, dp=dp,
+               b=micro_batch_size, zero_stage=zero_stage)
+    gemm_f, gemm_b, mem_f, mem_b = _compute(run)
     groups: dict[str, GroupComm] = {}
-
-    # ---- TP: 2 collectives per layer forward, 2 backward (x2 with SP), +2 SP all-gathers, + recompute
-    name, bw, alpha = link("tp", tp)
-    tp_f = tp_b = 0.0
-    if tp > 1:
-        d = tp_comm_per_layer(s, b, h, tp, sp, mode, cp)
-        per = 2 if sp else 1
-        n_f, n_b = 2 * per * layers, (2 * per + (2 if sp else 0) + (2 * per if mode == "full" else 0)) * layers
-        bytes_f = 2.0 * d["forward"] * layers
-        bytes_b = 2.0 * (d["backward"] + d["sp_backward_all_gather"] + d["recompute_forward"]) * layers
-        tp_f, tp_b = bytes_f / bw + n_f * alpha, bytes_b / bw + n_b * alpha
-        total = (tp_f + tp_b) * m
-        groups["tp"] = GroupComm("tp", tp, name, (bytes_f + bytes_b) * m, total, total * (1 - a.tp_overlap),
-                                 f"{a.tp_overlap:.0%} hidden (tp_overlap)")
-        tp_f, tp_b = tp_f * (1 - a.tp_overlap), tp_b * (1 - a.tp_overlap)
-
-    # ---- CP: the K/V ring in attention
-    name, bw, alpha = link("cp", cp)
-    cp_f = cp_b = 0.0
-    if cp > 1:
-        d = cp_comm_per_layer(s, b, h, heads, cp, tp)
-        cp_f = 2.0 * d["forward"] * layers / bw + 2 * (cp - 1) * layers * alpha
-        cp_b = 2.0 * d["backward_estimate"] * layers / bw + 4 * (cp - 1) * layers * alpha
-        total = (cp_f + cp_b) * m
-        groups["cp"] = GroupComm("cp", cp, name, 2.0 * d["total_estimate"] * layers * m, total,
-                                 total * (1 - a.cp_overlap), f"{a.cp_overlap:.0%} hidden (cp_overlap)")
-        cp_f, cp_b = cp_f * (1 - a.cp_overlap), cp_b * (1 - a.cp_overlap)
-
-    # ---- PP: one boundary tensor per micro-batch and model chunk each way (blocking send/recv pairs)
-    name, bw, alpha = link("pp", pp)
-    pp_one = pp_raw = 0.0
-    if pp > 1:
-        x = 2.0 * pp_send_elements(s, b, h, tp, cp, sp)  # bytes of one send
-        gather = 0.0
-        if name == "network" and a.pp_scatter_gather and tp > 1 and not sp:
-            x /= tp  # each TP rank sends its 1/t on its own HCA, then an NVLink all-gather
-            tp_link = link("tp", tp)
-            gather = ring_elements_sent("all_gather", x * tp, tp) / tp_link[1] + tp_link[2]
-            notes.append("PP across nodes with Narayanan §4.1's scatter/gather: each TP rank sends 1/t "
-                         "of the boundary tensor, an NVLink all-gather rebuilds it")
-        pp_raw = x / bw + alpha + gather  # seconds per message
-        pp_one = pp_raw * (1 - a.pp_overlap)
-
-    # the messages sit on the dependency path of the schedule (a stage waits for its input), so their
-    # cost is what they add to the simulated makespan: the bubble includes the waits, as a measured one does
+    tp_f, tp_b = _tp_comm(run, groups)
+    cp_f, cp_b = _cp_comm(run, groups)
+    message = _pp_message(run, notes)
     parts = {"gemm": [gemm_f[r] + gemm_b[r] for r in range(pp)],
              "elementwise": [mem_f[r] + mem_b[r] for r in range(pp)],
              "tp": [tp_f + tp_b] * pp, "cp": [cp_f + cp_b] * pp}
     t_f = [gemm_f[r] + mem_f[r] + tp_f + cp_f for r in range(pp)]
     t_b = [gemm_b[r] + mem_b[r] + tp_b + cp_b for r in range(pp)]
-
-    # ---- the pipeline, simulated
-    from course_lib.pipeline.cli import MAX_PASSES
-    from course_lib.pipeline.schedules import build_schedule
-    from course_lib.pipeline.simulate import simulate
-
-    if pp * vp * m > MAX_PASSES:
-        raise ValueError(f"pp {pp} x vp {vp} x {m} micro-batches = {pp * vp * m} passes; the schedule simulator "
-                         f"handles at most {MAX_PASSES}: raise micro_batch_size or lower global_batch_size")
-    schedule = build_schedule("interleaved" if vp > 1 else "1f1b", pp, m, vp)
-    timeline = simulate(schedule, t_f, t_b, p2p_latency=pp_one)
-    pipeline_time = timeline.makespan
-    if pp > 1:
-        sends = 2 * m * vp  # a middle rank: one activation and one gradient per micro-batch and chunk
-        def added(schedule=schedule, t_f=t_f, t_b=t_b, with_messages=pipeline_time):
-            return with_messages - simulate(schedule, t_f, t_b).makespan  # a second simulation, when asked
-
-        groups["pp"] = GroupComm("pp", pp, name, x * sends, pp_raw * sends, added,
-                                 f"{a.pp_overlap:.0%} hidden (pp_overlap); exposed = what the waits add to the "
-                                 f"simulated schedule (in its bubble)")
-
-    # ---- after the backward: DP gradients, tied embedding, optimizer
-    token = "dp-cp" if cp > 1 else "dp"
-    name, bw, alpha = link(token, dp * cp)
-    if dp * cp > 1:
-        t_dp = p.comm["dp"] / bw + alpha
-        groups["dp"] = GroupComm(token, dp * cp, name, p.comm["dp"], t_dp, t_dp * (1 - a.dp_overlap),
-                                 f"{a.dp_overlap:.0%} hidden behind backward (dp_overlap)")
-    if pp > 1:
-        name, bw, alpha = link("embedding", 2)
-        emb = 2.0 * ring_elements_sent("all_reduce", model.vocab_size // tp * h, 2)
-        groups["embedding"] = GroupComm("embedding", 2, name, emb, emb / bw + alpha, emb / bw + alpha,
-                                        "none: tied word-embedding gradient, first + last stage")
-    updated = max(p.params_per_stage) / (dp * cp if zero_stage >= 1 else 1)
-    t_opt = updated * a.optimizer_bytes_per_param / hw.hbm_bandwidth
-    after = {"dp": groups["dp"].exposed if "dp" in groups else 0.0,
-             "embedding": groups["embedding"].exposed if "embedding" in groups else 0.0, "optimizer": t_opt}
-    step = pipeline_time + sum(after.values())
-
+    timeline = _pipeline(run, t_f, t_b, message, groups)
+    after = _after_backward(run, groups)
     compute = {"gemm_forward": gemm_f[0], "gemm_backward": gemm_b[0], "elementwise": mem_f[0] + mem_b[0],
-               "optimizer_step": t_opt}
+               "optimizer_step": after["optimizer"]}
     if not p.fits:
         notes.append(f"the busiest rank needs {p.memory['total'] / 1e9:.1f} GB, more than the "
                      f"{hw.hbm_gb:.0f} GB of HBM: the projection is of a run that would not start")
     return Projection(plan=p, hardware=hw, num_nodes=nodes, assumptions=a, t_forward=t_f, t_backward=t_b,
-                      parts=parts, after=after, compute=compute, groups=groups, pipeline_time=pipeline_time,
-                      bubble=timeline.bubble_fraction, step_time=step, timeline=timeline, notes=notes)
+                      parts=parts, after=after, compute=compute, groups=groups, pipeline_time=timeline.makespan,
+                      bubble=timeline.bubble_fraction, step_time=timeline.makespan + sum(after.values()),
+                      timeline=timeline, notes=notes)
 
 
 def project_configs(model: ModelSpec, configs: dict, world_size: int = 8, hardware="H100", **kw) -> dict:

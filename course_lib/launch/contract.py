@@ -1,0 +1,151 @@
+"""What both launchers promise: the arguments :func:`course_lib.launch.launch` accepts, how a
+rank joins the process group, the per-rank results, and the errors raised when ranks fail
+(:class:`RankError`) or hang (:class:`LaunchTimeout`)."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import numbers
+import os
+import pickle
+
+from course_lib.launch.output import tail
+
+LAUNCHERS = ("fork", "torchrun")
+BACKENDS = ("auto", "gloo", "nccl")
+OUTPUT_MODES = ("all", "rank0", "none")
+MAX_TIMEOUT_S = 7 * 24 * 3600
+# Set in every rank process (to its rank), so that launch() can refuse to nest.
+RANK_ENV = "COURSE_LIB_LAUNCH_RANK"
+# RankError.exc_type of a rank that died without reporting (no traceback), and
+# of a result that the launching process cannot unpickle.
+PROCESS_DIED = "ProcessDied"
+RESULT_UNREADABLE = "ResultUnreadable"
+
+
+class LaunchError(RuntimeError):
+    """Base class: something went wrong on the ranks."""
+
+
+class RankError(LaunchError):
+    """A rank failed. ``rank`` is the first rank that failed, ``traceback`` its text
+    (for a rank that died without one, how it died), ``exc_type`` the exception
+    class name (``"ProcessDied"`` for such a death, ``"ResultUnreadable"`` for a
+    result this process cannot unpickle), ``outputs`` every rank's
+    captured output, ``other_failures`` the later failures by rank."""
+
+    def __init__(self, rank: int, exc_type: str, tb: str, outputs: list[str],
+                 other_failures: dict[int, str] | None = None):
+        self.rank, self.exc_type, self.traceback = rank, exc_type, tb
+        self.outputs = outputs
+        self.other_failures = other_failures or {}
+        last_line = tb.strip().splitlines()[-1] if tb.strip() else exc_type
+        if exc_type in (PROCESS_DIED, RESULT_UNREADABLE):  # the launcher's account: it names the rank
+            msg = tb.strip()
+            if rank < len(outputs) and outputs[rank].strip():  # a crash's Python stack, if any, is in it
+                msg += f"\n\n--- last output of rank {rank} ---\n{tail(outputs[rank], 40)}"
+        else:
+            msg = f"rank {rank} failed: {last_line}\n\n--- traceback of rank {rank} ---\n{tb}"
+        if self.other_failures:
+            msg += "\nother ranks that failed: " + ", ".join(
+                f"{r} ({t.strip().splitlines()[-1]})" for r, t in sorted(self.other_failures.items()))
+        super().__init__(msg)
+
+
+class LaunchTimeout(LaunchError):
+    """Some ranks did not finish within the timeout (a hang or a deadlock).
+    ``stopped`` says what became of the rank processes (checked, not assumed)."""
+
+    def __init__(self, timeout: float, unfinished: list[int], outputs: list[str],
+                 stopped: str = "every rank process was stopped"):
+        self.timeout, self.unfinished, self.outputs, self.stopped = timeout, unfinished, outputs, stopped
+        tails = "".join(
+            f"\n--- last output of rank {r} ---\n{tail(outputs[r])}" for r in unfinished if outputs[r].strip())
+        super().__init__(
+            f"ranks {unfinished} did not finish within timeout={timeout:g}s (a hang or deadlock: "
+            f"check that every rank calls the same collectives in the same order); {stopped}{tails}")
+
+
+class RankResults(list):
+    """The per-rank return values (a plain list, rank order) plus ``outputs``
+    (each rank's captured stdout+stderr), ``elapsed_s`` and ``command``
+    (the torchrun command line, for ``launcher="torchrun"``)."""
+
+    outputs: list[str]
+    elapsed_s: float
+    command: str | None = None
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """``"auto"`` -> ``"nccl"`` when there is one CUDA GPU per rank, else ``"gloo"``."""
+    import torch
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKENDS)}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+                         f"{gpus} CUDA GPUs are visible; use backend='gloo' or fewer ranks")
+    return backend
+
+
+def check_args(world_size, launcher, output, timeout):
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher={launcher!r} is unknown: use 'fork' (fast, notebooks) or 'torchrun'")
+    if output not in OUTPUT_MODES:
+        raise ValueError(f"output={output!r} is unknown: use one of {', '.join(OUTPUT_MODES)}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout)
+            or not 0 < timeout <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, at most "
+                         f"{MAX_TIMEOUT_S} (a week); e.g. timeout=60")
+
+
+def refuse_nested_launch() -> None:
+    rank = os.environ.get(RANK_ENV)
+    if rank is not None:
+        raise LaunchError(f"launch() was called on rank {rank} of another launch: nested launches are not "
+                          f"supported; call launch() once, from the notebook or script, and give each rank its "
+                          f"part of the work")
+
+
+def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None) -> None:
+    """Initialise ``torch.distributed`` in this process (one rank) with ``timeout``
+    on the default group. Without ``store`` the rendezvous comes from torchrun's
+    environment (``env://``).
+
+    With NCCL the rank gets its own GPU and the group is ``"cpu:gloo,cuda:nccl"``:
+    CUDA tensors travel over NCCL while the labs' CPU tensors still work (gloo).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        backend = "cpu:gloo,cuda:nccl"
+    kwargs = dict(backend=backend, rank=rank, world_size=world_size,
+                  timeout=datetime.timedelta(seconds=timeout))
+    if store is not None:
+        kwargs["store"] = store
+    dist.init_process_group(**kwargs)
+
+
+def load_results(payloads: dict[int, bytes], outputs: list[str]) -> RankResults:
+    """Unpickle every rank's return value here, in the launching process; a value that
+    cannot be read here (e.g. an instance of a class this process cannot import) names its rank."""
+    values = []
+    for rank in range(len(outputs)):
+        try:
+            values.append(pickle.loads(payloads[rank]))
+        except Exception as exc:  # noqa: BLE001 - any unpickling error: name the rank
+            raise RankError(rank, RESULT_UNREADABLE, (
+                f"rank {rank} returned a value that cannot be unpickled in the launching process: "
+                f"{type(exc).__name__}: {exc}; return plain data (numbers, lists, dicts, tensors)\n"),
+                outputs) from None
+    results = RankResults(values)
+    results.outputs = outputs
+    return results

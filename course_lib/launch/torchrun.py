@@ -1,0 +1,296 @@
+"""``launch(..., launcher="torchrun")`` and ``python -m course_lib train``: torchrun, run so that
+nothing outlives it.
+
+:func:`torchrun_command` is the command line, :class:`TorchrunAgent` runs it under an agent
+process that owns the job folder (:mod:`course_lib.launch.worker` is the agent, torchrun and
+each rank), :func:`run_torchrun` runs it in the foreground, and :func:`launch_torchrun` runs
+``fn`` on its ranks and reads their reports back from the job folder.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from multiprocessing import connection
+from pathlib import Path
+from typing import Sequence
+
+from course_lib.launch.contract import LaunchError, LaunchTimeout, RankResults, load_results
+from course_lib.launch.output import read_back, tail
+from course_lib.launch.process_tree import (POLL_S, first_failure, kill_tree, parent_pids, stop_report, supervise,
+                                            wait_gone)
+
+# torchrun: how long start-up (imports, rendezvous) may take on top of
+# ``timeout``, and how long after ``timeout`` the ranks' own watchdogs get to
+# report before the launcher stops everything itself.
+_TORCHRUN_STARTUP_S = 60
+_WATCHDOG_GRACE_S = 3
+# How long torchrun gets, once sent SIGTERM, to stop its ranks before its whole tree is killed.
+TORCHRUN_SIGTERM_S = 10
+# How long torchrun's agent may take to remove its job folder and end once released.
+_AGENT_EXIT_S = 10
+
+
+def torchrun_command(world_size: int, target: Sequence[str]) -> list[str]:
+    """The torchrun command line for ``world_size`` ranks on one machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={world_size}", *target]
+
+
+class TorchrunAgent:
+    """A :func:`torchrun_command` line run so that neither torchrun, nor its ranks, nor its
+    files outlive this process, however it ends. A context manager::
+
+        with TorchrunAgent(cmd, env=env) as agent:
+            (agent.job / "job.pkl").write_bytes(...)    # the folder the ranks read and write
+            agent.start()
+            code = agent.wait()                         # or poll(seconds); stop() on any trouble
+
+    torchrun runs under an agent, ``python -m course_lib.launch.worker --agent-of PID``,
+    in a session of its own (a terminal's Ctrl-C reaches only this process, which then
+    stops the whole tree with :meth:`stop`). The agent makes the job folder ``job``
+    (torchrun's temporary files, torch elastic's ``torchelastic_*``, go to ``job/tmp``),
+    starts torchrun on :meth:`start`, and SIGTERMs it when this process dies, however it
+    dies (torchrun then stops its ranks). Once torchrun has ended and this process has
+    let go of the folder (:meth:`release`, on leaving the ``with`` block) or died, the
+    agent removes the folder and ends. The agent's stdin is a socket to this process:
+    the folder's path comes over it, then "go" goes the other way, then torchrun's exit
+    code; closing it lets go.
+    """
+
+    def __init__(self, cmd: Sequence[str], **popen_kwargs):
+        if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
+            raise ValueError(f"not a torchrun_command() line: {shlex.join(cmd)}")
+        # The agent's temporary folder is this process's (tempfile.tempdir included).
+        env = dict(popen_kwargs.pop("env", None) or os.environ, TMPDIR=tempfile.gettempdir())
+        self._channel, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [cmd[0], "-m", "course_lib.launch.worker", "--agent-of", str(os.getpid()), *cmd[3:]],
+                stdin=theirs, start_new_session=True, env=env, **popen_kwargs)
+        except BaseException:
+            self._channel.close()
+            raise
+        finally:
+            theirs.close()
+        self.job: Path | None = None
+        self.exit_code: int | None = None  # torchrun's, once it has ended
+        self._ended = False
+        try:
+            path = _receive_line(self._channel)
+        except BaseException:
+            self.release()
+            raise
+        if not path:
+            self.release()
+            raise LaunchError(f"torchrun's agent ended before it started torchrun (exit code {self.proc.returncode})")
+        self.job = Path(os.fsdecode(path))
+
+    def __enter__(self) -> "TorchrunAgent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def start(self) -> None:
+        """Start torchrun (the job folder is ready)."""
+        self._channel.sendall(b"g")
+
+    def poll(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for torchrun to end; whether it has (then see ``exit_code``)."""
+        if not self._ended and connection.wait([self._channel], timeout):
+            code = _receive_line(self._channel)  # nothing: the agent itself died
+            self.exit_code = int(code) if code else None
+            self._ended = True
+        return self._ended
+
+    def wait(self) -> int | None:
+        """Wait for torchrun to end; its exit code (None when its agent was killed)."""
+        while not self.poll(POLL_S * 10):
+            pass
+        return self.exit_code
+
+    def stop(self, rank_pids: Sequence[int] = ()) -> str:
+        """Kill torchrun and every process under it -- all but the agent, which still has
+        to remove the job folder -- and report, checked, what was stopped.
+
+        ``rank_pids``: rank processes known otherwise, checked too (when torchrun ended
+        by itself, its ranks are no longer under it). Without /proc to find the ranks
+        (macOS), the agent gets SIGTERM, on which torchrun stops them itself.
+        """
+        if self.proc.returncode is not None:  # reaped: its pid may be another's now
+            pids = []
+        elif parent_pids() is not None:
+            pids = kill_tree(self.proc.pid, keep_root=True)
+        else:
+            self.proc.terminate()
+            pids = [] if self.poll(TORCHRUN_SIGTERM_S + _AGENT_EXIT_S) else kill_tree(self.proc.pid)
+        survivors = wait_gone([*pids, *rank_pids])
+        if parent_pids() is None and not rank_pids:
+            return stop_report("torchrun was stopped, and it stops its ranks (no /proc here to check them)", survivors)
+        return stop_report("torchrun and all its rank processes were stopped", survivors)
+
+    def release(self) -> None:
+        """Let go of the job folder: the agent removes it and ends (once torchrun has ended).
+        An agent that does not end within ``_AGENT_EXIT_S`` is killed, and the folder removed here."""
+        self._channel.close()
+        try:
+            self.proc.wait(timeout=_AGENT_EXIT_S)
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        if self.job is not None:  # a killed agent could not remove it
+            shutil.rmtree(self.job, ignore_errors=True)
+
+
+def _receive_line(sock: socket.socket) -> bytes:
+    """One line from ``sock``, without its newline; what came before the end if the other side closed it."""
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = sock.recv(4096)
+        if not chunk:
+            return line
+        line += chunk
+    return line[:-1]
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, turned into an exception so that the process tree is stopped first."""
+
+    reason = "terminated"
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
+    """Run a :func:`torchrun_command` line in the foreground (``python -m course_lib train``);
+    return its exit code.
+
+    Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
+    stopped and return 130 / 143; if this process is killed outright, torchrun
+    stops its ranks itself, and no file is left either (:class:`TorchrunAgent`).
+    """
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        with TorchrunAgent(cmd, env=env) as agent:
+            agent.start()
+            code, _ = supervise(agent.wait, agent.stop)
+    except KeyboardInterrupt as exc:
+        print(f"{exc}", file=sys.stderr, flush=True)
+        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if code is None:  # the agent was killed: its own exit code says how
+        code = agent.proc.returncode
+    return code if code >= 0 else 128 - code
+
+
+def _importable_name(fn) -> tuple[str, str]:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    name = getattr(fn, "__name__", repr(fn))
+    if module in (None, "__main__") or "<" in qualname:
+        where = "a notebook cell or script (__main__)" if module == "__main__" else "a local scope"
+        raise ValueError(
+            f"fn {name!r} is defined in {where}; torchrun starts fresh Python processes that must "
+            f"import it: move it into a module file, or use launcher='fork'")
+    return module, qualname
+
+
+def _import_root(module: str) -> str | None:
+    """The sys.path entry from which ``module`` was imported (``/x`` for ``/x/a/b.py`` = ``a.b``)."""
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if not path:
+        return None
+    root = Path(path).resolve().parent
+    for _ in range(module.count(".")):
+        root = root.parent
+    return str(root)
+
+
+def _wait_for_torchrun(agent: TorchrunAgent, world_size: int, timeout: float) -> bool:
+    """Wait for torchrun to end; False if it runs past the backstop.
+
+    Each rank stops itself ``timeout`` s after it starts ``fn`` (its watchdog,
+    in :mod:`course_lib.launch.worker`) and torchrun then stops the others. The backstop covers a
+    rank whose watchdog cannot run (e.g. native code holding the GIL): ``timeout``
+    plus a grace after every rank has started, or ``_TORCHRUN_STARTUP_S`` more
+    when they never all start (a hang in start-up).
+    """
+    deadline = time.monotonic() + _TORCHRUN_STARTUP_S + timeout
+    all_started = False
+    while not agent.poll(POLL_S):
+        if not all_started and all((agent.job / f"rank{r}.started").exists() for r in range(world_size)):
+            all_started = True
+            deadline = min(deadline, time.monotonic() + timeout + _WATCHDOG_GRACE_S)
+        if time.monotonic() >= deadline:
+            return False
+    return True
+
+
+def _rank_pids(job: Path, world_size: int) -> list[int]:
+    """The pids each rank's supervisor recorded (itself and the rank; see :mod:`course_lib.launch.worker`)."""
+    pids = []
+    for r in range(world_size):
+        try:
+            pids += [int(p) for p in (job / f"rank{r}.pids").read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return pids
+
+
+def _read_reports(job: Path, world_size: int):
+    """What the ranks left in ``job``: (outputs, {rank: failure}, {rank: pickled result}, hung ranks)."""
+    def rank_file(r, ext):
+        return job / f"rank{r}.{ext}"
+
+    outputs = [rank_file(r, "out").read_text(errors="replace") if rank_file(r, "out").exists() else ""
+               for r in range(world_size)]
+    # Written by each rank, or by its supervising parent when it died without a word.
+    failures = {r: pickle.loads(rank_file(r, "err").read_bytes())
+                for r in range(world_size) if rank_file(r, "err").exists()}
+    payloads = {r: rank_file(r, "pkl").read_bytes() for r in range(world_size) if rank_file(r, "pkl").exists()}
+    hung = [r for r in range(world_size) if rank_file(r, "timeout").exists()]
+    return outputs, failures, payloads, hung
+
+
+def launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
+    module, qualname = _importable_name(fn)
+    job_spec = pickle.dumps(dict(module=module, qualname=qualname, kwargs=kwargs, backend=backend, timeout=timeout))
+    cmd = torchrun_command(world_size, ["-m", "course_lib.launch.worker"])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # Make fn's module (and whatever the caller could import) importable there.
+    paths = [_import_root(module), *(p or os.getcwd() for p in sys.path)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+    with tempfile.TemporaryFile(prefix="course_torchrun_") as log, \
+            TorchrunAgent(cmd, stdout=log, stderr=subprocess.STDOUT, env=env) as agent:
+        (agent.job / "job.pkl").write_bytes(job_spec)
+        agent.start()
+        finished, stopped = supervise(lambda: _wait_for_torchrun(agent, world_size, timeout),
+                                       lambda: agent.stop(_rank_pids(agent.job, world_size)))
+        outputs, failures, payloads, hung = _read_reports(agent.job, world_size)
+        launcher_log = read_back(log)
+    if hung:  # checked first: the others' errors are the consequence
+        raise LaunchTimeout(timeout, hung, outputs, stopped)
+    if failures:
+        raise first_failure(failures, outputs)
+    if not finished:
+        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
+    if len(payloads) < world_size:
+        raise LaunchError(f"torchrun exited with code {agent.exit_code} before all ranks reported:\n"
+                          f"{tail(launcher_log, 30)}")
+    results = load_results(payloads, outputs)
+    results.command = shlex.join(["torchrun", *cmd[3:]])
+    return results
