@@ -178,14 +178,17 @@ def test_fork_runs_functions_defined_locally():
     (dict(world_size=2, launcher="mpirun"), "launcher='mpirun' is unknown"),
     (dict(world_size=2, backend="mpi"), "backend='mpi' is unknown"),
     (dict(world_size=2, output="some"), "output='some' is unknown"),
-    (dict(world_size=2, timeout=0), "timeout=0 must be a positive number"),
-    (dict(world_size=2, timeout=math.nan), "timeout=nan must be a positive number"),
-    (dict(world_size=2, timeout=math.inf), "timeout=inf must be a positive number"),
-    (dict(world_size=2, timeout="60"), "timeout='60' must be a positive number"),
-    (dict(world_size=2, timeout=True), "timeout=True must be a positive number"),
-    (dict(world_size=2, timeout=1e12), "timeout=1000000000000.0 must be a positive number"),
+    (dict(world_size=2, timeout=0), "timeout=0 must be in [1, 604800]"),
+    (dict(world_size=2, timeout=math.nan), "timeout=nan must be in [1, 604800]"),
+    (dict(world_size=2, timeout=math.inf), "timeout=inf must be in [1, 604800]"),
+    (dict(world_size=2, timeout="60"), "timeout='60' must be in [1, 604800]"),
+    (dict(world_size=2, timeout=True), "timeout=True must be in [1, 604800]"),
+    (dict(world_size=2, timeout=1e12), "timeout=1000000000000.0 must be in [1, 604800]"),
     (dict(world_size=True), "world_size=True must be an integer >= 1"),
     (dict(world_size=2.0), "world_size=2.0 must be an integer >= 1"),
+    (dict(world_size=2**70), "more processes than one machine runs (1024 at most)"),
+    (dict(world_size=10**5), "more processes than one machine runs (1024 at most)"),
+    (dict(world_size=2, timeout=0.001), "timeout=0.001 is shorter than a rendezvous takes"),
 ])
 def test_bad_arguments_are_one_line_value_errors(kwargs, message):
     with pytest.raises(ValueError) as info:

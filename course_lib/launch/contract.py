@@ -5,17 +5,16 @@ rank joins the process group, the per-rank results, and the errors raised when r
 from __future__ import annotations
 
 import datetime
-import math
-import numbers
 import os
 import pickle
 
+from course_lib import rules
 from course_lib.launch.output import tail
+from course_lib.rules import MAX_TIMEOUT_S  # noqa: F401  (launch's name since Lab 00)
 
 LAUNCHERS = ("fork", "torchrun")
 BACKENDS = ("auto", "gloo", "nccl")
 OUTPUT_MODES = ("all", "rank0", "none")
-MAX_TIMEOUT_S = 7 * 24 * 3600
 # Set in every rank process (to its rank), so that launch() can refuse to nest.
 RANK_ENV = "COURSE_LIB_LAUNCH_RANK"
 # RankError.exc_type of a rank that died without reporting (no traceback), and
@@ -93,16 +92,12 @@ def resolve_backend(backend: str, world_size: int) -> str:
 
 
 def check_args(world_size, launcher, output, timeout):
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an integer >= 1")
+    rules.launch_ranks("world_size", world_size)
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r} is unknown: use 'fork' (fast, notebooks) or 'torchrun'")
     if output not in OUTPUT_MODES:
         raise ValueError(f"output={output!r} is unknown: use one of {', '.join(OUTPUT_MODES)}")
-    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not math.isfinite(timeout)
-            or not 0 < timeout <= MAX_TIMEOUT_S):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds, at most "
-                         f"{MAX_TIMEOUT_S} (a week); e.g. timeout=60")
+    rules.timeout_seconds("timeout", timeout)
 
 
 def refuse_nested_launch() -> None:
