@@ -54,7 +54,7 @@ graphviz:
 
 setup: $(STAMP) graphviz
 
-# tests/test_site.py opens the built website in headless Chromium (Debian's chromium) and
+# tests/classroom/test_site.py opens the built website in headless Chromium (Debian's chromium) and
 # checks that the Chinese terms are drawn with a CJK font; without them that test is skipped
 # (no browser) or says what to install (no font).
 browser:

@@ -1,4 +1,4 @@
-"""Shared by tests/test_distributed_optimizer.py and tests/test_megatron_fsdp.py: the model, the data,
+"""Shared by tests/distributed/test_distributed_optimizer.py and tests/distributed/test_megatron_fsdp.py: the model, the data,
 the single-process reference and one data-parallel run of :func:`course_lib.distributed.wrap`.
 
 The model is a small MLP whose every parameter has a multiple of 4 elements, so buckets need no

@@ -14,7 +14,7 @@
 
 The numbers are for torch 2.13's CPU kernels (see the module docstring); another torch skips
 the exact comparison. Equality with the dense layer for TP +- SP itself is proven in
-tests/test_tensor_parallel.py and not repeated here.
+tests/tensor_parallel/test_tensor_parallel.py and not repeated here.
 """
 
 from __future__ import annotations

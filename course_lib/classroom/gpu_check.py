@@ -3,7 +3,7 @@
 ``python -m course_lib.classroom.gpu_check [--iters N] [--skip-tests] [--hardware NAME]`` runs, in order:
 
 (a) **The code that only runs on a GPU.** The unit-test files that touch CUDA/NCCL (found by
-    grepping ``tests/`` for ``torch.cuda`` / ``nccl``, today ``tests/test_launch.py``) under pytest,
+    grepping ``tests/`` for ``torch.cuda`` / ``nccl``, today ``tests/launch/test_launch.py``) under pytest,
     then three probes on real ranks: the launcher's ``cpu:gloo,cuda:nccl`` group
     (:func:`course_lib.launch.init_rank`: one all-reduce of a CUDA tensor over NCCL and of a CPU
     tensor over gloo in the same group, under ``launch(..., launcher="torchrun", backend="nccl")``);
@@ -34,7 +34,7 @@ Expected output on a GPU machine, on one H200 (the measured numbers below are an
 150 ms step, and the rest follows from it; the projection, 44.2 ms, is what ``project`` gives)::
 
     gpu-check: 1 x NVIDIA H200 (139.7 GiB), torch 2.x, CUDA 12.x, bf16 supported
-    (a) pytest tests/test_launch.py: passed
+    (a) pytest tests/launch/test_launch.py: passed
     (a) launcher cpu:gloo,cuda:nccl group on 1 rank(s): nccl all-reduce 1 on cuda:0, gloo all-reduce 1 on cpu
         (backend cpu:gloo,cuda:nccl): ok
     (a) trainer fp32 on 1 GPU: lm loss 5.936 5.728 5.171 vs CPU 5.936 5.728 5.171 (max rel err 2e-06): ok;
@@ -81,7 +81,7 @@ def hardware_name(device_name: str) -> str | None:
 
 def cuda_test_files(tests_dir: Path = ROOT / "tests") -> list[Path]:
     """The test files that touch CUDA or NCCL (their source names ``torch.cuda`` or ``nccl``)."""
-    return sorted(p for p in tests_dir.glob("test_*.py") if re.search(r"torch\.cuda|nccl", p.read_text()))
+    return sorted(p for p in tests_dir.rglob("test_*.py") if re.search(r"torch\.cuda|nccl", p.read_text()))
 
 
 def nccl_probe() -> dict:

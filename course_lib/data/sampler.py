@@ -24,7 +24,7 @@ Two pieces, each following a Megatron file:
 
   and the union over all ``(micro_batch_index, dp_rank)`` of one iteration is
   exactly the single-process global batch ``[it*G, (it+1)*G)`` -- the property that
-  makes every parallel layout see the same data (``tests/test_data.py`` checks it).
+  makes every parallel layout see the same data (``tests/data/test_data.py`` checks it).
 
 Batches are dicts of torch tensors with Megatron's keys (``pretrain_gpt.py``
 ``get_batch``): ``tokens`` and ``labels`` int64 ``[b, s]``, ``loss_mask`` float32

@@ -81,8 +81,8 @@ What to compare the measurements with (``course_lib.sizing``)
   ``sizing.memory.optimizer_offload_bytes_per_param`` (host bytes, bytes moved each way);
 * ``comm`` -- ``sizing.comm.dp_comm_per_iteration(P, d, zero_stage=...)["total"]`` equals
   ``ddp.comm.ring_elements_sent()`` of one step (ZeRO-3: 1.5x the all-reduce).
-Each equality is asserted on 4 real ranks in tests/test_distributed_optimizer.py and
-tests/test_megatron_fsdp.py.
+Each equality is asserted on 4 real ranks in tests/distributed/test_distributed_optimizer.py and
+tests/distributed/test_megatron_fsdp.py.
 """
 
 from course_lib.distributed.engine import STRATEGIES, ShardedDataParallel, wrap  # noqa: F401

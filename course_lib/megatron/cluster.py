@@ -7,7 +7,7 @@ list (``["pretrain_gpt.py", "--tensor-model-parallel-size", "2", ...]`` or ``["-
 "course_lib.train", ...]``); this module adds how it is started on N nodes of G processes each.
 
 torchrun (``torch.distributed.run``; every flag checked against the installed torch's
-``get_args_parser`` in ``tests/test_megatron_bridge.py``) runs once per node and starts that node's
+``get_args_parser`` in ``tests/megatron/test_megatron_bridge.py``) runs once per node and starts that node's
 G ranks. The nodes meet in one of two ways:
 
 * **c10d rendezvous** (what the course prints for clusters): ``--nnodes N --nproc-per-node G

@@ -13,7 +13,7 @@ Checked by reading NVIDIA/Megatron-LM at two points (``git show <rev>:<file>``):
 All of them but the flags of an uneven pipeline split (``--decoder-first-pipeline-num-layers``,
 ``--decoder-last-pipeline-num-layers`` and ``--num-virtual-stages-per-pipeline-rank``, the
 spelling of interleaving such a split needs) also exist, as ``add_argument`` calls, in
-``megatron/arguments.py`` of ``core_v0.5.0`` (0acc240ebd28). ``tests/test_megatron_bridge.py`` keeps this table
+``megatron/arguments.py`` of ``core_v0.5.0`` (0acc240ebd28). ``tests/megatron/test_megatron_bridge.py`` keeps this table
 and the generated commands in sync, and re-checks the table against a Megatron-LM
 checkout when ``MEGATRON_LM_DIR`` points to one -- by reading its source, and by building the
 parser Megatron-LM itself builds (``add_megatron_arguments``): every flag here is one of its
@@ -210,7 +210,7 @@ MOE_FLAGS: dict[str, tuple[str, str]] = {
 }
 
 # The installed megatron-core's own config dataclasses hold what these flags set (checked with
-# dataclasses.fields in tests/test_megatron_bridge.py): flag -> "Class.field" under megatron.core.
+# dataclasses.fields in tests/megatron/test_megatron_bridge.py): flag -> "Class.field" under megatron.core.
 MCORE_FIELDS: dict[str, str] = {
     "--use-distributed-optimizer": "DistributedDataParallelConfig.use_distributed_optimizer",
     "--overlap-grad-reduce": "DistributedDataParallelConfig.overlap_grad_reduce",

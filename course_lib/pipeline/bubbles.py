@@ -10,7 +10,7 @@
   holds at its peak (1F1B: ``min(p - s, m)``; GPipe: ``m``).
 
 Every formula is checked against :func:`course_lib.pipeline.simulate.simulate`
-in ``tests/test_pipeline_bubbles.py``. Note the two common denominators: the
+in ``tests/pipeline/test_pipeline_bubbles.py``. Note the two common denominators: the
 bubble over the *ideal* time is ``(p - 1) / m``; the bubble over the *whole*
 iteration is ``(p - 1) / (m + p - 1)`` (:func:`bubble_share`). Both are right;
 they answer different questions.

@@ -13,7 +13,7 @@ Conventions shared with :mod:`course_lib.comm`:
 * a point-to-point ``send`` sends its ``numel``; a ``recv`` sends nothing;
 * a collective is converted with the ring model (``CommEvent.ring_elements_sent``):
   all-reduce ``2 N (g-1)/g``, all-gather and reduce-scatter ``N (g-1)/g`` (``N`` = the full
-  tensor). That model is itself checked by measurement in ``tests/test_sizing_measured.py``
+  tensor). That model is itself checked by measurement in ``tests/sizing/test_sizing_measured.py``
   (a ring all-reduce built from send/recv, :func:`course_lib.collectives.ring_all_reduce`,
   sends exactly that many elements).
 

@@ -252,7 +252,7 @@ def model_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, k: fl
     ``2 + 2``: fp32 training is ``param_bytes = grad_bytes = 4, k = 8`` (Adam's two moments; the
     params are the master copy), Megatron's bf16 default ``param_bytes = 2, grad_bytes = 4``
     (``--accumulate-allreduce-grads-in-fp32``), ``k = 12``. Checked byte for byte against
-    :mod:`course_lib.distributed` on real ranks (tests/test_megatron_fsdp.py).
+    :mod:`course_lib.distributed` on real ranks (tests/distributed/test_megatron_fsdp.py).
     """
     _checks.positive_number("num_params", num_params)
     _checks.positive_int("dp", dp)

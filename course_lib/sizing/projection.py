@@ -29,7 +29,7 @@ counts FLOPs, bytes and memory with the papers' formulas) and to nothing else:
 
 Every assumption is a field of :class:`Assumptions` with its default and source. The one
 calibrated constant is :data:`GEMM_EFFICIENCY`, fitted once to Narayanan et al. 2021 Table 1
-(tests/test_projection.py prints every row's error); everything else is a datasheet number
+(tests/sizing/test_projection.py prints every row's error); everything else is a datasheet number
 (:mod:`.hardware`) or a paper's formula.
 """
 
@@ -49,7 +49,7 @@ GEMM_EFFICIENCY = 0.61
 """Fraction of the dense bf16 peak a transformer's GEMMs reach: the one constant fitted to
 Narayanan et al. 2021 Table 1 (A100, 1.7B-1T, full recompute, micro-batch 1): the value, to two
 digits, that minimises the summed squared log-error of the projected achieved TFLOP/s per GPU over the
-ten rows (mean log-error -1.0 % at 0.600, +0.4 % at 0.610, +1.7 % at 0.620; tests/test_projection.py prints every
+ten rows (mean log-error -1.0 % at 0.600, +0.4 % at 0.610, +1.7 % at 0.620; tests/sizing/test_projection.py prints every
 row's error with it). Everything else the projection uses is a datasheet number or a paper's
 formula. Table 1's end-to-end 44-52 % of peak is lower because the step also pays for
 element-wise work, communication, the bubble and the optimizer, which are priced separately."""

@@ -13,7 +13,7 @@ from course_lib.classroom.notebooks.stamp import read_notebook
 from course_lib.pipeline.bubbles import bubble_fraction, bubble_share
 from course_lib.classroom.site import readme
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SEED_MAP = ROOT / "docs" / "seed_map.md"
 REQUIRED = [f"R{n}" for n in range(1, 7)] + [f"F{n}" for n in range(1, 6)] + [f"C{n}" for n in range(1, 11)]
 # "R5 · 复盘问题 5", "F3 · 常见疑问 3": the seed's review questions and FAQ as the notebooks label them

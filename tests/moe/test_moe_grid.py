@@ -24,7 +24,7 @@ from course_lib import rules
 from course_lib.moe.grid import EXPERT_TOKENS, MoEGrid, expert_groups
 from course_lib.rules import divisors
 
-# The dense test's orders (tests/test_topology.py), with ep placed where Megatron's default has it.
+# The dense test's orders (tests/topology/test_topology.py), with ep placed where Megatron's default has it.
 ORDERS = ("tp-cp-ep-dp-pp", "tp-pp-ep-dp-cp", "tp-cp-pp-ep-dp", "pp-ep-dp-cp-tp")
 BIG_WORLDS = (24, 32, 48, 64)
 # Multi-axis groups come from the same function; Megatron's own function checks them below.

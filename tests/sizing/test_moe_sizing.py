@@ -1,6 +1,6 @@
 """course_lib.sizing.moe against a hand count, the course's real MoE GPT, and Mixtral 8x7B's published figures.
 
-The per-rank counts are also checked against the parameters real ranks hold (tests/test_moe_model.py).
+The per-rank counts are also checked against the parameters real ranks hold (tests/moe/test_moe_model.py).
 """
 
 import pytest

@@ -19,7 +19,7 @@ from course_lib.__main__ import main
 from course_lib.classroom.notebooks.generator import make_lab, stub_source, survey
 from course_lib.classroom.notebooks.stamp import is_untouched, read_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SOURCE = """\
 import torch

@@ -4,7 +4,7 @@ Expected values come from the papers and datasheets named beside them, never fro
 under test:
 
 * Narayanan et al. 2021 (SC21, arXiv:2104.04473) Table 1: the ten A100 runs' layouts and their
-  achieved teraFLOP/s per GPU (``TABLE1`` of tests/test_sizing_papers.py, copied from the
+  achieved teraFLOP/s per GPU (``TABLE1`` of tests/sizing/test_sizing_papers.py, copied from the
   paper; the 1T row's 163 TFLOP/s = 52 % of 312 and 502 PFLOP/s are also quoted in the paper's
   abstract). Table 1's runs use full recomputation (§5.1) on Selene (DGX A100, 8 x 200 Gb/s HDR
   per node, §5); the table gives no micro-batch size: we use 1.

@@ -23,7 +23,7 @@ from course_lib.megatron.flags import MCORE_FIELDS, MOE_FLAGS, SHARDING_FLAGS, T
 from course_lib.megatron import report as report_mod
 from course_lib.rules import SP_WITHOUT_TP
 
-FIXTURES = Path(__file__).parent / "fixtures" / "megatron_logs"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_logs"
 
 # The flags verified by reading NVIDIA/Megatron-LM (git show <rev>:<file>), with where each is defined:
 # at core_v0.15.3 (309ffca6a405) as add_argument(...) in megatron/training/arguments.py, and at main

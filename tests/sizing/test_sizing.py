@@ -1,6 +1,6 @@
 """The sizing calculators: bad input, internal consistency, the planner and the explorer widget.
 
-The published-number checks are in tests/test_sizing_papers.py.
+The published-number checks are in tests/sizing/test_sizing_papers.py.
 """
 
 import sys

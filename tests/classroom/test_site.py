@@ -29,7 +29,7 @@ from course_lib.classroom.site import pictures, readme
 from course_lib.classroom.site.browser import Chromium, find_chromium
 from course_lib.classroom.site.reader import leaked_lines, reader_notebook, solution_lines
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 

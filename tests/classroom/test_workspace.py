@@ -13,7 +13,7 @@ import pytest
 from course_lib.__main__ import main
 from course_lib.classroom.notebooks.stamp import dumps, is_untouched, read_notebook, stamped
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def release(course: Path, name: str, text: str) -> bytes:

@@ -97,4 +97,4 @@ def test_pure_modules_do_not_import_torch():
             "course_lib.pipeline.simulate, course_lib.pipeline.check; "
             "import course_lib.pipeline as P; P.bubble_fraction(2, 2); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[1]))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))

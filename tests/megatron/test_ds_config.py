@@ -19,7 +19,7 @@ import pytest
 from course_lib.__main__ import main
 from course_lib.megatron import ds_config as dsc
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ZERO3 = FIXTURES / "ds_config_zero3_offload.json"
 ZERO1 = FIXTURES / "ds_config_zero1_fp16.json"
 AUTO = FIXTURES / "ds_config_zero2_hf_auto.json"

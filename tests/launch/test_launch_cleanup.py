@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process trees from /proc")
 
 # (kernel kind, signal, processes in its tree besides itself, what it must say on its way out)
