@@ -35,7 +35,7 @@ Values
   * :func:`removed_flag` -- a flag Megatron-LM removed is refused in Megatron's own words
     (``--model-parallel-size``): trainer.
 Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
-  * :func:`data_parallel_size` -- ``world % (tp·pp·cp·ep) == 0``, DP derived:
+  * :func:`data_parallel_size` -- ``world % (tp·pp·cp) == 0``, DP derived:
     ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``.
   * :func:`order_ends_with_pp` -- with pp > 1 and cp > 1 the rank order ends in ``pp``: ``ParallelConfig``.
   * :func:`heads_divisible_by_tp` -- ``num_attention_heads % tp == 0``: ``ParallelConfig`` (trainer,
@@ -237,10 +237,11 @@ def _use_divisor(value: int, size_name: str) -> str:
 # ============================================================================ layout
 
 
-def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> int:
-    """``world_size / (tp·pp·cp·ep)``: the derived data-parallel size, a whole number (never a flag)."""
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """``world_size / (tp·pp·cp)``: the derived (dense) data-parallel size, a whole number (never a flag).
+    Expert parallelism does not divide it (the expert grid's: :func:`expert_data_parallel_size`)."""
     world_size = integer("world_size", world_size)
-    sizes = {a: integer(AXIS_FLAG[a], v) for a, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
+    sizes = {a: integer(AXIS_FLAG[a], v) for a, v in (("tp", tp), ("pp", pp), ("cp", cp))}
     model = math.prod(sizes.values())
     if world_size % model:
         parts = " × ".join(f"{AXIS_FLAG[a]}={v}" for a, v in sizes.items() if v > 1 or a in ("tp", "pp"))
