@@ -34,9 +34,9 @@ Conventions
 
 The ring cost model
 -------------------
-:func:`ring_elements_sent` (one formula for the whole course, kept with the
-other cost formulas in :mod:`course_lib.sizing.comm`, which imports no torch, and
-re-exported here) gives the elements one rank *sends* when the collective runs
+:func:`ring_elements_sent` (one formula for the whole course, kept in the rule
+book :mod:`course_lib.rules`, which imports no torch, so that the sizing formulas
+share it; re-exported here) gives the elements one rank *sends* when the collective runs
 as a ring over ``t`` ranks (Patarasuk & Yuan 2009; Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC'21, section 3.2): a reduce-scatter or an all-gather of ``N``
@@ -55,7 +55,8 @@ from typing import Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from course_lib.sizing.comm import OPS, ring_elements_sent
+from course_lib import rules
+from course_lib.rules import COMM_OPS as OPS, ring_elements_sent
 
 __all__ = [
     "OPS", "CommEvent", "CommRecorder", "ring_elements_sent", "record_event",
@@ -222,8 +223,7 @@ def record_event(op: str, numel: int, *, group_size: int, kind: str, dtype=torch
     call it too so that recorders see everything."""
     if not _ACTIVE:
         return
-    if op not in OPS:
-        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(OPS)}")
+    rules.comm_op(op)
     direction = direction or _infer_direction()
     if direction not in DIRECTIONS:
         raise ValueError(f"direction={direction!r} must be 'fwd' or 'bwd'")

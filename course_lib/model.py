@@ -55,8 +55,8 @@ How a layout splits the model (a rank holds ``vp`` chunks, :class:`GPTChunk`)
   (:class:`course_lib.moe.transformer.MoEMLP`): a replicated router and ``num_experts / ep``
   experts of the master's, split over expert TP; tokens travel to their experts by all-to-all over
   the EP group (or all-gather over tp-ep). Expert gradients are reduced over the expert
-  data-parallel group (:func:`course_lib.moe.transformer.finalize_moe_grads`), and the groups come
-  from Megatron's second (expert) grid (:func:`course_lib.moe.transformer.new_moe_process_groups`).
+  data-parallel group (:func:`course_lib.training.finalize_model_grads.finalize_model_grads`), and the
+  groups come from Megatron's second (expert) grid (:func:`course_lib.process_groups.new_moe_process_groups`).
 
 Process groups are created once, in Megatron's rank order, by
 :func:`course_lib.process_groups.new_process_groups` and passed in explicitly.
@@ -144,7 +144,7 @@ class GPTConfig:
             object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         if self.num_experts is None:
             return
-        from course_lib.moe.transformer import moe_layer_pattern
+        from course_lib.moe.pattern import moe_layer_pattern
 
         rules.integer("moe-router-topk", self.moe_router_topk, maximum=self.num_experts)
         if self.moe_ffn_hidden_size is None:
@@ -161,7 +161,7 @@ class GPTConfig:
         """0-based indices of the layers whose MLP is an MoE (``--moe-layer-freq``); [] for a dense model."""
         if self.num_experts is None:
             return []
-        from course_lib.moe.transformer import moe_layer_pattern
+        from course_lib.moe.pattern import moe_layer_pattern
 
         return [i for i, moe in enumerate(moe_layer_pattern(self.num_layers, self.moe_layer_freq)) if moe]
 
@@ -383,7 +383,7 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
     Every rank builds the dense master (``config.seed``) -- or takes ``master`` -- and keeps its
     pieces. Collective over the embedding group when ``pp > 1`` (see :func:`sync_tied_embeddings`).
     A config with ``num_experts`` needs ``moe_groups``
-    (:func:`course_lib.moe.transformer.new_moe_process_groups` of the same grid): each MoE layer keeps
+    (:func:`course_lib.process_groups.new_moe_process_groups` of the same grid): each MoE layer keeps
     its ``num_experts / ep`` experts, split over expert TP.
     """
     grid, c = groups.grid, groups.coords
@@ -398,7 +398,7 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
         rules.moe_context_parallel(config.num_experts, cp)
         if moe_groups is None:
             raise ValueError(f"num_experts={config.num_experts}: pass moe_groups="
-                             f"course_lib.moe.transformer.new_moe_process_groups(grid) to build_model")
+                             f"course_lib.process_groups.new_moe_process_groups(grid) to build_model")
         rules.moe_experts(config.num_experts, moe_groups.size("ep"))
     from course_lib.data import cp_token_positions
 

@@ -16,6 +16,11 @@ a notebook) and every function says which group it talks over.
 * :func:`new_process_groups` -- the full set a training run needs, as a
   :class:`ProcessGroups` (tp, cp, pp, dp-cp, model, embedding, and this rank's
   coordinates).
+* :func:`new_moe_process_groups` -- the groups of the MoE layers, as a :class:`MoEGroups`:
+  Megatron's expert groups (``_EXPERT_MODEL_PARALLEL_GROUP``, ...) from the grid's expert
+  grid, and the dense groups the MoE layer also talks over.
+
+This is the one module that creates process groups (``torch.distributed.new_group``).
 
 Every group carries a timeout (gloo's and NCCL's default is 30 minutes), so a
 rank that stops answering fails the collective instead of hanging it.
@@ -29,9 +34,11 @@ from typing import Iterable
 
 import torch.distributed as dist
 
+from course_lib import comm
 from course_lib.topology import RankGrid
 
-__all__ = ["ProcessGroups", "new_groups", "new_process_groups", "DEFAULT_TIMEOUT"]
+__all__ = ["ProcessGroups", "MoEGroups", "new_groups", "new_process_groups", "new_moe_process_groups",
+           "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a collective may wait for the other ranks of its group before it fails."""
@@ -80,6 +87,23 @@ def _check_world(grid: RankGrid) -> int:
     return dist.get_rank()
 
 
+def _create(rank: int, rank_lists: dict[str, list[list[int]]], timeout: float) -> dict:
+    """``{name: this rank's group (None: in none)}``: every rank creates every group of every name, in
+    order (``new_group`` is collective over the world), each distinct rank list once, with ``timeout``."""
+    wait = datetime.timedelta(seconds=timeout)
+    made: dict = {}
+    mine: dict = {}
+    for name, lists in rank_lists.items():
+        mine[name] = None
+        for ranks in lists:
+            key = tuple(ranks)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks), timeout=wait)
+            if rank in ranks:
+                mine[name] = made[key]
+    return mine
+
+
 def new_groups(grid: RankGrid, tokens: Iterable[str], timeout: float = DEFAULT_TIMEOUT) -> dict:
     """``{token: this rank's group}`` for each token of ``grid`` (``None`` where it is in none of them).
 
@@ -88,19 +112,7 @@ def new_groups(grid: RankGrid, tokens: Iterable[str], timeout: float = DEFAULT_T
     when pp=2), all with ``timeout`` seconds -- the walk of Megatron's ``initialize_model_parallel``.
     """
     rank = _check_world(grid)
-    tokens = list(tokens)
-    wait = datetime.timedelta(seconds=timeout)
-    made: dict = {}
-    mine: dict = {}
-    for token in tokens:
-        mine[token] = None
-        for ranks in grid.groups(token):
-            key = tuple(ranks)
-            if key not in made:
-                made[key] = dist.new_group(list(ranks), timeout=wait)
-            if rank in ranks:
-                mine[token] = made[key]
-    return mine
+    return _create(rank, {token: grid.groups(token) for token in tokens}, timeout)
 
 
 def new_process_groups(grid: RankGrid, timeout: float = DEFAULT_TIMEOUT) -> ProcessGroups:
@@ -112,3 +124,44 @@ def new_process_groups(grid: RankGrid, timeout: float = DEFAULT_TIMEOUT) -> Proc
     mine = {name: by_token[token] for name, token in _FIELD_TOKENS.items()}
     return ProcessGroups(grid=grid, rank=rank, coords=grid.coords(rank), pp_ranks=grid.group_of(rank, "pp"),
                          **mine)
+
+
+@dataclass
+class MoEGroups:
+    """This rank's MoE process groups (every one with a timeout), from :func:`new_moe_process_groups`.
+
+    From the expert grid: ``ep`` (expert-model-parallel: the all-to-all), ``expert_tp`` (the experts'
+    tensor parallelism), ``tp_ep`` (the allgather dispatcher's group), ``expert_dp`` (expert gradients),
+    ``tp_ep_pp`` (the expert model-parallel group, Megatron's ``_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP``:
+    the experts' share of the grad norm). From the dense grid: ``dp_cp`` (dense gradients, Megatron's
+    data-parallel group with CP), ``tp_cp`` (the aux-loss statistics), ``pp`` (the metrics' sum over
+    stages). ``grid``: the :class:`~course_lib.topology.RankGrid` (with ``ep`` / ``expert_tp``)."""
+
+    grid: RankGrid
+    ep: object
+    expert_tp: object
+    tp_ep: object
+    expert_dp: object
+    dp_cp: object
+    tp_cp: object
+    pp: object
+    tp_ep_pp: object
+
+    def size(self, name: str) -> int:
+        """Ranks in the group ``name`` (a field)."""
+        return comm.group_size(getattr(self, name))
+
+
+# MoEGroups field -> (which grid, token), in creation order.
+_MOE_FIELD_TOKENS = {"ep": ("expert", "ep"), "expert_tp": ("expert", "tp"), "tp_ep": ("expert", "tp-ep"),
+                     "expert_dp": ("expert", "dp"), "dp_cp": ("dense", "dp-cp"), "tp_cp": ("dense", "tp-cp"),
+                     "pp": ("dense", "pp"), "tp_ep_pp": ("expert", "tp-ep-pp")}
+
+
+def new_moe_process_groups(grid: RankGrid, timeout: float = DEFAULT_TIMEOUT) -> MoEGroups:
+    """Create every MoE group of ``grid`` (collective) and return this rank's, as a :class:`MoEGroups`:
+    the expert grid's groups (``grid.expert_groups``) and the dense ones the MoE layer needs."""
+    rank = _check_world(grid)
+    lists = {name: grid.expert_groups(token) if which == "expert" else grid.groups(token)
+             for name, (which, token) in _MOE_FIELD_TOKENS.items()}
+    return MoEGroups(grid, **_create(rank, lists, timeout))

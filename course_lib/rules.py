@@ -26,7 +26,8 @@ Values
     ``megatron-cmd`` (``MegatronRun``), the planner and the sizing formulas.
   * :func:`probability` -- dropout in ``[0, 1)``: trainer, ``TransformerConfig`` (the layers),
     ``activation_memory``.
-  * :func:`rank_in` -- a rank or index in ``0..size-1``: the CP split, the data sampler.
+  * :func:`rank_in` -- a rank or index in ``0..size-1``: the CP split, the data sampler, ``RankGrid``
+    (a rank, a coordinate, a stage).
   * :func:`precision` -- ``--bf16`` and ``--fp16`` exclusive: trainer, ``mixed_precision``.
   * :func:`loss_scale` -- the loss-scale flags (``--loss-scale`` > 0, ``--initial-loss-scale`` >=
     ``--min-loss-scale`` > 0, a whole ``--loss-scale-window`` >= 1, ``--hysteresis`` >= 1), checked
@@ -34,7 +35,7 @@ Values
   * :func:`removed_flag` -- a flag Megatron-LM removed is refused in Megatron's own words
     (``--model-parallel-size``): trainer.
 Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
-  * :func:`data_parallel_size` -- ``world % (tp·pp·cp·ep) == 0``, DP derived:
+  * :func:`data_parallel_size` -- ``world % (tp·pp·cp) == 0``, DP derived:
     ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``.
   * :func:`order_ends_with_pp` -- with pp > 1 and cp > 1 the rank order ends in ``pp``: ``ParallelConfig``.
   * :func:`heads_divisible_by_tp` -- ``num_attention_heads % tp == 0``: ``ParallelConfig`` (trainer,
@@ -72,16 +73,25 @@ Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``Transform
     parser (``megatron.logs``).
   * :func:`cp_attention_dropout` -- ring attention has no dropout: trainer,
     ``ContextParallelSelfAttention``, ``activation_memory``.
-Mixture of experts (the expert grid's own checks live in ``moe.grid.MoEGrid``)
+Mixture of experts (the expert grid itself: ``topology.RankGrid``, with ``ep`` / ``expert_tp``)
   * :func:`moe_experts` -- ``num_experts % ep == 0``, and ep > 1 needs experts: trainer, ``GPTConfig``,
-    ``moe.transformer.MoEMLP`` (via ``build_model``).
+    ``RankGrid.local_experts``, ``moe.transformer.MoEMLP`` (via ``build_model``), ``moe.layer.MoELayer``.
+  * :func:`expert_data_parallel_size` -- ``world % (expert_tp·ep·pp) == 0``, expert DP derived:
+    ``RankGrid`` (hence ``ParallelConfig``, the trainer, ``megatron-cmd``, ``sizing.moe``, the widgets).
+  * :func:`expert_order` -- an order not ending in ``pp`` (pp > 1) needs expert DP = dense DP: ``RankGrid``.
   * :func:`moe_ffn_divisible_by_expert_tp` -- ``moe_ffn_hidden_size % expert_tp == 0``: trainer, ``MoEMLP``.
   * :func:`moe_sequence_parallel` -- MoE with tp > 1 needs sequence parallelism (Megatron): trainer,
     ``build_model``.
   * :func:`moe_context_parallel` -- the course's MoE model is not tested with CP yet: trainer, ``build_model``.
-  * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``.
+  * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``,
+    ``MoEMLP``.
   * :func:`moe_state_sharding` -- MoE without the sharding engine's flags (it shards and reduces over
     dense DP only, not expert DP): trainer (``train.setup_training``, ``train.run``).
+Communication
+  * :func:`comm_op` -- an op the course records and prices (:data:`COMM_OPS`): ``comm.record_event``,
+    :func:`ring_elements_sent`.
+  * :func:`ring_elements_sent` -- the ring cost model, one formula for the whole course: ``comm``
+    (``CommEvent``, ``CommRecorder``), ``sizing.comm``, the projection.
 State sharding
   * :func:`sharding_flags` -- the state-sharding flags together (distributed optimizer, Megatron FSDP
     and its strategy, overlap, CPU offload), as Megatron's ``validate_args``: trainer
@@ -253,10 +263,11 @@ def _use_divisor(value: int, size_name: str) -> str:
 # ============================================================================ layout
 
 
-def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> int:
-    """``world_size / (tp·pp·cp·ep)``: the derived data-parallel size, a whole number (never a flag)."""
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    """``world_size / (tp·pp·cp)``: the derived (dense) data-parallel size, a whole number (never a flag).
+    Expert parallelism does not divide it (the expert grid's: :func:`expert_data_parallel_size`)."""
     world_size = integer("world_size", world_size)
-    sizes = {a: integer(AXIS_FLAG[a], v) for a, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep))}
+    sizes = {a: integer(AXIS_FLAG[a], v) for a, v in (("tp", tp), ("pp", pp), ("cp", cp))}
     model = math.prod(sizes.values())
     if world_size % model:
         parts = " × ".join(f"{AXIS_FLAG[a]}={v}" for a, v in sizes.items() if v > 1 or a in ("tp", "pp"))
@@ -607,6 +618,66 @@ def moe_dispatcher(dispatcher: str) -> str:
         raise ValueError(f"moe-token-dispatcher-type={dispatcher!r} is unknown; use one of "
                          f"{', '.join(MOE_DISPATCHERS)}")
     return dispatcher
+
+
+EXPERT_TP = "expert-tensor-parallel-size"
+
+
+def expert_data_parallel_size(world_size: int, expert_tp: int, ep: int, pp: int) -> int:
+    """The expert grid's derived data-parallel size ``world_size / (expert_tp·ep·pp)``, a whole number
+    (Megatron's second ``RankGenerator``, ``initialize_model_parallel``; cp = 1 there)."""
+    model = expert_tp * ep * pp
+    if world_size % model:
+        raise ValueError(f"world_size={world_size} is not divisible by {EXPERT_TP}={expert_tp} × {AXIS_FLAG['ep']}="
+                         f"{ep} × {PP}={pp} = {model}; choose expert sizes whose product divides {world_size} "
+                         f"(expert data-parallel size = world_size / product is derived)")
+    return world_size // model
+
+
+def expert_order(order: str, last_axis: str, pp: int, dp: int, expert_dp: int) -> None:
+    """Megatron asserts that an order not ending in ``pp`` (with pp > 1) gives the dense and the expert grid
+    the same data-parallel size (``initialize_model_parallel``)."""
+    if pp > 1 and last_axis != "pp" and expert_dp != dp:
+        raise ValueError(f"order='{order}' does not end with 'pp', so dense data-parallel size {dp} and expert "
+                         f"data-parallel size {expert_dp} must be equal (Megatron asserts it); use an order ending "
+                         f"in 'pp', e.g. 'tp-cp-ep-dp-pp'")
+
+
+# ============================================================================ communication
+# The ops course_lib.comm issues and records, and the one ring cost model (pure arithmetic, here so that
+# the recorder and the torch-free sizing formulas share it without importing each other).
+
+COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all")
+
+
+def comm_op(op: str) -> str:
+    """A communication op the course records and prices: one of :data:`COMM_OPS`."""
+    if op not in COMM_OPS:
+        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(COMM_OPS)}")
+    return op
+
+
+def ring_elements_sent(op: str, numel: float, group_size: int) -> float:
+    """The ring cost model: elements one rank sends for ``op`` on ``numel`` elements over ``group_size`` ranks.
+
+    all_reduce ``2 N (t-1)/t`` (a reduce-scatter then an all-gather, ``t - 1`` steps each, one
+    ``N/t`` chunk per step: the ``(d-1)/d`` of Narayanan et al. 2021 §3.3.1, the ``(t-1)/t`` of §3.2);
+    all_gather and reduce_scatter ``N (t-1)/t`` (N = the full tensor; half an all-reduce,
+    Korthikanti et al. 2022 §4.2.2); all_to_all ``N (t-1)/t`` (a rank keeps its own 1/t); broadcast
+    ``N`` (pipelined chain: every rank but the last forwards the whole tensor); send ``N``; recv ``0``.
+    A cost formula, not a collective: :func:`course_lib.collectives.ring_all_reduce` is the ring
+    itself (Patarasuk & Yuan 2009), whose measured sends this formula predicts.
+    """
+    comm_op(op)
+    t = integer("group_size", group_size)
+    if op == "send":
+        return float(numel)
+    if op == "recv" or t == 1:
+        return 0.0
+    if op == "broadcast":
+        return float(numel)
+    factor = 2 if op == "all_reduce" else 1
+    return factor * numel * (t - 1) / t
 
 
 # ============================================================================ state sharding

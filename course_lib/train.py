@@ -66,7 +66,7 @@ the bytes are fp32's: 4 + 4 + 8 per parameter before sharding.
 
 Mixture of Experts (``--num-experts``, ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``
 and the other ``--moe-*`` flags; :mod:`course_lib.moe`): the MoE groups come from Megatron's second,
-expert grid (:class:`~course_lib.moe.grid.MoEGrid`: dense DP stays world / (tp·pp·cp); expert DP is
+expert grid (:class:`~course_lib.topology.RankGrid` with ``ep``: dense DP stays world / (tp·pp·cp); expert DP is
 world / (expert_tp·ep·pp)). Each micro-batch's aux losses send back ``loss_scale / m``, the factor its
 LM loss gets (Megatron's ``MoEAuxLossAutoScaler``); ``finalize_model_grads`` sums expert gradients over
 expert DP and divides them by dp·cp like the dense ones; the grad norm counts every expert shard over
@@ -136,13 +136,13 @@ from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_li
                                       world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
 from course_lib.model import GPTModel, build_model, gpt_loss
-from course_lib.moe.grid import MoEGrid
-from course_lib.moe.transformer import is_expert_param, new_moe_process_groups, set_aux_loss_scale, track_moe_metrics
+from course_lib.moe.layer import is_expert_param
+from course_lib.moe.transformer import set_aux_loss_scale, track_moe_metrics
 from course_lib.optimizer import LRScheduler, Optimizer, clip_grads
 from course_lib.pipeline.check import check_schedule
 from course_lib.pipeline.executor import run_rank_schedule
 from course_lib.pipeline.schedules import PipelineSchedule, build_schedule
-from course_lib.process_groups import ProcessGroups, new_process_groups
+from course_lib.process_groups import ProcessGroups, new_moe_process_groups, new_process_groups
 from course_lib.topology import ParallelConfig
 # What the rest of the course imports from here (the flags, the gradient steps), re-exported:
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
@@ -214,7 +214,7 @@ class TrainingSetup:
     finalizer: object = None          # its course_lib.training.sharding.ShardedGradFinalizer
     pipeline_schedule: str = "1f1b"
     num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
-    moe_groups: object = None         # --num-experts: course_lib.moe.transformer.MoEGroups, else None
+    moe_groups: object = None         # --num-experts: course_lib.process_groups.MoEGroups, else None
 
 
 def _precision(args) -> str:
@@ -238,14 +238,11 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
     optimizer, learning-rate schedule and pipeline schedule for the validated ``config``.
 
     With ``--num-experts`` the MoE groups come first (collective, with the run's timeout): Megatron's
-    expert grid (:class:`~course_lib.moe.grid.MoEGrid`: ``--expert-model-parallel-size``,
+    expert grid, held by the config's grid beside the dense one (``--expert-model-parallel-size``,
     ``--expert-tensor-parallel-size``, the dense grid's order), and each MoE layer keeps its experts."""
     moe_groups = None
     if getattr(args, "num_experts", None):
-        moe_grid = MoEGrid(config.world_size, tp=config.tp, pp=config.pp, cp=config.cp,
-                           ep=args.expert_model_parallel_size, expert_tp=args.expert_tensor_parallel_size,
-                           order=groups.grid.order_str)
-        moe_groups = new_moe_process_groups(moe_grid, timeout=args.distributed_timeout_minutes * 60)
+        moe_groups = new_moe_process_groups(groups.grid, timeout=args.distributed_timeout_minutes * 60)
     chunks = build_model(gpt_config_from_args(args), groups, vp=config.vpp,
                          sequence_parallel=config.sequence_parallel, device=device, moe_groups=moe_groups)
     for chunk in chunks:

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import lab08
-from course_lib.moe.grid import MoEGrid
 from course_lib.moe.router import switch_load_balancing_loss
+from course_lib.topology import RankGrid, rank_groups
 
 
 def not_yet(*args):
@@ -57,7 +57,6 @@ def right_groups_tuple_tensor(rank, layout):
 
 def ep_in_dense_grid(rank, layout):                # the pre-folding picture: dense DP divided by EP
     world, tp, pp, cp, ep = (layout[k] for k in ("world_size", "tp", "pp", "cp", "ep"))
-    from course_lib.moe.grid import rank_groups
     order = ("tp", "cp", "ep", "dp", "pp")
     sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": world // (tp * cp * ep * pp), "pp": pp}
     pick = lambda token: next(g for g in rank_groups(order, sizes, token) if rank in g)  # noqa: E731
@@ -73,8 +72,8 @@ def dense_dp_for_expert_dp(rank, layout):          # the dense DP (with CP): sam
 
 
 def course_grid(rank, layout):
-    g = MoEGrid(layout["world_size"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], ep=layout["ep"],
-                expert_tp=layout["expert_tp"])
+    g = RankGrid(layout["world_size"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], ep=layout["ep"],
+                 expert_tp=layout["expert_tp"])
     return {"ep": g.expert_group_of(rank, "ep"), "expert_dp": g.expert_group_of(rank, "dp")}
 
 
@@ -105,7 +104,7 @@ def test_expert_groups_right_answers_pass(fn, capsys):
 
 
 def test_expert_layouts_are_valid_and_cover_the_mistakes():
-    grids = [MoEGrid(w, tp=t, pp=p, cp=c, ep=e, expert_tp=x) for w, t, p, c, e, x in lab08.EXPERT_LAYOUTS]
+    grids = [RankGrid(w, tp=t, pp=p, cp=c, ep=e, expert_tp=x) for w, t, p, c, e, x in lab08.EXPERT_LAYOUTS]
     assert any(g.cp > 1 for g in grids) and any(g.expert_tp != g.tp for g in grids) and any(g.pp > 1 for g in grids)
 
 
@@ -244,7 +243,7 @@ def test_rank_map_table_and_figures():
     matplotlib.use("Agg")
     from course_lib.moe.plots import group_index_table, plot_tokens_per_expert, plot_two_grids, tokens_per_expert
 
-    grid = MoEGrid(8, tp=2, pp=2, ep=2, expert_tp=1)
+    grid = RankGrid(8, tp=2, pp=2, ep=2, expert_tp=1)
     table = dict(group_index_table(grid))
     assert table["dense DP (with CP)"] == [0, 1, 0, 1, 2, 3, 2, 3]    # dense DP [0, 2], [1, 3], ...
     assert table["EP (all-to-all)"] == [0, 0, 1, 1, 2, 2, 3, 3]       # EP [0, 1], [2, 3], ...

@@ -18,13 +18,13 @@ are test_train's, where a missing gradient synchronisation moves the loss by > 1
 
 import argparse
 import contextlib
+import dataclasses
 import io
 
 import pytest
 
 from course_lib.launch import launch
 from course_lib.megatron import parse_log
-from course_lib.moe.transformer import MoEGroups
 from course_lib.train import parse_args, pretrain, run, train_single_process, validate_args
 from course_lib.train import add_arguments
 from course_lib.training.finalize_model_grads import finalize_model_grads
@@ -58,8 +58,7 @@ def _finalize_skipping_expert_dp(one):
     """A broken trainer's gradient step: ``finalize_model_grads`` with a group of one rank as the
     expert data-parallel group -- the expert grads are scaled by 1 / (dp*cp) but never summed."""
     def finalize(chunks, groups, config, moe_groups):
-        fields = {name: getattr(moe_groups, name) for name in MoEGroups.FIELDS}
-        finalize_model_grads(chunks, groups, config, MoEGroups(moe_groups.grid, **{**fields, "expert_dp": one}))
+        finalize_model_grads(chunks, groups, config, dataclasses.replace(moe_groups, expert_dp=one))
     return finalize
 
 

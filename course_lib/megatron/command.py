@@ -38,7 +38,7 @@ core_v0.16.1 and main):
   the optimizer (:data:`SHARDING`; the rules each follows are beside it).
 * ``--num-experts E --ep EP [--expert-tensor-parallel-size T --moe-router-topk K]``: a Mixtral-style
   MoE (:class:`MoESpec`), checked by the course's rules (``rules.moe_experts``, the expert grid of
-  ``course_lib.moe.grid.MoEGrid``).
+  ``course_lib.topology.RankGrid``).
 
 CLI: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8`` (see
 ``add_arguments``). ``--data-dir`` is shell-quoted in every line printed (a path with
@@ -133,11 +133,11 @@ class MoESpec:
         rules.moe_dispatcher(self.moe_token_dispatcher_type)
 
     def grid(self, cfg: ParallelConfig):
-        """The dense and expert grids (``MoEGrid``: world divisible by expert-TP x EP x PP, and the rest)."""
-        from course_lib.moe.grid import MoEGrid
+        """The dense and expert grids (``RankGrid``: world divisible by expert-TP x EP x PP, and the rest)."""
+        from course_lib.topology import RankGrid
 
-        return MoEGrid(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=self.expert_model_parallel_size,
-                       expert_tp=self.expert_tensor_parallel_size)
+        return RankGrid(cfg.world_size, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=self.expert_model_parallel_size,
+                        expert_tp=self.expert_tensor_parallel_size)
 
     def args(self, cfg: ParallelConfig, transformer_impl: str | None) -> list[tuple[str, str | None]]:
         self.grid(cfg)

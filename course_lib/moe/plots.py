@@ -17,7 +17,7 @@ def group_index_table(grid) -> list[tuple[str, list[int]]]:
     """For each row of :data:`GRID_ROWS`: (label, [index of the group that holds rank r, r = 0..world-1])."""
     table = []
     for label, which, token in GRID_ROWS:
-        groups = grid.dense_groups(token) if which == "dense" else grid.expert_groups(token)
+        groups = grid.groups(token) if which == "dense" else grid.expert_groups(token)
         index = {rank: i for i, group in enumerate(groups) for rank in group}
         table.append((label, [index[r] for r in range(grid.world_size)]))
     return table

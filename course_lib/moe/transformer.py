@@ -45,64 +45,15 @@ loop) times their gradient. Their values (coefficient divided out) are summed pe
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm, rules
-from course_lib.moe.layer import _reorder_chunks, all_to_all_uneven
-from course_lib.moe.pattern import moe_layer_pattern, parse_moe_layer_freq
+from course_lib.moe.mappings import all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven
+from course_lib.moe.pattern import moe_layer_pattern
 from course_lib.moe.router import route
 
-__all__ = ["moe_layer_pattern", "parse_moe_layer_freq", "MoEMLP", "MoEGroups", "new_moe_process_groups", "is_expert_param",
-           "finalize_moe_grads", "track_moe_metrics", "set_aux_loss_scale", "moe_modules", "DISPATCHERS"]
-
-DISPATCHERS = ("alltoall", "allgather")
-
-
-class MoEGroups:
-    """This rank's MoE process groups (every one with a timeout), from :func:`new_moe_process_groups`:
-
-    ``ep`` (expert-model-parallel: the all-to-all), ``expert_tp`` (the experts' tensor parallelism),
-    ``tp_ep`` (the allgather dispatcher's group), ``expert_dp`` (expert gradients), ``dp_cp`` (dense
-    gradients, Megatron's data-parallel group with CP), ``tp_cp`` (the dense tp-cp group: the aux-loss
-    statistics), ``pp`` (the metrics' sum over stages), ``tp_ep_pp`` (the expert model-parallel group,
-    Megatron's ``_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP``: the experts' share of the grad norm);
-    ``grid``: the :class:`~course_lib.moe.grid.MoEGrid`."""
-
-    FIELDS = {"ep": ("expert", "ep"), "expert_tp": ("expert", "tp"), "tp_ep": ("expert", "tp-ep"),
-              "expert_dp": ("expert", "dp"), "dp_cp": ("dense", "dp-cp"), "tp_cp": ("dense", "tp-cp"),
-              "pp": ("dense", "pp"), "tp_ep_pp": ("expert", "tp-ep-pp")}
-
-    def __init__(self, grid, **groups):
-        self.grid = grid
-        for name in self.FIELDS:
-            setattr(self, name, groups[name])
-
-    def size(self, name: str) -> int:
-        return comm.group_size(getattr(self, name))
-
-
-def new_moe_process_groups(grid, timeout: float | None = None) -> MoEGroups:
-    """Create every MoE group of ``grid`` (a :class:`~course_lib.topology.RankGrid` with ``ep`` /
-    ``expert_tp``, or a :class:`~course_lib.moe.grid.MoEGrid`) and return this rank's. Collective: every
-    rank creates every group in the same order, each distinct rank list once, each with a timeout."""
-    import datetime
-
-    from course_lib.process_groups import DEFAULT_TIMEOUT
-
-    moe_grid = getattr(grid, "moe", grid)
-    wait = datetime.timedelta(seconds=DEFAULT_TIMEOUT if timeout is None else timeout)
-    me, made, mine = dist.get_rank(), {}, {}
-    for name, (which, token) in MoEGroups.FIELDS.items():
-        groups = moe_grid.expert_groups(token) if which == "expert" else moe_grid.dense_groups(token)
-        for ranks in groups:
-            key = tuple(ranks)
-            if key not in made:
-                made[key] = dist.new_group(list(ranks), timeout=wait)
-            if me in ranks:
-                mine[name] = made[key]
-    return MoEGroups(moe_grid, **mine)
+__all__ = ["MoEMLP", "track_moe_metrics", "set_aux_loss_scale", "moe_modules"]
 
 
 class _Stacked(nn.Module):
@@ -146,39 +97,6 @@ class _AttachAuxLoss(torch.autograd.Function):
         return grad_output, torch.full_like(aux, ctx.scale), None
 
 
-class _Uneven(torch.autograd.Function):
-    """All-gather (``gather=True``) or reduce-scatter of row blocks of different sizes over ``group``;
-    each one's backward is the other.
-
-    Written with ``all_to_all_single``, which gloo and NCCL both run with uneven splits. Recorded as
-    ``all_gather`` / ``reduce_scatter``, kind ``"expert_tp"``, numel = the gathered rows × row size
-    (the course's convention)."""
-
-    @staticmethod
-    def forward(ctx, x, group, sizes, gather):
-        ctx.group, ctx.sizes, ctx.gather = group, sizes, gather
-        return _uneven(x, group, sizes, gather)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _uneven(grad, ctx.group, ctx.sizes, not ctx.gather), None, None, None
-
-
-def _uneven(x: torch.Tensor, group, sizes: list[int], gather: bool) -> torch.Tensor:
-    """Uneven all-gather (``gather``: this rank's ``sizes[me]`` rows sent to every member) or
-    reduce-scatter (block j of ``x``, ``sizes[j]`` rows, sent to member j; the t copies summed)."""
-    t, me = comm.group_size(group), comm.group_rank(group)
-    row = x[0].numel() if x.dim() > 1 else 1
-    comm.record_event("all_gather" if gather else "reduce_scatter", sum(sizes) * row, group_size=t,
-                      kind="expert_tp", dtype=x.dtype, reduce_op=None if gather else "sum",
-                      source="moe_expert_tp_gather" if gather else "moe_expert_tp_reduce_scatter")
-    out = x.new_empty(((sum(sizes) if gather else t * sizes[me]),) + tuple(x.shape[1:]))
-    inp = torch.cat([x] * t) if gather else x
-    dist.all_to_all_single(out, inp.contiguous(), output_split_sizes=list(sizes) if gather else [sizes[me]] * t,
-                           input_split_sizes=[sizes[me]] * t if gather else list(sizes), group=group)
-    return out if gather else out.view((t, sizes[me]) + tuple(x.shape[1:])).sum(0)
-
-
 class MoEMLP(nn.Module):
     """The MoE MLP of one transformer layer on this rank. ``forward(x [s, b, h]) -> [s, b, h]``
     (``[s/t, b, h]`` under sequence parallelism; the aux losses ride along, see the module doc).
@@ -186,29 +104,27 @@ class MoEMLP(nn.Module):
     Args:
         config: a :class:`course_lib.model.GPTConfig` with ``num_experts`` set.
         layer_number: 1-based (the metrics' row).
-        groups: :class:`MoEGroups`, or ``None`` for the single-process MoE (every expert local).
+        groups: :class:`~course_lib.process_groups.MoEGroups`, or ``None`` for the single-process MoE
+            (every expert local).
         init: draw the master weights from the global generator (the reference model), else the
             values are placeholders for :meth:`load_from_master`.
     """
 
-    def __init__(self, config, layer_number: int, groups: MoEGroups | None = None, init: bool = False):
+    def __init__(self, config, layer_number: int, groups=None, init: bool = False):
         super().__init__()
         self.config, self.layer_number, self.groups = config, layer_number, groups
         E, H, Fh = config.num_experts, config.hidden_size, config.moe_ffn_hidden_size
         self.ep = 1 if groups is None else groups.size("ep")
         self.etp = 1 if groups is None else groups.size("expert_tp")
-        if E % self.ep:
-            raise ValueError(f"num-experts={E} is not divisible by expert-model-parallel-size={self.ep}; "
-                             f"use a multiple of {self.ep}")
+        rules.moe_experts(E, self.ep)
         rules.moe_ffn_divisible_by_expert_tp(Fh, self.etp)
         self.num_local_experts = E // self.ep
         ep_rank = 0 if groups is None else comm.group_rank(groups.ep)
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts,
                                                (ep_rank + 1) * self.num_local_experts))
         self.topk = rules.integer("moe-router-topk", config.moe_router_topk, maximum=E)
-        self.dispatcher = config.moe_token_dispatcher_type
+        self.dispatcher = rules.moe_dispatcher(config.moe_token_dispatcher_type)
         self.aux_loss_scale = 1.0
-        self.send_order = list(range(self.ep))   # identity; a test passes a wrong one to prove misrouting is caught
         tcfg = config.transformer_config()
         router = torch.empty(E, H)
         fc1 = torch.empty(E, Fh, H)
@@ -280,19 +196,16 @@ class MoEMLP(nn.Module):
         perm = torch.argsort(flat, stable=True)
         permuted = tokens[perm // k]                                                   # [T·k, H] by expert
         per_slice = torch.bincount(flat, minlength=E).view(ep, L)                      # [ep, L]
-        if ep > 1:
-            dest = [self.send_order.index(d) for d in range(ep)]                       # slice sent to rank d
-            send = _reorder_chunks(permuted, per_slice.sum(1).tolist(), dest)
-            counts = comm.all_to_all(per_slice[dest].flatten().contiguous(), self.groups.ep, kind="ep",
+        if ep > 1:                                                                     # slice j -> EP rank j
+            counts = comm.all_to_all(per_slice.flatten().contiguous(), self.groups.ep, kind="ep",
                                      source="moe_token_counts", tag="counts").view(ep, L)  # [source, L]
-            input_splits, output_splits = per_slice[dest].sum(1).tolist(), counts.sum(1).tolist()
-            rows = all_to_all_uneven(send, self.groups.ep, output_splits, input_splits, "moe_dispatch")
+            input_splits, output_splits = per_slice.sum(1).tolist(), counts.sum(1).tolist()
+            rows = all_to_all_uneven(permuted, self.groups.ep, output_splits, input_splits, "moe_dispatch")
         else:
             rows, counts = permuted, per_slice
         y = self._experts_over_expert_tp(rows, counts)                                 # [N, H]
         if ep > 1:
-            back = all_to_all_uneven(y, self.groups.ep, input_splits, output_splits, "moe_combine")
-            y = _reorder_chunks(back, input_splits, self.send_order)
+            y = all_to_all_uneven(y, self.groups.ep, input_splits, output_splits, "moe_combine")
         weighted = y * probs.flatten()[perm].unsqueeze(-1)                             # [T·k, H]
         # under autocast the expert GEMMs are 16-bit: unpermute in the residual stream's dtype
         return torch.zeros_like(tokens).index_add(0, perm // k, weighted.to(tokens.dtype))   # [T, H]
@@ -307,9 +220,9 @@ class MoEMLP(nn.Module):
         every = comm.all_gather(counts.flatten().contiguous(), group, kind="expert_tp",
                                 source="moe_token_counts").view(self.etp, -1)         # [etp, ep·L]
         sizes = every.sum(1).tolist()
-        gathered = _Uneven.apply(rows, group, sizes, True)                             # [Σ N_m, H]
+        gathered = all_gather_uneven(rows, group, sizes)                               # [Σ N_m, H]
         partial = self.experts(gathered, every.flatten().tolist(), list(range(L)) * (every.numel() // L))
-        return _Uneven.apply(partial, group, sizes, False)                       # [N, H] summed
+        return reduce_scatter_uneven(partial, group, sizes)                            # [N, H] summed
 
     def _allgather(self, tokens, probs, indices):
         """Megatron's allgather dispatcher: gather every token and gate of the tp-ep group, run the local
@@ -336,11 +249,6 @@ def moe_modules(chunks) -> list[MoEMLP]:
     return [m for chunk in chunks for m in chunk.modules() if isinstance(m, MoEMLP)]
 
 
-def is_expert_param(p: torch.Tensor) -> bool:
-    """An expert weight (Megatron's ``allreduce = False``): reduced over expert DP, not DP."""
-    return getattr(p, "allreduce", True) is False
-
-
 def set_aux_loss_scale(chunks, scale: float) -> None:
     """The gradient the aux losses send back, per micro-batch (Megatron: ``MoEAuxLossAutoScaler.
     set_loss_scale(loss_scale / num_microbatches)`` in ``forward_step``)."""
@@ -349,28 +257,7 @@ def set_aux_loss_scale(chunks, scale: float) -> None:
 
 
 @torch.no_grad()
-def finalize_moe_grads(chunks, groups, moe_groups: MoEGroups, sequence_parallel: bool = False) -> None:
-    """Megatron's ``finalize_model_grads`` for a model with MoE layers, in its order:
-
-    1. dense gradients averaged over the dense dp-cp group; expert gradients **summed over the expert
-       data-parallel group** and divided by the same dp·cp (``DistributedDataParallel``: both scaling
-       factors are ``1 / data_parallel_world_size`` -- an expert's gradient already holds the tokens
-       that every EP rank sent it, so the expert-DP sum covers every dense DP replica);
-    2. with sequence parallelism, the ``sequence_parallel`` gradients (LayerNorms, router) summed over TP;
-    3. the tied word-embedding gradient summed over the embedding group."""
-    from course_lib.model import allreduce_embedding_grads
-    from course_lib.moe.layer import reduce_moe_grads
-    from course_lib.tensor_parallel import allreduce_sequence_parallel_grads
-
-    module = nn.ModuleList(chunks)
-    reduce_moe_grads(module, moe_groups.dp_cp, moe_groups.expert_dp, divide_by=moe_groups.size("dp_cp"))
-    if sequence_parallel:
-        allreduce_sequence_parallel_grads(module, groups.tp)
-    allreduce_embedding_grads(chunks, groups)
-
-
-@torch.no_grad()
-def track_moe_metrics(chunks, moe_groups: MoEGroups | None, num_microbatches: int = 1) -> tuple[dict, str]:
+def track_moe_metrics(chunks, moe_groups=None, num_microbatches: int = 1) -> tuple[dict, str]:
     """Reduce and clear the per-layer aux-loss values like Megatron's ``track_moe_metrics``
     (``megatron/core/transformer/moe/moe_logging.py``, ``MoEMetricsTracker.report``): per layer, sum
     over the pipeline stages and over the tp-cp group (each rank's value is its share), average over

@@ -23,35 +23,8 @@ schedules.py ``get_tensor_shapes``); gradients are reduced over the data-paralle
 from __future__ import annotations
 
 from course_lib import rules
+from course_lib.rules import ring_elements_sent  # the one ring cost model (re-exported by course_lib.sizing)
 from course_lib.sizing import _checks
-
-
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all")
-"""The operations the ring cost model prices (the ones :mod:`course_lib.comm` issues and records)."""
-
-
-def ring_elements_sent(op: str, numel: float, group_size: int) -> float:
-    """The ring cost model: elements one rank sends for ``op`` on ``numel`` elements over ``group_size`` ranks.
-
-    all_reduce ``2 N (t-1)/t`` (a reduce-scatter then an all-gather, ``t - 1`` steps each, one
-    ``N/t`` chunk per step: the ``(d-1)/d`` of Narayanan §3.3.1, the ``(t-1)/t`` of §3.2);
-    all_gather and reduce_scatter ``N (t-1)/t`` (N = the full tensor; half an all-reduce,
-    Korthikanti §4.2.2); all_to_all ``N (t-1)/t`` (a rank keeps its own 1/t); broadcast ``N``
-    (pipelined chain: every rank but the last forwards the whole tensor); send ``N``; recv ``0``.
-    A cost formula, not a collective: :func:`course_lib.collectives.ring_all_reduce` is the ring
-    itself (Patarasuk & Yuan 2009), whose measured sends this formula predicts.
-    """
-    if op not in OPS:
-        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(OPS)}")
-    t = _checks.positive_int("group_size", group_size)
-    if op == "send":
-        return float(numel)
-    if op == "recv" or t == 1:
-        return 0.0
-    if op == "broadcast":
-        return float(numel)
-    factor = 2 if op == "all_reduce" else 1
-    return factor * numel * (t - 1) / t
 
 
 def tp_comm_per_layer(

@@ -26,7 +26,7 @@ SwiGLU, RMSNorm, untied embeddings), whose announcement (Mistral AI, "Mixtral of
 
 Bytes per rank (:func:`moe_bytes_per_rank`): the dense parameters are split over TP (the ones
 Megatron splits) and PP; the experts over ``expert_tp × ep`` and PP -- Megatron's two grids
-(:mod:`course_lib.moe.grid`). With ``--use-distributed-optimizer`` the dense optimizer state is
+(:class:`course_lib.topology.RankGrid` with ``ep``). With ``--use-distributed-optimizer`` the dense optimizer state is
 sharded over the dense dp·cp ranks and the experts' over the **expert** data-parallel ranks
 ``world / (expert_tp·ep·pp)`` (Megatron's expert-DP optimizer instance); bytes per parameter from
 :func:`course_lib.sizing.memory.megatron_optimizer_bytes_per_param`.
@@ -109,9 +109,9 @@ def moe_bytes_per_rank(counts: dict, *, world_size: int, tp: int = 1, pp: int = 
     replicated/pp``), ``expert_params`` (``experts / (expert_tp·ep·pp)``), ``dense`` / ``expert``
     (:class:`~course_lib.sizing.memory.ModelStateBytes` per rank), ``total_bytes``, ``dp``, ``expert_dp``.
     Exact for pp = 1; for pp > 1, stages differ by their embedding and their share of MoE layers."""
-    from course_lib.moe.grid import MoEGrid
+    from course_lib.topology import RankGrid
 
-    grid = MoEGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp)
+    grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp)
     dense_params = counts["tp_split"] / (grid.tp * grid.pp) + counts["replicated"] / grid.pp
     expert_params = counts["experts"] / (grid.expert_tp * grid.ep * grid.pp)
     per_param = {name: megatron_optimizer_bytes_per_param(shards, distributed_optimizer, params_dtype, grad_dtype)

@@ -1,8 +1,9 @@
 """The rank grid (拓扑): which rank sits where, every process group, a run's validated layout, its pictures.
 
 ==================  ==========================================================
-:mod:`.grid`        ``RankGrid`` (Megatron's ``RankGenerator`` numbering),
-                    ``rank_groups`` (the one group algorithm), ``parse_order``
+:mod:`.grid`        ``RankGrid`` (Megatron's ``RankGenerator`` numbering: the
+                    dense grid and the MoE layers' expert grid), ``rank_groups``
+                    (the one group algorithm), ``parse_order``
 :mod:`.config`      ``ParallelConfig``: a whole run's layout, validated by
                     :mod:`course_lib.rules`, with its Megatron-LM flags
 :mod:`.rankmap`     the rank map (Graphviz and matplotlib) and ``save``
@@ -19,8 +20,8 @@ machinery: :mod:`course_lib.classroom.widgets.topology`.
 
 from course_lib.rules import AXIS_FLAG, divisors  # noqa: F401  (topology's names since Lab 01)
 from course_lib.topology.config import ParallelConfig
-from course_lib.topology.grid import (AXES, DEFAULT_ORDER, MEGATRON_GROUPS, SPECIAL_TOKENS, RankGrid, parse_order,
-                                      rank_group_array, rank_groups)
+from course_lib.topology.grid import (AXES, DEFAULT_ORDER, EXPERT_TOKENS, MEGATRON_EXPERT_GROUPS, MEGATRON_GROUPS,
+                                      SPECIAL_TOKENS, RankGrid, parse_order, rank_group_array, rank_groups)
 
 # The public classes print as course_lib.topology.X (what a reader imports), not the file they live in.
 RankGrid.__module__ = ParallelConfig.__module__ = __name__
@@ -40,4 +41,4 @@ def __getattr__(name):
 
 
 __all__ = ["RankGrid", "ParallelConfig", "rank_groups", "rank_group_array", "parse_order", "AXES", "AXIS_FLAG",
-           "DEFAULT_ORDER", "MEGATRON_GROUPS", "SPECIAL_TOKENS", "divisors"]
+           "DEFAULT_ORDER", "MEGATRON_GROUPS", "MEGATRON_EXPERT_GROUPS", "EXPERT_TOKENS", "SPECIAL_TOKENS", "divisors"]

@@ -26,13 +26,20 @@ class ParallelConfig:
     ``tp`` here, etc.). Model sizes left as ``None`` are not checked, so
     ``ParallelConfig(world_size=8, tp=2, pp=2)`` validates just the grid.
 
-    Derived: ``dp`` (= world / (tp·pp·cp), never a flag), ``num_microbatches``
+    The MoE layers' sizes sit beside the dense ones (as in torchtitan's ``ParallelDims``):
+    ``ep`` = ``--expert-model-parallel-size``, ``expert_tp`` = ``--expert-tensor-parallel-size``
+    (None: tp); the grid validates the expert grid too and derives ``expert_dp``. Their flags are
+    rendered with the MoE flags (``megatron.command``), not by :meth:`megatron_args`.
+
+    Derived: ``dp`` (= world / (tp·pp·cp), never a flag), ``expert_dp``, ``num_microbatches``
     (= global / (micro·dp)), ``grid`` (the ``RankGrid``), ``layers_per_stage``, ``vpp``
     (model chunks per pipeline rank, 1 without interleaving) and ``notes`` (what was
     adjusted, one line each).
 
     The rules are :mod:`course_lib.rules`' (each a one-line ValueError naming the rule and a fix):
-      * world_size % (tp·pp·cp) == 0 (``data_parallel_size``)
+      * world_size % (tp·pp·cp) == 0 (``data_parallel_size``); with experts
+        world_size % (expert_tp·ep·pp) == 0 (``expert_data_parallel_size``) and the expert grid's order
+        rules (``RankGrid``)
       * the order contains every axis of size > 1; with pp > 1 and cp > 1 it must
         end in 'pp' (initialize_model_parallel's assertion)
       * num_attention_heads % tp == 0, num_query_groups % tp == 0, hidden % heads == 0
@@ -65,11 +72,14 @@ class ParallelConfig:
     decoder_first_pipeline_num_layers: int | None = None
     decoder_last_pipeline_num_layers: int | None = None
     order: str = DEFAULT_ORDER
+    ep: int = 1
+    expert_tp: int | None = None
     grid: RankGrid = field(init=False, repr=False, compare=False)
     notes: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        grid = RankGrid(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, order=self.order)
+        grid = RankGrid(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, expert_tp=self.expert_tp,
+                        order=self.order)
         object.__setattr__(self, "grid", grid)
         tp, pp, cp = self.tp, self.pp, self.cp
         rules.order_ends_with_pp(self.order, grid.order[-1], pp, cp)
@@ -116,6 +126,10 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         return self.grid.dp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.grid.expert_dp
 
     @property
     def vpp(self) -> int:

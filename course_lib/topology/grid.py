@@ -1,4 +1,4 @@
-"""The 3D/4D rank grid: which rank sits where, and every process group.
+"""The 3D/4D rank grid: which rank sits where, and every process group -- dense and expert.
 
 ``RankGrid(world_size, tp, pp, cp)`` numbers ranks exactly like Megatron-LM's
 ``RankGenerator`` (``megatron/core/parallel_state.py``): the parallel sizes are
@@ -12,12 +12,34 @@ the set of ranks that differ only along those axes, listed in group-rank order
 (the first axis of ``order`` varies fastest inside the group too). Groups are
 listed in Megatron's creation order. ``dp`` is derived: ``world_size / (tp*pp*cp)``.
 
+With ``ep`` / ``expert_tp`` the same grid also numbers the ranks of the MoE layers, as
+Megatron-core does since *MoE parallel folding* (Liu et al. 2025): ``initialize_model_parallel``
+builds two ``RankGenerator`` s over one ``order`` string --
+
+* the **dense** grid (attention, embeddings, dense MLPs) has ``ep = 1``: ``tp × cp × dp × pp``,
+  ``dp = world / (tp·pp·cp)``; expert parallelism does not shrink the dense data-parallel size;
+* the **expert** grid (the experts) has ``cp = 1``: ``expert_tp × ep × expert_dp × pp``,
+  ``expert_tp`` = ``--expert-tensor-parallel-size`` (default ``tp``), ``expert_dp = world /
+  (expert_tp·ep·pp)``; the context-parallel (and data-parallel) ranks are *folded* into EP and
+  expert DP.
+
+One object holds both, like torchtitan's ``ParallelDims`` holds the dense and the expert sizes.
+Megatron's checks, each a one-line ``ValueError`` from :mod:`course_lib.rules`: both products
+divide the world, an axis of size > 1 appears in ``order``, ``order`` ends with ``pp`` or
+``pp == 1`` or ``expert_dp == dp``, and the two grids have the same pipeline groups (a rank is on
+one stage for every layer).
+
 :func:`rank_groups` is the one algorithm that lists a grid's groups (Megatron's
-``generate_masked_orthogonal_rank_groups``): ``RankGrid`` (the dense grid) and
-:class:`course_lib.moe.grid.MoEGrid` (the dense and the expert grids) both call it.
+``generate_masked_orthogonal_rank_groups``), for both grids.
 
 No torch here: this module is pure Python + numpy, so it is instant to import
 and the rank-map CLI works without torch.
+
+>>> g = RankGrid(8, tp=2, pp=2, ep=2, expert_tp=1)
+>>> g.dp, g.expert_dp
+(2, 2)
+>>> g.groups("dp")[:2], g.expert_groups("ep")[:2]
+([[0, 2], [1, 3]], [[0, 1], [2, 3]])
 """
 
 from __future__ import annotations
@@ -61,6 +83,17 @@ MEGATRON_GROUPS = {
     "tp-dp": ("_TENSOR_AND_DATA_PARALLEL_GROUP", "fp8 amax reduction, MoE"),
     "tp-dp-cp": ("_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "fp8 amax reduction with cp"),
 }
+
+# The groups Megatron builds from the expert grid, with the global that holds them and what runs inside.
+MEGATRON_EXPERT_GROUPS = {
+    "ep": ("_EXPERT_MODEL_PARALLEL_GROUP", "token all-to-all (dispatch and combine)"),
+    "tp": ("_EXPERT_TENSOR_PARALLEL_GROUP", "the experts' tensor parallelism"),
+    "dp": ("_EXPERT_DATA_PARALLEL_GROUP", "expert gradient reduction"),
+    "pp": ("(pipeline groups: must equal the dense grid's)", "send/recv between stages"),
+    "tp-ep": ("_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", "the allgather dispatcher with expert TP"),
+    "tp-ep-pp": ("_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", "the experts' share of the grad norm"),
+}
+EXPERT_TOKENS = tuple(MEGATRON_EXPERT_GROUPS)
 
 
 def split_axes(name: str, text, example: str, also: str = "") -> list[str]:
@@ -137,7 +170,7 @@ def rank_group_array(order: tuple[str, ...], sizes: dict[str, int], token: str) 
 
 
 class RankGrid:
-    """Megatron's rank layout for ``world_size`` ranks (``RankGenerator`` semantics).
+    """Megatron's rank layout for ``world_size`` ranks (``RankGenerator`` semantics), dense and expert.
 
     Args:
         world_size: number of ranks (GPUs).
@@ -145,14 +178,15 @@ class RankGrid:
             ``dp = world_size // (tp*pp*cp)`` is derived, never given.
         ep, expert_tp: expert-model-parallel and expert tensor-parallel sizes
             (``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``; default tp).
+            ``expert_dp = world_size // (expert_tp*ep*pp)`` is derived.
         order: axes joined by '-', **first varies fastest** (Megatron's default
             ``"tp-cp-ep-dp-pp"``: TP neighbours get consecutive ranks, i.e. the same
             NVLink box; pipeline stages are the slowest axis).
 
-    Like Megatron-core (MoE parallel folding, ``initialize_model_parallel``), the same
-    ranks are numbered twice: ``groups``/``coords`` are the **dense** grid (ep = 1, so DP
-    is world / (tp·pp·cp) whatever EP is) and ``expert_groups``/``expert_coords`` the
-    **expert** grid (expert_tp × ep × expert_dp × pp, cp = 1), see :mod:`course_lib.moe.grid`.
+    ``groups``/``group_of``/``coords`` are the **dense** grid (ep = 1, so DP is world /
+    (tp·pp·cp) whatever EP is), ``expert_groups``/``expert_group_of``/``expert_coords`` the
+    **expert** grid (expert_tp × ep × expert_dp × pp, cp = 1); see the module. The expert grid is
+    validated on creation when ``ep > 1`` or ``expert_tp`` is given, else on first use.
 
     >>> g = RankGrid(8, tp=2, pp=2)
     >>> g.groups("tp"), g.groups("pp"), g.groups("dp")
@@ -166,37 +200,47 @@ class RankGrid:
     def __init__(self, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  expert_tp: int | None = None, order: str = DEFAULT_ORDER):
         tp, pp, cp, ep = (rules.integer(AXIS_FLAG[n], v) for n, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)))
-        # The dense grid has ep = 1 (Megatron-core since MoE parallel folding): EP never shrinks DP.
+        etp = tp if expert_tp is None else rules.integer(rules.EXPERT_TP, expert_tp)
         dp = rules.data_parallel_size(world_size, tp, pp, cp)
         self.world_size = int(world_size)
         self.sizes = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+        self.expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": rules.expert_data_parallel_size(
+            self.world_size, etp, ep, pp), "pp": pp}
         self.order = parse_order(order, self.sizes)
+        self._order_text = order                           # the expert grid parses it again, with its own sizes
         self._shape = [self.sizes[a] for a in self.order]  # fastest first
         self._stride = [math.prod(self._shape[:i]) for i in range(len(self._shape))]  # coords / rank_of
         self._cache: dict[tuple, np.ndarray] = {}
-        self._ep, self._expert_tp = ep, expert_tp
-        self._moe = None
-        if ep > 1 or expert_tp is not None:
-            self.moe  # validate the expert grid now (Megatron's rules), not at first use
+        self._expert_order: tuple[str, ...] | None = None
+        self.has_experts = ep > 1 or expert_tp is not None
+        if self.has_experts:
+            self.expert_order  # validate the expert grid now (Megatron's rules), not at first use
 
     @property
-    def moe(self):
-        """The dense + expert grids as :class:`course_lib.moe.grid.MoEGrid` (validated)."""
-        if self._moe is None:
-            from course_lib.moe.grid import MoEGrid  # moe.grid imports this module
-
-            self._moe = MoEGrid(self.world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self._ep,
-                                expert_tp=self._expert_tp, order=self.order_str)
-        return self._moe
+    def expert_order(self) -> tuple[str, ...]:
+        """The expert grid's full axis order, validated like Megatron's ``initialize_model_parallel``."""
+        if self._expert_order is None:
+            order = parse_order(self._order_text, self.expert_sizes)
+            rules.expert_order(self._order_text, order[-1], self.pp, self.dp, self.expert_dp)
+            if not np.array_equal(self.group_array("pp"), rank_group_array(order, self.expert_sizes, "pp")):
+                raise ValueError(
+                    f"order='{self._order_text}' gives the dense and the expert layers different pipeline groups "
+                    f"with {AXIS_FLAG['cp']}={self.cp}, {AXIS_FLAG['ep']}={self.ep}, {rules.EXPERT_TP}="
+                    f"{self.expert_tp} (Megatron asserts they are equal); use an order ending in 'pp', "
+                    f"e.g. '{DEFAULT_ORDER}'")
+            self._expert_order = order
+        return self._expert_order
 
     # ---- sizes -------------------------------------------------------------
     tp = property(lambda self: self.sizes["tp"])
     pp = property(lambda self: self.sizes["pp"])
     cp = property(lambda self: self.sizes["cp"])
     dp = property(lambda self: self.sizes["dp"], doc="data-parallel size, derived: world / (tp*pp*cp), whatever ep is")
-    ep = property(lambda self: self._ep, doc="expert-model-parallel size (the expert grid's; the dense grid has ep = 1)")
-    expert_tp = property(lambda self: self.moe.expert_tp, doc="expert tensor-parallel size (default: tp)")
-    expert_dp = property(lambda self: self.moe.expert_dp, doc="expert data-parallel size: world / (expert_tp*ep*pp)")
+    ep = property(lambda self: self.expert_sizes["ep"],
+                  doc="expert-model-parallel size (the expert grid's; the dense grid has ep = 1)")
+    expert_tp = property(lambda self: self.expert_sizes["tp"], doc="expert tensor-parallel size (default: tp)")
+    expert_dp = property(lambda self: self.expert_sizes["dp"],
+                         doc="expert data-parallel size, derived: world / (expert_tp*ep*pp)")
 
     @property
     def order_str(self) -> str:
@@ -208,16 +252,13 @@ class RankGrid:
         return tuple(a for a in self.order if a != "ep")
 
     def __repr__(self) -> str:
-        expert = (f", ep={self.ep}, expert_tp={self.expert_tp}, expert_dp={self.expert_dp}"
-                  if self._moe is not None else "")
+        expert = f", ep={self.ep}, expert_tp={self.expert_tp}, expert_dp={self.expert_dp}" if self.has_experts else ""
         return (f"RankGrid(world_size={self.world_size}, tp={self.tp}, pp={self.pp}, cp={self.cp}, "
                 f"dp={self.dp}{expert}, order='{self.order_str}')")
 
     # ---- coordinates ---------------------------------------------------------
     def _check_rank(self, rank) -> int:
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank!r} is outside the grid; use 0 <= rank < world_size={self.world_size}")
-        return int(rank)
+        return rules.rank_in("rank", rank, self.world_size, "world_size")
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` in the dense grid: ``{'tp': .., 'cp': .., 'dp': .., 'pp': ..}``
@@ -231,21 +272,23 @@ class RankGrid:
         for a in coords:
             if a not in AXES:
                 raise ValueError(f"unknown axis {a!r} in rank_of(); use {', '.join(AXES)}")
-        rank = 0
-        for a, s, d in zip(self.order, self._shape, self._stride):
-            i = coords.get(a, 0)
-            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < s:
-                raise ValueError(f"{a}={i!r} is outside 0..{s - 1} ({a} size is {s})")
-            rank += int(i) * d
-        return rank
+        return sum(rules.rank_in(a, coords.get(a, 0), s, AXIS_FLAG[a]) * d
+                   for a, s, d in zip(self.order, self._shape, self._stride))
 
     # ---- groups -------------------------------------------------------------
-    def _parse_token(self, token: str) -> tuple[str, ...]:
-        parts = split_axes("token", token, "dp-cp", also=f", or one of {', '.join(SPECIAL_TOKENS)}")
+    def _parse_token(self, token: str, also: str = "") -> tuple[str, ...]:
+        parts = split_axes("token", token, "dp-cp", also=also)
         return tuple(sorted(parts, key=self.order.index))
 
+    def _array(self, key: tuple, order: tuple[str, ...], sizes: dict[str, int], masked: tuple[str, ...]) -> np.ndarray:
+        if key not in self._cache:
+            arr = np.ascontiguousarray(rank_group_array(order, sizes, "-".join(masked)))
+            arr.setflags(write=False)
+            self._cache[key] = arr
+        return self._cache[key]
+
     def group_array(self, token: str) -> np.ndarray:
-        """Groups of ``token`` as a read-only int array of shape [num_groups, group_size]."""
+        """Dense groups of ``token`` as a read-only int array of shape [num_groups, group_size]."""
         token = token.strip().lower() if isinstance(token, str) else token
         if token in SPECIAL_TOKENS:
             key = (token,)
@@ -256,15 +299,11 @@ class RankGrid:
                 arr.setflags(write=False)
                 self._cache[key] = arr
             return self._cache[key]
-        masked = self._parse_token(token)
-        if masked not in self._cache:
-            arr = np.ascontiguousarray(rank_group_array(self.order, self.sizes, "-".join(masked)))
-            arr.setflags(write=False)
-            self._cache[masked] = arr
-        return self._cache[masked]
+        masked = self._parse_token(token, also=f", or one of {', '.join(SPECIAL_TOKENS)}")
+        return self._array(masked, self.order, self.sizes, masked)
 
     def groups(self, token: str) -> list[list[int]]:
-        """Every group of ``token``, each a list of global ranks in group-rank order.
+        """Every dense group of ``token``, each a list of global ranks in group-rank order.
 
         ``token``: axes joined by '-' in any order (``"tp"``, ``"dp"``, ``"dp-cp"``,
         ``"tp-pp"`` = Megatron's model-parallel group, ``"tp-dp-cp"``, ...), or
@@ -275,7 +314,7 @@ class RankGrid:
         return self.group_array(token).tolist()
 
     def group_of(self, rank: int, token: str) -> list[int] | None:
-        """The ``token`` group that contains ``rank`` (None: rank is in no
+        """The dense ``token`` group that contains ``rank`` (None: rank is in no
         embedding / position-embedding group, e.g. a middle pipeline stage)."""
         rank = self._check_rank(rank)
         arr = self.group_array(token)
@@ -287,21 +326,40 @@ class RankGrid:
         return {t: self.group_of(rank, t) for t in (tokens or self.main_tokens())}
 
     # ---- the expert grid (MoE layers) ------------------------------------------
+    def expert_group_array(self, token: str) -> np.ndarray:
+        """Expert groups of ``token`` as a read-only int array of shape [num_groups, group_size]."""
+        masked = self._parse_token(token)
+        return self._array(("expert",) + masked, self.expert_order, self.expert_sizes, masked)
+
     def expert_groups(self, token: str) -> list[list[int]]:
         """Groups of the expert grid (Megatron's second ``RankGenerator``: expert_tp × ep ×
         expert_dp × pp, cp = 1): ``"ep"`` (token all-to-all), ``"tp"`` (expert TP), ``"dp"``
-        (expert DP: expert-gradient reduction), ``"pp"``, ``"tp-ep"``, ``"tp-ep-pp"``."""
-        return self.moe.expert_groups(token)
+        (expert DP: expert-gradient reduction), ``"pp"``, ``"tp-ep"``, ``"tp-ep-pp"`` (any axes)."""
+        return self.expert_group_array(token).tolist()
 
     def expert_group_of(self, rank: int, token: str) -> list[int]:
         """The expert-grid ``token`` group that contains ``rank``."""
-        return self.moe.expert_group_of(self._check_rank(rank), token)
+        rank = self._check_rank(rank)
+        arr = self.expert_group_array(token)
+        return arr[np.nonzero((arr == rank).any(axis=1))[0][0]].tolist()
 
     def expert_coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` in the expert grid: ``{'tp', 'ep', 'dp', 'pp'}`` (each its
         index inside that expert group)."""
         rank = self._check_rank(rank)
-        return {a: self.moe.expert_group_of(rank, a).index(rank) for a in ("tp", "ep", "dp", "pp")}
+        stride = 1
+        idx = {}
+        for a in self.expert_order:
+            idx[a] = (rank // stride) % self.expert_sizes[a]
+            stride *= self.expert_sizes[a]
+        return {a: idx[a] for a in ("tp", "ep", "dp", "pp")}
+
+    def local_experts(self, rank: int, num_experts: int) -> list[int]:
+        """Global indices of the experts ``rank`` holds: ``num_experts / ep`` consecutive ones
+        (Megatron's ``local_expert_indices``). ``--num-experts`` must be divisible by ``ep``."""
+        per = rules.moe_experts(rules.integer("num-experts", num_experts), self.ep) // self.ep
+        first = self.expert_coords(rank)["ep"] * per
+        return list(range(first, first + per))
 
     def main_tokens(self) -> list[str]:
         """The dense groups worth showing for this grid: tp, cp, dp (dp-cp), pp, tp-pp, embedding."""
@@ -316,27 +374,21 @@ class RankGrid:
 
     def stage_ranks(self, stage: int) -> list[int]:
         """All ranks on pipeline stage ``stage`` (pp coordinate), ascending."""
-        if not 0 <= stage < self.pp:
-            raise ValueError(f"stage={stage} is outside 0..{self.pp - 1}")
+        stage = rules.rank_in("stage", stage, self.pp, AXIS_FLAG["pp"])
         return sorted(int(g[stage]) for g in self.group_array("pp"))
 
     # ---- text ----------------------------------------------------------------
     def table(self, tokens: Iterable[str] | None = None, max_groups: int = 64) -> str:
         """A plain-text table of groups (one line per token) for printing."""
         lines = [f"{self!r}", f"{'group':<20} {'size':>4} {'count':>5}  groups"]
-        for t in (tokens or self.main_tokens()):
-            arr = self.group_array(t)
+        rows = [(t, self.group_array(t)) for t in (tokens or self.main_tokens())]
+        if tokens is None and self.ep > 1:
+            rows += [(f"expert {t}", self.expert_group_array(t)) for t in ("ep", "tp", "dp")]
+        for label, arr in rows:
             shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in arr[:max_groups].tolist())
             if len(arr) > max_groups:
                 shown += f" ... ({len(arr) - max_groups} more)"
-            lines.append(f"{t:<20} {arr.shape[1]:>4} {arr.shape[0]:>5}  {shown}")
-        if tokens is None and self.ep > 1:
-            for t in ("ep", "tp", "dp"):
-                groups = self.expert_groups(t)
-                shown = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:max_groups])
-                if len(groups) > max_groups:
-                    shown += f" ... ({len(groups) - max_groups} more)"
-                lines.append(f"{'expert ' + t:<20} {len(groups[0]):>4} {len(groups):>5}  {shown}")
+            lines.append(f"{label:<20} {arr.shape[1]:>4} {arr.shape[0]:>5}  {shown}")
         return "\n".join(lines)
 
     def coords_table(self) -> str:

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 from course_lib import rules
 from course_lib.data import ByteTokenizer, corpus_tokens
 from course_lib.model import GPTConfig
-from course_lib.moe.transformer import parse_moe_layer_freq
+from course_lib.moe.pattern import parse_moe_layer_freq
 from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
 from course_lib.topology import ParallelConfig
 
@@ -202,12 +202,18 @@ def _check_moe_values(a: argparse.Namespace) -> None:
         rules.number("moe_z_loss_coeff", a.moe_z_loss_coeff, 0.0)
 
 
-def _check_moe(a: argparse.Namespace, world_size: int) -> None:
-    """The MoE flags (Megatron's ``validate_args``): experts divisible by EP, expert TP defaults to TP,
-    the expert grid valid (world divisible by expert_tp·ep·pp, :class:`course_lib.moe.grid.MoEGrid`),
-    SP with TP > 1, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` and splits over expert TP."""
-    from course_lib.moe.grid import MoEGrid
+def _expert_sizes(a: argparse.Namespace) -> dict:
+    """``{ep, expert_tp}`` of an MoE run for its :class:`~course_lib.topology.ParallelConfig` (whose grid
+    holds the expert grid beside the dense one and validates it); ``{}`` without experts."""
+    if not getattr(a, "num_experts", None):
+        return {}
+    return dict(ep=getattr(a, "expert_model_parallel_size", 1), expert_tp=getattr(a, "expert_tensor_parallel_size", None))
 
+
+def _check_moe(a: argparse.Namespace) -> None:
+    """The MoE flags (Megatron's ``validate_args``): experts divisible by EP, expert TP defaults to TP,
+    SP with TP > 1, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` and splits over expert
+    TP. (The expert grid -- world divisible by expert_tp·ep·pp -- is the config's: :func:`_expert_sizes`.)"""
     ep = rules.integer("expert-model-parallel-size", getattr(a, "expert_model_parallel_size", 1))
     a.expert_model_parallel_size = ep
     a.num_experts = rules.moe_experts(getattr(a, "num_experts", None), ep)
@@ -218,8 +224,6 @@ def _check_moe(a: argparse.Namespace, world_size: int) -> None:
         return
     rules.moe_sequence_parallel(a.num_experts, a.tensor_model_parallel_size, a.sequence_parallel)
     rules.moe_context_parallel(a.num_experts, a.context_parallel_size)
-    MoEGrid(world_size, tp=a.tensor_model_parallel_size, pp=a.pipeline_model_parallel_size,
-            cp=a.context_parallel_size, ep=ep, expert_tp=a.expert_tensor_parallel_size)
     if getattr(a, "moe_ffn_hidden_size", None) is None:
         a.moe_ffn_hidden_size = a.ffn_hidden_size
     rules.moe_ffn_divisible_by_expert_tp(a.moe_ffn_hidden_size, a.expert_tensor_parallel_size)
@@ -255,7 +259,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
                          num_attention_heads=a.num_attention_heads, hidden_size=a.hidden_size,
                          seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                          global_batch_size=a.global_batch_size, sequence_parallel=a.sequence_parallel,
-                         virtual_pipeline_model_parallel_size=vp)
+                         virtual_pipeline_model_parallel_size=vp, **_expert_sizes(a))
     a.world_size, a.data_parallel_size = world_size, cfg.dp
     a.global_batch_size = cfg.effective_global_batch_size
     a.sequence_parallel = cfg.sequence_parallel                 # off with TP = 1 (cfg.notes says so)
@@ -269,7 +273,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     rules.vocab_divisible_by_tp(gpt.padded_vocab_size, tp)
     rules.ffn_divisible_by_tp(gpt.ffn_hidden_size, tp)
     rules.cp_attention_dropout(a.attention_dropout, cp)
-    _check_moe(a, world_size)
+    _check_moe(a)
     rules.min_lr(a.min_lr, a.lr)
     a.lr_decay_iters = a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":

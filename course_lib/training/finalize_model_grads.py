@@ -21,7 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from course_lib import comm
 from course_lib.model import allreduce_embedding_grads
-from course_lib.moe.transformer import is_expert_param
+from course_lib.moe.layer import is_expert_param
 from course_lib.tensor_parallel import allreduce_sequence_parallel_grads, is_tensor_parallel
 from course_lib.topology import ParallelConfig
 
@@ -71,13 +71,13 @@ def finalize_model_grads(chunks, groups, config: ParallelConfig, moe_groups=None
 
     1. average every gradient over the dp-cp group (``finish_grad_sync``; kind ``"dp"``, or
        ``"dp-cp"`` when cp > 1: CP ranks hold the same weights and saw different tokens); with MoE
-       (``moe_groups``), the expert weights (:func:`~course_lib.moe.transformer.is_expert_param`) are
+       (``moe_groups``), the expert weights (:func:`~course_lib.moe.layer.is_expert_param`) are
        left out of it and reduced by :func:`allreduce_expert_dp_grads` instead;
     2. with sequence parallelism, sum the LayerNorm (and row-parallel bias) gradients over TP;
     3. sum the tied word-embedding gradient over the embedding group (first + last stage).
 
     ``config``: the run's validated layout (``groups`` were built from its grid); ``moe_groups``: the
-    run's :class:`~course_lib.moe.transformer.MoEGroups` (None: a dense model).
+    run's :class:`~course_lib.process_groups.MoEGroups` (None: a dense model).
     """
     params = [p for _, p in unique_named_params(chunks)]
     if moe_groups is not None:

@@ -1,4 +1,4 @@
-"""The dense and expert grids of course_lib.moe.grid against Megatron-core itself.
+"""The dense and expert grids of course_lib.topology.RankGrid against Megatron-core itself.
 
 * every layout (tp, pp, cp, ep, expert_tp) of every world up to 16 ranks in 4 orders, and of
   24, 32, 48 and 64 ranks in Megatron's default order: the single-axis groups equal
@@ -21,7 +21,7 @@ from unittest import mock
 import pytest
 
 from course_lib import rules
-from course_lib.moe.grid import EXPERT_TOKENS, MoEGrid, expert_groups
+from course_lib.topology import EXPERT_TOKENS, MEGATRON_EXPERT_GROUPS, RankGrid
 from course_lib.rules import divisors
 
 # The dense test's orders (tests/topology/test_topology.py), with ep placed where Megatron's default has it.
@@ -79,7 +79,7 @@ def test_every_layout_equals_megatron_rank_generator(order, worlds):
     for world, tp, pp, cp, ep, etp in layouts(worlds):
         ok = megatron_accepts(world, tp, pp, cp, ep, etp, order)
         try:
-            grid = MoEGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, order=order)
+            grid = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, order=order)
         except ValueError:
             assert not ok, ("we refuse what Megatron accepts", world, tp, pp, cp, ep, etp, order)
             continue
@@ -89,7 +89,7 @@ def test_every_layout_equals_megatron_rank_generator(order, worlds):
         if (world, tp, pp, cp) not in seen_dense:
             seen_dense.add((world, tp, pp, cp))
             for token in DENSE_TOKENS:
-                assert grid.dense_groups(token) == megatron_ranks(tp, 1, grid.dp, pp, cp, order, token), \
+                assert grid.groups(token) == megatron_ranks(tp, 1, grid.dp, pp, cp, order, token), \
                     (world, tp, pp, cp, order, token)
         if (world, etp, ep, pp) not in seen_expert:
             seen_expert.add((world, etp, ep, pp))
@@ -147,14 +147,14 @@ def test_megatron_initialize_model_parallel_builds_our_groups_and_refuses_our_re
     for world, tp, pp, cp, ep, etp, order in cases:
         made = megatron_initialize(world, tp, pp, cp, ep, etp, order)
         try:
-            grid = MoEGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, order=order)
+            grid = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp, order=order)
         except ValueError as e:
             assert isinstance(made, Exception), (world, tp, pp, cp, ep, etp, order, str(e))
             refused += 1
             continue
         assert not isinstance(made, Exception), (world, tp, pp, cp, ep, etp, order, made)
         for desc, (which, token) in MEGATRON_GROUP_OF.items():
-            ours = grid.dense_groups(token) if which == "dense" else grid.expert_groups(token)
+            ours = grid.groups(token) if which == "dense" else grid.expert_groups(token)
             assert made[desc] == ours, (world, tp, pp, cp, ep, etp, order, desc)
     assert 0 < refused < len(cases)
 
@@ -163,18 +163,23 @@ def test_megatron_initialize_model_parallel_builds_our_groups_and_refuses_our_re
 
 
 def test_ep_does_not_shrink_dense_dp_and_cp_folds_into_expert_groups():
-    g = MoEGrid(8, tp=2, pp=2, ep=2, expert_tp=1)
+    g = RankGrid(8, tp=2, pp=2, ep=2, expert_tp=1)
     assert (g.dp, g.expert_dp) == (2, 2)
-    assert g.dense_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # as if ep were 1
+    assert g.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # as if ep were 1
     assert g.expert_groups("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert g.local_experts(3, num_experts=8) == [4, 5, 6, 7]
     # TP2 × CP2 × EP2 on 8 ranks: expert TP = 2, EP over the CP ranks, expert DP 1
-    out = expert_groups(8, tp=2, pp=2, cp=2, ep=2)
+    g = RankGrid(8, tp=2, pp=2, cp=2, ep=2)
+    out = {token: g.expert_groups(token) for token in EXPERT_TOKENS}
     assert out["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]] and out["dp"] == [[r] for r in range(8)]
-    assert out["tp-ep-pp"] == [list(range(8))] and set(out) == set(EXPERT_TOKENS)
+    assert out["tp-ep-pp"] == [list(range(8))]
+    # every expert group Megatron builds is one of ours, under the name of Megatron's global
+    for desc, (which, token) in MEGATRON_GROUP_OF.items():
+        if which == "expert":
+            assert MEGATRON_EXPERT_GROUPS[token][0] == "_" + desc
     # EP4 with 4 ranks of dense DP: every rank is its own expert-DP group
-    g = MoEGrid(4, ep=4)
-    assert g.dp == 4 and g.expert_dp == 1 and g.dense_groups("dp") == [[0, 1, 2, 3]]
+    g = RankGrid(4, ep=4)
+    assert g.dp == 4 and g.expert_dp == 1 and g.groups("dp") == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -184,19 +189,19 @@ def test_ep_does_not_shrink_dense_dp_and_cp_folds_into_expert_groups():
     (dict(world_size=8, expert_tp=0), r"expert-tensor-parallel-size=0 must be an integer >= 1"),
     (dict(world_size=8, tp=3), r"not divisible by tensor-model-parallel-size=3"),
     (dict(world_size=8, ep=2, order="tp-dp-pp"), r"'ep' is missing from order='tp-dp-pp'; add it"),
-    (dict(world_size=8, tp=2, pp=2, cp=2, order="tp-cp-pp-ep-dp"), r"must be equal \(Megatron asserts it\)"),
+    (dict(world_size=8, tp=2, pp=2, cp=2, expert_tp=2, order="tp-cp-pp-ep-dp"), r"must be equal \(Megatron asserts it\)"),
     (dict(world_size=16, tp=2, pp=2, cp=2, ep=2, expert_tp=2, order="tp-cp-pp-ep-dp"),
      r"different pipeline groups"),
 ])
 def test_refusals_are_one_line_and_name_the_flags(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
-        MoEGrid(**kwargs)
+        RankGrid(**kwargs)
     assert "\n" not in str(info.value)
 
 
 def test_local_experts_refuses_experts_not_divisible_by_ep():
     with pytest.raises(ValueError, match=r"num-experts=6 is not divisible by expert-model-parallel-size=4") as e:
-        MoEGrid(4, ep=4).local_experts(0, 6)
+        RankGrid(4, ep=4).local_experts(0, 6)
     with pytest.raises(ValueError) as rule:
         rules.moe_experts(6, 4)
     assert str(e.value) == str(rule.value)  # the rule book's rule, one message
@@ -206,14 +211,14 @@ def test_expert_placement_says_who_holds_which_experts_and_where_the_all_to_all_
     from course_lib.moe.plots import expert_placement, expert_placement_html
 
     # order tp-cp-ep-dp-pp, first axis fastest. expert TP 1: EP is the fastest axis, neighbours swap tokens.
-    rows = expert_placement(MoEGrid(8, tp=2, ep=2, expert_tp=1), num_experts=4)
+    rows = expert_placement(RankGrid(8, tp=2, ep=2, expert_tp=1), num_experts=4)
     assert [r["ranks"] for r in rows] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert all(r["experts"] == [[0, 1], [2, 3]] for r in rows)
     # expert TP 2 (= tp): the TP pair 0,1 shares experts 0,1 (each a shard); EP strides over the TP pairs.
-    rows = expert_placement(MoEGrid(8, tp=2, ep=2), num_experts=4)
+    rows = expert_placement(RankGrid(8, tp=2, ep=2), num_experts=4)
     assert [r["ranks"] for r in rows] == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert rows[0]["experts"] == rows[1]["experts"] == [[0, 1], [2, 3]]
-    html = expert_placement_html(MoEGrid(8, tp=2, ep=2), 4)
+    html = expert_placement_html(RankGrid(8, tp=2, ep=2), 4)
     assert "<td>[0, 2]</td>" in html and "0: [0, 1] 2: [2, 3]" in html and "expert TP 2" in html
     with pytest.raises(ValueError, match="num-experts"):
-        expert_placement(MoEGrid(8, ep=4), num_experts=6)
+        expert_placement(RankGrid(8, ep=4), num_experts=6)

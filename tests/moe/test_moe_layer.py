@@ -8,14 +8,18 @@ tokens × top-k × hidden elements each way, forward and backward; a misrouted d
 skipped (or wrong-group) expert-DP reduction are caught.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 
+import course_lib.moe.layer as moe_layer
 from course_lib.comm import CommRecorder, summarize
 from course_lib.launch import launch
-from course_lib.moe.grid import MoEGrid
-from course_lib.moe.layer import MoELayer, make_master_weights, new_moe_groups, reduce_moe_grads
+from course_lib.moe.layer import MoELayer, make_master_weights, reduce_moe_grads
 from course_lib.moe.router import route, switch_load_balancing_loss
+from course_lib.process_groups import new_moe_process_groups
+from course_lib.topology import RankGrid
 
 WORLD, TOKENS, HIDDEN, FFN, EXPERTS, TOPK = 4, 12, 8, 16, 8, 2
 COEFFS = dict(moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001)
@@ -30,24 +34,33 @@ def grads(layer):
     return {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
+def misrouted(all_to_all_uneven):
+    """A dispatch that delivers rows to the wrong experts: the received rows reversed (the combine
+    returns each output to the row it came from, so every token gets another token's expert output)."""
+    def dispatch(x, group, output_splits, input_splits, source):
+        y = all_to_all_uneven(x, group, output_splits, input_splits, source)
+        return y.flip(0) if source == "moe_dispatch" else y
+    return dispatch
+
+
 def _run_moe_on_ranks():
     import torch.distributed as dist
     rank, master, out = dist.get_rank(), make_master_weights(HIDDEN, EXPERTS, FFN), {}
-    for name, ep, send_order in (("ep2", 2, None), ("ep4", 4, None), ("ep4-misrouted", 4, [1, 0, 2, 3])):
-        grid = MoEGrid(WORLD, ep=ep)
-        groups = new_moe_groups(grid, timeout=60)
-        layer = MoELayer(master, moe_router_topk=TOPK, ep_group=groups["ep"], send_order=send_order, **COEFFS)
+    for name, ep, wrong_route in (("ep2", 2, False), ("ep4", 4, False), ("ep4-misrouted", 4, True)):
+        groups = new_moe_process_groups(RankGrid(WORLD, ep=ep), timeout=60)
+        layer = MoELayer(master, moe_router_topk=TOPK, ep_group=groups.ep, **COEFFS)
         x, dy = rank_tokens(rank)
         x.requires_grad_(True)
-        with CommRecorder() as rec:
+        route_with = misrouted(moe_layer.all_to_all_uneven) if wrong_route else moe_layer.all_to_all_uneven
+        with CommRecorder() as rec, mock.patch.object(moe_layer, "all_to_all_uneven", route_with):
             y, aux = layer(x)
             ((y * dy).sum() + aux).backward()
         before = grads(layer)
-        reduce_moe_grads(layer, groups["dp"], groups["expert_dp"])
+        reduce_moe_grads(layer, groups.dp_cp, groups.expert_dp)
         after = grads(layer)
         for p, g in zip(layer.parameters(), before.values()):  # the wrong reduction: experts over dense DP
             p.grad = g.clone()
-        reduce_moe_grads(layer, groups["dp"], groups["dp"])
+        reduce_moe_grads(layer, groups.dp_cp, groups.dp_cp)
         out[name] = dict(y=y.detach(), aux=aux.detach(), dx=x.grad, before=before, after=after,
                          wrong_group=grads(layer), experts=layer.local_expert_indices,
                          events=[e for e in rec.events if e.op == "all_to_all"])

@@ -7,7 +7,7 @@ same master weights (``GPTConfig.seed``); each dense data-parallel replica gets 
 the reference is one process running every replica's batch. Checked per configuration:
 
 * logits, the gradient that reaches the embedding output (the model's input grads) and, after
-  ``finalize_moe_grads`` (dense grads over DP, expert grads over expert DP), every parameter's
+  the trainer's ``finalize_model_grads`` (dense grads over DP, expert grads over expert DP), every parameter's
   gradient, gathered whole, equal the reference (tight tolerance);
 * three SGD steps: the loss equals one process within 1e-4 relative at every step;
 * ``track_moe_metrics`` (the logged ``load_balancing_loss``) equals the reference's mean;
@@ -15,20 +15,24 @@ the reference is one process running every replica's batch. Checked per configur
 * misrouted tokens, a skipped expert-DP reduction and experts reduced over the dense DP group fail.
 """
 
+import dataclasses
 import functools
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import course_lib.moe.transformer as moe_transformer
 from course_lib import comm
 from course_lib.comm import CommRecorder
 from course_lib.launch import launch
 from course_lib.model import GPTConfig, GPTModel, build_model, gather_full_parameters, gpt_loss
-from course_lib.moe.transformer import (MoEGroups, finalize_moe_grads, moe_modules, new_moe_process_groups,
-                                        set_aux_loss_scale, track_moe_metrics)
-from course_lib.process_groups import new_process_groups
-from course_lib.topology import RankGrid
+from course_lib.moe.transformer import moe_modules, set_aux_loss_scale, track_moe_metrics
+from course_lib.process_groups import new_moe_process_groups, new_process_groups
+from course_lib.topology import ParallelConfig
+from course_lib.training.finalize_model_grads import finalize_model_grads
+from helpers import group_of_one
 
 BASE = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, num_experts=8,
             moe_router_topk=2, moe_ffn_hidden_size=48, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=0.001,
@@ -92,35 +96,41 @@ def _step(chunks, groups, tokens, labels, keep_input_grad):
     return loss, logits, (grabbed["x"][0].grad.clone() if "x" in grabbed else None)
 
 
+def misrouted(all_to_all_uneven):
+    """A dispatch that delivers rows to the wrong experts: the received rows reversed."""
+    def dispatch(x, group, output_splits, input_splits, source):
+        y = all_to_all_uneven(x, group, output_splits, input_splits, source)
+        return y.flip(0) if source == "moe_dispatch" else y
+    return dispatch
+
+
 def _run_layouts(layouts):
     rank, world, out = dist.get_rank(), dist.get_world_size(), {}
-    for name, (sizes, changes, misrouted) in layouts.items():
-        config, grid = config_of(changes), RankGrid(world, **sizes)
+    for name, (sizes, changes, wrong_route) in layouts.items():
+        config, layout = config_of(changes), ParallelConfig(world, **sizes, sequence_parallel=sizes.get("tp", 1) > 1)
+        grid, sp = layout.grid, layout.sequence_parallel
         groups, moe_groups = new_process_groups(grid, timeout=60), new_moe_process_groups(grid, timeout=60)
-        sp = grid.tp > 1
         chunks = build_model(config, groups, sequence_parallel=sp, moe_groups=moe_groups)
-        if misrouted:
-            for m in moe_modules(chunks):
-                m.send_order = [1, 0] + list(range(2, m.ep))
+        route_with = misrouted(moe_transformer.all_to_all_uneven) if wrong_route else moe_transformer.all_to_all_uneven
         replica = groups.coords["dp"]
         wrong = [w for w, real in (("skipped", grid.expert_dp > 1),
-                                   ("over_dense_dp", grid.expert_groups("dp") != grid.moe.dense_groups("dp-cp"))) if real]
+                                   ("over_dense_dp", grid.expert_groups("dp") != grid.groups("dp-cp"))) if real]
         held = {id(p): p for p in chunks[0].parameters()}.values()
         numel = {"expert": sum(p.numel() for p in held if hasattr(p, "expert_partition_dim"))}
         numel["dense"] = sum(p.numel() for p in held) - numel["expert"]
         res = dict(numel=numel, coords=groups.coords, wrong=wrong, tp_rank=groups.coords["tp"], post=chunks[0].post_process,
                    pre=chunks[0].pre_process, losses=[], local_experts=[m.local_expert_indices for m in moe_modules(chunks)])
-        for step in range(1 if misrouted else STEPS):
+        for step in range(1 if wrong_route else STEPS):
             tokens, labels = batch(replica, step)
             for p in chunks[0].parameters():
                 p.grad = None
-            with CommRecorder() as rec:
+            with CommRecorder() as rec, mock.patch.object(moe_transformer, "all_to_all_uneven", route_with):
                 loss, logits, dx = _step(chunks, groups, tokens, labels, keep_input_grad=step == 0)
-            if misrouted:
+            if wrong_route:
                 res["logits"] = None if logits is None else comm.all_gather(logits, groups.tp, dim=2, kind="tp")
                 break
             raw = {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
-            finalize_moe_grads(chunks, groups, moe_groups, sequence_parallel=sp)
+            finalize_model_grads(chunks, groups, layout, moe_groups)
             metrics, line = track_moe_metrics(chunks, moe_groups)
             mean_loss = torch.tensor([0.0 if loss is None else loss.item()], dtype=torch.float64)
             comm.all_reduce(mean_loss, moe_groups.dp_cp, kind="dp")
@@ -131,13 +141,11 @@ def _run_layouts(layouts):
                            grads=gather_full_parameters(chunks, groups, grads=True),
                            events=[e for e in rec.events if e.op == "all_to_all" and e.source != "moe_token_counts"])
                 # the two wrong reductions, from the same raw grads: experts not reduced, experts over dense DP
-                for wrong, expert_dp in (("skipped", _group_of_one(world)), ("over_dense_dp", moe_groups.dp_cp)):
+                for wrong, expert_dp in (("skipped", group_of_one()), ("over_dense_dp", moe_groups.dp_cp)):
                     for n, p in chunks[0].named_parameters():
                         if n in raw:
                             p.grad = raw[n].clone()
-                    fields = {f: getattr(moe_groups, f) for f in MoEGroups.FIELDS}
-                    finalize_moe_grads(chunks, groups, MoEGroups(moe_groups.grid, **{**fields, "expert_dp": expert_dp}),
-                                       sequence_parallel=sp)
+                    finalize_model_grads(chunks, groups, layout, dataclasses.replace(moe_groups, expert_dp=expert_dp))
                     res[wrong] = gather_full_parameters(chunks, groups, grads=True)
             with torch.no_grad():
                 for p in chunks[0].parameters():
@@ -145,19 +153,6 @@ def _run_layouts(layouts):
         out[name] = res
     dist.barrier()
     return out
-
-
-_ONE = {}
-
-
-def _group_of_one(world):
-    """A group holding only this rank (every rank creates all of them, once)."""
-    if "g" not in _ONE:
-        for r in range(world):
-            g = dist.new_group([r], timeout=__import__("datetime").timedelta(seconds=60))
-            if r == dist.get_rank():
-                _ONE["g"] = g
-    return _ONE["g"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -311,7 +306,7 @@ def test_trainer_flags_reach_the_model_and_bad_layouts_are_one_line_errors():
 
 
 def test_moe_layer_freq_follows_megatron():
-    from course_lib.moe.transformer import moe_layer_pattern, parse_moe_layer_freq
+    from course_lib.moe.pattern import moe_layer_pattern, parse_moe_layer_freq
 
     assert moe_layer_pattern(6, 1) == [1] * 6 and moe_layer_pattern(6, 4) == [1, 0, 0, 0, 1, 0]
     assert parse_moe_layer_freq("([1]*3+[0]*1)*3") == [1, 1, 1, 0] * 3 and parse_moe_layer_freq("2") == 2

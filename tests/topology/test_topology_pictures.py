@@ -198,7 +198,7 @@ def test_cli_bad_config_is_one_line_and_nonzero(capsys, monkeypatch):
     monkeypatch.setitem(main_mod.COMMANDS, "rankmap", ("course_lib.topology.cli", "rank map"))
     for argv, msg in [(["--tp", "3"], "world_size=8 is not divisible by tensor-model-parallel-size=3"),
                       (["--tp", "2", "--cp", "2", "--order", "tp-dp-pp"], "'cp' is missing from order"),
-                      (["--highlight", "8"], "rank=8 is outside the grid"),
+                      (["--highlight", "8"], "rank=8 must be an integer in 0..7 for world_size=8"),
                       (["--out", "map.gif"], "use a .svg, .png, .pdf or .dot file name")]:
         code = main_mod.main(["rankmap", "--world-size", "8", *argv])
         err = capsys.readouterr().err

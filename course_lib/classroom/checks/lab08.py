@@ -1,7 +1,7 @@
 """Checkers for Lab 08's exercises (Mixture of Experts: the expert groups, the all-to-all dispatch, the aux loss).
 
 Each checker runs the student's function on many settings, compares with an
-independent reference (:class:`course_lib.moe.grid.MoEGrid`, the single-process
+independent reference (:class:`course_lib.topology.RankGrid`'s expert grid, the single-process
 :class:`course_lib.moe.layer.MoELayer`, :func:`course_lib.moe.router.switch_load_balancing_loss`),
 prints one verdict line and, when wrong, the most specific hint it can find. A
 function that still raises ``NotImplementedError`` gets a "not attempted yet" line;
@@ -22,10 +22,9 @@ from course_lib.classroom.checks import is_course_answer, not_attempted, raised_
 from course_lib.classroom.checks.verdicts import (course_code_hint, describe_ops, launch_checked,
                                         run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
-from course_lib.moe.grid import MoEGrid, rank_groups
 from course_lib.moe.layer import MoELayer, make_master_weights
 from course_lib.moe.router import route, switch_load_balancing_loss
-from course_lib.topology import DEFAULT_ORDER, parse_order
+from course_lib.topology import DEFAULT_ORDER, RankGrid, parse_order, rank_groups
 
 __all__ = ["check_expert_groups_of", "check_dispatch", "check_aux_loss", "EXPERT_LAYOUTS", "layout_of",
            "dispatch_inputs"]
@@ -99,11 +98,11 @@ def _wrong_models(world, tp, pp, cp, ep, etp):
         "you numbered EP fastest: Megatron's order is tp-cp-ep-dp-pp, so expert TP varies fastest, then EP, "
         "then expert DP, then PP",
         {"ep": rank_groups(ep_first, sizes, "ep"), "expert_dp": rank_groups(ep_first, sizes, "dp")}))
-    dense = MoEGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp)
+    dense = RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp)
     models.append((
         "that is a dense group: the dense DP group (with CP) keeps all world/(tp·pp) ranks; the expert layers "
         "carve it into EP (who shares the experts out) and expert DP (who holds the same experts)",
-        {"ep": dense.dense_groups("dp-cp"), "expert_dp": dense.dense_groups("dp-cp")}))
+        {"ep": dense.groups("dp-cp"), "expert_dp": dense.groups("dp-cp")}))
     return models
 
 
@@ -127,10 +126,10 @@ def check_expert_groups_of(fn) -> bool:
         return False
     checked = 0
     for layout in EXPERT_LAYOUTS:
-        grid = MoEGrid(*layout[:1], tp=layout[1], pp=layout[2], cp=layout[3], ep=layout[4], expert_tp=layout[5])
+        grid = RankGrid(*layout[:1], tp=layout[1], pp=layout[2], cp=layout[3], ep=layout[4], expert_tp=layout[5])
         for rank in range(layout[0]):
             call = f"expert_groups_of({rank}, {layout_of(*layout)})"
-            run = run_student(fn, rank, layout_of(*layout), references=(MoEGrid,))
+            run = run_student(fn, rank, layout_of(*layout), references=(RankGrid.expert_order.fget,))
             if run.todo:
                 return not_attempted("expert_groups_of")
             if run.problem():
@@ -216,7 +215,7 @@ def _dispatch_rank(fn):
     rank = dist.get_rank()
     outcome = []
     for ep in DISPATCH_EPS:
-        grid = MoEGrid(DISPATCH_WORLD, ep=ep)
+        grid = RankGrid(DISPATCH_WORLD, ep=ep)
         group, members = None, None
         for ranks in grid.expert_groups("ep"):
             g = dist.new_group(ranks)

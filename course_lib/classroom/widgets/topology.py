@@ -45,15 +45,14 @@ def group_table_html(grid: RankGrid, highlight: int | None = None) -> str:
 def expert_view(world_size: int, tp: int, pp: int, cp: int = 1, order: str = DEFAULT_ORDER, ep: int = 1,
                 expert_tp: int | None = None, num_experts: int = 8) -> dict | None:
     """The expert grid (Lab 08) for a layout: ``None`` when ``ep == 1`` and ``expert_tp`` is ``None`` or
-    ``tp`` (the dense view is the whole story), else ``{'grid': MoEGrid, 'table': HTML of who holds which
+    ``tp`` (the dense view is the whole story), else ``{'grid': RankGrid, 'table': HTML of who holds which
     experts and which ranks each all-to-all runs in, 'svg': the two-grids rank map}``. Bad sizes raise
-    the one-line ValueError of :class:`course_lib.moe.grid.MoEGrid` / ``rules.moe_experts``."""
+    the one-line ValueError of :class:`course_lib.topology.RankGrid` / ``rules.moe_experts``."""
     if ep == 1 and expert_tp in (None, tp):
         return None
-    from course_lib.moe.grid import MoEGrid
     from course_lib.moe.plots import expert_placement_html, plot_two_grids
 
-    grid = MoEGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp, order=order)
+    grid = RankGrid(world_size, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=expert_tp, order=order)
     return {"grid": grid, "table": expert_placement_html(grid, num_experts), "svg": _svg(plot_two_grids(grid))}
 
 
