@@ -74,22 +74,13 @@ from torch import nn
 
 from course_lib import comm, rules
 from course_lib.context_parallel.attention import build_layer
-from course_lib.data.tokenizer import vocab_size_with_padding
 from course_lib.process_groups import ProcessGroups
 from course_lib.tensor_parallel import (ColumnParallelLinear, DenseTransformerLayer, TransformerConfig,
                                         VocabParallelEmbedding, copy_dense_to_parallel, is_tensor_parallel,
                                         scatter_to_sequence_parallel_region, vocab_parallel_cross_entropy)
 
 __all__ = ["GPTConfig", "GPTModel", "GPTChunk", "build_model", "layer_ranges", "gpt_loss", "sync_tied_embeddings",
-           "allreduce_embedding_grads", "master_name", "padded_vocab_size", "gather_full_parameters"]
-
-
-def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
-                      tensor_model_parallel_size: int = 1) -> int:
-    """Megatron's padded vocabulary: ``vocab_size`` rounded up to a multiple of
-    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (257 -> 384 for TP 1, 512 for TP 2;
-    :func:`course_lib.data.vocab_size_with_padding`)."""
-    return vocab_size_with_padding(vocab_size, tensor_model_parallel_size, make_vocab_size_divisible_by)
+           "allreduce_embedding_grads", "master_name", "gather_full_parameters"]
 
 
 @dataclass(frozen=True)
@@ -167,7 +158,7 @@ class GPTConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.vocab_size, self.make_vocab_size_divisible_by, self.vocab_padding_tp)
+        return rules.vocab_size_with_padding(self.vocab_size, self.vocab_padding_tp, self.make_vocab_size_divisible_by)
 
     def transformer_config(self, sequence_parallel: bool = False) -> TransformerConfig:
         return TransformerConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,

@@ -35,34 +35,46 @@ Values
   * :func:`removed_flag` -- a flag Megatron-LM removed is refused in Megatron's own words
     (``--model-parallel-size``): trainer.
 Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
-  * :func:`data_parallel_size` -- ``world % (tp·pp·cp) == 0``, DP derived:
-    ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``.
+  * :func:`data_parallel_size` -- ``world % (tp·pp·cp) == 0``, DP derived (with Megatron
+    0.9-0.13's encoder ranks, ``world % ((tp·pp + encoder_tp·encoder_pp)·cp)``):
+    ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``,
+    the sweep, the corpus's facts, the log parser (``megatron.logs``).
   * :func:`order_ends_with_pp` -- with pp > 1 and cp > 1 the rank order ends in ``pp``: ``ParallelConfig``.
   * :func:`heads_divisible_by_tp` -- ``num_attention_heads % tp == 0``: ``ParallelConfig`` (trainer,
     planner, megatron-cmd, rankmap), ``ParallelSelfAttention``, ``build_model``,
     ``tensor_parallel.memory``, ``activation_memory``, the sizing formulas.
   * :func:`query_groups` -- ``num_query_groups % tp == 0`` and ``heads % groups == 0``:
     ``ParallelConfig``, ``sizing.comm``.
+  * :func:`heads_divisible_by_groups` -- ``num_attention_heads % num_query_groups == 0`` (GQA):
+    :func:`query_groups`, ring attention (``context_parallel.ring``).
+  * :func:`heads_divisible_by_cp` -- all-to-all (Ulysses) CP splits the heads and the query groups
+    over CP: ``context_parallel.ulysses``.
   * :func:`hidden_divisible_by_heads` -- ``hidden_size % num_attention_heads == 0``:
     ``ParallelConfig``, ``GPTConfig``, ``TransformerConfig``, ``activation_memory``, sizing.
-  * :func:`ffn_divisible_by_tp` -- ``ffn_hidden_size % tp == 0``: trainer, ``ParallelMLP``,
-    ``tensor_parallel.memory``, ``activation_memory``.
+  * :func:`tp_split` -- a dimension split evenly over TP (a column-parallel output, a
+    row-parallel input): ``ColumnParallelLinear``, ``RowParallelLinear``, ``tensor_parallel.memory``.
+  * :func:`ffn_divisible_by_tp` -- ``ffn_hidden_size % tp == 0`` (a :func:`tp_split`): trainer,
+    ``ParallelMLP``, ``tensor_parallel.memory``, ``activation_memory``.
+  * :func:`vocab_size_with_padding` -- Megatron's padded vocabulary (the next multiple of
+    ``make_vocab_size_divisible_by · tp``): ``GPTConfig``, ``data.vocab_size_with_padding``.
   * :func:`vocab_divisible_by_tp` -- the padded vocabulary splits evenly over TP: trainer,
-    planner, ``build_model``, ``sizing.flops``.
+    planner, ``build_model``, ``VocabParallelEmbedding``, ``sizing.flops``.
   * :func:`pipeline_split` -- ``num_layers % pp == 0``, or an explicit uneven split with
     ``decoder_first/last_pipeline_num_layers`` (each ``>= 1``, the rest even over the middle
-    stages); returns the layers per stage: ``ParallelConfig``, the sizing formulas.
+    stages); returns the layers per stage: ``ParallelConfig``, the sizing formulas,
+    ``pipeline.stages.layer_split``.
+  * :func:`pipeline_ranks` -- virtual stages ``pp · vpp``: ``pipeline.stages.layer_split``.
   * :func:`virtual_pipeline_size` -- one value from Megatron's three spellings of the
     interleaved schedule (``--num-layers-per-virtual-pipeline-stage`` is refused with an
     uneven split, as Megatron does); ``vpp == 1`` means no interleaving: trainer.
-  * :func:`virtual_pipeline` -- ``pp > 1`` and every stage's layers divisible by vpp:
-    ``ParallelConfig``.
+  * :func:`virtual_pipeline` -- ``pp > 1`` and every stage's layers divisible by vpp; returns the
+    layers per model chunk: ``ParallelConfig``, ``pipeline.stages.layer_split``.
   * :func:`interleaved_microbatch_group` -- the interleaved schedule's micro-batch groups
     (``num_microbatches % pp == 0`` by default): ``ParallelConfig`` (trainer, planner,
     megatron-cmd), ``pipeline.schedules.check_interleaved_config`` (bubbles, schedules).
   * :func:`sequence_split` -- ``seq_length % (2·cp) == 0`` (load-balanced causal CP; ``% cp``
     for the contiguous split): ``ParallelConfig``, ``context_parallel.zigzag`` (hence
-    ``data.cp_split``, ``build_model``), ``activation_memory``.
+    ``data.cp_split``, ``build_model``, the corpus's facts), ring attention, ``activation_memory``.
   * :func:`sequence_parallel` -- Megatron's policy: with tp = 1 sequence parallelism is turned
     off, and :data:`SP_WITHOUT_TP` says so in one line: ``ParallelConfig`` (trainer, planner,
     megatron-cmd).
@@ -70,7 +82,8 @@ Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``Transform
     ``ParallelConfig``, ``build_model``, ``activation_memory``, ``sizing.memory``/``comm``.
   * :func:`num_microbatches` -- ``m = global_batch_size / (micro_batch_size · dp)``, a whole
     number: ``ParallelConfig`` (trainer, planner, megatron-cmd), ``data.sampler``, the log
-    parser (``megatron.logs``).
+    parser (``megatron.logs``), the single-process reference (``train``), the memory estimate
+    (``training.arguments``), the corpus's facts.
   * :func:`cp_attention_dropout` -- ring attention has no dropout: trainer,
     ``ContextParallelSelfAttention``, ``activation_memory``.
 Mixture of experts (the expert grid itself: ``topology.RankGrid``, with ``ep`` / ``expert_tp``)
@@ -263,14 +276,25 @@ def _use_divisor(value: int, size_name: str) -> str:
 # ============================================================================ layout
 
 
-def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, *,
+                       encoder_tp: int = 0, encoder_pp: int = 0) -> int:
     """``world_size / (tp·pp·cp)``: the derived (dense) data-parallel size, a whole number (never a flag).
-    Expert parallelism does not divide it (the expert grid's: :func:`expert_data_parallel_size`)."""
+    Expert parallelism does not divide it (the expert grid's: :func:`expert_data_parallel_size`).
+
+    ``encoder_tp`` / ``encoder_pp``: Megatron-core 0.9-0.13's encoder ranks, which every replica
+    holds on top of the decoder's (``initialize_model_parallel``: ``(tp·pp + encoder_tp·encoder_pp)·cp``
+    ranks per replica); 0 when there is no encoder, as Megatron prints them."""
     world_size = integer("world_size", world_size)
     sizes = {a: integer(AXIS_FLAG[a], v) for a, v in (("tp", tp), ("pp", pp), ("cp", cp))}
-    model = math.prod(sizes.values())
+    encoder = integer("encoder-tensor-model-parallel-size", encoder_tp, 0) * integer(
+        "encoder-pipeline-model-parallel-size", encoder_pp, 0)
+    model = (sizes["tp"] * sizes["pp"] + encoder) * sizes["cp"]
     if world_size % model:
         parts = " × ".join(f"{AXIS_FLAG[a]}={v}" for a, v in sizes.items() if v > 1 or a in ("tp", "pp"))
+        if encoder:
+            parts = (f"(tensor-model-parallel-size={tp} × pipeline-model-parallel-size={pp} + encoder-tensor-model-"
+                     f"parallel-size={encoder_tp} × encoder-pipeline-model-parallel-size={encoder_pp})"
+                     + (f" × {AXIS_FLAG['cp']}={sizes['cp']}" if sizes["cp"] > 1 else ""))
         raise ValueError(f"world_size={world_size} is not divisible by {parts} = {model}; choose sizes whose "
                          f"product divides {world_size} ({DP} = world_size / product is derived)")
     return world_size // model
@@ -296,9 +320,30 @@ def query_groups(num_query_groups: int, num_attention_heads: int | None, tp: int
     if num_query_groups % tp:
         raise ValueError(f"num_query_groups={num_query_groups} is not divisible by {TP}={tp}; "
                          f"{_use_divisor(num_query_groups, TP)}")
-    if num_attention_heads is not None and num_attention_heads % num_query_groups:
+    if num_attention_heads is not None:
+        heads_divisible_by_groups(num_attention_heads, num_query_groups)
+
+
+def heads_divisible_by_groups(num_attention_heads: int, num_query_groups: int) -> int:
+    """Grouped-query attention shares each K/V head among ``num_attention_heads / num_query_groups``
+    query heads; returns that number."""
+    if num_attention_heads % num_query_groups:
         raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by num_query_groups="
                          f"{num_query_groups}; use num_query_groups from {_divisor_list(num_attention_heads)}")
+    return num_attention_heads // num_query_groups
+
+
+def heads_divisible_by_cp(num_attention_heads: int, num_query_groups: int, cp: int) -> int:
+    """All-to-all context parallelism (DeepSpeed-Ulysses, Megatron's ``--cp-comm-type a2a``) gives each
+    CP rank whole heads for the whole sequence: the query heads and the K/V heads (query groups)
+    split over CP. Returns the query heads per rank."""
+    for name, value, what in (("num_attention_heads", num_attention_heads, "heads"),
+                              ("num_query_groups", num_query_groups, "K/V heads")):
+        if value % cp:
+            raise ValueError(f"{name}={value} is not divisible by {CP}={cp}: all-to-all (Ulysses) attention "
+                             f"splits the {what} over the CP group; use the ring (cp_comm_type='p2p') or a "
+                             f"{CP} that divides {value} ({_divisor_list(value)})")
+    return num_attention_heads // cp
 
 
 def hidden_divisible_by_heads(hidden_size: int, num_attention_heads: int) -> int:
@@ -310,12 +355,30 @@ def hidden_divisible_by_heads(hidden_size: int, num_attention_heads: int) -> int
     return hidden_size // num_attention_heads
 
 
+def tp_split(name: str, size: int, tp: int) -> int:
+    """A dimension split evenly over TP -- a column-parallel layer's output features, a row-parallel
+    layer's input features (Megatron's ``divide`` in ``core/utils.py``); returns the size per rank."""
+    if size % tp:
+        raise ValueError(f"{name}={size} is not divisible by {TP}={tp}; use a multiple of {tp}, e.g. "
+                         f"{nearby_multiples(size, tp)}")
+    return size // tp
+
+
 def ffn_divisible_by_tp(ffn_hidden_size: int, tp: int) -> int:
     """The MLP's fc1 is column-parallel: ``ffn_hidden_size % tp == 0``; returns the columns per rank."""
-    if ffn_hidden_size % tp:
-        raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by {TP}={tp}; use an "
-                         f"ffn_hidden_size that is a multiple of {tp}, e.g. {nearby_multiples(ffn_hidden_size, tp)}")
-    return ffn_hidden_size // tp
+    return tp_split("ffn_hidden_size", ffn_hidden_size, tp)
+
+
+def vocab_size_with_padding(orig_vocab_size: int, tensor_model_parallel_size: int = 1,
+                            make_vocab_size_divisible_by: int = 128) -> int:
+    """Megatron's padded vocabulary (``_vocab_size_with_padding`` in ``megatron/training/tokenizer``):
+    ``orig_vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by ·
+    tensor_model_parallel_size`` (``--make-vocab-size-divisible-by``, default 128), so that the
+    vocab-parallel embedding splits evenly."""
+    orig = integer("orig_vocab_size", orig_vocab_size)
+    multiple = (integer("make_vocab_size_divisible_by", make_vocab_size_divisible_by)
+                * integer(TP, tensor_model_parallel_size))
+    return -(-orig // multiple) * multiple
 
 
 def vocab_divisible_by_tp(padded_vocab_size: int, tp: int) -> int:
@@ -394,8 +457,9 @@ def virtual_pipeline_size(num_layers: int, pp: int, *, virtual_pipeline_model_pa
     return None if value == 1 else value
 
 
-def virtual_pipeline(vpp: int, pp: int, layers_per_stage: list[int] | None) -> None:
-    """Interleaving needs pp > 1, and every stage's layers divide into ``vpp`` equal chunks."""
+def virtual_pipeline(vpp: int, pp: int, layers_per_stage: list[int] | None) -> list[int]:
+    """Interleaving needs pp > 1, and every stage's layers divide into ``vpp`` equal chunks;
+    returns the layers of one model chunk of each stage."""
     integer(VPP, vpp)
     if pp == 1:
         raise ValueError(f"{VPP}={vpp} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
@@ -403,6 +467,17 @@ def virtual_pipeline(vpp: int, pp: int, layers_per_stage: list[int] | None) -> N
         if n % vpp:
             raise ValueError(f"stage {stage} has {n} layers, not divisible by {VPP}={vpp}; use a "
                              f"{VPP} that divides {n} ({_divisor_list(n)})")
+    return [n // vpp for n in layers_per_stage or []]
+
+
+def pipeline_ranks(num_stages: int, vp_size: int) -> int:
+    """The pipeline ranks of ``num_stages`` virtual stages, ``vp_size`` model chunks each:
+    ``num_stages / vp_size``, a whole number."""
+    integer("num_stages", num_stages)
+    if num_stages % integer("vp_size", vp_size):
+        raise ValueError(f"num_stages={num_stages} is not divisible by vp_size={vp_size}; num_stages counts "
+                         f"the virtual stages, pp_size * vp_size")
+    return num_stages // vp_size
 
 
 def interleaved_microbatch_group(pp_size: int, num_microbatches: int, vp_size: int,

@@ -123,7 +123,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -411,101 +411,146 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
          "pipeline_events": [(action, stage, start, end)] of the last iteration,
          "memory": {"allocated", "max_allocated"} bytes (tracked), "coords": {...}, "num_parameters": int}
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if config is None:       # the ranks are running: their memory is already in use, not to be counted again
         args, config = validate_args(args, world, check_memory=False)
     elif config.world_size != world:
         raise ValueError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
     groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
     c = groups.coords
-    global_batch_size = config.effective_global_batch_size
     cuda = torch.cuda.is_available() and "nccl" in dist.get_backend()  # the launcher's is "cpu:gloo,cuda:nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if rank == 0:
-        for note in (*config.notes, *getattr(args, "sharding_notes", ())):
-            print_line(f"WARNING: {note}")
-        if print_args:
-            print_line(world_size_line(config.world_size, config.dp, config.cp, config.tp, config.pp))
-            for line in arguments_lines(vars(args)):
-                print_line(line)
-
+    _print_run_header(args, config, print_args)
     setup = setup_training(args, config, groups, device, finalize_model_grads_func=finalize_model_grads_func)
-    params = setup.params
-    num_parameters = setup.num_parameters
     if c["dp"] == 0 and c["cp"] == 0:
-        print_line(parameters_line(c["tp"], c["pp"], num_parameters))
+        print_line(parameters_line(c["tp"], c["pp"], setup.num_parameters))
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
     torch.manual_seed(args.seed + 100 * c["pp"])
-
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
-              "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": num_parameters}
-    total_loss, advanced, skipped_in_interval = 0.0, 0, 0
-    total_moe: dict = {}             # MoE losses summed over the interval (Megatron's total_loss_dict)
-    record["skipped"], record["loss_scale"], record["moe_losses"] = [], [], []
-    report_memory = True
-    peak_activation = 0
+              "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": setup.num_parameters,
+              "skipped": [], "loss_scale": [], "moe_losses": []}
+    _training_loop(args, setup, record, record_comm, cuda)
+    return record
+
+
+def _print_run_header(args: argparse.Namespace, config: ParallelConfig, print_args: bool) -> None:
+    """Rank 0: the layout's and the flags' warnings, then (``print_args``) Megatron's world-size
+    line and arguments block."""
+    if dist.get_rank() != 0:
+        return
+    for note in (*config.notes, *getattr(args, "sharding_notes", ())):
+        print_line(f"WARNING: {note}")
+    if print_args:
+        print_line(world_size_line(config.world_size, config.dp, config.cp, config.tp, config.pp))
+        for line in arguments_lines(vars(args)):
+            print_line(line)
+
+
+@dataclass
+class _Interval:
+    """Megatron's ``training_log`` accumulators over one logging interval: the LM and MoE losses
+    of the advanced iterations, the iterations run and skipped, and when the interval began."""
+
+    start: float
+    total_loss: float = 0.0
+    advanced: int = 0
+    skipped: int = 0
+    total_moe: dict = field(default_factory=dict)    # Megatron's total_loss_dict for the MoE losses
+
+    def add(self, step: dict) -> None:
+        self.skipped += step["skipped"]
+        if not step["skipped"]:                       # Megatron averages the advanced iterations only
+            if step["lm_loss"] is not None:
+                self.total_loss += step["lm_loss"]
+            for name, value in step["moe_losses"].items():
+                self.total_moe[name] = self.total_moe.get(name, 0.0) + value
+        self.advanced += 1
+
+    def averages(self) -> tuple[float, dict]:
+        """The LM loss and each MoE loss averaged over the advanced iterations."""
+        n = max(1, self.advanced - self.skipped)
+        return self.total_loss / n, {name: value / n for name, value in self.total_moe.items()}
+
+
+def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict, record_comm: bool,
+                   cuda: bool) -> None:
+    """``--train-iters`` iterations of :func:`train_step`, each recorded; every ``--log-interval``
+    (and the first) the iteration line, and the memory line at the first two logged iterations."""
+    peak_activation, report_memory = 0, True
     dist.barrier()
-    interval_start = time.perf_counter()
+    interval = _Interval(time.perf_counter())
     for iteration in range(1, args.train_iters + 1):
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
             step = train_step(setup, iteration)
         peak_activation = max(peak_activation, step["peak_bytes"])
-        loss, norm, lr = step["lm_loss"], step["grad_norm"], step["learning_rate"]
-        record["lm_loss"].append(loss)
-        record["grad_norm"].append(norm)
-        record["learning_rate"].append(lr)
-        record["elapsed_ms"].append((time.perf_counter() - it_start) * 1000.0)
-        if rec is not None:
-            kinds: dict = {}
-            for e in rec.events:
-                if e.op != "recv":
-                    kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
-            record["comm"] = kinds
-        record["pipeline_events"] = step["events"]
-        record["skipped"].append(step["skipped"])
-        record["moe_losses"].append(step["moe_losses"])
-        record["loss_scale"].append(step["loss_scale"])
-        skipped_in_interval += step["skipped"]
-        if loss is not None and not step["skipped"]:   # Megatron averages the advanced iterations only
-            total_loss += loss
-        if not step["skipped"]:
-            for name, value in step["moe_losses"].items():
-                total_moe[name] = total_moe.get(name, 0.0) + value
-        advanced += 1
+        _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
+        interval.add(step)
         first = iteration == 1
         if iteration % args.log_interval == 0 or first:
             dist.barrier()
-            elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
-            if rank == world - 1:
-                avg = total_loss / max(1, advanced - skipped_in_interval)
-                moe_avg = {name: value / max(1, advanced - skipped_in_interval) for name, value in total_moe.items()}
-                print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
-                                          elapsed_ms=elapsed_ms, learning_rate=lr,
-                                          global_batch_size=global_batch_size, lm_loss=avg, grad_norm=norm,
-                                          loss_scale=step["loss_scale"], skipped_iterations=skipped_in_interval,
-                                          extra_losses=moe_avg))
-                record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
-                                             learning_rate=lr, grad_norm=norm, **moe_avg))
+            _log_iteration(args, setup, record, iteration, interval, step)
             if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                total_loss, advanced, skipped_in_interval = 0.0, 0, 0
-                total_moe = {}
-                interval_start = time.perf_counter()
+                interval = _Interval(time.perf_counter())
             if report_memory:
-                sharded = state_bytes(setup.engine) if setup.engine is not None else None
-                held = (_bytes(params) + _bytes(p.grad for p in params) + setup.optimizer.state_bytes()
-                        if sharded is None else sharded["params"] + sharded["grads"] + sharded["optimizer"])
-                tracked = {"allocated": held, "max_allocated": held + peak_activation}
-                record["memory"] = tracked
-                if sharded is not None:
-                    record["state_bytes"] = sharded
-                if c["dp"] == 0:
-                    print_line(_memory_line(rank, iteration, tracked, cuda) + _state_fields(sharded))
-                if iteration > 1:
-                    report_memory = False
-    record.setdefault("memory", {"allocated": _bytes(params), "max_allocated": _bytes(params) + peak_activation})
+                _report_memory(setup, record, iteration, peak_activation, cuda)
+                report_memory = iteration == 1
+    record.setdefault("memory", {"allocated": _bytes(setup.params),
+                                 "max_allocated": _bytes(setup.params) + peak_activation})
     record["peak_activation_bytes"] = peak_activation
-    return record
+
+
+def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
+    """One iteration's values into the record; ``rec``: its :class:`course_lib.comm.CommRecorder`
+    (None when not recording), whose bytes per group kind replace the record's ``comm``."""
+    record["lm_loss"].append(step["lm_loss"])
+    record["grad_norm"].append(step["grad_norm"])
+    record["learning_rate"].append(step["learning_rate"])
+    record["elapsed_ms"].append(elapsed_ms)
+    if rec is not None:
+        kinds: dict = {}
+        for e in rec.events:
+            if e.op != "recv":
+                kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
+        record["comm"] = kinds
+    record["pipeline_events"] = step["events"]
+    record["skipped"].append(step["skipped"])
+    record["moe_losses"].append(step["moe_losses"])
+    record["loss_scale"].append(step["loss_scale"])
+
+
+def _log_iteration(args: argparse.Namespace, setup: TrainingSetup, record: dict, iteration: int,
+                   interval: _Interval, step: dict) -> None:
+    """The last rank prints Megatron's iteration line for the interval (time per iteration,
+    averaged losses, this step's learning rate and norm) and keeps it in ``record["logged"]``."""
+    elapsed_ms = (time.perf_counter() - interval.start) * 1000.0 / interval.advanced
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return
+    avg, moe_avg = interval.averages()
+    lr, norm = step["learning_rate"], step["grad_norm"]
+    global_batch_size = setup.config.effective_global_batch_size
+    print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
+                              elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
+                              lm_loss=avg, grad_norm=norm, loss_scale=step["loss_scale"],
+                              skipped_iterations=interval.skipped, extra_losses=moe_avg))
+    record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms, learning_rate=lr,
+                                 grad_norm=norm, **moe_avg))
+
+
+def _report_memory(setup: TrainingSetup, record: dict, iteration: int, peak_activation: int, cuda: bool) -> None:
+    """The bytes this rank holds (params, grads and optimizer state: the engine's measured shards
+    with the sharding flags) and at its peak (plus the activations); the first DP rank of each
+    model-parallel position prints Megatron's memory line."""
+    sharded = state_bytes(setup.engine) if setup.engine is not None else None
+    params = setup.params
+    held = (_bytes(params) + _bytes(p.grad for p in params) + setup.optimizer.state_bytes()
+            if sharded is None else sharded["params"] + sharded["grads"] + sharded["optimizer"])
+    tracked = {"allocated": held, "max_allocated": held + peak_activation}
+    record["memory"] = tracked
+    if sharded is not None:
+        record["state_bytes"] = sharded
+    if setup.groups.coords["dp"] == 0:
+        print_line(_memory_line(dist.get_rank(), iteration, tracked, cuda) + _state_fields(sharded))
 
 
 # ============================================================================ single-process reference
@@ -533,7 +578,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     one.micro_batch_size = args.global_batch_size          # one step = the whole global batch at once
     one.expert_model_parallel_size, one.expert_tensor_parallel_size = 1, None
     args, config = validate_args(one, world_size=1)
-    m = config.effective_global_batch_size // micro        # micro-batches (1 for a dense model)
+    m = rules.num_microbatches(config.effective_global_batch_size, micro, 1)   # 1 for a dense model
     model = GPTModel(gpt_config_from_args(args).with_(vocab_padding_tp=padding_tp))
     model.train()
     named = list(model.named_parameters())

@@ -10,10 +10,10 @@ import math
 import pytest
 import torch
 
-from course_lib.data import ByteTokenizer, cp_token_positions, get_batch, get_batch_on_this_cp_rank, get_global_batch
+from course_lib.data import (ByteTokenizer, cp_token_positions, get_batch, get_batch_on_this_cp_rank, get_global_batch,
+                             vocab_size_with_padding)
 from course_lib.launch import launch
-from course_lib.model import (GPTConfig, GPTModel, build_model, gather_full_parameters, gpt_loss, layer_ranges,
-                              padded_vocab_size)
+from course_lib.model import GPTConfig, GPTModel, build_model, gather_full_parameters, gpt_loss, layer_ranges
 from course_lib.process_groups import new_process_groups
 from course_lib.topology import ParallelConfig
 
@@ -23,9 +23,10 @@ MICRO, GLOBAL = 2, 8
 
 def test_vocabulary_is_padded_once_for_every_tp_size():
     assert ByteTokenizer.vocab_size == 257
-    assert padded_vocab_size(257) == 384 == CFG.padded_vocab_size       # 3 x 128: TP 1, 2, 4, 8 all divide it
-    assert padded_vocab_size(257, 4) == 260
-    assert padded_vocab_size(384, 128) == 384
+    assert vocab_size_with_padding(257) == 384 == CFG.padded_vocab_size  # 3 x 128: TP 1, 2, 4, 8 all divide it
+    assert vocab_size_with_padding(257, make_vocab_size_divisible_by=4) == 260
+    assert vocab_size_with_padding(384, make_vocab_size_divisible_by=128) == 384
+    assert GPTConfig(vocab_padding_tp=2).padded_vocab_size == vocab_size_with_padding(257, 2) == 512
 
 
 def test_config_rejects_bad_sizes_in_one_line():

@@ -214,6 +214,27 @@ def test_layers_and_data_pipeline_apply_the_same_rules():
     assert _message(lambda: expected_saved_tensors(32, 1, 64, 8, cp=2, attention_dropout=0.1)) == dropout
 
 
+def test_cp_pipeline_vocab_and_encoder_rules_are_the_rule_book_s():
+    from course_lib.context_parallel.ring import ring_sends_per_layer
+    from course_lib.data import vocab_size_with_padding
+    from course_lib.pipeline.stages import layer_split
+
+    assert layer_split(8, 4, vp_size=2) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert _message(lambda: layer_split(8, 3, vp_size=2)) == _message(lambda: rules.pipeline_ranks(3, 2))
+    assert _message(lambda: layer_split(6, 4, vp_size=2)) == _message(lambda: rules.virtual_pipeline(2, 2, [3, 3]))
+    assert _message(lambda: ring_sends_per_layer(0)) == _message(lambda: rules.integer(rules.CP, 0))
+    assert rules.heads_divisible_by_cp(8, 4, 2) == 4 and rules.heads_divisible_by_groups(8, 2) == 4
+    assert _message(lambda: rules.query_groups(3, 8, 1)) == _message(lambda: rules.heads_divisible_by_groups(8, 3))
+    # one padding function behind the data package and the model
+    assert vocab_size_with_padding is rules.vocab_size_with_padding
+    assert GPTConfig(vocab_padding_tp=4).padded_vocab_size == rules.vocab_size_with_padding(257, 4) == 512
+    # Megatron-core 0.9-0.13: each replica also holds encoder_tp x encoder_pp ranks
+    assert rules.data_parallel_size(12, 2, 2, encoder_tp=1, encoder_pp=2) == 2
+    assert _message(lambda: rules.data_parallel_size(8, 2, 2, encoder_tp=1, encoder_pp=2)).startswith(
+        "world_size=8 is not divisible by (tensor-model-parallel-size=2 × pipeline-model-parallel-size=2 + "
+        "encoder-tensor-model-parallel-size=1 × encoder-pipeline-model-parallel-size=2) = 6; ")
+
+
 # ---------------------------------------------------------------------------- SP with TP = 1: one policy
 
 

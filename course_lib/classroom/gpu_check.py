@@ -152,10 +152,11 @@ def measure_mfu(precision: str, iters: int = 10) -> dict:
     code, log, text = run_trainer(flags, 1)
     if code != 0 or log.step_time_ms() is None:
         raise RuntimeError(f"the MFU run failed (exit {code}):\n{text[-3000:]}")
-    from course_lib.model import padded_vocab_size
+    from course_lib.rules import vocab_size_with_padding
 
     # the byte tokenizer's 257 symbols padded as the trainer pads them at TP 1 (Megatron's rule): 384
-    return dict(step_time=log.step_time_ms() / 1000, steps=len(log.iterations) - 1, vocab=padded_vocab_size(257))
+    return dict(step_time=log.step_time_ms() / 1000, steps=len(log.iterations) - 1,
+                vocab=vocab_size_with_padding(257))
 
 
 def model_flops(vocab: int) -> float:

@@ -56,9 +56,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from course_lib import comm
+from course_lib import comm, rules
 from course_lib.context_parallel.schedule import CAUSAL, FULL, step_blocks
-from course_lib.context_parallel.zigzag import LAYOUTS
+from course_lib.context_parallel.zigzag import _check_layout
 
 __all__ = ["attention_block", "merge_partials", "attention_block_backward", "ring_attention",
            "reference_attention", "kv_bytes_per_step", "ring_sends_per_layer"]
@@ -301,22 +301,14 @@ def _validate(q, k, v, cp_group, causal, layout, softmax_scale) -> None:
                          f"each rank passes the q, k, v of the same tokens")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"head dims differ: q has {q.shape[-1]}, k has {k.shape[-1]} (q·k needs equal head dims)")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"num_attention_heads={q.shape[1]} (q.shape[1]) is not divisible by "
-                         f"num_query_groups={k.shape[1]} (k.shape[1]); use a number of K/V heads that divides "
-                         f"{q.shape[1]}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown: use 'zigzag' (load-balanced, Megatron's) or 'contiguous'")
+    rules.heads_divisible_by_groups(q.shape[1], k.shape[1])      # q: [b, np, ..], k: [b, ng, ..]
+    _check_layout(layout)
     if not isinstance(causal, bool):
         raise ValueError(f"causal={causal!r} must be True or False")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
         raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive number or None (1/sqrt(head_dim))")
     cp = dist.get_world_size(cp_group)
-    s_local = q.shape[2]
-    if layout == "zigzag" and s_local % 2:
-        raise ValueError(f"local sequence length {s_local} is odd: the zigzag split gives each rank 2 chunks, "
-                         f"so the full sequence ({s_local}*cp={s_local * cp}) must be divisible by 2*cp={2 * cp}; "
-                         f"pad it, or use layout='contiguous'")
+    rules.sequence_split(q.shape[2] * cp, cp, layout)     # the whole sequence: 2·cp chunks when zigzag
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_group, *, causal: bool = False,
@@ -351,6 +343,5 @@ def ring_sends_per_layer(cp_size: int) -> dict:
     """Point-to-point sends per rank for one attention layer: ``{"fwd": 2(cp−1), "bwd": 4(cp−1)}``.
 
     Forward: K and V, ``cp−1`` steps each. Backward: K, V, dK, dV, ``cp−1`` steps each."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"context-parallel-size={cp_size!r} must be an integer >= 1")
+    rules.integer(rules.CP, cp_size)
     return {"fwd": 2 * (cp_size - 1), "bwd": 4 * (cp_size - 1)}

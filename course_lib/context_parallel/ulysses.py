@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from course_lib import comm
+from course_lib import comm, rules
 from course_lib.context_parallel.ring import _validate
 from course_lib.context_parallel.zigzag import token_positions
 
@@ -93,17 +93,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_grou
     _validate(q, k, v, cp_group, causal, layout, softmax_scale)
     cp = dist.get_world_size(cp_group)
     np_, ng = q.shape[1], k.shape[1]
-    if np_ % cp:
-        raise ValueError(f"num_attention_heads={np_} is not divisible by context-parallel-size={cp}: all-to-all "
-                         f"(Ulysses) attention splits the heads over the CP group; use the ring "
-                         f"(cp_comm_type='p2p') or a cp that divides {np_}")
-    if ng % cp:
-        raise ValueError(f"num_query_groups={ng} is not divisible by context-parallel-size={cp}: all-to-all "
-                         f"(Ulysses) attention splits the K/V heads over the CP group; use the ring "
-                         f"(cp_comm_type='p2p') or a cp that divides {ng}")
+    rules.heads_divisible_by_cp(np_, ng, cp)
     s_local = q.shape[2]
     qh, kh, vh = (seq_to_head_all_to_all(t, cp_group) for t in (q, k, v))      # [b, heads/cp, s, d]
-    rep = np_ // ng
+    rep = rules.heads_divisible_by_groups(np_, ng)
     kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale                      # [b, np/cp, s, s]

@@ -26,6 +26,8 @@ import json
 from pathlib import Path
 
 from course_lib import rules
+from course_lib.context_parallel.zigzag import chunks_for_rank, num_chunks
+from course_lib.topology.grid import RankGrid
 
 PROSE_PATH = Path(__file__).with_name("prose.txt")
 
@@ -35,12 +37,17 @@ _POW2 = (1, 2, 4, 8)
 _SENTENCES_PER_DOC = 6  # many short documents: Megatron's --split works on whole documents
 
 
-def _divides(a: int, b: int) -> bool:
-    return b % a == 0
-
-
 def _chunk(sentences: list[str], n: int = _SENTENCES_PER_DOC) -> list[str]:
     return [" ".join(sentences[i:i + n]) for i in range(0, len(sentences), n)]
+
+
+def _ruled(rule, *args):
+    """What ``rule(*args)`` (a :mod:`course_lib.rules` check) returns, or None when it refuses the
+    values: the facts state the course's rules, so they are decided by them."""
+    try:
+        return rule(*args)
+    except ValueError:
+        return None
 
 
 def _dp_facts() -> list[str]:
@@ -51,10 +58,9 @@ def _dp_facts() -> list[str]:
         for tp in _POW2:
             for pp in _POW2:
                 for cp in (1, 2, 4):
-                    prod = tp * pp * cp
-                    if prod > world or not _divides(prod, world):
+                    dp = _ruled(rules.data_parallel_size, world, tp, pp, cp)
+                    if dp is None:
                         continue
-                    dp = world // prod
                     lines.append(
                         f"With {world} ranks, tensor parallel {tp}, pipeline parallel {pp} and context parallel "
                         f"{cp}, the data-parallel size is {world} / ({tp} x {pp} x {cp}) = {dp}.")
@@ -63,34 +69,22 @@ def _dp_facts() -> list[str]:
 
 
 def _rank_facts() -> list[str]:
-    """Megatron's default order tp-cp-dp-pp (tp fastest): coordinates and groups."""
+    """Megatron's default order tp-cp-dp-pp (tp fastest): coordinates and groups, from the rank grid."""
     docs = []
     for world, tp, pp, cp in ((8, 2, 2, 1), (8, 2, 2, 2), (8, 4, 1, 1), (8, 1, 4, 1), (16, 2, 4, 1),
                               (16, 4, 2, 1), (16, 2, 2, 2), (32, 4, 4, 1)):
-        dp = world // (tp * pp * cp)
-        name = f"{world} ranks with tensor parallel {tp}, pipeline parallel {pp}, context parallel {cp} and data parallel {dp}"
-        coords = {}
-        for rank in range(world):
-            t = rank % tp
-            c = (rank // tp) % cp
-            d = (rank // (tp * cp)) % dp
-            p = rank // (tp * cp * dp)
-            coords[rank] = (t, c, d, p)
+        grid = RankGrid(world, tp=tp, pp=pp, cp=cp)
+        name = (f"{world} ranks with tensor parallel {tp}, pipeline parallel {pp}, context parallel {cp} and data "
+                f"parallel {grid.dp}")
         lines = [f"Take {name}."]
-        for rank, (t, c, d, p) in coords.items():
-            lines.append(f"Rank {rank} has tensor rank {t}, context rank {c}, data rank {d} and pipeline stage {p}.")
+        for rank in range(world):
+            c = grid.coords(rank)
+            lines.append(f"Rank {rank} has tensor rank {c['tp']}, context rank {c['cp']}, data rank {c['dp']} and "
+                         f"pipeline stage {c['pp']}.")
         docs.append(" ".join(lines))
         lines = [f"Take {name}."]
-
-        def groups(axis):
-            out = {}
-            for rank, co in coords.items():
-                key = tuple(v for i, v in enumerate(co) if i != axis)
-                out.setdefault(key, []).append(rank)
-            return [g for g in out.values()]
-
-        for axis, label in ((0, "tensor"), (1, "context"), (2, "data"), (3, "pipeline")):
-            gs = groups(axis)
+        for axis, label in (("tp", "tensor"), ("cp", "context"), ("dp", "data"), ("pp", "pipeline")):
+            gs = grid.groups(axis)
             if len(gs[0]) > 1:
                 lines.append(f"The {label}-parallel groups are " +
                              " ".join("[" + ", ".join(map(str, g)) + "]" for g in gs) + ".")
@@ -112,28 +106,19 @@ def _bubble_facts() -> list[str]:
     return docs
 
 
-def _obeys(rule, *args) -> bool:
-    """Whether ``rule(*args)`` (a :mod:`course_lib.rules` check) accepts the values: the facts
-    state the course's rules, so they are decided by them."""
-    try:
-        rule(*args)
-    except ValueError:
-        return False
-    return True
-
-
 def _microbatch_facts() -> list[str]:
     docs = []
     for gbs in (8, 16, 32, 64, 128, 256):
         lines = []
         for mbs in (1, 2, 4, 8):
             for dp in (1, 2, 4, 8):
-                if not _obeys(rules.num_microbatches, gbs, mbs, dp):
+                m = _ruled(rules.num_microbatches, gbs, mbs, dp)
+                if m is None:
                     lines.append(f"A global batch of {gbs} cannot be cut into micro-batches of {mbs} over {dp} "
                                  f"data-parallel ranks, because {gbs} is not divisible by {mbs} x {dp} = {mbs * dp}.")
                 else:
                     lines.append(f"A global batch of {gbs} with micro-batch size {mbs} and data-parallel size {dp} "
-                                 f"gives {gbs} / ({mbs} x {dp}) = {gbs // (mbs * dp)} micro-batches per step.")
+                                 f"gives {gbs} / ({mbs} x {dp}) = {m} micro-batches per step.")
         docs += _chunk(lines)
     return docs
 
@@ -143,21 +128,23 @@ def _divisibility_facts() -> list[str]:
     for heads in (4, 6, 8, 12, 16, 32):
         lines = []
         for tp in (1, 2, 3, 4, 5, 6, 8):
-            if not _obeys(rules.heads_divisible_by_tp, heads, tp):
+            per_rank = _ruled(rules.heads_divisible_by_tp, heads, tp)
+            if per_rank is None:
                 lines.append(f"{heads} attention heads cannot be split over {tp} tensor-parallel ranks, because "
                              f"{heads} is not divisible by {tp}.")
             else:
-                lines.append(f"{heads} attention heads over {tp} tensor-parallel ranks give {heads // tp} "
+                lines.append(f"{heads} attention heads over {tp} tensor-parallel ranks give {per_rank} "
                              f"whole heads per rank.")
         docs.append(" ".join(lines))
     for layers in (8, 12, 24, 32, 72):
         lines = []
         for pp in (1, 2, 3, 4, 5, 8):
-            if not _obeys(rules.pipeline_split, layers, pp):
+            stages = _ruled(rules.pipeline_split, layers, pp)
+            if stages is None:
                 lines.append(f"{layers} layers do not divide evenly over {pp} pipeline stages; an uneven split "
                              f"must be given explicitly.")
             else:
-                lines.append(f"{layers} layers over {pp} pipeline stages give {layers // pp} layers per stage.")
+                lines.append(f"{layers} layers over {pp} pipeline stages give {stages[0]} layers per stage.")
         docs.append(" ".join(lines))
     return docs
 
@@ -166,12 +153,11 @@ def _cp_chunk_facts() -> list[str]:
     docs = []
     for cp in (2, 4):
         for seq in (16, 32, 64):
-            n = 2 * cp
-            size = seq // n
+            size = rules.sequence_split(seq, cp)
             lines = [f"Load-balanced context parallelism with {cp} ranks cuts a sequence of {seq} tokens into "
-                     f"{n} chunks of {size}."]
+                     f"{num_chunks(cp)} chunks of {size}."]
             for r in range(cp):
-                a, b = r, n - 1 - r
+                a, b = chunks_for_rank(r, cp)
                 lines.append(f"Rank {r} takes chunks {a} and {b}: tokens {a * size} to {a * size + size - 1} "
                              f"and {b * size} to {b * size + size - 1}.")
             docs.append(" ".join(lines))

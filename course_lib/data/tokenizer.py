@@ -10,7 +10,7 @@ It follows the attribute names of Megatron's tokenizers (``vocab_size``, ``eod``
 adds the common ``encode`` / ``decode`` names.
 
 ``vocab_size_with_padding`` is Megatron's ``_vocab_size_with_padding``
-(same file): the embedding table is padded to a multiple of
+(same file; the rule lives in :mod:`course_lib.rules`, re-exported here): the embedding table is padded to a multiple of
 ``make_vocab_size_divisible_by * tensor_model_parallel_size`` so that the
 vocab-parallel embedding splits evenly. The padded size therefore depends on
 the TP size (257 -> 384 for TP 1, 512 for TP 2 and 4, 1024 for TP 8; GPT-2's
@@ -21,8 +21,11 @@ numbers for every layout should instead pad once to a size every TP divides
 
 from __future__ import annotations
 
-import math
 from typing import Iterable
+
+from course_lib.rules import vocab_size_with_padding
+
+__all__ = ["ByteTokenizer", "EOD_TEXT", "vocab_size_with_padding"]
 
 EOD_TEXT = "<|endoftext|>"  # how decode() shows the end-of-document token (GPT-2's spelling)
 
@@ -72,15 +75,3 @@ class ByteTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.decode(ids)
 
-
-def vocab_size_with_padding(orig_vocab_size: int, tensor_model_parallel_size: int = 1,
-                            make_vocab_size_divisible_by: int = 128) -> int:
-    """Megatron's padded vocabulary size: the next multiple of
-    ``make_vocab_size_divisible_by * tensor_model_parallel_size`` (``--make-vocab-size-divisible-by``,
-    default 128)."""
-    for name, v in (("orig_vocab_size", orig_vocab_size), ("tensor_model_parallel_size", tensor_model_parallel_size),
-                    ("make_vocab_size_divisible_by", make_vocab_size_divisible_by)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}={v!r} must be a positive integer")
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return int(math.ceil(orig_vocab_size / multiple) * multiple)

@@ -252,8 +252,7 @@ def _parse_world_line(line: str) -> dict | None:
     if m:
         world, mp = int(m["world"]), int(m["mp"])
         cfg = {"world_size": world, "tp": mp, "pp": 1, "cp": 1}
-        _check_world_sizes(cfg)
-        cfg["dp"] = world // mp
+        cfg["dp"] = _check_world_sizes(cfg)
         return cfg
     m = _WORLD.search(line)
     if not m:
@@ -269,16 +268,15 @@ def _parse_world_line(line: str) -> dict | None:
     cfg.setdefault("cp", 1)  # printed since core 0.4; no context parallelism before
     cfg.setdefault("tp", 1)
     cfg.setdefault("pp", 1)
-    _check_world_sizes(cfg)
-    if "dp" not in cfg:
-        cfg["dp"] = cfg["world_size"] // (cfg["tp"] * cfg["pp"] * cfg["cp"])
+    cfg["dp"] = _check_world_sizes(cfg)
     return cfg
 
 
-def _check_world_sizes(cfg: dict) -> None:
+def _check_world_sizes(cfg: dict) -> int:
     """The ``using world size`` line's sizes must multiply to the world size (``validate_args``
     asserts it); anything else is a garbled line, refused with the values rather than turned
-    into a row of made-up numbers (or a ZeroDivisionError)."""
+    into a row of made-up numbers (or a ZeroDivisionError). Returns the data-parallel size: the
+    line's own, else derived (:func:`course_lib.rules.data_parallel_size`)."""
     names = {"world_size": "world size", "dp": "data-parallel size", "cp": "context-parallel size",
              "tp": "tensor-model-parallel size", "pp": "pipeline-model-parallel size"}
     printed = ", ".join(f"{names[k]} {cfg[k]}" for k in names if k in cfg)
@@ -294,9 +292,14 @@ def _check_world_sizes(cfg: dict) -> None:
         raise ValueError(f"impossible 'using world size' line ({printed}): {formula} x CP x DP = "
                          f"{model * cp * cfg['dp']} != world size {world}; the line is garbled (e.g. two ranks' "
                          f"output spliced together) or not Megatron-LM's")
-    if "dp" not in cfg and world % (model * cp):
+    if "dp" in cfg:
+        return cfg["dp"]
+    try:
+        return rules.data_parallel_size(world, cfg["tp"], cfg["pp"], cp, encoder_tp=cfg.get("encoder_tp", 0),
+                                        encoder_pp=cfg.get("encoder_pp", 0))
+    except ValueError:
         raise ValueError(f"impossible 'using world size' line ({printed}): world size {world} is not divisible by "
-                         f"{formula} x CP = {model * cp}; the line is garbled or not Megatron-LM's")
+                         f"{formula} x CP = {model * cp}; the line is garbled or not Megatron-LM's") from None
 
 
 def _era(iterations: list[dict]) -> str:

@@ -119,14 +119,10 @@ def layer_split(num_layers: int, num_stages: int, layers_per_stage: Optional[Seq
     (Megatron's ``--pipeline-model-parallel-layout`` spells such a split out layer by layer)."""
     rules.integer("num_stages", num_stages)
     if layers_per_stage is None:
-        pp = num_stages // rules.integer("vp_size", vp_size)
-        if pp * vp_size != num_stages:
-            raise ValueError(f"num_stages={num_stages} is not divisible by vp_size={vp_size}; num_stages counts "
-                             f"the virtual stages, pp_size * vp_size")
+        pp = rules.pipeline_ranks(num_stages, vp_size)
         per_rank = rules.pipeline_split(num_layers, pp)
-        if vp_size > 1:
-            rules.virtual_pipeline(vp_size, pp, per_rank)
-        counts = [num_layers // num_stages] * num_stages
+        per_chunk = rules.virtual_pipeline(vp_size, pp, per_rank) if vp_size > 1 else per_rank
+        counts = [per_chunk[k % pp] for k in range(num_stages)]     # virtual stage k runs on rank k % pp
     else:
         counts = list(layers_per_stage)
         if len(counts) != num_stages or any((not isinstance(c, int)) or c < 0 for c in counts):

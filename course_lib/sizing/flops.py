@@ -23,7 +23,8 @@ from course_lib import rules
 from course_lib.sizing import _checks
 
 
-def parameter_breakdown(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int) -> dict:
+def parameter_breakdown(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
+                        ffn_hidden_size: int | None = None) -> dict:
     """The terms of Narayanan Eq. 2, one weight matrix at a time (counts of parameters).
 
     Per transformer layer (h = hidden_size): QKV projection ``3h^2 + 3h`` (weight + bias), attention
@@ -31,6 +32,8 @@ def parameter_breakdown(num_layers: int, hidden_size: int, vocab_size: int, seq_
     ``4h`` (gain + bias each): ``12h^2 + 13h`` in all. Embeddings: word ``V*h`` (shared with the
     output layer), position ``s*h``. Eq. 2 leaves out the final LayerNorm (``2h``), and so do we;
     it is listed as ``final_layernorm_not_in_eq2`` for exact counts of a real model.
+    ``ffn_hidden_size`` (Megatron's ``--ffn-hidden-size``, default the paper's ``4h``) widens the
+    MLP: h->f ``hf + f``, f->h ``fh + h``.
 
     Returns a dict with ``per_layer`` (a dict of the five terms above), ``layers``
     (``num_layers * sum(per_layer)``), ``word_embedding``, ``position_embedding``, ``total``
@@ -38,11 +41,12 @@ def parameter_breakdown(num_layers: int, hidden_size: int, vocab_size: int, seq_
     """
     _checks.model_shape(num_layers, hidden_size, vocab_size=vocab_size, seq_length=seq_length)
     h = hidden_size
+    f = _ffn(ffn_hidden_size, h)
     per_layer = {
         "qkv": 3 * h * h + 3 * h,
         "attention_proj": h * h + h,
-        "mlp_fc1": 4 * h * h + 4 * h,
-        "mlp_fc2": 4 * h * h + h,
+        "mlp_fc1": h * f + f,
+        "mlp_fc2": f * h + h,
         "layernorms": 4 * h,
     }
     layers = num_layers * sum(per_layer.values())
@@ -57,14 +61,19 @@ def parameter_breakdown(num_layers: int, hidden_size: int, vocab_size: int, seq_
     }
 
 
-def num_parameters(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int) -> int:
+def _ffn(ffn_hidden_size: int | None, hidden_size: int) -> int:
+    return 4 * hidden_size if ffn_hidden_size is None else _checks.positive_int("ffn_hidden_size", ffn_hidden_size)
+
+
+def num_parameters(num_layers: int, hidden_size: int, vocab_size: int, seq_length: int,
+                   ffn_hidden_size: int | None = None) -> int:
     """Number of parameters P of a GPT, Narayanan et al. 2021 Eq. 2.
 
     ``P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h)) = 12 l h^2 + 13 l h + (V + s) h``.
     Table 1 of the paper lists this value for its ten models (1.7B ... 1008.0B), with V = 51200 and
     s = 2048. See :func:`parameter_breakdown` for where each term comes from.
     """
-    return parameter_breakdown(num_layers, hidden_size, vocab_size, seq_length)["total"]
+    return parameter_breakdown(num_layers, hidden_size, vocab_size, seq_length, ffn_hidden_size)["total"]
 
 
 def parameters_per_stage(
@@ -75,6 +84,7 @@ def parameters_per_stage(
     num_heads: int,
     tp: int = 1,
     pp: int = 1,
+    ffn_hidden_size: int | None = None,
 ) -> list[int]:
     """Parameters held by one TP rank of each pipeline stage (a list of ``pp`` counts).
 
@@ -86,16 +96,18 @@ def parameters_per_stage(
     the last keeps its own copy of the word embedding, ``V*h/tp``, for the tied output layer
     (Megatron's ``shared_embedding_or_output_weight``). Like Eq. 2, the final LayerNorm (2h) is
     not counted. With ``tp = pp = 1`` the single entry equals :func:`num_parameters`.
+    ``ffn_hidden_size`` (default ``4h``): the MLP's split weights and fc1 bias, ``(2hf + f)/tp``.
     """
     _checks.model_shape(num_layers, hidden_size, num_heads, vocab_size, seq_length)
     _checks.positive_int("tensor-model-parallel-size", tp)
     _checks.positive_int("pipeline-model-parallel-size", pp)
     rules.heads_divisible_by_tp(num_heads, tp)
-    rules.pipeline_split(num_layers, pp)
+    layers = rules.pipeline_split(num_layers, pp)
     rules.vocab_divisible_by_tp(vocab_size, tp)
-    h = hidden_size
-    per_layer = (12 * h * h + 7 * h) // tp + 6 * h  # exact: tp | heads | h
-    stages = [(num_layers // pp) * per_layer] * pp
+    h, f = hidden_size, _ffn(ffn_hidden_size, hidden_size)
+    rules.ffn_divisible_by_tp(f, tp)
+    per_layer = (4 * h * h + 3 * h + 2 * h * f + f) // tp + 6 * h  # exact: tp | heads | h and tp | f
+    stages = [n * per_layer for n in layers]
     word = vocab_size // tp * h
     stages[0] += word + seq_length * h
     if pp > 1:
@@ -111,9 +123,11 @@ def parameters_per_rank(
     num_heads: int,
     tp: int = 1,
     pp: int = 1,
+    ffn_hidden_size: int | None = None,
 ) -> int:
     """Parameters on the busiest rank: ``max(parameters_per_stage(...))`` (the first stage)."""
-    return max(parameters_per_stage(num_layers, hidden_size, vocab_size, seq_length, num_heads, tp, pp))
+    return max(parameters_per_stage(num_layers, hidden_size, vocab_size, seq_length, num_heads, tp, pp,
+                                    ffn_hidden_size))
 
 
 def flops_per_iteration(

@@ -297,7 +297,7 @@ def run_sweep(configs: Optional[Sequence[str]] = None, *, out="logs/day22", iter
             for i, n in enumerate(names):
                 tp, pp, cp = SWEEP_CONFIGS[n]
                 say(f"{_progress(i, len(names), time.perf_counter() - start)}  running {n}: TP {tp} x PP {pp} x "
-                    f"CP {cp} x DP {world_size // (tp * pp * cp)}")
+                    f"CP {cp} x DP {rules.data_parallel_size(world_size, tp, pp, cp)}")
                 result = runner(n, world_size=world_size, iters=iters, launcher=launcher, timeout=timeout, **model)
                 _record_config(result, run, out, run_dir, own)
                 results.append(result)

@@ -29,7 +29,7 @@ Example (on each of t ranks, inside :func:`course_lib.launch.launch`)::
 
 from .cross_entropy import vocab_parallel_cross_entropy
 from .dense import DenseMLP, DenseSelfAttention, DenseTransformerLayer
-from .init import divide, init_method_normal, initialize_affine_weight_cpu, scaled_init_method_normal
+from .init import init_method_normal, initialize_affine_weight_cpu, scaled_init_method_normal
 from .layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                      linear_with_sequence_parallel, vocab_range)
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
@@ -54,7 +54,7 @@ __all__ = [
     "TransformerConfig", "ParallelMLP", "ParallelSelfAttention", "ParallelTransformerLayer",
     "DenseMLP", "DenseSelfAttention", "DenseTransformerLayer", "tp_layer_comm_elements",
     # init and sharding
-    "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu", "divide",
+    "init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
     "copy_dense_to_parallel", "gather_full_params", "gather_full_grads", "allreduce_sequence_parallel_grads",
     "is_tensor_parallel", "sequence_parallel_params",
 ]

@@ -23,14 +23,7 @@ from typing import Callable
 import torch
 
 __all__ = ["init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
-           "set_tensor_model_parallel_attributes", "divide"]
-
-
-def divide(numerator: int, denominator: int, what: str = "value", by: str = "tensor-model-parallel-size") -> int:
-    """``numerator // denominator``, or a one-line ValueError naming the rule."""
-    if numerator % denominator:
-        raise ValueError(f"{what}={numerator} is not divisible by {by}={denominator}")
-    return numerator // denominator
+           "set_tensor_model_parallel_attributes"]
 
 
 def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:

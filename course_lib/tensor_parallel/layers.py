@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from course_lib import comm
+from course_lib import comm, rules
 
-from .init import divide, init_method_normal, initialize_affine_weight_cpu, set_tensor_model_parallel_attributes
+from .init import init_method_normal, initialize_affine_weight_cpu, set_tensor_model_parallel_attributes
 from .mappings import (copy_to_tensor_model_parallel_region, gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region,
                        scatter_to_tensor_model_parallel_region)
@@ -114,7 +114,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         self.sequence_parallel = sequence_parallel
-        self.output_size_per_partition = divide(output_size, t, "output_size")
+        self.output_size_per_partition = rules.tp_split("output_size", output_size, t)
         self.weight = nn.Parameter(torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype))
         initialize_affine_weight_cpu(self.weight, output_size, input_size, self.output_size_per_partition, 0,
                                      init_method or init_method_normal(0.02), rank=rank, world_size=t)
@@ -166,7 +166,7 @@ class RowParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.sequence_parallel = sequence_parallel
-        self.input_size_per_partition = divide(input_size, t, "input_size")
+        self.input_size_per_partition = rules.tp_split("input_size", input_size, t)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype))
         initialize_affine_weight_cpu(self.weight, output_size, input_size, self.input_size_per_partition, 1,
                                      init_method or init_method_normal(0.02), rank=rank, world_size=t)
@@ -200,7 +200,7 @@ class RowParallelLinear(nn.Module):
 
 def vocab_range(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """``[start, end)`` of the vocabulary rows rank ``rank`` holds (Megatron's ``VocabUtility``)."""
-    per = divide(vocab_size, world_size, "vocab_size")
+    per = rules.vocab_divisible_by_tp(vocab_size, world_size)
     return rank * per, (rank + 1) * per
 
 
@@ -220,10 +220,6 @@ class VocabParallelEmbedding(nn.Module):
                  params_dtype: torch.dtype = torch.float32):
         super().__init__()
         t, rank = _tp(tp_group)
-        if num_embeddings % t:
-            raise ValueError(f"vocab size num_embeddings={num_embeddings} is not divisible by "
-                             f"tensor-model-parallel-size={t}: pad the vocabulary to a multiple of {t} "
-                             f"(Megatron: --make-vocab-size-divisible-by)")
         self.tp_group, self.tp_size, self.tp_rank = tp_group, t, rank
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.reduce_scatter_embeddings = reduce_scatter_embeddings

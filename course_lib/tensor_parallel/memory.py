@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from course_lib import rules
 
-from .init import divide
 from .transformer import TransformerConfig
 
 __all__ = ["layer_parameter_shapes", "parameter_memory_table", "format_parameter_memory_table",
@@ -38,7 +37,7 @@ def layer_parameter_shapes(config: TransformerConfig, tp: int) -> list[dict]:
     def add(name, full, split_dim=None):
         shape = list(full)
         if split_dim is not None:
-            shape[split_dim] = divide(full[split_dim], tp, name)
+            shape[split_dim] = rules.tp_split(name, full[split_dim], tp)
         rows.append(dict(name=name, shape=tuple(shape), full_shape=tuple(full), split=split_dim is not None,
                          partition_dim=split_dim))
 

@@ -26,7 +26,7 @@ import argparse
 import os
 from typing import Optional, Sequence
 
-from course_lib import rules
+from course_lib import rules, sizing
 from course_lib.data import ByteTokenizer, corpus_tokens
 from course_lib.model import GPTConfig
 from course_lib.moe.pattern import parse_moe_layer_freq
@@ -335,51 +335,65 @@ def sharding_strategy(args: argparse.Namespace) -> str:
 
 
 def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dict:
-    """Bytes one rank of this run needs at its peak, roughly (float32 everywhere):
+    """Bytes one rank of this run needs at its peak, roughly, from the sizing formulas
+    (:mod:`course_lib.sizing`; float32 everywhere):
 
-    * ``weights``: the dense master every rank builds (:func:`course_lib.model.build_model`),
-      plus this rank's parameters, gradients and Adam's two moments (4 x its share);
-    * ``activations``: what the busiest (first) stage keeps for backward: per layer and
-      micro-batch the ``[s/cp, b, h]``-sized tensors of a layer (~16 h + 3 ffn/t per token) and one
-      ``[b, heads/t, s/cp, s]`` score matrix, times its layers and the micro-batches in flight
-      (all ``m`` for GPipe, ``min(pp, m)`` for 1F1B), plus the logits ``[s/cp, b, V/t]`` (x3);
+    * ``weights``: the dense master every rank builds (:func:`course_lib.model.build_model`;
+      :func:`~course_lib.sizing.num_parameters`, Narayanan Eq. 2), plus the model states of this
+      rank's parameters (:func:`~course_lib.sizing.parameters_per_rank`, the first stage's): weights,
+      gradients and Adam's two moments, 16 bytes each (:func:`~course_lib.sizing.model_state_bytes`);
+    * ``activations``: what the busiest (first) stage keeps for backward: Korthikanti's bytes per
+      layer and micro-batch (:func:`~course_lib.sizing.activation_bytes_per_layer`, counted in 16 bits
+      by the paper, doubled here), times its layers and the micro-batches in flight
+      (:func:`~course_lib.sizing.inflight_microbatches`: all ``m`` for GPipe, ``min(pp, m)`` for 1F1B),
+      plus the embedding and output terms (:func:`~course_lib.sizing.activation_bytes_outside_layers`);
     * ``batches``: the step's tokens and labels (int64).
 
-    ``halved``: flags whose value to halve first, to see which one weighs most."""
+    ``halved``: flags whose value to halve first, to see which one weighs most; a halving that breaks
+    a rule (a micro-batch count that is no longer whole, a hidden size the heads do not divide)
+    raises that rule's ValueError."""
     def value(name):
         v = getattr(a, name)
         return max(1, v // 2) if name in halved else v
 
     h, L, s, b = value("hidden_size"), a.num_layers, value("seq_length"), value("micro_batch_size")
-    ffn = a.ffn_hidden_size if "ffn_hidden_size" not in halved else value("ffn_hidden_size")
+    ffn = value("ffn_hidden_size")
     if "hidden_size" in halved and a.ffn_hidden_size == 4 * a.hidden_size:
         ffn = 4 * h                                           # the default follows the hidden size
     V, positions, heads = a.padded_vocab_size, max(value("max_position_embeddings"), s), a.num_attention_heads
-    tp, pp, cp = cfg.tp, cfg.pp, cfg.cp
-    m = value("global_batch_size") // (b * cfg.dp) or 1
-    layer = 4 * h * h + 2 * h * ffn + ffn + 9 * h
-    master = V * h + positions * h + L * layer + 2 * h
-    mine = V * h // tp + positions * h + (L // pp) * layer // tp + 2 * h
-    tokens = (s // cp) * b
-    inflight = m if a.pipeline_schedule == "gpipe" else min(pp, m)
-    per_layer = tokens * (16 * h + 3 * ffn // tp) + b * max(1, heads // tp) * (s // cp) * s
-    return {"weights": 4 * (master + 4 * mine),
-            "activations": 4 * (per_layer * (L // pp) * inflight + 3 * tokens * V // tp),
+    tp, pp, cp, vp, sp = cfg.tp, cfg.pp, cfg.cp, cfg.vpp, cfg.sequence_parallel
+    m = rules.num_microbatches(value("global_batch_size"), b, cfg.dp)
+    master = sizing.num_parameters(L, h, V, positions, ffn)
+    mine = sizing.parameters_per_rank(L, h, V, positions, heads, tp, pp, ffn)
+    states = sizing.model_state_bytes(mine, param_bytes=4, grad_bytes=4, k=8).total
+    schedule = "interleaved" if vp > 1 else a.pipeline_schedule
+    inflight = sizing.inflight_microbatches(pp, m, schedule, vp)[0] / vp    # in whole stages' layers
+    per_layer = sizing.activation_bytes_per_layer(s, b, h, heads, tp, sp, "none", cp)
+    outside = sizing.activation_bytes_outside_layers(s // cp, b, h, V, tp, pp, sp)
+    return {"weights": 4 * master + states,
+            "activations": FLOAT32_PER_16_BIT * (per_layer * rules.pipeline_split(L, pp)[0] * inflight + outside),
             "batches": 2 * 8 * m * b * s}
 
 
+FLOAT32_PER_16_BIT = 2              # the paper counts 16-bit activations; the trainer keeps float32
 _MEMORY_FLAGS = ("hidden_size", "seq_length", "micro_batch_size", "ffn_hidden_size", "global_batch_size",
                  "max_position_embeddings")
 
 
 def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> None:
-    """Refuse a run that cannot fit this machine's memory, naming the flag whose halving saves most."""
+    """Refuse a run that cannot fit this machine's memory, naming the flag whose halving saves most
+    (among the halvings that keep the layout valid)."""
     parts = estimate_memory(a, cfg)
     needed = ranks * sum(parts.values())
     available = rules.available_memory_bytes()
     if available is None or needed <= available:
         return
-    saved = {flag: needed - ranks * sum(estimate_memory(a, cfg, **{flag: True}).values()) for flag in _MEMORY_FLAGS}
+    saved = {}
+    for flag in _MEMORY_FLAGS:
+        try:
+            saved[flag] = needed - ranks * sum(estimate_memory(a, cfg, **{flag: True}).values())
+        except ValueError:            # this halving breaks a layout rule: not a way out
+            continue
     flag = max(saved, key=saved.get)
     detail = (f"{ranks} rank(s) on this machine, each about {rules.format_bytes(parts['weights'])} of weights, "
               f"gradients and optimizer state and {rules.format_bytes(parts['activations'] + parts['batches'])} of "

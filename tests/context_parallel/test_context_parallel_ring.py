@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 import course_lib.context_parallel.ring as ra
+from course_lib import rules
 from course_lib.comm import CommRecorder
 from course_lib.context_parallel.ring import kv_bytes_per_step, ring_attention, ring_sends_per_layer
 from course_lib.context_parallel.work import ring_step_work
@@ -20,6 +21,13 @@ from helpers import group_of_one, rank_groups
 
 TOL = 1e-5            # float32 against a float64 reference and against torch's float32 SDPA
 B, NP, S, HN = 2, 4, 32, 8
+
+
+def _rule_message(rule, *args) -> str:
+    """The one-line message ``rule(*args)`` (course_lib.rules) refuses with: the layers must say the same."""
+    with pytest.raises(ValueError) as err:
+        rule(*args)
+    return str(err.value)
 
 
 def _groups():
@@ -193,8 +201,8 @@ def test_ring_computes_only_scheduled_blocks_and_rejects_bad_input(monkeypatch):
                                                    for row in range(2)]
         e = out["errs"]
         assert all("\n" not in m and m != "no error" for m in e.values()), e
-        assert e["odd_local"].startswith("local sequence length 3 is odd") and "2*cp=8" in e["odd_local"]
-        assert e["heads"].startswith("num_attention_heads=4 (q.shape[1]) is not divisible by num_query_groups=3")
+        assert e["odd_local"] == _rule_message(rules.sequence_split, 12, 4)        # 3 local tokens x 4 ranks
+        assert e["heads"] == _rule_message(rules.heads_divisible_by_groups, 4, 3)
         assert "pass the context-parallel process group explicitly" in e["no_group"]
         assert "expected 4 dims [b, heads, s_local, head_dim]" in e["dims"]
         assert "layout='striped' is unknown" in e["layout"]
@@ -270,5 +278,6 @@ def test_ulysses_all_to_all_attention_equals_full_attention():
         for cp, fwd, bwd, total in counts:
             want = 4 if cp > 1 else 0
             assert (fwd, bwd, total) == (want, want, 2 * want)
-        assert errs["heads"].startswith("num_attention_heads=3 is not divisible by context-parallel-size=2")
-        assert errs["groups"].startswith("num_query_groups=2 is not divisible by context-parallel-size=4")
+        assert errs["heads"] == _rule_message(rules.heads_divisible_by_cp, 3, 1, 2)
+        assert errs["groups"] == _rule_message(rules.heads_divisible_by_cp, NP, 2, 4)
+        assert errs["groups"].startswith("num_query_groups=2 is not divisible by context-parallel-size=4: all-to-all")

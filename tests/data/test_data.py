@@ -48,8 +48,10 @@ def test_vocab_padding_matches_megatron_log_lines():
     assert vocab_size_with_padding(50257, 4) == 50688
     assert [vocab_size_with_padding(257, tp) for tp in (1, 2, 4, 8)] == [384, 512, 512, 1024]
     assert all(384 % tp == 0 for tp in (1, 2, 4, 8))
-    with pytest.raises(ValueError, match="positive integer"):
-        vocab_size_with_padding(257, 0)
+    for args, message in (((257, 0), "tensor-model-parallel-size=0"), ((257, 1, 0), "make_vocab_size_divisible_by=0"),
+                          ((True,), "orig_vocab_size=True")):
+        with pytest.raises(ValueError, match=f"^{message} must be an integer >= 1$"):
+            vocab_size_with_padding(*args)
 
 
 # ---- corpus ---------------------------------------------------------------------------------

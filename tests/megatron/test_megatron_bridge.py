@@ -385,6 +385,9 @@ def test_parse_v2_log_and_course_log():
     ("using world size: 8, data-parallel size: 2, context-parallel size: 1, tensor-model-parallel size: 2, "
      "encoder-tensor-model-parallel size: 0, pipeline-model-parallel size: 2, encoder-pipeline-model-parallel size: 0",
      dict(world_size=8, dp=2, cp=1, tp=2, pp=2)),
+    # the same with an encoder and no DP field: DP derived over (TP x PP + encoder TP x encoder PP) x CP ranks
+    ("using world size: 12, tensor-model-parallel size: 2, encoder-tensor-model-parallel size: 1, "
+     "pipeline-model-parallel size: 2, encoder-pipeline-model-parallel size: 2", dict(world_size=12, dp=2, tp=2, pp=2)),
     # core_v0.10.0 .. core_v0.12.x: 'hierarchical context-parallel sizes: {}' without a comma before the TP field
     ("using world size: 32, data-parallel size: 4, context-parallel size: 2, hierarchical context-parallel sizes: "
      "Nonetensor-model-parallel size: 2, encoder-tensor-model-parallel size: 0, pipeline-model-parallel size: 2, "

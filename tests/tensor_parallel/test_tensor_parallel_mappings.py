@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from course_lib import rules
 from course_lib.comm import CommRecorder
 from course_lib.launch import launch
 from helpers import group_of_one
@@ -128,11 +129,13 @@ def test_bad_input_gives_one_line_value_errors():
     assert msgs["heads"] == "num_attention_heads=6 is not divisible by tensor-model-parallel-size=4; " \
                            "use a tensor-model-parallel-size that divides 6 (1, 2, 3, 6)"
     assert msgs["ffn"] == "ffn_hidden_size=10 is not divisible by tensor-model-parallel-size=4; " \
-                         "use an ffn_hidden_size that is a multiple of 4, e.g. 8 or 12"
-    assert msgs["column"] == "output_size=10 is not divisible by tensor-model-parallel-size=4"
-    assert msgs["row"] == "input_size=10 is not divisible by tensor-model-parallel-size=4"
+                         "use a multiple of 4, e.g. 8 or 12"
+    assert msgs["column"] == msgs["ffn"].replace("ffn_hidden_size", "output_size")     # one rule: tp_split
+    assert msgs["row"] == msgs["ffn"].replace("ffn_hidden_size", "input_size")
     assert "input_is_parallel=True" in msgs["row_sp"]
-    assert msgs["vocab"].startswith("vocab size num_embeddings=30 is not divisible by tensor-model-parallel-size=4")
+    with pytest.raises(ValueError) as vocab:
+        rules.vocab_divisible_by_tp(30, 4)
+    assert msgs["vocab"] == str(vocab.value)
     assert msgs["seq"].startswith("sequence length 6 (first dimension) is not divisible by tensor-model-parallel-size=4")
     assert "pass the tensor-parallel process group explicitly" in msgs["no_group"]
     assert "pass the tensor-parallel process group explicitly" in msgs["no_group_layer"]
