@@ -106,9 +106,12 @@ Communication
   * :func:`ring_elements_sent` -- the ring cost model, one formula for the whole course: ``comm``
     (``CommEvent``, ``CommRecorder``), ``sizing.comm``, the projection.
 State sharding
+  * :func:`sharding_stage` -- a ``--data-parallel-sharding-strategy`` is one of
+    :data:`SHARDING_STRATEGIES`, and its ZeRO stage: the sharding engine (``distributed.engine``),
+    ``megatron.ds_config``, :func:`sharding_flags`.
   * :func:`sharding_flags` -- the state-sharding flags together (distributed optimizer, Megatron FSDP
     and its strategy, overlap, CPU offload), as Megatron's ``validate_args``: trainer
-    (``training.arguments``).
+    (``training.arguments``), the sharding engine.
   * :func:`sharding_layout` -- what the course's engine runs inside the trainer (one model chunk per
     rank; ZeRO-3 not under GPipe with several micro-batches): trainer (``training.arguments``).
 Run
@@ -761,16 +764,28 @@ def ring_elements_sent(op: str, numel: float, group_size: int) -> float:
 # course_lib.distributed.
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-FSDP's ``--data-parallel-sharding-strategy`` values, by ZeRO stage (0: DDP, 1: optimizer
+state, 2: + grads, 3: + params sharded over DP)."""
+
+
+def sharding_stage(strategy: str) -> int:
+    """The ZeRO stage of a ``--data-parallel-sharding-strategy`` value (its index in
+    :data:`SHARDING_STRATEGIES`): what the sharding engine shards, and what ``ds-config`` maps
+    DeepSpeed's stages to."""
+    if strategy not in SHARDING_STRATEGIES:
+        raise ValueError(f"--data-parallel-sharding-strategy={strategy!r} is unknown; use one of "
+                         f"{', '.join(SHARDING_STRATEGIES)}")
+    return SHARDING_STRATEGIES.index(strategy)
 
 
 def sharding_flags(*, use_distributed_optimizer: bool, use_megatron_fsdp: bool, strategy: str,
-                   overlap_grad_reduce: bool, overlap_param_gather: bool, optimizer_cpu_offload: bool,
-                   use_precision_aware_optimizer: bool, optimizer: str = "adam") -> None:
+                   overlap_grad_reduce: bool, overlap_param_gather: bool, optimizer_cpu_offload: bool = False,
+                   use_precision_aware_optimizer: bool = False, optimizer: str = "adam") -> None:
     """The state-sharding flags together, as Megatron's ``validate_args`` (plus the course's
-    no_shard + overlap-param-gather, where there is nothing to gather)."""
-    if strategy not in SHARDING_STRATEGIES:
-        raise ValueError(f"data-parallel-sharding-strategy={strategy!r} is unknown; use one of "
-                         f"{', '.join(SHARDING_STRATEGIES)}")
+    no_shard + overlap-param-gather, where there is nothing to gather). The trainer passes every
+    flag; the sharding engine (:mod:`course_lib.distributed`) its strategy and overlap flags (its
+    ``cpu_offload`` is one switch, not Megatron's offload + precision-aware pair)."""
+    sharding_stage(strategy)
     if overlap_param_gather and not (use_distributed_optimizer or use_megatron_fsdp):
         raise ValueError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp "
                          "(Megatron's validate_args): add --use-distributed-optimizer or drop the flag")

@@ -396,3 +396,21 @@ def test_messages_name_the_flag_the_values_and_a_fix():
     assert _message(lambda: rules.probability("attention_dropout", 1.0)) == "attention_dropout=1.0 must be in [0, 1)"
     assert rules.divisors(12) == [1, 2, 3, 4, 6, 12] and rules.nearby_multiples(30, 4) == "28 or 32"
     assert isinstance(argparse.Namespace, type)
+
+
+def test_sharding_strategies_have_one_source_and_read_the_same_in_the_engine():
+    import torch
+
+    from course_lib.distributed import STRATEGIES, ShardedDataParallel
+    from course_lib.megatron import ds_config
+    assert STRATEGIES is rules.SHARDING_STRATEGIES
+    assert [rules.sharding_stage(s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")] == [0, 1, 2, 3]
+    for stage, name in ((2, "optim_grads"), (3, "optim_grads_params")):   # DeepSpeed's ZeRO stage -> Megatron-FSDP
+        t = ds_config.translate(ds_config.parse({"zero_optimization": {"stage": stage}}))
+        assert ["--data-parallel-sharding-strategy", name] in t.flags
+    assert _message(lambda: rules.sharding_stage("zero3")) == (
+        "--data-parallel-sharding-strategy='zero3' is unknown; use one of no_shard, optim, optim_grads, "
+        "optim_grads_params")
+    # the engine refuses it before it touches a process group
+    assert _message(lambda: ShardedDataParallel(torch.nn.Linear(2, 2), None, strategy="zero3")) == \
+        _message(lambda: rules.sharding_stage("zero3"))

@@ -13,6 +13,9 @@ no padding and the measured bytes equal the formulas of :mod:`course_lib.sizing.
 
 Megatron-FSDP (``megatron/core/distributed/fsdp/``) buckets by *FSDP unit* (a module whose parameters
 are gathered together) instead: :func:`unit_buckets`.
+
+What a bucket holds at run time (its buffers, shards and collectives in flight) is a
+:class:`BucketState`, filled in by :class:`course_lib.distributed.engine.ShardedDataParallel`.
 """
 
 from __future__ import annotations
@@ -37,6 +40,48 @@ class ParamRange:
 
 
 @dataclass
+class InFlight:
+    """A collective the engine started on a bucket: ``work`` its handle (``None``: already complete,
+    issued synchronously or over one rank), ``out`` the tensor its result lands in (``None`` for the
+    in-place all-reduce of the grad buffer)."""
+
+    work: object
+    out: torch.Tensor | None
+
+
+@dataclass
+class BucketState:
+    """The tensors of one bucket on this rank (``n`` = the bucket's padded ``numel``; ``[lo, hi)`` the
+    elements this rank's optimizer updates: its shard with a sharded optimizer, else ``[0, n)``).
+
+    Params (model dtype): ``param_full`` ``[n]`` -- the param buffer the model's params are views of
+    (ZeRO-3: only while the unit is gathered); ZeRO-3 also keeps ``param_shard`` ``[n/d]`` and
+    ``gathered``, the ``[n]`` all-gather target whose storage is freed when the unit is released.
+    Grads (grad dtype): ``grad_full`` ``[n]`` -- the grad buffer backward accumulates into (ZeRO-2/3:
+    only until the reduce-scatter); ZeRO-2/3 also ``grad_shard`` ``[n/d]``. Optimizer (fp32,
+    ``[hi - lo]``): ``main`` (the main params: the model's own shard for fp32 params, on the host with
+    offload), ``main_grad`` (fp32 copy of 16-bit grads), ``host_grad`` (offload: the grads copied to
+    the host), ``step_grad`` (the fp32 grads the update reads; set inside ``step`` only).
+    ``pending``: ids of the params whose grad has not arrived in this backward; ``grad_reduce`` /
+    ``gather``: the grad reduction / param all-gather in flight."""
+
+    lo: int = 0
+    hi: int = 0
+    param_full: torch.Tensor | None = None
+    param_shard: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+    grad_full: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    main: torch.Tensor | None = None
+    main_grad: torch.Tensor | None = None
+    host_grad: torch.Tensor | None = None
+    step_grad: torch.Tensor | None = None
+    pending: set = field(default_factory=set)
+    grad_reduce: InFlight | None = None
+    gather: InFlight | None = None
+
+
+@dataclass
 class Bucket:
     """A bucket's layout: ``params`` (in buffer order), ``numel`` (padded to a multiple of ``dp``)
     and ``shard_numel = numel / dp`` (elements each data-parallel rank owns)."""
@@ -47,7 +92,7 @@ class Bucket:
     dp: int
     data_numel: int = 0  # elements that belong to parameters (numel - padding)
     module: object = None  # the FSDP unit of a unit bucket (None for size buckets)
-    state: dict = field(default_factory=dict)
+    state: BucketState = field(default_factory=BucketState)
 
     @property
     def shard_numel(self) -> int:
@@ -61,16 +106,12 @@ class Bucket:
         """Elements ``[lo, hi)`` of the bucket that data-parallel rank ``rank`` owns."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
-    def pieces(self, rank: int) -> list[tuple[ParamRange, int, int]]:
-        """``(param range, lo, hi)`` for each parameter overlapping ``rank``'s shard, ``[lo, hi)`` in
-        bucket coordinates (clipped to the shard): what that rank's optimizer updates."""
-        s_lo, s_hi = self.shard_range(rank)
-        out = []
-        for pr in self.params:
-            lo, hi = max(pr.start, s_lo), min(pr.end, s_hi)
-            if lo < hi:
-                out.append((pr, lo, hi))
-        return out
+    def pieces(self, lo: int, hi: int) -> list[ParamRange]:
+        """Each parameter overlapping elements ``[lo, hi)`` of the bucket (a rank's
+        :meth:`shard_range`, or ``[0, numel)``), clipped to them: ``start``/``end`` in bucket
+        coordinates -- what the optimizer of the rank owning ``[lo, hi)`` updates."""
+        return [ParamRange(pr.name, pr.param, max(pr.start, lo), min(pr.end, hi))
+                for pr in self.params if max(pr.start, lo) < min(pr.end, hi)]
 
 
 def _pad(n: int, dp: int) -> int:

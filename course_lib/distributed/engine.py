@@ -30,21 +30,24 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from course_lib import comm
+from course_lib import comm, rules
 from course_lib.comm import CommRecorder, _all_gather_tensor, _reduce_scatter_tensor, record_event
-from course_lib.distributed.buffer import size_buckets, unit_buckets
+from course_lib.distributed.buffer import Bucket, InFlight, size_buckets, unit_buckets
 from course_lib.distributed.offload import HostPool
 from course_lib.optimizer import Optimizer, _no_weight_decay, clip_grads
 from course_lib.tensor_parallel.sharding import is_tensor_parallel
 
 __all__ = ["STRATEGIES", "ShardedDataParallel", "wrap"]
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-"""Megatron-FSDP's ``--data-parallel-sharding-strategy`` values (ZeRO stage = index)."""
+STRATEGIES = rules.SHARDING_STRATEGIES
+"""Megatron-FSDP's ``--data-parallel-sharding-strategy`` values (ZeRO stage = index,
+:func:`course_lib.rules.sharding_stage`)."""
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SOURCE = "course_lib.distributed"
@@ -71,8 +74,29 @@ def _first_tensor(out):
     return None
 
 
-def find_units(module: torch.nn.Module, named: list, unit_modules=None) -> list:
-    """FSDP units ``[(name, module, [(param name, param)])]`` in module order.
+def _trainable(module: torch.nn.Module) -> list:
+    """``[(name, param)]`` of the params that require grad, all of one float dtype (else ValueError)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("the module has no parameter that requires grad: nothing to train")
+    dtypes = {p.dtype for _, p in named}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
+        raise ValueError(f"params have dtypes {sorted(map(str, dtypes))}: use one of fp32/bf16/fp16 for all "
+                         f"(model.to(torch.bfloat16) for --bf16)")
+    return named
+
+
+class Unit(NamedTuple):
+    """An FSDP unit (Megatron-FSDP's ``fsdp_unit_modules``): ``name`` (its module path, ``""`` for the
+    root), ``module`` and ``params`` (``[(param name, param)]``), gathered and released together."""
+
+    name: str
+    module: torch.nn.Module
+    params: list
+
+
+def find_units(module: torch.nn.Module, named: list, unit_modules=None) -> list[Unit]:
+    """FSDP units in module order.
 
     ``unit_modules`` (Megatron-FSDP's ``fsdp_unit_modules``): classes; each module of one of those
     classes is a unit holding every parameter below it. ``None``: every module that owns parameters
@@ -90,11 +114,31 @@ def find_units(module: torch.nn.Module, named: list, unit_modules=None) -> list:
         params = [(n, p) for n, p in params if id(p) in wanted and id(p) not in claimed]
         if params:
             claimed.update(id(p) for _, p in params)
-            units.append((mname, m, params))
+            units.append(Unit(mname, m, params))
     rest = [(n, p) for n, p in named if id(p) not in claimed]
     if rest:
-        units.insert(0, ("", module, rest))
+        units.insert(0, Unit("", module, rest))
     return units
+
+
+@dataclass
+class OptimizerPiece:
+    """One parameter's piece of a bucket's shard, as the optimizer updates it: ``main``, the fp32
+    main-param view ``[end - start]``; ``start``/``end`` in shard coordinates (``[0, hi - lo)`` of
+    the bucket's :class:`~course_lib.distributed.buffer.BucketState`); ``counted``: whether the grad
+    norm counts it (Megatron's ``param_is_not_shared`` and ``param_is_not_tensor_parallel_duplicate``)."""
+
+    main: torch.Tensor
+    weight_decay: float
+    bucket: Bucket
+    start: int
+    end: int
+    counted: bool
+
+    @property
+    def grad(self) -> torch.Tensor:
+        """The piece of the fp32 grads the step reads (``[end - start]``; only inside :meth:`~ShardedDataParallel.step`)."""
+        return self.bucket.state.step_grad[self.start:self.end]
 
 
 class ShardedDataParallel:
@@ -105,40 +149,26 @@ class ShardedDataParallel:
     :func:`find_units`). Tensors: every bucket ``b`` holds a flat ``[b.numel]`` param buffer in the
     model dtype (``[b.numel / d]`` under ZeRO-3) and a flat grad buffer ``[b.numel]`` in the grad
     dtype (``[b.numel / d]`` under ZeRO-2/3); the optimizer holds fp32 ``[b.numel / d]`` slices
-    (``[b.numel]`` for ``no_shard``). Model parameters become views of the param buffer (Megatron's
-    ``param.data = buffer view``); under ZeRO-3 they are empty except while their unit is gathered.
+    (``[b.numel]`` for ``no_shard``), all in ``b.state`` (a
+    :class:`~course_lib.distributed.buffer.BucketState`). Model parameters become views of the param
+    buffer (Megatron's ``param.data = buffer view``); under ZeRO-3 they are empty except while their
+    unit is gathered.
     """
 
     def __init__(self, module: torch.nn.Module, dp_group, *, strategy: str = "no_shard", bucket_size=None,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  cpu_offload: bool = False, grad_reduce_in_fp32: bool = True, optimizer: str = "adam",
                  weight_decay: float = 0.01, loss_scaler=None, fsdp_unit_modules=None, **optimizer_kwargs):
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} (--data-parallel-sharding-strategy) is unknown: use one of "
-                             f"{', '.join(STRATEGIES)}")
-        self.module, self.group, self.strategy = module, _dp_group(dp_group), strategy
-        self.model_group = getattr(dp_group, "model", None)  # a ProcessGroups: found_inf, grad norm over TP x PP too
-        tp_group = getattr(dp_group, "tp", None)
-        self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        self.dp, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        self.rank = dist.get_rank()
-        self.gradient_scaling_factor = 1.0 / self.dp  # Megatron's: grads scaled by 1/d, then summed
-        stage = STRATEGIES.index(strategy)
+        stage = rules.sharding_stage(strategy)
+        self.module, self.strategy = module, strategy
+        self._init_groups(dp_group)
         self.shard_optim, self.shard_grads, self.shard_params = stage >= 1, stage >= 2, stage >= 3
-        if overlap_param_gather and not self.shard_optim:
-            raise ValueError("overlap_param_gather=True (--overlap-param-gather) needs sharded optimizer state: "
-                             "use strategy='optim' or above (Megatron: --use-distributed-optimizer)")
-        if overlap_param_gather and not overlap_grad_reduce:
-            raise ValueError("overlap_param_gather=True (--overlap-param-gather) needs overlap_grad_reduce=True "
-                             "(Megatron's validate_args: 'Must use --overlap-param-gather with --overlap-grad-reduce')")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the module has no parameter that requires grad: nothing to train")
-        dtypes = {p.dtype for _, p in named}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
-            raise ValueError(f"params have dtypes {sorted(map(str, dtypes))}: use one of fp32/bf16/fp16 for all "
-                             f"(model.to(torch.bfloat16) for --bf16)")
-        self.param_dtype = next(iter(dtypes))
+        # ZeRO-1 is Megatron's distributed optimizer; ZeRO-2/3 exist only in Megatron-FSDP
+        rules.sharding_flags(use_distributed_optimizer=self.shard_optim, use_megatron_fsdp=self.shard_grads,
+                             strategy=strategy, overlap_grad_reduce=overlap_grad_reduce,
+                             overlap_param_gather=overlap_param_gather)
+        named = _trainable(module)
+        self.param_dtype = named[0][1].dtype
         self.grad_dtype = torch.float32 if grad_reduce_in_fp32 else self.param_dtype
         self.device = named[0][1].device
         self.overlap_grad_reduce, self.overlap_param_gather = overlap_grad_reduce, overlap_param_gather
@@ -149,14 +179,31 @@ class ShardedDataParallel:
         self._sync = True
         self._decay = {id(p): not _no_weight_decay(n, p) for n, p in named}
         self._shapes = {id(p): p.shape for _, p in named}
+        self._init_layout(named, bucket_size, fsdp_unit_modules)
+        self._init_buffers()
+        self._init_optimizer(optimizer, weight_decay, cpu_offload, optimizer_kwargs)
+        self._hooks = self._register_hooks()
 
-        self.units = find_units(module, named, fsdp_unit_modules)
-        self.buckets = (unit_buckets([(m, ps) for _, m, ps in self.units], self.dp) if self.shard_params
-                        else size_buckets(named, bucket_size, self.dp))
+    def _init_groups(self, dp_group) -> None:
+        """The groups: ``dp_group`` (or a ProcessGroups' ``dp_cp``) reduces grads; a ProcessGroups' model
+        group also ORs found-inf and sums the grad norm; its TP rank decides what the norm counts."""
+        self.group = _dp_group(dp_group)
+        self.model_group = getattr(dp_group, "model", None)
+        tp_group = getattr(dp_group, "tp", None)
+        self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self.dp, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.rank = dist.get_rank()
+        self.gradient_scaling_factor = 1.0 / self.dp  # Megatron's: grads scaled by 1/d, then summed
+
+    def _init_layout(self, named: list, bucket_size, fsdp_unit_modules) -> None:
+        """Units and buckets (ZeRO-3: one bucket per unit), and the maps from a param to its place."""
+        self.units = find_units(self.module, named, fsdp_unit_modules)
+        self.buckets = (unit_buckets([(unit.module, unit.params) for unit in self.units], self.dp)
+                        if self.shard_params else size_buckets(named, bucket_size, self.dp))
         self._where = {id(pr.param): (b, pr) for b in self.buckets for pr in b.params}
-        self._unit_of = {id(p): i for i, (_, _, ps) in enumerate(self.units) for _, p in ps}
-        self._unit_bucket = {i: sorted({self._where[id(p)][0].index for _, p in ps})
-                             for i, (_, _, ps) in enumerate(self.units)}
+        self._unit_of = {id(p): u for u, unit in enumerate(self.units) for _, p in unit.params}
+        self._unit_bucket = {u: sorted({self._where[id(p)][0].index for _, p in unit.params})
+                             for u, unit in enumerate(self.units)}
         self._unit_pending = [set() for _ in self.units]
         # forward calls of unit u whose backward has not started yet: a backward prefetch gathers a
         # unit only while it is > 0 (never a unit whose backward is over for this micro-batch)
@@ -164,90 +211,104 @@ class ShardedDataParallel:
         self._fwd_span: dict = {}  # unit -> its open forward span (units nest: the root holds the others)
         self._bwd_span: dict = {}
         self._open_spans: dict = {}  # id(async work) -> the stamp that ends its timeline span
-        self._init_buffers()
-        self._init_optimizer(optimizer, weight_decay, cpu_offload, optimizer_kwargs)
-        self._hooks = self._register_hooks()
 
     # ------------------------------------------------------------------ storage
 
     def _init_buffers(self) -> None:
         src = dist.get_global_rank(self.group, 0)
         for b in self.buckets:
-            st = b.state
-            full = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
-            for pr in b.params:
-                full[pr.start:pr.end].copy_(pr.param.data.reshape(-1))
-            if self.dp > 1:  # every replica starts from group rank 0's values (Megatron's broadcast_params)
-                dist.broadcast(full, src=src, group=self.group)
-            lo, hi = b.shard_range(self.dp_rank) if self.shard_optim else (0, b.numel)
-            st.update(lo=lo, hi=hi, pending=set(), ready=False, grad_work=None, gather_work=None)
-            if self.shard_params:
-                st["param_shard"], st["param_full"], st["gathered"] = full[lo:hi].clone(), None, full
-                self._release(b)
-            else:
-                st["param_full"] = full
-                self._point_params(b, full)
-            st["grad_full"] = None if self.shard_grads else torch.zeros(b.numel, dtype=self.grad_dtype,
-                                                                        device=self.device)
-            st["grad_shard"] = (torch.zeros(b.shard_numel, dtype=self.grad_dtype, device=self.device)
-                                if self.shard_grads else None)
-            st["pending"] = {id(pr.param) for pr in b.params}
+            self._init_bucket_params(b, src)
+            self._init_bucket_grads(b)
 
-    def _point_params(self, b, full: torch.Tensor) -> None:
+    def _init_bucket_params(self, b: Bucket, src: int) -> None:
+        """Copy the params into ``b``'s ``[numel]`` buffer, broadcast it from group rank 0 (Megatron's
+        ``broadcast_params``: every replica starts from the same values) and make the params views of
+        it; ZeRO-3 keeps only this rank's ``[numel / d]`` shard and releases the unit."""
+        st = b.state
+        full = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
+        for pr in b.params:
+            full[pr.start:pr.end].copy_(pr.param.data.reshape(-1))
+        if self.dp > 1:
+            dist.broadcast(full, src=src, group=self.group)
+        st.lo, st.hi = b.shard_range(self.dp_rank) if self.shard_optim else (0, b.numel)
+        if self.shard_params:
+            st.param_shard, st.param_full, st.gathered = full[st.lo:st.hi].clone(), None, full
+            self._release(b)
+        else:
+            st.param_full = full
+            self._point_params(b, full)
+
+    def _init_bucket_grads(self, b: Bucket) -> None:
+        """The grad buffer ``[numel]`` (ZeRO-2/3: a ``[numel / d]`` shard, the buffer made in backward)."""
+        st = b.state
+        st.grad_full = None if self.shard_grads else torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+        st.grad_shard = (torch.zeros(b.shard_numel, dtype=self.grad_dtype, device=self.device)
+                         if self.shard_grads else None)
+        st.pending = {id(pr.param) for pr in b.params}
+
+    def _point_params(self, b: Bucket, full: torch.Tensor) -> None:
         for pr in b.params:
             pr.param.data = full[pr.start:pr.end].view(self._shapes[id(pr.param)])
 
-    def _release(self, b) -> None:
+    def _release(self, b: Bucket) -> None:
         """ZeRO-3: drop the gathered params of bucket ``b`` (each param becomes an empty tensor) and
         free the gathered buffer's storage (``resize_(0)``, as FSDP2 and Megatron-FSDP do): autograd
         still holds views of it saved for backward (a GEMM saves ``weight.t()``), so merely dropping
         the references would keep every unit's full weights alive until backward. The unit's next
         gather refills the same storage, which those saved views then read."""
         st = b.state
-        if st["gather_work"] is not None:   # never free a buffer a collective is writing into
+        if st.gather is not None:   # never free a buffer a collective is writing into
             self._wait_gather(b)
-        st["param_full"] = None
+        st.param_full = None
         for pr in b.params:
             pr.param.data = torch.empty(0, dtype=self.param_dtype, device=self.device)
-        st["gathered"].untyped_storage().resize_(0)
+        st.gathered.untyped_storage().resize_(0)
 
-    def _model_shard(self, b) -> torch.Tensor:
+    def _model_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's slice of ``b``'s params in the model dtype ``[hi - lo]`` (a view: writes land in the model)."""
         st = b.state
-        return st["param_shard"] if self.shard_params else st["param_full"][st["lo"]:st["hi"]]
+        return st.param_shard if self.shard_params else st.param_full[st.lo:st.hi]
 
-    def _grad_shard(self, b) -> torch.Tensor:
+    def _grad_shard(self, b: Bucket) -> torch.Tensor:
         st = b.state
-        return st["grad_shard"] if self.shard_grads else st["grad_full"][st["lo"]:st["hi"]]
+        return st.grad_shard if self.shard_grads else st.grad_full[st.lo:st.hi]
 
     def _init_optimizer(self, kind, weight_decay, cpu_offload, kwargs) -> None:
         self.pool = HostPool(self.device) if cpu_offload else None
-        self._pieces = []  # (fp32 main view, weight decay, bucket, start, end in the shard, counted in the norm)
+        self._pieces: list[OptimizerPiece] = []
         for b in self.buckets:
-            st = b.state
-            lo, hi = st["lo"], st["hi"]
-            shard = self._model_shard(b)
-            if self.pool is not None:
-                st["main"] = self.pool.empty(hi - lo)
-                st["main"].copy_(shard)
-                st["host_grad"] = self.pool.empty(hi - lo, self.grad_dtype)
-            elif self.param_dtype == torch.float32:
-                st["main"] = shard  # Megatron keeps no copy of fp32 params
-            else:
-                st["main"] = shard.float()
-            st["main_grad"] = (torch.zeros(hi - lo, device=self.device)
-                               if self.pool is None and self.grad_dtype != torch.float32 else None)
-            pieces = (b.pieces(self.dp_rank) if self.shard_optim else [(pr, pr.start, pr.end) for pr in b.params])
-            for pr, plo, phi in pieces:
-                wd = weight_decay if self._decay[id(pr.param)] else 0.0
-                # the grad norm counts a param once (Megatron's param_is_not_shared and
-                # param_is_not_tensor_parallel_duplicate): not the last stage's copy of a tied
-                # embedding (``shared``), TP shards everywhere, TP-replicated params on TP rank 0
-                counted = (not getattr(pr.param, "shared", False)
-                           and (self._tp_rank == 0 or is_tensor_parallel(pr.param)))
-                self._pieces.append((st["main"][plo - lo:phi - lo], wd, b, plo - lo, phi - lo, counted))
+            self._init_main(b)
+            self._pieces += self._optimizer_pieces(b, weight_decay)
         self.optimizer = Optimizer([], kind, weight_decay=weight_decay, **kwargs)
-        self.optimizer.params = [(view, wd) for view, wd, *_ in self._pieces]
+        self.optimizer.params = [(piece.main, piece.weight_decay) for piece in self._pieces]
+
+    def _init_main(self, b: Bucket) -> None:
+        """``b``'s fp32 main params ``[hi - lo]`` (the model shard itself for fp32 params: Megatron keeps
+        no copy; on the host with offload, beside a host grad buffer) and, for 16-bit grads without
+        offload, an fp32 main-grad buffer."""
+        st, shard = b.state, self._model_shard(b)
+        if self.pool is not None:
+            st.main = self.pool.empty(st.hi - st.lo)
+            st.main.copy_(shard)
+            st.host_grad = self.pool.empty(st.hi - st.lo, self.grad_dtype)
+        elif self.param_dtype == torch.float32:
+            st.main = shard
+        else:
+            st.main = shard.float()
+        st.main_grad = (torch.zeros(st.hi - st.lo, device=self.device)
+                        if self.pool is None and self.grad_dtype != torch.float32 else None)
+
+    def _optimizer_pieces(self, b: Bucket, weight_decay: float) -> list[OptimizerPiece]:
+        """One :class:`OptimizerPiece` per parameter overlapping this rank's ``[lo, hi)`` of ``b``."""
+        st, out = b.state, []
+        for pr in b.pieces(st.lo, st.hi):
+            a, z = pr.start - st.lo, pr.end - st.lo
+            # the grad norm counts a param once: not the last stage's copy of a tied embedding
+            # (``shared``), TP shards everywhere, TP-replicated params on TP rank 0
+            counted = not getattr(pr.param, "shared", False) and (self._tp_rank == 0 or is_tensor_parallel(pr.param))
+            out.append(OptimizerPiece(st.main[a:z], weight_decay if self._decay[id(pr.param)] else 0.0, b, a, z,
+                                      counted))
+        return out
 
     # ------------------------------------------------------------------ timeline and collectives
 
@@ -302,53 +363,52 @@ class ShardedDataParallel:
 
     # ------------------------------------------------------------------ grads
 
-    def _launch_grad_reduce(self, b, async_op: bool) -> None:
+    def _launch_grad_reduce(self, b: Bucket, async_op: bool) -> None:
+        """Scale ``b``'s grad buffer by 1/d and start its all-reduce (``no_shard``) or reduce-scatter
+        into a new ``[numel / d]`` tensor (sharded optimizer)."""
         st = b.state
-        if st["grad_full"] is None or st["grad_work"] is not None:
+        if st.grad_full is None or st.grad_reduce is not None:
             return
-        st["grad_full"].mul_(self.gradient_scaling_factor)
+        st.grad_full.mul_(self.gradient_scaling_factor)
         if not self.shard_optim:
-            st["grad_out"] = None
-            st["grad_work"] = self._collective("all_reduce", st["grad_full"], st["grad_full"], f"bucket {b.index}",
-                                               "grads", async_op) or "done"
+            work = self._collective("all_reduce", st.grad_full, st.grad_full, f"bucket {b.index}", "grads", async_op)
+            st.grad_reduce = InFlight(work, None)
         else:
-            st["grad_out"] = torch.empty(b.shard_numel, dtype=self.grad_dtype, device=self.device)
-            st["grad_work"] = self._collective("reduce_scatter", st["grad_out"], st["grad_full"],
-                                               f"bucket {b.index}", "grads", async_op) or "done"
+            out = torch.empty(b.shard_numel, dtype=self.grad_dtype, device=self.device)
+            work = self._collective("reduce_scatter", out, st.grad_full, f"bucket {b.index}", "grads", async_op)
+            st.grad_reduce = InFlight(work, out)
 
-    def _finish_grad_reduce(self, b) -> None:
+    def _finish_grad_reduce(self, b: Bucket) -> None:
         st = b.state
-        work = st["grad_work"]
-        if work is None:
+        if st.grad_reduce is None:
             return
-        if work != "done":
-            self._wait(work)
-        out = st.pop("grad_out")
+        if st.grad_reduce.work is not None:
+            self._wait(st.grad_reduce.work)
+        out = st.grad_reduce.out
         if out is not None:
             if self.shard_grads:
-                st["grad_shard"].add_(out)  # accumulate: several backward passes may feed one step
-                st["grad_full"] = None      # ZeRO-2/3 keep only the shard
+                st.grad_shard.add_(out)  # accumulate: several backward passes may feed one step
+                st.grad_full = None      # ZeRO-2/3 keep only the shard
             else:
-                st["grad_full"][st["lo"]:st["hi"]].copy_(out)
-        st["grad_work"], st["ready"] = None, False
+                st.grad_full[st.lo:st.hi].copy_(out)
+        st.grad_reduce = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Post-accumulate-grad hook: add ``p.grad`` into its bucket's main grad (fp32 when
         ``grad_reduce_in_fp32``), drop ``p.grad``; a complete bucket starts its collective."""
         b, pr = self._where[id(p)]
         st = b.state
-        if st["grad_full"] is None:
-            st["grad_full"] = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
-        st["grad_full"][pr.start:pr.end].add_(p.grad.reshape(-1))
+        if st.grad_full is None:
+            st.grad_full = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
+        st.grad_full[pr.start:pr.end].add_(p.grad.reshape(-1))
         p.grad = None
-        st["pending"].discard(id(p))
+        st.pending.discard(id(p))
         u = self._unit_of[id(p)]
         self._unit_pending[u].discard(id(p))
         if not self._unit_pending[u]:
             self._unit_backward_done(u)
-        if not st["pending"]:
-            st["pending"] = {id(q.param) for q in b.params}
-            st["ready"] = True
+        if not st.pending:
+            st.pending = {id(q.param) for q in b.params}
             if self.shard_params:
                 self._release(b)
             if self.overlap_grad_reduce and self._sync:
@@ -357,12 +417,12 @@ class ShardedDataParallel:
     def finish_grad_sync(self) -> None:
         """Reduce every bucket not yet reduced (all of them without ``overlap_grad_reduce``) and wait."""
         for b in self.buckets:
-            if b.state["grad_work"] is None:
+            if b.state.grad_reduce is None:
                 self._launch_grad_reduce(b, async_op=False)
         for b in self.buckets:
             self._finish_grad_reduce(b)
-            b.state["pending"] = {id(pr.param) for pr in b.params}
-            if self.shard_params and b.state["param_full"] is not None:
+            b.state.pending = {id(pr.param) for pr in b.params}
+            if self.shard_params and b.state.param_full is not None:
                 self._release(b)
 
     @contextlib.contextmanager
@@ -376,31 +436,31 @@ class ShardedDataParallel:
 
     # ------------------------------------------------------------------ params
 
-    def _launch_gather(self, b, async_op: bool) -> None:
+    def _launch_gather(self, b: Bucket, async_op: bool) -> None:
         st = b.state
-        if st["gather_work"] is not None or (self.shard_params and st["param_full"] is not None):
+        if st.gather is not None or (self.shard_params and st.param_full is not None):
             return
         if self.shard_params:       # refill the unit's own storage (freed by _release)
-            full = st["gathered"]
+            full = st.gathered
             full.untyped_storage().resize_(b.numel * full.element_size())
-            inp = st["param_shard"]
+            inp = st.param_shard
         else:
-            full, inp = st["param_full"], self._model_shard(b).clone()
+            full, inp = st.param_full, self._model_shard(b).clone()
         work = self._collective("all_gather", full, inp, f"bucket {b.index}", "params", async_op)
-        st["gather_work"] = (work, full)
+        st.gather = InFlight(work, full)
         if work is None:
             self._wait_gather(b)
 
-    def _wait_gather(self, b) -> None:
+    def _wait_gather(self, b: Bucket) -> None:
         st = b.state
-        if st["gather_work"] is None:
+        if st.gather is None:
             return
-        work, full = st["gather_work"]
-        if work is not None:
-            self._wait(work)
-        st["gather_work"] = None
+        if st.gather.work is not None:
+            self._wait(st.gather.work)
+        full = st.gather.out
+        st.gather = None
         if self.shard_params:
-            st["param_full"] = full
+            st.param_full = full
             self._point_params(b, full)
 
     def _wait_param_gathers(self, release: bool = False) -> None:
@@ -408,13 +468,13 @@ class ShardedDataParallel:
         the next forward gathers the updated shards (a gathered copy is stale after an update)."""
         for b in self.buckets:
             self._wait_gather(b)
-            if release and self.shard_params and b.state["param_full"] is not None:
+            if release and self.shard_params and b.state.param_full is not None:
                 self._release(b)
 
     def _ensure_unit(self, u: int) -> None:
         for i in self._unit_bucket[u]:
             b = self.buckets[i]
-            if self.shard_params and b.state["param_full"] is None and b.state["gather_work"] is None:
+            if self.shard_params and b.state.param_full is None and b.state.gather is None:
                 self._launch_gather(b, async_op=False)
             self._wait_gather(b)
 
@@ -436,13 +496,13 @@ class ShardedDataParallel:
         for b in self.buckets:
             for pr in b.params:
                 handles.append(pr.param.register_post_accumulate_grad_hook(self._on_grad))
-        for u, (name, m, _) in enumerate(self.units):
-            handles.append(m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u)))
-            handles.append(m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out)))
+        for u, unit in enumerate(self.units):
+            handles.append(unit.module.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u)))
+            handles.append(unit.module.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out)))
         return handles
 
     def _before_forward(self, u: int) -> None:
-        self._fwd_span[u] = self._span(self.units[u][0] or "root", "forward")
+        self._fwd_span[u] = self._span(self.units[u].name or "root", "forward")
         if self.shard_params:
             self._ensure_unit(u)
             self._prefetch_unit(u + 1)
@@ -457,7 +517,7 @@ class ShardedDataParallel:
                 self._release(self.buckets[i])
         t = _first_tensor(out) if torch.is_grad_enabled() else None
         if t is not None:
-            self._unit_pending[u] = {id(p) for _, p in self.units[u][2]}
+            self._unit_pending[u] = {id(p) for _, p in self.units[u].params}
             self._bwd_todo[u] += 1
             fired = [False]  # per forward call: each micro-batch's backward gathers the unit again
 
@@ -472,7 +532,7 @@ class ShardedDataParallel:
         gather it (if released) and prefetch the unit before it. Called once per forward call, so
         pipelined micro-batches (forward, forward, backward, backward) each gather the unit."""
         self._bwd_todo[u] -= 1
-        self._bwd_span[u] = self._span(self.units[u][0] or "root", "backward")
+        self._bwd_span[u] = self._span(self.units[u].name or "root", "backward")
         if self.shard_params:
             self._ensure_unit(u)
             self._prefetch_unit(u - 1, backward=True)
@@ -502,10 +562,9 @@ class ShardedDataParallel:
         if self.pool is not None:
             self.pool.reset_moved()
         for b in self.buckets:
-            st = b.state
-            for key in ("grad_full", "grad_shard"):
-                if st[key] is not None:
-                    st[key].zero_()
+            for grad in (b.state.grad_full, b.state.grad_shard):
+                if grad is not None:
+                    grad.zero_()
             for pr in b.params:
                 pr.param.grad = None
 
@@ -519,9 +578,9 @@ class ShardedDataParallel:
         after the loss scaler's ``unscale_and_check`` -- where a trainer sums sequence-parallel
         grads over TP first)."""
         sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for _, _, b, a, z, counted in self._pieces:
-            if counted:
-                sq += b.state["g32"][a:z].double().square().sum().to(self.device)
+        for piece in self._pieces:
+            if piece.counted:
+                sq += piece.grad.double().square().sum().to(self.device)
         groups = ([(self.group, "dp")] if self.shard_optim else []) + [(self.model_group, "tp-pp")]
         with self.comm:
             for group, kind in groups:
@@ -542,41 +601,11 @@ class ShardedDataParallel:
         self.finish_grad_sync()
         self._wait_param_gathers(release=True)
         ev = self._span("optimizer", "optimizer")
+        self._stage_step_grads()
+        found_inf = self._found_inf()
+        norm = None if found_inf else self._update(lr, clip_grad, grad_norm)
         for b in self.buckets:
-            st, g = b.state, self._grad_shard(b)
-            if self.pool is not None:
-                self.pool.to_host(st["host_grad"], g)
-                st["g32"] = st["host_grad"].float()
-            elif st["main_grad"] is not None:
-                st["g32"] = st["main_grad"].copy_(g)
-            else:
-                st["g32"] = g
-        found_inf = False
-        if self.loss_scaler is not None:
-            found = bool(self.loss_scaler.unscale_and_check([b.state["g32"] for b in self.buckets]))
-            flag = torch.tensor([float(found)], device=self.device)
-            for group in (self.group, self.model_group):  # each rank saw only its shard: OR over dp, then model
-                if group is not None and dist.get_world_size(group) > 1:
-                    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            found_inf = bool(flag.item())
-        norm = None
-        if not found_inf:
-            for view, _, b, a, z, _ in self._pieces:
-                view.grad = b.state["g32"][a:z]
-            if clip_grad > 0 or grad_norm:
-                norm = self.grad_norm()
-                clip_grads([view for view, *_ in self._pieces], norm, clip_grad)
-            self.optimizer.step(lr)
-            for view, *_ in self._pieces:
-                view.grad = None
-            for b in self.buckets:
-                st, shard = b.state, self._model_shard(b)
-                if self.pool is not None:
-                    self.pool.to_device(shard, st["main"])
-                elif st["main"] is not shard:
-                    shard.copy_(st["main"])
-        for b in self.buckets:
-            b.state.pop("g32", None)
+            b.state.step_grad = None
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
         ev["end"] = self._now()
@@ -584,6 +613,52 @@ class ShardedDataParallel:
             for b in reversed(self.buckets):  # forward order: the last bucket holds the first layers
                 self._launch_gather(b, async_op=self.overlap_param_gather)
         return {"skipped": found_inf, "found_inf": found_inf, "grad_norm": norm}
+
+    def _stage_step_grads(self) -> None:
+        """Each bucket's ``step_grad``: this rank's reduced grad shard in fp32 (copied to the host with
+        offload, into the fp32 main-grad buffer for 16-bit grads, else the grad shard itself)."""
+        for b in self.buckets:
+            st, g = b.state, self._grad_shard(b)
+            if self.pool is not None:
+                self.pool.to_host(st.host_grad, g)
+                st.step_grad = st.host_grad.float()
+            elif st.main_grad is not None:
+                st.step_grad = st.main_grad.copy_(g)
+            else:
+                st.step_grad = g
+
+    def _found_inf(self) -> bool:
+        """The loss scaler unscales the grads and checks them; each rank saw only its shard, so the
+        flag is OR-ed over dp, then over the model group. False without a scaler."""
+        if self.loss_scaler is None:
+            return False
+        found = bool(self.loss_scaler.unscale_and_check([b.state.step_grad for b in self.buckets]))
+        flag = torch.tensor([float(found)], device=self.device)
+        for group in (self.group, self.model_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    def _update(self, lr: float, clip_grad: float, grad_norm: bool):
+        """The optimizer step on this rank's fp32 main params (clipped first when asked), then the
+        updated values written back into the model-dtype shard. Returns the grad norm, or None when
+        neither clipping nor ``grad_norm`` asked for it."""
+        norm = None
+        for piece in self._pieces:
+            piece.main.grad = piece.grad
+        if clip_grad > 0 or grad_norm:
+            norm = self.grad_norm()
+            clip_grads([piece.main for piece in self._pieces], norm, clip_grad)
+        self.optimizer.step(lr)
+        for piece in self._pieces:
+            piece.main.grad = None
+        for b in self.buckets:
+            shard = self._model_shard(b)
+            if self.pool is not None:
+                self.pool.to_device(shard, b.state.main)
+            elif b.state.main is not shard:
+                shard.copy_(b.state.main)
+        return norm
 
     def bytes_per_rank(self) -> dict:
         """Bytes this rank holds, measured from the tensors' storages (each storage counted once).
@@ -607,12 +682,11 @@ class ShardedDataParallel:
                     total += s.nbytes()
             return total
 
-        params = nbytes([pr.param.data for b in self.buckets for pr in b.params]
-                        + [b.state.get("param_shard") for b in self.buckets])
-        grads = nbytes([b.state["grad_full"] if not self.shard_grads else b.state["grad_shard"]
-                        for b in self.buckets] + [pr.param.grad for b in self.buckets for pr in b.params])
-        opt = nbytes([b.state["main"] for b in self.buckets] + [b.state["main_grad"] for b in self.buckets]
-                     + [b.state.get("host_grad") for b in self.buckets]
+        states = [b.state for b in self.buckets]
+        params = nbytes([pr.param.data for b in self.buckets for pr in b.params] + [st.param_shard for st in states])
+        grads = nbytes([st.grad_shard if self.shard_grads else st.grad_full for st in states]
+                       + [pr.param.grad for b in self.buckets for pr in b.params])
+        opt = nbytes([st.main for st in states] + [st.main_grad for st in states] + [st.host_grad for st in states]
                      + [t for st in self.optimizer.state.values() for t in st.values()])
         host = self.pool is not None
         out = {"params": params, "grads": grads, "optimizer": 0 if host else opt,
@@ -632,8 +706,8 @@ class ShardedDataParallel:
         dp average under ``no_shard``; under ``optim`` only this rank's shard of it is averaged.
         ZeRO-2/3 keep no full buffer past the reduce-scatter (only a 1/d grad shard): ValueError then."""
         b, pr = self._where[id(param)]
-        full = b.state["grad_full"]
-        if full is None or b.state["grad_work"] is not None:
+        full = b.state.grad_full
+        if full is None or b.state.grad_reduce is not None:
             raise ValueError(f"main_grad: strategy={self.strategy!r} keeps only a 1/d grad shard once the "
                              f"reduce-scatter started (or no backward ran yet); read main_grad after backward, "
                              f"before step, or use strategy 'no_shard' / 'optim' for full main grads")
@@ -647,9 +721,9 @@ class ShardedDataParallel:
         for b in self.buckets:
             if self.shard_params:
                 full = torch.empty(b.numel, dtype=self.param_dtype, device=self.device)
-                self._collective("all_gather", full, b.state["param_shard"], f"bucket {b.index}", "inspect", False)
+                self._collective("all_gather", full, b.state.param_shard, f"bucket {b.index}", "inspect", False)
             else:
-                full = b.state["param_full"]
+                full = b.state.param_full
             for pr in b.params:
                 out[pr.name] = full[pr.start:pr.end].view(self._shapes[id(pr.param)]).clone()
         return out

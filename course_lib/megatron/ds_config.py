@@ -85,7 +85,6 @@ MEGATRON_FLAGS: dict[str, str] = {
 }
 VERIFIED_AT = ("main", "d98e8a64ddf34856e74b24714e3bedb2f5a39553")
 
-FSDP_STRATEGY = {1: "optim", 2: "optim_grads", 3: "optim_grads_params"}
 DEEPSPEED_INITIAL_SCALE_POWER = 16    # DeepSpeed's default fp16.initial_scale_power (docs: config-json)
 AUTO = "auto"
 
@@ -205,7 +204,8 @@ class Translation:
     """What :func:`translate` found: ``flags`` (ordered Megatron-LM flags, ``[flag, value-or-None]``),
     ``why`` (``(key, flags, reason)`` one per translated key), ``unmapped`` (``(key, reason)``),
     ``stage``, ``precision`` (``bf16``/``fp16``/``fp32``), ``offload_optimizer`` (a device or None),
-    ``offload_param``, ``dp`` (given or derived, else None)."""
+    ``offload_param``, ``dp`` (given or derived, else None); ``seen``: the keys a step has handled
+    (the rest are listed at the end)."""
 
     def __init__(self):
         self.flags: list[list] = []
@@ -213,6 +213,15 @@ class Translation:
         self.unmapped: list[tuple[str, str]] = []
         self.stage, self.precision, self.dp = 0, "fp32", None
         self.offload_optimizer = self.offload_param = None
+        self.seen: set[str] = set()
+
+    def auto(self, key: str, value) -> bool:
+        """Mark ``key`` handled; True (and listed as unmapped) when its value is ``"auto"``."""
+        self.seen.add(key)
+        if value == AUTO:
+            self.no_equivalent(key, '"auto" is filled in by the Hugging Face Trainer: put the value in the file')
+            return True
+        return False
 
     def add(self, key: str, flags: list, reason: str) -> None:
         for f in flags:
@@ -274,44 +283,54 @@ _NO_EQUIVALENT = {
 
 
 def translate(config: dict, dp: int | None = None) -> Translation:
-    """The Megatron-LM flags for a validated ``config`` (see :func:`parse`); ``dp`` for the global batch."""
+    """The Megatron-LM flags for a validated ``config`` (see :func:`parse`); ``dp`` for the global batch.
+    One step per part of the config, in the order the flags are printed."""
     t = Translation()
     if dp is not None:
         t.dp = rules.integer("--dp", dp)
     zero = config.get("zero_optimization", {})
-    seen = set()
+    _zero_stage(t, config, zero)
+    _offload(t, zero)
+    _buckets(t, zero)
+    _overlap(t, zero)
+    _precision(t, config)
+    _batch_sizes(t, config)
+    _optimizer(t, config.get("optimizer"))
+    _clipping_and_logging(t, config)
+    _left_over(t, config)
+    return t
 
-    def auto(key, value) -> bool:
-        seen.add(key)
-        if value == AUTO:
-            t.no_equivalent(key, '"auto" is filled in by the Hugging Face Trainer: put the value in the file')
-            return True
-        return False
 
-    # ---- ZeRO stage
+def _zero_stage(t: Translation, config: dict, zero: dict) -> None:
+    """``zero_optimization.stage``: ZeRO-1 is the distributed optimizer, ZeRO-2/3 Megatron-FSDP."""
     stage = zero.get("stage", 0)
-    if not auto("zero_optimization.stage", stage):
-        t.stage = stage = _int(stage)
-        if stage == 1:
-            t.add("zero_optimization.stage", [["--use-distributed-optimizer", None]],
-                  "ZeRO-1: Megatron's distributed optimizer shards fp32 main params and Adam state over DP x CP "
-                  "(alternative: --use-megatron-fsdp --data-parallel-sharding-strategy optim)")
-        elif stage in (2, 3):
-            what = "grads and optimizer state" if stage == 2 else "params, grads and optimizer state"
-            t.add("zero_optimization.stage",
-                  [["--use-megatron-fsdp", None], ["--data-parallel-sharding-strategy", FSDP_STRATEGY[stage]],
-                   ["--use-distributed-optimizer", None], ["--ckpt-format", "fsdp_dtensor"]],
-                  f"ZeRO-{stage}: Megatron-FSDP shards {what} over DP (v1 runs on the distributed optimizer; "
-                  f"needs --ckpt-format fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS unset or > 1)")
-        elif "zero_optimization" in config:
-            t.why.append(("zero_optimization.stage", "(none)", "ZeRO-0: plain data parallelism, Megatron's default"))
-    # ---- offload
-    for key, name in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+    if t.auto("zero_optimization.stage", stage):
+        return
+    t.stage = stage = _int(stage)
+    if stage == 1:
+        t.add("zero_optimization.stage", [["--use-distributed-optimizer", None]],
+              "ZeRO-1: Megatron's distributed optimizer shards fp32 main params and Adam state over DP x CP "
+              "(alternative: --use-megatron-fsdp --data-parallel-sharding-strategy optim)")
+    elif stage in (2, 3):
+        what = "grads and optimizer state" if stage == 2 else "params, grads and optimizer state"
+        t.add("zero_optimization.stage",
+              [["--use-megatron-fsdp", None], ["--data-parallel-sharding-strategy", rules.SHARDING_STRATEGIES[stage]],
+               ["--use-distributed-optimizer", None], ["--ckpt-format", "fsdp_dtensor"]],
+              f"ZeRO-{stage}: Megatron-FSDP shards {what} over DP (v1 runs on the distributed optimizer; "
+              f"needs --ckpt-format fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS unset or > 1)")
+    elif "zero_optimization" in config:
+        t.why.append(("zero_optimization.stage", "(none)", "ZeRO-0: plain data parallelism, Megatron's default"))
+
+
+def _offload(t: Translation, zero: dict) -> None:
+    """``offload_optimizer`` / ``offload_param`` (and the old ``cpu_offload``): only the optimizer's
+    CPU offload has a Megatron flag."""
+    for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key)
         if off is None:
             continue
         full = f"zero_optimization.{key}"
-        seen.add(full)
+        t.seen.add(full)
         device = off.get("device", "none")
         for sub in off:
             if sub != "device":
@@ -330,17 +349,21 @@ def translate(config: dict, dp: int | None = None) -> Translation:
             t.no_equivalent(f"{full}.device", f"{device}: no equivalent (Megatron-FSDP keeps its param shards "
                                               f"on the GPU)")
     if zero.get("cpu_offload") is True:      # DeepSpeed's old spelling of offload_optimizer.device=cpu
-        seen.add("zero_optimization.cpu_offload")
+        t.seen.add("zero_optimization.cpu_offload")
         t.offload_optimizer = "cpu"
         t.add("zero_optimization.cpu_offload",
               [["--optimizer-cpu-offload", None], ["--use-precision-aware-optimizer", None]],
               "the old spelling of offload_optimizer.device=cpu")
-    # ---- buckets and overlap
+
+
+def _buckets(t: Translation, zero: dict) -> None:
+    """Bucket sizes: Megatron has one, for the grad reduction and the param all-gather; ZeRO-3's
+    prefetch size is Megatron-FSDP's communication unit."""
     rb, ab = zero.get("reduce_bucket_size"), zero.get("allgather_bucket_size")
-    if rb is not None and not auto("zero_optimization.reduce_bucket_size", rb):
+    if rb is not None and not t.auto("zero_optimization.reduce_bucket_size", rb):
         t.add("zero_optimization.reduce_bucket_size", [["--ddp-bucket-size", _int(rb)]],
               "elements per grad-reduction bucket (Megatron: max parameters per bucket)")
-    if ab is not None and not auto("zero_optimization.allgather_bucket_size", ab):
+    if ab is not None and not t.auto("zero_optimization.allgather_bucket_size", ab):
         if rb is None or rb == AUTO or _int(ab) == _int(rb):
             if rb is None or rb == AUTO:
                 t.add("zero_optimization.allgather_bucket_size", [["--ddp-bucket-size", _int(ab)]],
@@ -352,14 +375,18 @@ def translate(config: dict, dp: int | None = None) -> Translation:
             t.no_equivalent("zero_optimization.allgather_bucket_size",
                             f"{_int(ab)} != reduce_bucket_size {_int(rb)}: Megatron uses one bucket size for both")
     pb = zero.get("stage3_prefetch_bucket_size")
-    if pb is not None and not auto("zero_optimization.stage3_prefetch_bucket_size", pb):
+    if pb is not None and not t.auto("zero_optimization.stage3_prefetch_bucket_size", pb):
         if t.stage == 3:
             t.add("zero_optimization.stage3_prefetch_bucket_size", [["--suggested-communication-unit-size", _int(pb)]],
                   "elements Megatron-FSDP all-gathers at once, which sets how far it prefetches")
         else:
             t.no_equivalent("zero_optimization.stage3_prefetch_bucket_size", "only used by ZeRO-3")
+
+
+def _overlap(t: Translation, zero: dict) -> None:
+    """``overlap_comm``: the grad reduction in backward, and with a sharded optimizer the param all-gather."""
     if zero.get("overlap_comm") is True:
-        seen.add("zero_optimization.overlap_comm")
+        t.seen.add("zero_optimization.overlap_comm")
         flags = [["--overlap-grad-reduce", None]]
         if t.stage >= 1:
             flags.append(["--overlap-param-gather", None])
@@ -368,53 +395,56 @@ def translate(config: dict, dp: int | None = None) -> Translation:
                                                                if t.stage >= 1 else
                                                                " (--overlap-param-gather needs a sharded optimizer)"))
     elif "overlap_comm" in zero:
-        seen.add("zero_optimization.overlap_comm")
-    # ---- precision
+        t.seen.add("zero_optimization.overlap_comm")
+
+
+def _precision(t: Translation, config: dict) -> None:
+    """``bf16`` / ``fp16`` (with DeepSpeed's loss-scale keys as Megatron's)."""
     for key in ("bf16", "fp16"):
         if key in config and config[key].get("enabled") == AUTO:
-            auto(f"{key}.enabled", AUTO)
+            t.auto(f"{key}.enabled", AUTO)
     if _enabled(config, "bf16"):
         t.precision = "bf16"
         t.add("bf16.enabled", [["--bf16", None]],
               "bf16 params/activations, fp32 main params; Megatron also accumulates and all-reduces grads in fp32")
     if _enabled(config, "fp16"):
         t.precision = "fp16"
-        fp16 = config["fp16"]
         t.add("fp16.enabled", [["--fp16", None]], "fp16 params/activations, fp32 main params, loss scaling")
-        ls = fp16.get("loss_scale", 0)
-        if ls not in (0, AUTO):
-            t.add("fp16.loss_scale", [["--loss-scale", ls]], "a constant loss scale")
-        elif ls == 0:
-            power = fp16.get("initial_scale_power", DEEPSPEED_INITIAL_SCALE_POWER)
-            if power != AUTO:
-                t.add("fp16.initial_scale_power", [["--initial-loss-scale", 2 ** _int(power)]],
-                      f"dynamic scaling from 2**{_int(power)}" + ("" if "initial_scale_power" in fp16 else
-                      " (DeepSpeed's default 16; Megatron's own default is 2**32)"))
-            for ds_key, flag in (("loss_scale_window", "--loss-scale-window"), ("hysteresis", "--hysteresis"),
-                                 ("min_loss_scale", "--min-loss-scale")):
-                if ds_key in fp16 and not auto(f"fp16.{ds_key}", fp16[ds_key]):
-                    t.add(f"fp16.{ds_key}", [[flag, fp16[ds_key]]], "same rule in Megatron's DynamicGradScaler")
-    # ---- batch
+        _loss_scale(t, config["fp16"])
+
+
+def _loss_scale(t: Translation, fp16: dict) -> None:
+    """A constant ``loss_scale``, or (0) dynamic scaling from ``2**initial_scale_power``."""
+    ls = fp16.get("loss_scale", 0)
+    if ls not in (0, AUTO):
+        t.add("fp16.loss_scale", [["--loss-scale", ls]], "a constant loss scale")
+    elif ls == 0:
+        power = fp16.get("initial_scale_power", DEEPSPEED_INITIAL_SCALE_POWER)
+        if power != AUTO:
+            t.add("fp16.initial_scale_power", [["--initial-loss-scale", 2 ** _int(power)]],
+                  f"dynamic scaling from 2**{_int(power)}" + ("" if "initial_scale_power" in fp16 else
+                  " (DeepSpeed's default 16; Megatron's own default is 2**32)"))
+        for ds_key, flag in (("loss_scale_window", "--loss-scale-window"), ("hysteresis", "--hysteresis"),
+                             ("min_loss_scale", "--min-loss-scale")):
+            if ds_key in fp16 and not t.auto(f"fp16.{ds_key}", fp16[ds_key]):
+                t.add(f"fp16.{ds_key}", [[flag, fp16[ds_key]]], "same rule in Megatron's DynamicGradScaler")
+
+
+def _batch_sizes(t: Translation, config: dict) -> None:
+    """``train_micro_batch_size_per_gpu`` is ``--micro-batch-size``; ``train_batch_size`` (or micro x
+    accumulation x DP) is ``--global-batch-size``, and with all three keys it implies DP."""
     micro = config.get("train_micro_batch_size_per_gpu")
     ga = config.get("gradient_accumulation_steps")
     tbs = config.get("train_batch_size")
-    if micro is not None and not auto("train_micro_batch_size_per_gpu", micro):
+    if micro is not None and not t.auto("train_micro_batch_size_per_gpu", micro):
         t.add("train_micro_batch_size_per_gpu", [["--micro-batch-size", _int(micro)]], "samples per GPU per step")
     if ga is not None:
-        auto("gradient_accumulation_steps", ga)
+        t.auto("gradient_accumulation_steps", ga)
     if tbs is not None:
-        auto("train_batch_size", tbs)
+        t.auto("train_batch_size", tbs)
     nums = {k: _int(v) for k, v in (("micro", micro), ("ga", ga), ("tbs", tbs)) if v not in (None, AUTO)}
     if {"micro", "ga", "tbs"} <= nums.keys():
-        if nums["tbs"] % (nums["micro"] * nums["ga"]):
-            raise ValueError(f"train_batch_size={nums['tbs']} is not train_micro_batch_size_per_gpu x "
-                             f"gradient_accumulation_steps x DP = {nums['micro']} x {nums['ga']} x DP for any DP")
-        implied = nums["tbs"] // (nums["micro"] * nums["ga"])
-        if t.dp is not None and implied != t.dp:
-            raise ValueError(f"train_batch_size={nums['tbs']} = {nums['micro']} x {nums['ga']} x DP gives "
-                             f"DP={implied}, "
-                             f"but --dp={t.dp}: fix one of them")
-        t.dp = implied
+        t.dp = _implied_dp(nums, t.dp)
     if "tbs" in nums:
         t.add("train_batch_size", [["--global-batch-size", nums["tbs"]]], "samples per optimizer step")
     elif "ga" in nums and "micro" in nums:
@@ -426,48 +456,71 @@ def translate(config: dict, dp: int | None = None) -> Translation:
         else:
             t.no_equivalent("gradient_accumulation_steps", "Megatron takes --global-batch-size = micro x "
                                                            "accumulation x DP: pass --dp to compute it")
-    # ---- optimizer and the rest
-    opt = config.get("optimizer")
-    if opt is not None:
-        kind = opt.get("type", "")
-        if kind.lower() in ("adam", "adamw", "fusedadam"):
-            t.add("optimizer.type", [["--optimizer", "adam"]],
-                  "Megatron's adam is AdamW (decoupled weight decay)" + (
-                      "" if kind.lower() != "adam" else "; DeepSpeed's Adam decouples too unless adam_w_mode=false"))
-        elif kind.lower() == "sgd":
-            t.add("optimizer.type", [["--optimizer", "sgd"]], "SGD")
+
+
+def _implied_dp(nums: dict, dp: int | None) -> int:
+    """DP from DeepSpeed's ``train_batch_size = micro x accumulation x DP`` (``nums``: ``tbs``, ``micro``,
+    ``ga``); it must agree with ``--dp`` when that is given."""
+    if nums["tbs"] % (nums["micro"] * nums["ga"]):
+        raise ValueError(f"train_batch_size={nums['tbs']} is not train_micro_batch_size_per_gpu x "
+                         f"gradient_accumulation_steps x DP = {nums['micro']} x {nums['ga']} x DP for any DP")
+    implied = nums["tbs"] // (nums["micro"] * nums["ga"])
+    if dp is not None and implied != dp:
+        raise ValueError(f"train_batch_size={nums['tbs']} = {nums['micro']} x {nums['ga']} x DP gives "
+                         f"DP={implied}, "
+                         f"but --dp={dp}: fix one of them")
+    return implied
+
+
+def _optimizer(t: Translation, opt: dict | None) -> None:
+    """``optimizer.type`` (Adam/AdamW: Megatron's adam, SGD) and its ``params``."""
+    if opt is None:
+        return
+    kind = opt.get("type", "")
+    if kind.lower() in ("adam", "adamw", "fusedadam"):
+        t.add("optimizer.type", [["--optimizer", "adam"]],
+              "Megatron's adam is AdamW (decoupled weight decay)" + (
+                  "" if kind.lower() != "adam" else "; DeepSpeed's Adam decouples too unless adam_w_mode=false"))
+    elif kind.lower() == "sgd":
+        t.add("optimizer.type", [["--optimizer", "sgd"]], "SGD")
+    else:
+        t.no_equivalent("optimizer.type", f"{kind!r}: no Megatron optimizer of that name (adam, sgd, ...)")
+    for key, value in opt.get("params", {}).items():
+        full = f"optimizer.params.{key}"
+        if t.auto(full, value):
+            continue
+        if key == "lr":
+            t.add(full, [["--lr", value]], "peak learning rate")
+        elif key == "weight_decay":
+            t.add(full, [["--weight-decay", value]], "decoupled weight decay")
+        elif key == "eps":
+            t.add(full, [["--adam-eps", value]], "Adam epsilon")
+        elif key == "betas":
+            t.add(full, [["--adam-beta1", value[0]], ["--adam-beta2", value[1]]], "Adam betas")
         else:
-            t.no_equivalent("optimizer.type", f"{kind!r}: no Megatron optimizer of that name (adam, sgd, ...)")
-        for key, value in opt.get("params", {}).items():
-            full = f"optimizer.params.{key}"
-            if auto(full, value):
-                continue
-            if key == "lr":
-                t.add(full, [["--lr", value]], "peak learning rate")
-            elif key == "weight_decay":
-                t.add(full, [["--weight-decay", value]], "decoupled weight decay")
-            elif key == "eps":
-                t.add(full, [["--adam-eps", value]], "Adam epsilon")
-            elif key == "betas":
-                t.add(full, [["--adam-beta1", value[0]], ["--adam-beta2", value[1]]], "Adam betas")
-            else:
-                t.no_equivalent(full, "no equivalent flag")
+            t.no_equivalent(full, "no equivalent flag")
+
+
+def _clipping_and_logging(t: Translation, config: dict) -> None:
     clip = config.get("gradient_clipping")
-    if clip is not None and not auto("gradient_clipping", clip):
+    if clip is not None and not t.auto("gradient_clipping", clip):
         t.add("gradient_clipping", [["--clip-grad", clip]], "global grad-norm clipping")
     steps = config.get("steps_per_print")
-    if steps is not None and not auto("steps_per_print", steps):
+    if steps is not None and not t.auto("steps_per_print", steps):
         t.add("steps_per_print", [["--log-interval", _int(steps)]], "iterations between log lines")
+
+
+def _left_over(t: Translation, config: dict) -> None:
+    """Every key present that no step translated: :data:`_NO_EQUIVALENT`'s reason, or not translated."""
     for key in _NO_EQUIVALENT:
         head, _, sub = key.partition(".")
         present = (sub in config.get(head, {})) if sub else head in config
-        if present and key not in seen:
+        if present and key not in t.seen:
             t.no_equivalent(key, _NO_EQUIVALENT[key])
     for key in ("tensorboard", "wandb", "csv_monitor", "comms_logger", "sparse_gradients", "memory_breakdown",
                 "dump_state", "aio", "data_types", "checkpoint", "elasticity", "amp", "seed"):
         if key in config:
             t.no_equivalent(key, "not translated (logging, I/O or DeepSpeed-only feature)")
-    return t
 
 
 # ----------------------------------------------------------------------------------- the course trainer

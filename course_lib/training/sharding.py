@@ -56,21 +56,11 @@ __all__ = ["ShardedGradFinalizer", "build_engine", "schedule_sync", "allreduce_e
            "state_bytes"]
 
 
-def _shard_range(engine, b) -> tuple[int, int]:
-    """Elements ``[lo, hi)`` of bucket ``b`` this rank's optimizer updates."""
-    return b.shard_range(engine.dp_rank) if engine.shard_optim else (0, b.numel)
-
-
-def _pieces(engine, b, grad: torch.Tensor) -> list:
-    """``(param, view)`` for every parameter overlapping this rank's shard of ``b``; ``view``: the
-    piece of ``grad`` (``[hi - lo]``, the shard) that belongs to it."""
-    lo, hi = _shard_range(engine, b)
-    out = []
-    for pr in b.params:
-        a, z = max(pr.start, lo), min(pr.end, hi)
-        if a < z:
-            out.append((pr.param, grad[a - lo:z - lo]))
-    return out
+def _pieces(b, grad: torch.Tensor) -> list:
+    """``(param, view)`` for every parameter overlapping this rank's shard ``[lo, hi)`` of ``b``
+    (``b.state``); ``view``: the piece of ``grad`` (``[hi - lo]``, the shard) that belongs to it."""
+    lo, hi = b.state.lo, b.state.hi
+    return [(pr.param, grad[pr.start - lo:pr.end - lo]) for pr in b.pieces(lo, hi)]
 
 
 class ShardedGradFinalizer:
@@ -92,7 +82,7 @@ class ShardedGradFinalizer:
     def unscale_and_check(self, grads) -> bool:
         """``grads``: this rank's fp32 grad shard of every bucket (``engine.buckets`` order), modified in place."""
         engine, groups = self.engine, self.groups
-        pieces = [pv for b, g in zip(engine.buckets, grads) for pv in _pieces(engine, b, g)]
+        pieces = [pv for b, g in zip(engine.buckets, grads) for pv in _pieces(b, g)]
         if self.config.sequence_parallel:
             sp = [v for p, v in pieces if getattr(p, "sequence_parallel", False)]
             if sp and comm.group_size(groups.tp) > 1:
