@@ -1,16 +1,16 @@
-"""Every lab's checkers report an exercise that still raises NotImplementedError the same way."""
+"""Every checker module reports an exercise that still raises NotImplementedError the same way."""
 
-from course_lib.classroom.checks import call_student, lab01, not_attempted, try_student
+from course_lib.classroom.checks import call_student, not_attempted, rank_grid, try_student
 
 
 def _todo(*args):
     raise NotImplementedError("write me")
 
 
-def test_lab01_uses_the_shared_not_attempted_line(capsys):
-    assert not lab01.check_derive_dp(_todo)
-    assert not lab01.check_groups_of(_todo)
-    assert not lab01.check_rank_of(_todo)
+def test_rank_grid_uses_the_shared_not_attempted_line(capsys):
+    assert not rank_grid.check_derive_dp(_todo)
+    assert not rank_grid.check_groups_of(_todo)
+    assert not rank_grid.check_rank_of(_todo)
     names = ["derive_dp", "groups_of", "rank_of"]
     assert capsys.readouterr().out.splitlines() == [
         f"not attempted yet: write {name} above, then re-run this cell" for name in names]

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import lab00_answers as answers
-from course_lib.classroom.checks import lab00
-from course_lib.classroom.checks.lab00 import (NUMELS, RING_BUGS, WORLD_SIZES, check_all_reduce_from_halves,
-                                     check_grad_sync, check_ring_all_reduce, expected_buckets, ring_problems,
-                                     simulate_ring)
+from course_lib.classroom.checks import collectives
+from course_lib.classroom.checks.collectives import (NUMELS, RING_BUGS, WORLD_SIZES, check_all_reduce_from_halves,
+                                                     check_ring_all_reduce, ring_problems, simulate_ring)
+from course_lib.classroom.checks.grad_sync import check_grad_sync, expected_buckets
 
 # Other routes to a collective (a name bound earlier, gather + scatter, new groups...) are refused by
 # the same process group: tests/test_verdicts.py tries them all in one launch.
@@ -56,7 +56,7 @@ def _simulated_runs(spec: dict) -> dict:
             xs = [torch.randint(-9, 10, (numel,), generator=torch.Generator().manual_seed(1000 * numel + r)).float()
                   for r in range(world)]
             want = sum(xs)
-            got = simulate_ring(xs, **lab00._bug_steps(spec, world))
+            got = simulate_ring(xs, **collectives._bug_steps(spec, world))
             trials_by_numel.append([dict(x=x, want=want, got=g, numel=numel, events=[]) for x, g in zip(xs, got)])
         runs[world] = [[trials_by_numel[i][r] for i in range(len(NUMELS))] for r in range(world)]
     return runs

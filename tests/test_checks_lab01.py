@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import course_lib.topology as topology
-from course_lib.classroom.checks.lab01 import check_derive_dp, check_groups_of, check_rank_of
+from course_lib.classroom.checks.rank_grid import check_derive_dp, check_groups_of, check_rank_of
 from course_lib.topology import ParallelConfig, RankGrid
 
 

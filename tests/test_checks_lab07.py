@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.classroom.checks import lab07
+from course_lib.classroom.checks import zero_stages
+from course_lib.classroom.checks.distributed_optimizer import ADAM, NUMEL, check_zero1_step, padded
 from course_lib.sizing import model_state_bytes
 
 
@@ -37,7 +38,7 @@ def zero1_torch_optim(params, grads, dp_group, state):
     if "main" not in state:
         flat_p = torch.nn.functional.pad(_flat(params), (0, size * d - n))
         state["main"] = torch.nn.Parameter(flat_p[r * size:(r + 1) * size].clone())
-        state["opt"] = torch.optim.Adam([state["main"]], **lab07.ADAM)
+        state["opt"] = torch.optim.Adam([state["main"]], **ADAM)
     state["main"].grad = g / d
     state["opt"].step()
     full = torch.empty(size * d, dtype=flat_g.dtype)
@@ -48,7 +49,7 @@ def zero1_torch_optim(params, grads, dp_group, state):
 def zero1_by_hand(params, grads, dp_group, state):
     """Right, differently: list collectives and Adam written out (moments in `state`)."""
     d, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    lr, (b1, b2), eps = lab07.ADAM["lr"], lab07.ADAM["betas"], lab07.ADAM["eps"]
+    lr, (b1, b2), eps = ADAM["lr"], ADAM["betas"], ADAM["eps"]
     flat = _flat(grads)
     n = flat.numel()
     chunk = (n + d - 1) // d
@@ -77,7 +78,7 @@ def zero1_ddp(params, grads, dp_group, state):
     dist.all_reduce(flat, group=dp_group)
     if "p" not in state:
         state["p"] = torch.nn.Parameter(_flat(params).clone())
-        state["opt"] = torch.optim.Adam([state["p"]], **lab07.ADAM)
+        state["opt"] = torch.optim.Adam([state["p"]], **ADAM)
     state["p"].grad = flat / dist.get_world_size(dp_group)
     state["opt"].step()
     return _unflat(state["p"].detach(), params)
@@ -111,7 +112,7 @@ def zero1_full_state(params, grads, dp_group, state):
     dist.all_gather_into_tensor(full_g, g / d, group=dp_group)
     if "p" not in state:
         state["p"] = torch.nn.Parameter(_flat(params).clone())
-        state["opt"] = torch.optim.Adam([state["p"]], **lab07.ADAM)
+        state["opt"] = torch.optim.Adam([state["p"]], **ADAM)
     state["p"].grad = full_g[:n]
     state["opt"].step()
     return _unflat(state["p"].detach(), params)
@@ -126,8 +127,8 @@ def zero1_todo(params, grads, dp_group, state):
 
 
 def test_zero1_right_answers_pass(capsys):
-    assert lab07.check_zero1_step(zero1_torch_optim, world_sizes=(2, 4))
-    assert lab07.check_zero1_step(zero1_by_hand, world_sizes=(4,))
+    assert check_zero1_step(zero1_torch_optim, world_sizes=(2, 4))
+    assert check_zero1_step(zero1_by_hand, world_sizes=(4,))
     out = capsys.readouterr().out
     assert out.count("✓") == 2 and "15 (d=2)" in out and "24 (d=4)" in out
 
@@ -145,13 +146,13 @@ WRONG_ZERO1 = [
 
 @pytest.mark.parametrize("fn, hint", WRONG_ZERO1, ids=[f.__name__ for f, _ in WRONG_ZERO1])
 def test_zero1_wrong_answers_get_their_hint(capsys, fn, hint):
-    assert not lab07.check_zero1_step(fn, world_sizes=(2,))
+    assert not check_zero1_step(fn, world_sizes=(2,))
     out = capsys.readouterr().out
     assert hint in out and "✓" not in out
 
 
 def test_padded():
-    assert [lab07.padded(29, d) for d in (1, 2, 3, 4)] == [29, 30, 30, 32] and lab07.NUMEL == 29
+    assert [padded(29, d) for d in (1, 2, 3, 4)] == [29, 30, 30, 32] and NUMEL == 29
 
 
 # ------------------------------------------------------------------ (b) bytes per rank
@@ -171,7 +172,7 @@ def bytes_right_numpy(num_params, dp, stage):
 
 
 def test_zero_bytes_right_answers_and_zero_figure_1(capsys):
-    assert lab07.check_zero_bytes(bytes_right) and lab07.check_zero_bytes(bytes_right_numpy)
+    assert zero_stages.check_zero_bytes(bytes_right) and zero_stages.check_zero_bytes(bytes_right_numpy)
     # ZeRO Figure 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB (computed independently here)
     assert [round(bytes_right(7.5e9, 64, s) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
 
@@ -191,16 +192,16 @@ WRONG_BYTES = [
 
 @pytest.mark.parametrize("fn, hint", WRONG_BYTES)
 def test_zero_bytes_wrong_answers(capsys, fn, hint):
-    assert not lab07.check_zero_bytes(fn)
+    assert not zero_stages.check_zero_bytes(fn)
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 def test_bytes_hints_name_the_mistake():
     n, dp = 1e6, 8
-    assert "stage 1's count" in lab07._bytes_hint(model_state_bytes(n, dp, 1).total, n, dp, 2)
-    assert "whole data-parallel group" in lab07._bytes_hint(model_state_bytes(n, dp, 2).total * dp, n, dp, 2)
-    assert "GiB" in lab07._bytes_hint(model_state_bytes(n, dp, 2).total / 2 ** 30, n, dp, 2)
+    assert "stage 1's count" in zero_stages._bytes_hint(model_state_bytes(n, dp, 1).total, n, dp, 2)
+    assert "whole data-parallel group" in zero_stages._bytes_hint(model_state_bytes(n, dp, 2).total * dp, n, dp, 2)
+    assert "GiB" in zero_stages._bytes_hint(model_state_bytes(n, dp, 2).total / 2 ** 30, n, dp, 2)
 
 
 # ------------------------------------------------------------------ (c) what a ds_config shards
@@ -230,7 +231,7 @@ def shards_right_sets(config):
 
 
 def test_what_it_shards_right_answers(capsys):
-    assert lab07.check_what_it_shards(shards_right) and lab07.check_what_it_shards(shards_right_sets)
+    assert zero_stages.check_what_it_shards(shards_right) and zero_stages.check_what_it_shards(shards_right_sets)
 
 
 def _offloaded_not_sharded(config):
@@ -262,12 +263,12 @@ WRONG_SHARDS = [
 
 @pytest.mark.parametrize("fn, hint", WRONG_SHARDS)
 def test_what_it_shards_wrong_answers(capsys, fn, hint):
-    assert not lab07.check_what_it_shards(fn)
+    assert not zero_stages.check_what_it_shards(fn)
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 def test_the_truth_table_is_deepspeeds_definition():
-    assert lab07.ds_truth({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}) == {
+    assert zero_stages.ds_truth({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}) == {
         "sharded": {"optimizer states", "gradients", "parameters"}, "offloaded": {"parameters"}}
-    assert lab07.ds_truth({}) == {"sharded": set(), "offloaded": set()}
+    assert zero_stages.ds_truth({}) == {"sharded": set(), "offloaded": set()}

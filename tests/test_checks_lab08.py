@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.classroom.checks import lab08
+from course_lib.classroom.checks import moe as moe_checks
 from course_lib.moe.router import switch_load_balancing_loss
 from course_lib.topology import RankGrid, rank_groups
 
@@ -92,19 +92,19 @@ GROUP_WRONG = [
 
 @pytest.mark.parametrize("fn, hint", GROUP_WRONG)
 def test_expert_groups_wrong_answers_get_their_hint(fn, hint, capsys):
-    assert lab08.check_expert_groups_of(fn) is False
+    assert moe_checks.check_expert_groups_of(fn) is False
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 @pytest.mark.parametrize("fn", [right_groups, right_groups_numpy_descending, right_groups_tuple_tensor])
 def test_expert_groups_right_answers_pass(fn, capsys):
-    assert lab08.check_expert_groups_of(fn) is True
+    assert moe_checks.check_expert_groups_of(fn) is True
     assert "✓" in capsys.readouterr().out
 
 
 def test_expert_layouts_are_valid_and_cover_the_mistakes():
-    grids = [RankGrid(w, tp=t, pp=p, cp=c, ep=e, expert_tp=x) for w, t, p, c, e, x in lab08.EXPERT_LAYOUTS]
+    grids = [RankGrid(w, tp=t, pp=p, cp=c, ep=e, expert_tp=x) for w, t, p, c, e, x in moe_checks.EXPERT_LAYOUTS]
     assert any(g.cp > 1 for g in grids) and any(g.expert_tp != g.tp for g in grids) and any(g.pp > 1 for g in grids)
 
 
@@ -175,14 +175,14 @@ DISPATCH_WRONG = [
 
 @pytest.mark.parametrize("fn, hint", DISPATCH_WRONG)
 def test_dispatch_wrong_answers_get_their_hint(fn, hint, capsys):
-    assert lab08.check_dispatch(fn) is False
+    assert moe_checks.check_dispatch(fn) is False
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 @pytest.mark.parametrize("fn", [dispatch_right, dispatch_right_lists])
 def test_dispatch_right_answers_pass(fn, capsys):
-    assert lab08.check_dispatch(fn) is True
+    assert moe_checks.check_dispatch(fn) is True
     out = capsys.readouterr().out
     assert "✓" in out and "192 row elements" in out, out
 
@@ -224,14 +224,14 @@ AUX_WRONG = [
 
 @pytest.mark.parametrize("fn, hint", AUX_WRONG)
 def test_aux_loss_wrong_answers_get_their_hint(fn, hint, capsys):
-    assert lab08.check_aux_loss(fn) is False
+    assert moe_checks.check_aux_loss(fn) is False
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 @pytest.mark.parametrize("fn", [aux_right, aux_right_float32_loop])
 def test_aux_loss_right_answers_pass(fn, capsys):
-    assert lab08.check_aux_loss(fn) is True
+    assert moe_checks.check_aux_loss(fn) is True
     assert "✓" in capsys.readouterr().out
 
 

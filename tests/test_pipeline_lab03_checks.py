@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from course_lib.classroom.checks import lab03
+from course_lib.classroom.checks import pipeline_bubbles, pipeline_schedules
 from course_lib.pipeline.schedules import Action
 
 
@@ -16,8 +16,8 @@ def todo(*args):
 
 
 def test_not_attempted(capsys):
-    for check in (lab03.check_warmup, lab03.check_order, lab03.check_bubble, lab03.check_peak_memory,
-                  lab03.check_orders_on_ranks):
+    for check in (pipeline_schedules.check_warmup, pipeline_schedules.check_order, pipeline_bubbles.check_bubble,
+                  pipeline_schedules.check_peak_memory, pipeline_schedules.check_orders_on_ranks):
         assert check(todo) is False
         assert capsys.readouterr().out.startswith("not attempted yet")
 
@@ -31,7 +31,7 @@ def _table(check, table, capsys):
 
 
 def test_warmup_table(capsys):
-    _table(lab03.check_warmup, [
+    _table(pipeline_schedules.check_warmup, [
         (lambda p, m, r: min(p - r - 1, m), True, ["✓"]),
         (lambda p, m, r: np.int64(min(p - r - 1, m)), True, ["✓"]),
         (lambda p, m, r: float(min(p - r - 1, m)), True, ["✓"]),
@@ -52,7 +52,7 @@ def one_f_one_b(p, m, r, warmup=None, backward_first=False):
 
 
 def test_order_table(capsys):
-    _table(lab03.check_order, [
+    _table(pipeline_schedules.check_order, [
         (one_f_one_b, True, ["✓"]),
         (lambda p, m, r: tuple(Action(a[0], int(a[1:])) for a in one_f_one_b(p, m, r)), True, ["✓"]),
         # one warm-up forward too many equals GPipe on 2 stages: it must still be named for what it is
@@ -69,7 +69,7 @@ def test_order_table(capsys):
 
 
 def test_bubble_table(capsys):
-    _table(lab03.check_bubble, [
+    _table(pipeline_bubbles.check_bubble, [
         (lambda p, m, v: (p - 1) / (v * m), True, ["✓"]),
         (lambda p, m, v: Fraction(p - 1, v * m), True, ["✓"]),
         (lambda p, m, v: torch.tensor((p - 1) / (v * m), dtype=torch.float64), True, ["✓"]),
@@ -89,7 +89,7 @@ def _peaks(p, m, name):
 
 
 def test_peak_memory_table(capsys):
-    _table(lab03.check_peak_memory, [
+    _table(pipeline_schedules.check_peak_memory, [
         (_peaks, True, ["✓"]),
         (lambda p, m, name: np.array(_peaks(p, m, name)), True, ["✓"]),
         (lambda p, m, name: tuple(float(x) for x in _peaks(p, m, name)), True, ["✓"]),
@@ -125,7 +125,7 @@ RANKS_TABLE = [
 
 @pytest.mark.parametrize("orders, passes, words", RANKS_TABLE, ids=[str(i) for i in range(len(RANKS_TABLE))])
 def test_orders_on_real_ranks_table(orders, passes, words, capsys):
-    assert lab03.check_orders_on_ranks(orders, timeout=4) is passes
+    assert pipeline_schedules.check_orders_on_ranks(orders, timeout=4) is passes
     out = capsys.readouterr().out
     for word in words:
         assert word in out, out

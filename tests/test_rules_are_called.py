@@ -35,15 +35,6 @@ COUNT = re.compile(r"^(world|world_size|rank|num_attention_heads|heads|np_|ng|nu
 WORLD = re.compile(r"^(world|world_size)$")
 HELPER = re.compile(r"^_?(divide|divides|divisible\w*)$")
 
-# Code another engineer changes in this wave (the MoE/topology rules, the DP size in the checkers):
-# listed here until their branches land, then this list goes.
-ALLOWED = {
-    "course_lib/classroom/checks/lab01.py": "classroom/checks (DP size in checks: another engineer)",
-    "course_lib/classroom/checks/lab05.py": "classroom/checks (DP size in checks: another engineer)",
-    "course_lib/classroom/checks/lab08.py": "classroom/checks (DP size in checks: another engineer)",
-}
-
-
 def _names(node: ast.AST) -> set[str]:
     """The identifiers an expression reads: names, attributes, string keys and string arguments."""
     out = set()
@@ -90,13 +81,11 @@ def findings(path: Path, source: str | None = None) -> list[str]:
 
 
 def re_derived_rules() -> list[str]:
-    """Every finding in ``course_lib`` outside the rule book and the allowed files."""
+    """Every finding in ``course_lib`` outside the rule book."""
     out = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(ROOT).as_posix()
-        if path == RULE_BOOK or rel in ALLOWED:
-            continue
-        out += findings(path)
+        if path != RULE_BOOK:
+            out += findings(path)
     return out
 
 
@@ -120,13 +109,6 @@ def test_the_lint_sees_each_kind_of_re_derivation():
     }
     for source, flagged in cases.items():
         assert bool(findings(Path("example.py"), source)) is flagged, source
-
-
-def test_the_allow_list_names_only_files_that_still_need_it():
-    for rel, area in ALLOWED.items():
-        path = ROOT / rel
-        assert path.exists(), f"{rel} ({area}) is gone: drop it from ALLOWED"
-        assert findings(path), f"{rel} ({area}) calls the rules now: drop it from ALLOWED"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from course_lib import sizing
-from course_lib.classroom.checks import lab06
+from course_lib.classroom.checks import sizing as sizing_checks
 
 
 def _todo(*args):
@@ -75,15 +75,15 @@ def params_tensor(l, h, v, s):
     (lambda l, h, v, s: sizing.num_parameters(l, h, v, s), False, "the course's own"),
 ])
 def test_check_gpt_parameters(fn, ok, text, capsys):
-    assert lab06.check_gpt_parameters(fn) is ok
+    assert sizing_checks.check_gpt_parameters(fn) is ok
     out = capsys.readouterr().out
     assert text in out, out
 
 
 def test_parameter_cases_tell_every_term_apart():
     """On the small shapes every term a count can miss has its own size, so each hint is unambiguous."""
-    for l, h, v, s in lab06.PARAMETER_CASES[:2]:
-        terms = [t for t, _ in lab06._parameter_terms(l, h, v, s)]
+    for l, h, v, s in sizing_checks.PARAMETER_CASES[:2]:
+        terms = [t for t, _ in sizing_checks._parameter_terms(l, h, v, s)]
         assert len(set(terms)) == len(terms), (l, h, v, s)
 
 
@@ -115,6 +115,6 @@ def states_fraction_whole_bytes(params, tp, dp, cp, distributed):
     (sizing.megatron_optimizer_bytes_per_param, False, "the course's own"),
 ])
 def test_check_model_state_bytes(fn, ok, text, capsys):
-    assert lab06.check_model_state_bytes(fn) is ok
+    assert sizing_checks.check_model_state_bytes(fn) is ok
     out = capsys.readouterr().out
     assert text in out, out

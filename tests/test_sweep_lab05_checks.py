@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib import sizing
-from course_lib.classroom.checks import lab05 as L
+from course_lib.classroom.checks import (conclusions, distributed_optimizer, gpu_projection, pipeline_bubbles,
+                                         rank_grid, training_logs)
 from course_lib.megatron import SEED_SWEEP, parse_log
 from course_lib.topology import ParallelConfig
 
@@ -87,15 +88,15 @@ def layout_course(world, tp, pp, cp, micro, gbs):
     (_todo, False, "not attempted yet: write derive_layout"),
 ])
 def test_check_layout(fn, ok, text, capsys):
-    assert L.check_layout(fn) is ok
+    assert rank_grid.check_layout(fn) is ok
     assert text in capsys.readouterr().out
 
 
 def test_layout_cases_agree_with_the_seed():
     # the seed's own arithmetic: TP2 PP2 -> DP2; TP4 PP2 -> DP1; TP2 PP2 CP2 -> DP1 (8 GPUs)
-    assert L._want(8, 2, 2, 1, 1, 16)[0] == 2 and L._want(8, 4, 2, 1, 1, 16)[0] == 1
-    assert L._want(8, 2, 2, 2, 1, 16) == (1, 16)
-    assert [L._want(8, *SEED_SWEEP[n], 4, 64)[1] for n in "ABCDEF"] == [2, 4, 8, 8, 8, 16]
+    assert rank_grid._want(8, 2, 2, 1, 1, 16)[0] == 2 and rank_grid._want(8, 4, 2, 1, 1, 16)[0] == 1
+    assert rank_grid._want(8, 2, 2, 2, 1, 16) == (1, 16)
+    assert [rank_grid._want(8, *SEED_SWEEP[n], 4, 64)[1] for n in "ABCDEF"] == [2, 4, 8, 8, 8, 16]
 
 
 # ---------------------------------------------------------------- exercise 2: the largest bubble
@@ -167,7 +168,7 @@ def largest_fractions(configs, world, micro, gbs):
     (_todo, False, "not attempted yet: write largest_bubble"),
 ])
 def test_check_largest_bubble(fn, ok, text, capsys):
-    assert L.check_largest_bubble(fn) is ok
+    assert pipeline_bubbles.check_largest_bubble(fn) is ok
     out = capsys.readouterr().out
     assert text in out, out
     if fn is largest_dp_ignores_cp:
@@ -176,14 +177,14 @@ def test_check_largest_bubble(fn, ok, text, capsys):
 
 def test_bubble_cases_tell_the_mistakes_apart():
     """Ignoring CP picks the deepest config on one sweep, and a config that is not the deepest on another."""
-    picks = [(largest_dp_ignores_cp(*c), deepest(*c), largest(*c)) for c in L.BUBBLE_CASES]
+    picks = [(largest_dp_ignores_cp(*c), deepest(*c), largest(*c)) for c in pipeline_bubbles.BUBBLE_CASES]
     assert any(no_cp == deep != right for no_cp, deep, right in picks)
     assert any(no_cp != deep for no_cp, deep, _ in picks)
 
 
 def test_bubble_cases_include_ones_where_the_deepest_pipeline_is_not_the_answer():
-    answers = [largest(*case) for case in L.BUBBLE_CASES]
-    deepest_answers = [deepest(*case) for case in L.BUBBLE_CASES]
+    answers = [largest(*case) for case in pipeline_bubbles.BUBBLE_CASES]
+    deepest_answers = [deepest(*case) for case in pipeline_bubbles.BUBBLE_CASES]
     assert answers[0] == "E" and any(a != d for a, d in zip(answers, deepest_answers))
 
 
@@ -242,7 +243,7 @@ def parse_course(line):
     (_todo, False, "not attempted yet: write parse_iteration_line"),
 ])
 def test_check_parse_line(fn, ok, text, capsys):
-    assert L.check_parse_line(fn) is ok
+    assert training_logs.check_parse_line(fn) is ok
     assert text in capsys.readouterr().out
 
 
@@ -250,7 +251,7 @@ def test_checker_lines_are_the_fixtures_formats():
     """Each sample line is read by the course parser exactly as the fixture logs of its era."""
     from course_lib.megatron import parse_log
 
-    eras = {name: parse_log(line).era for name, line in L.ITERATION_LINES.items()}
+    eras = {name: parse_log(line).era for name, line in training_logs.ITERATION_LINES.items()}
     assert eras == {"Megatron before core 0.6": "pre-0.6", "Megatron core 0.6-0.15": "0.6-0.15",
                     "Megatron core 0.16+": "0.16+", "the course's CPU log": "0.16+",
                     "torchrun --tee (prefix)": "0.6-0.15"}
@@ -367,7 +368,7 @@ def dist_opt_broadcasts(params, grad, group, make_optimizer):
     (lambda params, grad, group, make: params, False, "return a pair (new_params, optimizer)"),
 ])
 def test_check_distributed_optimizer_step(fn, ok, text, capsys):
-    assert L.check_distributed_optimizer_step(fn) is ok
+    assert distributed_optimizer.check_distributed_optimizer_step(fn) is ok
     out = capsys.readouterr().out
     assert text in out, out
 
@@ -412,36 +413,36 @@ GOOD = {
     ("A is best", False, "return a dict"),
 ])
 def test_check_conclusions(answers, ok, text, capsys):
-    assert L.check_conclusions(lambda: answers, SWEEP, _plans()) is ok
+    assert conclusions.check_conclusions(lambda: answers, SWEEP, _plans()) is ok
     out = capsys.readouterr().out
     assert text in out, out
 
 
 def test_conclusions_not_attempted_and_course_reading_after_them(capsys):
-    assert not L.check_conclusions(_todo, SWEEP)
-    L.print_course_reading(_plans(), unlocked=False)
+    assert not conclusions.check_conclusions(_todo, SWEEP)
+    conclusions.print_course_reading(_plans(), unlocked=False)
     out = capsys.readouterr().out
     assert "not attempted yet: write my_conclusions" in out and "appears here once" in out and "D --" not in out
-    L.print_course_reading(_plans(), unlocked=True)
+    conclusions.print_course_reading(_plans(), unlocked=True)
     out = capsys.readouterr().out
     assert "13B GPT: D -- A needs 254.02 GB per rank" in out and "Rule of thumb" in out
 
 
 def test_cited_numbers_match_at_the_precision_written():
-    numbers = L.measured_numbers(SWEEP)
-    assert L.cited_numbers("A 207.5 ms, D 1,021.9 ms, 1.73-1.76 MB, ratio 4.9", numbers) == [
+    numbers = conclusions.measured_numbers(SWEEP)
+    assert conclusions.cited_numbers("A 207.5 ms, D 1,021.9 ms, 1.73-1.76 MB, ratio 4.9", numbers) == [
         "207.5", "1,021.9", "1.73", "1.76", "4.9"]
-    assert L.cited_numbers("TP 2, PP 4, 8 ranks, 300 tokens, 200.0 ms", numbers) == []
+    assert conclusions.cited_numbers("TP 2, PP 4, 8 ranks, 300 tokens, 200.0 ms", numbers) == []
 
 
 def test_deliverable_carries_the_students_conclusions_first():
     report = "# Day 22\n\n## 5. Conclusions (TP / PP / CP trade-offs)\n\n- Throughput: A is fastest.\n" \
              "- Your choice for this model and why (memory, throughput, communication, complexity): …\n"
-    mine = L.with_your_conclusions(report, lambda: GOOD)
+    mine = conclusions.with_your_conclusions(report, lambda: GOOD)
     assert mine.index("### Mine") < mine.index(GOOD["sweep"]) < mine.index("### What the numbers say") \
         < mine.index("- Throughput: A is fastest.")
     assert "Your choice for this model" not in mine
-    assert "not written yet" in L.with_your_conclusions(report, _todo)
+    assert "not written yet" in conclusions.with_your_conclusions(report, _todo)
 
 
 # ---------------------------------------------------------------- exercise 6: which config wins on 8 x H100
@@ -470,7 +471,7 @@ def _gpu(tiny, big):
     (_gpu(("A", "as_on_cpu"), ("D", "small_tp_short_pp")), False, "gloo on 2 shared cores"),
     (_gpu(("A", "dp_fits"), ("D", "least_memory")), False, "memory only decides whether a config fits"),
     (_gpu(("A", "dp_fits"), ("D", "dp_fits")), False, "D is right, but not because"),
-    (_gpu(("A", "because it is simple"), ("D", "small_tp_short_pp")), False, "is not a key of lab05.GPU_REASONS"),
+    (_gpu(("A", "because it is simple"), ("D", "small_tp_short_pp")), False, "is not a key of GPU_REASONS"),
     (_gpu(("G", "dp_fits"), ("D", "small_tp_short_pp")), False, "is not one of the configs A, B, C, D, E, F"),
     (_gpu("A", ("D", "small_tp_short_pp")), False, "is not a pair (config, reason)"),
     (lambda: {"tiny_gpt": ("A", "dp_fits")}, False, "return a dict with the keys tiny_gpt, gpt_13b"),
@@ -478,18 +479,19 @@ def _gpu(tiny, big):
     (_todo, False, "not attempted"),
 ])
 def test_check_gpu_winner(fn, ok, text, capsys):
-    assert L.check_gpu_winner(fn) is ok
+    assert gpu_projection.check_gpu_winner(fn) is ok
     assert text in capsys.readouterr().out
 
 
 def test_gpu_winner_cases_are_the_labs_story():
     # the checker's expected answers: DP alone for the model that fits, the least split that fits for 13B;
     # on the *CPU* sweep TP is several times slower than A, on NVLink only a fraction (the lesson's contrast)
-    projected = L.gpu_projections()
-    assert L.gpu_winner(projected["tiny_gpt"]) == "A" and L.gpu_winner(projected["gpt_13b"]) == "D"
+    projected = gpu_projection.gpu_projections()
+    assert gpu_projection.gpu_winner(projected["tiny_gpt"]) == "A"
+    assert gpu_projection.gpu_winner(projected["gpt_13b"]) == "D"
     assert not any(projected["gpt_13b"][n].plan.fits for n in "ABE")
     assert all(projected["tiny_gpt"][n].plan.fits for n in SEED_SWEEP)
     tiny = projected["tiny_gpt"]
     assert tiny["B"].step_time < 2 * tiny["A"].step_time
     # every wrong config that fits is slower than the winner, and each wrong reason has its own hint
-    assert set(L.GPU_REASONS) == {"dp_fits", "small_tp_short_pp"} | set(L._REASON_HINTS)
+    assert set(gpu_projection.GPU_REASONS) == {"dp_fits", "small_tp_short_pp"} | set(gpu_projection._REASON_HINTS)

@@ -12,7 +12,10 @@ from torch.distributed import all_reduce as bound_all_reduce
 from torch.distributed import distributed_c10d
 
 from course_lib import comm
-from course_lib.classroom.checks import lab02
+from course_lib.classroom.checks.tensor_parallel import (check_column_parallel_forward, check_row_parallel_forward,
+                                                         check_tp_mlp_from_dense)
+from course_lib.classroom.checks.tp_communication import check_collective_prediction, check_f_g
+from course_lib.classroom.checks.vocab_parallel import check_vocab_parallel_cross_entropy
 from course_lib.tensor_parallel import ParallelMLP, copy_dense_to_parallel, mappings, vocab_parallel_cross_entropy
 
 
@@ -71,7 +74,7 @@ def column_nan(x, weight, rank, world_size):
 ])
 def test_column_parallel_forward(capsys, answer, ok, text):
     linear = F.linear
-    got, out = _verdict(capsys, lab02.check_column_parallel_forward, answer)
+    got, out = _verdict(capsys, check_column_parallel_forward, answer)
     assert got is ok and text in out, out
     assert F.linear is linear                      # a patch never outlives the checker
 
@@ -181,7 +184,7 @@ def row_raises(x_shard, weight, group):
     (mappings.reduce_from_tensor_model_parallel_region, False, "the course's own"),
 ])
 def test_row_parallel_forward(capsys, answer, ok, text):
-    got, out = _verdict(capsys, lab02.check_row_parallel_forward, answer)
+    got, out = _verdict(capsys, check_row_parallel_forward, answer)
     assert got is ok and text in out, out
 
 
@@ -282,7 +285,7 @@ class F_stub(torch.autograd.Function):
     (mappings._CopyToModelParallelRegion, mappings._ReduceFromModelParallelRegion, False, "the course's own"),
 ])
 def test_f_g(capsys, f_cls, g_cls, ok, text):
-    got, out = _verdict(capsys, lab02.check_f_g, f_cls, g_cls)
+    got, out = _verdict(capsys, check_f_g, f_cls, g_cls)
     assert got is ok and text in out, out
 
 
@@ -339,7 +342,7 @@ def mlp_course_copy(dense, group):
     (mlp_course_copy, False, "the course's own course_lib.tensor_parallel.sharding.copy_dense_to_parallel"),
 ])
 def test_tp_mlp_from_dense(capsys, answer, ok, text):
-    got, out = _verdict(capsys, lab02.check_tp_mlp_from_dense, answer)
+    got, out = _verdict(capsys, check_tp_mlp_from_dense, answer)
     assert got is ok and text in out, out
 
 
@@ -381,7 +384,7 @@ def sp_no_recompute(sp):
     (counts_ok, lambda b, s, h, t: float("nan"), False, "NaN"),
 ])
 def test_collective_prediction(capsys, counts, elements, ok, text):
-    got, out = _verdict(capsys, lab02.check_collective_prediction, counts, elements)
+    got, out = _verdict(capsys, check_collective_prediction, counts, elements)
     assert got is ok and text in out, out
 
 
@@ -509,5 +512,5 @@ def ce_mean(logits, target, group):
     (vocab_parallel_cross_entropy, False, "the course's own"),
 ])
 def test_vocab_parallel_cross_entropy(capsys, answer, ok, text):
-    got, out = _verdict(capsys, lab02.check_vocab_parallel_cross_entropy, answer)
+    got, out = _verdict(capsys, check_vocab_parallel_cross_entropy, answer)
     assert got is ok and text in out, out

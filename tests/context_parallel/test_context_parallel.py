@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from course_lib import context_parallel, data  # noqa: E402
-from course_lib.classroom.checks import lab04  # noqa: E402
+from course_lib.classroom.checks import context_parallel as cp_checks  # noqa: E402
 from course_lib.context_parallel.attention import ContextParallelSelfAttention  # noqa: E402
 from course_lib.context_parallel.plots import plot_ring_steps  # noqa: E402
 from course_lib.context_parallel.ring import (attention_block, attention_block_backward,  # noqa: E402
@@ -275,7 +275,7 @@ def _todo(*args):
     (lambda o1, l1, o2, l2: (torch.exp(l1 - torch.logaddexp(l1, l2)) * o1, l1), False, "unsqueeze(-1)"),
 ])
 def test_check_merge(capsys, fn, ok, expect):
-    assert lab04.check_merge(fn) is ok
+    assert cp_checks.check_merge(fn) is ok
     assert expect in capsys.readouterr().out
 
 
@@ -291,5 +291,5 @@ def test_check_merge(capsys, fn, ok, expect):
     (lambda r, cp: 1 / 0, False, "raised ZeroDivisionError"),
 ])
 def test_check_chunks_for_rank(capsys, fn, ok, expect):
-    assert lab04.check_chunks_for_rank(fn) is ok
+    assert cp_checks.check_chunks_for_rank(fn) is ok
     assert expect in capsys.readouterr().out

@@ -264,7 +264,7 @@ def test_widget_expert_view_appears_only_with_ep():
 # ---- Lab 01 checkers ---------------------------------------------------------------------------
 
 def test_lab01_checkers(capsys):
-    from course_lib.classroom.checks import lab01
+    from course_lib.classroom.checks import rank_grid
 
     def good_dp(world, tp, pp, cp):
         if world % (tp * pp * cp):
@@ -274,19 +274,19 @@ def test_lab01_checkers(capsys):
     def todo(*args):
         raise NotImplementedError
 
-    assert lab01.check_derive_dp(good_dp)
-    assert not lab01.check_derive_dp(lambda w, tp, pp, cp: w // (tp * pp))
+    assert rank_grid.check_derive_dp(good_dp)
+    assert not rank_grid.check_derive_dp(lambda w, tp, pp, cp: w // (tp * pp))
     assert "context parallelism is a factor" in capsys.readouterr().out
-    assert not lab01.check_derive_dp(lambda w, tp, pp, cp: w // (tp * pp * cp))  # never raises
+    assert not rank_grid.check_derive_dp(lambda w, tp, pp, cp: w // (tp * pp * cp))  # never raises
     assert "raise ValueError" in capsys.readouterr().out
-    assert not lab01.check_derive_dp(todo)
+    assert not rank_grid.check_derive_dp(todo)
     assert capsys.readouterr().out.startswith("not attempted yet")
 
-    assert lab01.check_rank_of(lambda t, k, d, p, T, K, D, P: t + T * (k + K * (d + D * p)))
+    assert rank_grid.check_rank_of(lambda t, k, d, p, T, K, D, P: t + T * (k + K * (d + D * p)))
     capsys.readouterr()
-    assert not lab01.check_rank_of(lambda t, k, d, p, T, K, D, P: t + T * (k + K * (p + P * d)))
+    assert not rank_grid.check_rank_of(lambda t, k, d, p, T, K, D, P: t + T * (k + K * (p + P * d)))
     assert "pp before dp" in capsys.readouterr().out
-    assert not lab01.check_rank_of(lambda t, k, d, p, T, K, D, P: p + P * (d + D * (k + K * t)))
+    assert not rank_grid.check_rank_of(lambda t, k, d, p, T, K, D, P: p + P * (d + D * (k + K * t)))
     assert "pp fastest" in capsys.readouterr().out
-    assert not lab01.check_rank_of(todo)
+    assert not rank_grid.check_rank_of(todo)
     assert capsys.readouterr().out.startswith("not attempted yet")

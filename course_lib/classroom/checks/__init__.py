@@ -1,11 +1,32 @@
-"""Exercise checkers, one module per lab: they print a specific hint when an answer is wrong.
+"""Exercise checkers, one module per kind of exercise: they print a specific hint when an answer is wrong.
+
+==========================  =======================================================================  ========
+module                      exercises                                                                 labs
+==========================  =======================================================================  ========
+``collectives``             a ring all-reduce from send/recv; all-reduce = reduce-scatter + all-gather  00
+``grad_sync``               the bucketed gradient all-reduce of data parallelism                      00
+``rank_grid``               DP and micro-batches of a layout, every group of a rank, the rank order   01, 05
+``tensor_parallel``         column- and row-parallel linear, the TP MLP from a dense one              02
+``tp_communication``        the f/g operators, the collectives of a TP layer predicted                02
+``vocab_parallel``          the vocab-parallel cross-entropy                                          02
+``pipeline_schedules``      1F1B's warm-up and order, peak memory, your orders on real ranks          03
+``pipeline_bubbles``        the bubble of a schedule, the largest bubble of a sweep                   03, 05
+``context_parallel``        the log-sum-exp merge, ring attention, the zigzag split                   04
+``training_logs``           one Megatron iteration line, every log era                                05
+``distributed_optimizer``   Megatron's distributed optimizer step, the ZeRO-1 step, on ranks          05, 07
+``conclusions``             the sweep's conclusions, the course's reading, the report                 05
+``gpu_projection``          which config of A-F wins on 8 x H100                                      05
+``sizing``                  the parameter count of Eq. 2, model states per GPU                        06
+``zero_stages``             ZeRO's bytes per rank by stage, what a ds_config shards                   07
+``moe``                     the expert groups, the all-to-all dispatch, the aux loss                  08
+==========================  =======================================================================  ========
 
 Every checker prints one verdict line and never raises: when the student's
 function still raises ``NotImplementedError`` it prints "not attempted yet",
 so the student notebook runs top to bottom before any exercise is solved.
-Every lab's checkers print that line through :func:`not_attempted`, and call the
-student's code through :func:`call_student` (or :func:`try_student` when they
-need the exception itself); checkers that run it on ranks test
+Every checker prints that line through :func:`not_attempted`, and calls the
+student's code through :func:`call_student` (or :func:`try_student` when it
+needs the exception itself); checkers that run it on ranks test
 ``RankError.exc_type == "NotImplementedError"``.
 
 Both undo any monkeypatch the student's function made (see
@@ -13,7 +34,8 @@ Both undo any monkeypatch the student's function made (see
 :class:`~course_lib.classroom.checks.verdicts.LibraryPatched` error, so a patched
 ``F.linear`` or ``RankGrid`` can neither fool a checker nor leak into later
 cells. The robust comparisons and the communication checks are in
-:mod:`course_lib.classroom.checks.verdicts`.
+:mod:`course_lib.classroom.checks.verdicts`, the recording process group in
+:mod:`course_lib.classroom.checks.wire`.
 """
 
 
@@ -38,6 +60,13 @@ def call_student(fn, *args):
     if isinstance(exc, NotImplementedError):
         return None, "todo"
     return None, f"{type(exc).__name__}: {exc}"
+
+
+def outcome(value, message) -> str:
+    """A :func:`call_student` result in words: ``"raised ValueError: ..."`` or ``"returned 0.5"``."""
+    from course_lib.classroom.checks.verdicts import safe_repr
+
+    return f"raised {message}" if message else f"returned {safe_repr(value)}"
 
 
 def checked_call(fn, *args, references=()):

@@ -8,8 +8,11 @@ Numbers and values
     (int, float, ``Fraction``, ``Decimal``, a numpy scalar, a one-element tensor
     or array) within a relative tolerance, and reject NaN, infinities, bools,
     complex numbers, strings and ``None`` with a reason the student can act on.
-    :func:`same_value` compares nested answers (tensors, arrays, lists, dicts)
-    and never raises, even for objects whose ``==`` raises or returns an array.
+    :func:`as_whole` / :func:`whole_numbers` read a whole number (or a list of
+    them) of any real type. :func:`same_value` compares nested answers (tensors,
+    arrays, lists, dicts) and never raises, even for objects whose ``==`` raises or
+    returns an array; :func:`tensors_close` compares a tensor with a reference
+    within a tolerance relative to the reference's scale.
     :func:`safe_repr` prints any answer in one short line.
 
 Running the student's code
@@ -25,7 +28,8 @@ Running the student's code
     partially applies) one from ``course_lib``; :func:`course_code_hint` words
     the verdict. :func:`student_on_rank` is :func:`run_student` inside a rank of
     :func:`launch_checked`, with the rank's wire recorded and the value made
-    :func:`portable` (it travels back to the checker).
+    :func:`portable` (it travels back to the checker); :func:`call_problem` words
+    what its patches or course code were.
 
 Communication (see :mod:`course_lib.classroom.checks.wire` for how it is seen)
     Checkers that must prove the algorithm run the student's code on ranks with
@@ -57,8 +61,8 @@ from course_lib.classroom.checks.wire import (REFUSED_MARK, CollectiveRefused, l
                                     wire_recorder)
 
 __all__ = [
-    "Verdict", "as_real", "same_number", "same_value", "safe_repr",
-    "StudentRun", "run_student", "student_on_rank", "portable", "undo_patches", "course_function",
+    "Verdict", "as_real", "as_whole", "whole_numbers", "same_number", "same_value", "tensors_close", "safe_repr",
+    "StudentRun", "run_student", "student_on_rank", "call_problem", "portable", "undo_patches", "course_function",
     "course_code_hint", "LibraryPatched",
     "launch_checked", "point_to_point_only", "wire_recorder", "CollectiveRefused", "REFUSED_MARK",
     "elements_sent", "collectives", "describe_ops", "expect_collectives", "refused_collective",
@@ -127,6 +131,25 @@ def as_real(value) -> tuple[float | None, str | None]:
     return number, None
 
 
+def as_whole(value) -> int | None:
+    """The integer ``value`` stands for (int, numpy integer, integral float/Fraction, one-element tensor), or None."""
+    number, _ = as_real(value)
+    return int(number) if number is not None and number.is_integer() else None
+
+
+def whole_numbers(value) -> list[int] | None:
+    """``value`` as a list of ints (list, tuple, range, array or tensor of whole numbers of any real type), or None."""
+    try:
+        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
+            value = value.tolist()
+        if isinstance(value, (str, bytes, dict, bool)):
+            return None
+        items = [as_whole(v) for v in value]
+    except Exception:  # noqa: BLE001 - not iterable, or a raising element
+        return None
+    return None if any(v is None for v in items) else items
+
+
 def same_number(answer, expected, rel: float = 1e-9, abs_tol: float = 1e-12) -> Verdict:
     """Is ``answer`` a finite real number within ``rel`` (relative) or ``abs_tol`` of ``expected``?
 
@@ -163,6 +186,20 @@ def same_value(answer, expected, rel: float = 0.0) -> bool:
     try:
         return _same(answer, expected, rel)
     except Exception:  # noqa: BLE001 - an odd answer is a wrong answer, never a crash
+        return False
+
+
+def tensors_close(a, b, tol: float = 1e-5) -> bool:
+    """``a`` is a real tensor of ``b``'s shape, finite, within ``tol`` of ``b`` relative to ``b``'s scale
+    (``max |a - b| <= tol · max(1, max |b|)``); never raises."""
+    import torch
+
+    try:
+        if not isinstance(a, torch.Tensor) or tuple(a.shape) != tuple(b.shape) or a.is_complex():
+            return False
+        diff = (a.detach().double() - b.detach().double()).abs()
+        return bool(torch.isfinite(diff).all()) and diff.max().item() <= tol * max(1.0, b.abs().max().item())
+    except Exception:  # noqa: BLE001 - an odd answer is a wrong answer
         return False
 
 
@@ -385,6 +422,13 @@ def student_on_rank(fn, *args, references: Sequence = ()) -> dict:
         raise run.error
     return dict(value=portable(run.value), events=list(rec.events), patched=run.patched,
                 course_code=run.course_code)
+
+
+def call_problem(result: dict) -> str | None:
+    """The line for a :func:`student_on_rank` ``result`` whose call patched the library or ran the course's
+    own code (as :meth:`StudentRun.problem` words it), else None."""
+    return StudentRun(patched=result["patched"], course_code=result["course_code"]).problem()
+
 
 def _unwrap(fn):
     for _ in range(20):  # partials of wrappers of bound methods...

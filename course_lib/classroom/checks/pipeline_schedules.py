@@ -1,4 +1,4 @@
-"""Checkers for Lab 03's exercises (pipeline parallel).
+"""Checkers for the pipeline schedules (Lab 03): 1F1B's warm-up and order, peak memory, orders run on ranks.
 
 Each checker calls the student's function on many settings, compares with the
 course's tested implementation (Megatron's order, the simulator, the formulas),
@@ -10,21 +10,21 @@ Every checker returns True/False and never raises.
   A wrong order is matched against known mistakes on *every* setting (on 2 stages and
   2 micro-batches a warm-up one step too long *is* GPipe's order; on the others it is
   not), so the hint names the real mistake.
-* ``check_bubble(fn)``: any real number type is accepted (``Fraction(p - 1, v * m)``,
-  a float64 tensor, numpy); NaN, infinities and non-numbers are refused with a reason.
 * ``check_peak_memory(fn)``: per-rank peaks as any sequence of integers.
 * ``check_orders_on_ranks(orders)``: the student's own per-rank 1F1B orders run on real
   ranks by :func:`course_lib.pipeline.executor.execute` (Megatron's paired send/recv); a
   deadlock becomes a hint naming the first blocked message, and the gradients and each
   rank's measured peak memory are checked.
+
+The bubble exercise is in :mod:`course_lib.classroom.checks.pipeline_bubbles`.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from course_lib.classroom.checks import call_student, not_attempted
-from course_lib.classroom.checks.verdicts import as_real, safe_repr, same_number
+from course_lib.classroom.checks import call_student, not_attempted, outcome
+from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr, whole_numbers
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.check import _check_complete, _check_dependencies, check_schedule, simulate_p2p
 from course_lib.pipeline.schedules import (build_schedule, from_orders, num_warmup_microbatches, parse_action,
@@ -37,17 +37,6 @@ SETTINGS = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12)]
 _call, _todo = call_student, not_attempted
 
 
-def _integer(value) -> Optional[int]:
-    """The integer ``value`` stands for (any real type), or None."""
-    number, _ = as_real(value)
-    return int(number) if number is not None and number.is_integer() else None
-
-
-def _outcome(got, err) -> str:
-    """``"raised ValueError: ..."`` or ``"returned 0.5"``."""
-    return f"raised {err}" if err else f"returned {safe_repr(got)}"
-
-
 def check_warmup(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> int``: 1F1B's warm-up forwards on one rank."""
     for p, m in SETTINGS:
@@ -56,9 +45,9 @@ def check_warmup(fn) -> bool:
             if err == "todo":
                 return _todo("warmup_1f1b")
             want = num_warmup_microbatches(p, m, r)
-            value = None if err else _integer(got)
+            value = None if err else as_whole(got)
             if value != want:
-                print(f"✗ warmup_1f1b({p}, {m}, {r}) {_outcome(got, err)}, expected {want}")
+                print(f"✗ warmup_1f1b({p}, {m}, {r}) {outcome(got, err)}, expected {want}")
                 if value == p - r - 1:
                     print("  hint: with fewer micro-batches than stages a rank cannot warm up with more "
                           "forwards than there are micro-batches: cap it at m")
@@ -171,60 +160,7 @@ def check_order(fn) -> bool:
     return False
 
 
-# ---- exercise 3: the bubble ------------------------------------------------------------------------
-
-
-def check_bubble(fn) -> bool:
-    """``fn(pp, num_microbatches, vp) -> number``: bubble time over ideal time (any real type)."""
-    for p in (1, 2, 4, 8):
-        for m in (1, 4, 8, 16):
-            for vp in (1, 2):
-                got, err = _call(fn, p, m, vp)
-                if err == "todo":
-                    return _todo("bubble")
-                name = "1f1b" if vp == 1 else "interleaved"
-                try:
-                    simulated = simulate(build_schedule(name, p, m, vp), 1.0, 2.0).bubble_fraction
-                except ValueError:
-                    simulated = bubble_fraction(p, m, vp)  # interleaved needs m % p == 0
-                verdict = same_number(got, simulated, rel=1e-9) if not err else None
-                if verdict:
-                    continue
-                print(f"✗ bubble({p}, {m}, {vp}) {_outcome(got, err)}; the simulated schedule "
-                      f"idles {simulated:.4f} of its useful time")
-                value = verdict.value if verdict is not None else None
-                if err:
-                    print("  hint: compute it from p, m and vp: (p - 1) idle steps against m useful ones")
-                elif value is None:
-                    print(f"  hint: {verdict.reason}")
-                elif abs(value - (p - 1) / (vp * m + p - 1)) < 1e-9:
-                    print("  hint: that is the share of the *whole* iteration, (p-1)/(m+p-1); here we "
-                          "divide the bubble by the ideal (useful) time m * (t_f + t_b)")
-                elif abs(value - (p - 1) / m) < 1e-9 and vp > 1:
-                    print("  hint: with v chunks per rank each bubble step is v times shorter")
-                elif (p - 1) % (vp * m) and value == (p - 1) // (vp * m):
-                    print("  hint: integer division (//) rounds the fraction down to a whole number: use /")
-                else:
-                    print("  hint: the first micro-batch needs p - 1 steps to reach the last stage and "
-                          "p - 1 to come back; compare that with m steps of useful work")
-                return False
-    print("✓ bubble equals the simulated 1F1B and interleaved schedules for 32 (p, m, v) settings")
-    return True
-
-
 # ---- exercise 4: peak memory ----------------------------------------------------------------------
-
-
-def _integers(value) -> Optional[list]:
-    try:
-        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
-            value = value.tolist()
-        if isinstance(value, (str, bytes, dict)):
-            return None
-        items = [_integer(v) for v in value]
-    except Exception:  # noqa: BLE001 - not a sequence
-        return None
-    return None if any(v is None for v in items) else items
 
 
 def check_peak_memory(fn) -> bool:
@@ -235,9 +171,9 @@ def check_peak_memory(fn) -> bool:
             if err == "todo":
                 return _todo("peak_activations")
             want = simulate(build_schedule(name, p, m)).peak_activations
-            values = None if err else _integers(got)
+            values = None if err else whole_numbers(got)
             if values != want:
-                print(f"✗ peak_activations({p}, {m}, {name!r}) {_outcome(got, err)}; simulated {want}")
+                print(f"✗ peak_activations({p}, {m}, {name!r}) {outcome(got, err)}; simulated {want}")
                 if name == "1f1b" and values == [min(p - r - 1, m) for r in range(p)]:
                     print("  hint: off by one -- after the warm-up a rank runs one more forward before "
                           "its first backward frees anything")

@@ -1,4 +1,4 @@
-"""Checkers for Lab 08's exercises (Mixture of Experts: the expert groups, the all-to-all dispatch, the aux loss).
+"""Checkers for Mixture of Experts (Lab 08): the expert groups, the all-to-all dispatch, the aux loss.
 
 Each checker runs the student's function on many settings, compares with an
 independent reference (:class:`course_lib.topology.RankGrid`'s expert grid, the single-process
@@ -24,6 +24,7 @@ from course_lib.classroom.checks.verdicts import (course_code_hint, describe_ops
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.moe.layer import MoELayer, make_master_weights
 from course_lib.moe.router import route, switch_load_balancing_loss
+from course_lib.rules import expert_data_parallel_size
 from course_lib.topology import DEFAULT_ORDER, RankGrid, parse_order, rank_groups
 
 __all__ = ["check_expert_groups_of", "check_dispatch", "check_aux_loss", "EXPERT_LAYOUTS", "layout_of",
@@ -62,6 +63,16 @@ def _int_list(value):
 # ------------------------------------------------------------------ (1) expert groups
 
 
+def _grid_dp(world, inner, ep, pp):
+    """The DP size of an expert-style grid whose axes faster than EP multiply to ``inner`` (a picture of
+    the expert grid, maybe a mistaken one: the dense TP, or a CP axis kept), or None where the sizes do
+    not divide the world."""
+    try:
+        return expert_data_parallel_size(world, inner, ep, pp)
+    except ValueError:
+        return None
+
+
 def _wrong_models(world, tp, pp, cp, ep, etp):
     """(hint, {"ep": groups, "expert_dp": groups}) for the typical wrong pictures of the expert grid."""
     order = parse_order(DEFAULT_ORDER, {"tp": 2, "cp": 2, "ep": 2, "dp": 2, "pp": 2})
@@ -69,29 +80,32 @@ def _wrong_models(world, tp, pp, cp, ep, etp):
     def grid(sizes):
         return {"ep": rank_groups(order, sizes, "ep"), "expert_dp": rank_groups(order, sizes, "dp")}
 
+    dense_tp_dp = _grid_dp(world, tp, ep, pp)
+    ep_in_dense_dp = _grid_dp(world, tp * cp, ep, pp)
+    cp_kept_dp = _grid_dp(world, etp * cp, ep, pp)
     models = []
-    if world % (tp * ep * pp) == 0 and cp == 1:  # with cp = 1 the dense-grid picture differs only by its TP size
+    if dense_tp_dp is not None and cp == 1:  # with cp = 1 the dense-grid picture differs only by its TP size
         models.append((
             "you used the dense TP size: the expert grid's fastest axis is layout['expert_tp'] "
             "(--expert-tensor-parallel-size), so EP members are expert_tp ranks apart",
-            grid({"tp": tp, "cp": 1, "ep": ep, "dp": world // (tp * ep * pp), "pp": pp})))
-    if world % (tp * cp * ep * pp) == 0:
+            grid({"tp": tp, "cp": 1, "ep": ep, "dp": dense_tp_dp, "pp": pp})))
+    if ep_in_dense_dp is not None:
         models.append((
             "you put EP into the dense grid and divided the dense DP by EP (tp·cp·ep·dp·pp): since MoE parallel "
             "folding the expert layers have a grid of their own -- expert_tp × ep × expert_dp × pp with cp = 1, "
             "expert_dp = world / (expert_tp·ep·pp) -- and the dense DP is left whole",
-            grid({"tp": tp, "cp": cp, "ep": ep, "dp": world // (tp * cp * ep * pp), "pp": pp})))
-    if world % (etp * cp * ep * pp) == 0:
+            grid({"tp": tp, "cp": cp, "ep": ep, "dp": ep_in_dense_dp, "pp": pp})))
+    if cp_kept_dp is not None:
         models.append((
             "you kept a CP axis in the expert grid: the expert grid has cp = 1, the context-parallel ranks are "
             "folded into EP and expert DP (expert_dp = world / (expert_tp·ep·pp))",
-            grid({"tp": etp, "cp": cp, "ep": ep, "dp": world // (etp * cp * ep * pp), "pp": pp})))
-    if world % (tp * ep * pp) == 0:
+            grid({"tp": etp, "cp": cp, "ep": ep, "dp": cp_kept_dp, "pp": pp})))
+    if dense_tp_dp is not None:
         models.append((
             "you used the dense TP size: the expert grid's fastest axis is layout['expert_tp'] "
             "(--expert-tensor-parallel-size), so EP members are expert_tp ranks apart",
-            grid({"tp": tp, "cp": 1, "ep": ep, "dp": world // (tp * ep * pp), "pp": pp})))
-    edp = world // (etp * ep * pp)
+            grid({"tp": tp, "cp": 1, "ep": ep, "dp": dense_tp_dp, "pp": pp})))
+    edp = expert_data_parallel_size(world, etp, ep, pp)  # the expert grid: expert_tp · ep · expert_dp · pp
     ep_first = parse_order("ep-tp-cp-dp-pp", {"tp": 2, "cp": 2, "ep": 2, "dp": 2, "pp": 2})
     sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
     models.append((

@@ -1,15 +1,18 @@
-"""Checkers for Lab 01's exercises (the rank grid).
+"""Checkers for the rank grid: the layout's sizes, every group of a rank, the rank order.
 
-* ``check_derive_dp(fn)``: ``fn(world_size, tp, pp, cp) -> dp`` (ValueError when impossible)
-* ``check_groups_of(fn)``: ``fn(rank, layout) -> {"tp": [...], "cp": [...], "dp": [...], "pp": [...]}``,
+* ``check_derive_dp(fn)`` (Lab 01): ``fn(world_size, tp, pp, cp) -> dp`` (ValueError when impossible)
+* ``check_groups_of(fn)`` (Lab 01): ``fn(rank, layout) -> {"tp": [...], "cp": [...], "dp": [...], "pp": [...]}``,
   every rank of many layouts (``layout = {"world_size": 8, "tp": 2, "pp": 2, "cp": 1}``)
-* ``check_rank_of(fn)``: ``fn(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp) -> rank`` in
+* ``check_rank_of(fn)`` (Lab 01): ``fn(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp) -> rank`` in
   Megatron's default order tp-cp-ep-dp-pp
+* ``check_layout(fn)`` (Lab 05): ``fn(world_size, tp, pp, cp, micro_batch_size, global_batch_size) ->
+  (dp, num_microbatches)`` (ValueError when Megatron refuses the layout)
 
 Each prints one verdict line (✓ / ✗, or "not attempted yet" when the exercise
 still raises NotImplementedError) and, when wrong, the most specific hint it can
-find. Expected values come from ``course_lib.topology.RankGrid``, which the tests
-compare with Megatron-LM's own algorithm. The exercises ask for the arithmetic, so
+find. Expected values come from ``course_lib.topology.RankGrid`` and ``ParallelConfig``
+(the tests compare them with Megatron-LM's own algorithm) and the DP rule of
+:func:`course_lib.rules.data_parallel_size`. The exercises ask for the arithmetic, so
 an answer that calls ``RankGrid`` or ``ParallelConfig`` is told so; the student's
 code runs through :func:`course_lib.classroom.checks.verdicts.run_student` (a monkeypatch of
 ``RankGrid`` is undone and reported). Any real integer type is a right answer.
@@ -19,8 +22,11 @@ from __future__ import annotations
 
 import itertools
 
-from course_lib.classroom.checks import not_attempted
-from course_lib.classroom.checks.verdicts import LibraryPatched, as_real, course_code_hint, run_student, safe_repr
+from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, run_student,
+                                                  safe_repr, whole_numbers)
+from course_lib.megatron import SEED_SWEEP
+from course_lib.rules import data_parallel_size, num_microbatches
 from course_lib.topology import ParallelConfig, RankGrid, divisors
 
 COURSE_TOPOLOGY = (RankGrid, ParallelConfig)
@@ -43,14 +49,6 @@ class _CourseCode(Exception):
     """The student's function ran the course's own implementation."""
 
 
-def _int_value(value):
-    """The integer ``value`` stands for (int, numpy integer, integral float/Fraction, one-element tensor), or None."""
-    number, _ = as_real(value)
-    if number is None or not number.is_integer():
-        return None
-    return int(number)
-
-
 def _verdict_for_exception(call: str, exc: BaseException) -> None:
     if isinstance(exc, (_CourseCode, LibraryPatched)):
         print(f"✗ {call}: {exc}")
@@ -58,7 +56,7 @@ def _verdict_for_exception(call: str, exc: BaseException) -> None:
         print(f"✗ {call} raised {type(exc).__name__}: {exc}")
 
 
-# ---- exercise 1: derive DP --------------------------------------------------------------
+# ---- Lab 01, exercise 1: derive DP -------------------------------------------------------------------
 
 def check_derive_dp(fn) -> bool:
     """``fn(world_size, tp, pp, cp)`` must return world / (tp·pp·cp) and raise
@@ -69,18 +67,18 @@ def check_derive_dp(fn) -> bool:
         got, exc = _call(fn, world, tp, pp, cp)
         if isinstance(exc, NotImplementedError):
             return not_attempted("derive_dp")
-        want = world // (tp * pp * cp)
+        want = data_parallel_size(world, tp, pp, cp)
         if exc is not None:
             _verdict_for_exception(f"derive_dp({world}, tp={tp}, pp={pp}, cp={cp})", exc)
             return False
-        value = _int_value(got)
+        value = as_whole(got)
         if value != want:
             print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) returned {safe_repr(got)}, expected {want}")
             if value is None and as_real(got)[1]:
                 print(f"  hint: {as_real(got)[1]}")
             elif value is None:
                 print("  hint: DP counts whole replicas: return an integer (use //, after checking divisibility)")
-            elif value == world // (tp * pp):
+            elif value == data_parallel_size(world, tp, pp):  # CP left out
                 print("  hint: context parallelism is a factor of the world size too: dp = world / (tp·pp·cp)")
             elif value == tp * pp * cp:
                 print("  hint: that is the model-parallel size tp·pp·cp; dp is what is left: world / (tp·pp·cp)")
@@ -106,7 +104,7 @@ def check_derive_dp(fn) -> bool:
     return True
 
 
-# ---- exercise 2: every group of a rank, for any layout --------------------------------------
+# ---- Lab 01, exercise 2: every group of a rank, for any layout ---------------------------------------
 
 AXES = ("tp", "cp", "dp", "pp")
 GROUP_LAYOUTS = [(8, 2, 2, 1), (16, 2, 2, 2), (8, 1, 1, 1), (32, 4, 2, 1), (16, 2, 1, 2), (24, 2, 3, 1),
@@ -129,25 +127,12 @@ def layout_of(world: int, tp: int, pp: int, cp: int) -> dict:
     return {"world_size": world, "tp": tp, "pp": pp, "cp": cp}
 
 
-def _int_list(value):
-    """``value`` as a list of ints (list, tuple, range, array or tensor of integers), or None."""
-    try:
-        if hasattr(value, "tolist") and not isinstance(value, (list, tuple)):
-            value = value.tolist()
-        if isinstance(value, (str, bytes, dict)) or isinstance(value, bool):
-            return None
-        items = [_int_value(v) for v in value]
-    except Exception:  # noqa: BLE001 - not iterable, or a raising element
-        return None
-    return None if any(v is None for v in items) else items
-
-
 def _student_groups(fn, layout: tuple, axis: str) -> list:
     """The student's ``axis`` group of every rank of ``layout`` (None where the call fails)."""
     out = []
     for rank in range(layout[0]):
         got, exc = _call(fn, rank, layout_of(*layout))
-        out.append(_int_list(got[axis]) if exc is None and isinstance(got, dict) and axis in got else None)
+        out.append(whole_numbers(got[axis]) if exc is None and isinstance(got, dict) and axis in got else None)
     return out
 
 
@@ -169,7 +154,7 @@ def _matching_order(fn, layout: tuple, axis: str):
 def _group_mistake(fn, got, want: list, rank: int, axis: str, layout: tuple) -> list:
     """The verdict lines for one wrong group."""
     lines = [f"✗ groups_of({rank}, {layout_of(*layout)})[{axis!r}] = {safe_repr(got)}, expected {want}"]
-    ints = _int_list(got)
+    ints = whole_numbers(got)
     if ints is None:
         lines.append("  hint: give each group as a list of ints, e.g. [4, 5]")
     elif sorted(ints) == want:
@@ -209,7 +194,7 @@ def check_groups_of(fn) -> bool:
                 return False
             want = grid.groups_of(rank, AXES)
             for axis in AXES:
-                if _int_list(got[axis]) != want[axis]:
+                if whole_numbers(got[axis]) != want[axis]:
                     print("\n".join(_group_mistake(fn, got[axis], want[axis], rank, axis, layout)))
                     return False
             checked += 1
@@ -218,7 +203,7 @@ def check_groups_of(fn) -> bool:
     return True
 
 
-# ---- exercise 3: coordinates -> rank ------------------------------------------------------
+# ---- Lab 01, exercise 3: coordinates -> rank ---------------------------------------------------------
 
 def _alternatives(c, s):
     """Formulas students often write instead, name -> rank."""
@@ -238,7 +223,7 @@ def _matching_formula(fn, sizes: tuple):
     (at one coordinate several agree), or None."""
     tp, cp, dp, pp = sizes
     coords = list(itertools.product(range(tp), range(cp), range(dp), range(pp)))
-    theirs = [_int_value(_call(fn, *c, *sizes)[0]) for c in coords]
+    theirs = [as_whole(_call(fn, *c, *sizes)[0]) for c in coords]
     named = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     for name in _alternatives(dict(tp=0, cp=0, dp=0, pp=0), named):
         if all(_alternatives(dict(tp=t, cp=k, dp=d, pp=p), named)[name] == mine
@@ -262,7 +247,7 @@ def check_rank_of(fn) -> bool:
                 _verdict_for_exception(f"rank_of({t}, {k}, {d}, {p}, ...)", exc)
                 return False
             want = grid.rank_of(tp=t, cp=k, dp=d, pp=p)
-            value = _int_value(got) if exc is None else None
+            value = as_whole(got) if exc is None else None
             if exc is not None or value != want:
                 what = f"raised {type(exc).__name__}: {exc}" if exc else f"returned {safe_repr(got)}"
                 print(f"✗ rank_of(tp_rank={t}, cp_rank={k}, dp_rank={d}, pp_rank={p}) with tp={tp}, cp={cp}, "
@@ -283,6 +268,96 @@ def check_rank_of(fn) -> bool:
 def all_divisor_layouts(world: int):
     """Every (tp, pp, cp) whose product divides ``world`` (for the notebook's sweeps)."""
     for tp in divisors(world):
-        for pp in divisors(world // tp):
-            for cp in divisors(world // (tp * pp)):
+        for pp in divisors(data_parallel_size(world, tp)):
+            for cp in divisors(data_parallel_size(world, tp, pp)):
                 yield tp, pp, cp
+
+
+# ---- Lab 05, exercise 1: DP and micro-batches of a layout --------------------------------------------
+
+LAYOUT_REFS = (ParallelConfig.__init__,)
+
+# (world, tp, pp, cp, micro, global): the seed's A-F with the CPU sweep's batch and the GPU batch,
+# seed 000's 32-GPU layouts, seed 001's 128-GPU run.
+LAYOUTS = ([(8, tp, pp, cp, 1, 16) for tp, pp, cp in SEED_SWEEP.values()]
+           + [(8, tp, pp, cp, 4, 64) for tp, pp, cp in SEED_SWEEP.values()]
+           + [(32, 16, 2, 1, 1, 32), (32, 4, 8, 1, 2, 64), (128, 4, 4, 1, 8, 256), (16, 2, 2, 2, 2, 16)])
+# layouts Megatron refuses: (world, tp, pp, cp, micro, global, the rule)
+BAD_LAYOUTS = [(8, 3, 1, 1, 1, 16, "world_size % (tp*pp*cp)"), (8, 2, 2, 4, 1, 16, "world_size % (tp*pp*cp)"),
+               (8, 1, 1, 1, 1, 12, "global % (micro*dp)"), (8, 1, 4, 1, 4, 4, "global % (micro*dp)")]
+
+
+def _microbatches_if(gbs, micro, replicas):
+    """The micro-batch count a student gets who divides by ``replicas`` (a mistaken DP, maybe), or None."""
+    try:
+        return num_microbatches(gbs, micro, int(replicas)) if replicas == int(replicas) else None
+    except (ValueError, OverflowError):
+        return None
+
+
+def _want(world, tp, pp, cp, micro, gbs):
+    cfg = ParallelConfig(world_size=world, tp=tp, pp=pp, cp=cp, micro_batch_size=micro, global_batch_size=gbs)
+    return cfg.dp, cfg.num_microbatches
+
+
+def check_layout(fn) -> bool:
+    """``fn(world_size, tp, pp, cp, micro_batch_size, global_batch_size) -> (dp, num_microbatches)``;
+    raises ValueError when the layout is impossible."""
+    if is_course_answer(fn):
+        return False
+    for case in LAYOUTS:
+        got, err = checked_call(fn, *case, references=LAYOUT_REFS)
+        if err == "todo":
+            return not_attempted("derive_layout")
+        world, tp, pp, cp, micro, gbs = case
+        want = _want(*case)
+        args = f"derive_layout(world_size={world}, tp={tp}, pp={pp}, cp={cp}, micro={micro}, global={gbs})"
+        if err:
+            print(f"✗ {args}: {err}; expected {want}")
+            return False
+        try:
+            dp, m = got
+        except Exception:  # noqa: BLE001 - not a pair
+            print(f"✗ {args} returned {safe_repr(got)}: return a pair (dp, num_microbatches)")
+            return False
+        if (as_whole(dp), as_whole(m)) == want:
+            continue
+        print(f"✗ {args} returned {safe_repr(got)}, expected {want}")
+        wdp, wm = want
+        dp_n, m_n = as_real(dp)[0], as_real(m)[0]
+        if dp_n is None or m_n is None:
+            print(f"  hint: return two numbers; {as_real(dp)[1] or as_real(m)[1]}")
+        elif dp_n != wdp:
+            if cp > 1 and dp_n == data_parallel_size(world, tp, pp):
+                print("  hint: CP ranks are not data-parallel replicas: DP = world / (TP * PP * CP)")
+            elif dp_n in (data_parallel_size(world, tp=tp), data_parallel_size(world, pp=pp),  # splits forgotten
+                          data_parallel_size(world, tp=tp, cp=cp), data_parallel_size(world, pp=pp, cp=cp)):
+                print("  hint: DP is what is left after *every* model-parallel split: world / (TP * PP * CP)")
+            else:
+                print("  hint: DP is derived, never given: DP = world / (TP * PP * CP)")
+        elif m_n != wm:
+            if m_n == _microbatches_if(gbs, micro, 1):
+                print("  hint: each DP replica takes global / DP samples: m = global / (micro * DP)")
+            elif m_n == _microbatches_if(gbs, micro, world):
+                print("  hint: divide by DP, not by the world size: TP/PP/CP ranks of one replica share its "
+                      "micro-batches")
+            elif m_n in (_microbatches_if(gbs, micro, dp_n * pp), _microbatches_if(gbs, micro, dp_n * tp)):
+                print("  hint: TP and PP ranks of one replica all see the same micro-batches: divide by DP only")
+            else:
+                print("  hint: micro-batches per step m = global / (micro * DP)")
+        return False
+    for world, tp, pp, cp, micro, gbs, rule in BAD_LAYOUTS:
+        got, err = checked_call(fn, world, tp, pp, cp, micro, gbs, references=LAYOUT_REFS)
+        if err == "todo":
+            return not_attempted("derive_layout")
+        if err and err.startswith("raised ValueError"):
+            continue
+        print(f"✗ derive_layout(world_size={world}, tp={tp}, pp={pp}, cp={cp}, micro={micro}, global={gbs}) "
+              f"{err if err else 'returned ' + safe_repr(got)}; Megatron refuses it: raise ValueError")
+        print(f"  hint: check {rule} == 0 before dividing"
+              + (" (a DP of 8 / 12 ranks is not a whole number of replicas)" if "tp" in rule else
+                 " (every replica must get a whole number of micro-batches)"))
+        return False
+    print(f"✓ derive_layout: DP and micro-batches right on {len(LAYOUTS)} layouts (A-F on CPU and GPU batches, "
+          f"seeds 000/001), {len(BAD_LAYOUTS)} impossible ones refused")
+    return True

@@ -1,4 +1,4 @@
-"""Checkers for Lab 00's exercises; each proves the algorithm through what ran on real ranks.
+"""Checkers for the collectives built by hand (Lab 00, exercises 1-2), proven by what ran on real ranks.
 
 * ``check_ring_all_reduce(fn)``: ``fn(x) -> sum over ranks``, built from point-to-point
   messages only. Runs on 2, 3 and 4 ranks whose process group refuses collectives
@@ -10,9 +10,9 @@
   reduce-scatter).
 * ``check_all_reduce_from_halves(fn)``: all-reduce written as one reduce-scatter and one
   all-gather; the recorded collectives must be exactly those two.
-* ``check_grad_sync(fn)``: ``fn(model, bucket_numel)`` averages the data-parallel
-  gradients with one all-reduce per bucket (PyTorch DDP / CS336's bucketed DDP): checked
-  against a single-process baseline *and* by traffic (bucket count and sizes).
+
+:func:`launch_trials`, :func:`student_trial` and :func:`course_code_used` run such trials on checked
+ranks; :mod:`course_lib.classroom.checks.grad_sync` uses them too.
 
 Each prints one verdict line ("not attempted yet" while the stub raises
 NotImplementedError) and, when wrong, the most specific hint it can find.
@@ -21,7 +21,7 @@ NotImplementedError) and, when wrong, the most specific hint it can find.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ import torch.distributed as dist
 from course_lib import collectives
 from course_lib.classroom.checks import not_attempted
 from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
-                                        describe_ops, launch_checked, point_to_point_only, refused_collective,
-                                        run_student, safe_repr, wire_recorder)
+                                                  describe_ops, launch_checked, point_to_point_only,
+                                                  refused_collective, run_student, safe_repr, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 
 WORLD_SIZES = (2, 3, 4)
@@ -40,7 +40,7 @@ P2P_RULE = ("this exercise builds all-reduce from point-to-point messages only (
 _RING_REFERENCES = (collectives.ring_all_reduce, collectives.apply_collective)
 
 
-# ------------------------------------------------------------------------------ helpers
+# ------------------------------------------------------------------- trials on checked ranks
 
 
 def _as_picklable(value):
@@ -50,7 +50,7 @@ def _as_picklable(value):
     return {"type": type(value).__name__, "repr": safe_repr(value)}
 
 
-def _student_on_rank(fn, *args, references=()) -> dict:
+def student_trial(fn, *args, references=()) -> dict:
     """Run the student's code on this rank, recording every op. An exception (a refused collective
     too) is raised again, so that the launch fails at once and names the first rank that failed."""
     with wire_recorder() as rec:
@@ -62,7 +62,7 @@ def _student_on_rank(fn, *args, references=()) -> dict:
     return dict(got=_as_picklable(run.value), course_code=run.course_code, events=rec.events)
 
 
-def _launch_trials(rank_fn, world: int, timeout: float, name: str, **kwargs):
+def launch_trials(rank_fn, world: int, timeout: float, name: str, **kwargs):
     """Launch ``rank_fn`` on checked ranks; (per-rank results, None) or (None, verdict already printed)."""
     try:
         return launch_checked(rank_fn, world, timeout=timeout, **kwargs), None
@@ -111,7 +111,7 @@ def _failure_hint(err: RankError) -> Optional[str]:
     return None
 
 
-def _course_code_used(per_rank: list) -> bool:
+def course_code_used(per_rank: list) -> bool:
     """Print the verdict when a trial ran the course's own implementation; True if printed."""
     for trials in per_rank:
         for t in trials:
@@ -138,7 +138,7 @@ def _rank_ring_trial(fn, numels):
     results = []
     for x, want in zip(inputs, expected):
         with point_to_point_only(P2P_RULE):
-            trial = _student_on_rank(fn, x.clone(), references=_RING_REFERENCES)
+            trial = student_trial(fn, x.clone(), references=_RING_REFERENCES)
         results.append(dict(trial, numel=x.numel(), x=x, want=want))
     return results
 
@@ -338,11 +338,11 @@ def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
     """Print a verdict on ``fn`` (``fn(x: Tensor[N]) -> Tensor[N]``, the sum over ranks, point-to-point only)."""
     runs = {}
     for world in WORLD_SIZES:
-        per_rank, verdict = _launch_trials(_rank_ring_trial, world, timeout, "my_ring_all_reduce", fn=fn,
+        per_rank, verdict = launch_trials(_rank_ring_trial, world, timeout, "my_ring_all_reduce", fn=fn,
                                            numels=NUMELS)
         if per_rank is None:
             return verdict
-        if _course_code_used(per_rank):
+        if course_code_used(per_rank):
             return False
         runs[world] = per_rank
     problems = ring_problems(runs)
@@ -371,7 +371,7 @@ def _rank_halves_trial(fn, numels):
         want = x.clone()
         dist.all_reduce(want)
         own_chunks = torch.tensor_split(x, world)
-        trial = _student_on_rank(fn, x.clone())
+        trial = student_trial(fn, x.clone())
         results.append(dict(trial, numel=numel, x=x, want=want, own_chunk=own_chunks[rank]))
     return results
 
@@ -398,7 +398,7 @@ def _halves_value_hint(t: dict, world: int, per_rank_trials: list) -> str:
 def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
     """``fn(x: Tensor[N]) -> Tensor[N]`` must all-reduce ``x`` with exactly one reduce-scatter and one all-gather."""
     for world in HALVES_WORLDS:
-        per_rank, verdict = _launch_trials(_rank_halves_trial, world, timeout, "my_all_reduce_rs_ag", fn=fn,
+        per_rank, verdict = launch_trials(_rank_halves_trial, world, timeout, "my_all_reduce_rs_ag", fn=fn,
                                            numels=HALVES_NUMELS)
         if per_rank is None:
             return verdict
@@ -437,132 +437,4 @@ def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
                 return False
     print(f"✓ my_all_reduce_rs_ag equals all_reduce on {list(HALVES_WORLDS)} ranks using exactly one reduce-scatter "
           f"and one all-gather: each moves (W-1)/W·N per rank, 2(W-1)/W·N together -- a ring all-reduce's traffic")
-    return True
-
-
-# ------------------------------------------ exercise 3: bucketed gradient all-reduce
-
-
-GLOBAL_BATCH = 16
-BUCKETS = (40, 1000, 8)  # elements per bucket: several buckets, one bucket, one tensor per bucket
-
-
-def grad_sync_model() -> torch.nn.Module:
-    """The small model of the exercise (same weights on every rank): 83 parameters in 4 tensors."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
-
-
-def grad_sync_batch():
-    """The global batch ``(x [16, 6], y [16, 3])``; rank r of W trains on rows ``r*16/W ... (r+1)*16/W``."""
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
-
-
-def expected_buckets(sizes: list, bucket_numel: int) -> list:
-    """Bucket sizes (elements) when the gradients of ``sizes`` (in ``model.parameters()`` order) are packed
-    in *reverse* order, a new bucket starting whenever the next gradient would overflow ``bucket_numel``."""
-    buckets: list = []
-    for n in reversed(sizes):
-        if buckets and buckets[-1] + n <= bucket_numel:
-            buckets[-1] += n
-        else:
-            buckets.append(n)
-    return buckets
-
-
-def baseline_gradients() -> dict:
-    """Gradients of the mean loss over the whole global batch in one process: what every rank must end with."""
-    model = grad_sync_model()
-    x, y = grad_sync_batch()
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _rank_grad_sync_trial(fn, buckets):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = grad_sync_batch()
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
-    results = []
-    for bucket_numel in buckets:
-        model = grad_sync_model()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        local = {n: p.grad.clone() for n, p in model.named_parameters()}
-        from course_lib.training.finalize_model_grads import allreduce_dp_grads
-
-        trial = _student_on_rank(fn, model, bucket_numel, references=(allreduce_dp_grads,))
-        grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
-        results.append(dict(trial, bucket_numel=bucket_numel, grads=grads, local=local))
-    return results
-
-
-def _close(a, b) -> bool:
-    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
-
-
-def _grad_value_hint(trials: list, reference: dict, world: int) -> str:
-    t = trials[0]
-    names = list(reference)
-    if all(_close(t["grads"][n], t["local"][n]) for n in names):
-        return ("the gradients are still this rank's own (computed on its 16/W samples): all-reduce them over "
-                "the data-parallel group")
-    if all(_close(t["grads"][n], reference[n] * world) for n in names):
-        return ("W times too large: all-reduce sums the ranks' gradients; each rank's loss is a mean over its own "
-                "samples, so divide by W to get the gradient of the global batch's mean loss")
-    wrong = [n for n in names if not _close(t["grads"][n], reference[n])]
-    return (f"{', '.join(wrong)} differ from the single-process gradients: every gradient element must be "
-            f"all-reduced exactly once (and divided by W), then copied back into its param.grad")
-
-
-def check_grad_sync(fn, timeout: float = 20) -> bool:
-    """``fn(model, bucket_numel)`` must average every ``param.grad`` over the ranks with one all-reduce per
-    bucket (buckets filled in reverse parameter order, at most ``bucket_numel`` elements unless one
-    gradient alone is larger)."""
-    reference = baseline_gradients()
-    sizes = [g.numel() for g in reference.values()]
-    for world in (2, 4):
-        per_rank, verdict = _launch_trials(_rank_grad_sync_trial, world, timeout, "sync_gradients", fn=fn,
-                                           buckets=BUCKETS)
-        if per_rank is None:
-            return verdict
-        if _course_code_used(per_rank):
-            return False
-        for i, bucket_numel in enumerate(BUCKETS):
-            trials = [per_rank[r][i] for r in range(world)]
-            for rank, t in enumerate(trials):
-                if not all(_close(t["grads"][n], g) for n, g in reference.items()):
-                    print(f"✗ with {world} ranks and bucket_numel={bucket_numel}, rank {rank}'s gradients differ "
-                          f"from the single-process baseline (the mean loss over all {GLOBAL_BATCH} samples)")
-                    print(f"  hint: {_grad_value_hint([t], reference, world)}")
-                    return False
-            ops = collective_events(trials[0]["events"])
-            got = [e.numel for e in ops if e.op == "all_reduce"]
-            want = expected_buckets(sizes, bucket_numel)
-            if got == want and len(ops) == len(got):
-                continue
-            print(f"✗ the gradients are right with {world} ranks and bucket_numel={bucket_numel}, but it ran "
-                  f"{describe_ops(ops)}; the buckets should be all-reduces of {want} elements")
-            if len(ops) != len(got):
-                hint = "use only all_reduce (one per bucket) on the data-parallel group"
-            elif sum(got) != sum(sizes):
-                hint = (f"{sum(got)} elements went through all-reduce but the model has {sum(sizes)}: every "
-                        f"gradient element exactly once")
-            elif got == sizes or got == sizes[::-1]:
-                hint = (f"that is one all-reduce per parameter tensor ({len(sizes)} calls): pack the gradients into "
-                        f"buckets (torch.cat of the flattened grads) of at most bucket_numel elements -- fewer, "
-                        f"larger messages")
-            elif got == [sum(sizes)]:
-                hint = ("one all-reduce of everything ignores bucket_numel: start a new bucket when the next "
-                        "gradient would overflow it (DDP does, to overlap communication with the backward)")
-            elif got == expected_buckets(sizes[::-1], bucket_numel):
-                hint = ("those are buckets in model.parameters() order: fill them in reverse, the order backward "
-                        "produces the gradients, so the last layer's bucket can be sent first")
-            else:
-                hint = ("go through the gradients in reverse parameter order; add each to the current bucket unless "
-                        "it would exceed bucket_numel, else start a new bucket (a gradient larger than the bucket "
-                        "gets one of its own)")
-            print(f"  hint: {hint}")
-            return False
-    print(f"✓ sync_gradients gives every rank the single-process gradients on 2 and 4 ranks, with one all-reduce "
-          f"per bucket (bucket sizes for bucket_numel={BUCKETS[0]}: {expected_buckets(sizes, BUCKETS[0])} elements)")
     return True

@@ -1,4 +1,4 @@
-"""Checkers for Lab 06's exercises (sizing a real run): the parameter count of Eq. 2, and the model
+"""Checkers for sizing a real run from the papers (Lab 06): the parameter count of Eq. 2, and the model
 states per GPU with and without Megatron's distributed optimizer.
 
 Each checker calls the student's function on the ten rows of Narayanan et al. 2021's Table 1 and on

@@ -1,4 +1,4 @@
-"""Checkers for Lab 04's exercises (context parallelism: the log-sum-exp merge, one ring, the zigzag split).
+"""Checkers for context parallelism (Lab 04): the log-sum-exp merge, one ring, the zigzag split.
 
 Each checker calls the student's function on many settings, compares with an
 independent reference (full softmax attention computed in one piece; the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
-                                        point_to_point_only, refused_collective, safe_repr, student_on_rank)
+                                                  point_to_point_only, refused_collective, safe_repr, student_on_rank)
 from course_lib.context_parallel import zigzag
 from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention
 from course_lib.context_parallel.work import score_elements

@@ -1,0 +1,324 @@
+"""Checkers for sharding the optimizer over data-parallel ranks, run on real ranks (Labs 05 and 07).
+
+* :func:`check_distributed_optimizer_step` (Lab 05) -- one step of Megatron's distributed optimizer
+  (ZeRO-1 over DP, ``megatron/core/optimizer/distrib_optimizer.py``): reduce-scatter the gradients,
+  step an optimizer built for the own shard, all-gather the shards; against single-process SGD with
+  momentum and Adam on the averaged gradient, for 2 and 4 DP ranks.
+* :func:`check_zero1_step` (Lab 07) -- the student's ZeRO-1 step (flatten, pad to a multiple of d,
+  reduce-scatter the grads, Adam on the own shard, all-gather the params), called twice with the same
+  ``state``: it must equal two steps of single-process ``torch.optim.Adam`` on the averaged gradient
+  and keep Adam state for its shard only.
+
+Both run on ranks whose process group records every op (:mod:`course_lib.classroom.checks.wire`) and
+must send exactly one reduce-scatter and one all-gather per step over the DP group: plain data
+parallelism (an all-reduce and a full update) gives the same weights and is refused by its traffic and
+its optimizer state. Every checker prints one verdict line (and a hint when wrong), returns True/False
+and never raises; the stub's ``NotImplementedError`` gives "not attempted yet".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.verdicts import (course_code_hint, describe_ops, launch_checked, run_student,
+                                                  safe_repr, tensors_close, wire_recorder)
+from course_lib.distributed import ShardedDataParallel
+from course_lib.launch import LaunchTimeout, RankError
+
+
+def _tensor_close(a, b) -> bool:
+    """Within 1e-9 of the float64 reference, relative to its scale."""
+    return tensors_close(a, b, tol=1e-9)
+
+
+# ------------------------------------------------------------------ Lab 05: Megatron's distributed optimizer
+
+OPT_N = 24  # parameters: divisible by every DP size checked
+# name -> (make_optimizer, optimizer-state elements per parameter the optimizer holds)
+OPTIMIZERS = {
+    "SGD with momentum": (lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), 1),
+    "Adam": (lambda params: torch.optim.Adam(params, lr=0.01), 2),
+}
+DIST_OPT_ALGORITHM = ("reduce-scatter the gradients over DP (each rank receives the sum of its N/d shard), "
+                      "step an optimizer built for that shard only, all-gather the updated shards")
+
+
+def _optimizer_state_elements(optimizer) -> int | None:
+    """Elements of tensor state (momenta; not the step counter) the optimizer keeps, or None if it has none."""
+    try:
+        return sum(v.numel() for st in optimizer.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+    except Exception:  # noqa: BLE001 - not an optimizer
+        return None
+
+
+def _one_step(make, params, grad):
+    """One single-process optimizer step of ``params`` with gradient ``grad`` (the reference)."""
+    p = params.clone().requires_grad_()
+    p.grad = grad.clone()
+    make([p]).step()
+    return p.detach()
+
+
+def _rank_dist_opt(fn):
+    g, d, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(17)
+    params = torch.randn(OPT_N, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(OPT_N, generator=gen, dtype=torch.float64) for _ in range(d)]  # every replica's
+    out = []
+    for name, (make, per_element) in OPTIMIZERS.items():
+        want, summed = _one_step(make, params, sum(grads) / d), _one_step(make, params, sum(grads))
+        with wire_recorder() as rec:
+            run = run_student(fn, params.clone(), grads[r].clone(), g, make)
+        if run.error is not None:
+            raise run.error
+        info = dict(optimizer=name, events=list(rec.events), patched=run.patched, course_code=run.course_code,
+                    want=want, summed=summed, rank=r, d=d, full_state=per_element * OPT_N,
+                    want_state=per_element * OPT_N // d, new=None, state=None, returned=safe_repr(run.value))
+        if isinstance(run.value, (tuple, list)) and len(run.value) == 2:
+            new, optimizer = run.value
+            info.update(new=new.detach().clone() if isinstance(new, torch.Tensor) else None,
+                        state=_optimizer_state_elements(optimizer))
+        out.append(info)
+    return out
+
+
+def _dist_opt_hint(o: dict) -> str | None:
+    """The one hint for a rank's step: patches or the course's code, what it returned, traffic that skips
+    the algorithm (right numbers), wrong values, the optimizer's state, then the exact traffic."""
+    if o["patched"]:
+        return f"it replaced {', '.join(o['patched'][:3])} (undone by the checker)"
+    if o["course_code"]:
+        return course_code_hint(o["course_code"][0])
+    if "new" not in o or o["new"] is None:
+        return f"return a pair (new_params, optimizer); got {o['returned']}"
+    ops = [e.op for e in o["events"]]
+    if "all_reduce" in ops:
+        if o["state"] is not None and o["state"] >= o["full_state"]:
+            return (f"that is plain data parallelism: an all-reduce and a full update give the same weights, but "
+                    f"every rank keeps {o['optimizer']} state for all {OPT_N} parameters -- the distributed "
+                    f"optimizer's point is 1/d of it: {DIST_OPT_ALGORITHM}")
+        return ("an all-reduce gives every rank the whole averaged gradient, yet each rank updates only its shard: "
+                "a reduce-scatter delivers just that shard and sends half as much (N(d-1)/d per rank instead of "
+                "2N(d-1)/d)")
+    if set(ops) - {"reduce_scatter", "all_gather"}:
+        return f"it ran {describe_ops(o['events'])}: {DIST_OPT_ALGORITHM}"
+    new, want, d = o["new"], o["want"], o["d"]
+    if tuple(new.shape) != tuple(want.shape):
+        if new.numel() == OPT_N // d:
+            return "you returned only your shard: all-gather the updated shards, every rank needs all N weights"
+        return f"new_params must have the shape of params, {tuple(want.shape)}; got {tuple(new.shape)}"
+    if not _tensor_close(new, want):
+        if _tensor_close(new, o["summed"]):
+            return ("the step used the *sum* of the replicas' gradients: the reduce-scatter adds d gradients, "
+                    "divide your shard by d for their average")
+        return ("the new weights differ from one single-process step on the averaged gradient: update chunk "
+                "`rank` of params with your reduced gradient shard, then all-gather the shards in rank order")
+    if o["state"] is None:
+        return "the optimizer you return has no .state: return the torch.optim optimizer you stepped"
+    if o["state"] > o["want_state"]:
+        return (f"your {o['optimizer']} keeps state for {o['state']} elements: built with make_optimizer([shard]) "
+                f"for your 1/d shard only it keeps {o['want_state']}")
+    if o["state"] < o["want_state"]:
+        return "step the optimizer you return: build it with make_optimizer([shard]) and call its .step()"
+    counts = {op: [e.numel for e in o["events"] if e.op == op] for op in ("reduce_scatter", "all_gather")}
+    if counts != {"reduce_scatter": [OPT_N], "all_gather": [OPT_N]}:
+        return f"it ran {describe_ops(o['events'])}: one reduce-scatter and one all-gather of the N = {OPT_N} elements"
+    return None
+
+
+def check_distributed_optimizer_step(fn, timeout: float = 20) -> bool:
+    """``fn(params [N], grad [N], dp_group, make_optimizer) -> (new_params [N], optimizer)``: one step of
+    Megatron's distributed optimizer (ZeRO-1 over DP), against single-process SGD with momentum and Adam."""
+    if is_course_answer(fn):
+        return False
+    # Building the first torch.optim optimizer imports torch._dynamo (~2.5 s): once here, not in every rank.
+    _one_step(OPTIMIZERS["Adam"][0], torch.zeros(2), torch.zeros(2))
+    for d in (2, 4):
+        try:
+            res = launch_checked(_rank_dist_opt, world_size=d, timeout=timeout, fn=fn)
+        except RankError as err:
+            if err.exc_type == "NotImplementedError":
+                return not_attempted("distributed_optimizer_step")
+            print(f"✗ with {d} DP ranks, rank {err.rank} raised {raised_line(err)}")
+            if "shape" in err.traceback or "size" in err.traceback:
+                print("  hint: the reduce-scatter's output holds N/d elements (grad.numel() // d); the all-gather's "
+                      "output all N")
+            return False
+        except LaunchTimeout:
+            print(f"✗ with {d} DP ranks the ranks waited for each other: every rank must run the same collectives "
+                  f"in the same order")
+            return False
+        for per_rank in zip(*res):
+            for o in per_rank:
+                hint = _dist_opt_hint(o)
+                if hint:
+                    print(f"✗ {o['optimizer']}, {d} DP ranks, rank {o['rank']}\n  hint: {hint}")
+                    return False
+    print("✓ distributed_optimizer_step equals one single-process step (SGD with momentum, Adam) on the averaged "
+          "gradient, for 2 and 4 DP ranks, with one reduce-scatter and one all-gather and 1/d of the optimizer "
+          "state on each rank")
+    return True
+
+
+# ------------------------------------------------------------------ Lab 07: the ZeRO-1 step
+
+SHAPES = ((3, 5), (6,), (4, 2))        # 29 elements: the flat buffer needs padding for d = 2 and d = 4
+NUMEL = sum(torch.Size(s).numel() for s in SHAPES)
+ADAM = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-3)   # eps ~ |grad|: Adam sees the gradient's scale
+STEPS = 2
+ALGORITHM = ("flatten params and grads into one buffer padded to a multiple of d, reduce-scatter the grads "
+             "(each rank receives the sum of its shard) and divide by d, step Adam on your shard only, "
+             "all-gather the updated shards in rank order, cut the buffer back into the params' shapes")
+
+
+def padded(n: int, d: int) -> int:
+    """``n`` rounded up to a multiple of ``d`` (the buffer every rank reduce-scatters and all-gathers)."""
+    return -(-n // d) * d
+
+
+def _adam_steps(params, grads_per_step, *, fresh: bool = False):
+    """Single-process torch.optim.Adam on the flat params, one step per gradient (the reference).
+    ``fresh``: a new optimizer every step (the mistake of not keeping the state)."""
+    p = torch.cat([t.reshape(-1) for t in params]).clone().requires_grad_()
+    opt = torch.optim.Adam([p], **ADAM)
+    for g in grads_per_step:
+        if fresh:
+            opt = torch.optim.Adam([p], **ADAM)
+        p.grad = torch.cat([t.reshape(-1) for t in g]).clone()
+        opt.step()
+    return p.detach()
+
+
+def _state_elements(obj, seen=None) -> int:
+    """Elements of every non-scalar tensor reachable from the student's ``state`` (dicts, lists,
+    optimizers' ``.state`` and their parameters), each storage once."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0 or obj.untyped_storage().data_ptr() in seen:
+            return 0
+        seen.add(obj.untyped_storage().data_ptr())
+        return obj.numel()
+    if isinstance(obj, dict):
+        return sum(_state_elements(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return sum(_state_elements(v, seen) for v in obj)
+    if isinstance(obj, torch.optim.Optimizer):
+        return _state_elements(list(obj.state.values()), seen) + _state_elements(
+            [p for g in obj.param_groups for p in g["params"]], seen)
+    return 0
+
+
+def _rank_zero1(fn):
+    d, r = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(23)
+    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
+    grads = [[[1e-3 * torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES] for _ in range(d)]
+             for _ in range(STEPS)]
+    mean = [[sum(g[k][i] for k in range(d)) / d for i in range(len(SHAPES))] for g in grads]
+    summed = [[sum(g[k][i] for k in range(d)) for i in range(len(SHAPES))] for g in grads]
+    info = dict(rank=r, d=d, want=_adam_steps(params, mean), summed=_adam_steps(params, summed),
+                fresh=_adam_steps(params, mean, fresh=True), events=[], new=None, returned=None, state=None,
+                patched=[], course_code=[])
+    state, current = {}, [p.clone() for p in params]
+    for step in range(STEPS):
+        with wire_recorder() as rec:
+            run = run_student(fn, [p.clone() for p in current], [g.clone() for g in grads[step][r]],
+                              dist.group.WORLD, state, references=(ShardedDataParallel.step,))
+        if run.error is not None:
+            raise run.error
+        info["events"].append(list(rec.events))
+        info["patched"] += list(run.patched)
+        info["course_code"] += list(run.course_code)
+        value = run.value
+        info["returned"] = safe_repr(value)
+        ok = (isinstance(value, (list, tuple)) and len(value) == len(SHAPES)
+              and all(isinstance(v, torch.Tensor) and tuple(v.shape) == s for v, s in zip(value, SHAPES)))
+        if not ok:
+            info["new"] = None
+            info["flat_returned"] = isinstance(value, torch.Tensor)
+            return info
+        current = [v.detach().clone() for v in value]
+    info["new"] = torch.cat([t.reshape(-1).double() for t in current])
+    info["state"] = _state_elements(state)
+    return info
+
+
+def _zero1_hint(o: dict) -> str | None:
+    """The one hint for a rank: patches or course code, the return value, the traffic that skips the
+    algorithm, the numbers (averaged? Adam state kept?), the state's size, then the exact traffic."""
+    d = o["d"]
+    n_pad = padded(NUMEL, d)
+    if o["patched"]:
+        return f"it replaced {', '.join(o['patched'][:3])} (undone by the checker)"
+    if o["course_code"]:
+        return course_code_hint(o["course_code"][0])
+    if o["new"] is None:
+        if o.get("flat_returned"):
+            return "you returned the flat buffer: cut it back into tensors shaped like params (drop the padding)"
+        return f"return a list of {len(SHAPES)} tensors shaped like params {list(SHAPES)}; got {o['returned']}"
+    ops = {e.op for step in o["events"] for e in step}
+    if "all_reduce" in ops:
+        return ("an all-reduce gives every rank the whole gradient: that is plain data parallelism. ZeRO-1 "
+                "reduce-scatters, so each rank receives only the N/d it updates (half the traffic of an "
+                "all-reduce per rank), and all-gathers the updated shards")
+    if ops - {"reduce_scatter", "all_gather"}:
+        return f"it ran {describe_ops([e for step in o['events'] for e in step])}: {ALGORITHM}"
+    if not _tensor_close(o["new"], o["want"]):
+        if _tensor_close(o["new"], o["summed"]):
+            return ("the step used the *sum* of the d gradients: the reduce-scatter adds them; divide your shard "
+                    "by d (with eps ~ |grad| Adam sees the difference)")
+        if _tensor_close(o["new"], o["fresh"]):
+            return ("the second step forgot the first one's Adam moments: keep your shard's optimizer (or its "
+                    "exp_avg / exp_avg_sq) in `state` between calls")
+        return ("the params differ from two single-process Adam steps on the averaged gradient: rank r owns "
+                "elements [r·N/d, (r+1)·N/d) of the padded flat buffer, updates exactly those, and the "
+                "all-gather puts the shards back in rank order")
+    limit = 3 * n_pad // d + 8          # fp32 main shard + two moments (+ a few scalars)
+    if o["state"] is not None and o["state"] > limit:
+        return (f"your `state` holds {o['state']} elements; ZeRO-1's point is Adam state for your shard only: "
+                f"at most the shard ({n_pad // d}) and its two moments, {3 * n_pad // d} elements")
+    for step in o["events"]:
+        counts = {op: [e.numel for e in step if e.op == op] for op in ("reduce_scatter", "all_gather")}
+        if counts != {"reduce_scatter": [n_pad], "all_gather": [n_pad]}:
+            return (f"per step it ran {describe_ops(step)}: one reduce-scatter and one all-gather of the padded "
+                    f"buffer ({NUMEL} elements padded to {n_pad} for d = {d})")
+        if any(e.kind != "world" or e.group_size != d for e in step):
+            return "run both collectives on dp_group (here the whole world)"
+    return None
+
+
+def check_zero1_step(fn, world_sizes=(2, 4), timeout: float = 30) -> bool:
+    """``fn(params, grads, dp_group, state) -> new params``: one ZeRO-1 step (Adam, ``ADAM``), called twice
+    with the same ``state`` dict, on 2 and 4 real ranks; against two single-process Adam steps."""
+    if is_course_answer(fn):
+        return False
+    _adam_steps([torch.zeros(2)], [[torch.zeros(2)]])   # import torch.optim's machinery once, not per rank
+    for d in world_sizes:
+        try:
+            res = launch_checked(_rank_zero1, world_size=d, timeout=timeout, fn=fn)
+        except RankError as err:
+            if err.exc_type == "NotImplementedError":
+                return not_attempted("zero1_step")
+            print(f"✗ with {d} DP ranks, rank {err.rank} raised {raised_line(err)}")
+            if any(w in err.traceback.lower() for w in ("size", "shape", "divisible", "numel")):
+                print(f"  hint: {NUMEL} elements do not split into {d} equal shards: pad the flat buffers with "
+                      f"zeros to {padded(NUMEL, d)} (a multiple of d) before the reduce-scatter")
+            return False
+        except LaunchTimeout:
+            print(f"✗ with {d} DP ranks the ranks waited for each other: every rank must run the same "
+                  f"collectives in the same order")
+            return False
+        for o in res:
+            hint = _zero1_hint(o)
+            if hint:
+                print(f"✗ {d} DP ranks, rank {o['rank']}\n  hint: {hint}")
+                return False
+    sent = {d: padded(NUMEL, d) * (d - 1) // d for d in world_sizes}
+    print(f"✓ zero1_step equals two single-process Adam steps on the averaged gradient for "
+          f"{' and '.join(map(str, world_sizes))} DP ranks, with Adam state for 1/d of the params, one "
+          f"reduce-scatter and one all-gather of the padded buffer per step (each sends N(d-1)/d = "
+          f"{', '.join(f'{v} (d={k})' for k, v in sent.items())} elements per rank)")
+    return True

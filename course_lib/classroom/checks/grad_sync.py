@@ -1,0 +1,143 @@
+"""Checker for the bucketed gradient all-reduce of data parallelism (Lab 00, exercise 3).
+
+``check_grad_sync(fn)``: ``fn(model, bucket_numel)`` averages the data-parallel gradients with one
+all-reduce per bucket (PyTorch DDP / CS336's bucketed DDP; Megatron's
+``megatron/core/distributed/param_and_grad_buffer.py``): checked against a single-process baseline
+*and* by traffic (bucket count and sizes), on 2 and 4 checked ranks
+(:func:`course_lib.classroom.checks.collectives.launch_trials`).
+
+It prints one verdict line ("not attempted yet" while the stub raises NotImplementedError) and, when
+wrong, the most specific hint it can find.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from course_lib.classroom.checks.collectives import course_code_used, launch_trials, student_trial
+from course_lib.classroom.checks.verdicts import collectives as collective_events, describe_ops
+
+GLOBAL_BATCH = 16
+BUCKETS = (40, 1000, 8)  # elements per bucket: several buckets, one bucket, one tensor per bucket
+
+
+def grad_sync_model() -> torch.nn.Module:
+    """The small model of the exercise (same weights on every rank): 83 parameters in 4 tensors."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def grad_sync_batch():
+    """The global batch ``(x [16, 6], y [16, 3])``; rank r of W trains on rows ``r*16/W ... (r+1)*16/W``."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(GLOBAL_BATCH, 6, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
+
+
+def expected_buckets(sizes: list, bucket_numel: int) -> list:
+    """Bucket sizes (elements) when the gradients of ``sizes`` (in ``model.parameters()`` order) are packed
+    in *reverse* order, a new bucket starting whenever the next gradient would overflow ``bucket_numel``."""
+    buckets: list = []
+    for n in reversed(sizes):
+        if buckets and buckets[-1] + n <= bucket_numel:
+            buckets[-1] += n
+        else:
+            buckets.append(n)
+    return buckets
+
+
+def baseline_gradients() -> dict:
+    """Gradients of the mean loss over the whole global batch in one process: what every rank must end with."""
+    model = grad_sync_model()
+    x, y = grad_sync_batch()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rank_grad_sync_trial(fn, buckets):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = grad_sync_batch()
+    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    results = []
+    for bucket_numel in buckets:
+        model = grad_sync_model()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        from course_lib.training.finalize_model_grads import allreduce_dp_grads
+
+        trial = student_trial(fn, model, bucket_numel, references=(allreduce_dp_grads,))
+        grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+        results.append(dict(trial, bucket_numel=bucket_numel, grads=grads, local=local))
+    return results
+
+
+def _close(a, b) -> bool:
+    return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _grad_value_hint(trials: list, reference: dict, world: int) -> str:
+    t = trials[0]
+    names = list(reference)
+    if all(_close(t["grads"][n], t["local"][n]) for n in names):
+        return ("the gradients are still this rank's own (computed on its 16/W samples): all-reduce them over "
+                "the data-parallel group")
+    if all(_close(t["grads"][n], reference[n] * world) for n in names):
+        return ("W times too large: all-reduce sums the ranks' gradients; each rank's loss is a mean over its own "
+                "samples, so divide by W to get the gradient of the global batch's mean loss")
+    wrong = [n for n in names if not _close(t["grads"][n], reference[n])]
+    return (f"{', '.join(wrong)} differ from the single-process gradients: every gradient element must be "
+            f"all-reduced exactly once (and divided by W), then copied back into its param.grad")
+
+
+def check_grad_sync(fn, timeout: float = 20) -> bool:
+    """``fn(model, bucket_numel)`` must average every ``param.grad`` over the ranks with one all-reduce per
+    bucket (buckets filled in reverse parameter order, at most ``bucket_numel`` elements unless one
+    gradient alone is larger)."""
+    reference = baseline_gradients()
+    sizes = [g.numel() for g in reference.values()]
+    for world in (2, 4):
+        per_rank, verdict = launch_trials(_rank_grad_sync_trial, world, timeout, "sync_gradients", fn=fn,
+                                           buckets=BUCKETS)
+        if per_rank is None:
+            return verdict
+        if course_code_used(per_rank):
+            return False
+        for i, bucket_numel in enumerate(BUCKETS):
+            trials = [per_rank[r][i] for r in range(world)]
+            for rank, t in enumerate(trials):
+                if not all(_close(t["grads"][n], g) for n, g in reference.items()):
+                    print(f"✗ with {world} ranks and bucket_numel={bucket_numel}, rank {rank}'s gradients differ "
+                          f"from the single-process baseline (the mean loss over all {GLOBAL_BATCH} samples)")
+                    print(f"  hint: {_grad_value_hint([t], reference, world)}")
+                    return False
+            ops = collective_events(trials[0]["events"])
+            got = [e.numel for e in ops if e.op == "all_reduce"]
+            want = expected_buckets(sizes, bucket_numel)
+            if got == want and len(ops) == len(got):
+                continue
+            print(f"✗ the gradients are right with {world} ranks and bucket_numel={bucket_numel}, but it ran "
+                  f"{describe_ops(ops)}; the buckets should be all-reduces of {want} elements")
+            if len(ops) != len(got):
+                hint = "use only all_reduce (one per bucket) on the data-parallel group"
+            elif sum(got) != sum(sizes):
+                hint = (f"{sum(got)} elements went through all-reduce but the model has {sum(sizes)}: every "
+                        f"gradient element exactly once")
+            elif got == sizes or got == sizes[::-1]:
+                hint = (f"that is one all-reduce per parameter tensor ({len(sizes)} calls): pack the gradients into "
+                        f"buckets (torch.cat of the flattened grads) of at most bucket_numel elements -- fewer, "
+                        f"larger messages")
+            elif got == [sum(sizes)]:
+                hint = ("one all-reduce of everything ignores bucket_numel: start a new bucket when the next "
+                        "gradient would overflow it (DDP does, to overlap communication with the backward)")
+            elif got == expected_buckets(sizes[::-1], bucket_numel):
+                hint = ("those are buckets in model.parameters() order: fill them in reverse, the order backward "
+                        "produces the gradients, so the last layer's bucket can be sent first")
+            else:
+                hint = ("go through the gradients in reverse parameter order; add each to the current bucket unless "
+                        "it would exceed bucket_numel, else start a new bucket (a gradient larger than the bucket "
+                        "gets one of its own)")
+            print(f"  hint: {hint}")
+            return False
+    print(f"✓ sync_gradients gives every rank the single-process gradients on 2 and 4 ranks, with one all-reduce "
+          f"per bucket (bucket sizes for bucket_numel={BUCKETS[0]}: {expected_buckets(sizes, BUCKETS[0])} elements)")
+    return True

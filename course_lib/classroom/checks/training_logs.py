@@ -1,0 +1,95 @@
+"""Checker for reading a training log (Lab 05): one Megatron iteration line, in every log era.
+
+``check_parse_line(fn)``: ``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}`` on one
+iteration line per Megatron log era (before core 0.6, 0.6-0.15, 0.16+; the format strings of
+``megatron/training/training.py``'s ``training_log``), the course's own CPU log and a torchrun
+``--tee`` prefixed line, against :func:`course_lib.megatron.parse_log`. Numbers of any real type are
+accepted; a monkeypatch is undone, and an answer that runs the course's parser is told so. It prints one
+verdict line ("not attempted yet" while the stub raises NotImplementedError) and, when wrong, the most
+specific hint it can find; it never raises.
+"""
+
+from __future__ import annotations
+
+import math
+
+from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr
+from course_lib.megatron import parse_log
+
+PARSE_REFS = (parse_log,)
+
+# One iteration line per Megatron log era (format strings read in NVIDIA/Megatron-LM; see
+# course_lib.megatron.logs), plus the course's own and a torchrun --tee prefixed one.
+ITERATION_LINES = {
+    "Megatron before core 0.6": " iteration       10/      50 | consumed samples:          640 | elapsed time per "
+                                "iteration (ms): 1450.3 | learning rate: 3.000E-04 | global batch size:    64 | "
+                                "lm loss: 1.051234E+01 | loss scale: 1.0 | grad norm: 12.345 | number of skipped "
+                                "iterations:   0 | number of nan iterations:   0 |",
+    "Megatron core 0.6-0.15": " [2025-10-04 17:56:47] iteration       20/      40 | consumed samples:         1280 | "
+                              "elapsed time per iteration (ms): 640.2 | throughput per GPU (TFLOP/s/GPU): 32.6 | "
+                              "learning rate: 2.200000E-04 | global batch size:    64 | lm loss: 8.250000E+00 | "
+                              "loss scale: 1.0 | grad norm: 3.250 | number of skipped iterations:   0 | number of "
+                              "nan iterations:   0 |",
+    "Megatron core 0.16+": " [2026-02-26 04:05:51.004213] iteration        1/      30 | consumed samples:           64 "
+                           "| elapsed time per iteration (ms): 5321.4 | learning rate: 3.000000E-05 | global batch "
+                           "size:    64 | lm loss: 1.087000E+01 | loss scale: 1.0 | grad norm: 25.125 | number of "
+                           "skipped iterations:   0 | number of nan iterations:   0 |",
+    "the course's CPU log": " [2026-08-22 15:22:23.000000] iteration        5/      20 | consumed samples:  "
+                            "         80 | elapsed time per iteration (ms): 95.5 | learning rate: 1.000000E-03 | "
+                            "global batch size:    16 | lm loss: 4.900000E+00 | loss scale: 1.0 | grad norm: "
+                            "1.000 | number of skipped iterations:   0 | number of nan iterations:   0 |",
+    "torchrun --tee (prefix)": "[default7]: [2025-10-04 17:57:02] iteration       40/      40 | consumed samples:  "
+                               "       2560 | elapsed time per iteration (ms): 655.9 | learning rate: 3.000000E-05 | "
+                               "global batch size:    64 | lm loss: 7.125000E+00 | loss scale: 1.0 | grad norm: "
+                               "2.125 | number of skipped iterations:   0 | number of nan iterations:   0 |",
+}
+KEYS = ("iteration", "elapsed_ms", "lm_loss")
+
+
+def _parsed_ok(got, want) -> bool:
+    """The three fields, numbers of any real type, equal to the reference (the iteration a whole number)."""
+    if not isinstance(got, dict) or any(k not in got for k in KEYS):
+        return False
+    for key in KEYS:
+        number, reason = as_real(got[key])
+        if reason or not math.isclose(number, want[key], rel_tol=1e-9, abs_tol=1e-12):
+            return False
+    return as_whole(got["iteration"]) is not None
+
+
+def check_parse_line(fn) -> bool:
+    """``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}``."""
+    if is_course_answer(fn):
+        return False
+    for era, line in ITERATION_LINES.items():
+        got, err = checked_call(fn, line, references=PARSE_REFS)
+        if err == "todo":
+            return not_attempted("parse_iteration_line")
+        ref = parse_log(line).iterations[0]
+        want = {k: ref[k] for k in KEYS}
+        if not err and _parsed_ok(got, want):
+            continue
+        print(f"✗ {era}: parse_iteration_line {err or 'returned ' + safe_repr(got, 200)}")
+        print(f"  expected {want}")
+        if err and err.startswith("raised") and "[" in line.split("iteration")[0]:
+            print("  hint: " + ("torchrun --tee puts '[defaultN]:' in front of every line" if "default" in line else
+                                "since core 0.6 the line starts with a '[date time]' stamp")
+                  + ": find the 'iteration N/ M' field instead of assuming it comes first")
+        elif err and err.startswith("raised"):
+            print("  hint: split the line on '|'; each field is 'name: value' (rpartition(':') keeps names with "
+                  "colons intact); the first field is 'iteration N/ M'")
+        elif err:
+            pass  # a patch or the course's parser: the line above says it
+        elif not isinstance(got, dict) or any(k not in got for k in KEYS):
+            print(f"  hint: return a dict with the keys {', '.join(KEYS)}")
+        elif as_real(got["iteration"])[0] == ref["train_iters"]:
+            print("  hint: 'iteration 10/ 50' is iteration 10 of 50: take the number before the '/'")
+        elif as_whole(got["iteration"]) is None:
+            print("  hint: the iteration is a whole number: int(...)")
+        else:
+            print("  hint: 'elapsed time per iteration (ms)' and 'lm loss' are floats (1.05E+01 parses with float())")
+        return False
+    print(f"✓ parse_iteration_line reads {len(ITERATION_LINES)} formats: Megatron pre-0.6, 0.6-0.15, 0.16+, the "
+          f"course's, and torchrun-prefixed lines")
+    return True
