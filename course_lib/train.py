@@ -150,6 +150,7 @@ from course_lib.training.arguments import (add_megatron_arguments, args_to_argv,
                                            vocab_padding_tp)
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
+from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
 from course_lib.training.sharding import (allreduce_embedding_grads_in_buffer, build_engine, schedule_sync,
                                           state_bytes)
 
@@ -439,6 +440,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
         print_line(parameters_line(c["tp"], c["pp"], num_parameters))
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
     torch.manual_seed(args.seed + 100 * c["pp"])
+    start_iteration = load_checkpoint(args, setup) if args.load else 0   # course_lib.training.checkpointing
 
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": num_parameters}
@@ -449,7 +451,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     peak_activation = 0
     dist.barrier()
     interval_start = time.perf_counter()
-    for iteration in range(1, args.train_iters + 1):
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
             step = train_step(setup, iteration)
@@ -506,6 +508,8 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
                     print_line(_memory_line(rank, iteration, tracked, cuda) + _state_fields(sharded))
                 if iteration > 1:
                     report_memory = False
+        if checkpoint_and_decide_exit(args, setup, iteration):   # --save-interval, --exit-interval, the last save
+            break
     record.setdefault("memory", {"allocated": _bytes(params), "max_allocated": _bytes(params) + peak_activation})
     record["peak_activation_bytes"] = peak_activation
     return record
@@ -602,6 +606,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         pretrain(args, config=config)
         dist.barrier()
+    except CheckpointError as exc:                                       # one line, on the rank that saw it
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         dist.destroy_process_group()
     return 0
