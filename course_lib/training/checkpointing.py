@@ -547,12 +547,15 @@ def load_checkpoint(args, setup) -> int:
     g, run = setup.groups, _layout(setup)
     load_optim = not (args.finetune or args.no_load_optim)
     common = _torch_load(ckpt / COMMON_FILE if fmt == "torch_dist" else min(ckpt.glob(f"mp_rank_*/{LEGACY_FILE}")))
-    rules.checkpoint_model(ckpt, common["model_flags"], {k: getattr(args, k) for k in MODEL_FLAGS})
-    rules.checkpoint_layout(ckpt, common["layout"], run, fmt)
-    if not args.finetune:
-        rules.checkpoint_model(ckpt, {**common["data_flags"], "optimizer": common["optimizer"]["kind"]} if load_optim
-                               else common["data_flags"], {**{k: getattr(args, k) for k in DATA_FLAGS},
-                                                     "optimizer": setup.optimizer.kind})
+    try:
+        rules.checkpoint_model(ckpt, common["model_flags"], {k: getattr(args, k) for k in MODEL_FLAGS})
+        rules.checkpoint_layout(ckpt, common["layout"], run, fmt)
+        if not args.finetune:             # the data order (and the optimizer) a resume continues
+            saved = {**common["data_flags"], **({"optimizer": common["optimizer"]["kind"]} if load_optim else {})}
+            rules.checkpoint_model(ckpt, saved, {**{k: getattr(args, k) for k in DATA_FLAGS},
+                                                 "optimizer": setup.optimizer.kind})
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
     same_layout = all(common["layout"][k] == run[k] for k in LAYOUT_KEYS)
     load_rng = not (args.finetune or args.no_load_rng)
     if load_rng and not same_layout:
