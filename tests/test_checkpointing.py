@@ -87,7 +87,7 @@ def _two_ranks(root, dp4):
 def _one_rank(root):
     out = {"one process": _train("--load", f"{root}/dist")}
     out["no-load-optim"] = _train("--load", f"{root}/dist", "--no-load-optim")
-    out["finetune"] = _train("--load", f"{root}/dist", "--finetune")
+    out["finetune"] = _train("--load", f"{root}/dist", "--finetune", "--save", f"{root}/resumed")   # over iter 6
     out["empty"] = _train("--load", f"{root}/empty", "--exit-interval", 1)
     for case in ("truncated", "tracker", "common"):
         out[case] = _error("--load", f"{root}/{case}")
@@ -184,6 +184,7 @@ def test_faults_and_partial_loads_say_what_happened(runs):
     # --finetune: the saved model, trained from iteration 0: 6 iterations, and better than from scratch
     assert len(one["finetune"]) == 6 and one["finetune"][0] < straight[0] - 0.1
     assert "the random number generators are per rank: not loaded" in printed   # the layout changed: said so
+    assert "iter_0000006 already exists (an earlier run's save of this iteration); replacing it" in printed
 
 
 def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, capsys):

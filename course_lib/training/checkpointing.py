@@ -392,12 +392,13 @@ def checkpoint_and_decide_exit(args, setup, iteration: int) -> bool:
 
 def _torch_load(path: Path):
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; --load another folder") from None
     except Exception as exc:  # noqa: BLE001 -- unpickling a damaged file raises anything
-        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0][:80]}): the "
-                              f"file is damaged or truncated; --load an earlier checkpoint") from None
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {first}): the file is damaged or "
+                              f"truncated; --load an earlier checkpoint") from None
 
 
 def _dist_metadata(ckpt: Path):
