@@ -95,6 +95,11 @@ Run
     ``data.GPTDataset``.
   * :func:`fits_in_memory` -- the estimated bytes of a run fit the memory this machine has,
     naming the flag that matters most: trainer.
+Checkpoints (``training.checkpointing``)
+  * :func:`checkpoint_flags` -- the checkpoint flags on their own (intervals >= 1, a known
+    ``--ckpt-format``, a folder for the flags that need one, no MoE): trainer (``training.arguments``).
+  * :func:`checkpoint_layout` -- a legacy ``torch`` checkpoint loads only under its TP x PP x VP: ``load_checkpoint``.
+  * :func:`checkpoint_model` -- the checkpoint's model (and data order) is this run's: ``load_checkpoint``.
 """
 
 from __future__ import annotations
