@@ -27,6 +27,8 @@ COMMANDS = {
                 "project a layout's step time, tokens/s, MFU and communication on a named GPU cluster (A100, H100, H200)"),
     "ds-config": ("course_lib.megatron.ds_config",
                   "read a DeepSpeed ds_config.json and print the equivalent Megatron-LM and course flags"),
+    "checkpoint": ("course_lib.training.checkpoint_inspect",
+                   "inspect a --save folder: iteration, format, saved layout, every tensor and which rank holds which slice"),
     "site": ("course_lib.classroom.site", "build the course as a static website (index + one page per lab, works offline)"),
 }
 

@@ -133,7 +133,13 @@ class _LossScaler:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
+        """What a checkpoint keeps (Megatron's ``grad_scaler.state_dict``); ``scale`` is exact (fp32 in a float)."""
         return {"scale": self.value, "skipped_iterations": self.skipped_iterations}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from :meth:`state_dict`'s values (a resumed run scales as the straight one would)."""
+        self._scale = torch.tensor([float(state["scale"])], dtype=torch.float32)
+        self.skipped_iterations = int(state["skipped_iterations"])
 
 
 class ConstantLossScaler(_LossScaler):
@@ -180,6 +186,10 @@ class DynamicLossScaler(_LossScaler):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "growth_tracker": self.growth_tracker,
                 "hysteresis_tracker": self.hysteresis_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.growth_tracker, self.hysteresis_tracker = int(state["growth_tracker"]), int(state["hysteresis_tracker"])
 
 
 def make_loss_scaler(fp16: bool, loss_scale: Optional[float] = None, initial_loss_scale: float = INITIAL_LOSS_SCALE,

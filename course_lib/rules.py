@@ -126,6 +126,11 @@ Launch (processes on this machine)
     ``launch``, the trainer's ``--nproc-per-node``.
   * :func:`timeout_seconds` -- a wait in seconds, from :data:`MIN_TIMEOUT_S` (a rendezvous needs
     that long) to :data:`MAX_TIMEOUT_S`: ``launch``, ``sweep --timeout``.
+Checkpoints (``training.checkpointing``)
+  * :func:`checkpoint_flags` -- the checkpoint flags on their own (intervals >= 1, a known
+    ``--ckpt-format``, a folder for the flags that need one, no MoE): trainer (``training.arguments``).
+  * :func:`checkpoint_layout` -- a legacy ``torch`` checkpoint loads only under its TP x PP x VP: ``load_checkpoint``.
+  * :func:`checkpoint_model` -- the checkpoint's model (and data order) is this run's: ``load_checkpoint``.
 """
 
 from __future__ import annotations
@@ -815,3 +820,49 @@ def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_micr
         raise ValueError(f"--data-parallel-sharding-strategy optim_grads_params with --pipeline-schedule gpipe and "
                          f"{num_microbatches} micro-batches: ZeRO-3 re-gathers a unit for the backward that "
                          f"follows its forward; use --pipeline-schedule 1f1b")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+CKPT_FORMATS = ("torch_dist", "torch")
+"""Megatron's ``--ckpt-format`` values the course writes (``torch_dist`` is Megatron's default)."""
+
+
+def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: str, finetune: bool,
+                     no_load_optim: bool, no_load_rng: bool, num_experts) -> None:
+    """The checkpoint flags on their own (Megatron's ``_add_checkpointing_args``): intervals >= 1,
+    a known format, a folder for every flag that needs one; MoE checkpoints are not written yet."""
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"ckpt_format={ckpt_format!r} is not one the course writes; use one of {', '.join(CKPT_FORMATS)}")
+    for name, value in (("save_interval", save_interval), ("exit_interval", exit_interval)):
+        if value is not None:
+            integer(name, value)
+    if save_interval is not None and not save:
+        raise ValueError(f"save_interval={save_interval} has no folder to save into; add --save DIR")
+    for name, value in (("finetune", finetune), ("no_load_optim", no_load_optim), ("no_load_rng", no_load_rng)):
+        if value and not load:
+            raise ValueError(f"{name}=True says what to load, but there is no --load; add --load DIR")
+    if num_experts and (save or load):
+        raise ValueError(f"num_experts={num_experts} with --save/--load: the course's checkpoints hold dense "
+                         f"models only; drop --num-experts or the checkpoint flags")
+
+
+def checkpoint_layout(path, saved: dict, run: dict, ckpt_format: str) -> None:
+    """A legacy (``torch``) checkpoint holds one file per model-parallel rank: it loads only under the
+    TP x PP x VP it was saved with (DP may change: its files are DP rank 0's, the optimizer gathered)."""
+    keys = ("tp", "pp", "vpp")
+    if ckpt_format == "torch" and any(saved[k] != run[k] for k in keys):
+        def fmt(d):
+            return " x ".join(f"{k.upper()}{d[k]}" for k in keys)
+        raise ValueError(f"checkpoint {path} is in the legacy torch format, saved under {fmt(saved)}; this run is "
+                         f"{fmt(run)}: the legacy format cannot change the layout; save it with --ckpt-format "
+                         f"torch_dist (which reshards on load) or run the saved layout")
+
+
+def checkpoint_model(path, saved: dict, run: dict) -> None:
+    """The model a checkpoint holds is the model this run builds: every size flag equal."""
+    for name in saved:
+        if saved[name] != run.get(name):
+            raise ValueError(f"checkpoint {path} holds a model with {name}={saved[name]} but this run builds "
+                             f"{name}={run.get(name)}: another model; pass --{name.replace('_', '-')} "
+                             f"{saved[name]} or --load another checkpoint")

@@ -150,6 +150,7 @@ from course_lib.training.arguments import (add_megatron_arguments, args_to_argv,
                                            vocab_padding_tp)
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
+from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
 from course_lib.training.sharding import (allreduce_embedding_grads_in_buffer, build_engine, schedule_sync,
                                           state_bytes)
 
@@ -426,10 +427,11 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
         print_line(parameters_line(c["tp"], c["pp"], setup.num_parameters))
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
     torch.manual_seed(args.seed + 100 * c["pp"])
+    start_iteration = load_checkpoint(args, setup) if args.load else 0   # course_lib.training.checkpointing
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": setup.num_parameters,
               "skipped": [], "loss_scale": [], "moe_losses": []}
-    _training_loop(args, setup, record, record_comm, cuda)
+    _training_loop(args, setup, record, record_comm, cuda, start_iteration)
     return record
 
 
@@ -473,13 +475,14 @@ class _Interval:
 
 
 def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict, record_comm: bool,
-                   cuda: bool) -> None:
-    """``--train-iters`` iterations of :func:`train_step`, each recorded; every ``--log-interval``
-    (and the first) the iteration line, and the memory line at the first two logged iterations."""
+                   cuda: bool, start_iteration: int = 0) -> None:
+    """Iterations ``start_iteration + 1 .. --train-iters`` of :func:`train_step`, each recorded; every
+    ``--log-interval`` (and the first) the iteration line, the memory line at the first two logged
+    iterations; the checkpoint saves and the exit that ``--save-interval`` / ``--exit-interval`` ask for."""
     peak_activation, report_memory = 0, True
     dist.barrier()
     interval = _Interval(time.perf_counter())
-    for iteration in range(1, args.train_iters + 1):
+    for iteration in range(start_iteration + 1, args.train_iters + 1):
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
             step = train_step(setup, iteration)
@@ -495,6 +498,8 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
             if report_memory:
                 _report_memory(setup, record, iteration, peak_activation, cuda)
                 report_memory = iteration == 1
+        if checkpoint_and_decide_exit(args, setup, iteration):   # --save-interval, --exit-interval, the last save
+            break
     record.setdefault("memory", {"allocated": _bytes(setup.params),
                                  "max_allocated": _bytes(setup.params) + peak_activation})
     record["peak_activation_bytes"] = peak_activation
@@ -644,6 +649,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         pretrain(args, config=config)
         dist.barrier()
+    except CheckpointError as exc:                                       # one line, on the rank that saw it
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         dist.destroy_process_group()
     return 0

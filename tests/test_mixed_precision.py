@@ -63,6 +63,27 @@ def test_dynamic_scaler_follows_megatrons_rules_step_by_step():
     assert s.skipped_iterations == sum(f for f, *_ in HAND_WORKED) == 9
 
 
+def test_a_scaler_resumed_from_its_state_dict_continues_as_the_straight_one():
+    """What a checkpoint restores (training.checkpointing): at every split of the hand-worked run, a fresh
+    scaler loaded with the state so far then follows the same scale, trackers and skip count."""
+    for split in range(len(HAND_WORKED) + 1):
+        straight = DynamicLossScaler(initial_scale=16, min_scale=2, growth_interval=3, hysteresis=2)
+        for found_inf, *_ in HAND_WORKED[:split]:
+            straight.update(found_inf)
+        resumed = DynamicLossScaler(initial_scale=16, min_scale=2, growth_interval=3, hysteresis=2)
+        resumed.load_state_dict(straight.state_dict())
+        for found_inf, *_ in HAND_WORKED[split:]:
+            straight.update(found_inf)
+            resumed.update(found_inf)
+            assert resumed.state_dict() == straight.state_dict()
+        assert torch.equal(resumed.scale, straight.scale)
+    constant = ConstantLossScaler(1024)
+    constant.update(True)
+    again = ConstantLossScaler(1)
+    again.load_state_dict(constant.state_dict())
+    assert again.state_dict() == {"scale": 1024.0, "skipped_iterations": 1}
+
+
 def test_megatron_defaults_and_which_scaler_is_built():
     # megatron/training/arguments.py::_add_mixed_precision_args: 2**32, 1.0, 1000, 2
     d = make_loss_scaler(fp16=True)

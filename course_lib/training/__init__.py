@@ -7,7 +7,10 @@
   average, the sequence-parallel and tied-embedding sums, the norm that clipping reads
   (``megatron/core/distributed/finalize_model_grads.py``);
 * :mod:`course_lib.training.sharding` -- the same steps on :mod:`course_lib.distributed`'s buckets
-  when a state-sharding flag is on (``--use-distributed-optimizer``, ``--use-megatron-fsdp``, ...).
+  when a state-sharding flag is on (``--use-distributed-optimizer``, ``--use-megatron-fsdp``, ...);
+* :mod:`course_lib.training.checkpointing` -- ``--save``/``--load``: the exact resume, the ``torch_dist``
+  checkpoint that reshards on load, the legacy ``torch`` one (``megatron/training/checkpointing.py``);
+  :mod:`course_lib.training.checkpoint_inspect` -- ``python -m course_lib checkpoint inspect DIR``.
 
 The log lines the trainer prints are written and read in one module, :mod:`course_lib.megatron.logs`.
 """

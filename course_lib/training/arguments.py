@@ -31,6 +31,7 @@ from course_lib.data import ByteTokenizer, corpus_tokens
 from course_lib.model import GPTConfig
 from course_lib.moe.pattern import parse_moe_layer_freq
 from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
+from course_lib.safe_files import check_output_dir
 from course_lib.topology import ParallelConfig
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -134,6 +135,17 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="optimizer state and update on the host (needs --use-precision-aware-optimizer)")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="Megatron's precision-aware (hybrid device) optimizer path; Adam only")
+    g = parser.add_argument_group("checkpointing (Megatron's _add_checkpointing_args; course_lib.training.checkpointing)")
+    g.add_argument("--save", default=None, help="folder to save checkpoints into (also at the end of training)")
+    g.add_argument("--load", default=None, help="folder to resume from (its latest_checkpointed_iteration.txt)")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations")
+    g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and stop at an iteration N divides")
+    g.add_argument("--ckpt-format", choices=rules.CKPT_FORMATS, default="torch_dist",
+                   help="torch_dist: sharded with global offsets (reshards on load); torch: one file per model-parallel rank")
+    g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer (nor its scheduler)")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model only and start from iteration 0 (no optimizer, scheduler or RNG)")
     return parser
 
 
@@ -281,6 +293,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
                          f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
     rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
     _check_sharding(a, cfg)
+    _check_checkpointing(a)
     if check_memory:
         local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         _check_memory(a, cfg, local)
@@ -314,6 +327,19 @@ def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
                               num_microbatches=cfg.num_microbatches)
         if getattr(a, "num_experts", None):  # the engine reduces over dense DP only
             rules.moe_state_sharding(a.num_experts, given)
+
+
+def _check_checkpointing(a: argparse.Namespace) -> None:
+    """The checkpoint flags (:func:`course_lib.rules.checkpoint_flags`); the ``--save`` folder must be writable."""
+    for dest, default in (("save", None), ("load", None), ("save_interval", None), ("exit_interval", None),
+                          ("ckpt_format", "torch_dist"), ("no_load_optim", False), ("no_load_rng", False),
+                          ("finetune", False)):
+        setattr(a, dest, getattr(a, dest, default))
+    rules.checkpoint_flags(save=a.save, load=a.load, save_interval=a.save_interval, exit_interval=a.exit_interval,
+                           ckpt_format=a.ckpt_format, finetune=a.finetune, no_load_optim=a.no_load_optim,
+                           no_load_rng=a.no_load_rng, num_experts=getattr(a, "num_experts", None))
+    if a.save:
+        check_output_dir(a.save, what="--save")
 
 
 def uses_sharding_engine(args: argparse.Namespace) -> bool:

@@ -1,0 +1,583 @@
+"""Checkpoints: save, resume exactly, reshard on load -- Megatron-LM's checkpoint flow for the course's trainer.
+
+Semantics and names of Megatron-LM main's ``megatron/training/checkpointing.py`` (``save_checkpoint``,
+``load_checkpoint``, ``get_checkpoint_name``, ``get_checkpoint_tracker_filename``, ``read_metadata``) and
+``megatron/core/dist_checkpointing/`` (the ``torch_dist`` format: ``common.pt`` + ``metadata.json`` beside
+``torch.distributed.checkpoint``'s files). What one save writes::
+
+    DIR/latest_checkpointed_iteration.txt          "3": the newest *complete* iteration, written last, atomically
+    DIR/iter_0000003/                              --ckpt-format torch_dist (default)
+        .metadata                                  DCP's index: every tensor's global shape and its chunks
+        __0_0.distcp ... __{R-1}_0.distcp          rank r's chunks (each with its global offsets)
+        common.pt                                  what every rank shares: args, iteration, scheduler, loss scaler
+        metadata.json                              {"sharded_backend": "torch_dist", ...}
+    DIR/iter_0000003/mp_rank_TT_PPP/               --ckpt-format torch (legacy; mp_rank_TT when PP = 1)
+        model_optim_rng.pt                         the model shard, optimizer, scheduler, RNG of DP ranks
+        distrib_optim.pt                           (--use-distributed-optimizer) the optimizer, gathered over DP
+
+A rank's state as tensors of the *global* model (:func:`sharded_state_dict`): every parameter under its
+master name (``decoder.layers.3.self_attention.linear_qkv.weight``; layer indices are global, so the names
+do not depend on PP), a TP shard as the chunk of the full tensor at offset ``tp_rank * local`` along its
+``partition_dim``; replicated tensors (LayerNorms, DP and CP replicas) are saved once (DCP deduplicates
+equal chunks). The optimizer's state -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
+takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
+to full local tensors first (Megatron's ``dp_zero_gather_scatter`` layout), so a checkpoint depends on TP
+and PP only through its chunk offsets, and loads under any TP x PP x DP: DCP reads the overlapping parts of
+the saved chunks into each rank's new shard (``--ckpt-format torch_dist``). fp32 main params: the course's
+params are fp32 (``--bf16`` computes under autocast), so the main params *are* the params (Megatron keeps
+no copy either), written once. The data position is the iteration: batch ``i`` is drawn from ``(seed,
+i)`` (:mod:`course_lib.data`), so ``consumed_train_samples = iteration x global batch`` resumes it.
+
+Faults: a save writes into ``DIR/.iter_0000003.incomplete/``, renames it when every rank has finished,
+then writes the tracker; a save killed before that leaves the previous checkpoint and the tracker as they
+were. A damaged file, a checkpoint of another model or a layout the legacy format cannot load fails with
+one line (:class:`CheckpointError`) naming the file or the mismatch; ``--load`` of a folder without a
+tracker warns and starts from scratch, as Megatron does.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from course_lib import comm, rules
+from course_lib.megatron.logs import print_line
+from course_lib.model import master_name
+from course_lib.safe_files import write_atomic
+from course_lib.tensor_parallel import is_tensor_parallel
+from course_lib.training.arguments import sharding_strategy, uses_sharding_engine
+from course_lib.training.finalize_model_grads import unique_named_params
+
+__all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
+           "read_metadata", "sharded_state_dict", "save_checkpoint", "load_checkpoint",
+           "checkpoint_and_decide_exit", "checkpoint_format"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0                      # Megatron's checkpoint_version
+LEGACY_FILE, DIST_OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"
+COMMON_FILE, METADATA_FILE = "common.pt", "metadata.json"
+DIST_METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                 "common_backend": "torch", "common_backend_version": 1}
+MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+               "padded_vocab_size")
+DATA_FLAGS = ("global_batch_size", "seed")    # the data order a resume continues
+LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "vpp")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be saved or loaded; the message is one line naming the file or the mismatch."""
+
+
+# ---------------------------------------------------------------------------- names
+
+
+def get_checkpoint_tracker_filename(checkpoints_path) -> Path:
+    """``DIR/latest_checkpointed_iteration.txt`` (Megatron's tracker)."""
+    return Path(checkpoints_path) / TRACKER
+
+
+def checkpoint_dir(checkpoints_path, iteration: int) -> Path:
+    """``DIR/iter_0000003``."""
+    return Path(checkpoints_path) / f"iter_{iteration:07d}"
+
+
+def get_checkpoint_name(checkpoints_path, iteration: int, tp_rank: int, pp_rank: int, pipeline_parallel: bool) -> Path:
+    """The legacy file of a model-parallel rank: ``iter_0000003/mp_rank_TT_PPP/model_optim_rng.pt``
+    (``mp_rank_TT`` without pipeline parallelism), as Megatron's ``get_checkpoint_name``."""
+    folder = f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pipeline_parallel else "")
+    return checkpoint_dir(checkpoints_path, iteration) / folder / LEGACY_FILE
+
+
+def read_metadata(tracker_filename) -> int:
+    """The iteration the tracker names (a positive integer), or a one-line :class:`CheckpointError`."""
+    text = Path(tracker_filename).read_text(errors="replace").strip()
+    if not text.isdigit() or int(text) < 1:
+        raise CheckpointError(f"{tracker_filename} should hold an iteration number but holds {text[:40]!r}: the file "
+                              f"is damaged; write the newest complete iter_XXXXXXX number into it, or --load another folder")
+    return int(text)
+
+
+def checkpoint_format(ckpt: Path) -> str:
+    """``torch_dist`` (a ``metadata.json``) or ``torch`` (``mp_rank_*`` folders) -- what the folder holds."""
+    if (ckpt / METADATA_FILE).is_file():
+        return "torch_dist"
+    if any(ckpt.glob(f"mp_rank_*/{LEGACY_FILE}")):
+        return "torch"
+    raise CheckpointError(f"{ckpt} holds neither {METADATA_FILE} (torch_dist) nor mp_rank_*/{LEGACY_FILE} (torch): "
+                          f"not a complete checkpoint; --load another folder")
+
+
+def _print0(line: str) -> None:
+    if dist.get_rank() == 0:
+        print_line(line)
+
+
+# ---------------------------------------------------------------------------- the state, as global tensors
+
+
+def _layout(setup) -> dict:
+    c = setup.config
+    return {"tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp, "vpp": c.vpp, "world_size": c.world_size}
+
+
+def _local_params(setup) -> dict:
+    """``{chunk param name: this rank's tensor}`` (TP shards), each parameter once (the engine: its
+    buffers, ZeRO-3 gathered). Collective with the engine."""
+    if setup.engine is not None:
+        return setup.engine.full_parameters()
+    return {n: p.detach() for n, p in unique_named_params(setup.chunks)}
+
+
+def _state_keys(optimizer) -> tuple:
+    if optimizer.kind == "adam":
+        return ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if optimizer.momentum else ()
+
+
+def _engine_pieces(engine) -> list:
+    """``(bucket, param range, lo, hi, view)``: each piece of the engine's optimizer (elements ``[lo, hi)``
+    of the bucket; ``view``: the fp32 main-param view the optimizer steps)."""
+    pieces = []
+    for b in engine.buckets:
+        whole = {pr.name: pr for pr in b.params}
+        pieces += [(b, whole[piece.name], piece.start, piece.end) for piece in b.pieces(b.state.lo, b.state.hi)]
+    views = [view for view, _ in engine.optimizer.params]
+    return [(*piece, view) for piece, view in zip(pieces, views, strict=True)]
+
+
+@torch.no_grad()
+def _optimizer_state(setup, params: dict) -> dict:
+    """``{state name: {chunk param name: full local tensor}}``; the distributed optimizer's DP shards
+    summed over DP into full local tensors (every other rank contributes zeros). Collective with the engine."""
+    opt, keys = setup.optimizer, _state_keys(setup.optimizer)
+    out = {k: {} for k in keys}
+    if setup.engine is None:
+        for name, p in unique_named_params(setup.chunks):
+            st = opt.state.get(id(p), {})
+            for k in keys:
+                out[k][name] = st[k].detach() if k in st else torch.zeros_like(p)
+        return out
+    engine = setup.engine
+    flats = {k: {b.index: torch.zeros(b.numel, device=engine.device) for b in engine.buckets} for k in keys}
+    for b, pr, lo, hi, view in _engine_pieces(engine):
+        st = opt.state.get(id(view), {})
+        for k in keys:
+            if k in st:
+                flats[k][b.index][lo:hi] = st[k].to(engine.device)
+    for k in keys:
+        for b in engine.buckets:
+            flat = flats[k][b.index]
+            if engine.shard_optim:
+                comm.all_reduce(flat, engine.group, kind="dp", source="checkpoint_gather_optimizer_state")
+            for pr in b.params:
+                out[k][pr.name] = flat[pr.start:pr.end].view(params[pr.name].shape)
+    return out
+
+
+def _global_spec(p, local: torch.Tensor, tp: int, tp_rank: int):
+    """``(global shape, offsets, partition dim or None)`` of a rank's tensor (TP shards are contiguous
+    chunks along ``partition_dim``: stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`)."""
+    shape, offsets = list(local.shape), [0] * local.dim()
+    if not is_tensor_parallel(p) or tp == 1:
+        return tuple(shape), tuple(offsets), None
+    dim = p.partition_dim
+    offsets[dim], shape[dim] = tp_rank * shape[dim], shape[dim] * tp
+    return tuple(shape), tuple(offsets), dim
+
+
+def sharded_state_dict(setup, params: dict, optim: dict, *, for_load: bool = False) -> dict:
+    """``{key: (local tensor, global shape, offsets, partition dim)}`` of this rank: ``<master name>`` for
+    the model, ``optimizer.state.<k>.<master name>`` for the optimizer (see the module doc). The last
+    stage's copy of the tied embedding (``shared``) is the first stage's tensor: saved once, and read
+    (``for_load``) from the first stage's key."""
+    tp, tp_rank = comm.group_size(setup.groups.tp), setup.groups.coords["tp"]
+    out = {}
+    for name, p in unique_named_params(setup.chunks):
+        if getattr(p, "shared", False) and not for_load:
+            continue
+        key = master_name(name)
+        out[key] = (params[name], *_global_spec(p, params[name], tp, tp_rank))
+        for k, values in optim.items():
+            out[f"optimizer.state.{k}.{key}"] = (values[name], *_global_spec(p, values[name], tp, tp_rank))
+    return out
+
+
+def _rng_state() -> dict:
+    """Every generator of this rank (Megatron's ``get_rng_state`` names)."""
+    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+
+
+def _common_state(args, setup, iteration: int) -> dict:
+    """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``)."""
+    scaler = setup.scaler
+    return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+            "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            "model_flags": {k: getattr(args, k) for k in MODEL_FLAGS},
+            "data_flags": {k: getattr(args, k) for k in DATA_FLAGS},
+            "consumed_train_samples": iteration * setup.config.effective_global_batch_size,
+            "layout": {**_layout(setup), "strategy": sharding_strategy(args) if uses_sharding_engine(args) else None},
+            "opt_param_scheduler": {"num_steps": setup.scheduler.num_steps, "max_lr": setup.scheduler.max_lr,
+                                    "min_lr": setup.scheduler.min_lr, "decay_style": setup.scheduler.style},
+            "optimizer": {"kind": setup.optimizer.kind, "step_count": setup.optimizer.step_count,
+                          "grad_scaler": None if scaler is None else scaler.state_dict()}}
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def _agree(failure) -> None:
+    """Every rank raises when any rank failed (so no rank waits in a collective for a failed one)."""
+    flag = torch.tensor([0.0 if failure is None else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if flag.item():
+        raise CheckpointError("another rank failed (its error is above); nothing was changed")
+
+
+def _save_dist(tmp: Path, setup, sharded: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state: dict = {}
+    mesh = None
+    for key, (local, shape, _, dim) in sharded.items():
+        if dim is None:
+            state[key] = local
+            continue
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = mesh or DeviceMesh.from_group(setup.groups.tp, local.device.type)
+        state[key] = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
+                                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    buf = io.BytesIO()
+    torch.save(_rng_state(), buf)
+    state[f"rng_state.rank{dist.get_rank()}"] = buf
+    dcp.save(state, checkpoint_id=str(tmp))
+
+
+def _save_legacy(tmp: Path, args, setup, params: dict, optim: dict, common: dict) -> None:
+    """Megatron's ``torch`` format: DP rank 0 (CP rank 0) of each model-parallel rank writes its file; the
+    RNG states of its DP x CP replicas go in as a list (group-rank order)."""
+    g = setup.groups
+    rngs = [None] * comm.group_size(g.dp_cp)
+    if len(rngs) > 1:
+        dist.all_gather_object(rngs, _rng_state(), group=g.dp_cp)
+    else:
+        rngs = [_rng_state()]
+    if g.coords["dp"] != 0 or g.coords["cp"] != 0:
+        return
+    name = get_checkpoint_name(tmp.parent, common["iteration"], g.coords["tp"], g.coords["pp"], setup.config.pp > 1)
+    folder = tmp / name.parent.name
+    folder.mkdir(parents=True, exist_ok=True)
+    models = [{n: params[n].cpu() for n, _ in chunk.named_parameters() if n in params} for chunk in setup.chunks]
+    state = {**common, "rng_state": rngs}
+    state.update({"model": models[0]} if len(models) == 1 else {f"model{i}": m for i, m in enumerate(models)})
+    opt_state = {k: {n: t.cpu() for n, t in v.items()} for k, v in optim.items()}
+    if setup.engine is not None and setup.engine.shard_optim:      # Megatron's separate file for it
+        torch.save({"state": opt_state}, folder / DIST_OPTIM_FILE)
+    else:
+        state["optimizer"] = {**common["optimizer"], "state": opt_state}
+    torch.save(state, folder / LEGACY_FILE)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rank 0: the finished folder takes its name (an existing one of that iteration is replaced, said so)."""
+    if final.exists():
+        print_line(f"WARNING: {final} already exists (an earlier run's save of this iteration); replacing it")
+        old = final.with_name(f".{final.name}.replaced")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(args, setup, iteration: int) -> Path:
+    """Save this run at ``iteration`` into ``args.save`` in ``args.ckpt_format`` (collective: every rank).
+
+    Written into ``DIR/.iter_XXXXXXX.incomplete``; renamed to ``iter_XXXXXXX`` once every rank has
+    written; then the tracker (atomic). A failed write (a full disk) removes the incomplete folder and
+    raises a one-line :class:`CheckpointError` on every rank; the previous checkpoint stays."""
+    root, rank, g = Path(args.save), dist.get_rank(), setup.groups
+    final = checkpoint_dir(root, iteration)
+    tmp = final.with_name(f".{final.name}.incomplete")
+    start = time.perf_counter()
+    _print0(f"saving checkpoint at iteration {iteration:7d} to {root} in {args.ckpt_format} format")
+    params = _local_params(setup)
+    optim = _optimizer_state(setup, params)
+    common = _common_state(args, setup, iteration)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)      # a save killed earlier left it
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    failure = None
+    try:
+        if args.ckpt_format == "torch_dist":
+            _save_dist(tmp, setup, sharded_state_dict(setup, params, optim))
+            if rank == 0:
+                torch.save(common, tmp / COMMON_FILE)
+                write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
+        else:
+            _save_legacy(tmp, args, setup, params, optim, common)
+    except (OSError, RuntimeError) as exc:         # DCP wraps a rank's OSError in a CheckpointException
+        reason = str(exc).strip().splitlines()
+        failure = CheckpointError(f"saving checkpoint at iteration {iteration} to {root} failed "
+                                  f"({reason[-1] if reason else type(exc).__name__}); the previous checkpoint "
+                                  f"and {TRACKER} are unchanged")
+    try:
+        _agree(failure)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dist.barrier()
+    if rank == 0:
+        _publish(tmp, final)
+        write_atomic(get_checkpoint_tracker_filename(root), str(iteration))
+    dist.barrier()
+    _print0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} "
+            f"[ t {g.coords['tp'] + 1}/{setup.config.tp}, p {g.coords['pp'] + 1}/{setup.config.pp} ] "
+            f"({time.perf_counter() - start:.2f} s)")
+    return final
+
+
+def checkpoint_and_decide_exit(args, setup, iteration: int) -> bool:
+    """After iteration ``iteration`` (Megatron's ``checkpoint_and_decide_exit``, plus ``pretrain``'s save
+    at the end of training): save every ``--save-interval``; at an ``--exit-interval`` save (with
+    ``--save``) and return True (stop); at the last iteration save unless that iteration was just saved."""
+    saved = False
+    if args.save and args.save_interval and iteration % args.save_interval == 0:
+        save_checkpoint(args, setup, iteration)
+        saved = True
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        if args.save and not saved:
+            save_checkpoint(args, setup, iteration)
+        _print0(f"exiting program at iteration {iteration}")
+        return True
+    if args.save and not saved and iteration == args.train_iters:
+        save_checkpoint(args, setup, iteration)
+    return False
+
+
+# ---------------------------------------------------------------------------- load
+
+
+def _torch_load(path: Path):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; --load another folder") from None
+    except Exception as exc:  # noqa: BLE001 -- unpickling a damaged file raises anything
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {first}): the file is damaged or "
+                              f"truncated; --load an earlier checkpoint") from None
+
+
+def _dist_metadata(ckpt: Path):
+    """DCP's ``.metadata`` of ``ckpt``, with every ``.distcp`` file checked to be as long as it says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{ckpt / '.metadata'} cannot be read ({type(exc).__name__}): the file is damaged "
+                              f"or missing; --load an earlier checkpoint") from None
+    need: dict = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, n in sorted(need.items()):
+        path = ckpt / rel
+        size = path.stat().st_size if path.is_file() else -1
+        if size < n:
+            state = "missing" if size < 0 else f"truncated ({size} bytes; .metadata says >= {n})"
+            raise CheckpointError(f"{path} is {state}: the checkpoint is damaged; --load an earlier checkpoint")
+    return md
+
+
+def _load_dist(ckpt: Path, setup, wanted: dict, rng: bool):
+    """Read ``wanted`` (``{key: (local like-tensor, global shape, offsets, dim)}``) from a torch_dist
+    checkpoint into new tensors of this rank's shapes; DCP reads the overlapping saved chunks."""
+    import torch.distributed.checkpoint as dcp
+
+    md = _dist_metadata(ckpt)
+    state, mesh = {}, None
+    for key, (like, shape, _, dim) in wanted.items():
+        saved = md.state_dict_metadata.get(key)
+        if saved is None or not hasattr(saved, "size"):
+            raise CheckpointError(f"checkpoint {ckpt} holds no tensor {key}: it was saved from another model "
+                                  f"or optimizer; --load another checkpoint")
+        if tuple(saved.size) != tuple(shape):
+            raise CheckpointError(f"checkpoint {ckpt}: {key} has global shape {list(saved.size)} but this run's is "
+                                  f"{list(shape)}: another model; --load another checkpoint")
+        local = torch.empty_like(like)
+        if dim is None:
+            state[key] = local
+        else:
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.tensor import DTensor, Shard
+
+            mesh = mesh or DeviceMesh.from_group(setup.groups.tp, local.device.type)
+            state[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                            stride=torch.empty(shape, device="meta").stride())
+    rng_key = f"rng_state.rank{dist.get_rank()}"
+    if rng:
+        state[rng_key] = io.BytesIO()
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt))
+    except Exception as exc:  # noqa: BLE001 -- DCP gathers every rank's failure into one exception
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        raise CheckpointError(f"reading {ckpt} failed ({lines[-1][:120] if lines else type(exc).__name__}): a file "
+                              f"is damaged; --load an earlier checkpoint") from None
+    values = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items() if k != rng_key}
+    if not rng:
+        return values, None
+    state[rng_key].seek(0)                # DCP hands back the saved BytesIO
+    return values, torch.load(state[rng_key], weights_only=False)
+
+
+def _read_legacy(ckpt: Path, setup, load_optim: bool):
+    """This rank's legacy file (and ``distrib_optim.pt``): ``(values by key, rng list, common)``."""
+    g = setup.groups
+    name = get_checkpoint_name(ckpt.parent, int(ckpt.name[len("iter_"):]), g.coords["tp"], g.coords["pp"],
+                               setup.config.pp > 1)
+    state = _torch_load(name)
+    models = [state["model"]] if "model" in state else [state[f"model{i}"] for i in range(len(setup.chunks))]
+    values = {}
+    for model in models:
+        for n, t in model.items():
+            values[master_name(n)] = t
+    if load_optim:
+        opt = state["optimizer"].get("state") or _torch_load(name.parent / DIST_OPTIM_FILE)["state"]
+        for k, per_name in opt.items():
+            for n, t in per_name.items():
+                values[f"optimizer.state.{k}.{master_name(n)}"] = t
+    return values, state.get("rng_state"), state
+
+
+@torch.no_grad()
+def _set_state(setup, values: dict, load_optim: bool) -> None:
+    """Copy ``values`` (keys of :func:`sharded_state_dict`) into this rank's params and optimizer; the
+    tied embedding's last-stage copy takes the embedding's values (and state)."""
+    named = unique_named_params(setup.chunks)
+    keys = _state_keys(setup.optimizer) if load_optim else ()
+    params = {n: values[master_name(n)].to(p.device, p.dtype) for n, p in named}
+    state = {k: {n: values[f"optimizer.state.{k}.{master_name(n)}"] for n, _ in named} for k in keys}
+    engine, opt = setup.engine, setup.optimizer
+    if engine is None:
+        for n, p in named:
+            p.data.copy_(params[n])
+            if keys:
+                opt.state[id(p)] = {k: state[k][n].to(p.device, p.dtype).clone() for k in keys}
+        return
+    for b in engine.buckets:      # the engine's buffers: model params (or the ZeRO-3 shard) and fp32 main params
+        flat = torch.zeros(b.numel, dtype=engine.param_dtype, device=engine.device)
+        for pr in b.params:
+            flat[pr.start:pr.end] = params[pr.name].reshape(-1)
+        st = b.state
+        (st.param_shard if engine.shard_params else st.param_full).copy_(
+            flat[st.lo:st.hi] if engine.shard_params else flat)
+        st.main.copy_(flat[st.lo:st.hi])
+    if keys:
+        for b, pr, lo, hi, view in _engine_pieces(engine):
+            opt.state[id(view)] = {k: state[k][pr.name].reshape(-1)[lo - pr.start:hi - pr.start]
+                                   .to(view.device, view.dtype).clone() for k in keys}
+
+
+def _set_common(setup, common: dict) -> None:
+    """Scheduler, step count and loss scaler (Megatron loads them with the optimizer)."""
+    setup.scheduler.num_steps = common["opt_param_scheduler"]["num_steps"]
+    setup.optimizer.step_count = common["optimizer"]["step_count"]
+    saved, scaler = common["optimizer"]["grad_scaler"], setup.scaler
+    if scaler is not None and saved is not None:
+        scaler.load_state_dict(saved)
+
+
+def load_checkpoint(args, setup) -> int:
+    """Load ``args.load``'s newest checkpoint into this rank (collective); returns the iteration to
+    continue after (0: from scratch, or ``--finetune``).
+
+    No tracker: Megatron's warning, then 0. ``--finetune``: the model only, iteration 0;
+    ``--no-load-optim``: no optimizer, scheduler or loss scaler; ``--no-load-rng``: no generator states
+    (nor when the layout changed: they are per rank, and Megatron skips them then too). torch_dist
+    loads under any layout; torch only under the TP x PP x VP it was saved with."""
+    root = Path(args.load)
+    tracker = get_checkpoint_tracker_filename(root)
+    if not tracker.is_file():
+        _print0(f"WARNING: could not find the metadata file {tracker}")
+        _print0("    will not load any checkpoints and will start from random")
+        return 0
+    iteration = read_metadata(tracker)
+    ckpt = checkpoint_dir(root, iteration)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"{tracker} names iteration {iteration} but {ckpt} does not exist; write the newest "
+                              f"complete iteration into it, or --load another folder")
+    fmt = checkpoint_format(ckpt)
+    g, run = setup.groups, _layout(setup)
+    load_optim = not (args.finetune or args.no_load_optim)
+    common = _torch_load(ckpt / COMMON_FILE if fmt == "torch_dist" else min(ckpt.glob(f"mp_rank_*/{LEGACY_FILE}")))
+    try:
+        rules.checkpoint_model(ckpt, common["model_flags"], {k: getattr(args, k) for k in MODEL_FLAGS})
+        rules.checkpoint_layout(ckpt, common["layout"], run, fmt)
+        if not args.finetune:             # the data order (and the optimizer) a resume continues
+            saved = {**common["data_flags"], **({"optimizer": common["optimizer"]["kind"]} if load_optim else {})}
+            rules.checkpoint_model(ckpt, saved, {**{k: getattr(args, k) for k in DATA_FLAGS},
+                                                 "optimizer": setup.optimizer.kind})
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    same_layout = all(common["layout"][k] == run[k] for k in LAYOUT_KEYS)
+    load_rng = not (args.finetune or args.no_load_rng)
+    if load_rng and not same_layout:
+        saved = " x ".join(f"{k.upper()}{common['layout'][k]}" for k in LAYOUT_KEYS)
+        _print0(f"WARNING: checkpoint saved under {saved}; the random number generators are per rank: not loaded")
+        load_rng = False
+    _print0(f" loading checkpoint from {root} at iteration {iteration}")
+    if fmt == "torch_dist":
+        params = _local_params(setup)
+        optim = _optimizer_state(setup, params) if load_optim else {}
+        values, rng = _load_dist(ckpt, setup, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
+    else:
+        failure = values = rngs = None
+        try:
+            values, rngs, _ = _read_legacy(ckpt, setup, load_optim)
+        except CheckpointError as exc:
+            failure = exc
+        _agree(failure)
+        rng = rngs[comm.group_rank(g.dp_cp)] if load_rng else None
+    _set_state(setup, values, load_optim)
+    if load_optim:
+        _set_common(setup, common)
+    if rng is not None:
+        _set_rng_state(rng)
+    dist.barrier()
+    start = 0 if args.finetune else iteration
+    _print0(f"  successfully loaded checkpoint from {root} [ t {g.coords['tp'] + 1}/{run['tp']}, "
+            f"p {g.coords['pp'] + 1}/{run['pp']} ] at iteration {start}")
+    return start

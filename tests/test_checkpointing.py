@@ -1,0 +1,220 @@
+"""course_lib.training.checkpointing: Megatron's checkpoint flow on real ranks and real files.
+
+Few launches, many checks each (a launch costs seconds on this machine): every run trains the tiny GPT
+6 iterations (warm-up 2, linear decay), straight or as 3 + save (``--exit-interval 3``) + ``--load`` + 3.
+* an exact resume (same layout, torch_dist and legacy torch, plain and distributed optimizer):
+  iterations 4-6 bit-identical to the straight run's;
+* resharding (torch_dist): TP2 x PP2 x DP2 loaded under TP1 x PP4 x DP2, TP4 x DP2 and one process; the
+  distributed optimizer's DP4 state under DP8 and DP2 -- the straight run's losses within 1e-5 (the
+  layouts sum in different orders: ~1e-7); the legacy format refuses a layout change in one line;
+* faults: a save killed before its rename leaves the tracker and the previous checkpoint; a truncated
+  or damaged file, another model, a damaged tracker: one line naming it; an empty folder: Megatron's
+  warning, training from scratch; ``--no-load-optim`` and ``--finetune`` load what they say.
+"""
+
+import os
+import shutil
+import signal
+
+import pytest
+
+from course_lib.__main__ import main as cli
+from course_lib.launch import RankError, launch
+from course_lib.train import parse_args, pretrain, validate_args
+from course_lib.training.checkpointing import CheckpointError
+
+BASE = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "6",
+        "--log-interval", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DISTOPT = ["--use-distributed-optimizer", "--micro-batch-size", "1"]       # micro 1: DP8 fits the batch of 8
+RESHARD_TOL = 1e-5
+
+
+def _train(*flags):
+    return pretrain(parse_args(BASE + [str(f) for f in flags]), print_args=False)["lm_loss"]
+
+
+def _save_then_resume(layout, save, fmt, resumed_save=None):
+    """3 iterations + save (every 2 and at the exit, 3), then a new run loading it for 3 more."""
+    _train(*layout, "--save", save, "--save-interval", 2, "--exit-interval", 3, "--ckpt-format", fmt)
+    more = ["--save", resumed_save] if resumed_save else []
+    return _train(*layout, "--load", save, *more)
+
+
+def _error(*flags):
+    try:
+        _train(*flags)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _eight_ranks(root, dp4):
+    out = {"straight": _train(*TP2_PP2)}
+    out["dist"] = _save_then_resume(TP2_PP2, f"{root}/dist", "torch_dist", resumed_save=f"{root}/resumed")
+    out["legacy"] = _save_then_resume(TP2_PP2, f"{root}/legacy", "torch")
+    out["TP1 x PP4 x DP2"] = _train("--pipeline-model-parallel-size", 4, "--load", f"{root}/dist")
+    out["TP4 x DP2"] = _train("--tensor-model-parallel-size", 4, "--load", f"{root}/dist")
+    out["legacy to PP4"] = _error("--pipeline-model-parallel-size", 4, "--load", f"{root}/legacy")
+    out["distopt DP8"] = _train(*DISTOPT, "--load", dp4)
+    return out
+
+
+def _four_ranks(root):
+    return {"straight": _train(*DISTOPT), "resumed": _save_then_resume(DISTOPT, f"{root}/dp4", "torch_dist")}
+
+
+def _killed_in_save(root):
+    """Save at 2 (complete), then die at the rename of the save at 4: SIGKILL on rank 0."""
+    from course_lib.training import checkpointing
+
+    publish = checkpointing._publish
+
+    def dying(tmp, final):
+        if final.name == "iter_0000004":
+            os.kill(os.getpid(), signal.SIGKILL)
+        publish(tmp, final)
+
+    checkpointing._publish = dying
+    _train("--save", root, "--save-interval", 2)
+
+
+def _two_ranks(root, dp4):
+    return {"distopt DP2": _train(*DISTOPT, "--load", dp4), "after the kill": _train("--load", f"{root}/killed")}
+
+
+def _one_rank(root):
+    out = {"one process": _train("--load", f"{root}/dist")}
+    out["no-load-optim"] = _train("--load", f"{root}/dist", "--no-load-optim")
+    out["finetune"] = _train("--load", f"{root}/dist", "--finetune", "--save", f"{root}/resumed")   # over iter 6
+    out["empty"] = _train("--load", f"{root}/empty", "--exit-interval", 1)
+    for case in ("truncated", "tracker", "common"):
+        out[case] = _error("--load", f"{root}/{case}")
+    out["another model"] = _error("--load", f"{root}/dist", "--hidden-size", 128)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    dp4 = f"{root}/dp4"
+    res = {"4": launch(_four_ranks, world_size=4, output="none", timeout=240, root=str(root))}
+    with pytest.raises(RankError) as killed:
+        launch(_killed_in_save, world_size=2, output="none", timeout=240, root=f"{root}/killed")
+    res["killed"] = killed.value
+    res["killed files"] = sorted(p.name for p in (root / "killed").iterdir())
+    res["killed tracker"] = (root / "killed" / "latest_checkpointed_iteration.txt").read_text()
+    res["8"] = launch(_eight_ranks, world_size=8, output="none", timeout=300, root=str(root), dp4=dp4)
+    res["2"] = launch(_two_ranks, world_size=2, output="none", timeout=240, root=str(root), dp4=dp4)
+    for case in ("truncated", "tracker", "common"):
+        shutil.copytree(root / "dist", root / case)
+    damaged = root / "truncated" / "iter_0000003" / "__3_0.distcp"
+    os.truncate(damaged, damaged.stat().st_size // 2)
+    (root / "tracker" / "latest_checkpointed_iteration.txt").write_text("3\x00junk")
+    (root / "common" / "iter_0000003" / "common.pt").write_bytes(b"not a checkpoint")
+    (root / "empty").mkdir()
+    res["1"] = launch(_one_rank, world_size=1, output="none", timeout=240, root=str(root))
+    res["root"] = root
+    return res
+
+
+def test_resume_is_exact_in_both_formats_and_with_the_distributed_optimizer(runs):
+    eight, four = runs["8"][-1], runs["4"][-1]          # the last rank is on the last stage
+    straight = eight["straight"]
+    assert len(straight) == 6 and straight[5] < straight[0]
+    assert eight["dist"] == straight[3:]                   # bit-identical: same layout, same arithmetic
+    assert eight["legacy"] == straight[3:]
+    assert four["resumed"] == four["straight"][3:]
+    printed = "\n".join(runs["8"].outputs)
+    assert "saving checkpoint at iteration       2" in printed and "exiting program at iteration 3" in printed
+    assert "successfully loaded checkpoint from" in printed and "[ t 1/2, p 1/2 ] at iteration 3" in printed
+
+
+def test_checkpoint_files_tracker_and_the_save_at_the_end(runs):
+    root = runs["root"]
+    dist, legacy = root / "dist", root / "legacy"
+    assert (dist / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert sorted(p.name for p in dist.iterdir()) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
+    files = sorted(p.name for p in (dist / "iter_0000003").iterdir())
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(8)] + ["common.pt", "metadata.json"]
+    assert sorted(p.relative_to(legacy / "iter_0000003").as_posix() for p in (legacy / "iter_0000003").rglob("*.pt")) \
+        == [f"mp_rank_{t:02d}_{p:03d}/model_optim_rng.pt" for t in range(2) for p in range(2)]
+    assert (root / "resumed" / "latest_checkpointed_iteration.txt").read_text() == "6"   # saved at the end
+    assert sorted(p.name for p in (root / "dp4").iterdir())[:2] == ["iter_0000002", "iter_0000003"]
+
+
+def test_torch_dist_reshards_to_other_layouts_and_dp_sizes(runs):
+    eight = runs["8"][-1]
+    straight = eight["straight"][3:]
+    for name, losses in (("TP1 x PP4 x DP2", eight["TP1 x PP4 x DP2"]), ("TP4 x DP2", eight["TP4 x DP2"]),
+                         ("one process", runs["1"][0]["one process"])):
+        assert len(losses) == 3 and max(abs(a - b) for a, b in zip(losses, straight)) < RESHARD_TOL, (name, losses)
+    dp4 = runs["4"][-1]["straight"][3:]
+    for losses in (eight["distopt DP8"], runs["2"][-1]["distopt DP2"]):
+        assert max(abs(a - b) for a, b in zip(losses, dp4)) < RESHARD_TOL, losses
+    message = eight["legacy to PP4"]
+    assert "legacy torch format" in message and "TP2 x PP2 x VPP1" in message and "TP1 x PP4 x VPP1" in message
+    assert "--ckpt-format torch_dist" in message and "\n" not in message
+
+
+def test_a_save_killed_before_its_rename_leaves_the_previous_checkpoint(runs):
+    assert runs["killed"].exc_type == "ProcessDied" and runs["killed"].rank == 0
+    assert runs["killed tracker"] == "2"
+    assert runs["killed files"] == [".iter_0000004.incomplete", "iter_0000002", "latest_checkpointed_iteration.txt"]
+    straight = runs["8"][-1]["straight"]
+    assert max(abs(a - b) for a, b in zip(runs["2"][-1]["after the kill"], straight[2:])) < RESHARD_TOL
+
+
+def test_faults_and_partial_loads_say_what_happened(runs):
+    one, printed = runs["1"][0], runs["1"].outputs[0]
+    straight = runs["8"][-1]["straight"]
+    assert "WARNING: could not find the metadata file" in printed
+    assert "will not load any checkpoints and will start from random" in printed
+    assert abs(one["empty"][0] - straight[0]) < RESHARD_TOL and len(one["empty"]) == 1
+    messages = {k: one[k] for k in ("truncated", "tracker", "common", "another model")}
+    assert all(m is not None and "\n" not in m for m in messages.values()), messages
+    assert "__3_0.distcp is truncated" in messages["truncated"]
+    assert "latest_checkpointed_iteration.txt should hold an iteration number" in messages["tracker"]
+    assert "common.pt cannot be read" in messages["common"]
+    assert "hidden_size=64" in messages["another model"] and "hidden_size=128" in messages["another model"]
+    # --no-load-optim: iteration 4's loss is the model's (before any step), then fresh Adam moments differ
+    assert abs(one["no-load-optim"][0] - straight[3]) < RESHARD_TOL
+    assert abs(one["no-load-optim"][1] - straight[4]) > 1e-4
+    # --finetune: the saved model, trained from iteration 0: 6 iterations, and better than from scratch
+    assert len(one["finetune"]) == 6 and one["finetune"][0] < straight[0] - 0.1
+    assert "the random number generators are per rank: not loaded" in printed   # the layout changed: said so
+    assert "iter_0000006 already exists (an earlier run's save of this iteration); replacing it" in printed
+
+
+def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, capsys):
+    assert cli(["checkpoint", "inspect", str(runs["root"] / "dist")]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 3 | format torch_dist | consumed samples 24 | saved under TP2 x PP2 x CP1 x DP2" in out
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["decoder.layers.0.mlp.linear_fc1.weight"])
+    assert "[256, 64]" in row and "65536" in row and "[0:128, 0:64]" in row and "[128:256, 0:64]" in row
+    assert {int(w[1:]) for w in row.split() if w[:1] == "r" and w[1:].isdigit()} <= {0, 1, 2, 3}   # stage 0's ranks
+    assert "__7_0.distcp" in out
+    assert cli(["checkpoint", "inspect", str(runs["root"] / "legacy")]) == 0
+    assert "mp_rank_01_001" in capsys.readouterr().out
+    assert cli(["checkpoint", "inspect", str(runs["root"] / "empty")]) == 2
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--save-interval", "2"], "save_interval=2 has no folder to save into; add --save DIR"),
+    (["--finetune"], "finetune=True says what to load, but there is no --load"),
+    (["--save", "/proc/x"], "--save /proc/x"),
+    (["--save", "{tmp}", "--num-experts", "2"], "num_experts=2 with --save/--load"),
+    (["--save", "{tmp}", "--exit-interval", "0"], "exit_interval"),
+])
+def test_checkpoint_flags_fail_in_one_line(extra, message, tmp_path):
+    argv = BASE + [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    with pytest.raises(ValueError) as err:
+        validate_args(parse_args(argv), 1)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_defaults_are_megatrons():
+    a, _ = validate_args(parse_args(BASE), 1)
+    assert (a.ckpt_format, a.save, a.load, a.save_interval, a.exit_interval) == ("torch_dist", None, None, None, None)
+    assert not (a.no_load_optim or a.no_load_rng or a.finetune)
