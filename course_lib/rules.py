@@ -824,8 +824,10 @@ def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_micr
 
 # ---------------------------------------------------------------------------- checkpoints
 
-CKPT_FORMATS = ("torch_dist", "torch")
-"""Megatron's ``--ckpt-format`` values the course writes (``torch_dist`` is Megatron's default)."""
+CKPT_FORMATS = ("torch_dist", "torch", "torch_dcp", "fsdp_dtensor")
+"""Megatron's ``--ckpt-format`` values (``torch_dist`` is its default; Megatron-FSDP asks for ``fsdp_dtensor``)."""
+CKPT_FORMATS_WRITTEN = ("torch_dist", "torch")
+"""The formats the course's checkpoints are written in (``training.checkpointing``)."""
 
 
 def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: str, finetune: bool,
@@ -833,7 +835,11 @@ def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: s
     """The checkpoint flags on their own (Megatron's ``_add_checkpointing_args``): intervals >= 1,
     a known format, a folder for every flag that needs one; MoE checkpoints are not written yet."""
     if ckpt_format not in CKPT_FORMATS:
-        raise ValueError(f"ckpt_format={ckpt_format!r} is not one the course writes; use one of {', '.join(CKPT_FORMATS)}")
+        raise ValueError(f"ckpt_format={ckpt_format!r} is not one of Megatron's; use one of {', '.join(CKPT_FORMATS)}")
+    if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
+        raise ValueError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
+                         f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
+                         f"global offsets, what {ckpt_format} is built on too)")
     for name, value in (("save_interval", save_interval), ("exit_interval", exit_interval)):
         if value is not None:
             integer(name, value)

@@ -206,6 +206,7 @@ def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, cap
     (["--save", "/proc/x"], "--save /proc/x"),
     (["--save", "{tmp}", "--num-experts", "2"], "num_experts=2 with --save/--load"),
     (["--save", "{tmp}", "--exit-interval", "0"], "exit_interval"),
+    (["--save", "{tmp}", "--ckpt-format", "fsdp_dtensor"], "the course writes its checkpoints as torch_dist or torch"),
 ])
 def test_checkpoint_flags_fail_in_one_line(extra, message, tmp_path):
     argv = BASE + [a.replace("{tmp}", str(tmp_path)) for a in extra]
@@ -218,3 +219,5 @@ def test_defaults_are_megatrons():
     a, _ = validate_args(parse_args(BASE), 1)
     assert (a.ckpt_format, a.save, a.load, a.save_interval, a.exit_interval) == ("torch_dist", None, None, None, None)
     assert not (a.no_load_optim or a.no_load_rng or a.finetune)
+    for fmt in ("torch_dcp", "fsdp_dtensor"):   # Megatron's other formats: accepted while nothing is saved
+        assert validate_args(parse_args(BASE + ["--ckpt-format", fmt]), 1)[0].ckpt_format == fmt

@@ -141,7 +141,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--save-interval", type=int, default=None, help="save every N iterations")
     g.add_argument("--exit-interval", type=int, default=None, help="save (with --save) and stop at an iteration N divides")
     g.add_argument("--ckpt-format", choices=rules.CKPT_FORMATS, default="torch_dist",
-                   help="torch_dist: sharded with global offsets (reshards on load); torch: one file per model-parallel rank")
+                   help="torch_dist: sharded with global offsets (reshards on load); torch: one file per model-parallel rank "
+                        "(Megatron also has torch_dcp and fsdp_dtensor: accepted, but the course saves only these two)")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer (nor its scheduler)")
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states")
     g.add_argument("--finetune", action="store_true",
