@@ -628,3 +628,20 @@ def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_micr
         raise ValueError(f"--data-parallel-sharding-strategy optim_grads_params with --pipeline-schedule gpipe and "
                          f"{num_microbatches} micro-batches: ZeRO-3 re-gathers a unit for the backward that "
                          f"follows its forward; use --pipeline-schedule 1f1b")
+
+
+def deepspeed_layout(tp: int, pp: int, cp: int, vpp=None, other_flags=()) -> None:
+    """``--deepspeed-config`` trains the dense model with one process per data-parallel rank (DeepSpeed's
+    ZeRO over DP; the course does not hand DeepSpeed an mpu): TP = PP = CP = 1, and the state sharding
+    is the file's, so Megatron's sharding flags and MoE are not given with it."""
+    sizes = {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp, "context-parallel-size": cp}
+    for flag, value in sizes.items():
+        if value != 1:
+            raise ValueError(f"{flag}={value} with --deepspeed-config: DeepSpeed runs one process per data-parallel "
+                             f"rank here (TP = PP = CP = 1); drop --{flag}")
+    if vpp not in (None, 1):
+        raise ValueError(f"virtual-pipeline-model-parallel-size={vpp} with --deepspeed-config: there is no "
+                         f"pipeline (PP = 1); drop the flag")
+    if other_flags:
+        raise ValueError(f"--{other_flags[0]} with --deepspeed-config: the ds_config sets the state sharding and "
+                         f"the model is dense; drop --{other_flags[0]}")
