@@ -47,7 +47,7 @@ token loss; the grad norm is DeepSpeed's (before clipping).
 The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as
 DeepSpeed holds them, walked from the engine (:func:`held_bytes`), appended as fields
 ``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | params on host (bytes): N |
-optimizer on host (bytes): N``; "optimizer" counts the fp32 master copy (or partition) and the
+optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
 optimizer state; "on host" is what ``offload_*`` moved to CPU memory (with ``DS_ACCELERATOR=cpu``
 the device *is* the CPU: the split is DeepSpeed's bookkeeping, not two memories).
 
@@ -63,6 +63,7 @@ import json
 import os
 import time
 import types
+import warnings
 import torch
 import torch.distributed as dist
 
@@ -90,6 +91,28 @@ def import_deepspeed():
     import deepspeed
 
     return deepspeed
+
+
+def build_ops() -> list[str]:
+    """Build (once; cached in ``~/.cache/torch_extensions``) the C++ ops DeepSpeed JIT-compiles with g++ on
+    first use here: the CPU accelerator's shared-memory comm op, and ``async_io`` (NVMe offload) where
+    libaio's headers are installed. ``make setup`` runs this, so that no run or test pays the build.
+    Returns the names built or found."""
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        raise SystemExit("DeepSpeed compiles its CPU ops with g++, which is missing: run "
+                         "'sudo apt-get install g++ libaio-dev' (macOS: xcode-select --install), then re-run make")
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in ("ShareMemCommBuilder", "AsyncIOBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+            built.append(builder.NAME)
+    return built
 
 
 def read_config(path: str) -> dict:
@@ -356,10 +379,21 @@ def held_bytes(engine, stage: int) -> dict:
             "params_host": _nbytes(held) if off_param else 0, "optimizer_host": optimizer if off_opt else 0}
 
 
-def _state_fields(held: dict) -> str:
+def offload_devices(config: dict) -> dict:
+    """``{"params": device, "optimizer": device}`` the config offloads to (``"host"`` for cpu, ``"nvme"``)."""
+    zero = config.get("zero_optimization") or {}
+    device = {k: (zero.get(k) or {}).get("device", "none") for k in ("offload_param", "offload_optimizer")}
+    return {what: {"cpu": "host", "nvme": "nvme"}.get(device[key], "host")
+            for what, key in (("params", "offload_param"), ("optimizer", "offload_optimizer"))}
+
+
+def _state_fields(held: dict, devices: dict) -> str:
+    """The memory line's fields; offloaded bytes are labelled ``on host`` (cpu) or ``on nvme`` (swapped
+    to files under ``nvme_path``)."""
     return "".join(f" | {label} (bytes): {held[key]}" for key, label in
                    (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
-                    ("params_host", "params on host"), ("optimizer_host", "optimizer on host")))
+                    ("params_host", f"params on {devices['params']}"),
+                    ("optimizer_host", f"optimizer on {devices['optimizer']}")))
 
 
 def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: bool = True) -> dict:
@@ -372,6 +406,7 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     ``logged`` (last rank), ``memory`` and ``state_bytes`` (:func:`held_bytes`), ``num_parameters``,
     ``zero_stage``."""
     deepspeed = import_deepspeed()
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
     world, rank = dist.get_world_size(), dist.get_rank()
     ds = args.deepspeed
     config = ds["config"]
@@ -453,7 +488,15 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
                 device = held["params"] + held["grads"] + held["optimizer"]
                 record["state_bytes"], record["memory"] = held, {"allocated": device, "max_allocated": device}
                 print_line(memory_line(rank, iteration, allocated=device, max_allocated=device,
-                                       source=MEMORY_SOURCE) + _state_fields(held))
+                                       source=MEMORY_SOURCE) + _state_fields(held, offload_devices(config)))
                 report_memory = iteration == 1
     engine.destroy()
     return record
+
+
+if __name__ == "__main__":      # make setup: python -m course_lib.training.deepspeed_engine --build-ops
+    import sys
+
+    if sys.argv[1:] != ["--build-ops"]:
+        sys.exit("usage: python -m course_lib.training.deepspeed_engine --build-ops")
+    print("DeepSpeed ops ready: " + ", ".join(build_ops()))
