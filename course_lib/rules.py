@@ -88,6 +88,8 @@ State sharding
     (``training.arguments``).
   * :func:`sharding_layout` -- what the course's engine runs inside the trainer (one model chunk per
     rank; ZeRO-3 not under GPipe with several micro-batches): trainer (``training.arguments``).
+  * :func:`deepspeed_layout` -- ``--deepspeed-config`` is DP only (TP = PP = CP = 1, no Megatron
+    sharding flags, no MoE): trainer (``training.deepspeed_engine``).
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
