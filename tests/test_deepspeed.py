@@ -230,6 +230,19 @@ def test_bad_configs_fail_in_one_line(tmp_path, config, extra, message):
     assert "\n" not in str(e.value)
 
 
+def test_fp16_runs_only_where_deepspeeds_accelerator_has_it(tmp_path):
+    from deepspeed.accelerator import get_accelerator
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**BATCH, "fp16": {"enabled": True}}))
+    argv = parse_args(MODEL + ["--deepspeed-config", str(path)])
+    if get_accelerator().is_fp16_supported():
+        assert validate_args(argv, WORLD, check_memory=False)[0].fp16
+    else:
+        with pytest.raises(ValueError, match=r"fp16.enabled=true: DeepSpeed's cpu accelerator has no fp16"):
+            validate_args(argv, WORLD, check_memory=False)
+
+
 def test_duplicate_keys_are_refused(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"train_batch_size": 8, "train_batch_size": 4}')

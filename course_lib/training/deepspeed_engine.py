@@ -186,6 +186,17 @@ def _check_with_deepspeed(config: dict, tbs_micro_ga: tuple) -> None:
         raise ValueError("deepspeed-config rejected by DeepSpeed: " + " / ".join(lines[:3])) from None
 
 
+def _check_fp16(fp16: bool) -> None:
+    """DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (``is_fp16_supported``);
+    refuse before the ranks start instead of DeepSpeed's traceback in each."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if fp16 and not accelerator.is_fp16_supported():
+        raise ValueError(f"fp16.enabled=true: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 on this "
+                         f"machine (is_fp16_supported() is False); use \"bf16\": {{\"enabled\": true}}")
+
+
 def _check_nvme(zero: dict) -> None:
     """``"device": "nvme"`` needs DeepSpeed's async_io op; refuse in one line when it cannot build here."""
     nvme = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "nvme"]
@@ -237,6 +248,7 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
     for key in ("bf16", "fp16"):
         if (config.get(key) or {}).get("enabled") is True:
             _take(a, key, True, f"{key}.enabled", defaults)
+    _check_fp16(a.fp16)
     opt = config.get("optimizer")
     if opt is not None:
         kind = str(opt.get("type", "")).lower()
