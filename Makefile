@@ -5,6 +5,8 @@
 #               strict nbval over solutions/, lax nbval over labs/ (course_lib/classroom/notebooks/nbval_plugin.py)
 # Set-up is incremental: the venv is created once, torch is installed only when
 # missing, and the package is reinstalled only when pyproject.toml changes.
+# DeepSpeed installs as pure Python (DS_BUILD_OPS=0); the two C++ ops it compiles with g++ on
+# first use on CPU (shared-memory comm; async_io for NVMe offload, with libaio-dev) are built once here.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -41,7 +43,8 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev,megatron]"
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -e ".[dev,megatron,deepspeed]"
+	$(BIN)/python -m course_lib.training.deepspeed_engine --build-ops
 	@touch $@
 
 graphviz:

@@ -41,7 +41,15 @@ def _model(hidden: int, layers: int) -> nn.Sequential:
     return nn.Sequential(*mods)
 
 
-def _rank_bench(hidden: int, layers: int, rows: int, repeats: int, warmup: int):
+def _groups(model: nn.Module) -> list[dict]:
+    """AdamW's groups: weight decay 0.01 on the matrices, none on the biases."""
+    return [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
+            {"params": [p for p in model.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def build_steps(hidden: int, layers: int, rows: int) -> tuple[dict, dict]:
+    """On a running gloo world: ``({"ours": step, "fsdp2": step}, {"ours": wrapper, "fsdp2": (model, optimizer)})``,
+    each ``step()`` one training step on this rank's ``rows`` rows returning its loss."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -55,11 +63,8 @@ def _rank_bench(hidden: int, layers: int, rows: int, repeats: int, warmup: int):
         if isinstance(m, nn.Linear):
             fully_shard(m, mesh=mesh)
     fully_shard(theirs, mesh=mesh)
-    groups = [{"params": [p for p in theirs.parameters() if p.dim() > 1], "weight_decay": 0.01},
-              {"params": [p for p in theirs.parameters() if p.dim() <= 1], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, eps=1e-8)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+    opt = torch.optim.AdamW(_groups(theirs), lr=LR, eps=1e-8)
+    x, y = batch(hidden, rows)
 
     def step_ours():
         ours.zero_grad()
@@ -75,26 +80,46 @@ def _rank_bench(hidden: int, layers: int, rows: int, repeats: int, warmup: int):
         opt.step()
         return loss.item()
 
-    times = {"ours": [], "fsdp2": []}
+    return {"ours": step_ours, "fsdp2": step_theirs}, {"ours": ours, "fsdp2": (theirs, opt)}
+
+
+def batch(hidden: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's inputs and targets ``[rows, hidden]`` (seeded by rank)."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    return torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g)
+
+
+def time_steps(steps: dict, repeats: int, warmup: int) -> tuple[dict, dict]:
+    """``({name: median seconds}, {name: last loss})``: the steps alternate, a barrier before each."""
+    times = {name: [] for name in steps}
     losses = {}
     for i in range(warmup + repeats):
-        for name, fn in (("ours", step_ours), ("fsdp2", step_theirs)):
+        for name, fn in steps.items():
             dist.barrier()
             t0 = time.perf_counter()
             losses[name] = fn()
             dt = time.perf_counter() - t0
             if i >= warmup:
                 times[name].append(dt)
+    return {name: statistics.median(t) for name, t in times.items()}, losses
+
+
+def _rank_bench(hidden: int, layers: int, rows: int, repeats: int, warmup: int):
+    steps, sides = build_steps(hidden, layers, rows)
+    medians, losses = time_steps(steps, repeats, warmup)
+    theirs, opt = sides["fsdp2"]
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     fsdp2_bytes = {"params": sum(local(p).numel() * p.element_size() for p in theirs.parameters()),
                    "optimizer": sum(local(t).numel() * t.element_size() for st in opt.state.values()
                                     for t in st.values() if t.dim() > 0)}
-    return {"ours": statistics.median(times["ours"]), "fsdp2": statistics.median(times["fsdp2"]),
-            "losses": losses, "ours_bytes": ours.bytes_per_rank(), "fsdp2_bytes": fsdp2_bytes}
+    return {"ours": medians["ours"], "fsdp2": medians["fsdp2"],
+            "losses": losses, "ours_bytes": sides["ours"].bytes_per_rank(), "fsdp2_bytes": fsdp2_bytes}
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_bench(rank_bench, description: str, argv=None):
+    """Parse the benchmark's flags, run ``rank_bench(hidden, layers, rows, repeats, warmup)`` on ``--ranks``
+    gloo ranks; return ``(args, per-rank results)``."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -102,8 +127,13 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args(argv)
-    res = launch(_rank_bench, world_size=args.ranks, backend="gloo", timeout=600, output="none",
-                 hidden=args.hidden, layers=args.layers, rows=args.rows, repeats=args.repeats, warmup=args.warmup)
+    return args, launch(rank_bench, world_size=args.ranks, backend="gloo", timeout=600, output="none",
+                        hidden=args.hidden, layers=args.layers, rows=args.rows, repeats=args.repeats,
+                        warmup=args.warmup)
+
+
+def main(argv=None) -> None:
+    args, res = run_bench(_rank_bench, __doc__.splitlines()[0], argv)
     ours = max(r["ours"] for r in res)  # a step ends when the slowest rank ends
     theirs = max(r["fsdp2"] for r in res)
     r0 = res[0]

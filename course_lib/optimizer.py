@@ -20,6 +20,16 @@ def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    """``torch.optim``-style groups of ``[(name, parameter)]`` with Megatron's weight-decay rule:
+    ``[{"params": decayed, "weight_decay": weight_decay}, {"params": biases and 1-D, "weight_decay": 0.0}]``
+    (what Megatron-DeepSpeed hands ``deepspeed.initialize``; an empty group is left out)."""
+    decay = [p for n, p in named_params if not _no_weight_decay(n, p)]
+    no_decay = [p for n, p in named_params if _no_weight_decay(n, p)]
+    return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+            if g["params"]]
+
+
 class Optimizer:
     """Adam(W) or SGD written out elementwise, identical on a shard and on the full tensor.
 

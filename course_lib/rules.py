@@ -114,6 +114,8 @@ State sharding
     (``training.arguments``), the sharding engine.
   * :func:`sharding_layout` -- what the course's engine runs inside the trainer (one model chunk per
     rank; ZeRO-3 not under GPipe with several micro-batches): trainer (``training.arguments``).
+  * :func:`deepspeed_layout` -- ``--deepspeed-config`` is DP only (TP = PP = CP = 1, no Megatron
+    sharding flags, no MoE): trainer (``training.deepspeed_engine``).
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
@@ -872,3 +874,18 @@ def checkpoint_model(path, saved: dict, run: dict) -> None:
             raise ValueError(f"checkpoint {path} holds a model with {name}={saved[name]} but this run builds "
                              f"{name}={run.get(name)}: another model; pass --{name.replace('_', '-')} "
                              f"{saved[name]} or --load another checkpoint")
+def deepspeed_layout(tp: int, pp: int, cp: int, vpp=None, other_flags=()) -> None:
+    """``--deepspeed-config`` trains the dense model with one process per data-parallel rank (DeepSpeed's
+    ZeRO over DP; the course does not hand DeepSpeed an mpu): TP = PP = CP = 1, and the state sharding
+    is the file's, so Megatron's sharding flags and MoE are not given with it."""
+    sizes = {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp, "context-parallel-size": cp}
+    for flag, value in sizes.items():
+        if value != 1:
+            raise ValueError(f"{flag}={value} with --deepspeed-config: DeepSpeed runs one process per data-parallel "
+                             f"rank here (TP = PP = CP = 1); drop --{flag}")
+    if vpp not in (None, 1):
+        raise ValueError(f"virtual-pipeline-model-parallel-size={vpp} with --deepspeed-config: there is no "
+                         f"pipeline (PP = 1); drop the flag")
+    if other_flags:
+        raise ValueError(f"--{other_flags[0]} with --deepspeed-config: the ds_config sets the state sharding and "
+                         f"the model is dense; drop --{other_flags[0]}")

@@ -148,6 +148,7 @@ from course_lib.topology import ParallelConfig
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
                                            gpt_config_from_args, parse_args, uses_sharding_engine, validate_args,
                                            vocab_padding_tp)
+from course_lib.training import deepspeed_engine
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
@@ -647,7 +648,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     _init_distributed(args)
     try:
-        pretrain(args, config=config)
+        if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.training.deepspeed_engine)
+            deepspeed_engine.pretrain(args, gpt_config_from_args(args))
+        else:
+            pretrain(args, config=config)
         dist.barrier()
     except CheckpointError as exc:                                       # one line, on the rank that saw it
         print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -147,6 +147,10 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only and start from iteration 0 (no optimizer, scheduler or RNG)")
+    g = parser.add_argument_group("DeepSpeed (course_lib.training.deepspeed_engine; DP only)")
+    g.add_argument("--deepspeed-config", default=None, metavar="FILE",
+                   help="train under deepspeed.initialize from this ds_config.json (ZeRO, offload, precision, "
+                        "batch, clipping, optimizer from the file; the model from the flags)")
     return parser
 
 
@@ -257,6 +261,10 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     No process group, no torch.distributed.
     """
     a = argparse.Namespace(**vars(args))
+    if getattr(a, "deepspeed_config", None):   # the file's batch, optimizer, clipping, precision become the flags'
+        from course_lib.training.deepspeed_engine import apply_config
+
+        a = apply_config(a, world_size, build_parser().parse_args([]))
     _check_values(a)
     if getattr(a, "bf16", False):       # Megatron's validate_args: bf16 accumulates and all-reduces in fp32
         a.accumulate_allreduce_grads_in_fp32 = True

@@ -1,0 +1,514 @@
+"""The course GPT trained by DeepSpeed itself, from a ds_config.json: Megatron's log lines, DeepSpeed's engine.
+
+    python -m course_lib train --nproc-per-node 4 --deepspeed-config ds.json --num-layers 2 --hidden-size 64 ...
+
+The model flags (``--num-layers``, ``--hidden-size``, ...) build the dense
+:class:`~course_lib.model.GPTModel` on every rank (same seed, same numbers as the course's
+trainer); ``deepspeed.initialize`` (DeepSpeed 0.19.8, ``deepspeed/runtime/engine.py``) then wraps it
+as the file says -- ZeRO stage 0-3 (``deepspeed/runtime/zero/stage_1_and_2.py``, ``stage3.py``),
+``offload_optimizer`` / ``offload_param``, bucket sizes, prefetch, ``stage3_max_live_parameters``,
+``stage3_param_persistence_threshold``, ``overlap_comm``, ``contiguous_gradients``, the ``bf16`` /
+``fp16`` blocks, ``gradient_accumulation_steps``, ``gradient_clipping``, the ``optimizer`` and
+``scheduler`` blocks. One process is one data-parallel rank: TP = PP = CP = 1
+(:func:`course_lib.rules.deepspeed_layout`).
+
+The file and the flags, one run (:func:`apply_config`, called by
+:func:`~course_lib.training.arguments.validate_args` before any rule):
+
+* what the file sets wins and is written back into the flags (``--micro-batch-size``,
+  ``--global-batch-size``, ``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``,
+  ``--clip-grad``, ``--bf16``/``--fp16``), so the arguments block, the iteration lines and
+  ``python -m course_lib report`` show the run DeepSpeed did; a flag given with another value is
+  refused in one line;
+* what the file leaves out comes from the flags and is added to the config DeepSpeed gets: the
+  batch sizes (when the file has none of the three), ``gradient_clipping`` (DeepSpeed's default is
+  no clipping, Megatron's ``--clip-grad 1.0``), and, without an ``optimizer`` block, a client
+  ``torch.optim.AdamW`` / ``SGD`` of the flags; without a ``scheduler`` block the learning rate
+  follows Megatron's schedule of the flags (warm-up, decay, in samples: :class:`course_lib.optimizer.LRScheduler`);
+* on CPU the file's Adam runs as ``torch.optim.AdamW`` (``"torch_adam": true`` is added unless the
+  file says otherwise: DeepSpeed's FusedAdam and DeepSpeedCPUAdam are C++ ops, a ~4 min g++ build
+  on first use), and optimizer offload then needs ``"zero_force_ds_cpu_optimizer": false`` (added
+  likewise); each addition is printed as a ``WARNING:`` line;
+* parameters are handed to DeepSpeed in Megatron's two groups (biases and 1-D parameters without
+  weight decay, :func:`course_lib.optimizer.param_groups`), as Megatron-DeepSpeed does; given
+  the bare ``model.parameters()`` DeepSpeed would decay every one of them;
+* DeepSpeed's own parser checks the file in the launching process (``DeepSpeedConfig``, every
+  section a pydantic model: an unknown or mistyped key is DeepSpeed's one-line error) and its
+  batch rule (``train_batch_size = micro x accumulation x DP``) for the world about to start.
+
+One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss = engine(tokens)``,
+``engine.backward(loss)`` (DeepSpeed divides by the accumulation steps), ``engine.step()`` (the
+step runs at the boundary: reduction or reduce-scatter over DP, clipping, the optimizer, the
+16-bit copy or the param partition). Each DP rank takes the micro-batches of the course's sampler
+(:func:`course_lib.data.get_batch`), so the same seed and data give the course trainer's losses
+(fp32: equal to rounding, ``tests/test_deepspeed.py``). The loss printed is the global batch's mean
+token loss; the grad norm is DeepSpeed's (before clipping).
+
+The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as
+DeepSpeed holds them, walked from the engine (:func:`held_bytes`), appended as fields
+``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | params on host (bytes): N |
+optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
+optimizer state; "on host" is what ``offload_*`` moved to CPU memory (with ``DS_ACCELERATOR=cpu``
+the device *is* the CPU: the split is DeepSpeed's bookkeeping, not two memories).
+
+NVMe offload (``"device": "nvme"``) needs DeepSpeed's ``async_io`` op (g++ and libaio's headers,
+Debian's ``libaio-dev``); without them the run is refused in one line before any rank starts
+(:func:`_check_nvme`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import types
+import warnings
+import torch
+import torch.distributed as dist
+
+from course_lib import rules
+from course_lib.data import get_batch
+from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
+                                      world_size_line)
+from course_lib.model import GPTConfig, GPTModel
+from course_lib.optimizer import LRScheduler, param_groups
+
+MEMORY_SOURCE = "DeepSpeed's model states"
+_ADAM_TYPES = ("adam", "adamw")
+# the file's key -> the flag it sets (file wins; a flag given with another value is refused)
+_BATCH = (("train_micro_batch_size_per_gpu", "micro_batch_size"), ("train_batch_size", "global_batch_size"))
+_NOT_WITH_DEEPSPEED = ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce", "overlap_param_gather",
+                       "ddp_bucket_size", "optimizer_cpu_offload", "use_precision_aware_optimizer", "num_experts")
+_ADAM_PARAMS = (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay"))
+
+
+def import_deepspeed():
+    """``deepspeed``, on the CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at import;
+    without oneCCL DeepSpeed's CPU accelerator talks gloo)."""
+    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    return deepspeed
+
+
+def build_ops() -> list[str]:
+    """Build (once; cached in ``~/.cache/torch_extensions``) the C++ ops DeepSpeed JIT-compiles with g++ on
+    first use here: the CPU accelerator's shared-memory comm op, and ``async_io`` (NVMe offload) where
+    libaio's headers are installed. ``make setup`` runs this, so that no run or test pays the build.
+    Returns the names built or found."""
+    import shutil
+
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        raise SystemExit("DeepSpeed compiles its CPU ops with g++, which is missing: run "
+                         "'sudo apt-get install g++ libaio-dev' (macOS: xcode-select --install), then re-run make")
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in ("ShareMemCommBuilder", "AsyncIOBuilder"):
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+            built.append(builder.NAME)
+    return built
+
+
+def read_config(path: str) -> dict:
+    """The JSON object in ``path``, duplicate keys refused (as DeepSpeed's loader does); one-line errors."""
+    def no_duplicates(pairs):
+        keys = [k for k, _ in pairs]
+        dup = next((k for k in keys if keys.count(k) > 1), None)
+        if dup is not None:
+            raise ValueError(f"deepspeed-config={path} has the key {dup!r} twice; keep one")
+        return dict(pairs)
+
+    if not os.path.isfile(path):
+        raise ValueError(f"deepspeed-config={path} does not exist; give the path of a ds_config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f, object_pairs_hook=no_duplicates)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"deepspeed-config={path} is not valid JSON: {err.msg} at line {err.lineno} "
+                         f"column {err.colno}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"deepspeed-config={path} holds a {type(config).__name__}; a ds_config is a JSON object")
+    return config
+
+
+def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.Namespace) -> None:
+    """The file's ``key`` sets ``--dest``; a flag given with another value is refused."""
+    given = getattr(a, dest)
+    if given != getattr(defaults, dest) and given != value:
+        raise ValueError(f"{dest}={given} disagrees with {key}={value} in the deepspeed-config; "
+                         f"drop --{dest.replace('_', '-')} (the file sets it) or change the file")
+    setattr(a, dest, value)
+
+
+def _batch(config: dict, world: int) -> tuple[int, int, int]:
+    """``(train_batch_size, micro, accumulation)`` for ``world`` DP ranks, by DeepSpeed's own rule
+    (``DeepSpeedConfig._configure_train_batch_size``); its assertion comes back as one line."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    ns = types.SimpleNamespace(train_batch_size=config.get("train_batch_size"),
+                               train_micro_batch_size_per_gpu=config.get("train_micro_batch_size_per_gpu"),
+                               gradient_accumulation_steps=config.get("gradient_accumulation_steps"),
+                               world_size=world)
+    try:
+        DeepSpeedConfig._set_batch_related_parameters(ns)
+        DeepSpeedConfig._batch_assertion(ns)
+    except (AssertionError, TypeError, ZeroDivisionError) as err:
+        raise ValueError(f"deepspeed-config batch sizes on {world} rank(s): {str(err) or type(err).__name__} "
+                         f"(DeepSpeed: train_batch_size = train_micro_batch_size_per_gpu x "
+                         f"gradient_accumulation_steps x DP)") from None
+    return ns.train_batch_size, ns.train_micro_batch_size_per_gpu, ns.gradient_accumulation_steps
+
+
+def _check_with_deepspeed(config: dict, tbs_micro_ga: tuple) -> None:
+    """DeepSpeed's parser on the config (every section's pydantic model), with the resolved batch for
+    the world DeepSpeed's comm sees now (one rank before ``deepspeed.initialize``); its first error
+    lines come back as a ValueError."""
+    from deepspeed import comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    _, micro, ga = tbs_micro_ga
+    try:
+        seen = comm.get_world_size()
+    except (AssertionError, RuntimeError, AttributeError):
+        seen = 1
+    one = dict(config, train_batch_size=micro * ga * seen, train_micro_batch_size_per_gpu=micro,
+               gradient_accumulation_steps=ga)
+    try:
+        DeepSpeedConfig(one)
+    except (ValueError, AssertionError, TypeError, KeyError) as err:
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise ValueError("deepspeed-config rejected by DeepSpeed: " + " / ".join(lines[:3])) from None
+
+
+def _check_fp16(fp16: bool) -> None:
+    """DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (``is_fp16_supported``);
+    refuse before the ranks start instead of DeepSpeed's traceback in each."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    if fp16 and not accelerator.is_fp16_supported():
+        raise ValueError(f"fp16.enabled=true: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 on this "
+                         f"machine (is_fp16_supported() is False); use \"bf16\": {{\"enabled\": true}}")
+
+
+def _check_nvme(zero: dict) -> None:
+    """``"device": "nvme"`` needs DeepSpeed's async_io op; refuse in one line when it cannot build here."""
+    nvme = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "nvme"]
+    if not nvme:
+        return
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        raise ValueError(f"zero_optimization.{nvme[0]}.device=nvme needs DeepSpeed's async_io op, which cannot be "
+                         f"built here (libaio's headers are missing: apt-get install libaio-dev); "
+                         f"use \"device\": \"cpu\"")
+    for k in nvme:
+        path = zero[k].get("nvme_path")
+        if not path or not os.path.isdir(path):
+            raise ValueError(f"zero_optimization.{k}.nvme_path={path} is not a folder; give an existing local folder")
+
+
+def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace) -> argparse.Namespace:
+    """Fold ``a.deepspeed_config`` (a path) into the flags for ``world`` ranks; see the module doc.
+    ``defaults``: the parser's defaults (a flag that differs from its default was given).
+
+    Sets ``a.deepspeed = {"config": the config DeepSpeed gets, "client_optimizer": bool,
+    "megatron_schedule": bool}`` and ``a.deepspeed_notes`` (what was added, one line each).
+    Refuses, in one line, a layout other than DP only, a flag that disagrees with the file, a file
+    DeepSpeed's parser refuses, NVMe offload without the async_io op."""
+    rules.deepspeed_layout(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size,
+                           getattr(a, "virtual_pipeline_model_parallel_size", None),
+                           [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest, None)])
+    import_deepspeed()
+    config = read_config(a.deepspeed_config)
+    notes = []
+    if not any(k in config for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                      "gradient_accumulation_steps")):
+        global_batch = a.global_batch_size or a.micro_batch_size * world
+        config["train_micro_batch_size_per_gpu"] = a.micro_batch_size
+        config["train_batch_size"] = global_batch
+        notes.append(f"deepspeed-config: train_micro_batch_size_per_gpu={a.micro_batch_size}, "
+                     f"train_batch_size={global_batch} from --micro-batch-size / --global-batch-size")
+    tbs, micro, ga = _batch(config, world)
+    config.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ga)
+    for key, dest in _BATCH:
+        _take(a, dest, config[key], key, defaults)
+    if "gradient_clipping" in config:
+        _take(a, "clip_grad", config["gradient_clipping"], "gradient_clipping", defaults)
+    else:
+        config["gradient_clipping"] = a.clip_grad
+        notes.append(f"deepspeed-config: gradient_clipping={a.clip_grad} from --clip-grad "
+                     f"(DeepSpeed's default: no clipping)")
+    for key in ("bf16", "fp16"):
+        if (config.get(key) or {}).get("enabled") is True:
+            _take(a, key, True, f"{key}.enabled", defaults)
+    _check_fp16(a.fp16)
+    opt = config.get("optimizer")
+    if opt is not None:
+        kind = str(opt.get("type", "")).lower()
+        if kind not in _ADAM_TYPES:
+            raise ValueError(f"optimizer.type={opt.get('type')} is not run by the course on CPU; use Adam or AdamW "
+                             f"(or drop the block: the flags' --optimizer runs as a client optimizer)")
+        _take(a, "optimizer", "adam", "optimizer.type", defaults)
+        params = opt.setdefault("params", {})
+        for key, dest in _ADAM_PARAMS:
+            if key in params:
+                _take(a, dest, params[key], f"optimizer.params.{key}", defaults)
+            else:
+                params[key] = getattr(a, dest)
+        if "betas" in params:
+            _take(a, "adam_beta1", params["betas"][0], "optimizer.params.betas[0]", defaults)
+            _take(a, "adam_beta2", params["betas"][1], "optimizer.params.betas[1]", defaults)
+        else:
+            params["betas"] = [a.adam_beta1, a.adam_beta2]
+        if "torch_adam" not in params:
+            params["torch_adam"] = True
+            notes.append("deepspeed-config: optimizer.params.torch_adam=true added (torch.optim.AdamW; DeepSpeed's "
+                         "FusedAdam / DeepSpeedCPUAdam are C++ ops built with g++ on first use)")
+    zero = config.get("zero_optimization") or {}
+    offloaded = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer",))
+    if offloaded and "zero_force_ds_cpu_optimizer" not in config and (opt is None or opt["params"]["torch_adam"]):
+        config["zero_force_ds_cpu_optimizer"] = False
+        notes.append("deepspeed-config: zero_force_ds_cpu_optimizer=false added (optimizer offload with "
+                     "torch.optim.AdamW instead of the g++-built DeepSpeedCPUAdam)")
+    _check_nvme(zero)
+    _check_with_deepspeed(config, (tbs, micro, ga))
+    a.deepspeed = {"config": config, "client_optimizer": opt is None, "megatron_schedule": "scheduler" not in config}
+    a.deepspeed_notes = tuple(notes)
+    return a
+
+
+# ============================================================================ the run
+
+
+class MegatronSchedule:
+    """Megatron's learning-rate schedule (:class:`course_lib.optimizer.LRScheduler`, in samples) as the
+    ``lr_scheduler`` DeepSpeed steps after each applied optimizer step."""
+
+    def __init__(self, optimizer, schedule: LRScheduler, global_batch_size: int):
+        self.optimizer, self.schedule, self.global_batch_size = optimizer, schedule, global_batch_size
+        self._set(schedule.get_lr())
+
+    def _set(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, *args, **kwargs) -> None:
+        self._set(self.schedule.step(self.global_batch_size))
+
+    def get_last_lr(self) -> list:
+        return [self.schedule.get_lr()]
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.schedule.num_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.schedule.num_steps = state["num_steps"]
+
+
+def _client_optimizer(args, groups):
+    if args.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
+    return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+
+
+def _grad_norm(params) -> float:
+    """The 2-norm of the (already averaged, unsharded) gradients."""
+    return float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params if p.grad is not None)))
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _tensors(obj, depth: int = 2):
+    """The tensors in ``obj`` (a tensor, or lists / tuples / dicts of them, ``depth`` levels deep)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0 and isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _tensors(x, depth - 1)
+    elif depth > 0 and isinstance(obj, dict):
+        for x in obj.values():
+            yield from _tensors(x, depth - 1)
+
+
+def _unique(tensors) -> list:
+    """Each storage once (flat buffers and their views count once)."""
+    seen, out = set(), []
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out
+
+
+def held_bytes(engine, stage: int) -> dict:
+    """This rank's model-state bytes as DeepSpeed holds them after a step:
+    ``{"params", "grads", "optimizer", "params_host", "optimizer_host"}``.
+
+    ``params``: the module's parameters (ZeRO-3: this rank's partitions ``p.ds_tensor``, plus the
+    parameters under ``stage3_param_persistence_threshold``, which every rank also keeps whole on the
+    device); ``grads``: the gradient buffers still allocated
+    (``p.grad``, ZeRO-1/2's ``averaged_gradients`` / ipg buffer, ZeRO-3's flat grad partition);
+    ``optimizer``: the fp32 master copy (ZeRO: this rank's flat partition) and the optimizer
+    state (Adam's two moments). ``*_host``: the same, moved to CPU memory by ``offload_param`` /
+    ``offload_optimizer``."""
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", opt)
+    state = _unique(t for st in base.state.values() for t in _tensors(st) if t.dim() > 0)
+    params = list(engine.module.parameters())
+    whole = []                   # parameters every rank holds whole (ZeRO-3: the persistent ones, on the device)
+    if stage == 3:
+        held = _unique(p.ds_tensor for p in params)
+        whole = _unique(p.data for p in params if getattr(p, "ds_persist", False))
+        master = _unique(_tensors(getattr(opt, "fp32_partitioned_groups_flat", [])))
+        grads = _unique(list(_tensors(getattr(opt, "grad_partitions_flat_buffer", None)))
+                        + list(_tensors(getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer", None))))
+        off_opt = bool(getattr(opt, "offload_optimizer", False))
+        off_param = bool(getattr(opt, "offload_param", False))
+    else:
+        held = _unique(p.data for p in params)
+        master = _unique(_tensors(getattr(opt, "single_partition_of_fp32_groups", [])))
+        if not master and hasattr(opt, "fp32_groups_flat_partition"):       # bf16 at stage 0 (BF16_Optimizer)
+            master = _unique(_tensors(opt.fp32_groups_flat_partition))
+        grads = _unique([p.grad for p in params] + list(_tensors(getattr(opt, "averaged_gradients", {}), 3))
+                        + list(_tensors(getattr(opt, "ipg_buffer", None))))
+        off_opt = bool(getattr(opt, "cpu_offload", False))
+        off_param = False
+    optimizer = _nbytes(master) + _nbytes(state)
+    return {"params": _nbytes(whole) + (0 if off_param else _nbytes(held)), "grads": _nbytes(grads),
+            "optimizer": 0 if off_opt else optimizer,
+            "params_host": _nbytes(held) if off_param else 0, "optimizer_host": optimizer if off_opt else 0}
+
+
+def offload_devices(config: dict) -> dict:
+    """``{"params": device, "optimizer": device}`` the config offloads to (``"host"`` for cpu, ``"nvme"``)."""
+    zero = config.get("zero_optimization") or {}
+    device = {k: (zero.get(k) or {}).get("device", "none") for k in ("offload_param", "offload_optimizer")}
+    return {what: {"cpu": "host", "nvme": "nvme"}.get(device[key], "host")
+            for what, key in (("params", "offload_param"), ("optimizer", "offload_optimizer"))}
+
+
+def _state_fields(held: dict, devices: dict) -> str:
+    """The memory line's fields; offloaded bytes are labelled ``on host`` (cpu) or ``on nvme`` (swapped
+    to files under ``nvme_path``)."""
+    return "".join(f" | {label} (bytes): {held[key]}" for key, label in
+                   (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+                    ("params_host", f"params on {devices['params']}"),
+                    ("optimizer_host", f"optimizer on {devices['optimizer']}")))
+
+
+def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: bool = True) -> dict:
+    """Train on the running default process group (every rank one DP rank) with DeepSpeed's engine
+    built from ``args.deepspeed`` (:func:`apply_config`, through ``validate_args``), on the model
+    ``gpt_config`` describes (``gpt_config_from_args(args)``). Collective.
+
+    Returns this rank's record, as :func:`course_lib.train.pretrain`'s: ``lm_loss`` (every rank),
+    ``grad_norm``, ``learning_rate``, ``elapsed_ms``, ``skipped``, ``loss_scale`` per iteration,
+    ``logged`` (last rank), ``memory`` and ``state_bytes`` (:func:`held_bytes`), ``num_parameters``,
+    ``zero_stage``."""
+    deepspeed = import_deepspeed()
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ds = args.deepspeed
+    config = ds["config"]
+    ga, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
+    global_batch_size = config["train_batch_size"]
+    stage = int((config.get("zero_optimization") or {}).get("stage", 0))
+    if rank == 0:
+        for note in args.deepspeed_notes:
+            print_line(f"WARNING: {note}")
+        if print_args:
+            print_line(world_size_line(world, world, 1, 1, 1))
+            for line in arguments_lines({k: v for k, v in vars(args).items() if k != "deepspeed"}):
+                print_line(line)
+    model = GPTModel(gpt_config)
+    model.train()
+    num_parameters = sum(p.numel() for p in model.parameters())
+    groups = param_groups(list(model.named_parameters()), args.weight_decay)
+    client = _client_optimizer(args, groups) if ds["client_optimizer"] else None
+    schedule = LRScheduler(args.lr, args.min_lr, args.lr_decay_style, args.lr_warmup_iters * global_batch_size,
+                           args.lr_decay_iters * global_batch_size)
+    lr_scheduler = (lambda opt: MegatronSchedule(opt, schedule, global_batch_size)) if ds["megatron_schedule"] else None
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups if client is None else None,
+                                           optimizer=client, lr_scheduler=lr_scheduler, config=json.loads(
+                                               json.dumps(config)), dist_init_required=False)
+    if rank == 0:
+        print_line(parameters_line(0, 0, num_parameters))
+    torch.manual_seed(args.seed)
+    record = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [], "skipped": [], "loss_scale": [],
+              "logged": [], "num_parameters": num_parameters, "zero_stage": stage, "coords": {"dp": rank}}
+    total, advanced, skipped_in_interval, report_memory = 0.0, 0, 0, True
+    dist.barrier()
+    interval_start = time.perf_counter()
+    for iteration in range(1, args.train_iters + 1):
+        it_start = time.perf_counter()
+        skipped_before, own_norm = engine.skipped_steps, float("nan")
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for j in range(ga):
+            b = get_batch(iteration - 1, j, rank, world, micro, args.seq_length, args.seed,
+                          global_batch_size=global_batch_size)
+            logits = engine(b["tokens"].to(engine.device))                               # [s, micro, V]
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                                     b["labels"].t().reshape(-1).to(engine.device))
+            engine.backward(loss)
+            if j == ga - 1 and stage == 0:       # the averaged grads (ZeRO-0 reports no norm in fp32)
+                own_norm = _grad_norm(engine.module.parameters())
+            engine.step()
+            loss_sum += loss.detach().double().cpu()
+        dist.all_reduce(loss_sum)                      # equal token counts: the mean of the micro-batch means
+        lm_loss = float(loss_sum) / (ga * world)
+        skipped = engine.skipped_steps > skipped_before
+        norm = engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else own_norm
+        lr = engine.get_lr()[0]
+        scale = float(getattr(engine.optimizer, "cur_scale", 1.0)) if args.fp16 else 1.0
+        for key, value in (("lm_loss", lm_loss), ("grad_norm", norm), ("learning_rate", lr),
+                           ("elapsed_ms", (time.perf_counter() - it_start) * 1000.0), ("skipped", skipped),
+                           ("loss_scale", scale)):
+            record[key].append(value)
+        skipped_in_interval += skipped
+        total += 0.0 if skipped else lm_loss
+        advanced += 1
+        first = iteration == 1
+        if iteration % args.log_interval == 0 or first:
+            dist.barrier()
+            elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
+            avg = total / max(1, advanced - skipped_in_interval)
+            if rank == world - 1:
+                print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
+                                          elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
+                                          lm_loss=avg, grad_norm=norm, loss_scale=scale,
+                                          skipped_iterations=skipped_in_interval))
+                record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
+                                             learning_rate=lr, grad_norm=norm))
+            if not first:
+                total, advanced, skipped_in_interval = 0.0, 0, 0
+                interval_start = time.perf_counter()
+            if report_memory:
+                held = held_bytes(engine, stage)
+                device = held["params"] + held["grads"] + held["optimizer"]
+                record["state_bytes"], record["memory"] = held, {"allocated": device, "max_allocated": device}
+                print_line(memory_line(rank, iteration, allocated=device, max_allocated=device,
+                                       source=MEMORY_SOURCE) + _state_fields(held, offload_devices(config)))
+                report_memory = iteration == 1
+    engine.destroy()
+    return record
+
+
+if __name__ == "__main__":      # make setup: python -m course_lib.training.deepspeed_engine --build-ops
+    import sys
+
+    if sys.argv[1:] != ["--build-ops"]:
+        sys.exit("usage: python -m course_lib.training.deepspeed_engine --build-ops")
+    print("DeepSpeed ops ready: " + ", ".join(build_ops()))
