@@ -41,7 +41,7 @@ One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss 
 step runs at the boundary: reduction or reduce-scatter over DP, clipping, the optimizer, the
 16-bit copy or the param partition). Each DP rank takes the micro-batches of the course's sampler
 (:func:`course_lib.data.get_batch`), so the same seed and data give the course trainer's losses
-(fp32: equal to rounding, ``tests/test_deepspeed.py``). The loss printed is the global batch's mean
+(fp32: equal to rounding, ``tests/training/test_deepspeed.py``). The loss printed is the global batch's mean
 token loss; the grad norm is DeepSpeed's (before clipping).
 
 The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as

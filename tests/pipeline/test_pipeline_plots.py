@@ -1,4 +1,4 @@
-"""Pictures and the widget build from the tested functions (no display needed)."""
+"""The pipeline pictures build from the tested functions (no display needed); the explorer widget: tests/classroom/test_widgets.py."""
 
 import matplotlib
 
@@ -10,7 +10,6 @@ import pytest  # noqa: E402
 from course_lib.pipeline.plots import bubble_vs_microbatches, gantt, gantt_compare, memory_bars  # noqa: E402
 from course_lib.pipeline.schedules import build_schedule  # noqa: E402
 from course_lib.pipeline.simulate import simulate  # noqa: E402
-from course_lib.classroom.widgets.pipeline import explore, pipeline_widget  # noqa: E402
 
 
 def test_gantt_draws_one_box_per_action_with_ids():
@@ -30,26 +29,6 @@ def test_compare_bubble_and_memory_figures():
                 memory_bars([simulate(build_schedule("1f1b", 3, 6)), a])):
         assert isinstance(fig, matplotlib.figure.Figure)
         plt.close(fig)
-
-
-def test_explore_reports_formula_and_simulation():
-    fig, text = explore(4, 8, 2, "interleaved", 2.0)
-    assert "simulated bubble fraction 0.1875" in text and "(p-1)/(v m) = 0.1875" in text
-    assert "peak live activations per rank (micro-batches of a whole stage): 5.5, 4.5, 3.5, 2.5" in text
-    plt.close(fig)
-    fig, text = explore(4, 8, 1, "zb-h1", 2.0)
-    assert "Table 2: 3 time units idle per rank" in text and "simulated 3" in text
-    plt.close(fig)
-    fig, text = explore(4, 6, 2, "interleaved")
-    assert fig is None and text.startswith("✗ num_microbatches=6 % microbatch_group_size_per_vp_stage")
-
-
-def test_widget_builds_and_redraws():
-    pytest.importorskip("ipywidgets")
-    box = pipeline_widget()
-    box.children[0].children[0].value = 2  # p: triggers a redraw
-    box.redraw()
-    plt.close("all")
 
 
 def test_cli_prints_orders_and_bubble(capsys):

@@ -1,4 +1,4 @@
-"""The sizing calculators: bad input, internal consistency, the planner and the explorer widget.
+"""The sizing calculators: bad input, internal consistency and the planner (the explorer widget: tests/classroom/test_widgets.py).
 
 The published-number checks are in tests/sizing/test_sizing_papers.py.
 """
@@ -243,39 +243,3 @@ def test_bubbles_are_the_pipeline_labs_functions():
     assert sizing.bubble_fraction(4, 8, vp=2) == 3 / 16
 
 
-def test_widget_pieces():
-    pytest.importorskip("matplotlib")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from course_lib.classroom.widgets.sizing import describe, memory_figure
-
-    assert describe(TINY, tp=3).startswith("invalid configuration: num_attention_heads=8 is not divisible")
-    p = plan(TINY, **PRESETS["tiny GPT (seed)"]["config"])
-    fig = memory_figure(p)
-    ax = fig.axes[0]
-    assert len(ax.patches) == 4 * 2  # four parts stacked on each of the two stages
-    plt.close(fig)
-
-
-def test_explorer_widget_updates_and_explains():
-    pytest.importorskip("ipywidgets")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from course_lib.classroom.widgets.sizing import explorer
-
-    box = explorer("tiny GPT (seed)")
-    text = box.children[-2]  # the summary; the figure goes to the Output widget below it
-    assert "tiny GPT (seed)" in text.value and "fits on a 80 GB GPU: yes" in text.value
-    tp_box = box.children[1].children[0]
-    tp_box.value = 3
-    assert "invalid configuration" in text.value and "num_attention_heads=8 is not divisible" in text.value
-    box.children[0].children[0].value = "GPT-3 175B"  # a new preset loads its configuration
-    assert "GPT-3 175B" in text.value and "TP=8 PP=8 DP=16" in text.value
-    box.children[2].children[3].value = "full"  # recompute
-    assert "recompute=full" in text.value
-    with pytest.raises(ValueError, match="preset='nope'"):
-        explorer("nope")

@@ -1,4 +1,4 @@
-"""The topology pictures (rank map, boundary sketch), the rankmap CLI, the widget and Lab 01's checkers.
+"""The topology pictures (rank map, boundary sketch), the rankmap CLI and Lab 01's checkers (the rank-map widget: tests/classroom/test_widgets.py).
 
 Pictures are checked by what they contain (every rank, every link, the right
 labels), computed independently from the seed's group lists -- not by pixels.
@@ -225,41 +225,6 @@ def test_package_names_and_a_light_import():
 
 
 # ---- widget ----------------------------------------------------------------------------------
-
-def test_widget_render_and_controls():
-    from course_lib.classroom.widgets.topology import RankMapWidget, render
-
-    out = render(8, tp=2, pp=2, highlight=5)
-    assert out["error"] is None and "<svg" in out["svg"]
-    assert "<b>[4, 5]</b>" in out["table"] and "<b>[5, 7]</b>" in out["table"]
-    assert render(8, tp=3, pp=1)["error"].startswith("world_size=8 is not divisible")
-    w = RankMapWidget(world_size=8, tp=2, pp=2, engine="matplotlib")
-    assert "tp=2, pp=2, cp=1, dp=2" in w.status.value
-    w.controls["cp"].value = 2
-    assert "dp=1" in w.status.value and "<svg" in w.picture.value
-    w.controls["world_size"].value = 12  # tp 2 x pp 2 x cp 2 does not divide 12: one red line
-    assert "is not divisible" in w.status.value and w.picture.value == ""
-    w.controls["cp"].value = 3
-    assert "world_size=12, tp=2, pp=2, cp=3, dp=1" in w.status.value
-
-
-def test_widget_expert_view_appears_only_with_ep():
-    from course_lib.classroom.widgets.topology import RankMapWidget, expert_view, render
-
-    assert expert_view(8, tp=2, pp=2) is None and render(8, tp=2, pp=2)["experts"] is None  # EP 1: today's view
-    ex = expert_view(8, tp=2, pp=1, ep=2, num_experts=4)
-    assert "<svg" in ex["svg"] and "<td>[0, 2]</td>" in ex["table"] and (ex["grid"].ep, ex["grid"].expert_dp) == (2, 2)
-    assert "num-experts" in render(8, tp=1, pp=1, ep=4, num_experts=6)["error"]
-    w = RankMapWidget(world_size=8, tp=2, pp=1, engine="matplotlib")
-    assert w.experts.value == ""
-    w.controls["num_experts"].value = 4
-    w.controls["ep"].value = 2
-    assert "Expert grid" in w.experts.value and "<td>[0, 2]</td>" in w.experts.value
-    w.controls["expert_tp"].value = 1
-    assert "<td>[0, 1]</td>" in w.experts.value
-    w.controls["ep"].value = 8  # expert tp 1 x ep 8 fits 8 ranks, but 4 experts do not split 8 ways
-    assert w.experts.value == "" and "num-experts" in w.status.value
-
 
 # ---- Lab 01 checkers ---------------------------------------------------------------------------
 
