@@ -123,6 +123,9 @@ Run
     ``data.GPTDataset``.
   * :func:`fits_in_memory` -- the estimated bytes of a run fit the memory this machine has,
     naming the flag that matters most: trainer.
+  * :func:`finite_loss_and_grad` -- a NaN or infinite loss or grad norm stops the run, naming the
+    iteration (Megatron's ``--check-for-nan-in-loss-and-grad``, on by default): trainer
+    (``train._training_loop``).
 Launch (processes on this machine)
   * :func:`launch_ranks` -- the ranks one launch starts here: 1..:data:`MAX_LAUNCH_RANKS`:
     ``launch``, the trainer's ``--nproc-per-node``.
@@ -618,6 +621,18 @@ def fits_in_memory(flag: str, value, needed_bytes: float, available_bytes: float
     if available_bytes is not None and needed_bytes > available_bytes:
         raise ValueError(f"{flag}={value} needs about {format_bytes(needed_bytes)} of memory ({detail}) but this "
                          f"machine has {format_bytes(available_bytes)} available; use a smaller {flag}")
+
+
+def finite_loss_and_grad(iteration: int, lm_loss: float | None, grad_norm: float | None) -> None:
+    """Megatron's ``--check-for-nan-in-loss-and-grad`` (on by default; ``rerun_state_machine`` in
+    ``pretrain_gpt.loss_func`` and the DDP grad check): a loss or grad norm that is NaN or infinite
+    ends training at that iteration. A skipped fp16 iteration (overflow) is not checked: the loss
+    scaler handles it."""
+    for name, value in (("lm_loss", lm_loss), ("grad_norm", grad_norm)):
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name}={value} at iteration {iteration} is not finite, so training stops there "
+                             f"(Megatron's --check-for-nan-in-loss-and-grad); lower --lr or --init-method-std, "
+                             f"or pass --no-check-for-nan-in-loss-and-grad to train on")
 
 
 def available_memory_bytes() -> int | None:

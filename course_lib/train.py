@@ -119,6 +119,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shlex
 import sys
@@ -487,6 +488,11 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
             step = train_step(setup, iteration)
+        if args.check_for_nan_in_loss_and_grad and not step["skipped"]:
+            try:
+                rules.finite_loss_and_grad(iteration, step["lm_loss"], step["grad_norm"])
+            except ValueError as exc:
+                raise TrainingStopped(str(exc), report=_reports_nonfinite(setup, step)) from None
         peak_activation = max(peak_activation, step["peak_bytes"])
         _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
         interval.add(step)
@@ -504,6 +510,15 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
     record.setdefault("memory", {"allocated": _bytes(setup.params),
                                  "max_allocated": _bytes(setup.params) + peak_activation})
     record["peak_activation_bytes"] = peak_activation
+
+
+def _reports_nonfinite(setup: TrainingSetup, step: dict) -> bool:
+    """Whether this rank prints the stop: every rank sees the grad norm (it is reduced), so rank 0 says
+    it; a loss only the last stage sees, so its first rank (tp = cp = dp = 0) says that."""
+    if not math.isfinite(step["grad_norm"]):
+        return dist.get_rank() == 0
+    c = setup.groups.coords
+    return setup.groups.is_last_stage and c["tp"] == c["cp"] == c["dp"] == 0
 
 
 def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
@@ -625,6 +640,14 @@ def train_single_process(args: argparse.Namespace) -> dict:
 # ============================================================================ entry points
 
 
+class TrainingStopped(RuntimeError):
+    """A run stopped on purpose by a check (a NaN loss or grad norm); ``report``: this rank prints it."""
+
+    def __init__(self, message: str, report: bool = True):
+        super().__init__(message)
+        self.report = report
+
+
 def _init_distributed(args) -> None:
     timeout = args.distributed_timeout_minutes * 60
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -656,6 +679,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointError as exc:                                       # one line, on the rank that saw it
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except TrainingStopped as exc:                                       # one line, and a failed run's exit code
+        if exc.report:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         dist.destroy_process_group()
     return 0

@@ -298,3 +298,23 @@ def test_course_cli_rejects_a_bad_layout_without_starting_torchrun():
     add_arguments(parser)
     with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tensor-model-parallel-size=8"):
         run(parser.parse_args(BASE + ["--nproc-per-node", "8", "--tensor-model-parallel-size", "8"]))
+
+
+def test_a_nan_loss_stops_training_with_one_line_and_a_failed_exit_code():
+    """Megatron's --check-for-nan-in-loss-and-grad (on by default): --lr 1e30 turns the loss into NaN at
+    iteration 2; the run stops there, says so in one line and exits 1 instead of training on and
+    exiting 0. --no-check-for-nan-in-loss-and-grad trains on (and survives the trip to torchrun's argv)."""
+    import subprocess
+    import sys
+
+    argv = [a for a in BASE if a not in ("--lr", "3e-3")] + ["--lr", "1e30", "--log-interval", "1"]
+    out = subprocess.run([sys.executable, "-m", "course_lib.train", *argv], capture_output=True, text=True,
+                         timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert len(errors) == 1 and "lm_loss=nan at iteration 2 is not finite" in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "iteration        3/" not in out.stdout
+    lenient = parse_args(argv + ["--no-check-for-nan-in-loss-and-grad"])
+    assert lenient.check_for_nan_in_loss_and_grad is False and parse_args(argv).check_for_nan_in_loss_and_grad
+    assert "--no-check-for-nan-in-loss-and-grad" in args_to_argv(lenient)
+    assert parse_args(args_to_argv(lenient)).check_for_nan_in_loss_and_grad is False

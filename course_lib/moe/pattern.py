@@ -10,6 +10,9 @@ from course_lib import rules
 
 __all__ = ["moe_layer_pattern", "parse_moe_layer_freq"]
 
+MAX_PATTERN_CHARS = 1_000    # Megatron's own examples are ~20 characters: "([1]*3+[0]*1)*24"
+MAX_PATTERN_LAYERS = 10_000  # the deepest published GPTs have ~100-200 layers
+
 
 def moe_layer_pattern(num_layers: int, moe_layer_freq=1) -> list[int]:
     """Megatron's ``--moe-layer-freq``: 1 for an MoE layer, 0 for a dense one, per layer (0-based).
@@ -43,25 +46,36 @@ def parse_moe_layer_freq(text):
     if isinstance(text, (int, list, tuple)):
         return text
     source = str(text).strip()
+    refusal = (f"moe-layer-freq={source[:40]!r}{'...' if len(source) > 40 else ''} must be an integer or a list "
+               f"pattern such as '([1]*3+[0]*1)*2' (lists of 0/1, + and * only)")
+    if len(source) > MAX_PATTERN_CHARS:
+        raise ValueError(f"{refusal}, at most {MAX_PATTERN_CHARS} characters (this one has {len(source)})")
 
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.List):
-            return [value(e) for e in node.elts]
+            return checked([value(e) for e in node.elts])
         if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Add) and isinstance(left, list) == isinstance(right, list):
-                return left + right
+                return checked(left + right) if isinstance(left, list) else left + right
             if isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
                 items, times = (left, right) if isinstance(left, list) else (right, left)
-                if 0 <= times and len(items) * times <= 1_000_000:   # a layer pattern, not a memory bomb
-                    return items * times
-        raise ValueError(f"moe-layer-freq={source!r} must be an integer or a list pattern such as "
-                         f"'([1]*3+[0]*1)*2' (lists of 0/1, + and * only)")
+                if times >= 0:
+                    return checked(items * times if len(items) * times <= MAX_PATTERN_LAYERS else None)
+            if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, int):
+                return left * right if abs(left * right) <= MAX_PATTERN_LAYERS else checked(None)
+        raise ValueError(refusal)
+
+    def checked(pattern):
+        """``pattern``, unless it expands past MAX_PATTERN_LAYERS (``None``: it would)."""
+        if pattern is None or len(pattern) > MAX_PATTERN_LAYERS:
+            raise ValueError(f"{refusal}; this one expands past {MAX_PATTERN_LAYERS} layers")
+        return pattern
 
     try:
         tree = ast.parse(source, mode="eval").body
-    except SyntaxError:
-        tree = None
-    return value(tree) if tree is not None else value(ast.Constant(None))
+        return value(tree)
+    except (SyntaxError, RecursionError, MemoryError):
+        raise ValueError(refusal) from None

@@ -32,6 +32,7 @@ from course_lib.model import GPTConfig
 from course_lib.moe.pattern import parse_moe_layer_freq
 from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
 from course_lib.safe_files import check_output_dir
+from course_lib.sizing.moe import moe_parameter_counts
 from course_lib.topology import ParallelConfig
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -96,6 +97,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad", action="store_false",
+                   help="train on past a NaN or infinite loss or grad norm (Megatron stops there by default)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -384,6 +387,9 @@ def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dic
       plus the embedding and output terms (:func:`~course_lib.sizing.activation_bytes_outside_layers`);
     * ``batches``: the step's tokens and labels (int64).
 
+    With ``--num-experts`` the weights add every expert and router (:func:`~course_lib.sizing.moe.moe_parameter_counts`)
+    to the master, and this rank's share (``experts / (expert_tp·ep·pp)``) to its model states.
+
     ``halved``: flags whose value to halve first, to see which one weighs most; a halving that breaks
     a rule (a micro-batch count that is no longer whole, a hidden size the heads do not divide)
     raises that rule's ValueError."""
@@ -400,6 +406,14 @@ def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dic
     m = rules.num_microbatches(value("global_batch_size"), b, cfg.dp)
     master = sizing.num_parameters(L, h, V, positions, ffn)
     mine = sizing.parameters_per_rank(L, h, V, positions, heads, tp, pp, ffn)
+    if getattr(a, "num_experts", None):   # the master holds every expert; this rank its EP x expert-TP share
+        experts = rules.moe_experts(value("num_experts"), cfg.grid.ep)
+        counts = moe_parameter_counts(
+            num_layers=L, hidden_size=h, num_attention_heads=heads, vocab_size=V, num_experts=experts,
+            moe_ffn_hidden_size=a.moe_ffn_hidden_size or ffn, moe_router_topk=min(a.moe_router_topk, experts),
+            moe_layer_freq=a.moe_layer_freq, ffn_hidden_size=ffn, max_position_embeddings=positions)
+        master += counts["experts"] + counts["router"]
+        mine += counts["experts"] / (cfg.grid.expert_tp * cfg.grid.ep * pp) + counts["router"] / pp
     states = sizing.model_state_bytes(mine, param_bytes=4, grad_bytes=4, k=8).total
     schedule = "interleaved" if vp > 1 else a.pipeline_schedule
     inflight = sizing.inflight_microbatches(pp, m, schedule, vp)[0] / vp    # in whole stages' layers
@@ -412,7 +426,7 @@ def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dic
 
 FLOAT32_PER_16_BIT = 2              # the paper counts 16-bit activations; the trainer keeps float32
 _MEMORY_FLAGS = ("hidden_size", "seq_length", "micro_batch_size", "ffn_hidden_size", "global_batch_size",
-                 "max_position_embeddings")
+                 "max_position_embeddings", "num_experts")
 
 
 def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> None:
@@ -432,7 +446,8 @@ def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> Non
     flag = max(saved, key=saved.get)
     detail = (f"{ranks} rank(s) on this machine, each about {rules.format_bytes(parts['weights'])} of weights, "
               f"gradients and optimizer state and {rules.format_bytes(parts['activations'] + parts['batches'])} of "
-              f"activations and batches")
+              f"activations and batches" + (f", {a.num_experts} experts per MoE layer in its master weights"
+                                           if getattr(a, "num_experts", None) else ""))
     rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
 
 
@@ -464,7 +479,7 @@ def args_to_argv(args: argparse.Namespace) -> list[str]:
         value, flag = getattr(args, action.dest), action.option_strings[0]
         if value == action.default:
             continue
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
         else:
             argv += [flag, str(value)]
