@@ -22,8 +22,8 @@ from multiprocessing import connection
 
 from course_lib.launch.contract import RANK_ENV, LaunchTimeout, RankResults, init_rank, load_results
 from course_lib.launch.output import read_back, redirect_output
-from course_lib.launch.process_tree import (POLL_S, death_report, die_with_parent, first_failure, kill_tree,
-                                            libc_prctl, stop_report, supervise, wait_gone)
+from course_lib.launch.process_tree import (POLL_S, adopt_orphans, death_report, die_with_parent, first_failure,
+                                            kill_tree, libc_prctl, stop_report, supervise, wait_gone)
 
 # After the first rank fails, the others get this long to report their own
 # failure (often a broken collective) before they are killed.
@@ -32,6 +32,7 @@ _GRACE_AFTER_FAILURE_S = 0.3
 
 def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_fd, parent_pid):
     die_with_parent(parent_pid)  # first: a killed kernel takes its ranks with it
+    adopt_orphans()  # what fn starts stays under this rank, for _stop_forked to kill
     status, payload = "error", b""
     try:
         redirect_output(out_fd)
