@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import LaunchTimeout, RankError, launch
+from course_lib.launch import LaunchTimeout, RankError, RendezvousError, init_rank, launch
 from course_lib.launch.magic import torchrun_cell
 
 
@@ -248,6 +248,45 @@ def test_fork_leaves_no_process_a_rank_started(tmp_path, failing_rank):
         with pytest.raises(RankError, match="rank 1 fails after starting processes"):
             launch(rank_starts_processes, world_size=2, output="none", pid_dir=str(tmp_path), failing_rank=1)
     assert left_running(tmp_path) == ([], 4)
+
+
+RENDEZVOUS_FIX = "every rank must reach the rendezvous in time: give a longer timeout"
+
+
+def test_fork_a_rank_that_never_joins_is_one_line_naming_the_rank_that_waited(monkeypatch):
+    """Rank 1 reaches the rendezvous 30 s late (the forked ranks inherit this patch): rank 0's
+    own timeout says so, in one line -- not a "hang or deadlock" from the launcher's deadline."""
+    join = dist.init_process_group
+
+    def late(*args, **kwargs):
+        if kwargs["rank"] == 1:
+            time.sleep(30)
+        return join(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", late)
+    with pytest.raises(RankError) as info:
+        launch(rank_sum, world_size=2, timeout=2, output="none")
+    err = info.value
+    assert err.rank == 0 and err.exc_type == "RendezvousError", str(err)
+    assert str(err).startswith("rank 0 could not join the process group within timeout=2s (DistStoreError: ")
+    assert RENDEZVOUS_FIX in str(err) and "\n" not in str(err), str(err)
+
+
+def test_an_env_rendezvous_that_cannot_reach_its_store_is_one_line(monkeypatch):
+    """How a torchrun rank (and ``train``) joins: env://, here to a port where nothing listens."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(RendezvousError) as info:
+        init_rank(1, 2, "gloo", timeout=1)
+    message = str(info.value)
+    assert message.startswith("rank 1 could not join the process group within timeout=1s (DistNetworkError: ")
+    assert f"{port}" in message and RENDEZVOUS_FIX in message and "\n" not in message, message
+    assert not dist.is_initialized()
 
 
 def test_a_launch_inside_a_launch_is_refused_in_one_line():

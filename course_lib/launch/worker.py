@@ -44,10 +44,9 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
-from course_lib.launch.contract import RANK_ENV, init_rank
+from course_lib.launch.contract import RANK_ENV, failure_record, init_rank
 from course_lib.launch.output import redirect_output
 from course_lib.launch.process_tree import POLL_S, adopt_orphans, death_report, die_with_parent, kill_tree
 from course_lib.launch.torchrun import TORCHRUN_SIGTERM_S
@@ -180,9 +179,7 @@ def run_rank(job_path: Path, rank: int) -> int:
         watchdog.cancel()
         write_atomic(job_path / f"rank{rank}.pkl", pickle.dumps(value))
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
-        tb = traceback.format_exc()
-        print(tb, file=sys.stderr, end="")
-        write_atomic(job_path / f"rank{rank}.err", pickle.dumps((type(exc).__name__, tb, time.time())))
+        write_atomic(job_path / f"rank{rank}.err", pickle.dumps(failure_record(exc)))
         return 1
     finally:
         sys.stdout.flush()
