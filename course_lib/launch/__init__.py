@@ -62,10 +62,10 @@ from course_lib.launch.output import print_outputs
 from course_lib.launch.process_tree import describe_exit, die_with_parent, is_running, kill_tree, wait_gone
 from course_lib.launch.torchrun import TorchrunAgent, launch_torchrun, run_torchrun, torchrun_command
 
-__all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "RendezvousError", "RankResults", "LAUNCHERS", "BACKENDS",
-           "OUTPUT_MODES", "MAX_TIMEOUT_S", "RANK_ENV", "PROCESS_DIED", "RESULT_UNREADABLE", "resolve_backend",
-           "init_rank", "print_outputs", "describe_exit", "die_with_parent", "is_running", "kill_tree", "wait_gone",
-           "torchrun_command", "TorchrunAgent", "run_torchrun"]
+__all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "RendezvousError", "RankResults", "LAUNCHERS",
+           "BACKENDS", "OUTPUT_MODES", "MAX_TIMEOUT_S", "RANK_ENV", "PROCESS_DIED", "RESULT_UNREADABLE",
+           "resolve_backend", "init_rank", "print_outputs", "describe_exit", "die_with_parent", "is_running",
+           "kill_tree", "wait_gone", "torchrun_command", "TorchrunAgent", "run_torchrun"]
 
 # Tracebacks name an exception by its module: the errors keep the public path they are raised and caught by.
 for _error in (LaunchError, RankError, LaunchTimeout, RendezvousError):
