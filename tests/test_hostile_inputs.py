@@ -7,12 +7,15 @@ The commands run in this process (``course_lib.__main__.main``), so the module s
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from course_lib import rules, safe_files
 from course_lib.__main__ import main
+from course_lib.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -131,3 +134,30 @@ def test_launch_sizes_and_timeouts_come_from_the_rule_book():
                         (10**9, "must be in")):
         with pytest.raises(ValueError, match=says):
             rules.timeout_seconds("timeout", value)
+
+
+# ---- a torchrun launch refuses an argument its ranks could not receive, before anything starts -----------
+
+class _FromANotebook:
+    pass
+
+
+_FromANotebook.__module__ = "__main__"  # as if defined in a notebook cell: pickled by a name the ranks lack
+
+
+@pytest.mark.parametrize("value, says", [
+    (lambda: 0, "argument value=<lambda> is a lambda; "),
+    ([1, {"f": lambda: 0}], "argument value (a list) holds <lambda>, which is a lambda; "),
+    (threading.Lock(), "argument value (a lock) cannot be pickled (cannot pickle '_thread.lock' object); "),
+    (_FromANotebook(), "argument value (a _FromANotebook) holds _FromANotebook, which is defined in a notebook cell"),
+])
+def test_torchrun_refuses_an_argument_that_cannot_travel_in_one_line(tmp_path, monkeypatch, value, says):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # nothing started: no job folder made either
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    monkeypatch.setattr(sys.modules["__main__"], "_FromANotebook", _FromANotebook, raising=False)
+    with pytest.raises(ValueError) as info:
+        launch(print, world_size=2, launcher="torchrun", value=value)
+    message = str(info.value)
+    assert says in message and "\n" not in message, message
+    assert "pass a function defined at the top of a module file, or another picklable value" in message
+    assert not any(tmp_path.iterdir())

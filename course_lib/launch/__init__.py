@@ -14,7 +14,9 @@ order. Two launchers, one contract:
 Failure is never silent and never hangs: every process group gets ``timeout``
 seconds; the first rank to fail is the one named -- with its traceback, or with
 its exit code or signal when it died without one (``os._exit``, a segfault, a
-kill); a rank that hangs is reported when ``timeout`` expires. Each rank's
+kill), or in one line when it could not join the process group in time (a
+:class:`RendezvousError`); a rank that hangs is reported when ``timeout``
+expires (counted once every rank has joined). Each rank's
 stdout/stderr is captured to its own buffer and printed grouped by rank, never
 interleaved.
 
@@ -53,19 +55,20 @@ from typing import Any, Callable
 
 from course_lib.launch.contract import (BACKENDS, LAUNCHERS, MAX_TIMEOUT_S, OUTPUT_MODES, PROCESS_DIED, RANK_ENV,
                                         RESULT_UNREADABLE, LaunchError, LaunchTimeout, RankError, RankResults,
-                                        check_args, init_rank, refuse_nested_launch, resolve_backend)
+                                        RendezvousError, check_args, init_rank, refuse_nested_launch,
+                                        resolve_backend)
 from course_lib.launch.fork import launch_fork
 from course_lib.launch.output import print_outputs
 from course_lib.launch.process_tree import describe_exit, die_with_parent, is_running, kill_tree, wait_gone
 from course_lib.launch.torchrun import TorchrunAgent, launch_torchrun, run_torchrun, torchrun_command
 
-__all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "RankResults", "LAUNCHERS", "BACKENDS",
-           "OUTPUT_MODES", "MAX_TIMEOUT_S", "RANK_ENV", "PROCESS_DIED", "RESULT_UNREADABLE", "resolve_backend",
-           "init_rank", "print_outputs", "describe_exit", "die_with_parent", "is_running", "kill_tree", "wait_gone",
-           "torchrun_command", "TorchrunAgent", "run_torchrun"]
+__all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "RendezvousError", "RankResults", "LAUNCHERS",
+           "BACKENDS", "OUTPUT_MODES", "MAX_TIMEOUT_S", "RANK_ENV", "PROCESS_DIED", "RESULT_UNREADABLE",
+           "resolve_backend", "init_rank", "print_outputs", "describe_exit", "die_with_parent", "is_running",
+           "kill_tree", "wait_gone", "torchrun_command", "TorchrunAgent", "run_torchrun"]
 
 # Tracebacks name an exception by its module: the errors keep the public path they are raised and caught by.
-for _error in (LaunchError, RankError, LaunchTimeout):
+for _error in (LaunchError, RankError, LaunchTimeout, RendezvousError):
     _error.__module__ = __name__
 del _error
 

@@ -1,12 +1,17 @@
 """What both launchers promise: the arguments :func:`course_lib.launch.launch` accepts, how a
-rank joins the process group, the per-rank results, and the errors raised when ranks fail
-(:class:`RankError`) or hang (:class:`LaunchTimeout`)."""
+rank joins the process group (and says so in one line when it cannot:
+:class:`RendezvousError`), what a failing rank reports, the per-rank results, and the errors
+raised when ranks fail (:class:`RankError`) or hang (:class:`LaunchTimeout`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
+import sys
+import time
+import traceback
 
 from course_lib import rules
 from course_lib.launch.output import tail
@@ -27,11 +32,20 @@ class LaunchError(RuntimeError):
     """Base class: something went wrong on the ranks."""
 
 
+class RendezvousError(LaunchError):
+    """A rank could not join the process group (the rendezvous failed or timed out); one line."""
+
+
+# RankError.exc_type of the failures that the launcher words itself, in full, without a Python traceback.
+_ACCOUNTS = (PROCESS_DIED, RESULT_UNREADABLE, RendezvousError.__name__)
+
+
 class RankError(LaunchError):
     """A rank failed. ``rank`` is the first rank that failed, ``traceback`` its text
     (for a rank that died without one, how it died), ``exc_type`` the exception
     class name (``"ProcessDied"`` for such a death, ``"ResultUnreadable"`` for a
-    result this process cannot unpickle), ``outputs`` every rank's
+    result this process cannot unpickle, ``"RendezvousError"`` for a rank that could
+    not join the process group: these three are one line), ``outputs`` every rank's
     captured output, ``other_failures`` the later failures by rank."""
 
     def __init__(self, rank: int, exc_type: str, tb: str, outputs: list[str],
@@ -40,9 +54,10 @@ class RankError(LaunchError):
         self.outputs = outputs
         self.other_failures = other_failures or {}
         last_line = tb.strip().splitlines()[-1] if tb.strip() else exc_type
-        if exc_type in (PROCESS_DIED, RESULT_UNREADABLE):  # the launcher's account: it names the rank
+        if exc_type in _ACCOUNTS:  # the launcher's account: it names the rank
             msg = tb.strip()
-            if rank < len(outputs) and outputs[rank].strip():  # a crash's Python stack, if any, is in it
+            if exc_type != RendezvousError.__name__ and rank < len(outputs) and outputs[rank].strip():
+                # a crash's Python stack, if any, is in it
                 msg += f"\n\n--- last output of rank {rank} ---\n{tail(outputs[rank], 40)}"
         else:
             msg = f"rank {rank} failed: {last_line}\n\n--- traceback of rank {rank} ---\n{tb}"
@@ -108,10 +123,30 @@ def refuse_nested_launch() -> None:
                           f"part of the work")
 
 
-def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None) -> None:
+@contextlib.contextmanager
+def _joining(rank: int, timeout: float):
+    """Turn a failed rendezvous of rank ``rank`` (torch's store or network error: a peer that
+    never came, a store that cannot be reached in time, a port in use) into a one-line
+    :class:`RendezvousError` that names the rank and the fix."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except (dist.DistNetworkError, dist.DistStoreError) as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
+        raise RendezvousError(
+            f"rank {rank} could not join the process group within timeout={timeout:g}s "
+            f"({type(exc).__name__}: {detail}); every rank must reach the rendezvous in time: give a longer "
+            f"timeout (a busy machine starts ranks slowly), check that every rank starts, and that nothing else "
+            f"holds or blocks the rendezvous port") from None
+
+
+def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None,
+              master: tuple[str, int] | None = None) -> None:
     """Initialise ``torch.distributed`` in this process (one rank) with ``timeout``
-    on the default group. Without ``store`` the rendezvous comes from torchrun's
-    environment (``env://``).
+    on the default group. The rendezvous: ``store``, or the TCPStore served at
+    ``master`` (host, port), else torchrun's environment (``env://``). A rendezvous
+    that fails is a one-line :class:`RendezvousError`.
 
     With NCCL the rank gets its own GPU and the group is ``"cpu:gloo,cuda:nccl"``:
     CUDA tensors travel over NCCL while the labs' CPU tensors still work (gloo).
@@ -124,9 +159,21 @@ def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=No
         backend = "cpu:gloo,cuda:nccl"
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
                   timeout=datetime.timedelta(seconds=timeout))
-    if store is not None:
-        kwargs["store"] = store
-    dist.init_process_group(**kwargs)
+    with _joining(rank, timeout):
+        if master is not None:
+            store = dist.TCPStore(*master, world_size, is_master=False, timeout=kwargs["timeout"])
+        if store is not None:
+            kwargs["store"] = store
+        dist.init_process_group(**kwargs)
+
+
+def failure_record(exc: BaseException) -> tuple[str, str, float]:
+    """What a rank reports when it fails with ``exc`` (the exception being handled):
+    (exception name, text, time), the text also written to the rank's output. The text is
+    the traceback, or for a :class:`RendezvousError` its one line (the traceback would be torch's)."""
+    text = f"{exc}\n" if isinstance(exc, RendezvousError) else traceback.format_exc()
+    print(text, file=sys.stderr, end="")
+    return type(exc).__name__, text, time.time()
 
 
 def load_results(payloads: dict[int, bytes], outputs: list[str]) -> RankResults:

@@ -1,9 +1,10 @@
 """``launch(..., launcher="fork")``: ranks forked from the launching process.
 
 Ranks start in a fraction of a second and can run functions defined in a notebook. Each
-rank reports over a pipe (its pickled result, or its failure with a traceback); a separate
-thread per rank records when it died, so a rank that died without a word is dated before the
-failures it caused in its peers. Its output goes to a file deleted at birth.
+rank reports over a pipe (that it joined the process group, then its pickled result, or its
+failure with a traceback); a separate thread per rank records when it died, so a rank that died
+without a word is dated before the failures it caused in its peers. Its output goes to a file
+deleted at birth.
 """
 
 from __future__ import annotations
@@ -17,21 +18,27 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from multiprocessing import connection
 
-from course_lib.launch.contract import RANK_ENV, LaunchTimeout, RankResults, init_rank, load_results
+from course_lib.launch.contract import (RANK_ENV, LaunchTimeout, RankResults, failure_record, init_rank,
+                                        load_results)
 from course_lib.launch.output import read_back, redirect_output
-from course_lib.launch.process_tree import (POLL_S, death_report, die_with_parent, first_failure, kill_tree,
-                                            libc_prctl, stop_report, supervise, wait_gone)
+from course_lib.launch.process_tree import (POLL_S, adopt_orphans, death_report, die_with_parent, first_failure,
+                                            kill_tree, libc_prctl, stop_report, supervise, wait_gone)
 
 # After the first rank fails, the others get this long to report their own
 # failure (often a broken collective) before they are killed.
 _GRACE_AFTER_FAILURE_S = 0.3
+# How long the ranks may take to start, on top of ``timeout``, before all have joined the group (a
+# rank's own rendezvous timeout, counted from its start, says which rank could not join, and why).
+_FORK_STARTUP_S = 10
+# The message a rank sends once it has joined the process group, before its report.
+_JOINED = ("joined", b"")
 
 
 def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_fd, parent_pid):
     die_with_parent(parent_pid)  # first: a killed kernel takes its ranks with it
+    adopt_orphans()  # what fn starts stays under this rank, for _stop_forked to kill
     status, payload = "error", b""
     try:
         redirect_output(out_fd)
@@ -39,16 +46,13 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
         import torch
 
         torch.set_num_threads(1)  # several ranks on 2 cores: OpenMP oversubscription hangs
-        import torch.distributed as dist
-
         # What torchrun would set, so code reads the same under both launchers.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
         os.environ[RANK_ENV] = str(rank)
 
-        store = dist.TCPStore(host, port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout))
-        init_rank(rank, world_size, backend, timeout, store=store)
+        init_rank(rank, world_size, backend, timeout, master=(host, port))
+        conn.send_bytes(pickle.dumps(_JOINED))
         value = fn(**kwargs)
         try:
             payload = pickle.dumps(value)
@@ -56,9 +60,7 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
             raise TypeError(f"the return value of fn on rank {rank} cannot be pickled: {exc}") from None
         status = "ok"
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
-        tb = traceback.format_exc()
-        print(tb, file=sys.stderr, end="")
-        payload = pickle.dumps((type(exc).__name__, tb, time.time()))
+        payload = pickle.dumps(failure_record(exc))
     try:
         sys.stdout.flush()
         conn.send_bytes(pickle.dumps((status, payload)))
@@ -139,17 +141,18 @@ def _fork_ranks(ctx, procs, conns, world_size, backend, timeout, listener, fn, k
 
 
 def _collect_reports(procs, conns, timeout):
-    """Read each rank's report (or note its death) until all have reported, ``timeout``
-    passes, or ``_GRACE_AFTER_FAILURE_S`` after the first failure. Returns
+    """Read each rank's report (or note its death) until all have reported, ``timeout`` passes
+    once every rank has joined the group (``timeout`` + ``_FORK_STARTUP_S`` until then), or
+    ``_GRACE_AFTER_FAILURE_S`` after the first failure. Returns
     ``({rank: pickled result}, {rank: (exception name, traceback, time)})``."""
-    payloads, failures, deaths = {}, {}, {}
+    payloads, failures, deaths, joined = {}, {}, {}, set()
     watchers = [threading.Thread(target=_record_death, args=(p.pid, p.sentinel, r, deaths), daemon=True)
                 for r, p in enumerate(procs)]
     for w in watchers:
         w.start()
     pending = dict(conns)
     first_failure_at = None
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + timeout + _FORK_STARTUP_S
     while pending:
         now = time.monotonic()
         limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_AFTER_FAILURE_S)
@@ -158,8 +161,14 @@ def _collect_reports(procs, conns, timeout):
         ready = connection.wait(list(pending), timeout=min(limit - now, POLL_S))
         dead = [c for c, r in pending.items() if r in deaths]
         for c in dict.fromkeys([*ready, *dead]):
-            rank = pending.pop(c)
+            rank = pending[c]
             report = _receive(c)
+            if report == _JOINED:
+                joined.add(rank)
+                if len(joined) == len(procs):
+                    deadline = min(deadline, time.monotonic() + timeout)
+                continue
+            del pending[c]
             if report is None:  # died without reporting (os._exit, a signal, a crash)
                 watchers[rank].join(timeout=2)
                 noticed_at, exitcode = deaths.get(rank, (time.time(), None))

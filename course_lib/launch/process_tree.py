@@ -1,6 +1,7 @@
-"""The ranks' process tree: ranks that die with their parent, a tree killed whole and checked
-gone, a wait that stops everything however it ends, and the blame -- how a rank died when it
-could not say so itself, and which rank failed first."""
+"""The ranks' process tree: ranks that die with their parent, a tree that keeps every process
+started under it (:func:`adopt_orphans`) and is killed whole and checked gone, a wait that stops
+everything however it ends, and the blame -- how a rank died when it could not say so itself, and
+which rank failed first."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+def adopt_orphans() -> bool:
+    """Keep in this process's tree every process started under it, even once its parent has ended.
+
+    An orphan -- a process whose parent ended (a rank that returned, a daemon's shell)
+    -- is re-parented to its nearest ancestor that is a "child subreaper" instead of
+    to init (Linux's ``prctl(PR_SET_CHILD_SUBREAPER)``; not inherited by children),
+    so :func:`kill_tree` on this process still finds it. Whether it worked (False off Linux).
+    """
+    prctl = libc_prctl()
+    pr_set_child_subreaper = 36
+    return prctl is not None and prctl(pr_set_child_subreaper, 1, 0, 0, 0) == 0
+
+
 def parent_pids() -> dict[int, int] | None:
     """``{pid: parent pid}`` of every process, read from /proc; None where there is no /proc."""
     try:
@@ -89,9 +103,10 @@ def kill_tree(pid: int, keep_root: bool = False) -> list[int]:
 
     Each generation is stopped (SIGSTOP) before its children are listed, so that
     no process can start a child we miss, nor reap one (its pid stays its own).
-    ``pid`` must be an unreaped child of this process. ``keep_root``: kill only
-    the descendants, and let ``pid`` go on (SIGCONT). Without /proc, ``pid``'s
-    process group stands in for its descendants (``keep_root`` kills nothing).
+    ``pid`` must be an unreaped child of this process, or this process itself with
+    ``keep_root``. ``keep_root``: kill only the descendants, and let ``pid`` go on
+    (SIGCONT). Without /proc, ``pid``'s process group stands in for its descendants
+    (``keep_root`` kills nothing).
     """
     if parent_pids() is None:
         if keep_root:
@@ -102,17 +117,19 @@ def kill_tree(pid: int, keep_root: bool = False) -> list[int]:
             except OSError:
                 pass
         return [pid]
+    me = os.getpid()
     tree, generation = [], [pid]
     while generation:
         for p in generation:
-            _send(p, signal.SIGSTOP)
+            if p != me:
+                _send(p, signal.SIGSTOP)
         tree += generation
         parents = parent_pids() or {}
         generation = [child for child, parent in parents.items() if parent in generation and child not in tree]
     victims = tree[1:] if keep_root else tree
     for p in reversed(victims):
         _send(p, signal.SIGKILL)
-    if keep_root:
+    if keep_root and pid != me:
         _send(pid, signal.SIGCONT)
     return victims
 

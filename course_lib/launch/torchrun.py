@@ -9,6 +9,7 @@ each rank), :func:`run_torchrun` runs it in the foreground, and :func:`launch_to
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shlex
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from multiprocessing import connection
 from pathlib import Path
 from typing import Sequence
@@ -198,15 +200,74 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
     return code if code >= 0 else 128 - code
 
 
+def _not_importable(obj) -> str | None:
+    """Why a fresh Python process cannot import the function or class ``obj`` by name; None if it can."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", "")
+    if qualname.rpartition(".")[2] == "<lambda>":
+        return "is a lambda"
+    if module == "__main__":
+        return "is defined in a notebook cell or script (__main__)"
+    if module is None or "<" in qualname:
+        return "is defined in a local scope"
+    return None
+
+
 def _importable_name(fn) -> tuple[str, str]:
-    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    name = getattr(fn, "__name__", repr(fn))
-    if module in (None, "__main__") or "<" in qualname:
-        where = "a notebook cell or script (__main__)" if module == "__main__" else "a local scope"
+    where = _not_importable(fn)
+    if where:
         raise ValueError(
-            f"fn {name!r} is defined in {where}; torchrun starts fresh Python processes that must "
+            f"fn {getattr(fn, '__name__', repr(fn))!r} {where}; torchrun starts fresh Python processes that must "
             f"import it: move it into a module file, or use launcher='fork'")
-    return module, qualname
+    return fn.__module__, getattr(fn, "__qualname__", "")
+
+
+class _NotImportable(Exception):
+    """``obj``, a function or class inside an argument, cannot be imported by the ranks (``where`` says why)."""
+
+    def __init__(self, obj, where: str):
+        super().__init__(where)
+        self.obj, self.where = obj, where
+
+
+class _ArgumentPickler(pickle.Pickler):
+    """A pickler that refuses, by name, a function or class the ranks could not import
+    (pickle stores those by name: a lambda fails with an obscure error, a notebook's
+    function only when the rank unpickles it)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, (types.FunctionType, type)) and (where := _not_importable(obj)):
+            raise _NotImportable(obj, where)
+        return NotImplemented
+
+
+def _dumps(value) -> bytes:
+    buffer = io.BytesIO()
+    _ArgumentPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _job_spec(**spec) -> bytes:
+    """The job the ranks read (``spec["kwargs"]`` are ``fn``'s arguments), pickled; an argument
+    that cannot travel to them is a one-line ``ValueError`` naming it, before anything starts."""
+    try:
+        return _dumps(spec)
+    except Exception:  # noqa: BLE001 - whatever pickling raises: find the argument to name
+        for name, value in spec["kwargs"].items():
+            try:
+                _dumps(value)
+            except Exception as exc:  # noqa: BLE001
+                if isinstance(exc, _NotImportable) and exc.obj is value:
+                    what = f"={value.__qualname__} {exc.where}"
+                elif isinstance(exc, _NotImportable):
+                    what = f" (a {type(value).__name__}) holds {exc.obj.__qualname__}, which {exc.where}"
+                else:
+                    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    what = f" (a {type(value).__name__}) cannot be pickled ({reason})"
+                raise ValueError(
+                    f"argument {name}{what}; torchrun starts fresh Python processes "
+                    f"that receive each argument pickled: pass a function defined at the top of a module file, or "
+                    f"another picklable value, or use launcher='fork'") from None
+        raise
 
 
 def _import_root(module: str) -> str | None:
@@ -268,7 +329,7 @@ def _read_reports(job: Path, world_size: int):
 
 def launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
     module, qualname = _importable_name(fn)
-    job_spec = pickle.dumps(dict(module=module, qualname=qualname, kwargs=kwargs, backend=backend, timeout=timeout))
+    job_spec = _job_spec(module=module, qualname=qualname, kwargs=kwargs, backend=backend, timeout=timeout)
     cmd = torchrun_command(world_size, ["-m", "course_lib.launch.worker"])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # Make fn's module (and whatever the caller could import) importable there.

@@ -7,8 +7,11 @@ socket), starts torchrun when the launcher says "go", and sends torchrun's exit
 code back when it ends. torchrun's temporary files go to ``JOB/tmp``. When PID
 dies, however it dies (a killed kernel), or lets go of the socket, torchrun gets
 SIGTERM and stops its ranks (its whole tree is killed if it has not ended
-``TORCHRUN_SIGTERM_S`` later). Once torchrun has ended and PID has let go (or
-died), the agent removes the job folder: nothing is left, however PID ended.
+``TORCHRUN_SIGTERM_S`` later). Whatever a rank starts stays in the agent's tree,
+even once the rank has ended (:func:`~course_lib.launch.process_tree.adopt_orphans`),
+for the launcher to stop. Once torchrun has ended and PID has let go (or died), the
+agent kills what is left under it and removes the job folder: nothing is left,
+however PID ended.
 
 ``python -m course_lib.launch.worker --torchrun-under PID TORCHRUN_ARGS...``
 is torchrun itself (``torch.distributed.run``), which gets SIGTERM when its
@@ -41,12 +44,11 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from pathlib import Path
 
-from course_lib.launch.contract import RANK_ENV, init_rank
+from course_lib.launch.contract import RANK_ENV, failure_record, init_rank
 from course_lib.launch.output import redirect_output
-from course_lib.launch.process_tree import POLL_S, death_report, die_with_parent, kill_tree
+from course_lib.launch.process_tree import POLL_S, adopt_orphans, death_report, die_with_parent, kill_tree
 from course_lib.launch.torchrun import TORCHRUN_SIGTERM_S
 from course_lib.safe_files import write_atomic
 
@@ -63,6 +65,25 @@ def _launcher_let_go() -> bool:
     """Whether the launcher closed the channel (it died, or is done with the job folder).
     It sends nothing after "go", so anything readable is the end."""
     return bool(select.select([CHANNEL], [], [], 0)[0])
+
+
+def _write_channel(data: bytes) -> bool:
+    """Send ``data`` to the launcher; whether it could (not once it has let go, or died)."""
+    try:
+        os.write(CHANNEL, data)
+    except OSError:
+        return False
+    return True
+
+
+def _read_channel(size: int) -> bytes:
+    """Up to ``size`` bytes from the launcher; nothing once it has let go. A launcher that closes
+    the channel before reading all the agent sent (torchrun's exit code, when Ctrl-C stopped it
+    first) resets the connection: that, too, is letting go."""
+    try:
+        return os.read(CHANNEL, size)
+    except ConnectionResetError:
+        return b""
 
 
 def _wait_for_torchrun(torchrun: subprocess.Popen, sigterm_at: list) -> int:
@@ -84,17 +105,13 @@ def _wait_for_torchrun(torchrun: subprocess.Popen, sigterm_at: list) -> int:
 
 def _run_job(job: Path, torchrun_args: list, sigterm_at: list) -> int:
     """Hand the job folder to the launcher, run torchrun when it says go, report its exit code."""
-    os.write(CHANNEL, os.fsencode(job) + b"\n")
-    if not os.read(CHANNEL, 1) or sigterm_at:  # the launcher let go (or died) before saying go
-        return 1
+    if not _write_channel(os.fsencode(job) + b"\n") or not _read_channel(1) or sigterm_at:
+        return 1  # the launcher let go (or died) before saying go
     env = dict(os.environ, TMPDIR=str(job / "tmp"), **{JOB_ENV: str(job)})
     torchrun = subprocess.Popen([sys.executable, "-m", "course_lib.launch.worker", "--torchrun-under",
                                  str(os.getpid()), *torchrun_args], stdin=subprocess.DEVNULL, env=env)
     code = _wait_for_torchrun(torchrun, sigterm_at)
-    try:
-        os.write(CHANNEL, f"{code}\n".encode())
-    except OSError:  # the launcher is gone
-        pass
+    _write_channel(f"{code}\n".encode())
     return code
 
 
@@ -103,14 +120,16 @@ def agent(launcher_pid: int, torchrun_args: list) -> int:
     sigterm_at = []
     signal.signal(signal.SIGTERM, lambda signum, frame: sigterm_at.append(time.monotonic()))
     die_with_parent(launcher_pid, signal.SIGTERM)
+    adopt_orphans()
     job = Path(tempfile.mkdtemp(prefix="course_torchrun_"))
     try:
         (job / "tmp").mkdir()
         code = _run_job(job, torchrun_args, sigterm_at)
-        while os.read(CHANNEL, 4096):  # until the launcher lets go of the folder (or dies)
+        while _read_channel(4096):  # until the launcher lets go of the folder (or dies)
             pass
         return code
     finally:
+        kill_tree(os.getpid(), keep_root=True)  # a launcher that died could not stop what the ranks started
         shutil.rmtree(job, ignore_errors=True)
 
 
@@ -160,9 +179,7 @@ def run_rank(job_path: Path, rank: int) -> int:
         watchdog.cancel()
         write_atomic(job_path / f"rank{rank}.pkl", pickle.dumps(value))
     except BaseException as exc:  # noqa: BLE001 - reported to the launcher
-        tb = traceback.format_exc()
-        print(tb, file=sys.stderr, end="")
-        write_atomic(job_path / f"rank{rank}.err", pickle.dumps((type(exc).__name__, tb, time.time())))
+        write_atomic(job_path / f"rank{rank}.err", pickle.dumps(failure_record(exc)))
         return 1
     finally:
         sys.stdout.flush()

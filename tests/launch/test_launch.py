@@ -7,6 +7,7 @@ import ctypes
 import math
 import os
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from course_lib.launch import LaunchTimeout, RankError, launch
+from course_lib.launch import LaunchTimeout, RankError, RendezvousError, init_rank, launch
 from course_lib.launch.magic import torchrun_cell
 
 
@@ -77,6 +78,31 @@ def rank_holds_the_gil(pid_dir, hung_rank=1):
     if dist.get_rank() == hung_rank:
         ctypes.PyDLL(None).sleep(60)
     return dist.get_rank()
+
+
+def rank_starts_processes(pid_dir, failing_rank=None):
+    """Start ``sleep 300`` twice -- a child, and a grandchild whose parent exits at once (a daemon,
+    re-parented when its shell ends) -- record both pids, then return (or raise on ``failing_rank``)."""
+    rank = dist.get_rank()
+    child = subprocess.Popen(["sleep", "300"])
+    daemon = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
+                            check=True).stdout.strip()
+    with open(os.path.join(pid_dir, f"{rank}.pids"), "w") as f:
+        f.write(f"{child.pid} {daemon}")
+    if rank == failing_rank:
+        raise RuntimeError(f"rank {rank} fails after starting processes")
+    return rank
+
+
+def left_running(pid_dir):
+    """The processes ``rank_starts_processes`` started that still run a moment after the launch
+    (ended here, so that a failing test leaves nothing either), and how many it started."""
+    pids = [int(p) for f in sorted(pid_dir.glob("*.pids")) for p in f.read_text().split()]
+    _all_gone(pids, within=2)
+    survivors = [p for p in pids if _alive(p)]
+    for p in survivors:
+        os.kill(p, 9)
+    return survivors, len(pids)
 
 
 def _fail_to_load_here(child_pid):
@@ -214,6 +240,55 @@ def test_fork_result_that_cannot_be_unpickled_names_its_rank():
                                       "ModuleNotFoundError: No module named 'only_on_the_rank'")
 
 
+@pytest.mark.parametrize("failing_rank", [None, 1])
+def test_fork_leaves_no_process_a_rank_started(tmp_path, failing_rank):
+    if failing_rank is None:
+        assert launch(rank_starts_processes, world_size=2, output="none", pid_dir=str(tmp_path)) == [0, 1]
+    else:
+        with pytest.raises(RankError, match="rank 1 fails after starting processes"):
+            launch(rank_starts_processes, world_size=2, output="none", pid_dir=str(tmp_path), failing_rank=1)
+    assert left_running(tmp_path) == ([], 4)
+
+
+RENDEZVOUS_FIX = "every rank must reach the rendezvous in time: give a longer timeout"
+
+
+def test_fork_a_rank_that_never_joins_is_one_line_naming_the_rank_that_waited(monkeypatch):
+    """Rank 1 reaches the rendezvous 30 s late (the forked ranks inherit this patch): rank 0's
+    own timeout says so, in one line -- not a "hang or deadlock" from the launcher's deadline."""
+    join = dist.init_process_group
+
+    def late(*args, **kwargs):
+        if kwargs["rank"] == 1:
+            time.sleep(30)
+        return join(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "init_process_group", late)
+    with pytest.raises(RankError) as info:
+        launch(rank_sum, world_size=2, timeout=2, output="none")
+    err = info.value
+    assert err.rank == 0 and err.exc_type == "RendezvousError", str(err)
+    assert str(err).startswith("rank 0 could not join the process group within timeout=2s (DistStoreError: ")
+    assert RENDEZVOUS_FIX in str(err) and "\n" not in str(err), str(err)
+
+
+def test_an_env_rendezvous_that_cannot_reach_its_store_is_one_line(monkeypatch):
+    """How a torchrun rank (and ``train``) joins: env://, here to a port where nothing listens."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(RendezvousError) as info:
+        init_rank(1, 2, "gloo", timeout=1)
+    message = str(info.value)
+    assert message.startswith("rank 1 could not join the process group within timeout=1s (DistNetworkError: ")
+    assert f"{port}" in message and RENDEZVOUS_FIX in message and "\n" not in message, message
+    assert not dist.is_initialized()
+
+
 def test_a_launch_inside_a_launch_is_refused_in_one_line():
     with pytest.raises(RankError) as info:
         launch(rank_launches_again, world_size=2, output="none")
@@ -264,7 +339,7 @@ def torchrun_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("torchrun")
     own_tmp = folder / "tmp"
     own_tmp.mkdir()
-    pid_dirs = {name: folder / name for name in ("gil", "hang")}
+    pid_dirs = {name: folder / name for name in ("gil", "hang", "spawn", "spawn-crash")}
     for d in pid_dirs.values():
         d.mkdir()
     saved = os.environ.get("TMPDIR"), tempfile.tempdir
@@ -278,6 +353,9 @@ def torchrun_runs(tmp_path_factory):
         "sigsegv": (rank_dies_first, dict(timeout=60, how="sigsegv")),
         "gil": (rank_holds_the_gil, dict(timeout=2, pid_dir=str(pid_dirs["gil"]), hung_rank=1)),
         "hang": (rank_hang, dict(timeout=3, pid_dir=str(pid_dirs["hang"]), hung_rank=0)),
+        "spawn": (rank_starts_processes, dict(timeout=60, pid_dir=str(pid_dirs["spawn"]))),
+        "spawn-crash": (rank_starts_processes, dict(timeout=60, pid_dir=str(pid_dirs["spawn-crash"]),
+                                                    failing_rank=1)),
     }
     try:
         with ThreadPoolExecutor(len(jobs)) as pool:
@@ -336,6 +414,18 @@ def test_torchrun_hang_raises_at_timeout(torchrun_runs):
     pids = [int(p.read_text()) for p in torchrun_runs["pid_dirs"]["hang"].glob("*.pid")]
     assert len(pids) == 2 and _all_gone(pids)
     assert torchrun_runs["left_in_tmp"] == []  # stopped, torchrun's files are gone too
+
+
+@pytest.mark.parametrize("name", ["spawn", "spawn-crash"])
+def test_torchrun_leaves_no_process_a_rank_started(torchrun_runs, name):
+    """Whether the launch succeeds or a rank raises, what a rank started (a child, a daemon) is gone
+    when launch() returns: their parents ended before the launcher stopped the tree."""
+    value, _ = torchrun_runs[name]
+    if name == "spawn":
+        assert value == [0, 1], value
+    else:
+        assert isinstance(value, RankError) and value.rank == 1, value
+    assert left_running(torchrun_runs["pid_dirs"][name]) == ([], 4)
 
 
 CELL = """

@@ -9,7 +9,8 @@ torchrun, its helpers: the kernel's own process tree, read from /proc, never
 processes found by name -- is gone within 10 s, and that no file is left in its
 temporary folder (each kernel has its own $TMPDIR): no job folder, no output
 file, no torch elastic ``torchelastic_*``. The kernels start together (a module
-fixture), so the torchrun start-ups overlap.
+fixture), so the torchrun start-ups overlap. A stopped ``train`` says so in one line, with no
+traceback from any of its processes.
 """
 
 import os
@@ -17,9 +18,12 @@ import signal
 import subprocess
 import sys
 import time
+from multiprocessing import connection
 from pathlib import Path
 
 import pytest
+
+from course_lib.launch import TorchrunAgent, torchrun_command
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process trees from /proc")
@@ -125,3 +129,18 @@ def test_no_process_outlives_the_launching_process(kernels, kind, sig, tree_size
     assert not left, f"{kind} kernel after {sig.name} left temporary files: {left}"
     if message:
         assert message in kernel.log.read_text(), kernel.log.read_text()
+    if kind == "train":
+        assert "Traceback" not in kernel.log.read_text() and "Error" not in kernel.log.read_text(), \
+            kernel.log.read_text()
+
+
+def test_an_agent_let_go_before_its_exit_code_was_read_ends_quietly(tmp_path):
+    """What an interrupted ``train`` does at random: the launcher stops the tree and lets go of the
+    agent while torchrun's exit code is still unread on the channel, which resets the connection.
+    Here always: torchrun --help ends at once, and its exit code is left unread."""
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as out, TorchrunAgent(torchrun_command(1, ["--help"]), stdout=out,
+                                               stderr=subprocess.STDOUT) as agent:
+        agent.start()
+        assert connection.wait([agent._channel], timeout=START_TIMEOUT_S), "torchrun --help never ended"
+    assert agent.proc.returncode == 0 and "Traceback" not in log.read_text(), log.read_text()
