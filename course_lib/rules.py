@@ -129,8 +129,9 @@ Run
 Launch (processes on this machine)
   * :func:`launch_ranks` -- the ranks one launch starts here: 1..:data:`MAX_LAUNCH_RANKS`:
     ``launch``, the trainer's ``--nproc-per-node``.
-  * :func:`timeout_seconds` -- a wait in seconds, from :data:`MIN_TIMEOUT_S` (a rendezvous needs
-    that long) to :data:`MAX_TIMEOUT_S`: ``launch``, ``sweep --timeout``.
+  * :func:`timeout_seconds` -- a wait in seconds (or minutes), from :data:`MIN_TIMEOUT_S` (a
+    rendezvous needs that long) to :data:`MAX_TIMEOUT_S`: ``launch``, ``sweep --timeout``, the trainer's
+    ``--distributed-timeout-minutes``.
 Checkpoints (``training.checkpointing``)
   * :func:`checkpoint_flags` -- the checkpoint flags on their own (intervals >= 1, a known
     ``--ckpt-format``, a folder for the flags that need one, no MoE): trainer (``training.arguments``).
@@ -247,12 +248,15 @@ def launch_ranks(name: str, value) -> int:
     return integer(name, value)
 
 
-def timeout_seconds(name: str, value) -> float:
-    """A timeout in seconds: a finite number in ``[MIN_TIMEOUT_S, MAX_TIMEOUT_S]``."""
-    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < MIN_TIMEOUT_S:
-        raise ValueError(f"{name}={value!r} is shorter than a rendezvous takes; give at least {MIN_TIMEOUT_S:g} "
-                         f"second (e.g. {name}=60)")
-    return number(name, value, MIN_TIMEOUT_S, MAX_TIMEOUT_S)
+def timeout_seconds(name: str, value, unit_s: float = 1.0) -> float:
+    """A timeout of ``value`` units of ``unit_s`` seconds (60: Megatron's ``--distributed-timeout-minutes``),
+    returned in seconds: finite, from :data:`MIN_TIMEOUT_S` to :data:`MAX_TIMEOUT_S`."""
+    units = "second" if unit_s == 1 else "minute" if unit_s == 60 else f"x {unit_s:g} s"
+    low, high = MIN_TIMEOUT_S / unit_s, MAX_TIMEOUT_S / unit_s
+    if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < low:
+        raise ValueError(f"{name}={value!r} is shorter than a rendezvous takes; give at least {low:.3g} {units}"
+                         f"{'' if low == 1 else 's'} (e.g. {name}={60 / unit_s:g})")
+    return number(name, value, low, high) * unit_s
 
 
 def rank_in(name: str, value, size: int, size_name: str) -> int:

@@ -132,7 +132,7 @@ import torch.distributed as dist
 
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
-from course_lib.launch import init_rank, resolve_backend, run_torchrun, torchrun_command
+from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
 from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
                                       world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
@@ -669,7 +669,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    _init_distributed(args)
+    try:
+        _init_distributed(args)
+    except RendezvousError as exc:                                       # one line: which rank, the fix
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.training.deepspeed_engine)
             deepspeed_engine.pretrain(args, gpt_config_from_args(args))
@@ -709,6 +713,8 @@ def run(args: argparse.Namespace) -> int:
                           job_name="course-train", gpus=False))
         return 0
     validate_args(args, n)
+    if args.distributed_backend is not None:   # nccl needs a GPU per rank here: refused before torchrun starts
+        resolve_backend(args.distributed_backend, n)
     cmd = torchrun_argv(args, n)
     print("$ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))

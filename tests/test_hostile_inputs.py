@@ -161,3 +161,41 @@ def test_torchrun_refuses_an_argument_that_cannot_travel_in_one_line(tmp_path, m
     assert says in message and "\n" not in message, message
     assert "pass a function defined at the top of a module file, or another picklable value" in message
     assert not any(tmp_path.iterdir())
+
+
+# ---- the trainer's command line ------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, says", [
+    (["--distributed-timeout-minutes", "1e-9"], "distributed_timeout_minutes=1e-09 is shorter than a rendezvous"),
+    (["--num-experts", "1048576"], "1048576 experts per MoE layer"),
+])
+def test_train_refuses_before_any_rank_starts(capsys, argv, says):
+    one_line_error(capsys, ["train", "--nproc-per-node", "2", *argv], says)
+
+
+@pytest.mark.parametrize("pattern, says", [
+    ("+".join(["[1]*1000000"] * 60), "expands past 10000 layers"),   # was 41 s and 1.6 GB before the refusal
+    ("+".join(["[1]"] * 300), "at most 1000 characters"),           # a long + chain was a RecursionError
+    ("+".join(["[1]"] * 240), None),                                  # long, but a real pattern: accepted
+])
+def test_moe_layer_freq_is_bounded(capsys, pattern, says):
+    """argparse reports a bad --moe-layer-freq (its usage line, then our reason on the error line)."""
+    from course_lib.moe.pattern import parse_moe_layer_freq
+
+    if says is None:
+        assert parse_moe_layer_freq(pattern) == [1] * 240
+        return
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--nproc-per-node", "2", "--num-experts", "4", "--moe-layer-freq", pattern])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "Traceback" not in err
+    assert says in [line for line in err.splitlines() if "error:" in line][0]
+
+
+def test_train_refuses_nccl_without_a_gpu_per_rank(capsys):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has a GPU per rank")
+    one_line_error(capsys, ["train", "--nproc-per-node", "2", "--distributed-backend", "nccl"],
+                   "backend='nccl' needs one GPU per rank")

@@ -41,6 +41,15 @@ MOE_CONFIG_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "mo
 DESCRIPTION = "Train the tiny GPT under any TP x PP x CP x DP (+SP, +interleaving) layout: Megatron's flags."
 
 
+def _moe_layer_freq_flag(text: str):
+    """``--moe-layer-freq`` for argparse: :func:`~course_lib.moe.pattern.parse_moe_layer_freq`, its
+    refusal as argparse's error line (argparse would replace a ValueError's text by its own)."""
+    try:
+        return parse_moe_layer_freq(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron's flags (same names, same meaning as ``megatron/training/arguments.py``)."""
     g = parser.add_argument_group("parallel layout (DP is derived: world / (TP*PP*CP))")
@@ -76,7 +85,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
     g = parser.add_argument_group("mixture of experts (Megatron's _add_moe_args; course_lib.moe)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
-    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+    g.add_argument("--moe-layer-freq", type=_moe_layer_freq_flag, default=1,
                    help="an int k (layer i is MoE when i %% k == 0) or a 0/1 pattern such as '([1]*3+[0]*1)*2'")
     g.add_argument("--moe-router-topk", type=int, default=2)
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="default ffn-hidden-size")
@@ -175,7 +184,6 @@ _OPTIONAL_SIZES = ("ffn_hidden_size", "max_position_embeddings", "global_batch_s
 _PROBABILITIES = ("hidden_dropout", "attention_dropout")
 _NON_NEGATIVE = ("init_method_std", "lr", "min_lr", "weight_decay", "clip_grad")
 _FRACTIONS = ("adam_beta1", "adam_beta2", "sgd_momentum")          # in [0, 1): an average that forgets
-MAX_TIMEOUT_MINUTES = 7 * 24 * 60                                   # a week, as course_lib.launch
 MAX_SEED = 2 ** 32 - 1
 
 
@@ -195,8 +203,7 @@ def _check_values(a: argparse.Namespace) -> None:
     for dest in _FRACTIONS:
         rules.number(dest, getattr(a, dest), 0.0, 1.0, high_open=True)
     rules.number("adam_eps", a.adam_eps, 0.0, low_open=True)      # 0 divides 0 by 0 on never-used vocab rows
-    rules.number("distributed_timeout_minutes", a.distributed_timeout_minutes, 0.0, MAX_TIMEOUT_MINUTES,
-                 low_open=True)
+    rules.timeout_seconds("distributed_timeout_minutes", a.distributed_timeout_minutes, unit_s=60)
     _check_precision(a)
     _check_moe_values(a)
     if getattr(a, "ddp_bucket_size", None) is not None:
