@@ -59,11 +59,13 @@ Debian's ``libaio-dev``); without them the run is refused in one line before any
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
 import types
 import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -503,6 +505,12 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
                                        source=MEMORY_SOURCE) + _state_fields(held, offload_devices(config)))
                 report_memory = iteration == 1
     engine.destroy()
+    # DeepSpeed's ZeRO-3 objects hold collectives in reference cycles; freed at interpreter exit, after the
+    # process group is gone, a gloo work's thread can end the rank with "terminate called without an active
+    # exception" (SIGABRT; seen under load). Free them while the group is alive, then meet the other ranks.
+    del engine
+    gc.collect()
+    dist.barrier()
     return record
 
 
