@@ -1,9 +1,10 @@
-"""megatron-core 0.16.1 itself, on 4 forked CPU gloo ranks, against the course: model, trainer, MoE layer.
+"""megatron-core 0.16.1 itself, on 4 forked CPU gloo ranks, against the course: model, trainer, MoE layer,
+checkpoints.
 
 Nothing of Megatron is re-implemented here: its ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
 ``get_megatron_optimizer`` (plain and distributed), ``OptimizerParamScheduler``, ``get_forward_backward_func``
-(1F1B over gloo send/recv with PP), ``finalize_model_grads`` and ``MoELayer`` (alltoall and allgather
-dispatchers) run as they are; the test-only shim :mod:`megatron_core_cpu` only reroutes their CUDA calls.
+(1F1B over gloo send/recv with PP), ``finalize_model_grads``, ``MoELayer`` (alltoall and allgather
+dispatchers) and ``dist_checkpointing`` (torch_dist) run as they are; the test-only shim :mod:`megatron_core_cpu` only reroutes their CUDA calls.
 The course's master weights (:class:`course_lib.model.GPTModel`, seed 1234) are loaded into megatron-core by
 name: TP shards cut along each parameter's ``partition_dim`` at the TP rank, pipeline stages mapped by their
 layers' ``layer_number`` (Megatron's layer offset), the last stage's ``output_layer.weight`` from the tied
@@ -15,7 +16,11 @@ word embedding. Then, per layout:
 * 3 training iterations (Adam, linear decay, clipping) give the losses and gradient norms of the course
   trainer (:func:`course_lib.train.pretrain`) on the same layout;
 * megatron-core's ``MoELayer`` and the course's ``MoEMLP`` (router with aux and z losses, experts, either
-  dispatcher) give the same output, input gradient, router and expert gradients on every rank.
+  dispatcher) give the same output, input gradient, router and expert gradients on every rank;
+* a torch_dist checkpoint crosses both ways, resharded: megatron-core's ``dist_checkpointing.save``
+  (TP2 x DP2) loads into the course trainer under PP2 x DP2 (``--finetune``), and the course's save
+  (PP2 x DP2) loads by ``dist_checkpointing.load`` into megatron-core's GPTModel under TP2 x DP2 -- the
+  same losses (:mod:`course_lib.training.checkpointing` writes megatron-core's sharded keys and layout).
 
 One launch, megatron-core imported once (in this process, before the ranks fork). Needs the optional
 extra (``pip install .[megatron]``); skipped with a reason without it.
@@ -130,9 +135,11 @@ def _master_grads(master, g) -> dict:
     return {n: p.grad for n, p in master.named_parameters()}
 
 
-def _mcore_train(tp: int, pp: int, sp: bool, distopt: bool) -> dict:
+def _mcore_train(tp: int, pp: int, sp: bool, distopt: bool, save=None) -> dict:
     """ITERS iterations of megatron-core on this layout; the first one's logits and gradients checked
-    against the master. Returns ``{"lm_loss", "grad_norm", "logits", "grads"}`` (relative errors)."""
+    against the master. Returns ``{"lm_loss", "grad_norm", "logits", "grads"}`` (relative errors); with
+    ``save`` (a folder, pp = 1) also the model saved by ``dist_checkpointing`` as ``save/iter_0000003`` (the
+    tracker written as Megatron-LM writes it) and ``"loss of the saved model"`` on iteration 1's batch."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -198,8 +205,72 @@ def _mcore_train(tp: int, pp: int, sp: bool, distopt: bool) -> dict:
             sums = torch.stack([r["lm loss"] for r in reported]).sum(0)
             dist.all_reduce(sums, group=ps.get_data_parallel_group())
             out["lm_loss"].append(float(sums[0] / sums[1]))
+    if save is not None:
+        _mcore_save(model, save, ITERS)
+        out["loss of the saved model"] = _mcore_loss(model, 0, g.seq_length)
     ps.destroy_model_parallel()
     return out
+
+
+def _mcore_save(model, root, iteration: int) -> None:
+    """megatron-core's torch_dist save of the model (``dist_checkpointing.save`` of its sharded state
+    dict) into ``root/iter_XXXXXXX``, then the tracker, as Megatron-LM's training loop writes it."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from course_lib.training.checkpointing import checkpoint_dir, get_checkpoint_tracker_filename
+
+    folder = checkpoint_dir(root, iteration)
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(folder))
+    if dist.get_rank() == 0:
+        get_checkpoint_tracker_filename(root).write_text(str(iteration))
+    dist.barrier()
+
+
+def _mcore_loss(model, iteration: int, seq_length: int) -> float:
+    """The mean token loss of the global batch of (0-based) ``iteration`` under megatron-core's ``model``
+    (pp = 1): each DP rank its micro-batches, sum and count reduced over DP."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from course_lib.data import get_batch
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    sums = torch.zeros(2)
+    with torch.no_grad():
+        for j in range(GLOBAL // (MICRO * dp)):
+            b = get_batch(iteration, j, dp_rank, dp, MICRO, seq_length, SEED, global_batch_size=GLOBAL)
+            losses = model(b["tokens"], torch.arange(seq_length).expand(MICRO, -1), None, labels=b["labels"])
+            sums += torch.stack([losses.sum(), torch.tensor(float(losses.numel()))])
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    return float(sums[0] / sums[1])
+
+
+def _mcore_load_course_checkpoint(folder, tp: int, sp: bool, iteration: int) -> float:
+    """megatron-core's GPTModel (its own random init) loaded by ``dist_checkpointing.load`` from a course
+    torch_dist checkpoint folder; the loss of (0-based) ``iteration``'s global batch under it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from course_lib.model import GPTConfig
+
+    ps.initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(SEED)
+    g = GPTConfig(**MODEL, seed=SEED)
+    model = GPTModel(_mcore_config(g, tp, 1, sp), get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size,
+                     max_sequence_length=g.seq_length, share_embeddings_and_output_weights=True)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))   # + common.pt's items
+    model.load_state_dict(state["model"])
+    loss = _mcore_loss(model, iteration, g.seq_length)
+    ps.destroy_model_parallel()
+    return loss
 
 
 def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
@@ -263,33 +334,44 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
 # ------------------------------------------------------------------ the launch
 
 
-def _rank(layouts, moe_cases):
-    """Runs on every rank: megatron-core and the course trainer on each layout, then the MoE cases."""
+def _rank(layouts, moe_cases, root):
+    """Runs on every rank: megatron-core and the course trainer on each layout (the first layout's
+    megatron-core model saved for the course to load), the checkpoints both ways, then the MoE cases."""
     from megatron_core_cpu import megatron_core_on_cpu
 
     from course_lib.train import parse_args, pretrain
 
     out = {"train": {}, "moe": {}}
-    for name, tp, pp, sp, distopt in layouts:
+    for i, (name, tp, pp, sp, distopt) in enumerate(layouts):
         with megatron_core_on_cpu():
-            mcore = _mcore_train(tp, pp, sp, distopt)
+            mcore = _mcore_train(tp, pp, sp, distopt, save=f"{root}/mcore" if i == 0 else None)
         course = pretrain(parse_args(_course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
         out["train"][name] = {"mcore": mcore, "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
+    # megatron-core saved TP2 x DP2 (SP): the course loads its model under PP2 x DP2, one iteration
+    pp2 = _course_argv(1, 2, False, False)
+    out["course loads mcore"] = pretrain(parse_args(pp2 + ["--load", f"{root}/mcore", "--finetune", "--train-iters",
+                                                           "1"]), print_args=False, record_comm=False)["lm_loss"]
+    # the course saves PP2 x DP2 at iteration 3 (the layout's run, then a 4th); megatron-core loads it under TP2 x DP2
+    out["course saved"] = pretrain(parse_args(pp2 + ["--save", f"{root}/course", "--save-interval", str(ITERS),
+                                                     "--train-iters", str(ITERS + 1), "--lr-decay-iters", str(ITERS)]),
+                                   print_args=False, record_comm=False)["lm_loss"]
     with megatron_core_on_cpu():
+        out["mcore loads course"] = _mcore_load_course_checkpoint(f"{root}/course/iter_{ITERS:07d}", 2, True, ITERS)
         for case in moe_cases:
             out["moe"][case] = _moe_case(*case)
     return out
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(tmp_path_factory):
     with warnings.catch_warnings():      # megatron-core warns that TE and Apex are absent
         warnings.simplefilter("ignore")
         for module in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-                       "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer"):
+                       "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer",
+                       "megatron.core.dist_checkpointing"):
             pytest.importorskip(module, reason="megatron-core is not installed (optional extra: pip install .[megatron])")
         return launch(_rank, world_size=4, backend="gloo", timeout=240, output="none", layouts=LAYOUTS,
-                      moe_cases=MOE_CASES)
+                      moe_cases=MOE_CASES, root=str(tmp_path_factory.mktemp("mcore_ckpt")))
 
 
 @pytest.mark.parametrize("name, pp", [(layout[0], layout[2]) for layout in LAYOUTS])
@@ -324,3 +406,17 @@ def test_megatron_core_moe_layer_equals_the_course_moe_layer(ranks, case):
     for rank, res in enumerate(ranks):
         for what, err in res["moe"][case].items():
             assert err <= GRAD_TOL, (case, rank, what, err)
+
+
+def test_megatron_core_and_the_course_load_each_others_torch_dist_checkpoints(ranks):
+    """megatron-core's save (TP2 x DP2) read by the course under PP2 x DP2 (``--finetune``): its first loss is
+    megatron-core's loss of the saved model on that batch; the course's save at iteration 3 (PP2 x DP2) read
+    by ``dist_checkpointing.load`` into megatron-core's GPTModel under TP2 x DP2: the loss of batch 4 is the
+    course's 4th."""
+    last = ranks[-1]                                        # a last pipeline stage: it reports the loss
+    saved = last["train"][LAYOUTS[0][0]]["mcore"]["loss of the saved model"]
+    assert abs(last["course loads mcore"][0] - saved) <= TOL * saved, (last["course loads mcore"], saved)
+    course_4th = last["course saved"][ITERS]
+    for res in ranks:
+        assert abs(res["mcore loads course"] - course_4th) <= TOL * course_4th, (res["mcore loads course"], course_4th)
+    assert last["course saved"][:ITERS] == last["train"]["PP2 x DP2 (1F1B)"]["course"]["lm_loss"]
