@@ -265,7 +265,7 @@ def _sharded_tensor(parts: list, shape: tuple):
     size, like = list(parts[0][0].shape), parts[0][0]
     mine = {tuple(offsets) for _, offsets in parts}
     grid = itertools.product(*(range(0, n, k) for n, k in zip(shape, size)))
-    every = [ShardMetadata(list(o), size, f"rank:{rank if o in mine else (rank + 1) % world}/{like.device.type}")
+    every = [ShardMetadata(list(o), size, f"rank:{rank if o in mine else (rank + 1) % world}/{like.device}")
              for o in grid]
     metadata = ShardedTensorMetadata(every, torch.Size(shape), TensorProperties(dtype=like.dtype))
     local = [Shard.from_tensor_and_offsets(t, list(o), rank) for t, o in parts]
