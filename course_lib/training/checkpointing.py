@@ -15,11 +15,16 @@ Semantics and names of Megatron-LM main's ``megatron/training/checkpointing.py``
         model_optim_rng.pt                         the model shard, optimizer, scheduler, RNG of DP ranks
         distrib_optim.pt                           (--use-distributed-optimizer) the optimizer, gathered over DP
 
-A rank's state as tensors of the *global* model (:func:`sharded_state_dict`): every parameter under its
-master name (``decoder.layers.3.self_attention.linear_qkv.weight``; layer indices are global, so the names
-do not depend on PP), a TP shard as the chunk of the full tensor at offset ``tp_rank * local`` along its
-``partition_dim``; replicated tensors (LayerNorms, DP and CP replicas) are saved once (DCP deduplicates
-equal chunks). The optimizer's state -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
+A rank's state as tensors of the *global* model (:func:`sharded_state_dict`), under megatron-core's sharded
+keys and layout (``GPTModel.sharded_state_dict`` of the local spec, so ``megatron.core.dist_checkpointing``
+loads a course checkpoint into megatron-core's own ``GPTModel`` and the course reads one it saved): the
+decoder layers stacked along a prepended layer axis -- master ``decoder.layers.3.self_attention.linear_qkv.weight``
+``[3h, h]`` is the chunk at layer offset 3 of ``decoder.layers.self_attention.linear_qkv.weight`` ``[L, 3h, h]``
+(so the keys do not depend on PP), the LayerNorms under the names of the linears they feed
+(``decoder.layers.self_attention.linear_qkv.layer_norm_weight``, ``...mlp.linear_fc1.layer_norm_bias``), and
+each linear's (empty) ``_extra_state`` object per layer; a TP shard is the chunk at offset ``tp_rank * local``
+along its ``partition_dim``; replicated tensors (LayerNorms, DP and CP replicas) are saved once (DCP
+deduplicates equal chunks). The optimizer's state -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
 takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
 to full local tensors first (Megatron's ``dp_zero_gather_scatter`` layout), so a checkpoint depends on TP
 and PP only through its chunk offsets, and loads under any TP x PP x DP: DCP reads the overlapping parts of
@@ -38,6 +43,7 @@ tracker warns and starts from scratch, as Megatron does.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import random
@@ -58,7 +64,7 @@ from course_lib.training.arguments import sharding_strategy, uses_sharding_engin
 from course_lib.training.finalize_model_grads import unique_named_params
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
-           "read_metadata", "sharded_state_dict", "save_checkpoint", "load_checkpoint",
+           "read_metadata", "sharded_key", "sharded_state_dict", "save_checkpoint", "load_checkpoint",
            "checkpoint_and_decide_exit", "checkpoint_format"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -71,6 +77,13 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "padded_vocab_size")
 DATA_FLAGS = ("global_batch_size", "seed")    # the data order a resume continues
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "vpp")
+# megatron-core's local spec saves the LayerNorms under the names of the TE linears that fuse them
+# (get_gpt_layer_local_spec's sharded_state_dict_keys_map), and an _extra_state object (None) per linear
+MCORE_LAYER_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+                    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+                    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+MCORE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 class CheckpointError(ValueError):
@@ -183,32 +196,89 @@ def _optimizer_state(setup, params: dict) -> dict:
     return out
 
 
-def _global_spec(p, local: torch.Tensor, tp: int, tp_rank: int):
-    """``(global shape, offsets, partition dim or None)`` of a rank's tensor (TP shards are contiguous
-    chunks along ``partition_dim``: stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`)."""
+def sharded_key(master: str) -> tuple[str, int | None]:
+    """megatron-core's sharded key of a master parameter and its decoder layer (None outside the layers):
+    ``decoder.layers.3.input_layernorm.weight`` -> ``("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)``."""
+    if not master.startswith("decoder.layers."):
+        return master, None
+    _, _, layer, rest = master.split(".", 3)
+    return f"decoder.layers.{MCORE_LAYER_KEYS.get(rest, rest)}", int(layer)
+
+
+def _global_spec(p, local: torch.Tensor, tp: int, tp_rank: int, layer, num_layers: int):
+    """``(global shape, offsets)`` of a rank's tensor: TP shards are contiguous chunks along
+    ``partition_dim`` (stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`); a decoder
+    layer's tensor is one slice of the layer axis megatron-core prepends."""
     shape, offsets = list(local.shape), [0] * local.dim()
-    if not is_tensor_parallel(p) or tp == 1:
-        return tuple(shape), tuple(offsets), None
-    dim = p.partition_dim
-    offsets[dim], shape[dim] = tp_rank * shape[dim], shape[dim] * tp
-    return tuple(shape), tuple(offsets), dim
+    if is_tensor_parallel(p) and tp > 1:
+        dim = p.partition_dim
+        offsets[dim], shape[dim] = tp_rank * shape[dim], shape[dim] * tp
+    if layer is not None:
+        shape, offsets = [num_layers, *shape], [layer, *offsets]
+    return tuple(shape), tuple(offsets)
 
 
 def sharded_state_dict(setup, params: dict, optim: dict, *, for_load: bool = False) -> dict:
-    """``{key: (local tensor, global shape, offsets, partition dim)}`` of this rank: ``<master name>`` for
-    the model, ``optimizer.state.<k>.<master name>`` for the optimizer (see the module doc). The last
-    stage's copy of the tied embedding (``shared``) is the first stage's tensor: saved once, and read
-    (``for_load``) from the first stage's key."""
+    """``{name: (local tensor, sharded key, global shape, offsets)}`` of this rank: ``name`` is the master
+    name for the model, ``optimizer.state.<k>.<master name>`` for the optimizer (its key: the same prefix on
+    the model's key), see the module doc. The last stage's copy of the tied embedding (``shared``) is the
+    first stage's tensor: saved once, and read (``for_load``) from the first stage's key."""
     tp, tp_rank = comm.group_size(setup.groups.tp), setup.groups.coords["tp"]
+    num_layers = setup.chunks[0].config.num_layers
     out = {}
     for name, p in unique_named_params(setup.chunks):
         if getattr(p, "shared", False) and not for_load:
             continue
-        key = master_name(name)
-        out[key] = (params[name], *_global_spec(p, params[name], tp, tp_rank))
+        master = master_name(name)
+        key, layer = sharded_key(master)
+        spec = _global_spec(p, params[name], tp, tp_rank, layer, num_layers)
+        out[master] = (params[name], key, *spec)
         for k, values in optim.items():
-            out[f"optimizer.state.{k}.{key}"] = (values[name], *_global_spec(p, values[name], tp, tp_rank))
+            out[f"optimizer.state.{k}.{master}"] = (values[name], f"optimizer.state.{k}.{key}", *spec)
     return out
+
+
+def _dcp_tensors(sharded: dict, empty: bool) -> tuple[dict, dict]:
+    """DCP's state dict for ``sharded`` (:func:`sharded_state_dict`; ``empty``: new tensors to load into)
+    and ``{name: the tensor DCP writes or fills}``. A key whose one chunk is the whole tensor is a plain
+    tensor, any other a torch ``ShardedTensor`` of this rank's chunks (a stage holds several layers of a
+    key) -- what megatron-core's torch_dist strategy hands DCP."""
+    chunks, views = {}, {}
+    for name, (local, key, shape, offsets) in sharded.items():
+        view = (torch.empty_like(local) if empty else local.detach().contiguous()).view(
+            *[1] * (len(shape) - local.dim()), *local.shape)
+        views[name] = view
+        chunks.setdefault(key, (shape, []))[1].append((view, offsets))
+    state = {key: parts[0][0] if len(parts) == 1 and tuple(parts[0][0].shape) == tuple(shape)
+             else _sharded_tensor(parts, shape) for key, (shape, parts) in chunks.items()}
+    return state, views
+
+
+def _sharded_tensor(parts: list, shape: tuple):
+    """A torch ``ShardedTensor`` of ``shape`` holding this rank's ``parts`` (``[(tensor, global offsets)]``,
+    one chunk shape). Its global metadata names every chunk of the regular grid, other ranks' under another
+    rank (DCP's planner reads only the local shards and merges what every rank has)."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    size, like = list(parts[0][0].shape), parts[0][0]
+    mine = {tuple(offsets) for _, offsets in parts}
+    grid = itertools.product(*(range(0, n, k) for n, k in zip(shape, size)))
+    every = [ShardMetadata(list(o), size, f"rank:{rank if o in mine else (rank + 1) % world}/{like.device}")
+             for o in grid]
+    metadata = ShardedTensorMetadata(every, torch.Size(shape), TensorProperties(dtype=like.dtype))
+    local = [Shard.from_tensor_and_offsets(t, list(o), rank) for t, o in parts]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=metadata)
+
+
+def _extra_states(sharded: dict) -> dict:
+    """megatron-core's ``_extra_state`` objects of this rank's decoder layers,
+    ``decoder.layers.<linear>._extra_state/shard_<l>_<L>``: its local linears' are None, saved in a list
+    (one per ``ShardedObject``), which DCP pickles."""
+    layers = {(offsets[0], shape[0]) for _, key, shape, offsets in sharded.values() if key.startswith("decoder.layers.")}
+    return {f"decoder.layers.{linear}._extra_state/shard_{layer}_{num_layers}": [None]
+            for (layer, num_layers), linear in itertools.product(sorted(layers), MCORE_LINEARS)}
 
 
 def _rng_state() -> dict:
@@ -256,21 +326,11 @@ def _agree(failure) -> None:
         raise CheckpointError("another rank failed (its error is above); nothing was changed")
 
 
-def _save_dist(tmp: Path, setup, sharded: dict) -> None:
+def _save_dist(tmp: Path, sharded: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    state: dict = {}
-    mesh = None
-    for key, (local, shape, _, dim) in sharded.items():
-        if dim is None:
-            state[key] = local
-            continue
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
-
-        mesh = mesh or DeviceMesh.from_group(setup.groups.tp, local.device.type)
-        state[key] = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
-                                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+    state, _ = _dcp_tensors(sharded, empty=False)
+    state.update(_extra_states(sharded))
     buf = io.BytesIO()
     torch.save(_rng_state(), buf)
     state[f"rng_state.rank{dist.get_rank()}"] = buf
@@ -341,7 +401,7 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
     failure = None
     try:
         if args.ckpt_format == "torch_dist":
-            _save_dist(tmp, setup, sharded_state_dict(setup, params, optim))
+            _save_dist(tmp, sharded_state_dict(setup, params, optim))
             if rank == 0:
                 torch.save(common, tmp / COMMON_FILE)
                 write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
@@ -422,14 +482,13 @@ def _dist_metadata(ckpt: Path):
     return md
 
 
-def _load_dist(ckpt: Path, setup, wanted: dict, rng: bool):
-    """Read ``wanted`` (``{key: (local like-tensor, global shape, offsets, dim)}``) from a torch_dist
-    checkpoint into new tensors of this rank's shapes; DCP reads the overlapping saved chunks."""
+def _load_dist(ckpt: Path, wanted: dict, rng: bool):
+    """Read ``wanted`` (:func:`sharded_state_dict`) from a torch_dist checkpoint into new tensors of this
+    rank's shapes, ``{name: tensor}``; DCP reads the overlapping saved chunks."""
     import torch.distributed.checkpoint as dcp
 
     md = _dist_metadata(ckpt)
-    state, mesh = {}, None
-    for key, (like, shape, _, dim) in wanted.items():
+    for _, key, shape, _ in wanted.values():
         saved = md.state_dict_metadata.get(key)
         if saved is None or not hasattr(saved, "size"):
             raise CheckpointError(f"checkpoint {ckpt} holds no tensor {key}: it was saved from another model "
@@ -437,16 +496,7 @@ def _load_dist(ckpt: Path, setup, wanted: dict, rng: bool):
         if tuple(saved.size) != tuple(shape):
             raise CheckpointError(f"checkpoint {ckpt}: {key} has global shape {list(saved.size)} but this run's is "
                                   f"{list(shape)}: another model; --load another checkpoint")
-        local = torch.empty_like(like)
-        if dim is None:
-            state[key] = local
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.tensor import DTensor, Shard
-
-            mesh = mesh or DeviceMesh.from_group(setup.groups.tp, local.device.type)
-            state[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                            stride=torch.empty(shape, device="meta").stride())
+    state, views = _dcp_tensors(wanted, empty=True)
     rng_key = f"rng_state.rank{dist.get_rank()}"
     if rng:
         state[rng_key] = io.BytesIO()
@@ -456,7 +506,7 @@ def _load_dist(ckpt: Path, setup, wanted: dict, rng: bool):
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise CheckpointError(f"reading {ckpt} failed ({lines[-1][:120] if lines else type(exc).__name__}): a file "
                               f"is damaged; --load an earlier checkpoint") from None
-    values = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items() if k != rng_key}
+    values = {name: view.view(wanted[name][0].shape) for name, view in views.items()}
     if not rng:
         return values, None
     state[rng_key].seek(0)                # DCP hands back the saved BytesIO
@@ -527,7 +577,9 @@ def load_checkpoint(args, setup) -> int:
     No tracker: Megatron's warning, then 0. ``--finetune``: the model only, iteration 0;
     ``--no-load-optim``: no optimizer, scheduler or loss scaler; ``--no-load-rng``: no generator states
     (nor when the layout changed: they are per rank, and Megatron skips them then too). torch_dist
-    loads under any layout; torch only under the TP x PP x VP it was saved with."""
+    loads under any layout; torch only under the TP x PP x VP it was saved with. A model that
+    megatron-core's ``dist_checkpointing.save`` wrote (its ``GPTModel.sharded_state_dict``, no run state
+    in ``common.pt``) loads with ``--finetune``."""
     root = Path(args.load)
     tracker = get_checkpoint_tracker_filename(root)
     if not tracker.is_file():
@@ -543,18 +595,21 @@ def load_checkpoint(args, setup) -> int:
     g, run = setup.groups, _layout(setup)
     load_optim = not (args.finetune or args.no_load_optim)
     common = _torch_load(ckpt / COMMON_FILE if fmt == "torch_dist" else min(ckpt.glob(f"mp_rank_*/{LEGACY_FILE}")))
+    if "model_flags" not in common and not args.finetune:     # tensors only: megatron-core saved it
+        raise CheckpointError(f"{ckpt / COMMON_FILE} holds no run state (flags, layout, optimizer, scheduler): "
+                              f"megatron-core's dist_checkpointing saved only a model; load it with --finetune")
     try:
-        rules.checkpoint_model(ckpt, common["model_flags"], {k: getattr(args, k) for k in MODEL_FLAGS})
-        rules.checkpoint_layout(ckpt, common["layout"], run, fmt)
+        if "model_flags" in common:       # (a model megatron-core saved is checked by its global shapes)
+            rules.checkpoint_model(ckpt, common["model_flags"], {k: getattr(args, k) for k in MODEL_FLAGS})
+            rules.checkpoint_layout(ckpt, common["layout"], run, fmt)
         if not args.finetune:             # the data order (and the optimizer) a resume continues
             saved = {**common["data_flags"], **({"optimizer": common["optimizer"]["kind"]} if load_optim else {})}
             rules.checkpoint_model(ckpt, saved, {**{k: getattr(args, k) for k in DATA_FLAGS},
                                                  "optimizer": setup.optimizer.kind})
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    same_layout = all(common["layout"][k] == run[k] for k in LAYOUT_KEYS)
     load_rng = not (args.finetune or args.no_load_rng)
-    if load_rng and not same_layout:
+    if load_rng and not all(common["layout"][k] == run[k] for k in LAYOUT_KEYS):
         saved = " x ".join(f"{k.upper()}{common['layout'][k]}" for k in LAYOUT_KEYS)
         _print0(f"WARNING: checkpoint saved under {saved}; the random number generators are per rank: not loaded")
         load_rng = False
@@ -562,7 +617,7 @@ def load_checkpoint(args, setup) -> int:
     if fmt == "torch_dist":
         params = _local_params(setup)
         optim = _optimizer_state(setup, params) if load_optim else {}
-        values, rng = _load_dist(ckpt, setup, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
+        values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
     else:
         failure = values = rngs = None
         try:

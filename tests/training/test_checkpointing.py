@@ -13,6 +13,7 @@ Few launches, many checks each (a launch costs seconds on this machine): every r
 """
 
 import os
+import re
 import shutil
 import signal
 
@@ -191,9 +192,13 @@ def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, cap
     assert cli(["checkpoint", "inspect", str(runs["root"] / "dist")]) == 0
     out = capsys.readouterr().out
     assert "iteration 3 | format torch_dist | consumed samples 24 | saved under TP2 x PP2 x CP1 x DP2" in out
-    row = next(line for line in out.splitlines() if line.split()[:1] == ["decoder.layers.0.mlp.linear_fc1.weight"])
-    assert "[256, 64]" in row and "65536" in row and "[0:128, 0:64]" in row and "[128:256, 0:64]" in row
-    assert {int(w[1:]) for w in row.split() if w[:1] == "r" and w[1:].isdigit()} <= {0, 1, 2, 3}   # stage 0's ranks
+    # megatron-core's key: the 4 layers stacked, each layer's TP2 halves; layers 0-1 from stage 0's ranks 0-3
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["decoder.layers.mlp.linear_fc1.weight"])
+    assert "[4, 256, 64]" in row and "262144" in row
+    slices = re.findall(r"r(\d) \[(\d):\d, (\d+:\d+), 0:64\]", row)
+    assert sorted((layer, rows) for _, layer, rows in slices) == [
+        (str(layer), rows) for layer in range(4) for rows in ("0:128", "128:256")]
+    assert all((int(rank) < 4) == (int(layer) < 2) for rank, layer, _ in slices)
     assert "__7_0.distcp" in out
     assert cli(["checkpoint", "inspect", str(runs["root"] / "legacy")]) == 0
     assert "mp_rank_01_001" in capsys.readouterr().out

@@ -1,0 +1,422 @@
+"""megatron-core 0.16.1 itself, on 4 forked CPU gloo ranks, against the course: model, trainer, MoE layer,
+checkpoints.
+
+Nothing of Megatron is re-implemented here: its ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
+``get_megatron_optimizer`` (plain and distributed), ``OptimizerParamScheduler``, ``get_forward_backward_func``
+(1F1B over gloo send/recv with PP), ``finalize_model_grads``, ``MoELayer`` (alltoall and allgather
+dispatchers) and ``dist_checkpointing`` (torch_dist) run as they are; the test-only shim :mod:`megatron_core_cpu` only reroutes their CUDA calls.
+The course's master weights (:class:`course_lib.model.GPTModel`, seed 1234) are loaded into megatron-core by
+name: TP shards cut along each parameter's ``partition_dim`` at the TP rank, pipeline stages mapped by their
+layers' ``layer_number`` (Megatron's layer offset), the last stage's ``output_layer.weight`` from the tied
+word embedding. Then, per layout:
+
+* logits and every gradient (after megatron-core's own DP reduction and ``finalize_model_grads``: SP
+  LayerNorm sums, the tied embedding over the embedding group) equal the dense master's on the same
+  global batch;
+* 3 training iterations (Adam, linear decay, clipping) give the losses and gradient norms of the course
+  trainer (:func:`course_lib.train.pretrain`) on the same layout;
+* megatron-core's ``MoELayer`` and the course's ``MoEMLP`` (router with aux and z losses, experts, either
+  dispatcher) give the same output, input gradient, router and expert gradients on every rank;
+* a torch_dist checkpoint crosses both ways, resharded: megatron-core's ``dist_checkpointing.save``
+  (TP2 x DP2) loads into the course trainer under PP2 x DP2 (``--finetune``), and the course's save
+  (PP2 x DP2) loads by ``dist_checkpointing.load`` into megatron-core's GPTModel under TP2 x DP2 -- the
+  same losses (:mod:`course_lib.training.checkpointing` writes megatron-core's sharded keys and layout).
+
+One launch, megatron-core imported once (in this process, before the ranks fork). Needs the optional
+extra (``pip install .[megatron]``); skipped with a reason without it.
+"""
+
+import warnings
+
+import pytest
+
+from course_lib.launch import launch
+
+# (name, tp, pp, sequence parallel, distributed optimizer); 4 ranks, DP = 4 / (tp * pp)
+LAYOUTS = [
+    ("TP2 x DP2 + SP", 2, 1, True, False),
+    ("DP4, distributed optimizer", 1, 1, False, True),
+    ("TP2 x DP2 + SP, distributed optimizer", 2, 1, True, True),
+    ("PP2 x DP2 (1F1B)", 1, 2, False, False),
+    ("PP2 x TP2 + SP (1F1B)", 2, 2, True, False),
+]
+# (tp, ep, sequence parallel, dispatcher); expert TP 1, 4 experts, top-2, aux and z losses on
+MOE_CASES = [(1, 4, False, "alltoall"), (1, 4, False, "allgather"), (2, 2, True, "alltoall"),
+             (2, 2, True, "allgather")]
+MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+MICRO, GLOBAL, ITERS, LR, SEED = 2, 16, 3, 1e-3, 1234
+TOL = 1e-6          # relative: losses, gradient norms, logits (measured <= 1.9e-7: float32 summation order)
+GRAD_TOL = 3e-6     # relative to the tensor's largest entry: each gradient, the MoE layer (measured <= 8.2e-7)
+
+
+def _course_argv(tp: int, pp: int, sp: bool, distopt: bool) -> list[str]:
+    argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+            "--num-layers", MODEL["num_layers"], "--hidden-size", MODEL["hidden_size"],
+            "--num-attention-heads", MODEL["num_attention_heads"], "--seq-length", MODEL["seq_length"],
+            "--micro-batch-size", MICRO, "--global-batch-size", GLOBAL, "--train-iters", ITERS, "--lr", LR,
+            "--seed", SEED, "--log-interval", 100]
+    return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
+
+
+def _rel(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------ megatron-core's side (runs on a rank)
+
+
+def _mcore_config(g, tp: int, pp: int, sp: bool, **extra):
+    """megatron-core's TransformerConfig for the course's GPTConfig ``g`` (dropout 0, no fusions)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=g.num_layers, hidden_size=g.hidden_size,
+                             num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
+                             hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=g.layernorm_epsilon,
+                             init_method_std=g.init_method_std, use_cpu_initialization=True,
+                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                             pipeline_dtype=torch.float32, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                             gradient_accumulation_fusion=False, **extra)
+
+
+def _master_name(model, name: str) -> str:
+    """The course master's name of a megatron-core GPTModel parameter: local layer ``i`` of this stage is
+    global layer ``layer_number - 1``; the last stage's output layer is the tied word embedding."""
+    if name.startswith("decoder.layers."):
+        _, _, i, rest = name.split(".", 3)
+        return f"decoder.layers.{model.decoder.layers[int(i)].layer_number - 1}.{rest}"
+    return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+
+
+def _tp_gather(value, dim: int, tp_group):
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(parts, value.contiguous(), group=tp_group)
+    return torch.cat(parts, dim)
+
+
+def _tp_full(value, p, tp_group):
+    """A TP shard gathered along its ``partition_dim`` (replicated tensors as they are)."""
+    return _tp_gather(value, p.partition_dim, tp_group) if getattr(p, "tensor_model_parallel", False) else value
+
+
+def _mcore_gpt(g, tp: int, pp: int, sp: bool):
+    """megatron-core's GPTModel for this rank's stage (local spec, tied embeddings), holding the course
+    master's numbers; ``(model, master, its config)``."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from course_lib.model import GPTModel as CourseGPT
+
+    master = CourseGPT(g)
+    cfg = _mcore_config(g, tp, pp, sp)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
+                     share_embeddings_and_output_weights=True, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    full = dict(master.named_parameters())
+    r = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = full[_master_name(model, name)]
+            p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
+    return model, master, cfg
+
+
+def _master_grads(master, g) -> dict:
+    """The dense master's gradients of the mean token loss of iteration 1's global batch."""
+    from course_lib.data import get_global_batch
+
+    batch = get_global_batch(0, GLOBAL, g.seq_length, SEED)
+    master.loss(batch["tokens"], batch["labels"]).backward()
+    return {n: p.grad for n, p in master.named_parameters()}
+
+
+def _mcore_train(tp: int, pp: int, sp: bool, distopt: bool, save=None) -> dict:
+    """ITERS iterations of megatron-core on this layout; the first one's logits and gradients checked
+    against the master. Returns ``{"lm_loss", "grad_norm", "logits", "grads"}`` (relative errors); with
+    ``save`` (a folder, pp = 1) also the model saved by ``dist_checkpointing`` as ``save/iter_0000003`` (the
+    tracker written as Megatron-LM writes it) and ``"loss of the saved model"`` on iteration 1's batch."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from course_lib.data import get_batch, get_global_batch
+    from course_lib.model import GPTConfig
+
+    ps.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(SEED)
+    g = GPTConfig(**MODEL, seed=SEED)
+    model, master, cfg = _mcore_gpt(g, tp, pp, sp)
+    tp_group = ps.get_tensor_model_parallel_group()
+    out = {"lm_loss": [], "grad_norm": [], "logits": None, "grads": {}}
+    positions = torch.arange(g.seq_length).expand(MICRO, -1)
+    if pp == 1:                                             # the logits of a batch, before any step
+        batch = get_global_batch(0, MICRO, g.seq_length, SEED)
+        with torch.no_grad():
+            logits = _tp_gather(model(batch["tokens"], positions, None), -1, tp_group)      # [b, s, V/t] -> V
+            out["logits"] = _rel(logits, master(batch["tokens"]).transpose(0, 1))          # [b, s, V]
+    reference = _master_grads(master, g)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, min_lr=0.0, weight_decay=0.01,
+                                                       clip_grad=1.0, use_distributed_optimizer=distopt),
+                                       [ddp], use_gloo_process_groups=False)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=0.0, lr_warmup_steps=0,
+                                        lr_decay_steps=ITERS * GLOBAL, lr_decay_style="linear", start_wd=0.01,
+                                        end_wd=0.01, wd_incr_steps=ITERS * GLOBAL, wd_incr_style="constant")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    m = GLOBAL // (MICRO * dp)
+
+    def forward_step(data, chunk):                          # pretrain_gpt.py's, loss mask all ones
+        b = next(data)
+
+        def loss_func(token_losses):                        # [b, s] -> (sum, tokens, what to report)
+            total = token_losses.float().sum()
+            tokens = torch.tensor(token_losses.numel(), dtype=torch.int)
+            return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
+
+        return chunk(b["tokens"], positions, None, labels=b["labels"]), loss_func
+
+    for it in range(ITERS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = iter([get_batch(it, j, dp_rank, dp, MICRO, g.seq_length, SEED, global_batch_size=GLOBAL)
+                     for j in range(m)])
+        reported = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[ddp],
+                                               num_microbatches=m, seq_length=g.seq_length,
+                                               micro_batch_size=MICRO, forward_only=False)
+        if it == 0 and not distopt:                         # reduced over DP, SP sums, tied embedding summed
+            for name, p in model.named_parameters():
+                key = _master_name(model, name)
+                out["grads"][key] = _rel(_tp_full(p.main_grad, p, tp_group), reference[key])
+        _, norm, _ = optimizer.step()
+        scheduler.step(increment=GLOBAL)
+        out["grad_norm"].append(float(norm))
+        if ps.is_pipeline_last_stage():
+            sums = torch.stack([r["lm loss"] for r in reported]).sum(0)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            out["lm_loss"].append(float(sums[0] / sums[1]))
+    if save is not None:
+        _mcore_save(model, save, ITERS)
+        out["loss of the saved model"] = _mcore_loss(model, 0, g.seq_length)
+    ps.destroy_model_parallel()
+    return out
+
+
+def _mcore_save(model, root, iteration: int) -> None:
+    """megatron-core's torch_dist save of the model (``dist_checkpointing.save`` of its sharded state
+    dict) into ``root/iter_XXXXXXX``, then the tracker, as Megatron-LM's training loop writes it."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from course_lib.training.checkpointing import checkpoint_dir, get_checkpoint_tracker_filename
+
+    folder = checkpoint_dir(root, iteration)
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(model.sharded_state_dict(), str(folder))
+    if dist.get_rank() == 0:
+        get_checkpoint_tracker_filename(root).write_text(str(iteration))
+    dist.barrier()
+
+
+def _mcore_loss(model, iteration: int, seq_length: int) -> float:
+    """The mean token loss of the global batch of (0-based) ``iteration`` under megatron-core's ``model``
+    (pp = 1): each DP rank its micro-batches, sum and count reduced over DP."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from course_lib.data import get_batch
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    sums = torch.zeros(2)
+    with torch.no_grad():
+        for j in range(GLOBAL // (MICRO * dp)):
+            b = get_batch(iteration, j, dp_rank, dp, MICRO, seq_length, SEED, global_batch_size=GLOBAL)
+            losses = model(b["tokens"], torch.arange(seq_length).expand(MICRO, -1), None, labels=b["labels"])
+            sums += torch.stack([losses.sum(), torch.tensor(float(losses.numel()))])
+    dist.all_reduce(sums, group=ps.get_data_parallel_group())
+    return float(sums[0] / sums[1])
+
+
+def _mcore_load_course_checkpoint(folder, tp: int, sp: bool, iteration: int) -> float:
+    """megatron-core's GPTModel (its own random init) loaded by ``dist_checkpointing.load`` from a course
+    torch_dist checkpoint folder; the loss of (0-based) ``iteration``'s global batch under it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from course_lib.model import GPTConfig
+
+    ps.initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(SEED)
+    g = GPTConfig(**MODEL, seed=SEED)
+    model = GPTModel(_mcore_config(g, tp, 1, sp), get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size,
+                     max_sequence_length=g.seq_length, share_embeddings_and_output_weights=True)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))   # + common.pt's items
+    model.load_state_dict(state["model"])
+    loss = _mcore_loss(model, iteration, g.seq_length)
+    ps.destroy_model_parallel()
+    return loss
+
+
+def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
+    """megatron-core's MoELayer and the course's MoEMLP, one set of weights, this rank's tokens
+    ``[s/tp (SP), b, h]``: relative errors of the output, the input gradient, router and expert grads."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.spec_utils import build_module
+
+    from course_lib.model import GPTConfig
+    from course_lib.moe.transformer import MoEMLP
+    from course_lib.process_groups import new_moe_process_groups
+    from course_lib.topology import RankGrid
+
+    experts, topk, s, b, h, ffn = 4, 2, 8, 2, 16, 32
+    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                                 create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(SEED)
+    g = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, num_experts=experts,
+                  moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                  moe_token_dispatcher_type=dispatcher, init_method_std=0.3)
+    with torch.random.fork_rng(devices=[]):                 # every expert, the same numbers on every rank
+        torch.manual_seed(SEED)
+        master = MoEMLP(g, 1, None, init=True)
+    course = MoEMLP(g, 1, new_moe_process_groups(RankGrid(dist.get_world_size(), tp=tp, ep=ep, expert_tp=1)))
+    if sp:
+        course.mark_sequence_parallel()
+    course.load_from_master(master)
+    cfg = _mcore_config(g, tp, 1, sp, num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                        add_bias_linear=False, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                        moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="aux_loss",
+                        expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+    layer = build_module(get_gpt_layer_local_spec(num_experts=experts).submodules.mlp, config=cfg, layer_number=1)
+    fc1, fc2 = course.experts.linear_fc1.weight, course.experts.linear_fc2.weight       # [L, F, H], [L, H, F]
+    with torch.no_grad():
+        layer.router.weight.copy_(course.router.weight)
+        for i, expert in enumerate(layer.experts.local_experts):
+            expert.linear_fc1.weight.copy_(fc1[i])
+            expert.linear_fc2.weight.copy_(fc2[i])
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    x = torch.randn(s // (tp if sp else 1), b, h, generator=gen)
+    dy = torch.randn(x.shape, generator=gen)
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # the course's aux_loss_scale: 1
+    x_m, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_m, _ = layer(x_m)
+    (y_m * dy).sum().backward()
+    y_c = course(x_c)
+    (y_c * dy).sum().backward()
+    out = {"output": _rel(y_m, y_c), "input grad": _rel(x_m.grad, x_c.grad),
+           "router grad": _rel(layer.router.weight.grad, course.router.weight.grad),
+           "expert grads": max(max(_rel(e.linear_fc1.weight.grad, fc1.grad[i]), _rel(e.linear_fc2.weight.grad, fc2.grad[i]))
+                               for i, e in enumerate(layer.experts.local_experts))}
+    ps.destroy_model_parallel()
+    return out
+
+
+# ------------------------------------------------------------------ the launch
+
+
+def _rank(layouts, moe_cases, root):
+    """Runs on every rank: megatron-core and the course trainer on each layout (the first layout's
+    megatron-core model saved for the course to load), the checkpoints both ways, then the MoE cases."""
+    from megatron_core_cpu import megatron_core_on_cpu
+
+    from course_lib.train import parse_args, pretrain
+
+    out = {"train": {}, "moe": {}}
+    for i, (name, tp, pp, sp, distopt) in enumerate(layouts):
+        with megatron_core_on_cpu():
+            mcore = _mcore_train(tp, pp, sp, distopt, save=f"{root}/mcore" if i == 0 else None)
+        course = pretrain(parse_args(_course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
+        out["train"][name] = {"mcore": mcore, "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
+    # megatron-core saved TP2 x DP2 (SP): the course loads its model under PP2 x DP2, one iteration
+    pp2 = _course_argv(1, 2, False, False)
+    out["course loads mcore"] = pretrain(parse_args(pp2 + ["--load", f"{root}/mcore", "--finetune", "--train-iters",
+                                                           "1"]), print_args=False, record_comm=False)["lm_loss"]
+    # the course saves PP2 x DP2 at iteration 3 (the layout's run, then a 4th); megatron-core loads it under TP2 x DP2
+    out["course saved"] = pretrain(parse_args(pp2 + ["--save", f"{root}/course", "--save-interval", str(ITERS),
+                                                     "--train-iters", str(ITERS + 1), "--lr-decay-iters", str(ITERS)]),
+                                   print_args=False, record_comm=False)["lm_loss"]
+    with megatron_core_on_cpu():
+        out["mcore loads course"] = _mcore_load_course_checkpoint(f"{root}/course/iter_{ITERS:07d}", 2, True, ITERS)
+        for case in moe_cases:
+            out["moe"][case] = _moe_case(*case)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    with warnings.catch_warnings():      # megatron-core warns that TE and Apex are absent
+        warnings.simplefilter("ignore")
+        for module in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+                       "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer",
+                       "megatron.core.dist_checkpointing"):
+            pytest.importorskip(module, reason="megatron-core is not installed (optional extra: pip install .[megatron])")
+        return launch(_rank, world_size=4, backend="gloo", timeout=240, output="none", layouts=LAYOUTS,
+                      moe_cases=MOE_CASES, root=str(tmp_path_factory.mktemp("mcore_ckpt")))
+
+
+@pytest.mark.parametrize("name, pp", [(layout[0], layout[2]) for layout in LAYOUTS])
+def test_megatron_core_trains_like_the_course_trainer(ranks, name, pp):
+    for rank, res in enumerate(ranks):
+        mcore, course = res["train"][name]["mcore"], res["train"][name]["course"]
+        for ours, theirs in zip(course["grad_norm"], mcore["grad_norm"], strict=True):
+            assert abs(ours - theirs) <= TOL * ours, (name, rank, course["grad_norm"], mcore["grad_norm"])
+        if mcore["lm_loss"]:                                # the last stage reports the loss
+            for ours, theirs in zip(course["lm_loss"], mcore["lm_loss"], strict=True):
+                assert abs(ours - theirs) <= TOL * ours, (name, rank, course["lm_loss"], mcore["lm_loss"])
+    assert sum(bool(res["train"][name]["mcore"]["lm_loss"]) for res in ranks) == 4 // pp     # the last stages
+
+
+@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS if not layout[4]])
+def test_megatron_core_gpt_has_the_course_models_logits_and_gradients(ranks, name):
+    seen = set()
+    for res in ranks:
+        mcore = res["train"][name]["mcore"]
+        if mcore["logits"] is not None:
+            assert mcore["logits"] <= TOL, (name, mcore["logits"])
+        for key, err in mcore["grads"].items():
+            assert err <= GRAD_TOL, (name, key, err)
+        seen |= set(mcore["grads"])
+    from course_lib.model import GPTConfig, GPTModel
+
+    assert seen == {n for n, _ in GPTModel(GPTConfig(**MODEL)).named_parameters()}     # every gradient
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_megatron_core_moe_layer_equals_the_course_moe_layer(ranks, case):
+    for rank, res in enumerate(ranks):
+        for what, err in res["moe"][case].items():
+            assert err <= GRAD_TOL, (case, rank, what, err)
+
+
+def test_megatron_core_and_the_course_load_each_others_torch_dist_checkpoints(ranks):
+    """megatron-core's save (TP2 x DP2) read by the course under PP2 x DP2 (``--finetune``): its first loss is
+    megatron-core's loss of the saved model on that batch; the course's save at iteration 3 (PP2 x DP2) read
+    by ``dist_checkpointing.load`` into megatron-core's GPTModel under TP2 x DP2: the loss of batch 4 is the
+    course's 4th."""
+    last = ranks[-1]                                        # a last pipeline stage: it reports the loss
+    saved = last["train"][LAYOUTS[0][0]]["mcore"]["loss of the saved model"]
+    assert abs(last["course loads mcore"][0] - saved) <= TOL * saved, (last["course loads mcore"], saved)
+    course_4th = last["course saved"][ITERS]
+    for res in ranks:
+        assert abs(res["mcore loads course"] - course_4th) <= TOL * course_4th, (res["mcore loads course"], course_4th)
+    assert last["course saved"][:ITERS] == last["train"]["PP2 x DP2 (1F1B)"]["course"]["lm_loss"]
