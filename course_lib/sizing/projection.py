@@ -55,6 +55,7 @@ from course_lib.sizing.memory import activation_bytes_per_layer, output_activati
 from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan
 from course_lib.sizing.published import SEQ, VOCAB, PublishedRun
 
+
 @dataclass(frozen=True)
 class Assumptions:
     """Every modelling choice of :func:`project`, by name (default; source)."""
@@ -69,7 +70,8 @@ class Assumptions:
         'one fraction of peak for every GEMM instead of the GEMM model (none: the model).')})
     elementwise_traffic: float = field(default=1.0, metadata={"help": (
         "HBM passes over Korthikanti Table 2's activation bytes per forward (backward: twice that; full "
-        'recompute: once more). 1 = each stored byte written once and read once.')})
+        "recompute: once more; selective: the attention core's 5as^2b once more). 1 = each stored byte written "
+        'once and read once.')})
     flash_attention: bool = field(default=False, metadata={"help": (
         'the attention core fused (Dao 2022): no ``5as^2b`` score bytes through HBM. Off for the 2021 runs of '
         'Table 1; on for Megatron-core with Transformer Engine (--attention-backend).')})
@@ -522,9 +524,9 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
         notes.append(f"the busiest rank needs {p.memory['total'] / 1e9:.1f} GB, more than the "
                      f"{hw.hbm_gb:.0f} GB of HBM: the projection is of a run that would not start")
     return Projection(plan=p, hardware=hw, num_nodes=nodes, assumptions=a, t_forward=t_f, t_backward=t_b,
-                      parts=parts, after=after, compute=compute, layer=layer, groups=groups, pipeline_time=timeline.makespan,
-                      bubble=timeline.bubble_fraction, step_time=timeline.makespan + sum(after.values()),
-                      timeline=timeline, notes=notes)
+                      parts=parts, after=after, compute=compute, layer=layer, groups=groups,
+                      pipeline_time=timeline.makespan, bubble=timeline.bubble_fraction,
+                      step_time=timeline.makespan + sum(after.values()), timeline=timeline, notes=notes)
 
 
 def project_configs(model: ModelSpec, configs: dict, world_size: int = 8, hardware="H100", **kw) -> dict:

@@ -15,16 +15,17 @@ DGX A100 80 GB nodes (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per
     parallelism + selective recomputation); §6: three interleaved stages for the 175B and 530B
     models; §6.3: the 530B run with 8-way data parallelism on 2240 GPUs. Megatron-LM of 2022, a
     different run and code base from Table 1's.
-  - Narayanan et al. 2021, Table 2, the six PTD-P rows, beyond Table 1's layouts (model-parallel
-    size 96 = TP 8 x PP 12 for GPT-3 175B, 280 = 8 x 35 for 530B; micro-batch 1; batch 1536 and
-    2240): the same paper and cluster as the fit, other layouts and data-parallel sizes.
+  - Narayanan et al. 2021, Table 2, its six PTD-P rows (model-parallel size 96 = TP 8 x PP 12 for
+    GPT-3 175B, 280 = 8 x 35 for 530B; micro-batch 1; batch 1536 and 2240): the same paper and
+    cluster as the fit, other layouts and data-parallel sizes (the schedule is not printed: 1F1B).
 
 * :data:`KORTHIKANTI_TABLE4` -- Korthikanti Table 4: forward and backward time of one transformer
   layer of the 22B model (TP 8, micro-batch 4) under the five recomputation / SP settings.
 
-Not used: BLOOM-176B (Megatron-DeepSpeed with ZeRO-1 and its own pipeline engine, ALiBi, a
-250,880 vocabulary; its TFLOP/s are counted with a different formula) and OPT-175B (FSDP with
-TP 8, no pipeline): neither is a Megatron layout :func:`.projection.project` prices.
+Not used: BLOOM-176B (Megatron-DeepSpeed: ZeRO-1 and DeepSpeed's pipeline engine, ALiBi, a
+250,880-token vocabulary) and OPT-175B (FSDP with TP 8, no pipeline): neither is a layout
+:func:`.projection.project` prices, so an error there would measure the layout model rather than
+the GEMM fit.
 """
 
 from __future__ import annotations
