@@ -13,10 +13,16 @@ module                      what it computes (source)
                             CP (Narayanan §3)
 :mod:`.planner`             one configuration end to end (validated once, then bytes and FLOPs)
 :mod:`.hardware`            GPU profiles (A100, H100, H200): peak FLOP/s, HBM, NVLink, network;
-                            each number with its datasheet
+                            each number with its datasheet (NVLink at NCCL's measured rate)
+:mod:`.gemm`                the GEMMs of one layer on one rank, with their shapes, and a GEMM's
+                            time (a roofline plus a fixed cost per kernel, fitted to Narayanan
+                            2021 Table 1)
+:mod:`.published`           published A100 runs, as printed, with their sources: Narayanan 2021
+                            Tables 1-2, Korthikanti 2022 Tables 3-5 and §6.3
 :mod:`.projection`          a plan timed on a named GPU cluster: step time, tokens/s, MFU, each
-                            group's communication on NVLink or the network (checked against
-                            Narayanan 2021 Table 1); ``python -m course_lib project``
+                            group's communication on NVLink or the network (fitted to Narayanan
+                            2021 Table 1, checked on the other published runs);
+                            ``python -m course_lib project``
 :mod:`.moe`                 Mixture-of-Experts parameters, active parameters, bytes per rank
 ==========================  =====================================================================
 

@@ -4,20 +4,26 @@
 **time** to :func:`course_lib.sizing.planner.plan` (which already validates the layout and
 counts FLOPs, bytes and memory with the papers' formulas) and to nothing else:
 
-1. **Compute per micro-batch and pipeline rank.** The GEMM FLOPs of one micro-batch through
-   the rank's layers, ``t_gemm = FLOPs / (peak x gemm_efficiency)``, per layer and sequence
-   taken from :func:`.flops.flops_per_iteration` (Narayanan Eq. 3 / Korthikanti Eq. 7-8: the
-   forward is a third of the model FLOPs, the backward two thirds, full recompute adds one
-   forward), divided over ``tp x cp``. Plus the memory-bound element-wise work the papers do
+1. **Compute per micro-batch and pipeline rank.** Every GEMM one layer runs on one rank, with its
+   shape (:func:`.gemm.layer_gemms`: QKV, the attention core's batched ``QK^T`` and ``x V``, the
+   projection, the two MLP GEMMs, the logits on the last stage; their FLOPs add up to Narayanan's
+   Eq. 3 / Korthikanti's Eq. 7), timed by :func:`.gemm.gemm_seconds`: a roofline at a fitted
+   fraction of the dense peak plus a fixed cost per kernel, so big per-rank matrices run closer to
+   the peak than small ones. The backward runs each GEMM's two gradient GEMMs (twice the forward);
+   full recomputation runs the layer's forward once more, selective recomputation the attention
+   core's two GEMMs (Korthikanti §5). Plus the memory-bound element-wise work the papers do
    not count as FLOPs (LayerNorm, GeLU, softmax, dropout): the activation bytes of Korthikanti
    Table 2 (:func:`.memory.activation_bytes_per_layer`) moved through HBM once forward and
-   twice backward (read, and the gradient written).
+   twice backward (read, and the gradient written), and once more for what is recomputed.
 2. **Communication per group**, priced with the alpha-beta model on the link the group's
    ranks use: ranks are numbered in Megatron's order tp-cp-ep-dp-pp
    (:class:`course_lib.topology.RankGrid`) and placed ``gpus_per_node`` to a node (torchrun's
    ``--nproc-per-node``: rank r on node ``r // gpus_per_node``), so a group whose ranks sit on
-   more than one node talks over the network, else over NVLink. Bytes are
-   :mod:`.comm`'s (the ring cost model). TP's all-reduces sit inside each micro-batch's forward
+   more than one node talks over the network, else over NVLink. A group with ``k`` of its GPUs on
+   each node runs NCCL's rings over ``k`` NICs per node (one per GPU), so it reaches ``k`` times one
+   NIC's bandwidth, at most NVLink's. NVLink is priced at the bus bandwidth NCCL measures, the
+   network at its line rate (an assumption; :mod:`.hardware`). Bytes are :mod:`.comm`'s (the ring
+   cost model). TP's all-reduces sit inside each micro-batch's forward
    and backward (Megatron 2021 blocks on them); a pipeline message delays the stage that waits for
    it (the simulator's ``p2p_latency``), so what PP costs is what it adds to the schedule; DP's
    gradient reduction follows the backward pass unless ``dp_overlap`` hides part of it.
@@ -27,10 +33,12 @@ counts FLOPs, bytes and memory with the papers' formulas) and to nothing else:
 4. **Step** = pipeline makespan + exposed DP reduction + tied-embedding all-reduce +
    optimizer step (memory-bound: Adam's fp32 state read and written through HBM).
 
-Every assumption is a field of :class:`Assumptions` with its default and source. The one
-calibrated constant is :data:`GEMM_EFFICIENCY`, fitted once to Narayanan et al. 2021 Table 1
-(tests/sizing/test_projection.py prints every row's error); everything else is a datasheet number
-(:mod:`.hardware`) or a paper's formula.
+Every assumption is a field of :class:`Assumptions` with its default and source. The two
+calibrated constants are the GEMM model's (:mod:`.gemm`), fitted once to Narayanan et al. 2021
+Table 1 and checked out of sample on Korthikanti et al. 2022's and Narayanan's Table 2 runs
+(:mod:`.published`; tests/sizing/test_projection.py prints every row's error, the summary says them in
+one line); everything else is a datasheet number, an NCCL measurement (:mod:`.hardware`) or a
+paper's formula.
 """
 
 from __future__ import annotations
@@ -40,35 +48,36 @@ from dataclasses import dataclass, field, fields, replace
 
 from course_lib import rules
 from course_lib.sizing.comm import cp_comm_per_layer, pp_send_elements, ring_elements_sent, tp_comm_per_layer
-from course_lib.sizing.flops import flops_per_iteration
+from course_lib.sizing.gemm import (ATTENTION_CORE, FIT_SUMMARY, GEMM_HALF_FLOPS, GEMM_PEAK_EFFICIENCY, gemm_seconds,
+                                    layer_gemms, logits_gemm)
 from course_lib.sizing.hardware import HARDWARE, Hardware, get_hardware
 from course_lib.sizing.memory import activation_bytes_per_layer, output_activation_terms
 from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan
-
-GEMM_EFFICIENCY = 0.61
-"""Fraction of the dense bf16 peak a transformer's GEMMs reach: the one constant fitted to
-Narayanan et al. 2021 Table 1 (A100, 1.7B-1T, full recompute, micro-batch 1): the value, to two
-digits, that minimises the summed squared log-error of the projected achieved TFLOP/s per GPU over the
-ten rows (mean log-error -1.0 % at 0.600, +0.4 % at 0.610, +1.7 % at 0.620; tests/sizing/test_projection.py prints every
-row's error with it). Everything else the projection uses is a datasheet number or a paper's
-formula. Table 1's end-to-end 44-52 % of peak is lower because the step also pays for
-element-wise work, communication, the bubble and the optimizer, which are priced separately."""
+from course_lib.sizing.published import SEQ, VOCAB, PublishedRun
 
 
 @dataclass(frozen=True)
 class Assumptions:
     """Every modelling choice of :func:`project`, by name (default; source)."""
 
-    gemm_efficiency: float = field(default=GEMM_EFFICIENCY, metadata={"help": (
-        'fraction of peak FLOP/s the GEMMs reach (fitted once to Narayanan Table 1).')})
+    gemm_peak_efficiency: float = field(default=GEMM_PEAK_EFFICIENCY, metadata={"help": (
+        "fraction of the dense peak a large GEMM sustains (the GEMM model's eta_max, fitted to Narayanan "
+        'Table 1; course_lib/sizing/gemm.py).')})
+    gemm_half_flops: float = field(default=GEMM_HALF_FLOPS, metadata={"help": (
+        "FLOPs of the GEMM that runs at half of eta_max: every kernel's fixed cost is the time of this many "
+        'FLOPs (the GEMM model, fitted to Narayanan Table 1).')})
+    gemm_efficiency: float | None = field(default=None, metadata={"help": (
+        'one fraction of peak for every GEMM instead of the GEMM model (none: the model).')})
     elementwise_traffic: float = field(default=1.0, metadata={"help": (
         "HBM passes over Korthikanti Table 2's activation bytes per forward (backward: twice that; full "
-        'recompute: once more). 1 = each stored byte written once and read once.')})
+        "recompute: once more; selective: the attention core's 5as^2b once more). 1 = each stored byte written "
+        'once and read once.')})
     flash_attention: bool = field(default=False, metadata={"help": (
         'the attention core fused (Dao 2022): no ``5as^2b`` score bytes through HBM. Off for the 2021 runs of '
         'Table 1; on for Megatron-core with Transformer Engine (--attention-backend).')})
     link_efficiency: float = field(default=1.0, metadata={"help": (
-        "fraction of a link's peak bandwidth a collective reaches (1: the datasheet's).")})
+        "fraction of the profile's link bandwidths a collective reaches (1: NVLink at the bus bandwidth NCCL "
+        "measures, the network at its line rate).")})
     tp_overlap: float = field(default=0.0, metadata={"help": (
         "fraction of TP communication hidden behind GEMMs (0 in Megatron 2021; Megatron-core's "
         '--tp-comm-overlap with Transformer Engine userbuffers hides much of it on Hopper).')})
@@ -89,8 +98,10 @@ class Assumptions:
         'bytes, x2), the 2-byte gradient read and the 2-byte weight written.')})
 
     def __post_init__(self):
-        for name in ("gemm_efficiency", "link_efficiency"):
+        for name in ("gemm_peak_efficiency", "link_efficiency") + (("gemm_efficiency",) if self.gemm_efficiency
+                                                                  is not None else ()):
             rules.number(name, getattr(self, name), 0.0, 1.0, low_open=True)
+        rules.number("gemm_half_flops", self.gemm_half_flops, 0.0)
         for name in ("tp_overlap", "cp_overlap", "pp_overlap", "dp_overlap"):
             rules.number(name, getattr(self, name), 0.0, 1.0)
         rules.number("elementwise_traffic", self.elementwise_traffic, 0.0)
@@ -111,6 +122,7 @@ class GroupComm:
     seconds: float       # transfer + start-up time per step, before any overlap
     _exposed: object     # seconds left on the step after overlap (or a function computing it, called once)
     overlap: str = ""
+    nics: int = 0        # NICs per node its rings use across nodes (its GPUs per node); 0 inside a node
 
     @property
     def exposed(self) -> float:
@@ -132,6 +144,8 @@ class Projection:
     parts: dict              # seconds per micro-batch, per pipeline rank: gemm, elementwise, tp, cp
     after: dict              # seconds after the pipeline: dp, embedding, optimizer
     compute: dict            # per micro-batch on the busiest rank: gemm_forward, gemm_backward, elementwise
+    layer: dict              # one transformer layer, one micro-batch: seconds forward / backward (gemm, elementwise,
+                             # tp, cp), and its forward GEMM FLOPs
     groups: dict             # name -> GroupComm
     pipeline_time: float     # simulated makespan of the schedule
     bubble: float            # simulated bubble fraction (idle / busy), Narayanan's t_pb / t_id
@@ -173,12 +187,29 @@ class Projection:
     def hfu(self) -> float:
         return self.achieved_flops_per_gpu / self.hardware.peak_flops
 
+    @property
+    def layer_gemm_efficiency(self) -> float:
+        """The fraction of the dense peak one layer's forward GEMMs reach under the GEMM model."""
+        return self.layer["gemm_flops_forward"] / (self.layer["gemm_forward"] * self.hardware.peak_flops)
+
+    def gemm_model_text(self) -> str:
+        """Which GEMM timing this projection used: the fitted model with its errors, or the constant given."""
+        a = self.assumptions
+        if a.gemm_efficiency is not None:
+            return f"GEMMs at a constant {a.gemm_efficiency:.0%} of peak (gemm_efficiency; the fitted model is off)"
+        if (a.gemm_peak_efficiency, a.gemm_half_flops) != (GEMM_PEAK_EFFICIENCY, GEMM_HALF_FLOPS):
+            return (f"GEMM model with eta_max {a.gemm_peak_efficiency:g} and W_half {a.gemm_half_flops:.3g} FLOPs "
+                    f"(given; the fit is {GEMM_PEAK_EFFICIENCY:g}, {GEMM_HALF_FLOPS:.3g})")
+        return FIT_SUMMARY
+
     def summary(self) -> str:
         """A deterministic, rounded text report (what ``python -m course_lib project`` prints)."""
         p, c = self.plan, self.plan.config
         lines = [
             self.hardware.summary(),
-            f"{p.model.name}: {p.num_parameters / 1e9:.1f}B parameters; TP={c['tp']} PP={c['pp']} DP={c['dp']} "
+            f"{p.model.name}: {p.num_parameters / 1e9:.1f}B parameters ({p.model.num_layers} layers, hidden "
+            f"{p.model.hidden_size}, {p.model.num_heads} heads, seq {p.model.seq_length}, vocab {p.model.vocab_size}); "
+            f"TP={c['tp']} PP={c['pp']} DP={c['dp']} "
             f"CP={c['cp']} VP={c['vp']} SP={c['sequence_parallel']} recompute={c['recompute']} on "
             f"{self.world_size} GPUs = {self.num_nodes} node(s) of {self.hardware.gpus_per_node}; "
             f"{p.num_microbatches} micro-batches of {c['micro_batch_size']} (global batch {c['global_batch_size']})",
@@ -190,10 +221,13 @@ class Projection:
             f"(formula (p-1)/(v m) = {(c['pp'] - 1) / (c['vp'] * p.num_microbatches):.3f})",
             "per micro-batch on the busiest rank: " + ", ".join(
                 f"{k.replace('_', ' ')} {seconds_text(v)}" for k, v in self.compute.items()),
-            f"{'group':<10}{'size':>5}  {'link':<8}{'sent/step':>13}{'time':>11}{'exposed':>11}  overlap",
+            f"one layer, one micro-batch: forward {seconds_text(self.layer['forward'])}, backward "
+            f"{seconds_text(self.layer['backward'])}; its GEMMs run at {self.layer_gemm_efficiency:.1%} of peak",
+            self.gemm_model_text(),
+            f"{'group':<10}{'size':>5}  {'link':<8}{'NICs':>5}{'sent/step':>13}{'time':>11}{'exposed':>11}  overlap",
         ]
         for g in self.groups.values():
-            lines.append(f"{g.name:<10}{g.group_size:>5}  {g.link:<8}{g.bytes_sent / 1e9:>10.3f} GB"
+            lines.append(f"{g.name:<10}{g.group_size:>5}  {g.link:<8}{g.nics or '-':>5}{g.bytes_sent / 1e9:>10.3f} GB"
                          f"{seconds_text(g.seconds):>11}{seconds_text(g.exposed):>11}  {g.overlap}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -206,19 +240,15 @@ def seconds_text(seconds: float) -> str:
             return f"{seconds / scale:.3g} {unit}"
 
 
-def _layer_flops(model: ModelSpec, recompute: str) -> tuple[int, int]:
-    """(per-layer, logits) FLOPs of one sequence's forward + backward, from flops.py's closed forms.
-
-    F is linear in the number of layers, so one layer costs ``F(l=2) - F(l=1)`` and the logit
-    layer ``F(l=1) - layer``: the formulas stay in :mod:`.flops`.
-    """
-    s, h, V = model.seq_length, model.hidden_size, model.vocab_size
-    one, two = (flops_per_iteration(1, s, n, h, V, recompute=recompute) for n in (1, 2))
-    return two - one, one - (two - one)
-
-
-def _spans_nodes(groups: list, gpus_per_node: int) -> bool:
-    return any(len({r // gpus_per_node for r in g}) > 1 for g in groups)
+def _gpus_per_node_in_group(groups: list, gpus_per_node: int) -> tuple[int, int]:
+    """``(nodes, k)``: the most nodes one group spans and the most of one group's GPUs on one node."""
+    nodes, k = 1, 1
+    for g in groups:
+        count: dict[int, int] = {}
+        for r in g:
+            count[r // gpus_per_node] = count.get(r // gpus_per_node, 0) + 1
+        nodes, k = max(nodes, len(count)), max(k, max(count.values()))
+    return nodes, k
 
 
 def _num_nodes(world: int, hw: Hardware, num_nodes) -> int:
@@ -270,12 +300,24 @@ class _Run:
 
     def link(self, token: str, size: int) -> tuple[str, float, float]:
         """``(link, bandwidth, latency)`` of the ``token`` groups of ``size`` ranks: "network" when a group's
-        ranks sit on more than one node (``gpus_per_node`` to a node), else "NVLink"; "-" for one rank."""
+        ranks sit on more than one node (``gpus_per_node`` to a node), else "NVLink"; "-" for one rank.
+
+        Across nodes, a group with ``k`` GPUs on each node runs ``k`` of NCCL's rings side by side, each
+        leaving the node through its own GPU's NIC (one NIC per GPU), and each ring carries ``1/k`` of the
+        data: the group reaches ``k`` NICs' bandwidth, and no more than NVLink's, which its ranks inside a
+        node still use."""
         if size == 1:
             return "-", math.inf, 0.0
-        if _spans_nodes(self.grid.groups(token), self.hw.gpus_per_node):
-            return "network", self.hw.internode_bandwidth * self.assumptions.link_efficiency, self.hw.inter_latency_s
-        return "NVLink", self.hw.nvlink_bandwidth * self.assumptions.link_efficiency, self.hw.intra_latency_s
+        hw, eff = self.hw, self.assumptions.link_efficiency
+        nodes, k = _gpus_per_node_in_group(self.grid.groups(token), hw.gpus_per_node)
+        if nodes > 1:
+            return "network", min(hw.nvlink_bus_bandwidth, k * hw.internode_bandwidth) * eff, hw.inter_latency_s
+        return "NVLink", hw.nvlink_bus_bandwidth * eff, hw.intra_latency_s
+
+    def nics(self, token: str) -> int:
+        """NICs per node a ``token`` group sends on when it spans nodes: its GPUs per node (0 inside a node)."""
+        nodes, k = _gpus_per_node_in_group(self.grid.groups(token), self.hw.gpus_per_node)
+        return k if nodes > 1 else 0
 
 
 def _assumptions(assumptions: Assumptions | None, overrides: dict) -> Assumptions:
@@ -296,27 +338,45 @@ def _data_parallel_size(dp, num_nodes, hw: Hardware, tp, pp, cp):
                                     rules.integer(rules.CP, cp))
 
 
-def _compute(run: _Run) -> tuple[list, list, list, list]:
+def _gemm_time(run: _Run, gemm) -> float:
+    """Seconds of ``gemm``: the GEMM model of :mod:`.gemm`, or ``gemm_efficiency`` x peak when given."""
+    a = run.assumptions
+    if a.gemm_efficiency is not None:
+        return gemm.flops / (run.hw.peak_flops * a.gemm_efficiency)
+    return gemm_seconds(gemm, run.hw, a.gemm_peak_efficiency, a.gemm_half_flops)
+
+
+def _compute(run: _Run) -> tuple[list, list, list, list, dict]:
     """Seconds per micro-batch and pipeline rank: GEMMs forward and backward, element-wise work forward
-    and backward (the logits on the last rank)."""
+    and backward (the logits on the last rank); and one layer's GEMM / element-wise seconds and FLOPs."""
     model, hw, a, tp, pp, cp, b = run.model, run.hw, run.assumptions, run.tp, run.pp, run.cp, run.b
-    s, h, layers = model.seq_length, model.hidden_size, run.layers
-    rate = hw.peak_flops * a.gemm_efficiency
-    layer_none, logits = _layer_flops(model, "none")
-    layer_fwd = layer_none / 3 * b / (tp * cp)
-    extra = (_layer_flops(model, run.mode)[0] - layer_none) * b / (tp * cp)  # recomputed forward FLOPs
-    logits_fwd = logits / 3 * b / tp
-    act = activation_bytes_per_layer(s, b, h, model.num_heads, tp, run.sp, "selective" if a.flash_attention else "none",
-                                     cp)
-    mem_fwd = layers * act * a.elementwise_traffic / hw.hbm_bandwidth
+    s, h, layers, mode = model.seq_length, model.hidden_size, run.layers, run.mode
+    gemms = layer_gemms(s, b, h, model.num_heads, tp, cp, a.flash_attention)
+    times = {g.name: _gemm_time(run, g) for g in gemms}
+    layer_f = sum(times.values())
+    recomputed = {"full": layer_f, "selective": sum(times[n] for n in ATTENTION_CORE)}.get(mode, 0.0)
+    layer_b = 2 * layer_f + recomputed          # input- and weight-gradient GEMMs, + the recomputed forward
+    logits_f = _gemm_time(run, logits_gemm(s, b, h, model.vocab_size, tp, cp))
+
+    def hbm_seconds(recompute_mode):
+        return activation_bytes_per_layer(s, b, h, model.num_heads, tp, run.sp, recompute_mode, cp) \
+            * a.elementwise_traffic / hw.hbm_bandwidth
+
+    mem_layer = hbm_seconds("selective" if a.flash_attention else "none")
+    # what is recomputed moves its element-wise bytes once more: the whole layer's (full), or the attention
+    # core's 5as^2b/t score bytes (selective; none with flash attention, which never stores them)
+    mem_again = {"full": mem_layer, "selective": mem_layer - hbm_seconds("selective")}.get(mode, 0.0)
     out_bytes = output_activation_terms(s // cp, b, h, model.vocab_size, tp, run.sp)["output"]
     mem_out = out_bytes * a.elementwise_traffic / hw.hbm_bandwidth
-    gemm_f = [layers * layer_fwd / rate + (logits_fwd / rate if r == pp - 1 else 0.0) for r in range(pp)]
-    gemm_b = [layers * (2 * layer_fwd + extra) / rate + (2 * logits_fwd / rate if r == pp - 1 else 0.0)
-              for r in range(pp)]
-    mem_f = [mem_fwd + (mem_out if r == pp - 1 else 0.0) for r in range(pp)]
-    mem_b = [2 * x + (mem_fwd if run.mode == "full" else 0.0) for x in mem_f]
-    return gemm_f, gemm_b, mem_f, mem_b
+    last = [r == pp - 1 for r in range(pp)]
+    gemm_f = [layers * layer_f + (logits_f if z else 0.0) for z in last]
+    gemm_b = [layers * layer_b + (2 * logits_f if z else 0.0) for z in last]
+    mem_f = [layers * mem_layer + (mem_out if z else 0.0) for z in last]
+    mem_b = [2 * x + layers * mem_again for x in mem_f]
+    layer = {"gemm_forward": layer_f, "gemm_backward": layer_b, "elementwise_forward": mem_layer,
+             "elementwise_backward": 2 * mem_layer + mem_again,
+             "gemm_flops_forward": sum(g.flops for g in gemms)}
+    return gemm_f, gemm_b, mem_f, mem_b, layer
 
 
 def _tp_comm(run: _Run, groups: dict) -> tuple[float, float]:
@@ -334,7 +394,7 @@ def _tp_comm(run: _Run, groups: dict) -> tuple[float, float]:
     tp_f, tp_b = bytes_f / bw + n_f * alpha, bytes_b / bw + n_b * alpha
     total = (tp_f + tp_b) * run.m
     groups["tp"] = GroupComm("tp", tp, name, (bytes_f + bytes_b) * run.m, total, total * (1 - a.tp_overlap),
-                             f"{a.tp_overlap:.0%} hidden (tp_overlap)")
+                             f"{a.tp_overlap:.0%} hidden (tp_overlap)", run.nics("tp"))
     return tp_f * (1 - a.tp_overlap), tp_b * (1 - a.tp_overlap)
 
 
@@ -349,7 +409,7 @@ def _cp_comm(run: _Run, groups: dict) -> tuple[float, float]:
     cp_b = 2.0 * d["backward_estimate"] * layers / bw + 4 * (cp - 1) * layers * alpha
     total = (cp_f + cp_b) * run.m
     groups["cp"] = GroupComm("cp", cp, name, 2.0 * d["total_estimate"] * layers * run.m, total,
-                             total * (1 - a.cp_overlap), f"{a.cp_overlap:.0%} hidden (cp_overlap)")
+                             total * (1 - a.cp_overlap), f"{a.cp_overlap:.0%} hidden (cp_overlap)", run.nics("cp"))
     return cp_f * (1 - a.cp_overlap), cp_b * (1 - a.cp_overlap)
 
 
@@ -395,7 +455,7 @@ def _pipeline(run: _Run, t_f: list, t_b: list, message: tuple[str, float, float]
 
         groups["pp"] = GroupComm("pp", pp, name, x * sends, pp_raw * sends, added,
                                  f"{a.pp_overlap:.0%} hidden (pp_overlap); exposed = what the waits add to the "
-                                 f"simulated schedule (in its bubble)")
+                                 f"simulated schedule (in its bubble)", run.nics("pp"))
     return timeline
 
 
@@ -408,12 +468,13 @@ def _after_backward(run: _Run, groups: dict) -> dict:
     if dp * cp > 1:
         t_dp = p.comm["dp"] / bw + alpha
         groups["dp"] = GroupComm(token, dp * cp, name, p.comm["dp"], t_dp, t_dp * (1 - a.dp_overlap),
-                                 f"{a.dp_overlap:.0%} hidden behind backward (dp_overlap)")
+                                 f"{a.dp_overlap:.0%} hidden behind backward (dp_overlap)", run.nics(token))
     if run.pp > 1:
         name, bw, alpha = run.link("embedding", 2)
         emb = 2.0 * ring_elements_sent("all_reduce", run.model.vocab_size // tp * run.model.hidden_size, 2)
         groups["embedding"] = GroupComm("embedding", 2, name, emb, emb / bw + alpha, emb / bw + alpha,
-                                        "none: tied word-embedding gradient, first + last stage")
+                                        "none: tied word-embedding gradient, first + last stage",
+                                        run.nics("embedding"))
     updated = max(p.params_per_stage) / (dp * cp if run.zero_stage >= 1 else 1)
     t_opt = updated * a.optimizer_bytes_per_param / run.hw.hbm_bandwidth
     return {"dp": groups["dp"].exposed if "dp" in groups else 0.0,
@@ -428,7 +489,7 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
     The layout arguments are :func:`.planner.plan`'s (validated there, one-line ValueErrors).
     ``dp`` may be left out when ``num_nodes`` is given: it is then derived as Megatron does,
     ``num_nodes * gpus_per_node / (tp * pp * cp)``. ``overrides`` set fields of
-    :class:`Assumptions` by name (``gemm_efficiency=0.6, dp_overlap=0.8``).
+    :class:`Assumptions` by name (``gemm_peak_efficiency=0.7, dp_overlap=0.8``).
     """
     hw = get_hardware(hardware)
     a = _assumptions(assumptions, overrides)
@@ -443,7 +504,7 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
 
     run = _Run(model, p, hw, a, RankGrid(p.world_size, tp=tp, pp=pp, cp=cp), tp=tp, pp=pp, cp=cp, vp=vp, dp=dp,
                b=micro_batch_size, zero_stage=zero_stage)
-    gemm_f, gemm_b, mem_f, mem_b = _compute(run)
+    gemm_f, gemm_b, mem_f, mem_b, layer = _compute(run)
     groups: dict[str, GroupComm] = {}
     tp_f, tp_b = _tp_comm(run, groups)
     cp_f, cp_b = _cp_comm(run, groups)
@@ -453,6 +514,8 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
              "tp": [tp_f + tp_b] * pp, "cp": [cp_f + cp_b] * pp}
     t_f = [gemm_f[r] + mem_f[r] + tp_f + cp_f for r in range(pp)]
     t_b = [gemm_b[r] + mem_b[r] + tp_b + cp_b for r in range(pp)]
+    layer["forward"] = layer["gemm_forward"] + layer["elementwise_forward"] + (tp_f + cp_f) / run.layers
+    layer["backward"] = layer["gemm_backward"] + layer["elementwise_backward"] + (tp_b + cp_b) / run.layers
     timeline = _pipeline(run, t_f, t_b, message, groups)
     after = _after_backward(run, groups)
     compute = {"gemm_forward": gemm_f[0], "gemm_backward": gemm_b[0], "elementwise": mem_f[0] + mem_b[0],
@@ -461,9 +524,9 @@ def project(model: ModelSpec, tp=1, pp=1, dp=None, cp=1, vp=1, sequence_parallel
         notes.append(f"the busiest rank needs {p.memory['total'] / 1e9:.1f} GB, more than the "
                      f"{hw.hbm_gb:.0f} GB of HBM: the projection is of a run that would not start")
     return Projection(plan=p, hardware=hw, num_nodes=nodes, assumptions=a, t_forward=t_f, t_backward=t_b,
-                      parts=parts, after=after, compute=compute, groups=groups, pipeline_time=timeline.makespan,
-                      bubble=timeline.bubble_fraction, step_time=timeline.makespan + sum(after.values()),
-                      timeline=timeline, notes=notes)
+                      parts=parts, after=after, compute=compute, layer=layer, groups=groups,
+                      pipeline_time=timeline.makespan, bubble=timeline.bubble_fraction,
+                      step_time=timeline.makespan + sum(after.values()), timeline=timeline, notes=notes)
 
 
 def project_configs(model: ModelSpec, configs: dict, world_size: int = 8, hardware="H100", **kw) -> dict:
@@ -474,6 +537,23 @@ def project_configs(model: ModelSpec, configs: dict, world_size: int = 8, hardwa
         dp = rules.data_parallel_size(world_size, tp, pp, cp)
         out[name] = project(model, tp=tp, pp=pp, cp=cp, dp=dp, hardware=hardware, **kw)
     return out
+
+
+def project_published(run: PublishedRun, **overrides) -> Projection:
+    """:func:`project` of one published A100 run (:mod:`.published`) in its own layout; ``overrides`` set
+    :class:`Assumptions` fields."""
+    model = ModelSpec(run.name, run.layers, run.hidden, run.heads, VOCAB, SEQ)
+    return project(model, tp=run.tp, pp=run.pp, dp=run.dp, vp=run.vp, sequence_parallel=run.sequence_parallel,
+                   recompute=run.recompute, micro_batch_size=run.micro_batch, global_batch_size=run.batch,
+                   hardware="A100", **overrides)
+
+
+def published_error(run: PublishedRun, proj: Projection) -> float:
+    """Projected throughput over the published one, minus 1 (+: the projection is faster): TFLOP/s per GPU
+    where the paper gives them (Narayanan's, Eq. 3), else iteration time (published / projected)."""
+    if run.tflops is not None:
+        return proj.achieved_flops_per_gpu / 1e12 / run.tflops - 1
+    return run.seconds / proj.step_time - 1
 
 
 # ============================================================================ command line
@@ -491,12 +571,15 @@ def add_arguments(parser) -> None:
                           "on a GPU cluster (a model, not a measurement: every assumption is a flag).")
     parser.add_argument("--hardware", default="H100", help=f"GPU profile: {', '.join(HARDWARE)} (default H100)")
     parser.add_argument("--num-nodes", type=int, default=1, help="nodes (DP = nodes x GPUs per node / (TP PP CP))")
-    parser.add_argument("--model", default=None, help=f"a preset: {'; '.join(PRESETS)}")
+    parser.add_argument("--model", default=None, help=f"a preset: {'; '.join(PRESETS)} (the shape flags below "
+                        "change its shape)")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument("--num-attention-heads", type=int, default=None)
-    parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--vocab-size", type=int, default=51200, help="padded vocabulary (default 51200)")
+    parser.add_argument("--seq-length", type=int, default=None, help=f"default {DEFAULT_SHAPE['seq_length']}, or the "
+                        "preset's")
+    parser.add_argument("--vocab-size", type=int, default=None, help=f"padded vocabulary (default "
+                        f"{DEFAULT_SHAPE['vocab_size']}, or the preset's)")
     parser.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=None)
     parser.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=None)
     parser.add_argument("--context-parallel-size", "--cp", dest="cp", type=int, default=None)
@@ -514,7 +597,8 @@ def add_arguments(parser) -> None:
             parser.add_argument(flag, action=argparse_bool(), default=None,
                                 help=f"{f.metadata['help']} (default {f.default})")
         else:
-            parser.add_argument(flag, type=float, default=None, help=f"{f.metadata['help']} (default {f.default:g})")
+            default = "none" if f.default is None else f"{f.default:g}"
+            parser.add_argument(flag, type=float, default=None, help=f"{f.metadata['help']} (default {default})")
 
 
 def argparse_bool():
@@ -523,21 +607,35 @@ def argparse_bool():
     return argparse.BooleanOptionalAction
 
 
-def run(args) -> int:
-    preset = _preset(args.model) if args.model else None
-    if preset:
-        model, config = preset["model"], dict(preset["config"])
+DEFAULT_SHAPE = {"seq_length": 2048, "vocab_size": 51200}   # Narayanan §5.1's, when no preset gives them
+_SHAPE_FLAGS = {"num_layers": "num_layers", "hidden_size": "hidden_size", "num_heads": "num_attention_heads",
+                "vocab_size": "vocab_size", "seq_length": "seq_length"}   # ModelSpec field: argparse dest
+
+
+def _model(args):
+    """The model of the command line: a preset with the shape flags given applied to it, or the shape flags
+    alone (which then must give layers, hidden size and heads). :func:`.planner.plan` validates the shape."""
+    given = {field_: getattr(args, flag) for field_, flag in _SHAPE_FLAGS.items() if getattr(args, flag) is not None}
+    if args.model:
+        preset = _preset(args.model)
+        changed = ", ".join(f"{_SHAPE_FLAGS[k]}={v}" for k, v in given.items())
+        model = preset["model"]
+        if given:
+            model = replace(model, name=f"{model.name} with {changed}", **given)
+        config = dict(preset["config"])
         config.pop("dp", None)  # derived from --num-nodes, as Megatron derives it from the launch
-    else:
-        missing = [flag for flag, v in (("--num-layers", args.num_layers), ("--hidden-size", args.hidden_size),
-                                        ("--num-attention-heads", args.num_attention_heads)) if v is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} missing: give the model's shape, or --model with a preset "
-                             f"({'; '.join(PRESETS)})")
-        model = ModelSpec("model", args.num_layers, args.hidden_size, args.num_attention_heads, args.vocab_size,
-                          args.seq_length)
-        config = dict(tp=1, pp=1, cp=1, vp=1, sequence_parallel=False, recompute="none", zero_stage=0,
-                      micro_batch_size=1, global_batch_size=None)
+        return model, config
+    missing = [f"--{flag.replace('_', '-')}" for field_, flag in list(_SHAPE_FLAGS.items())[:3] if field_ not in given]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} missing: give the model's shape, or --model with a preset "
+                         f"({'; '.join(PRESETS)})")
+    model = ModelSpec("model", **{**DEFAULT_SHAPE, **given})
+    return model, dict(tp=1, pp=1, cp=1, vp=1, sequence_parallel=False, recompute="none", zero_stage=0,
+                       micro_batch_size=1, global_batch_size=None)
+
+
+def run(args) -> int:
+    model, config = _model(args)
     for key in ("tp", "pp", "cp", "vp", "micro_batch_size", "global_batch_size"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)

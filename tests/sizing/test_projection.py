@@ -1,53 +1,145 @@
-"""The cluster projection (course_lib.sizing.projection) against the paper and against first principles.
+"""The cluster projection (course_lib.sizing.projection) against the papers and against first principles.
 
-Expected values come from the papers and datasheets named beside them, never from the code
-under test:
+Expected values come from the papers, datasheets and NCCL measurements named beside them, never from the
+code under test:
 
 * Narayanan et al. 2021 (SC21, arXiv:2104.04473) Table 1: the ten A100 runs' layouts and their
-  achieved teraFLOP/s per GPU (``TABLE1`` of tests/sizing/test_sizing_papers.py, copied from the
-  paper; the 1T row's 163 TFLOP/s = 52 % of 312 and 502 PFLOP/s are also quoted in the paper's
-  abstract). Table 1's runs use full recomputation (§5.1) on Selene (DGX A100, 8 x 200 Gb/s HDR
-  per node, §5); the table gives no micro-batch size: we use 1.
+  achieved teraFLOP/s per GPU (``NARAYANAN_TABLE1`` of course_lib/sizing/published.py, copied from the
+  paper). Full recomputation (§5.1) on Selene (DGX A100, 8 x 200 Gb/s HDR per node, §5); the table
+  gives no micro-batch size: we use 1. The GEMM model (course_lib/sizing/gemm.py) is fitted to these
+  rows, and ``test_gemm_model_is_the_table1_fit`` redoes the fit.
+* Out of sample (fitted to nothing): Korthikanti et al. 2022 Tables 3-5 and §6.3, Narayanan Table 2's
+  PTD-P rows (``OUT_OF_SAMPLE``), Korthikanti Table 4's per-layer times (``KORTHIKANTI_TABLE4``).
 * Narayanan Figure 13 (162.2B GPT on 64 A100s, TP x PP = 64): throughput is highest at TP 8 and
   falls once TP leaves the 8-GPU node (TP 16, 32).
-* NVIDIA datasheets for the hardware numbers (see course_lib/sizing/hardware.py).
+* NVIDIA datasheets and the NCCL maintainers' NVLink bus bandwidths (course_lib/sizing/hardware.py).
 """
+
+import math
+from functools import lru_cache
 
 import pytest
 
 from course_lib.__main__ import main
 from course_lib.sizing import flops_per_iteration
+from course_lib.sizing.gemm import (FIT_SUMMARY, GEMM_HALF_FLOPS, GEMM_PEAK_EFFICIENCY, Gemm, gemm_seconds,
+                                    layer_gemms, logits_gemm)
 from course_lib.sizing.hardware import HARDWARE, get_hardware
 from course_lib.sizing.planner import ModelSpec
-from course_lib.sizing.projection import GEMM_EFFICIENCY, Assumptions, project
-from test_sizing_papers import TABLE1  # Narayanan Table 1, as printed
+from course_lib.sizing.projection import Assumptions, project, project_published, published_error
+from course_lib.sizing.published import KORTHIKANTI_TABLE4, OUT_OF_SAMPLE, table1_runs
 
 V, S = 51200, 2048  # Narayanan §5.1: vocabulary 51,200, sequence 2048
+TABLE1 = table1_runs()
 
 
-def _row_model(row):
-    params_b, heads, h, layers = row[:4]
-    return ModelSpec(f"{params_b}B", layers, h, heads, V, S)
+@lru_cache(maxsize=None)
+def _table1_errors(peak_efficiency=GEMM_PEAK_EFFICIENCY, half_flops=GEMM_HALF_FLOPS) -> tuple:
+    return tuple(published_error(r, project_published(r, gemm_peak_efficiency=peak_efficiency,
+                                                      gemm_half_flops=half_flops)) for r in TABLE1)
 
 
-def test_table1_achieved_tflops_within_15_percent_on_8_of_10_rows(capsys):
-    lines, errors = [], []
-    for row in TABLE1:
-        params_b, heads, h, layers, tp, pp, gpus, batch, tflops = row[:9]
-        proj = project(_row_model(row), tp=tp, pp=pp, dp=gpus // (tp * pp), recompute="full",
-                       micro_batch_size=1, global_batch_size=batch, hardware="A100")
-        x = proj.achieved_flops_per_gpu / 1e12
-        err = (x - tflops) / tflops
-        errors.append(err)
-        lines.append(f"{params_b:>7}B TP{tp:<2} PP{pp:<3} {gpus:>5} GPUs batch {batch:>5}: paper {tflops} "
-                     f"projected {x:6.1f} TFLOP/s ({err:+.1%}); bubble {proj.bubble:.3f}")
-    report = "\n".join([f"Narayanan Table 1 vs projection (gemm_efficiency={GEMM_EFFICIENCY}):"] + lines)
+def _fit_objective(errors) -> float:
+    """What the fit minimises: the summed squared log-error of the projected TFLOP/s per GPU."""
+    return sum(math.log1p(e) ** 2 for e in errors)
+
+
+def _span(errors) -> str:
+    return f"{100 * min(errors):+.1f}%..{100 * max(errors):+.1f}%"
+
+
+def _report(runs, errors) -> list:
+    lines = []
+    for r, e in zip(runs, errors):
+        paper = f"{r.tflops} TFLOP/s" if r.tflops is not None else f"{r.seconds} s"
+        lines.append(f"  {r.source:<58} {r.name:>7} TP{r.tp} PP{r.pp:<3} {r.gpus:>5} GPUs, {r.recompute:<9} "
+                     f"{'SP' if r.sequence_parallel else '  '} paper {paper:>13}: {e:+.1%}")
+    return lines
+
+
+def test_table1_achieved_tflops_within_10_percent_on_every_row(capsys):
+    errors = _table1_errors()
+    report = "\n".join([f"Narayanan Table 1 vs projection (fitted GEMM model, eta_max {GEMM_PEAK_EFFICIENCY}, "
+                        f"W_half {GEMM_HALF_FLOPS:.0e} FLOPs):"] + _report(TABLE1, errors))
     with capsys.disabled():
         print("\n" + report)
-    within = sum(abs(e) <= 0.15 for e in errors)
-    assert within >= 8, report
-    # one constant, no per-row tuning: the errors are not all one sign (the fit is centred)
-    assert min(errors) < 0 < max(errors), report
+    assert max(abs(e) for e in errors) <= 0.10, report
+    assert min(errors) < 0 < max(errors), report  # the fit is centred, no per-row tuning
+
+
+def test_gemm_model_is_the_table1_fit():
+    # the fit: the (eta_max, W_half) on the grid of 0.01 x 1e9 FLOPs that minimises the summed squared
+    # log-error over Table 1; the constants must beat every neighbour at two scales of the grid
+    # (the search over 0.62-0.80 x 0-16e9 that found them is too slow to rerun here; its valley runs from
+    # (0.65, 6e9) to (0.68, 9e9), and a constant efficiency, W_half = 0, does no better than 0.045 at 0.62)
+    best = _fit_objective(_table1_errors())
+    assert best < 0.019
+    for i in (-1, 0, 1):
+        for j in (-1, 0, 1):
+            if (i, j) != (0, 0):
+                eta, w = round(GEMM_PEAK_EFFICIENCY + 0.01 * i, 2), GEMM_HALF_FLOPS + 1e9 * j
+                assert _fit_objective(_table1_errors(eta, w)) > best, (eta, w)
+
+
+def test_out_of_sample_runs_within_10_percent(capsys):
+    projections = [project_published(r) for r in OUT_OF_SAMPLE]
+    errors = [published_error(r, p) for r, p in zip(OUT_OF_SAMPLE, projections)]
+    report = "\n".join(["Out of sample (nothing fitted to them): projected throughput vs published"]
+                       + _report(OUT_OF_SAMPLE, errors))
+    with capsys.disabled():
+        print("\n" + report)
+    assert all(p.plan.fits for p in projections)
+    korthikanti = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Korthikanti")]
+    narayanan = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Narayanan")]
+    assert max(abs(e) for e in narayanan) <= 0.10, report
+    # Korthikanti's 1T runs are Table 1's last pipeline (TP 8 x PP 64, m = 512) a year later, 8.6% faster
+    # per GPU (177 against 163 TFLOP/s with full recomputation): no Table 1 fit gets closer than ~-9%
+    assert max(abs(e) for e in korthikanti) <= 0.105, report
+    assert sum(abs(e) > 0.10 for e in korthikanti) <= 1, report
+    # the one line the projection prints says these numbers and the fit's
+    assert FIT_SUMMARY.endswith(f"Table 1 (10 runs): {_span(_table1_errors())}; out of sample, Korthikanti "
+                                f"2022 Tables 3-5 + §6.3 ({len(korthikanti)} runs): {_span(korthikanti)}, "
+                                f"Narayanan Table 2 PTD-P ({len(narayanan)}): {_span(narayanan)}"), FIT_SUMMARY
+
+
+def test_korthikanti_table4_layer_times():
+    # one 22B layer (TP 8, micro-batch 4): forward + backward within 6% in all five settings; forward alone
+    # within 8% (the projection does not overlap the 2022 code's backward all-reduces with weight gradients)
+    model = ModelSpec("22B", 48, 6144, 64, V, S)
+    for name, recompute, sp, fwd_ms, bwd_ms in KORTHIKANTI_TABLE4:
+        layer = project(model, tp=8, sequence_parallel=sp, recompute=recompute, micro_batch_size=4,
+                        global_batch_size=4, hardware="A100").layer
+        assert (fwd_ms + bwd_ms) / 1e3 == pytest.approx(layer["forward"] + layer["backward"], rel=0.06), name
+        assert fwd_ms / 1e3 == pytest.approx(layer["forward"], rel=0.08), name
+
+
+def test_layer_gemms_add_up_to_the_papers_flops():
+    # every rank's GEMMs, x3 (forward + two gradient GEMMs), over all tp x cp ranks and layers, plus the
+    # logits = Korthikanti Eq. 7 (Narayanan Appendix: 24Bsh^2 + 4Bs^2h per layer forward, 2BshV logits)
+    s, b, h, a, v, L = 1024, 2, 768, 12, 32000, 5
+    for tp, cp in ((1, 1), (4, 1), (2, 2), (1, 4)):
+        per_rank = sum(g.flops for g in layer_gemms(s, b, h, a, tp, cp)) * L + logits_gemm(s, b, h, v, tp, cp).flops
+        assert 3 * per_rank * tp * cp == flops_per_iteration(b, s, L, h, v, recompute="none")
+    qkv, scores, values, proj, up, down = layer_gemms(s, b, h, a, tp=4)
+    assert (qkv.m, qkv.k, qkv.n) == (b * s, h, 3 * h // 4) and (proj.k, proj.n) == (h // 4, h)
+    assert (scores.batch, scores.m, scores.k, scores.n) == (b * a // 4, s, h // a, s)
+    assert (up.n, down.k) == (4 * h // 4, 4 * h // 4) and values.k == s
+    # flash attention keeps the s x s scores on chip: same FLOPs, far fewer bytes
+    fused = layer_gemms(s, b, h, a, tp=4, flash_attention=True)[1]
+    assert fused.flops == scores.flops and fused.bytes == 2 * scores.batch * 2 * s * (h // a)
+
+
+def test_gemm_seconds_is_a_roofline_with_a_fixed_cost_per_kernel():
+    a100 = get_hardware("A100")
+    rate = GEMM_PEAK_EFFICIENCY * 312e12
+    big = Gemm("big", 1, 1, 8192, 8192, 8192, 2 * 3 * 8192 ** 2)  # 1.1e12 FLOPs, 2730 FLOP/byte: compute-bound
+    assert gemm_seconds(big, a100) == pytest.approx((big.flops + GEMM_HALF_FLOPS) / rate, rel=1e-12)
+    assert big.flops / gemm_seconds(big, a100) / 312e12 == pytest.approx(
+        GEMM_PEAK_EFFICIENCY * big.flops / (big.flops + GEMM_HALF_FLOPS), rel=1e-12)
+    # a head's QK^T at s = 2048, h/a = 96: 88 FLOP/byte, under the A100's ridge of 153: HBM-bound
+    head = Gemm("scores", 2, 24, 2048, 96, 2048, 2 * 24 * (2 * 2048 * 96 + 2048 ** 2))
+    assert gemm_seconds(head, a100) == pytest.approx(2 * (head.bytes / 2.039e12 + GEMM_HALF_FLOPS / rate), rel=1e-12)
+    assert gemm_seconds(big, a100, 1.0, 0.0) == big.flops / 312e12
 
 
 def test_tp_across_the_node_boundary_lowers_throughput():
@@ -61,7 +153,9 @@ def test_tp_across_the_node_boundary_lowers_throughput():
         assert proj.groups["tp"].link == ("NVLink" if tp <= 8 else "network")
         assert proj.groups["pp"].link == "network"
     assert x[8] > x[16] > x[32]
-    assert x[16] < 0.75 * x[8]  # not a rounding effect: TP traffic on 25 GB/s instead of 300 GB/s
+    # TP 16 spans 2 nodes with 8 GPUs each: 8 NICs, min(230, 8 x 25) = 200 GB/s, with half-size GEMMs;
+    # TP 32 spans 4 nodes, 8 per node: the same bandwidth, 4 x more all-reduces per FLOP than TP 8
+    assert x[32] < 0.9 * x[8]
 
 
 def test_hardware_profiles_are_the_datasheet_numbers():
@@ -73,33 +167,42 @@ def test_hardware_profiles_are_the_datasheet_numbers():
     assert 2 * a100.nvlink_bandwidth == 600e9 and 2 * h100.nvlink_bandwidth == 900e9 == 2 * h200.nvlink_bandwidth
     # one HCA per GPU: 200 Gb/s HDR (Selene), 400 Gb/s NDR (DGX/HGX H100, H200)
     assert a100.internode_bandwidth * 8 == 200e9 and h100.internode_bandwidth * 8 == 400e9
+    # NCCL's ring on NVLink, as its maintainers give it: ~230 GB/s on A100 (nccl-tests#149), 370 GB/s on
+    # NVLink 4 (nccl-tests#212)
+    assert a100.nvlink_bus_bandwidth == 230e9 and h100.nvlink_bus_bandwidth == 370e9 == h200.nvlink_bus_bandwidth
+    assert "priced at NCCL's measured 230" in a100.summary() and "priced at line rate, an assumption" in a100.summary()
     assert all(hw.gpus_per_node == 8 and hw.sources for hw in HARDWARE.values())
     with pytest.raises(ValueError, match="hardware='V100' is unknown: use one of A100, H100, H200"):
         get_hardware("V100")
 
 
 def test_pure_compute_runs_at_peak_times_gemm_efficiency():
-    # no element-wise traffic, no optimizer, one GPU: the step is Eq. 3 / Eq. 7 / Eq. 8 FLOPs at
-    # peak x efficiency, so the per-layer / logits / recompute split must add up to the papers' totals
+    # a constant GEMM efficiency, no element-wise traffic, no optimizer, one GPU: the step is the FLOPs at
+    # peak x efficiency: Eq. 7 without recomputation, Eq. 3 with full; selective runs the attention core's
+    # forward once more (4Bs^2hL FLOPs, Korthikanti §5), less than Eq. 8's printed 12Bs^2hL
     model = ModelSpec("m", 4, 1024, 16, 32000, 1024)
-    for recompute in ("none", "selective", "full"):
-        proj = project(model, recompute=recompute, global_batch_size=4, micro_batch_size=2, hardware="H100",
-                       elementwise_traffic=0.0, optimizer_bytes_per_param=0.0)
-        flops = flops_per_iteration(4, 1024, 4, 1024, 32000, recompute=recompute)
-        assert proj.step_time == pytest.approx(flops / (989.4e12 * GEMM_EFFICIENCY), rel=1e-12)
-        assert proj.achieved_flops_per_gpu == pytest.approx(989.4e12 * GEMM_EFFICIENCY, rel=1e-12)
+    B, s, L, h = 4, 1024, 4, 1024
+    expected = {"none": flops_per_iteration(B, s, L, h, 32000, recompute="none"),
+                "full": flops_per_iteration(B, s, L, h, 32000, recompute="full")}
+    expected["selective"] = expected["none"] + 4 * B * s * s * h * L
+    for recompute, flops in expected.items():
+        proj = project(model, recompute=recompute, global_batch_size=B, micro_batch_size=2, hardware="H100",
+                       elementwise_traffic=0.0, optimizer_bytes_per_param=0.0, gemm_efficiency=0.6)
+        assert proj.step_time == pytest.approx(flops / (989.4e12 * 0.6), rel=1e-12)
+        assert proj.layer_gemm_efficiency == pytest.approx(0.6, rel=1e-12)
         assert proj.groups == {} and proj.bubble == 0
+        assert proj.gemm_model_text().startswith("GEMMs at a constant 60% of peak")
 
 
 def test_pipeline_busy_time_is_the_model_split_over_ranks():
     # TP x PP x DP, interleaved: every rank's busy time, summed over ranks, is Eq. 3's FLOPs at the rate
     model = ModelSpec("m", 8, 1024, 16, 32000, 1024)
     kw = dict(tp=2, pp=2, dp=2, vp=2, recompute="full", global_batch_size=16, hardware="H100",
-              elementwise_traffic=0.0, optimizer_bytes_per_param=0.0, link_efficiency=1.0)
+              elementwise_traffic=0.0, optimizer_bytes_per_param=0.0, gemm_efficiency=0.5)
     proj = project(model, tp_overlap=1.0, pp_overlap=1.0, **kw)
     busy = sum(proj.timeline.busy(r) for r in range(2)) * 2 * 2  # x tp x dp ranks
     flops = flops_per_iteration(16, 1024, 8, 1024, 32000, recompute="full")
-    assert busy == pytest.approx(flops / (989.4e12 * GEMM_EFFICIENCY), rel=1e-12)
+    assert busy == pytest.approx(flops / (989.4e12 * 0.5), rel=1e-12)
 
 
 def test_groups_on_nvlink_or_network_by_where_their_ranks_sit():
@@ -114,17 +217,32 @@ def test_groups_on_nvlink_or_network_by_where_their_ranks_sit():
     assert one_node.groups["tp"].link == "NVLink" and one_node.num_nodes == 1
 
 
-def test_dp_time_is_the_ring_all_reduce_on_the_network():
-    # 2 nodes, pure DP 16: 2 (g-1)/g x params x 2 bytes over one 400 Gb/s HCA, + one start-up latency
+def test_dp_time_is_the_ring_all_reduce_on_k_nics():
+    # 2 nodes, DP 16 / tp: 2 (g-1)/g x params x 2 bytes, + one start-up latency. A DP group with k GPUs on
+    # each node runs k rings, each through its own GPU's 400 Gb/s HCA: k x 50 GB/s, at most NVLink's 370
     model = ModelSpec("m", 4, 1024, 16, 32000, 1024)
+    for tp, k, bandwidth in ((1, 8, 370e9), (2, 4, 200e9), (8, 1, 50e9)):
+        dp = 16 // tp
+        proj = project(model, tp=tp, dp=dp, global_batch_size=dp, hardware="H100", num_nodes=2)
+        g = proj.groups["dp"]
+        assert (g.link, g.group_size, g.nics) == ("network", dp, k)
+        assert g.seconds == pytest.approx(proj.plan.comm["dp"] / bandwidth + 20e-6, rel=1e-12)
+        assert g.exposed == g.seconds
     proj = project(model, dp=16, global_batch_size=16, hardware="H100", num_nodes=2)
-    params = model.num_parameters
-    expected = 2 * 15 / 16 * params * 2 / 50e9 + 20e-6
-    g = proj.groups["dp"]
-    assert (g.link, g.group_size) == ("network", 16)
-    assert g.seconds == pytest.approx(expected, rel=1e-12) and g.exposed == g.seconds
+    assert proj.plan.comm["dp"] == pytest.approx(2 * 15 / 16 * model.num_parameters * 2, rel=1e-12)
+    proj = project(model, dp=16, global_batch_size=16, hardware="H100", num_nodes=2)
     hidden = project(model, dp=16, global_batch_size=16, hardware="H100", num_nodes=2, dp_overlap=1.0)
-    assert proj.step_time - hidden.step_time == pytest.approx(expected, rel=1e-9)
+    assert proj.step_time - hidden.step_time == pytest.approx(proj.groups["dp"].seconds, rel=1e-9)
+
+
+def test_tp_on_nvlink_at_the_nccl_bus_bandwidth():
+    # TP 8 in one A100 node, no SP: 4 all-reduces of [s, b, h] per layer and micro-batch, 2 (t-1)/t of
+    # them sent per rank, at 230 GB/s (NCCL's ring on A100 NVLink), + 10 us each
+    model = ModelSpec("m", 4, 4096, 32, 51200, 2048)
+    proj = project(model, tp=8, global_batch_size=1, hardware="A100")
+    per_layer = 4 * (2 * 7 / 8 * 2048 * 4096 * 2 / 230e9 + 10e-6)
+    assert proj.groups["tp"].seconds == pytest.approx(4 * per_layer, rel=1e-12)
+    assert proj.groups["tp"].nics == 0
 
 
 def test_bubble_approaches_p_minus_1_over_m_when_compute_dominates():
@@ -168,6 +286,32 @@ def test_cli_prints_the_projection_and_refuses_in_one_line(capsys):
     assert len(err.splitlines()) == 1 and err.startswith("error:")
     assert main(["project", "--hidden-size", "512"]) == 2
     assert "--num-layers, --num-attention-heads missing" in capsys.readouterr().err
+    # the fit and the out-of-sample errors, in one line
+    assert main(["project", "--model", "tiny GPT (seed)", "--num-nodes", "1", "--tp", "2", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert FIT_SUMMARY in out.splitlines() and "its GEMMs run at" in out
+
+
+def test_cli_applies_the_shape_flags_to_a_preset_or_refuses_them(capsys):
+    # --model NAME with --seq-length / --num-attention-heads / --vocab-size (and --num-layers / --hidden-size):
+    # the preset's shape with those changed, validated as any shape is
+    base = ["project", "--model", "GPT-3 175B", "--hardware", "A100", "--num-nodes", "128"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out.splitlines()[1]
+    assert "(96 layers, hidden 12288, 96 heads, seq 2048, vocab 51200)" in plain
+    assert main(base + ["--seq-length", "4096", "--num-attention-heads", "48", "--vocab-size", "32000"]) == 0
+    changed = capsys.readouterr().out.splitlines()[1]
+    assert changed.startswith("GPT-3 175B with num_heads=48, vocab_size=32000, seq_length=4096".replace(
+        "num_heads", "num_attention_heads"))
+    assert "(96 layers, hidden 12288, 48 heads, seq 4096, vocab 32000)" in changed
+    for flags, message in ((["--seq-length", "0"], "seq_length=0 must be an integer >= 1"),
+                           (["--vocab-size", "-3"], "vocab_size=-3 must be an integer >= 1"),
+                           (["--num-attention-heads", "-8"], "num_attention_heads=-8 must be an integer >= 1"),
+                           (["--num-attention-heads", "100"], "num_attention_heads=100 is not divisible by "
+                                                               "tensor-model-parallel-size=8")):
+        assert main(base + flags) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_breakdown_sums_to_the_step_and_configs_derive_dp():

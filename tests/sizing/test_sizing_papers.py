@@ -18,25 +18,14 @@ import pytest
 
 from course_lib import sizing
 from course_lib.sizing import planner as plan_mod
+from course_lib.sizing.published import NARAYANAN_TABLE1, OUT_OF_SAMPLE
 
 V, S = 51200, 2048  # Narayanan §5.1 and Korthikanti §6: vocabulary 51,200, sequence 2048
 A100_PEAK = 312e12  # Narayanan §5: A100 peak half-precision throughput, 312 teraFLOP/s
 DAY = 86400.0
 
-# Narayanan Table 1: params (B), heads, hidden, layers, TP, PP, GPUs, batch,
-# achieved TFLOP/s per GPU, % of peak, aggregate PFLOP/s.
-TABLE1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
-]
+TABLE1 = NARAYANAN_TABLE1  # Narayanan Table 1, as printed (params (B), heads, hidden, layers, TP, PP, GPUs, batch,
+#                           achieved TFLOP/s per GPU, % of peak, aggregate PFLOP/s)
 
 
 @pytest.mark.parametrize("row", TABLE1, ids=[f"{r[0]}B" for r in TABLE1])
@@ -182,7 +171,7 @@ def test_korthikanti_eq7_eq8_as_printed():
     assert sizing.flops_per_iteration(B, s, L, h, v, recompute="selective") == eq8
 
 
-# Korthikanti Table 3 (heads, hidden, layers, GPUs = global batch, micro batch 1, TP 8) and
+# Korthikanti Table 3 (heads, hidden, layers, GPUs = global batch, TP 8; micro-batch 4 for 22B, else 1) and
 # Table 5 ("present work" iteration time in s, MFU %, HFU %).
 TABLE5 = [
     ("22B", 64, 6144, 48, 8, 4, 1.10, 41.5, 43.7),
@@ -203,6 +192,19 @@ def test_korthikanti_table5_mfu_hfu(row):
     lo, hi = pct(seconds + 0.005), pct(seconds - 0.005)  # the time is rounded to 0.01 s
     assert lo[0] - 0.05 <= mfu <= hi[0] + 0.05
     assert lo[1] - 0.05 <= hfu <= hi[1] + 0.05
+
+
+def test_korthikanti_table5_columns_agree():
+    # Table 5's "throughput increase" column is full-recompute time / present-work time - 1, within the
+    # rounding of the times to 0.01 s and of the percentages to 0.1
+    rows = [r for r in OUT_OF_SAMPLE if r.source.startswith("Korthikanti 2022 Table 3 + Table 5")]
+    full = {r.name: r.seconds for r in rows if r.recompute == "full"}
+    present = {r.name: r.seconds for r in rows if r.recompute == "selective"}
+    assert present == {name: seconds for name, *_, seconds, _, _ in TABLE5}
+    for name, increase in (("22B", 29.0), ("175B", 31.8), ("530B", 29.7), ("1T", 32.1)):
+        lo = (full[name] - 0.005) / (present[name] + 0.005) - 1
+        hi = (full[name] + 0.005) / (present[name] - 0.005) - 1
+        assert 100 * lo - 0.05 <= increase <= 100 * hi + 0.05
 
 
 def test_korthikanti_530b_with_data_parallelism_section_6_3():

@@ -26,8 +26,8 @@ GPU_REASONS = {
     "least_memory": "the config with the least memory per GPU wins",
 }
 _REASON_HINTS = {
-    "tp_is_free": "NVLink makes TP cheap, not free: every all-reduce still costs a start-up and bytes/450 GB/s, "
-                  "and TP shrinks each GEMM -- compare the TP time of B and C in the projection",
+    "tp_is_free": "NVLink makes TP cheap, not free: every all-reduce still costs a start-up and bytes / 370 GB/s "
+                  "(NCCL on H100 NVLink), and TP shrinks each GEMM -- compare the TP time of B and C in the projection",
     "deep_pp": "PP's traffic is small, but a deep pipeline idles: (p-1)/m with m = global / (micro * DP), and "
                "more here, because the last stage also runs the output layer",
     "as_on_cpu": "the CPU ranking comes from gloo on 2 shared cores, where one all-reduce costs about a hundred "

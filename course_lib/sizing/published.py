@@ -1,0 +1,125 @@
+"""Published training runs, as printed, each with its source (paper, table, row).
+
+Data only: what the projection (:mod:`.projection`) is fitted to and checked against. Every number
+is copied from the paper named beside it; nothing here is computed. All runs are GPT models on
+DGX A100 80 GB nodes (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per node), vocabulary
+51,200 and sequence length 2048 (Narayanan §5.1; Korthikanti §6).
+
+* :data:`NARAYANAN_TABLE1` -- Narayanan et al. 2021 (SC21, arXiv:2104.04473), Table 1: ten runs,
+  1.7B to 1T, full recomputation (§5.1), micro-batch size not printed (1 assumed). The GEMM
+  efficiency model of :mod:`.gemm` is fitted to these rows and to nothing else.
+* :data:`OUT_OF_SAMPLE` -- runs nothing was fitted to:
+
+  - Korthikanti et al. 2022 (MLSys 2023, arXiv:2205.05198), Table 3 (layouts, micro-batch) and
+    Table 5 (iteration time of the "full recompute" baseline and of "present work" = sequence
+    parallelism + selective recomputation); §6: three interleaved stages for the 175B and 530B
+    models; §6.3: the 530B run with 8-way data parallelism on 2240 GPUs. Megatron-LM of 2022, a
+    different run and code base from Table 1's.
+  - Narayanan et al. 2021, Table 2, its six PTD-P rows (model-parallel size 96 = TP 8 x PP 12 for
+    GPT-3 175B, 280 = 8 x 35 for 530B; micro-batch 1; batch 1536 and 2240): the same paper and
+    cluster as the fit, other layouts and data-parallel sizes (the schedule is not printed: 1F1B).
+
+* :data:`KORTHIKANTI_TABLE4` -- Korthikanti Table 4: forward and backward time of one transformer
+  layer of the 22B model (TP 8, micro-batch 4) under the five recomputation / SP settings.
+
+Not used: BLOOM-176B (Megatron-DeepSpeed: ZeRO-1 and DeepSpeed's pipeline engine, ALiBi, a
+250,880-token vocabulary) and OPT-175B (FSDP with TP 8, no pipeline): neither is a layout
+:func:`.projection.project` prices, so an error there would measure the layout model rather than
+the GEMM fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VOCAB, SEQ = 51200, 2048
+
+# Narayanan Table 1: params (B), heads, hidden, layers, TP, PP, GPUs, batch,
+# achieved TFLOP/s per GPU, % of peak, aggregate PFLOP/s.
+NARAYANAN_TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44, 4.4),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44, 8.8),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46, 18.2),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43, 34.6),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44, 70.8),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45, 143.8),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47, 227.1),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50, 297.4),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52, 410.2),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52, 502.0),
+]
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One measured run: the model's shape, its layout and what the paper reports for it (an
+    iteration time in seconds, or achieved TFLOP/s per GPU as Narayanan counts them)."""
+
+    source: str
+    name: str
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    micro_batch: int
+    recompute: str              # "full", "selective" or "none"
+    sequence_parallel: bool
+    vp: int = 1                 # interleaved model chunks per pipeline rank
+    seconds: float | None = None
+    tflops: float | None = None
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+def table1_runs() -> list[PublishedRun]:
+    """:data:`NARAYANAN_TABLE1` as :class:`PublishedRun` rows (micro-batch 1, full recompute, 1F1B)."""
+    return [PublishedRun(f"Narayanan 2021 Table 1 row {i}", f"{r[0]}B", *r[1:8], micro_batch=1, recompute="full",
+                         sequence_parallel=False, tflops=r[8]) for i, r in enumerate(NARAYANAN_TABLE1, 1)]
+
+
+_K3 = "Korthikanti 2022 Table 3"
+# Korthikanti Table 3 (heads, hidden, layers, TP, PP, GPUs, global batch, micro-batch) and the §6
+# interleaving (3 chunks for 175B and 530B); Table 5's two iteration times (s) per model.
+_KORTHIKANTI = [
+    ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1, 1.42, 1.10),
+    ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 3, 18.13, 13.75),
+    ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 3, 49.05, 37.83),
+    ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 1, 94.42, 71.49),
+]
+
+# Narayanan Table 2, the PTD-P rows: params, heads, hidden, layers, PP (model-parallel size / TP 8), GPUs,
+# batch, achieved TFLOP/s per GPU (micro-batch 1)
+_NARAYANAN_TABLE2_PTDP = [
+    ("174.6B", 96, 12288, 96, 12, 384, 1536, 153), ("174.6B", 96, 12288, 96, 12, 768, 1536, 149),
+    ("174.6B", 96, 12288, 96, 12, 1536, 1536, 141), ("529.6B", 128, 20480, 105, 35, 560, 2240, 171),
+    ("529.6B", 128, 20480, 105, 35, 1120, 2240, 167), ("529.6B", 128, 20480, 105, 35, 2240, 2240, 159),
+]
+
+OUT_OF_SAMPLE: list[PublishedRun] = [
+    *(PublishedRun(f"{_K3} + Table 5 row {i} (full recompute)", name, a, h, l, tp, pp, g, batch, mb, "full",
+                   False, vp, seconds=full)
+      for i, (name, a, h, l, tp, pp, g, batch, mb, vp, full, _) in enumerate(_KORTHIKANTI, 1)),
+    *(PublishedRun(f"{_K3} + Table 5 row {i} (present work: SP + selective)", name, a, h, l, tp, pp, g, batch, mb,
+                   "selective", True, vp, seconds=present)
+      for i, (name, a, h, l, tp, pp, g, batch, mb, vp, _, present) in enumerate(_KORTHIKANTI, 1)),
+    PublishedRun("Korthikanti 2022 §6.3 (530B, 8-way data parallel)", "530B", 128, 20480, 105, 8, 35, 2240, 2240, 1,
+                 "selective", True, 3, seconds=39.15),
+    *(PublishedRun(f"Narayanan 2021 Table 2 PTD-P row {i}", name, a, h, l, 8, pp, gpus, batch, 1, "full", False,
+                   tflops=tflops)
+      for i, (name, a, h, l, pp, gpus, batch, tflops) in enumerate(_NARAYANAN_TABLE2_PTDP, 1)),
+]
+
+# Korthikanti Table 4: one transformer layer of the 22B model (Table 3's layout: TP 8, micro-batch 4),
+# forward and backward milliseconds (the backward includes any recomputed forward).
+KORTHIKANTI_TABLE4 = [
+    ("baseline, no recompute", "none", False, 7.7, 11.9),
+    ("sequence parallelism", "none", True, 7.2, 11.8),
+    ("baseline with full recompute", "full", False, 7.7, 19.5),
+    ("selective recompute", "selective", False, 7.7, 13.2),
+    ("selective recompute + sequence parallelism", "selective", True, 7.2, 13.1),
+]
