@@ -62,6 +62,7 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 import types
 import warnings
@@ -87,18 +88,21 @@ _ADAM_PARAMS = (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_deca
 
 def import_deepspeed():
     """``deepspeed``, on the CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at import;
-    without oneCCL DeepSpeed's CPU accelerator talks gloo)."""
+    without oneCCL DeepSpeed's CPU accelerator talks gloo). Its JIT-built ops are cached per Python
+    environment (``TORCH_EXTENSIONS_DIR`` = ``<venv>/torch_extensions`` unless set): torch keys the cache
+    by op name only, so two clones' environments sharing ``~/.cache`` would rebuild each other's ops."""
     if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
         os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     import deepspeed
 
     return deepspeed
 
 
 def build_ops() -> list[str]:
-    """Build (once; cached in ``~/.cache/torch_extensions``) the C++ ops DeepSpeed JIT-compiles with g++ on
-    first use here: the CPU accelerator's shared-memory comm op, and ``async_io`` (NVMe offload) where
-    libaio's headers are installed. ``make setup`` runs this, so that no run or test pays the build.
+    """Build (once; cached in ``<venv>/torch_extensions``, see :func:`import_deepspeed`) the C++ ops
+    DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op,
+    and ``async_io`` (NVMe offload) where libaio's headers are installed. ``make setup`` runs this, so that no run or test pays the build.
     Returns the names built or found."""
     import shutil
 
@@ -515,8 +519,6 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
 
 
 if __name__ == "__main__":      # make setup: python -m course_lib.training.deepspeed_engine --build-ops
-    import sys
-
     if sys.argv[1:] != ["--build-ops"]:
         sys.exit("usage: python -m course_lib.training.deepspeed_engine --build-ops")
     print("DeepSpeed ops ready: " + ", ".join(build_ops()))
