@@ -116,6 +116,7 @@ def test_report_refuses_a_negative_sequence_length(capsys):
     (["--configs", "A", "--timeout", "1e-9"], "shorter than a rendezvous takes"),
     (["--configs", "A", "--timeout", "nan"], "--timeout=nan must be"),
     (["--configs", "A", "--iters", "0"], "--iters=0 must be an integer >= 1"),
+    (["--configs", "A", "--run-name", "a" * 300], "--run-name 'aaaa"),        # was blamed on --out
 ])
 def test_sweep_refuses_before_making_a_run_folder(tmp_path, capsys, argv, says):
     out = tmp_path / "day22"

@@ -218,8 +218,12 @@ def _progress(done: int, total: int, elapsed: float, width: int = 24) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} configs, {elapsed:.0f} s{eta}"
 
 
+MAX_RUN_NAME = 100   # a folder name (the file system allows 255 bytes; runs/<name>/<config>.log must fit too)
+
+
 def _valid_run_name(name: str) -> bool:
-    return bool(name) and name.replace("-", "").replace("_", "").replace(".", "").isalnum() and name[0] != "."
+    return (bool(name) and len(name) <= MAX_RUN_NAME and name.isascii()
+            and name.replace("-", "").replace("_", "").replace(".", "").isalnum() and name[0] != ".")
 
 
 def _make_run_dir(out: Path, run_name: Optional[str]) -> Path:
@@ -250,7 +254,8 @@ def _check_before_training(names: Sequence[str], out, iters, timeout, run_name: 
     for n in names:
         config_argv(n, world_size=world_size, iters=iters, **model)
     if run_name is not None and not _valid_run_name(run_name):
-        raise ValueError(f"--run-name {run_name!r} may only use letters, digits, '-', '_' and '.'")
+        raise ValueError(f"--run-name {run_name[:40]!r}{'...' if len(run_name) > 40 else ''} may only use letters, "
+                         f"digits, '-', '_' and '.' (not first), at most {MAX_RUN_NAME} of them")
     out = check_output_dir(out, what="--out")
     own = OutputLedger(out)
     check_replaceable(own, _top_level_names(names), force=force, what="--out")
