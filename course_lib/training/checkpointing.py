@@ -58,7 +58,7 @@ from course_lib.training.arguments import sharding_strategy, uses_sharding_engin
 from course_lib.training.finalize_model_grads import unique_named_params
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
-           "read_metadata", "sharded_state_dict", "save_checkpoint", "load_checkpoint",
+           "read_metadata", "global_spec", "sharded_state_dict", "save_checkpoint", "load_checkpoint",
            "checkpoint_and_decide_exit", "checkpoint_format"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -183,7 +183,7 @@ def _optimizer_state(setup, params: dict) -> dict:
     return out
 
 
-def _global_spec(p, local: torch.Tensor, tp: int, tp_rank: int):
+def global_spec(p, local: torch.Tensor, tp: int, tp_rank: int):
     """``(global shape, offsets, partition dim or None)`` of a rank's tensor (TP shards are contiguous
     chunks along ``partition_dim``: stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`)."""
     shape, offsets = list(local.shape), [0] * local.dim()
@@ -205,9 +205,9 @@ def sharded_state_dict(setup, params: dict, optim: dict, *, for_load: bool = Fal
         if getattr(p, "shared", False) and not for_load:
             continue
         key = master_name(name)
-        out[key] = (params[name], *_global_spec(p, params[name], tp, tp_rank))
+        out[key] = (params[name], *global_spec(p, params[name], tp, tp_rank))
         for k, values in optim.items():
-            out[f"optimizer.state.{k}.{key}"] = (values[name], *_global_spec(p, values[name], tp, tp_rank))
+            out[f"optimizer.state.{k}.{key}"] = (values[name], *global_spec(p, values[name], tp, tp_rank))
     return out
 
 
