@@ -17,6 +17,7 @@ import shutil
 import signal
 
 import pytest
+import torch.distributed.checkpoint  # noqa: F401 -- imported once here: every forked rank inherits it (~1 s each)
 
 from course_lib.__main__ import main as cli
 from course_lib.launch import RankError, launch
@@ -198,6 +199,45 @@ def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, cap
     assert cli(["checkpoint", "inspect", str(runs["root"] / "legacy")]) == 0
     assert "mp_rank_01_001" in capsys.readouterr().out
     assert cli(["checkpoint", "inspect", str(runs["root"] / "empty")]) == 2
+
+
+def test_inspect_draws_the_slice_map_of_what_each_rank_holds_and_writes(runs, tmp_path, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from PIL import Image
+
+    from course_lib.training.checkpoint_inspect import describe_checkpoint, holders, slice_map_figure
+
+    d = describe_checkpoint(runs["root"] / "dist")
+    tensors = {t["key"]: t for t in d["tensors"]}
+    fc1, fc1_late = tensors["decoder.layers.0.mlp.linear_fc1.weight"], tensors["decoder.layers.2.mlp.linear_fc1.weight"]
+    held = holders(d["layout"], fc1)                      # TP2 x PP2 x DP2: stage 0 is ranks 0-3, DP pairs (0, 2), (1, 3)
+    assert sorted(held) == [0, 1, 2, 3] and sorted(holders(d["layout"], fc1_late)) == [4, 5, 6, 7]
+    assert held[0] == [(c[1], c[2], c[0]) for c in fc1["chunks"] if c[1] == (0, 0)] and held[0][0][:2] == held[2][0][:2]
+    assert held[0][0][2] in (0, 2) and held[0][0][:2] == ((0, 0), (128, 64))     # one of the replicas wrote it
+    norm = holders(d["layout"], tensors["decoder.layers.0.input_layernorm.weight"])
+    assert sorted(norm) == [0, 1, 2, 3] and len({h[0][2] for h in norm.values()}) == 1   # whole on 4 ranks, 1 writer
+    fig = slice_map_figure(d, r"^decoder\.layers\.[02]\.mlp\.linear_fc1\.weight$")
+    patches = [p for p in fig.axes[0].patches if p.get_fill() and p.get_alpha() is not None]
+    solid = [p for p in patches if p.get_alpha() == 1.0]
+    assert len(solid) == 4 and len(patches) == 8           # 2 tensors x 2 chunks written once, held twice
+    out = tmp_path / "map.png"
+    argv = ["checkpoint", "inspect", str(runs["root"] / "dist"), "--out", str(out), "--tensors", "linear_fc1"]
+    assert cli(argv) == 0 and Image.open(out).size[0] > 500
+    assert "wrote" in capsys.readouterr().err
+    assert cli(argv) == 2 and "already exists; pass --force" in capsys.readouterr().err
+    assert cli(argv + ["--force"]) == 0 and cli(argv[:-2] + ["--force", "--out", str(tmp_path / "m.svg")]) == 0
+    assert (tmp_path / "m.svg").read_bytes().startswith(b"<?xml")
+    capsys.readouterr()
+    for extra, message in ((["--out", str(tmp_path / "m.jpg")], "the slice map is written as .svg, .png, .pdf"),
+                           (["--out", str(tmp_path / "x.png"), "--tensors", "("], "is not a regular expression"),
+                           (["--out", str(tmp_path / "x.png"), "--tensors", "nothing"], "matches none of the"),
+                           (["--out", str(tmp_path / "x.png"), "--tensors", "."], "matches 156 tensors")):
+        assert cli(["checkpoint", "inspect", str(runs["root"] / "dist"), *extra]) == 2
+        assert message in capsys.readouterr().err, message
+    assert cli(["checkpoint", "inspect", str(runs["root"] / "legacy"), "--out", str(tmp_path / "l.png")]) == 2
+    assert "legacy torch checkpoint" in capsys.readouterr().err and not (tmp_path / "l.png").exists()
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -201,7 +201,7 @@ def slice_map_figure(d: dict, tensors: str = MODEL_TENSORS, *, title: str | None
                Patch(facecolor="white", edgecolor="#bbbbbb", label="not on this rank (another stage)")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
     saved = " x ".join(f"{k.upper()}{lay[k]}" for k in ("tp", "pp", "cp", "dp"))
-    ax.set_title(title or f"iteration {d['iteration']}, saved under {saved} ({world} ranks):\nwhich slice of "
+    ax.set_title(title or f"iteration {d['iteration']}, saved under {saved} ({world} rank{'s' if world > 1 else ''}):\nwhich slice of "
                           f"each tensor each rank holds (one colour per chunk)", fontsize=9, loc="left")
     ax.set_xlim(-0.3, world * (cw + gap))
     ax.set_ylim(-(len(rows) + 1) * (ch + gap) + gap - 0.1, 0.3 + 0.22 * (1 + sum(lay[k] > 1 for k in ("tp", "cp", "dp", "pp"))))

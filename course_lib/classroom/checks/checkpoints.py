@@ -190,6 +190,7 @@ def _stage(fn, mlp, tp: int, tp_rank: int, action, report: dict) -> bool:
     ``report`` receives the specs, a problem, a DCP error. False (on every rank) when a rank failed."""
     from course_lib.training.checkpointing import global_spec
 
+    report["tp_rank"] = tp_rank
     report["want"] = {n: global_spec(p, p, tp, tp_rank)[:2] for n, p in mlp.named_parameters()}
     report["local"] = {n: tuple(p.shape) for n, p in mlp.named_parameters()}
     run = run_student(fn, mlp, tp_rank, tp, references=_references())
@@ -211,9 +212,11 @@ def _stage(fn, mlp, tp: int, tp_rank: int, action, report: dict) -> bool:
 
 
 def _sharded_state_dict_rank(fn, root: str) -> dict:
+    from course_lib.topology import RankGrid
+
     config, dense, ParallelMLP, copy_dense_to_parallel = _mlp_parts()
-    rank = dist.get_rank()
-    tp2 = [dist.new_group(ranks) for ranks in ([0, 1], [2, 3])][rank // SAVE_TP]
+    rank, grid = dist.get_rank(), RankGrid(WORLD, tp=SAVE_TP)      # TP2 x DP2: TP groups [0, 1], [2, 3]
+    tp2 = {tuple(g): dist.new_group(g) for g in grid.groups("tp")}[tuple(grid.group_of(rank, "tp"))]
     out = {"save": {}, "load": {}}
     mlp = copy_dense_to_parallel(dense, ParallelMLP(config, tp2), tp2)
 
@@ -221,7 +224,7 @@ def _sharded_state_dict_rank(fn, root: str) -> dict:
         dcp.save({k: v[0] for k, v in pieces.items()}, storage_writer=FileSystemWriter(root),
                  planner=_PieceSavePlanner(pieces))
 
-    if not _stage(fn, mlp, SAVE_TP, rank % SAVE_TP, save, out["save"]):
+    if not _stage(fn, mlp, SAVE_TP, grid.coords(rank)["tp"], save, out["save"]):
         return out
     tp4 = dist.new_group(list(range(WORLD)))
     mlp = copy_dense_to_parallel(dense, ParallelMLP(config, tp4), tp4)
@@ -284,7 +287,7 @@ def _stage_problem(results: list, stage: str, tp: int) -> str | None:
         if rep.get("problem"):
             return f"{where}, rank {rank}: {rep['problem']}"
         for name, spec in rep.get("specs", {}).items():
-            hint = spec_hint(name, rep["local"][name], spec, rep["want"][name], tp, rank % tp)
+            hint = spec_hint(name, rep["local"][name], spec, rep["want"][name], tp, rep["tp_rank"])
             if hint:
                 return f"{where}, rank {rank}: {hint}"
         if stage == "save" and not all(rep.get("same_values", {}).values()):
@@ -358,14 +361,14 @@ def _sharded_state_dict_verdict(name: str, results: list, root: Path) -> str:
         bad = [n for n, ok in res["loaded"].items() if not ok]
         if bad:
             return f"✗ {name}: under TP4 rank {rank} read wrong values into {bad[0]}"
-    kept = "" if all(r["in_module"] for r in results) else (
-        " (your tensors were filled, not the MLP's parameters: give the parameters themselves, as Megatron's "
-        "sharded_state_dict does, so that a load lands in the model)")
+    if not all(r["in_module"] for r in results):
+        return (f"✗ {name}: your tensors were filled, not the MLP's parameters: give the parameters themselves (as "
+                f"Megatron's sharded_state_dict does), so that a load lands in the model")
     written = _written_chunks(root)
     pieces = sum(len(r["save"]["specs"]) for r in results)
     return (f"✓ {name}: under TP2 x DP2 the {WORLD} ranks' {pieces} pieces were written as "
             f"{sum(len(v) for v in written.values())} chunks (a replica's equal piece once), and under TP4 every "
-            f"rank read only its quarter{kept}\n" + _reads_table(results, written))
+            f"rank read only its quarter\n" + _reads_table(results, written))
 
 
 def _reads_table(results: list, written: dict) -> str:
