@@ -130,7 +130,10 @@ Launch (processes on this machine)
     that long) to :data:`MAX_TIMEOUT_S`: ``launch``, ``sweep --timeout``.
 Checkpoints (``training.checkpointing``)
   * :func:`checkpoint_flags` -- the checkpoint flags on their own (intervals >= 1, a known
-    ``--ckpt-format``, a folder for the flags that need one, no MoE): trainer (``training.arguments``).
+    ``--ckpt-format``, a folder for the flags that need one): trainer (``training.arguments``), ``megatron-cmd``.
+  * :func:`course_checkpoint` -- what the course writes: ``torch_dist`` or ``torch``, MoE as ``torch_dist``:
+    trainer.
+  * :func:`megatron_fsdp_checkpoint` -- Megatron-FSDP saves ``fsdp_dtensor`` only: ``megatron-cmd``.
   * :func:`checkpoint_layout` -- a legacy ``torch`` checkpoint loads only under its TP x PP x VP: ``load_checkpoint``.
   * :func:`checkpoint_model` -- the checkpoint's model (and data order) is this run's: ``load_checkpoint``.
 """
@@ -849,14 +852,17 @@ def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: s
 
 
 def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
-    """What the course's trainer writes and reads: ``torch_dist`` or ``torch``, dense models."""
+    """What the course's trainer writes and reads: ``torch_dist`` or ``torch``; an MoE model ``torch_dist``
+    only (its experts are pieces of the ``[E, ...]`` tensors at their EP offsets; the legacy files are per
+    TP x PP rank and would hold one EP rank's experts)."""
     if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
         raise ValueError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
                          f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
                          f"global offsets, what {ckpt_format} is built on too)")
-    if num_experts and (save or load):
-        raise ValueError(f"num_experts={num_experts} with --save/--load: the course's checkpoints hold dense "
-                         f"models only; drop --num-experts or the checkpoint flags")
+    if num_experts and (save or load) and ckpt_format != "torch_dist":
+        raise ValueError(f"num_experts={num_experts} with --ckpt-format {ckpt_format}: the course saves an MoE "
+                         f"model as torch_dist only (the experts sharded over EP with global offsets); use "
+                         f"--ckpt-format torch_dist")
 
 
 def megatron_fsdp_checkpoint(ckpt_format) -> None:

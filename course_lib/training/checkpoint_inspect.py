@@ -110,8 +110,12 @@ def format_description(d: dict) -> str:
     return "\n".join(out)
 
 
+EXPERT_KEY = re.compile(r"\.mlp\.experts\.")    # an MoE layer's stacked experts (course_lib.moe.transformer)
+
+
 def _grid(layout: dict) -> RankGrid:
-    return RankGrid(layout["world_size"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"])
+    return RankGrid(layout["world_size"], tp=layout["tp"], pp=layout["pp"], cp=layout["cp"],
+                    ep=layout.get("ep", 1), expert_tp=layout.get("expert_tp"))
 
 
 def holders(layout: dict, tensor: dict) -> dict[int, list[tuple]]:
@@ -121,13 +125,18 @@ def holders(layout: dict, tensor: dict) -> dict[int, list[tuple]]:
     A chunk's writer (the rank of its ``__R_0.distcp``) held it, and so did the writer's replicas
     (DCP wrote the chunk once for all of them): its DP x CP group when the tensor is cut into several
     chunks (a TP shard), every rank of its pipeline stage (TP x DP x CP) when one chunk is the whole
-    tensor (LayerNorms, a row-parallel bias, any tensor under TP1). The last stage's copy of a tied
-    embedding is not saved, so it is not shown."""
+    tensor (LayerNorms, a row-parallel bias, any tensor under TP1); for an MoE layer's experts, its
+    expert data-parallel group (Megatron's second grid). The last stage's copy of a tied embedding is
+    not saved, so it is not shown."""
     grid = _grid(layout)
-    token = "dp-cp" if len(tensor["chunks"]) > 1 else "tp-dp-cp"
+    if EXPERT_KEY.search(tensor["key"]):
+        replicas = lambda w: grid.expert_group_of(w, "dp")      # noqa: E731
+    else:
+        token = "dp-cp" if len(tensor["chunks"]) > 1 else "tp-dp-cp"
+        replicas = lambda w: grid.group_of(w, token)            # noqa: E731
     out: dict[int, list[tuple]] = {}
     for writer, offsets, sizes in tensor["chunks"]:
-        for r in grid.group_of(writer, token):
+        for r in replicas(writer):
             out.setdefault(r, []).append((offsets, sizes, writer))
     return out
 
@@ -201,10 +210,12 @@ def slice_map_figure(d: dict, tensors: str = MODEL_TENSORS, *, title: str | None
                Patch(facecolor="white", edgecolor="#bbbbbb", label="not on this rank (another stage)")]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3, fontsize=7, frameon=False)
     saved = " x ".join(f"{k.upper()}{lay[k]}" for k in ("tp", "pp", "cp", "dp"))
-    ax.set_title(title or f"iteration {d['iteration']}, saved under {saved} ({world} rank{'s' if world > 1 else ''}):\nwhich slice of "
-                          f"each tensor each rank holds (one colour per chunk)", fontsize=9, loc="left")
+    ranks = f"{world} rank{'s' if world > 1 else ''}"
+    ax.set_title(title or f"iteration {d['iteration']}, saved under {saved} ({ranks}):\nwhich slice of each tensor "
+                          f"each rank holds (one colour per chunk)", fontsize=9, loc="left")
+    header_lines = 1 + sum(lay[k] > 1 for k in ("tp", "cp", "dp", "pp"))
     ax.set_xlim(-0.3, world * (cw + gap))
-    ax.set_ylim(-(len(rows) + 1) * (ch + gap) + gap - 0.1, 0.3 + 0.22 * (1 + sum(lay[k] > 1 for k in ("tp", "cp", "dp", "pp"))))
+    ax.set_ylim(-(len(rows) + 1) * (ch + gap) + gap - 0.1, 0.3 + 0.22 * header_lines)
     ax.set_aspect("equal")
     ax.axis("off")
     fig.tight_layout()

@@ -18,8 +18,10 @@ Semantics and names of Megatron-LM main's ``megatron/training/checkpointing.py``
 A rank's state as tensors of the *global* model (:func:`sharded_state_dict`): every parameter under its
 master name (``decoder.layers.3.self_attention.linear_qkv.weight``; layer indices are global, so the names
 do not depend on PP), a TP shard as the chunk of the full tensor at offset ``tp_rank * local`` along its
-``partition_dim``; replicated tensors (LayerNorms, DP and CP replicas) are saved once (DCP deduplicates
-equal chunks). The optimizer's state -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
+``partition_dim``; an MoE layer's stacked experts ``[E/ep, F/etp, H]`` as the chunk at expert ``ep_rank * E/ep``
+and, along F, ``expert_tp_rank * F/etp`` (:func:`expert_global_spec`: the experts reshard to any EP and expert TP
+too); replicated tensors (LayerNorms, the router, DP and CP replicas, expert-DP replicas) are saved once (DCP
+deduplicates equal chunks). Every piece goes to DCP at its offsets (:mod:`course_lib.training.sharded_io`). The optimizer's state -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
 takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
 to full local tensors first (Megatron's ``dp_zero_gather_scatter`` layout), so a checkpoint depends on TP
 and PP only through its chunk offsets, and loads under any TP x PP x DP: DCP reads the overlapping parts of
@@ -125,8 +127,9 @@ def _print0(line: str) -> None:
 
 
 def _layout(setup) -> dict:
-    c = setup.config
-    return {"tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp, "vpp": c.vpp, "world_size": c.world_size}
+    c, moe = setup.config, setup.moe_groups
+    experts = {} if moe is None else {"ep": moe.size("ep"), "expert_tp": moe.size("expert_tp")}
+    return {"tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp, "vpp": c.vpp, "world_size": c.world_size, **experts}
 
 
 def _local_params(setup) -> dict:
@@ -183,31 +186,49 @@ def _optimizer_state(setup, params: dict) -> dict:
     return out
 
 
-def global_spec(p, local: torch.Tensor, tp: int, tp_rank: int):
-    """``(global shape, offsets, partition dim or None)`` of a rank's tensor (TP shards are contiguous
+def global_spec(p, local: torch.Tensor, tp: int, tp_rank: int) -> tuple[tuple, tuple]:
+    """``(global shape, offsets)`` of a rank's tensor ``local`` of the parameter ``p`` (TP shards are contiguous
     chunks along ``partition_dim``: stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`)."""
     shape, offsets = list(local.shape), [0] * local.dim()
-    if not is_tensor_parallel(p) or tp == 1:
-        return tuple(shape), tuple(offsets), None
-    dim = p.partition_dim
-    offsets[dim], shape[dim] = tp_rank * shape[dim], shape[dim] * tp
-    return tuple(shape), tuple(offsets), dim
+    if is_tensor_parallel(p) and tp > 1:
+        dim = p.partition_dim
+        offsets[dim], shape[dim] = tp_rank * shape[dim], shape[dim] * tp
+    return tuple(shape), tuple(offsets)
+
+
+def expert_global_spec(p, local: torch.Tensor, ep: int, ep_rank: int, etp: int, etp_rank: int) -> tuple[tuple, tuple]:
+    """``(global shape, offsets)`` of a rank's stacked experts ``local`` ``[E/ep, ...]`` of the expert weight
+    ``p``: experts ``ep_rank * E/ep`` on along dim 0, the expert-TP shard ``etp_rank`` along
+    ``p.expert_partition_dim`` (:class:`course_lib.moe.transformer.MoEMLP`)."""
+    shape, offsets = list(local.shape), [0] * local.dim()
+    offsets[0], shape[0] = ep_rank * shape[0], shape[0] * ep
+    dim = p.expert_partition_dim
+    offsets[dim], shape[dim] = etp_rank * shape[dim], shape[dim] * etp
+    return tuple(shape), tuple(offsets)
 
 
 def sharded_state_dict(setup, params: dict, optim: dict, *, for_load: bool = False) -> dict:
-    """``{key: (local tensor, global shape, offsets, partition dim)}`` of this rank: ``<master name>`` for
-    the model, ``optimizer.state.<k>.<master name>`` for the optimizer (see the module doc). The last
-    stage's copy of the tied embedding (``shared``) is the first stage's tensor: saved once, and read
-    (``for_load``) from the first stage's key."""
+    """``{key: (local tensor, global shape, offsets)}`` of this rank: ``<master name>`` for the model,
+    ``optimizer.state.<k>.<master name>`` for the optimizer (see the module doc). The last stage's copy of
+    the tied embedding (``shared``) is the first stage's tensor: saved once, and read (``for_load``) from
+    the first stage's key."""
     tp, tp_rank = comm.group_size(setup.groups.tp), setup.groups.coords["tp"]
+    moe = setup.moe_groups
+
+    def spec(p, local):
+        if moe is not None and hasattr(p, "expert_partition_dim"):
+            return expert_global_spec(p, local, moe.size("ep"), comm.group_rank(moe.ep), moe.size("expert_tp"),
+                                      comm.group_rank(moe.expert_tp))
+        return global_spec(p, local, tp, tp_rank)
+
     out = {}
     for name, p in unique_named_params(setup.chunks):
         if getattr(p, "shared", False) and not for_load:
             continue
         key = master_name(name)
-        out[key] = (params[name], *global_spec(p, params[name], tp, tp_rank))
+        out[key] = (params[name], *spec(p, params[name]))
         for k, values in optim.items():
-            out[f"optimizer.state.{k}.{key}"] = (values[name], *global_spec(p, values[name], tp, tp_rank))
+            out[f"optimizer.state.{k}.{key}"] = (values[name], *spec(p, values[name]))
     return out
 
 
@@ -256,25 +277,26 @@ def _agree(failure) -> None:
         raise CheckpointError("another rank failed (its error is above); nothing was changed")
 
 
-def _save_dist(tmp: Path, setup, sharded: dict) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    state: dict = {}
-    mesh = None
-    for key, (local, shape, _, dim) in sharded.items():
-        if dim is None:
+def _pieces(sharded: dict) -> tuple[dict, dict]:
+    """``sharded`` split into DCP's default state (tensors that are whole on this rank) and the pieces
+    (``{key: (local, global shape, offsets)}``) of tensors cut over ranks."""
+    state, pieces = {}, {}
+    for key, (local, shape, offsets) in sharded.items():
+        if tuple(shape) == tuple(local.shape):
             state[key] = local
-            continue
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import DTensor, Shard
+        else:
+            pieces[key] = (local.contiguous(), shape, offsets)
+    return state, pieces
 
-        mesh = mesh or DeviceMesh.from_group(setup.groups.tp, local.device.type)
-        state[key] = DTensor.from_local(local.contiguous(), mesh, [Shard(dim)], run_check=False,
-                                        shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+def _save_dist(tmp: Path, sharded: dict) -> None:
+    from course_lib.training.sharded_io import save_pieces
+
+    state, pieces = _pieces(sharded)
     buf = io.BytesIO()
     torch.save(_rng_state(), buf)
     state[f"rng_state.rank{dist.get_rank()}"] = buf
-    dcp.save(state, checkpoint_id=str(tmp))
+    save_pieces(state, pieces, tmp)
 
 
 def _save_legacy(tmp: Path, args, setup, params: dict, optim: dict, common: dict) -> None:
@@ -339,15 +361,17 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier()
     failure = None
+    from torch.distributed.checkpoint.api import CheckpointException    # what DCP raises for any rank's failure
+
     try:
         if args.ckpt_format == "torch_dist":
-            _save_dist(tmp, setup, sharded_state_dict(setup, params, optim))
+            _save_dist(tmp, sharded_state_dict(setup, params, optim))
             if rank == 0:
                 torch.save(common, tmp / COMMON_FILE)
                 write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
         else:
             _save_legacy(tmp, args, setup, params, optim, common)
-    except (OSError, RuntimeError) as exc:         # DCP wraps a rank's OSError in a CheckpointException
+    except (OSError, RuntimeError, CheckpointException) as exc:   # a full disk, a failed write on any rank
         reason = str(exc).strip().splitlines()
         failure = CheckpointError(f"saving checkpoint at iteration {iteration} to {root} failed "
                                   f"({reason[-1] if reason else type(exc).__name__}); the previous checkpoint "
@@ -422,14 +446,13 @@ def _dist_metadata(ckpt: Path):
     return md
 
 
-def _load_dist(ckpt: Path, setup, wanted: dict, rng: bool):
-    """Read ``wanted`` (``{key: (local like-tensor, global shape, offsets, dim)}``) from a torch_dist
-    checkpoint into new tensors of this rank's shapes; DCP reads the overlapping saved chunks."""
-    import torch.distributed.checkpoint as dcp
+def _load_dist(ckpt: Path, wanted: dict, rng: bool):
+    """Read ``wanted`` (``{key: (local like-tensor, global shape, offsets)}``) from a torch_dist checkpoint
+    into new tensors of this rank's shapes; DCP reads the overlapping saved chunks."""
+    from course_lib.training.sharded_io import load_pieces
 
     md = _dist_metadata(ckpt)
-    state, mesh = {}, None
-    for key, (like, shape, _, dim) in wanted.items():
+    for key, (_, shape, _) in wanted.items():
         saved = md.state_dict_metadata.get(key)
         if saved is None or not hasattr(saved, "size"):
             raise CheckpointError(f"checkpoint {ckpt} holds no tensor {key}: it was saved from another model "
@@ -437,26 +460,20 @@ def _load_dist(ckpt: Path, setup, wanted: dict, rng: bool):
         if tuple(saved.size) != tuple(shape):
             raise CheckpointError(f"checkpoint {ckpt}: {key} has global shape {list(saved.size)} but this run's is "
                                   f"{list(shape)}: another model; --load another checkpoint")
-        local = torch.empty_like(like)
-        if dim is None:
-            state[key] = local
-        else:
-            from torch.distributed.device_mesh import DeviceMesh
-            from torch.distributed.tensor import DTensor, Shard
-
-            mesh = mesh or DeviceMesh.from_group(setup.groups.tp, local.device.type)
-            state[key] = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                            stride=torch.empty(shape, device="meta").stride())
+    state, pieces = _pieces({k: (torch.empty_like(like), shape, offsets)
+                             for k, (like, shape, offsets) in wanted.items()})
     rng_key = f"rng_state.rank{dist.get_rank()}"
     if rng:
         state[rng_key] = io.BytesIO()
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
-        dcp.load(state, checkpoint_id=str(ckpt))
-    except Exception as exc:  # noqa: BLE001 -- DCP gathers every rank's failure into one exception
+        load_pieces(state, pieces, ckpt)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 -- DCP gathers every rank's failure
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise CheckpointError(f"reading {ckpt} failed ({lines[-1][:120] if lines else type(exc).__name__}): a file "
                               f"is damaged; --load an earlier checkpoint") from None
-    values = {k: (v.to_local() if hasattr(v, "to_local") else v) for k, v in state.items() if k != rng_key}
+    values = {**{k: v for k, v in state.items() if k != rng_key}, **{k: v[0] for k, v in pieces.items()}}
     if not rng:
         return values, None
     state[rng_key].seek(0)                # DCP hands back the saved BytesIO
@@ -562,7 +579,7 @@ def load_checkpoint(args, setup) -> int:
     if fmt == "torch_dist":
         params = _local_params(setup)
         optim = _optimizer_state(setup, params) if load_optim else {}
-        values, rng = _load_dist(ckpt, setup, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
+        values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
     else:
         failure = values = rngs = None
         try:

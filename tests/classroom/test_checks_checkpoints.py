@@ -38,7 +38,7 @@ def copies(mlp, tp_rank, tp_size):
 
 
 def courses_own(mlp, tp_rank, tp_size):
-    return {n: (p, *global_spec(p, p, tp_size, tp_rank)[:2]) for n, p in mlp.named_parameters()}
+    return {n: (p, *global_spec(p, p, tp_size, tp_rank)) for n, p in mlp.named_parameters()}
 
 
 def stub(mlp, tp_rank, tp_size):

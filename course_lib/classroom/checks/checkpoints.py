@@ -4,8 +4,8 @@ Exercise 1, :func:`check_sharded_state_dict`
     ``fn(mlp, tp_rank, tp_size) -> {name: (local tensor, global shape, global offsets)}`` for the
     course's ``ParallelMLP`` (``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel): Megatron's
     ``sharded_state_dict`` in miniature. Proven on 4 real ranks by what they wrote and read:
-    ``torch.distributed.checkpoint`` saves the pieces under TP2 x DP2 *at the offsets fn gives* (the
-    checker's save planner writes any offsets, so a wrong one lands where it says), the ``.metadata``
+    ``torch.distributed.checkpoint`` saves the pieces under TP2 x DP2 *at the offsets fn gives*
+    (:mod:`course_lib.training.sharded_io` writes any offsets, so a wrong one lands where it says), the ``.metadata``
     is read back (each tensor's chunks and the file that holds each) and the files' values are
     compared with the master MLP's; then every rank rebuilds the MLP under TP4, asks fn for its new
     pieces and loads them: what each rank read (file and region, recorded by the storage reader) must be
@@ -37,17 +37,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # imported here once: forked ranks inherit it (seconds each otherwise)
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, resharding
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint import resharding
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
+from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces
 
 __all__ = ["check_sharded_state_dict", "check_read_plan", "check_review_answers", "print_course_answers",
            "MLP_SIZES", "RESHARDINGS", "REVIEW_QUESTIONS"]
@@ -55,71 +52,6 @@ __all__ = ["check_sharded_state_dict", "check_read_plan", "check_review_answers"
 MLP_SIZES = {"hidden_size": 6, "ffn_hidden_size": 8}   # fc1 [8, 6], fc2 [6, 8]: shapes that show a transpose
 SAVE_TP, LOAD_TP, WORLD = 2, 4, 4                       # saved under TP2 x DP2, reloaded under TP4, on 4 ranks
 _FAILED = (Exception, CheckpointException)              # DCP gathers every rank's failure into a BaseException
-
-
-# ------------------------------------------------------------------ DCP at any offsets, reads recorded
-
-
-def _piece_write_item(key: str, local: torch.Tensor, shape, offsets) -> WriteItem:
-    at = torch.Size(offsets)
-    return WriteItem(index=MetadataIndex(key, at), type=WriteItemType.SHARD,
-                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(at, local.shape),
-                                                 properties=TensorProperties.create_from_tensor(local),
-                                                 size=torch.Size(shape)))
-
-
-class _PieceSavePlanner(DefaultSavePlanner):
-    """Writes each ``(local, global shape, offsets)`` piece at the offsets given (DCP's global plan still
-    refuses overlapping or out-of-bounds chunks, and writes equal chunks of replicas once)."""
-
-    def __init__(self, pieces: dict):
-        super().__init__(flatten_state_dict=False)
-        self.pieces = pieces
-
-    def create_local_plan(self) -> SavePlan:
-        self.plan = SavePlan([_piece_write_item(k, *v) for k, v in self.pieces.items()])
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex):
-        return self.pieces[index.fqn][0]
-
-
-class _PieceLoadPlanner(DefaultLoadPlanner):
-    """Fills each piece with the saved chunks' overlap with it (DCP's own resharding reads)."""
-
-    def __init__(self, pieces: dict):
-        super().__init__(flatten_state_dict=False)
-        self.pieces = pieces
-
-    def create_local_plan(self) -> LoadPlan:
-        items = []
-        for key, (local, shape, offsets) in self.pieces.items():
-            saved = self.metadata.state_dict_metadata.get(key)
-            if saved is None:
-                raise ValueError(f"the checkpoint holds no tensor {key!r}")
-            if tuple(saved.size) != tuple(shape):
-                raise ValueError(f"{key} was saved with global shape {list(saved.size)}, this rank asks for {list(shape)}")
-            items += create_read_items_for_chunk_list(key, saved, [ChunkStorageMetadata(torch.Size(offsets),
-                                                                                        local.shape)])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex):
-        return self.pieces[index.fqn][0]
-
-
-class _RecordingReader(FileSystemReader):
-    """A ``FileSystemReader`` that keeps what this rank read: ``(key, file, global start, lengths)``."""
-
-    def __init__(self, path):
-        super().__init__(path)
-        self.reads: list[tuple] = []
-
-    def read_data(self, plan, planner):
-        for item in plan.items:
-            start = tuple(a + b for a, b in zip(item.storage_index.offset, item.storage_offsets))
-            self.reads.append((item.dest_index.fqn, self.storage_data[item.storage_index].relative_path, start,
-                               tuple(item.lengths)))
-        return super().read_data(plan, planner)
 
 
 def _last_line(exc: BaseException) -> str:
@@ -191,7 +123,7 @@ def _stage(fn, mlp, tp: int, tp_rank: int, action, report: dict) -> bool:
     from course_lib.training.checkpointing import global_spec
 
     report["tp_rank"] = tp_rank
-    report["want"] = {n: global_spec(p, p, tp, tp_rank)[:2] for n, p in mlp.named_parameters()}
+    report["want"] = {n: global_spec(p, p, tp, tp_rank) for n, p in mlp.named_parameters()}
     report["local"] = {n: tuple(p.shape) for n, p in mlp.named_parameters()}
     run = run_student(fn, mlp, tp_rank, tp, references=_references())
     pieces, problem = (None, "todo") if run.todo else (None, run.problem())
@@ -221,8 +153,7 @@ def _sharded_state_dict_rank(fn, root: str) -> dict:
     mlp = copy_dense_to_parallel(dense, ParallelMLP(config, tp2), tp2)
 
     def save(pieces):
-        dcp.save({k: v[0] for k, v in pieces.items()}, storage_writer=FileSystemWriter(root),
-                 planner=_PieceSavePlanner(pieces))
+        save_pieces({}, pieces, root)
 
     if not _stage(fn, mlp, SAVE_TP, grid.coords(rank)["tp"], save, out["save"]):
         return out
@@ -232,11 +163,11 @@ def _sharded_state_dict_rank(fn, root: str) -> dict:
     with torch.no_grad():
         for p in mlp.parameters():
             p.fill_(float("nan"))
-    reader = _RecordingReader(root)
+    reader = RecordingReader(root)
     filled: dict = {}
 
     def load(pieces):
-        dcp.load({k: v[0] for k, v in pieces.items()}, storage_reader=reader, planner=_PieceLoadPlanner(pieces))
+        load_pieces({}, pieces, root, reader)
         filled.update({k: v[0] for k, v in pieces.items()})
 
     if _stage(fn, mlp, LOAD_TP, rank, load, out["load"]):
