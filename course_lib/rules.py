@@ -134,7 +134,10 @@ Launch (processes on this machine)
     ``--distributed-timeout-minutes``.
 Checkpoints (``training.checkpointing``)
   * :func:`checkpoint_flags` -- the checkpoint flags on their own (intervals >= 1, a known
-    ``--ckpt-format``, a folder for the flags that need one, no MoE): trainer (``training.arguments``).
+    ``--ckpt-format``, a folder for the flags that need one): trainer (``training.arguments``), ``megatron-cmd``.
+  * :func:`course_checkpoint` -- what the course writes: ``torch_dist`` or ``torch``, MoE as ``torch_dist``:
+    trainer.
+  * :func:`megatron_fsdp_checkpoint` -- Megatron-FSDP saves ``fsdp_dtensor`` only: ``megatron-cmd``.
   * :func:`checkpoint_layout` -- a legacy ``torch`` checkpoint loads only under its TP x PP x VP: ``load_checkpoint``.
   * :func:`checkpoint_model` -- the checkpoint's model (and data order) is this run's: ``load_checkpoint``.
 """
@@ -852,15 +855,11 @@ CKPT_FORMATS_WRITTEN = ("torch_dist", "torch")
 
 
 def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: str, finetune: bool,
-                     no_load_optim: bool, no_load_rng: bool, num_experts) -> None:
+                     no_load_optim: bool, no_load_rng: bool) -> None:
     """The checkpoint flags on their own (Megatron's ``_add_checkpointing_args``): intervals >= 1,
-    a known format, a folder for every flag that needs one; MoE checkpoints are not written yet."""
+    a known format, a folder for every flag that needs one."""
     if ckpt_format not in CKPT_FORMATS:
         raise ValueError(f"ckpt_format={ckpt_format!r} is not one of Megatron's; use one of {', '.join(CKPT_FORMATS)}")
-    if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
-        raise ValueError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
-                         f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
-                         f"global offsets, what {ckpt_format} is built on too)")
     for name, value in (("save_interval", save_interval), ("exit_interval", exit_interval)):
         if value is not None:
             integer(name, value)
@@ -869,9 +868,27 @@ def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: s
     for name, value in (("finetune", finetune), ("no_load_optim", no_load_optim), ("no_load_rng", no_load_rng)):
         if value and not load:
             raise ValueError(f"{name}=True says what to load, but there is no --load; add --load DIR")
-    if num_experts and (save or load):
-        raise ValueError(f"num_experts={num_experts} with --save/--load: the course's checkpoints hold dense "
-                         f"models only; drop --num-experts or the checkpoint flags")
+
+
+def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
+    """What the course's trainer writes and reads: ``torch_dist`` or ``torch``; an MoE model ``torch_dist``
+    only (its experts are pieces of the ``[E, ...]`` tensors at their EP offsets; the legacy files are per
+    TP x PP rank and would hold one EP rank's experts)."""
+    if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
+        raise ValueError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
+                         f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
+                         f"global offsets, what {ckpt_format} is built on too)")
+    if num_experts and (save or load) and ckpt_format != "torch_dist":
+        raise ValueError(f"num_experts={num_experts} with --ckpt-format {ckpt_format}: the course saves an MoE "
+                         f"model as torch_dist only (the experts sharded over EP with global offsets); use "
+                         f"--ckpt-format torch_dist")
+
+
+def megatron_fsdp_checkpoint(ckpt_format) -> None:
+    """Megatron-FSDP saves only ``fsdp_dtensor`` (``validate_args`` asserts it, core_v0.16.1 and main)."""
+    if ckpt_format is not None and ckpt_format != "fsdp_dtensor":
+        raise ValueError(f"ckpt_format={ckpt_format!r} with Megatron-FSDP: validate_args asserts --ckpt-format "
+                         f"fsdp_dtensor there; drop --ckpt-format (the FSDP variants print it) or use dist-opt")
 
 
 def checkpoint_layout(path, saved: dict, run: dict, ckpt_format: str) -> None:

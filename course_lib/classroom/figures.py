@@ -70,24 +70,61 @@ def compact_png(data: bytes) -> bytes:
     return buffer.getvalue()
 
 
+# Lab 09's tiny GPT and its first layout (the lab trains the same model with the same flags)
+CHECKPOINT_MODEL = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                    "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3"]
+CHECKPOINT_LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# the slice map's rows: the embedding, the layers' linears (stacked over the layers), a LayerNorm
+CHECKPOINT_MAP_TENSORS = (r"^(embedding\.word_embeddings\.weight|decoder\.layers\.self_attention\.linear_qkv\.layer_norm_weight|"
+                          r"decoder\.layers\.(self_attention\.linear_(qkv|proj)|mlp\.linear_fc[12])\.(weight|bias))$")
+
+
+def _save_one_iteration(save: str) -> None:
+    from course_lib.train import parse_args, pretrain
+
+    pretrain(parse_args(CHECKPOINT_MODEL + CHECKPOINT_LAYOUT + ["--train-iters", "1", "--lr-warmup-iters", "0",
+                                                                "--save", save]), print_args=False)
+
+
+def checkpoint_slice_map(save_dir):
+    """Save Lab 09's tiny GPT under TP2 x PP2 x DP2 on 8 real ranks (one iteration, ``--save save_dir``)
+    and return its slice map (:func:`course_lib.training.checkpoint_inspect.slice_map_figure` of the
+    files written, rows :data:`CHECKPOINT_MAP_TENSORS`)."""
+    import torch.distributed.checkpoint  # noqa: F401 -- imported once here, inherited by the forked ranks
+
+    from course_lib.launch import launch
+    from course_lib.training.checkpoint_inspect import describe_checkpoint, slice_map_figure
+
+    launch(_save_one_iteration, world_size=8, output="none", timeout=120, save=str(save_dir))
+    return slice_map_figure(describe_checkpoint(save_dir), CHECKPOINT_MAP_TENSORS)
+
+
 def write_theory_figures(out_dir) -> list[Path]:
     """Pictures only a lab's theory needs (no other module draws them into ``figures/``).
 
     ``cp_ring_steps_cp4_contiguous.png``: Lab 04 §4.3, the causal ring on 4 ranks with a contiguous
     split -- the last rank computes most blocks, the reason for the zigzag split. Drawn by
-    :func:`course_lib.context_parallel.plot_ring_steps` from the schedule ring attention runs."""
+    :func:`course_lib.context_parallel.plot_ring_steps` from the schedule ring attention runs.
+
+    ``ckpt_slices_8_tp2_pp2_dp2.png``: Lab 09 §1, which slice of each tensor each of 8 ranks holds and
+    writes in a torch_dist checkpoint, drawn from the ``.metadata`` of a real save (:func:`checkpoint_slice_map`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     from course_lib.context_parallel import plot_ring_steps
+    from course_lib.topology.rankmap import save
 
     fig = plot_ring_steps(4, layout="contiguous", causal=True)
     path = Path(out_dir) / "cp_ring_steps_cp4_contiguous.png"
     fig.savefig(path, dpi=80, bbox_inches="tight")
     plt.close(fig)
-    return [path]
+    with tempfile.TemporaryDirectory(prefix="course_ckpt_") as scratch:
+        fig = checkpoint_slice_map(scratch)
+    slices = save(fig, Path(out_dir) / "ckpt_slices_8_tp2_pp2_dp2.png", dpi=80)
+    plt.close(fig)
+    return [path, slices]
 
 
 def draw_all(folder: Path) -> dict[str, bytes]:

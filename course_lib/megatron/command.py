@@ -177,7 +177,9 @@ class MegatronRun:
     ``data_dir`` is relative to the Megatron-LM checkout (the commands run there, as in
     the seed). ``precision`` is one of ``bf16``/``fp16``/``fp32`` (fp32: no flag).
     ``transformer_impl='local'`` avoids Transformer Engine (not available everywhere;
-    context parallelism needs it).
+    context parallelism needs it). The checkpoint fields are Megatron's flags of the same names
+    (``flags.CHECKPOINT_FLAGS``; ``ckpt_format`` ``None``: Megatron's default ``torch_dist``, not
+    printed; Megatron-FSDP prints ``fsdp_dtensor`` itself), checked by ``rules.checkpoint_flags``.
     """
 
     train_iters: int = 100
@@ -198,6 +200,14 @@ class MegatronRun:
     split: str = "949,50,1"
     data_dir: str = "data/tiny"
     transformer_impl: str | None = None
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    exit_interval: int | None = None
+    ckpt_format: str | None = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -213,7 +223,15 @@ class MegatronRun:
             raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {', '.join(SHARDING)}")
         if self.transformer_impl not in (None, "local", "transformer_engine"):
             raise ValueError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
-        _check_data_dir(self.data_dir)
+        _check_path("data_dir", self.data_dir)
+        for name in ("save", "load"):
+            if getattr(self, name) is not None:
+                _check_path(name, getattr(self, name))
+        rules.checkpoint_flags(save=self.save, load=self.load, save_interval=self.save_interval,
+                               exit_interval=self.exit_interval, ckpt_format=self.ckpt_format or "torch_dist",
+                               finetune=self.finetune, no_load_optim=self.no_load_optim, no_load_rng=self.no_load_rng)
+        if self.megatron_fsdp:
+            rules.megatron_fsdp_checkpoint(self.ckpt_format)
 
     @property
     def megatron_fsdp(self) -> bool:
@@ -226,14 +244,15 @@ class MegatronRun:
         return f"{self.data_dir}/gpt_text_text_document"
 
 
-def _check_data_dir(data_dir) -> None:
-    """A ``data_dir`` every printed command can carry safely (each line quotes it with ``shlex.quote``)."""
-    if not isinstance(data_dir, str) or not data_dir:
-        raise ValueError(f"data_dir={data_dir!r} must be a non-empty path")
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in data_dir):
-        raise ValueError(f"data_dir={data_dir!r} holds a control character (newline, tab, ...); choose a plain path")
-    if data_dir.startswith("-"):
-        raise ValueError(f"data_dir={data_dir!r} starts with '-' and would read as an option; write ./{data_dir}")
+def _check_path(name: str, path) -> None:
+    """A path (``data_dir``, ``save``, ``load``) every printed command can carry safely (each line quotes
+    it with ``shlex.quote``)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{name}={path!r} must be a non-empty path")
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
+        raise ValueError(f"{name}={path!r} holds a control character (newline, tab, ...); choose a plain path")
+    if path.startswith("-"):
+        raise ValueError(f"{name}={path!r} starts with '-' and would read as an option; write ./{path}")
 
 
 def gpu_config(tp: int = 1, pp: int = 1, cp: int = 1, nproc: int = 8, *, seq_length: int = DEFAULT_SEQ_LENGTH,
@@ -285,6 +304,7 @@ def pretrain_args(config, run: MegatronRun | None = None,
         args.append((f"--{run.precision}", None))
     if run.transformer_impl is not None:
         args.append(("--transformer-impl", run.transformer_impl))
+    args += checkpoint_args(run)
     args += [
         ("--data-path", run.data_prefix),
         ("--vocab-file", f"{run.data_dir}/gpt2-vocab.json"),
@@ -297,6 +317,18 @@ def pretrain_args(config, run: MegatronRun | None = None,
         args.append(("--log-throughput", None))
     args += [("--eval-interval", str(run.eval_interval)), ("--eval-iters", str(run.eval_iters))]
     return args
+
+
+def checkpoint_args(run: MegatronRun) -> list[tuple[str, str | None]]:
+    """The run's checkpoint flags, as ``(flag, value)`` pairs, in Megatron's names (``flags.CHECKPOINT_FLAGS``);
+    ``--ckpt-format`` only when given and not already printed by a Megatron-FSDP variant."""
+    values = [("--save", run.save), ("--save-interval", run.save_interval), ("--load", run.load),
+              ("--exit-interval", run.exit_interval),
+              ("--ckpt-format", None if run.megatron_fsdp else run.ckpt_format)]
+    args = [(flag, str(value)) for flag, value in values if value is not None]
+    return args + [(flag, None) for flag, on in (("--no-load-optim", run.no_load_optim),
+                                                 ("--no-load-rng", run.no_load_rng),
+                                                 ("--finetune", run.finetune)) if on]
 
 
 def _render(prefix: str, args: list[tuple[str, str | None]]) -> str:
@@ -487,6 +519,16 @@ def add_arguments(parser) -> None:
                         "Megatron-FSDP), offload (dist-opt with the optimizer on the host); --show sharding: all")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None)
     g.add_argument("--data-dir", default=MegatronRun.data_dir, help="relative to the Megatron-LM checkout")
+    g = parser.add_argument_group("checkpoints (Megatron-LM's flags; the course trainer takes the same)")
+    g.add_argument("--save", default=None, help="folder to save checkpoints into")
+    g.add_argument("--load", default=None, help="folder to resume from (its latest_checkpointed_iteration.txt)")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations")
+    g.add_argument("--exit-interval", type=int, default=None, help="save and stop at an iteration N divides")
+    g.add_argument("--ckpt-format", choices=rules.CKPT_FORMATS, default=None,
+                   help="default: Megatron's torch_dist (not printed); Megatron-FSDP prints fsdp_dtensor")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load the model only, from iteration 0")
     g = parser.add_argument_group("mixture of experts (a Mixtral-style command: SwiGLU, RMSNorm, RoPE)")
     g.add_argument("--num-experts", type=int, default=None)
     g.add_argument("--expert-model-parallel-size", "--ep", type=int, default=1, dest="ep")
@@ -537,7 +579,8 @@ def sharding_variants(config, run: MegatronRun | None = None, moe: MoESpec | Non
     cfg, run = _as_config(config), run or MegatronRun()
     blocks = []
     for name in SHARDING:
-        variant = MegatronRun(**{**run.__dict__, "sharding": name, "use_distributed_optimizer": False})
+        variant = MegatronRun(**{**run.__dict__, "sharding": name, "use_distributed_optimizer": False,
+                                 "ckpt_format": None if SHARDING[name].fsdp else run.ckpt_format})
         blocks.append(_sharding_note(name, cfg) + "\n" + megatron_command(cfg, variant, moe))
     return "\n\n".join(blocks)
 
@@ -557,7 +600,10 @@ def run(args) -> int:
     mrun = MegatronRun(train_iters=args.train_iters, lr=args.lr, min_lr=min(MegatronRun.min_lr, args.lr),
                        log_interval=args.log_interval, precision=args.precision,
                        use_distributed_optimizer=args.distributed_optimizer, sharding=args.sharding,
-                       transformer_impl=args.transformer_impl, data_dir=args.data_dir)
+                       transformer_impl=args.transformer_impl, data_dir=args.data_dir, save=args.save,
+                       load=args.load, save_interval=args.save_interval, exit_interval=args.exit_interval,
+                       ckpt_format=args.ckpt_format, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
+                       finetune=args.finetune)
     nproc = _world(args)
     cfg = gpu_config(tp, pp, cp, nproc, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, sequence_parallel=args.sp, vpp=args.vpp)

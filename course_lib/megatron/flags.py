@@ -209,6 +209,27 @@ MOE_FLAGS: dict[str, tuple[str, str]] = {
                                               "megatron/training/arguments.py::_add_network_size_args"),
 }
 
+# The checkpoint flags (issue 26), checked the same two ways at core_v0.16.1 and main d98e8a6; --ckpt-format is
+# in SHARDING_FLAGS. Most are CheckpointConfig fields turned into flags by ArgumentGroupFactory (--save-interval
+# by its argparse_meta arg_names, with the alias --persistent-save-interval); --no-load-optim and
+# --no-load-rng are still written out (CheckpointConfig's load_optim/load_rng are excluded from the factory).
+CHECKPOINT_FLAGS: dict[str, tuple[str, str]] = {
+    "--save": ("megatron/training/training_config.py::CheckpointConfig.save",
+               "megatron/training/config/training_config.py::CheckpointConfig.save"),
+    "--save-interval": ("megatron/training/training_config.py::CheckpointConfig.save_interval (argparse_meta)",
+                        "megatron/training/config/training_config.py::CheckpointConfig.save_interval (argparse_meta)"),
+    "--load": ("megatron/training/training_config.py::CheckpointConfig.load",
+               "megatron/training/config/training_config.py::CheckpointConfig.load"),
+    "--exit-interval": ("megatron/training/training_config.py::TrainingConfig.exit_interval",
+                        "megatron/training/config/training_config.py::TrainingConfig.exit_interval"),
+    "--no-load-optim": ("megatron/training/arguments.py::_add_checkpointing_args",
+                        "megatron/training/arguments.py::_add_checkpointing_args"),
+    "--no-load-rng": ("megatron/training/arguments.py::_add_checkpointing_args",
+                      "megatron/training/arguments.py::_add_checkpointing_args"),
+    "--finetune": ("megatron/training/training_config.py::CheckpointConfig.finetune",
+                   "megatron/training/config/training_config.py::CheckpointConfig.finetune"),
+}
+
 # The installed megatron-core's own config dataclasses hold what these flags set (checked with
 # dataclasses.fields in tests/megatron/test_megatron_bridge.py): flag -> "Class.field" under megatron.core.
 MCORE_FIELDS: dict[str, str] = {

@@ -349,14 +349,17 @@ def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
 
 
 def _check_checkpointing(a: argparse.Namespace) -> None:
-    """The checkpoint flags (:func:`course_lib.rules.checkpoint_flags`); the ``--save`` folder must be writable."""
+    """The checkpoint flags (:func:`course_lib.rules.checkpoint_flags`, :func:`course_lib.rules.course_checkpoint`);
+    the ``--save`` folder must be writable."""
     for dest, default in (("save", None), ("load", None), ("save_interval", None), ("exit_interval", None),
                           ("ckpt_format", "torch_dist"), ("no_load_optim", False), ("no_load_rng", False),
                           ("finetune", False)):
         setattr(a, dest, getattr(a, dest, default))
     rules.checkpoint_flags(save=a.save, load=a.load, save_interval=a.save_interval, exit_interval=a.exit_interval,
                            ckpt_format=a.ckpt_format, finetune=a.finetune, no_load_optim=a.no_load_optim,
-                           no_load_rng=a.no_load_rng, num_experts=getattr(a, "num_experts", None))
+                           no_load_rng=a.no_load_rng)
+    rules.course_checkpoint(save=a.save, load=a.load, ckpt_format=a.ckpt_format,
+                            num_experts=getattr(a, "num_experts", None))
     if a.save:
         check_output_dir(a.save, what="--save")
 

@@ -15,16 +15,25 @@ Semantics and names of Megatron-LM main's ``megatron/training/checkpointing.py``
         model_optim_rng.pt                         the model shard, optimizer, scheduler, RNG of DP ranks
         distrib_optim.pt                           (--use-distributed-optimizer) the optimizer, gathered over DP
 
-A rank's state as tensors of the *global* model (:func:`sharded_state_dict`), under megatron-core's sharded
-keys and layout (``GPTModel.sharded_state_dict`` of the local spec, so ``megatron.core.dist_checkpointing``
-loads a course checkpoint into megatron-core's own ``GPTModel`` and the course reads one it saved): the
-decoder layers stacked along a prepended layer axis -- master ``decoder.layers.3.self_attention.linear_qkv.weight``
-``[3h, h]`` is the chunk at layer offset 3 of ``decoder.layers.self_attention.linear_qkv.weight`` ``[L, 3h, h]``
-(so the keys do not depend on PP), the LayerNorms under the names of the linears they feed
-(``decoder.layers.self_attention.linear_qkv.layer_norm_weight``, ``...mlp.linear_fc1.layer_norm_bias``), and
-each linear's (empty) ``_extra_state`` object per layer; a TP shard is the chunk at offset ``tp_rank * local``
-along its ``partition_dim``; replicated tensors (LayerNorms, DP and CP replicas) are saved once (DCP
-deduplicates equal chunks). The optimizer's state -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
+A rank's state as *pieces* of the tensors of the global model (:func:`sharded_state_dict`: each
+``(local tensor, key, global shape, global offsets)``, megatron-core's ``ShardedTensor``), under
+megatron-core's sharded keys and layout (``GPTModel.sharded_state_dict`` of the local spec, so
+``megatron.core.dist_checkpointing`` loads a course checkpoint into megatron-core's own ``GPTModel`` and the
+course reads one it saved): the decoder layers stacked along a prepended layer axis -- master
+``decoder.layers.3.self_attention.linear_qkv.weight`` ``[3h, h]`` is the piece at layer offset 3 of
+``decoder.layers.self_attention.linear_qkv.weight`` ``[L, 3h, h]`` (so the keys do not depend on PP) --
+unless the layers differ (``--moe-layer-freq`` other than 1: megatron-core's ``non_homogeneous_layers``,
+each layer its own keys ``decoder.layers.3.…``, :func:`stacked_layers`); the LayerNorms under the names of
+the linears they feed (``decoder.layers.self_attention.linear_qkv.layer_norm_weight``,
+``...mlp.linear_fc1.layer_norm_bias``), and each linear's (empty) ``_extra_state`` object per layer; a TP
+shard is the piece at offset ``tp_rank * local`` along its ``partition_dim`` (:func:`global_spec`); an MoE
+layer's stacked experts ``[E/ep, F/etp, H]`` are the piece at expert ``ep_rank * E/ep`` and, along F,
+``expert_tp_rank * F/etp`` (:func:`expert_global_spec`) of ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
+``[L, E, F, H]`` (megatron-core's ``SequentialMLP`` keys, so the experts reshard to any EP and expert TP
+too); replicated tensors (LayerNorms, the router, DP and CP replicas, expert-DP replicas) are saved once
+(DCP deduplicates equal chunks). :mod:`course_lib.training.sharded_io` hands every piece to DCP at its
+offsets and reads each rank's new pieces from the saved chunks that overlap them. The optimizer's state
+-- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
 takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
 to full local tensors first (Megatron's ``dp_zero_gather_scatter`` layout), so a checkpoint depends on TP
 and PP only through its chunk offsets, and loads under any TP x PP x DP: DCP reads the overlapping parts of
@@ -47,6 +56,7 @@ import itertools
 import json
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -64,8 +74,9 @@ from course_lib.training.arguments import sharding_strategy, uses_sharding_engin
 from course_lib.training.finalize_model_grads import unique_named_params
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
-           "read_metadata", "sharded_key", "sharded_state_dict", "save_checkpoint", "load_checkpoint",
-           "checkpoint_and_decide_exit", "checkpoint_format"]
+           "read_metadata", "stacked_layers", "sharded_key", "LAYER_AXIS_KEY", "global_spec", "expert_global_spec",
+           "sharded_state_dict", "save_checkpoint", "load_checkpoint", "checkpoint_and_decide_exit",
+           "checkpoint_format"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0                      # Megatron's checkpoint_version
@@ -78,12 +89,20 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
 DATA_FLAGS = ("global_batch_size", "seed")    # the data order a resume continues
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "vpp")
 # megatron-core's local spec saves the LayerNorms under the names of the TE linears that fuse them
-# (get_gpt_layer_local_spec's sharded_state_dict_keys_map), and an _extra_state object (None) per linear
+# (get_gpt_layer_local_spec's sharded_state_dict_keys_map, MoE layers too), the experts under SequentialMLP's
+# keys (moe/experts.py: local_experts.<i>. -> experts., with an expert axis), and an _extra_state object (None)
+# per linear (per layer, and per expert)
 MCORE_LAYER_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                     "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
                     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-                    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
-MCORE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+                    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+                    "mlp.experts.linear_fc1.weight": "mlp.experts.experts.linear_fc1.weight",
+                    "mlp.experts.linear_fc2.weight": "mlp.experts.experts.linear_fc2.weight"}
+MCORE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+                 "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
+# a key stacked over the layers (dim 0: the layer axis), the model's or its optimizer state's
+LAYER_AXIS_KEY = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
+_LINEAR_WEIGHT = re.compile(r"decoder\.layers\.(?:\d+\.)?(.+)\.weight")
 
 
 class CheckpointError(ValueError):
@@ -138,8 +157,9 @@ def _print0(line: str) -> None:
 
 
 def _layout(setup) -> dict:
-    c = setup.config
-    return {"tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp, "vpp": c.vpp, "world_size": c.world_size}
+    c, moe = setup.config, setup.moe_groups
+    experts = {} if moe is None else {"ep": moe.size("ep"), "expert_tp": moe.size("expert_tp")}
+    return {"tp": c.tp, "pp": c.pp, "cp": c.cp, "dp": c.dp, "vpp": c.vpp, "world_size": c.world_size, **experts}
 
 
 def _local_params(setup) -> dict:
@@ -196,89 +216,96 @@ def _optimizer_state(setup, params: dict) -> dict:
     return out
 
 
-def sharded_key(master: str) -> tuple[str, int | None]:
-    """megatron-core's sharded key of a master parameter and its decoder layer (None outside the layers):
-    ``decoder.layers.3.input_layernorm.weight`` -> ``("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)``."""
+def stacked_layers(config) -> bool:
+    """Whether megatron-core stacks the decoder's layers on a layer axis (``TransformerBlock.sharded_state_dict``):
+    not when they differ, i.e. ``--moe-layer-freq`` is a list or an int above 1 (``non_homogeneous_layers``)."""
+    freq = config.moe_layer_freq
+    return not (isinstance(freq, (list, tuple)) or freq > 1)
+
+
+def sharded_key(master: str, stacked: bool = True) -> tuple[str, int | None]:
+    """megatron-core's sharded key of a master parameter and its offset on the layer axis (None outside the
+    layers, or with ``stacked`` False: the layer index stays in the key):
+    ``decoder.layers.3.input_layernorm.weight`` -> ``("decoder.layers.self_attention.linear_qkv.layer_norm_weight", 3)``
+    (not stacked: ``("decoder.layers.3.self_attention.linear_qkv.layer_norm_weight", None)``)."""
     if not master.startswith("decoder.layers."):
         return master, None
     _, _, layer, rest = master.split(".", 3)
-    return f"decoder.layers.{MCORE_LAYER_KEYS.get(rest, rest)}", int(layer)
+    rest = MCORE_LAYER_KEYS.get(rest, rest)
+    return (f"decoder.layers.{rest}", int(layer)) if stacked else (f"decoder.layers.{layer}.{rest}", None)
 
 
-def _global_spec(p, local: torch.Tensor, tp: int, tp_rank: int, layer, num_layers: int):
-    """``(global shape, offsets)`` of a rank's tensor: TP shards are contiguous chunks along
-    ``partition_dim`` (stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`); a decoder
-    layer's tensor is one slice of the layer axis megatron-core prepends."""
+def global_spec(p, local: torch.Tensor, tp: int, tp_rank: int) -> tuple[tuple, tuple]:
+    """``(global shape, offsets)`` of a rank's tensor ``local`` of the parameter ``p`` (TP shards are contiguous
+    chunks along ``partition_dim``: stride 1, as :func:`course_lib.tensor_parallel.copy_dense_to_parallel`)."""
     shape, offsets = list(local.shape), [0] * local.dim()
     if is_tensor_parallel(p) and tp > 1:
         dim = p.partition_dim
         offsets[dim], shape[dim] = tp_rank * shape[dim], shape[dim] * tp
-    if layer is not None:
-        shape, offsets = [num_layers, *shape], [layer, *offsets]
+    return tuple(shape), tuple(offsets)
+
+
+def expert_global_spec(p, local: torch.Tensor, ep: int, ep_rank: int, etp: int, etp_rank: int) -> tuple[tuple, tuple]:
+    """``(global shape, offsets)`` of a rank's stacked experts ``local`` ``[E/ep, ...]`` of the expert weight
+    ``p``: experts ``ep_rank * E/ep`` on along dim 0, the expert-TP shard ``etp_rank`` along
+    ``p.expert_partition_dim`` (:class:`course_lib.moe.transformer.MoEMLP`)."""
+    shape, offsets = list(local.shape), [0] * local.dim()
+    offsets[0], shape[0] = ep_rank * shape[0], shape[0] * ep
+    dim = p.expert_partition_dim
+    offsets[dim], shape[dim] = etp_rank * shape[dim], shape[dim] * etp
     return tuple(shape), tuple(offsets)
 
 
 def sharded_state_dict(setup, params: dict, optim: dict, *, for_load: bool = False) -> dict:
-    """``{name: (local tensor, sharded key, global shape, offsets)}`` of this rank: ``name`` is the master
-    name for the model, ``optimizer.state.<k>.<master name>`` for the optimizer (its key: the same prefix on
-    the model's key), see the module doc. The last stage's copy of the tied embedding (``shared``) is the
-    first stage's tensor: saved once, and read (``for_load``) from the first stage's key."""
+    """This rank's pieces, ``{name: (local tensor, sharded key, global shape, offsets)}``: ``name`` is the
+    master name for the model, ``optimizer.state.<k>.<master name>`` for the optimizer (its key: the same
+    prefix on the model's key), see the module doc; a decoder layer's tensor is one slice of the layer axis
+    megatron-core prepends (``[L, *shape]`` at ``[layer, *offsets]``; :func:`stacked_layers`). The last
+    stage's copy of the tied embedding (``shared``) is the first stage's tensor: saved once, and read
+    (``for_load``) from the first stage's key."""
     tp, tp_rank = comm.group_size(setup.groups.tp), setup.groups.coords["tp"]
-    num_layers = setup.chunks[0].config.num_layers
+    config, moe = setup.chunks[0].config, setup.moe_groups
+    stacked = stacked_layers(config)
+
+    def spec(p, local, layer):
+        if moe is not None and hasattr(p, "expert_partition_dim"):
+            shape, offsets = expert_global_spec(p, local, moe.size("ep"), comm.group_rank(moe.ep),
+                                                moe.size("expert_tp"), comm.group_rank(moe.expert_tp))
+        else:
+            shape, offsets = global_spec(p, local, tp, tp_rank)
+        return (shape, offsets) if layer is None else ((config.num_layers, *shape), (layer, *offsets))
+
     out = {}
     for name, p in unique_named_params(setup.chunks):
         if getattr(p, "shared", False) and not for_load:
             continue
         master = master_name(name)
-        key, layer = sharded_key(master)
-        spec = _global_spec(p, params[name], tp, tp_rank, layer, num_layers)
-        out[master] = (params[name], key, *spec)
+        key, layer = sharded_key(master, stacked)
+        out[master] = (params[name], key, *spec(p, params[name], layer))
         for k, values in optim.items():
-            out[f"optimizer.state.{k}.{master}"] = (values[name], f"optimizer.state.{k}.{key}", *spec)
+            out[f"optimizer.state.{k}.{master}"] = (values[name], f"optimizer.state.{k}.{key}",
+                                                    *spec(p, values[name], layer))
     return out
 
 
-def _dcp_tensors(sharded: dict, empty: bool) -> tuple[dict, dict]:
-    """DCP's state dict for ``sharded`` (:func:`sharded_state_dict`; ``empty``: new tensors to load into)
-    and ``{name: the tensor DCP writes or fills}``. A key whose one chunk is the whole tensor is a plain
-    tensor, any other a torch ``ShardedTensor`` of this rank's chunks (a stage holds several layers of a
-    key) -- what megatron-core's torch_dist strategy hands DCP."""
-    chunks, views = {}, {}
-    for name, (local, key, shape, offsets) in sharded.items():
-        view = (torch.empty_like(local) if empty else local.detach().contiguous()).view(
-            *[1] * (len(shape) - local.dim()), *local.shape)
-        views[name] = view
-        chunks.setdefault(key, (shape, []))[1].append((view, offsets))
-    state = {key: parts[0][0] if len(parts) == 1 and tuple(parts[0][0].shape) == tuple(shape)
-             else _sharded_tensor(parts, shape) for key, (shape, parts) in chunks.items()}
-    return state, views
-
-
-def _sharded_tensor(parts: list, shape: tuple):
-    """A torch ``ShardedTensor`` of ``shape`` holding this rank's ``parts`` (``[(tensor, global offsets)]``,
-    one chunk shape). Its global metadata names every chunk of the regular grid, other ranks' under another
-    rank (DCP's planner reads only the local shards and merges what every rank has)."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    size, like = list(parts[0][0].shape), parts[0][0]
-    mine = {tuple(offsets) for _, offsets in parts}
-    grid = itertools.product(*(range(0, n, k) for n, k in zip(shape, size)))
-    every = [ShardMetadata(list(o), size, f"rank:{rank if o in mine else (rank + 1) % world}/{like.device}")
-             for o in grid]
-    metadata = ShardedTensorMetadata(every, torch.Size(shape), TensorProperties(dtype=like.dtype))
-    local = [Shard.from_tensor_and_offsets(t, list(o), rank) for t, o in parts]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local, sharded_tensor_metadata=metadata)
-
-
 def _extra_states(sharded: dict) -> dict:
-    """megatron-core's ``_extra_state`` objects of this rank's decoder layers,
-    ``decoder.layers.<linear>._extra_state/shard_<l>_<L>``: its local linears' are None, saved in a list
-    (one per ``ShardedObject``), which DCP pickles."""
-    layers = {(offsets[0], shape[0]) for _, key, shape, offsets in sharded.values() if key.startswith("decoder.layers.")}
-    return {f"decoder.layers.{linear}._extra_state/shard_{layer}_{num_layers}": [None]
-            for (layer, num_layers), linear in itertools.product(sorted(layers), MCORE_LINEARS)}
+    """megatron-core's ``_extra_state`` objects of this rank's decoder linears, one per ``ShardedObject``
+    and named by its offsets on the axes before the weight's own two (the layer axis, an expert's axis):
+    ``decoder.layers.<linear>._extra_state/shard_<l>_<L>``, an expert's ``shard_<l>.<e>_<L>.<E>``
+    (not stacked: ``decoder.layers.<l>.<linear>._extra_state/shard_0_1``, an expert's ``shard_<e>_<E>``).
+    Its local linears' are None, saved in a list, which DCP pickles."""
+    out = {}
+    for local, key, shape, offsets in sharded.values():
+        match = _LINEAR_WEIGHT.fullmatch(key)
+        if match is None or match.group(1) not in MCORE_LINEARS:
+            continue
+        axes = len(shape) - 2
+        held = ((1,) * (len(shape) - local.dim()) + tuple(local.shape))[:axes]     # this piece's extent on them
+        every, first = (shape[:axes], offsets[:axes]) if axes else ((1,), (0,))
+        for at in itertools.product(*(range(o, o + n) for o, n in zip(first, held or (1,)))):
+            out[f"{key.removesuffix('.weight')}._extra_state/shard_{'.'.join(map(str, at))}_"
+                f"{'.'.join(map(str, every))}"] = [None]
+    return out
 
 
 def _rng_state() -> dict:
@@ -327,14 +354,13 @@ def _agree(failure) -> None:
 
 
 def _save_dist(tmp: Path, sharded: dict) -> None:
-    import torch.distributed.checkpoint as dcp
+    from course_lib.training.sharded_io import save_pieces
 
-    state, _ = _dcp_tensors(sharded, empty=False)
-    state.update(_extra_states(sharded))
+    state = _extra_states(sharded)
     buf = io.BytesIO()
     torch.save(_rng_state(), buf)
     state[f"rng_state.rank{dist.get_rank()}"] = buf
-    dcp.save(state, checkpoint_id=str(tmp))
+    save_pieces(state, sharded, tmp)
 
 
 def _save_legacy(tmp: Path, args, setup, params: dict, optim: dict, common: dict) -> None:
@@ -399,6 +425,8 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
         tmp.mkdir(parents=True)
     dist.barrier()
     failure = None
+    from torch.distributed.checkpoint.api import CheckpointException    # what DCP raises for any rank's failure
+
     try:
         if args.ckpt_format == "torch_dist":
             _save_dist(tmp, sharded_state_dict(setup, params, optim))
@@ -407,7 +435,7 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
                 write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
         else:
             _save_legacy(tmp, args, setup, params, optim, common)
-    except (OSError, RuntimeError) as exc:         # DCP wraps a rank's OSError in a CheckpointException
+    except (OSError, RuntimeError, CheckpointException) as exc:   # a full disk, a failed write on any rank
         reason = str(exc).strip().splitlines()
         failure = CheckpointError(f"saving checkpoint at iteration {iteration} to {root} failed "
                                   f"({reason[-1] if reason else type(exc).__name__}); the previous checkpoint "
@@ -485,28 +513,26 @@ def _dist_metadata(ckpt: Path):
 def _load_dist(ckpt: Path, wanted: dict, rng: bool):
     """Read ``wanted`` (:func:`sharded_state_dict`) from a torch_dist checkpoint into new tensors of this
     rank's shapes, ``{name: tensor}``; DCP reads the overlapping saved chunks."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from course_lib.training.sharded_io import load_pieces, piece_problem
 
     md = _dist_metadata(ckpt)
-    for _, key, shape, _ in wanted.values():
-        saved = md.state_dict_metadata.get(key)
-        if saved is None or not hasattr(saved, "size"):
-            raise CheckpointError(f"checkpoint {ckpt} holds no tensor {key}: it was saved from another model "
-                                  f"or optimizer; --load another checkpoint")
-        if tuple(saved.size) != tuple(shape):
-            raise CheckpointError(f"checkpoint {ckpt}: {key} has global shape {list(saved.size)} but this run's is "
-                                  f"{list(shape)}: another model; --load another checkpoint")
-    state, views = _dcp_tensors(wanted, empty=True)
-    rng_key = f"rng_state.rank{dist.get_rank()}"
+    problem = next(filter(None, (piece_problem(md, key, shape) for _, key, shape, _ in wanted.values())), None)
+    _agree(None if problem is None else CheckpointError(   # every rank stops (a stage's keys are its own)
+        f"checkpoint {ckpt} holds {problem}: it was saved from another model, layer pattern or optimizer; "
+        f"--load another checkpoint"))
+    pieces = {name: (torch.empty_like(like), *spec) for name, (like, *spec) in wanted.items()}
+    state, rng_key = {}, f"rng_state.rank{dist.get_rank()}"
     if rng:
         state[rng_key] = io.BytesIO()
     try:
-        dcp.load(state, checkpoint_id=str(ckpt))
-    except Exception as exc:  # noqa: BLE001 -- DCP gathers every rank's failure into one exception
+        load_pieces(state, pieces, ckpt)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 -- DCP gathers every rank's failure
         lines = [line for line in str(exc).splitlines() if line.strip()]
         raise CheckpointError(f"reading {ckpt} failed ({lines[-1][:120] if lines else type(exc).__name__}): a file "
                               f"is damaged; --load an earlier checkpoint") from None
-    values = {name: view.view(wanted[name][0].shape) for name, view in views.items()}
+    values = {name: piece[0] for name, piece in pieces.items()}
     if not rng:
         return values, None
     state[rng_key].seek(0)                # DCP hands back the saved BytesIO

@@ -19,7 +19,7 @@ from course_lib.megatron import (COLUMNS, NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, 
 from course_lib.megatron import cluster
 from course_lib.megatron import command as command_mod
 from course_lib.megatron.command import SHARDING, MoESpec, cluster_launch, sharding_variants
-from course_lib.megatron.flags import MCORE_FIELDS, MOE_FLAGS, SHARDING_FLAGS, TORCHRUN_FLAGS
+from course_lib.megatron.flags import CHECKPOINT_FLAGS, MCORE_FIELDS, MOE_FLAGS, SHARDING_FLAGS, TORCHRUN_FLAGS
 from course_lib.megatron import report as report_mod
 from course_lib.rules import SP_WITHOUT_TP
 
@@ -132,7 +132,7 @@ def test_flags_exist_in_a_megatron_checkout():
         *sorted((root / "megatron/training/config").glob("*.py")), *sorted((root / "megatron/training").glob("*_config.py"))]
         if p.exists())
     excluded = " ".join(re.findall(r"exclude\s*=\s*\[(.*?)\]", args_py, re.S))
-    newer = [*SHARDING_FLAGS, *MOE_FLAGS] if (root / "megatron/core/transformer/moe").exists() else []
+    newer = [*SHARDING_FLAGS, *MOE_FLAGS, *CHECKPOINT_FLAGS] if (root / "megatron/core/transformer/moe").exists() else []
     for flag in [*PRETRAIN_FLAGS, *newer]:
         field = flag[2:].replace("-", "_")
         literal = (re.search(rf"""['"]{re.escape(flag)}['"]""", args_py)
@@ -790,6 +790,56 @@ def test_every_flag_is_an_option_of_megatrons_own_parser():
     assert out.returncode == 0, out.stderr[-3000:]
     options = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert len(options) > 500
-    for table in (PRETRAIN_FLAGS, SHARDING_FLAGS, MOE_FLAGS):
+    for table in (PRETRAIN_FLAGS, SHARDING_FLAGS, MOE_FLAGS, CHECKPOINT_FLAGS):
         assert set(table) <= options, sorted(set(table) - options)
     assert not {"--data-parallel-size", "--virtual-pipeline-model-parallel-size"} & options
+
+
+VERIFIED_CHECKPOINT = {"--save", "--save-interval", "--load", "--exit-interval", "--no-load-optim", "--no-load-rng",
+                       "--finetune"}
+
+
+def test_checkpoint_flags_are_the_verified_list_and_the_course_trainers():
+    """Megatron-LM's checkpoint flags (--ckpt-format is in SHARDING_FLAGS) print as the course trainer parses them."""
+    from course_lib.train import parse_args
+
+    assert set(CHECKPOINT_FLAGS) == VERIFIED_CHECKPOINT and not set(CHECKPOINT_FLAGS) & set(SHARDING_FLAGS)
+    for flag, (v016, main) in CHECKPOINT_FLAGS.items():
+        for where in (v016, main):
+            assert where.startswith("megatron/training/"), flag
+            if "Config." in where:
+                assert where.split(" ")[0].rsplit(".", 1)[1] == flag[2:].replace("-", "_"), flag
+    run = MegatronRun(save="ckpt dir/$x", load="ckpt dir/$x", save_interval=50, exit_interval=200,
+                      ckpt_format="torch", no_load_optim=True, no_load_rng=True, finetune=True)
+    cmd = megatron_command(gpu_config(*SEED_SWEEP["D"]), run)
+    flags = _flags(cmd)
+    assert set(flags) - {"--nproc_per_node"} <= set(PRETRAIN_FLAGS) | set(CHECKPOINT_FLAGS) | {"--ckpt-format"}
+    assert set(flags) >= VERIFIED_CHECKPOINT | {"--ckpt-format"} and len(flags) == len(set(flags))
+    given = _arg_dict(cmd)
+    ckpt = [a for flag in [*CHECKPOINT_FLAGS, "--ckpt-format"] for a in (flag, given[flag]) if a is not None]
+    a = parse_args(["--uniform-vocab-padding"] + ckpt)          # the course trainer takes the same flags
+    assert (a.save, a.load, a.save_interval, a.exit_interval, a.ckpt_format) == ("ckpt dir/$x", "ckpt dir/$x", 50,
+                                                                                  200, "torch")
+    assert a.no_load_optim and a.no_load_rng and a.finetune
+    plain = _flags(megatron_command(gpu_config(*SEED_SWEEP["D"]), MegatronRun(save="c", load="c")))
+    assert "--ckpt-format" not in plain                       # Megatron's default torch_dist: not printed
+
+
+def test_checkpoint_flags_follow_megatrons_rules(capsys):
+    fsdp = MegatronRun(sharding="fsdp", save="c")
+    assert _flags(megatron_command(gpu_config(2, 2), fsdp)).count("--ckpt-format") == 1     # fsdp_dtensor, once
+    with pytest.raises(ValueError, match="validate_args asserts --ckpt-format fsdp_dtensor") as err:
+        MegatronRun(sharding="fsdp", ckpt_format="torch_dist")
+    assert "\n" not in str(err.value)
+    for kwargs, message in ((dict(save_interval=10), "save_interval=10 has no folder to save into"),
+                            (dict(finetune=True), "finetune=True says what to load"),
+                            (dict(save="c", exit_interval=0), "exit_interval"),
+                            (dict(save="-c"), "save='-c' starts with '-'"),
+                            (dict(load="a\nb"), "control character")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            MegatronRun(**kwargs)
+    assert _cli(command_mod, ["--config", "D", "--show", "sharding", "--save", "c", "--ckpt-format", "torch_dist"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--ckpt-format torch_dist") == 2 and out.count("--ckpt-format fsdp_dtensor") == 2
+    assert _cli(command_mod, ["--config", "D", "--save", "c", "--load", "c", "--save-interval", "50"]) == 0
+    assert "--save c \\\n    --save-interval 50 \\\n    --load c" in capsys.readouterr().out

@@ -20,12 +20,16 @@ word embedding. Then, per layout:
 * a torch_dist checkpoint crosses both ways, resharded: megatron-core's ``dist_checkpointing.save``
   (TP2 x DP2) loads into the course trainer under PP2 x DP2 (``--finetune``), and the course's save
   (PP2 x DP2) loads by ``dist_checkpointing.load`` into megatron-core's GPTModel under TP2 x DP2 -- the
-  same losses (:mod:`course_lib.training.checkpointing` writes megatron-core's sharded keys and layout).
+  same losses (:mod:`course_lib.training.checkpointing` writes megatron-core's sharded keys and layout);
+  an MoE model's (EP2, every other layer MoE: megatron-core's non-homogeneous layers) has the keys and global
+  shapes of megatron-core's own ``sharded_state_dict`` on that layout, and ``dist_checkpointing.load`` puts
+  the course's experts and routers into megatron-core's ``SequentialMLP`` experts.
 
 One launch, megatron-core imported once (in this process, before the ranks fork). Needs the optional
 extra (``pip install .[megatron]``); skipped with a reason without it.
 """
 
+import re
 import warnings
 
 import pytest
@@ -44,6 +48,8 @@ LAYOUTS = [
 MOE_CASES = [(1, 4, False, "alltoall"), (1, 4, False, "allgather"), (2, 2, True, "alltoall"),
              (2, 2, True, "allgather")]
 MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+# the MoE checkpoint: 4 experts over EP2, layers 0 and 2 MoE (--moe-layer-freq 2), top-2
+MOE_CKPT = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_layer_freq": 2}
 MICRO, GLOBAL, ITERS, LR, SEED = 2, 16, 3, 1e-3, 1234
 TOL = 1e-6          # relative: losses, gradient norms, logits (measured <= 1.9e-7: float32 summation order)
 GRAD_TOL = 3e-6     # relative to the tensor's largest entry: each gradient, the MoE layer (measured <= 8.2e-7)
@@ -273,6 +279,63 @@ def _mcore_load_course_checkpoint(folder, tp: int, sp: bool, iteration: int) -> 
     return loss
 
 
+def _moe_checkpoint_layout(root) -> dict:
+    """The course saves an MoE GPT under EP2 (``MOE_CKPT``); megatron-core's GPTModel of that model on that
+    layout loads it by ``dist_checkpointing.load``. Returns ``{"course": {key: global shape or None (an
+    object)}}`` of the model part of DCP's ``.metadata``, ``"mcore"``: this rank's ``sharded_state_dict`` in
+    the same form (its ``_extra_state`` objects by unique key), and ``"loaded"``: the largest difference
+    between each local expert's (and router's) weights after the load and the course's saved tensor."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from course_lib.model import GPTConfig
+    from course_lib.train import parse_args, pretrain
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in MOE_CKPT.items()] + ["--expert-model-parallel-size", "2"]
+    pretrain(parse_args(_course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root]),
+             print_args=False, record_comm=False)
+    folder = f"{root}/iter_0000001"
+    md = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    out = {"course": {k: tuple(m.size) if hasattr(m, "size") else None for k, m in md.items()
+                      if not k.startswith(("optimizer.", "rng_state."))}, "mcore": {}}
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(SEED)
+    g = GPTConfig(**MODEL, **MOE_CKPT)
+    cfg = _mcore_config(g, 1, 1, False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                        moe_layer_freq=2, expert_model_parallel_size=2)
+    model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                     vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
+                     share_embeddings_and_output_weights=True)
+    sharded = model.sharded_state_dict()
+    for v in sharded.values():
+        if isinstance(v, ShardedTensor):
+            out["mcore"][v.key] = tuple(v.global_shape)
+        elif isinstance(v, ShardedObject):
+            out["mcore"][v.unique_key] = None
+    wanted = {k: v for k, v in sharded.items() if not isinstance(v, ShardedTensor) or v.key in md}  # not biases
+    model.load_state_dict(dist_checkpointing.load(wanted, folder), strict=False)
+    out["loaded"] = 0.0
+    for layer in (0, 2):
+        mlp, prefix = model.decoder.layers[layer].mlp, f"decoder.layers.{layer}.mlp."
+        saved = {prefix + k: torch.empty(md[prefix + k].size)
+                 for k in ("router.weight", "experts.experts.linear_fc1.weight", "experts.experts.linear_fc2.weight")}
+        dcp.load(saved, checkpoint_id=folder, no_dist=True)          # the course's tensors, whole
+        pairs = [(mlp.router.weight, saved[prefix + "router.weight"])]
+        for i, expert in enumerate(mlp.experts.local_experts):
+            e = ps.get_expert_model_parallel_rank() * len(mlp.experts.local_experts) + i
+            pairs += [(expert.linear_fc1.weight, saved[prefix + "experts.experts.linear_fc1.weight"][e]),
+                      (expert.linear_fc2.weight, saved[prefix + "experts.experts.linear_fc2.weight"][e])]
+        out["loaded"] = max([out["loaded"]] + [float((a - b).abs().max()) for a, b in pairs])
+    ps.destroy_model_parallel()
+    return out
+
+
 def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
     """megatron-core's MoELayer and the course's MoEMLP, one set of weights, this rank's tokens
     ``[s/tp (SP), b, h]``: relative errors of the output, the input gradient, router and expert grads."""
@@ -359,6 +422,7 @@ def _rank(layouts, moe_cases, root):
         out["mcore loads course"] = _mcore_load_course_checkpoint(f"{root}/course/iter_{ITERS:07d}", 2, True, ITERS)
         for case in moe_cases:
             out["moe"][case] = _moe_case(*case)
+        out["moe checkpoint"] = _moe_checkpoint_layout(f"{root}/moe")
     return out
 
 
@@ -420,3 +484,22 @@ def test_megatron_core_and_the_course_load_each_others_torch_dist_checkpoints(ra
     for res in ranks:
         assert abs(res["mcore loads course"] - course_4th) <= TOL * course_4th, (res["mcore loads course"], course_4th)
     assert last["course saved"][:ITERS] == last["train"]["PP2 x DP2 (1F1B)"]["course"]["lm_loss"]
+
+
+def test_an_moe_checkpoint_has_megatron_cores_keys_and_loads_into_its_experts(ranks):
+    """The course's save of an MoE GPT under EP2 with layers 0 and 2 MoE: megatron-core keys each layer on its
+    own (``decoder.layers.2.mlp.experts.experts.linear_fc1.weight`` [E, F, H], SequentialMLP's); every key and
+    global shape the course wrote is megatron-core's, every ``_extra_state`` object too, and megatron-core's
+    load puts the course's experts, exactly, into each EP rank's local experts. What only megatron-core has are
+    the experts' and router's biases (this config has ``add_bias_linear``; the course's experts have none, as
+    Megatron's MoE runs use ``--disable-bias-linear``)."""
+    course, mcore = ranks[0]["moe checkpoint"]["course"], {}
+    for res in ranks:
+        mcore.update(res["moe checkpoint"]["mcore"])
+    assert {k: mcore.get(k, "missing") for k in course} == course
+    assert all(re.fullmatch(r"decoder\.layers\.[02]\.mlp\.(experts\.experts\.linear_fc[12]|router)\.bias", k)
+               for k in set(mcore) - set(course)), sorted(set(mcore) - set(course))
+    assert course["decoder.layers.2.mlp.experts.experts.linear_fc1.weight"] == (4, 48, 32)
+    assert "decoder.layers.1.mlp.linear_fc1.weight" in course and "decoder.layers.2.mlp.linear_fc1.weight" not in course
+    assert "decoder.layers.2.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in course
+    assert all(res["moe checkpoint"]["loaded"] == 0.0 for res in ranks), [r["moe checkpoint"]["loaded"] for r in ranks]

@@ -12,12 +12,14 @@ Few launches, many checks each (a launch costs seconds on this machine): every r
   warning, training from scratch; ``--no-load-optim`` and ``--finetune`` load what they say.
 """
 
+import errno
 import os
 import re
 import shutil
 import signal
 
 import pytest
+import torch.distributed.checkpoint  # noqa: F401 -- imported once here: every forked rank inherits it (~1 s each)
 
 from course_lib.__main__ import main as cli
 from course_lib.launch import RankError, launch
@@ -29,6 +31,8 @@ BASE = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64", "
         "--log-interval", "3", "--lr", "3e-3", "--lr-warmup-iters", "2"]
 TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer", "--micro-batch-size", "1"]       # micro 1: DP8 fits the batch of 8
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "96", "--moe-aux-loss-coeff", "1e-2"]
+EP2 = ["--expert-model-parallel-size", "2"]
 RESHARD_TOL = 1e-5
 
 
@@ -82,17 +86,26 @@ def _killed_in_save(root):
 
 
 def _two_ranks(root, dp4):
-    return {"distopt DP2": _train(*DISTOPT, "--load", dp4), "after the kill": _train("--load", f"{root}/killed")}
+    out = {"distopt DP2": _train(*DISTOPT, "--load", dp4), "after the kill": _train("--load", f"{root}/killed")}
+    out["moe straight"] = _train(*MOE, *EP2)
+    out["moe resumed"] = _save_then_resume(MOE + EP2, f"{root}/moe", "torch_dist")
+    return out
 
 
 def _one_rank(root):
-    out = {"one process": _train("--load", f"{root}/dist")}
+    out = {"one process": _train("--load", f"{root}/dist"), "moe one process": _train(*MOE, "--load", f"{root}/moe")}
     out["no-load-optim"] = _train("--load", f"{root}/dist", "--no-load-optim")
     out["finetune"] = _train("--load", f"{root}/dist", "--finetune", "--save", f"{root}/resumed")   # over iter 6
     out["empty"] = _train("--load", f"{root}/empty", "--exit-interval", 1)
     for case in ("truncated", "tracker", "common"):
         out[case] = _error("--load", f"{root}/{case}")
     out["another model"] = _error("--load", f"{root}/dist", "--hidden-size", 128)
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    os.fsync = full_disk                  # every write of the save at iteration 6 fails
+    out["full disk"] = _error("--load", f"{root}/full", "--save", f"{root}/full")
     return out
 
 
@@ -108,7 +121,7 @@ def runs(tmp_path_factory):
     res["killed tracker"] = (root / "killed" / "latest_checkpointed_iteration.txt").read_text()
     res["8"] = launch(_eight_ranks, world_size=8, output="none", timeout=300, root=str(root), dp4=dp4)
     res["2"] = launch(_two_ranks, world_size=2, output="none", timeout=240, root=str(root), dp4=dp4)
-    for case in ("truncated", "tracker", "common"):
+    for case in ("truncated", "tracker", "common", "full"):
         shutil.copytree(root / "dist", root / case)
     damaged = root / "truncated" / "iter_0000003" / "__3_0.distcp"
     os.truncate(damaged, damaged.stat().st_size // 2)
@@ -159,6 +172,27 @@ def test_torch_dist_reshards_to_other_layouts_and_dp_sizes(runs):
     assert "--ckpt-format torch_dist" in message and "\n" not in message
 
 
+def test_moe_experts_are_sharded_over_ep_with_global_offsets_and_reshard(runs):
+    """EP2 on 2 ranks (expert DP1): each rank writes its 2 of the 4 experts of each layer as a chunk of
+    megatron-core's [L, E, F, H]; the resume is exact, and one process loads all 4 experts and continues
+    with the EP2 run's losses."""
+    from course_lib.training.checkpoint_inspect import describe_checkpoint, holders
+
+    two, one = runs["2"][-1], runs["1"][0]
+    assert two["moe resumed"] == two["moe straight"][3:]
+    assert max(abs(a - b) for a, b in zip(one["moe one process"], two["moe straight"][3:])) < RESHARD_TOL
+    d = describe_checkpoint(runs["root"] / "moe")
+    assert (d["layout"]["ep"], d["layout"]["expert_tp"]) == (2, 1)
+    tensors = {t["key"]: t for t in d["tensors"]}
+    for name, shape in (("linear_fc1", [4, 4, 96, 64]), ("linear_fc2", [4, 4, 64, 96])):
+        for prefix in ("", "optimizer.state.exp_avg."):
+            t = tensors[f"{prefix}decoder.layers.mlp.experts.experts.{name}.weight"]
+            mine = {r: [(layer, 2 * r, 0, 0) for layer in range(4)] for r in (0, 1)}
+            assert t["shape"] == shape and [c[:2] for c in t["chunks"]] == sorted((r, o) for r in mine for o in mine[r])
+            assert {r: [h[0] for h in v] for r, v in holders(d["layout"], t).items()} == mine
+    assert len(tensors["decoder.layers.mlp.router.weight"]["chunks"]) == 4           # replicated: once a layer
+
+
 def test_a_save_killed_before_its_rename_leaves_the_previous_checkpoint(runs):
     assert runs["killed"].exc_type == "ProcessDied" and runs["killed"].rank == 0
     assert runs["killed tracker"] == "2"
@@ -173,12 +207,18 @@ def test_faults_and_partial_loads_say_what_happened(runs):
     assert "WARNING: could not find the metadata file" in printed
     assert "will not load any checkpoints and will start from random" in printed
     assert abs(one["empty"][0] - straight[0]) < RESHARD_TOL and len(one["empty"]) == 1
-    messages = {k: one[k] for k in ("truncated", "tracker", "common", "another model")}
+    messages = {k: one[k] for k in ("truncated", "tracker", "common", "another model", "full disk")}
     assert all(m is not None and "\n" not in m for m in messages.values()), messages
     assert "__3_0.distcp is truncated" in messages["truncated"]
     assert "latest_checkpointed_iteration.txt should hold an iteration number" in messages["tracker"]
     assert "common.pt cannot be read" in messages["common"]
     assert "hidden_size=64" in messages["another model"] and "hidden_size=128" in messages["another model"]
+    assert "saving checkpoint at iteration 6" in messages["full disk"] and "No space left on device" in messages[
+        "full disk"] and "the previous checkpoint and latest_checkpointed_iteration.txt are unchanged" in messages[
+        "full disk"]
+    full = runs["root"] / "full"
+    assert (full / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert sorted(p.name for p in full.iterdir()) == ["iter_0000002", "iter_0000003", "latest_checkpointed_iteration.txt"]
     # --no-load-optim: iteration 4's loss is the model's (before any step), then fresh Adam moments differ
     assert abs(one["no-load-optim"][0] - straight[3]) < RESHARD_TOL
     assert abs(one["no-load-optim"][1] - straight[4]) > 1e-4
@@ -205,11 +245,54 @@ def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, cap
     assert cli(["checkpoint", "inspect", str(runs["root"] / "empty")]) == 2
 
 
+def test_inspect_draws_the_slice_map_of_what_each_rank_holds_and_writes(runs, tmp_path, capsys, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from PIL import Image
+
+    from course_lib.training import checkpoint_inspect
+    from course_lib.training.checkpoint_inspect import describe_checkpoint, holders, slice_map_figure
+
+    d = describe_checkpoint(runs["root"] / "dist")
+    tensors = {t["key"]: t for t in d["tensors"]}
+    fc1 = tensors["decoder.layers.mlp.linear_fc1.weight"]     # [4 layers, 256, 64]
+    held = holders(d["layout"], fc1)                      # TP2 x PP2 x DP2: stage 0 is ranks 0-3, DP pairs (0, 2), (1, 3)
+    assert sorted(held) == list(range(8)) and {c[0] for c in fc1["chunks"]} <= set(range(8))
+    assert all({o[0] for o, _, _ in held[r]} == ({0, 1} if r < 4 else {2, 3}) for r in range(8))   # a stage's layers
+    assert held[0] == [(c[1], c[2], c[0]) for c in fc1["chunks"] if c[1][1:] == (0, 0) and c[1][0] < 2]
+    assert held[0] == held[2] and held[0][0][2] in (0, 2)              # DP replicas: one of them wrote it
+    assert held[0][0][:2] == ((0, 0, 0), (1, 128, 64))
+    norm = holders(d["layout"], tensors["decoder.layers.self_attention.linear_qkv.layer_norm_weight"])
+    assert sorted(norm) == list(range(8)) and len({h[0][2] for r, h in norm.items() if r < 4}) == 1  # layer 0: 1 writer
+    fig = slice_map_figure(d, r"^decoder\.layers\.mlp\.linear_fc1\.weight$")
+    patches = [p for p in fig.axes[0].patches if p.get_fill() and p.get_alpha() is not None]
+    solid = [p for p in patches if p.get_alpha() == 1.0]
+    assert len(solid) == 8 and len(patches) == 16          # 4 layers x 2 chunks written once, held twice
+    out = tmp_path / "map.png"
+    argv = ["checkpoint", "inspect", str(runs["root"] / "dist"), "--out", str(out), "--tensors", "linear_fc1"]
+    assert cli(argv) == 0 and Image.open(out).size[0] > 500
+    assert "wrote" in capsys.readouterr().err
+    assert cli(argv) == 2 and "already exists; pass --force" in capsys.readouterr().err
+    assert cli(argv + ["--force"]) == 0 and cli(argv[:-2] + ["--force", "--out", str(tmp_path / "m.svg")]) == 0
+    assert (tmp_path / "m.svg").read_bytes().startswith(b"<?xml")
+    capsys.readouterr()
+    monkeypatch.setattr(checkpoint_inspect, "MAP_MAX_TENSORS", 40)     # the 48 tensors (16 keys x model, Adam)
+    for extra, message in ((["--out", str(tmp_path / "m.jpg")], "the slice map is written as .svg, .png, .pdf"),
+                           (["--out", str(tmp_path / "x.png"), "--tensors", "("], "is not a regular expression"),
+                           (["--out", str(tmp_path / "x.png"), "--tensors", "nothing"], "matches none of the"),
+                           (["--out", str(tmp_path / "x.png"), "--tensors", "."], "matches 48 tensors")):
+        assert cli(["checkpoint", "inspect", str(runs["root"] / "dist"), *extra]) == 2
+        assert message in capsys.readouterr().err, message
+    assert cli(["checkpoint", "inspect", str(runs["root"] / "legacy"), "--out", str(tmp_path / "l.png")]) == 2
+    assert "legacy torch checkpoint" in capsys.readouterr().err and not (tmp_path / "l.png").exists()
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--save-interval", "2"], "save_interval=2 has no folder to save into; add --save DIR"),
     (["--finetune"], "finetune=True says what to load, but there is no --load"),
     (["--save", "/proc/x"], "--save /proc/x"),
-    (["--save", "{tmp}", "--num-experts", "2"], "num_experts=2 with --save/--load"),
+    (["--save", "{tmp}", "--num-experts", "2", "--ckpt-format", "torch"], "num_experts=2 with --ckpt-format torch"),
     (["--save", "{tmp}", "--exit-interval", "0"], "exit_interval"),
     (["--save", "{tmp}", "--ckpt-format", "fsdp_dtensor"], "the course writes its checkpoints as torch_dist or torch"),
 ])

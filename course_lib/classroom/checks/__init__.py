@@ -19,6 +19,7 @@ module                      exercises                                           
 ``sizing``                  the parameter count of Eq. 2, model states per GPU                        06
 ``zero_stages``             ZeRO's bytes per rank by stage, what a ds_config shards                   07
 ``moe``                     the expert groups, the all-to-all dispatch, the aux loss                  08
+``checkpoints``             a TP layer's sharded state dict on ranks, the read plan of a reshard      09
 ==========================  =======================================================================  ========
 
 Every checker prints one verdict line and never raises: when the student's
