@@ -101,8 +101,9 @@ def import_deepspeed():
 
 def build_ops() -> list[str]:
     """Build (once; cached in ``<venv>/torch_extensions``, see :func:`import_deepspeed`) the C++ ops
-    DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op,
-    and ``async_io`` (NVMe offload) where libaio's headers are installed. ``make setup`` runs this, so that no run or test pays the build.
+    DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op, the
+    pinned-memory op (offload's host buffers), and ``async_io`` (NVMe offload) where libaio's headers are
+    installed. ``make setup`` runs this, so that no run or test pays the build.
     Returns the names built or found."""
     import shutil
 
@@ -113,7 +114,7 @@ def build_ops() -> list[str]:
     from deepspeed.accelerator import get_accelerator
 
     built = []
-    for name in ("ShareMemCommBuilder", "AsyncIOBuilder"):
+    for name in ("ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder"):
         builder = get_accelerator().create_op_builder(name)
         if builder is not None and builder.is_compatible(verbose=False):
             builder.load(verbose=False)
