@@ -138,7 +138,7 @@ WRONG_ZERO1 = [
     (zero1_summed, "*sum*"),
     (zero1_fresh_state, "forgot the first one's Adam moments"),
     (zero1_no_padding, "pad the flat buffers with zeros to 30"),
-    (zero1_full_state, "your `state` holds"),
+    (zero1_full_state, "carried your *gradient* shard"),
     (zero1_flat, "you returned the flat buffer"),
     (zero1_todo, "not attempted yet: write zero1_step"),
 ]
