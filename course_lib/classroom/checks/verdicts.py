@@ -375,8 +375,10 @@ def _is_checker_code(code) -> bool:
 
 
 def _signature(code) -> tuple:
-    """What a copy of a function keeps (``exec`` of its source, a reloaded module): name, bytecode, names."""
-    return code.co_name, code.co_code, code.co_names, code.co_argcount
+    """What a copy of a function keeps (``exec`` of its source, a reloaded module): its name, arguments,
+    local variables and the global and attribute names it uses (the bytecode itself can differ: an ``exec``
+    without the module's ``from __future__ import annotations`` compiles other instructions)."""
+    return code.co_name, code.co_argcount, code.co_varnames, code.co_names
 
 
 def _nested_codes(code, into: set) -> None:
@@ -473,7 +475,7 @@ def portable(value):
     return f"a {type(value).__name__} ({safe_repr(value, 50)})"
 
 
-def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False) -> dict:
+def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
     """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
 
     Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
@@ -481,7 +483,9 @@ def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False)
     :class:`~course_lib.comm.CommEvent` list), ``carried`` (what each event sent, see
     :class:`~course_lib.classroom.checks.wire.WireRecorder`), ``patched`` (library names it replaced,
     undone) and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also
-    ``largest`` and ``largest_op``: the largest tensor the call computed (:func:`largest_tensor`)."""
+    ``largest`` and ``largest_op``: the largest tensor the call computed (:func:`largest_tensor`); with
+    ``raw``, also ``raw``: the returned object itself, for checks on the rank (pop it before returning
+    the dict from the rank: it may not pickle)."""
     with wire_recorder() as rec, (largest_tensor() if measure else contextlib.nullcontext()) as seen:
         run = run_student(fn, *args, references=references)
     if run.error is not None:
@@ -490,6 +494,8 @@ def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False)
                course_code=run.course_code)
     if measure:
         out.update(largest=seen.largest, largest_op=seen.op)
+    if raw:
+        out["raw"] = run.value
     return out
 
 

@@ -381,9 +381,15 @@ class _LargestTensor(TorchDispatchMode):
 @contextlib.contextmanager
 def largest_tensor():
     """``with largest_tensor() as seen:`` -> ``seen.largest`` (elements) and ``seen.op`` (e.g. ``"cat"``):
-    the largest tensor a torch op produced inside the block -- what the code held at its peak, op by op."""
+    the largest tensor a torch op produced inside the block -- what the code held at its peak, op by op.
+
+    The first dispatch mode of a process imports ``torch._dynamo``, which rewraps ``torch.manual_seed``: an
+    op run here, before the block, keeps that import out of the student's call (where it would read as a
+    patch). Enter it once in the launching process, before the fork, and no rank pays for the import."""
     mode = _LargestTensor()
     with mode:
+        torch.zeros(1).add_(1)
+        mode.largest, mode.op = 0, None
         yield mode
 
 
