@@ -155,38 +155,47 @@ def test_padded():
     assert [padded(29, d) for d in (1, 2, 3, 4)] == [29, 30, 30, 32] and NUMEL == 29
 
 
-# ------------------------------------------------------------------ (b) bytes per rank
+# ------------------------------------------------------------------ (b) bytes per rank, part by part
 
 
 def bytes_right(num_params, dp, stage):
-    weights = 2 * num_params / (dp if stage == 3 else 1)
-    grads = 2 * num_params / (dp if stage >= 2 else 1)
-    return weights + grads + 12 * num_params / (dp if stage >= 1 else 1)
+    return {"params": 2 * num_params / (dp if stage == 3 else 1),
+            "grads": 2 * num_params / (dp if stage >= 2 else 1),
+            "optimizer": 12 * num_params / (dp if stage >= 1 else 1)}
 
 
-def bytes_right_numpy(num_params, dp, stage):
+def bytes_right_numpy_tuple(num_params, dp, stage):       # a triple of numpy numbers, the sharding as a mask
     import numpy as np
     per = np.array([2.0, 2.0, 12.0])
-    div = np.array([dp if stage >= 3 else 1, dp if stage >= 2 else 1, dp if stage >= 1 else 1])
-    return np.float64(num_params) * (per / div).sum()
+    sharded = np.array([stage >= 3, stage >= 2, stage >= 1])
+    return tuple(np.float64(num_params) * per / np.where(sharded, dp, 1))
 
 
 def test_zero_bytes_right_answers_and_zero_figure_1(capsys):
-    assert zero_stages.check_zero_bytes(bytes_right) and zero_stages.check_zero_bytes(bytes_right_numpy)
+    assert zero_stages.check_zero_bytes(bytes_right) and zero_stages.check_zero_bytes(bytes_right_numpy_tuple)
+    assert capsys.readouterr().out.count("✓") == 2
     # ZeRO Figure 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB (computed independently here)
-    assert [round(bytes_right(7.5e9, 64, s) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    assert [round(sum(bytes_right(7.5e9, 64, s).values()) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+def _with(part, fn):
+    """bytes_right with one part replaced by ``fn(n, dp, stage)``."""
+    return lambda n, dp, s: {**bytes_right(n, dp, s), part: fn(n, dp, s)}
 
 
 WRONG_BYTES = [
-    (lambda n, dp, s: bytes_right(n, dp, min(s + 1, 3)), "stage"),
-    (lambda n, dp, s: bytes_right(n, dp, s) + 2 * n / (dp if s >= 1 else 1), "Megatron's optimizer bytes"),
-    (lambda n, dp, s: bytes_right(n, dp, s) / 1e9, "return bytes, not GB"),
-    (lambda n, dp, s: 16 * n / dp, "stage 3's count"),
-    (lambda n, dp, s: 16 * n, "stage 0's count"),
-    (lambda n, dp, s: 17 * n, "(2 + 2 + K) bytes per parameter"),
-    (lambda n, dp, s: bytes_right(n, dp, s) * dp, "whole data-parallel group"),
+    (_with("optimizer", lambda n, dp, s: 8 * n / (dp if s >= 1 else 1)), "forgets the fp32 master copy"),
+    (_with("optimizer", lambda n, dp, s: 14 * n / (dp if s >= 1 else 1)), "Megatron's bf16 count"),
+    (_with("optimizer", lambda n, dp, s: 4 * n / (dp if s >= 1 else 1)), "only the fp32 master copy"),
+    (_with("grads", lambda n, dp, s: 2 * n / dp), "keeps whole the grads"),          # sharded from stage 0
+    (_with("params", lambda n, dp, s: 2 * n), "shards the params"),                   # stage 3 kept them whole
+    (_with("params", lambda n, dp, s: 4 * n / (dp if s == 3 else 1)), "16-bit in mixed precision"),
+    (lambda n, dp, s: {k: v / 1e9 for k, v in bytes_right(n, dp, s).items()}, "return bytes, not GB"),
+    (lambda n, dp, s: {k: v * dp for k, v in bytes_right(n, dp, s).items()}, "whole data-parallel group"),
+    (lambda n, dp, s: sum(bytes_right(n, dp, s).values()), "return the three parts"),
+    (lambda n, dp, s: {"params": 1.0, "grads": 2.0}, "return the three parts"),
+    (lambda n, dp, s: {**bytes_right(n, dp, s), "params": "2 GB"}, "return a number, not its text"),
     (lambda n, dp, s: (_ for _ in ()).throw(NotImplementedError), "not attempted yet"),
-    (lambda n, dp, s: "120 GB", "return a number, not its text"),
 ]
 
 
@@ -199,9 +208,9 @@ def test_zero_bytes_wrong_answers(capsys, fn, hint):
 
 def test_bytes_hints_name_the_mistake():
     n, dp = 1e6, 8
-    assert "stage 1's count" in zero_stages._bytes_hint(model_state_bytes(n, dp, 1).total, n, dp, 2)
-    assert "whole data-parallel group" in zero_stages._bytes_hint(model_state_bytes(n, dp, 2).total * dp, n, dp, 2)
-    assert "GiB" in zero_stages._bytes_hint(model_state_bytes(n, dp, 2).total / 2 ** 30, n, dp, 2)
+    assert "K = 8" in zero_stages._part_hint("optimizer", 8 * n / dp, n, dp, 1)
+    assert "whole data-parallel group" in zero_stages._part_hint("params", 2 * n * dp, n, dp, 2)
+    assert "GiB" in zero_stages._part_hint("params", 2 * n / 2 ** 30, n, dp, 2)
 
 
 # ------------------------------------------------------------------ (c) what a ds_config shards

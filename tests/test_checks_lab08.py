@@ -57,10 +57,18 @@ def right_groups_tuple_tensor(rank, layout):
 
 def ep_in_dense_grid(rank, layout):                # the pre-folding picture: dense DP divided by EP
     world, tp, pp, cp, ep = (layout[k] for k in ("world_size", "tp", "pp", "cp", "ep"))
-    order = ("tp", "cp", "ep", "dp", "pp")
-    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": world // (tp * cp * ep * pp), "pp": pp}
-    pick = lambda token: next(g for g in rank_groups(order, sizes, token) if rank in g)  # noqa: E731
-    return {"ep": pick("ep"), "expert_dp": pick("dp")}
+    sizes = [("tp", tp), ("cp", cp), ("ep", ep), ("dp", world // (tp * cp * ep * pp)), ("pp", pp)]
+    coord, rest = {}, rank
+    for axis, n in sizes:
+        coord[axis], rest = rest % n, rest // n
+
+    def number(**change):
+        c, out, stride = dict(coord, **change), 0, 1
+        for axis, n in sizes:
+            out, stride = out + c[axis] * stride, stride * n
+        return out
+
+    return {"ep": [number(ep=i) for i in range(ep)], "expert_dp": [number(dp=i) for i in range(dict(sizes)["dp"])]}
 
 
 def dense_dp_for_expert_dp(rank, layout):          # the dense DP (with CP): same tp and pp coordinate
@@ -87,6 +95,8 @@ GROUP_WRONG = [
     (lambda r, lay: [0], "exactly the keys 'ep' and 'expert_dp'"),
     (lambda r, lay: {"ep": [], "expert_dp": []}, "is missing"),
     (course_grid, "the course's own"),
+    (lambda r, lay: ep_in_dense_grid(r, lay) if rank_groups(("tp",), {"tp": 1}, "tp") else None,
+     "the course's own course_lib.topology.grid.rank_groups"),
 ]
 
 

@@ -84,7 +84,7 @@ def layout_course(world, tp, pp, cp, micro, gbs):
     (lambda *a: "2, 8", False, "return a pair (dp, num_microbatches)"),
     (lambda *a: (Weird(), Weird()), False, "return two numbers"),
     (layout_never_raises, False, "Megatron refuses it: raise ValueError"),
-    (layout_course, False, "the course's own course_lib.topology.config.ParallelConfig"),
+    (layout_course, False, "the course's own course_lib.topology.ParallelConfig"),
     (_todo, False, "not attempted yet: write derive_layout"),
 ])
 def test_check_layout(fn, ok, text, capsys):

@@ -39,27 +39,38 @@ cells. The robust comparisons and the communication checks are in
 """
 
 
-def try_student(fn, *args):
-    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised or patched the library
-    (a :class:`~course_lib.classroom.checks.verdicts.LibraryPatched`; the patch is undone)."""
+def try_student(fn, *args, references=()):
+    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised, patched the library (a
+    :class:`~course_lib.classroom.checks.verdicts.LibraryPatched`; the patch is undone) or ran the course's
+    own code (``references``, and any checker function: a ``LibraryPatched`` naming it too)."""
     from course_lib.classroom.checks.verdicts import LibraryPatched, run_student
 
-    run = run_student(fn, *args)
+    run = run_student(fn, *args, references=references)
     if run.error is not None:
         return None, run.error
-    if run.patched:
+    if run.patched or run.course_code:
         return None, LibraryPatched(run.problem())
     return run.value, None
 
 
-def call_student(fn, *args):
+def call_student(fn, *args, references=()):
     """``(value, None)``, or ``(None, message)`` when ``fn`` raised; ``NotImplementedError`` -> ``(None, "todo")``."""
-    value, exc = try_student(fn, *args)
+    value, exc = try_student(fn, *args, references=references)
     if exc is None:
         return value, None
     if isinstance(exc, NotImplementedError):
         return None, "todo"
     return None, f"{type(exc).__name__}: {exc}"
+
+
+def refused_call(message) -> bool:
+    """Print the verdict when a :func:`call_student` message says the call patched the library or ran the
+    course's own code (nothing about the value can help then); True when printed."""
+    prefix = "LibraryPatched: "
+    if isinstance(message, str) and message.startswith(prefix):
+        print(f"✗ {message[len(prefix):]}")
+        return True
+    return False
 
 
 def outcome(value, message) -> str:

@@ -30,8 +30,7 @@ from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                                   largest_tensor, point_to_point_only, refused_collective, safe_repr,
                                                   secret_generator, student_on_rank)
-from course_lib.context_parallel import zigzag
-from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention
+from course_lib.context_parallel.ring import attention_block
 from course_lib.context_parallel.work import score_elements
 from course_lib.launch import LaunchTimeout, RankError
 

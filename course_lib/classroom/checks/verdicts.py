@@ -413,7 +413,9 @@ def _watch_code(references, handed_over=frozenset()) -> Iterable[list]:
     watched = {}
     for ref in references:
         watched.update(_code_objects(ref))
-    copies = {_signature(code): name for code, name in watched.items()}
+    # Copies are recognised only for code that says something: a one-line ``return grad, None`` written
+    # by a student is the same code as the course's, and no copy.
+    copies = {_signature(code): name for code, name in watched.items() if len(set(code.co_names)) >= 4}
     names = {code.co_name for code in watched}
     verdicts: dict = {}
     seen: list[str] = []
