@@ -19,7 +19,25 @@ module                      exercises                                           
 ``sizing``                  the parameter count of Eq. 2, model states per GPU                        06
 ``zero_stages``             ZeRO's bytes per rank by stage, what a ds_config shards                   07
 ``moe``                     the expert groups, the all-to-all dispatch, the aux loss                  08
+``review``                  the student's answers to the review questions                             07, 08
 ==========================  =======================================================================  ========
+
+One proof mechanism serves them all:
+
+* **The course's own answer is refused, however wrapped.** :mod:`~course_lib.classroom.checks.references`
+  names, for every exercise, the course code that computes its answer; :func:`call_student`,
+  :func:`checked_call` and :func:`~course_lib.classroom.checks.verdicts.run_student` refuse it when
+  it runs inside the student's call (directly, through a wrapper or a partial, or as a copy of its
+  code), and refuse every function of the checker modules themselves (their truth tables, their
+  input generators) the same way.
+* **Where the lesson is an algorithm on ranks, it is proven by the wire.** The checked process
+  group (:mod:`~course_lib.classroom.checks.wire`) records every op and *what it carried*; each
+  rank's inputs are drawn from ``os.urandom`` on that rank, so no rank can rebuild another's and
+  the right numbers need the real exchange; the truth is computed after the student's function
+  returned, by the checker's own collectives; and where the lesson is blockwise compute (ring
+  attention) the largest tensor the rank built is measured too.
+* **Where the lesson is a formula, it asks for the parts** (ZeRO's bytes as params / grads /
+  optimizer), so a confusion shows in the part it is in.
 
 Every checker prints one verdict line and never raises: when the student's
 function still raises ``NotImplementedError`` it prints "not attempted yet",
@@ -46,10 +64,10 @@ def try_student(fn, *args, references=()):
     from course_lib.classroom.checks.verdicts import LibraryPatched, run_student
 
     run = run_student(fn, *args, references=references)
-    if run.error is not None:
-        return None, run.error
     if run.patched or run.course_code:
         return None, LibraryPatched(run.problem())
+    if run.error is not None:
+        return None, run.error
     return run.value, None
 
 

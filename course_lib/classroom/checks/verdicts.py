@@ -263,15 +263,15 @@ class StudentRun:
         return isinstance(self.error, NotImplementedError)
 
     def problem(self) -> str | None:
-        """One line saying what is wrong with the *call* (not the value): an exception, a patch,
-        the course's own code; None when the call was clean."""
-        if self.error is not None:
-            return f"raised {type(self.error).__name__}: {self.error}"
+        """One line saying what is wrong with the *call* (not the value): a patch, the course's own code
+        (even when it then raised: that is what to change), an exception; None when the call was clean."""
         if self.patched:
             return (f"it replaced {', '.join(self.patched[:3])} (undone by the checker): an exercise's "
                     f"function must compute its answer, not change the library")
         if self.course_code:
             return course_code_hint(self.course_code[0])
+        if self.error is not None:
+            return f"raised {type(self.error).__name__}: {self.error}"
         return None
 
 
