@@ -27,8 +27,10 @@ def _unflat(flat, like):
     return out
 
 
-def zero1_torch_optim(params, grads, dp_group, state):
-    """Right: torch.optim.Adam on a shard, tensor collectives."""
+def zero1_torch_optim(params, grads, dp_group, state, optimizer_in=None):
+    """Right: torch.optim.Adam on a shard, tensor collectives. (``optimizer_in``: where the optimizer is
+    kept, `state` unless told otherwise.)"""
+    keep = state if optimizer_in is None else optimizer_in
     d, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     n = sum(p.numel() for p in params)
     size = -(-n // d)
@@ -38,9 +40,9 @@ def zero1_torch_optim(params, grads, dp_group, state):
     if "main" not in state:
         flat_p = torch.nn.functional.pad(_flat(params), (0, size * d - n))
         state["main"] = torch.nn.Parameter(flat_p[r * size:(r + 1) * size].clone())
-        state["opt"] = torch.optim.Adam([state["main"]], **ADAM)
+        keep["opt"] = torch.optim.Adam([state["main"]], **ADAM)
     state["main"].grad = g / d
-    state["opt"].step()
+    keep["opt"].step()
     full = torch.empty(size * d, dtype=flat_g.dtype)
     dist.all_gather_into_tensor(full, state["main"].detach(), group=dp_group)
     return _unflat(full[:n], params)
@@ -126,6 +128,46 @@ def zero1_todo(params, grads, dp_group, state):
     raise NotImplementedError
 
 
+_OUTSIDE = {}   # per process: each forked rank has its own copy
+
+
+def zero1_moments_outside_state(params, grads, dp_group, state):
+    """The right traffic and numbers, but Adam (and its moments) kept in a global: `state` holds only the shard."""
+    return zero1_torch_optim(params, grads, dp_group, state, optimizer_in=_OUTSIDE)
+
+
+def zero1_rebuilt_from_seed(params, grads, dp_group, state):
+    """Every replica's gradients rebuilt from the seed the checker once drew them from; dummy collectives."""
+    d = dist.get_world_size(dp_group)
+    gen = torch.Generator().manual_seed(23)
+    shapes = [tuple(p.shape) for p in params]
+    for s_ in shapes:
+        torch.randn(s_, generator=gen, dtype=torch.float64)
+    step = state.get("step", 0)
+    every = [[[1e-3 * torch.randn(s_, generator=gen, dtype=torch.float64) for s_ in shapes] for _ in range(d)]
+             for _ in range(2)]
+    mean = _flat([sum(every[step][k][i] for k in range(d)) / d for i in range(len(shapes))])
+    if "p" not in state:
+        state["p"] = torch.nn.Parameter(_flat(params).clone())
+        state["opt"] = torch.optim.Adam([state["p"]], **ADAM)
+    state["step"] = step + 1
+    state["p"].grad = mean
+    state["opt"].step()
+    n = mean.numel()
+    size = -(-n // d)
+    dist.reduce_scatter_tensor(torch.empty(size, dtype=mean.dtype), torch.zeros(size * d, dtype=mean.dtype),
+                               group=dp_group)
+    dist.all_gather_into_tensor(torch.empty(size * d, dtype=mean.dtype), torch.zeros(size, dtype=mean.dtype),
+                                group=dp_group)
+    return _unflat(state["p"].detach(), params)
+
+
+def zero1_via_checker_reference(params, grads, dp_group, state):
+    from course_lib.classroom.checks.distributed_optimizer import _adam_steps
+    _adam_steps(params, [grads])
+    return zero1_torch_optim(params, grads, dp_group, state)
+
+
 def test_zero1_right_answers_pass(capsys):
     assert check_zero1_step(zero1_torch_optim, world_sizes=(2, 4))
     assert check_zero1_step(zero1_by_hand, world_sizes=(4,))
@@ -141,6 +183,9 @@ WRONG_ZERO1 = [
     (zero1_full_state, "carried your *gradient* shard"),
     (zero1_flat, "you returned the flat buffer"),
     (zero1_todo, "not attempted yet: write zero1_step"),
+    (zero1_moments_outside_state, "`state` does not hold Adam's two moments of your shard"),
+    (zero1_rebuilt_from_seed, "differ from two single-process Adam steps"),
+    (zero1_via_checker_reference, "the course's own course_lib.classroom.checks.distributed_optimizer._adam_steps"),
 ]
 
 

@@ -174,7 +174,61 @@ def dispatch_wrong_counts(rows, tokens_per_expert, group):   # right rows, count
     return received, tokens_per_expert.view(ep, -1)
 
 
+def dispatch_no_counts_exchange(rows, tokens_per_expert, group):   # expects back what it sends: a rank aborts
+    ep = dist.get_world_size(group)
+    splits = _splits(tokens_per_expert, ep)
+    received = rows.new_empty(rows.shape[0], rows.shape[1])
+    dist.all_to_all_single(received, rows, output_split_sizes=splits, input_split_sizes=splits, group=group)
+    return received, tokens_per_expert.view(ep, -1)
+
+
+def dispatch_list_form(rows, tokens_per_expert, group):            # gloo's list form: equal sizes only
+    ep = dist.get_world_size(group)
+    counts = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(counts, tokens_per_expert, group=group)
+    counts = counts.view(ep, -1)
+    outs = [rows.new_empty(int(c), rows.shape[1]) for c in counts.sum(1)]
+    dist.all_to_all(outs, list(rows.split(_splits(tokens_per_expert, ep))), group=group)
+    return torch.cat(outs), counts
+
+
+def dispatch_rebuilt_from_seeds(rows, tokens_per_expert, group):   # the peers' rows rebuilt, a dummy all-to-all
+    from course_lib.moe.layer import make_master_weights
+    from course_lib.moe.router import route
+
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    members = dist.get_process_group_ranks(group)
+    L = tokens_per_expert.numel() // ep
+    router = make_master_weights(8, 8, 16, seed=8)["router"]
+    mine, counts = [], []
+    for src in members:
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(100 + src))
+        _, idx, _ = route(x, router, 2)
+        tpe = torch.bincount(idx.flatten(), minlength=8)
+        sorted_rows = x[torch.argsort(idx.flatten(), stable=True) // 2]
+        start = int(tpe[:me * L].sum())
+        mine.append(sorted_rows[start:start + int(tpe[me * L:(me + 1) * L].sum())])
+        counts.append(tpe[me * L:(me + 1) * L])
+    dummy = torch.empty_like(rows)
+    dist.all_to_all_single(dummy, torch.zeros_like(rows), group=group) if rows.shape[0] % ep == 0 else None
+    return torch.cat(mine), torch.stack(counts)
+
+
+def dispatch_via_course_all_to_all(rows, tokens_per_expert, group):
+    from course_lib.moe.mappings import all_to_all_uneven
+
+    ep = dist.get_world_size(group)
+    counts = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(counts, tokens_per_expert, group=group)
+    counts = counts.view(ep, -1)
+    return all_to_all_uneven(rows, group, counts.sum(1).tolist(), _splits(tokens_per_expert, ep)), counts
+
+
 DISPATCH_WRONG = [
+    (dispatch_no_counts_exchange, "exchange the counts first"),
+    (dispatch_list_form, "equal-sized tensors only"),
+    (dispatch_rebuilt_from_seeds, "received"),
+    (dispatch_via_course_all_to_all, "the course's own course_lib.moe.mappings.all_to_all_uneven"),
     (not_yet, "not attempted yet"),
     (dispatch_all_gather, "allgather dispatcher"),
     (dispatch_everything, "you received every row of every rank"),
