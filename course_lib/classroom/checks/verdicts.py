@@ -21,9 +21,13 @@ Running the student's code
     ``torch.distributed`` and every loaded ``course_lib`` module, methods of
     their classes, of ``torch.Tensor`` and ``torch.nn.Module``) and reports what it
     changed (:class:`StudentRun`), so a patch can neither fool the checker nor
-    leak into later cells. With ``references=`` it also reports which of the
+    leak into later cells. With ``references=`` (an exercise's entry of
+    :mod:`course_lib.classroom.checks.references`) it also reports which of the
     course's own implementations ran inside the call (a profile hook on their
-    code objects: aliases, ``getattr`` or wrappers do not hide them).
+    code objects: aliases, ``getattr``, wrappers, partials do not hide them, nor does
+    an ``exec`` of their source: a copy is known by its name, arguments and names used),
+    and -- always -- any function of a checker module the student's code called (its
+    truth tables, its input generators), except what the checker handed over.
     :func:`course_function` recognises a function that *is* (or wraps, or
     partially applies) one from ``course_lib``; :func:`course_code_hint` words
     the verdict. :func:`student_on_rank` is :func:`run_student` inside a rank of
