@@ -1,4 +1,4 @@
-"""Student answers to Lab 00's exercises for tests/test_checks_lab00.py: right ones written
+"""Student answers to Lab 00's exercises for tests/classroom/checks/test_lab00_checks.py: right ones written
 differently, and wrong ones (each a mistake a student makes, or a right sum the wrong way).
 
 They run on ranks (under the checkers), so they live in an importable module.

@@ -12,7 +12,7 @@ bytecode under the same name).
 The table names what a *student* could call instead of the algorithm; pieces the labs hand out
 as building blocks stay allowed (``attention_block`` in the ring, the student's own ``merge``,
 ``torch.optim.Adam`` in ZeRO-1). Entries are ``"module:qualname"`` strings, resolved on first use;
-``tests/test_checks_proofs.py`` resolves every one and checks that every exercise of every lab
+``tests/classroom/checks/test_proofs.py`` resolves every one and checks that every exercise of every lab
 has an entry.
 """
 

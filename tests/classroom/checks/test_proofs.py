@@ -3,7 +3,7 @@ the course's own answer is refused however it is wrapped, and so is every functi
 the checked process group keeps what each op carried, draws secret inputs, measures the largest tensor
 and names an all-to-all whose splits cannot work.
 
-The per-lab files (tests/test_checks_lab0N.py, tests/test_*_lab0N_checks.py) hold, for each hardened
+The per-lab files (tests/classroom/checks/test_lab0N_checks.py) hold, for each hardened
 checker, a right-numbers-wrong-algorithm answer now refused and a right answer written differently.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from course_lib.classroom.checks import references, verdicts
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 SOLUTIONS = sorted((ROOT / "solutions").glob("0[0-8]_*.ipynb"))
 # Exercise cells whose functions are not the registry's key.
 ALIASES = {"CopyToTensorParallelRegion": "f_and_g", "ReduceFromTensorParallelRegion": "f_and_g",

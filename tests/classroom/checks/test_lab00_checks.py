@@ -17,7 +17,7 @@ from course_lib.classroom.checks.collectives import (NUMELS, RING_BUGS, WORLD_SI
 from course_lib.classroom.checks.grad_sync import check_grad_sync, expected_buckets
 
 # Other routes to a collective (a name bound earlier, gather + scatter, new groups...) are refused by
-# the same process group: tests/test_verdicts.py tries them all in one launch.
+# the same process group: tests/classroom/checks/test_verdicts.py tries them all in one launch.
 RING_TABLE = [
     # (answer, passes, words the verdict must contain)
     ("right_ring", True, ["✓", "2(W-1)/W·N elements per rank"]),
