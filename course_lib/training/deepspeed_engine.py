@@ -47,7 +47,7 @@ token loss; the grad norm is DeepSpeed's (before clipping).
 The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as
 DeepSpeed holds them, walked from the engine (:func:`held_bytes`), appended as fields
 ``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | params on host (bytes): N |
-optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
+grads on host (bytes): N | optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
 optimizer state; "on host" is what ``offload_*`` moved to CPU memory (with ``DS_ACCELERATOR=cpu``
 the device *is* the CPU: the split is DeepSpeed's bookkeeping, not two memories).
 
@@ -62,13 +62,14 @@ import argparse
 import json
 import os
 import time
-import types
 import warnings
 import torch
 import torch.distributed as dist
 
 from course_lib import rules
 from course_lib.data import get_batch
+from course_lib.megatron import ds_schema
+from course_lib.megatron.ds_schema import import_deepspeed
 from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
                                       world_size_line)
 from course_lib.model import GPTConfig, GPTModel
@@ -81,16 +82,6 @@ _BATCH = (("train_micro_batch_size_per_gpu", "micro_batch_size"), ("train_batch_
 _NOT_WITH_DEEPSPEED = ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce", "overlap_param_gather",
                        "ddp_bucket_size", "optimizer_cpu_offload", "use_precision_aware_optimizer", "num_experts")
 _ADAM_PARAMS = (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay"))
-
-
-def import_deepspeed():
-    """``deepspeed``, on the CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at import;
-    without oneCCL DeepSpeed's CPU accelerator talks gloo)."""
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    import deepspeed
-
-    return deepspeed
 
 
 def build_ops() -> list[str]:
@@ -115,28 +106,6 @@ def build_ops() -> list[str]:
     return built
 
 
-def read_config(path: str) -> dict:
-    """The JSON object in ``path``, duplicate keys refused (as DeepSpeed's loader does); one-line errors."""
-    def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        dup = next((k for k in keys if keys.count(k) > 1), None)
-        if dup is not None:
-            raise ValueError(f"deepspeed-config={path} has the key {dup!r} twice; keep one")
-        return dict(pairs)
-
-    if not os.path.isfile(path):
-        raise ValueError(f"deepspeed-config={path} does not exist; give the path of a ds_config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"deepspeed-config={path} is not valid JSON: {err.msg} at line {err.lineno} "
-                         f"column {err.colno}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"deepspeed-config={path} holds a {type(config).__name__}; a ds_config is a JSON object")
-    return config
-
-
 def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.Namespace) -> None:
     """The file's ``key`` sets ``--dest``; a flag given with another value is refused."""
     given = getattr(a, dest)
@@ -144,46 +113,6 @@ def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.
         raise ValueError(f"{dest}={given} disagrees with {key}={value} in the deepspeed-config; "
                          f"drop --{dest.replace('_', '-')} (the file sets it) or change the file")
     setattr(a, dest, value)
-
-
-def _batch(config: dict, world: int) -> tuple[int, int, int]:
-    """``(train_batch_size, micro, accumulation)`` for ``world`` DP ranks, by DeepSpeed's own rule
-    (``DeepSpeedConfig._configure_train_batch_size``); its assertion comes back as one line."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    ns = types.SimpleNamespace(train_batch_size=config.get("train_batch_size"),
-                               train_micro_batch_size_per_gpu=config.get("train_micro_batch_size_per_gpu"),
-                               gradient_accumulation_steps=config.get("gradient_accumulation_steps"),
-                               world_size=world)
-    try:
-        DeepSpeedConfig._set_batch_related_parameters(ns)
-        DeepSpeedConfig._batch_assertion(ns)
-    except (AssertionError, TypeError, ZeroDivisionError) as err:
-        raise ValueError(f"deepspeed-config batch sizes on {world} rank(s): {str(err) or type(err).__name__} "
-                         f"(DeepSpeed: train_batch_size = train_micro_batch_size_per_gpu x "
-                         f"gradient_accumulation_steps x DP)") from None
-    return ns.train_batch_size, ns.train_micro_batch_size_per_gpu, ns.gradient_accumulation_steps
-
-
-def _check_with_deepspeed(config: dict, tbs_micro_ga: tuple) -> None:
-    """DeepSpeed's parser on the config (every section's pydantic model), with the resolved batch for
-    the world DeepSpeed's comm sees now (one rank before ``deepspeed.initialize``); its first error
-    lines come back as a ValueError."""
-    from deepspeed import comm
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    _, micro, ga = tbs_micro_ga
-    try:
-        seen = comm.get_world_size()
-    except (AssertionError, RuntimeError, AttributeError):
-        seen = 1
-    one = dict(config, train_batch_size=micro * ga * seen, train_micro_batch_size_per_gpu=micro,
-               gradient_accumulation_steps=ga)
-    try:
-        DeepSpeedConfig(one)
-    except (ValueError, AssertionError, TypeError, KeyError) as err:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        raise ValueError("deepspeed-config rejected by DeepSpeed: " + " / ".join(lines[:3])) from None
 
 
 def _check_fp16(fp16: bool) -> None:
@@ -226,7 +155,8 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
                            getattr(a, "virtual_pipeline_model_parallel_size", None),
                            [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest, None)])
     import_deepspeed()
-    config = read_config(a.deepspeed_config)
+    config = ds_schema.read(a.deepspeed_config, "--deepspeed-config")
+    ds_schema.check(config, world, require_batch=False)          # DeepSpeed's verdict on what the bridge reads
     notes = []
     if not any(k in config for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                       "gradient_accumulation_steps")):
@@ -235,7 +165,7 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
         config["train_batch_size"] = global_batch
         notes.append(f"deepspeed-config: train_micro_batch_size_per_gpu={a.micro_batch_size}, "
                      f"train_batch_size={global_batch} from --micro-batch-size / --global-batch-size")
-    tbs, micro, ga = _batch(config, world)
+    tbs, micro, ga = rules.deepspeed_batch(*(config.get(k) for k in ds_schema.BATCH_KEYS), world)
     config.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ga)
     for key, dest in _BATCH:
         _take(a, dest, config[key], key, defaults)
@@ -278,7 +208,9 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
         notes.append("deepspeed-config: zero_force_ds_cpu_optimizer=false added (optimizer offload with "
                      "torch.optim.AdamW instead of the g++-built DeepSpeedCPUAdam)")
     _check_nvme(zero)
-    _check_with_deepspeed(config, (tbs, micro, ga))
+    refused = ds_schema.deepspeed_verdict(config, world)           # and on every key it does not read
+    if refused:
+        raise ValueError(f"deepspeed-config rejected by DeepSpeed: {refused}")
     a.deepspeed = {"config": config, "client_optimizer": opt is None, "megatron_schedule": "scheduler" not in config}
     a.deepspeed_notes = tuple(notes)
     return a
@@ -353,42 +285,56 @@ def _unique(tensors) -> list:
 
 
 def held_bytes(engine, stage: int) -> dict:
-    """This rank's model-state bytes as DeepSpeed holds them after a step:
-    ``{"params", "grads", "optimizer", "params_host", "optimizer_host"}``.
+    """This rank's model-state bytes as DeepSpeed holds them after a step, where it holds them:
+    ``{"params", "grads", "optimizer", "params_host", "grads_host", "optimizer_host"}``.
 
     ``params``: the module's parameters (ZeRO-3: this rank's partitions ``p.ds_tensor``, plus the
     parameters under ``stage3_param_persistence_threshold``, which every rank also keeps whole on the
-    device); ``grads``: the gradient buffers still allocated
-    (``p.grad``, ZeRO-1/2's ``averaged_gradients`` / ipg buffer, ZeRO-3's flat grad partition);
-    ``optimizer``: the fp32 master copy (ZeRO: this rank's flat partition) and the optimizer
-    state (Adam's two moments). ``*_host``: the same, moved to CPU memory by ``offload_param`` /
-    ``offload_optimizer``."""
+    device); ``grads``: the gradient buffers still allocated (``p.grad``; ZeRO-1/2's
+    ``averaged_gradients``, ipg buffer and the device staging buffer of offload; ZeRO-3's flat
+    16-bit grad partition and its reduce bucket, ``reduce_bucket_size`` elements); ``optimizer``: the
+    fp32 master copy (ZeRO: this rank's flat partition) and the optimizer state (Adam's two moments).
+    ``*_host``: what ``offload_optimizer`` / ``offload_param`` keep in CPU memory: under optimizer
+    offload DeepSpeed allocates the gradient partition itself on the host (ZeRO-3: ``self.device`` is
+    the CPU), an fp32 gradient for the host optimizer's master partition (ZeRO-1/2 also a 16-bit copy
+    of the params partition and a host staging buffer); under param offload (ZeRO-3) the param partition."""
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)
     state = _unique(t for st in base.state.values() for t in _tensors(st) if t.dim() > 0)
     params = list(engine.module.parameters())
-    whole = []                   # parameters every rank holds whole (ZeRO-3: the persistent ones, on the device)
+    whole, params_host = [], []      # whole: what every rank holds whole (ZeRO-3: the persistent parameters)
     if stage == 3:
         held = _unique(p.ds_tensor for p in params)
         whole = _unique(p.data for p in params if getattr(p, "ds_persist", False))
         master = _unique(_tensors(getattr(opt, "fp32_partitioned_groups_flat", [])))
-        grads = _unique(list(_tensors(getattr(opt, "grad_partitions_flat_buffer", None)))
-                        + list(_tensors(getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer", None))))
+        partition = _unique(_tensors(getattr(opt, "grad_partitions_flat_buffer", None)))
+        bucket = _unique(getattr(b, "buffer", None) for b in getattr(opt, "ipg_buckets", {}).values()
+                         if isinstance(getattr(b, "buffer", None), torch.Tensor))
         off_opt = bool(getattr(opt, "offload_optimizer", False))
         off_param = bool(getattr(opt, "offload_param", False))
+        grads, grads_host = (bucket, partition) if off_opt else (bucket + partition, [])
     else:
         held = _unique(p.data for p in params)
         master = _unique(_tensors(getattr(opt, "single_partition_of_fp32_groups", [])))
         if not master and hasattr(opt, "fp32_groups_flat_partition"):       # bf16 at stage 0 (BF16_Optimizer)
             master = _unique(_tensors(opt.fp32_groups_flat_partition))
         grads = _unique([p.grad for p in params] + list(_tensors(getattr(opt, "averaged_gradients", {}), 3))
-                        + list(_tensors(getattr(opt, "ipg_buffer", None))))
+                        + list(_tensors(getattr(opt, "ipg_buffer", None)))
+                        + list(_tensors(getattr(opt, "temp_grad_buffer_for_gpu_offload", None))))
         off_opt = bool(getattr(opt, "cpu_offload", False))
         off_param = False
+        grads_host = _unique(_tensors(getattr(opt, "temp_grad_buffer_for_cpu_offload", None)))
+        params_host = _unique(_tensors(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)))
+    master_grads = _unique(m.grad for m in master)
+    if off_opt:
+        grads_host = _unique(grads_host + master_grads)
+    else:
+        grads = _unique(grads + master_grads)
     optimizer = _nbytes(master) + _nbytes(state)
     return {"params": _nbytes(whole) + (0 if off_param else _nbytes(held)), "grads": _nbytes(grads),
             "optimizer": 0 if off_opt else optimizer,
-            "params_host": _nbytes(held) if off_param else 0, "optimizer_host": optimizer if off_opt else 0}
+            "params_host": _nbytes(params_host) + (_nbytes(held) if off_param else 0),
+            "grads_host": _nbytes(grads_host), "optimizer_host": optimizer if off_opt else 0}
 
 
 def offload_devices(config: dict) -> dict:
@@ -405,6 +351,7 @@ def _state_fields(held: dict, devices: dict) -> str:
     return "".join(f" | {label} (bytes): {held[key]}" for key, label in
                    (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
                     ("params_host", f"params on {devices['params']}"),
+                    ("grads_host", f"grads on {devices['optimizer']}"),
                     ("optimizer_host", f"optimizer on {devices['optimizer']}")))
 
 
