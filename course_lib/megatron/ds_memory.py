@@ -102,7 +102,7 @@ def deepspeed_estimate(stage: int, num_params: float, dp: int, largest: float = 
                  "host", psi * 4 * per_node * f, True)))
     if stage != 3:
         return None
-    layer = 4 * rules.number("largest_layer", largest, low=0.0)
+    layer = 4 * int(rules.number("largest_layer", largest, low=0.0))
     whole = Item("the largest layer gathered whole: its 16-bit params and grads (4L)", "GPU", layer, True)
     load = (f" (without deepspeed.zero.Init at least 4Ψ × {per_node} per node: every process builds the fp32 model)"
             if not zero_init else "")
