@@ -538,7 +538,8 @@ def report(t: Translation, num_params: float | None = None, dp: int | None = Non
     if num_params is not None and dp:
         lines += _bytes_lines(t, num_params, dp, largest_layer, nodes)
     else:
-        lines.append("model states per GPU: pass --num-params N and --dp D (or train_batch_size in the file)")
+        lines.append("model states per GPU: pass --num-params N" + ("" if dp else " and --dp D (or all three batch keys "
+                                                                           "in the file)"))
     if t.unmapped:
         lines.append("without a Megatron-LM equivalent:")
         lines += [f"  {key}: {reason}" for key, reason in t.unmapped]

@@ -32,9 +32,11 @@ The file and the flags, one run (:func:`apply_config`, called by
 * parameters are handed to DeepSpeed in Megatron's two groups (biases and 1-D parameters without
   weight decay, :func:`course_lib.optimizer.param_groups`), as Megatron-DeepSpeed does; given
   the bare ``model.parameters()`` DeepSpeed would decay every one of them;
-* DeepSpeed's own parser checks the file in the launching process (``DeepSpeedConfig``, every
-  section a pydantic model: an unknown or mistyped key is DeepSpeed's one-line error) and its
-  batch rule (``train_batch_size = micro x accumulation x DP``) for the world about to start.
+* the file is read with :func:`course_lib.safe_files.read_json` (a key given twice, NaN refused) and
+  judged in the launching process, for the world about to start, as DeepSpeed 0.19.8 judges it:
+  the bridge's mirror of its parser first (:func:`course_lib.megatron.ds_schema.check`, one line
+  naming the key), its batch rule (:func:`course_lib.rules.deepspeed_batch`), then DeepSpeed's own
+  ``DeepSpeedConfig`` for the keys the mirror does not read (:func:`ds_schema.deepspeed_verdict`).
 
 One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss = engine(tokens)``,
 ``engine.backward(loss)`` (DeepSpeed divides by the accumulation steps), ``engine.step()`` (the
