@@ -75,8 +75,8 @@ from course_lib import rules
 from course_lib.data import get_batch
 from course_lib.megatron import ds_schema
 from course_lib.megatron.ds_schema import import_deepspeed
-from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
-                                      world_size_line)
+from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
+                                      print_line, world_size_line)
 from course_lib.model import GPTConfig, GPTModel
 from course_lib.optimizer import LRScheduler, param_groups
 
@@ -423,9 +423,9 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     record = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [], "skipped": [], "loss_scale": [],
               "logged": [], "num_parameters": num_parameters, "zero_stage": stage, "coords": {"dp": rank},
               "phases": []}
-    total, advanced, skipped_in_interval, report_memory = 0.0, 0, 0, True
+    report_memory = True
     dist.barrier()
-    interval_start = time.perf_counter()
+    interval = LogInterval(time.perf_counter())
     for iteration in range(1, args.train_iters + 1):
         it_start = time.perf_counter()
         skipped_before, own_norm = engine.skipped_steps, float("nan")
@@ -458,24 +458,21 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
                            ("elapsed_ms", (time.perf_counter() - it_start) * 1000.0), ("skipped", skipped),
                            ("loss_scale", scale)):
             record[key].append(value)
-        skipped_in_interval += skipped
-        total += 0.0 if skipped else lm_loss
-        advanced += 1
+        interval.add(lm_loss, skipped)
         first = iteration == 1
         if iteration % args.log_interval == 0 or first:
             dist.barrier()
-            elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
-            avg = total / max(1, advanced - skipped_in_interval)
+            elapsed_ms = interval.elapsed_ms(time.perf_counter())
+            avg, _ = interval.averages()
             if rank == world - 1:
                 print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
                                           elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
                                           lm_loss=avg, grad_norm=norm, loss_scale=scale,
-                                          skipped_iterations=skipped_in_interval))
+                                          skipped_iterations=interval.skipped))
                 record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
                                              learning_rate=lr, grad_norm=norm))
-            if not first:
-                total, advanced, skipped_in_interval = 0.0, 0, 0
-                interval_start = time.perf_counter()
+            if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
+                interval = LogInterval(time.perf_counter())
             if report_memory:
                 held = held_bytes(engine, stage)
                 device = held["params"] + held["grads"] + held["optimizer"]
