@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr, same_value
 
 # the lab's model: the course GPT, tiny (the ds_config sets the batch, the precision and the optimizer)
@@ -166,7 +167,7 @@ def check_zero3_wire(fn, runs, numels: dict, thresholds: dict) -> bool:
         return False
     world = len(runs)
     for name, threshold in thresholds.items():
-        got, problem = checked_call(fn, dict(numels), world, threshold)
+        got, problem = checked_call(fn, dict(numels), world, threshold, references=references_for("zero3_wire"))
         if problem == "todo":
             return not_attempted("zero3_wire")
         if problem:
@@ -223,7 +224,7 @@ def check_reduce_buckets(fn, runs, grad_numels: list, bucket_sizes: dict) -> boo
     if is_course_answer(fn):
         return False
     for name, size in bucket_sizes.items():
-        got, problem = checked_call(fn, list(grad_numels), size)
+        got, problem = checked_call(fn, list(grad_numels), size, references=references_for("reduce_buckets"))
         if problem == "todo":
             return not_attempted("reduce_buckets")
         if problem:
@@ -252,11 +253,12 @@ def _bucket_hint(got, want, size) -> str:
 # ------------------------------------------------------------------ exercise 3: a config that fits
 
 
-def _returned_dict(fn, name: str, what: str) -> dict | None:
-    """What the student's ``fn()`` returned when it is a dict; else None, with the verdict printed."""
+def _returned_dict(fn, name: str, what: str, exercise: str) -> dict | None:
+    """What the student's ``fn()`` returned when it is a dict; else None, with the verdict printed
+    (``exercise``: its key in the reference registry)."""
     if is_course_answer(fn):
         return None
-    value, problem = checked_call(fn)
+    value, problem = checked_call(fn, references=references_for(exercise))
     if problem == "todo":
         not_attempted(name)
         return None
@@ -278,7 +280,7 @@ def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120
     from course_lib.launch import LaunchError, RankError
     from course_lib.training.deepspeed_engine import preload
 
-    config = _returned_dict(fn, "fitting_config", "a ds_config dict")
+    config = _returned_dict(fn, "fitting_config", "a ds_config dict", "fitting_config")
     if config is None:
         return False
     kept = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
@@ -347,7 +349,7 @@ def check_answers(fn, *sources) -> bool:
     citing at least one number measured or computed in this lab (``sources``: the runs, tables...)."""
     from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
 
-    answers = _returned_dict(fn, "my_answers", "a dict of strings")
+    answers = _returned_dict(fn, "my_answers", "a dict of strings", "my_answers_10")
     if answers is None:
         return False
     numbers = measured_numbers(*sources)

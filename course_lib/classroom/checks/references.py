@@ -107,6 +107,11 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "aux_loss": ("course_lib.moe.router:switch_load_balancing_loss", "course_lib.moe.router:route",
                  "course_lib.moe.layer:MoELayer"),
     "my_answers_08": (),
+    # Lab 10
+    "zero3_wire": ("course_lib.training.deepspeed_engine:held_bytes",),
+    "reduce_buckets": ("course_lib.distributed.buffer:size_buckets",),
+    "fitting_config": ("course_lib.megatron.ds_config:translate", "course_lib.megatron.ds_memory:deepspeed_estimate"),
+    "my_answers_10": (),
 }
 """exercise (the name of the function the student writes) -> ``"module:qualname"`` of the course code
 that computes its answer."""

@@ -180,3 +180,13 @@ def test_answers_must_be_written_and_cite_a_measurement(capsys, lab, runs):
     ok, out = _verdict(capsys, lambda: lab.check_answers(stub, runs))
     assert not ok and "not attempted yet: write my_answers" in out
     assert json.loads(json.dumps(good)) == good
+
+
+def test_a_wrapped_registered_reference_is_refused(capsys, lab, runs):
+    from course_lib.distributed.buffer import size_buckets
+
+    def via_course_buckets(grad_numels, reduce_bucket_size):
+        return [b.numel for b in size_buckets([(str(i), n) for i, n in enumerate(grad_numels)], reduce_bucket_size, 1)]
+
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(via_course_buckets, runs, [64, 32], BUCKETS))
+    assert not ok and "the course's own" in out and "size_buckets" in out and "✓" not in out, out
