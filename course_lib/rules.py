@@ -116,6 +116,9 @@ State sharding
     rank; ZeRO-3 not under GPipe with several micro-batches): trainer (``training.arguments``).
   * :func:`deepspeed_layout` -- ``--deepspeed-config`` is DP only (TP = PP = CP = 1, no Megatron
     sharding flags, no MoE): trainer (``training.deepspeed_engine``).
+  * :func:`deepspeed_batch` -- DeepSpeed's ``train_batch_size = micro x accumulation x DP`` (the missing
+    ones derived as DeepSpeed derives them): the ds_config bridge (``megatron.ds_schema``), trainer
+    (``training.deepspeed_engine``).
 Run
   * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
   * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
@@ -910,6 +913,55 @@ def checkpoint_model(path, saved: dict, run: dict) -> None:
             raise ValueError(f"checkpoint {path} holds a model with {name}={saved[name]} but this run builds "
                              f"{name}={run.get(name)}: another model; pass --{name.replace('_', '-')} "
                              f"{saved[name]} or --load another checkpoint")
+
+
+def deepspeed_batch(train_batch_size, micro_batch_size, gradient_accumulation_steps, world_size: int) -> tuple:
+    """DeepSpeed 0.19.8's batch rule for ``world_size`` data-parallel ranks, as its config parser applies it
+    (``deepspeed/runtime/config.py``: ``_set_batch_related_parameters``, ``_batch_assertion``,
+    ``_do_error_check``), on the file's values as read (``None`` for a key the file does not have).
+
+    The missing values are derived with Python's ``//`` exactly as DeepSpeed does (only
+    ``train_batch_size``: one accumulation step, ``micro = train_batch_size // DP``), then
+    ``train_batch_size = micro x accumulation x DP`` with all three ``> 0`` is required. Returns
+    ``(train_batch_size, micro, accumulation)``; what DeepSpeed refuses (an assertion, or a
+    ``TypeError`` / ``ZeroDivisionError`` from a value it cannot compute with: ``"auto"``, ``"8"``,
+    ``0`` accumulation steps) is a one-line ``ValueError``."""
+    tbs, micro, ga = train_batch_size, micro_batch_size, gradient_accumulation_steps
+    given = ", ".join(f"{k}={v!r}" for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
+                                                ("gradient_accumulation_steps", ga)) if v is not None)
+    rule = (f"; DeepSpeed needs train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+            f"x DP ({world_size}), all three > 0")
+    try:
+        if tbs is not None and micro is not None and ga is not None:
+            pass
+        elif tbs is not None and micro is not None:
+            ga = tbs // micro // world_size
+        elif tbs is not None and ga is not None:
+            micro = tbs // world_size // ga
+        elif micro is not None and ga is not None:
+            tbs = micro * ga * world_size
+        elif tbs is not None:
+            ga, micro = 1, tbs // world_size
+        elif micro is not None:
+            tbs, ga = micro * world_size, 1
+        else:
+            raise ValueError(f"{given or 'no batch size'} on {world_size} rank(s): DeepSpeed needs "
+                             f"train_batch_size or train_micro_batch_size_per_gpu; add one")
+        for name, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
+                            ("gradient_accumulation_steps", ga)):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} (from {given}) on {world_size} rank(s) is not > 0" + rule)
+        if tbs != micro * ga * world_size:
+            raise ValueError(f"train_batch_size={tbs!r} != {micro!r} x {ga!r} x {world_size} (from {given})" + rule)
+    except ZeroDivisionError:
+        raise ValueError(f"{given} on {world_size} rank(s): DeepSpeed divides by zero deriving the missing batch "
+                         f"size (ZeroDivisionError){rule}") from None
+    except TypeError as err:
+        raise ValueError(f"{given} on {world_size} rank(s): DeepSpeed cannot compute with these "
+                         f"(TypeError: {err}){rule}; put whole numbers in the file") from None
+    return tbs, micro, ga
+
+
 def deepspeed_layout(tp: int, pp: int, cp: int, vpp=None, other_flags=()) -> None:
     """``--deepspeed-config`` trains the dense model with one process per data-parallel rank (DeepSpeed's
     ZeRO over DP; the course does not hand DeepSpeed an mpu): TP = PP = CP = 1, and the state sharding

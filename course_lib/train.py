@@ -124,7 +124,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -133,8 +133,8 @@ import torch.distributed as dist
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
-from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
-                                      world_size_line)
+from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
+                                      print_line, world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
 from course_lib.model import GPTModel, build_model, gpt_loss
 from course_lib.moe.layer import is_expert_param
@@ -450,32 +450,6 @@ def _print_run_header(args: argparse.Namespace, config: ParallelConfig, print_ar
             print_line(line)
 
 
-@dataclass
-class _Interval:
-    """Megatron's ``training_log`` accumulators over one logging interval: the LM and MoE losses
-    of the advanced iterations, the iterations run and skipped, and when the interval began."""
-
-    start: float
-    total_loss: float = 0.0
-    advanced: int = 0
-    skipped: int = 0
-    total_moe: dict = field(default_factory=dict)    # Megatron's total_loss_dict for the MoE losses
-
-    def add(self, step: dict) -> None:
-        self.skipped += step["skipped"]
-        if not step["skipped"]:                       # Megatron averages the advanced iterations only
-            if step["lm_loss"] is not None:
-                self.total_loss += step["lm_loss"]
-            for name, value in step["moe_losses"].items():
-                self.total_moe[name] = self.total_moe.get(name, 0.0) + value
-        self.advanced += 1
-
-    def averages(self) -> tuple[float, dict]:
-        """The LM loss and each MoE loss averaged over the advanced iterations."""
-        n = max(1, self.advanced - self.skipped)
-        return self.total_loss / n, {name: value / n for name, value in self.total_moe.items()}
-
-
 def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict, record_comm: bool,
                    cuda: bool, start_iteration: int = 0) -> None:
     """Iterations ``start_iteration + 1 .. --train-iters`` of :func:`train_step`, each recorded; every
@@ -483,7 +457,7 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
     iterations; the checkpoint saves and the exit that ``--save-interval`` / ``--exit-interval`` ask for."""
     peak_activation, report_memory = 0, True
     dist.barrier()
-    interval = _Interval(time.perf_counter())
+    interval = LogInterval(time.perf_counter())
     for iteration in range(start_iteration + 1, args.train_iters + 1):
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
@@ -495,13 +469,13 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
                 raise TrainingStopped(str(exc), report=_reports_nonfinite(setup, step)) from None
         peak_activation = max(peak_activation, step["peak_bytes"])
         _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
-        interval.add(step)
+        interval.add(step["lm_loss"], step["skipped"], step["moe_losses"])
         first = iteration == 1
         if iteration % args.log_interval == 0 or first:
             dist.barrier()
             _log_iteration(args, setup, record, iteration, interval, step)
             if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                interval = _Interval(time.perf_counter())
+                interval = LogInterval(time.perf_counter())
             if report_memory:
                 _report_memory(setup, record, iteration, peak_activation, cuda)
                 report_memory = iteration == 1
@@ -541,10 +515,10 @@ def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
 
 
 def _log_iteration(args: argparse.Namespace, setup: TrainingSetup, record: dict, iteration: int,
-                   interval: _Interval, step: dict) -> None:
+                   interval: LogInterval, step: dict) -> None:
     """The last rank prints Megatron's iteration line for the interval (time per iteration,
     averaged losses, this step's learning rate and norm) and keeps it in ``record["logged"]``."""
-    elapsed_ms = (time.perf_counter() - interval.start) * 1000.0 / interval.advanced
+    elapsed_ms = interval.elapsed_ms(time.perf_counter())
     if dist.get_rank() != dist.get_world_size() - 1:
         return
     avg, moe_avg = interval.averages()

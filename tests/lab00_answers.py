@@ -1,4 +1,4 @@
-"""Student answers to Lab 00's exercises for tests/test_checks_lab00.py: right ones written
+"""Student answers to Lab 00's exercises for tests/classroom/checks/test_lab00_checks.py: right ones written
 differently, and wrong ones (each a mistake a student makes, or a right sum the wrong way).
 
 They run on ranks (under the checkers), so they live in an importable module.
@@ -308,3 +308,49 @@ sync_no_divide = make_sync(divide=False)
 def sync_broadcast_rank0(model, bucket_numel):
     for p in model.parameters():
         dist.broadcast(p.grad, 0)
+
+
+# right numbers rebuilt from the checker's inputs (the seeds it used to draw them), no real exchange --------
+
+def ring_rebuilt_from_seeds(x):
+    """Every rank's input rebuilt from the generator seeds the checker once used; a ring of zeros for the
+    traffic. Inputs drawn from os.urandom on each rank make this wrong."""
+    w, n = dist.get_world_size(), x.numel()
+    total = sum(torch.randint(-9, 10, (n,), generator=torch.Generator().manual_seed(1000 * n + r)).float()
+                for r in range(w))
+    make_ring()(torch.zeros_like(x))
+    return total
+
+
+def rs_ag_rebuilt_from_seeds(x):
+    w, n = dist.get_world_size(), x.numel()
+    total = sum(torch.randint(-9, 10, (n,), generator=torch.Generator().manual_seed(7 * n + r)).float()
+                for r in range(w))
+    rs_ag(torch.zeros_like(x))
+    return total
+
+
+def sync_rebuilt_from_batch(model, bucket_numel):
+    """The global batch rebuilt from its seed, the full gradient computed here; zeros all-reduced per bucket."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+    torch.manual_seed(0)
+    full = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    torch.nn.functional.mse_loss(full(x), y).backward()
+    for bucket in _buckets(list(model.parameters()), bucket_numel):
+        dist.all_reduce(torch.zeros(sum(p.numel() for p in bucket)))
+    for p, q in zip(model.parameters(), full.parameters()):
+        p.grad.copy_(q.grad)
+
+
+def sync_own_grads_twice(model, bucket_numel):
+    """Right gradients and the right buckets, but each all-reduce carries something else (2·grad, halved)."""
+    w = dist.get_world_size()
+    for bucket in _buckets(list(model.parameters()), bucket_numel):
+        flat = torch.cat([p.grad.flatten() for p in bucket]) * 2
+        dist.all_reduce(flat)
+        flat /= 2 * w
+        offset = 0
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            offset += p.numel()

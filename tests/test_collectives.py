@@ -1,5 +1,5 @@
 """Lab 00's library: the six collectives' before/after and the reference ring all-reduce
-(the checkers are tested in tests/test_checks_lab00.py)."""
+(the checkers are tested in tests/classroom/checks/test_lab00_checks.py)."""
 
 import torch
 import torch.distributed as dist

@@ -1,10 +1,16 @@
-"""The ds_config.json bridge: a DeepSpeed config read as Megatron-LM flags.
+"""The ds_config.json bridge: a DeepSpeed config read as Megatron-LM flags, with DeepSpeed's own verdict and bytes.
 
-``python -m course_lib ds-config FILE [--dp D] [--num-params N | --model NAME --tp T --pp P]`` reads a DeepSpeed config and
-prints, one line each: the equivalent Megatron-LM flags (and the key each comes from), the model
-state bytes per GPU from :mod:`course_lib.sizing` for DeepSpeed's ZeRO stage and for the Megatron
-flags, and every option that has no Megatron equivalent. Bad JSON, unknown keys and wrong types
-are one-line ``ValueError`` s naming the key.
+``python -m course_lib ds-config FILE [--dp D] [--num-params N [--largest-layer L] | --model NAME --tp T --pp P]
+[--nodes K]`` reads a DeepSpeed config and prints, one line each: the equivalent Megatron-LM flags (and
+the key each comes from), every difference in semantics between the two, the model-state bytes per
+GPU and per host -- the ZeRO paper's, DeepSpeed's own estimator's itemised against it, and the
+Megatron flags' -- and every option that has no Megatron equivalent.
+
+The verdict is DeepSpeed 0.19.8's: :mod:`course_lib.megatron.ds_schema` mirrors its config parser
+for every key the bridge translates (a file DeepSpeed refuses is a one-line ``ValueError`` naming the
+key; what DeepSpeed accepts -- ``"3"``, ``5e8``, ``"yes"`` -- is read as DeepSpeed reads it, and a
+key DeepSpeed does not read is listed as ignored), and the command also runs DeepSpeed's own parser
+when it is installed, which judges the keys the bridge does not translate.
 
 How the ZeRO stages map (Megatron-LM main, ``megatron/training/arguments.py`` and the config
 dataclasses it turns into flags; :data:`MEGATRON_FLAGS` names where each flag is defined):
@@ -28,32 +34,34 @@ distributed optimizer or Megatron-FSDP. ``--bf16`` makes Megatron accumulate and
 grads in fp32 (``--accumulate-allreduce-grads-in-fp32`` is switched on), hence its 18 bytes per
 parameter against ZeRO's 16 (:func:`course_lib.sizing.megatron_optimizer_bytes_per_param`).
 
-Batch sizes: DeepSpeed's ``train_batch_size = train_micro_batch_size_per_gpu x
-gradient_accumulation_steps x DP``; Megatron takes ``--micro-batch-size`` and
-``--global-batch-size`` and derives the accumulation steps (``--global-batch-size`` needs DP:
-``--dp``, or ``train_batch_size`` in the file). Values ``"auto"`` (filled in by the Hugging Face
-Trainer) have no number to translate and are listed as such.
+``overlap_comm`` (DeepSpeed's default: true at stage 3, false below, ``zero/config.py``
+``overlap_comm_valid``) puts the gradient reduction on a side stream (``--overlap-grad-reduce``) and,
+at stage 3 only, the parameter all-gathers as well -- the fetches and the prefetches share that stream
+(``zero/parameter_offload.py`` ``__allgather_stream``, used by ``partitioned_param_coordinator.py``):
+``--overlap-param-gather`` then. At stages 1 and 2 DeepSpeed all-gathers the parameters after the
+step, overlapped with nothing.
 
-Bytes: DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs`` /
-``estimate_zero3_model_states_mem_needs`` in ``deepspeed/runtime/zero/``, read in the 0.19.8
-sources, not run: DeepSpeed is not a dependency) count ``2 + 18/d`` bytes per parameter on the GPU
-for ZeRO-2 -- an fp32 grad partition on top of the paper's ``2 + (2 + 12)/d`` -- and ``18/d`` plus
-4 bytes per parameter of the largest layer for ZeRO-3. The report prints the paper's accounting
-(:func:`course_lib.sizing.model_state_bytes`), which is what the course's formulas test.
+Batch sizes: DeepSpeed's ``train_batch_size = train_micro_batch_size_per_gpu x
+gradient_accumulation_steps x DP``, the missing ones derived as DeepSpeed derives them
+(:func:`course_lib.rules.deepspeed_batch`: a file with only ``train_batch_size`` has
+``micro = train_batch_size // DP``); Megatron takes ``--micro-batch-size`` and
+``--global-batch-size`` and derives the accumulation steps. DP is ``--dp``, or what the three keys
+imply.
+
+Bytes (:mod:`course_lib.megatron.ds_memory`): DeepSpeed's estimators
+(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``) at stages 2
+and 3 -- an fp32 grad partition, the largest layer gathered whole, a 1.5x host buffer on top of the
+paper's ``2 + 2 + 12`` -- and the paper's count at stages 0 and 1, where DeepSpeed has none.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
-import math
-from numbers import Integral, Real
 from pathlib import Path
 
 from course_lib import rules
+from course_lib.megatron import ds_memory, ds_schema
 
-# flag -> where Megatron-LM main (d98e8a64ddf3, 2026-08-22) defines it: arguments.py function, or the
-# config dataclass field that ArgumentGroupFactory turns into the flag (field_name -> --field-name).
 MEGATRON_FLAGS: dict[str, str] = {
     "--use-distributed-optimizer": "megatron/training/arguments.py::_add_distributed_args",
     "--use-megatron-fsdp": "megatron/training/config/common_config.py::DistributedInitConfig.use_megatron_fsdp",
@@ -85,116 +93,23 @@ MEGATRON_FLAGS: dict[str, str] = {
 }
 VERIFIED_AT = ("main", "d98e8a64ddf34856e74b24714e3bedb2f5a39553")
 
-DEEPSPEED_INITIAL_SCALE_POWER = 16    # DeepSpeed's default fp16.initial_scale_power (docs: config-json)
-AUTO = "auto"
-
-# ---------------------------------------------------------------------------------------- schema
-# Each known key -> its type: "int", "number", "bool", "str", "dict", "list", or a tuple of allowed strings.
-_OFFLOAD = {"device": ("cpu", "nvme", "none"), "pin_memory": "bool", "nvme_path": "str", "buffer_count": "int",
-            "buffer_size": "int", "max_in_cpu": "int", "fast_init": "bool", "pipeline_read": "bool",
-            "pipeline_write": "bool", "ratio": "number"}
-_ZERO = {"stage": "int", "offload_optimizer": _OFFLOAD, "offload_param": _OFFLOAD, "reduce_bucket_size": "int",
-         "allgather_bucket_size": "int", "stage3_prefetch_bucket_size": "int", "overlap_comm": "bool",
-         "contiguous_gradients": "bool", "reduce_scatter": "bool", "allgather_partitions": "bool",
-         "stage3_param_persistence_threshold": "int", "stage3_max_live_parameters": "int",
-         "stage3_max_reuse_distance": "int", "sub_group_size": "int", "round_robin_gradients": "bool",
-         "stage3_gather_16bit_weights_on_model_save": "bool", "stage3_gather_fp16_weights_on_model_save": "bool",
-         "cpu_offload": "bool", "elastic_checkpoint": "bool", "ignore_unused_parameters": "bool",
-         "zero_hpz_partition_size": "int", "zero_quantized_weights": "bool", "zero_quantized_gradients": "bool",
-         "mics_shard_size": "int", "load_from_fp32_weights": "bool", "memory_efficient_linear": "bool"}
-_FP16 = {"enabled": "bool", "auto_cast": "bool", "loss_scale": "number", "initial_scale_power": "int",
-         "loss_scale_window": "int", "hysteresis": "int", "consecutive_hysteresis": "bool",
-         "min_loss_scale": "number", "fp16_master_weights_and_grads": "bool"}
-_BF16 = {"enabled": "bool", "immediate_grad_update": "bool", "check_grad_overflow": "bool"}
-_ADAM = {"lr": "number", "betas": "list", "eps": "number", "weight_decay": "number", "torch_adam": "bool",
-         "adam_w_mode": "bool", "bias_correction": "bool", "amsgrad": "bool"}
-SCHEMA = {"train_batch_size": "int", "train_micro_batch_size_per_gpu": "int", "gradient_accumulation_steps": "int",
-          "zero_optimization": _ZERO, "fp16": _FP16, "bf16": _BF16,
-          "optimizer": {"type": "str", "params": _ADAM}, "scheduler": "dict", "gradient_clipping": "number",
-          "steps_per_print": "int", "wall_clock_breakdown": "bool", "zero_allow_untested_optimizer": "bool",
-          "activation_checkpointing": "dict", "flops_profiler": "dict", "tensorboard": "dict", "wandb": "dict",
-          "csv_monitor": "dict", "comms_logger": "dict", "communication_data_type": "str",
-          "prescale_gradients": "bool", "gradient_predivide_factor": "number", "sparse_gradients": "bool",
-          "memory_breakdown": "bool", "dump_state": "bool", "aio": "dict", "data_types": "dict",
-          "checkpoint": "dict", "elasticity": "dict", "amp": "dict", "seed": "int"}
+DEEPSPEED_INITIAL_SCALE_POWER = ds_schema.DEFAULTS["fp16"]["initial_scale_power"]    # 2**16, Megatron's 2**32
 
 
-def _type_ok(kind, value) -> bool:
-    if isinstance(kind, tuple):
-        return isinstance(value, str) and value in kind
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":   # JSON writes 5e8 for 500000000: a whole float is an integer
-        return (isinstance(value, Integral) and not isinstance(value, bool)) or (
-            isinstance(value, float) and math.isfinite(value) and value == int(value))
-    if kind == "number":
-        return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    return isinstance(value, {"str": str, "dict": dict, "list": list}[kind])
-
-
-def _kind_text(kind) -> str:
-    if isinstance(kind, tuple):
-        return "one of " + ", ".join(repr(k) for k in kind)
-    if isinstance(kind, dict):
-        return "an object {...}"
-    return {"int": "an integer", "number": "a number", "bool": "true or false", "str": "a string",
-            "dict": "an object {...}", "list": "a list"}[kind]
-
-
-def _validate(obj: dict, schema: dict, prefix: str = "") -> None:
-    for key, value in obj.items():
-        path = f"{prefix}{key}"
-        if key not in schema:
-            near = difflib.get_close_matches(key, list(schema), n=2, cutoff=0.75)
-            hint = (f"did you mean {' or '.join(repr(prefix + k) for k in near)}?" if near else
-                    f"known keys here: {', '.join(sorted(schema))}")
-            raise ValueError(f"unknown key {path!r} in the DeepSpeed config: {hint}")
-        kind = schema[key]
-        if value == AUTO and kind not in ("dict", "str") and not isinstance(kind, (dict, tuple)):
-            continue                      # "auto": the HF Trainer's placeholder, reported later
-        if isinstance(kind, dict):
-            if not isinstance(value, dict):
-                raise ValueError(f"{path} must be an object {{...}}, got {json.dumps(value)}")
-            _validate(value, kind, path + ".")
-        elif not _type_ok(kind, value):
-            raise ValueError(f"{path} must be {_kind_text(kind)}, got {json.dumps(value)}")
-
-
-def load(path) -> dict:
-    """The config in ``path`` as a dict, validated (unknown key, wrong type, bad JSON: one-line ValueError)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"ds_config file {str(path)!r} does not exist")
-    try:
-        config = json.loads(p.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{p.name} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}") from None
-    return parse(config)
-
-
-def parse(config) -> dict:
-    """Validate a config dict (as :func:`load`) and return it."""
-    if not isinstance(config, dict):
-        raise ValueError(f"a DeepSpeed config is a JSON object {{...}}, got {type(config).__name__}")
-    _validate(config, SCHEMA)
-    stage = config.get("zero_optimization", {}).get("stage", 0)
-    if stage != AUTO and not 0 <= stage <= 3:
-        raise ValueError(f"zero_optimization.stage={stage} must be 0, 1, 2 or 3")
-    if _enabled(config, "bf16") and _enabled(config, "fp16"):
-        raise ValueError("bf16.enabled and fp16.enabled are both true: DeepSpeed and Megatron (--bf16 / --fp16) "
-                         "take one of them")
-    betas = config.get("optimizer", {}).get("params", {}).get("betas")
-    if betas not in (None, AUTO) and not (len(betas) == 2 and all(_type_ok("number", b) for b in betas)):
-        raise ValueError(f"optimizer.params.betas must be a list of two numbers, got {json.dumps(betas)}")
+def parse(config, dp: int | None = None, *, require_batch: bool = False) -> dict:
+    """``config`` (a dict) when DeepSpeed 0.19.8 accepts it for ``dp`` ranks (:func:`ds_schema.check`),
+    else a one-line ``ValueError`` naming the key. A config without batch keys passes unless
+    ``require_batch`` (a file must have one: :func:`load`)."""
+    ds_schema.check(config, dp, require_batch=require_batch)
     return config
 
 
-def _enabled(config, key) -> bool:
-    return config.get(key, {}).get("enabled", False) is True
-
-
-def _int(value) -> int:
-    return int(value)
+def load(path, dp: int | None = None) -> dict:
+    """The ds_config in ``path``, read with :func:`course_lib.safe_files.read_json` (a key given twice, NaN,
+    bad JSON: one line) and accepted as DeepSpeed accepts a file (:func:`parse`, a batch size required)."""
+    if not Path(path).is_file():
+        raise ValueError(f"ds_config file {str(path)!r} does not exist; give the path of a ds_config.json")
+    return parse(ds_schema.read(path), dp, require_batch=True)
 
 
 # ----------------------------------------------------------------------------------- translation
@@ -202,26 +117,23 @@ def _int(value) -> int:
 
 class Translation:
     """What :func:`translate` found: ``flags`` (ordered Megatron-LM flags, ``[flag, value-or-None]``),
-    ``why`` (``(key, flags, reason)`` one per translated key), ``unmapped`` (``(key, reason)``),
-    ``stage``, ``precision`` (``bf16``/``fp16``/``fp32``), ``offload_optimizer`` (a device or None),
-    ``offload_param``, ``dp`` (given or derived, else None); ``seen``: the keys a step has handled
-    (the rest are listed at the end)."""
+    ``why`` (``(key, flags, reason)`` one per translated key), ``semantics`` (``(what, difference)``:
+    where the same words mean different things in DeepSpeed and Megatron), ``unmapped``
+    (``(key, reason)``), ``stage``, ``precision`` (``bf16``/``fp16``/``fp32``), ``offload_optimizer``
+    (a device or None), ``offload_param`` (a device DeepSpeed acts on, or None), ``dp`` (given or
+    implied, else None), ``checked`` (the config as DeepSpeed reads it, :class:`ds_schema.Checked`)."""
 
-    def __init__(self):
+    def __init__(self, checked: ds_schema.Checked, dp: int | None):
+        self.checked = checked
         self.flags: list[list] = []
         self.why: list[tuple[str, str, str]] = []
-        self.unmapped: list[tuple[str, str]] = []
-        self.stage, self.precision, self.dp = 0, "fp32", None
+        self.semantics: list[tuple[str, str]] = []
+        self.unmapped: list[tuple[str, str]] = list(checked.notes)
+        self.stage, self.precision, self.dp = checked.stage, checked.precision, dp
         self.offload_optimizer = self.offload_param = None
-        self.seen: set[str] = set()
 
-    def auto(self, key: str, value) -> bool:
-        """Mark ``key`` handled; True (and listed as unmapped) when its value is ``"auto"``."""
-        self.seen.add(key)
-        if value == AUTO:
-            self.no_equivalent(key, '"auto" is filled in by the Hugging Face Trainer: put the value in the file')
-            return True
-        return False
+    def given(self, key: str) -> bool:
+        return key in self.checked.given
 
     def add(self, key: str, flags: list, reason: str) -> None:
         for f in flags:
@@ -253,18 +165,17 @@ _NO_EQUIVALENT = {
     "zero_optimization.reduce_scatter": "implied: the distributed optimizer always reduce-scatters grads",
     "zero_optimization.allgather_partitions": "implied: the distributed optimizer always all-gathers params",
     "zero_optimization.stage3_param_persistence_threshold": "no equivalent: Megatron-FSDP shards every parameter",
+    "zero_optimization.stage3_model_persistence_threshold": "no equivalent: Megatron-FSDP shards every parameter",
     "zero_optimization.stage3_max_live_parameters": "no equivalent (Megatron-FSDP frees a unit's params after use)",
     "zero_optimization.stage3_max_reuse_distance": "no equivalent",
     "zero_optimization.sub_group_size": "no equivalent (DeepSpeed's optimizer-step grouping)",
     "zero_optimization.round_robin_gradients": "no equivalent",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": "no flag: Megatron-FSDP saves sharded "
                                                                    "(--ckpt-format fsdp_dtensor)",
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": "no flag: Megatron-FSDP saves sharded",
     "zero_optimization.elastic_checkpoint": "no flag: Megatron's dist checkpoints reshard on load",
     "zero_optimization.zero_hpz_partition_size": "no equivalent flag (ZeRO++ hierarchical partitioning)",
     "zero_optimization.zero_quantized_weights": "no equivalent (ZeRO++ quantized weights)",
     "zero_optimization.zero_quantized_gradients": "no equivalent (ZeRO++ quantized gradients)",
-    "zero_optimization.mics_shard_size": "no equivalent (MiCS)",
     "fp16.consecutive_hysteresis": "no equivalent: Megatron refills its hysteresis only when the scale grows",
     "fp16.auto_cast": "no equivalent: Megatron casts the model (Float16Module), not the inputs",
     "fp16.fp16_master_weights_and_grads": "no equivalent in the trainer (--main-params-dtype with the "
@@ -274,6 +185,7 @@ _NO_EQUIVALENT = {
     "scheduler": "no one-to-one flag: Megatron's schedule is --lr-decay-style/--lr-warmup-iters/--lr-decay-iters",
     "wall_clock_breakdown": "no equivalent flag (Megatron: --timing-log-level)",
     "zero_allow_untested_optimizer": "no equivalent",
+    "zero_force_ds_cpu_optimizer": "no equivalent (DeepSpeed's choice of its own CPU Adam)",
     "activation_checkpointing": "not translated: Megatron's --recompute-granularity/--recompute-method differ",
     "flops_profiler": "no equivalent (Megatron logs throughput with --log-throughput)",
     "communication_data_type": "no one-to-one flag (Megatron: --grad-reduce-in-bf16 / fp32 accumulation)",
@@ -283,30 +195,27 @@ _NO_EQUIVALENT = {
 
 
 def translate(config: dict, dp: int | None = None) -> Translation:
-    """The Megatron-LM flags for a validated ``config`` (see :func:`parse`); ``dp`` for the global batch.
-    One step per part of the config, in the order the flags are printed."""
-    t = Translation()
-    if dp is not None:
-        t.dp = rules.integer("--dp", dp)
-    zero = config.get("zero_optimization", {})
-    _zero_stage(t, config, zero)
-    _offload(t, zero)
-    _buckets(t, zero)
-    _overlap(t, zero)
-    _precision(t, config)
-    _batch_sizes(t, config)
+    """The Megatron-LM flags for ``config`` (DeepSpeed's verdict first: :func:`ds_schema.check`; a
+    config without batch keys passes), ``dp`` for the global batch. One step per part of the
+    config, in the order the flags are printed; the semantic differences last."""
+    checked = ds_schema.check(config, dp, require_batch=False)
+    t = Translation(checked, dp if dp is not None else ds_schema.implied_dp(config))
+    _zero_stage(t)
+    _offload(t)
+    _buckets(t)
+    _overlap(t)
+    _precision(t)
+    _batch_sizes(t)
     _optimizer(t, config.get("optimizer"))
     _clipping_and_logging(t, config)
     _left_over(t, config)
+    _semantics(t)
     return t
 
 
-def _zero_stage(t: Translation, config: dict, zero: dict) -> None:
+def _zero_stage(t: Translation) -> None:
     """``zero_optimization.stage``: ZeRO-1 is the distributed optimizer, ZeRO-2/3 Megatron-FSDP."""
-    stage = zero.get("stage", 0)
-    if t.auto("zero_optimization.stage", stage):
-        return
-    t.stage = stage = _int(stage)
+    stage = t.stage
     if stage == 1:
         t.add("zero_optimization.stage", [["--use-distributed-optimizer", None]],
               "ZeRO-1: Megatron's distributed optimizer shards fp32 main params and Adam state over DP x CP "
@@ -318,24 +227,24 @@ def _zero_stage(t: Translation, config: dict, zero: dict) -> None:
                ["--use-distributed-optimizer", None], ["--ckpt-format", "fsdp_dtensor"]],
               f"ZeRO-{stage}: Megatron-FSDP shards {what} over DP (v1 runs on the distributed optimizer; "
               f"needs --ckpt-format fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS unset or > 1)")
-    elif "zero_optimization" in config:
+    elif t.given("zero_optimization"):
         t.why.append(("zero_optimization.stage", "(none)", "ZeRO-0: plain data parallelism, Megatron's default"))
 
 
-def _offload(t: Translation, zero: dict) -> None:
-    """``offload_optimizer`` / ``offload_param`` (and the old ``cpu_offload``): only the optimizer's
-    CPU offload has a Megatron flag."""
+def _offload(t: Translation) -> None:
+    """``offload_optimizer`` / ``offload_param`` (the deprecated ``cpu_offload`` / ``cpu_offload_param``
+    are read as them): only the optimizer's CPU offload has a Megatron flag."""
+    zero = t.checked.zero
+    for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if t.given(f"zero_optimization.{old}"):
+            t.why.append((f"zero_optimization.{old}", "(read as zero_optimization." + new + ")",
+                          f"DeepSpeed's deprecated spelling of {new}.device=cpu"))
     for key in ("offload_optimizer", "offload_param"):
-        off = zero.get(key)
-        if off is None:
-            continue
         full = f"zero_optimization.{key}"
-        t.seen.add(full)
-        device = off.get("device", "none")
-        for sub in off:
-            if sub != "device":
-                t.no_equivalent(f"{full}.{sub}", "no equivalent" if key == "offload_param" or device != "cpu"
-                                else "no flag: Megatron's offload chooses its own host buffers")
+        for sub in sorted(k for k in (zero[key] or {}) if k != "device" and t.given(f"{full}.{k}")):
+            t.no_equivalent(f"{full}.{sub}", "no equivalent" if key == "offload_param" else
+                            "no flag: Megatron's offload chooses its own host buffers")
+        device = t.checked.offload(key[len("offload_"):])
         if device == "none":
             continue
         if key == "offload_optimizer" and device == "cpu":
@@ -343,140 +252,117 @@ def _offload(t: Translation, zero: dict) -> None:
             t.add(f"{full}.device", [["--optimizer-cpu-offload", None], ["--use-precision-aware-optimizer", None]],
                   "optimizer state and step on the host (validate_args asserts --use-precision-aware-optimizer)")
         elif key == "offload_optimizer":
+            t.offload_optimizer = device
             t.no_equivalent(f"{full}.device", "nvme: no equivalent (Megatron offloads to CPU memory only)")
-        else:
+        elif t.stage == 3:
             t.offload_param = device
             t.no_equivalent(f"{full}.device", f"{device}: no equivalent (Megatron-FSDP keeps its param shards "
                                               f"on the GPU)")
-    if zero.get("cpu_offload") is True:      # DeepSpeed's old spelling of offload_optimizer.device=cpu
-        t.seen.add("zero_optimization.cpu_offload")
-        t.offload_optimizer = "cpu"
-        t.add("zero_optimization.cpu_offload",
-              [["--optimizer-cpu-offload", None], ["--use-precision-aware-optimizer", None]],
-              "the old spelling of offload_optimizer.device=cpu")
+        else:
+            t.no_equivalent(f"{full}.device", f"{device}: ignored by DeepSpeed at stage {t.stage} (see below)")
 
 
-def _buckets(t: Translation, zero: dict) -> None:
+def _buckets(t: Translation) -> None:
     """Bucket sizes: Megatron has one, for the grad reduction and the param all-gather; ZeRO-3's
     prefetch size is Megatron-FSDP's communication unit."""
-    rb, ab = zero.get("reduce_bucket_size"), zero.get("allgather_bucket_size")
-    if rb is not None and not t.auto("zero_optimization.reduce_bucket_size", rb):
-        t.add("zero_optimization.reduce_bucket_size", [["--ddp-bucket-size", _int(rb)]],
+    zero = t.checked.zero
+    rb_given, ab_given = (t.given(f"zero_optimization.{k}") for k in ("reduce_bucket_size", "allgather_bucket_size"))
+    rb, ab = zero["reduce_bucket_size"], zero["allgather_bucket_size"]
+    if rb_given:
+        t.add("zero_optimization.reduce_bucket_size", [["--ddp-bucket-size", rb]],
               "elements per grad-reduction bucket (Megatron: max parameters per bucket)")
-    if ab is not None and not t.auto("zero_optimization.allgather_bucket_size", ab):
-        if rb is None or rb == AUTO or _int(ab) == _int(rb):
-            if rb is None or rb == AUTO:
-                t.add("zero_optimization.allgather_bucket_size", [["--ddp-bucket-size", _int(ab)]],
-                      "Megatron all-gathers params in the same buckets it reduces grads in")
-            else:
-                t.why.append(("zero_optimization.allgather_bucket_size", f"--ddp-bucket-size {_int(ab)}",
-                              "same buckets for the all-gather"))
+    if ab_given:
+        if not rb_given:
+            t.add("zero_optimization.allgather_bucket_size", [["--ddp-bucket-size", ab]],
+                  "Megatron all-gathers params in the same buckets it reduces grads in")
+        elif ab == rb:
+            t.why.append(("zero_optimization.allgather_bucket_size", f"--ddp-bucket-size {ab}",
+                          "same buckets for the all-gather"))
         else:
             t.no_equivalent("zero_optimization.allgather_bucket_size",
-                            f"{_int(ab)} != reduce_bucket_size {_int(rb)}: Megatron uses one bucket size for both")
-    pb = zero.get("stage3_prefetch_bucket_size")
-    if pb is not None and not t.auto("zero_optimization.stage3_prefetch_bucket_size", pb):
+                            f"{ab} != reduce_bucket_size {rb}: Megatron uses one bucket size for both")
+    if t.given("zero_optimization.stage3_prefetch_bucket_size"):
         if t.stage == 3:
-            t.add("zero_optimization.stage3_prefetch_bucket_size", [["--suggested-communication-unit-size", _int(pb)]],
+            t.add("zero_optimization.stage3_prefetch_bucket_size",
+                  [["--suggested-communication-unit-size", zero["stage3_prefetch_bucket_size"]]],
                   "elements Megatron-FSDP all-gathers at once, which sets how far it prefetches")
         else:
             t.no_equivalent("zero_optimization.stage3_prefetch_bucket_size", "only used by ZeRO-3")
 
 
-def _overlap(t: Translation, zero: dict) -> None:
-    """``overlap_comm``: the grad reduction in backward, and with a sharded optimizer the param all-gather."""
-    if zero.get("overlap_comm") is True:
-        t.seen.add("zero_optimization.overlap_comm")
-        flags = [["--overlap-grad-reduce", None]]
-        if t.stage >= 1:
-            flags.append(["--overlap-param-gather", None])
-        t.add("zero_optimization.overlap_comm", flags,
-              "grad reduction in backward as buckets fill" + (", param all-gather overlapped with the forward"
-                                                               if t.stage >= 1 else
-                                                               " (--overlap-param-gather needs a sharded optimizer)"))
-    elif "overlap_comm" in zero:
-        t.seen.add("zero_optimization.overlap_comm")
+def _overlap(t: Translation) -> None:
+    """``overlap_comm`` as DeepSpeed resolves it (default: true at stage 3): the grad reduction on a side
+    stream, and at stage 3 the parameter all-gathers too (see the module docstring)."""
+    if not t.checked.zero["overlap_comm"]:
+        return
+    given = t.given("zero_optimization.overlap_comm")
+    flags = [["--overlap-grad-reduce", None]] + ([["--overlap-param-gather", None]] if t.stage == 3 else [])
+    t.add("zero_optimization.overlap_comm", flags,
+          ("" if given else "DeepSpeed's default at stage 3 (absent from the file): ")
+          + "grad reduction in backward as buckets fill"
+          + (", param all-gathers (fetch and prefetch) on the same side stream" if t.stage == 3 else
+             "; DeepSpeed's ZeRO-1/2 all-gathers params after the step, overlapped with nothing"))
 
 
-def _precision(t: Translation, config: dict) -> None:
+def _precision(t: Translation) -> None:
     """``bf16`` / ``fp16`` (with DeepSpeed's loss-scale keys as Megatron's)."""
-    for key in ("bf16", "fp16"):
-        if key in config and config[key].get("enabled") == AUTO:
-            t.auto(f"{key}.enabled", AUTO)
-    if _enabled(config, "bf16"):
-        t.precision = "bf16"
-        t.add("bf16.enabled", [["--bf16", None]],
+    if t.precision == "bf16":
+        key = "bf16" if t.given("bf16") else "bfloat16"
+        t.add(f"{key}.enabled", [["--bf16", None]],
               "bf16 params/activations, fp32 main params; Megatron also accumulates and all-reduces grads in fp32")
-    if _enabled(config, "fp16"):
-        t.precision = "fp16"
+    if t.precision == "fp16":
         t.add("fp16.enabled", [["--fp16", None]], "fp16 params/activations, fp32 main params, loss scaling")
-        _loss_scale(t, config["fp16"])
+        _loss_scale(t, t.checked.fp16)
 
 
 def _loss_scale(t: Translation, fp16: dict) -> None:
     """A constant ``loss_scale``, or (0) dynamic scaling from ``2**initial_scale_power``."""
-    ls = fp16.get("loss_scale", 0)
-    if ls not in (0, AUTO):
-        t.add("fp16.loss_scale", [["--loss-scale", ls]], "a constant loss scale")
-    elif ls == 0:
-        power = fp16.get("initial_scale_power", DEEPSPEED_INITIAL_SCALE_POWER)
-        if power != AUTO:
-            t.add("fp16.initial_scale_power", [["--initial-loss-scale", 2 ** _int(power)]],
-                  f"dynamic scaling from 2**{_int(power)}" + ("" if "initial_scale_power" in fp16 else
-                  " (DeepSpeed's default 16; Megatron's own default is 2**32)"))
-        for ds_key, flag in (("loss_scale_window", "--loss-scale-window"), ("hysteresis", "--hysteresis"),
-                             ("min_loss_scale", "--min-loss-scale")):
-            if ds_key in fp16 and not t.auto(f"fp16.{ds_key}", fp16[ds_key]):
-                t.add(f"fp16.{ds_key}", [[flag, fp16[ds_key]]], "same rule in Megatron's DynamicGradScaler")
+    if fp16["loss_scale"] != 0:
+        t.add("fp16.loss_scale", [["--loss-scale", fp16["loss_scale"]]], "a constant loss scale")
+        return
+    power = fp16["initial_scale_power"]
+    t.add("fp16.initial_scale_power", [["--initial-loss-scale", 2 ** power]],
+          f"dynamic scaling from 2**{power}" + ("" if t.given("fp16.initial_scale_power") else
+                                              " (DeepSpeed's default 16; Megatron's own default is 2**32)"))
+    for ds_key, flag in (("loss_scale_window", "--loss-scale-window"), ("hysteresis", "--hysteresis"),
+                         ("min_loss_scale", "--min-loss-scale")):
+        if t.given(f"fp16.{ds_key}"):
+            t.add(f"fp16.{ds_key}", [[flag, fp16[ds_key]]], "the same knob of Megatron's DynamicGradScaler "
+                                                            "(the rules differ: see below)")
 
 
-def _batch_sizes(t: Translation, config: dict) -> None:
-    """``train_micro_batch_size_per_gpu`` is ``--micro-batch-size``; ``train_batch_size`` (or micro x
-    accumulation x DP) is ``--global-batch-size``, and with all three keys it implies DP."""
-    micro = config.get("train_micro_batch_size_per_gpu")
-    ga = config.get("gradient_accumulation_steps")
-    tbs = config.get("train_batch_size")
-    if micro is not None and not t.auto("train_micro_batch_size_per_gpu", micro):
-        t.add("train_micro_batch_size_per_gpu", [["--micro-batch-size", _int(micro)]], "samples per GPU per step")
-    if ga is not None:
-        t.auto("gradient_accumulation_steps", ga)
+def _batch_sizes(t: Translation) -> None:
+    """DeepSpeed's batch, resolved for DP (:func:`rules.deepspeed_batch`): ``--micro-batch-size`` and
+    ``--global-batch-size``. Without DP (no ``--dp``, and the file implies none) only what the file says."""
+    config = t.checked.config
+    present = [k for k in ds_schema.BATCH_KEYS if config.get(k) is not None]
+    if not present:
+        return
+    if t.dp is not None:
+        tbs, micro, ga = t.checked.batch
+        derived = [k for k in ds_schema.BATCH_KEYS if k not in present]
+        t.add("train_micro_batch_size_per_gpu", [["--micro-batch-size", micro]],
+              "samples per GPU per step" + (" (derived by DeepSpeed's rule from "
+                                            + ", ".join(present) + f" on DP {t.dp})" if derived else ""))
+        t.add("train_batch_size", [["--global-batch-size", tbs]],
+              f"samples per optimizer step = {micro} x {ga} x {t.dp}; Megatron derives the {ga} accumulation "
+              f"step(s) from it")
+        return
+    micro, tbs = config.get("train_micro_batch_size_per_gpu"), config.get("train_batch_size")
+    if micro is not None:
+        t.add("train_micro_batch_size_per_gpu", [["--micro-batch-size", micro]], "samples per GPU per step")
     if tbs is not None:
-        t.auto("train_batch_size", tbs)
-    nums = {k: _int(v) for k, v in (("micro", micro), ("ga", ga), ("tbs", tbs)) if v not in (None, AUTO)}
-    if {"micro", "ga", "tbs"} <= nums.keys():
-        t.dp = _implied_dp(nums, t.dp)
-    if "tbs" in nums:
-        t.add("train_batch_size", [["--global-batch-size", nums["tbs"]]], "samples per optimizer step")
-    elif "ga" in nums and "micro" in nums:
-        if t.dp is not None:
-            gbs = nums["micro"] * nums["ga"] * t.dp
-            t.add("gradient_accumulation_steps", [["--global-batch-size", gbs]],
-                  f"micro x accumulation x DP = {nums['micro']} x {nums['ga']} x {t.dp}; Megatron derives the "
-                  f"accumulation steps from it")
-        else:
-            t.no_equivalent("gradient_accumulation_steps", "Megatron takes --global-batch-size = micro x "
-                                                           "accumulation x DP: pass --dp to compute it")
-
-
-def _implied_dp(nums: dict, dp: int | None) -> int:
-    """DP from DeepSpeed's ``train_batch_size = micro x accumulation x DP`` (``nums``: ``tbs``, ``micro``,
-    ``ga``); it must agree with ``--dp`` when that is given."""
-    if nums["tbs"] % (nums["micro"] * nums["ga"]):
-        raise ValueError(f"train_batch_size={nums['tbs']} is not train_micro_batch_size_per_gpu x "
-                         f"gradient_accumulation_steps x DP = {nums['micro']} x {nums['ga']} x DP for any DP")
-    implied = nums["tbs"] // (nums["micro"] * nums["ga"])
-    if dp is not None and implied != dp:
-        raise ValueError(f"train_batch_size={nums['tbs']} = {nums['micro']} x {nums['ga']} x DP gives "
-                         f"DP={implied}, "
-                         f"but --dp={dp}: fix one of them")
-    return implied
+        t.add("train_batch_size", [["--global-batch-size", tbs]], "samples per optimizer step")
+    if micro is None or tbs is None:
+        t.no_equivalent("train_batch_size" if tbs is None else "train_micro_batch_size_per_gpu",
+                        "DeepSpeed derives it from the others and DP: pass --dp to compute it")
 
 
 def _optimizer(t: Translation, opt: dict | None) -> None:
     """``optimizer.type`` (Adam/AdamW: Megatron's adam, SGD) and its ``params``."""
     if opt is None:
         return
-    kind = opt.get("type", "")
+    kind = str(opt.get("type") or "")
     if kind.lower() in ("adam", "adamw", "fusedadam"):
         t.add("optimizer.type", [["--optimizer", "adam"]],
               "Megatron's adam is AdamW (decoupled weight decay)" + (
@@ -485,45 +371,79 @@ def _optimizer(t: Translation, opt: dict | None) -> None:
         t.add("optimizer.type", [["--optimizer", "sgd"]], "SGD")
     else:
         t.no_equivalent("optimizer.type", f"{kind!r}: no Megatron optimizer of that name (adam, sgd, ...)")
-    for key, value in opt.get("params", {}).items():
+    params = opt.get("params") if isinstance(opt.get("params"), dict) else {}
+    flags = {"lr": ("--lr", "peak learning rate"), "weight_decay": ("--weight-decay", "decoupled weight decay"),
+             "eps": ("--adam-eps", "Adam epsilon")}
+    for key, value in params.items():
         full = f"optimizer.params.{key}"
-        if t.auto(full, value):
-            continue
-        if key == "lr":
-            t.add(full, [["--lr", value]], "peak learning rate")
-        elif key == "weight_decay":
-            t.add(full, [["--weight-decay", value]], "decoupled weight decay")
-        elif key == "eps":
-            t.add(full, [["--adam-eps", value]], "Adam epsilon")
-        elif key == "betas":
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in flags and number:
+            t.add(full, [[flags[key][0], value]], flags[key][1])
+        elif key == "betas" and isinstance(value, list) and len(value) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) for b in value):
             t.add(full, [["--adam-beta1", value[0]], ["--adam-beta2", value[1]]], "Adam betas")
+        elif key in flags or key == "betas":
+            t.no_equivalent(full, f"{ds_schema._show(value)}: DeepSpeed's parser takes it, its optimizer refuses it "
+                                  f"at deepspeed.initialize ({'two numbers' if key == 'betas' else 'a number'})")
         else:
             t.no_equivalent(full, "no equivalent flag")
 
 
 def _clipping_and_logging(t: Translation, config: dict) -> None:
-    clip = config.get("gradient_clipping")
-    if clip is not None and not t.auto("gradient_clipping", clip):
-        t.add("gradient_clipping", [["--clip-grad", clip]], "global grad-norm clipping")
-    steps = config.get("steps_per_print")
-    if steps is not None and not t.auto("steps_per_print", steps):
-        t.add("steps_per_print", [["--log-interval", _int(steps)]], "iterations between log lines")
+    for key, flag, reason in (("gradient_clipping", "--clip-grad", "global grad-norm clipping"),
+                              ("steps_per_print", "--log-interval", "iterations between log lines")):
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+            t.add(key, [[flag, int(value) if key == "steps_per_print" else value]], reason)
+        else:
+            t.no_equivalent(key, f"{ds_schema._show(value)}: not a number >= 0 (DeepSpeed's parser does not check it; "
+                                 f"its engine fails on it)")
 
 
 def _left_over(t: Translation, config: dict) -> None:
     """Every key present that no step translated: :data:`_NO_EQUIVALENT`'s reason, or not translated."""
-    for key in _NO_EQUIVALENT:
-        head, _, sub = key.partition(".")
-        present = (sub in config.get(head, {})) if sub else head in config
-        if present and key not in t.seen:
-            t.no_equivalent(key, _NO_EQUIVALENT[key])
-    for key in ("tensorboard", "wandb", "csv_monitor", "comms_logger", "sparse_gradients", "memory_breakdown",
-                "dump_state", "aio", "data_types", "checkpoint", "elasticity", "amp", "seed"):
-        if key in config:
-            t.no_equivalent(key, "not translated (logging, I/O or DeepSpeed-only feature)")
+    for key, reason in _NO_EQUIVALENT.items():
+        if t.given(key):
+            t.no_equivalent(key, reason)
+    untranslated = sorted(k for k in config if k in ds_schema.DEEPSPEED_KEYS and k not in ds_schema.MIRRORED
+                          and k not in _NO_EQUIVALENT)
+    for key in untranslated:
+        t.no_equivalent(key, "not translated (logging, I/O or a DeepSpeed-only feature; DeepSpeed's parser checks it)")
 
 
-# ----------------------------------------------------------------------------------- the course trainer
+def _semantics(t: Translation) -> None:
+    """Where DeepSpeed and Megatron differ under the same words, one line each."""
+    zero = t.checked.zero
+    t.semantics.append((
+        "weight decay", "DeepSpeed applies optimizer.params.weight_decay to every parameter it is handed -- "
+        "model.parameters() includes the biases and the LayerNorm weights -- while Megatron exempts biases and "
+        "1-D parameters (norms); hand DeepSpeed Megatron's two groups (python -m course_lib train "
+        "--deepspeed-config does)"))
+    if t.precision == "fp16" and t.checked.fp16["loss_scale"] == 0:
+        w = t.checked.fp16["loss_scale_window"]
+        t.semantics.append((
+            "fp16 loss scale", f"DeepSpeed's DynamicLossScaler first grows the scale after {w} + 1 clean steps "
+            f"(then every {w}), Megatron's after {w}; an overflow at min_loss_scale stops a DeepSpeed run with an "
+            f"exception, Megatron stays at the minimum and skips the step"))
+    t.semantics.append((
+        "overlap_comm", f"{'true' if zero['overlap_comm'] else 'false'} here"
+        + ("" if t.given("zero_optimization.overlap_comm") else " (DeepSpeed's default: true at stage 3 only)")
+        + ": a side stream for the grad reduction (and at stage 3 for the param all-gathers); Megatron's "
+          "--overlap-grad-reduce / --overlap-param-gather are two flags; DeepSpeed's CPU accelerator has no "
+          "side streams, so on CPU nothing overlaps"))
+    if t.stage == 3:
+        n = zero["stage3_param_persistence_threshold"]
+        t.semantics.append((
+            "param persistence", f"stage3_param_persistence_threshold {n}"
+            + ("" if t.given("zero_optimization.stage3_param_persistence_threshold") else " (DeepSpeed's default)")
+            + f": DeepSpeed keeps every parameter of <= {n} elements whole on every GPU (never gathered, "
+              f"all-gathered again after each step), Megatron-FSDP shards every parameter"))
+    if t.stage < 3 and t.checked.offload("param") != "none":
+        t.semantics.append((
+            "offload_param", f"device {t.checked.offload('param')} at stage {t.stage}: DeepSpeed ignores it below "
+                             f"stage 3 (only ZeRO-3 partitions parameters), nothing is offloaded"))
 
 
 def course_flags(t: Translation) -> tuple[list[str], list[str]]:
@@ -543,65 +463,83 @@ def course_flags(t: Translation) -> tuple[list[str], list[str]]:
     parser.parse_args(argv)            # every value is one the trainer accepts (argparse exits otherwise)
     return argv, left_out
 
-
 # ----------------------------------------------------------------------------------- bytes
 
 
-def state_bytes(t: Translation, num_params: float, dp: int) -> dict:
-    """Model-state bytes per GPU for ``num_params`` parameters (this GPU's share after TP/PP) over ``dp``.
+def state_bytes(t: Translation, num_params: float, dp: int, largest_layer: float = 0, nodes: int = 1) -> dict:
+    """Model-state bytes for ``num_params`` parameters per GPU's model (after TP/PP) over ``dp`` GPUs on
+    ``nodes`` nodes (:mod:`course_lib.megatron.ds_memory`):
 
-    ``deepspeed``: ZeRO's accounting (Rajbhandari et al. 2020 §3.1/§5, 16-bit: 2 + 2 + 12 bytes per
-    parameter, :func:`course_lib.sizing.model_state_bytes`; fp32 training: 4 + 4 + 8 by the same
-    rules). ``megatron``: :func:`course_lib.sizing.megatron_optimizer_bytes_per_param` (grads fp32
-    for bf16 -- Megatron's default -- and 16-bit for fp16) with, for Megatron-FSDP, the grads (stage >= 2) and params
-    (stage 3) divided by DP as ZeRO does. ``host``: what optimizer CPU offload moves off the GPU.
-    Each value is a ``ModelStateBytes`` (weights, grads, optimizer)."""
-    from course_lib.sizing import ModelStateBytes, megatron_optimizer_bytes_per_param, model_state_bytes
-
+    * ``"paper"``: ``(gpu, host)`` per GPU by ZeRO's accounting (16-bit 2 + 2 + 12; fp32 4 + 4 + 8),
+      the offloaded part on the host;
+    * ``"deepspeed"``: DeepSpeed's estimator (:class:`ds_memory.Estimate`, per GPU and per node,
+      itemised), None where DeepSpeed has none (stages 0-1, fp32 training); ``largest_layer`` = L;
+    * ``"megatron"``: the translated flags' :class:`~course_lib.sizing.ModelStateBytes` per GPU (all
+      of it), ``"megatron_gpu"`` / ``"megatron_host"`` its split under ``--optimizer-cpu-offload``."""
     rules.number("--num-params", num_params, low=0.0, low_open=True)
     dp = rules.integer("--dp", dp)
-    if t.precision == "fp32":
-        ds = model_state_bytes(num_params, dp, t.stage, k=8)
-        ds = ModelStateBytes(ds.weights * 2, ds.grads * 2, ds.optimizer)     # 4-byte weights and grads
+    off_opt, off_param = t.offload_optimizer is not None, t.offload_param is not None
+    paper = ds_memory.paper_bytes(t.stage, num_params, dp, t.precision, offload_optimizer=off_opt,
+                                  offload_param=off_param)
+    estimate = None if t.precision == "fp32" else ds_memory.deepspeed_estimate(
+        t.stage, num_params, dp, largest_layer, offload_optimizer=off_opt, offload_param=off_param, nodes=nodes)
+    gpu, host = ds_memory.megatron_bytes(t.stage, num_params, dp, t.precision,
+                                         offload_optimizer=t.offload_optimizer == "cpu")
+    from course_lib.sizing import ModelStateBytes
+
+    whole = ModelStateBytes(*(a + b for a, b in zip(gpu, host)))
+    return {"paper": paper, "deepspeed": estimate, "megatron": whole, "megatron_gpu": gpu, "megatron_host": host}
+
+
+def _bytes_lines(t: Translation, num_params: float, dp: int, largest_layer: float, nodes: int) -> list[str]:
+    b, fmt = state_bytes(t, num_params, dp, largest_layer, nodes), rules.format_bytes
+    per_node = dp // nodes
+    gpu, host = b["paper"]
+    lines = [f"model states ({num_params:.4g} parameters per GPU's model, DP {dp} on {nodes} node(s) of {per_node} "
+             f"GPUs" + (f", largest layer {largest_layer:.4g}" if t.stage == 3 else "") + "):",
+             f"  ZeRO paper ({'4 + 4 + 8' if t.precision == 'fp32' else '2 + 2 + 12'} per parameter): per GPU "
+             f"weights {fmt(gpu.weights)} + grads {fmt(gpu.grads)} + optimizer {fmt(gpu.optimizer)} = {fmt(gpu.total)}"
+             + (f"; host {fmt(host.total * per_node)} per node" if host.total else "")]
+    estimate = b["deepspeed"]
+    if estimate is None:
+        why = ("its estimators assume 16-bit mixed precision" if t.precision == "fp32" else
+               f"it has estimators for ZeRO-2 and ZeRO-3 only")
+        lines.append(f"  DeepSpeed {ds_schema.VERSION}: no estimate for ZeRO-{t.stage} in {t.precision} ({why})")
     else:
-        ds = model_state_bytes(num_params, dp, t.stage, k=12)
-    per = megatron_optimizer_bytes_per_param(dp, distributed_optimizer=t.stage >= 1,
-                                             params_dtype="fp32" if t.precision == "fp32" else t.precision,
-                                             grad_dtype="fp16" if t.precision == "fp16" else "fp32")
-    mg = ModelStateBytes(per.weights * num_params / (dp if t.stage == 3 else 1),
-                         per.grads * num_params / (dp if t.stage >= 2 else 1), per.optimizer * num_params)
-    out = {"deepspeed": ds, "megatron": mg}
-    if t.offload_optimizer == "cpu":
-        out["deepspeed_gpu"] = ModelStateBytes(ds.weights, ds.grads, 0.0)
-        out["megatron_gpu"] = ModelStateBytes(mg.weights, mg.grads, 0.0)
-    return out
+        lines.append(f"  DeepSpeed {ds_schema.VERSION}'s estimate_zero{t.stage}_model_states_mem_needs: per GPU "
+                     f"{fmt(estimate.gpu)}, host {fmt(estimate.host)} per node")
+        lines += [f"    {line}" for line in estimate.lines()]
+        if t.stage == 3 and not largest_layer:
+            lines.append("    (the largest layer is 0 here: pass --largest-layer L, or --model)")
+    mg, gpu, host = b["megatron"], b["megatron_gpu"], b["megatron_host"]
+    lines.append(f"  Megatron, these flags: weights {fmt(mg.weights)} + grads {fmt(mg.grads)} + optimizer "
+                 f"{fmt(mg.optimizer)} = {fmt(mg.total)}"
+                 + (f" (GPU {fmt(gpu.total)}, host {fmt(host.total)})" if host.total else ""))
+    return lines
 
 
-def report(t: Translation, num_params: float | None = None, dp: int | None = None, name: str = "ds_config") -> str:
-    """The text the CLI prints: flags, one line per translated key, bytes, one line per unmapped option."""
+def report(t: Translation, num_params: float | None = None, dp: int | None = None, name: str = "ds_config",
+           largest_layer: float = 0, nodes: int = 1) -> str:
+    """The text the CLI prints: flags, one line per translated key, the differences in semantics, bytes,
+    one line per unmapped option."""
     lines = [f"# {name}: ZeRO stage {t.stage}, {t.precision}"
-             + (f", DP {t.dp}" if t.dp else "") + f" (flags verified against Megatron-LM {VERIFIED_AT[0]} "
-             f"{VERIFIED_AT[1][:12]})", "Megatron-LM flags:", "  " + (t.command_line() or "(none: the defaults)")]
+             + (f", DP {t.dp}" if t.dp else "") + f" (DeepSpeed {ds_schema.VERSION}'s reading; flags verified "
+             f"against Megatron-LM {VERIFIED_AT[0]} {VERIFIED_AT[1][:12]})", "Megatron-LM flags:",
+             "  " + (t.command_line() or "(none: the defaults)")]
     argv, left_out = course_flags(t)
     nproc = f"--nproc-per-node {t.dp} " if t.dp else ""
     lines.append(f"course trainer (same flags, on CPU ranks): python -m course_lib train {nproc}{' '.join(argv)}"
                  + (f"  [not in the course trainer: {' '.join(left_out)}]" if left_out else ""))
     lines.append("from:")
-    for key, flags, reason in t.why:
-        lines.append(f"  {key} -> {flags}: {reason}")
+    lines += [f"  {key} -> {flags}: {reason}" for key, flags, reason in t.why]
+    lines.append("not the same in DeepSpeed and Megatron:")
+    lines += [f"  {what}: {difference}" for what, difference in t.semantics]
     dp = dp or t.dp
     if num_params is not None and dp:
-        b = state_bytes(t, num_params, dp)
-        fmt = rules.format_bytes
-        lines.append(f"model states per GPU ({num_params:.4g} parameters, DP {dp}):")
-        for label, key in (("DeepSpeed ZeRO-%d" % t.stage, "deepspeed"), ("Megatron, these flags", "megatron")):
-            s = b[key]
-            lines.append(f"  {label}: weights {fmt(s.weights)} + grads {fmt(s.grads)} + optimizer "
-                         f"{fmt(s.optimizer)} = {fmt(s.total)}"
-                         + (f" (GPU {fmt(b[key + '_gpu'].total)}, host {fmt(s.optimizer)})"
-                            if key + "_gpu" in b else ""))
+        lines += _bytes_lines(t, num_params, dp, largest_layer, nodes)
     else:
-        lines.append("model states per GPU: pass --num-params N and --dp D (or train_batch_size in the file)")
+        lines.append("model states per GPU: pass --num-params N" + ("" if dp else " and --dp D (or all three batch keys "
+                                                                           "in the file)"))
     if t.unmapped:
         lines.append("without a Megatron-LM equivalent:")
         lines += [f"  {key}: {reason}" for key, reason in t.unmapped]
@@ -612,12 +550,17 @@ def report(t: Translation, num_params: float | None = None, dp: int | None = Non
 
 
 def add_arguments(parser) -> None:
-    parser.description = ("Read a DeepSpeed ds_config.json and print the equivalent Megatron-LM flags, the model "
-                          "state bytes per GPU and every option without an equivalent.")
+    parser.description = ("Read a DeepSpeed ds_config.json and print the equivalent Megatron-LM flags, the "
+                          "differences in semantics, the model-state bytes per GPU and host (the ZeRO paper's, "
+                          "DeepSpeed's estimator's, Megatron's) and every option without an equivalent.")
     parser.add_argument("file", help="the DeepSpeed config (JSON)")
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel size (for --global-batch-size and bytes)")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel size (for the batch sizes and bytes)")
     parser.add_argument("--num-params", type=float, default=None,
                         help="parameters per GPU after TP/PP (e.g. 7.5e9), for the bytes per GPU")
+    parser.add_argument("--largest-layer", type=float, default=0,
+                        help="with --num-params: the most parameters one module owns (ZeRO-3's estimator gathers "
+                             "it whole; a GPT's word embedding, vocab x hidden)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the DP GPUs are on (host bytes are per node)")
     parser.add_argument("--model", default=None,
                         help="instead of --num-params: a course_lib.sizing preset ('GPT-3 175B', 'Llama-like 70B', "
                              "'1T (Narayanan Table 1)', 'tiny GPT (seed)'); its busiest stage's parameters per GPU")
@@ -625,24 +568,43 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="with --model: pipeline-model-parallel size")
 
 
+def _preset(model: str):
+    from course_lib import sizing
+
+    if model not in sizing.PRESETS:
+        raise ValueError(f"--model {model!r} is not a sizing preset: use one of {', '.join(sizing.PRESETS)}")
+    return sizing.PRESETS[model]["model"]
+
+
 def params_per_gpu(model: str, tp: int = 1, pp: int = 1) -> int:
     """Parameters on the busiest GPU (the largest pipeline stage) of a :data:`course_lib.sizing.PRESETS` model
     under ``tp`` x ``pp`` (:func:`course_lib.sizing.parameters_per_stage`, Narayanan Eq. 2 split by TP/PP)."""
     from course_lib import sizing
 
-    if model not in sizing.PRESETS:
-        raise ValueError(f"--model {model!r} is not a sizing preset: use one of {', '.join(sizing.PRESETS)}")
-    m = sizing.PRESETS[model]["model"]
+    m = _preset(model)
     return max(sizing.parameters_per_stage(m.num_layers, m.hidden_size, m.vocab_size, m.seq_length, m.num_heads,
                                            rules.integer("--tp", tp), rules.integer("--pp", pp)))
 
 
+def largest_layer_per_gpu(model: str, tp: int = 1) -> int:
+    """L of a preset under ``tp``: the larger of the word embedding's TP shard (``V/t x h``) and an MLP
+    layer's (``4h/t x h`` + its bias), the modules DeepSpeed's ZeRO-3 estimator gathers whole."""
+    m, t = _preset(model), rules.integer("--tp", tp)
+    h = m.hidden_size
+    return max(m.vocab_size * h // t, 4 * h * h // t + 4 * h // t)
+
+
 def run(args) -> int:
-    t = translate(load(args.file), dp=args.dp)
-    num_params = args.num_params
+    config = load(args.file, args.dp)
+    t = translate(config, dp=args.dp)
+    num_params, largest = args.num_params, args.largest_layer
     if args.model is not None:
         if num_params is not None:
             raise ValueError("--model and --num-params both give the parameters per GPU: pass one of them")
-        num_params = params_per_gpu(args.model, args.tp, args.pp)
-    print(report(t, num_params, args.dp, name=Path(args.file).name))
+        num_params, largest = params_per_gpu(args.model, args.tp, args.pp), largest_layer_per_gpu(args.model, args.tp)
+    if ds_schema.deepspeed_installed():                          # the keys the bridge does not translate
+        refused = ds_schema.deepspeed_verdict(config, t.dp or 1)
+        if refused:
+            raise ValueError(f"{args.file}: DeepSpeed {ds_schema.VERSION}'s own parser refuses it: {refused}")
+    print(report(t, num_params, args.dp, name=Path(args.file).name, largest_layer=largest, nodes=args.nodes))
     return 0

@@ -1,12 +1,19 @@
-"""Pictures of an MoE run: the dense and expert grids on one rank map, tokens per expert per rank.
+"""Pictures of an MoE run: the dense and expert grids on one rank map, the dispatch, tokens per expert per rank.
 
-Pure functions (matplotlib is imported when a figure is drawn): Lab 08 uses them.
+Pure functions (matplotlib is imported when a figure is drawn): Lab 08 uses them, and
+:func:`write_figures` draws its theory's pictures into ``figures/`` (``python -m course_lib figures``).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 __all__ = ["GRID_ROWS", "group_index_table", "expert_placement", "expert_placement_html", "plot_two_grids",
-           "tokens_per_expert", "plot_tokens_per_expert", "MOE_PHASES", "phase_order", "plot_moe_timeline"]
+           "plot_dispatch", "tokens_per_expert", "plot_tokens_per_expert", "MOE_PHASES", "phase_order",
+           "plot_moe_timeline", "write_figures"]
+
+# Rows per (source rank, expert) of the dispatch picture: 2 EP ranks, 4 experts, T·k = 8 rows each.
+DISPATCH_EXAMPLE = ((3, 1, 2, 2), (1, 2, 4, 1))
 
 # (label, which grid, token): the rows of the rank map, dense layers first.
 GRID_ROWS = (("dense TP", "dense", "tp"), ("dense DP (with CP)", "dense", "dp-cp"), ("PP", "dense", "pp"),
@@ -77,6 +84,77 @@ def plot_two_grids(grid, ax=None):
     return ax.figure
 
 
+def plot_dispatch(tokens_per_expert=DISPATCH_EXAMPLE, ax=None):
+    """The alltoall dispatch of ``tokens_per_expert`` (per source rank, rows per expert; rank j of the EP
+    group holds experts j·L .. j·L+L-1): each rank's rows sorted by expert (left), cut into one chunk per
+    destination, and what each rank receives, grouped by source rank (right). The counts exchange that
+    tells every rank its ``output_split_sizes`` is written between them. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    ep, experts = len(tokens_per_expert), len(tokens_per_expert[0])
+    local = experts // ep
+    colors = plt.get_cmap("tab10").colors
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 1.3 * ep + 1.2))
+    row_h = 0.8 / max(sum(c) for c in tokens_per_expert)
+
+    def bar(x, y, pieces, label):
+        """pieces: [(expert, rows, source)] drawn left to right; returns the x after the bar."""
+        ax.text(x - 0.05, y + 0.4, label, ha="right", va="center", fontsize=8)
+        for expert, rows, source in pieces:
+            for _ in range(rows):
+                ax.add_patch(Rectangle((x, y), row_h * 3, 0.8, facecolor=colors[expert], edgecolor="black",
+                                       linewidth=0.4, hatch="///" if source else ""))
+                x += row_h * 3
+        return x
+
+    for src, counts in enumerate(tokens_per_expert):
+        y = ep - 1 - src
+        bar(0.8, y, [(e, n, None) for e, n in enumerate(counts)], f"rank {src} sends")
+        for dst in range(1, ep):                   # where the rows for the next rank's experts begin
+            cut = 0.8 + row_h * 3 * sum(counts[:dst * local])
+            ax.plot([cut, cut], [y - 0.08, y + 0.88], color="black", linewidth=2.5)
+    for dst in range(ep):
+        y = ep - 1 - dst
+        mine = [(e, tokens_per_expert[src][e], src) for src in range(ep) for e in range(dst * local, (dst + 1) * local)]
+        bar(8.8, y, mine, f"rank {dst} receives")
+        counts = [[tokens_per_expert[src][e] for e in range(dst * local, (dst + 1) * local)] for src in range(ep)]
+        ax.text(5.3, y + 0.4, f"counts on rank {dst}\n[source][local expert]:\n{counts}", ha="center", va="center",
+                fontsize=7)
+    ax.annotate("", xy=(7.0, ep / 2), xytext=(3.6, ep / 2), arrowprops=dict(arrowstyle="->", lw=1.5))
+    handles = [Rectangle((0, 0), 1, 1, facecolor=colors[e]) for e in range(experts)]
+    handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///"))
+    ax.legend(handles, [f"expert {e} (on rank {e // local})" for e in range(experts)] + ["arrived from rank 1"],
+              fontsize=7, ncol=experts + 1, loc="lower center", bbox_to_anchor=(0.5, -0.3))
+    ax.set_xlim(-0.6, 12)
+    ax.set_ylim(-0.2, ep + 0.3)
+    ax.axis("off")
+    ax.set_title(f"Dispatch on {ep} EP ranks, {experts} experts: 1) all-to-all of the counts (E numbers), 2) "
+                 f"all-to-all of the rows, cut per destination (thick line), uneven splits", fontsize=9)
+    return ax.figure
+
+
+def write_figures(out_dir) -> list[Path]:
+    """Lab 08's theory pictures: the two grids of world 8, TP 2, PP 2, EP 2, expert TP 1
+    (``moe_two_grids_8_tp2_pp2_ep2.png``) and the dispatch (``moe_dispatch_ep2.png``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from course_lib.topology import RankGrid
+
+    out = []
+    for name, fig in (("moe_two_grids_8_tp2_pp2_ep2.png", plot_two_grids(RankGrid(8, tp=2, pp=2, ep=2, expert_tp=1))),
+                      ("moe_dispatch_ep2.png", plot_dispatch())):
+        path = Path(out_dir) / name
+        fig.savefig(path, dpi=80, bbox_inches="tight")
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
 def tokens_per_expert(indices_by_rank, num_experts: int) -> list[list[int]]:
     """Routing slots per expert, one list per rank: ``indices_by_rank`` is a list of [T, k] expert ids."""
     import torch
@@ -129,8 +207,8 @@ def phase_order(timeline: list) -> list[str]:
 def plot_moe_timeline(timelines: list, ax=None, title: str | None = None):
     """Per rank two rows of ``timelines`` (one list of spans per rank): compute (``route``, ``experts``,
     and ``forward`` / ``backward`` spans of other work) above, the two all-to-alls (``dispatch``,
-    ``combine``) below; milliseconds on the x axis. Drawn by Lab 07's
-    :func:`course_lib.distributed.timeline.plot_timeline` with the MoE phases as its lanes. Returns the axes."""
+    ``combine``) below; milliseconds on the x axis. Drawn by the course engine's timeline plot,
+    :func:`course_lib.distributed.timeline.plot_timeline`, with the MoE phases as its lanes. Returns the axes."""
     from course_lib.distributed.timeline import plot_timeline
 
     ax = plot_timeline(timelines, ax=ax, title=title, compute=("route", "experts", "forward", "backward"),

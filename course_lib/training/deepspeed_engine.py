@@ -32,9 +32,11 @@ The file and the flags, one run (:func:`apply_config`, called by
 * parameters are handed to DeepSpeed in Megatron's two groups (biases and 1-D parameters without
   weight decay, :func:`course_lib.optimizer.param_groups`), as Megatron-DeepSpeed does; given
   the bare ``model.parameters()`` DeepSpeed would decay every one of them;
-* DeepSpeed's own parser checks the file in the launching process (``DeepSpeedConfig``, every
-  section a pydantic model: an unknown or mistyped key is DeepSpeed's one-line error) and its
-  batch rule (``train_batch_size = micro x accumulation x DP``) for the world about to start.
+* the file is read with :func:`course_lib.safe_files.read_json` (a key given twice, NaN refused) and
+  judged in the launching process, for the world about to start, as DeepSpeed 0.19.8 judges it:
+  the bridge's mirror of its parser first (:func:`course_lib.megatron.ds_schema.check`, one line
+  naming the key), its batch rule (:func:`course_lib.rules.deepspeed_batch`), then DeepSpeed's own
+  ``DeepSpeedConfig`` for the keys the mirror does not read (:func:`ds_schema.deepspeed_verdict`).
 
 One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss = engine(tokens)``,
 ``engine.backward(loss)`` (DeepSpeed divides by the accumulation steps), ``engine.step()`` (the
@@ -47,7 +49,7 @@ token loss; the grad norm is DeepSpeed's (before clipping).
 The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as
 DeepSpeed holds them, walked from the engine (:func:`held_bytes`), appended as fields
 ``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | params on host (bytes): N |
-optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
+grads on host (bytes): N | optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
 optimizer state; "on host" is what ``offload_*`` moved to CPU memory (with ``DS_ACCELERATOR=cpu``
 the device *is* the CPU: the split is DeepSpeed's bookkeeping, not two memories).
 
@@ -64,7 +66,6 @@ import json
 import os
 import sys
 import time
-import types
 import warnings
 
 import torch
@@ -72,8 +73,10 @@ import torch.distributed as dist
 
 from course_lib import rules
 from course_lib.data import get_batch
-from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, print_line,
-                                      world_size_line)
+from course_lib.megatron import ds_schema
+from course_lib.megatron.ds_schema import import_deepspeed
+from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
+                                      print_line, world_size_line)
 from course_lib.model import GPTConfig, GPTModel
 from course_lib.optimizer import LRScheduler, param_groups
 
@@ -86,23 +89,29 @@ _NOT_WITH_DEEPSPEED = ("use_distributed_optimizer", "use_megatron_fsdp", "overla
 _ADAM_PARAMS = (("lr", "lr"), ("eps", "adam_eps"), ("weight_decay", "weight_decay"))
 
 
-def import_deepspeed():
-    """``deepspeed``, on the CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at import;
-    without oneCCL DeepSpeed's CPU accelerator talks gloo). Its JIT-built ops are cached per Python
-    environment (``TORCH_EXTENSIONS_DIR`` = ``<venv>/torch_extensions`` unless set): torch keys the cache
-    by op name only, so two clones' environments sharing ``~/.cache`` would rebuild each other's ops."""
-    if "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available():
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
-    import deepspeed
+def preload() -> None:
+    """Import in this process what ``deepspeed.initialize`` imports on first use -- its ZeRO optimizers, the
+    Muon module its optimizer check loads (whose ``torch.compile`` decorators pull in inductor), and the CPU
+    accelerator's shared-memory comm op -- so that ranks forked from here (``course_lib.launch``) start
+    with them: about 3 s less per rank on 2 cores."""
+    import_deepspeed()
+    import deepspeed.module_inject.auto_ep_layer  # noqa: F401
+    import deepspeed.runtime.superoffload  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+    from deepspeed.accelerator import get_accelerator
 
-    return deepspeed
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None and builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
 
 
 def build_ops() -> list[str]:
-    """Build (once; cached in ``<venv>/torch_extensions``, see :func:`import_deepspeed`) the C++ ops
-    DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op,
-    and ``async_io`` (NVMe offload) where libaio's headers are installed. ``make setup`` runs this, so that no run or test pays the build.
+    """Build (once; cached in ``<venv>/torch_extensions``, see :func:`course_lib.megatron.ds_schema.import_deepspeed`) the C++ ops
+    DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op, the
+    pinned-memory op (offload's host buffers), and ``async_io`` (NVMe offload) where libaio's headers are
+    installed. ``make setup`` runs this, so that no run or test pays the build.
     Returns the names built or found."""
     import shutil
 
@@ -113,34 +122,12 @@ def build_ops() -> list[str]:
     from deepspeed.accelerator import get_accelerator
 
     built = []
-    for name in ("ShareMemCommBuilder", "AsyncIOBuilder"):
+    for name in ("ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder"):
         builder = get_accelerator().create_op_builder(name)
         if builder is not None and builder.is_compatible(verbose=False):
             builder.load(verbose=False)
             built.append(builder.NAME)
     return built
-
-
-def read_config(path: str) -> dict:
-    """The JSON object in ``path``, duplicate keys refused (as DeepSpeed's loader does); one-line errors."""
-    def no_duplicates(pairs):
-        keys = [k for k, _ in pairs]
-        dup = next((k for k in keys if keys.count(k) > 1), None)
-        if dup is not None:
-            raise ValueError(f"deepspeed-config={path} has the key {dup!r} twice; keep one")
-        return dict(pairs)
-
-    if not os.path.isfile(path):
-        raise ValueError(f"deepspeed-config={path} does not exist; give the path of a ds_config.json")
-    try:
-        with open(path) as f:
-            config = json.load(f, object_pairs_hook=no_duplicates)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"deepspeed-config={path} is not valid JSON: {err.msg} at line {err.lineno} "
-                         f"column {err.colno}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"deepspeed-config={path} holds a {type(config).__name__}; a ds_config is a JSON object")
-    return config
 
 
 def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.Namespace) -> None:
@@ -150,46 +137,6 @@ def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.
         raise ValueError(f"{dest}={given} disagrees with {key}={value} in the deepspeed-config; "
                          f"drop --{dest.replace('_', '-')} (the file sets it) or change the file")
     setattr(a, dest, value)
-
-
-def _batch(config: dict, world: int) -> tuple[int, int, int]:
-    """``(train_batch_size, micro, accumulation)`` for ``world`` DP ranks, by DeepSpeed's own rule
-    (``DeepSpeedConfig._configure_train_batch_size``); its assertion comes back as one line."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    ns = types.SimpleNamespace(train_batch_size=config.get("train_batch_size"),
-                               train_micro_batch_size_per_gpu=config.get("train_micro_batch_size_per_gpu"),
-                               gradient_accumulation_steps=config.get("gradient_accumulation_steps"),
-                               world_size=world)
-    try:
-        DeepSpeedConfig._set_batch_related_parameters(ns)
-        DeepSpeedConfig._batch_assertion(ns)
-    except (AssertionError, TypeError, ZeroDivisionError) as err:
-        raise ValueError(f"deepspeed-config batch sizes on {world} rank(s): {str(err) or type(err).__name__} "
-                         f"(DeepSpeed: train_batch_size = train_micro_batch_size_per_gpu x "
-                         f"gradient_accumulation_steps x DP)") from None
-    return ns.train_batch_size, ns.train_micro_batch_size_per_gpu, ns.gradient_accumulation_steps
-
-
-def _check_with_deepspeed(config: dict, tbs_micro_ga: tuple) -> None:
-    """DeepSpeed's parser on the config (every section's pydantic model), with the resolved batch for
-    the world DeepSpeed's comm sees now (one rank before ``deepspeed.initialize``); its first error
-    lines come back as a ValueError."""
-    from deepspeed import comm
-    from deepspeed.runtime.config import DeepSpeedConfig
-
-    _, micro, ga = tbs_micro_ga
-    try:
-        seen = comm.get_world_size()
-    except (AssertionError, RuntimeError, AttributeError):
-        seen = 1
-    one = dict(config, train_batch_size=micro * ga * seen, train_micro_batch_size_per_gpu=micro,
-               gradient_accumulation_steps=ga)
-    try:
-        DeepSpeedConfig(one)
-    except (ValueError, AssertionError, TypeError, KeyError) as err:
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-        raise ValueError("deepspeed-config rejected by DeepSpeed: " + " / ".join(lines[:3])) from None
 
 
 def _check_fp16(fp16: bool) -> None:
@@ -232,7 +179,8 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
                            getattr(a, "virtual_pipeline_model_parallel_size", None),
                            [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest, None)])
     import_deepspeed()
-    config = read_config(a.deepspeed_config)
+    config = ds_schema.read(a.deepspeed_config, "--deepspeed-config")
+    ds_schema.check(config, world, require_batch=False)          # DeepSpeed's verdict on what the bridge reads
     notes = []
     if not any(k in config for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
                                       "gradient_accumulation_steps")):
@@ -241,7 +189,7 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
         config["train_batch_size"] = global_batch
         notes.append(f"deepspeed-config: train_micro_batch_size_per_gpu={a.micro_batch_size}, "
                      f"train_batch_size={global_batch} from --micro-batch-size / --global-batch-size")
-    tbs, micro, ga = _batch(config, world)
+    tbs, micro, ga = rules.deepspeed_batch(*(config.get(k) for k in ds_schema.BATCH_KEYS), world)
     config.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ga)
     for key, dest in _BATCH:
         _take(a, dest, config[key], key, defaults)
@@ -284,7 +232,9 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
         notes.append("deepspeed-config: zero_force_ds_cpu_optimizer=false added (optimizer offload with "
                      "torch.optim.AdamW instead of the g++-built DeepSpeedCPUAdam)")
     _check_nvme(zero)
-    _check_with_deepspeed(config, (tbs, micro, ga))
+    refused = ds_schema.deepspeed_verdict(config, world)           # and on every key it does not read
+    if refused:
+        raise ValueError(f"deepspeed-config rejected by DeepSpeed: {refused}")
     a.deepspeed = {"config": config, "client_optimizer": opt is None, "megatron_schedule": "scheduler" not in config}
     a.deepspeed_notes = tuple(notes)
     return a
@@ -359,42 +309,56 @@ def _unique(tensors) -> list:
 
 
 def held_bytes(engine, stage: int) -> dict:
-    """This rank's model-state bytes as DeepSpeed holds them after a step:
-    ``{"params", "grads", "optimizer", "params_host", "optimizer_host"}``.
+    """This rank's model-state bytes as DeepSpeed holds them after a step, where it holds them:
+    ``{"params", "grads", "optimizer", "params_host", "grads_host", "optimizer_host"}``.
 
     ``params``: the module's parameters (ZeRO-3: this rank's partitions ``p.ds_tensor``, plus the
     parameters under ``stage3_param_persistence_threshold``, which every rank also keeps whole on the
-    device); ``grads``: the gradient buffers still allocated
-    (``p.grad``, ZeRO-1/2's ``averaged_gradients`` / ipg buffer, ZeRO-3's flat grad partition);
-    ``optimizer``: the fp32 master copy (ZeRO: this rank's flat partition) and the optimizer
-    state (Adam's two moments). ``*_host``: the same, moved to CPU memory by ``offload_param`` /
-    ``offload_optimizer``."""
+    device); ``grads``: the gradient buffers still allocated (``p.grad``; ZeRO-1/2's
+    ``averaged_gradients``, ipg buffer and the device staging buffer of offload; ZeRO-3's flat
+    16-bit grad partition and its reduce bucket, ``reduce_bucket_size`` elements); ``optimizer``: the
+    fp32 master copy (ZeRO: this rank's flat partition) and the optimizer state (Adam's two moments).
+    ``*_host``: what ``offload_optimizer`` / ``offload_param`` keep in CPU memory: under optimizer
+    offload DeepSpeed allocates the gradient partition itself on the host (ZeRO-3: ``self.device`` is
+    the CPU), an fp32 gradient for the host optimizer's master partition (ZeRO-1/2 also a 16-bit copy
+    of the params partition and a host staging buffer); under param offload (ZeRO-3) the param partition."""
     opt = engine.optimizer
     base = getattr(opt, "optimizer", opt)
     state = _unique(t for st in base.state.values() for t in _tensors(st) if t.dim() > 0)
     params = list(engine.module.parameters())
-    whole = []                   # parameters every rank holds whole (ZeRO-3: the persistent ones, on the device)
+    whole, params_host = [], []      # whole: what every rank holds whole (ZeRO-3: the persistent parameters)
     if stage == 3:
         held = _unique(p.ds_tensor for p in params)
         whole = _unique(p.data for p in params if getattr(p, "ds_persist", False))
         master = _unique(_tensors(getattr(opt, "fp32_partitioned_groups_flat", [])))
-        grads = _unique(list(_tensors(getattr(opt, "grad_partitions_flat_buffer", None)))
-                        + list(_tensors(getattr(opt, "_DeepSpeedZeroOptimizer_Stage3__ipg_bucket_flat_buffer", None))))
+        partition = _unique(_tensors(getattr(opt, "grad_partitions_flat_buffer", None)))
+        bucket = _unique(getattr(b, "buffer", None) for b in getattr(opt, "ipg_buckets", {}).values()
+                         if isinstance(getattr(b, "buffer", None), torch.Tensor))
         off_opt = bool(getattr(opt, "offload_optimizer", False))
         off_param = bool(getattr(opt, "offload_param", False))
+        grads, grads_host = (bucket, partition) if off_opt else (bucket + partition, [])
     else:
         held = _unique(p.data for p in params)
         master = _unique(_tensors(getattr(opt, "single_partition_of_fp32_groups", [])))
         if not master and hasattr(opt, "fp32_groups_flat_partition"):       # bf16 at stage 0 (BF16_Optimizer)
             master = _unique(_tensors(opt.fp32_groups_flat_partition))
         grads = _unique([p.grad for p in params] + list(_tensors(getattr(opt, "averaged_gradients", {}), 3))
-                        + list(_tensors(getattr(opt, "ipg_buffer", None))))
+                        + list(_tensors(getattr(opt, "ipg_buffer", None)))
+                        + list(_tensors(getattr(opt, "temp_grad_buffer_for_gpu_offload", None))))
         off_opt = bool(getattr(opt, "cpu_offload", False))
         off_param = False
+        grads_host = _unique(_tensors(getattr(opt, "temp_grad_buffer_for_cpu_offload", None)))
+        params_host = _unique(_tensors(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)))
+    master_grads = _unique(m.grad for m in master)
+    if off_opt:
+        grads_host = _unique(grads_host + master_grads)
+    else:
+        grads = _unique(grads + master_grads)
     optimizer = _nbytes(master) + _nbytes(state)
     return {"params": _nbytes(whole) + (0 if off_param else _nbytes(held)), "grads": _nbytes(grads),
             "optimizer": 0 if off_opt else optimizer,
-            "params_host": _nbytes(held) if off_param else 0, "optimizer_host": optimizer if off_opt else 0}
+            "params_host": _nbytes(params_host) + (_nbytes(held) if off_param else 0),
+            "grads_host": _nbytes(grads_host), "optimizer_host": optimizer if off_opt else 0}
 
 
 def offload_devices(config: dict) -> dict:
@@ -411,6 +375,7 @@ def _state_fields(held: dict, devices: dict) -> str:
     return "".join(f" | {label} (bytes): {held[key]}" for key, label in
                    (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
                     ("params_host", f"params on {devices['params']}"),
+                    ("grads_host", f"grads on {devices['optimizer']}"),
                     ("optimizer_host", f"optimizer on {devices['optimizer']}")))
 
 
@@ -422,7 +387,10 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     Returns this rank's record, as :func:`course_lib.train.pretrain`'s: ``lm_loss`` (every rank),
     ``grad_norm``, ``learning_rate``, ``elapsed_ms``, ``skipped``, ``loss_scale`` per iteration,
     ``logged`` (last rank), ``memory`` and ``state_bytes`` (:func:`held_bytes`), ``num_parameters``,
-    ``zero_stage``."""
+    ``zero_stage``, and ``phases``: this rank's ``{"kind", "iteration", "micro", "start", "end"}`` spans
+    (``time.perf_counter()`` seconds; kind ``forward``, ``backward`` or ``step``: DeepSpeed's
+    ``engine.step()``, the optimizer at the accumulation boundary), the clock a recorder of the
+    process group's collectives can place them on."""
     deepspeed = import_deepspeed()
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -453,10 +421,11 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
         print_line(parameters_line(0, 0, num_parameters))
     torch.manual_seed(args.seed)
     record = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [], "skipped": [], "loss_scale": [],
-              "logged": [], "num_parameters": num_parameters, "zero_stage": stage, "coords": {"dp": rank}}
-    total, advanced, skipped_in_interval, report_memory = 0.0, 0, 0, True
+              "logged": [], "num_parameters": num_parameters, "zero_stage": stage, "coords": {"dp": rank},
+              "phases": []}
+    report_memory = True
     dist.barrier()
-    interval_start = time.perf_counter()
+    interval = LogInterval(time.perf_counter())
     for iteration in range(1, args.train_iters + 1):
         it_start = time.perf_counter()
         skipped_before, own_norm = engine.skipped_steps, float("nan")
@@ -464,13 +433,19 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
         for j in range(ga):
             b = get_batch(iteration - 1, j, rank, world, micro, args.seq_length, args.seed,
                           global_batch_size=global_batch_size)
+            marks = [time.perf_counter()]
             logits = engine(b["tokens"].to(engine.device))                               # [s, micro, V]
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                      b["labels"].t().reshape(-1).to(engine.device))
+            marks.append(time.perf_counter())
             engine.backward(loss)
             if j == ga - 1 and stage == 0:       # the averaged grads (ZeRO-0 reports no norm in fp32)
                 own_norm = _grad_norm(engine.module.parameters())
+            marks.append(time.perf_counter())
             engine.step()
+            marks.append(time.perf_counter())
+            record["phases"] += [{"kind": kind, "iteration": iteration, "micro": j, "start": t0, "end": t1}
+                                 for kind, t0, t1 in zip(("forward", "backward", "step"), marks, marks[1:])]
             loss_sum += loss.detach().double().cpu()
         dist.all_reduce(loss_sum)                      # equal token counts: the mean of the micro-batch means
         lm_loss = float(loss_sum) / (ga * world)
@@ -483,24 +458,21 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
                            ("elapsed_ms", (time.perf_counter() - it_start) * 1000.0), ("skipped", skipped),
                            ("loss_scale", scale)):
             record[key].append(value)
-        skipped_in_interval += skipped
-        total += 0.0 if skipped else lm_loss
-        advanced += 1
+        interval.add(lm_loss, skipped)
         first = iteration == 1
         if iteration % args.log_interval == 0 or first:
             dist.barrier()
-            elapsed_ms = (time.perf_counter() - interval_start) * 1000.0 / advanced
-            avg = total / max(1, advanced - skipped_in_interval)
+            elapsed_ms = interval.elapsed_ms(time.perf_counter())
+            avg, _ = interval.averages()
             if rank == world - 1:
                 print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
                                           elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
                                           lm_loss=avg, grad_norm=norm, loss_scale=scale,
-                                          skipped_iterations=skipped_in_interval))
+                                          skipped_iterations=interval.skipped))
                 record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
                                              learning_rate=lr, grad_norm=norm))
-            if not first:
-                total, advanced, skipped_in_interval = 0.0, 0, 0
-                interval_start = time.perf_counter()
+            if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
+                interval = LogInterval(time.perf_counter())
             if report_memory:
                 held = held_bytes(engine, stage)
                 device = held["params"] + held["grads"] + held["optimizer"]

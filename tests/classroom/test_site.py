@@ -27,7 +27,7 @@ from course_lib.classroom.notebooks.generator import make_lab, stub_source
 from course_lib.classroom.notebooks.stamp import read_notebook
 from course_lib.classroom.site import pictures, readme
 from course_lib.classroom.site.browser import Chromium, find_chromium
-from course_lib.classroom.site.reader import leaked_lines, reader_notebook, solution_lines
+from course_lib.classroom.site.reader import SUCCESS_LABEL, leaked_lines, reader_notebook, solution_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -72,7 +72,8 @@ def test_reader_notebook_shows_the_stub_and_drops_the_exercise_outputs():
     assert cells[2]["source"] == stub_source(EXERCISE + "print(double(2))")[0]
     assert "secret_answer" not in cells[2]["source"] and "raise NotImplementedError('twice x')" in cells[2]["source"]
     assert cells[2]["outputs"] == [] and cells[2]["execution_count"] is None   # the printed answer is gone
-    assert cells[3]["outputs"] == [_stream("✓ double is right\n")]            # the checker's verdict stays
+    # the checker's verdict was printed for the solution: under the stub it is shown only as what success looks like
+    assert cells[3]["outputs"] == [_stream(SUCCESS_LABEL + "✓ double is right\n")]
     assert "widgets" not in reader_notebook(solution)["metadata"]
     assert solution == _tiny_solution()                                       # the input is untouched
 
@@ -85,6 +86,16 @@ def test_solution_lines_are_the_hidden_lines_and_a_planted_one_is_caught():
     planted = lab_text + "\n        return secret_answer   \n"
     assert leaked_lines(planted, secret) == ["return secret_answer"]
     assert leaked_lines("return secret_answer_not", secret) == []  # lines, not substrings
+
+
+def test_no_page_shows_a_verdict_under_a_stub_unlabelled():
+    """Every stored "✓ ..." line of every lab reaches its page only under the label (the first output of a cell
+    that holds a verdict begins with it; the outputs after it are shown under it)."""
+    for path in SOLUTIONS:
+        for cell in reader_notebook(read_notebook(path))["cells"]:
+            texts = ["".join(o.get("text", "")) for o in cell.get("outputs", []) if o.get("output_type") == "stream"]
+            first = next((t for t in texts if any(line.startswith("✓") for line in t.splitlines())), None)
+            assert first is None or first.startswith(SUCCESS_LABEL), (path.name, first[:80])
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)

@@ -111,6 +111,7 @@ def configs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(configs):
+    deepspeed_engine.preload()                        # the ranks fork with DeepSpeed's lazy imports done
     start = time.perf_counter()
     res = launch(_on_ranks, world_size=WORLD, output="none", timeout=600, paths=configs[1])
     print(f"\n[deepspeed] one launch, {len(configs[1])} configs x (DeepSpeed + ours): {time.perf_counter() - start:.1f} s; "
@@ -155,19 +156,28 @@ def test_weight_decay_follows_megatron_groups():
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
 
 
-def _expected_bytes(num_params: int, persistent: int, stage: int, offload: set) -> dict:
-    """What DeepSpeed holds per rank in fp32 over d = WORLD after a step: ZeRO-0 the params and Adam's
-    two moments; ZeRO-1/2 also an fp32 master partition (4 + 8 bytes over d; grads freed after the
-    step); ZeRO-3 the param partition, the fp32 grad partition, and the small params whole on every rank."""
+def _expected_bytes(num_params: int, persistent: int, largest: int, stage: int, offload: set, bucket: int) -> dict:
+    """What DeepSpeed holds per rank in fp32 over d = WORLD after a step (the allocations
+    ``held_bytes`` names): ZeRO-0 the params and Adam's two moments; ZeRO-1/2 also an fp32 master
+    partition (4 + 8 bytes over d; grads freed after the step); ZeRO-3 the param partition, the grad
+    partition, its reduce bucket (``bucket`` elements) and the small params whole on every rank.
+    Optimizer offload keeps on the host the optimizer, the master's fp32 grad and (ZeRO-3) the grad
+    partition itself; ZeRO-1/2 also a params-partition copy and two staging buffers of the largest param."""
     d = WORLD
+    part = 4 * num_params // d
     optimizer = 8 * num_params if stage == 0 else 12 * num_params // d
-    params = 4 * num_params if stage < 3 else 4 * num_params // d
-    out = {"params": params, "grads": 0 if stage < 3 else 4 * num_params // d, "optimizer": optimizer,
-           "params_host": 0, "optimizer_host": 0}
+    out = {"params": 4 * num_params if stage < 3 else part, "grads": 0, "optimizer": optimizer,
+           "params_host": 0, "grads_host": 0, "optimizer_host": 0}
+    if stage == 3:
+        out["grads"] = 4 * bucket + part
     if "optimizer" in offload:
         out["optimizer"], out["optimizer_host"] = 0, optimizer
+        if stage == 3:
+            out["grads"], out["grads_host"] = 4 * bucket, 2 * part
+        else:
+            out["grads"], out["grads_host"], out["params_host"] = 4 * largest, part + 4 * largest, part
     if "param" in offload:
-        out["params"], out["params_host"] = 0, params
+        out["params"], out["params_host"] = 0, part
     if stage == 3:
         out["params"] += 4 * persistent
     return out
@@ -177,20 +187,21 @@ def test_memory_line_shows_the_bytes_deepspeed_holds(configs, runs):
     from course_lib.model import GPTModel
 
     params = list(GPTModel(gpt_config_from_args(parse_args(MODEL))).parameters())
-    n = sum(p.numel() for p in params)
+    n, largest = sum(p.numel() for p in params), max(p.numel() for p in params)
     persistent = sum(p.numel() for p in params if p.numel() <= THRESHOLD)
     for name, (config, stage) in configs[0].items():
         if "bf16" in name:
             continue
         zero = config["zero_optimization"]
         offload = {k for k in ("optimizer", "param") if f"offload_{k}" in zero}
-        want = _expected_bytes(n, persistent, stage, offload)
+        want = _expected_bytes(n, persistent, largest, stage, offload, zero.get("reduce_bucket_size", 500_000_000))
         where = "nvme" if "nvme" in name else "host"
         for rank, r in enumerate(runs):
             assert r[name]["state_bytes"] == want, (name, rank, r[name]["state_bytes"], want)
             (mem, *_) = parse_log(r[name]["log"]).memory
             assert mem["rank"] == rank and mem["source"] == deepspeed_engine.MEMORY_SOURCE
             assert mem["params_bytes"] == want["params"] and mem[f"optimizer_on_{where}_bytes"] == want["optimizer_host"]
+            assert mem[f"grads_on_{where}_bytes"] == want["grads_host"]
             assert mem["allocated_mb"] == pytest.approx((want["params"] + want["grads"] + want["optimizer"]) / 2 ** 20,
                                                         abs=0.006)
 
@@ -217,10 +228,11 @@ def test_nvme_offload_runs_or_is_refused_in_one_line(configs, tmp_path):
     (CONFIGS["zero1"][0], ["--use-distributed-optimizer"], "--use-distributed-optimizer with --deepspeed-config"),
     (CONFIGS["zero1"][0], ["--micro-batch-size", "4"],
      "micro_batch_size=4 disagrees with train_micro_batch_size_per_gpu=2"),
-    ({**BATCH, "train_batch_size": 6}, [], "deepspeed-config batch sizes on 2 rank"),
+    ({**BATCH, "train_batch_size": 6}, [], r"train_batch_size=6 != 2 x 1 x 2 .* DP \(2\)"),
     ({**BATCH, "zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5}}, [],
-     "deepspeed-config rejected by DeepSpeed: .*stage3_prefetch_bucket"),
-    ({**BATCH, "gradient_accumulation_steps": 0}, [], "deepspeed-config batch sizes"),
+     "zero_optimization.stage3_prefetch_bucket is not a key .* did you mean zero_optimization.stage3_prefetch_bucket_size"),
+    ({**BATCH, "gradient_accumulation_steps": 0}, [], "gradient_accumulation_steps=0 .* is not > 0"),
+    ({**BATCH, "tensorboard": {"enabled": "maybe"}}, [], "deepspeed-config rejected by DeepSpeed: ValidationError"),
 ])
 def test_bad_configs_fail_in_one_line(tmp_path, config, extra, message):
     path = tmp_path / "ds.json"
@@ -246,7 +258,7 @@ def test_fp16_runs_only_where_deepspeeds_accelerator_has_it(tmp_path):
 def test_duplicate_keys_are_refused(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text('{"train_batch_size": 8, "train_batch_size": 4}')
-    with pytest.raises(ValueError, match="has the key 'train_batch_size' twice"):
+    with pytest.raises(ValueError, match="the key 'train_batch_size' appears twice"):
         validate_args(parse_args(MODEL + ["--deepspeed-config", str(path)]), WORLD, check_memory=False)
 
 

@@ -20,7 +20,25 @@ module                      exercises                                           
 ``zero_stages``             ZeRO's bytes per rank by stage, what a ds_config shards                   07
 ``moe``                     the expert groups, the all-to-all dispatch, the aux loss                  08
 ``checkpoints``             a TP layer's sharded state dict on ranks, the read plan of a reshard      09
+``review``                  the student's answers to the review questions                             07, 08
 ==========================  =======================================================================  ========
+
+One proof mechanism serves them all:
+
+* **The course's own answer is refused, however wrapped.** :mod:`~course_lib.classroom.checks.references`
+  names, for every exercise, the course code that computes its answer; :func:`call_student`,
+  :func:`checked_call` and :func:`~course_lib.classroom.checks.verdicts.run_student` refuse it when
+  it runs inside the student's call (directly, through a wrapper or a partial, or as a copy of its
+  code), and refuse every function of the checker modules themselves (their truth tables, their
+  input generators) the same way.
+* **Where the lesson is an algorithm on ranks, it is proven by the wire.** The checked process
+  group (:mod:`~course_lib.classroom.checks.wire`) records every op and *what it carried*; each
+  rank's inputs are drawn from ``os.urandom`` on that rank, so no rank can rebuild another's and
+  the right numbers need the real exchange; the truth is computed after the student's function
+  returned, by the checker's own collectives; and where the lesson is blockwise compute (ring
+  attention) the largest tensor the rank built is measured too.
+* **Where the lesson is a formula, it asks for the parts** (ZeRO's bytes as params / grads /
+  optimizer), so a confusion shows in the part it is in.
 
 Every checker prints one verdict line and never raises: when the student's
 function still raises ``NotImplementedError`` it prints "not attempted yet",
@@ -40,27 +58,38 @@ cells. The robust comparisons and the communication checks are in
 """
 
 
-def try_student(fn, *args):
-    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised or patched the library
-    (a :class:`~course_lib.classroom.checks.verdicts.LibraryPatched`; the patch is undone)."""
+def try_student(fn, *args, references=()):
+    """``(value, None)``, or ``(None, exception)`` when ``fn`` raised, patched the library (a
+    :class:`~course_lib.classroom.checks.verdicts.LibraryPatched`; the patch is undone) or ran the course's
+    own code (``references``, and any checker function: a ``LibraryPatched`` naming it too)."""
     from course_lib.classroom.checks.verdicts import LibraryPatched, run_student
 
-    run = run_student(fn, *args)
+    run = run_student(fn, *args, references=references)
+    if run.patched or run.course_code:
+        return None, LibraryPatched(run.problem())
     if run.error is not None:
         return None, run.error
-    if run.patched:
-        return None, LibraryPatched(run.problem())
     return run.value, None
 
 
-def call_student(fn, *args):
+def call_student(fn, *args, references=()):
     """``(value, None)``, or ``(None, message)`` when ``fn`` raised; ``NotImplementedError`` -> ``(None, "todo")``."""
-    value, exc = try_student(fn, *args)
+    value, exc = try_student(fn, *args, references=references)
     if exc is None:
         return value, None
     if isinstance(exc, NotImplementedError):
         return None, "todo"
     return None, f"{type(exc).__name__}: {exc}"
+
+
+def refused_call(message) -> bool:
+    """Print the verdict when a :func:`call_student` message says the call patched the library or ran the
+    course's own code (nothing about the value can help then); True when printed."""
+    prefix = "LibraryPatched: "
+    if isinstance(message, str) and message.startswith(prefix):
+        print(f"✗ {message[len(prefix):]}")
+        return True
+    return False
 
 
 def outcome(value, message) -> str:

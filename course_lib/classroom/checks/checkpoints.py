@@ -19,7 +19,7 @@ Exercise 2, :func:`check_read_plan`
     executes the plan on every rank of six reshardings (TP2->TP4, TP4->TP2, TP2->one process, uneven
     chunks, 2-d blocks, a replicated bias) against chunks that can only be read through it, and counts
     what each rank read: every element of the piece read exactly once, nothing outside the chunks.
-    torch's own overlap planner is refused.
+    torch's own overlap planner and the course's ``PieceLoadPlanner`` are refused.
 
 Exercise 3, :func:`check_review_answers`
     the student's answers to the lab's review questions; a light check (written, the right notions
@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
 from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces
 
@@ -76,12 +77,6 @@ def _mlp_parts():
         for p in dense.parameters():
             p.copy_(torch.randn(p.shape))      # biases too: every value tells where it came from
     return config, dense, ParallelMLP, copy_dense_to_parallel
-
-
-def _references():
-    from course_lib.training.checkpointing import global_spec, sharded_state_dict
-
-    return (sharded_state_dict, global_spec)
 
 
 def _entries(value, mlp) -> tuple[dict | None, str | None]:
@@ -126,7 +121,7 @@ def _stage(fn, mlp, tp: int, tp_rank: int, action, report: dict) -> bool:
     report["tp_rank"] = tp_rank
     report["want"] = {n: global_spec(p, p, tp, tp_rank) for n, p in mlp.named_parameters()}
     report["local"] = {n: tuple(p.shape) for n, p in mlp.named_parameters()}
-    run = run_student(fn, mlp, tp_rank, tp, references=_references())
+    run = run_student(fn, mlp, tp_rank, tp, references=references_for("mlp_sharded_state_dict"))
     pieces, problem = (None, "todo") if run.todo else (None, run.problem())
     report["course_code"] = run.course_code
     if problem is None:
@@ -432,12 +427,15 @@ def check_read_plan(fn) -> bool:
     for case, shape, saved, pieces in RESHARDINGS:
         full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
         for rank, want in enumerate(pieces):
-            run = run_student(fn, [tuple(c) for c in saved], tuple(want), references=_torch_planners())
+            run = run_student(fn, [tuple(c) for c in saved], tuple(want),
+                              references=(*references_for("read_plan"), *_torch_planners()))
             if run.todo:
                 return not_attempted(name)
             if run.course_code:
-                print(f"✗ {name} runs torch's own {run.course_code[0]}: the exercise is to compute the overlaps "
-                      f"yourself (reading it is fine)")
+                used = run.course_code[0]
+                print("✗ " + (course_code_hint(used) if used.startswith("course_lib") else
+                              f"{name} runs torch's own {used}: the exercise is to compute the overlaps "
+                              f"yourself (reading it is fine)"))
                 return False
             if run.problem():
                 print(f"✗ {name} ({case}, rank {rank}): {run.problem()}")
@@ -496,7 +494,7 @@ def _answer_problem(key: str, text, numbers) -> str | None:
 def check_review_answers(fn, *sources) -> bool:
     """``fn() -> {"resume", "reshard", "crash": str}``: each answered in a few sentences that name what the
     runs showed; "resume" cites a number of ``sources`` (the runs' results)."""
-    answers, problem = checked_call(fn)
+    answers, problem = checked_call(fn, references=references_for("my_answers_09"))
     if problem == "todo":
         return not_attempted("my_answers")
     if problem is None and not isinstance(answers, dict):

@@ -1,5 +1,8 @@
 """Checkers for the collectives built by hand (Lab 00, exercises 1-2), proven by what ran on real ranks.
 
+Every rank draws its inputs from ``os.urandom`` (no rank can rebuild another's, so the sum needs
+real messages), and the checker computes the truth with its own all-reduce after the student's call.
+
 * ``check_ring_all_reduce(fn)``: ``fn(x) -> sum over ranks``, built from point-to-point
   messages only. Runs on 2, 3 and 4 ranks whose process group refuses collectives
   (:func:`course_lib.classroom.checks.verdicts.point_to_point_only`: however they are reached) and
@@ -9,7 +12,8 @@
   buggy rings, so each bug gets its own hint (an all-gather bug is not told to fix its
   reduce-scatter).
 * ``check_all_reduce_from_halves(fn)``: all-reduce written as one reduce-scatter and one
-  all-gather; the recorded collectives must be exactly those two.
+  all-gather; the recorded collectives must be exactly those two, the reduce-scatter carrying the
+  rank's input and the all-gather the summed shard it received.
 
 :func:`launch_trials`, :func:`student_trial` and :func:`course_code_used` run such trials on checked
 ranks; :mod:`course_lib.classroom.checks.grad_sync` uses them too.
@@ -26,18 +30,18 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from course_lib import collectives
 from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
                                                   describe_ops, launch_checked, point_to_point_only,
-                                                  refused_collective, run_student, safe_repr, wire_recorder)
+                                                  refused_collective, run_student, safe_repr, secret_generator,
+                                                  wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 
 WORLD_SIZES = (2, 3, 4)
 NUMELS = (4, 12, 10, 1)  # multiples of W first, then not divisible, then fewer elements than ranks
 P2P_RULE = ("this exercise builds all-reduce from point-to-point messages only (dist.send/recv, isend/irecv, "
             "batch_isend_irecv); collectives are switched off in the process group itself")
-_RING_REFERENCES = (collectives.ring_all_reduce, collectives.apply_collective)
 
 
 # ------------------------------------------------------------------- trials on checked ranks
@@ -51,15 +55,15 @@ def _as_picklable(value):
 
 
 def student_trial(fn, *args, references=()) -> dict:
-    """Run the student's code on this rank, recording every op. An exception (a refused collective
-    too) is raised again, so that the launch fails at once and names the first rank that failed."""
+    """Run the student's code on this rank, recording every op and what it carried. An exception (a refused
+    collective too) is raised again, so that the launch fails at once and names the first rank that failed."""
     with wire_recorder() as rec:
         run = run_student(fn, *args, references=references)
     if run.error is not None:
         raise run.error
     if run.patched:
         raise LibraryPatched(run.problem())
-    return dict(got=_as_picklable(run.value), course_code=run.course_code, events=rec.events)
+    return dict(got=_as_picklable(run.value), course_code=run.course_code, events=rec.events, carried=rec.carried)
 
 
 def launch_trials(rank_fn, world: int, timeout: float, name: str, **kwargs):
@@ -124,22 +128,25 @@ def course_code_used(per_rank: list) -> bool:
 # ------------------------------------------------------------- exercise 1: the ring
 
 
+def _secret_inputs(numels) -> list:
+    """This rank's inputs, small whole numbers drawn from ``os.urandom`` (exact sums; no rank can rebuild another's)."""
+    g = secret_generator()
+    return [torch.randint(-9, 10, (numel,), generator=g).float() for numel in numels]
+
+
+def _summed(x: torch.Tensor) -> torch.Tensor:
+    """The checker's own all-reduce of ``x``, run after the student's call."""
+    y = x.clone()
+    dist.all_reduce(y)
+    return y
+
+
 def _rank_ring_trial(fn, numels):
-    rank = dist.get_rank()
-    inputs = []
-    for numel in numels:
-        g = torch.Generator().manual_seed(1000 * numel + rank)
-        inputs.append(torch.randint(-9, 10, (numel,), generator=g).float())
-    expected = []
-    for x in inputs:
-        y = x.clone()
-        dist.all_reduce(y)  # the checker's own reference, before collectives are switched off
-        expected.append(y)
     results = []
-    for x, want in zip(inputs, expected):
+    for x in _secret_inputs(numels):
         with point_to_point_only(P2P_RULE):
-            trial = student_trial(fn, x.clone(), references=_RING_REFERENCES)
-        results.append(dict(trial, numel=x.numel(), x=x, want=want))
+            trial = student_trial(fn, x.clone(), references=references_for("my_ring_all_reduce"))
+        results.append(dict(trial, numel=x.numel(), x=x, want=_summed(x)))
     return results
 
 
@@ -365,15 +372,25 @@ HALVES_NUMELS = (8, 24)  # multiples of 2 and 4
 def _rank_halves_trial(fn, numels):
     rank, world = dist.get_rank(), dist.get_world_size()
     results = []
-    for numel in numels:
-        g = torch.Generator().manual_seed(7 * numel + rank)
-        x = torch.randint(-9, 10, (numel,), generator=g).float()
-        want = x.clone()
-        dist.all_reduce(want)
-        own_chunks = torch.tensor_split(x, world)
-        trial = student_trial(fn, x.clone())
-        results.append(dict(trial, numel=numel, x=x, want=want, own_chunk=own_chunks[rank]))
+    for x in _secret_inputs(numels):
+        trial = student_trial(fn, x.clone(), references=references_for("my_all_reduce_rs_ag"))
+        results.append(dict(trial, numel=x.numel(), x=x, want=_summed(x), own_chunk=torch.tensor_split(x, world)[rank]))
     return results
+
+
+def _halves_carried_hint(t: dict, world: int, rank: int) -> str | None:
+    """The hint when the reduce-scatter did not carry this rank's input, or the all-gather not the summed
+    shard it received (None when both did)."""
+    for e, c in zip(t["events"], t["carried"]):
+        if c is None:
+            continue
+        flat = torch.cat([p.reshape(-1) for p in c]) if isinstance(c, list) else c.reshape(-1)
+        if e.op == "reduce_scatter" and not torch.equal(flat, t["x"].reshape(-1)):
+            return "the reduce-scatter must carry your input x itself: each rank contributes all of its N elements"
+        if e.op == "all_gather" and not torch.equal(flat, torch.tensor_split(t["want"], world)[rank].reshape(-1)):
+            return ("the all-gather must carry the shard the reduce-scatter gave you (the sum of chunk `rank` over "
+                    "every rank), so that every rank ends with every summed chunk")
+    return None
 
 
 def _halves_value_hint(t: dict, world: int, per_rank_trials: list) -> str:
@@ -402,6 +419,8 @@ def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
                                            numels=HALVES_NUMELS)
         if per_rank is None:
             return verdict
+        if course_code_used(per_rank):
+            return False
         for i, numel in enumerate(HALVES_NUMELS):
             trials = [per_rank[r][i] for r in range(world)]
             events = trials[0]["events"]
@@ -425,6 +444,12 @@ def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
                 return False
             wanted = [("reduce_scatter", numel), ("all_gather", numel)]
             got = [(e.op, e.numel) for e in ops]
+            carried = next(((r, h) for r, h in ((r, _halves_carried_hint(t, world, r)) for r, t in enumerate(trials))
+                            if h), None)
+            if got == wanted and carried:
+                print(f"✗ the sum is right with {world} ranks, but rank {carried[0]}'s collectives did not carry what "
+                      f"the algorithm moves\n  hint: {carried[1]}")
+                return False
             if got != wanted:
                 print(f"✗ the sum is right with {world} ranks, but it ran {describe_ops(ops) if ops else 'no collective'}")
                 if got == [("all_gather", numel * world)]:

@@ -13,6 +13,7 @@ import math
 import re
 
 from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import run_student, safe_repr
 
 CONCLUSIONS = {
@@ -100,7 +101,7 @@ def check_conclusions(fn, *sources) -> bool:
     """``fn() -> {"tiny_gpt", "gpt_13b", "rule", "sweep": str}``: the student's own conclusions. A light
     check: each written, the choices name a config, and the answers cite a number measured or computed in
     ``sources`` (sweep summaries, sizing plans)."""
-    run = run_student(fn)
+    run = run_student(fn, references=references_for("my_conclusions"))
     if run.todo:
         return not_attempted("my_conclusions")
     if run.problem():

@@ -8,9 +8,13 @@ raises ``NotImplementedError`` gets a "not attempted yet" line. Every checker
 returns True/False and never raises; a monkeypatch the student's code makes is
 undone, and an answer that is (or runs) the course's own implementation is told so.
 
-The ring is checked by what crossed the wire: its ranks run on a process group
-that refuses every collective (:func:`~course_lib.classroom.checks.verdicts.point_to_point_only`),
-and each rank must send exactly ``2(cp - 1)`` K or V blocks, to one neighbour.
+The ring is checked by what crossed the wire and what was computed: each rank draws its chunk
+from ``os.urandom`` (no rank can rebuild another's), its ranks run on a process group that refuses
+every collective (:func:`~course_lib.classroom.checks.verdicts.point_to_point_only`), each rank must
+send exactly ``2(cp - 1)`` K or V blocks, to one neighbour, every send carrying a block (each block
+but the receiver's own, once), and -- on 4 ranks -- no torch op may build a tensor larger than two
+blocks: passing every block around, concatenating and running one dense attention gives the right
+numbers with the same traffic, and is refused by what it computed.
 """
 
 from __future__ import annotations
@@ -22,20 +26,17 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
-                                                  point_to_point_only, refused_collective, safe_repr, student_on_rank)
-from course_lib.context_parallel import zigzag
-from course_lib.context_parallel.ring import RingAttention, attention_block, merge_partials, ring_attention
+                                                  largest_tensor, point_to_point_only, refused_collective, safe_repr,
+                                                  secret_generator, student_on_rank)
+from course_lib.context_parallel.ring import attention_block
 from course_lib.context_parallel.work import score_elements
 from course_lib.launch import LaunchTimeout, RankError
 
 __all__ = ["check_merge", "check_chunks_for_rank", "check_ring_attention"]
 
 _todo = not_attempted
-# The course's own implementations: an answer that is one, or runs one, is told so.
-MERGE_REFS = (merge_partials,)
-CHUNK_REFS = (zigzag.chunks_for_rank,)
-RING_REFS = (ring_attention, RingAttention.forward)
 
 
 def _merge_cases():
@@ -115,7 +116,7 @@ def check_merge(fn) -> bool:
         scores = torch.matmul(q, torch.cat([k1, k2], 2).transpose(-1, -2)) * scale
         want_out = torch.matmul(torch.softmax(scores, -1), torch.cat([v1, v2], 2))
         want_lse = torch.logsumexp(scores, -1)
-        got, err = checked_call(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone(), references=MERGE_REFS)
+        got, err = checked_call(fn, o1.clone(), l1.clone(), o2.clone(), l2.clone(), references=references_for("merge"))
         if err == "todo":
             return _todo("merge")
         if err:
@@ -171,14 +172,16 @@ RING_RULE = ("ring attention passes K/V blocks from rank to rank with send/recv;
 
 def _rank_ring(fn):
     g, cp, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(21)
-    q, k, v = (torch.randn(RING_B, RING_H, RING_S, RING_D, generator=gen, dtype=torch.float64) for _ in range(3))
-    blocks = [(k.chunk(cp, 2)[i], v.chunk(cp, 2)[i]) for i in range(cp)]
-    mine = q.chunk(cp, 2)[r].contiguous()
+    secret = secret_generator()                      # this rank's chunk: no other rank can rebuild it
+    q, k, v = (torch.randn(RING_B, RING_H, RING_S // cp, RING_D, generator=secret, dtype=torch.float64)
+               for _ in range(3))
     with point_to_point_only(RING_RULE):
-        result = student_on_rank(fn, mine.clone(), blocks[r][0].contiguous(), blocks[r][1].contiguous(), g,
-                                 references=RING_REFS)
-    return dict(result, q=mine, blocks=blocks, rank=r, cp=cp)
+        result = student_on_rank(fn, q.clone(), k.clone(), v.clone(), g,
+                                 references=references_for("ring_attention_forward"), measure=True)
+    ks, vs = [torch.empty_like(k) for _ in range(cp)], [torch.empty_like(v) for _ in range(cp)]
+    dist.all_gather(ks, k)                           # the truth, from what the ranks really hold
+    dist.all_gather(vs, v)
+    return dict(result, q=q, blocks=list(zip(ks, vs)), rank=r, cp=cp)
 
 
 def _attention_over(q, blocks):
@@ -234,11 +237,41 @@ def _ring_traffic_hint(events, rank, cp, kv_numel) -> str | None:
     return None
 
 
+def _ring_carried_hint(r: dict) -> str | None:
+    """The hint when the sends did not carry K/V blocks: every block but the receiver's own, once (compared as
+    the multiset of values sent, so K and V packed into one message count too)."""
+    sends = [(e.peer, c) for e, c in zip(r["events"], r["carried"]) if e.op == "send"]
+    if not sends or any(c is None for _, c in sends):
+        return None
+    peer = sends[0][0]
+    want = torch.cat([t.reshape(-1) for j, block in enumerate(r["blocks"]) if j != peer for t in block])
+    sent = torch.cat([c.reshape(-1).to(want.dtype) for _, c in sends])
+    if sent.numel() == want.numel() and torch.equal(sent.sort().values, want.sort().values):
+        return None
+    return ("the sends did not carry the K and V blocks: a ring passes the blocks themselves -- your own first, "
+            "then each block you received -- so that every block but your neighbour's own reaches it once")
+
+
+def _ring_size_hint(r: dict) -> str | None:
+    """The hint when a rank computed on more than two blocks at once (e.g. every block concatenated, then one
+    dense attention): a ring attends to one block per step and merges as blocks arrive."""
+    q, (k, v) = r["q"], r["blocks"][0]
+    block = max(q.numel(), k.numel(), v.numel(), q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+    if r["cp"] < 3 or r["largest"] <= 2 * block:
+        return None
+    return (f"rank {r['rank']} built a tensor of {r['largest']} elements (torch.{r['largest_op']}), {r['largest'] // block}× "
+            f"one step's block: gathering the blocks and running one dense attention gives the right numbers, but "
+            f"ring attention never holds the whole sequence -- attend to each block as it arrives "
+            f"(attention_block) and merge it into the running (out, lse) by log-sum-exp")
+
+
 def check_ring_attention(fn, timeout: float = 15) -> bool:
     """``fn(q, k, v, group) -> out``: this rank's rows of (unmasked) attention over the whole sequence, each
     rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only."""
     if is_course_answer(fn):
         return False
+    with largest_tensor():  # its one-time import happens here, not in every rank
+        pass
     for cp in (2, 4):
         try:
             res = launch_checked(_rank_ring, world_size=cp, timeout=timeout, fn=fn)
@@ -264,10 +297,13 @@ def check_ring_attention(fn, timeout: float = 15) -> bool:
                        else course_code_hint(r["course_code"][0]) if r["course_code"] else None)
             kv_numel = r["blocks"][0][0].numel()
             hint = (problem or _ring_value_hint(r["value"], r["q"], r["blocks"], r["rank"], cp)
-                    or _ring_traffic_hint(r["events"], r["rank"], cp, kv_numel))
+                    or _ring_traffic_hint(r["events"], r["rank"], cp, kv_numel) or _ring_carried_hint(r)
+                    or _ring_size_hint(r))
             if hint:
                 print(f"✗ with {cp} ranks, rank {r['rank']}\n  hint: {hint}")
                 return False
+    # Each claim is checked above: the values, the sends (2(cp − 1) K/V blocks to one neighbour, carrying the
+    # blocks) and, on 4 ranks, no tensor larger than two blocks -- so what arrived was merged block by block.
     print("✓ ring_attention_forward equals full attention on 2 and 4 ranks, using only send/recv: each rank "
           "passed 2(cp − 1) K/V blocks to its neighbour and merged what arrived with log-sum-exp")
     return True
@@ -319,7 +355,7 @@ def check_chunks_for_rank(fn) -> bool:
     for cp in range(1, 9):
         table = []
         for r in range(cp):
-            got, err = checked_call(fn, r, cp, references=CHUNK_REFS)
+            got, err = checked_call(fn, r, cp, references=references_for("chunks_for_rank"))
             if err == "todo":
                 return _todo("chunks_for_rank")
             if err:

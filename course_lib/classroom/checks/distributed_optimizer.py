@@ -6,14 +6,19 @@
   momentum and Adam on the averaged gradient, for 2 and 4 DP ranks.
 * :func:`check_zero1_step` (Lab 07) -- the student's ZeRO-1 step (flatten, pad to a multiple of d,
   reduce-scatter the grads, Adam on the own shard, all-gather the params), called twice with the same
-  ``state``: it must equal two steps of single-process ``torch.optim.Adam`` on the averaged gradient
-  and keep Adam state for its shard only.
+  ``state``: it must equal two steps of single-process ``torch.optim.Adam`` on the averaged gradient.
 
-Both run on ranks whose process group records every op (:mod:`course_lib.classroom.checks.wire`) and
-must send exactly one reduce-scatter and one all-gather per step over the DP group: plain data
-parallelism (an all-reduce and a full update) gives the same weights and is refused by its traffic and
-its optimizer state. Every checker prints one verdict line (and a hint when wrong), returns True/False
-and never raises; the stub's ``NotImplementedError`` gives "not attempted yet".
+The proof is what crossed the wire and what it carried (:mod:`course_lib.classroom.checks.wire`):
+each rank's gradients are drawn on that rank from ``os.urandom`` (no rank can rebuild another's), the
+truth is computed after the student's function returned, from the gradients the checker gathers
+itself; the student's step must send exactly one reduce-scatter, carrying this rank's gradients, and
+one all-gather, carrying this rank's *updated* shard of the parameters, per step -- and the
+optimizer's moments for that shard (and no more) must live where the exercise keeps them (the
+optimizer returned in Lab 05, ``state`` in Lab 07), equal to the reference's. Plain data parallelism
+(an all-reduce and a full update), or reduce-scattering and all-gathering the gradients and updating
+every parameter on every rank, gives the same weights and is refused by what it carried. Every checker
+prints one verdict line (and a hint when wrong), returns True/False and never raises; the stub's
+``NotImplementedError`` gives "not attempted yet".
 """
 
 from __future__ import annotations
@@ -22,15 +27,71 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
-from course_lib.classroom.checks.verdicts import (course_code_hint, describe_ops, launch_checked, run_student,
-                                                  safe_repr, tensors_close, wire_recorder)
-from course_lib.distributed import ShardedDataParallel
+from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, describe_ops, launch_checked,
+                                                  run_student, safe_repr, same_payload, secret_generator,
+                                                  tensors_close, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 
 
 def _tensor_close(a, b) -> bool:
     """Within 1e-9 of the float64 reference, relative to its scale."""
     return tensors_close(a, b, tol=1e-9)
+
+
+def _gathered(t: torch.Tensor) -> list:
+    """Every rank's ``t`` (the checker's own all-gather, run after the student's call)."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _all_agree(ok: bool) -> bool:
+    """True on every rank when ``ok`` is True on every rank (the ranks stay in step)."""
+    flag = torch.tensor([1 if ok else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _tensors_in(obj, depth: int = 0) -> list:
+    """Every tensor reachable from ``obj``: dicts, lists, an optimizer's ``state``, an object's attributes."""
+    if depth > 6:
+        return []
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors_in(v, depth + 1)]
+    if isinstance(obj, (list, tuple, set)):
+        return [t for v in obj for t in _tensors_in(v, depth + 1)]
+    if isinstance(obj, torch.optim.Optimizer):
+        return _tensors_in(list(obj.state.values()), depth + 1)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type) and not callable(obj):
+        return _tensors_in(vars(obj), depth + 1)
+    return []
+
+
+def _holds(obj, want: torch.Tensor, real: int) -> bool:
+    """Does ``obj`` hold a tensor equal to ``want`` (an optimizer moment of this rank's shard), whole or
+    only its first ``real`` elements (the padding left out)? Relative tolerance 1e-6."""
+    for t in _tensors_in(obj):
+        flat = t.detach().reshape(-1).double()
+        for ref in (want, want[:real]):
+            if flat.numel() == ref.numel() and ref.numel():
+                scale = float(ref.abs().max()) or 1.0
+                if float((flat - ref).abs().max()) <= 1e-6 * scale:
+                    return True
+    return False
+
+
+def _carried_hint(carried, shard_want, mean_grad_shard, d: int, what: str) -> str | None:
+    """The hint when the all-gather did not carry this rank's updated shard ``shard_want`` (None when it did)."""
+    if carried is None or same_payload(carried, shard_want, tol=1e-9):
+        return None
+    if any(same_payload(carried, mean_grad_shard * c, tol=1e-9) for c in (1, d)):
+        return (f"your all-gather carried your *gradient* shard: all-gathering the gradients and updating every "
+                f"parameter on every rank gives the same numbers, but it is data parallelism with extra steps -- "
+                f"{what}")
+    return f"your all-gather did not carry your updated shard of the parameters: {what}"
 
 
 # ------------------------------------------------------------------ Lab 05: Megatron's distributed optimizer
@@ -55,39 +116,47 @@ def _optimizer_state_elements(optimizer) -> int | None:
 
 
 def _one_step(make, params, grad):
-    """One single-process optimizer step of ``params`` with gradient ``grad`` (the reference)."""
+    """One single-process optimizer step of ``params`` with gradient ``grad`` (the reference):
+    ``(new params, [its moments: tensors of the optimizer's state, e.g. exp_avg and exp_avg_sq])``."""
     p = params.clone().requires_grad_()
     p.grad = grad.clone()
-    make([p]).step()
-    return p.detach()
+    opt = make([p])
+    opt.step()
+    return p.detach(), [v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 def _rank_dist_opt(fn):
     g, d, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(17)
-    params = torch.randn(OPT_N, generator=gen, dtype=torch.float64)
-    grads = [torch.randn(OPT_N, generator=gen, dtype=torch.float64) for _ in range(d)]  # every replica's
+    params = torch.randn(OPT_N, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
+    mine = torch.randn(OPT_N, generator=secret_generator(), dtype=torch.float64)  # no other rank can rebuild it
     out = []
     for name, (make, per_element) in OPTIMIZERS.items():
-        want, summed = _one_step(make, params, sum(grads) / d), _one_step(make, params, sum(grads))
         with wire_recorder() as rec:
-            run = run_student(fn, params.clone(), grads[r].clone(), g, make)
+            run = run_student(fn, params.clone(), mine.clone(), g, make,
+                              references=references_for("distributed_optimizer_step"))
         if run.error is not None:
             raise run.error
-        info = dict(optimizer=name, events=list(rec.events), patched=run.patched, course_code=run.course_code,
-                    want=want, summed=summed, rank=r, d=d, full_state=per_element * OPT_N,
-                    want_state=per_element * OPT_N // d, new=None, state=None, returned=safe_repr(run.value))
+        grads = _gathered(mine)                              # the truth, from what the ranks really hold
+        want, moments = _one_step(make, params, sum(grads) / d)
+        shard = slice(r * OPT_N // d, (r + 1) * OPT_N // d)
+        info = dict(optimizer=name, events=list(rec.events), carried=list(rec.carried), patched=run.patched,
+                    course_code=run.course_code, want=want, summed=_one_step(make, params, sum(grads))[0], rank=r,
+                    d=d, full_state=per_element * OPT_N, want_state=per_element * OPT_N // d, new=None, state=None,
+                    returned=safe_repr(run.value), grad=mine, mean_shard=(sum(grads) / d)[shard],
+                    moments=[m[shard] for m in moments], held_moments=None)
         if isinstance(run.value, (tuple, list)) and len(run.value) == 2:
             new, optimizer = run.value
             info.update(new=new.detach().clone() if isinstance(new, torch.Tensor) else None,
-                        state=_optimizer_state_elements(optimizer))
+                        state=_optimizer_state_elements(optimizer),
+                        held_moments=[_holds(optimizer, m, OPT_N // d) for m in info["moments"]])
         out.append(info)
     return out
 
 
 def _dist_opt_hint(o: dict) -> str | None:
     """The one hint for a rank's step: patches or the course's code, what it returned, traffic that skips
-    the algorithm (right numbers), wrong values, the optimizer's state, then the exact traffic."""
+    the algorithm (right numbers), wrong values, what the wire carried, the optimizer's state, then the
+    exact traffic."""
     if o["patched"]:
         return f"it replaced {', '.join(o['patched'][:3])} (undone by the checker)"
     if o["course_code"]:
@@ -116,13 +185,23 @@ def _dist_opt_hint(o: dict) -> str | None:
                     "divide your shard by d for their average")
         return ("the new weights differ from one single-process step on the averaged gradient: update chunk "
                 "`rank` of params with your reduced gradient shard, then all-gather the shards in rank order")
+    shard = want.chunk(d)[o["rank"]]
+    for carried in carried_by(o, "all_gather"):
+        hint = _carried_hint(carried, shard, o["mean_shard"], d, DIST_OPT_ALGORITHM)
+        if hint:
+            return hint
+    for carried in carried_by(o, "reduce_scatter"):
+        if carried is not None and not any(same_payload(carried, o["grad"] * c) for c in (1.0, 1 / d)):
+            return "your reduce-scatter did not carry your gradient: reduce-scatter `grad` (or grad / d) itself"
     if o["state"] is None:
         return "the optimizer you return has no .state: return the torch.optim optimizer you stepped"
     if o["state"] > o["want_state"]:
         return (f"your {o['optimizer']} keeps state for {o['state']} elements: built with make_optimizer([shard]) "
                 f"for your 1/d shard only it keeps {o['want_state']}")
-    if o["state"] < o["want_state"]:
-        return "step the optimizer you return: build it with make_optimizer([shard]) and call its .step()"
+    if o["state"] < o["want_state"] or not all(o["held_moments"]):
+        return ("the optimizer you return is not the one that updated your shard: its state must be the "
+                "momenta of your N/d elements after this step -- build it with make_optimizer([shard]), set "
+                "shard.grad and call its .step()")
     counts = {op: [e.numel for e in o["events"] if e.op == op] for op in ("reduce_scatter", "all_gather")}
     if counts != {"reduce_scatter": [OPT_N], "all_gather": [OPT_N]}:
         return f"it ran {describe_ops(o['events'])}: one reduce-scatter and one all-gather of the N = {OPT_N} elements"
@@ -180,16 +259,19 @@ def padded(n: int, d: int) -> int:
 
 
 def _adam_steps(params, grads_per_step, *, fresh: bool = False):
-    """Single-process torch.optim.Adam on the flat params, one step per gradient (the reference).
-    ``fresh``: a new optimizer every step (the mistake of not keeping the state)."""
+    """Single-process torch.optim.Adam on the flat params, one step per gradient (the reference):
+    ``[(flat params, exp_avg, exp_avg_sq) after each step]``. ``fresh``: a new optimizer every step
+    (the mistake of not keeping the state)."""
     p = torch.cat([t.reshape(-1) for t in params]).clone().requires_grad_()
     opt = torch.optim.Adam([p], **ADAM)
+    after = []
     for g in grads_per_step:
         if fresh:
             opt = torch.optim.Adam([p], **ADAM)
         p.grad = torch.cat([t.reshape(-1) for t in g]).clone()
         opt.step()
-    return p.detach()
+        after.append((p.detach().clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()))
+    return after
 
 
 def _state_elements(obj, seen=None) -> int:
@@ -211,44 +293,60 @@ def _state_elements(obj, seen=None) -> int:
     return 0
 
 
+def _flat_padded(tensors, d: int) -> torch.Tensor:
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return torch.nn.functional.pad(flat, (0, padded(flat.numel(), d) - flat.numel()))
+
+
 def _rank_zero1(fn):
     d, r = dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(23)
-    params = [torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES]
-    grads = [[[1e-3 * torch.randn(s, generator=gen, dtype=torch.float64) for s in SHAPES] for _ in range(d)]
-             for _ in range(STEPS)]
-    mean = [[sum(g[k][i] for k in range(d)) / d for i in range(len(SHAPES))] for g in grads]
-    summed = [[sum(g[k][i] for k in range(d)) for i in range(len(SHAPES))] for g in grads]
-    info = dict(rank=r, d=d, want=_adam_steps(params, mean), summed=_adam_steps(params, summed),
-                fresh=_adam_steps(params, mean, fresh=True), events=[], new=None, returned=None, state=None,
-                patched=[], course_code=[])
-    state, current = {}, [p.clone() for p in params]
+    params = [torch.randn(s, generator=torch.Generator().manual_seed(23), dtype=torch.float64) for s in SHAPES]
+    secret = secret_generator()                          # this rank's gradients: no other rank can rebuild them
+    mine = [[1e-3 * torch.randn(s, generator=secret, dtype=torch.float64) for s in SHAPES] for _ in range(STEPS)]
+    info = dict(rank=r, d=d, events=[], carried=[], new=None, returned=None, state=None, patched=[],
+                course_code=[], mine=[_flat_padded(g, d) for g in mine])
+    state, current, ok = {}, [p.clone() for p in params], True
     for step in range(STEPS):
         with wire_recorder() as rec:
-            run = run_student(fn, [p.clone() for p in current], [g.clone() for g in grads[step][r]],
-                              dist.group.WORLD, state, references=(ShardedDataParallel.step,))
+            run = run_student(fn, [p.clone() for p in current], [g.clone() for g in mine[step]],
+                              dist.group.WORLD, state, references=references_for("zero1_step"))
         if run.error is not None:
             raise run.error
         info["events"].append(list(rec.events))
+        info["carried"].append(list(rec.carried))
         info["patched"] += list(run.patched)
         info["course_code"] += list(run.course_code)
         value = run.value
         info["returned"] = safe_repr(value)
         ok = (isinstance(value, (list, tuple)) and len(value) == len(SHAPES)
               and all(isinstance(v, torch.Tensor) and tuple(v.shape) == s for v, s in zip(value, SHAPES)))
-        if not ok:
-            info["new"] = None
+        if not _all_agree(ok):
             info["flat_returned"] = isinstance(value, torch.Tensor)
             return info
         current = [v.detach().clone() for v in value]
-    info["new"] = torch.cat([t.reshape(-1).double() for t in current])
-    info["state"] = _state_elements(state)
+    # The truth, from the gradients every rank really holds (gathered by the checker, after the student's calls).
+    flat = [sum(_gathered(torch.cat([t.reshape(-1) for t in g]))) for g in mine]   # per step, summed over ranks
+    mean = [[f / d] for f in flat]
+    summed = [[f] for f in flat]
+    info.update(new=torch.cat([t.reshape(-1).double() for t in current]), state=_state_elements(state),
+                want=_adam_steps(params, mean), summed=_adam_steps(params, summed)[-1][0],
+                fresh=_adam_steps(params, mean, fresh=True)[-1][0])
+    size = padded(NUMEL, d) // d
+    shard = slice(r * size, (r + 1) * size)
+    real = max(0, min(size, NUMEL - r * size))
+    pad = padded(NUMEL, d) - NUMEL
+    info["shards"] = [torch.nn.functional.pad(p, (0, pad))[shard] for p, _, _ in info["want"]]
+    info["mean_shards"] = [torch.nn.functional.pad(m[0], (0, pad))[shard] for m in mean]
+    info["moments_held"] = [_holds(state, torch.nn.functional.pad(m, (0, pad))[shard], real)
+                            for m in info["want"][-1][1:]]
+    info["want"] = info["want"][-1][0]
     return info
 
 
 def _zero1_hint(o: dict) -> str | None:
     """The one hint for a rank: patches or course code, the return value, the traffic that skips the
-    algorithm, the numbers (averaged? Adam state kept?), the state's size, then the exact traffic."""
+    algorithm, the numbers (averaged? Adam state kept?), what the wire carried (the gradients in, the
+    updated shard out), where Adam's moments live and how big ``state`` is, then the exact traffic."""
     d = o["d"]
     n_pad = padded(NUMEL, d)
     if o["patched"]:
@@ -276,10 +374,24 @@ def _zero1_hint(o: dict) -> str | None:
         return ("the params differ from two single-process Adam steps on the averaged gradient: rank r owns "
                 "elements [r·N/d, (r+1)·N/d) of the padded flat buffer, updates exactly those, and the "
                 "all-gather puts the shards back in rank order")
+    for step, (events, carried) in enumerate(zip(o["events"], o["carried"])):
+        sent = dict(o, events=events, carried=carried)
+        for payload in carried_by(sent, "all_gather"):
+            hint = _carried_hint(payload, o["shards"][step], o["mean_shards"][step], d, ALGORITHM)
+            if hint:
+                return hint
+        for payload in carried_by(sent, "reduce_scatter"):
+            if payload is not None and not any(same_payload(payload, o["mine"][step] * c) for c in (1.0, 1 / d)):
+                return ("your reduce-scatter did not carry your gradients: reduce-scatter this rank's flat, "
+                        "zero-padded grads (or grads / d), so that each rank receives the sum of its shard")
     limit = 3 * n_pad // d + 8          # fp32 main shard + two moments (+ a few scalars)
     if o["state"] is not None and o["state"] > limit:
         return (f"your `state` holds {o['state']} elements; ZeRO-1's point is Adam state for your shard only: "
                 f"at most the shard ({n_pad // d}) and its two moments, {3 * n_pad // d} elements")
+    if not all(o["moments_held"]):
+        return (f"`state` does not hold Adam's two moments of your shard (exp_avg and exp_avg_sq of your "
+                f"{n_pad // d} elements, as after these steps): ZeRO-1 keeps the optimizer state sharded -- each "
+                f"rank's moments for its N/d elements, in `state`, and nowhere else")
     for step in o["events"]:
         counts = {op: [e.numel for e in step if e.op == op] for op in ("reduce_scatter", "all_gather")}
         if counts != {"reduce_scatter": [n_pad], "all_gather": [n_pad]}:
@@ -318,7 +430,8 @@ def check_zero1_step(fn, world_sizes=(2, 4), timeout: float = 30) -> bool:
                 return False
     sent = {d: padded(NUMEL, d) * (d - 1) // d for d in world_sizes}
     print(f"✓ zero1_step equals two single-process Adam steps on the averaged gradient for "
-          f"{' and '.join(map(str, world_sizes))} DP ranks, with Adam state for 1/d of the params, one "
-          f"reduce-scatter and one all-gather of the padded buffer per step (each sends N(d-1)/d = "
-          f"{', '.join(f'{v} (d={k})' for k, v in sent.items())} elements per rank)")
+          f"{' and '.join(map(str, world_sizes))} DP ranks: per step one reduce-scatter carrying each rank's "
+          f"padded gradients and one all-gather carrying its updated shard (each sends N(d-1)/d = "
+          f"{', '.join(f'{v} (d={k})' for k, v in sent.items())} elements per rank), and `state` holds Adam's "
+          f"moments for that 1/d shard only")
     return True

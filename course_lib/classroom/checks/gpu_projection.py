@@ -11,6 +11,7 @@ built from the projected costs; it never raises.
 from __future__ import annotations
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr
 from course_lib.megatron import SEED_SWEEP
 
@@ -101,7 +102,7 @@ def check_gpu_winner(fn, hardware: str = "H100") -> bool:
     :data:`GPU_REASONS` that says why. Compared with :func:`course_lib.sizing.projection.project`."""
     if is_course_answer(fn):
         return False
-    answers, err = checked_call(fn)
+    answers, err = checked_call(fn, references=references_for("predict_gpu_winner"))
     if err == "todo":
         return not_attempted("predict_gpu_winner")
     shape = (None if isinstance(answers, dict) and set(answers) == set(GPU_MODELS) else

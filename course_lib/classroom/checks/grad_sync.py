@@ -2,8 +2,10 @@
 
 ``check_grad_sync(fn)``: ``fn(model, bucket_numel)`` averages the data-parallel gradients with one
 all-reduce per bucket (PyTorch DDP / CS336's bucketed DDP; Megatron's
-``megatron/core/distributed/param_and_grad_buffer.py``): checked against a single-process baseline
-*and* by traffic (bucket count and sizes), on 2 and 4 checked ranks
+``megatron/core/distributed/param_and_grad_buffer.py``): each rank trains on samples it draws from
+``os.urandom`` (no rank can rebuild another's gradients); checked against the average of the ranks'
+own gradients (the checker's all-reduce, after the student's) *and* by what crossed the wire: the
+bucket count and sizes, and each all-reduce carrying this rank's gradients, on 2 and 4 checked ranks
 (:func:`course_lib.classroom.checks.collectives.launch_trials`).
 
 It prints one verdict line ("not attempted yet" while the stub raises NotImplementedError) and, when
@@ -16,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks.collectives import course_code_used, launch_trials, student_trial
-from course_lib.classroom.checks.verdicts import collectives as collective_events, describe_ops
+from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.verdicts import collectives as collective_events, describe_ops, secret_generator
 
 GLOBAL_BATCH = 16
 BUCKETS = (40, 1000, 8)  # elements per bucket: several buckets, one bucket, one tensor per bucket
@@ -55,20 +58,34 @@ def baseline_gradients() -> dict:
 
 
 def _rank_grad_sync_trial(fn, buckets):
-    rank, world = dist.get_rank(), dist.get_world_size()
-    x, y = grad_sync_batch()
-    rows = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
+    world = dist.get_world_size()
+    secret = secret_generator()              # this rank's samples: no other rank can rebuild them
+    x, y = torch.randn(GLOBAL_BATCH // world, 6, generator=secret), torch.randn(GLOBAL_BATCH // world, 3, generator=secret)
     results = []
     for bucket_numel in buckets:
         model = grad_sync_model()
-        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        torch.nn.functional.mse_loss(model(x), y).backward()
         local = {n: p.grad.clone() for n, p in model.named_parameters()}
-        from course_lib.training.finalize_model_grads import allreduce_dp_grads
-
-        trial = student_trial(fn, model, bucket_numel, references=(allreduce_dp_grads,))
+        trial = student_trial(fn, model, bucket_numel, references=references_for("sync_gradients"))
         grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
-        results.append(dict(trial, bucket_numel=bucket_numel, grads=grads, local=local))
+        reference = {n: g.clone() for n, g in local.items()}
+        for g in reference.values():             # the truth: the checker's own all-reduce, after the student's
+            dist.all_reduce(g)
+            g /= world
+        results.append(dict(trial, bucket_numel=bucket_numel, grads=grads, local=local, reference=reference))
     return results
+
+
+def _carried_local_grads(t: dict, world: int) -> bool:
+    """Did the all-reduces carry this rank's own gradients, every element once (or each divided by W)?
+    Compared as the multiset of values sent, so any order inside a bucket counts."""
+    sent = [c.reshape(-1) for e, c in zip(t["events"], t["carried"]) if e.op == "all_reduce" and c is not None]
+    if len(sent) != sum(e.op == "all_reduce" for e in t["events"]):
+        return True  # too large to keep a copy: judged by the sizes alone
+    mine = torch.cat([g.reshape(-1) for g in t["local"].values()]).sort().values
+    sent = torch.cat(sent).sort().values if sent else torch.empty(0)
+    return sent.numel() == mine.numel() and any(torch.allclose(sent, mine * c, rtol=1e-6, atol=1e-9)
+                                                for c in (1.0, 1.0 / world))
 
 
 def _close(a, b) -> bool:
@@ -93,8 +110,7 @@ def check_grad_sync(fn, timeout: float = 20) -> bool:
     """``fn(model, bucket_numel)`` must average every ``param.grad`` over the ranks with one all-reduce per
     bucket (buckets filled in reverse parameter order, at most ``bucket_numel`` elements unless one
     gradient alone is larger)."""
-    reference = baseline_gradients()
-    sizes = [g.numel() for g in reference.values()]
+    sizes = [p.numel() for p in grad_sync_model().parameters()]
     for world in (2, 4):
         per_rank, verdict = launch_trials(_rank_grad_sync_trial, world, timeout, "sync_gradients", fn=fn,
                                            buckets=BUCKETS)
@@ -105,6 +121,7 @@ def check_grad_sync(fn, timeout: float = 20) -> bool:
         for i, bucket_numel in enumerate(BUCKETS):
             trials = [per_rank[r][i] for r in range(world)]
             for rank, t in enumerate(trials):
+                reference = t["reference"]
                 if not all(_close(t["grads"][n], g) for n, g in reference.items()):
                     print(f"✗ with {world} ranks and bucket_numel={bucket_numel}, rank {rank}'s gradients differ "
                           f"from the single-process baseline (the mean loss over all {GLOBAL_BATCH} samples)")
@@ -113,6 +130,13 @@ def check_grad_sync(fn, timeout: float = 20) -> bool:
             ops = collective_events(trials[0]["events"])
             got = [e.numel for e in ops if e.op == "all_reduce"]
             want = expected_buckets(sizes, bucket_numel)
+            lying = next((r for r, t in enumerate(trials) if not _carried_local_grads(t, world)), None)
+            if got == want and len(ops) == len(got) and lying is not None:
+                print(f"✗ the gradients are right with {world} ranks and bucket_numel={bucket_numel}, but rank "
+                      f"{lying}'s all-reduces did not carry its own gradients\n  hint: each bucket's all-reduce "
+                      f"must carry this rank's gradients of that bucket (flattened into one buffer): the sum over "
+                      f"the ranks is what turns {GLOBAL_BATCH}/W samples' gradients into the global batch's")
+                return False
             if got == want and len(ops) == len(got):
                 continue
             print(f"✗ the gradients are right with {world} ranks and bucket_numel={bucket_numel}, but it ran "

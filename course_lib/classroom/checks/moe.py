@@ -7,10 +7,14 @@ prints one verdict line and, when wrong, the most specific hint it can find. A
 function that still raises ``NotImplementedError`` gets a "not attempted yet" line;
 every checker returns True/False and never raises.
 
-The dispatch is checked on 4 real ranks (two EP layouts) twice over: by result (the
-rows each rank receives, then the whole layer -- experts and combine -- against one
-process) and by traffic (a checked process group records every op: the rows cross
-as all-to-all, ``tokens × top-k × hidden`` elements per rank, nothing all-gathered).
+The dispatch is checked on 4 real ranks (two EP layouts) with tokens each rank draws from
+``os.urandom`` (no rank can rebuild another's rows): by result (the rows and counts each rank
+receives, against the checker's own exchange run after the student's; then the whole layer --
+experts and combine -- against one process) and by what crossed the wire (a checked process group
+records every op and what it carried: this rank's rows, cut per destination, cross as all-to-all,
+``tokens × top-k × hidden`` elements per rank, nothing all-gathered). An all-to-all whose
+``output_split_sizes`` do not match what the peers send is stopped before gloo aborts the rank,
+with a hint about the counts exchange.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
-from course_lib.classroom.checks.verdicts import (course_code_hint, describe_ops, launch_checked,
-                                        run_student, safe_repr, wire_recorder)
+from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, describe_ops, launch_checked,
+                                                  run_student, safe_repr, secret_generator, split_problem,
+                                                  student_on_rank)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.moe.layer import MoELayer, make_master_weights
 from course_lib.moe.router import route, switch_load_balancing_loss
@@ -143,7 +149,7 @@ def check_expert_groups_of(fn) -> bool:
         grid = RankGrid(*layout[:1], tp=layout[1], pp=layout[2], cp=layout[3], ep=layout[4], expert_tp=layout[5])
         for rank in range(layout[0]):
             call = f"expert_groups_of({rank}, {layout_of(*layout)})"
-            run = run_student(fn, rank, layout_of(*layout), references=(RankGrid.expert_order.fget,))
+            run = run_student(fn, rank, layout_of(*layout), references=references_for("expert_groups_of"))
             if run.todo:
                 return not_attempted("expert_groups_of")
             if run.problem():
@@ -174,35 +180,37 @@ def check_expert_groups_of(fn) -> bool:
 
 DISPATCH_WORLD, DISPATCH_EPS = 4, (2, 4)
 TOKENS, HIDDEN, EXPERTS, TOPK, FFN = 12, 8, 8, 2, 16
+_MASTER_SEED = 8
 
 
-def dispatch_inputs(rank: int, hidden: int = HIDDEN, experts: int = EXPERTS, topk: int = TOPK, tokens: int = TOKENS):
-    """The dispatch input of global ``rank`` (deterministic, so every rank can rebuild every other's):
+def dispatch_inputs(generator: torch.Generator, hidden: int = HIDDEN, experts: int = EXPERTS, topk: int = TOPK,
+                    tokens: int = TOKENS):
+    """One rank's dispatch input, tokens drawn from ``generator`` (the checker's is
+    :func:`~course_lib.classroom.checks.wire.secret_generator`: no other rank can rebuild them):
     ``(tokens [T, H], rows [T·k, H] sorted by expert, tokens_per_expert [E], probs, indices, perm)``."""
-    master = make_master_weights(hidden, experts, FFN, seed=8)
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(100 + rank))
+    master = make_master_weights(hidden, experts, FFN, seed=_MASTER_SEED)
+    x = torch.randn(tokens, hidden, generator=generator)
     probs, indices, _ = route(x, master["router"], topk)
     flat = indices.flatten()
     perm = torch.argsort(flat, stable=True)
     return x, x[perm // topk], torch.bincount(flat, minlength=experts), probs, indices, perm
 
 
-def _expected_received(members, my_index, ep):
-    """Rows (and counts [ep, L]) my group rank receives: from each member in group order, its rows for my experts."""
-    per = EXPERTS // ep
-    mine = slice(my_index * per, (my_index + 1) * per)
-    rows, counts = [], []
-    for src in members:
-        _, sorted_rows, tpe, *_ = dispatch_inputs(src)
-        start = int(tpe[:mine.start].sum())
-        n = int(tpe[mine].sum())
-        rows.append(sorted_rows[start:start + n])
-        counts.append(tpe[mine].tolist())
-    return torch.cat(rows), counts
+def _true_exchange(rows, tpe, group, ep):
+    """The checker's own dispatch, run after the student's: ``(received rows, counts [ep, L], rows per
+    destination)`` -- the truth, from what the ranks really hold."""
+    counts = torch.empty_like(tpe)
+    dist.all_to_all_single(counts, tpe, group=group)
+    counts = counts.view(ep, -1)
+    sends = tpe.view(ep, -1).sum(1).tolist()
+    received = rows.new_empty(int(counts.sum()), rows.shape[1])
+    dist.all_to_all_single(received, rows, output_split_sizes=counts.sum(1).tolist(), input_split_sizes=sends,
+                           group=group)
+    return received, counts, sends
 
 
-def _received_hint(got, want, counts_want, members, my_index, ep) -> str:
-    if got.shape[0] == sum(int(dispatch_inputs(s)[1].shape[0]) for s in members):
+def _received_hint(got, want, every_row: int) -> str:
+    if got.shape[0] == every_row:
         return ("you received every row of every rank: send each rank only the rows routed to *its* experts "
                 "(input_split_sizes[j] = rows for experts j·L .. j·L+L-1)")
     if got.shape[0] == want.shape[0]:
@@ -225,6 +233,16 @@ def _flat_counts(counts):
     return _int_list(counts)
 
 
+def _rows_carried(result, rows, sends) -> bool:
+    """Did one of the student's all-to-alls carry this rank's rows, each chunk to the rank of its experts?"""
+    want = list(rows.split(sends))
+    for chunks in carried_by(result, "all_to_all"):
+        if (isinstance(chunks, list) and len(chunks) == len(want)
+                and all(c.numel() == w.numel() and torch.equal(c.reshape(w.shape), w) for c, w in zip(chunks, want))):
+            return True
+    return False
+
+
 def _dispatch_rank(fn):
     rank = dist.get_rank()
     outcome = []
@@ -235,15 +253,13 @@ def _dispatch_rank(fn):
             g = dist.new_group(ranks)
             if rank in ranks:
                 group, members = g, ranks
-        x, rows, tpe, probs, indices, perm = dispatch_inputs(rank)
-        with wire_recorder() as rec:
-            run = run_student(fn, rows.clone(), tpe.clone(), group,
-                              references=(MoELayer._through_experts_of_the_group,))
-        if run.error is not None:
-            raise run.error  # the launcher stops the other ranks at once and reports this one
-        got = run.value
+        x, rows, tpe, probs, indices, perm = dispatch_inputs(secret_generator())
+        result = student_on_rank(fn, rows.clone(), tpe.clone(), group, references=references_for("dispatch"),
+                                 raw=True)
+        got = result.pop("raw")
+        want, counts_want, sends = _true_exchange(rows, tpe, group, ep)
         my_index = members.index(rank)
-        want, counts_want = _expected_received(members, my_index, ep)
+        every_row = sum(int(n) for n in _gathered_sizes(rows.shape[0], group))
         problem = None
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             problem = f"dispatch must return (received, counts), got {safe_repr(got)}"
@@ -255,21 +271,30 @@ def _dispatch_rank(fn):
             elif received.shape != want.shape or not torch.equal(received, want):
                 problem = (f"group rank {my_index} of EP{ep} received {received.shape[0]} rows, expected "
                            f"{want.shape[0]} (its experts' rows from ranks {members}, in rank order)\n  hint: "
-                           + _received_hint(received, want, counts_want, members, my_index, ep))
-            elif counts != [c for row in counts_want for c in row]:
-                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[1])}, expected {counts_want}\n  hint: "
-                           f"counts[s][l] = rows that source rank s sent for my local expert l")
+                           + _received_hint(received, want, every_row))
+            elif counts != counts_want.flatten().tolist():
+                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[1])}, expected {counts_want.tolist()}"
+                           f"\n  hint: counts[s][l] = rows that source rank s sent for my local expert l")
         ok = torch.tensor([0 if problem else 1])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank agrees before the combine (no half-run collective)
         error = None
         if ok.item():
-            layer = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=8), moe_router_topk=TOPK, ep_group=group)
-            error = _combine_error(layer, received, counts_want, x, rows, tpe, probs, perm, group, ep)
-        outcome.append(dict(ep=ep, problem=problem, error=error, events=list(rec.events), patched=run.patched,
-                            course_code=run.course_code, rank=rank))
+            layer = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=_MASTER_SEED), moe_router_topk=TOPK,
+                             ep_group=group)
+            error = _combine_error(layer, received, counts_want.tolist(), x, rows, tpe, probs, perm, group, ep)
+        outcome.append(dict(ep=ep, problem=problem, error=error, events=result["events"],
+                            rows_carried=_rows_carried(result, rows, sends), patched=result["patched"],
+                            course_code=result["course_code"], rank=rank))
         if not ok.item():
             break
     return outcome
+
+
+def _gathered_sizes(n: int, group) -> list:
+    """Every group member's row count (the checker's all-gather)."""
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, torch.tensor([n]), group=group)
+    return [int(t) for t in out]
 
 
 def _combine_error(layer, received, counts, x, rows, tpe, probs, perm, group, ep) -> float:
@@ -290,7 +315,7 @@ def _combine_error(layer, received, counts, x, rows, tpe, probs, perm, group, ep
     dist.all_to_all_single(back, torch.cat(by_source), output_split_sizes=input_splits,
                            input_split_sizes=counts.sum(1).tolist(), group=group)
     out = torch.zeros_like(x).index_add(0, perm // TOPK, back * probs.flatten()[perm].unsqueeze(-1))
-    want, _ = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=8), moe_router_topk=TOPK)(x)
+    want, _ = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=_MASTER_SEED), moe_router_topk=TOPK)(x)
     return float((out - want).abs().max())
 
 
@@ -321,6 +346,14 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
     except RankError as err:
         if err.exc_type == "NotImplementedError":
             return not_attempted("dispatch")
+        mismatch = split_problem(err.traceback)
+        if mismatch:
+            print(f"✗ rank {err.rank}'s all-to-all could not run: {mismatch}")
+            if "list form" not in mismatch:
+                print("  hint: how many rows a peer sends you depends on its tokens, which only it knows: first "
+                      "an all-to-all of tokens_per_expert (L counts per destination), whose answer gives "
+                      "output_split_sizes; input_split_sizes are your own rows per destination (sum = T·k)")
+            return False
         print(f"✗ rank {err.rank} raised {raised_line(err)}")
         if "split" in err.traceback.lower():
             print("  hint: input_split_sizes are the rows you send to each group rank (sum = T·k), "
@@ -343,13 +376,18 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
             if traffic:
                 print(f"✗ EP{res['ep']}, rank {res['rank']}: {traffic}")
                 return False
+            if not res["rows_carried"]:
+                print(f"✗ EP{res['ep']}, rank {res['rank']}: the rows that arrived are right, but no all-to-all "
+                      f"carried this rank's rows to the ranks of their experts\n  hint: send `rows` itself, cut by "
+                      f"input_split_sizes = your rows per destination rank")
+                return False
             if res["error"] is None or res["error"] > 1e-5:
                 print(f"✗ EP{res['ep']}: the layer differs from one process by {res['error']}")
                 return False
-    worst = max(res["error"] for r in ranks for res in r)
-    print(f"✓ dispatch delivers every row to its expert on 4 ranks (EP2 and EP4): the layer equals one process "
-          f"(max error {'< 1e-6' if worst < 1e-6 else f'{worst:.0e}'}); each rank sent its "
-          f"{TOKENS}×{TOPK}×{HIDDEN} = {TOKENS * TOPK * HIDDEN} row elements by all-to-all, nothing gathered")
+    print(f"✓ dispatch delivers every row to its expert on 4 ranks (EP2 and EP4), tokens drawn afresh on each "
+          f"rank: the rows and counts equal the checker's own exchange, the layer equals one process (max error "
+          f"<= 1e-5), and each rank's {TOKENS}×{TOPK}×{HIDDEN} = {TOKENS * TOPK * HIDDEN} row elements crossed by "
+          f"all-to-all, each chunk to the rank of its experts, nothing gathered")
     return True
 
 
@@ -401,7 +439,7 @@ def check_aux_loss(fn) -> bool:
     for scores, indices, experts, coeff in cases:
         what = f"T={scores.shape[0]}, E={experts}, k={indices.shape[1]}, coeff={coeff}"
         mine = scores.clone().requires_grad_()
-        run = run_student(fn, mine, indices.clone(), experts, coeff, references=(switch_load_balancing_loss,))
+        run = run_student(fn, mine, indices.clone(), experts, coeff, references=references_for("aux_loss"))
         if run.todo:
             return not_attempted("aux_loss")
         if run.problem():

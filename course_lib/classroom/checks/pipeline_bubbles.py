@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import math
 
-from course_lib.classroom.checks import call_student, checked_call, is_course_answer, not_attempted, outcome
+from course_lib.classroom.checks import (call_student, checked_call, is_course_answer, not_attempted, outcome,
+                                        refused_call)
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr, same_number
 from course_lib.megatron import SEED_SWEEP
 from course_lib.pipeline.bubbles import bubble_fraction
@@ -33,7 +35,9 @@ def check_bubble(fn) -> bool:
     for p in (1, 2, 4, 8):
         for m in (1, 4, 8, 16):
             for vp in (1, 2):
-                got, err = call_student(fn, p, m, vp)
+                got, err = call_student(fn, p, m, vp, references=references_for("bubble"))
+                if refused_call(err):
+                    return False
                 if err == "todo":
                     return not_attempted("bubble")
                 name = "1f1b" if vp == 1 else "interleaved"
@@ -112,7 +116,7 @@ def check_largest_bubble(fn) -> bool:
         return False
     answers, first_wrong = [], None
     for i, (configs, world, micro, gbs) in enumerate(BUBBLE_CASES):
-        got, err = checked_call(fn, dict(configs), world, micro, gbs)
+        got, err = checked_call(fn, dict(configs), world, micro, gbs, references=references_for("largest_bubble"))
         if err == "todo":
             return not_attempted("largest_bubble")
         shown = ", ".join(f"{n}: TP{t} PP{p} CP{c}" for n, (t, p, c) in configs.items())

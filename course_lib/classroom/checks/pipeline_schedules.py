@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from course_lib.classroom.checks import call_student, not_attempted, outcome
+from course_lib.classroom.checks import call_student, not_attempted, outcome, refused_call
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr, whole_numbers
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.check import _check_complete, _check_dependencies, check_schedule, simulate_p2p
@@ -41,7 +42,9 @@ def check_warmup(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> int``: 1F1B's warm-up forwards on one rank."""
     for p, m in SETTINGS:
         for r in range(p):
-            got, err = _call(fn, p, m, r)
+            got, err = _call(fn, p, m, r, references=references_for("warmup_1f1b"))
+            if refused_call(err):
+                return False
             if err == "todo":
                 return _todo("warmup_1f1b")
             want = num_warmup_microbatches(p, m, r)
@@ -122,7 +125,9 @@ def check_order(fn) -> bool:
     answers, wrong = {}, []
     for p, m in SETTINGS:
         for r in range(p):
-            got, err = _call(fn, p, m, r)
+            got, err = _call(fn, p, m, r, references=references_for("order_1f1b"))
+            if refused_call(err):
+                return False
             if err == "todo":
                 return _todo("order_1f1b")
             if err:
@@ -167,7 +172,9 @@ def check_peak_memory(fn) -> bool:
     """``fn(pp, num_microbatches, schedule) -> list`` of peak micro-batches held per rank."""
     for name in ("gpipe", "1f1b", "zb-h1"):
         for p, m in SETTINGS:
-            got, err = _call(fn, p, m, name)
+            got, err = _call(fn, p, m, name, references=references_for("peak_activations"))
+            if refused_call(err):
+                return False
             if err == "todo":
                 return _todo("peak_activations")
             want = simulate(build_schedule(name, p, m)).peak_activations
@@ -203,17 +210,17 @@ def _student_orders(orders, p: int, m: int):
     """``(list of per-rank string lists, None)`` or ``(None, verdict line)``; ``orders`` is the list itself,
     a function returning it, or an ``order_1f1b``-style function of ``(p, m, r)``."""
     if callable(orders):
-        got, err = _call(orders)
+        got, err = _call(orders, references=references_for("orders_1f1b_by_hand"))
         if err and "missing" in err and "positional" in err:  # an order_1f1b(p, m, r)
             per_rank = []
             for r in range(p):
-                one, err = _call(orders, p, m, r)
+                one, err = _call(orders, p, m, r, references=references_for("orders_1f1b_by_hand"))
                 if err:
-                    return None, err
+                    return None, err.removeprefix("LibraryPatched: ")
                 per_rank.append(one)
             got, err = per_rank, None
         if err:
-            return None, err
+            return None, err.removeprefix("LibraryPatched: ")
         orders = got
     if not isinstance(orders, (list, tuple)) or len(orders) != p:
         return None, f"give {p} lists, one per pipeline rank (got {safe_repr(orders)})"

@@ -23,19 +23,17 @@ from __future__ import annotations
 import itertools
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, run_student,
                                                   safe_repr, whole_numbers)
 from course_lib.megatron import SEED_SWEEP
 from course_lib.rules import data_parallel_size, num_microbatches
 from course_lib.topology import ParallelConfig, RankGrid, divisors
 
-COURSE_TOPOLOGY = (RankGrid, ParallelConfig)
-"""What the exercises ask the student to compute without: the course's own grid."""
-
-
-def _call(fn, *args):
-    """``(value, exception)`` of the student's call; a patch or the course's grid becomes the exception."""
-    run = run_student(fn, *args, references=COURSE_TOPOLOGY)
+def _call(fn, *args, exercise: str):
+    """``(value, exception)`` of the student's call; a patch or the course's grid (the exercise's
+    :func:`~course_lib.classroom.checks.references.references_for`) becomes the exception."""
+    run = run_student(fn, *args, references=references_for(exercise))
     if run.error is not None:
         return None, run.error
     if run.patched:
@@ -64,7 +62,7 @@ def check_derive_dp(fn) -> bool:
     cases = [(8, 2, 2, 1), (8, 1, 1, 1), (8, 2, 2, 2), (128, 4, 4, 1), (32, 16, 2, 1), (32, 4, 8, 1),
              (96, 2, 3, 2), (8, 8, 1, 1)]
     for world, tp, pp, cp in cases:
-        got, exc = _call(fn, world, tp, pp, cp)
+        got, exc = _call(fn, world, tp, pp, cp, exercise="derive_dp")
         if isinstance(exc, NotImplementedError):
             return not_attempted("derive_dp")
         want = data_parallel_size(world, tp, pp, cp)
@@ -86,7 +84,7 @@ def check_derive_dp(fn) -> bool:
                 print("  hint: every rank belongs to exactly one (tp, cp, dp, pp) cell: world = tp·pp·cp·dp")
             return False
     for world, tp, pp, cp in [(8, 3, 1, 1), (12, 2, 4, 1), (8, 2, 2, 4)]:
-        got, exc = _call(fn, world, tp, pp, cp)
+        got, exc = _call(fn, world, tp, pp, cp, exercise="derive_dp")
         if isinstance(exc, (_CourseCode, LibraryPatched)):
             _verdict_for_exception(f"derive_dp({world}, tp={tp}, pp={pp}, cp={cp})", exc)
             return False
@@ -131,7 +129,7 @@ def _student_groups(fn, layout: tuple, axis: str) -> list:
     """The student's ``axis`` group of every rank of ``layout`` (None where the call fails)."""
     out = []
     for rank in range(layout[0]):
-        got, exc = _call(fn, rank, layout_of(*layout))
+        got, exc = _call(fn, rank, layout_of(*layout), exercise="groups_of")
         out.append(whole_numbers(got[axis]) if exc is None and isinstance(got, dict) and axis in got else None)
     return out
 
@@ -180,7 +178,7 @@ def check_groups_of(fn) -> bool:
         world, tp, pp, cp = layout
         grid = RankGrid(world, tp=tp, pp=pp, cp=cp)
         for rank in range(world):
-            got, exc = _call(fn, rank, layout_of(*layout))
+            got, exc = _call(fn, rank, layout_of(*layout), exercise="groups_of")
             if isinstance(exc, NotImplementedError):
                 return not_attempted("groups_of")
             if exc is not None:
@@ -223,7 +221,7 @@ def _matching_formula(fn, sizes: tuple):
     (at one coordinate several agree), or None."""
     tp, cp, dp, pp = sizes
     coords = list(itertools.product(range(tp), range(cp), range(dp), range(pp)))
-    theirs = [as_whole(_call(fn, *c, *sizes)[0]) for c in coords]
+    theirs = [as_whole(_call(fn, *c, *sizes, exercise="rank_of")[0]) for c in coords]
     named = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
     for name in _alternatives(dict(tp=0, cp=0, dp=0, pp=0), named):
         if all(_alternatives(dict(tp=t, cp=k, dp=d, pp=p), named)[name] == mine
@@ -240,7 +238,7 @@ def check_rank_of(fn) -> bool:
     for tp, cp, dp, pp in layouts:
         grid = RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)
         for t, k, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp)):
-            got, exc = _call(fn, t, k, d, p, tp, cp, dp, pp)
+            got, exc = _call(fn, t, k, d, p, tp, cp, dp, pp, exercise="rank_of")
             if isinstance(exc, NotImplementedError):
                 return not_attempted("rank_of")
             if isinstance(exc, (_CourseCode, LibraryPatched)):
@@ -275,7 +273,6 @@ def all_divisor_layouts(world: int):
 
 # ---- Lab 05, exercise 1: DP and micro-batches of a layout --------------------------------------------
 
-LAYOUT_REFS = (ParallelConfig.__init__,)
 
 # (world, tp, pp, cp, micro, global): the seed's A-F with the CPU sweep's batch and the GPU batch,
 # seed 000's 32-GPU layouts, seed 001's 128-GPU run.
@@ -306,7 +303,7 @@ def check_layout(fn) -> bool:
     if is_course_answer(fn):
         return False
     for case in LAYOUTS:
-        got, err = checked_call(fn, *case, references=LAYOUT_REFS)
+        got, err = checked_call(fn, *case, references=references_for("derive_layout"))
         if err == "todo":
             return not_attempted("derive_layout")
         world, tp, pp, cp, micro, gbs = case
@@ -347,7 +344,7 @@ def check_layout(fn) -> bool:
                 print("  hint: micro-batches per step m = global / (micro * DP)")
         return False
     for world, tp, pp, cp, micro, gbs, rule in BAD_LAYOUTS:
-        got, err = checked_call(fn, world, tp, pp, cp, micro, gbs, references=LAYOUT_REFS)
+        got, err = checked_call(fn, world, tp, pp, cp, micro, gbs, references=references_for("derive_layout"))
         if err == "todo":
             return not_attempted("derive_layout")
         if err and err.startswith("raised ValueError"):

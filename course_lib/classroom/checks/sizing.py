@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from course_lib import sizing
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import same_number
 
 __all__ = ["check_gpt_parameters", "check_model_state_bytes"]
@@ -66,8 +67,7 @@ def check_gpt_parameters(fn) -> bool:
         return False
     for layers, h, vocab, seq in PARAMETER_CASES:
         args = f"gpt_parameters({layers}, {h}, {vocab}, {seq})"
-        got, err = checked_call(fn, layers, h, vocab, seq, references=(sizing.num_parameters,
-                                                                  sizing.parameter_breakdown))
+        got, err = checked_call(fn, layers, h, vocab, seq, references=references_for("gpt_parameters"))
         if err == "todo":
             return not_attempted("gpt_parameters")
         if err:
@@ -143,7 +143,7 @@ def check_model_state_bytes(fn) -> bool:
     for params, tp, dp, cp, distributed in STATE_CASES:
         args = f"model_state_bytes_per_gpu({params:,}, tp={tp}, dp={dp}, cp={cp}, distributed_optimizer={distributed})"
         got, err = checked_call(fn, params, tp, dp, cp, distributed,
-                         references=(sizing.megatron_optimizer_bytes_per_param, sizing.model_state_bytes))
+                                references=references_for("model_state_bytes_per_gpu"))
         if err == "todo":
             return not_attempted("model_state_bytes_per_gpu")
         if err:

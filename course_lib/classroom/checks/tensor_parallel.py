@@ -6,9 +6,11 @@ semantics), and prints one verdict line plus the most specific hint it can find.
 raises ``NotImplementedError`` gets a "not attempted yet" line, never an exception.
 
 The checkers prove the *algorithm*, not only the numbers: ranks run on a process group that
-records every operation (:mod:`course_lib.classroom.checks.wire`), so a row-parallel forward that
-gathers its input and runs the dense GEMM is refused with a hint saying what the exercise asks for --
-however the collective was called. Student code runs through
+records every operation and what it carried (:mod:`course_lib.classroom.checks.wire`), so a
+row-parallel forward that gathers its input and runs the dense GEMM is refused with a hint saying what
+the exercise asks for -- however the collective was called -- and so is one whose single all-reduce
+carries anything but the rank's partial sum; each rank's input slice is drawn from ``os.urandom``, so
+no rank can rebuild the others'. Student code runs through
 :func:`~course_lib.classroom.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is undone
 and named, and a function that runs the course's own implementation is told so.
 
@@ -31,19 +33,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
-from course_lib.classroom.checks.verdicts import (call_problem, describe_ops, launch_checked, run_student,
-                                                  student_on_rank, tensors_close)
+from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.verdicts import (call_problem, carried_by, describe_ops, launch_checked, run_student,
+                                                  same_payload, secret_generator, student_on_rank, tensors_close)
 from course_lib.launch import LaunchTimeout, RankError
-from course_lib.tensor_parallel import (ColumnParallelLinear, DenseMLP, ParallelMLP, RowParallelLinear,
-                                        TransformerConfig, copy_dense_to_parallel, gather_full_grads)
+from course_lib.tensor_parallel import DenseMLP, ParallelMLP, TransformerConfig, gather_full_grads
 
 __all__ = ["check_column_parallel_forward", "check_row_parallel_forward", "check_tp_mlp_from_dense"]
 
 S, B, IN, OUT = 4, 2, 8, 12
-# The course's own implementations of each exercise: running one inside the student's function is reported.
-COLUMN_REFS = (ColumnParallelLinear.forward,)
-ROW_REFS = (RowParallelLinear.forward,)
-MLP_REFS = (copy_dense_to_parallel,)
 
 
 def _data(seed=0):
@@ -93,7 +91,7 @@ def check_column_parallel_forward(fn) -> bool:
     x, w = _data()
     for t in (2, 4):
         for rank in range(t):
-            run = run_student(fn, x.clone(), w.clone(), rank, t, references=COLUMN_REFS)
+            run = run_student(fn, x.clone(), w.clone(), rank, t, references=references_for("column_parallel_forward"))
             if run.todo:
                 return not_attempted("column_parallel_forward")
             if run.error is not None:
@@ -123,10 +121,13 @@ ROW_ALGORITHM = ("row-parallel rank i multiplies only its own slice x_shard by i
 
 def _rank_row(fn):
     t, r = dist.get_world_size(), dist.get_rank()
-    x, w = _data(1)
-    x_shard = x.chunk(t, -1)[r].contiguous()
-    result = student_on_rank(fn, x_shard.clone(), w.clone(), dist.group.WORLD, references=ROW_REFS)
-    return dict(result, x=x, w=w, rank=r, t=t)
+    _, w = _data(1)
+    x_shard = torch.randn(S, B, IN // t, generator=secret_generator())   # no other rank can rebuild it
+    result = student_on_rank(fn, x_shard.clone(), w.clone(), dist.group.WORLD,
+                             references=references_for("row_parallel_forward"))
+    shards = [torch.empty_like(x_shard) for _ in range(t)]
+    dist.all_gather(shards, x_shard)                   # the truth, from what the ranks really hold
+    return dict(result, x=torch.cat(shards, -1), w=w, rank=r, t=t)
 
 
 def diagnose_row(got, x, w, rank, t) -> str | None:
@@ -171,14 +172,22 @@ def diagnose_row_traffic(events) -> str | None:
 
 def _row_hint(r: dict) -> str | None:
     """The one hint for a rank's row-parallel result: a patch or the course's code, then gathering
-    (right numbers, wrong algorithm), then wrong values, then any other traffic; None when right."""
+    (right numbers, wrong algorithm), then wrong values, then any other traffic, then what the all-reduce
+    carried (this rank's partial sum X_i A_i, nothing else); None when right."""
     problem = call_problem(r)
     if problem:
         return problem
     traffic = diagnose_row_traffic(r["events"])
     if traffic and any(e.op == "all_gather" for e in r["events"]):
         return traffic
-    return diagnose_row(r["value"], r["x"], r["w"], r["rank"], r["t"]) or traffic
+    hint = diagnose_row(r["value"], r["x"], r["w"], r["rank"], r["t"]) or traffic
+    if hint:
+        return hint
+    partial = F.linear(r["x"].chunk(r["t"], -1)[r["rank"]], r["w"].chunk(r["t"], 1)[r["rank"]])
+    if not all(same_payload(c, partial, tol=1e-5) for c in carried_by(r, "all_reduce") if c is not None):
+        return ("your all-reduce did not carry your partial sum X_i A_i: the numbers are right, but the only thing "
+                "row-parallel ranks exchange is each rank's partial product -- " + ROW_ALGORITHM)
+    return None
 
 
 def check_row_parallel_forward(fn) -> bool:
@@ -221,7 +230,7 @@ def _rank_mlp_from_dense(fn):
             "linear_fc1.bias": dense.linear_fc1.bias.detach().chunk(t, 0)[r].clone(),
             "linear_fc2.weight": dense.linear_fc2.weight.detach().chunk(t, 1)[r].clone(),
             "linear_fc2.bias": dense.linear_fc2.bias.detach().clone()}
-    run = run_student(fn, dense, g, references=MLP_REFS)
+    run = run_student(fn, dense, g, references=references_for("tp_mlp_from_dense"))
     if run.error is not None:
         raise run.error
     par = run.value

@@ -12,8 +12,10 @@ Each prints one verdict line plus the most specific hint it can find; a function
 ``NotImplementedError`` gets a "not attempted yet" line, never an exception.
 
 The checkers prove the *algorithm*, not only the numbers: ranks run on a process group that
-records every operation (:mod:`course_lib.classroom.checks.wire`), so an operator that gathers every
-rank's tensor and adds them by hand is refused -- however the collective was called. Student code runs
+records every operation and what it carried (:mod:`course_lib.classroom.checks.wire`), so an operator
+that gathers every rank's tensor and adds them by hand is refused -- however the collective was called --
+and so is one whose all-reduce carries anything but its own tensor; each rank's tensors are drawn from
+``os.urandom``, so no rank can add up the others' without the wire. Student code runs
 through :func:`~course_lib.classroom.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is
 undone and named, and a function that runs the course's own implementation is told so.
 """
@@ -25,55 +27,70 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (as_real, call_problem, describe_ops, launch_checked, portable,
-                                                  run_student, safe_repr, same_number, student_on_rank,
-                                                  tensors_close, wire_recorder)
+                                                  run_student, safe_repr, same_number, secret_generator,
+                                                  student_on_rank, tensors_close, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
-from course_lib.tensor_parallel import DenseMLP, ParallelTransformerLayer, TransformerConfig, mappings
+from course_lib.tensor_parallel import DenseMLP, ParallelTransformerLayer, TransformerConfig
 
 __all__ = ["check_f_g", "check_collective_prediction"]
 
-# The course's own f and g: running one inside the student's operator is reported.
-# (Methods, not classes: an autograd.Function class refers to itself through its backward class.)
-F_G_REFS = (mappings._CopyToModelParallelRegion.forward, mappings._CopyToModelParallelRegion.backward,
-            mappings._ReduceFromModelParallelRegion.forward, mappings._ReduceFromModelParallelRegion.backward,
-            mappings.copy_to_tensor_model_parallel_region, mappings.reduce_from_tensor_model_parallel_region)
 
 
 # ----------------------------------------------------------------------------- f/g
 
 
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    """The checker's own all-reduce of ``t`` (run after the student's calls)."""
+    t = t.clone()
+    dist.all_reduce(t)
+    return t
+
+
+def _shared(t: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``t`` on every rank (the checker's broadcast): an input that is the same everywhere."""
+    t = t.clone()
+    dist.broadcast(t, 0)
+    return t
+
+
 def _rank_f_g(f_cls, g_cls):
     g, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     gen = lambda q: torch.Generator().manual_seed(50 + q)  # noqa: E731
-    xs = [torch.randn(3, 4, generator=gen(q)) for q in range(t)]
-    dys = [torch.randn(3, 4, generator=gen(10 + q)) for q in range(t)]
+    secret = secret_generator()                 # this rank's tensors: no other rank can rebuild them
+    x_own, dy_own = torch.randn(3, 4, generator=secret), torch.randn(3, 4, generator=secret)
+    x_same, dy_same = _shared(x_own), _shared(dy_own)
+    refs = references_for("f_and_g")
     out = {}
 
     def phases(cls, x, dy):
-        """What cls.apply(x, group) does in each pass: y, dx and the ops of each pass, recorded apart."""
+        """What cls.apply(x, group) does in each pass: y, dx and the ops of each pass (and what they
+        carried), recorded apart."""
         x = x.clone().requires_grad_()
         with wire_recorder() as fwd:
-            run = run_student(cls.apply, x, g, references=F_G_REFS)
+            run = run_student(cls.apply, x, g, references=refs)
         if run.error is not None:
             raise run.error
         y = run.value
-        info = dict(patched=run.patched, course_code=run.course_code, events=list(fwd.events), bwd_events=[],
-                    dx=None, y=portable(y))
+        info = dict(patched=run.patched, course_code=run.course_code, events=list(fwd.events),
+                    carried=list(fwd.carried), bwd_events=[], bwd_carried=[], dx=None, y=portable(y))
         if isinstance(y, torch.Tensor) and y.requires_grad:
             with wire_recorder() as bwd:
-                back = run_student(y.backward, dy.clone(), references=F_G_REFS)
+                back = run_student(y.backward, dy.clone(), references=refs)
             if back.error is not None:
                 raise back.error
             info.update(patched=run.patched + back.patched, course_code=run.course_code + back.course_code,
-                        bwd_events=list(bwd.events), dx=x.grad)
+                        bwd_events=list(bwd.events), bwd_carried=list(bwd.carried), dx=x.grad)
         return info
 
     # f alone: forward identity, backward all-reduce (f's input is the same on every rank)
-    out["f"] = dict(phases(f_cls, xs[0], dys[r]), x=xs[0], dy=dys[r], dysum=sum(dys))
+    out["f"] = dict(phases(f_cls, x_same, dy_own), x=x_same, dy=dy_own)
+    out["f"]["dysum"] = _summed(dy_own)
     # g alone: forward all-reduce, backward identity (g's output, so its gradient, is the same on every rank)
-    out["g"] = dict(phases(g_cls, xs[r], dys[0]), x=xs[r], xsum=sum(xs), dy=dys[0])
+    out["g"] = dict(phases(g_cls, x_own, dy_same), x=x_own, dy=dy_same)
+    out["g"]["xsum"] = _summed(x_own)
     # a 2-layer MLP built from them, vs the dense one
     cfg = TransformerConfig(hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
     torch.manual_seed(3)
@@ -135,7 +152,8 @@ def diagnose_g(o, t) -> str | None:
 
 
 def _f_g_traffic(name: str, o: dict) -> str | None:
-    """The hint when f or g communicates other than one all-reduce in the one pass that needs it."""
+    """The hint when f or g communicates other than one all-reduce in the one pass that needs it, or that
+    all-reduce carries anything but the pass's own tensor (g: its input; f: the incoming gradient)."""
     passes = {"f": (o["events"], o["bwd_events"]), "g": (o["bwd_events"], o["events"])}[name]
     quiet, busy = passes
     quiet_pass, busy_pass = ("forward", "backward") if name == "f" else ("backward", "forward")
@@ -144,6 +162,13 @@ def _f_g_traffic(name: str, o: dict) -> str | None:
     if [e.op for e in busy] != ["all_reduce"]:
         return (f"{name}'s {busy_pass} pass is exactly one all-reduce (a sum); it ran {describe_ops(busy)} -- "
                 f"gathering every rank's tensor and adding them by hand moves t times the data")
+    carried = (o["bwd_carried"] if name == "f" else o["carried"])[0]
+    own = o["dy"] if name == "f" else o["x"]
+    if carried is not None and not tensors_close(carried.reshape(own.shape) if carried.numel() == own.numel()
+                                                 else carried, own):
+        what = "the incoming gradient" if name == "f" else "its input"
+        return (f"{name}'s all-reduce must carry {what} (a copy of it): the sum over the ranks of that tensor is "
+                f"the result, whatever else gives the same numbers")
     return None
 
 
@@ -231,7 +256,7 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
     ``predict_elements_sent(b, s, h, t) -> float``: elements one rank sends per layer, fwd+bwd, no SP."""
     measured_events = {}
     for sp in (False, True):
-        run = run_student(predict_collectives, sp)
+        run = run_student(predict_collectives, sp, references=references_for("predict_collectives"))
         if run.todo:
             return not_attempted("predict_collectives")
         if run.problem():
@@ -267,7 +292,7 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
             "forward and twice backward (per micro-batch)")
     for bb, ss, hh, tt, want in ((b, s, h, t, measured), (1, 2048, 12288, 8, None), (b, s, h, 4, None)):
         want = 8 * bb * ss * hh * (tt - 1) / tt if want is None else want
-        run = run_student(predict_elements_sent, bb, ss, hh, tt)
+        run = run_student(predict_elements_sent, bb, ss, hh, tt, references=references_for("predict_collectives"))
         if run.todo:
             return not_attempted("predict_elements_sent")
         if run.error is not None or run.problem():

@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr
 from course_lib.megatron import parse_log
-
-PARSE_REFS = (parse_log,)
 
 # One iteration line per Megatron log era (format strings read in NVIDIA/Megatron-LM; see
 # course_lib.megatron.logs), plus the course's own and a torchrun --tee prefixed one.
@@ -63,7 +62,7 @@ def check_parse_line(fn) -> bool:
     if is_course_answer(fn):
         return False
     for era, line in ITERATION_LINES.items():
-        got, err = checked_call(fn, line, references=PARSE_REFS)
+        got, err = checked_call(fn, line, references=references_for("parse_iteration_line"))
         if err == "todo":
             return not_attempted("parse_iteration_line")
         ref = parse_log(line).iterations[0]

@@ -21,9 +21,13 @@ Running the student's code
     ``torch.distributed`` and every loaded ``course_lib`` module, methods of
     their classes, of ``torch.Tensor`` and ``torch.nn.Module``) and reports what it
     changed (:class:`StudentRun`), so a patch can neither fool the checker nor
-    leak into later cells. With ``references=`` it also reports which of the
+    leak into later cells. With ``references=`` (an exercise's entry of
+    :mod:`course_lib.classroom.checks.references`) it also reports which of the
     course's own implementations ran inside the call (a profile hook on their
-    code objects: aliases, ``getattr`` or wrappers do not hide them).
+    code objects: aliases, ``getattr``, wrappers, partials do not hide them, nor does
+    an ``exec`` of their source: a copy is known by its name, arguments and names used),
+    and -- always -- any function of a checker module the student's code called (its
+    truth tables, its input generators), except what the checker handed over.
     :func:`course_function` recognises a function that *is* (or wraps, or
     partially applies) one from ``course_lib``; :func:`course_code_hint` words
     the verdict. :func:`student_on_rank` is :func:`run_student` inside a rank of
@@ -52,20 +56,24 @@ import functools
 import inspect
 import math
 import numbers
+import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from course_lib.classroom.checks.wire import (REFUSED_MARK, CollectiveRefused, launch_checked, point_to_point_only,
-                                    wire_recorder)
+from course_lib.classroom.checks.wire import (REFUSED_MARK, SPLIT_MARK, CollectiveRefused, SplitMismatch,
+                                             largest_tensor, launch_checked, point_to_point_only, secret_generator,
+                                             wire_recorder)
 
 __all__ = [
     "Verdict", "as_real", "as_whole", "whole_numbers", "same_number", "same_value", "tensors_close", "safe_repr",
     "StudentRun", "run_student", "student_on_rank", "call_problem", "portable", "undo_patches", "course_function",
     "course_code_hint", "LibraryPatched",
     "launch_checked", "point_to_point_only", "wire_recorder", "CollectiveRefused", "REFUSED_MARK",
-    "elements_sent", "collectives", "describe_ops", "expect_collectives", "refused_collective",
+    "SplitMismatch", "SPLIT_MARK", "secret_generator", "largest_tensor",
+    "elements_sent", "collectives", "describe_ops", "expect_collectives", "refused_collective", "split_problem",
+    "carried_by", "same_payload",
 ]
 
 
@@ -259,15 +267,15 @@ class StudentRun:
         return isinstance(self.error, NotImplementedError)
 
     def problem(self) -> str | None:
-        """One line saying what is wrong with the *call* (not the value): an exception, a patch,
-        the course's own code; None when the call was clean."""
-        if self.error is not None:
-            return f"raised {type(self.error).__name__}: {self.error}"
+        """One line saying what is wrong with the *call* (not the value): a patch, the course's own code
+        (even when it then raised: that is what to change), an exception; None when the call was clean."""
         if self.patched:
             return (f"it replaced {', '.join(self.patched[:3])} (undone by the checker): an exercise's "
                     f"function must compute its answer, not change the library")
         if self.course_code:
             return course_code_hint(self.course_code[0])
+        if self.error is not None:
+            return f"raised {type(self.error).__name__}: {self.error}"
         return None
 
 
@@ -358,20 +366,83 @@ def _code_objects(fn) -> dict:
     return {code: _qualified(fn)} if code is not None else {}
 
 
+_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
+_MACHINERY = {"wire.py", "verdicts.py", "__init__.py"}
+"""Files of the checks package whose code may run inside a student's call: the checked process group
+(every collective passes through it) and the verdict helpers."""
+
+
+def _is_checker_code(code) -> bool:
+    """Code of a checker module (its truth functions, its input generators): never part of an answer."""
+    path = code.co_filename
+    return os.path.dirname(path) == _CHECKS_DIR and os.path.basename(path) not in _MACHINERY
+
+
+def _signature(code) -> tuple:
+    """What a copy of a function keeps (``exec`` of its source, a reloaded module): its name, arguments,
+    local variables and the global and attribute names it uses (the bytecode itself can differ: an ``exec``
+    without the module's ``from __future__ import annotations`` compiles other instructions)."""
+    return code.co_name, code.co_argcount, code.co_varnames, code.co_names
+
+
+def _nested_codes(code, into: set) -> None:
+    into.add(code)
+    for const in code.co_consts:
+        if isinstance(const, type(code)):
+            _nested_codes(const, into)
+
+
+def _handed_over(args) -> set:
+    """Code objects the checker hands the student (``make_optimizer``, a callback) and everything nested in
+    them: these run inside the student's call by design."""
+    found: set = set()
+    items = list(args)
+    for arg in list(items):
+        if isinstance(arg, (list, tuple)):
+            items.extend(arg)
+        elif isinstance(arg, dict):
+            items.extend(arg.values())
+    for item in items:
+        code = getattr(_unwrap(item), "__code__", None) if callable(item) else None
+        if code is not None:
+            _nested_codes(code, found)
+    return found
+
+
 @contextlib.contextmanager
-def _watch_code(references) -> Iterable[list]:
-    """Yields a list that receives the name of each reference whose code runs inside the block."""
+def _watch_code(references, handed_over=frozenset()) -> Iterable[list]:
+    """Yields a list that receives the name of each reference whose code runs inside the block, and of each
+    checker function (:func:`_is_checker_code`) not in ``handed_over``. A reference is recognised by its
+    code object or by a copy of it (:func:`_signature`)."""
     watched = {}
     for ref in references:
         watched.update(_code_objects(ref))
+    # Copies are recognised only for code that says something: a one-line ``return grad, None`` written
+    # by a student is the same code as the course's, and no copy.
+    copies = {_signature(code): name for code, name in watched.items() if len(set(code.co_names)) >= 4}
+    names = {code.co_name for code in watched}
+    verdicts: dict = {}
     seen: list[str] = []
-    if not watched:
-        yield seen
-        return
+
+    def verdict(frame) -> str:
+        code = frame.f_code
+        if code in watched:
+            return watched[code]
+        if code.co_name in names and _signature(code) in copies:
+            return copies[_signature(code)]
+        if code not in handed_over and _is_checker_code(code):
+            return f"{frame.f_globals.get('__name__', '?')}.{code.co_qualname}"
+        return ""
 
     def profile(frame, event, _arg):
-        if event == "call" and frame.f_code in watched and watched[frame.f_code] not in seen:
-            seen.append(watched[frame.f_code])
+        if event != "call":
+            return
+        code = frame.f_code
+        name = verdicts.get(code)
+        if name is None:
+            name = verdicts[code] = verdict(frame)
+        if name and name not in seen:
+            seen.append(name)
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -385,18 +456,19 @@ def run_student(fn, *args, references: Sequence = (), **kwargs) -> StudentRun:
     """Call ``fn(*args, **kwargs)``; never raises (except ``KeyboardInterrupt``).
 
     Monkeypatches are undone and listed in ``patched``; ``references`` (course
-    functions or classes the exercise asks the student to write themselves) that
-    ran inside the call are listed in ``course_code``."""
+    functions or classes the exercise asks the student to write themselves, see
+    :func:`course_lib.classroom.checks.references.references_for`) that ran inside the call are
+    listed in ``course_code`` -- and so is any function of a checker module the student's code
+    called (a truth table, an input generator), except the callables handed over in ``args``."""
     run = StudentRun()
     with undo_patches() as changed:
-        with _watch_code(references) as seen:
+        with _watch_code(references, _handed_over(args + tuple(kwargs.values()))) as seen:
             try:
                 run.value = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - reported to the student
                 run.error = exc
     run.patched, run.course_code = list(changed), list(seen)
     return run
-
 
 
 def portable(value):
@@ -409,19 +481,28 @@ def portable(value):
     return f"a {type(value).__name__} ({safe_repr(value, 50)})"
 
 
-def student_on_rank(fn, *args, references: Sequence = ()) -> dict:
+def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
     """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
 
     Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
     returns ``value`` (:func:`portable` of what came back), ``events`` (the rank's
-    :class:`~course_lib.comm.CommEvent` list), ``patched`` (library names it replaced, undone) and
-    ``course_code`` (the ``references`` that ran inside it)."""
-    with wire_recorder() as rec:
+    :class:`~course_lib.comm.CommEvent` list), ``carried`` (what each event sent, see
+    :class:`~course_lib.classroom.checks.wire.WireRecorder`), ``patched`` (library names it replaced,
+    undone) and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also
+    ``largest`` and ``largest_op``: the largest tensor the call computed (:func:`largest_tensor`); with
+    ``raw``, also ``raw``: the returned object itself, for checks on the rank (pop it before returning
+    the dict from the rank: it may not pickle)."""
+    with wire_recorder() as rec, (largest_tensor() if measure else contextlib.nullcontext()) as seen:
         run = run_student(fn, *args, references=references)
     if run.error is not None:
         raise run.error
-    return dict(value=portable(run.value), events=list(rec.events), patched=run.patched,
-                course_code=run.course_code)
+    out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
+               course_code=run.course_code)
+    if measure:
+        out.update(largest=seen.largest, largest_op=seen.op)
+    if raw:
+        out["raw"] = run.value
+    return out
 
 
 def call_problem(result: dict) -> str | None:
@@ -507,9 +588,34 @@ def expect_collectives(events, expected: dict, *, what: str = "the exercise") ->
     return f"{what} needs exactly {wanted}; it ran {describe_ops(collectives(events))}"
 
 
+def _marked_line(traceback_text: str, mark: str) -> str | None:
+    for line in reversed((traceback_text or "").splitlines()):
+        if mark in line:
+            return line.split(mark, 1)[1].strip()
+    return None
+
+
 def refused_collective(traceback_text: str) -> str | None:
     """The refusal line in a rank's traceback (a collective in a point-to-point exercise), or None."""
-    for line in reversed((traceback_text or "").splitlines()):
-        if REFUSED_MARK in line:
-            return line.split(REFUSED_MARK, 1)[1].strip()
-    return None
+    return _marked_line(traceback_text, REFUSED_MARK)
+
+
+def split_problem(traceback_text: str) -> str | None:
+    """The :class:`SplitMismatch` line in a rank's traceback (all-to-all sizes that cannot work), or None."""
+    return _marked_line(traceback_text, SPLIT_MARK)
+
+
+def carried_by(result: dict, op: str) -> list:
+    """What this rank sent in each ``op`` event of a :func:`student_on_rank` ``result`` (same order)."""
+    return [c for e, c in zip(result["events"], result["carried"]) if e.op == op]
+
+
+def same_payload(carried, want, tol: float = 1e-9) -> bool:
+    """Did an op carry ``want`` (a tensor; its elements in order, any shape or real dtype)? Never raises."""
+    import torch
+
+    if isinstance(carried, list):
+        carried = torch.cat([t.reshape(-1) for t in carried]) if carried else None
+    if not isinstance(carried, torch.Tensor) or carried.numel() != want.numel():
+        return False
+    return tensors_close(carried.reshape(-1), want.reshape(-1), tol=tol)

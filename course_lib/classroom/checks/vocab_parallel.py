@@ -22,15 +22,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
-from course_lib.classroom.checks.verdicts import (call_problem, describe_ops, launch_checked, student_on_rank,
-                                                  tensors_close)
+from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.verdicts import (call_problem, describe_ops, launch_checked, secret_generator,
+                                                  student_on_rank, tensors_close)
 from course_lib.launch import LaunchTimeout, RankError
-from course_lib.tensor_parallel import vocab_parallel_cross_entropy
-from course_lib.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
 
 __all__ = ["check_vocab_parallel_cross_entropy"]
 
-CE_REFS = (vocab_parallel_cross_entropy, _VocabParallelCrossEntropy.forward, _VocabParallelCrossEntropy.backward)
 CE_S, CE_B, CE_V = 4, 2, 16
 CE_CASES = (("logits near 1000", 30.0, 1000.0), ("ordinary logits", 2.0, 0.0))
 CE_ALGORITHM = ("only per-token numbers cross the wire: all-reduce the max logit (op=MAX), the target's logit "
@@ -39,13 +37,17 @@ CE_ALGORITHM = ("only per-token numbers cross the wire: all-reduce the max logit
 
 def _rank_vocab_ce(fn):
     g, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(7)
+    secret = secret_generator()                # this rank's slice of the logits: no other rank can rebuild it
     out = []
     for name, scale, offset in CE_CASES:
-        full = torch.randn(CE_S, CE_B, CE_V, generator=gen) * scale + offset
-        target = torch.randint(0, CE_V, (CE_S, CE_B), generator=gen)
-        result = student_on_rank(fn, full.chunk(t, -1)[r].contiguous(), target.clone(), g, references=CE_REFS)
-        out.append(dict(result, case=name, full=full, target=target, rank=r, t=t))
+        mine = torch.randn(CE_S, CE_B, CE_V // t, generator=secret) * scale + offset
+        target = torch.randint(0, CE_V, (CE_S, CE_B), generator=secret)
+        dist.broadcast(target, 0)                # the same targets on every rank
+        result = student_on_rank(fn, mine.clone(), target.clone(), g,
+                                 references=references_for("vocab_parallel_cross_entropy"))
+        slices = [torch.empty_like(mine) for _ in range(t)]
+        dist.all_gather(slices, mine)            # the truth, from what the ranks really hold
+        out.append(dict(result, case=name, full=torch.cat(slices, -1), target=target, rank=r, t=t))
     return out
 
 

@@ -1,4 +1,4 @@
-"""What crossed the wire: a process group that records, or refuses, every operation.
+"""What crossed the wire and what it carried: a process group that records, or refuses, every operation.
 
 The course's :class:`course_lib.comm.CommRecorder` sees what goes through the
 course's wrappers. A checker must see *everything* a student's code sends,
@@ -27,25 +27,52 @@ group does not have, fail on it instead of getting past):
   checked too; a group made with an explicit other backend (``backend="gloo"``)
   is found when the block ends (:func:`foreign_groups`) and refused then.
 
+Three more pieces make the proof of an algorithm out of that record:
+
+* **what it carried**: next to each event, :class:`WireRecorder` keeps a copy of what this rank
+  put on the wire (``rec.carried[i]``: the input of a collective, the tensor of a send, the
+  per-destination chunks of an all-to-all), so a checker can ask whether the ZeRO-1 all-gather
+  carried the *updated* shard, or a ring's sends carried K/V blocks;
+* **inputs the student cannot predict**: :func:`secret_generator` seeds a generator on the
+  rank from ``os.urandom`` after the fork, so no other rank (and no code reading the checker's
+  source) can rebuild this rank's inputs; the checker computes the truth *after* the student's
+  function returned, with its own collectives;
+* **what it computed**: :func:`largest_tensor` records the largest tensor any torch op produced
+  inside a block (a dispatch mode), so an answer that gathers every block and runs one dense
+  computation is seen by the size of what it built.
+
+An uneven ``all_to_all_single`` whose ``output_split_sizes`` do not match what the peers send
+would make gloo abort the process (SIGABRT, no traceback): the checked group exchanges the
+split sizes first and raises :class:`SplitMismatch` on every rank, naming the rows expected and
+sent. The list form of ``all_to_all`` moves equal-sized tensors only on gloo; unequal ones raise
+:class:`SplitMismatch` with that sentence instead of gloo's raw size error.
+
 The limit: code that builds a raw ``ProcessGroupGloo`` from the private store
-object, or edits this module's state, is not stopped. Nothing reachable through
-public names is.
+object, edits this module's state, reads the checker's frames, or computes outside torch (numpy)
+is not stopped. Nothing reachable through public names is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from course_lib.comm import CommEvent, _infer_direction
 
 BACKEND = "course_checked"
 REFUSED_MARK = "[collective refused]"
 """Appears in the message of every refused collective: a checker finds it in a rank's traceback."""
+SPLIT_MARK = "[all-to-all splits]"
+"""Appears in the message of every :class:`SplitMismatch`."""
+CARRY_LIMIT = 1 << 20
+"""Elements per op above which :class:`WireRecorder` keeps no copy of what was carried (None)."""
 
 _RECORDERS: list["WireRecorder"] = []
 _POLICY = {"p2p_only": None}  # None, or the text that names the exercise's rule
@@ -59,11 +86,19 @@ class CollectiveRefused(RuntimeError):
     """A collective ran inside :func:`point_to_point_only`."""
 
 
+class SplitMismatch(RuntimeError):
+    """An all-to-all whose sizes cannot work: raised on the rank before gloo would abort it."""
+
+
 class WireRecorder:
-    """Collects the :class:`CommEvent` of every op on a checked group while active (see :func:`wire_recorder`)."""
+    """Collects the :class:`CommEvent` of every op on a checked group while active (see :func:`wire_recorder`),
+    and in ``carried`` (one entry per event) a copy of what this rank sent: a tensor, or a list of tensors
+    (one per destination for an all-to-all, one per input for list collectives); None for a receive, or
+    above :data:`CARRY_LIMIT` elements."""
 
     def __init__(self):
         self.events: list[CommEvent] = []
+        self.carried: list = []
 
 
 @contextlib.contextmanager
@@ -109,7 +144,8 @@ class CheckedProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     # ---- bookkeeping
-    def _record(self, op: str, tensors, *, peer=None, reduce_op=None, numel=None) -> None:
+    def _record(self, op: str, tensors, *, peer=None, reduce_op=None, numel=None, carried=None) -> None:
+        """Record one op for every active recorder; ``carried``: what this rank sends (copied here)."""
         if not _RECORDERS:
             return
         n = _numel(tensors) if numel is None else int(numel)
@@ -118,20 +154,21 @@ class CheckedProcessGroup(dist.ProcessGroup):
                           bytes=n * torch.empty((), dtype=dtype).element_size(), direction=_infer_direction(),
                           dtype=str(dtype).replace("torch.", ""), reduce_op=reduce_op, source="process_group",
                           peer=peer, rank=dist.get_rank())
+        copy = _copy(carried) if carried is not None and _numel(carried) <= CARRY_LIMIT else None
         for rec in _RECORDERS:
             rec.events.append(event)
+            rec.carried.append(copy)
 
-    def _collective(self, op: str, tensors, method: str, *args, numel=None, reduce_op=None):
+    def _collective(self, op: str, tensors, method: str, *args, numel=None, reduce_op=None, carried=None):
         rule = _POLICY["p2p_only"]
+        self._record(op, tensors, numel=numel, reduce_op=reduce_op, carried=carried)
         if rule is not None:
-            self._record(op, tensors, numel=numel, reduce_op=reduce_op)
             raise CollectiveRefused(f"{REFUSED_MARK} {_article(op)} {op} ran on the process group ({self._label}): {rule}")
-        self._record(op, tensors, numel=numel, reduce_op=reduce_op)
         return getattr(self._inner, method)(*args)
 
     # ---- point-to-point: always allowed
     def send(self, tensors, dst, tag):
-        self._record("send", tensors, peer=self._global_ranks[dst])
+        self._record("send", tensors, peer=self._global_ranks[dst], carried=tensors[0])
         return self._inner.send(tensors, dst, tag)
 
     def recv(self, tensors, src, tag):
@@ -151,61 +188,132 @@ class CheckedProcessGroup(dist.ProcessGroup):
 
     # ---- collectives: recorded, refused inside point_to_point_only()
     def allreduce(self, tensors, opts):
-        return self._collective("all_reduce", tensors, "allreduce", tensors, opts,
+        return self._collective("all_reduce", tensors, "allreduce", tensors, opts, carried=tensors[0],
                                 reduce_op=str(getattr(opts.reduceOp, "op", opts.reduceOp)).split(".")[-1].lower())
 
     def allreduce_coalesced(self, tensors, opts):
-        return self._collective("all_reduce", tensors, "allreduce_coalesced", tensors, opts)
+        return self._collective("all_reduce", tensors, "allreduce_coalesced", tensors, opts, carried=list(tensors))
 
     def allgather(self, outputs, inputs, opts):
-        return self._collective("all_gather", outputs, "allgather", outputs, inputs, opts)
+        return self._collective("all_gather", outputs, "allgather", outputs, inputs, opts, carried=inputs[0])
 
     def _allgather_base(self, output, input, opts):  # noqa: A002 - torch's signature
-        return self._collective("all_gather", output, "_allgather_base", output, input, opts)
+        return self._collective("all_gather", output, "_allgather_base", output, input, opts, carried=input)
 
     all_gather_single = _allgather_base
 
     def allgather_coalesced(self, outputs, inputs, opts):
-        return self._collective("all_gather", outputs, "allgather_coalesced", outputs, inputs, opts)
+        return self._collective("all_gather", outputs, "allgather_coalesced", outputs, inputs, opts,
+                                carried=list(inputs))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts):
-        return self._collective("all_gather", outputs, "allgather_into_tensor_coalesced", outputs, inputs, opts)
+        return self._collective("all_gather", outputs, "allgather_into_tensor_coalesced", outputs, inputs, opts,
+                                carried=list(inputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, outputs, inputs, opts):
-        return self._collective("reduce_scatter", inputs, "reduce_scatter", outputs, inputs, opts)
+        return self._collective("reduce_scatter", inputs, "reduce_scatter", outputs, inputs, opts,
+                                carried=_flat_cat(inputs[0]))
 
     def _reduce_scatter_base(self, output, input, opts):  # noqa: A002
-        return self._collective("reduce_scatter", input, "_reduce_scatter_base", output, input, opts)
+        return self._collective("reduce_scatter", input, "_reduce_scatter_base", output, input, opts, carried=input)
 
     reduce_scatter_single = _reduce_scatter_base
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
-        return self._collective("reduce_scatter", inputs, "reduce_scatter_tensor_coalesced", outputs, inputs, opts)
+        return self._collective("reduce_scatter", inputs, "reduce_scatter_tensor_coalesced", outputs, inputs, opts,
+                                carried=list(inputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     def broadcast(self, tensors, opts):
-        return self._collective("broadcast", tensors, "broadcast", tensors, opts)
+        return self._collective("broadcast", tensors, "broadcast", tensors, opts, carried=tensors[0])
 
     def reduce(self, tensors, opts):
-        return self._collective("reduce", tensors, "reduce", tensors, opts)
+        return self._collective("reduce", tensors, "reduce", tensors, opts, carried=tensors[0])
 
     def gather(self, outputs, inputs, opts):
-        return self._collective("gather", inputs, "gather", outputs, inputs, opts)
+        return self._collective("gather", inputs, "gather", outputs, inputs, opts, carried=inputs[0])
 
     def scatter(self, outputs, inputs, opts):
-        return self._collective("scatter", outputs, "scatter", outputs, inputs, opts)
+        return self._collective("scatter", outputs, "scatter", outputs, inputs, opts,
+                                carried=list(inputs[0]) if inputs else None)
 
     def alltoall(self, outputs, inputs, opts):
-        return self._collective("all_to_all", inputs, "alltoall", outputs, inputs, opts)
+        if _POLICY["p2p_only"] is None:
+            shapes = {tuple(t.shape) for t in list(outputs) + list(inputs)}
+            if len(shapes) > 1:
+                raise SplitMismatch(
+                    f"{SPLIT_MARK} all_to_all (the list form) got tensors of the shapes "
+                    f"{sorted(shapes)}: on gloo it moves equal-sized tensors only -- for uneven splits use "
+                    f"all_to_all_single(output, input, output_split_sizes=..., input_split_sizes=...)")
+        return self._collective("all_to_all", inputs, "alltoall", outputs, inputs, opts, carried=list(inputs))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):  # noqa: A002
+        sends = self._check_splits(output, input, list(output_split_sizes), list(input_split_sizes))
         return self._collective("all_to_all", input, "alltoall_base", output, input, output_split_sizes,
-                                input_split_sizes, opts)
+                                input_split_sizes, opts, carried=sends)
 
     all_to_all_single = alltoall_base
+
+    def _check_splits(self, output, input, out_splits, in_splits):  # noqa: A002
+        """The input cut into its per-destination chunks, after every rank of the group has checked that
+        what it expects from each peer (``out_splits``) is what that peer sends it (its ``in_splits``).
+
+        Unchecked, a mismatch makes gloo abort the receiving process (SIGABRT, no traceback): here every
+        rank raises :class:`SplitMismatch` together, and the ranks that expected the wrong sizes say so."""
+        n = self.size()
+        if _POLICY["p2p_only"] is not None:  # refused anyway, by _collective
+            return None
+        problems = []
+        rows_in, rows_out = (int(t.shape[0]) if t.dim() else int(t.numel()) for t in (input, output))
+        ins = in_splits or ([rows_in // n] * n if rows_in % n == 0 else None)
+        outs = out_splits or ([rows_out // n] * n if rows_out % n == 0 else None)
+        if ins is None or outs is None:
+            which, rows = ("input", rows_in) if ins is None else ("output", rows_out)
+            problems.append(f"the {which} has {rows} rows, which do not split evenly over {n} ranks: pass "
+                            f"{which}_split_sizes")
+            ins, outs = ins or [0] * n, outs or [0] * n
+        if len(ins) != n or len(outs) != n:
+            problems.append(f"input_split_sizes and output_split_sizes need one entry per rank of the group ({n}); "
+                            f"got {len(ins)} and {len(outs)}")
+            ins, outs = (ins + [0] * n)[:n], (outs + [0] * n)[:n]
+        if not problems and sum(ins) != rows_in:
+            problems.append(f"input_split_sizes add up to {sum(ins)} rows but the input has {rows_in}")
+        if not problems and sum(outs) != rows_out:
+            problems.append(f"output_split_sizes add up to {sum(outs)} rows but the output has {rows_out}")
+        theirs = torch.empty(n, dtype=torch.int64)
+        self._inner.alltoall_base(theirs, torch.tensor(ins, dtype=torch.int64), [], [],
+                                  dist.AllToAllOptions()).wait()
+        if not problems:
+            wrong = [(s, outs[s], int(theirs[s])) for s in range(n) if outs[s] != int(theirs[s])]
+            if wrong:
+                s, expected, sent = wrong[0]
+                problems.append(f"group rank {self.rank()} expected {expected} rows from group rank {s} "
+                                f"(its output_split_sizes[{s}]), which sends it {sent} (that rank's "
+                                f"input_split_sizes[{self.rank()}]): output_split_sizes must be what the others "
+                                f"send you, which only they know -- exchange the counts first")
+        flag = torch.tensor([1 if problems else 0])
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self._inner.allreduce([flag], opts).wait()
+        if flag.item():
+            raise SplitMismatch(f"{SPLIT_MARK} " + (problems[0] if problems else
+                                "another rank of the group passed split sizes that do not match"))
+        flat = input.reshape(rows_in, -1) if input.dim() else input.reshape(1, 1)
+        return list(flat.split(ins))
+
+
+def _flat_cat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) else torch.empty(0)
+
+
+def _copy(carried):
+    """A detached copy of a tensor or of a list of tensors."""
+    if isinstance(carried, torch.Tensor):
+        return carried.detach().clone()
+    return [_copy(t) for t in carried]
 
 
 def _create_checked_group(opts, _backend_options):
@@ -246,6 +354,43 @@ def point_to_point_only(rule: str = "this exercise is built from send/recv only"
         _POLICY["p2p_only"] = previous
     if any(id(pg) not in before for pg in foreign_groups()):
         raise CollectiveRefused(f"{REFUSED_MARK} a process group with another backend was created: {rule}")
+
+
+def secret_generator() -> torch.Generator:
+    """A generator seeded from ``os.urandom`` on this rank: inputs that neither another rank nor the
+    student's code can rebuild (call it on the rank, after the fork; the checker computes the truth from
+    what the ranks really hold, after the student's function returned)."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Keeps the element count (``largest``) and the op (``op``) of the largest tensor any torch op produced."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.largest:
+                self.largest, self.op = t.numel(), str(getattr(func, "__name__", func)).split(".")[0]
+        return out
+
+
+@contextlib.contextmanager
+def largest_tensor():
+    """``with largest_tensor() as seen:`` -> ``seen.largest`` (elements) and ``seen.op`` (e.g. ``"cat"``):
+    the largest tensor a torch op produced inside the block -- what the code held at its peak, op by op.
+
+    The first dispatch mode of a process imports ``torch._dynamo``, which rewraps ``torch.manual_seed``: an
+    op run here, before the block, keeps that import out of the student's call (where it would read as a
+    patch). Enter it once in the launching process, before the fork, and no rank pays for the import."""
+    mode = _LargestTensor()
+    with mode:
+        torch.zeros(1).add_(1)
+        mode.largest, mode.op = 0, None
+        yield mode
 
 
 def _checked_rank(rank_fn, rank_kwargs, group_timeout):

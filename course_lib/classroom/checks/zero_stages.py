@@ -1,7 +1,8 @@
 """Checkers for what each ZeRO stage shards (Lab 07): bytes per rank, and a ``ds_config.json`` read.
 
-* :func:`check_zero_bytes` -- bytes per rank of ZeRO's model states for a stage, against
-  :func:`course_lib.sizing.model_state_bytes` (Rajbhandari et al. 2020, §3.1, §5).
+* :func:`check_zero_bytes` -- bytes per rank of each part of ZeRO's model states (params, grads,
+  optimizer) for a stage, against :func:`course_lib.sizing.model_state_bytes` (Rajbhandari et al. 2020,
+  §3.1, §5): asked for part by part, so a wrongly sharded part or a forgotten fp32 master copy shows.
 * :func:`check_what_it_shards` -- read a ``ds_config.json`` and name what it shards and what it
   offloads, against DeepSpeed's stage definitions (stage 1: optimizer states, 2: + gradients,
   3: + parameters; ``offload_*`` moves state to the host, it shards nothing).
@@ -14,6 +15,7 @@ the stub's ``NotImplementedError`` gives "not attempted yet"; numbers of any rea
 from __future__ import annotations
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, safe_repr
 from course_lib.sizing import model_state_bytes
 
@@ -21,49 +23,104 @@ from course_lib.sizing import model_state_bytes
 
 BYTES_CASES = [(7.5e9, 64, s) for s in range(4)] + [(1.3e9, 8, s) for s in range(4)] + \
               [(10_000, 4, s) for s in range(4)] + [(6e6, 1, 2)]
-STAGE_SHARDS = {0: "nothing", 1: "the K = 12 bytes of optimizer state", 2: "optimizer state and the 2 bytes of "
-                "gradients", 3: "optimizer state, gradients and the 2 bytes of parameters"}
+PARTS = ("params", "grads", "optimizer")
+_PART_ALIASES = {"params": ("params", "parameters", "weights", "param", "p"),
+                 "grads": ("grads", "gradients", "grad", "g"),
+                 "optimizer": ("optimizer", "optimizer states", "optimizer_states", "optimizer state", "os", "optim")}
+_SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}   # the first stage that divides each part by N_d
 
 
-def _bytes_hint(got: float, n: float, dp: int, stage: int) -> str:
-    want = model_state_bytes(n, dp, stage).total
-    for other in range(4):
-        if other != stage and abs(got - model_state_bytes(n, dp, other).total) <= 1e-6 * want:
-            return f"that is stage {other}'s count; stage {stage} shards {STAGE_SHARDS[stage]} over N_d"
-    for k in (14, 16):        # Megatron's bf16 (fp32 grads: 2 + 4 + 12) and fp16 (2 + 2 + 16) counts
-        if abs(got - model_state_bytes(n, dp, stage, k=k).total) <= 1e-6 * want:
-            return "you counted Megatron's optimizer bytes; ZeRO's mixed-precision Adam is K = 12 (2 + 2 + 12)"
+def _parts(got) -> tuple[dict | None, str | None]:
+    """The answer as ``{"params", "grads", "optimizer": float}`` (a dict in any spelling, or a triple in
+    that order), or ``(None, reason)``."""
+    if isinstance(got, dict):
+        out = {}
+        for key, value in got.items():
+            name = next((n for n, aliases in _PART_ALIASES.items()
+                         if isinstance(key, str) and key.strip().lower().replace("-", " ") in aliases), None)
+            if name is None:
+                return None, f"unknown key {key!r}: the keys are {', '.join(map(repr, PARTS))}"
+            out[name] = value
+        if set(out) != set(PARTS):
+            return None, f"return the three parts {', '.join(map(repr, PARTS))}; got the keys {sorted(out)}"
+    elif isinstance(got, (tuple, list)) and len(got) == 3:
+        out = dict(zip(PARTS, got))
+    else:
+        number, _ = as_real(got)
+        if number is not None:
+            return None, ("returned one number: return the three parts -- {'params': ..., 'grads': ..., "
+                          "'optimizer': ...} in bytes -- so a mistake in one of them shows")
+        return None, f"return a dict {{'params': ..., 'grads': ..., 'optimizer': ...}}; got {safe_repr(got)}"
+    for name, value in out.items():
+        number, reason = as_real(value)
+        if reason:
+            return None, f"{name!r}: {reason}"
+        out[name] = number
+    return out, None
+
+
+def _part_hint(part: str, got: float, n: float, dp: int, stage: int) -> str:
+    """Why one part of the model states is wrong: sharded when it is not (or the reverse), the wrong
+    bytes per parameter (the K = 8 of a forgotten fp32 master copy among them), units, the whole group."""
+    per = {"params": 2, "grads": 2, "optimizer": 12}[part]
+    sharded = stage >= _SHARDED_FROM[part]
+    divide = dp if sharded else 1
+    want = per * n / divide
+
+    def near(value):
+        return abs(got - value) <= 1e-6 * max(abs(value), 1.0)
+
+    if dp > 1 and near(per * n / (1 if sharded else dp)):
+        first = _SHARDED_FROM[part]
+        return (f"stage {stage} {'shards' if sharded else 'keeps whole'} the {part}: "
+                f"{'from' if sharded else 'only from'} stage {first} on are they divided by N_d = {dp}")
+    if part == "optimizer":
+        for k, hint in ((8, "K = 8 counts Adam's two fp32 moments but forgets the fp32 master copy of the "
+                            "parameters the optimizer steps (4 more bytes): mixed-precision Adam is K = 12"),
+                        (4, "K = 4 is only the fp32 master copy: Adam's two fp32 moments add 8 bytes, K = 12"),
+                        (14, "that is Megatron's bf16 count (its fp32 grads move 2 bytes into the optimizer's "
+                             "share); ZeRO's mixed-precision Adam is K = 12"),
+                        (16, "that is Megatron's fp16 count (with an fp32 grad copy); ZeRO's mixed-precision "
+                             "Adam is K = 12")):
+            if near(k * n / divide):
+                return hint
+    if part in ("params", "grads") and near(4 * n / divide):
+        return (f"the {part} are 16-bit in mixed precision: 2 bytes each (the fp32 copy of the parameters is "
+                f"part of the optimizer's K = 12)")
     for scale, unit in ((1e9, "GB"), (2 ** 30, "GiB"), (2 ** 20, "MiB")):
-        if abs(got * scale - want) <= 1e-6 * want:
+        if near(want / scale):
             return f"return bytes, not {unit}"
-    if abs(got - want * dp) <= 1e-6 * want * dp:
+    if dp > 1 and near(want * dp):
         return "that is the whole data-parallel group's bytes; return one rank's"
-    return "(2 + 2 + K) bytes per parameter, K = 12; stage 1 divides K by N_d, stage 2 also the gradients' 2, " \
-           "stage 3 also the parameters' 2"
+    return (f"{part}: {per} bytes per parameter{', divided by N_d' if sharded else ''} at stage {stage} "
+            f"(stage 1 shards the optimizer's K = 12, stage 2 also the grads' 2, stage 3 also the params' 2)")
 
 
 def check_zero_bytes(fn) -> bool:
-    """``fn(num_params, dp, stage) -> bytes of model states on one rank`` (ZeRO's 2 + 2 + K, K = 12)."""
+    """``fn(num_params, dp, stage) -> {"params", "grads", "optimizer"}``: the bytes of each part of the model
+    states on one rank (ZeRO's 2 + 2 + K, K = 12), checked part by part."""
     if is_course_answer(fn):
         return False
     for n, dp, stage in BYTES_CASES:
-        got, problem = checked_call(fn, n, dp, stage)
+        call = f"num_params={n:g}, dp={dp}, stage={stage}"
+        got, problem = checked_call(fn, n, dp, stage, references=references_for("zero_bytes_per_rank"))
         if problem == "todo":
             return not_attempted("zero_bytes_per_rank")
         if problem:
-            print(f"✗ num_params={n:g}, dp={dp}, stage={stage}: {problem}")
+            print(f"✗ {call}: {problem}")
             return False
-        value, reason = as_real(got)
-        want = model_state_bytes(n, dp, stage).total
+        parts, reason = _parts(got)
         if reason:
-            print(f"✗ num_params={n:g}, dp={dp}, stage={stage}: {reason}")
+            print(f"✗ {call}: {reason}")
             return False
-        if abs(value - want) > 1e-6 * want:
-            print(f"✗ num_params={n:g}, dp={dp}, stage={stage}: got {value:,.0f}, expected {want:,.0f}\n"
-                  f"  hint: {_bytes_hint(value, n, dp, stage)}")
-            return False
-    print(f"✓ zero_bytes_per_rank matches ZeRO's (2 + 2 + 12) Ψ for stages 0-3 on {len(BYTES_CASES)} cases "
-          f"(7.5B on 64 ranks: 120, 31.4, 16.6, 1.9 GB -- ZeRO Figure 1)")
+        want = dict(zip(PARTS, model_state_bytes(n, dp, stage)))
+        for part in PARTS:
+            if abs(parts[part] - want[part]) > 1e-6 * max(want[part], 1.0):
+                print(f"✗ {call}: {part} = {parts[part]:,.0f} bytes, expected {want[part]:,.0f}\n"
+                      f"  hint: {_part_hint(part, parts[part], n, dp, stage)}")
+                return False
+    print(f"✓ zero_bytes_per_rank gives ZeRO's params, grads and optimizer bytes, part by part, for stages 0-3 on "
+          f"{len(BYTES_CASES)} cases (7.5B on 64 ranks: 120, 31.4, 16.6, 1.9 GB in all -- ZeRO Figure 1)")
     return True
 
 
@@ -138,7 +195,7 @@ def check_what_it_shards(fn) -> bool:
     if is_course_answer(fn):
         return False
     for config in DS_CASES:
-        got, problem = checked_call(fn, config)
+        got, problem = checked_call(fn, config, references=references_for("what_it_shards"))
         if problem == "todo":
             return not_attempted("what_it_shards")
         if problem:

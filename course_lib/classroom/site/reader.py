@@ -3,7 +3,10 @@
 The page of a lab shows what the student notebook shows (``labgen.make_lab``: every
 solution block replaced by its ``NotImplementedError`` stub) plus the stored outputs of
 every cell that is *not* an exercise. An exercise cell's outputs were produced by the
-solution (a printed answer, a plot of it), so they are dropped.
+solution (a printed answer, a plot of it), so they are dropped. A checker cell's stored
+"✓ ..." line was printed for the solution too: right under the stub it would read as if
+the stub had passed, so it is shown only under :data:`SUCCESS_LABEL` (what success looks
+like), never as the cell's own result.
 
 :func:`solution_lines` and :func:`leaked_lines` are the independent check: the lines
 between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` that the student version never
@@ -18,6 +21,10 @@ from course_lib.classroom.notebooks.generator import BEGIN, END, EXERCISE_TAGS, 
 # Test-harness markers: meaningful to nbval, noise to a reader.
 _HARNESS_LINE_PREFIXES = ("# NBVAL_",)
 EXERCISE_TAG = EXERCISE_TAGS[0]
+VERDICT_MARKS = ("✓", "✗")
+"""A checker's verdict line starts with one of these (:mod:`course_lib.classroom.checks`)."""
+SUCCESS_LABEL = ("What success looks like (the checker's line for the course's own solution; "
+                 "the stub above has not run -- your notebook prints its own verdict):\n")
 
 
 def _source(cell: dict) -> str:
@@ -35,11 +42,26 @@ def _without_harness_lines(source: str) -> str:
     return "".join(line for line in lines if not line.lstrip().startswith(_HARNESS_LINE_PREFIXES))
 
 
+def _labelled_verdicts(outputs: list) -> list:
+    """``outputs`` with every checker verdict labelled as what success looks like (:data:`SUCCESS_LABEL`)."""
+    out = copy.deepcopy(outputs)
+    for output in out:
+        if output.get("output_type") != "stream":
+            continue
+        text = output.get("text", "")
+        text = "".join(text) if isinstance(text, list) else text
+        if any(line.lstrip().startswith(VERDICT_MARKS) for line in text.splitlines()):
+            output["text"] = SUCCESS_LABEL + text
+            break
+    return out
+
+
 def reader_notebook(solution: dict) -> dict:
     """The notebook a lab page renders: the student version, with the solution's outputs of non-exercise cells.
 
-    Exercise cells keep the stub and lose their outputs and execution count; nbval
-    markers (``# NBVAL_IGNORE_OUTPUT``) are dropped from the code shown. Raises
+    Exercise cells keep the stub and lose their outputs and execution count; a checker's verdict
+    is labelled as what success looks like; nbval markers (``# NBVAL_IGNORE_OUTPUT``) are dropped
+    from the code shown. Raises
     ``labgen``'s one-line ``ValueError`` for a malformed notebook or a misplaced marker.
     """
     lab = make_lab(solution)
@@ -50,7 +72,7 @@ def reader_notebook(solution: dict) -> dict:
         if is_exercise(cell):
             cell["outputs"], cell["execution_count"] = [], None
         else:
-            cell["outputs"] = copy.deepcopy(solved.get("outputs", []))
+            cell["outputs"] = _labelled_verdicts(solved.get("outputs", []))
             cell["execution_count"] = solved.get("execution_count")
     lab.get("metadata", {}).pop("widgets", None)  # saved widget state: meaningless without a kernel
     return lab

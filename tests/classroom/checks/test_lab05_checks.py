@@ -84,7 +84,7 @@ def layout_course(world, tp, pp, cp, micro, gbs):
     (lambda *a: "2, 8", False, "return a pair (dp, num_microbatches)"),
     (lambda *a: (Weird(), Weird()), False, "return two numbers"),
     (layout_never_raises, False, "Megatron refuses it: raise ValueError"),
-    (layout_course, False, "the course's own course_lib.topology.config.ParallelConfig"),
+    (layout_course, False, "the course's own course_lib.topology.ParallelConfig"),
     (_todo, False, "not attempted yet: write derive_layout"),
 ])
 def test_check_layout(fn, ok, text, capsys):
@@ -355,7 +355,47 @@ def dist_opt_broadcasts(params, grad, group, make_optimizer):
     return torch.cat(pieces), opt
 
 
+def dist_opt_decoy(params, grad, group, make_optimizer):   # right numbers and state: a decoy shard optimizer
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    shard_grad = torch.empty(grad.numel() // d, dtype=grad.dtype)
+    dist.reduce_scatter_tensor(shard_grad, grad, group=group)
+    full_grad = torch.empty_like(grad)
+    dist.all_gather_into_tensor(full_grad, shard_grad / d, group=group)    # the *gradients* all-gathered
+    decoy = params.chunk(d)[r].clone().requires_grad_()
+    decoy.grad = shard_grad / d
+    opt = make_optimizer([decoy])
+    opt.step()                                    # the right moments, for show
+    full = params.clone().requires_grad_()
+    full.grad = full_grad
+    make_optimizer([full]).step()                 # every parameter updated on every rank
+    return full.detach(), opt
+
+
+def dist_opt_rebuilt_from_seed(params, grad, group, make_optimizer):  # every replica's grad rebuilt, no exchange
+    d, r = dist.get_world_size(group), dist.get_rank(group)
+    gen = torch.Generator().manual_seed(17)
+    torch.randn(params.numel(), generator=gen, dtype=torch.float64)
+    mean = sum(torch.randn(params.numel(), generator=gen, dtype=torch.float64) for _ in range(d)) / d
+    shard = params.chunk(d)[r].clone().requires_grad_()
+    shard.grad = mean.chunk(d)[r]
+    opt = make_optimizer([shard])
+    opt.step()
+    dist.reduce_scatter_tensor(torch.empty(grad.numel() // d, dtype=grad.dtype), grad, group=group)
+    out = torch.empty_like(params)
+    dist.all_gather_into_tensor(out, shard.detach(), group=group)
+    return out, opt
+
+
+def dist_opt_via_checker_reference(params, grad, group, make_optimizer):   # the checker's own reference step
+    from course_lib.classroom.checks.distributed_optimizer import _one_step
+    _one_step(make_optimizer, params, grad)
+    return dist_opt_ok(params, grad, group, make_optimizer)
+
+
 @pytest.mark.parametrize("fn, ok, text", [
+    (dist_opt_decoy, False, "carried your *gradient* shard"),
+    (dist_opt_rebuilt_from_seed, False, "differ from one single-process step"),
+    (dist_opt_via_checker_reference, False, "the course's own course_lib.classroom.checks.distributed_optimizer"),
     (dist_opt_ok, True, "✓ distributed_optimizer_step"),
     (dist_opt_lists, True, "✓ distributed_optimizer_step"),
     (_todo, False, "not attempted yet: write distributed_optimizer_step"),

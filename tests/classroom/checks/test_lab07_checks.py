@@ -27,8 +27,10 @@ def _unflat(flat, like):
     return out
 
 
-def zero1_torch_optim(params, grads, dp_group, state):
-    """Right: torch.optim.Adam on a shard, tensor collectives."""
+def zero1_torch_optim(params, grads, dp_group, state, optimizer_in=None):
+    """Right: torch.optim.Adam on a shard, tensor collectives. (``optimizer_in``: where the optimizer is
+    kept, `state` unless told otherwise.)"""
+    keep = state if optimizer_in is None else optimizer_in
     d, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     n = sum(p.numel() for p in params)
     size = -(-n // d)
@@ -38,9 +40,9 @@ def zero1_torch_optim(params, grads, dp_group, state):
     if "main" not in state:
         flat_p = torch.nn.functional.pad(_flat(params), (0, size * d - n))
         state["main"] = torch.nn.Parameter(flat_p[r * size:(r + 1) * size].clone())
-        state["opt"] = torch.optim.Adam([state["main"]], **ADAM)
+        keep["opt"] = torch.optim.Adam([state["main"]], **ADAM)
     state["main"].grad = g / d
-    state["opt"].step()
+    keep["opt"].step()
     full = torch.empty(size * d, dtype=flat_g.dtype)
     dist.all_gather_into_tensor(full, state["main"].detach(), group=dp_group)
     return _unflat(full[:n], params)
@@ -126,6 +128,46 @@ def zero1_todo(params, grads, dp_group, state):
     raise NotImplementedError
 
 
+_OUTSIDE = {}   # per process: each forked rank has its own copy
+
+
+def zero1_moments_outside_state(params, grads, dp_group, state):
+    """The right traffic and numbers, but Adam (and its moments) kept in a global: `state` holds only the shard."""
+    return zero1_torch_optim(params, grads, dp_group, state, optimizer_in=_OUTSIDE)
+
+
+def zero1_rebuilt_from_seed(params, grads, dp_group, state):
+    """Every replica's gradients rebuilt from the seed the checker once drew them from; dummy collectives."""
+    d = dist.get_world_size(dp_group)
+    gen = torch.Generator().manual_seed(23)
+    shapes = [tuple(p.shape) for p in params]
+    for s_ in shapes:
+        torch.randn(s_, generator=gen, dtype=torch.float64)
+    step = state.get("step", 0)
+    every = [[[1e-3 * torch.randn(s_, generator=gen, dtype=torch.float64) for s_ in shapes] for _ in range(d)]
+             for _ in range(2)]
+    mean = _flat([sum(every[step][k][i] for k in range(d)) / d for i in range(len(shapes))])
+    if "p" not in state:
+        state["p"] = torch.nn.Parameter(_flat(params).clone())
+        state["opt"] = torch.optim.Adam([state["p"]], **ADAM)
+    state["step"] = step + 1
+    state["p"].grad = mean
+    state["opt"].step()
+    n = mean.numel()
+    size = -(-n // d)
+    dist.reduce_scatter_tensor(torch.empty(size, dtype=mean.dtype), torch.zeros(size * d, dtype=mean.dtype),
+                               group=dp_group)
+    dist.all_gather_into_tensor(torch.empty(size * d, dtype=mean.dtype), torch.zeros(size, dtype=mean.dtype),
+                                group=dp_group)
+    return _unflat(state["p"].detach(), params)
+
+
+def zero1_via_checker_reference(params, grads, dp_group, state):
+    from course_lib.classroom.checks.distributed_optimizer import _adam_steps
+    _adam_steps(params, [grads])
+    return zero1_torch_optim(params, grads, dp_group, state)
+
+
 def test_zero1_right_answers_pass(capsys):
     assert check_zero1_step(zero1_torch_optim, world_sizes=(2, 4))
     assert check_zero1_step(zero1_by_hand, world_sizes=(4,))
@@ -138,9 +180,12 @@ WRONG_ZERO1 = [
     (zero1_summed, "*sum*"),
     (zero1_fresh_state, "forgot the first one's Adam moments"),
     (zero1_no_padding, "pad the flat buffers with zeros to 30"),
-    (zero1_full_state, "your `state` holds"),
+    (zero1_full_state, "carried your *gradient* shard"),
     (zero1_flat, "you returned the flat buffer"),
     (zero1_todo, "not attempted yet: write zero1_step"),
+    (zero1_moments_outside_state, "`state` does not hold Adam's two moments of your shard"),
+    (zero1_rebuilt_from_seed, "differ from two single-process Adam steps"),
+    (zero1_via_checker_reference, "the course's own course_lib.classroom.checks.distributed_optimizer._adam_steps"),
 ]
 
 
@@ -155,38 +200,47 @@ def test_padded():
     assert [padded(29, d) for d in (1, 2, 3, 4)] == [29, 30, 30, 32] and NUMEL == 29
 
 
-# ------------------------------------------------------------------ (b) bytes per rank
+# ------------------------------------------------------------------ (b) bytes per rank, part by part
 
 
 def bytes_right(num_params, dp, stage):
-    weights = 2 * num_params / (dp if stage == 3 else 1)
-    grads = 2 * num_params / (dp if stage >= 2 else 1)
-    return weights + grads + 12 * num_params / (dp if stage >= 1 else 1)
+    return {"params": 2 * num_params / (dp if stage == 3 else 1),
+            "grads": 2 * num_params / (dp if stage >= 2 else 1),
+            "optimizer": 12 * num_params / (dp if stage >= 1 else 1)}
 
 
-def bytes_right_numpy(num_params, dp, stage):
+def bytes_right_numpy_tuple(num_params, dp, stage):       # a triple of numpy numbers, the sharding as a mask
     import numpy as np
     per = np.array([2.0, 2.0, 12.0])
-    div = np.array([dp if stage >= 3 else 1, dp if stage >= 2 else 1, dp if stage >= 1 else 1])
-    return np.float64(num_params) * (per / div).sum()
+    sharded = np.array([stage >= 3, stage >= 2, stage >= 1])
+    return tuple(np.float64(num_params) * per / np.where(sharded, dp, 1))
 
 
 def test_zero_bytes_right_answers_and_zero_figure_1(capsys):
-    assert zero_stages.check_zero_bytes(bytes_right) and zero_stages.check_zero_bytes(bytes_right_numpy)
+    assert zero_stages.check_zero_bytes(bytes_right) and zero_stages.check_zero_bytes(bytes_right_numpy_tuple)
+    assert capsys.readouterr().out.count("✓") == 2
     # ZeRO Figure 1: 7.5B on 64 GPUs -> 120, 31.4, 16.6, 1.9 GB (computed independently here)
-    assert [round(bytes_right(7.5e9, 64, s) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+    assert [round(sum(bytes_right(7.5e9, 64, s).values()) / 1e9, 1) for s in range(4)] == [120.0, 31.4, 16.6, 1.9]
+
+
+def _with(part, fn):
+    """bytes_right with one part replaced by ``fn(n, dp, stage)``."""
+    return lambda n, dp, s: {**bytes_right(n, dp, s), part: fn(n, dp, s)}
 
 
 WRONG_BYTES = [
-    (lambda n, dp, s: bytes_right(n, dp, min(s + 1, 3)), "stage"),
-    (lambda n, dp, s: bytes_right(n, dp, s) + 2 * n / (dp if s >= 1 else 1), "Megatron's optimizer bytes"),
-    (lambda n, dp, s: bytes_right(n, dp, s) / 1e9, "return bytes, not GB"),
-    (lambda n, dp, s: 16 * n / dp, "stage 3's count"),
-    (lambda n, dp, s: 16 * n, "stage 0's count"),
-    (lambda n, dp, s: 17 * n, "(2 + 2 + K) bytes per parameter"),
-    (lambda n, dp, s: bytes_right(n, dp, s) * dp, "whole data-parallel group"),
+    (_with("optimizer", lambda n, dp, s: 8 * n / (dp if s >= 1 else 1)), "forgets the fp32 master copy"),
+    (_with("optimizer", lambda n, dp, s: 14 * n / (dp if s >= 1 else 1)), "Megatron's bf16 count"),
+    (_with("optimizer", lambda n, dp, s: 4 * n / (dp if s >= 1 else 1)), "only the fp32 master copy"),
+    (_with("grads", lambda n, dp, s: 2 * n / dp), "keeps whole the grads"),          # sharded from stage 0
+    (_with("params", lambda n, dp, s: 2 * n), "shards the params"),                   # stage 3 kept them whole
+    (_with("params", lambda n, dp, s: 4 * n / (dp if s == 3 else 1)), "16-bit in mixed precision"),
+    (lambda n, dp, s: {k: v / 1e9 for k, v in bytes_right(n, dp, s).items()}, "return bytes, not GB"),
+    (lambda n, dp, s: {k: v * dp for k, v in bytes_right(n, dp, s).items()}, "whole data-parallel group"),
+    (lambda n, dp, s: sum(bytes_right(n, dp, s).values()), "return the three parts"),
+    (lambda n, dp, s: {"params": 1.0, "grads": 2.0}, "return the three parts"),
+    (lambda n, dp, s: {**bytes_right(n, dp, s), "params": "2 GB"}, "return a number, not its text"),
     (lambda n, dp, s: (_ for _ in ()).throw(NotImplementedError), "not attempted yet"),
-    (lambda n, dp, s: "120 GB", "return a number, not its text"),
 ]
 
 
@@ -199,9 +253,9 @@ def test_zero_bytes_wrong_answers(capsys, fn, hint):
 
 def test_bytes_hints_name_the_mistake():
     n, dp = 1e6, 8
-    assert "stage 1's count" in zero_stages._bytes_hint(model_state_bytes(n, dp, 1).total, n, dp, 2)
-    assert "whole data-parallel group" in zero_stages._bytes_hint(model_state_bytes(n, dp, 2).total * dp, n, dp, 2)
-    assert "GiB" in zero_stages._bytes_hint(model_state_bytes(n, dp, 2).total / 2 ** 30, n, dp, 2)
+    assert "K = 8" in zero_stages._part_hint("optimizer", 8 * n / dp, n, dp, 1)
+    assert "whole data-parallel group" in zero_stages._part_hint("params", 2 * n * dp, n, dp, 2)
+    assert "GiB" in zero_stages._part_hint("params", 2 * n / 2 ** 30, n, dp, 2)
 
 
 # ------------------------------------------------------------------ (c) what a ds_config shards

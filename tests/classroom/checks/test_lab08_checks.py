@@ -57,10 +57,18 @@ def right_groups_tuple_tensor(rank, layout):
 
 def ep_in_dense_grid(rank, layout):                # the pre-folding picture: dense DP divided by EP
     world, tp, pp, cp, ep = (layout[k] for k in ("world_size", "tp", "pp", "cp", "ep"))
-    order = ("tp", "cp", "ep", "dp", "pp")
-    sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": world // (tp * cp * ep * pp), "pp": pp}
-    pick = lambda token: next(g for g in rank_groups(order, sizes, token) if rank in g)  # noqa: E731
-    return {"ep": pick("ep"), "expert_dp": pick("dp")}
+    sizes = [("tp", tp), ("cp", cp), ("ep", ep), ("dp", world // (tp * cp * ep * pp)), ("pp", pp)]
+    coord, rest = {}, rank
+    for axis, n in sizes:
+        coord[axis], rest = rest % n, rest // n
+
+    def number(**change):
+        c, out, stride = dict(coord, **change), 0, 1
+        for axis, n in sizes:
+            out, stride = out + c[axis] * stride, stride * n
+        return out
+
+    return {"ep": [number(ep=i) for i in range(ep)], "expert_dp": [number(dp=i) for i in range(dict(sizes)["dp"])]}
 
 
 def dense_dp_for_expert_dp(rank, layout):          # the dense DP (with CP): same tp and pp coordinate
@@ -87,6 +95,8 @@ GROUP_WRONG = [
     (lambda r, lay: [0], "exactly the keys 'ep' and 'expert_dp'"),
     (lambda r, lay: {"ep": [], "expert_dp": []}, "is missing"),
     (course_grid, "the course's own"),
+    (lambda r, lay: ep_in_dense_grid(r, lay) if rank_groups(("tp",), {"tp": 1}, "tp") else None,
+     "the course's own course_lib.topology.grid.rank_groups"),
 ]
 
 
@@ -164,7 +174,61 @@ def dispatch_wrong_counts(rows, tokens_per_expert, group):   # right rows, count
     return received, tokens_per_expert.view(ep, -1)
 
 
+def dispatch_no_counts_exchange(rows, tokens_per_expert, group):   # expects back what it sends: a rank aborts
+    ep = dist.get_world_size(group)
+    splits = _splits(tokens_per_expert, ep)
+    received = rows.new_empty(rows.shape[0], rows.shape[1])
+    dist.all_to_all_single(received, rows, output_split_sizes=splits, input_split_sizes=splits, group=group)
+    return received, tokens_per_expert.view(ep, -1)
+
+
+def dispatch_list_form(rows, tokens_per_expert, group):            # gloo's list form: equal sizes only
+    ep = dist.get_world_size(group)
+    counts = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(counts, tokens_per_expert, group=group)
+    counts = counts.view(ep, -1)
+    outs = [rows.new_empty(int(c), rows.shape[1]) for c in counts.sum(1)]
+    dist.all_to_all(outs, list(rows.split(_splits(tokens_per_expert, ep))), group=group)
+    return torch.cat(outs), counts
+
+
+def dispatch_rebuilt_from_seeds(rows, tokens_per_expert, group):   # the peers' rows rebuilt, a dummy all-to-all
+    from course_lib.moe.layer import make_master_weights
+    from course_lib.moe.router import route
+
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    members = dist.get_process_group_ranks(group)
+    L = tokens_per_expert.numel() // ep
+    router = make_master_weights(8, 8, 16, seed=8)["router"]
+    mine, counts = [], []
+    for src in members:
+        x = torch.randn(12, 8, generator=torch.Generator().manual_seed(100 + src))
+        _, idx, _ = route(x, router, 2)
+        tpe = torch.bincount(idx.flatten(), minlength=8)
+        sorted_rows = x[torch.argsort(idx.flatten(), stable=True) // 2]
+        start = int(tpe[:me * L].sum())
+        mine.append(sorted_rows[start:start + int(tpe[me * L:(me + 1) * L].sum())])
+        counts.append(tpe[me * L:(me + 1) * L])
+    dummy = torch.empty_like(rows)
+    dist.all_to_all_single(dummy, torch.zeros_like(rows), group=group) if rows.shape[0] % ep == 0 else None
+    return torch.cat(mine), torch.stack(counts)
+
+
+def dispatch_via_course_all_to_all(rows, tokens_per_expert, group):
+    from course_lib.moe.mappings import all_to_all_uneven
+
+    ep = dist.get_world_size(group)
+    counts = torch.empty_like(tokens_per_expert)
+    dist.all_to_all_single(counts, tokens_per_expert, group=group)
+    counts = counts.view(ep, -1)
+    return all_to_all_uneven(rows, group, counts.sum(1).tolist(), _splits(tokens_per_expert, ep)), counts
+
+
 DISPATCH_WRONG = [
+    (dispatch_no_counts_exchange, "exchange the counts first"),
+    (dispatch_list_form, "equal-sized tensors only"),
+    (dispatch_rebuilt_from_seeds, "received"),
+    (dispatch_via_course_all_to_all, "the course's own course_lib.moe.mappings.all_to_all_uneven"),
     (not_yet, "not attempted yet"),
     (dispatch_all_gather, "allgather dispatcher"),
     (dispatch_everything, "you received every row of every rank"),

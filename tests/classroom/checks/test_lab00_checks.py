@@ -17,7 +17,7 @@ from course_lib.classroom.checks.collectives import (NUMELS, RING_BUGS, WORLD_SI
 from course_lib.classroom.checks.grad_sync import check_grad_sync, expected_buckets
 
 # Other routes to a collective (a name bound earlier, gather + scatter, new groups...) are refused by
-# the same process group: tests/test_verdicts.py tries them all in one launch.
+# the same process group: tests/classroom/checks/test_verdicts.py tries them all in one launch.
 RING_TABLE = [
     # (answer, passes, words the verdict must contain)
     ("right_ring", True, ["✓", "2(W-1)/W·N elements per rank"]),
@@ -126,3 +126,20 @@ def test_buckets_are_filled_in_reverse_parameter_order():
     assert expected_buckets([48, 8, 24, 3], 40) == [35, 48]
     assert expected_buckets([48, 8, 24, 3], 1000) == [83]
     assert expected_buckets([48, 8, 24, 3], 8) == [3, 24, 8, 48]
+
+
+# Right numbers without the exchange: rebuilt from the seeds the checker once drew its inputs from. Every
+# rank now draws its own from os.urandom, so only the real exchange gives the sum.
+REBUILT = [
+    (check_ring_all_reduce, "ring_rebuilt_from_seeds", "wrong with 2 ranks"),
+    (check_all_reduce_from_halves, "rs_ag_rebuilt_from_seeds", "wrong with 2 ranks"),
+    (check_grad_sync, "sync_rebuilt_from_batch", "differ from the single-process baseline"),
+    (check_grad_sync, "sync_own_grads_twice", "did not carry its own gradients"),
+]
+
+
+@pytest.mark.parametrize("checker, name, words", REBUILT, ids=[row[1] for row in REBUILT])
+def test_right_numbers_without_the_exchange_are_refused(checker, name, words, capsys):
+    assert checker(getattr(answers, name)) is False
+    out = capsys.readouterr().out
+    assert words in out and "✓" not in out, out

@@ -16,7 +16,8 @@ from course_lib.classroom.checks.tensor_parallel import (check_column_parallel_f
                                                          check_tp_mlp_from_dense)
 from course_lib.classroom.checks.tp_communication import check_collective_prediction, check_f_g
 from course_lib.classroom.checks.vocab_parallel import check_vocab_parallel_cross_entropy
-from course_lib.tensor_parallel import ParallelMLP, copy_dense_to_parallel, mappings, vocab_parallel_cross_entropy
+from course_lib.tensor_parallel import (ParallelMLP, RowParallelLinear, copy_dense_to_parallel, mappings,
+                                        vocab_parallel_cross_entropy)
 
 
 def not_yet(*args, **kwargs):
@@ -166,6 +167,30 @@ def row_raises(x_shard, weight, group):
     raise ValueError("my bug")
 
 
+def row_all_reduce_padded_x(x_shard, weight, group):   # right numbers, one all-reduce: of x, not of X_i A_i
+    t, r = _t_r(group)
+    x = torch.zeros(*x_shard.shape[:-1], weight.shape[1])
+    x[..., r * x_shard.shape[-1]:(r + 1) * x_shard.shape[-1]] = x_shard
+    dist.all_reduce(x, group=group)
+    return F.linear(x, weight)
+
+
+def row_rebuilt_from_seed(x_shard, weight, group):     # x rebuilt from the seed the checker once drew it from
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*x_shard.shape[:-1], weight.shape[1], generator=g)
+    y = torch.zeros(*x_shard.shape[:-1], weight.shape[0])
+    dist.all_reduce(y, group=group)
+    return F.linear(x, weight)
+
+
+def row_via_course_layer(x_shard, weight, group):
+    t, r = _t_r(group)
+    layer = RowParallelLinear(weight.shape[1], weight.shape[0], tp_group=group, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight.chunk(t, 1)[r])
+    return layer(x_shard)
+
+
 @pytest.mark.parametrize("answer, ok, text", [
     (row_ok, True, "✓ row_parallel_forward"),
     (row_c10d, True, "✓ row_parallel_forward"),
@@ -182,6 +207,9 @@ def row_raises(x_shard, weight, group):
     (row_two_halves, False, "exactly one all-reduce"),
     (row_raises, False, "raised ValueError: my bug"),
     (mappings.reduce_from_tensor_model_parallel_region, False, "the course's own"),
+    (row_all_reduce_padded_x, False, "did not carry your partial sum X_i A_i"),
+    (row_rebuilt_from_seed, False, "rank"),
+    (row_via_course_layer, False, "the course's own course_lib.tensor_parallel.layers.RowParallelLinear"),
 ])
 def test_row_parallel_forward(capsys, answer, ok, text):
     got, out = _verdict(capsys, check_row_parallel_forward, answer)
@@ -492,6 +520,18 @@ def ce_unshifted_ids(logits, target, group):
     return logits.gather(-1, target.unsqueeze(-1)).squeeze(-1) - top   # global ids on a local slice
 
 
+def ce_rebuilt_from_seed(logits, target, group):     # the whole logits rebuilt from the checker's old seed
+    t, r = _t_r(group)
+    gen = torch.Generator().manual_seed(7)
+    for scale, offset in ((30.0, 1000.0), (2.0, 0.0)):
+        full = torch.randn(4, 2, 16, generator=gen) * scale + offset
+        if torch.equal(torch.randint(0, 16, (4, 2), generator=gen), target):
+            break
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.SUM, dist.ReduceOp.SUM):  # the traffic of the real thing
+        dist.all_reduce(torch.zeros(target.shape), op=op, group=group)
+    return F.cross_entropy(full.reshape(-1, 16), target.reshape(-1), reduction="none").view(target.shape)
+
+
 def ce_mean(logits, target, group):
     return ce_ok(logits, target, group).mean()
 
@@ -510,6 +550,7 @@ def ce_mean(logits, target, group):
     (ce_unshifted_ids, False, "subtract your first id"),
     (ce_mean, False, "shape [s, b]"),
     (vocab_parallel_cross_entropy, False, "the course's own"),
+    (ce_rebuilt_from_seed, False, "rank"),
 ])
 def test_vocab_parallel_cross_entropy(capsys, answer, ok, text):
     got, out = _verdict(capsys, check_vocab_parallel_cross_entropy, answer)

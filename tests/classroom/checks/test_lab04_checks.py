@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from course_lib.classroom.checks import context_parallel as cp_checks
 from course_lib.context_parallel import merge_partials, ring_attention
-from course_lib.context_parallel.ring import attention_block
+from course_lib.context_parallel.ring import attention_block, reference_attention
 from course_lib.context_parallel.zigzag import chunks_for_rank
 
 
@@ -142,6 +142,34 @@ def _ring_with_unwritten_merge():
 ring_calls_unwritten_merge = _ring_with_unwritten_merge()
 
 
+def _every_block(k, v, group):
+    """Every K and V block, passed around the ring (the right sends), concatenated along the sequence."""
+    cp, r, to, frm = _neighbours(group)
+    ks, vs = [k], [v]
+    for _ in range(cp - 1):
+        k, v = _exchange(k, v, to, frm, group)
+        ks.append(k)
+        vs.append(v)
+    return torch.cat(ks, 2), torch.cat(vs, 2)
+
+
+def ring_gather_then_dense(q, k, v, group):      # right numbers, the ring's sends, then one dense attention
+    return attention_block(q, *_every_block(k, v, group))[0]
+
+
+def ring_then_course_reference(q, k, v, group):  # the course's dense reference on what the ring brought
+    return reference_attention(q, *_every_block(k, v, group))
+
+
+def ring_rebuilt_from_seed(q, k, v, group):      # every block rebuilt from the seed the checker once used
+    cp, r, to, frm = _neighbours(group)
+    gen = torch.Generator().manual_seed(21)
+    _, k_all, v_all = (torch.randn(1, 2, 16, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    for _ in range(cp - 1):
+        k, v = _exchange(k, v, to, frm, group)
+    return attention_block(q, k_all, v_all)[0]
+
+
 @pytest.mark.parametrize("answer, ok, text", [
     (ring_ok, True, "✓ ring_attention_forward"),
     (ring_backwards, True, "✓ ring_attention_forward"),
@@ -158,6 +186,9 @@ ring_calls_unwritten_merge = _ring_with_unwritten_merge()
     (ring_appends, False, "you appended the per-step outputs"),
     (ring_averages, False, "you averaged the per-step outputs"),
     (ring_attention, False, "the course's own"),
+    (ring_gather_then_dense, False, "ring attention never holds the whole sequence"),
+    (ring_then_course_reference, False, "the course's own course_lib.context_parallel.ring.reference_attention"),
+    (ring_rebuilt_from_seed, False, "the output differs from full attention"),
 ])
 def test_check_ring_attention(capsys, answer, ok, text):
     assert cp_checks.check_ring_attention(answer) is ok

@@ -1,0 +1,145 @@
+"""One reference registry: for every exercise of every lab, the course code that computes its answer.
+
+An exercise asks the student to write something the course already implements (and tests against
+Megatron-LM or the papers). Calling that implementation proves nothing, so every checker runs the
+student's function with :func:`references_for` its exercise: the functions and classes named here,
+*and* every function of the checker modules themselves (the checker's truth tables, its input
+generators -- see :func:`course_lib.classroom.checks.verdicts.run_student`), are refused when they
+run inside the student's call -- called directly, through an alias or a wrapper, a
+``functools.partial``, a copy of their code object, or an ``exec`` of their source (the same
+bytecode under the same name).
+
+The table names what a *student* could call instead of the algorithm; pieces the labs hand out
+as building blocks stay allowed (``attention_block`` in the ring, the student's own ``merge``,
+``torch.optim.Adam`` in ZeRO-1). Entries are ``"module:qualname"`` strings, resolved on first use;
+``tests/classroom/checks/test_proofs.py`` resolves every one and checks that every exercise of every lab
+has an entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["REFERENCES", "references_for"]
+
+_COLLECTIVES = ("course_lib.collectives:ring_all_reduce", "course_lib.collectives:apply_collective")
+_GRID = ("course_lib.topology.grid:RankGrid", "course_lib.topology.config:ParallelConfig",
+         "course_lib.topology.grid:rank_groups", "course_lib.topology.grid:rank_group_array",
+         "course_lib.topology.grid:_group_offsets")
+_LAYOUT = ("course_lib.rules:data_parallel_size", "course_lib.rules:num_microbatches",
+           "course_lib.topology.config:ParallelConfig", "course_lib.topology.grid:RankGrid")
+_ENGINE = ("course_lib.distributed.engine:ShardedDataParallel", "course_lib.distributed.engine:wrap",
+           "course_lib.distributed.engine:OptimizerPiece", "course_lib.distributed.buffer:size_buckets")
+_ZERO_BYTES = ("course_lib.sizing.memory:model_state_bytes", "course_lib.sizing.memory:megatron_optimizer_bytes_per_param",
+               "course_lib.megatron.ds_config:state_bytes")
+_SCHEDULES = ("course_lib.pipeline.schedules:schedule_1f1b", "course_lib.pipeline.schedules:build_schedule",
+              "course_lib.pipeline.schedules:schedule_interleaved_1f1b", "course_lib.pipeline.schedules:PipelineSchedule")
+_BUBBLES = ("course_lib.pipeline.bubbles:bubble_fraction", "course_lib.pipeline.bubbles:bubble_share",
+            "course_lib.pipeline.bubbles:pipeline_bubble_time", "course_lib.sizing.planner:plan")
+
+REFERENCES: dict[str, tuple[str, ...]] = {
+    # Lab 00
+    "my_ring_all_reduce": _COLLECTIVES,
+    "my_all_reduce_rs_ag": _COLLECTIVES,
+    "sync_gradients": ("course_lib.training.finalize_model_grads:allreduce_dp_grads",
+                       "course_lib.training.finalize_model_grads:_coalesced_sum_then_divide",
+                       "course_lib.training.finalize_model_grads:finalize_model_grads", *_ENGINE),
+    # Lab 01
+    "derive_dp": _LAYOUT,
+    "groups_of": _GRID,
+    "rank_of": _GRID,
+    # Lab 02
+    "column_parallel_forward": ("course_lib.tensor_parallel.layers:ColumnParallelLinear",),
+    "row_parallel_forward": ("course_lib.tensor_parallel.layers:RowParallelLinear",),
+    "f_and_g": ("course_lib.tensor_parallel.mappings:_CopyToModelParallelRegion.forward",
+                "course_lib.tensor_parallel.mappings:_CopyToModelParallelRegion.backward",
+                "course_lib.tensor_parallel.mappings:_ReduceFromModelParallelRegion.forward",
+                "course_lib.tensor_parallel.mappings:_ReduceFromModelParallelRegion.backward",
+                "course_lib.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
+                "course_lib.tensor_parallel.mappings:reduce_from_tensor_model_parallel_region"),
+    "tp_mlp_from_dense": ("course_lib.tensor_parallel.sharding:copy_dense_to_parallel",),
+    "predict_collectives": ("course_lib.sizing.comm:tp_comm_per_layer", "course_lib.sizing.measured:tp_layer_volume"),
+    "vocab_parallel_cross_entropy": ("course_lib.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
+                                     "course_lib.tensor_parallel.cross_entropy:_VocabParallelCrossEntropy.forward",
+                                     "course_lib.tensor_parallel.cross_entropy:_VocabParallelCrossEntropy.backward"),
+    # Lab 03
+    "warmup_1f1b": ("course_lib.pipeline.schedules:num_warmup_microbatches",
+                    "course_lib.pipeline.schedules:interleaved_num_warmup", *_SCHEDULES),
+    "order_1f1b": _SCHEDULES,
+    "bubble": _BUBBLES,
+    "peak_activations": ("course_lib.pipeline.simulate:simulate", "course_lib.pipeline.simulate:live_activations",
+                         "course_lib.pipeline.bubbles:inflight_microbatches", *_SCHEDULES),
+    "orders_1f1b_by_hand": _SCHEDULES,
+    # Lab 04
+    "merge": ("course_lib.context_parallel.ring:merge_partials",),
+    "ring_attention_forward": ("course_lib.context_parallel.ring:ring_attention",
+                               "course_lib.context_parallel.ring:RingAttention",
+                               "course_lib.context_parallel.ring:reference_attention",
+                               "course_lib.context_parallel.ring:_exchange"),
+    "chunks_for_rank": ("course_lib.context_parallel.zigzag:chunks_for_rank",
+                        "course_lib.context_parallel.zigzag:rank_chunk_ids",
+                        "course_lib.context_parallel.zigzag:token_positions",
+                        "course_lib.context_parallel.zigzag:shard_sequence"),
+    # Lab 05
+    "derive_layout": _LAYOUT,
+    "distributed_optimizer_step": _ENGINE,
+    "largest_bubble": (*_BUBBLES, *_LAYOUT),
+    "predict_gpu_winner": ("course_lib.sizing.projection:project", "course_lib.sizing.projection:project_configs",
+                           "course_lib.sizing.planner:plan"),
+    "my_conclusions": (),
+    "parse_iteration_line": ("course_lib.megatron.logs:parse_log", "course_lib.megatron.logs:_parse_lines",
+                             "course_lib.megatron.logs:_fields"),
+    # Lab 06
+    "gpt_parameters": ("course_lib.sizing.flops:num_parameters", "course_lib.sizing.flops:parameter_breakdown",
+                       "course_lib.sizing.flops:parameters_per_stage", "course_lib.sizing.flops:parameters_per_rank",
+                       "course_lib.sizing.moe:moe_parameter_counts"),
+    "model_state_bytes_per_gpu": _ZERO_BYTES,
+    # Lab 07
+    "zero_bytes_per_rank": _ZERO_BYTES,
+    "zero1_step": _ENGINE,
+    "what_it_shards": ("course_lib.megatron.ds_config:parse", "course_lib.megatron.ds_config:translate",
+                       "course_lib.megatron.ds_config:state_bytes", "course_lib.megatron.ds_config:report"),
+    "my_answers_07": (),
+    # Lab 08
+    "expert_groups_of": _GRID,
+    "dispatch": ("course_lib.moe.layer:MoELayer", "course_lib.moe.mappings:all_to_all_uneven",
+                 "course_lib.moe.mappings:_all_to_all", "course_lib.moe.transformer:MoEMLP"),
+    "aux_loss": ("course_lib.moe.router:switch_load_balancing_loss", "course_lib.moe.router:route",
+                 "course_lib.moe.layer:MoELayer"),
+    "my_answers_08": (),
+    # Lab 09 (check_read_plan also refuses torch's own overlap planner)
+    "mlp_sharded_state_dict": ("course_lib.training.checkpointing:sharded_state_dict",
+                               "course_lib.training.checkpointing:global_spec",
+                               "course_lib.training.checkpointing:expert_global_spec"),
+    "read_plan": ("course_lib.training.sharded_io:PieceLoadPlanner", "course_lib.training.sharded_io:load_pieces"),
+    "my_answers_09": (),
+    # Lab 10
+    "zero3_wire": ("course_lib.training.deepspeed_engine:held_bytes",),
+    "reduce_buckets": ("course_lib.distributed.buffer:size_buckets",),
+    "fitting_config": ("course_lib.megatron.ds_config:translate", "course_lib.megatron.ds_memory:deepspeed_estimate"),
+    "my_answers_10": (),
+}
+"""exercise (the name of the function the student writes) -> ``"module:qualname"`` of the course code
+that computes its answer."""
+
+_RESOLVED: dict[str, tuple] = {}
+
+
+def resolve(path: str):
+    """The object ``"module:qualname"`` names (``ValueError`` when it does not exist)."""
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"references: {path} does not exist (no {part!r} in {obj!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def references_for(exercise: str) -> tuple:
+    """The course functions and classes that compute ``exercise``'s answer (see :data:`REFERENCES`)."""
+    if exercise not in _RESOLVED:
+        if exercise not in REFERENCES:
+            raise ValueError(f"exercise={exercise!r} has no entry in the reference registry: add it to REFERENCES")
+        _RESOLVED[exercise] = tuple(resolve(path) for path in REFERENCES[exercise])
+    return _RESOLVED[exercise]
