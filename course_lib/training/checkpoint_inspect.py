@@ -59,19 +59,17 @@ def describe_checkpoint(path) -> dict:
     files = sorted((str(f.relative_to(ckpt)), f.stat().st_size) for f in ckpt.rglob("*") if f.is_file())
     tensors = []
     if fmt == "torch_dist":
+        from course_lib.training.sharded_io import written_chunks
+
         common = _torch_load(ckpt / COMMON_FILE)
         md = _dist_metadata(ckpt)
-        owner = {(i.fqn, tuple(i.offset)): int(re.match(r"__(\d+)_", s.relative_path).group(1))
-                 for i, s in md.storage_data.items() if i.offset is not None}
-        for key, tmd in sorted(md.state_dict_metadata.items()):
-            if not hasattr(tmd, "chunks"):
-                continue                                     # per-rank objects (RNG states)
+        for key, written in sorted(written_chunks(md).items()):
+            tmd = md.state_dict_metadata[key]
             dtype = tmd.properties.dtype
             numel = 1
             for n in tmd.size:
                 numel *= n
-            chunks = sorted((owner.get((key, tuple(c.offsets)), "?"), tuple(c.offsets), tuple(c.sizes))
-                            for c in tmd.chunks)
+            chunks = sorted((int(re.match(r"__(\d+)_", f).group(1)), o, z) for f, o, z in written)   # file: rank
             tensors.append({"key": key, "shape": list(tmd.size), "dtype": str(dtype).replace("torch.", ""),
                             "bytes": numel * torch.empty(0, dtype=dtype).element_size(),
                             "slices": [(r, _slices(o, z)) for r, o, z in chunks], "chunks": chunks})

@@ -13,7 +13,8 @@ leading axes (megatron-core's ``prepend_axis_num``).
 * :class:`PieceLoadPlanner` fills each piece with its overlap with every saved chunk
   (``create_read_items_for_chunk_list``: the resharding reads), once :func:`piece_problem` found the
   key and its global shape in the checkpoint;
-* :class:`RecordingReader` keeps what a rank read: ``(key, file, global start, lengths)``.
+* :class:`RecordingReader` keeps what a rank read: ``(key, file, global start, lengths)``;
+  :func:`written_chunks` what the files hold (from ``.metadata``).
 
 Every other entry of the state (a replicated tensor, a ``BytesIO``) takes DCP's default path.
 """
@@ -30,7 +31,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-__all__ = ["PieceSavePlanner", "PieceLoadPlanner", "RecordingReader", "piece_problem", "save_pieces", "load_pieces"]
+__all__ = ["PieceSavePlanner", "PieceLoadPlanner", "RecordingReader", "piece_problem", "written_chunks", "save_pieces",
+           "load_pieces"]
 
 
 def _chunk(local: torch.Tensor, shape) -> torch.Tensor:
@@ -117,6 +119,15 @@ class RecordingReader(FileSystemReader):
             self.reads.append((item.dest_index.fqn, self.storage_data[item.storage_index].relative_path, start,
                                tuple(item.lengths)))
         return super().read_data(plan, planner)
+
+
+def written_chunks(metadata) -> dict[str, list[tuple]]:
+    """What a checkpoint's files hold, from its DCP ``metadata``: ``{key: [(file, global offsets, sizes)]}``
+    of every tensor, each chunk once, sorted (objects -- RNG states, ``_extra_state`` -- are left out)."""
+    owner = {(i.fqn, tuple(i.offset)): s.relative_path
+             for i, s in metadata.storage_data.items() if i.offset is not None}
+    return {key: sorted((owner[(key, tuple(c.offsets))], tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)
+            for key, m in metadata.state_dict_metadata.items() if hasattr(m, "chunks")}
 
 
 def save_pieces(state: dict, pieces: dict, path) -> None:

@@ -45,7 +45,7 @@ from course_lib.classroom.checks import checked_call, is_course_answer, not_atte
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
-from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces
+from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces, written_chunks
 
 __all__ = ["check_sharded_state_dict", "check_read_plan", "check_review_answers", "print_course_answers",
            "MLP_SIZES", "RESHARDINGS", "REVIEW_QUESTIONS"]
@@ -226,14 +226,6 @@ def _stage_problem(results: list, stage: str, tp: int) -> str | None:
     return None
 
 
-def _written_chunks(root: Path) -> dict:
-    """``{key: [(file, offsets, sizes)]}`` from DCP's ``.metadata``: what the files hold."""
-    md = FileSystemReader(str(root)).read_metadata()
-    owner = {(i.fqn, tuple(i.offset)): s.relative_path for i, s in md.storage_data.items()}
-    return {k: sorted((owner[(k, tuple(c.offsets))], tuple(c.offsets), tuple(c.sizes)) for c in m.chunks)
-            for k, m in md.state_dict_metadata.items()}
-
-
 def _files_hold_the_master(root: Path) -> str | None:
     """Read every tensor whole in this process; compare with the master MLP."""
     import warnings
@@ -291,7 +283,7 @@ def _sharded_state_dict_verdict(name: str, results: list, root: Path) -> str:
     if not all(r["in_module"] for r in results):
         return (f"✗ {name}: your tensors were filled, not the MLP's parameters: give the parameters themselves (as "
                 f"Megatron's sharded_state_dict does), so that a load lands in the model")
-    written = _written_chunks(root)
+    written = written_chunks(FileSystemReader(str(root)).read_metadata())
     pieces = sum(len(r["save"]["specs"]) for r in results)
     return (f"✓ {name}: under TP2 x DP2 the {WORLD} ranks' {pieces} pieces were written as "
             f"{sum(len(v) for v in written.values())} chunks (a replica's equal piece once), and under TP4 every "
