@@ -93,8 +93,8 @@ Mixture of experts (the expert grid itself: ``topology.RankGrid``, with ``ep`` /
     ``RankGrid`` (hence ``ParallelConfig``, the trainer, ``megatron-cmd``, ``sizing.moe``, the widgets).
   * :func:`expert_order` -- an order not ending in ``pp`` (pp > 1) needs expert DP = dense DP: ``RankGrid``.
   * :func:`moe_ffn_divisible_by_expert_tp` -- ``moe_ffn_hidden_size % expert_tp == 0``: trainer, ``MoEMLP``.
-  * :func:`moe_sequence_parallel` -- MoE with tp > 1 needs sequence parallelism (Megatron): trainer,
-    ``build_model``.
+  * :func:`moe_sequence_parallel` -- MoE with tp > 1 trains only with sequence parallelism (Megatron's
+    ``MoELayer.forward``): trainer, ``build_model``.
   * :func:`moe_context_parallel` -- the course's MoE model is not tested with CP yet: trainer, ``build_model``.
   * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``,
     ``MoEMLP``.
@@ -691,11 +691,16 @@ def moe_ffn_divisible_by_expert_tp(moe_ffn_hidden_size: int, expert_tp: int) -> 
 
 
 def moe_sequence_parallel(num_experts, tp: int, sequence_parallel: bool) -> None:
-    """MoE with TP > 1 needs sequence parallelism (Megatron: "When using MoE and tensor parallelism,
-    sequence parallelism must be used"): the experts must not see each token t times."""
+    """MoE with TP > 1 trains only with sequence parallelism, as in Megatron-LM: ``MoELayer.forward``
+    raises in training when the attention TP group has more than one rank and SP is off
+    (``megatron/core/transformer/moe/moe_layer.py``, main d98e8a6 ~636-640; core_v0.16.1 ~379-383).
+    ``ModelParallelConfig.__post_init__`` only warns, and only with EP > 1 (``model_parallel_config.py``
+    ~560-565); the assertion once in ``yaml_arguments.py`` is legacy. Without SP every TP rank would
+    route the same tokens: the experts would see each token tp times."""
     if num_experts and tp > 1 and not sequence_parallel:
-        raise ValueError(f"num-experts={num_experts} with {TP}={tp} needs sequence parallelism (Megatron: 'When "
-                         f"using MoE and tensor parallelism, sequence parallelism must be used'); add "
+        raise ValueError(f"num-experts={num_experts} with {TP}={tp} needs sequence parallelism: Megatron's MoELayer "
+                         f"refuses to train without it ('During training, performance may degrade if MoE and tensor "
+                         f"parallelism are enabled without also enabling sequence parallelism.'); add "
                          f"--sequence-parallel")
 
 

@@ -162,9 +162,10 @@ class MoESpec:
                f"EP {g.ep} x expert-DP {g.expert_dp} x PP {g.pp} ({self.num_experts // g.ep} "
                f"expert{'s' if self.num_experts // g.ep > 1 else ''} per rank); "
                f"dense DP stays {g.dp}"]
-        if g.ep > 1 and cfg.tp > 1 and not cfg.sequence_parallel:
-            out.append("Megatron warns: with expert parallelism and TP > 1, sequence parallelism must be used: "
-                       "add --sp (ModelParallelConfig.__post_init__)")
+        if cfg.tp > 1 and not cfg.sequence_parallel:
+            out.append("Megatron will not train this: with TP > 1, MoELayer.forward raises in training unless "
+                       "--sequence-parallel is on (moe_layer.py; ModelParallelConfig only warns, with EP > 1): "
+                       "add --sp")
         if self.moe_grouped_gemm and transformer_impl == "local":
             out.append("--moe-grouped-gemm left out: it is Transformer Engine's GroupedLinear")
         return out

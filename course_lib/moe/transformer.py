@@ -32,9 +32,9 @@ The route of a token (``T`` = this rank's tokens, ``k`` = top-k):
 
 Sequence parallelism: the tokens of a layer are already split over TP (``[s/t, b, h]``), so the MoE
 layer needs no gather of its own; the aux-loss statistics (tokens per expert) are summed over the
-dense tp-cp group (Megatron's ``tp_cp_group``). Megatron requires sequence parallelism with MoE and
-TP > 1 (``megatron/training/yaml_arguments.py``: "When using MoE and tensor parallelism, sequence
-parallelism must be used"): :func:`course_lib.rules.moe_sequence_parallel`.
+dense tp-cp group (Megatron's ``tp_cp_group``). Megatron trains MoE with TP > 1 only under sequence
+parallelism (``MoELayer.forward`` raises in training otherwise, ``megatron/core/transformer/moe/moe_layer.py``;
+the config merely warns, with EP > 1): :func:`course_lib.rules.moe_sequence_parallel`.
 
 The auxiliary losses do not change the output: like Megatron's ``MoEAuxLossAutoScaler`` they are
 attached to it, and backward adds ``aux_loss_scale`` (``1 / micro-batches``, set by the training

@@ -619,7 +619,7 @@ def test_moe_command_is_mixtral_style_and_checked():
     notes = MOE_D.notes(D, None)
     assert notes[0] == ("MoE: 8 experts, top-2; expert grid expert-TP 2 x EP 2 x expert-DP 1 x PP 2 "
                         "(4 experts per rank); dense DP stays 2")
-    assert any("sequence parallelism must be used" in n for n in notes)   # D has TP 2 and no SP
+    assert any("MoELayer.forward raises in training unless --sequence-parallel" in n for n in notes)  # TP 2, no SP
 
 
 @pytest.mark.parametrize("kwargs, cfg, message", [
