@@ -18,7 +18,8 @@ Three pieces, each after a Megatron-LM file (read, not copied):
     iteration does not refill it: with hysteresis 2, two bad iterations 500 steps apart
     still back off.)
 
-  bf16 has fp32's 8 exponent bits and needs no scaler (``--bf16`` builds none).
+  bf16 has fp32's 8 exponent bits and needs no scaler (``--bf16`` builds none, unless ``--loss-scale``
+  asks for a constant one, as in Megatron).
   The protocol: ``scaler.scale`` (a 1-element fp32 tensor), :meth:`unscale_and_check`
   ``(grads, group) -> found_inf`` -- divides the fp32 main grads by ``S`` and all-reduces a
   found-inf flag with MAX over ``group`` (Megatron's ``_unscale_main_grads_and_check_for_nan``
@@ -194,17 +195,20 @@ class DynamicLossScaler(_LossScaler):
 
 def make_loss_scaler(fp16: bool, loss_scale: Optional[float] = None, initial_loss_scale: float = INITIAL_LOSS_SCALE,
                      min_loss_scale: float = MIN_LOSS_SCALE, loss_scale_window: float = LOSS_SCALE_WINDOW,
-                     hysteresis: int = HYSTERESIS):
-    """The scaler Megatron builds (``megatron/core/optimizer/__init__.py``): fp16 with ``--loss-scale``:
-    constant; fp16 without: dynamic; otherwise (bf16, fp32) none (returns None).
+                     hysteresis: int = HYSTERESIS, *, bf16: bool = False, distributed_optimizer: bool = False):
+    """The scaler Megatron builds (``megatron/core/optimizer/__init__.py``, main d98e8a6 ~644-656): with
+    ``--fp16``, ``--bf16`` or the distributed optimizer, ``--loss-scale`` gives a constant scaler and fp16
+    without it a dynamic one; otherwise none (returns None) -- bf16 without ``--loss-scale`` has none.
 
     ``--loss-scale-window`` is a float flag in Megatron; it must be a whole number here."""
     loss_scale, initial, minimum, window, hysteresis = rules.loss_scale(
         loss_scale, initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis)
-    if not fp16:
+    if not (fp16 or bf16 or distributed_optimizer):
         return None
     if loss_scale is not None:
         return ConstantLossScaler(loss_scale)
+    if not fp16:
+        return None
     return DynamicLossScaler(initial, minimum, GROWTH_FACTOR, BACKOFF_FACTOR, window, hysteresis)
 
 

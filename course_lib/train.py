@@ -44,7 +44,8 @@ forward and backward run under ``torch.autocast`` in the 16-bit dtype -- every G
 cast to fp32 before the loss (Megatron's ``Float16Module``). Gradients land in fp32 and are
 reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``, which ``--bf16`` switches on as
 Megatron does; with ``--fp16`` the trainer also reduces in fp32, where Megatron without the flag
-would reduce in 16-bit). ``--fp16`` scales the loss (:func:`~course_lib.mixed_precision.make_loss_scaler`):
+would reduce in 16-bit). ``--fp16`` scales the loss, and so does ``--loss-scale`` with ``--bf16`` or the distributed optimizer (a
+constant scaler, as Megatron builds: :func:`~course_lib.mixed_precision.make_loss_scaler`):
 after ``finalize_model_grads`` the grads are unscaled and checked for inf/NaN, the flag
 all-reduced with MAX over the model-parallel group, and an overflowing iteration is skipped
 (no step, no learning-rate step) and counted in the log line's ``number of skipped iterations``.
@@ -226,8 +227,9 @@ def _precision(args) -> str:
 
 def _loss_scaler(args):
     return make_loss_scaler(getattr(args, "fp16", False), args.loss_scale, args.initial_loss_scale,
-                            args.min_loss_scale, args.loss_scale_window, args.hysteresis) if _precision(args) == "fp16" \
-        else None
+                            args.min_loss_scale, args.loss_scale_window, args.hysteresis,
+                            bf16=getattr(args, "bf16", False),
+                            distributed_optimizer=getattr(args, "use_distributed_optimizer", False))
 
 
 def _autocast(device: torch.device, precision: str):

@@ -96,6 +96,11 @@ def test_megatron_defaults_and_which_scaler_is_built():
         c.update(found)
     assert c.value == 1024 and c.skipped_iterations == 3
     assert make_loss_scaler(fp16=False) is None            # bf16 / fp32: no scaler
+    # Megatron (optimizer/__init__.py): --loss-scale with bf16 or the distributed optimizer is a constant scaler
+    assert isinstance(make_loss_scaler(False, loss_scale=8, bf16=True), ConstantLossScaler)
+    assert isinstance(make_loss_scaler(False, loss_scale=8, distributed_optimizer=True), ConstantLossScaler)
+    assert make_loss_scaler(False, loss_scale=8) is None   # fp32 without the distributed optimizer: none
+    assert make_loss_scaler(False, bf16=True) is None
     assert precision_dtype(bf16=True) is torch.bfloat16 and precision_dtype(fp16=True) is torch.float16
     assert skipped_iterations_text(3) == " number of skipped iterations:   3 |"
 
@@ -342,3 +347,17 @@ def test_trainer_precision_flags_follow_megatrons_rules():
                          (["--fp16", "--loss-scale", "-1"], "loss_scale=-1")):
         with pytest.raises(ValueError, match=match):
             validate_args(parse_args(TRAIN + extra), 1)
+
+
+def test_bf16_with_a_loss_scale_trains_under_a_constant_scaler():
+    """Megatron builds a ConstantGradScaler for --bf16 --loss-scale (optimizer/__init__.py ~645-647): the
+    log line shows the scale, and a power-of-two scale changes no loss (it is undone exactly)."""
+    from course_lib.megatron import parse_log
+
+    bf16 = TRAIN + ["--bf16"]
+    res = launch(_train_ranks, world_size=1, backend="gloo", timeout=120, output="none",
+                 runs=[bf16, bf16 + ["--loss-scale", "1024"]])
+    plain, scaled = res[0]
+    assert scaled["loss_scale"] == [1024.0] * 3 and plain["loss_scale"] == [1.0] * 3
+    assert scaled["lm_loss"] == plain["lm_loss"] and scaled["skipped"] == [False] * 3
+    assert [it["loss_scale"] for it in parse_log(res.outputs[0]).iterations][-3:] == [1024.0] * 3

@@ -181,7 +181,7 @@ _NO_EQUIVALENT = {
     "fp16.fp16_master_weights_and_grads": "no equivalent in the trainer (--main-params-dtype with the "
                                           "precision-aware optimizer is the nearest)",
     "bf16.immediate_grad_update": "no equivalent",
-    "bf16.check_grad_overflow": "no equivalent: bf16 runs have no loss scaler in Megatron",
+    "bf16.check_grad_overflow": "no equivalent: a bf16 run has no loss scaler in Megatron (a constant one with --loss-scale)",
     "scheduler": "no one-to-one flag: Megatron's schedule is --lr-decay-style/--lr-warmup-iters/--lr-decay-iters",
     "wall_clock_breakdown": "no equivalent flag (Megatron: --timing-log-level)",
     "zero_allow_untested_optimizer": "no equivalent",

@@ -120,7 +120,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g = parser.add_argument_group("mixed precision (Megatron's _add_mixed_precision_args; course_lib.mixed_precision)")
     g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main params and grads")
     g.add_argument("--fp16", action="store_true", help="fp16 compute with loss scaling, fp32 main params")
-    g.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (fp16); default: dynamic")
+    g.add_argument("--loss-scale", type=float, default=None, help="constant loss scale (with --fp16, --bf16 or the distributed optimizer, as Megatron); default: dynamic with --fp16, none otherwise")
     g.add_argument("--initial-loss-scale", type=float, default=2 ** 32, help="dynamic loss scaling starts here")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="dynamic loss scaling never goes below")
     g.add_argument("--loss-scale-window", type=float, default=1000,
