@@ -126,6 +126,16 @@ def _bucket(index: int, named: list, dp: int, module=None) -> Bucket:
     return Bucket(index, ranges, _pad(offset, dp), dp, offset, module)
 
 
+def megatron_bucket_size(bucket_size, overlap_grad_reduce: bool, dp: int):
+    """The bucket size Megatron's ``DistributedDataParallel`` uses (``distributed_data_parallel.py``, main
+    d98e8a6 ~131-137): ``--ddp-bucket-size`` or, when it is not given, ``max(40M, 1M * dp)`` elements; and
+    one bucket (None) whatever was given when ``--overlap-grad-reduce`` is off -- without overlap
+    there is nothing to gain from smaller reductions."""
+    if not overlap_grad_reduce:
+        return None
+    return bucket_size if bucket_size is not None else max(40_000_000, 1_000_000 * dp)
+
+
 def size_buckets(named_params: list, bucket_size, dp: int) -> list[Bucket]:
     """Buckets of ``>= bucket_size`` elements over ``named_params`` taken in reverse order
     (Megatron's layout); ``bucket_size=None`` gives one bucket. ``named_params``: ``[(name, param)]``."""

@@ -136,7 +136,8 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="the param all-gather after the step is waited for in the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="elements per grad bucket (default: one bucket)")
+                   help="elements per grad bucket with --overlap-grad-reduce (default: max(40M, 1M x DP), as Megatron); "
+                        "without overlap Megatron reduces in one bucket whatever is given")
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="Megatron-FSDP: shard by --data-parallel-sharding-strategy (turns on the distributed "
                         "optimizer, as Megatron-FSDP v1 does)")

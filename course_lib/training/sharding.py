@@ -46,6 +46,7 @@ import torch
 
 from course_lib import comm
 from course_lib.distributed import wrap
+from course_lib.distributed.buffer import megatron_bucket_size
 from course_lib.model import _shared_embedding_weight
 from course_lib.optimizer import clip_grads
 from course_lib.tensor_parallel import is_tensor_parallel
@@ -125,7 +126,8 @@ def build_engine(args, chunks: list, groups, config, scaler=None):
     (chunk,) = chunks
     finalizer = ShardedGradFinalizer(groups, config, args.clip_grad, scaler)
     layer_types = tuple({type(layer) for layer in chunk.decoder.layers.values()})
-    engine = wrap(chunk, groups, strategy=sharding_strategy(args), bucket_size=args.ddp_bucket_size,
+    bucket_size = megatron_bucket_size(args.ddp_bucket_size, args.overlap_grad_reduce, config.dp * config.cp)
+    engine = wrap(chunk, groups, strategy=sharding_strategy(args), bucket_size=bucket_size,
                   overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                   cpu_offload=args.optimizer_cpu_offload, grad_reduce_in_fp32=True, optimizer=args.optimizer,
                   weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,

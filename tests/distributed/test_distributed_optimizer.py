@@ -319,3 +319,12 @@ def test_main_grad_is_the_averaged_grad(runs, refs):
         assert C.rel(norm, refs["fp32"].grad_norms[-1]) < 1e-5
         assert grads["fc1.weight"].shape == (C.HID, C.IN)
         assert "1/d grad shard" in r["zero2_main_grad"]["probe"]
+
+
+def test_bucket_size_follows_megatrons_ddp_defaults():
+    from course_lib.distributed.buffer import megatron_bucket_size
+
+    # distributed_data_parallel.py: max(40M, 1M x dp) when not given; one bucket without --overlap-grad-reduce
+    assert megatron_bucket_size(None, True, 8) == 40_000_000 and megatron_bucket_size(None, True, 64) == 64_000_000
+    assert megatron_bucket_size(3000, True, 4) == 3000
+    assert megatron_bucket_size(3000, False, 4) is None and megatron_bucket_size(None, False, 4) is None
