@@ -88,10 +88,12 @@ _OVERLAP = (("--overlap-grad-reduce", None), ("--overlap-param-gather", None))
 SHARDING = {
     "dist-opt": Sharding("ZeRO-1", "fp32 main params and Adam state; grads reduce-scattered, params all-gathered",
                          (("--use-distributed-optimizer", None),) + _OVERLAP),
-    "fsdp-optim-grads": Sharding("ZeRO-2", "optimizer state and grads (Megatron-FSDP)",
+    "fsdp-optim-grads": Sharding("ZeRO-2", "optimizer state and grads (Megatron-FSDP; at main the grads are in the "
+                                           "param dtype unless --megatron-fsdp-main-grads-dtype fp32)",
                                  (("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads"),
                                   ("--ckpt-format", "fsdp_dtensor")) + _OVERLAP, fsdp=True),
-    "fsdp": Sharding("ZeRO-3", "params, grads and optimizer state; params all-gathered just before use",
+    "fsdp": Sharding("ZeRO-3", "params, grads and optimizer state; params all-gathered just before use (grads "
+                               "as ZeRO-2's)",
                      (("--use-megatron-fsdp", None), ("--data-parallel-sharding-strategy", "optim_grads_params"),
                       ("--ckpt-format", "fsdp_dtensor")) + _OVERLAP, fsdp=True),
     "offload": Sharding("ZeRO-1 + offload", "as dist-opt, with Adam state and the update on the host (CPU)",

@@ -72,6 +72,7 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--overlap-grad-reduce": "megatron/training/arguments.py::_add_distributed_args",
     "--overlap-param-gather": "megatron/training/arguments.py::_add_distributed_args",
     "--ddp-bucket-size": "megatron/training/arguments.py::_add_distributed_args",
+    "--megatron-fsdp-main-grads-dtype": "megatron/training/arguments.py::_add_experimental_args",
     "--suggested-communication-unit-size": "megatron/training/arguments.py::_add_distributed_args",
     "--bf16": "megatron/core/model_parallel_config.py::ModelParallelConfig.bf16",
     "--fp16": "megatron/core/model_parallel_config.py::ModelParallelConfig.fp16",
@@ -313,6 +314,11 @@ def _precision(t: Translation) -> None:
     if t.precision == "fp16":
         t.add("fp16.enabled", [["--fp16", None]], "fp16 params/activations, fp32 main params, loss scaling")
         _loss_scale(t, t.checked.fp16)
+    if t.precision != "fp32" and t.stage >= 2:
+        t.add("zero_optimization.stage", [["--megatron-fsdp-main-grads-dtype", "fp32"]],
+              f"ZeRO-{t.stage} in {t.precision}: fp32 gradient partitions, as DeepSpeed keeps them; Megatron-FSDP's default (auto) keeps the grads "
+              "in the param dtype: 2 bytes per parameter over d instead of 4 (param_and_grad_buffer.py "
+              "_resolve_group_grad_dtype; main only, core_v0.16.1 reduces in fp32 via grad_reduce_in_fp32)")
 
 
 def _loss_scale(t: Translation, fp16: dict) -> None:
@@ -484,7 +490,8 @@ def state_bytes(t: Translation, num_params: float, dp: int, largest_layer: float
     estimate = None if t.precision == "fp32" else ds_memory.deepspeed_estimate(
         t.stage, num_params, dp, largest_layer, offload_optimizer=off_opt, offload_param=off_param, nodes=nodes)
     gpu, host = ds_memory.megatron_bytes(t.stage, num_params, dp, t.precision,
-                                         offload_optimizer=t.offload_optimizer == "cpu")
+                                         offload_optimizer=t.offload_optimizer == "cpu",
+                                         fsdp_grads_dtype=dict(t.flags).get("--megatron-fsdp-main-grads-dtype", "auto"))
     from course_lib.sizing import ModelStateBytes
 
     whole = ModelStateBytes(*(a + b for a, b in zip(gpu, host)))

@@ -148,18 +148,29 @@ def paper_bytes(stage: int, num_params: float, dp: int, precision: str, *, offlo
     return gpu, host
 
 
-def megatron_bytes(stage: int, num_params: float, dp: int, precision: str, *, offload_optimizer: bool = False):
-    """``(gpu, host)`` :class:`~course_lib.sizing.ModelStateBytes` per GPU under the translated Megatron flags:
-    :func:`course_lib.sizing.megatron_optimizer_bytes_per_param` (bf16: fp32 grads, Megatron's default;
-    fp16: 16-bit grads) with Megatron-FSDP dividing the grads (stage >= 2) and params (stage 3) by d;
-    ``--optimizer-cpu-offload`` moves the optimizer state to the host."""
+def megatron_bytes(stage: int, num_params: float, dp: int, precision: str, *, offload_optimizer: bool = False,
+                   fsdp_grads_dtype: str = "auto"):
+    """``(gpu, host)`` :class:`~course_lib.sizing.ModelStateBytes` per GPU under the translated Megatron flags.
+
+    Stages 0-1 (DDP, the distributed optimizer): :func:`course_lib.sizing.megatron_optimizer_bytes_per_param`
+    (bf16: fp32 grads, Megatron's default; fp16: 16-bit grads). Stages 2-3 (Megatron-FSDP, which divides the
+    grads and, at stage 3, the params by d): the grads are in ``--megatron-fsdp-main-grads-dtype``, whose
+    default ``auto`` is the param dtype (main's ``_resolve_group_grad_dtype``): 2 bytes under bf16/fp16,
+    4 with ``fp32``; the optimizer holds fp32 main params and Adam's moments (12). ``--optimizer-cpu-offload``
+    moves the optimizer state to the host, with an fp32 copy of the grad shard (``HybridDeviceOptimizer``,
+    ``cpu_offloading/hybrid_optimizer.py``): 16 bytes per parameter over d on the host."""
     from course_lib.sizing import ModelStateBytes, megatron_optimizer_bytes_per_param
 
-    per = megatron_optimizer_bytes_per_param(dp, distributed_optimizer=stage >= 1,
-                                             params_dtype="fp32" if precision == "fp32" else precision,
-                                             grad_dtype="fp16" if precision == "fp16" else "fp32")
+    params_dtype = "fp32" if precision == "fp32" else precision
+    if stage >= 2:
+        grads = 4.0 if fsdp_grads_dtype == "fp32" or precision == "fp32" else 2.0
+        per = ModelStateBytes(4.0 if precision == "fp32" else 2.0, grads, (8.0 if precision == "fp32" else 12.0) / dp)
+    else:
+        per = megatron_optimizer_bytes_per_param(dp, distributed_optimizer=stage >= 1, params_dtype=params_dtype,
+                                                 grad_dtype="fp16" if precision == "fp16" else "fp32")
     b = ModelStateBytes(per.weights * num_params / (dp if stage == 3 else 1),
                         per.grads * num_params / (dp if stage >= 2 else 1), per.optimizer * num_params)
     if offload_optimizer:
-        return ModelStateBytes(b.weights, b.grads, 0.0), ModelStateBytes(0.0, 0.0, b.optimizer)
+        share = dp if stage >= 1 else 1
+        return ModelStateBytes(b.weights, b.grads, 0.0), ModelStateBytes(0.0, 4.0 * num_params / share, b.optimizer)
     return b, ModelStateBytes(0.0, 0.0, 0.0)

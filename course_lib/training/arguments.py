@@ -144,6 +144,9 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--data-parallel-sharding-strategy", choices=rules.SHARDING_STRATEGIES, default="optim_grads_params",
                    help="with --use-megatron-fsdp: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
                         "optim_grads_params (ZeRO-3)")
+    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("auto", "fp32"), default="auto",
+                   help="Megatron-FSDP's grad buffer dtype (Megatron main; auto = the main params' dtype). The "
+                        "course keeps fp32 params under --bf16/--fp16 (autocast), so both are fp32 here")
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="optimizer state and update on the host (needs --use-precision-aware-optimizer)")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",

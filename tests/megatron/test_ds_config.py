@@ -20,6 +20,7 @@ import pytest
 
 from course_lib.__main__ import main
 from course_lib.megatron import ds_config as dsc
+from course_lib.megatron import ds_memory
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ZERO3 = FIXTURES / "ds_config_zero3_offload.json"
@@ -56,9 +57,15 @@ def test_zero3_with_offload_becomes_megatron_fsdp():
     gpu, host = b["paper"]
     assert gpu.total == 0 and host.total == pytest.approx(16 * N / 8)
     assert b["deepspeed"].gpu == 4 * 4e8 and b["deepspeed"].host == int(18 * N * 1.5)   # 4L; 18 x 1.5 per node
-    assert (b["megatron"].weights, b["megatron"].grads, b["megatron"].optimizer) == pytest.approx(
-        (2 * N / 8, 4 * N / 8, 12 * N / 8))
-    assert b["megatron_gpu"].total == pytest.approx(6 * N / 8)          # optimizer state on the host
+    assert "--megatron-fsdp-main-grads-dtype" in flags      # fp32 grad partitions, as DeepSpeed keeps them
+    gpu, host = b["megatron_gpu"], b["megatron_host"]
+    assert (gpu.weights, gpu.grads, gpu.optimizer) == pytest.approx((2 * N / 8, 4 * N / 8, 0))
+    # HybridDeviceOptimizer: fp32 main params, Adam's moments and an fp32 grad copy on the host, 16 bytes over d
+    assert (host.grads, host.optimizer) == pytest.approx((4 * N / 8, 12 * N / 8)) and host.total == pytest.approx(
+        16 * N / 8)
+    # without the flag Megatron-FSDP keeps bf16 grads (its default, auto = the param dtype): 2 bytes over d
+    auto_gpu, _ = ds_memory.megatron_bytes(3, N, 8, "bf16", offload_optimizer=True)
+    assert auto_gpu.grads == pytest.approx(2 * N / 8)
 
 
 def test_zero1_fp16_becomes_the_distributed_optimizer_with_deepspeeds_loss_scale():
@@ -106,7 +113,9 @@ def test_stage_0_overlap_only_reduces_and_stage_2_without_offload():
     b = dsc.state_bytes(t2, 1000, 4)
     assert b["paper"][0].total == pytest.approx(2 * 1000 + 14 * 1000 / 4)   # ZeRO-2: 2 + (2 + K)/d
     assert b["deepspeed"].gpu == 2 * 1000 + 18 * 1000 // 4                   # + the fp32 grad partition 4/d
-    assert b["megatron"].total == pytest.approx(2 * 1000 + 18 * 1000 / 4)    # fp16 grads 2 + optimizer 16, / d
+    # Megatron-FSDP with --megatron-fsdp-main-grads-dtype fp32: fp32 grads 4 + main params and moments 12, / d
+    assert "--megatron-fsdp-main-grads-dtype" in _flags(t2)
+    assert b["megatron"].total == pytest.approx(2 * 1000 + 16 * 1000 / 4)
 
 
 def test_overlap_comm_is_on_by_default_at_stage_3_and_offload_param_is_ignored_below_it():
