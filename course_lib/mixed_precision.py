@@ -45,7 +45,7 @@ Three pieces, each after a Megatron-LM file (read, not copied):
   the data-parallel all-reduce happen in fp32. Without it (the fp16 default) the grad is
   reduced in 16-bit and cast to fp32 for the optimizer.
 
-Bytes per parameter this gives (Megatron's ``docs/.../dist_optimizer.md``, checked in the tests
+Bytes per parameter this gives (Megatron's ``docs/user-guide/features/dist_optimizer.md``, checked in the tests
 through :func:`course_lib.sizing.megatron_optimizer_bytes_per_param`): a 16-bit param (2), the
 model's grad (4 with fp32 accumulation, else 2), the optimizer's fp32 main param (4), an fp32 main
 grad only when the model's grad is 16-bit (4), and Adam's two fp32 moments (8): 18 bytes for

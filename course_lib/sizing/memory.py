@@ -14,7 +14,7 @@ Sources:
 * Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
   Models" (arXiv:1910.02054): §3.1 (2 + 2 + K bytes per parameter, K = 12 for mixed-precision
   Adam) and §5 / Figure 1 (stages P_os, P_os+g, P_os+g+p over N_d data-parallel ranks).
-* Megatron-LM, docs/source/api-guide/dist_optimizer.md: bytes per parameter of Megatron's
+* Megatron-LM, docs/user-guide/features/dist_optimizer.md: bytes per parameter of Megatron's
   (distributed) optimizer for each param/grad dtype.
 """
 
@@ -286,7 +286,7 @@ def megatron_optimizer_bytes_per_param(
 ) -> ModelStateBytes:
     """Bytes per parameter of Megatron's Adam, with or without ``--use-distributed-optimizer``.
 
-    Megatron-LM docs/source/api-guide/dist_optimizer.md (d = data-parallel size):
+    Megatron-LM docs/user-guide/features/dist_optimizer.md (d = data-parallel size):
 
     ====================================  ===============  ===========
     param / grad dtype                    non-distributed  distributed

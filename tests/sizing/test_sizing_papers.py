@@ -9,7 +9,7 @@ that rounding and no more.
 * Korthikanti et al. 2022, arXiv:2205.05198 (Reducing activation recomputation): §4.1, Eq. 1-6,
   Table 2, Table 3, Table 5, §5, §6.3, Appendix A (Eq. 7, 8).
 * Rajbhandari et al. 2020, arXiv:1910.02054 (ZeRO): §3.1, §5 / Figure 1, §7.
-* Megatron-LM docs/source/api-guide/dist_optimizer.md.
+* Megatron-LM docs/user-guide/features/dist_optimizer.md.
 """
 
 from fractions import Fraction
@@ -253,7 +253,7 @@ def test_zero_communication_section_7():
 
 @pytest.mark.parametrize("d", [1, 2, 8, 64])
 def test_megatron_distributed_optimizer_table(d):
-    # Megatron-LM docs/source/api-guide/dist_optimizer.md, bytes per parameter
+    # Megatron-LM docs/user-guide/features/dist_optimizer.md, bytes per parameter
     f = sizing.megatron_optimizer_bytes_per_param
     rows = [("fp16", "fp16", 20, 4 + Fraction(16, d)), ("bf16", "fp32", 18, 6 + Fraction(12, d)),
             ("fp16", "fp32", 18, 6 + Fraction(12, d)), ("fp32", "fp32", 16, 8 + Fraction(8, d))]
