@@ -700,9 +700,11 @@ class ShardedDataParallel:
         ``param.main_grad``, a view -- writes land in the buffer the reduction reads.
 
         Before the reduction (after backward, before :meth:`finish_grad_sync` / :meth:`step`) it is
-        this rank's local, unreduced sum over its micro-batches, under every strategy: a trainer sums
-        the tied word-embedding grad over the embedding group here (Megatron's
-        ``_allreduce_word_embedding_grads``, before the dp reduction). After the reduction it is the
+        this rank's local, unreduced sum over its micro-batches, under every strategy: the course's trainer
+        sums the tied word-embedding grad over the embedding group here. (Megatron's
+        ``_allreduce_word_embedding_grads`` runs *after* ``finish_grad_sync``, ``finalize_model_grads.py``
+        main ~640 then ~676, on the embedding's own bucket; the two sums commute, so the gradients are the
+        same.) After the reduction it is the
         dp average under ``no_shard``; under ``optim`` only this rank's shard of it is averaged.
         ZeRO-2/3 keep no full buffer past the reduce-scatter (only a 1/d grad shard): ValueError then."""
         b, pr = self._where[id(param)]

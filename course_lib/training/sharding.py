@@ -10,10 +10,12 @@ that reduction, the trainer does here, on the engine's buffers:
 
 * **before** the reduction (pp > 1): the tied word-embedding gradient summed over the embedding
   group (first + last stage), in the engine's full local grad buffer
-  (:func:`allreduce_embedding_grads_in_buffer`). The buckets of the first and the last stage hold
-  different parameters, so the embedding's *shards* would not line up (Megatron gives the shared
-  embedding a bucket of its own for this reason; the course's engine does not) -- the sum is taken
-  on the full local gradient instead, and the reduction waits for it (no overlap with pp > 1);
+  (:func:`allreduce_embedding_grads_in_buffer`). Megatron sums it *after* ``finish_grad_sync``
+  (``finalize_model_grads.py``, main ~640 then ~676), on the reduced gradient, which works because it
+  gives the shared embedding a bucket of its own; the course's engine does not, so the buckets of the
+  first and the last stage hold different parameters and the embedding's *shards* would not line up --
+  the sum is taken on the full local gradient instead (the sums commute: the same gradients), and the
+  reduction waits for it (no overlap with pp > 1);
 * **between** the reduction and the update, through the engine's loss-scaler protocol
   (:class:`ShardedGradFinalizer`, Megatron's ``DistributedOptimizer.step``): the
   sequence-parallel LayerNorm (and row-parallel bias) gradients summed over TP -- shard by shard,
