@@ -2,7 +2,7 @@
 
 A checker prints its verdict for the student ("✓ ..."; "✗ ..." and a hint; "not attempted yet") and
 returns a :class:`Verdict`: ``ok``; ``exercise``, the name of the function the student writes (the key
-of :mod:`~course_lib.classroom.checks.references`); ``hint``, what it printed, on one line, when not ok;
+of :mod:`~course_lib.classroom.checks.references`); ``hint``, what it printed (not what the student's code printed), on one line, when not ok;
 and ``evidence``, plain JSON of what the student's code did while it was checked -- how often the
 checker called it and, where it ran on ranks, the ops, groups and bytes it put on the wire (a
 :class:`~course_lib.classroom.checks.wire.StudentTrace`). A Verdict is truthy when ok, so
@@ -39,6 +39,8 @@ from course_lib.classroom.checks.wire import traced
 VERDICTS_ENV = "COURSE_VERDICTS"
 HINT_LIMIT = 1000
 """Characters of a hint a verdict keeps (a student's answer can make a checker print a lot)."""
+COPY_LIMIT = 64 << 10
+"""Characters of a checker's printed text kept for its hint."""
 _MARKS = ("✓", "✗")
 
 
@@ -73,15 +75,34 @@ def one_line(text: str, limit: int = HINT_LIMIT) -> str:
     return joined if len(joined) <= limit else joined[: limit - 3] + "..."
 
 
-class _Tee(io.TextIOBase):
-    """Writes to the stream it replaces and keeps a copy."""
+class CappedOutput(io.TextIOBase):
+    """A text stream that passes on the first ``limit`` characters written to it and drops the rest."""
 
-    def __init__(self, stream, copy: io.StringIO):
+    def __init__(self, stream, limit: int):
         super().__init__()
-        self._stream, self._copy = stream, copy
+        self._stream, self._left = stream, limit
 
     def write(self, text):
-        self._copy.write(text)
+        if self._left > 0:
+            self._stream.write(text[: self._left])
+            self._left -= len(text)
+        return len(text)
+
+    def flush(self):
+        self._stream.flush()
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the stream it replaces, and keeps a copy (the first :data:`COPY_LIMIT` characters) of what
+    the checker prints -- not of what the student's code prints while it runs (``trace.depth``)."""
+
+    def __init__(self, stream, copy: io.StringIO, trace):
+        super().__init__()
+        self._stream, self._copy, self._trace = stream, CappedOutput(copy, COPY_LIMIT), trace
+
+    def write(self, text):
+        if not self._trace.depth:
+            self._copy.write(text)
         return self._stream.write(text)
 
     def flush(self):
@@ -104,7 +125,7 @@ def exercise(name: str):
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             printed = io.StringIO()
-            with traced() as trace, contextlib.redirect_stdout(_Tee(sys.stdout, printed)):
+            with traced() as trace, contextlib.redirect_stdout(_Tee(sys.stdout, printed, trace)):
                 ok = bool(check(*args, **kwargs))
             verdict = Verdict(ok, name.format(**bound.arguments), "" if ok else one_line(printed.getvalue()),
                               trace.evidence())
