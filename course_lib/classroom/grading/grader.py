@@ -109,43 +109,88 @@ def _watch(sandbox, pid: int, events: _Events, clock_of, timeout: float) -> _Run
         sandbox.stop(pid)
 
 
-def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: dict[int, str], run_dir: Path,
-              timeout: float) -> tuple[list[Outcome], list[str]]:
-    """Run ``cells`` (the graded notebook's code cells) in ``run_dir``; every exercise's outcome, and notes."""
-    unit_of = {i: u for u in lab.units for i in u.cells}
-    found: dict[str, Outcome] = {}
-    notes: list[str] = []
-    put_back: set[int] = set()  # exercise cells run as the official stub
-    left_out: set[int] = set()  # other cells not run again
-    checker_errors: dict[str, str] = {}
-    for _ in range(len(lab.units) + len(cells) + 1):
-        todo = [(i, stubs[i] if i in put_back else s) for i, s in cells if i not in left_out]
-        (run_dir / "cells.json").write_text(json.dumps(todo), encoding="utf-8")
-        (run_dir / "events.jsonl").write_bytes(b"")
-        pid = sandbox.start(run_dir / "cells.json", run_dir)
-        run = _watch(sandbox, pid, _Events(run_dir / "events.jsonl"), lambda i: unit_of.get(i, i), timeout)
-        _collect(run.events, unit_of, found, checker_errors, notes, stubs, dict(todo), put_back)
-        if run.ended == "done":
-            break
+class _Progress:
+    """What the runs of one lab have found so far, and what the next run leaves out."""
+
+    def __init__(self, lab: OfficialLab, stubs: dict[int, str]):
+        self.lab, self.stubs = lab, stubs
+        self.unit_of = {i: u for u in lab.units for i in u.cells}
+        self.found: dict[str, Outcome] = {}
+        self.checker_errors: dict[str, str] = {}
+        self.notes: list[str] = []
+        self.put_back: set[int] = set()  # exercise cells run as the official stub
+        self.left_out: set[int] = set()  # other cells not run again
+
+    def cells(self, cells: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        return [(i, self.stubs[i] if i in self.put_back else s) for i, s in cells if i not in self.left_out]
+
+    def collect(self, events: list[dict], sources: dict[int, str]) -> None:
+        """Take the verdicts written during their own checker cell, and the errors of the student's cells."""
+        running = None
+        for event in events:
+            if "cell" in event:
+                running = event["cell"] if event.get("phase") == "start" else None
+                if event.get("phase") == "end" and event.get("error"):
+                    self._cell_error(event["cell"], event["error"], sources)
+            elif isinstance(event.get("verdict"), dict) and running is not None:
+                verdict, unit = event["verdict"], self.unit_of.get(running)
+                exercise = verdict.get("exercise")
+                if unit is None or running != unit.checker or exercise not in unit.exercises or exercise in self.found:
+                    continue
+                evidence = verdict.get("evidence") if isinstance(verdict.get("evidence"), dict) else {}
+                self.found[exercise] = Outcome(exercise, verdict.get("ok") is True, str(verdict.get("hint") or ""),
+                                               evidence)
+
+    def _cell_error(self, index: int, error: str, sources: dict[int, str]) -> None:
+        unit = self.unit_of.get(index)
+        if unit is not None and index == unit.checker:
+            for exercise in unit.exercises:
+                self.checker_errors.setdefault(exercise, error)
+        elif index in self.stubs and index not in self.put_back and sources.get(index) != self.stubs[index]:
+            note = f"your cell defining {', '.join(sorted(defined_names(self.stubs[index])))} raised {error}"
+            if note not in self.notes:
+                self.notes.append(note)
+
+    def blame(self, run: _Run, timeout: float, output: Path) -> bool:
+        """Grade what a run that did not finish was running, and leave it out of the next run; False when
+        there is nothing to leave out (the kernel never reached a cell)."""
         where = run.current()
         if where is None:
             reason = "the grading kernel did not start" if run.ended == "timeout" else \
                 f"the grading kernel {_ended(run.status)} before the first cell"
-            notes.append(f"not graded: {reason} ({_last_line(run_dir / 'output.txt')})")
-            break
-        unit = unit_of.get(where)
+            self.notes.append(f"not graded: {reason} ({_last_line(output)})")
+            return False
+        unit = self.unit_of.get(where)
         what = "its cells and its checker" if unit else f"cell {where} of the lab (not an exercise)"
         what = (f"timed out: {what} ran over {timeout:g} s" if run.ended == "timeout"
                 else f"crashed: the notebook's process {_ended(run.status)} while {what} ran")
         if unit is None:
-            notes.append(f"{what} with your code in the notebook; the lab was run again without that cell")
-            left_out.add(where)
-            continue
+            self.notes.append(f"{what} with your code in the notebook; the lab was run again without that cell")
+            self.left_out.add(where)
+            return True
         for exercise in unit.exercises:
-            found.setdefault(exercise, Outcome(exercise, False, what))
-        put_back.update(unit.exercise_cells)
-    outcomes = [found.get(e) or Outcome(e, False, _no_verdict(e, checker_errors)) for e in lab.exercises]
-    return outcomes, notes
+            self.found.setdefault(exercise, Outcome(exercise, False, what))
+        self.put_back.update(unit.exercise_cells)
+        return True
+
+    def outcomes(self) -> list[Outcome]:
+        return [self.found.get(e) or Outcome(e, False, _no_verdict(e, self.checker_errors)) for e in self.lab.exercises]
+
+
+def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: dict[int, str], run_dir: Path,
+              timeout: float) -> tuple[list[Outcome], list[str]]:
+    """Run ``cells`` (the graded notebook's code cells) in ``run_dir``; every exercise's outcome, and notes."""
+    progress = _Progress(lab, stubs)
+    for _ in range(len(lab.units) + len(cells) + 1):  # each run that does not finish leaves one more out
+        todo = progress.cells(cells)
+        (run_dir / "cells.json").write_text(json.dumps(todo), encoding="utf-8")
+        (run_dir / "events.jsonl").write_bytes(b"")
+        pid = sandbox.start(run_dir / "cells.json", run_dir)
+        run = _watch(sandbox, pid, _Events(run_dir / "events.jsonl"), lambda i: progress.unit_of.get(i, i), timeout)
+        progress.collect(run.events, dict(todo))
+        if run.ended == "done" or not progress.blame(run, timeout, run_dir / "output.txt"):
+            break
+    return progress.outcomes(), progress.notes
 
 
 def _ended(status: int | None) -> str:
@@ -165,29 +210,3 @@ def _no_verdict(exercise: str, checker_errors: dict) -> str:
     if exercise in checker_errors:
         return f"no verdict: the checker cell raised {checker_errors[exercise]}"
     return "no verdict: the checker cell did not run to its verdict"
-
-
-def _collect(events, unit_of, found, checker_errors, notes, stubs, sources, put_back) -> None:
-    """Take the verdicts written during their own checker cell, and the errors of the student's cells."""
-    running = None
-    for event in events:
-        if "cell" in event:
-            index = event["cell"]
-            running = index if event.get("phase") == "start" else None
-            unit, error = unit_of.get(index), event.get("error")
-            if event.get("phase") != "end" or not error or unit is None:
-                continue
-            if index == unit.checker:
-                for exercise in unit.exercises:
-                    checker_errors.setdefault(exercise, error)
-            elif index in stubs and index not in put_back and sources.get(index) != stubs[index]:
-                note = f"your cell defining {', '.join(sorted(defined_names(stubs[index])))} raised {error}"
-                if note not in notes:
-                    notes.append(note)
-        elif isinstance(event.get("verdict"), dict) and running is not None:
-            verdict, unit = event["verdict"], unit_of.get(running)
-            exercise = verdict.get("exercise")
-            if unit is None or running != unit.checker or exercise not in unit.exercises or exercise in found:
-                continue
-            evidence = verdict.get("evidence") if isinstance(verdict.get("evidence"), dict) else {}
-            found[exercise] = Outcome(exercise, verdict.get("ok") is True, str(verdict.get("hint") or ""), evidence)
