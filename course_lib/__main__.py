@@ -30,6 +30,8 @@ COMMANDS = {
     "checkpoint": ("course_lib.training.checkpoint_inspect",
                    "inspect a --save folder: iteration, format, saved layout, every tensor and which rank holds which slice"),
     "site": ("course_lib.classroom.site", "build the course as a static website (index + one page per lab, works offline)"),
+    "grade": ("course_lib.classroom.grading",
+              "grade a class: each student's exercise cells in a fresh official lab, fenced and timed; grades.csv, feedback/"),
 }
 
 

@@ -143,6 +143,9 @@ Checkpoints (``training.checkpointing``)
   * :func:`megatron_fsdp_checkpoint` -- Megatron-FSDP saves ``fsdp_dtensor`` only: ``megatron-cmd``.
   * :func:`checkpoint_layout` -- a legacy ``torch`` checkpoint loads only under its TP x PP x VP: ``load_checkpoint``.
   * :func:`checkpoint_model` -- the checkpoint's model (and data order) is this run's: ``load_checkpoint``.
+Grading (``python -m course_lib grade``, ``classroom.grading``)
+  * :func:`lab_number` -- ``--labs NN`` names a lab there is (``3`` reads as ``03``).
+  * :func:`grading_folders` -- ``--out`` and ``SUBMISSIONS`` are apart, neither inside the other.
 """
 
 from __future__ import annotations
@@ -982,3 +985,26 @@ def deepspeed_layout(tp: int, pp: int, cp: int, vpp=None, other_flags=()) -> Non
     if other_flags:
         raise ValueError(f"--{other_flags[0]} with --deepspeed-config: the ds_config sets the state sharding and "
                          f"the model is dense; drop --{other_flags[0]}")
+
+
+# ============================================================================ grading
+
+
+def lab_number(name: str, value, labs) -> str:
+    """A lab named by its two-digit number, one of ``labs`` (``"3"`` reads as ``"03"``)."""
+    text = str(value).strip()
+    if text.isdigit() and text.zfill(2) in labs:
+        return text.zfill(2)
+    raise ValueError(f"{name}={value!r} names no lab; give the two-digit number of one of {', '.join(labs)}")
+
+
+def grading_folders(submissions, out) -> None:
+    """The grading output ``out`` and the ``submissions`` folder are apart (neither inside the other):
+    the grader reads every folder of the one and writes the other."""
+    sub, dest = os.path.realpath(submissions), os.path.realpath(out)
+    if dest == sub or dest.startswith(sub + os.sep):
+        raise ValueError(f"--out={out} is inside SUBMISSIONS={submissions}, where it would be read as a student's "
+                         f"submission; write the grades to a folder outside it")
+    if sub.startswith(dest + os.sep):
+        raise ValueError(f"SUBMISSIONS={submissions} is inside --out={out}, the grader's own folder; "
+                         f"keep the submissions outside it")

@@ -43,6 +43,10 @@ One proof mechanism serves them all:
 Every checker prints one verdict line and never raises: when the student's
 function still raises ``NotImplementedError`` it prints "not attempted yet",
 so the student notebook runs top to bottom before any exercise is solved.
+Every checker is declared with :func:`~course_lib.classroom.checks.exercise.exercise`
+(``@exercise("derive_dp")``) and returns a structured
+:class:`~course_lib.classroom.checks.exercise.Verdict` (ok, exercise, hint, evidence),
+which ``python -m course_lib grade`` collects.
 Every checker prints that line through :func:`not_attempted`, and calls the
 student's code through :func:`call_student` (or :func:`try_student` when it
 needs the exception itself); checkers that run it on ranks test

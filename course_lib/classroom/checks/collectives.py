@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
                                                   describe_ops, launch_checked, point_to_point_only,
@@ -341,6 +342,7 @@ def ring_problems(runs: dict) -> Optional[list]:
     return None
 
 
+@exercise("my_ring_all_reduce")
 def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
     """Print a verdict on ``fn`` (``fn(x: Tensor[N]) -> Tensor[N]``, the sum over ranks, point-to-point only)."""
     runs = {}
@@ -412,6 +414,7 @@ def _halves_value_hint(t: dict, world: int, per_rank_trials: list) -> str:
             "all_gather_into_tensor(out, shard) puts the W shards back together in rank order")
 
 
+@exercise("my_all_reduce_rs_ag")
 def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
     """``fn(x: Tensor[N]) -> Tensor[N]`` must all-reduce ``x`` with exactly one reduce-scatter and one all-gather."""
     for world in HALVES_WORLDS:

@@ -13,6 +13,7 @@ import math
 import re
 
 from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import run_student, safe_repr
 
@@ -97,6 +98,7 @@ def _conclusion_problem(key: str, text, numbers) -> str | None:
     return None
 
 
+@exercise("my_conclusions")
 def check_conclusions(fn, *sources) -> bool:
     """``fn() -> {"tiny_gpt", "gpt_13b", "rule", "sweep": str}``: the student's own conclusions. A light
     check: each written, the choices name a config, and the answers cite a number measured or computed in

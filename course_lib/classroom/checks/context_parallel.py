@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (as_real, course_code_hint, describe_ops, launch_checked,
                                                   largest_tensor, point_to_point_only, refused_collective, safe_repr,
@@ -99,6 +100,7 @@ def _lse_hint(lse, l1, l2) -> str:
     return "the merged lse is log(exp(lse1) + exp(lse2)): use torch.logaddexp(lse1, lse2)"
 
 
+@exercise("merge")
 def check_merge(fn) -> bool:
     """``fn(out1, lse1, out2, lse2) -> (out, lse)``: merge two partial attentions of the same queries.
 
@@ -265,6 +267,7 @@ def _ring_size_hint(r: dict) -> str | None:
             f"(attention_block) and merge it into the running (out, lse) by log-sum-exp")
 
 
+@exercise("ring_attention_forward")
 def check_ring_attention(fn, timeout: float = 15) -> bool:
     """``fn(q, k, v, group) -> out``: this rank's rows of (unmasked) attention over the whole sequence, each
     rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only."""
@@ -347,6 +350,7 @@ _CHUNK_MISTAKES = [
 ]
 
 
+@exercise("chunks_for_rank")
 def check_chunks_for_rank(fn) -> bool:
     """``fn(rank, cp) -> (a, b)``: the two chunks (of 2·cp) rank ``rank`` holds in the load-balanced split."""
     if is_course_answer(fn):

@@ -27,6 +27,7 @@ import tempfile
 import time
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr, same_value
 
@@ -159,6 +160,7 @@ def measured_wire(run: dict) -> dict:
     return sent
 
 
+@exercise("zero3_wire")
 def check_zero3_wire(fn, runs, numels: dict, thresholds: dict) -> bool:
     """``fn(numels, world, persistence_threshold)`` -> :data:`WIRE_KEYS` elements for one micro-batch of a
     steady-state iteration; compared with every run's measured wire (``thresholds``: run name ->
@@ -218,6 +220,7 @@ def measured_buckets(run: dict) -> list[int]:
             and w["op"] == "reduce_scatter"]
 
 
+@exercise("reduce_buckets")
 def check_reduce_buckets(fn, runs, grad_numels: list, bucket_sizes: dict) -> bool:
     """``fn(grad_numels, reduce_bucket_size)`` -> the list of reduce-scatter sizes, for the gradients in the
     order they become ready; compared with each run's wire (``bucket_sizes``: run -> its bucket size)."""
@@ -272,6 +275,7 @@ def _device_bytes(held: dict) -> int:
     return held["params"] + held["grads"] + held["optimizer"]
 
 
+@exercise("fitting_config")
 def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120) -> bool:
     """``fn()`` -> a ds_config that keeps ``seed``'s batch sizes, precision and optimizer and whose model states
     fit ``budget`` bytes per rank on the device; trained on ``world`` ranks (with the wire recorded) to read
@@ -344,6 +348,7 @@ QUESTIONS = {
 }
 
 
+@exercise("my_answers_10")
 def check_answers(fn, *sources) -> bool:
     """The student's answers to :data:`QUESTIONS` (``fn()`` -> a dict of strings): each written, and each
     citing at least one number measured or computed in this lab (``sources``: the runs, tables...)."""

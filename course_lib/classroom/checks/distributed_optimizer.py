@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, describe_ops, launch_checked,
                                                   run_student, safe_repr, same_payload, secret_generator,
@@ -208,6 +209,7 @@ def _dist_opt_hint(o: dict) -> str | None:
     return None
 
 
+@exercise("distributed_optimizer_step")
 def check_distributed_optimizer_step(fn, timeout: float = 20) -> bool:
     """``fn(params [N], grad [N], dp_group, make_optimizer) -> (new_params [N], optimizer)``: one step of
     Megatron's distributed optimizer (ZeRO-1 over DP), against single-process SGD with momentum and Adam."""
@@ -402,6 +404,7 @@ def _zero1_hint(o: dict) -> str | None:
     return None
 
 
+@exercise("zero1_step")
 def check_zero1_step(fn, world_sizes=(2, 4), timeout: float = 30) -> bool:
     """``fn(params, grads, dp_group, state) -> new params``: one ZeRO-1 step (Adam, ``ADAM``), called twice
     with the same ``state`` dict, on 2 and 4 real ranks; against two single-process Adam steps."""

@@ -11,6 +11,7 @@ built from the projected costs; it never raises.
 from __future__ import annotations
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr
 from course_lib.megatron import SEED_SWEEP
@@ -96,6 +97,7 @@ def _config_hint(key: str, got: str, want: str, projections: dict) -> str:
     return f"{got}: {_costs(p)}; {want}: {_costs(w)} -- {why}"
 
 
+@exercise("predict_gpu_winner")
 def check_gpu_winner(fn, hardware: str = "H100") -> bool:
     """``fn() -> {"tiny_gpt": (config, reason), "gpt_13b": (config, reason)}``: the config of A-F with
     the shortest projected step on one 8-GPU node among those that fit, and the key of

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks.collectives import course_code_used, launch_trials, student_trial
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import collectives as collective_events, describe_ops, secret_generator
 
@@ -106,6 +107,7 @@ def _grad_value_hint(trials: list, reference: dict, world: int) -> str:
             f"all-reduced exactly once (and divided by W), then copied back into its param.grad")
 
 
+@exercise("sync_gradients")
 def check_grad_sync(fn, timeout: float = 20) -> bool:
     """``fn(model, bucket_numel)`` must average every ``param.grad`` over the ranks with one all-reduce per
     bucket (buckets filled in reverse parameter order, at most ``bucket_numel`` elements unless one

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, describe_ops, launch_checked,
                                                   run_student, safe_repr, secret_generator, split_problem,
@@ -138,6 +139,7 @@ def _group_hint(got, rank, key, layout) -> str:
             "numbered tp fastest, then ep, dp, pp; a rank's EP group varies only its ep coordinate")
 
 
+@exercise("expert_groups_of")
 def check_expert_groups_of(fn) -> bool:
     """``fn(rank, layout) -> {"ep": [...], "expert_dp": [...]}``: the expert-parallel and expert-data-parallel
     groups of ``rank`` (ascending global ranks) for ``layout = {"world_size", "tp", "pp", "cp", "ep",
@@ -332,6 +334,7 @@ def _traffic_problem(events, ep) -> str | None:
     return None
 
 
+@exercise("dispatch")
 def check_dispatch(fn, timeout: float = 30) -> bool:
     """``fn(rows, tokens_per_expert, group) -> (received, counts)``: the alltoall token dispatch of one rank.
 
@@ -430,6 +433,7 @@ def _aux_hint(value, scores, indices, experts, coeff) -> str:
     return "aux = coeff · E · Σ_i f_i · P_i with f_i = slots to expert i / (T·k) and P_i = mean score of expert i"
 
 
+@exercise("aux_loss")
 def check_aux_loss(fn) -> bool:
     """``fn(scores, indices, num_experts, coeff) -> loss``: the Switch load-balancing loss (value and gradient
     with respect to ``scores``), checked against :func:`course_lib.moe.router.switch_load_balancing_loss`."""

@@ -19,6 +19,7 @@ import math
 
 from course_lib.classroom.checks import (call_student, checked_call, is_course_answer, not_attempted, outcome,
                                         refused_call)
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr, same_number
 from course_lib.megatron import SEED_SWEEP
@@ -30,6 +31,7 @@ from course_lib.rules import data_parallel_size
 
 # ---- Lab 03, exercise 3: the bubble of a schedule ---------------------------------------------------
 
+@exercise("bubble")
 def check_bubble(fn) -> bool:
     """``fn(pp, num_microbatches, vp) -> number``: bubble time over ideal time (any real type)."""
     for p in (1, 2, 4, 8):
@@ -109,6 +111,7 @@ BUBBLE_MISTAKES = [
 ]
 
 
+@exercise("largest_bubble")
 def check_largest_bubble(fn) -> bool:
     """``fn(configs: {name: (tp, pp, cp)}, world_size, micro_batch_size, global_batch_size) -> name``
     of the config with the largest 1F1B bubble (p-1)/m."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from course_lib.classroom.checks import call_student, not_attempted, outcome, refused_call
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr, whole_numbers
 from course_lib.pipeline.bubbles import bubble_fraction
@@ -38,6 +39,7 @@ SETTINGS = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12)]
 _call, _todo = call_student, not_attempted
 
 
+@exercise("warmup_1f1b")
 def check_warmup(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> int``: 1F1B's warm-up forwards on one rank."""
     for p, m in SETTINGS:
@@ -120,6 +122,7 @@ def _matching_mistake(answers: dict) -> Optional[str]:
     return None
 
 
+@exercise("order_1f1b")
 def check_order(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> list`` of "F0"/"B0" strings (or Actions)."""
     answers, wrong = {}, []
@@ -168,6 +171,7 @@ def check_order(fn) -> bool:
 # ---- exercise 4: peak memory ----------------------------------------------------------------------
 
 
+@exercise("peak_activations")
 def check_peak_memory(fn) -> bool:
     """``fn(pp, num_microbatches, schedule) -> list`` of peak micro-batches held per rank."""
     for name in ("gpipe", "1f1b", "zb-h1"):
@@ -261,6 +265,7 @@ def _first_blocked(schedule) -> str:
     return "no message is blocked in the simulation: the ranks were slower than the timeout"
 
 
+@exercise("orders_1f1b_by_hand")
 def check_orders_on_ranks(orders, timeout: float = 6) -> bool:
     """Run the student's per-rank orders for 3 stages and 4 micro-batches on 3 real ranks.
 

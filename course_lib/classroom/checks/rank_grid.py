@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, run_student,
                                                   safe_repr, whole_numbers)
@@ -56,6 +57,7 @@ def _verdict_for_exception(call: str, exc: BaseException) -> None:
 
 # ---- Lab 01, exercise 1: derive DP -------------------------------------------------------------------
 
+@exercise("derive_dp")
 def check_derive_dp(fn) -> bool:
     """``fn(world_size, tp, pp, cp)`` must return world / (tp·pp·cp) and raise
     ValueError when tp·pp·cp does not divide the world size."""
@@ -169,6 +171,7 @@ def _group_mistake(fn, got, want: list, rank: int, axis: str, layout: tuple) -> 
     return lines
 
 
+@exercise("groups_of")
 def check_groups_of(fn) -> bool:
     """``fn(rank, layout) -> {"tp": [...], "cp": [...], "dp": [...], "pp": [...]}``: the four groups of
     ``rank`` (lists in group-rank order) for ``layout = {"world_size", "tp", "pp", "cp"}`` in Megatron's
@@ -230,6 +233,7 @@ def _matching_formula(fn, sizes: tuple):
     return None
 
 
+@exercise("rank_of")
 def check_rank_of(fn) -> bool:
     """``fn(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp)`` must return the
     global rank in Megatron's default order tp-cp-ep-dp-pp (tp fastest)."""
@@ -297,6 +301,7 @@ def _want(world, tp, pp, cp, micro, gbs):
     return cfg.dp, cfg.num_microbatches
 
 
+@exercise("derive_layout")
 def check_layout(fn) -> bool:
     """``fn(world_size, tp, pp, cp, micro_batch_size, global_batch_size) -> (dp, num_microbatches)``;
     raises ValueError when the layout is impossible."""

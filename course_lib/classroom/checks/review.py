@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, run_student, safe_repr, whole_numbers
 
@@ -133,6 +134,7 @@ def _problem(key: str, spec, answer) -> str | None:
     return None
 
 
+@exercise("my_answers_{lab}")
 def check_review_answers(fn, lab: str) -> bool:
     """``fn() -> {question key: answer}``: the student's answers to lab ``lab``'s review questions
     (:data:`QUESTIONS`), numbers checked, prose read for the words it needs."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from course_lib import sizing
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import same_number
 
@@ -60,6 +61,7 @@ def _parameter_hint(value: float, layers, h, vocab, seq) -> str:
             "LayerNorms (2h each); then V·h + s·h once")
 
 
+@exercise("gpt_parameters")
 def check_gpt_parameters(fn) -> bool:
     """``fn(num_layers, hidden_size, vocab_size, seq_length) -> parameters``: Narayanan et al. 2021's Eq. 2,
     ``12lh² + 13lh + (V + s)h`` -- checked on Table 1's ten models and on small shapes."""
@@ -134,6 +136,7 @@ def _state_mistakes(params, tp, dp, cp, distributed) -> list:
     ]
 
 
+@exercise("model_state_bytes_per_gpu")
 def check_model_state_bytes(fn) -> bool:
     """``fn(params_on_gpu, tp, dp, cp, distributed_optimizer) -> bytes`` of weights, gradients and optimizer
     state on one GPU for Megatron's bf16 training with Adam (18 bytes per parameter, 6 + 12/(dp·cp) with

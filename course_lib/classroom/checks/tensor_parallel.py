@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (call_problem, carried_by, describe_ops, launch_checked, run_student,
                                                   same_payload, secret_generator, student_on_rank, tensors_close)
@@ -84,6 +85,7 @@ def diagnose_column(got, x, weight, rank, t) -> str | None:
             f"A transposed as [out, in], so the column (output-feature) split is dim 0 of `weight`")
 
 
+@exercise("column_parallel_forward")
 def check_column_parallel_forward(fn) -> bool:
     """``fn(x [s,b,in], weight [out,in], rank, world_size) -> [s, b, out/world_size]``; no communication."""
     if is_course_answer(fn):
@@ -190,6 +192,7 @@ def _row_hint(r: dict) -> str | None:
     return None
 
 
+@exercise("row_parallel_forward")
 def check_row_parallel_forward(fn) -> bool:
     """``fn(x_shard [s,b,in/t], weight [out,in], group) -> Y [s,b,out]`` on every rank, one all-reduce."""
     if is_course_answer(fn):
@@ -262,6 +265,7 @@ _SHAPE_HINTS = {
 }
 
 
+@exercise("tp_mlp_from_dense")
 def check_tp_mlp_from_dense(fn) -> bool:
     """``fn(dense: DenseMLP, tp_group) -> ParallelMLP`` holding this rank's slices of the dense weights."""
     if is_course_answer(fn):

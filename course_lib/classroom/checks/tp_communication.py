@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (as_real, call_problem, describe_ops, launch_checked, portable,
                                                   run_student, safe_repr, same_number, secret_generator,
@@ -172,6 +173,7 @@ def _f_g_traffic(name: str, o: dict) -> str | None:
     return None
 
 
+@exercise("f_and_g")
 def check_f_g(f_cls, g_cls) -> bool:
     """``f_cls.apply(x, group)``: identity / all-reduce; ``g_cls.apply(x, group)``: all-reduce / identity."""
     if is_course_answer(f_cls, g_cls):
@@ -251,6 +253,7 @@ def _as_counts(guess) -> dict | None:
     return counts
 
 
+@exercise("predict_collectives")
 def check_collective_prediction(predict_collectives, predict_elements_sent) -> bool:
     """``predict_collectives(sequence_parallel) -> {(direction, op): count}`` for one layer (t=2), and
     ``predict_elements_sent(b, s, h, t) -> float``: elements one rank sends per layer, fwd+bwd, no SP."""

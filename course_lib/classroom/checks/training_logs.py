@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr
 from course_lib.megatron import parse_log
@@ -57,6 +58,7 @@ def _parsed_ok(got, want) -> bool:
     return as_whole(got["iteration"]) is not None
 
 
+@exercise("parse_iteration_line")
 def check_parse_line(fn) -> bool:
     """``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}``."""
     if is_course_answer(fn):

@@ -64,10 +64,10 @@ from typing import Any, Iterable, Sequence
 
 from course_lib.classroom.checks.wire import (REFUSED_MARK, SPLIT_MARK, CollectiveRefused, SplitMismatch,
                                              largest_tensor, launch_checked, point_to_point_only, secret_generator,
-                                             wire_recorder)
+                                             student_running, wire_recorder)
 
 __all__ = [
-    "Verdict", "as_real", "as_whole", "whole_numbers", "same_number", "same_value", "tensors_close", "safe_repr",
+    "Comparison", "as_real", "as_whole", "whole_numbers", "same_number", "same_value", "tensors_close", "safe_repr",
     "StudentRun", "run_student", "student_on_rank", "call_problem", "portable", "undo_patches", "course_function",
     "course_code_hint", "LibraryPatched",
     "launch_checked", "point_to_point_only", "wire_recorder", "CollectiveRefused", "REFUSED_MARK",
@@ -81,8 +81,10 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Verdict:
-    """``ok`` and, when not ok, ``reason`` (one sentence for the student). Truthy when ok."""
+class Comparison:
+    """One answer compared with the truth: ``ok`` and, when not ok, ``reason`` (one sentence for the
+    student). Truthy when ok. (A checker's verdict on a whole exercise is an
+    :class:`~course_lib.classroom.checks.exercise.Verdict`.)"""
 
     ok: bool
     reason: str | None = None
@@ -158,18 +160,18 @@ def whole_numbers(value) -> list[int] | None:
     return None if any(v is None for v in items) else items
 
 
-def same_number(answer, expected, rel: float = 1e-9, abs_tol: float = 1e-12) -> Verdict:
+def same_number(answer, expected, rel: float = 1e-9, abs_tol: float = 1e-12) -> Comparison:
     """Is ``answer`` a finite real number within ``rel`` (relative) or ``abs_tol`` of ``expected``?
 
-    ``Verdict.value`` is the answer as a float whenever it is a number (use it to
+    ``Comparison.value`` is the answer as a float whenever it is a number (use it to
     match the answer against known wrong formulas for a hint)."""
     number, reason = as_real(answer)
     if reason:
-        return Verdict(False, reason)
+        return Comparison(False, reason)
     want = float(expected)
     if math.isclose(number, want, rel_tol=rel, abs_tol=abs_tol):
-        return Verdict(True, None, number)
-    return Verdict(False, f"returned {number:.6g}, expected {want:.6g}", number)
+        return Comparison(True, None, number)
+    return Comparison(False, f"returned {number:.6g}, expected {want:.6g}", number)
 
 
 def safe_repr(value, limit: int = 80) -> str:
@@ -367,9 +369,10 @@ def _code_objects(fn) -> dict:
 
 
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
-_MACHINERY = {"wire.py", "verdicts.py", "__init__.py"}
+_MACHINERY = {"wire.py", "verdicts.py", "__init__.py", "exercise.py"}
 """Files of the checks package whose code may run inside a student's call: the checked process group
-(every collective passes through it) and the verdict helpers."""
+(every collective passes through it), the verdict helpers and the verdict record (what the student's code
+prints passes through it)."""
 
 
 def _is_checker_code(code) -> bool:
@@ -462,7 +465,7 @@ def run_student(fn, *args, references: Sequence = (), **kwargs) -> StudentRun:
     called (a truth table, an input generator), except the callables handed over in ``args``."""
     run = StudentRun()
     with undo_patches() as changed:
-        with _watch_code(references, _handed_over(args + tuple(kwargs.values()))) as seen:
+        with _watch_code(references, _handed_over(args + tuple(kwargs.values()))) as seen, student_running():
             try:
                 run.value = fn(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - reported to the student

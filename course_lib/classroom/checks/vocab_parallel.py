@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (call_problem, describe_ops, launch_checked, secret_generator,
                                                   student_on_rank, tensors_close)
@@ -123,6 +124,7 @@ def _vocab_ce_hint(r: dict) -> str | None:
     return traffic or values
 
 
+@exercise("vocab_parallel_cross_entropy")
 def check_vocab_parallel_cross_entropy(fn) -> bool:
     """``fn(logits [s,b,V/t], target [s,b], group) -> loss [s,b]`` equal to ``F.cross_entropy`` on the
     full logits, moving only all-reduces of ``[s, b]`` numbers (one of them a MAX) over the group."""

@@ -41,6 +41,11 @@ Three more pieces make the proof of an algorithm out of that record:
   inside a block (a dispatch mode), so an answer that gathers every block and runs one dense
   computation is seen by the size of what it built.
 
+What the student's code did, for the record a grader keeps (:mod:`course_lib.classroom.checks.exercise`):
+:func:`traced` keeps a :class:`StudentTrace` -- how often the checker called the student's code
+(:func:`student_running`, entered by every guarded call) and every op that code issued on a checked
+group; each rank of :func:`launch_checked` traces its own and the launch adds them up.
+
 An uneven ``all_to_all_single`` whose ``output_split_sizes`` do not match what the peers send
 would make gloo abort the process (SIGABRT, no traceback): the checked group exchanges the
 split sizes first and raises :class:`SplitMismatch` on every rank, naming the rows expected and
@@ -57,6 +62,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -75,6 +82,7 @@ CARRY_LIMIT = 1 << 20
 """Elements per op above which :class:`WireRecorder` keeps no copy of what was carried (None)."""
 
 _RECORDERS: list["WireRecorder"] = []
+_TRACES: list["StudentTrace"] = []  # innermost last: one per checker running in this process
 _POLICY = {"p2p_only": None}  # None, or the text that names the exercise's rule
 
 
@@ -102,14 +110,76 @@ class WireRecorder:
 
 
 @contextlib.contextmanager
+def _active(stack: list, item):
+    """``item`` on ``stack`` for the block: what the checked group and the guarded calls report to."""
+    stack.append(item)
+    try:
+        yield item
+    finally:
+        stack.remove(item)
+
+
 def wire_recorder():
     """``with wire_recorder() as rec:`` -> ``rec.events``, every op this rank issued on a checked group."""
-    rec = WireRecorder()
-    _RECORDERS.append(rec)
+    return _active(_RECORDERS, WireRecorder())
+
+
+@dataclass
+class StudentTrace:
+    """What the student's code did while one checker ran: ``calls`` (how often it was called), and on
+    checked ranks ``ops`` (``{"send on world": 12}``, summed over ranks), ``sent_bytes`` (what it put
+    on the wire: sends and collective inputs, every rank) and ``worlds`` (the size of each launch)."""
+
+    calls: int = 0
+    ops: Counter = field(default_factory=Counter)
+    sent_bytes: int = 0
+    worlds: list = field(default_factory=list)
+    depth: int = 0  # > 0 while the student's code runs
+
+    def note(self, event: CommEvent) -> None:
+        self.ops[f"{event.op} on {event.kind}"] += 1
+        if event.op != "recv":
+            self.sent_bytes += event.bytes
+
+    def add_launch(self, world: int, ranks: list) -> None:
+        """Add the traces of one launch's ranks."""
+        self.worlds.append(world)
+        for rank in ranks:
+            self.calls += rank.calls
+            self.ops.update(rank.ops)
+            self.sent_bytes += rank.sent_bytes
+
+    def evidence(self) -> dict:
+        """The trace as plain JSON: ``calls``, and where ranks ran ``ranks`` (world size of each launch),
+        ``ops`` (``{"send": 24}``), ``groups`` (the group labels used) and ``bytes``."""
+        out: dict = {"calls": self.calls}
+        if self.worlds:
+            ops: Counter = Counter()
+            for key, n in self.ops.items():
+                ops[key.split(" on ", 1)[0]] += n
+            out.update(ranks=list(self.worlds), ops=dict(sorted(ops.items())),
+                       groups=sorted({key.split(" on ", 1)[1] for key in self.ops}), bytes=self.sent_bytes)
+        return out
+
+
+def traced():
+    """``with traced() as trace:`` -> a :class:`StudentTrace` of the student's code run inside the block."""
+    return _active(_TRACES, StudentTrace())
+
+
+@contextlib.contextmanager
+def student_running():
+    """Around one call of the student's code: counted, and its ops recorded, by the active :func:`traced`."""
+    trace = _TRACES[-1] if _TRACES else None
+    if trace is None:
+        yield
+        return
+    trace.calls += 1
+    trace.depth += 1
     try:
-        yield rec
+        yield
     finally:
-        _RECORDERS.remove(rec)
+        trace.depth -= 1
 
 
 def _numel(tensors) -> int:
@@ -146,7 +216,8 @@ class CheckedProcessGroup(dist.ProcessGroup):
     # ---- bookkeeping
     def _record(self, op: str, tensors, *, peer=None, reduce_op=None, numel=None, carried=None) -> None:
         """Record one op for every active recorder; ``carried``: what this rank sends (copied here)."""
-        if not _RECORDERS:
+        trace = _TRACES[-1] if _TRACES and _TRACES[-1].depth else None
+        if not _RECORDERS and trace is None:
             return
         n = _numel(tensors) if numel is None else int(numel)
         dtype = _dtype(tensors) or torch.float32
@@ -154,6 +225,10 @@ class CheckedProcessGroup(dist.ProcessGroup):
                           bytes=n * torch.empty((), dtype=dtype).element_size(), direction=_infer_direction(),
                           dtype=str(dtype).replace("torch.", ""), reduce_op=reduce_op, source="process_group",
                           peer=peer, rank=dist.get_rank())
+        if trace is not None:
+            trace.note(event)
+        if not _RECORDERS:
+            return
         copy = _copy(carried) if carried is not None and _numel(carried) <= CARRY_LIMIT else None
         for rec in _RECORDERS:
             rec.events.append(event)
@@ -395,14 +470,22 @@ def largest_tensor():
 
 def _checked_rank(rank_fn, rank_kwargs, group_timeout):
     install_checked_world(group_timeout)
-    return rank_fn(**rank_kwargs)
+    _TRACES.clear()  # the launching process's, copied by the fork
+    with traced() as trace:
+        value = rank_fn(**rank_kwargs)
+    return value, trace
 
 
 def launch_checked(rank_fn, world_size: int, *, timeout: float = 20, **kwargs):
     """:func:`course_lib.launch.launch` ``rank_fn(**kwargs)`` on ``world_size`` ranks whose default
     process group is checked (recorded with :func:`wire_recorder`, refusable with
-    :func:`point_to_point_only`). Raises what ``launch`` raises."""
+    :func:`point_to_point_only`). Raises what ``launch`` raises. Each rank's :class:`StudentTrace` is added to
+    the active :func:`traced`, if any."""
     from course_lib.launch import launch
 
-    return launch(_checked_rank, world_size=world_size, output="none", timeout=timeout, rank_fn=rank_fn,
-                  rank_kwargs=kwargs, group_timeout=timeout)
+    results = launch(_checked_rank, world_size=world_size, output="none", timeout=timeout, rank_fn=rank_fn,
+                     rank_kwargs=kwargs, group_timeout=timeout)
+    if _TRACES:
+        _TRACES[-1].add_launch(world_size, [trace for _, trace in results])
+    results[:] = [value for value, _ in results]
+    return results

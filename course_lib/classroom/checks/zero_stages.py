@@ -15,6 +15,7 @@ the stub's ``NotImplementedError`` gives "not attempted yet"; numbers of any rea
 from __future__ import annotations
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, safe_repr
 from course_lib.sizing import model_state_bytes
@@ -96,6 +97,7 @@ def _part_hint(part: str, got: float, n: float, dp: int, stage: int) -> str:
             f"(stage 1 shards the optimizer's K = 12, stage 2 also the grads' 2, stage 3 also the params' 2)")
 
 
+@exercise("zero_bytes_per_rank")
 def check_zero_bytes(fn) -> bool:
     """``fn(num_params, dp, stage) -> {"params", "grads", "optimizer"}``: the bytes of each part of the model
     states on one rank (ZeRO's 2 + 2 + K, K = 12), checked part by part."""
@@ -189,6 +191,7 @@ def _shards_hint(config, got, want) -> str:
             "offload_param moves parameters")
 
 
+@exercise("what_it_shards")
 def check_what_it_shards(fn) -> bool:
     """``fn(config: dict) -> {"sharded": names, "offloaded": names}`` with names from
     ``"optimizer states"``, ``"gradients"``, ``"parameters"`` (any spelling: "grads", "params", ...)."""

@@ -25,7 +25,7 @@ def not_yet(*args, **kwargs):
 
 
 def _verdict(capsys, check, *answers):
-    ok = check(*answers)
+    ok = check(*answers).ok
     return ok, capsys.readouterr().out
 
 

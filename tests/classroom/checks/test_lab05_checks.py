@@ -88,7 +88,7 @@ def layout_course(world, tp, pp, cp, micro, gbs):
     (_todo, False, "not attempted yet: write derive_layout"),
 ])
 def test_check_layout(fn, ok, text, capsys):
-    assert rank_grid.check_layout(fn) is ok
+    assert rank_grid.check_layout(fn).ok is ok
     assert text in capsys.readouterr().out
 
 
@@ -168,7 +168,7 @@ def largest_fractions(configs, world, micro, gbs):
     (_todo, False, "not attempted yet: write largest_bubble"),
 ])
 def test_check_largest_bubble(fn, ok, text, capsys):
-    assert pipeline_bubbles.check_largest_bubble(fn) is ok
+    assert pipeline_bubbles.check_largest_bubble(fn).ok is ok
     out = capsys.readouterr().out
     assert text in out, out
     if fn is largest_dp_ignores_cp:
@@ -243,7 +243,7 @@ def parse_course(line):
     (_todo, False, "not attempted yet: write parse_iteration_line"),
 ])
 def test_check_parse_line(fn, ok, text, capsys):
-    assert training_logs.check_parse_line(fn) is ok
+    assert training_logs.check_parse_line(fn).ok is ok
     assert text in capsys.readouterr().out
 
 
@@ -408,7 +408,7 @@ def dist_opt_via_checker_reference(params, grad, group, make_optimizer):   # the
     (lambda params, grad, group, make: params, False, "return a pair (new_params, optimizer)"),
 ])
 def test_check_distributed_optimizer_step(fn, ok, text, capsys):
-    assert distributed_optimizer.check_distributed_optimizer_step(fn) is ok
+    assert distributed_optimizer.check_distributed_optimizer_step(fn).ok is ok
     out = capsys.readouterr().out
     assert text in out, out
 
@@ -453,7 +453,7 @@ GOOD = {
     ("A is best", False, "return a dict"),
 ])
 def test_check_conclusions(answers, ok, text, capsys):
-    assert conclusions.check_conclusions(lambda: answers, SWEEP, _plans()) is ok
+    assert conclusions.check_conclusions(lambda: answers, SWEEP, _plans()).ok is ok
     out = capsys.readouterr().out
     assert text in out, out
 
@@ -519,7 +519,7 @@ def _gpu(tiny, big):
     (_todo, False, "not attempted"),
 ])
 def test_check_gpu_winner(fn, ok, text, capsys):
-    assert gpu_projection.check_gpu_winner(fn) is ok
+    assert gpu_projection.check_gpu_winner(fn).ok is ok
     assert text in capsys.readouterr().out
 
 

@@ -102,14 +102,14 @@ GROUP_WRONG = [
 
 @pytest.mark.parametrize("fn, hint", GROUP_WRONG)
 def test_expert_groups_wrong_answers_get_their_hint(fn, hint, capsys):
-    assert moe_checks.check_expert_groups_of(fn) is False
+    assert moe_checks.check_expert_groups_of(fn).ok is False
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 @pytest.mark.parametrize("fn", [right_groups, right_groups_numpy_descending, right_groups_tuple_tensor])
 def test_expert_groups_right_answers_pass(fn, capsys):
-    assert moe_checks.check_expert_groups_of(fn) is True
+    assert moe_checks.check_expert_groups_of(fn).ok is True
     assert "✓" in capsys.readouterr().out
 
 
@@ -239,14 +239,14 @@ DISPATCH_WRONG = [
 
 @pytest.mark.parametrize("fn, hint", DISPATCH_WRONG)
 def test_dispatch_wrong_answers_get_their_hint(fn, hint, capsys):
-    assert moe_checks.check_dispatch(fn) is False
+    assert moe_checks.check_dispatch(fn).ok is False
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 @pytest.mark.parametrize("fn", [dispatch_right, dispatch_right_lists])
 def test_dispatch_right_answers_pass(fn, capsys):
-    assert moe_checks.check_dispatch(fn) is True
+    assert moe_checks.check_dispatch(fn).ok is True
     out = capsys.readouterr().out
     assert "✓" in out and "192 row elements" in out, out
 
@@ -288,14 +288,14 @@ AUX_WRONG = [
 
 @pytest.mark.parametrize("fn, hint", AUX_WRONG)
 def test_aux_loss_wrong_answers_get_their_hint(fn, hint, capsys):
-    assert moe_checks.check_aux_loss(fn) is False
+    assert moe_checks.check_aux_loss(fn).ok is False
     out = capsys.readouterr().out
     assert hint in out, out
 
 
 @pytest.mark.parametrize("fn", [aux_right, aux_right_float32_loop])
 def test_aux_loss_right_answers_pass(fn, capsys):
-    assert moe_checks.check_aux_loss(fn) is True
+    assert moe_checks.check_aux_loss(fn).ok is True
     assert "✓" in capsys.readouterr().out
 
 

@@ -158,7 +158,7 @@ def _wrapped_cases():
 @pytest.mark.parametrize("index", range(13))
 def test_a_wrapped_reference_is_refused_by_every_single_process_checker(index, capsys):
     checker, wrapped, name = _wrapped_cases()[index]
-    assert checker(wrapped) is False
+    assert checker(wrapped).ok is False
     out = capsys.readouterr().out
     assert "the course's own" in out and name in out and "✓" not in out, out
 

@@ -197,3 +197,63 @@ def test_collectives_are_refused_at_the_process_group_level_however_they_are_rea
         assert elements_sent(events) == 4 and elements_sent(events, "recv") == 4
         assert len(collective_events(events)) == 1
         assert describe_ops(events).startswith("1 all_reduce on world (4 elements), 1 send on world")
+
+
+# ------------------------------------------------------------------ structured verdicts
+
+
+def test_every_checker_is_declared_with_an_exercise_of_the_registry():
+    import ast
+    from pathlib import Path
+
+    from course_lib.classroom.checks import exercise, references
+
+    folder = Path(exercise.__file__).parent
+    public = {node.name for path in folder.glob("*.py") for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.FunctionDef) and node.name.startswith("check_")}
+    declared = exercise.checkers_in(folder)
+    assert set(declared) == public and len(public) >= 39
+    names = {info.name.format(lab=lab) for info in declared.values() for lab in ("07", "08")}
+    assert names <= set(references.REFERENCES), names - set(references.REFERENCES)
+
+
+def test_a_checker_prints_as_before_returns_a_verdict_and_writes_it_only_when_asked(tmp_path, monkeypatch, capsys):
+    import json
+
+    from course_lib.classroom.checks.exercise import VERDICTS_ENV, one_line
+    from course_lib.classroom.checks.rank_grid import check_derive_dp
+
+    monkeypatch.delenv(VERDICTS_ENV, raising=False)
+    wrong = check_derive_dp(lambda w, tp, pp, cp=1: w // (tp * pp))
+    printed = capsys.readouterr().out
+    assert printed.startswith("✗ ") and "context parallelism is a factor" in printed
+    assert not wrong and wrong.exercise == "derive_dp" and wrong.hint == one_line(printed)
+    assert "✗" not in wrong.hint and "\n" not in wrong.hint and wrong.evidence["calls"] >= 1
+    assert list(tmp_path.iterdir()) == []
+
+    sink = tmp_path / "verdicts.jsonl"
+    monkeypatch.setenv(VERDICTS_ENV, str(sink))
+
+    def right(world, tp, pp, cp=1):
+        if world % (tp * pp * cp):
+            raise ValueError("not divisible")
+        return world // (tp * pp * cp)
+
+    ok = check_derive_dp(right)
+    assert ok and ok.hint == "" and capsys.readouterr().out.startswith("✓ derive_dp")
+    assert [json.loads(line) for line in sink.read_text().splitlines()] == [{"verdict": ok.as_json()}]
+
+
+def test_the_evidence_of_a_checker_on_ranks_is_what_the_students_code_put_on_the_wire(capsys):
+    import json
+
+    from course_lib.classroom.checks.collectives import check_all_reduce_from_halves
+    import lab00_answers as answers
+
+    verdict = check_all_reduce_from_halves(answers.rs_ag)
+    assert verdict, capsys.readouterr().out
+    evidence = verdict.evidence
+    assert json.loads(json.dumps(evidence)) == evidence
+    assert set(evidence["ops"]) == {"reduce_scatter", "all_gather"} and evidence["groups"] == ["world"]
+    assert evidence["ops"]["reduce_scatter"] == evidence["ops"]["all_gather"] == evidence["calls"]
+    assert evidence["bytes"] > 0 and len(evidence["ranks"]) >= 2

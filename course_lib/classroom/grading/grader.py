@@ -1,0 +1,212 @@
+"""Grade one student's lab: run it in the sandbox, time each exercise, collect each checker's verdict.
+
+The lab runs once, top to bottom, in one kernel (:mod:`course_lib.classroom.grading.sandbox`), as the
+student's own notebook would. Every unit (an exercise's cells and its checker cell,
+:func:`course_lib.classroom.grading.official.units_of`) and every other cell has ``timeout`` seconds
+from the moment it starts. One that runs over, or during which the kernel dies, costs only itself:
+the kernel is killed whole, that unit's exercises are graded "timed out" (or "crashed: ..."), and the
+lab runs again from the top with that unit's exercise cells put back to the official stubs (another
+cell that hangs is left out), so the later exercises are still graded. Each run resolves one unit,
+so a lab runs at most once more than it has units.
+
+A verdict counts only when it arrives while the official checker cell of its exercise runs, and
+the first one counts: a checker the student calls from their own cell decides nothing, and a
+re-run does not change what an earlier run found.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from course_lib.classroom.grading.official import OfficialLab, defined_names
+from course_lib.launch.process_tree import describe_exit
+
+POLL_S = 0.05
+START_TIMEOUT_S = 60.0
+"""How long a kernel may take to reach its first cell."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One exercise's grade: ``passed``, the ``hint`` (why not) and the checker's ``evidence``."""
+
+    exercise: str
+    passed: bool
+    hint: str
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Run:
+    """What one run of the lab did: its events in order and how it ended (``done``, ``timeout``, ``exit``)."""
+
+    events: list = field(default_factory=list)
+    ended: str = "exit"
+    status: int | None = None
+
+    def current(self) -> int | None:
+        """The cell that started last and did not end."""
+        running = None
+        for event in self.events:
+            if "cell" in event:
+                running = event["cell"] if event.get("phase") == "start" else None
+        return running
+
+
+class _Events:
+    """The run's events file, read as it grows: complete JSON lines that are objects (anything else the
+    student's code may have written to it is skipped)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()
+        out = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                out.append(event)
+        return out
+
+
+def _watch(sandbox, pid: int, events: _Events, clock_of, timeout: float) -> _Run:
+    """Follow a run until it is done, runs over a clock, or ends; the kernel is stopped in every case."""
+    run, clock, started = _Run(), None, time.monotonic()
+    try:
+        while True:
+            for event in events.new():
+                run.events.append(event)
+                if event.get("done") is True:
+                    run.ended = "done"
+                    return run
+                if event.get("phase") == "start" and clock_of(event.get("cell")) != clock:
+                    clock, started = clock_of(event.get("cell")), time.monotonic()
+            status = sandbox.poll(pid)
+            if status is not None:
+                run.events += events.new()
+                run.status = status
+                return run
+            if time.monotonic() - started > (timeout if clock is not None else START_TIMEOUT_S):
+                run.ended = "timeout"
+                return run
+            time.sleep(POLL_S)
+    finally:
+        sandbox.stop(pid)
+
+
+class _Progress:
+    """What the runs of one lab have found so far, and what the next run leaves out."""
+
+    def __init__(self, lab: OfficialLab, stubs: dict[int, str]):
+        self.lab, self.stubs = lab, stubs
+        self.unit_of = {i: u for u in lab.units for i in u.cells}
+        self.found: dict[str, Outcome] = {}
+        self.checker_errors: dict[str, str] = {}
+        self.notes: list[str] = []
+        self.put_back: set[int] = set()  # exercise cells run as the official stub
+        self.left_out: set[int] = set()  # other cells not run again
+
+    def cells(self, cells: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        return [(i, self.stubs[i] if i in self.put_back else s) for i, s in cells if i not in self.left_out]
+
+    def collect(self, events: list[dict], sources: dict[int, str]) -> None:
+        """Take the verdicts written during their own checker cell, and the errors of the student's cells."""
+        running = None
+        for event in events:
+            if "cell" in event:
+                running = event["cell"] if event.get("phase") == "start" else None
+                if event.get("phase") == "end" and event.get("error"):
+                    self._cell_error(event["cell"], event["error"], sources)
+            elif isinstance(event.get("verdict"), dict) and running is not None:
+                verdict, unit = event["verdict"], self.unit_of.get(running)
+                exercise = verdict.get("exercise")
+                if unit is None or running != unit.checker or exercise not in unit.exercises or exercise in self.found:
+                    continue
+                evidence = verdict.get("evidence") if isinstance(verdict.get("evidence"), dict) else {}
+                self.found[exercise] = Outcome(exercise, verdict.get("ok") is True, str(verdict.get("hint") or ""),
+                                               evidence)
+
+    def _cell_error(self, index: int, error: str, sources: dict[int, str]) -> None:
+        unit = self.unit_of.get(index)
+        if unit is not None and index == unit.checker:
+            for exercise in unit.exercises:
+                self.checker_errors.setdefault(exercise, error)
+        elif index in self.stubs and index not in self.put_back and sources.get(index) != self.stubs[index]:
+            note = f"your cell defining {', '.join(sorted(defined_names(self.stubs[index])))} raised {error}"
+            if note not in self.notes:
+                self.notes.append(note)
+
+    def blame(self, run: _Run, timeout: float, output: Path) -> bool:
+        """Grade what a run that did not finish was running, and leave it out of the next run; False when
+        there is nothing to leave out (the kernel never reached a cell)."""
+        where = run.current()
+        if where is None:
+            reason = "the grading kernel did not start" if run.ended == "timeout" else \
+                f"the grading kernel {_ended(run.status)} before the first cell"
+            self.notes.append(f"not graded: {reason} ({_last_line(output)})")
+            return False
+        unit = self.unit_of.get(where)
+        what = "its cells and its checker" if unit else f"cell {where} of the lab (not an exercise)"
+        what = (f"timed out: {what} ran over {timeout:g} s" if run.ended == "timeout"
+                else f"crashed: the notebook's process {_ended(run.status)} while {what} ran")
+        if unit is None:
+            self.notes.append(f"{what} with your code in the notebook; the lab was run again without that cell")
+            self.left_out.add(where)
+            return True
+        for exercise in unit.exercises:
+            self.found.setdefault(exercise, Outcome(exercise, False, what))
+        self.put_back.update(unit.exercise_cells)
+        return True
+
+    def outcomes(self) -> list[Outcome]:
+        return [self.found.get(e) or Outcome(e, False, _no_verdict(e, self.checker_errors)) for e in self.lab.exercises]
+
+
+def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: dict[int, str], run_dir: Path,
+              timeout: float) -> tuple[list[Outcome], list[str]]:
+    """Run ``cells`` (the graded notebook's code cells) in ``run_dir``; every exercise's outcome, and notes."""
+    progress = _Progress(lab, stubs)
+    for _ in range(len(lab.units) + len(cells) + 1):  # each run that does not finish leaves one more out
+        todo = progress.cells(cells)
+        (run_dir / "cells.json").write_text(json.dumps(todo), encoding="utf-8")
+        (run_dir / "events.jsonl").write_bytes(b"")
+        pid = sandbox.start(run_dir / "cells.json", run_dir)
+        run = _watch(sandbox, pid, _Events(run_dir / "events.jsonl"), lambda i: progress.unit_of.get(i, i), timeout)
+        progress.collect(run.events, dict(todo))
+        if run.ended == "done" or not progress.blame(run, timeout, run_dir / "output.txt"):
+            break
+    return progress.outcomes(), progress.notes
+
+
+def _ended(status: int | None) -> str:
+    """How the kernel ended: ``"exited with code 3"``, ``"was killed by signal SIGSEGV (...)"``."""
+    return f"exited with code {status}" if status is not None and status >= 0 else describe_exit(status)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "it printed nothing"
+
+
+def _no_verdict(exercise: str, checker_errors: dict) -> str:
+    if exercise in checker_errors:
+        return f"no verdict: the checker cell raised {checker_errors[exercise]}"
+    return "no verdict: the checker cell did not run to its verdict"

@@ -1,0 +1,108 @@
+"""Linux Landlock, through ``ctypes``: what a student's notebook may read, write and signal.
+
+Landlock (Linux >= 5.13, unprivileged) restricts a process and every process it starts afterwards,
+for good: :func:`restrict` allows reading (and executing) only beneath the given ``read`` paths,
+writing only beneath ``write`` (and to the single files ``write_files``, such as ``/dev/null``), and,
+where the kernel has it (Landlock ABI >= 6, Linux >= 6.12), no signal to any process outside the
+restricted tree (the grader, other students' runs, the instructor's other programs). A path that
+does not exist is skipped. Network access is not restricted (the ranks talk TCP on localhost).
+
+Off Linux, or on a kernel without Landlock, nothing is restricted and :func:`restrict` says so by
+returning 0: the grader prints that once, so an instructor knows the file system is not fenced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Iterable
+
+_CREATE_RULESET, _ADD_RULE, _RESTRICT_SELF = 444, 445, 446  # the same numbers on every architecture
+_VERSION = 1 << 0
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_SCOPE_SIGNAL = 1 << 1
+
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_MAKE_AND_REMOVE = sum(1 << bit for bit in range(4, 13))  # remove dir/file, make char/dir/reg/sock/fifo/block/sym
+_REFER, _TRUNCATE = 1 << 13, 1 << 14
+READ = EXECUTE | READ_FILE | READ_DIR
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def abi_version() -> int:
+    """The kernel's Landlock ABI version, 0 when there is none."""
+    libc = _libc()
+    if libc is None or not os.uname().sysname == "Linux":
+        return 0
+    version = libc.syscall(_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(_VERSION))
+    return max(0, version)
+
+
+def _handled(abi: int) -> int:
+    rights = READ | WRITE_FILE | _MAKE_AND_REMOVE
+    if abi >= 2:
+        rights |= _REFER
+    if abi >= 3:
+        rights |= _TRUNCATE
+    return rights
+
+
+def restrict(read: Iterable[Path], write: Iterable[Path], write_files: Iterable[Path] = ()) -> int:
+    """Restrict this process, and all it starts from now on, to reading beneath ``read`` and ``write``, writing
+    beneath ``write`` and to ``write_files``, and (ABI >= 6) signalling only processes restricted with it.
+
+    Returns the Landlock ABI version used; 0 when Landlock is unavailable (nothing was restricted). Raises
+    ``OSError`` when Landlock is there but refuses the rules (the caller must then not run the notebook)."""
+    abi = abi_version()
+    if abi == 0:
+        return 0
+    libc = _libc()
+    handled = _handled(abi)
+    attr = _RulesetAttr(handled, 0, _SCOPE_SIGNAL if abi >= 6 else 0)
+    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                           ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        file_rights = READ_FILE | WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+        rules = [(p, READ) for p in read] + [(p, handled) for p in write] + [(p, file_rights) for p in write_files]
+        for path, rights in rules:
+            _allow(libc, ruleset, Path(path), rights)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 or libc.syscall(_RESTRICT_SELF, ruleset, 0) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def _allow(libc, ruleset: int, path: Path, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return  # a path this machine does not have
+    try:
+        if not os.path.isdir(path):
+            rights &= READ_FILE | WRITE_FILE | EXECUTE | _TRUNCATE  # what a rule on a file may allow
+        beneath = _PathBeneathAttr(rights, fd)
+        if libc.syscall(_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(beneath), 0) != 0:
+            raise OSError(ctypes.get_errno(), f"landlock_add_rule failed for {path}")
+    finally:
+        os.close(fd)

@@ -1,0 +1,299 @@
+"""Where a student's notebook runs: a forked kernel that is fenced, limited, timed and killed whole.
+
+One trusted process, the *zygote* (:func:`serve`), imports what every lab needs (torch, IPython,
+matplotlib, the checkers' machinery) once, then forks one kernel per run -- a run starts in
+milliseconds instead of the second and more a fresh ``import torch`` costs. It never runs a
+student's code itself. The grader talks to it over a pipe (:class:`Sandbox`): start a run, poll it,
+stop it.
+
+A run's kernel, before it executes the first cell (:func:`_child`):
+
+* leaves the zygote's session (``setsid``) and keeps every process started under it in its tree
+  (:func:`course_lib.launch.process_tree.adopt_orphans`), and dies with the zygote;
+* gets its limits: address space (``RLIMIT_AS``, per process), the size of any file it writes
+  (``RLIMIT_FSIZE``, so a print loop fills no disk), no core dumps, and, when the grader is not
+  root (the kernel exempts root from it), a cap on new processes (``RLIMIT_NPROC``: a fork bomb
+  stops at it);
+* gets a fresh environment whose ``HOME`` and ``TMPDIR`` are its own folder inside the grading
+  output, so nothing it writes by habit (caches, histories) lands anywhere else;
+* is fenced by Landlock (:mod:`course_lib.classroom.grading.landlock`): it reads only the system,
+  Python and ``course_lib`` itself -- not ``solutions/``, not the submissions, not other students'
+  runs --, writes only its own folder and signals no process outside its tree;
+* then runs the cells (:mod:`course_lib.classroom.grading.driver`), writing what happens to the
+  events file it opened before the fence went up.
+
+Stopping a run kills its whole tree (:func:`course_lib.launch.process_tree.kill_tree`), then every
+other process the zygote holds: the zygote is a child subreaper too, so a process whose kernel died
+first is re-parented to it, never to init. When the grader ends, the zygote ends, and with it
+everything.
+
+The limits of the fence: without Landlock (not Linux, or a kernel older than 5.13) the student's
+code can read and write what the instructor can (the grader says so once); without Landlock's
+signal scope (Linux < 6.12) it could signal the zygote; code that inspects its own file
+descriptors can write to the events file (see :mod:`course_lib.classroom.checks.exercise`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
+
+FILE_LIMIT_BYTES = 64 << 20
+"""The largest file a run may write (its printed output included)."""
+PROCESS_ALLOWANCE = 512
+"""How many more processes (and threads) than the grader's user already runs a run may start."""
+_PRELOAD = ("torch", "torch.distributed", "IPython.core.interactiveshell", "matplotlib.pyplot",
+            "course_lib.classroom.checks.verdicts", "course_lib.classroom.checks.exercise", "course_lib.launch")
+_SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/opt", "/dev/null",
+                "/dev/zero", "/dev/random", "/dev/urandom")
+_START_TIMEOUT_S = 120
+
+
+# ----------------------------------------------------------------------------------- the zygote
+
+
+def _user_tasks() -> int:
+    """Processes and threads of this real user: what RLIMIT_NPROC counts."""
+    uid, count = os.getuid(), 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = dict(line.split(":", 1) for line in Path(f"/proc/{name}/status").read_text().splitlines()
+                          if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
+
+
+def _limit(which: int, value: int) -> None:
+    soft, hard = resource.getrlimit(which)
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(which, (value, value))
+
+
+def _child(spec: dict, zygote: int) -> None:
+    """The kernel of one run, in the forked child: isolate, limit, fence, run the cells; never returns."""
+    from course_lib.classroom.checks import exercise
+    from course_lib.classroom.grading import driver, landlock
+    from course_lib.launch.output import redirect_output
+
+    status = 1
+    try:
+        os.setsid()
+        adopt_orphans()
+        die_with_parent(zygote)
+        cells = json.loads(Path(spec["cells"]).read_text(encoding="utf-8"))
+        out = os.open(spec["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        redirect_output(out)
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        os.chdir(spec["home"])
+        os.environ.clear()
+        os.environ.update(spec["env"])
+        sys.path[:] = [p for p in sys.path if p not in ("", spec["home"])]
+        exercise.verdict_file()  # opened before the fence: the kernel cannot reach it by name afterwards
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails (EFBIG) instead of killing
+        _limit(resource.RLIMIT_AS, spec["memory_bytes"])
+        _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_BYTES)
+        _limit(resource.RLIMIT_CORE, 0)
+        if os.geteuid() != 0:
+            _limit(resource.RLIMIT_NPROC, spec["tasks"] + PROCESS_ALLOWANCE)
+        abi = landlock.restrict(spec["read"], [spec["home"]], [os.devnull])
+        exercise.write_record({"sandbox": {"landlock": abi}})
+        driver.run_cells(cells, exercise.write_record)
+        status = 0
+        while True:  # stay, so that whatever it started stays in this tree until the grader stops it
+            signal.pause()
+    except BaseException:  # noqa: BLE001 - the grader reads the run's output to say why it ended
+        traceback.print_exc()
+    finally:
+        os._exit(status)
+
+
+def _reap_all(timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            time.sleep(0.01)
+
+
+def _stop_everything(me: int) -> None:
+    """Kill every process under the zygote (runs and the orphans re-parented to it) and reap them."""
+    for child in [c for c, parent in (parent_pids() or {}).items() if parent == me]:
+        kill_tree(child)
+    _reap_all()
+
+
+def _status(pid: int, block: bool) -> int | None:
+    """The run's exit status as ``subprocess`` words it (negative: the signal), None while it runs."""
+    try:
+        done, code = os.waitpid(pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:
+        return None
+    if done == 0:
+        return None
+    return -os.WTERMSIG(code) if os.WIFSIGNALED(code) else os.WEXITSTATUS(code)
+
+
+def serve() -> None:
+    """The zygote's loop: one JSON request per line on stdin, one JSON answer per line on stdout."""
+    import importlib
+
+    grader, me = os.getppid(), os.getpid()
+    die_with_parent(grader)
+    adopt_orphans()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's: it stops the runs, then closes us
+    for module in _PRELOAD:
+        importlib.import_module(module)
+    from course_lib.classroom.grading import landlock
+
+    replies = sys.stdout
+    sys.stdout = sys.stderr
+    exited: dict[int, int | None] = {}
+
+    def reply(obj) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    reply({"ready": True, "landlock": landlock.abi_version()})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "start" in request:
+            spec = dict(request["start"], tasks=_user_tasks() if os.geteuid() != 0 else 0)
+            pid = os.fork()
+            if pid == 0:
+                _child(spec, me)
+            reply({"pid": pid})
+        elif "poll" in request:
+            pid = request["poll"]
+            if pid not in exited:
+                code = _status(pid, block=False)
+                if code is not None:
+                    exited[pid] = code
+            reply({"status": exited.get(pid)})
+        elif "stop" in request:
+            pid = request["stop"]
+            if pid not in exited:
+                kill_tree(pid)
+                exited[pid] = _status(pid, block=True)
+            _stop_everything(me)
+            reply({"status": exited.pop(pid)})
+    _stop_everything(me)
+
+
+# ----------------------------------------------------------------------------------- the client
+
+
+def _readable(paths, deny) -> list[str]:
+    """``paths`` (resolved) with every one that holds a denied path replaced by its other entries: a Landlock
+    rule allows a whole tree, so a folder that holds ``solutions/`` is allowed entry by entry."""
+    denied = [Path(d).resolve() for d in deny]
+    out, todo = [], [Path(p).resolve() for p in paths]
+    while todo:
+        path = todo.pop()
+        if not path.exists() or any(path == d or path.is_relative_to(d) for d in denied):
+            continue
+        if any(d.is_relative_to(path) for d in denied):
+            todo += [child for child in path.iterdir() if not child.is_symlink()]
+        else:
+            out.append(str(path))
+    return sorted(set(out))
+
+
+class Sandbox:
+    """The grader's end of the zygote (:func:`serve`): ``start`` a run, ``poll`` it, ``stop`` it.
+
+    ``root``: a folder of the grading output for the zygote's own files (the shared, read-only
+    ``pkg/`` through which runs import ``course_lib``, matplotlib's cache); ``deny``: what no run may
+    read (the solutions, the submissions, the grading output); ``memory_bytes``: each process's
+    address space."""
+
+    def __init__(self, root: Path, deny: list[Path], memory_bytes: int):
+        import course_lib
+
+        self.root, self.memory_bytes = Path(root).resolve(), memory_bytes
+        package = Path(course_lib.__file__).resolve().parent
+        self.pkg = self.root / "pkg"
+        self.pkg.mkdir(parents=True, exist_ok=True)
+        link = self.pkg / "course_lib"
+        if not link.is_symlink():
+            link.symlink_to(package, target_is_directory=True)
+        (self.root / "mpl").mkdir(exist_ok=True)
+        # Python's own folders (the venv's site-packages are in them), not the other entries of sys.path: those
+        # are checkouts of the course (its solutions, tests, history), of which only course_lib is readable.
+        python = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent)}
+        self.read = _readable([*_SYSTEM_READ, *python], [*deny, self.root]) + [str(self.pkg), str(package)]
+        self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(self.pkg),
+                    "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
+                    "LANG": os.environ.get("LANG", "C.UTF-8")}
+        env = dict(self.env, MPLCONFIGDIR=str(self.root / "mpl"))
+        self._log = open(self.root / "zygote.log", "w")
+        # cwd = pkg/: the zygote imports course_lib through it, as the runs' own Python processes will.
+        self.proc = subprocess.Popen([sys.executable, "-c", "from course_lib.classroom.grading.sandbox import serve; "
+                                      "serve()"], cwd=self.pkg, env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
+        hello = self._answer(_START_TIMEOUT_S)
+        self.landlock = hello["landlock"]
+
+    def _answer(self, timeout: float = 60) -> dict:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError("the grading sandbox stopped answering (its process ended)")
+        return json.loads(line)
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def start(self, cells: Path, run_dir: Path) -> int:
+        """Start a run of the cells in ``cells`` (``[[index, source], ...]``) in ``run_dir``; its pid. The run
+        writes ``run_dir/events.jsonl`` and ``output.txt``; its home, the one folder it may write, is
+        ``run_dir/home``."""
+        run_dir = Path(run_dir).resolve()
+        home = run_dir / "home"
+        (home / "tmp").mkdir(parents=True, exist_ok=True)
+        env = dict(self.env, HOME=str(home), TMPDIR=str(home / "tmp"), IPYTHONDIR=str(home / ".ipython"),
+                   MPLCONFIGDIR=str(home / ".matplotlib"))
+        env["COURSE_VERDICTS"] = str(run_dir / "events.jsonl")
+        spec = dict(cells=str(Path(cells).resolve()), output=str(run_dir / "output.txt"), home=str(home), env=env,
+                    read=self.read, memory_bytes=self.memory_bytes)
+        return self._ask({"start": spec})["pid"]
+
+    def poll(self, pid: int) -> int | None:
+        """The run's exit status (negative: killed by that signal), None while it runs."""
+        return self._ask({"poll": pid})["status"]
+
+    def stop(self, pid: int) -> int | None:
+        """Kill the run's whole tree (and any process it left behind); its exit status if it had ended."""
+        return self._ask({"stop": pid})["status"]
+
+    def close(self) -> None:
+        """End the zygote and everything under it."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.proc.pid)
+                self.proc.wait()
+        self._log.close()

@@ -1,0 +1,330 @@
+"""``python -m course_lib grade``: a synthetic class, built in a temporary folder from the official Lab 01, is
+graded, and the gradebook is right for every student.
+
+The class: a right solution, a right one written differently (the checkers' own alternates), the cheats
+of the checkers' meta-test (tests/classroom/checks/test_proofs.py, test_lab01_checks.py: a wrapped
+reference, a patch of the library, the course's own RankGrid), a faked "✓" output, an edited checker
+cell, a hanging exercise, a crashing kernel, a notebook that deletes and writes files outside and reads
+the solutions, one that leaves processes behind, a deleted lab, malformed JSON, a zip file, a stamp of no
+release, and copies of two older releases (one graded against its release, one refused). To stay fast the official lab is cut to its graded cells (the exercises and their checkers,
+unchanged): grading runs exactly as on the whole lab.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import importlib.util
+import inspect
+import io
+import json
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from course_lib.classroom.grading import grade_class, landlock
+from course_lib.classroom.grading.official import current_lab, defined_names, source_of
+from course_lib.classroom.notebooks.generator import lab_text
+
+ROOT = Path(__file__).resolve().parents[2]
+OFFICIAL = ROOT / "solutions" / "01_topology.ipynb"
+TIMEOUT_S = 4.0
+LEFT_BEHIND = "7777.25"  # the argument of the `sleep` a student's code leaves running
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem + "_for_grading", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAB01 = _load(ROOT / "tests" / "classroom" / "checks" / "test_lab01_checks.py")
+PROOFS = _load(ROOT / "tests" / "classroom" / "checks" / "test_proofs.py")
+
+
+def _sources(*fns) -> str:
+    return "\n\n".join(inspect.getsource(fn) for fn in fns)
+
+
+RIGHT_DIFFERENTLY = {
+    "derive_dp": "def derive_dp(world_size, tp, pp, cp=1):\n"
+                 "    dp, rest = divmod(world_size, tp * pp * cp)\n"
+                 "    if rest:\n"
+                 "        raise ValueError(f'world_size={world_size} is not divisible by tp*pp*cp')\n"
+                 "    return dp\n",
+    "groups_of": "import numpy as np\nimport torch\n\n" + _sources(LAB01._coords, LAB01._groups, LAB01._megatron,
+                                                               LAB01.groups_right, LAB01.groups_as_arrays_tuples_tensors)
+                 + "\n\ngroups_of = groups_as_arrays_tuples_tensors\n",
+    "rank_of": "import numpy as np\n\ndef rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n"
+               "    return int(np.ravel_multi_index((pp_rank, dp_rank, cp_rank, tp_rank), (pp, dp, cp, tp)))\n",
+}
+CHEATS = {  # the meta-test's cheats, as a student writes them
+    "derive_dp": "from course_lib import rules\n\ndef derive_dp(world_size, tp, pp, cp=1):\n"
+                 "    return rules.data_parallel_size(world_size, tp, pp, cp)\n",
+    "groups_of": "import numpy as np\nimport torch\nimport course_lib.topology as topology\n\n"
+                 + _sources(LAB01._coords, LAB01._groups, LAB01._megatron, LAB01.groups_right,
+                            LAB01.groups_patch_rankgrid) + "\n\ngroups_of = groups_patch_rankgrid\n",
+    "rank_of": "from course_lib.topology import RankGrid\n\ndef rank_of(t, k, d, p, tp, cp, dp, pp):\n"
+               "    return RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=t, cp=k, dp=d, pp=p)\n",
+}
+
+
+def _mini_solution(folder: Path) -> Path:
+    """Lab 01's solution cut to its graded cells (exercises and checkers, as they are)."""
+    solution = json.loads(OFFICIAL.read_text(encoding="utf-8"))
+    keep = sorted(i for unit in current_lab(OFFICIAL).units for i in unit.cells)
+    solution["cells"] = [solution["cells"][i] for i in keep]
+    path = folder / "solutions" / OFFICIAL.name
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(solution, indent=1), encoding="utf-8")
+    return path
+
+
+def _student(lab: dict, solution: dict, sources: dict | None = None, *, solved: bool = True) -> dict:
+    """A student's copy of the lab: each exercise cell the solution's (``solved``), else the stub, with
+    ``sources`` (by the function the cell defines) in their place."""
+    notebook = json.loads(json.dumps(lab))
+    for cell, solved_cell in zip(notebook["cells"], solution["cells"]):
+        if "exercise" not in cell.get("metadata", {}).get("tags", []):
+            continue
+        name = next(iter(defined_names(source_of(cell))))
+        cell["source"] = (sources or {}).get(name) or (source_of(solved_cell) if solved else source_of(cell))
+    return notebook
+
+
+def _checker_cells(notebook: dict) -> list[dict]:
+    return [c for c in notebook["cells"] if c["cell_type"] == "code" and "check_" in source_of(c)
+            and "exercise" not in c.get("metadata", {}).get("tags", [])]
+
+
+def _write(path: Path, notebook) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(notebook if isinstance(notebook, str) else json.dumps(notebook, indent=1), encoding="utf-8")
+
+
+def _snapshot(folder: Path, skip: Path) -> dict:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*"))
+            if p.is_file() and skip not in p.parents}
+
+
+def _releases(course: Path, solution_path: Path) -> tuple[dict, dict]:
+    """Make ``course`` a git repository with two releases of the lab: A, whose checker cells differ from
+    today's, and B, whose do not; today's solution gains a markdown cell. The students' copies of A and B."""
+    def git(*args):
+        subprocess.run(["git", "-C", str(course), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                       capture_output=True)
+
+    today = json.loads(solution_path.read_text())
+    released = {}
+    git("init", "-q")
+    for release in ("A", "B"):
+        solution = json.loads(json.dumps(today))
+        if release == "A":
+            _checker_cells(solution)[0]["source"] = "# an older checker cell\n" + source_of(_checker_cells(solution)[0])
+        solution_path.write_text(json.dumps(solution, indent=1))
+        _write(course / "labs" / OFFICIAL.name, lab_text(solution_path))
+        git("add", "-A")
+        git("commit", "-qm", release)
+        released[release] = _student(json.loads(lab_text(solution_path)), solution)
+    today["cells"].append({"cell_type": "markdown", "id": "today", "metadata": {}, "source": "Added today."})
+    solution_path.write_text(json.dumps(today, indent=1))
+    return released["A"], released["B"]
+
+
+def _class(tmp: Path) -> tuple[Path, Path]:
+    course = tmp / "course"
+    solution_path = _mini_solution(course)
+    subs = tmp / "submissions"
+    name = OFFICIAL.name
+    release_a, release_b = _releases(course, solution_path)
+    _write(subs / "nia" / name, release_b)
+    _write(subs / "oto" / name, release_a)
+    solution = json.loads(solution_path.read_text())
+    lab = json.loads(lab_text(solution_path))
+    _write(subs / "ada" / "my-labs" / name, _student(lab, solution))
+    _write(subs / "bea" / name, _student(lab, solution, RIGHT_DIFFERENTLY))
+    _write(subs / "cy" / name, _student(lab, solution, CHEATS))
+
+    faked = _student(lab, solution, solved=False)  # stubs, with the solution's "✓" lines pasted in as outputs
+    for cell, solved in zip(_checker_cells(faked), _checker_cells(solution)):
+        cell["outputs"] = solved["outputs"]
+        assert "✓" in json.dumps(cell["outputs"], ensure_ascii=False)
+    _write(subs / "dee" / name, faked)
+
+    edited = _student(lab, solution, {"derive_dp": "def derive_dp(world_size, tp, pp, cp=1):\n"
+                                                   "    return world_size // (tp * pp)\n"})
+    for cell in _checker_cells(edited):
+        cell["source"] = "print('✓ all right')\n"
+    _write(subs / "eli" / name, edited)
+
+    _write(subs / "fay" / name, _student(lab, solution, {
+        "groups_of": "def groups_of(rank, layout):\n    while True:\n        pass\n"}))
+    _write(subs / "gus" / "README.txt", "I deleted the lab")
+    _write(subs / "hal" / name, '{"cells": [')
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr(f"my-labs/{name}", json.dumps(_student(lab, solution)))
+        z.writestr("../../escape.ipynb", "{}")
+    (subs / "ivy.zip").write_bytes(archive.getvalue())
+
+    victim, outside = tmp / "victim.txt", tmp / "outside.txt"
+    victim.write_text("keep me")
+    _write(subs / "jo" / name, _student(lab, solution, {"derive_dp": (
+        "import os\nbroke = []\n"
+        f"for attempt in (lambda: os.remove({str(victim)!r}), lambda: open({str(outside)!r}, 'w').write('x'),\n"
+        f"                lambda: open({str(solution_path)!r}).read()):\n"
+        "    try:\n        attempt()\n        broke.append(attempt)\n    except OSError:\n        pass\n\n"
+        "def derive_dp(world_size, tp, pp, cp=1):\n"
+        "    if broke or world_size % (tp * pp * cp):\n        raise ValueError('not divisible')\n"
+        "    return world_size // (tp * pp * cp)\n")}))
+    _write(subs / "kai" / name, _student(lab, solution, {
+        "rank_of": "import os, signal\n\ndef rank_of(*coordinates):\n    os.kill(os.getpid(), signal.SIGSEGV)\n"}))
+    _write(subs / "lee" / name, _student(lab, solution, {"derive_dp": (
+        "import os, subprocess\n\ndef derive_dp(world_size, tp, pp, cp=1):\n"
+        f"    subprocess.Popen(['sleep', '{LEFT_BEHIND}'], start_new_session=True)\n"
+        "    if os.fork() == 0:  # an orphan in a session of its own\n"
+        "        os.setsid()\n"
+        "        if os.fork() == 0:\n"
+        f"            os.execvp('sleep', ['sleep', '{LEFT_BEHIND}'])\n"
+        "        os._exit(0)\n"
+        "    if world_size % (tp * pp * cp):\n        raise ValueError('not divisible')\n"
+        "    return world_size // (tp * pp * cp)\n")}))
+    stale = _student(lab, solution)
+    stale["metadata"]["course_lib"]["generated_sha256"] = "0" * 64
+    _write(subs / "max" / name, stale)
+    return subs, solution_path.parent
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grading")
+    subs, solutions = _class(tmp)
+    out = tmp / "grades"
+    before = _snapshot(tmp, out)
+    lines = []
+    grades = grade_class(subs, out, ["01"], timeout=TIMEOUT_S, solutions=solutions, log=lines.append)
+    rows = list(csv.DictReader(io.StringIO((out / "grades.csv").read_text(encoding="utf-8"))))
+    return dict(tmp=tmp, out=out, subs=subs, solutions=solutions, grades=grades, lines=lines, before=before,
+                rows={(r["student"], r["exercise"]): r for r in rows})
+
+
+def _passed(graded, student) -> dict:
+    return {ex: graded["rows"][(student, ex)]["passed"] == "true" for ex in ("derive_dp", "groups_of", "rank_of")}
+
+
+ALL = {"derive_dp": True, "groups_of": True, "rank_of": True}
+NONE = {"derive_dp": False, "groups_of": False, "rank_of": False}
+
+
+def test_right_solutions_pass_however_written_and_however_submitted(graded):
+    for student in ("ada", "bea", "ivy"):
+        assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
+    assert graded["rows"][("ada", "groups_of")]["evidence"] == "132 calls"
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea cy dee eli fay gus hal ivy jo kai lee max nia oto".split()
+                                   for e in ALL}
+
+
+def test_the_meta_tests_cheats_fail_with_the_checkers_own_hint(graded):
+    from course_lib.classroom.checks.rank_grid import check_derive_dp
+
+    assert _passed(graded, "cy") == NONE
+    wrapped = next(fn for check, fn, _ in PROOFS._wrapped_cases() if check is check_derive_dp)
+    assert graded["rows"][("cy", "derive_dp")]["hint"] == check_derive_dp(wrapped).hint
+    assert "course's own course_lib.rules.data_parallel_size" in graded["rows"][("cy", "derive_dp")]["hint"]
+    assert "it replaced course_lib.topology.RankGrid.groups_of" in graded["rows"][("cy", "groups_of")]["hint"]
+    assert "course's own course_lib.topology.RankGrid" in graded["rows"][("cy", "rank_of")]["hint"]
+
+
+def test_faked_outputs_and_edited_checker_cells_change_nothing(graded):
+    assert _passed(graded, "dee") == NONE
+    assert graded["rows"][("dee", "derive_dp")]["hint"].startswith("not attempted yet: write derive_dp")
+    assert _passed(graded, "eli") == {"derive_dp": False, "groups_of": True, "rank_of": True}
+    assert "context parallelism is a factor" in graded["rows"][("eli", "derive_dp")]["hint"]
+
+
+def test_a_hang_or_a_crash_costs_only_its_own_exercise(graded):
+    assert _passed(graded, "fay") == {"derive_dp": True, "groups_of": False, "rank_of": True}
+    assert graded["rows"][("fay", "groups_of")]["hint"] == f"timed out: its cells and its checker ran over {TIMEOUT_S:g} s"
+    assert _passed(graded, "kai") == {"derive_dp": True, "groups_of": True, "rank_of": False}
+    assert graded["rows"][("kai", "rank_of")]["hint"] == ("crashed: the notebook's process was killed by signal SIGSEGV "
+                                                          "(a crash in native code) while its cells and its checker ran")
+
+
+def test_missing_unreadable_and_stale_notebooks_get_one_line_each(graded):
+    rows = graded["rows"]
+    assert {rows[("gus", e)]["hint"] for e in ALL} == {"not submitted"}
+    assert rows[("hal", "derive_dp")]["hint"].startswith("not graded: hal/01_topology.ipynb: not valid JSON")
+    assert rows[("max", "rank_of")]["hint"].startswith("refused: its stamp names no release of labs/01_topology")
+    assert all(not passed for s in ("gus", "hal", "max", "oto") for passed in _passed(graded, s).values())
+    assert rows[("oto", "groups_of")]["hint"].startswith("refused: it is the lab released in commit ")
+    assert "whose exercise or checker cells differ from today's" in rows[("oto", "groups_of")]["hint"]
+
+
+def test_a_copy_of_an_older_release_is_graded_against_that_release(graded):
+    assert _passed(graded, "nia") == ALL
+    feedback = (graded["out"] / "feedback" / "nia.md").read_text(encoding="utf-8")
+    assert "your notebook is the lab released in commit " in feedback and "graded against that version" in feedback
+
+
+@pytest.mark.skipif(landlock.abi_version() == 0, reason="Landlock is not available on this machine")
+def test_nothing_outside_the_output_folder_is_touched_and_no_process_outlives_grading(graded):
+    tmp = graded["tmp"]
+    assert _passed(graded, "jo") == ALL  # each of its attempts was refused (else its derive_dp fails)
+    assert (tmp / "victim.txt").read_text() == "keep me" and not (tmp / "outside.txt").exists()
+    assert _snapshot(tmp, graded["out"]) == graded["before"]
+    assert sorted(p.name for p in graded["out"].iterdir()) == [".course_outputs.json", "feedback", "grades.csv",
+                                                               "totals.csv"]
+    assert _passed(graded, "lee") == ALL
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            left += [pid] if LEFT_BEHIND in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") else []
+        except OSError:
+            pass
+    assert left == []
+
+
+def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_path):
+    out = graded["out"]
+    feedback = (out / "feedback" / "fay.md").read_text(encoding="utf-8")
+    assert "## Lab 01 (01_topology.ipynb): 2 of 3 passed" in feedback and "✗ `groups_of`: timed out" in feedback
+    assert "- ✓ `derive_dp`" in feedback
+    table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
+    assert [line.split()[:3] for line in table[1:]] == [["01", e, "8/15"] for e in ALL]
+    assert "crashed: the notebook's process" in table[3] and table[3].endswith("(1)")
+    seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
+    print(f"\nseconds per student-lab: {sorted(seconds)}")
+
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    small = tmp_path / "small"
+    for name in ("ada", "gus", "hal"):
+        shutil.copytree(graded["subs"] / name, small / name)
+    again = [tmp_path / "a", tmp_path / "b"]
+    for folder in again:
+        grade_class(small, folder, ["01"], timeout=TIMEOUT_S, solutions=graded["solutions"], log=lambda _: None)
+    assert (again[0] / "grades.csv").read_bytes() == (again[1] / "grades.csv").read_bytes()
+    assert before["ada.md"] == (again[0] / "feedback" / "ada.md").read_bytes()
+
+
+def test_bad_command_lines_are_one_line_errors(tmp_path, capsys):
+    from course_lib.__main__ import main
+
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    (tmp_path / "grades").mkdir()
+    (tmp_path / "grades" / "grades.csv").write_text("mine")
+    cases = [(["grade", str(subs), "--labs", "42", "--out", str(tmp_path / "o")], "--labs='42' names no lab"),
+             (["grade", str(subs), "--out", str(subs / "grades")], "is inside SUBMISSIONS"),
+             (["grade", str(tmp_path / "nope"), "--out", str(tmp_path / "o")], "is not a folder"),
+             (["grade", str(subs), "--timeout", "0.01", "--out", str(tmp_path / "o")], "--timeout=0.01"),
+             (["grade", str(subs), "--out", str(tmp_path / "grades")], "was not written by this command")]
+    for argv, words in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "grades" / "grades.csv").read_text() == "mine"
