@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
+from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
 from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces, written_chunks
@@ -241,6 +242,7 @@ def _files_hold_the_master(root: Path) -> str | None:
     return None
 
 
+@exercise("mlp_sharded_state_dict")
 def check_sharded_state_dict(fn) -> bool:
     """Exercise 1 (see the module doc): ``fn(mlp, tp_rank, tp_size)`` saved under TP2 x DP2 and reloaded
     under TP4, on 4 ranks, in a temporary folder."""
@@ -410,6 +412,7 @@ def _torch_planners():
             resharding._check_shard_metadata_pair_overlap)
 
 
+@exercise("read_plan")
 def check_read_plan(fn) -> bool:
     """Exercise 2 (see the module doc): ``fn(saved, want)`` on every rank of :data:`RESHARDINGS`."""
     name = getattr(fn, "__name__", "your function")
@@ -483,6 +486,7 @@ def _answer_problem(key: str, text, numbers) -> str | None:
     return None
 
 
+@exercise("my_answers_09")
 def check_review_answers(fn, *sources) -> bool:
     """``fn() -> {"resume", "reshard", "crash": str}``: each answered in a few sentences that name what the
     runs showed; "resume" cites a number of ``sources`` (the runs' results)."""

@@ -57,7 +57,7 @@ def stub(mlp, tp_rank, tp_size):
     (stub, ["not attempted yet: write stub above"]),
 ])
 def test_sharded_state_dict_on_ranks(fn, expected, capsys):
-    ok = C.check_sharded_state_dict(fn)
+    ok = C.check_sharded_state_dict(fn).ok
     out = capsys.readouterr().out
     assert ok == expected[0].startswith("✓") and all(e in out for e in expected), out
 
@@ -134,7 +134,7 @@ def plan_stub(saved, want):
     (plan_stub, "not attempted yet: write plan_stub above"),
 ])
 def test_read_plan(fn, expected, capsys):
-    ok = C.check_read_plan(fn)
+    ok = C.check_read_plan(fn).ok
     out = capsys.readouterr().out
     assert ok == expected.startswith("✓") and expected in out, out
 
@@ -168,7 +168,7 @@ ANSWERS = {
      "'resume': cite a loss or a size"),
 ])
 def test_review_answers(change, expected, capsys):
-    ok = C.check_review_answers(lambda: {**ANSWERS, **change}, RUNS)
+    ok = C.check_review_answers(lambda: {**ANSWERS, **change}, RUNS).ok
     assert ok == expected.startswith("✓") and expected in capsys.readouterr().out
     C.print_course_answers(ok)
     assert ("latest_checkpointed_iteration.txt" in capsys.readouterr().out) == ok
