@@ -322,14 +322,15 @@ def optimizer_offload_bytes_per_param(dp: int = 1, distributed_optimizer: bool =
     """Bytes per parameter with ``--optimizer-cpu-offload``: what stays on the host and what moves.
 
     ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, §4.1) and Megatron-LM's ``HybridDeviceOptimizer``
-    (``megatron/core/optimizer/cpu_offloading/``): the fp32 main params (4 bytes) and Adam's two
-    moments (8) live on the host, with a host copy of the grad shard in the grad dtype; each step
-    the grad shard moves device -> host and the updated params host -> device. The device keeps
-    only the model's params and grads (:func:`megatron_optimizer_bytes_per_param`'s ``weights`` and
-    ``grads``); its optimizer term is 0. All host terms are divided by ``d`` with the distributed
-    optimizer (each rank offloads its shard). Returns ``{"device_optimizer", "host", "d2h", "h2d"}``.
+    (``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py``, main ~108-114): the fp32 main params
+    (4 bytes) and Adam's two moments (8) live on the host, with a host copy of the grad shard that it
+    allocates in its fp32 params' dtype (4, whatever the grad dtype): **16** bytes per parameter on the
+    host. Each step the grad shard moves device -> host (in the grad dtype) and the updated params host
+    -> device. The device keeps only the model's params and grads
+    (:func:`megatron_optimizer_bytes_per_param`'s ``weights`` and ``grads``); its optimizer term is 0.
+    All host terms are divided by ``d`` with the distributed optimizer (each rank offloads its shard).
+    Returns ``{"device_optimizer", "host", "d2h", "h2d"}``.
     """
     base = megatron_optimizer_bytes_per_param(dp, distributed_optimizer, params_dtype, grad_dtype)
     share = dp if distributed_optimizer else 1
-    return {"device_optimizer": 0.0, "host": (12 + base.grads) / share, "d2h": base.grads / share,
-            "h2d": base.weights / share}
+    return {"device_optimizer": 0.0, "host": 16 / share, "d2h": base.grads / share, "h2d": base.weights / share}
