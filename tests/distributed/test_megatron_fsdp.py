@@ -283,4 +283,4 @@ def test_formula_extensions_keep_the_paper_and_refuse_bad_bytes():
             model_state_bytes(1, 1, 0, param_bytes=bad)
     off = optimizer_offload_bytes_per_param(8, False, "bf16", "bf16")
     # not sharded: d ignored; the host's grad copy is fp32 whatever crosses (HybridDeviceOptimizer)
-    assert off == {"device_optimizer": 0.0, "host": 16.0, "d2h": 2.0, "h2d": 2.0}
+    assert off == {"device_optimizer": 0.0, "host": 16.0, "host_grads": 4.0, "d2h": 2.0, "h2d": 2.0}
