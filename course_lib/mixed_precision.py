@@ -18,13 +18,17 @@ Three pieces, each after a Megatron-LM file (read, not copied):
     iteration does not refill it: with hysteresis 2, two bad iterations 500 steps apart
     still back off.)
 
-  bf16 has fp32's 8 exponent bits and needs no scaler (``--bf16`` builds none, unless ``--loss-scale``
-  asks for a constant one, as in Megatron).
+  bf16 has fp32's 8 exponent bits and needs no scaler: ``--bf16`` builds none, unless ``--loss-scale``
+  asks for a constant one (as Megatron's ``get_megatron_optimizer`` does for ``--fp16``, ``--bf16`` or the
+  distributed optimizer: ``megatron/core/optimizer/__init__.py``, main ~644-656 and core 0.16.1 alike;
+  :func:`make_loss_scaler`).
   The protocol: ``scaler.scale`` (a 1-element fp32 tensor), :meth:`unscale_and_check`
   ``(grads, group) -> found_inf`` -- divides the fp32 main grads by ``S`` and all-reduces a
   found-inf flag with MAX over ``group`` (Megatron's ``_unscale_main_grads_and_check_for_nan``
-  uses the grad-stats group: the model-parallel group, or the whole world with the distributed
-  optimizer) so that every rank skips the same iteration -- then ``update(found_inf)``.
+  uses the grad-stats group: the model-parallel group, or with the distributed optimizer every rank
+  of its instance, data-parallel ranks included -- the whole world with one instance,
+  ``distrib_optimizer.py`` ``get_grad_stats_parallel_group`` main ~796-802) so that every rank skips the
+  same iteration -- then ``update(found_inf)``.
   ``skipped_iterations`` counts the skipped ones; Megatron prints the count of the logging
   window in its iteration line as ``number of skipped iterations: N``
   (``megatron/training/training.py::training_log``).

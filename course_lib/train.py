@@ -154,7 +154,7 @@ from course_lib.training import deepspeed_engine
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
-from course_lib.training.sharding import (allreduce_embedding_grads_in_buffer, build_engine, schedule_sync,
+from course_lib.training.sharding import (allreduce_embedding_grads_after_sync, build_engine, schedule_sync,
                                           state_bytes)
 
 MEMORY_SOURCE_CPU = "tracked tensor bytes"
@@ -343,12 +343,13 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
 
 
 def _engine_step(s: TrainingSetup, out: dict, stats: list) -> dict:
-    """The rest of :func:`train_step` on the sharding engine (:mod:`course_lib.training.sharding`):
-    with pp > 1 the tied-embedding sum in the local grad buffer, then ``engine.step`` -- dp-cp
-    reduction, the finalizer (SP sums, fp16 unscale/found-inf, norm, clipping), the shard's update
-    and the param all-gather."""
+    """The rest of :func:`train_step` on the sharding engine (:mod:`course_lib.training.sharding`), in
+    Megatron's order: the dp-cp reduction (``finish_grad_sync``), with pp > 1 the tied-embedding sum
+    on the reduced grads, then ``engine.step`` -- the finalizer (SP sums, fp16 unscale/found-inf, norm,
+    clipping), the shard's update and the param all-gather."""
+    s.engine.finish_grad_sync()
     if s.config.pp > 1:
-        allreduce_embedding_grads_in_buffer(s.engine, s.chunks, s.groups)
+        allreduce_embedding_grads_after_sync(s.engine, s.chunks, s.groups)
     skipped = s.engine.step(s.scheduler.get_lr())["skipped"]
     lr = s.scheduler.get_lr() if skipped else s.scheduler.step(s.config.effective_global_batch_size)
     return _step_record(s, out, stats, s.finalizer.norm, lr, skipped)

@@ -1,8 +1,10 @@
 """Shared by tests/distributed/test_distributed_optimizer.py and tests/distributed/test_megatron_fsdp.py: the model, the data,
 the single-process reference and one data-parallel run of :func:`course_lib.distributed.wrap`.
 
-The model is a small MLP whose every parameter has a multiple of 4 elements, so buckets need no
-padding on 4 ranks and the measured bytes can equal the formulas exactly. The reference trains the
+The model is a small MLP whose every parameter has a multiple of 4 elements, so Megatron-FSDP's buckets
+(a multiple of d) need no padding on 4 ranks and the measured bytes can equal ZeRO's formulas exactly; the
+distributed optimizer's layout pads it (64-element param starts, lcm(4, 128) bucket ends: 1,928 elements
+in 2,176), which its tests count. The reference trains the
 same model in one process on the whole global batch with ``course_lib.optimizer.Optimizer``
 (bf16: a bf16 model, fp32 master copies, grads cast to fp32 -- written out here, not the code under
 test).

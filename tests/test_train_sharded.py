@@ -14,10 +14,12 @@ trainer's own optimizer -- not the engine). Checked:
   equals one bf16 process within 1e-3;
 * the memory line each run prints carries the engine's measured bytes of params, grads and
   optimizer state per rank, equal to ``course_lib.sizing.memory``'s formulas (ZeRO's by stage for
-  fp32, offload's host bytes);
+  fp32, offload's host bytes) on the buffers as Megatron pads them: the distributed optimizer's
+  buckets (64-element starts, lcm(d, 128) ends, the tied embedding alone with pp > 1) hold padding,
+  Adam's moments only the parameter elements a rank steps; Megatron-FSDP's (a multiple of d) none here;
 * ``--fp16`` with dynamic loss scaling through the engine (TP2 x DP2, distributed optimizer and ZeRO-3)
   skips the same overflowing iteration, with the same loss scales and losses, as the trainer without it;
-* breaking a piece moves the loss: skipping the tied-embedding sum before the reduction (PP2);
+* breaking a piece moves the loss: skipping the tied-embedding sum after the reduction (PP2);
 * bad flag combinations fail in one line naming the flag (Megatron's validate_args rules).
 """
 
@@ -74,12 +76,12 @@ def _on_ranks():
         out[name] = {"lm_loss": rec["lm_loss"], "grad_norm": rec["grad_norm"], "log": buf.getvalue(),
                      "state_bytes": rec.get("state_bytes"), "num_parameters": rec["num_parameters"],
                      "skipped": rec["skipped"], "loss_scale": rec["loss_scale"]}
-    real, train.allreduce_embedding_grads_in_buffer = train.allreduce_embedding_grads_in_buffer, _skip_embedding_sum
+    real, train.allreduce_embedding_grads_after_sync = train.allreduce_embedding_grads_after_sync, _skip_embedding_sum
     try:
         out["broken_embedding"] = {"lm_loss": pretrain(parse_args(BASE + MODES["pp2dp2_distopt"][0]), print_args=False,
                                                        record_comm=False)["lm_loss"]}
     finally:
-        train.allreduce_embedding_grads_in_buffer = real
+        train.allreduce_embedding_grads_after_sync = real
     return out
 
 
@@ -140,16 +142,21 @@ def test_memory_line_shows_the_sharded_bytes_of_the_formulas(runs, name):
         if not lines:  # only DP rank 0 of each model-parallel position prints
             continue
         printed += 1
-        mem = lines[0]
-        psi = r[name]["num_parameters"]
-        want = model_state_bytes(psi, d, stage, k=8, param_bytes=4, grad_bytes=4)
+        mem, held = lines[0], r[name]["state_bytes"]
+        psi, pad = r[name]["num_parameters"], held["padding_elements"]
+        assert (pad > 0) == (stage == 1) and held["shard_elements"] * d == psi + pad
+        want = model_state_bytes(psi + pad, d, stage, k=8, param_bytes=4, grad_bytes=4)   # the padded buffers
         got = {k: mem[f"{k}_bytes"] for k in ("params", "grads", "optimizer")}
         assert got["params"] == want.weights and got["grads"] == want.grads, (name, rank, got, want)
-        if offloaded:
+        stepped = held["shard_param_elements"]     # Adam's moments: 8 bytes per element this rank steps
+        assert stepped <= held["shard_elements"] and (pad > 0 or stepped * d == psi)
+        if offloaded:                              # + the fp32 main shard and its fp32 grad copy on the host
             host = optimizer_offload_bytes_per_param(d, True, "fp32", "fp32")
-            assert got["optimizer"] == 0 and mem["optimizer_on_host_bytes"] == host["host"] * psi
+            assert got["optimizer"] == 0 and mem["optimizer_on_host_bytes"] == 8 * stepped + 8 * held["shard_elements"]
+            assert mem["optimizer_on_host_bytes"] <= host["host"] * (psi + pad)
         else:
-            assert got["optimizer"] == want.optimizer and mem["optimizer_on_host_bytes"] == 0
+            assert got["optimizer"] == 8 * stepped and mem["optimizer_on_host_bytes"] == 0
+            assert got["optimizer"] <= want.optimizer
         assert mem["allocated_mb"] == pytest.approx(sum(got.values()) / 2 ** 20, abs=0.006)
         assert got == {k: r[name]["state_bytes"][k] for k in got}
     assert printed == WORLD // (d // cp)                 # ranks with DP rank 0 print
@@ -161,7 +168,7 @@ def test_memory_moves_with_the_stage(runs):
             for n in ("dp4_distopt", "dp4_zero2", "dp4_zero3", "dp4_offload")}
     psi = runs[0]["dp4_distopt"]["num_parameters"]
     assert 16 * psi > held["dp4_distopt"] > held["dp4_zero2"] > held["dp4_zero3"]
-    assert held["dp4_offload"] == 8 * psi
+    assert held["dp4_offload"] == 8 * (psi + runs[0]["dp4_offload"]["state_bytes"]["padding_elements"])
 
 
 def test_skipping_the_embedding_sum_moves_the_loss(runs, refs):

@@ -19,14 +19,18 @@ API (what Lab 07 calls)
                                                       #   "no_shard" (DDP), "optim" (ZeRO-1, Megatron's
                                                       #   --use-distributed-optimizer),
                                                       #   "optim_grads" (ZeRO-2), "optim_grads_params" (ZeRO-3)
-               bucket_size=40_000,                    # --ddp-bucket-size, elements per bucket (None: one bucket)
+               bucket_size=40_000,                    # --ddp-bucket-size, elements per bucket (None: one bucket;
+                                                      #   the trainer resolves Megatron's default:
+                                                      #   buffer.megatron_bucket_size)
                overlap_grad_reduce=True,              # --overlap-grad-reduce: a bucket's collective starts in backward
                overlap_param_gather=True,             # --overlap-param-gather: the next step's all-gather,
                                                       #   waited for in forward
                cpu_offload=False,                     # --optimizer-cpu-offload: Adam state + update on the host
                grad_reduce_in_fp32=True,              # --accumulate-allreduce-grads-in-fp32 (16-bit params only)
                optimizer="adam", weight_decay=0.01,   # course_lib.optimizer.Optimizer's elementwise AdamW/SGD
-               loss_scaler=None)                      # optional, see "Loss scaler protocol" below
+               loss_scaler=None,                      # optional, see "Loss scaler protocol" below
+               megatron_fsdp=False)                   # optim: Megatron-FSDP's bucket padding, not the
+                                                      #   distributed optimizer's (buffer.layout_rules)
 
     for it in range(steps):
         ddp.zero_grad()
@@ -36,9 +40,11 @@ API (what Lab 07 calls)
                           grad_norm=True)              # -> {"skipped", "found_inf", "grad_norm"}; the norm
                                                        #   only when clipping or grad_norm=True asks for it
     with ddp.no_sync(): ...                            # micro-batches before the last: no collective
-    ddp.main_grad(param)   # Megatron's param.main_grad: after backward and before step, this rank's
-                           #   local grad (every strategy; e.g. the tied-embedding sum over pp stages);
-                           #   after step, the reduced one (no_shard / optim)
+    ddp.main_grad(param)   # Megatron's param.main_grad: after backward and before the reduction, this
+                           #   rank's local grad (every strategy); after it, the reduced one (no_shard / optim)
+    ddp.finish_grad_sync()          # the reduction alone (step() runs it if not done yet)
+    ddp.synced_main_grad(param)     # then: the part of the reduced grad this rank holds (ZeRO-2/3: its 1/d
+                                    #   piece) -- e.g. the tied-embedding sum over the first and last stage
     ddp.bytes_per_rank()   # {"params", "grads", "optimizer", ...} bytes measured from the tensors held
     ddp.timeline           # [{"rank", "name", "kind", "start", "end"}] seconds since the step's start
     ddp.comm               # a course_lib.comm.CommRecorder holding every collective this wrapper issued
@@ -68,19 +74,24 @@ Loss scaler protocol (``course_lib.mixed_precision`` implements it; any object w
 * ``unscale_and_check(grads) -> found_inf`` -- ``grads``: list of this rank's fp32 main-grad
   tensors (its shard); divides them by ``scale`` in place, returns True if any is inf/NaN;
 * ``update(found_inf)`` -- grows/backs off the scale (Megatron's ``DynamicGradScaler``).
-``found_inf`` is OR-ed over the data-parallel group (each rank sees only its shard), and over the
-model-parallel group when ``wrap`` was given a ProcessGroups, before ``update``; a step with
-``found_inf`` is skipped (params untouched), as Megatron counts "skipped iterations".
+``found_inf`` is OR-ed over the data-parallel group when the optimizer is sharded (each rank sees only its
+shard) and over the model-parallel group when ``wrap`` was given a ProcessGroups, before ``update`` --
+Megatron's grad-stats group: with the distributed optimizer every rank of its instance
+(``distrib_optimizer.py``'s ``get_grad_stats_parallel_group``), else the model-parallel ranks; a step
+with ``found_inf`` is skipped (params untouched), as Megatron counts "skipped iterations".
 
 What to compare the measurements with (``course_lib.sizing``)
 -------------------------------------------------------------
-* ``bytes_per_rank()`` -- ``sizing.memory.model_state_bytes(P, d, stage, k, param_bytes, grad_bytes)``
+* ``bytes_per_rank()`` (on the padded buffers: ``padding_elements``, and per rank ``shard_elements`` /
+  ``shard_param_elements``; a model whose layout needs no padding matches exactly) --
+  ``sizing.memory.model_state_bytes(P, d, stage, k, param_bytes, grad_bytes)``
   (ZeRO's ``(2 + 2 + K) P`` by stage; fp32: ``4, 4, k=8``; bf16 with fp32 grads: ``2, 4, k=12``),
   ``sizing.memory.megatron_optimizer_bytes_per_param(d, distributed, params_dtype, grad_dtype)``
   (Megatron's table: 16 / 8 + 8/d, 18 / 6 + 12/d, 20 / 4 + 16/d), and with ``cpu_offload``
   ``sizing.memory.optimizer_offload_bytes_per_param`` (host bytes, bytes moved each way);
-* ``comm`` -- ``sizing.comm.dp_comm_per_iteration(P, d, zero_stage=...)["total"]`` equals
-  ``ddp.comm.ring_elements_sent()`` of one step (ZeRO-3: 1.5x the all-reduce).
+* ``comm`` -- ``sizing.comm.dp_comm_per_iteration(P', d, zero_stage=...)["total"]`` equals
+  ``ddp.comm.ring_elements_sent()`` of one step, ``P'`` the padded buffer (``P + padding_elements``;
+  ZeRO-3: 1.5x the all-reduce).
 Each equality is asserted on 4 real ranks in tests/distributed/test_distributed_optimizer.py and
 tests/distributed/test_megatron_fsdp.py.
 """

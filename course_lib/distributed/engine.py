@@ -12,11 +12,15 @@ strategy                ZeRO      params (model dtype)  grads (grad dtype)      
 ``optim_grads_params``  3         P/d (+ one unit)      P/d                     P/d
 ======================  ========  ===================  ======================  ================================
 
-Communication per step over the group (Megatron's ``param_and_grad_buffer.py``, ZeRO §7.2):
-``no_shard``: one all-reduce of the grad buffer; ``optim`` / ``optim_grads``: reduce-scatter of the
-grad buffer, all-gather of the updated param shards (the same volume); ``optim_grads_params``:
-all-gather of each unit's params before its forward *and* before its backward, reduce-scatter of
-its grads -- 1.5x an all-reduce (ZeRO §7.2.2).
+Communication per step over the group (Megatron's ``param_and_grad_buffer.py``, ZeRO §7.2), one
+collective per bucket: ``no_shard``: an all-reduce of the grad buffer; ``optim`` / ``optim_grads``: a
+reduce-scatter of the grad buffer, an all-gather of the updated param shards (the same volume);
+``optim_grads_params``: an all-gather of each unit's params before its forward *and* before its
+backward, a reduce-scatter of its grads -- 1.5x an all-reduce (ZeRO §7.2.2). The buckets are laid out
+as Megatron lays them out (:mod:`course_lib.distributed.buffer`): no padding for ``no_shard``; the
+distributed optimizer's 64-element param starts and ``lcm(d, 128)`` bucket ends for ``optim``;
+Megatron-FSDP's multiple of ``d`` for ``optim_grads(_params)`` (and for ``optim`` with
+``megatron_fsdp=True``); the collectives carry the padding.
 
 Mixed precision (Megatron's ``Float16OptimizerWithFloat16Params``, ``megatron/core/optimizer/
 optimizer.py``): 16-bit model params, fp32 main params in the optimizer, main grads accumulated and
@@ -158,7 +162,8 @@ class ShardedDataParallel:
     def __init__(self, module: torch.nn.Module, dp_group, *, strategy: str = "no_shard", bucket_size=None,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  cpu_offload: bool = False, grad_reduce_in_fp32: bool = True, optimizer: str = "adam",
-                 weight_decay: float = 0.01, loss_scaler=None, fsdp_unit_modules=None, **optimizer_kwargs):
+                 weight_decay: float = 0.01, loss_scaler=None, fsdp_unit_modules=None, megatron_fsdp: bool = False,
+                 **optimizer_kwargs):
         stage = rules.sharding_stage(strategy)
         self.module, self.strategy = module, strategy
         self._init_groups(dp_group)
@@ -177,9 +182,10 @@ class ShardedDataParallel:
         self.timeline: list[dict] = []
         self._t0 = time.perf_counter()
         self._sync = True
+        self._grads_synced = False  # finish_grad_sync ran and no grad arrived since
         self._decay = {id(p): not _no_weight_decay(n, p) for n, p in named}
         self._shapes = {id(p): p.shape for _, p in named}
-        self._init_layout(named, bucket_size, fsdp_unit_modules)
+        self._init_layout(named, bucket_size, fsdp_unit_modules, megatron_fsdp)
         self._init_buffers()
         self._init_optimizer(optimizer, weight_decay, cpu_offload, optimizer_kwargs)
         self._hooks = self._register_hooks()
@@ -195,11 +201,15 @@ class ShardedDataParallel:
         self.rank = dist.get_rank()
         self.gradient_scaling_factor = 1.0 / self.dp  # Megatron's: grads scaled by 1/d, then summed
 
-    def _init_layout(self, named: list, bucket_size, fsdp_unit_modules) -> None:
-        """Units and buckets (ZeRO-3: one bucket per unit), and the maps from a param to its place."""
+    def _init_layout(self, named: list, bucket_size, fsdp_unit_modules, megatron_fsdp: bool) -> None:
+        """Units and buckets (ZeRO-3: one bucket per unit, the shared embedding's split off), laid out
+        as Megatron lays them out for this strategy (``self.layout``, one of
+        :data:`~course_lib.distributed.buffer.LAYOUTS`), and the maps from a param to its place."""
         self.units = find_units(self.module, named, fsdp_unit_modules)
+        self.layout = ("ddp" if not self.shard_optim else "fsdp" if self.shard_grads or megatron_fsdp
+                       else "distributed_optimizer")
         self.buckets = (unit_buckets([(unit.module, unit.params) for unit in self.units], self.dp)
-                        if self.shard_params else size_buckets(named, bucket_size, self.dp))
+                        if self.shard_params else size_buckets(named, bucket_size, self.dp, self.layout))
         self._where = {id(pr.param): (b, pr) for b in self.buckets for pr in b.params}
         self._unit_of = {id(p): u for u, unit in enumerate(self.units) for _, p in unit.params}
         self._unit_bucket = {u: sorted({self._where[id(p)][0].index for _, p in unit.params})
@@ -284,13 +294,15 @@ class ShardedDataParallel:
 
     def _init_main(self, b: Bucket) -> None:
         """``b``'s fp32 main params ``[hi - lo]`` (the model shard itself for fp32 params: Megatron keeps
-        no copy; on the host with offload, beside a host grad buffer) and, for 16-bit grads without
-        offload, an fp32 main-grad buffer."""
+        no copy; on the host with offload, beside an fp32 host grad buffer: ``HybridDeviceOptimizer``
+        copies the grads into host tensors of its fp32 params' dtype, ``cpu_offloading/hybrid_optimizer.py``
+        ``_set_sub_optimizer_grads``) and, for 16-bit grads without offload, an fp32 main-grad buffer.
+        The shard is one contiguous tensor: padding that falls into it is held too."""
         st, shard = b.state, self._model_shard(b)
         if self.pool is not None:
             st.main = self.pool.empty(st.hi - st.lo)
             st.main.copy_(shard)
-            st.host_grad = self.pool.empty(st.hi - st.lo, self.grad_dtype)
+            st.host_grad = self.pool.empty(st.hi - st.lo)   # fp32, as HybridDeviceOptimizer's host grads
         elif self.param_dtype == torch.float32:
             st.main = shard
         else:
@@ -402,6 +414,7 @@ class ShardedDataParallel:
             st.grad_full = torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device)
         st.grad_full[pr.start:pr.end].add_(p.grad.reshape(-1))
         p.grad = None
+        self._grads_synced = False
         st.pending.discard(id(p))
         u = self._unit_of[id(p)]
         self._unit_pending[u].discard(id(p))
@@ -415,7 +428,12 @@ class ShardedDataParallel:
                 self._launch_grad_reduce(b, async_op=True)
 
     def finish_grad_sync(self) -> None:
-        """Reduce every bucket not yet reduced (all of them without ``overlap_grad_reduce``) and wait."""
+        """Reduce every bucket not yet reduced (all of them without ``overlap_grad_reduce``) and wait.
+        Once per iteration: called again before a new grad arrives it does nothing, so a trainer can
+        call it, work on the reduced grads (:meth:`synced_main_grad`) and then :meth:`step`, as
+        Megatron's ``finalize_model_grads`` calls ``finish_grad_sync`` before the optimizer steps."""
+        if self._grads_synced:
+            return
         for b in self.buckets:
             if b.state.grad_reduce is None:
                 self._launch_grad_reduce(b, async_op=False)
@@ -424,6 +442,7 @@ class ShardedDataParallel:
             b.state.pending = {id(pr.param) for pr in b.params}
             if self.shard_params and b.state.param_full is not None:
                 self._release(b)
+        self._grads_synced = True
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -558,6 +577,7 @@ class ShardedDataParallel:
         """Start an iteration: grads to zero, the timeline restarted (its times count from here)."""
         self.timeline = []
         self._t0 = time.perf_counter()
+        self._grads_synced = False
         self._bwd_todo = [0] * len(self.units)
         if self.pool is not None:
             self.pool.reset_moved()
@@ -628,13 +648,16 @@ class ShardedDataParallel:
                 st.step_grad = g
 
     def _found_inf(self) -> bool:
-        """The loss scaler unscales the grads and checks them; each rank saw only its shard, so the
-        flag is OR-ed over dp, then over the model group. False without a scaler."""
+        """The loss scaler unscales the grads and checks them; the flag is OR-ed over the group of
+        Megatron's ``get_grad_stats_parallel_group``: with a sharded optimizer every rank of the
+        distributed-optimizer instance, dp *and* the model group (each rank saw only its shard;
+        ``distrib_optimizer.py`` main ~796-802), without one the model group only (the dp replicas
+        hold the same reduced grads). False without a scaler."""
         if self.loss_scaler is None:
             return False
         found = bool(self.loss_scaler.unscale_and_check([b.state.step_grad for b in self.buckets]))
         flag = torch.tensor([float(found)], device=self.device)
-        for group in (self.group, self.model_group):
+        for group in ((self.group,) if self.shard_optim else ()) + (self.model_group,):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
@@ -667,7 +690,11 @@ class ShardedDataParallel:
         ``grads``: the grad buffer or shard; ``optimizer``: optimizer tensors on the compute device (fp32
         main params when they are a copy, fp32 main grads when grads are 16-bit, Adam's moments);
         ``optimizer_host``: the same on the host (``cpu_offload``); ``moved_d2h`` / ``moved_h2d``: bytes
-        the offload copied since :meth:`zero_grad`; ``padding_elements``: bucket padding."""
+        the offload copied since :meth:`zero_grad`; ``padding_elements``: the buckets' padding (elements
+        of the full buffers that belong to no parameter); ``shard_elements``: the elements of this rank's
+        shards (``hi - lo`` summed over the buckets; the whole buffer without a sharded optimizer) and
+        ``shard_param_elements`` those of them that belong to parameters, the elements this rank's
+        optimizer steps (each parameter element is stepped by exactly one rank of the group)."""
         self._wait_param_gathers()
         seen: set = set()
 
@@ -690,7 +717,9 @@ class ShardedDataParallel:
                      + [t for st in self.optimizer.state.values() for t in st.values()])
         host = self.pool is not None
         out = {"params": params, "grads": grads, "optimizer": 0 if host else opt,
-               "optimizer_host": opt if host else 0, "padding_elements": sum(b.padding for b in self.buckets)}
+               "optimizer_host": opt if host else 0, "padding_elements": sum(b.padding for b in self.buckets),
+               "shard_elements": sum(st.hi - st.lo for st in states),
+               "shard_param_elements": sum(piece.end - piece.start for piece in self._pieces)}
         moved = self.pool.moved if host else {"d2h": 0, "h2d": 0}
         out.update(moved_d2h=moved["d2h"], moved_h2d=moved["h2d"])
         return out
@@ -700,13 +729,10 @@ class ShardedDataParallel:
         ``param.main_grad``, a view -- writes land in the buffer the reduction reads.
 
         Before the reduction (after backward, before :meth:`finish_grad_sync` / :meth:`step`) it is
-        this rank's local, unreduced sum over its micro-batches, under every strategy: the course's trainer
-        sums the tied word-embedding grad over the embedding group here. (Megatron's
-        ``_allreduce_word_embedding_grads`` runs *after* ``finish_grad_sync``, ``finalize_model_grads.py``
-        main ~640 then ~676, on the embedding's own bucket; the two sums commute, so the gradients are the
-        same.) After the reduction it is the
-        dp average under ``no_shard``; under ``optim`` only this rank's shard of it is averaged.
-        ZeRO-2/3 keep no full buffer past the reduce-scatter (only a 1/d grad shard): ValueError then."""
+        this rank's local, unreduced sum over its micro-batches, under every strategy. After the
+        reduction it is the dp average under ``no_shard``; under ``optim`` only this rank's shard of it
+        is averaged. ZeRO-2/3 keep no full buffer past the reduce-scatter (only a 1/d grad shard):
+        ValueError then -- :meth:`synced_main_grad` gives the part this rank holds."""
         b, pr = self._where[id(param)]
         full = b.state.grad_full
         if full is None or b.state.grad_reduce is not None:
@@ -714,6 +740,27 @@ class ShardedDataParallel:
                              f"reduce-scatter started (or no backward ran yet); read main_grad after backward, "
                              f"before step, or use strategy 'no_shard' / 'optim' for full main grads")
         return full[pr.start:pr.end].view(self._shapes[id(param)])
+
+    def synced_main_grad(self, param: torch.Tensor) -> torch.Tensor:
+        """After :meth:`finish_grad_sync`, before :meth:`step`: the part of ``param``'s reduced grad this
+        rank holds, a view (writes land where the step reads). ``no_shard`` and ``optim``: the whole
+        :meth:`main_grad` (Megatron's ``param.main_grad``; under ``optim`` only the elements of this
+        rank's shard are reduced, the step reads no other); ZeRO-2/3: the 1-D piece ``[k]`` of the grad
+        shard that belongs to ``param`` (Megatron-FSDP's ``main_grad._local_tensor``; may be empty).
+
+        What a trainer sums over the embedding group after the reduction (Megatron's
+        ``_allreduce_word_embedding_grads``, ``finalize_model_grads.py`` main ~640 then ~676): the tied
+        embedding is a bucket of its own, laid out alike on the first and the last stage, so the two
+        ranks of a pair hold the same elements of it."""
+        if not self._grads_synced:
+            raise ValueError("synced_main_grad: call finish_grad_sync() after backward first (the reduced "
+                             "grad does not exist yet); before it, main_grad() is the local one")
+        b, pr = self._where[id(param)]
+        if not self.shard_grads:
+            return self.main_grad(param)
+        lo, hi = b.state.lo, b.state.hi
+        start, end = max(pr.start, lo), max(min(pr.end, hi), max(pr.start, lo))
+        return b.state.grad_shard[start - lo:end - lo]
 
     def full_parameters(self) -> dict:
         """``{name: full parameter}`` (ZeRO-3: all-gathered, then released; recorded with tag

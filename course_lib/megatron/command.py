@@ -35,7 +35,10 @@ core_v0.16.1 and main):
   Slurm ``sbatch`` script running one torchrun per node with ``srun``.
 * ``--sharding dist-opt|fsdp-optim-grads|fsdp|offload`` (``--show sharding``: all four): Megatron's
   distributed optimizer (ZeRO-1) and Megatron-FSDP (ZeRO-2/3), with overlap, and CPU offload of
-  the optimizer (:data:`SHARDING`; the rules each follows are beside it).
+  the optimizer (:data:`SHARDING`; the rules each follows are beside it). Megatron-FSDP keeps its
+  grads in the param dtype at main (``--megatron-fsdp-main-grads-dtype auto``, not printed);
+  ``--megatron-fsdp-main-grads-dtype fp32`` prints the flag for fp32 grads (main only:
+  ``flags.MAIN_ONLY_FLAGS``).
 * ``--num-experts E --ep EP [--expert-tensor-parallel-size T --moe-router-topk K]``: a Mixtral-style
   MoE (:class:`MoESpec`), checked by the course's rules (``rules.moe_experts``, the expert grid of
   ``course_lib.topology.RankGrid``).
@@ -52,6 +55,7 @@ import shlex
 from dataclasses import dataclass
 
 from course_lib import rules
+from course_lib.sizing.memory import FSDP_MAIN_GRADS_DTYPES
 from course_lib.topology import ParallelConfig
 
 # The seed's GPU model: 8 layers so PP = 1/2/4 divide, 8 heads so TP = 1/2/4/8 divide.
@@ -183,6 +187,8 @@ class MegatronRun:
     context parallelism needs it). The checkpoint fields are Megatron's flags of the same names
     (``flags.CHECKPOINT_FLAGS``; ``ckpt_format`` ``None``: Megatron's default ``torch_dist``, not
     printed; Megatron-FSDP prints ``fsdp_dtensor`` itself), checked by ``rules.checkpoint_flags``.
+    ``megatron_fsdp_main_grads_dtype``: Megatron-FSDP's ``--megatron-fsdp-main-grads-dtype`` (``None``:
+    Megatron's default ``auto``, the param dtype, not printed); only with a Megatron-FSDP ``sharding``.
     """
 
     train_iters: int = 100
@@ -211,6 +217,7 @@ class MegatronRun:
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
+    megatron_fsdp_main_grads_dtype: str | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -235,6 +242,14 @@ class MegatronRun:
                                finetune=self.finetune, no_load_optim=self.no_load_optim, no_load_rng=self.no_load_rng)
         if self.megatron_fsdp:
             rules.megatron_fsdp_checkpoint(self.ckpt_format)
+        if self.megatron_fsdp_main_grads_dtype is not None:
+            if self.megatron_fsdp_main_grads_dtype not in FSDP_MAIN_GRADS_DTYPES:
+                raise ValueError(f"megatron_fsdp_main_grads_dtype={self.megatron_fsdp_main_grads_dtype!r} is not one "
+                                 f"of {', '.join(FSDP_MAIN_GRADS_DTYPES)} (Megatron-LM main's choices)")
+            if not self.megatron_fsdp:
+                raise ValueError(f"--megatron-fsdp-main-grads-dtype {self.megatron_fsdp_main_grads_dtype} sets "
+                                 f"Megatron-FSDP's grad buffer; sharding={self.sharding!r} is not Megatron-FSDP: use "
+                                 f"--sharding fsdp or fsdp-optim-grads, or drop the flag")
 
     @property
     def megatron_fsdp(self) -> bool:
@@ -305,6 +320,8 @@ def pretrain_args(config, run: MegatronRun | None = None,
     args += list(sharding)
     if run.precision != "fp32":
         args.append((f"--{run.precision}", None))
+    if run.megatron_fsdp_main_grads_dtype is not None:
+        args.append(("--megatron-fsdp-main-grads-dtype", run.megatron_fsdp_main_grads_dtype))
     if run.transformer_impl is not None:
         args.append(("--transformer-impl", run.transformer_impl))
     args += checkpoint_args(run)
@@ -520,6 +537,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--sharding", choices=sorted(SHARDING), default=None,
                    help="shard the training state: dist-opt (ZeRO-1), fsdp-optim-grads (ZeRO-2), fsdp (ZeRO-3, "
                         "Megatron-FSDP), offload (dist-opt with the optimizer on the host); --show sharding: all")
+    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=FSDP_MAIN_GRADS_DTYPES, default=None,
+                   help="with a Megatron-FSDP --sharding: its grad buffer dtype (main only; Megatron's default auto, "
+                        "the param dtype, is not printed; fp32 for fp32 grads under --bf16)")
     g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default=None)
     g.add_argument("--data-dir", default=MegatronRun.data_dir, help="relative to the Megatron-LM checkout")
     g = parser.add_argument_group("checkpoints (Megatron-LM's flags; the course trainer takes the same)")
@@ -582,8 +602,10 @@ def sharding_variants(config, run: MegatronRun | None = None, moe: MoESpec | Non
     cfg, run = _as_config(config), run or MegatronRun()
     blocks = []
     for name in SHARDING:
+        fsdp = SHARDING[name].fsdp
         variant = MegatronRun(**{**run.__dict__, "sharding": name, "use_distributed_optimizer": False,
-                                 "ckpt_format": None if SHARDING[name].fsdp else run.ckpt_format})
+                                 "ckpt_format": None if fsdp else run.ckpt_format,
+                                 "megatron_fsdp_main_grads_dtype": run.megatron_fsdp_main_grads_dtype if fsdp else None})
         blocks.append(_sharding_note(name, cfg) + "\n" + megatron_command(cfg, variant, moe))
     return "\n\n".join(blocks)
 
@@ -606,7 +628,7 @@ def run(args) -> int:
                        transformer_impl=args.transformer_impl, data_dir=args.data_dir, save=args.save,
                        load=args.load, save_interval=args.save_interval, exit_interval=args.exit_interval,
                        ckpt_format=args.ckpt_format, no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
-                       finetune=args.finetune)
+                       finetune=args.finetune, megatron_fsdp_main_grads_dtype=args.megatron_fsdp_main_grads_dtype)
     nproc = _world(args)
     cfg = gpu_config(tp, pp, cp, nproc, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
                      global_batch_size=args.global_batch_size, sequence_parallel=args.sp, vpp=args.vpp)

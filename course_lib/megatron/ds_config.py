@@ -30,9 +30,12 @@ Megatron-FSDP (v1, the default ``--megatron-fsdp-version 1``) runs on the distri
 it also asserts ``--ckpt-format fsdp_dtensor`` and ``CUDA_DEVICE_MAX_CONNECTIONS`` unset or > 1.
 ``--optimizer-cpu-offload`` needs ``--use-precision-aware-optimizer`` (asserted by
 ``validate_args``). ``--overlap-param-gather`` needs ``--overlap-grad-reduce`` and the
-distributed optimizer or Megatron-FSDP. ``--bf16`` makes Megatron accumulate and all-reduce
-grads in fp32 (``--accumulate-allreduce-grads-in-fp32`` is switched on), hence its 18 bytes per
-parameter against ZeRO's 16 (:func:`course_lib.sizing.megatron_optimizer_bytes_per_param`).
+distributed optimizer or Megatron-FSDP. ``--bf16`` makes Megatron's DDP and distributed optimizer
+accumulate and all-reduce grads in fp32 (``--accumulate-allreduce-grads-in-fp32`` is switched on), hence
+their 18 bytes per parameter against ZeRO's 16 (:func:`course_lib.sizing.megatron_optimizer_bytes_per_param`).
+Megatron-FSDP keeps its grads in ``--megatron-fsdp-main-grads-dtype`` instead, whose default (main: ``auto``)
+is the param dtype; DeepSpeed's ZeRO-2/3 keep fp32 gradient partitions, so a 16-bit ZeRO-2/3 file becomes
+``--megatron-fsdp-main-grads-dtype fp32`` (bytes: :func:`course_lib.sizing.memory.megatron_state_bytes`).
 
 ``overlap_comm`` (DeepSpeed's default: true at stage 3, false below, ``zero/config.py``
 ``overlap_comm_valid``) puts the gradient reduction on a side stream (``--overlap-grad-reduce``) and,

@@ -150,27 +150,22 @@ def paper_bytes(stage: int, num_params: float, dp: int, precision: str, *, offlo
 
 def megatron_bytes(stage: int, num_params: float, dp: int, precision: str, *, offload_optimizer: bool = False,
                    fsdp_grads_dtype: str = "auto"):
-    """``(gpu, host)`` :class:`~course_lib.sizing.ModelStateBytes` per GPU under the translated Megatron flags.
+    """``(gpu, host)`` :class:`~course_lib.sizing.ModelStateBytes` per GPU under the translated Megatron flags:
+    :func:`course_lib.sizing.memory.megatron_state_bytes` with the grads in
+    :func:`~course_lib.sizing.memory.megatron_grad_dtype` -- stages 0-1 (DDP, the distributed optimizer):
+    fp32 under bf16, 16-bit under fp16; stages 2-3 (Megatron-FSDP): ``--megatron-fsdp-main-grads-dtype``
+    (``fsdp_grads_dtype``; default ``auto``, the param dtype: 2 bytes over d under bf16, 4 with ``fp32``).
+    ``--optimizer-cpu-offload`` moves the optimizer state to the host, where ``HybridDeviceOptimizer`` keeps
+    fp32 main params, Adam's moments and an fp32 copy of the grad shard
+    (:func:`~course_lib.sizing.memory.optimizer_offload_bytes_per_param`: 16 bytes per parameter, over d
+    with a sharded optimizer); the device keeps the params and grads."""
+    from course_lib.sizing import ModelStateBytes
+    from course_lib.sizing.memory import megatron_grad_dtype, megatron_state_bytes, optimizer_offload_bytes_per_param
 
-    Stages 0-1 (DDP, the distributed optimizer): :func:`course_lib.sizing.megatron_optimizer_bytes_per_param`
-    (bf16: fp32 grads, Megatron's default; fp16: 16-bit grads). Stages 2-3 (Megatron-FSDP, which divides the
-    grads and, at stage 3, the params by d): the grads are in ``--megatron-fsdp-main-grads-dtype``, whose
-    default ``auto`` is the param dtype (main's ``_resolve_group_grad_dtype``): 2 bytes under bf16/fp16,
-    4 with ``fp32``; the optimizer holds fp32 main params and Adam's moments (12). ``--optimizer-cpu-offload``
-    moves the optimizer state to the host, with an fp32 copy of the grad shard (``HybridDeviceOptimizer``,
-    ``cpu_offloading/hybrid_optimizer.py``): 16 bytes per parameter over d on the host."""
-    from course_lib.sizing import ModelStateBytes, megatron_optimizer_bytes_per_param
-
-    params_dtype = "fp32" if precision == "fp32" else precision
-    if stage >= 2:
-        grads = 4.0 if fsdp_grads_dtype == "fp32" or precision == "fp32" else 2.0
-        per = ModelStateBytes(4.0 if precision == "fp32" else 2.0, grads, (8.0 if precision == "fp32" else 12.0) / dp)
-    else:
-        per = megatron_optimizer_bytes_per_param(dp, distributed_optimizer=stage >= 1, params_dtype=params_dtype,
-                                                 grad_dtype="fp16" if precision == "fp16" else "fp32")
-    b = ModelStateBytes(per.weights * num_params / (dp if stage == 3 else 1),
-                        per.grads * num_params / (dp if stage >= 2 else 1), per.optimizer * num_params)
+    grad_dtype = megatron_grad_dtype(precision, stage, fsdp_main_grads_dtype=fsdp_grads_dtype)
+    b = megatron_state_bytes(num_params, dp, stage, precision, grad_dtype)
     if offload_optimizer:
-        share = dp if stage >= 1 else 1
-        return ModelStateBytes(b.weights, b.grads, 0.0), ModelStateBytes(0.0, 4.0 * num_params / share, b.optimizer)
+        off = optimizer_offload_bytes_per_param(dp, stage >= 1, precision, grad_dtype)
+        return ModelStateBytes(b.weights, b.grads, 0.0), ModelStateBytes(
+            0.0, off["host_grads"] * num_params, (off["host"] - off["host_grads"]) * num_params)
     return b, ModelStateBytes(0.0, 0.0, 0.0)

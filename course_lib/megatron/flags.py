@@ -18,7 +18,8 @@ and the generated commands in sync, and re-checks the table against a Megatron-L
 checkout when ``MEGATRON_LM_DIR`` points to one -- by reading its source, and by building the
 parser Megatron-LM itself builds (``add_megatron_arguments``): every flag here is one of its
 option strings at core_v0.16.1 and at main. The tables below this one (``SHARDING_FLAGS``,
-``MOE_FLAGS``, ``MCORE_FIELDS``, ``TORCHRUN_FLAGS``) say where each newer flag is defined.
+``MOE_FLAGS``, ``MCORE_FIELDS``, ``TORCHRUN_FLAGS``) say where each newer flag is defined;
+``MAIN_ONLY_FLAGS`` holds the few the course prints that exist at main only.
 """
 
 from __future__ import annotations
@@ -169,6 +170,15 @@ SHARDING_FLAGS: dict[str, tuple[str, str]] = {
                                      "megatron/training/arguments.py::_add_training_args"),
     "--use-precision-aware-optimizer": ("megatron/training/arguments.py::_add_experimental_args",
                                         "megatron/training/arguments.py::_add_experimental_args"),
+}
+
+# Flags of main d98e8a6 that core_v0.16.1 does not have (its parser lacks them; printed only when asked):
+# flag -> where at main.
+MAIN_ONLY_FLAGS: dict[str, str] = {
+    # Megatron-FSDP's grad buffer dtype: default auto = the param dtype (_resolve_group_grad_dtype in
+    # megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py); core_v0.16.1's FSDP
+    # reduced in fp32 under bf16 through grad_reduce_in_fp32 instead
+    "--megatron-fsdp-main-grads-dtype": "megatron/training/arguments.py::_add_experimental_args",
 }
 
 MOE_FLAGS: dict[str, tuple[str, str]] = {

@@ -145,6 +145,22 @@ def dp_comm_per_iteration(num_params: float, dp: int, cp: int = 1, zero_stage: i
     return {"group_size": g, "total": factor * ring_elements_sent("all_gather", num_params, g)}
 
 
+def dp_comm_bytes_per_iteration(num_params: float, dp: int, cp: int = 1, zero_stage: int = 0, *,
+                                 grad_bytes: float = 2, param_bytes: float = 2) -> float:
+    """Bytes one rank sends for :func:`dp_comm_per_iteration`'s collectives, each in its own dtype: the
+    gradient reduction (all-reduce at stage 0, reduce-scatter from stage 1) in ``grad_bytes`` per element
+    -- Megatron reduces in :func:`course_lib.sizing.memory.megatron_grad_dtype`, fp32 under bf16 --
+    and the parameter all-gathers (one from stage 1, two at stage 3) in ``param_bytes``."""
+    for name, value in (("grad_bytes", grad_bytes), ("param_bytes", param_bytes)):
+        _checks.positive_number(name, value)
+    elements = dp_comm_per_iteration(num_params, dp, cp, zero_stage)["total"]   # validates the arguments
+    if zero_stage == 0:                                                          # one all-reduce of the grads
+        return elements * grad_bytes
+    gathers = 2 if zero_stage == 3 else 1
+    one_pass = elements / (1 + gathers)                                          # (g-1)/g N per collective
+    return one_pass * (grad_bytes + gathers * param_bytes)
+
+
 def cp_comm_per_layer(
     seq_length: int,
     micro_batch_size: int,

@@ -15,7 +15,9 @@ Sources:
   Models" (arXiv:1910.02054): §3.1 (2 + 2 + K bytes per parameter, K = 12 for mixed-precision
   Adam) and §5 / Figure 1 (stages P_os, P_os+g, P_os+g+p over N_d data-parallel ranks).
 * Megatron-LM, docs/user-guide/features/dist_optimizer.md: bytes per parameter of Megatron's
-  (distributed) optimizer for each param/grad dtype.
+  (distributed) optimizer for each param/grad dtype; ``megatron/training/arguments.py`` (main d98e8a6)
+  for the dtype gradients are reduced in (:func:`megatron_grad_dtype`), Megatron-FSDP's
+  ``--megatron-fsdp-main-grads-dtype`` included (:func:`megatron_state_bytes`).
 """
 
 from __future__ import annotations
@@ -317,19 +319,82 @@ def megatron_optimizer_bytes_per_param(
     return ModelStateBytes(float(param), float(grad), float(optimizer))
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Megatron's training precisions: fp32, ``--bf16``, ``--fp16``."""
+
+FSDP_MAIN_GRADS_DTYPES = ("auto", "fp32", "bf16", "fp16")
+"""``--megatron-fsdp-main-grads-dtype``'s choices at Megatron-LM main (``arguments.py`` ~3691; default auto)."""
+
+
+def megatron_grad_dtype(precision: str, zero_stage: int = 0, *, accumulate_allreduce_grads_in_fp32: bool = False,
+                        grad_reduce_in_bf16: bool = False, fsdp_main_grads_dtype: str = "auto") -> str:
+    """The dtype Megatron-LM main accumulates and data-parallel-reduces gradients in.
+
+    DDP and the distributed optimizer (``zero_stage`` 0-1; ``arguments.py`` ~1204-1217): ``--bf16``
+    switches ``--accumulate-allreduce-grads-in-fp32`` on, so fp32, unless ``--grad-reduce-in-bf16``;
+    ``--fp16`` reduces in fp16 unless ``--accumulate-allreduce-grads-in-fp32``; fp32 training in fp32.
+    Megatron-FSDP (ZeRO-2/3, ``zero_stage`` 2-3): ``--megatron-fsdp-main-grads-dtype``, whose default
+    ``auto`` is the param dtype (``_resolve_group_grad_dtype``, ``megatron_fsdp/param_and_grad_buffer.py``;
+    ``grad_reduce_in_fp32`` is not read under ``distributed/fsdp/``): bf16 grads for a bf16 model, unless
+    ``fp32`` is asked. (megatron-core 0.16.1 had no such flag; its FSDP reduced in fp32 under bf16
+    through ``grad_reduce_in_fp32``. The course follows main.)"""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if fsdp_main_grads_dtype not in FSDP_MAIN_GRADS_DTYPES:
+        raise ValueError(f"fsdp_main_grads_dtype={fsdp_main_grads_dtype!r} (--megatron-fsdp-main-grads-dtype) is "
+                         f"not one of {', '.join(FSDP_MAIN_GRADS_DTYPES)}")
+    if zero_stage >= 2:
+        return precision if fsdp_main_grads_dtype == "auto" else fsdp_main_grads_dtype
+    if precision == "bf16":
+        return "bf16" if grad_reduce_in_bf16 else "fp32"
+    if precision == "fp16":
+        return "fp32" if accumulate_allreduce_grads_in_fp32 else "fp16"
+    return "fp32"
+
+
+def megatron_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, precision: str = "bf16",
+                         grad_dtype: str | None = None) -> ModelStateBytes:
+    """Model-state bytes per rank under Megatron-LM's flags (``d = dp``: the dp x cp ranks it shards over).
+
+    ``zero_stage`` 0 (DDP) and 1 (``--use-distributed-optimizer``): Megatron's table,
+    :func:`megatron_optimizer_bytes_per_param` times ``num_params`` -- 16-bit params, grads in
+    ``grad_dtype``, fp32 main params (and main grads when the grads are 16-bit) and Adam's moments over d.
+    2 and 3 (Megatron-FSDP ``optim_grads`` / ``optim_grads_params``): grads in ``grad_dtype`` over d, at
+    stage 3 the params too; the optimizer keeps fp32 main params and Adam's moments over d (12, fp32
+    training 8) and reads its main grads from the grad buffer. ``grad_dtype`` defaults to
+    :func:`megatron_grad_dtype` (bf16: fp32 grads at stages 0-1, bf16 at 2-3)."""
+    _checks.positive_number("num_params", num_params)
+    _checks.positive_int("dp", dp)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
+    grad_dtype = megatron_grad_dtype(precision, zero_stage) if grad_dtype is None else grad_dtype
+    if zero_stage <= 1:
+        per = megatron_optimizer_bytes_per_param(dp, zero_stage == 1, precision, grad_dtype)
+        return ModelStateBytes(per.weights * num_params, per.grads * num_params, per.optimizer * num_params)
+    if grad_dtype not in _DTYPE_BYTES:
+        raise ValueError(f"grad_dtype={grad_dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
+    param, grad = _DTYPE_BYTES[precision], _DTYPE_BYTES[grad_dtype]
+    optimizer = 8 + (4 if param == 2 else 0)
+    return ModelStateBytes(param * num_params / (dp if zero_stage == 3 else 1), grad * num_params / dp,
+                           optimizer * num_params / dp)
+
+
 def optimizer_offload_bytes_per_param(dp: int = 1, distributed_optimizer: bool = False,
                                       params_dtype: str = "bf16", grad_dtype: str = "fp32") -> dict:
     """Bytes per parameter with ``--optimizer-cpu-offload``: what stays on the host and what moves.
 
     ZeRO-Offload (Ren et al. 2021, arXiv:2101.06840, §4.1) and Megatron-LM's ``HybridDeviceOptimizer``
-    (``megatron/core/optimizer/cpu_offloading/``): the fp32 main params (4 bytes) and Adam's two
-    moments (8) live on the host, with a host copy of the grad shard in the grad dtype; each step
-    the grad shard moves device -> host and the updated params host -> device. The device keeps
-    only the model's params and grads (:func:`megatron_optimizer_bytes_per_param`'s ``weights`` and
-    ``grads``); its optimizer term is 0. All host terms are divided by ``d`` with the distributed
-    optimizer (each rank offloads its shard). Returns ``{"device_optimizer", "host", "d2h", "h2d"}``.
+    (``megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py``, main ~108-114): the fp32 main params
+    (4 bytes) and Adam's two moments (8) live on the host, with a host copy of the grad shard that it
+    allocates in its fp32 params' dtype (4, whatever the grad dtype): **16** bytes per parameter on the
+    host. Each step the grad shard moves device -> host (in the grad dtype) and the updated params host
+    -> device. The device keeps only the model's params and grads
+    (:func:`megatron_optimizer_bytes_per_param`'s ``weights`` and ``grads``); its optimizer term is 0.
+    All host terms are divided by ``d`` with the distributed optimizer (each rank offloads its shard).
+    Returns ``{"device_optimizer", "host", "host_grads", "d2h", "h2d"}`` (``host_grads``: the fp32 grad
+    copy's share of ``host``).
     """
     base = megatron_optimizer_bytes_per_param(dp, distributed_optimizer, params_dtype, grad_dtype)
     share = dp if distributed_optimizer else 1
-    return {"device_optimizer": 0.0, "host": (12 + base.grads) / share, "d2h": base.grads / share,
+    return {"device_optimizer": 0.0, "host": 16 / share, "host_grads": 4 / share, "d2h": base.grads / share,
             "h2d": base.weights / share}

@@ -6,9 +6,15 @@
 combination into a one-line ValueError that the widget shows instead of a plot.
 
 Conventions: bytes are decimal (1 GB = 1e9 bytes, as in ZeRO's 120 GB example); the memory is
-that of the busiest rank, a first-stage rank, whose model states follow ZeRO's 2 + 2 + 12 bytes
-per parameter sharded over the ``dp * cp`` ranks Megatron shards over; activations are 16-bit
-(Korthikanti). Communication is bytes one rank sends per iteration (2 bytes per element).
+that of the busiest rank, a first-stage rank, whose model states are sharded over the ``dp * cp``
+ranks Megatron shards over; activations are 16-bit (Korthikanti). Communication is bytes one rank
+sends per iteration. ``precision`` (default ``"fp16"``, the papers' mixed precision: Narayanan 2021
+trained in fp16) decides the bytes per element: fp16 counts ZeRO's 2 + 2 + 12 bytes per parameter and
+sends every element in 2 bytes (Megatron reduces fp16 grads in fp16); ``"bf16"`` counts Megatron's
+bf16 -- grads accumulated and reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``, which
+``--bf16`` switches on unless ``--grad-reduce-in-bf16``), Megatron-FSDP's (ZeRO-2/3) in
+``--megatron-fsdp-main-grads-dtype`` (default: the param dtype) -- through
+:func:`.memory.megatron_state_bytes` and :func:`.comm.dp_comm_bytes_per_iteration`.
 """
 
 from __future__ import annotations
@@ -17,11 +23,18 @@ from dataclasses import dataclass, field
 
 from course_lib import rules
 from course_lib.sizing import _checks
-from course_lib.sizing.comm import cp_comm_per_layer, dp_comm_per_iteration, pp_comm_per_iteration, tp_comm_per_layer
+from course_lib.sizing.comm import (
+    cp_comm_per_layer,
+    dp_comm_bytes_per_iteration,
+    pp_comm_per_iteration,
+    tp_comm_per_layer,
+)
 from course_lib.sizing.flops import flops_per_iteration, num_parameters, parameters_per_stage
 from course_lib.sizing.memory import (
     activation_bytes_per_layer,
     interleaving_factor,
+    megatron_grad_dtype,
+    megatron_state_bytes,
     model_state_bytes,
     output_activation_terms,
 )
@@ -157,21 +170,30 @@ def _bubble(pp, m, vp):
 
 
 def plan(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False, recompute="none",
-         zero_stage=0, micro_batch_size=1, global_batch_size=None, gpu_memory_gb=80.0) -> Plan:
+         zero_stage=0, micro_batch_size=1, global_batch_size=None, gpu_memory_gb=80.0, precision="fp16",
+         grad_reduce_in_bf16=False, megatron_fsdp_main_grads_dtype="auto") -> Plan:
     """Size one configuration of ``model`` on ``tp * pp * dp * cp`` GPUs.
 
-    Memory per rank (bytes): weights, grads, optimizer from :func:`.memory.model_state_bytes` on
-    the stage's :func:`.flops.parameters_per_stage` count with ``N_d = dp * cp``; activations from
+    Memory per rank (bytes): weights, grads, optimizer on the stage's :func:`.flops.parameters_per_stage`
+    count with ``N_d = dp * cp`` -- :func:`.memory.model_state_bytes` (ZeRO's 2 + 2 + 12) for
+    ``precision="fp16"``, :func:`.memory.megatron_state_bytes` for ``"bf16"`` / ``"fp32"`` with the grads
+    in :func:`.memory.megatron_grad_dtype` (Megatron's ``--grad-reduce-in-bf16`` and
+    ``--megatron-fsdp-main-grads-dtype``: ``grad_reduce_in_bf16``, ``megatron_fsdp_main_grads_dtype``);
+    activations from
     :func:`.memory.activation_bytes_per_layer` times the layers and micro-batches the stage holds
     (Korthikanti Eq. 5: stage ``S`` of a 1F1B pipeline holds ``min(p - S, m)`` micro-batches;
     interleaving multiplies the first stage by ``1 + (p-1)/(p v)``), plus the embedding terms
     on the first stage and the output-layer terms on the last. Communication: :mod:`.comm`,
-    times the layers and micro-batches of the busiest rank, 2 bytes per element.
+    times the layers and micro-batches of the busiest rank, 2 bytes per element (activations, and the
+    parameters DP gathers; DP's gradient reduction in the grad dtype: 4 bytes under bf16).
     FLOPs: Eq. 7 (model) and Eq. 3 / Eq. 8 (hardware, by recompute mode).
     """
     config = _checked(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage, micro_batch_size,
                       global_batch_size)
     _checks.positive_number("gpu_memory_gb", gpu_memory_gb)
+    grad_dtype = megatron_grad_dtype(precision, zero_stage, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                                     fsdp_main_grads_dtype=megatron_fsdp_main_grads_dtype)
+    element_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}
     recompute = _checks.recompute_mode(recompute)
     m = config.num_microbatches
     notes = list(config.notes)
@@ -185,7 +207,8 @@ def plan(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False
     layers_per_stage = config.layers_per_stage()[0]
 
     def stage(index: int, inflight: float) -> dict:
-        states = model_state_bytes(stage_params[index], dp * cp, zero_stage)
+        states = (model_state_bytes(stage_params[index], dp * cp, zero_stage) if precision == "fp16" else
+                  megatron_state_bytes(stage_params[index], dp * cp, zero_stage, precision, grad_dtype))
         act = per_layer * layers_per_stage * inflight
         if index == 0:
             act += outside["embedding"] * min(pp, m)
@@ -211,9 +234,10 @@ def plan(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False
     tokens_layers = layers_per_stage * m  # layer-micro-batches a rank runs per iteration
     tp_elems = tp_comm_per_layer(s, b, h, tp, sequence_parallel, recompute, cp)["total"] * tokens_layers
     pp_elems = pp_comm_per_iteration(s, b, h, pp, m, vp, tp, cp, sequence_parallel)["total"]
-    dp_elems = dp_comm_per_iteration(stage_params[0], dp, cp, zero_stage)["total"]
+    dp_bytes = dp_comm_bytes_per_iteration(stage_params[0], dp, cp, zero_stage, grad_bytes=element_bytes[grad_dtype],
+                                           param_bytes=element_bytes[precision])
     cp_elems = (cp_comm_per_layer(s, b, h, a, cp, tp)["total_estimate"] * tokens_layers) if cp > 1 else 0.0
-    comm = {"tp": 2.0 * tp_elems, "pp": 2.0 * pp_elems, "dp": 2.0 * dp_elems, "cp": 2.0 * cp_elems}
+    comm = {"tp": 2.0 * tp_elems, "pp": 2.0 * pp_elems, "dp": float(dp_bytes), "cp": 2.0 * cp_elems}
     if cp > 1:
         notes.append("CP communication counts the exact forward ring plus a 2x-forward backward estimate")
 
@@ -222,7 +246,7 @@ def plan(model: ModelSpec, tp=1, pp=1, dp=1, cp=1, vp=1, sequence_parallel=False
         model=model,
         config=dict(tp=tp, pp=pp, dp=dp, cp=cp, vp=vp, sequence_parallel=sequence_parallel,
                     recompute=recompute, zero_stage=zero_stage, micro_batch_size=micro_batch_size,
-                    global_batch_size=gbs),
+                    global_batch_size=gbs, precision=precision, grad_dtype=grad_dtype),
         world_size=tp * pp * dp * cp,
         num_microbatches=m,
         num_parameters=model.num_parameters,

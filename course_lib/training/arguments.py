@@ -136,8 +136,9 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="the param all-gather after the step is waited for in the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="elements per grad bucket with --overlap-grad-reduce (default: max(40M, 1M x DP), as Megatron); "
-                        "without overlap Megatron reduces in one bucket whatever is given")
+                   help="elements per grad bucket with --overlap-grad-reduce (default: max(40M, 1M x DP), as "
+                        "Megatron's DDP); without overlap, and on pipeline stages after the first, Megatron reduces "
+                        "in one bucket whatever is given (the shared embedding keeps a bucket of its own)")
     g.add_argument("--use-megatron-fsdp", action="store_true",
                    help="Megatron-FSDP: shard by --data-parallel-sharding-strategy (turns on the distributed "
                         "optimizer, as Megatron-FSDP v1 does)")
@@ -145,8 +146,9 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="with --use-megatron-fsdp: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
                         "optim_grads_params (ZeRO-3)")
     g.add_argument("--megatron-fsdp-main-grads-dtype", choices=("auto", "fp32"), default="auto",
-                   help="Megatron-FSDP's grad buffer dtype (Megatron main; auto = the main params' dtype). The "
-                        "course keeps fp32 params under --bf16/--fp16 (autocast), so both are fp32 here")
+                   help="Megatron-FSDP's grad buffer dtype (Megatron-LM main; default auto = the param dtype: bf16 "
+                        "grads for a --bf16 model, 2 bytes per parameter over DP; fp32 asks for 4). The course "
+                        "trainer keeps fp32 params under --bf16/--fp16 (autocast), so its grads are fp32 either way")
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="optimizer state and update on the host (needs --use-precision-aware-optimizer)")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",

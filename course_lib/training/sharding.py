@@ -6,16 +6,15 @@ trainer's model chunk is wrapped by :func:`course_lib.distributed.wrap` (Megatro
 post-accumulate-grad hooks take every gradient into its bucketed fp32 buffer, its ``step`` reduces
 over the dp-cp group (all-reduce, or reduce-scatter for the sharded strategies), updates this rank's
 shard and all-gathers the params. What Megatron's ``finalize_model_grads`` and optimizer do around
-that reduction, the trainer does here, on the engine's buffers:
+that reduction, the trainer does here, on the engine's buffers, in Megatron's order:
 
-* **before** the reduction (pp > 1): the tied word-embedding gradient summed over the embedding
-  group (first + last stage), in the engine's full local grad buffer
-  (:func:`allreduce_embedding_grads_in_buffer`). Megatron sums it *after* ``finish_grad_sync``
-  (``finalize_model_grads.py``, main ~640 then ~676), on the reduced gradient, which works because it
-  gives the shared embedding a bucket of its own; the course's engine does not, so the buckets of the
-  first and the last stage hold different parameters and the embedding's *shards* would not line up --
-  the sum is taken on the full local gradient instead (the sums commute: the same gradients), and the
-  reduction waits for it (no overlap with pp > 1);
+* ``engine.finish_grad_sync()`` -- the dp-cp reduction (Megatron's ``finish_grad_sync``);
+* **after** it (pp > 1): the tied word-embedding gradient summed over the embedding group (first + last
+  stage), on the *reduced* gradient (:func:`allreduce_embedding_grads_after_sync`;
+  ``_allreduce_word_embedding_grads``, ``finalize_model_grads.py`` main ~640 then ~676). That works on
+  shards because the embedding is marked ``shared_embedding`` on both stages and the engine gives it a
+  bucket of its own, laid out and padded alike on both (Megatron's ``_does_param_require_new_bucket``):
+  rank r of one stage's dp group holds the same elements of it as rank r of the other;
 * **between** the reduction and the update, through the engine's loss-scaler protocol
   (:class:`ShardedGradFinalizer`, Megatron's ``DistributedOptimizer.step``): the
   sequence-parallel LayerNorm (and row-parallel bias) gradients summed over TP -- shard by shard,
@@ -29,7 +28,9 @@ that reduction, the trainer does here, on the engine's buffers:
 
 Micro-batches: Megatron's ``no_sync`` -- with ``--overlap-grad-reduce`` and pp = 1 under 1F1B a
 bucket's reduction starts during the *last* micro-batch's backward; earlier ones only accumulate
-(:func:`schedule_sync`). ZeRO-3 with pp > 1: the engine gathers a unit for each forward call's
+(:func:`schedule_sync`). With ``--overlap-grad-reduce`` the buckets are Megatron's ``--ddp-bucket-size``
+default or value on the first pipeline stage and one bucket on the others
+(:func:`~course_lib.distributed.buffer.megatron_bucket_size`). ZeRO-3 with pp > 1: the engine gathers a unit for each forward call's
 backward, so the 1F1B cool-down's back-to-back backward passes each find it gathered, and never
 gathers again a unit whose backward is over (the last stage's root unit runs first in backward);
 after ``engine.step`` no gathered unit is left, so the next forward gathers the updated shards.
@@ -55,7 +56,7 @@ from course_lib.tensor_parallel import is_tensor_parallel
 from course_lib.training.arguments import sharding_strategy
 from course_lib.training.finalize_model_grads import dp_kind
 
-__all__ = ["ShardedGradFinalizer", "build_engine", "schedule_sync", "allreduce_embedding_grads_in_buffer",
+__all__ = ["ShardedGradFinalizer", "build_engine", "schedule_sync", "allreduce_embedding_grads_after_sync",
            "state_bytes"]
 
 
@@ -128,8 +129,10 @@ def build_engine(args, chunks: list, groups, config, scaler=None):
     (chunk,) = chunks
     finalizer = ShardedGradFinalizer(groups, config, args.clip_grad, scaler)
     layer_types = tuple({type(layer) for layer in chunk.decoder.layers.values()})
-    bucket_size = megatron_bucket_size(args.ddp_bucket_size, args.overlap_grad_reduce, config.dp * config.cp)
+    bucket_size = megatron_bucket_size(args.ddp_bucket_size, args.overlap_grad_reduce, config.dp * config.cp,
+                                       groups.coords["pp"])
     engine = wrap(chunk, groups, strategy=sharding_strategy(args), bucket_size=bucket_size,
+                  megatron_fsdp=args.use_megatron_fsdp,
                   overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
                   cpu_offload=args.optimizer_cpu_offload, grad_reduce_in_fp32=True, optimizer=args.optimizer,
                   weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
@@ -142,27 +145,33 @@ def schedule_sync(engine, config, pipeline_schedule: str, stack: contextlib.Exit
     """Megatron's ``no_sync`` over the micro-batches: enters ``engine.no_sync()`` on ``stack`` and returns
     ``on_last_forward()``, to call when the last micro-batch's forward runs its loss: with pp = 1 under
     1F1B that micro-batch's backward comes next, so the sync (and ``--overlap-grad-reduce``) is let
-    through for it; with pp > 1 (the embedding sum comes first) or GPipe the reduction waits for
-    ``engine.step``."""
+    through for it. With pp > 1 only the last stage runs the loss, so no stage learns here when its last
+    backward starts (Megatron's schedule re-enables the sync before it on every stage), and under GPipe
+    every backward follows every forward: then the reduction waits for ``engine.finish_grad_sync``."""
     stack.enter_context(engine.no_sync())
     overlap_last = config.pp == 1 and pipeline_schedule == "1f1b"
     return stack.close if overlap_last else (lambda: None)
 
 
 @torch.no_grad()
-def allreduce_embedding_grads_in_buffer(engine, chunks: list, groups) -> int:
-    """pp > 1: sum the tied word-embedding gradient over the embedding group in the engine's full
-    local grad buffer (``engine.main_grad``), before the dp-cp reduction (Megatron's
-    ``_allreduce_word_embedding_grads``). Returns the elements reduced."""
+def allreduce_embedding_grads_after_sync(engine, chunks: list, groups) -> int:
+    """pp > 1, after ``engine.finish_grad_sync()``: sum the tied word-embedding gradient over the
+    embedding group, on the dp-cp-reduced gradient this rank holds (``engine.synced_main_grad``: the
+    whole ``[V/t, h]`` main grad under the distributed optimizer, as Megatron's
+    ``_allreduce_word_embedding_grads`` sends it; the ``1/d`` local piece under ZeRO-2/3, as it sends
+    Megatron-FSDP's ``_local_tensor``). Returns the elements reduced."""
     weight = _shared_embedding_weight(chunks, groups)
     if weight is None or comm.group_size(groups.embedding) == 1:
         return 0
-    view = engine.main_grad(weight)     # this rank's local (unreduced) grad, a view of the buffer
+    view = engine.synced_main_grad(weight)
     comm.all_reduce(view, groups.embedding, kind="embedding", direction="bwd", source="allreduce_embedding_grads")
     return view.numel()
 
 
 def state_bytes(engine) -> dict:
-    """This rank's measured ``{"params", "grads", "optimizer", "optimizer_host"}`` bytes (the engine's)."""
+    """This rank's measured ``{"params", "grads", "optimizer", "optimizer_host"}`` bytes (the engine's), with
+    the element counts they are made of: ``padding_elements`` (the buckets' padding), ``shard_elements`` and
+    ``shard_param_elements`` (this rank's shards, and the parameter elements in them its optimizer steps)."""
     b = engine.bytes_per_rank()
-    return {k: b[k] for k in ("params", "grads", "optimizer", "optimizer_host")}
+    return {k: b[k] for k in ("params", "grads", "optimizer", "optimizer_host", "padding_elements",
+                              "shard_elements", "shard_param_elements")}

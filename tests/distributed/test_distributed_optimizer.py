@@ -10,8 +10,13 @@ returns losses, final params, bytes per rank, the last step's collectives and it
   the course's ConstantLossScaler, equal a single-process 16-bit run within 1e-3;
 * measured bytes per rank equal Megatron's distributed-optimizer table
   (``megatron_optimizer_bytes_per_param``) for fp32/fp32, bf16/fp32 and bf16/bf16, with and without
-  the distributed optimizer;
-* measured communication per step (the CommRecorder's events) equals ``dp_comm_per_iteration``;
+  the distributed optimizer, on what the rank holds: the distributed optimizer's buckets are padded as
+  Megatron pads them (64-element param starts, ``lcm(d, 128)`` bucket ends; the layout itself is
+  compared with megatron-core's in test_bucket_layout.py), so the buffers hold N + padding elements;
+* measured communication per step (the CommRecorder's events) equals ``dp_comm_per_iteration`` on the
+  padded buffers;
+* ``finish_grad_sync`` then ``synced_main_grad``: the reduced grad each rank holds (ZeRO-2: its 1/d
+  piece), the pieces of the ranks together the averaged grad of one process;
 * gradient accumulation over 2 micro-batches (all but the last under ``no_sync``) equals one
   process and communicates once per step;
 * the grad norm from the shards (and ``clip_grad``) equals one process's;
@@ -74,6 +79,24 @@ def _main_grads(ddp, model):
         return str(e)
 
 
+def _synced_main_grads(ddp, model):
+    """One more backward (iteration 1's batch, this rank's rows), ``finish_grad_sync`` (twice: the second
+    must send nothing), then each parameter's part of the reduced grad on this rank: ``{name: (start,
+    values)}``, start the piece's offset in the flattened parameter."""
+    rows = C.GLOBAL_BATCH // ddp.dp
+    x, y = C.batch(1)
+    ddp.zero_grad()
+    C.loss_fn(ddp(x[ddp.dp_rank * rows:(ddp.dp_rank + 1) * rows]), y[ddp.dp_rank * rows:(ddp.dp_rank + 1) * rows]).backward()
+    ddp.finish_grad_sync()
+    sent = len(ddp.comm.events)
+    ddp.finish_grad_sync()
+    out = {}
+    for name, p in model.named_parameters():
+        b, pr = ddp._where[id(p)]
+        out[name] = (max(b.state.lo - pr.start, 0), ddp.synced_main_grad(p).clone())
+    return {"pieces": out, "second_call_sent": len(ddp.comm.events) - sent}
+
+
 BAD_INPUTS = [  # (kwargs of wrap, the flag the message must name)
     (dict(strategy="zero3"), "--data-parallel-sharding-strategy"),
     (dict(strategy="no_shard", overlap_param_gather=True, overlap_grad_reduce=True), "--use-distributed-optimizer"),
@@ -117,6 +140,7 @@ def _run_on_ranks():
         "distopt": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **common),
         "distopt_sync": dict(use_distributed_optimizer=True, **common),  # = strategy "optim"
         "zero2_main_grad": dict(strategy="optim_grads", iters=1, probe=_main_grads),
+        "zero2_synced": dict(strategy="optim_grads", iters=1, probe=_synced_main_grads),
         "accumulated": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, micro_batches=2,
                             **common),
         "clipped": dict(strategy="optim", optimizer="sgd", clip_grad=CLIP, probe=_norm_events,
@@ -207,13 +231,25 @@ def test_16_bit_modes_equal_one_process_16_bit(runs, refs, name, ref):
     ("ddp", False, "fp32", "fp32"), ("distopt", True, "fp32", "fp32"), ("bf16_ddp", False, "bf16", "fp32"),
     ("bf16", True, "bf16", "fp32"), ("bf16_grads16", True, "bf16", "bf16")])
 def test_bytes_per_rank_equal_megatron_table(runs, name, distributed, params_dtype, grad_dtype):
-    per_param = megatron_optimizer_bytes_per_param(WORLD, distributed, params_dtype, grad_dtype)
+    """Megatron's bytes per parameter on what each rank holds: the param and grad buffers are the padded
+    buckets (N + padding elements: the distributed optimizer's 64-element starts and lcm(d, 128) ends; DDP
+    pads nothing); the optimizer keeps Adam's moments (8 B) for the elements it steps and its fp32 copies
+    (main params of 16-bit params, main grads of 16-bit grads: the table's other optimizer bytes) over its
+    contiguous shard. Every parameter element is stepped by one rank; without padding this is the table
+    times N exactly."""
+    per = megatron_optimizer_bytes_per_param(1, False, params_dtype, grad_dtype)
+    copies = per.optimizer - 8
+    pad = runs[0][name]["bytes"]["padding_elements"]
+    assert (pad > 0) == distributed
     for r in runs:
         got = r[name]["bytes"]
-        assert got["padding_elements"] == 0
-        assert got["params"] == per_param.weights * C.NUM_PARAMS
-        assert got["grads"] == per_param.grads * C.NUM_PARAMS
-        assert got["optimizer"] == per_param.optimizer * C.NUM_PARAMS
+        assert got["params"] == per.weights * (C.NUM_PARAMS + pad)
+        assert got["grads"] == per.grads * (C.NUM_PARAMS + pad)
+        assert got["shard_elements"] == (C.NUM_PARAMS + pad) // (WORLD if distributed else 1)
+        assert got["optimizer"] == 8 * got["shard_param_elements"] + copies * got["shard_elements"]
+    assert sum(r[name]["bytes"]["shard_param_elements"] for r in runs) == C.NUM_PARAMS * (1 if distributed else WORLD)
+    if not distributed:
+        assert runs[0][name]["bytes"]["optimizer"] == per.optimizer * C.NUM_PARAMS
 
 
 @pytest.mark.parametrize("name,ops", [("ddp", {"all_reduce"}), ("distopt", {"reduce_scatter", "all_gather"}),
@@ -224,13 +260,14 @@ def test_comm_per_step_equals_formula(runs, name, ops):
         rec = summarize(r[name]["events"])
         assert {e.op for e in rec.events} == ops
         assert rec.count() == 2 * len(ops)  # two buckets of 600+ elements
-        want = dp_comm_per_iteration(C.NUM_PARAMS, WORLD, zero_stage=1 if "all_gather" in ops else 0)["total"]
+        padded = C.NUM_PARAMS + r[name]["bytes"]["padding_elements"]   # the collectives carry the padding
+        want = dp_comm_per_iteration(padded, WORLD, zero_stage=1 if "all_gather" in ops else 0)["total"]
         assert rec.ring_elements_sent() == pytest.approx(want, rel=1e-12)
     # bf16 params, fp32 grads: the grads cross the wire in fp32, the params in bf16
     if name == "bf16":
         rec = summarize(runs[0][name]["events"])
-        assert rec.bytes(op="reduce_scatter") == 4 * C.NUM_PARAMS
-        assert rec.bytes(op="all_gather") == 2 * C.NUM_PARAMS
+        assert rec.bytes(op="reduce_scatter") == 4 * padded
+        assert rec.bytes(op="all_gather") == 2 * padded
 
 
 def test_tp2dp2_reduces_over_dp_only(runs):
@@ -238,7 +275,8 @@ def test_tp2dp2_reduces_over_dp_only(runs):
     assert {e.group_size for e in rec.events} == {2}
     # this rank's params: fc1 (column) and fc2's weight (row) halved by TP, fc2's bias and fc3 whole
     local = (C.IN * C.HID + C.HID) // 2 + C.HID * C.HID // 2 + C.HID + C.HID * C.OUT + C.OUT
-    assert rec.ring_elements_sent() == pytest.approx(dp_comm_per_iteration(local, 2, zero_stage=1)["total"])
+    padded = local + runs[0]["tp2dp2"]["bytes"]["padding_elements"]
+    assert rec.ring_elements_sent() == pytest.approx(dp_comm_per_iteration(padded, 2, zero_stage=1)["total"])
 
 
 def test_grad_norm_is_computed_once_when_asked_and_recorded(runs):
@@ -321,6 +359,22 @@ def test_main_grad_is_the_averaged_grad(runs, refs):
         assert "1/d grad shard" in r["zero2_main_grad"]["probe"]
 
 
+def test_synced_main_grad_is_this_ranks_part_of_the_averaged_grad(runs, refs):
+    """ZeRO-2: after finish_grad_sync each rank holds a 1/d piece of every grad: the pieces of the ranks tile
+    each parameter once, and together they are one process's averaged grad (its norm at the reference's
+    second iteration: the probe's backward ran after one step); a second finish_grad_sync sends nothing."""
+    square = 0.0
+    for name, p in C.make_model().named_parameters():
+        covered = torch.zeros(p.numel(), dtype=torch.int64)
+        for r in runs:
+            start, values = r["zero2_synced"]["probe"]["pieces"][name]
+            covered[start:start + values.numel()] += 1
+            square += float(values.double().square().sum())
+        assert covered.eq(1).all(), name
+    assert C.rel(square ** 0.5, refs["fp32"].grad_norms[1]) < 1e-5
+    assert all(r["zero2_synced"]["probe"]["second_call_sent"] == 0 for r in runs)
+
+
 def test_bucket_size_follows_megatrons_ddp_defaults():
     from course_lib.distributed.buffer import megatron_bucket_size
 
@@ -328,3 +382,4 @@ def test_bucket_size_follows_megatrons_ddp_defaults():
     assert megatron_bucket_size(None, True, 8) == 40_000_000 and megatron_bucket_size(None, True, 64) == 64_000_000
     assert megatron_bucket_size(3000, True, 4) == 3000
     assert megatron_bucket_size(3000, False, 4) is None and megatron_bucket_size(None, False, 4) is None
+    assert megatron_bucket_size(3000, True, 4, pp_rank=1) is None   # stages after the first: one bucket

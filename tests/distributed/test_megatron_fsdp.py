@@ -10,8 +10,9 @@ without ``--optimizer-cpu-offload``, in fp32 and bf16, and with ``torch.distribu
   1e-4 relative at every iteration, its grad norm and the same final params; bf16 ZeRO-2/3 equal a
   single-process bf16 run within 1e-3;
 * measured bytes per rank of params, grads and optimizer state equal ZeRO's ``model_state_bytes`` by
-  stage (fp32: 4 + 4 + 8; bf16 with fp32 grads: 2 + 4 + 12), offload's host bytes and bytes moved
-  equal ``optimizer_offload_bytes_per_param``;
+  stage (fp32: 4 + 4 + 8; bf16 with fp32 grads: 2 + 4 + 12; Megatron-FSDP pads a bucket to a multiple of
+  d only, which this MLP needs not), offload's host bytes (16 per parameter over d: fp32 main params,
+  moments and grads) and bytes moved equal ``optimizer_offload_bytes_per_param``;
 * ZeRO-3's communication per step (CommRecorder) is ``dp_comm_per_iteration(zero_stage=3)``, 1.5x
   the all-reduce's: per unit an all-gather before forward, another before backward and a
   reduce-scatter of grads; the next unit's all-gather is issued before its forward starts (prefetch);
@@ -86,14 +87,15 @@ def _run_on_ranks():
     b = dict(bucket_size=600)
     runs = {
         "ddp": dict(strategy="no_shard", **b),
-        "z1": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, **b),
+        # Megatron-FSDP's optim: its buffer layout (a multiple of d), not the distributed optimizer's
+        "z1": dict(strategy="optim", overlap_grad_reduce=True, overlap_param_gather=True, megatron_fsdp=True, **b),
         "z2": dict(strategy="optim_grads", overlap_grad_reduce=True, **b),
         "z3": dict(strategy="optim_grads_params", overlap_grad_reduce=True),
         "z3_sync": dict(strategy="optim_grads_params", probe=_saved_bytes),
         "z3_accumulated": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2),
         "z3_pipelined": dict(strategy="optim_grads_params", overlap_grad_reduce=True, micro_batches=2,
                              forwards_first=True),
-        "z1_offload": dict(strategy="optim", cpu_offload=True, **b),
+        "z1_offload": dict(strategy="optim", cpu_offload=True, megatron_fsdp=True, **b),
         "z3_offload": dict(strategy="optim_grads_params", cpu_offload=True),
         "bf16_z2": dict(strategy="optim_grads", dtype=torch.bfloat16, overlap_grad_reduce=True, **b),
         "bf16_z3": dict(strategy="optim_grads_params", dtype=torch.bfloat16, overlap_grad_reduce=True),
@@ -280,4 +282,5 @@ def test_formula_extensions_keep_the_paper_and_refuse_bad_bytes():
         with pytest.raises(ValueError, match="param_bytes"):
             model_state_bytes(1, 1, 0, param_bytes=bad)
     off = optimizer_offload_bytes_per_param(8, False, "bf16", "bf16")
-    assert off == {"device_optimizer": 0.0, "host": 14.0, "d2h": 2.0, "h2d": 2.0}  # not sharded: d ignored
+    # not sharded: d ignored; the host's grad copy is fp32 whatever crosses (HybridDeviceOptimizer)
+    assert off == {"device_optimizer": 0.0, "host": 16.0, "host_grads": 4.0, "d2h": 2.0, "h2d": 2.0}

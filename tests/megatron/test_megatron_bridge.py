@@ -733,6 +733,28 @@ def test_megatron_cmd_cli_cluster_sharding_and_moe(capsys):
         _cli(command_mod, ["--ep", "2"])
 
 
+def test_fsdp_main_grads_dtype_is_printed_when_asked_and_only_for_megatron_fsdp(capsys):
+    """Megatron-FSDP's grads are in the param dtype at main (--megatron-fsdp-main-grads-dtype auto, not printed);
+    fp32 grads need the flag (main only: MAIN_ONLY_FLAGS), which makes no sense without Megatron-FSDP."""
+    from course_lib.megatron.flags import MAIN_ONLY_FLAGS
+
+    assert set(MAIN_ONLY_FLAGS) == {"--megatron-fsdp-main-grads-dtype"} and not set(MAIN_ONLY_FLAGS) & (
+        set(SHARDING_FLAGS) | set(PRETRAIN_FLAGS))
+    default = _arg_dict(megatron_command(D, MegatronRun(sharding="fsdp")))
+    assert "--megatron-fsdp-main-grads-dtype" not in default and "--bf16" in default
+    wide = _arg_dict(megatron_command(D, MegatronRun(sharding="fsdp-optim-grads", megatron_fsdp_main_grads_dtype="fp32")))
+    assert wide["--megatron-fsdp-main-grads-dtype"] == "fp32"
+    for bad, match in ((dict(sharding="dist-opt", megatron_fsdp_main_grads_dtype="fp32"), "is not Megatron-FSDP"),
+                       (dict(sharding="fsdp", megatron_fsdp_main_grads_dtype="fp64"), "fp64' is not one of auto")):
+        with pytest.raises(ValueError, match=match) as err:
+            MegatronRun(**bad)
+        assert "\n" not in str(err.value)
+    assert _cli(command_mod, ["--config", "D", "--sharding", "fsdp", "--megatron-fsdp-main-grads-dtype", "fp32",
+                              "--show", "sharding"]) == 0
+    blocks = capsys.readouterr().out.split("\n\n")
+    assert [("--megatron-fsdp-main-grads-dtype fp32" in b) for b in blocks[-4:]] == [SHARDING[n].fsdp for n in SHARDING]
+
+
 # Builds Megatron-LM's own argument parser from a checkout (in a subprocess: imports it cannot satisfy
 # here -- triton, regex, pydantic, Python 3.12's typing.override -- are stubbed) and prints its options.
 _MEGATRON_PARSER = r"""

@@ -212,6 +212,52 @@ def test_plan_composes_the_formulas():
     assert p.bubble == sizing.bubble_fraction(2, 8)
 
 
+def test_megatron_grad_dtype_and_state_bytes_follow_megatrons_flags():
+    """Megatron-LM main: bf16 reduces grads in fp32 (arguments.py ~1204-1217) unless --grad-reduce-in-bf16, fp16
+    in fp16 unless --accumulate-allreduce-grads-in-fp32; Megatron-FSDP keeps them in
+    --megatron-fsdp-main-grads-dtype, default auto = the param dtype (_resolve_group_grad_dtype)."""
+    from course_lib.sizing.memory import megatron_grad_dtype, megatron_state_bytes, optimizer_offload_bytes_per_param
+
+    assert [megatron_grad_dtype("bf16", z) for z in range(4)] == ["fp32", "fp32", "bf16", "bf16"]
+    assert megatron_grad_dtype("bf16", 1, grad_reduce_in_bf16=True) == "bf16"
+    assert megatron_grad_dtype("fp16", 0) == "fp16" and megatron_grad_dtype("fp16", 1, accumulate_allreduce_grads_in_fp32=True) == "fp32"
+    assert megatron_grad_dtype("bf16", 3, fsdp_main_grads_dtype="fp32") == "fp32"
+    assert megatron_grad_dtype("fp32", 3) == "fp32"
+    one_line_error(megatron_grad_dtype, "bf16", 3, fsdp_main_grads_dtype="fp8", match="megatron-fsdp-main-grads-dtype")
+    one_line_error(megatron_grad_dtype, "int8", match="precision='int8'")
+    psi, d = 1000.0, 8
+    assert megatron_state_bytes(psi, d, 1, "bf16") == (2 * psi, 4 * psi, 12 * psi / d)          # 6 + 12/d
+    assert megatron_state_bytes(psi, d, 0, "fp16") == (2 * psi, 2 * psi, 16 * psi)            # 20
+    assert megatron_state_bytes(psi, d, 3, "bf16") == (2 * psi / d, 2 * psi / d, 12 * psi / d)  # auto: bf16 grads
+    assert megatron_state_bytes(psi, d, 2, "bf16", "fp32") == (2 * psi, 4 * psi / d, 12 * psi / d)
+    assert megatron_state_bytes(psi, d, 3, "fp32") == (4 * psi / d, 4 * psi / d, 8 * psi / d)
+    # --optimizer-cpu-offload: HybridDeviceOptimizer's host holds fp32 main params, moments and an fp32 grad copy
+    for grads in ("fp32", "bf16"):
+        off = optimizer_offload_bytes_per_param(d, True, "bf16", grads)
+        assert off["host"] == 16 / d and off["host_grads"] == 4 / d and off["device_optimizer"] == 0
+
+
+def test_plan_counts_dp_traffic_in_the_grad_dtype():
+    """fp16 (the default: the papers'): every DP element in 2 bytes, ZeRO's 2 + 2 + 12. bf16: Megatron reduces
+    the grads in fp32 (4 bytes), gathers the params in bf16 (2) and holds 18 (6 + 12/d) bytes per parameter;
+    Megatron-FSDP's grads stay bf16 unless --megatron-fsdp-main-grads-dtype fp32."""
+    stages = sizing.parameters_per_stage(TINY.num_layers, TINY.hidden_size, TINY.vocab_size, TINY.seq_length,
+                                         TINY.num_heads, 2, 1)
+    kw = dict(tp=2, dp=4, micro_batch_size=4, global_batch_size=64)
+    ring = sizing.dp_comm_per_iteration(stages[0], 4, zero_stage=0)["total"] / 2    # one ring pass, elements
+    for zero, fp16, bf16, bf16_fsdp_fp32 in ((0, 4, 8, 8), (1, 4, 6, 6), (2, 4, 4, 6), (3, 6, 6, 8)):
+        assert plan(TINY, zero_stage=zero, **kw).comm["dp"] == pytest.approx(fp16 * ring)
+        p = plan(TINY, zero_stage=zero, precision="bf16", **kw)
+        assert p.comm["dp"] == pytest.approx(bf16 * ring), zero
+        wide = plan(TINY, zero_stage=zero, precision="bf16", megatron_fsdp_main_grads_dtype="fp32", **kw)
+        assert wide.comm["dp"] == pytest.approx(bf16_fsdp_fp32 * ring), zero
+    p = plan(TINY, zero_stage=1, precision="bf16", **kw)
+    assert p.config["grad_dtype"] == "fp32"
+    assert p.stage_memory[0]["grads"] == 4 * stages[0] and p.stage_memory[0]["optimizer"] == 12 * stages[0] / 4
+    narrow = plan(TINY, zero_stage=1, precision="bf16", grad_reduce_in_bf16=True, **kw)
+    assert narrow.comm["dp"] == pytest.approx(4 * ring) and narrow.config["grad_dtype"] == "bf16"
+
+
 def test_plan_fit_verdicts_and_notes():
     gpt3 = PRESETS["GPT-3 175B"]["model"]
     assert not plan(gpt3, tp=1, pp=1, dp=8, global_batch_size=8).fits  # 175B x 16 bytes on one GPU
