@@ -25,6 +25,10 @@ Conventions
   all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the
   input before scattering; broadcast/send/recv/all-to-all: the tensor a rank
   holds. ``bytes = numel * element size``.
+* ``sent`` is what leaves the rank when the op's splits fix it exactly: an uneven
+  all-to-all (the MoE dispatch) sends every row but the chunk it keeps, so its
+  ``sent`` is the rows addressed to *other* ranks x row size, where the even
+  formula ``N (t-1)/t`` below would only estimate it. ``None``: use the formula.
 * ``direction`` is ``"fwd"`` or ``"bwd"``. When not given it is inferred: a
   collective issued while autograd runs a backward pass is ``"bwd"``.
 * The wrappers are not differentiable (like ``torch.distributed``); autograd-aware
@@ -86,7 +90,8 @@ class CommEvent:
     ``"reduce_from_tensor_model_parallel_region"``); ``tag``: a free note, e.g.
     ``"recompute"`` for Megatron's re-gather of a sequence-parallel input in the
     backward pass; ``peer``: the other global rank for send/recv; ``rank``: the
-    global rank that recorded it."""
+    global rank that recorded it; ``sent``: the elements that left this rank when
+    known exactly (an uneven all-to-all's rows for other ranks), else None."""
 
     op: str
     kind: str
@@ -100,10 +105,14 @@ class CommEvent:
     tag: Optional[str] = None
     peer: Optional[int] = None
     rank: Optional[int] = None
+    sent: Optional[int] = None
 
     @property
     def ring_elements_sent(self) -> float:
-        """Elements this rank sends when the op runs as a ring (see :func:`ring_elements_sent`)."""
+        """Elements this rank sends: ``sent`` where the op knows it exactly, else the ring cost
+        model's (see :func:`ring_elements_sent`)."""
+        if self.sent is not None:
+            return float(self.sent)
         return ring_elements_sent(self.op, self.numel, self.group_size)
 
     def as_dict(self) -> dict:
@@ -216,7 +225,8 @@ def _infer_direction() -> str:
 
 def record_event(op: str, numel: int, *, group_size: int, kind: str, dtype=torch.float32,
                  direction: Optional[str] = None, reduce_op: Optional[str] = None,
-                 source: Optional[str] = None, tag: Optional[str] = None, peer: Optional[int] = None) -> None:
+                 source: Optional[str] = None, tag: Optional[str] = None, peer: Optional[int] = None,
+                 sent: Optional[int] = None) -> None:
     """Record an op issued some other way (e.g. inside ``dist.batch_isend_irecv``).
 
     The wrappers below call this; code that issues its own communication should
@@ -231,7 +241,8 @@ def record_event(op: str, numel: int, *, group_size: int, kind: str, dtype=torch
     event = CommEvent(op=op, kind=kind, group_size=int(group_size), numel=int(numel),
                       bytes=int(numel) * itemsize, direction=direction, dtype=str(dtype).replace("torch.", ""),
                       reduce_op=reduce_op, source=source, tag=tag, peer=peer,
-                      rank=dist.get_rank() if dist.is_initialized() else None)
+                      rank=dist.get_rank() if dist.is_initialized() else None,
+                      sent=None if sent is None else int(sent))
     for rec in _ACTIVE:
         rec.events.append(event)
 

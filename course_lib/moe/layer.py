@@ -7,20 +7,26 @@ expert, ``--moe-ffn-hidden-size``). Papers: GShard (Lepikhin et al. 2020), Switc
 (Fedus et al. 2021).
 
 Dropless dispatch on one rank of an expert-parallel group of ``ep`` ranks (T tokens, k = top-k,
-E experts, L = E / ep local experts; rank j holds experts ``j·L .. j·L+L-1``):
+E experts, L = E / ep local experts; rank j holds experts ``j·L .. j·L+L-1``), as Megatron's
+``MoEAlltoAllTokenDispatcher`` does it:
 
-1. permute: the T·k (token, expert) pairs sorted by expert -> [T·k, H]; rows for rank j are one
-   contiguous chunk (``input_splits[j]`` rows);
-2. all-to-all of the counts (E numbers) so that every rank knows what it will receive, then the
-   uneven all-to-all of the rows (``all_to_all_single`` with splits) -> rows for my L experts,
-   grouped by source rank; regroup them by local expert;
-3. each local expert runs its MLP on its rows;
-4. combine = the mirror image: regroup by source, all-to-all back, multiply by the gate values and
-   add the k outputs of each token (unpermute) -> [T, H].
+1. permute: the T·k (token, expert) pairs sorted by expert -> rows [T·k, H] and their gate values
+   (probs) [T·k]; rows for rank j are one contiguous chunk (``input_splits[j]`` rows);
+2. all-gather every rank's counts (E numbers) over the group, so that every rank knows the whole
+   distribution and reads its splits off it (:func:`course_lib.moe.alltoall_plan.plan_alltoall`);
+   then the uneven all-to-all of the rows and, beside it, of the probs (``all_to_all_single`` with
+   splits) -> rows for my L experts, grouped by source rank; regroup them by local expert;
+3. each local expert runs its MLP on its rows, the gate value scaling the activation before fc2
+   (Megatron's ``per_token_scale``): ``fc2(gelu(fc1(x)) · p)``;
+4. combine = the mirror image: regroup by source, all-to-all back, add the k outputs of each token
+   (unpermute) -> [T, H].
 
-Each all-to-all moves T·k·H elements per rank (each way, forward and backward): the traffic grows
-with tokens × top-k, not with the number of experts. With ``ep_group=None`` the same class is the
-single-process MoE (all experts local, no communication) -- the reference the parity tests use.
+Each all-to-all takes T·k·H elements per rank (each way, forward and backward), of which the rows
+for this rank's own experts (≈ 1/ep of them with balanced routing) never leave it: the traffic
+grows with tokens × top-k, not with the number of experts. The recorder counts the all-to-all's
+input as ``numel`` and the rows for the other ranks as ``sent``. With ``ep_group=None`` the same
+class is the single-process MoE (all experts local, no communication) -- the reference the parity
+tests use.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from course_lib import comm, rules
+from course_lib.moe.alltoall_plan import plan_alltoall
 from course_lib.moe.mappings import all_to_all_uneven, reorder_chunks
 from course_lib.moe.router import route
 
@@ -79,10 +86,12 @@ class MoELayer(torch.nn.Module):
         for p in (self.fc1, self.fc2):
             p.allreduce = False
 
-    def experts(self, rows: torch.Tensor, rows_per_local_expert: list[int]) -> torch.Tensor:
-        """SequentialMLP: local expert l runs fc2(gelu(fc1(x))) on its rows. [N, H] -> [N, H]."""
-        outs = [F.gelu(chunk @ self.fc1[i].t()) @ self.fc2[i].t()          # [n_l, F] -> [n_l, H]
-                for i, chunk in enumerate(torch.split(rows, rows_per_local_expert))]
+    def experts(self, rows: torch.Tensor, probs: torch.Tensor, rows_per_local_expert: list[int]) -> torch.Tensor:
+        """SequentialMLP: local expert l runs fc2(gelu(fc1(x)) · p) on its rows.
+        rows [N, H], probs [N] (each row's gate value) -> [N, H]."""
+        outs = [(F.gelu(chunk @ self.fc1[i].t()) * p.unsqueeze(-1)) @ self.fc2[i].t()   # [n_l, F] -> [n_l, H]
+                for i, (chunk, p) in enumerate(zip(torch.split(rows, rows_per_local_expert),
+                                                   torch.split(probs, rows_per_local_expert)))]
         return torch.cat(outs) if outs else rows
 
     def forward(self, x: torch.Tensor):
@@ -93,31 +102,32 @@ class MoELayer(torch.nn.Module):
         flat_experts = indices.flatten()                                            # [T·k]
         perm = torch.argsort(flat_experts, stable=True)                             # pair order by expert
         permuted = tokens[perm // self.topk]                                        # [T·k, H]
+        permuted_probs = probs.flatten()[perm]                                      # [T·k]
         tokens_per_expert = torch.bincount(flat_experts, minlength=self.num_experts)  # [E]
         if self.ep_group is None:
-            expert_out = self.experts(permuted, tokens_per_expert.tolist())
+            expert_out = self.experts(permuted, permuted_probs, tokens_per_expert.tolist())
         else:
-            expert_out = self._through_experts_of_the_group(permuted, tokens_per_expert)
-        weighted = expert_out * probs.flatten()[perm].unsqueeze(-1)                # [T·k, H]
-        out = torch.zeros_like(tokens).index_add(0, perm // self.topk, weighted)   # unpermute: [T, H]
+            expert_out = self._through_experts_of_the_group(permuted, permuted_probs, tokens_per_expert)
+        out = torch.zeros_like(tokens).index_add(0, perm // self.topk, expert_out)  # unpermute: [T, H]
         return out.reshape(shape), aux
 
-    def _through_experts_of_the_group(self, permuted: torch.Tensor, tokens_per_expert: torch.Tensor):
-        """Dispatch (all-to-all) -> local experts -> combine (all-to-all back). [T·k, H] -> [T·k, H]."""
+    def _through_experts_of_the_group(self, permuted: torch.Tensor, permuted_probs: torch.Tensor,
+                                      tokens_per_expert: torch.Tensor):
+        """Dispatch (all-to-all of rows and probs) -> local experts -> combine (all-to-all back).
+        [T·k, H], [T·k] -> [T·k, H]."""
         ep, L = self.ep, self.num_local_experts
-        per_slice = tokens_per_expert.view(ep, L)                                   # [ep, L]: slice j -> rank j
-        # every rank learns how many rows it receives for each of its local experts
-        counts = comm.all_to_all(per_slice.flatten().contiguous(), self.ep_group, kind="ep",
-                                 source="moe_token_counts", tag="counts").view(ep, L)  # [source, L]
-        input_splits = per_slice.sum(1).tolist()
-        output_splits = counts.sum(1).tolist()
-        received = all_to_all_uneven(permuted, self.ep_group, output_splits, input_splits, "moe_dispatch")
+        plan = plan_alltoall(tokens_per_expert, self.ep_group, ep, 1, 0, self.local_expert_indices[0])
+        received = all_to_all_uneven(permuted, self.ep_group, plan.output_splits, plan.input_splits, "moe_dispatch")
+        received_probs = all_to_all_uneven(permuted_probs, self.ep_group, plan.output_splits, plan.input_splits,
+                                           "moe_dispatch_probs")
         by_expert_order = [s * L + l for l in range(L) for s in range(ep)]
-        rows = reorder_chunks(received, counts.flatten().tolist(), by_expert_order)   # [N, H] by local expert
-        y = self.experts(rows, counts.sum(0).tolist())
+        rows = reorder_chunks(received, plan.chunk_sizes, by_expert_order)          # [N, H] by local expert
+        row_probs = reorder_chunks(received_probs, plan.chunk_sizes, by_expert_order)
+        y = self.experts(rows, row_probs, plan.tokens_per_local_expert)
         by_source_order = [l * ep + s for s in range(ep) for l in range(L)]
-        y = reorder_chunks(y, counts.t().flatten().tolist(), by_source_order)         # back to by source
-        return all_to_all_uneven(y, self.ep_group, input_splits, output_splits, "moe_combine")
+        counts_by_expert = [plan.chunk_sizes[i] for i in by_expert_order]
+        y = reorder_chunks(y, counts_by_expert, by_source_order)                    # back to by source
+        return all_to_all_uneven(y, self.ep_group, plan.input_splits, plan.output_splits, "moe_combine")
 
 
 def is_expert_param(p: torch.Tensor) -> bool:

@@ -7,7 +7,8 @@ The counterpart of :mod:`course_lib.tensor_parallel.mappings` for the token disp
 its mirror, and every one is recorded through :mod:`course_lib.comm`:
 
 * :func:`all_to_all_uneven` -- ``all_to_all_single`` with splits; backward: the splits swapped.
-  Kind ``"ep"``, numel = the rows this rank sends × row size.
+  Kind ``"ep"``, numel = the rows this rank hands to the all-to-all × row size (its own chunk
+  included), ``sent`` = the rows for the *other* ranks × row size: what crosses the wire.
 * :func:`all_gather_uneven` / :func:`reduce_scatter_uneven` -- row blocks of different sizes over
   the expert-TP group; each one's backward is the other. Kind ``"expert_tp"``, numel = the gathered
   rows × row size (the course's convention). Written with ``all_to_all_single``, which gloo and
@@ -17,6 +18,8 @@ its mirror, and every one is recorded through :mod:`course_lib.comm`:
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -28,8 +31,10 @@ __all__ = ["all_to_all_uneven", "all_gather_uneven", "reduce_scatter_uneven", "r
 
 def _all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int], source: str):
     out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    row = math.prod(x.shape[1:])
+    kept = input_splits[dist.get_rank(group)] * row                  # my own chunk never leaves me
     comm.record_event("all_to_all", x.numel(), group_size=dist.get_world_size(group), kind="ep",
-                      dtype=x.dtype, source=source)
+                      dtype=x.dtype, source=source, sent=x.numel() - kept)
     dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits,
                            input_split_sizes=input_splits, group=group)
     return out
@@ -53,7 +58,8 @@ def all_to_all_uneven(x: torch.Tensor, group, output_splits: list[int], input_sp
                       source: str = "moe_all_to_all") -> torch.Tensor:
     """Differentiable ``all_to_all_single``: the first ``input_splits[j]`` rows after the previous
     ones go to group rank j; ``output_splits[j]`` rows come from rank j. [sum(in), ...] -> [sum(out), ...].
-    Recorded as op "all_to_all", kind "ep", numel = the rows this rank sends × row size."""
+    Recorded as op "all_to_all", kind "ep", numel = every row handed in × row size, ``sent`` = the
+    rows for other ranks × row size."""
     return _AllToAll.apply(x, group, list(map(int, output_splits)), list(map(int, input_splits)), source)
 
 
@@ -61,7 +67,7 @@ def _uneven(x: torch.Tensor, group, sizes: list[int], gather: bool) -> torch.Ten
     """Uneven all-gather (``gather``: this rank's ``sizes[me]`` rows sent to every member) or
     reduce-scatter (block j of ``x``, ``sizes[j]`` rows, sent to member j; the t copies summed)."""
     t, me = comm.group_size(group), comm.group_rank(group)
-    row = x[0].numel() if x.dim() > 1 else 1
+    row = math.prod(x.shape[1:])
     comm.record_event("all_gather" if gather else "reduce_scatter", sum(sizes) * row, group_size=t,
                       kind="expert_tp", dtype=x.dtype, reduce_op=None if gather else "sum",
                       source="moe_expert_tp_gather" if gather else "moe_expert_tp_reduce_scatter")

@@ -87,8 +87,8 @@ def plot_two_grids(grid, ax=None):
 def plot_dispatch(tokens_per_expert=DISPATCH_EXAMPLE, ax=None):
     """The alltoall dispatch of ``tokens_per_expert`` (per source rank, rows per expert; rank j of the EP
     group holds experts j·L .. j·L+L-1): each rank's rows sorted by expert (left), cut into one chunk per
-    destination, and what each rank receives, grouped by source rank (right). The counts exchange that
-    tells every rank its ``output_split_sizes`` is written between them. Returns the figure."""
+    destination, and what each rank receives, grouped by source rank (right). What each rank reads off
+    the all-gathered counts (its ``output_split_sizes``) is written between them. Returns the figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -125,13 +125,14 @@ def plot_dispatch(tokens_per_expert=DISPATCH_EXAMPLE, ax=None):
     ax.annotate("", xy=(7.0, ep / 2), xytext=(3.6, ep / 2), arrowprops=dict(arrowstyle="->", lw=1.5))
     handles = [Rectangle((0, 0), 1, 1, facecolor=colors[e]) for e in range(experts)]
     handles.append(Rectangle((0, 0), 1, 1, facecolor="white", edgecolor="black", hatch="///"))
-    ax.legend(handles, [f"expert {e} (on rank {e // local})" for e in range(experts)] + ["arrived from rank 1"],
+    ax.legend(handles, [f"expert {e} (on rank {e // local})" for e in range(experts)] + ["rows of rank 1"],
               fontsize=7, ncol=experts + 1, loc="lower center", bbox_to_anchor=(0.5, -0.3))
     ax.set_xlim(-0.6, 12)
     ax.set_ylim(-0.2, ep + 0.3)
     ax.axis("off")
-    ax.set_title(f"Dispatch on {ep} EP ranks, {experts} experts: 1) all-to-all of the counts (E numbers), 2) "
-                 f"all-to-all of the rows, cut per destination (thick line), uneven splits", fontsize=9)
+    ax.set_title(f"Dispatch on {ep} EP ranks, {experts} experts: 1) all-gather of every rank's counts (E numbers "
+                 f"each),\n2) all-to-all of the rows and their gates, cut per destination (thick line), uneven "
+                 f"splits; the chunk for a rank's own experts stays on it", fontsize=9)
     return ax.figure
 
 

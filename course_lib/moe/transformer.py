@@ -19,12 +19,15 @@ Parameters (``E`` experts, ``L = E / ep`` on this rank, ``F`` = ``--moe-ffn-hidd
 
 The route of a token (``T`` = this rank's tokens, ``k`` = top-k):
 
-* ``--moe-token-dispatcher-type alltoall`` (``MoEAlltoAllTokenDispatcher``): the ``T·k`` rows
-  sorted by expert go to the EP rank that holds their expert by one uneven all-to-all over the EP
-  group; with expert TP > 1 the received rows are all-gathered over the expert-TP group (every TP
-  shard of an expert needs all its rows), each shard computes its part, a reduce-scatter sums the
-  parts back, and the mirror all-to-all returns the outputs. Rows cross the EP group once each way:
-  ``T·k·H`` elements per rank per pass.
+* ``--moe-token-dispatcher-type alltoall`` (``MoEAlltoAllTokenDispatcher``): every rank of the
+  expert tp-ep group all-gathers everybody's ``[E]`` counts and reads its splits off them
+  (:mod:`course_lib.moe.alltoall_plan`); the ``T·k`` rows sorted by expert, and their gate values
+  beside them, go to the EP rank that holds their expert by uneven all-to-alls over the EP group;
+  with expert TP > 1 the received rows and gates are all-gathered over the expert-TP group (every
+  TP shard of an expert needs all its rows), each shard computes its part (the gate scaling the
+  activation), a reduce-scatter sums the parts back, and the mirror all-to-all returns the outputs.
+  Each all-to-all takes ``T·k·H`` elements per rank per pass; the rows for the rank's own experts
+  (≈ 1/ep) stay on it, the recorder's ``sent``.
 * ``--moe-token-dispatcher-type allgather`` (``MoEAllGatherTokenDispatcher``): every rank of the
   tp-ep group all-gathers everybody's tokens and gates, runs its experts on the rows routed to them,
   and a reduce-scatter over tp-ep sums the outputs back to their owners: ``(n-1)·T·H`` elements in,
@@ -49,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from course_lib import comm, rules
+from course_lib.moe.alltoall_plan import plan_alltoall
 from course_lib.moe.mappings import all_gather_uneven, all_to_all_uneven, reduce_scatter_uneven
 from course_lib.moe.pattern import moe_layer_pattern
 from course_lib.moe.router import route
@@ -72,12 +76,16 @@ class _Experts(nn.Module):
         self.linear_fc1 = _Stacked(fc1, 1)             # [L, F/etp, H]  column-parallel over expert TP
         self.linear_fc2 = _Stacked(fc2, 2)             # [L, H, F/etp]  row-parallel over expert TP
 
-    def forward(self, rows: torch.Tensor, chunk_sizes: list[int], chunk_experts: list[int]) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, probs: torch.Tensor, chunk_sizes: list[int],
+                chunk_experts: list[int]) -> torch.Tensor:
         """Chunk ``c`` of ``rows`` ([N, H], chunks of ``chunk_sizes``) through local expert
-        ``chunk_experts[c]``: ``gelu(x W1^T) W2^T`` -> [N, H] (a partial sum when expert TP > 1)."""
+        ``chunk_experts[c]``, each row's gate value ``probs`` [N] scaling the activation (Megatron's
+        ``per_token_scale``, ``megatron/core/transformer/mlp.py``): ``(gelu(x W1^T) · p) W2^T`` -> [N, H]
+        (a partial sum when expert TP > 1)."""
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        outs = [F.gelu(chunk @ w1[e].t()) @ w2[e].t()
-                for chunk, e in zip(torch.split(rows, [int(n) for n in chunk_sizes]), chunk_experts)]
+        sizes = [int(n) for n in chunk_sizes]
+        outs = [(F.gelu(chunk @ w1[e].t()) * p.unsqueeze(-1)) @ w2[e].t()
+                for chunk, p, e in zip(torch.split(rows, sizes), torch.split(probs, sizes), chunk_experts)]
         return torch.cat(outs) if outs else rows[:0]
 
 
@@ -190,39 +198,29 @@ class MoEMLP(nn.Module):
             self.metrics[name] = self.metrics.get(name, 0.0) + value.detach() / coeffs[name]
 
     def _alltoall(self, tokens, probs, indices):
-        """Permute -> all-to-all over EP -> (gather over expert TP) -> experts -> mirror -> unpermute."""
-        E, L, ep, k = self.config.num_experts, self.num_local_experts, self.ep, self.topk
+        """Megatron's alltoall dispatcher: permute -> all-gather of the counts over tp-ep -> all-to-all of
+        rows and probs over EP -> (all-gather over expert TP) -> experts -> mirror -> unpermute."""
+        E, ep, k = self.config.num_experts, self.ep, self.topk
         flat = indices.flatten()                                                       # [T·k]
         perm = torch.argsort(flat, stable=True)
-        permuted = tokens[perm // k]                                                   # [T·k, H] by expert
-        per_slice = torch.bincount(flat, minlength=E).view(ep, L)                      # [ep, L]
+        rows, row_probs = tokens[perm // k], probs.flatten()[perm]                     # [T·k, H], [T·k] by expert
+        etp_rank = 0 if self.groups is None else comm.group_rank(self.groups.expert_tp)
+        plan = plan_alltoall(torch.bincount(flat, minlength=E), None if self.groups is None else self.groups.tp_ep,
+                             ep, self.etp, etp_rank, self.local_expert_indices[0])
         if ep > 1:                                                                     # slice j -> EP rank j
-            counts = comm.all_to_all(per_slice.flatten().contiguous(), self.groups.ep, kind="ep",
-                                     source="moe_token_counts", tag="counts").view(ep, L)  # [source, L]
-            input_splits, output_splits = per_slice.sum(1).tolist(), counts.sum(1).tolist()
-            rows = all_to_all_uneven(permuted, self.groups.ep, output_splits, input_splits, "moe_dispatch")
-        else:
-            rows, counts = permuted, per_slice
-        y = self._experts_over_expert_tp(rows, counts)                                 # [N, H]
+            rows = all_to_all_uneven(rows, self.groups.ep, plan.output_splits, plan.input_splits, "moe_dispatch")
+            row_probs = all_to_all_uneven(row_probs, self.groups.ep, plan.output_splits, plan.input_splits,
+                                          "moe_dispatch_probs")
+        if self.etp > 1:             # every TP shard of an expert needs all its rows (Megatron: output_splits_tp)
+            rows = all_gather_uneven(rows, self.groups.expert_tp, plan.output_splits_tp)
+            row_probs = all_gather_uneven(row_probs, self.groups.expert_tp, plan.output_splits_tp)
+        y = self.experts(rows, row_probs, plan.chunk_sizes, plan.chunk_experts)        # [N, H], partial over etp
+        if self.etp > 1:
+            y = reduce_scatter_uneven(y, self.groups.expert_tp, plan.output_splits_tp)
         if ep > 1:
-            y = all_to_all_uneven(y, self.groups.ep, input_splits, output_splits, "moe_combine")
-        weighted = y * probs.flatten()[perm].unsqueeze(-1)                             # [T·k, H]
+            y = all_to_all_uneven(y, self.groups.ep, plan.input_splits, plan.output_splits, "moe_combine")
         # under autocast the expert GEMMs are 16-bit: unpermute in the residual stream's dtype
-        return torch.zeros_like(tokens).index_add(0, perm // k, weighted.to(tokens.dtype))   # [T, H]
-
-    def _experts_over_expert_tp(self, rows, counts):
-        """``rows`` [N, H] in chunks (source, local expert) of ``counts`` [ep, L] -> expert outputs [N, H].
-        With expert TP every shard needs every row: uneven all-gather, partial outputs, reduce-scatter."""
-        L = self.num_local_experts
-        if self.etp == 1:
-            return self.experts(rows, counts.flatten().tolist(), list(range(L)) * counts.shape[0])
-        group = self.groups.expert_tp
-        every = comm.all_gather(counts.flatten().contiguous(), group, kind="expert_tp",
-                                source="moe_token_counts").view(self.etp, -1)         # [etp, ep·L]
-        sizes = every.sum(1).tolist()
-        gathered = all_gather_uneven(rows, group, sizes)                               # [Σ N_m, H]
-        partial = self.experts(gathered, every.flatten().tolist(), list(range(L)) * (every.numel() // L))
-        return reduce_scatter_uneven(partial, group, sizes)                            # [N, H] summed
+        return torch.zeros_like(tokens).index_add(0, perm // k, y.to(tokens.dtype))    # [T, H]
 
     def _allgather(self, tokens, probs, indices):
         """Megatron's allgather dispatcher: gather every token and gate of the tp-ep group, run the local
@@ -238,9 +236,8 @@ class MoEMLP(nn.Module):
         mine = ((local >= 0) & (local < L)).nonzero().flatten()
         order = mine[torch.argsort(local[mine], stable=True)]                           # my pairs by expert
         sizes = torch.bincount(local[order], minlength=L).tolist()
-        y = self.experts(every_token[order // k], sizes, list(range(L)))               # [n_mine, H]
-        weighted = y * every_prob.flatten()[order].unsqueeze(-1)
-        out = torch.zeros_like(every_token).index_add(0, order // k, weighted.to(every_token.dtype))  # [n·T, H]
+        y = self.experts(every_token[order // k], every_prob.flatten()[order], sizes, list(range(L)))  # [n_mine, H]
+        out = torch.zeros_like(every_token).index_add(0, order // k, y.to(every_token.dtype))  # [n·T, H]
         return reduce_scatter_to_sequence_parallel_region(out, group, kind="ep")       # [T, H]
 
 

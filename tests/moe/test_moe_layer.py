@@ -63,7 +63,7 @@ def _run_moe_on_ranks():
         reduce_moe_grads(layer, groups.dp_cp, groups.dp_cp)
         out[name] = dict(y=y.detach(), aux=aux.detach(), dx=x.grad, before=before, after=after,
                          wrong_group=grads(layer), experts=layer.local_expert_indices,
-                         events=[e for e in rec.events if e.op == "all_to_all"])
+                         events=rec.events)
     dist.barrier()
     return out
 
@@ -104,16 +104,27 @@ def test_outputs_input_grads_and_every_param_grad_equal_one_process(runs, name):
 
 
 def test_all_to_all_traffic_is_tokens_times_topk_times_hidden_each_way(runs):
-    """A rank sends its own T·k rows out (dispatch forward, combine backward); what it sends back
-    (combine forward, dispatch backward) is what its experts got, T·k·H on average over the ranks."""
+    """A rank hands its own T·k rows (and their gates) to the dispatch forward and the combine backward;
+    what it sends back (combine forward, dispatch backward) is what its experts got, T·k·H on average
+    over the ranks. The rows for its own experts stay on it: ``sent`` counts exactly the others. The
+    counts go as Megatron sends them: one all-gather of every rank's [E] counts, forward only."""
     per_rank, _ = runs
+    router = make_master_weights(HIDDEN, EXPERTS, FFN)["router"]
     each_way = TOKENS * TOPK * HIDDEN
-    for name in ("ep2", "ep4"):
+    for name, ep in (("ep2", 2), ("ep4", 4)):
         recs = [summarize(per_rank[rank][name]["events"]) for rank in range(WORLD)]
-        for rec in recs:
-            assert rec.numel(direction="fwd", source="moe_dispatch") == each_way
-            assert rec.numel(direction="bwd", source="moe_combine") == each_way
-            assert rec.numel(source="moe_token_counts") == EXPERTS  # the forward counts exchange only
+        for rank, rec in enumerate(recs):
+            _, indices, _ = route(rank_tokens(rank)[0], router, TOPK)
+            kept = int(torch.bincount(indices.flatten(), minlength=EXPERTS)[per_rank[rank][name]["experts"]].sum())
+            assert 0 < kept < TOKENS * TOPK, (name, rank, kept)      # the check below can tell the conventions apart
+            for direction, source, numel, sent in (("fwd", "moe_dispatch", each_way, each_way - kept * HIDDEN),
+                                                   ("bwd", "moe_combine", each_way, each_way - kept * HIDDEN),
+                                                   ("fwd", "moe_dispatch_probs", TOKENS * TOPK, TOKENS * TOPK - kept)):
+                assert rec.numel(direction=direction, source=source) == numel, (name, rank, source)
+                assert rec.ring_elements_sent(direction=direction, source=source) == sent, (name, rank, source)
+            assert [(e.op, e.direction, e.numel) for e in rec.filter(source="moe_token_counts")] == \
+                [("all_gather", "fwd", ep * EXPERTS)]
+            assert rec.count(op="all_to_all") == 6                     # rows, probs, combine; each way
         for direction, source in (("fwd", "moe_combine"), ("bwd", "moe_dispatch")):
             assert sum(rec.numel(direction=direction, source=source) for rec in recs) == WORLD * each_way
 

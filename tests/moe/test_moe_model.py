@@ -139,7 +139,7 @@ def _run_layouts(layouts):
                 res.update(dx=dx, metrics=metrics, line=line,
                            logits=None if logits is None else comm.all_gather(logits, groups.tp, dim=2, kind="tp"),
                            grads=gather_full_parameters(chunks, groups, grads=True),
-                           events=[e for e in rec.events if e.op == "all_to_all" and e.source != "moe_token_counts"])
+                           events=[e for e in rec.events if e.op == "all_to_all"])
                 # the two wrong reductions, from the same raw grads: experts not reduced, experts over dense DP
                 for wrong, expert_dp in (("skipped", group_of_one()), ("over_dense_dp", moe_groups.dp_cp)):
                     for n, p in chunks[0].named_parameters():

@@ -8,13 +8,14 @@ function that still raises ``NotImplementedError`` gets a "not attempted yet" li
 every checker returns True/False and never raises.
 
 The dispatch is checked on 4 real ranks (two EP layouts) with tokens each rank draws from
-``os.urandom`` (no rank can rebuild another's rows): by result (the rows and counts each rank
-receives, against the checker's own exchange run after the student's; then the whole layer --
-experts and combine -- against one process) and by what crossed the wire (a checked process group
-records every op and what it carried: this rank's rows, cut per destination, cross as all-to-all,
-``tokens × top-k × hidden`` elements per rank, nothing all-gathered). An all-to-all whose
-``output_split_sizes`` do not match what the peers send is stopped before gloo aborts the rank,
-with a hint about the counts exchange.
+``os.urandom`` (no rank can rebuild another's rows): by result (the rows, their gate values and the
+counts each rank receives, against the checker's own exchange run after the student's; then the
+whole layer -- experts and combine -- against one process) and by what crossed the wire (a checked
+process group records every op and what it carried): as in Megatron's ``MoEAlltoAllTokenDispatcher``,
+every rank's whole ``[E]`` counts go by one all-gather, and this rank's rows and gates, cut per
+destination, by all-to-all, ``tokens × top-k × (hidden + 1)`` elements per rank; no token is
+all-gathered. An all-to-all whose ``output_split_sizes`` do not match what the peers send is stopped
+before gloo aborts the rank, with a hint about the counts.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from course_lib.classroom.checks import is_course_answer, not_attempted, raised_
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, describe_ops, launch_checked,
-                                                  run_student, safe_repr, secret_generator, split_problem,
-                                                  student_on_rank)
+                                                  run_student, safe_repr, same_payload, secret_generator,
+                                                  split_problem, student_on_rank)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.moe.layer import MoELayer, make_master_weights
 from course_lib.moe.router import route, switch_load_balancing_loss
@@ -198,17 +199,21 @@ def dispatch_inputs(generator: torch.Generator, hidden: int = HIDDEN, experts: i
     return x, x[perm // topk], torch.bincount(flat, minlength=experts), probs, indices, perm
 
 
-def _true_exchange(rows, tpe, group, ep):
-    """The checker's own dispatch, run after the student's: ``(received rows, counts [ep, L], rows per
-    destination)`` -- the truth, from what the ranks really hold."""
-    counts = torch.empty_like(tpe)
-    dist.all_to_all_single(counts, tpe, group=group)
-    counts = counts.view(ep, -1)
+def _true_exchange(rows, probs, tpe, group, ep):
+    """The checker's own dispatch, run after the student's: ``(received rows, received probs, counts
+    [ep, L], rows per destination)`` -- the truth, from what the ranks really hold."""
+    me, L = dist.get_rank(group), tpe.numel() // ep
+    every = [torch.empty_like(tpe) for _ in range(ep)]
+    dist.all_gather(every, tpe, group=group)
+    counts = torch.stack(every)[:, me * L:(me + 1) * L]                          # [ep, L]: source s -> me
     sends = tpe.view(ep, -1).sum(1).tolist()
     received = rows.new_empty(int(counts.sum()), rows.shape[1])
     dist.all_to_all_single(received, rows, output_split_sizes=counts.sum(1).tolist(), input_split_sizes=sends,
                            group=group)
-    return received, counts, sends
+    received_probs = probs.new_empty(int(counts.sum()))
+    dist.all_to_all_single(received_probs, probs, output_split_sizes=counts.sum(1).tolist(),
+                           input_split_sizes=sends, group=group)
+    return received, received_probs, counts, sends
 
 
 def _received_hint(got, want, every_row: int) -> str:
@@ -218,8 +223,8 @@ def _received_hint(got, want, every_row: int) -> str:
     if got.shape[0] == want.shape[0]:
         return ("the right number of rows in the wrong order or from the wrong rank: rows routed to experts "
                 "j·L .. j·L+L-1 go to group rank j, and what arrives is grouped by source rank")
-    return ("exchange the counts first (all_to_all_single of tokens_per_expert, L numbers per destination) so "
-            "that every rank knows output_split_sizes, then all_to_all_single the rows with "
+    return ("all-gather every rank's tokens_per_expert first, so that every rank knows output_split_sizes "
+            "(what each source sends to your experts), then all_to_all_single the rows with "
             "input_split_sizes = rows per destination rank")
 
 
@@ -235,14 +240,25 @@ def _flat_counts(counts):
     return _int_list(counts)
 
 
+def _carries(chunk, want) -> bool:
+    """Did ``chunk`` (one destination's piece of an all-to-all) carry the rows ``want`` [n, H] -- alone, or
+    with each row's gate value packed beside it (one more column, first or last)? Never raises."""
+    if not isinstance(chunk, torch.Tensor):
+        return False
+    if want.shape[0] == 0:
+        return chunk.numel() == 0
+    if chunk.numel() not in (want.numel(), want.numel() + want.shape[0]):
+        return False
+    wide = chunk.reshape(want.shape[0], -1)
+    return any(torch.equal(wide[:, cols].to(want.dtype), want)
+               for cols in (slice(0, want.shape[1]), slice(wide.shape[1] - want.shape[1], None)))
+
+
 def _rows_carried(result, rows, sends) -> bool:
     """Did one of the student's all-to-alls carry this rank's rows, each chunk to the rank of its experts?"""
     want = list(rows.split(sends))
-    for chunks in carried_by(result, "all_to_all"):
-        if (isinstance(chunks, list) and len(chunks) == len(want)
-                and all(c.numel() == w.numel() and torch.equal(c.reshape(w.shape), w) for c, w in zip(chunks, want))):
-            return True
-    return False
+    return any(isinstance(chunks, list) and len(chunks) == len(want) and all(map(_carries, chunks, want))
+               for chunks in carried_by(result, "all_to_all"))
 
 
 def _dispatch_rank(fn):
@@ -256,17 +272,18 @@ def _dispatch_rank(fn):
             if rank in ranks:
                 group, members = g, ranks
         x, rows, tpe, probs, indices, perm = dispatch_inputs(secret_generator())
-        result = student_on_rank(fn, rows.clone(), tpe.clone(), group, references=references_for("dispatch"),
-                                 raw=True)
+        row_probs = probs.flatten()[perm]                                            # [T·k], beside the rows
+        result = student_on_rank(fn, rows.clone(), row_probs.clone(), tpe.clone(), group,
+                                 references=references_for("dispatch"), raw=True)
         got = result.pop("raw")
-        want, counts_want, sends = _true_exchange(rows, tpe, group, ep)
+        want, want_probs, counts_want, sends = _true_exchange(rows, row_probs, tpe, group, ep)
         my_index = members.index(rank)
         every_row = sum(int(n) for n in _gathered_sizes(rows.shape[0], group))
         problem = None
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            problem = f"dispatch must return (received, counts), got {safe_repr(got)}"
+        if not (isinstance(got, (tuple, list)) and len(got) == 3):
+            problem = f"dispatch must return (received, received_probs, counts), got {safe_repr(got)}"
         else:
-            received, counts = got
+            received, received_probs, counts = got
             counts = _flat_counts(counts)
             if not isinstance(received, torch.Tensor) or received.dim() != 2 or received.shape[1] != HIDDEN:
                 problem = f"received must be a tensor [rows, {HIDDEN}], got {safe_repr(received)}"
@@ -275,21 +292,32 @@ def _dispatch_rank(fn):
                            f"{want.shape[0]} (its experts' rows from ranks {members}, in rank order)\n  hint: "
                            + _received_hint(received, want, every_row))
             elif counts != counts_want.flatten().tolist():
-                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[1])}, expected {counts_want.tolist()}"
-                           f"\n  hint: counts[s][l] = rows that source rank s sent for my local expert l")
+                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[2])}, expected {counts_want.tolist()}"
+                           f"\n  hint: counts[s][l] = rows that source rank s sent for my local expert l: the "
+                           f"columns of your experts in every rank's gathered tokens_per_expert")
+            elif not (isinstance(received_probs, torch.Tensor) and received_probs.numel() == want_probs.numel()
+                      and torch.equal(received_probs.reshape(-1).to(want_probs.dtype), want_probs)):
+                problem = (f"the rows are right, but received_probs on rank {rank} (EP{ep}) = "
+                           f"{safe_repr(received_probs)} are not the gate values of those rows\n  hint: Megatron "
+                           f"sends each row's gate value with it: all_to_all_single the probs with the rows' splits")
         ok = torch.tensor([0 if problem else 1])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank agrees before the combine (no half-run collective)
         error = None
         if ok.item():
             layer = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=_MASTER_SEED), moe_router_topk=TOPK,
                              ep_group=group)
-            error = _combine_error(layer, received, counts_want.tolist(), x, rows, tpe, probs, perm, group, ep)
+            error = _combine_error(layer, received, received_probs.reshape(-1), counts_want, x, tpe, perm, group, ep)
         outcome.append(dict(ep=ep, problem=problem, error=error, events=result["events"],
-                            rows_carried=_rows_carried(result, rows, sends), patched=result["patched"],
-                            course_code=result["course_code"], rank=rank))
+                            counts_carried=_counts_carried(result, tpe), rows_carried=_rows_carried(result, rows, sends),
+                            patched=result["patched"], course_code=result["course_code"], rank=rank))
         if not ok.item():
             break
     return outcome
+
+
+def _counts_carried(result, tpe) -> bool:
+    """Did an all-gather carry this rank's whole ``tokens_per_expert`` (Megatron's counts exchange)?"""
+    return any(same_payload(c, tpe) for c in carried_by(result, "all_gather"))
 
 
 def _gathered_sizes(n: int, group) -> list:
@@ -299,49 +327,61 @@ def _gathered_sizes(n: int, group) -> list:
     return [int(t) for t in out]
 
 
-def _combine_error(layer, received, counts, x, rows, tpe, probs, perm, group, ep) -> float:
-    """Experts on the received rows, all-to-all back, unpermute: max error against one process."""
+def _combine_error(layer, received, received_probs, counts, x, tpe, perm, group, ep) -> float:
+    """Experts on the received rows (each scaled by its gate), all-to-all back, unpermute: max error
+    against one process."""
     L = EXPERTS // ep
-    counts = torch.tensor(counts)                                                # [ep, L]
-    by_expert = torch.cat([received[int(counts.flatten()[:s * L + l].sum()):][:int(counts[s, l])]
-                           for l in range(L) for s in range(ep)])
-    y = layer.experts(by_expert, counts.sum(0).tolist())
-    by_source, offsets = [], counts.t().flatten().cumsum(0).tolist()
-    for s in range(ep):
-        for l in range(L):
-            i = l * ep + s
-            start = offsets[i - 1] if i else 0
-            by_source.append(y[start:offsets[i]])
-    back = torch.empty_like(rows)
-    input_splits = tpe.view(ep, L).sum(1).tolist()
-    dist.all_to_all_single(back, torch.cat(by_source), output_split_sizes=input_splits,
+    starts = [0] + counts.flatten().cumsum(0).tolist()                           # chunk (s, l) at s·L + l
+    order = [s * L + l for l in range(L) for s in range(ep)]                      # by local expert
+    pick = lambda t, i: t[starts[i]:starts[i + 1]]                                # noqa: E731
+    y = layer.experts(torch.cat([pick(received, i) for i in order]),
+                      torch.cat([pick(received_probs, i) for i in order]), counts.sum(0).tolist())
+    by_expert_starts = [0] + torch.tensor([int(counts.flatten()[i]) for i in order]).cumsum(0).tolist()
+    position = {i: j for j, i in enumerate(order)}
+    by_source = torch.cat([y[by_expert_starts[position[i]]:by_expert_starts[position[i] + 1]]
+                           for i in range(ep * L)])
+    back = torch.empty(int(tpe.sum()), HIDDEN)
+    dist.all_to_all_single(back, by_source, output_split_sizes=tpe.view(ep, L).sum(1).tolist(),
                            input_split_sizes=counts.sum(1).tolist(), group=group)
-    out = torch.zeros_like(x).index_add(0, perm // TOPK, back * probs.flatten()[perm].unsqueeze(-1))
+    out = torch.zeros_like(x).index_add(0, perm // TOPK, back)
     want, _ = MoELayer(make_master_weights(HIDDEN, EXPERTS, FFN, seed=_MASTER_SEED), moe_router_topk=TOPK)(x)
     return float((out - want).abs().max())
 
 
 def _traffic_problem(events, ep) -> str | None:
-    """None when the rows crossed as all-to-all, T·k·H elements (plus at most 2E for the counts)."""
-    other = [e for e in events if e.op != "all_to_all"]
-    if other:
-        return (f"the dispatch ran {describe_ops(other)}: the alltoall dispatcher sends each row only to the rank "
-                f"that holds its expert, with all_to_all_single (gathering everything is the allgather dispatcher)")
-    sent, rows = sum(e.numel for e in events), TOKENS * TOPK * HIDDEN
-    if not rows <= sent <= rows + 2 * EXPERTS:
+    """None when the counts went by one all-gather of E numbers and the rows and their gates crossed by
+    all-to-all, T·k·(H + 1) elements in all."""
+    rows, gates, counts = TOKENS * TOPK * HIDDEN, TOKENS * TOPK, ep * EXPERTS
+    gathers = [e for e in events if e.op == "all_gather"]
+    other = [e for e in events if e.op not in ("all_gather", "all_to_all")]
+    if other or any(e.numel > counts for e in gathers):
+        return (f"the dispatch ran {describe_ops(other or gathers)}: the alltoall dispatcher sends each row only to "
+                f"the rank that holds its expert, with all_to_all_single (gathering the tokens is the allgather "
+                f"dispatcher; only the counts are all-gathered)")
+    if not gathers:
+        return ("the rows arrived, but the counts did not go as Megatron's dispatcher sends them: it all-gathers "
+                "every rank's whole tokens_per_expert [E] over the group (token_dispatcher.py, preprocess), so "
+                "every rank knows the whole distribution and reads both its input and its output splits off it "
+                "-- an all-to-all of the counts tells a rank only what it receives")
+    sent = sum(e.numel for e in events if e.op == "all_to_all")
+    if sent != rows + gates:
         return (f"each rank sent {sent} elements by all-to-all ({describe_ops(events)}); the dispatch sends each of "
-                f"its T·k = {TOKENS * TOPK} (token, expert) rows once: {rows} elements of rows, plus the counts")
+                f"its T·k = {TOKENS * TOPK} (token, expert) rows once with its gate value: {rows} + {gates} = "
+                f"{rows + gates} elements")
     return None
 
 
 @exercise("dispatch")
 def check_dispatch(fn, timeout: float = 30) -> bool:
-    """``fn(rows, tokens_per_expert, group) -> (received, counts)``: the alltoall token dispatch of one rank.
+    """``fn(rows, probs, tokens_per_expert, group) -> (received, received_probs, counts)``: the alltoall token
+    dispatch of one rank, as Megatron's ``MoEAlltoAllTokenDispatcher`` does it.
 
-    ``rows`` [T·k, H]: this rank's (token, expert) rows sorted by expert; ``tokens_per_expert`` [E];
-    ``group``: the EP group, whose rank j holds experts ``j·L .. j·L+L-1`` (L = E / ep). Returns the rows
-    for my experts, grouped by source rank (group order), and ``counts`` [ep, L] (rows from source s for my
-    local expert l). Run on 4 ranks for EP2 and EP4; checked by result and by traffic."""
+    ``rows`` [T·k, H]: this rank's (token, expert) rows sorted by expert; ``probs`` [T·k]: their gate
+    values; ``tokens_per_expert`` [E]; ``group``: the EP group, whose rank j holds experts
+    ``j·L .. j·L+L-1`` (L = E / ep). Returns the rows for my experts and their gate values, grouped by
+    source rank (group order), and ``counts`` [ep, L] (rows from source s for my local expert l). Run on 4
+    ranks for EP2 and EP4; checked by result and by traffic (the counts all-gathered, the rows and gates
+    all-to-all'd)."""
     if is_course_answer(fn):
         return False
     try:
@@ -354,17 +394,17 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
             print(f"✗ rank {err.rank}'s all-to-all could not run: {mismatch}")
             if "list form" not in mismatch:
                 print("  hint: how many rows a peer sends you depends on its tokens, which only it knows: first "
-                      "an all-to-all of tokens_per_expert (L counts per destination), whose answer gives "
-                      "output_split_sizes; input_split_sizes are your own rows per destination (sum = T·k)")
+                      "all-gather every rank's tokens_per_expert [E]; the columns of your experts give "
+                      "output_split_sizes, your own counts per destination input_split_sizes (sum = T·k)")
             return False
         print(f"✗ rank {err.rank} raised {raised_line(err)}")
         if "split" in err.traceback.lower():
             print("  hint: input_split_sizes are the rows you send to each group rank (sum = T·k), "
-                  "output_split_sizes the rows you receive from each (learn them from the counts exchange)")
+                  "output_split_sizes the rows you receive from each (read them off the gathered counts)")
         return False
     except LaunchTimeout:
         print("✗ the ranks waited for each other (a deadlock)\n  hint: every rank of the EP group must join "
-              "each all-to-all, in the same order")
+              "each collective, in the same order")
         return False
     for step in range(len(DISPATCH_EPS)):
         for res in (r[step] for r in ranks if len(r) > step):
@@ -379,6 +419,11 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
             if traffic:
                 print(f"✗ EP{res['ep']}, rank {res['rank']}: {traffic}")
                 return False
+            if not res["counts_carried"]:
+                print(f"✗ EP{res['ep']}, rank {res['rank']}: the all-gather did not carry this rank's "
+                      f"tokens_per_expert\n  hint: all-gather the whole [E] vector: every rank needs every "
+                      f"rank's counts")
+                return False
             if not res["rows_carried"]:
                 print(f"✗ EP{res['ep']}, rank {res['rank']}: the rows that arrived are right, but no all-to-all "
                       f"carried this rank's rows to the ranks of their experts\n  hint: send `rows` itself, cut by "
@@ -387,10 +432,11 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
             if res["error"] is None or res["error"] > 1e-5:
                 print(f"✗ EP{res['ep']}: the layer differs from one process by {res['error']}")
                 return False
-    print(f"✓ dispatch delivers every row to its expert on 4 ranks (EP2 and EP4), tokens drawn afresh on each "
-          f"rank: the rows and counts equal the checker's own exchange, the layer equals one process (max error "
-          f"<= 1e-5), and each rank's {TOKENS}×{TOPK}×{HIDDEN} = {TOKENS * TOPK * HIDDEN} row elements crossed by "
-          f"all-to-all, each chunk to the rank of its experts, nothing gathered")
+    print(f"✓ dispatch delivers every row and its gate value to its expert on 4 ranks (EP2 and EP4), tokens drawn "
+          f"afresh on each rank: the rows, gates and counts equal the checker's own exchange, the layer equals one "
+          f"process (max error <= 1e-5); on the wire, each rank's [E] = [{EXPERTS}] counts went by one all-gather "
+          f"and its {TOKENS}×{TOPK}×{HIDDEN} = {TOKENS * TOPK * HIDDEN} row elements and {TOKENS * TOPK} gates by "
+          f"all-to-all, each chunk to the rank of its experts")
     return True
 
 

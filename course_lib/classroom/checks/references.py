@@ -103,7 +103,8 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     # Lab 08
     "expert_groups_of": _GRID,
     "dispatch": ("course_lib.moe.layer:MoELayer", "course_lib.moe.mappings:all_to_all_uneven",
-                 "course_lib.moe.mappings:_all_to_all", "course_lib.moe.transformer:MoEMLP"),
+                 "course_lib.moe.mappings:_all_to_all", "course_lib.moe.transformer:MoEMLP",
+                 "course_lib.moe.alltoall_plan:plan_alltoall"),
     "aux_loss": ("course_lib.moe.router:switch_load_balancing_loss", "course_lib.moe.router:route",
                  "course_lib.moe.layer:MoELayer"),
     "my_answers_08": (),

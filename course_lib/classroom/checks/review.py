@@ -92,7 +92,7 @@ QUESTIONS = {
                           "expert DP": ("expert", "expert dp", "edp", "expert data parallel")},
             "an expert's copies live on the ranks that hold the *same* experts: which group is that?"),
         "top2_over_top1_traffic": Number(
-            2.0, "each rank sends each of its T·k (token, expert) rows once: T·k·H elements"),
+            2.0, "each rank sends each of its T·k (token, expert) rows once: T·k·H elements, ≈ (ep−1)/ep of them off the rank"),
     },
 }
 """lab -> question key -> what answers it. The questions themselves are in the lab's markdown."""

@@ -125,74 +125,111 @@ def _splits(tokens_per_expert, ep):
     return tokens_per_expert.view(ep, -1).sum(1).tolist()
 
 
-def dispatch_right(rows, tokens_per_expert, group):
+def _gather_counts(tokens_per_expert, group):
+    """Every rank's [E] counts, [ep, E] (Megatron's all-gather), and this rank's columns [ep, L]."""
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    every = torch.empty(ep * tokens_per_expert.numel(), dtype=tokens_per_expert.dtype)
+    dist.all_gather_into_tensor(every, tokens_per_expert, group=group)
+    L = tokens_per_expert.numel() // ep
+    return every.view(ep, -1)[:, me * L:(me + 1) * L]
+
+
+def _a2a(x, output_splits, input_splits, group):
+    out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=output_splits, input_split_sizes=input_splits,
+                           group=group)
+    return out
+
+
+def dispatch_right(rows, probs, tokens_per_expert, group):
+    ep = dist.get_world_size(group)
+    counts = _gather_counts(tokens_per_expert, group)
+    outs, ins = counts.sum(1).tolist(), _splits(tokens_per_expert, ep)
+    return _a2a(rows, outs, ins, group), _a2a(probs, outs, ins, group), counts
+
+
+def dispatch_right_lists(rows, probs, tokens_per_expert, group):   # list all_gather, nested-list counts
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    every = [torch.empty_like(tokens_per_expert) for _ in range(ep)]
+    dist.all_gather(every, tokens_per_expert, group=group)
+    L = tokens_per_expert.numel() // ep
+    counts = [e[me * L:(me + 1) * L].tolist() for e in every]
+    outs, ins = [sum(c) for c in counts], _splits(tokens_per_expert, ep)
+    return _a2a(rows, outs, ins, group), _a2a(probs, outs, ins, group), counts
+
+
+def dispatch_right_packed(rows, probs, tokens_per_expert, group):  # the gates as one more column: one all-to-all
+    ep = dist.get_world_size(group)
+    counts = _gather_counts(tokens_per_expert, group)
+    both = _a2a(torch.cat([rows, probs.unsqueeze(1)], 1), counts.sum(1).tolist(), _splits(tokens_per_expert, ep), group)
+    return both[:, :-1], both[:, -1], counts
+
+
+def dispatch_counts_by_all_to_all(rows, probs, tokens_per_expert, group):   # right rows; not Megatron's counts
     ep = dist.get_world_size(group)
     counts = torch.empty_like(tokens_per_expert)
     dist.all_to_all_single(counts, tokens_per_expert, group=group)
     counts = counts.view(ep, -1)
-    received = rows.new_empty(int(counts.sum()), rows.shape[1])
-    dist.all_to_all_single(received, rows, output_split_sizes=counts.sum(1).tolist(),
-                           input_split_sizes=_splits(tokens_per_expert, ep), group=group)
-    return received, counts
+    outs, ins = counts.sum(1).tolist(), _splits(tokens_per_expert, ep)
+    return _a2a(rows, outs, ins, group), _a2a(probs, outs, ins, group), counts
 
 
-def dispatch_right_lists(rows, tokens_per_expert, group):   # counts by list all_to_all, returned as nested lists
+def dispatch_gates_left_behind(rows, probs, tokens_per_expert, group):   # the rows go, the gates do not
     ep = dist.get_world_size(group)
-    outs = [torch.empty(tokens_per_expert.numel() // ep, dtype=tokens_per_expert.dtype) for _ in range(ep)]
-    dist.all_to_all(outs, list(tokens_per_expert.chunk(ep)), group=group)
-    counts = [o.tolist() for o in outs]
-    received = rows.new_empty(sum(map(sum, counts)), rows.shape[1])
-    dist.all_to_all_single(received, rows, [sum(c) for c in counts], _splits(tokens_per_expert, ep), group=group)
-    return received, counts
+    counts = _gather_counts(tokens_per_expert, group)
+    received = _a2a(rows, counts.sum(1).tolist(), _splits(tokens_per_expert, ep), group)
+    return received, torch.ones(received.shape[0]), counts
 
 
-def dispatch_all_gather(rows, tokens_per_expert, group):     # the allgather dispatcher: right rows, wrong wire
+def dispatch_all_gather(rows, probs, tokens_per_expert, group):     # the allgather dispatcher: right rows, wrong wire
     ep, me = dist.get_world_size(group), dist.get_rank(group)
     every_count = [torch.empty_like(tokens_per_expert) for _ in range(ep)]
     dist.all_gather(every_count, tokens_per_expert, group=group)
     every_rows = [torch.empty_like(rows) for _ in range(ep)]  # every rank holds T·k rows here
     dist.all_gather(every_rows, rows, group=group)
+    every_probs = [torch.empty_like(probs) for _ in range(ep)]
+    dist.all_gather(every_probs, probs, group=group)
     L = tokens_per_expert.numel() // ep
-    mine, counts = [], []
-    for c, r in zip(every_count, every_rows):
-        start = int(c[:me * L].sum())
-        mine.append(r[start:start + int(c[me * L:(me + 1) * L].sum())])
+    mine, gates, counts = [], [], []
+    for c, r, p in zip(every_count, every_rows, every_probs):
+        start, n = int(c[:me * L].sum()), int(c[me * L:(me + 1) * L].sum())
+        mine.append(r[start:start + n])
+        gates.append(p[start:start + n])
         counts.append(c[me * L:(me + 1) * L])
-    return torch.cat(mine), torch.stack(counts)
+    return torch.cat(mine), torch.cat(gates), torch.stack(counts)
 
 
-def dispatch_everything(rows, tokens_per_expert, group):     # every rank sends all its rows to every rank
+def dispatch_everything(rows, probs, tokens_per_expert, group):     # every rank sends all its rows to every rank
     ep = dist.get_world_size(group)
+    _gather_counts(tokens_per_expert, group)
     received = rows.new_empty(ep * rows.shape[0], rows.shape[1])
     dist.all_to_all_single(received, rows.repeat(ep, 1), group=group)
-    return received, torch.zeros(ep, tokens_per_expert.numel() // ep, dtype=torch.long)
+    return received, probs.repeat(ep), torch.zeros(ep, tokens_per_expert.numel() // ep, dtype=torch.long)
 
 
-def dispatch_wrong_counts(rows, tokens_per_expert, group):   # right rows, counts not exchanged (my own sent)
-    received, _ = dispatch_right(rows, tokens_per_expert, group)
+def dispatch_wrong_counts(rows, probs, tokens_per_expert, group):   # right rows, my own counts returned
+    received, gates, _ = dispatch_right(rows, probs, tokens_per_expert, group)
     ep = dist.get_world_size(group)
-    return received, tokens_per_expert.view(ep, -1)
+    return received, gates, tokens_per_expert.view(ep, -1)
 
 
-def dispatch_no_counts_exchange(rows, tokens_per_expert, group):   # expects back what it sends: a rank aborts
+def dispatch_no_counts_exchange(rows, probs, tokens_per_expert, group):   # expects back what it sends: aborts
     ep = dist.get_world_size(group)
     splits = _splits(tokens_per_expert, ep)
     received = rows.new_empty(rows.shape[0], rows.shape[1])
     dist.all_to_all_single(received, rows, output_split_sizes=splits, input_split_sizes=splits, group=group)
-    return received, tokens_per_expert.view(ep, -1)
+    return received, probs, tokens_per_expert.view(ep, -1)
 
 
-def dispatch_list_form(rows, tokens_per_expert, group):            # gloo's list form: equal sizes only
+def dispatch_list_form(rows, probs, tokens_per_expert, group):            # gloo's list form: equal sizes only
     ep = dist.get_world_size(group)
-    counts = torch.empty_like(tokens_per_expert)
-    dist.all_to_all_single(counts, tokens_per_expert, group=group)
-    counts = counts.view(ep, -1)
+    counts = _gather_counts(tokens_per_expert, group)
     outs = [rows.new_empty(int(c), rows.shape[1]) for c in counts.sum(1)]
     dist.all_to_all(outs, list(rows.split(_splits(tokens_per_expert, ep))), group=group)
-    return torch.cat(outs), counts
+    return torch.cat(outs), probs, counts
 
 
-def dispatch_rebuilt_from_seeds(rows, tokens_per_expert, group):   # the peers' rows rebuilt, a dummy all-to-all
+def dispatch_rebuilt_from_seeds(rows, probs, tokens_per_expert, group):   # the peers' rows rebuilt, dummy traffic
     from course_lib.moe.layer import make_master_weights
     from course_lib.moe.router import route
 
@@ -200,40 +237,54 @@ def dispatch_rebuilt_from_seeds(rows, tokens_per_expert, group):   # the peers' 
     members = dist.get_process_group_ranks(group)
     L = tokens_per_expert.numel() // ep
     router = make_master_weights(8, 8, 16, seed=8)["router"]
-    mine, counts = [], []
+    mine, gates, counts = [], [], []
     for src in members:
         x = torch.randn(12, 8, generator=torch.Generator().manual_seed(100 + src))
-        _, idx, _ = route(x, router, 2)
+        p, idx, _ = route(x, router, 2)
         tpe = torch.bincount(idx.flatten(), minlength=8)
-        sorted_rows = x[torch.argsort(idx.flatten(), stable=True) // 2]
-        start = int(tpe[:me * L].sum())
-        mine.append(sorted_rows[start:start + int(tpe[me * L:(me + 1) * L].sum())])
+        perm = torch.argsort(idx.flatten(), stable=True)
+        start, n = int(tpe[:me * L].sum()), int(tpe[me * L:(me + 1) * L].sum())
+        mine.append(x[perm // 2][start:start + n])
+        gates.append(p.flatten()[perm][start:start + n])
         counts.append(tpe[me * L:(me + 1) * L])
+    _gather_counts(tokens_per_expert, group)
     dummy = torch.empty_like(rows)
     dist.all_to_all_single(dummy, torch.zeros_like(rows), group=group) if rows.shape[0] % ep == 0 else None
-    return torch.cat(mine), torch.stack(counts)
+    return torch.cat(mine), torch.cat(gates), torch.stack(counts)
 
 
-def dispatch_via_course_all_to_all(rows, tokens_per_expert, group):
+def dispatch_via_course_all_to_all(rows, probs, tokens_per_expert, group):
     from course_lib.moe.mappings import all_to_all_uneven
 
     ep = dist.get_world_size(group)
-    counts = torch.empty_like(tokens_per_expert)
-    dist.all_to_all_single(counts, tokens_per_expert, group=group)
-    counts = counts.view(ep, -1)
-    return all_to_all_uneven(rows, group, counts.sum(1).tolist(), _splits(tokens_per_expert, ep)), counts
+    counts = _gather_counts(tokens_per_expert, group)
+    outs, ins = counts.sum(1).tolist(), _splits(tokens_per_expert, ep)
+    return all_to_all_uneven(rows, group, outs, ins), all_to_all_uneven(probs, group, outs, ins), counts
+
+
+def dispatch_via_course_plan(rows, probs, tokens_per_expert, group):     # the course's split bookkeeping
+    from course_lib.moe.alltoall_plan import plan_alltoall
+
+    ep, me = dist.get_world_size(group), dist.get_rank(group)
+    L = tokens_per_expert.numel() // ep
+    plan = plan_alltoall(tokens_per_expert, group, ep, 1, 0, me * L)
+    return (_a2a(rows, plan.output_splits, plan.input_splits, group),
+            _a2a(probs, plan.output_splits, plan.input_splits, group), torch.tensor(plan.chunk_sizes).view(ep, L))
 
 
 DISPATCH_WRONG = [
-    (dispatch_no_counts_exchange, "exchange the counts first"),
+    (dispatch_no_counts_exchange, "all-gather every rank's tokens_per_expert"),
     (dispatch_list_form, "equal-sized tensors only"),
     (dispatch_rebuilt_from_seeds, "received"),
     (dispatch_via_course_all_to_all, "the course's own course_lib.moe.mappings.all_to_all_uneven"),
+    (dispatch_via_course_plan, "course_lib.moe.alltoall_plan.plan_alltoall"),
     (not_yet, "not attempted yet"),
     (dispatch_all_gather, "allgather dispatcher"),
     (dispatch_everything, "you received every row of every rank"),
     (dispatch_wrong_counts, "counts[s][l] = rows that source rank s sent"),
-    (lambda rows, tpe, group: rows, "must return (received, counts)"),
+    (dispatch_counts_by_all_to_all, "all-gathers every rank's whole tokens_per_expert"),
+    (dispatch_gates_left_behind, "sends each row's gate value with it"),
+    (lambda rows, probs, tpe, group: (rows, tpe), "must return (received, received_probs, counts)"),
 ]
 
 
@@ -244,11 +295,11 @@ def test_dispatch_wrong_answers_get_their_hint(fn, hint, capsys):
     assert hint in out, out
 
 
-@pytest.mark.parametrize("fn", [dispatch_right, dispatch_right_lists])
+@pytest.mark.parametrize("fn", [dispatch_right, dispatch_right_lists, dispatch_right_packed])
 def test_dispatch_right_answers_pass(fn, capsys):
     assert moe_checks.check_dispatch(fn).ok is True
     out = capsys.readouterr().out
-    assert "✓" in out and "192 row elements" in out, out
+    assert "✓" in out and "192 row elements and 24 gates" in out, out
 
 
 # ------------------------------------------------------------------ (3) aux loss
