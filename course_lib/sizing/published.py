@@ -7,7 +7,15 @@ DGX A100 80 GB nodes (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per
 
 * :data:`NARAYANAN_TABLE1` -- Narayanan et al. 2021 (SC21, arXiv:2104.04473), Table 1: ten runs,
   1.7B to 1T, full recomputation (§5.1), micro-batch size not printed (1 assumed). The GEMM
-  efficiency model of :mod:`.gemm` is fitted to these rows and to nothing else.
+  efficiency model of :mod:`.gemm` is fitted to these rows and to nothing else. Checked cell by
+  cell against the same table as Megatron-LM's README showed it in 2021
+  (``images/cases_april2021.png`` in Megatron-LM's history, e.g. at commit ``937571cfd4^``): hidden
+  size, layers, parameters, model-parallel size (= TP x PP here), GPUs, batch, TFLOP/s per GPU, % of
+  peak and aggregate PFLOP/s all agree; the heads are not in that table (from the paper).
+* Not checked against a primary source here (no copy of the papers is reachable from this
+  machine): the heads of Table 1 and every number of :data:`OUT_OF_SAMPLE` and
+  :data:`KORTHIKANTI_TABLE4` beyond what the abstracts say (Korthikanti: the 530B run is "29%
+  faster", = 49.05 / 37.83 s; Narayanan: the 1T run reaches 502 PFLOP/s, 52% of peak).
 * :data:`OUT_OF_SAMPLE` -- runs nothing was fitted to:
 
   - Korthikanti et al. 2022 (MLSys 2023, arXiv:2205.05198), Table 3 (layouts, micro-batch) and
