@@ -218,6 +218,17 @@ def save_figure_atomic(fig, path: PathLike, **savefig_kwargs) -> Path:
     return write_atomic(path, buffer.getvalue())
 
 
+def save_and_close_figure(fig, path: PathLike, dpi: int = 80) -> Path:
+    """A lab's theory picture: ``fig`` written atomically to ``path`` (tight bounding box, ``dpi``),
+    then closed so that a writer drawing many figures does not keep them all in memory."""
+    import matplotlib.pyplot as plt
+
+    try:
+        return save_figure_atomic(fig, path, dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+
+
 LEDGER_NAME = ".course_outputs.json"
 
 

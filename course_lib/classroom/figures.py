@@ -118,17 +118,16 @@ def write_theory_figures(out_dir) -> list[Path]:
     import matplotlib.pyplot as plt
 
     from course_lib.context_parallel import plot_ring_steps
+    from course_lib.safe_files import save_and_close_figure
     from course_lib.topology.rankmap import save
 
-    fig = plot_ring_steps(4, layout="contiguous", causal=True)
-    path = Path(out_dir) / "cp_ring_steps_cp4_contiguous.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
+    ring = save_and_close_figure(plot_ring_steps(4, layout="contiguous", causal=True),
+                                 Path(out_dir) / "cp_ring_steps_cp4_contiguous.png")
     with tempfile.TemporaryDirectory(prefix="course_ckpt_") as scratch:
         fig = checkpoint_slice_map(scratch)
     slices = save(fig, Path(out_dir) / "ckpt_slices_8_tp2_pp2_dp2.png", dpi=80)
     plt.close(fig)
-    return [path, slices]
+    return [ring, slices]
 
 
 def draw_all(folder: Path) -> dict[str, bytes]:

@@ -66,10 +66,6 @@ def write_figures(out_dir) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from course_lib.safe_files import save_and_close_figure
 
-    fig = plot_zero1_step(4)
-    path = Path(out_dir) / "zero1_step_4_ranks.png"
-    fig.savefig(path, dpi=80, bbox_inches="tight")
-    plt.close(fig)
-    return [path]
+    return [save_and_close_figure(plot_zero1_step(4), Path(out_dir) / "zero1_step_4_ranks.png")]

@@ -142,18 +142,12 @@ def write_figures(out_dir) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    from course_lib.safe_files import save_and_close_figure
     from course_lib.topology import RankGrid
 
-    out = []
-    for name, fig in (("moe_two_grids_8_tp2_pp2_ep2.png", plot_two_grids(RankGrid(8, tp=2, pp=2, ep=2, expert_tp=1))),
-                      ("moe_dispatch_ep2.png", plot_dispatch())):
-        path = Path(out_dir) / name
-        fig.savefig(path, dpi=80, bbox_inches="tight")
-        plt.close(fig)
-        out.append(path)
-    return out
+    return [save_and_close_figure(plot_two_grids(RankGrid(8, tp=2, pp=2, ep=2, expert_tp=1)),
+                                  Path(out_dir) / "moe_two_grids_8_tp2_pp2_ep2.png"),
+            save_and_close_figure(plot_dispatch(), Path(out_dir) / "moe_dispatch_ep2.png")]
 
 
 def tokens_per_expert(indices_by_rank, num_experts: int) -> list[list[int]]:
