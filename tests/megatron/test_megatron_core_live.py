@@ -4,7 +4,8 @@ checkpoints.
 Nothing of Megatron is re-implemented here: its ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
 ``get_megatron_optimizer`` (plain and distributed), ``OptimizerParamScheduler``, ``get_forward_backward_func``
 (1F1B over gloo send/recv with PP), ``finalize_model_grads``, ``MoELayer`` (alltoall and allgather
-dispatchers) and ``dist_checkpointing`` (torch_dist) run as they are; the test-only shim :mod:`megatron_core_cpu` only reroutes their CUDA calls.
+dispatchers) and ``dist_checkpointing`` (torch_dist) run as they are; the shim :mod:`course_lib.megatron.mcore_cpu`
+only reroutes their CUDA calls; the training loop is :func:`course_lib.megatron.mcore_reference.train_megatron_core`.
 The course's master weights (:class:`course_lib.model.GPTModel`, seed 1234) are loaded into megatron-core by
 name: TP shards cut along each parameter's ``partition_dim`` at the TP rank, pipeline stages mapped by their
 layers' ``layer_number`` (Megatron's layer offset), the last stage's ``output_layer.weight`` from the tied
@@ -30,38 +31,23 @@ extra (``pip install .[megatron]``); skipped with a reason without it.
 """
 
 import re
-import warnings
 
 import pytest
 
 from course_lib.launch import launch
+from course_lib.megatron.mcore_reference import LAYOUTS, ReferenceRun, model_parallel, preload, transformer_config
 
-# (name, tp, pp, sequence parallel, distributed optimizer); 4 ranks, DP = 4 / (tp * pp)
-LAYOUTS = [
-    ("TP2 x DP2 + SP", 2, 1, True, False),
-    ("DP4, distributed optimizer", 1, 1, False, True),
-    ("TP2 x DP2 + SP, distributed optimizer", 2, 1, True, True),
-    ("PP2 x DP2 (1F1B)", 1, 2, False, False),
-    ("PP2 x TP2 + SP (1F1B)", 2, 2, True, False),
-]
 # (tp, ep, sequence parallel, dispatcher); expert TP 1, 4 experts, top-2, aux and z losses on
 MOE_CASES = [(1, 4, False, "alltoall"), (1, 4, False, "allgather"), (2, 2, True, "alltoall"),
              (2, 2, True, "allgather")]
-MODEL = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16)
+RUN = ReferenceRun()
+MODEL = dict(num_layers=RUN.num_layers, hidden_size=RUN.hidden_size, num_attention_heads=RUN.num_attention_heads,
+             seq_length=RUN.seq_length)
 # the MoE checkpoint: 4 experts over EP2, layers 0 and 2 MoE (--moe-layer-freq 2), top-2
 MOE_CKPT = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_layer_freq": 2}
-MICRO, GLOBAL, ITERS, LR, SEED = 2, 16, 3, 1e-3, 1234
+MICRO, GLOBAL, ITERS, SEED = RUN.micro_batch_size, RUN.global_batch_size, RUN.train_iters, RUN.seed
 TOL = 1e-6          # relative: losses, gradient norms, logits (measured <= 1.9e-7: float32 summation order)
 GRAD_TOL = 3e-6     # relative to the tensor's largest entry: each gradient, the MoE layer (measured <= 8.2e-7)
-
-
-def _course_argv(tp: int, pp: int, sp: bool, distopt: bool) -> list[str]:
-    argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
-            "--num-layers", MODEL["num_layers"], "--hidden-size", MODEL["hidden_size"],
-            "--num-attention-heads", MODEL["num_attention_heads"], "--seq-length", MODEL["seq_length"],
-            "--micro-batch-size", MICRO, "--global-batch-size", GLOBAL, "--train-iters", ITERS, "--lr", LR,
-            "--seed", SEED, "--log-interval", 100]
-    return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
 
 
 def _rel(a, b) -> float:
@@ -69,29 +55,6 @@ def _rel(a, b) -> float:
 
 
 # ------------------------------------------------------------------ megatron-core's side (runs on a rank)
-
-
-def _mcore_config(g, tp: int, pp: int, sp: bool, **extra):
-    """megatron-core's TransformerConfig for the course's GPTConfig ``g`` (dropout 0, no fusions)."""
-    import torch
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(num_layers=g.num_layers, hidden_size=g.hidden_size,
-                             num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
-                             hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=g.layernorm_epsilon,
-                             init_method_std=g.init_method_std, use_cpu_initialization=True,
-                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
-                             pipeline_dtype=torch.float32, bias_dropout_fusion=False, masked_softmax_fusion=False,
-                             gradient_accumulation_fusion=False, **extra)
-
-
-def _master_name(model, name: str) -> str:
-    """The course master's name of a megatron-core GPTModel parameter: local layer ``i`` of this stage is
-    global layer ``layer_number - 1``; the last stage's output layer is the tied word embedding."""
-    if name.startswith("decoder.layers."):
-        _, _, i, rest = name.split(".", 3)
-        return f"decoder.layers.{model.decoder.layers[int(i)].layer_number - 1}.{rest}"
-    return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
 
 
 def _tp_gather(value, dim: int, tp_group):
@@ -108,30 +71,6 @@ def _tp_full(value, p, tp_group):
     return _tp_gather(value, p.partition_dim, tp_group) if getattr(p, "tensor_model_parallel", False) else value
 
 
-def _mcore_gpt(g, tp: int, pp: int, sp: bool):
-    """megatron-core's GPTModel for this rank's stage (local spec, tied embeddings), holding the course
-    master's numbers; ``(model, master, its config)``."""
-    import torch
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from course_lib.model import GPTModel as CourseGPT
-
-    master = CourseGPT(g)
-    cfg = _mcore_config(g, tp, pp, sp)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
-                     share_embeddings_and_output_weights=True, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
-    full = dict(master.named_parameters())
-    r = ps.get_tensor_model_parallel_rank()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            value = full[_master_name(model, name)]
-            p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
-    return model, master, cfg
-
-
 def _master_grads(master, g) -> dict:
     """The dense master's gradients of the mean token loss of iteration 1's global batch."""
     from course_lib.data import get_global_batch
@@ -142,79 +81,42 @@ def _master_grads(master, g) -> dict:
 
 
 def _mcore_train(tp: int, pp: int, sp: bool, distopt: bool, save=None) -> dict:
-    """ITERS iterations of megatron-core on this layout; the first one's logits and gradients checked
-    against the master. Returns ``{"lm_loss", "grad_norm", "logits", "grads"}`` (relative errors); with
-    ``save`` (a folder, pp = 1) also the model saved by ``dist_checkpointing`` as ``save/iter_0000003`` (the
-    tracker written as Megatron-LM writes it) and ``"loss of the saved model"`` on iteration 1's batch."""
+    """ITERS iterations of megatron-core on this layout (:func:`train_megatron_core`); the first one's logits
+    and gradients checked against the master. Returns ``{"lm_loss", "grad_norm", "logits", "grads"}``
+    (relative errors); with ``save`` (a folder, pp = 1) also the model saved by ``dist_checkpointing`` as
+    ``save/iter_0000003`` (the tracker written as Megatron-LM writes it) and ``"loss of the saved model"`` on
+    iteration 1's batch."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from course_lib.data import get_batch, get_global_batch
-    from course_lib.model import GPTConfig
+    from course_lib.data import get_global_batch
+    from course_lib.megatron.mcore_reference import master_name, model_parallel, train_megatron_core
 
-    ps.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(SEED)
-    g = GPTConfig(**MODEL, seed=SEED)
-    model, master, cfg = _mcore_gpt(g, tp, pp, sp)
-    tp_group = ps.get_tensor_model_parallel_group()
-    out = {"lm_loss": [], "grad_norm": [], "logits": None, "grads": {}}
-    positions = torch.arange(g.seq_length).expand(MICRO, -1)
-    if pp == 1:                                             # the logits of a batch, before any step
-        batch = get_global_batch(0, MICRO, g.seq_length, SEED)
-        with torch.no_grad():
-            logits = _tp_gather(model(batch["tokens"], positions, None), -1, tp_group)      # [b, s, V/t] -> V
-            out["logits"] = _rel(logits, master(batch["tokens"]).transpose(0, 1))          # [b, s, V]
-    reference = _master_grads(master, g)
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
-    cfg.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, min_lr=0.0, weight_decay=0.01,
-                                                       clip_grad=1.0, use_distributed_optimizer=distopt),
-                                       [ddp], use_gloo_process_groups=False)
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=LR, min_lr=0.0, lr_warmup_steps=0,
-                                        lr_decay_steps=ITERS * GLOBAL, lr_decay_style="linear", start_wd=0.01,
-                                        end_wd=0.01, wd_incr_steps=ITERS * GLOBAL, wd_incr_style="constant")
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    m = GLOBAL // (MICRO * dp)
+    def first_step_checks(model, master, ddp):
+        """Before any step: the logits of a batch (pp = 1) and every gradient (reduced over DP, SP sums,
+        the tied embedding summed) against the dense master's."""
+        from megatron.core import parallel_state as ps
 
-    def forward_step(data, chunk):                          # pretrain_gpt.py's, loss mask all ones
-        b = next(data)
-
-        def loss_func(token_losses):                        # [b, s] -> (sum, tokens, what to report)
-            total = token_losses.float().sum()
-            tokens = torch.tensor(token_losses.numel(), dtype=torch.int)
-            return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
-
-        return chunk(b["tokens"], positions, None, labels=b["labels"]), loss_func
-
-    for it in range(ITERS):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        data = iter([get_batch(it, j, dp_rank, dp, MICRO, g.seq_length, SEED, global_batch_size=GLOBAL)
-                     for j in range(m)])
-        reported = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[ddp],
-                                               num_microbatches=m, seq_length=g.seq_length,
-                                               micro_batch_size=MICRO, forward_only=False)
-        if it == 0 and not distopt:                         # reduced over DP, SP sums, tied embedding summed
+        tp_group, g = ps.get_tensor_model_parallel_group(), master.config
+        checks = {"logits": None, "grads": {}}
+        if pp == 1:
+            batch = get_global_batch(0, MICRO, g.seq_length, SEED)
+            with torch.no_grad():
+                positions = torch.arange(g.seq_length).expand(MICRO, -1)
+                logits = _tp_gather(model(batch["tokens"], positions, None), -1, tp_group)   # [b, s, V/t] -> V
+                checks["logits"] = _rel(logits, master(batch["tokens"]).transpose(0, 1))    # [b, s, V]
+        if not distopt:
+            reference = _master_grads(master, g)
             for name, p in model.named_parameters():
-                key = _master_name(model, name)
-                out["grads"][key] = _rel(_tp_full(p.main_grad, p, tp_group), reference[key])
-        _, norm, _ = optimizer.step()
-        scheduler.step(increment=GLOBAL)
-        out["grad_norm"].append(float(norm))
-        if ps.is_pipeline_last_stage():
-            sums = torch.stack([r["lm loss"] for r in reported]).sum(0)
-            dist.all_reduce(sums, group=ps.get_data_parallel_group())
-            out["lm_loss"].append(float(sums[0] / sums[1]))
-    if save is not None:
-        _mcore_save(model, save, ITERS)
-        out["loss of the saved model"] = _mcore_loss(model, 0, g.seq_length)
-    ps.destroy_model_parallel()
+                key = master_name(model, name)
+                checks["grads"][key] = _rel(_tp_full(p.main_grad, p, tp_group), reference[key])
+        return checks
+
+    with model_parallel(tp, pp, SEED):
+        out = train_megatron_core(RUN, tp, pp, sp, distopt, before_first_step=first_step_checks)
+        model = out.pop("model")
+        if save is not None:
+            _mcore_save(model, save, ITERS)
+            out["loss of the saved model"] = _mcore_loss(model, 0, RUN.seq_length)
     return out
 
 
@@ -260,22 +162,18 @@ def _mcore_load_course_checkpoint(folder, tp: int, sp: bool, iteration: int) -> 
     """megatron-core's GPTModel (its own random init) loaded by ``dist_checkpointing.load`` from a course
     torch_dist checkpoint folder; the loss of (0-based) ``iteration``'s global batch under it."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from course_lib.model import GPTConfig
 
-    ps.initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(SEED)
-    g = GPTConfig(**MODEL, seed=SEED)
-    model = GPTModel(_mcore_config(g, tp, 1, sp), get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size,
-                     max_sequence_length=g.seq_length, share_embeddings_and_output_weights=True)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))   # + common.pt's items
-    model.load_state_dict(state["model"])
-    loss = _mcore_loss(model, iteration, g.seq_length)
-    ps.destroy_model_parallel()
+    with model_parallel(tp, 1, SEED):
+        g = GPTConfig(**MODEL, seed=SEED)
+        model = GPTModel(transformer_config(g, tp, 1, sp), get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size,
+                         max_sequence_length=g.seq_length, share_embeddings_and_output_weights=True)
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))   # + common.pt's items
+        model.load_state_dict(state["model"])
+        loss = _mcore_loss(model, iteration, g.seq_length)
     return loss
 
 
@@ -292,47 +190,44 @@ def _moe_checkpoint_layout(root) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from course_lib.model import GPTConfig
     from course_lib.train import parse_args, pretrain
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MOE_CKPT.items()] + ["--expert-model-parallel-size", "2"]
-    pretrain(parse_args(_course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root]),
+    pretrain(parse_args(RUN.course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root]),
              print_args=False, record_comm=False)
     folder = f"{root}/iter_0000001"
     md = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     out = {"course": {k: tuple(m.size) if hasattr(m, "size") else None for k, m in md.items()
                       if not k.startswith(("optimizer.", "rng_state."))}, "mcore": {}}
-    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2, create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(SEED)
-    g = GPTConfig(**MODEL, **MOE_CKPT)
-    cfg = _mcore_config(g, 1, 1, False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
-                        moe_layer_freq=2, expert_model_parallel_size=2)
-    model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
-                     vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
-                     share_embeddings_and_output_weights=True)
-    sharded = model.sharded_state_dict()
-    for v in sharded.values():
-        if isinstance(v, ShardedTensor):
-            out["mcore"][v.key] = tuple(v.global_shape)
-        elif isinstance(v, ShardedObject):
-            out["mcore"][v.unique_key] = None
-    wanted = {k: v for k, v in sharded.items() if not isinstance(v, ShardedTensor) or v.key in md}  # not biases
-    model.load_state_dict(dist_checkpointing.load(wanted, folder), strict=False)
-    out["loaded"] = 0.0
-    for layer in (0, 2):
-        mlp, prefix = model.decoder.layers[layer].mlp, f"decoder.layers.{layer}.mlp."
-        saved = {prefix + k: torch.empty(md[prefix + k].size)
-                 for k in ("router.weight", "experts.experts.linear_fc1.weight", "experts.experts.linear_fc2.weight")}
-        dcp.load(saved, checkpoint_id=folder, no_dist=True)          # the course's tensors, whole
-        pairs = [(mlp.router.weight, saved[prefix + "router.weight"])]
-        for i, expert in enumerate(mlp.experts.local_experts):
-            e = ps.get_expert_model_parallel_rank() * len(mlp.experts.local_experts) + i
-            pairs += [(expert.linear_fc1.weight, saved[prefix + "experts.experts.linear_fc1.weight"][e]),
-                      (expert.linear_fc2.weight, saved[prefix + "experts.experts.linear_fc2.weight"][e])]
-        out["loaded"] = max([out["loaded"]] + [float((a - b).abs().max()) for a, b in pairs])
-    ps.destroy_model_parallel()
+    with model_parallel(1, 1, SEED, expert_model_parallel_size=2):
+        g = GPTConfig(**MODEL, **MOE_CKPT)
+        cfg = transformer_config(g, 1, 1, False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                            moe_layer_freq=2, expert_model_parallel_size=2)
+        model = GPTModel(cfg, get_gpt_decoder_block_spec(cfg, use_transformer_engine=False),
+                         vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
+                         share_embeddings_and_output_weights=True)
+        sharded = model.sharded_state_dict()
+        for v in sharded.values():
+            if isinstance(v, ShardedTensor):
+                out["mcore"][v.key] = tuple(v.global_shape)
+            elif isinstance(v, ShardedObject):
+                out["mcore"][v.unique_key] = None
+        wanted = {k: v for k, v in sharded.items() if not isinstance(v, ShardedTensor) or v.key in md}  # not biases
+        model.load_state_dict(dist_checkpointing.load(wanted, folder), strict=False)
+        out["loaded"] = 0.0
+        for layer in (0, 2):
+            mlp, prefix = model.decoder.layers[layer].mlp, f"decoder.layers.{layer}.mlp."
+            names = ("router.weight", "experts.experts.linear_fc1.weight", "experts.experts.linear_fc2.weight")
+            saved = {prefix + k: torch.empty(md[prefix + k].size) for k in names}
+            dcp.load(saved, checkpoint_id=folder, no_dist=True)          # the course's tensors, whole
+            pairs = [(mlp.router.weight, saved[prefix + "router.weight"])]
+            for i, expert in enumerate(mlp.experts.local_experts):
+                e = ps.get_expert_model_parallel_rank() * len(mlp.experts.local_experts) + i
+                pairs += [(expert.linear_fc1.weight, saved[prefix + "experts.experts.linear_fc1.weight"][e]),
+                          (expert.linear_fc2.weight, saved[prefix + "experts.experts.linear_fc2.weight"][e])]
+            out["loaded"] = max([out["loaded"]] + [float((a - b).abs().max()) for a, b in pairs])
     return out
 
 
@@ -341,9 +236,7 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
     ``[s/tp (SP), b, h]``: relative errors of the output, the input gradient, router and expert grads."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
     from megatron.core.transformer.spec_utils import build_module
 
@@ -353,44 +246,42 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
     from course_lib.topology import RankGrid
 
     experts, topk, s, b, h, ffn = 4, 2, 8, 2, 16, 32
-    ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
-                                 create_gloo_process_groups=False)
-    model_parallel_cuda_manual_seed(SEED)
-    g = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, num_experts=experts,
-                  moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
-                  moe_token_dispatcher_type=dispatcher, init_method_std=0.3)
-    with torch.random.fork_rng(devices=[]):                 # every expert, the same numbers on every rank
-        torch.manual_seed(SEED)
-        master = MoEMLP(g, 1, None, init=True)
-    course = MoEMLP(g, 1, new_moe_process_groups(RankGrid(dist.get_world_size(), tp=tp, ep=ep, expert_tp=1)))
-    if sp:
-        course.mark_sequence_parallel()
-    course.load_from_master(master)
-    cfg = _mcore_config(g, tp, 1, sp, num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
-                        add_bias_linear=False, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
-                        moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="aux_loss",
-                        expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
-    layer = build_module(get_gpt_layer_local_spec(num_experts=experts).submodules.mlp, config=cfg, layer_number=1)
-    fc1, fc2 = course.experts.linear_fc1.weight, course.experts.linear_fc2.weight       # [L, F, H], [L, H, F]
-    with torch.no_grad():
-        layer.router.weight.copy_(course.router.weight)
-        for i, expert in enumerate(layer.experts.local_experts):
-            expert.linear_fc1.weight.copy_(fc1[i])
-            expert.linear_fc2.weight.copy_(fc2[i])
-    gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    x = torch.randn(s // (tp if sp else 1), b, h, generator=gen)
-    dy = torch.randn(x.shape, generator=gen)
-    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # the course's aux_loss_scale: 1
-    x_m, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
-    y_m, _ = layer(x_m)
-    (y_m * dy).sum().backward()
-    y_c = course(x_c)
-    (y_c * dy).sum().backward()
-    out = {"output": _rel(y_m, y_c), "input grad": _rel(x_m.grad, x_c.grad),
-           "router grad": _rel(layer.router.weight.grad, course.router.weight.grad),
-           "expert grads": max(max(_rel(e.linear_fc1.weight.grad, fc1.grad[i]), _rel(e.linear_fc2.weight.grad, fc2.grad[i]))
-                               for i, e in enumerate(layer.experts.local_experts))}
-    ps.destroy_model_parallel()
+    with model_parallel(tp, 1, SEED, expert_model_parallel_size=ep, expert_tensor_parallel_size=1):
+        g = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, num_experts=experts,
+                      moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                      moe_token_dispatcher_type=dispatcher, init_method_std=0.3)
+        with torch.random.fork_rng(devices=[]):                 # every expert, the same numbers on every rank
+            torch.manual_seed(SEED)
+            master = MoEMLP(g, 1, None, init=True)
+        course = MoEMLP(g, 1, new_moe_process_groups(RankGrid(dist.get_world_size(), tp=tp, ep=ep, expert_tp=1)))
+        if sp:
+            course.mark_sequence_parallel()
+        course.load_from_master(master)
+        cfg = transformer_config(g, tp, 1, sp, num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
+                            add_bias_linear=False, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                            moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="aux_loss",
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+        layer = build_module(get_gpt_layer_local_spec(num_experts=experts).submodules.mlp, config=cfg, layer_number=1)
+        fc1, fc2 = course.experts.linear_fc1.weight, course.experts.linear_fc2.weight       # [L, F, H], [L, H, F]
+        with torch.no_grad():
+            layer.router.weight.copy_(course.router.weight)
+            for i, expert in enumerate(layer.experts.local_experts):
+                expert.linear_fc1.weight.copy_(fc1[i])
+                expert.linear_fc2.weight.copy_(fc2[i])
+        gen = torch.Generator().manual_seed(100 + dist.get_rank())
+        x = torch.randn(s // (tp if sp else 1), b, h, generator=gen)
+        dy = torch.randn(x.shape, generator=gen)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0))  # the course's aux_loss_scale: 1
+        x_m, x_c = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_m, _ = layer(x_m)
+        (y_m * dy).sum().backward()
+        y_c = course(x_c)
+        (y_c * dy).sum().backward()
+        out = {"output": _rel(y_m, y_c), "input grad": _rel(x_m.grad, x_c.grad),
+               "router grad": _rel(layer.router.weight.grad, course.router.weight.grad),
+               "expert grads": max(max(_rel(e.linear_fc1.weight.grad, fc1.grad[i]),
+                                       _rel(e.linear_fc2.weight.grad, fc2.grad[i]))
+                                   for i, e in enumerate(layer.experts.local_experts))}
     return out
 
 
@@ -400,7 +291,7 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
 def _rank(layouts, moe_cases, root):
     """Runs on every rank: megatron-core and the course trainer on each layout (the first layout's
     megatron-core model saved for the course to load), the checkpoints both ways, then the MoE cases."""
-    from megatron_core_cpu import megatron_core_on_cpu
+    from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
 
     from course_lib.train import parse_args, pretrain
 
@@ -408,10 +299,10 @@ def _rank(layouts, moe_cases, root):
     for i, (name, tp, pp, sp, distopt) in enumerate(layouts):
         with megatron_core_on_cpu():
             mcore = _mcore_train(tp, pp, sp, distopt, save=f"{root}/mcore" if i == 0 else None)
-        course = pretrain(parse_args(_course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
+        course = pretrain(parse_args(RUN.course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
         out["train"][name] = {"mcore": mcore, "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
     # megatron-core saved TP2 x DP2 (SP): the course loads its model under PP2 x DP2, one iteration
-    pp2 = _course_argv(1, 2, False, False)
+    pp2 = RUN.course_argv(1, 2, False, False)
     out["course loads mcore"] = pretrain(parse_args(pp2 + ["--load", f"{root}/mcore", "--finetune", "--train-iters",
                                                            "1"]), print_args=False, record_comm=False)["lm_loss"]
     # the course saves PP2 x DP2 at iteration 3 (the layout's run, then a 4th); megatron-core loads it under TP2 x DP2
@@ -428,14 +319,10 @@ def _rank(layouts, moe_cases, root):
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    with warnings.catch_warnings():      # megatron-core warns that TE and Apex are absent
-        warnings.simplefilter("ignore")
-        for module in ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
-                       "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer",
-                       "megatron.core.dist_checkpointing"):
-            pytest.importorskip(module, reason="megatron-core is not installed (optional extra: pip install .[megatron])")
-        return launch(_rank, world_size=4, backend="gloo", timeout=240, output="none", layouts=LAYOUTS,
-                      moe_cases=MOE_CASES, root=str(tmp_path_factory.mktemp("mcore_ckpt")))
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (optional extra: pip install .[megatron])")
+    preload()
+    return launch(_rank, world_size=4, backend="gloo", timeout=240, output="none", layouts=LAYOUTS,
+                  moe_cases=MOE_CASES, root=str(tmp_path_factory.mktemp("mcore_ckpt")))
 
 
 @pytest.mark.parametrize("name, pp", [(layout[0], layout[2]) for layout in LAYOUTS])

@@ -1,4 +1,8 @@
-"""Test-only shim: megatron-core 0.16.1 on CPU gloo ranks (never imported by ``course_lib``).
+"""A shim: megatron-core 0.16.1 on CPU gloo ranks, so that the course can run the real thing beside its own.
+
+Used by :mod:`course_lib.megatron.mcore_reference` (Lab 05 trains megatron-core's GPT next to the
+course trainer), by ``tests/megatron/test_megatron_core_live.py`` and ``tests/distributed/test_bucket_layout.py``.
+Nothing of the parallelism library imports it; it imports megatron-core only when entered.
 
 megatron-core is written for CUDA: it allocates with ``device=torch.cuda.current_device()`` or
 ``device="cuda"``, calls ``.cuda()``, synchronises streams, records events, keeps its dropout RNG in

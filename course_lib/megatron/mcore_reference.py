@@ -1,0 +1,230 @@
+"""megatron-core itself as the reference: its GPT trained on CPU ranks beside the course trainer.
+
+megatron-core 0.16.1's ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
+``get_megatron_optimizer`` (plain or distributed), ``OptimizerParamScheduler`` and
+``get_forward_backward_func`` (1F1B over gloo send/recv when PP > 1) run as they are, inside the CPU
+shim :func:`course_lib.megatron.mcore_cpu.megatron_core_on_cpu`. They start from the course's master
+weights (:class:`course_lib.model.GPTModel`, loaded by name: TP shards cut along each parameter's
+``partition_dim``, pipeline stages by their layers' ``layer_number``, the last stage's output layer from
+the tied word embedding) and read the course's batches (:mod:`course_lib.data`), so their losses and
+gradient norms can be set beside :func:`course_lib.train.pretrain`'s on the same layout: Lab 05 does,
+``tests/megatron/test_megatron_core_live.py`` asserts them equal within 1e-6 (and much more).
+
+Run on a rank (``torch.distributed`` initialised, gloo), megatron-core imported in the launching process
+before the ranks fork. Needs the optional extra ``pip install .[megatron]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from course_lib import rules
+
+__all__ = ["ReferenceRun", "LAYOUTS", "preload", "transformer_config", "master_name", "megatron_core_gpt",
+           "model_parallel", "train_megatron_core", "side_by_side"]
+
+_MODULES = ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
+            "megatron.core.pipeline_parallel", "megatron.core.transformer.moe.moe_layer",
+            "megatron.core.dist_checkpointing")
+
+
+def preload() -> None:
+    """Import megatron-core in the launching process, before the ranks fork (each rank importing it on its
+    own costs seconds), its warnings that Transformer Engine and Apex are absent silenced. ImportError with
+    the fix when the extra is not installed."""
+    import importlib
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for module in _MODULES:
+                importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"megatron-core is not installed ({exc}): pip install -e '.[megatron]'") from None
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    """The model and the run both trainers get: a 4-layer GPT, Adam with linear decay, clipping at 1."""
+
+    num_layers: int = 4
+    hidden_size: int = 32
+    num_attention_heads: int = 4
+    seq_length: int = 16
+    micro_batch_size: int = 2
+    global_batch_size: int = 16
+    train_iters: int = 3
+    lr: float = 1e-3
+    seed: int = 1234
+
+    def gpt_config(self, **extra):
+        from course_lib.model import GPTConfig
+
+        return GPTConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         num_attention_heads=self.num_attention_heads, seq_length=self.seq_length, seed=self.seed,
+                         **extra)
+
+    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool) -> list[str]:
+        """The course trainer's flags for this run on one layout (Megatron-LM's names)."""
+        argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
+                "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
+                "--num-attention-heads", self.num_attention_heads, "--seq-length", self.seq_length,
+                "--micro-batch-size", self.micro_batch_size, "--global-batch-size", self.global_batch_size,
+                "--train-iters", self.train_iters, "--lr", self.lr, "--seed", self.seed, "--log-interval", 100]
+        return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
+
+
+# (name, tp, pp, sequence parallel, distributed optimizer) on 4 ranks, DP = 4 / (tp * pp)
+LAYOUTS = (
+    ("TP2 x DP2 + SP", 2, 1, True, False),
+    ("DP4, distributed optimizer", 1, 1, False, True),
+    ("TP2 x DP2 + SP, distributed optimizer", 2, 1, True, True),
+    ("PP2 x DP2 (1F1B)", 1, 2, False, False),
+    ("PP2 x TP2 + SP (1F1B)", 2, 2, True, False),
+)
+
+
+def transformer_config(g, tp: int, pp: int, sp: bool, **extra):
+    """megatron-core's ``TransformerConfig`` for the course's ``GPTConfig`` ``g`` (dropout 0, no fusions)."""
+    import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(num_layers=g.num_layers, hidden_size=g.hidden_size,
+                             num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
+                             hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=g.layernorm_epsilon,
+                             init_method_std=g.init_method_std, use_cpu_initialization=True,
+                             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
+                             pipeline_dtype=torch.float32, bias_dropout_fusion=False, masked_softmax_fusion=False,
+                             gradient_accumulation_fusion=False, **extra)
+
+
+def master_name(model, name: str) -> str:
+    """The course master's name of a megatron-core GPTModel parameter: local layer ``i`` of this stage is
+    global layer ``layer_number - 1``; the last stage's output layer is the tied word embedding."""
+    if name.startswith("decoder.layers."):
+        _, _, i, rest = name.split(".", 3)
+        return f"decoder.layers.{model.decoder.layers[int(i)].layer_number - 1}.{rest}"
+    return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
+
+
+def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
+    """megatron-core's GPTModel for this rank's stage (local spec, tied embeddings) holding the course
+    master's numbers: ``(model, master, its TransformerConfig)``. Inside :func:`model_parallel`."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from course_lib.model import GPTModel as CourseGPT
+
+    master = CourseGPT(g)
+    cfg = transformer_config(g, tp, pp, sp)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
+                     share_embeddings_and_output_weights=True, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    full = dict(master.named_parameters())
+    r = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            value = full[master_name(model, name)]
+            p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
+    return model, master, cfg
+
+
+@contextlib.contextmanager
+def model_parallel(tp: int, pp: int, seed: int, **kwargs):
+    """megatron-core's ``parallel_state`` for this layout (its groups over the ranks already started), its
+    model-parallel RNG seeded; destroyed on exit. ``kwargs`` go to ``initialize_model_parallel``."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    ps.initialize_model_parallel(tp, pp, create_gloo_process_groups=False, **kwargs)
+    try:
+        model_parallel_cuda_manual_seed(seed)
+        yield ps
+    finally:
+        ps.destroy_model_parallel()
+
+
+def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: bool, before_first_step=None) -> dict:
+    """``run.train_iters`` iterations of megatron-core on this layout, inside :func:`model_parallel`.
+
+    Megatron's ``pretrain_gpt.py`` loop in miniature: per iteration ``get_forward_backward_func`` over
+    the rank's micro-batches (its DP share of the course's global batch), the optimizer step, the
+    scheduler by ``global_batch_size`` samples. ``before_first_step(model, master, ddp)``, when given, runs
+    after the first backward (gradients reduced, weights not yet stepped) and its dict is merged into the
+    result. Returns ``{"lm_loss": [...] (last stage; else empty), "grad_norm": [...], "model": model}``."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from course_lib.data import get_batch
+
+    g = run.gpt_config()
+    model, master, cfg = megatron_core_gpt(g, tp, pp, sp)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
+    cfg.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=run.lr, min_lr=0.0, weight_decay=0.01,
+                                                       clip_grad=1.0, use_distributed_optimizer=distopt),
+                                       [ddp], use_gloo_process_groups=False)
+    samples = run.train_iters * run.global_batch_size
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=run.lr, min_lr=0.0, lr_warmup_steps=0,
+                                        lr_decay_steps=samples, lr_decay_style="linear", start_wd=0.01,
+                                        end_wd=0.01, wd_incr_steps=samples, wd_incr_style="constant")
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    micro = run.micro_batch_size
+    m = rules.num_microbatches(run.global_batch_size, micro, dp)
+    positions = torch.arange(g.seq_length).expand(micro, -1)
+    out = {"lm_loss": [], "grad_norm": [], "model": model}
+
+    def forward_step(data, chunk):                          # pretrain_gpt.py's, loss mask all ones
+        b = next(data)
+
+        def loss_func(token_losses):                        # [b, s] -> (sum, tokens, what to report)
+            total = token_losses.float().sum()
+            tokens = torch.tensor(token_losses.numel(), dtype=torch.int)
+            return total, tokens, {"lm loss": torch.stack([total.detach(), tokens.float()])}
+
+        return chunk(b["tokens"], positions, None, labels=b["labels"]), loss_func
+
+    for it in range(run.train_iters):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        data = iter([get_batch(it, j, dp_rank, dp, micro, g.seq_length, run.seed,
+                               global_batch_size=run.global_batch_size) for j in range(m)])
+        reported = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[ddp],
+                                               num_microbatches=m, seq_length=g.seq_length,
+                                               micro_batch_size=micro, forward_only=False)
+        if it == 0 and before_first_step is not None:
+            out.update(before_first_step(model, master, ddp))
+        _, norm, _ = optimizer.step()
+        scheduler.step(increment=run.global_batch_size)
+        out["grad_norm"].append(float(norm))
+        if ps.is_pipeline_last_stage():
+            sums = torch.stack([r["lm loss"] for r in reported]).sum(0)
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            out["lm_loss"].append(float(sums[0] / sums[1]))
+    return out
+
+
+def side_by_side(layouts=LAYOUTS, run: ReferenceRun = ReferenceRun()) -> dict:
+    """On every rank: megatron-core (:func:`train_megatron_core`) and the course trainer
+    (:func:`course_lib.train.pretrain`) on each layout of ``layouts``. Returns ``{name: {"megatron-core":
+    {"lm_loss", "grad_norm"}, "course": {...}}}`` (the losses on the last pipeline stage only)."""
+    from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
+    from course_lib.train import parse_args, pretrain
+
+    out = {}
+    for name, tp, pp, sp, distopt in layouts:
+        with megatron_core_on_cpu(), model_parallel(tp, pp, run.seed):
+            mcore = train_megatron_core(run, tp, pp, sp, distopt)
+        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
+        out[name] = {"megatron-core": {k: mcore[k] for k in ("lm_loss", "grad_norm")},
+                     "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
+    return out
