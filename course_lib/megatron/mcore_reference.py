@@ -136,10 +136,12 @@ def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
 @contextlib.contextmanager
 def model_parallel(tp: int, pp: int, seed: int, **kwargs):
     """megatron-core's ``parallel_state`` for this layout (its groups over the ranks already started), its
-    model-parallel RNG seeded; destroyed on exit. ``kwargs`` go to ``initialize_model_parallel``."""
+    model-parallel RNG seeded; destroyed on exit. ``kwargs`` go to ``initialize_model_parallel``; its groups
+    time out after a minute (megatron-core's default is 30), so a rank that fails cannot hold the others."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    kwargs.setdefault("distributed_timeout_minutes", 1)
     ps.initialize_model_parallel(tp, pp, create_gloo_process_groups=False, **kwargs)
     try:
         model_parallel_cuda_manual_seed(seed)
