@@ -40,7 +40,8 @@ Expected output on a GPU machine, on one H200 (the measured numbers below are an
     (a) trainer fp32 on 1 GPU: lm loss 5.936 5.728 5.171 vs CPU 5.936 5.728 5.171 (max rel err 2e-06): ok;
         memory lines from torch.cuda (rank 0: max allocated 12.3 MB): ok
     (a) trainer bf16 on 1 GPU: lm loss ... vs CPU bf16 ... (max rel err ...): ok; memory lines from torch.cuda: ok
-    (a) trainer PP2 on 2 GPUs: skipped (1 GPU)
+    (a) trainer MoE (4 experts, top-2) on 1 GPU: lm loss ... vs CPU ... (max rel err ...): ok; memory lines ...: ok
+    (a) trainer PP2 and MoE EP2 on 2 GPUs: skipped (1 GPU)
     (b) course GPT 0.41 B params, bf16, 1 GPU, micro-batch 8 x 1024 tokens: step 150 ms (median of 9),
         54,613 tokens/s, 143 TFLOP/s, MFU 14.5%
     (c) projection for H200 SXM (HGX H200, NDR): step 43.7 ms, MFU 50%; measured / projected = 3.44
@@ -69,6 +70,10 @@ PARITY = ["--uniform-vocab-padding", "--num-layers", "4", "--hidden-size", "64",
           "--log-interval", "2", "--lr", "3e-3", "--lr-decay-style", "constant"]
 PARITY_TOL = 1e-3
 BF16_TOL = 2e-2
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall"]
+"""The MoE GPT of the MoE checks: 4 experts in every layer, top-2, Megatron's alltoall dispatcher."""
+EP2 = MOE + ["--expert-model-parallel-size", "2"]
+"""...split over 2 ranks: the counts all-gathered and the rows and gates all-to-all'd over NCCL."""
 
 
 def hardware_name(device_name: str) -> str | None:
@@ -117,7 +122,13 @@ def _losses(log) -> list[float]:
 def parity_check(label: str, flags: list[str], nproc: int, reference: list[float],
                  tol: float = PARITY_TOL) -> tuple[bool, str]:
     """A trainer run on GPUs whose logged losses must equal the CPU reference (Megatron's logged averages)."""
-    code, log, text = run_trainer(PARITY + flags, nproc)
+    return judge_parity(label, *run_trainer(PARITY + flags, nproc), reference, tol)
+
+
+def judge_parity(label: str, code: int, log, text: str, reference: list[float],
+                 tol: float = PARITY_TOL) -> tuple[bool, str]:
+    """(passed, the report line) of one trainer run (:func:`run_trainer`'s exit code, parsed log and
+    output) against the CPU reference: the losses within ``tol`` and the memory lines from torch.cuda."""
     got = _losses(log)
     if code != 0 or len(got) != len(reference):
         return False, f"(a) {label}: FAILED (exit {code})\n{text[-2000:]}"
@@ -227,12 +238,18 @@ def main(argv=None) -> int:
         good, line = parity_check("trainer bf16 on 1 GPU", ["--bf16"], 1, cpu_reference(["--bf16"]), BF16_TOL)
         print(line, flush=True)
         ok &= good
+    moe_reference = cpu_reference(MOE)
+    good, line = parity_check("trainer MoE (4 experts, top-2) on 1 GPU", MOE, 1, moe_reference)
+    print(line, flush=True)
+    ok &= good
     if n >= 2:
-        good, line = parity_check("trainer PP2 on 2 GPUs", ["--pipeline-model-parallel-size", "2"], 2, reference)
-        print(line, flush=True)
-        ok &= good
+        for label, flags, want in (("trainer PP2 on 2 GPUs", ["--pipeline-model-parallel-size", "2"], reference),
+                                   ("trainer MoE EP2 on 2 GPUs (alltoall dispatch over NCCL)", EP2, moe_reference)):
+            good, line = parity_check(label, flags, 2, want)
+            print(line, flush=True)
+            ok &= good
     else:
-        print("(a) trainer PP2 on 2 GPUs: skipped (1 GPU)", flush=True)
+        print("(a) trainer PP2 and MoE EP2 on 2 GPUs: skipped (1 GPU)", flush=True)
     precision = "bf16" if bf16 else "fp32"
     hw = args.hardware or hardware_name(name)
     mfu = measure_mfu(precision, args.iters)

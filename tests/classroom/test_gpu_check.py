@@ -26,3 +26,15 @@ def test_pieces_that_do_not_need_a_gpu():
     ratio = float(line.rsplit("= ", 1)[1])
     assert line.startswith("(c) projection for H200") and ratio == pytest.approx(100 / projected_ms, rel=1e-2)
     assert gpu_check.projection_line(0.1, None, 384).startswith("(c) projection: not available")
+
+
+def test_the_moe_parity_check_passes_through_gloo_and_catches_a_wrong_reference():
+    """The GPU check's MoE EP2 parity, run as it runs on GPUs but on 2 CPU ranks (the trainer's gloo path):
+    the EP2 losses equal the single-process reference; the same run against a reference off by 1% fails."""
+    reference = gpu_check.cpu_reference(gpu_check.MOE)
+    run = gpu_check.run_trainer(gpu_check.PARITY + gpu_check.EP2, 2)
+    good, line = gpu_check.judge_parity("MoE EP2 on 2 CPU ranks", *run, reference)
+    assert good is False and "memory lines: FAILED (not from torch.cuda)" in line     # CPU: tracked bytes
+    assert line.startswith("(a) MoE EP2 on 2 CPU ranks: lm loss") and "): ok;" in line, line
+    wrong, line = gpu_check.judge_parity("MoE EP2, wrong reference", *run, [x * 1.01 for x in reference])
+    assert wrong is False and "): FAILED;" in line, line
