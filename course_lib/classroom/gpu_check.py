@@ -31,7 +31,7 @@ Without a CUDA GPU it prints one line and exits 0::
     gpu-check: no CUDA GPU on this machine (torch 2.13.0+cpu): nothing to check; run `make gpu-check` where one is
 
 Expected output on a GPU machine, on one H200 (the measured numbers below are an example, a
-150 ms step, and the rest follows from it; the projection, 43.7 ms, is what ``project`` gives)::
+150 ms step, and the rest follows from it; the projection, 48.6 ms, is what ``project`` gives)::
 
     gpu-check: 1 x NVIDIA H200 (139.7 GiB), torch 2.x, CUDA 12.x, bf16 supported
     (a) pytest tests/launch/test_launch.py: passed
@@ -44,7 +44,7 @@ Expected output on a GPU machine, on one H200 (the measured numbers below are an
     (a) trainer PP2 and MoE EP2 on 2 GPUs: skipped (1 GPU)
     (b) course GPT 0.41 B params, bf16, 1 GPU, micro-batch 8 x 1024 tokens: step 150 ms (median of 9),
         54,613 tokens/s, 143 TFLOP/s, MFU 14.5%
-    (c) projection for H200 SXM (HGX H200, NDR): step 43.7 ms, MFU 50%; measured / projected = 3.44
+    (c) projection for H200 SXM (HGX H200, NDR): step 48.6 ms, MFU 45%; measured / projected = 3.09
     gpu-check: all checks passed
 
 Every check prints ``ok``/``FAILED``; the exit code is 1 when any failed. ``--skip-tests`` skips

@@ -15,8 +15,8 @@ module                      what it computes (source)
 :mod:`.hardware`            GPU profiles (A100, H100, H200): peak FLOP/s, HBM, NVLink, network;
                             each number with its datasheet (NVLink at NCCL's measured rate)
 :mod:`.gemm`                the GEMMs of one layer on one rank, with their shapes, and a GEMM's
-                            time (a roofline plus a fixed cost per kernel, fitted to Narayanan
-                            2021 Table 1)
+                            time (a roofline at a fitted fraction of the peak; with the
+                            element-wise HBM passes, fitted to Narayanan 2021 Table 1)
 :mod:`.published`           published A100 runs, as printed, with their sources: Narayanan 2021
                             Tables 1-2, Korthikanti 2022 Tables 3-5 and §6.3
 :mod:`.projection`          a plan timed on a named GPU cluster: step time, tokens/s, MFU, each

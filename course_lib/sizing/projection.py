@@ -8,13 +8,14 @@ counts FLOPs, bytes and memory with the papers' formulas) and to nothing else:
    shape (:func:`.gemm.layer_gemms`: QKV, the attention core's batched ``QK^T`` and ``x V``, the
    projection, the two MLP GEMMs, the logits on the last stage; their FLOPs add up to Narayanan's
    Eq. 3 / Korthikanti's Eq. 7), timed by :func:`.gemm.gemm_seconds`: a roofline at a fitted
-   fraction of the dense peak plus a fixed cost per kernel, so big per-rank matrices run closer to
-   the peak than small ones. The backward runs each GEMM's two gradient GEMMs (twice the forward);
+   fraction of the dense peak (a fixed cost per kernel can be added; the fit leaves it at 0), so a
+   GEMM with few FLOPs per byte runs at HBM's pace. The backward runs each GEMM's two gradient GEMMs (twice the forward);
    full recomputation runs the layer's forward once more, selective recomputation the attention
    core's two GEMMs (Korthikanti §5). Plus the memory-bound element-wise work the papers do
    not count as FLOPs (LayerNorm, GeLU, softmax, dropout): the activation bytes of Korthikanti
-   Table 2 (:func:`.memory.activation_bytes_per_layer`) moved through HBM once forward and
-   twice backward (read, and the gradient written), and once more for what is recomputed.
+   Table 2 (:func:`.memory.activation_bytes_per_layer`) moved through HBM ``elementwise_traffic``
+   times forward (fitted with the GEMMs' fraction of the peak: 2.0) and twice that backward (read,
+   and the gradient written), and once more for what is recomputed.
 2. **Communication per group**, priced with the alpha-beta model on the link the group's
    ranks use: ranks are numbered in Megatron's order tp-cp-ep-dp-pp
    (:class:`course_lib.topology.RankGrid`) and placed ``gpus_per_node`` to a node (torchrun's
@@ -48,8 +49,8 @@ from dataclasses import dataclass, field, fields, replace
 
 from course_lib import rules
 from course_lib.sizing.comm import cp_comm_per_layer, pp_send_elements, ring_elements_sent, tp_comm_per_layer
-from course_lib.sizing.gemm import (ATTENTION_CORE, FIT_SUMMARY, GEMM_HALF_FLOPS, GEMM_PEAK_EFFICIENCY, gemm_seconds,
-                                    layer_gemms, logits_gemm)
+from course_lib.sizing.gemm import (ATTENTION_CORE, ELEMENTWISE_TRAFFIC, FIT_SUMMARY, GEMM_HALF_FLOPS,
+                                    GEMM_PEAK_EFFICIENCY, gemm_seconds, layer_gemms, logits_gemm)
 from course_lib.sizing.hardware import HARDWARE, Hardware, get_hardware
 from course_lib.sizing.memory import activation_bytes_per_layer, output_activation_terms
 from course_lib.sizing.planner import PRESETS, ModelSpec, Plan, plan
@@ -65,13 +66,13 @@ class Assumptions:
         'Table 1; course_lib/sizing/gemm.py).')})
     gemm_half_flops: float = field(default=GEMM_HALF_FLOPS, metadata={"help": (
         "FLOPs of the GEMM that runs at half of eta_max: every kernel's fixed cost is the time of this many "
-        'FLOPs (the GEMM model, fitted to Narayanan Table 1).')})
+        'FLOPs (0: Narayanan Table 1 does not determine it; course_lib/sizing/gemm.py).')})
     gemm_efficiency: float | None = field(default=None, metadata={"help": (
         'one fraction of peak for every GEMM instead of the GEMM model (none: the model).')})
-    elementwise_traffic: float = field(default=1.0, metadata={"help": (
+    elementwise_traffic: float = field(default=ELEMENTWISE_TRAFFIC, metadata={"help": (
         "HBM passes over Korthikanti Table 2's activation bytes per forward (backward: twice that; full "
         "recompute: once more; selective: the attention core's 5as^2b once more). 1 = each stored byte written "
-        'once and read once.')})
+        'once and read once; the default is fitted to Narayanan Table 1 with eta_max (course_lib/sizing/gemm.py).')})
     flash_attention: bool = field(default=False, metadata={"help": (
         'the attention core fused (Dao 2022): no ``5as^2b`` score bytes through HBM. Off for the 2021 runs of '
         'Table 1; on for Megatron-core with Transformer Engine (--attention-backend).')})
@@ -197,9 +198,11 @@ class Projection:
         a = self.assumptions
         if a.gemm_efficiency is not None:
             return f"GEMMs at a constant {a.gemm_efficiency:.0%} of peak (gemm_efficiency; the fitted model is off)"
-        if (a.gemm_peak_efficiency, a.gemm_half_flops) != (GEMM_PEAK_EFFICIENCY, GEMM_HALF_FLOPS):
-            return (f"GEMM model with eta_max {a.gemm_peak_efficiency:g} and W_half {a.gemm_half_flops:.3g} FLOPs "
-                    f"(given; the fit is {GEMM_PEAK_EFFICIENCY:g}, {GEMM_HALF_FLOPS:.3g})")
+        fit = (GEMM_PEAK_EFFICIENCY, GEMM_HALF_FLOPS, ELEMENTWISE_TRAFFIC)
+        if (a.gemm_peak_efficiency, a.gemm_half_flops, a.elementwise_traffic) != fit:
+            return (f"GEMM model with eta_max {a.gemm_peak_efficiency:g}, W_half {a.gemm_half_flops:.3g} FLOPs and "
+                    f"{a.elementwise_traffic:g} element-wise HBM passes (given; the fit is {fit[0]:g}, {fit[1]:.3g}, "
+                    f"{fit[2]:g})")
         return FIT_SUMMARY
 
     def summary(self) -> str:

@@ -22,7 +22,8 @@ import pytest
 
 from course_lib.__main__ import main
 from course_lib.sizing import flops_per_iteration
-from course_lib.sizing.gemm import (FIT_SUMMARY, GEMM_HALF_FLOPS, GEMM_PEAK_EFFICIENCY, Gemm, gemm_seconds,
+from course_lib.sizing.gemm import (ELEMENTWISE_TRAFFIC, FIT_SUMMARY, GEMM_HALF_FLOPS, GEMM_PEAK_EFFICIENCY, Gemm,
+                                    gemm_seconds,
                                     layer_gemms, logits_gemm)
 from course_lib.sizing.hardware import HARDWARE, get_hardware
 from course_lib.sizing.planner import ModelSpec
@@ -34,8 +35,10 @@ TABLE1 = table1_runs()
 
 
 @lru_cache(maxsize=None)
-def _table1_errors(peak_efficiency=GEMM_PEAK_EFFICIENCY, half_flops=GEMM_HALF_FLOPS) -> tuple:
+def _table1_errors(peak_efficiency=GEMM_PEAK_EFFICIENCY, elementwise_traffic=ELEMENTWISE_TRAFFIC,
+                   half_flops=GEMM_HALF_FLOPS) -> tuple:
     return tuple(published_error(r, project_published(r, gemm_peak_efficiency=peak_efficiency,
+                                                      elementwise_traffic=elementwise_traffic,
                                                       gemm_half_flops=half_flops)) for r in TABLE1)
 
 
@@ -59,8 +62,9 @@ def _report(runs, errors) -> list:
 
 def test_table1_achieved_tflops_within_10_percent_on_every_row(capsys):
     errors = _table1_errors()
-    report = "\n".join([f"Narayanan Table 1 vs projection (fitted GEMM model, eta_max {GEMM_PEAK_EFFICIENCY}, "
-                        f"W_half {GEMM_HALF_FLOPS:.0e} FLOPs):"] + _report(TABLE1, errors))
+    report = "\n".join([f"Narayanan Table 1 vs projection (the fit: eta_max {GEMM_PEAK_EFFICIENCY}, "
+                        f"{ELEMENTWISE_TRAFFIC} element-wise HBM passes; the script's micro-batches):"]
+                       + _report(TABLE1, errors))
     with capsys.disabled():
         print("\n" + report)
     assert max(abs(e) for e in errors) <= 0.10, report
@@ -68,17 +72,18 @@ def test_table1_achieved_tflops_within_10_percent_on_every_row(capsys):
 
 
 def test_gemm_model_is_the_table1_fit():
-    # the fit: the (eta_max, W_half) on the grid of 0.01 x 1e9 FLOPs that minimises the summed squared
-    # log-error over Table 1; the constants must beat every neighbour at two scales of the grid
-    # (the search over 0.62-0.80 x 0-16e9 that found them is too slow to rerun here; its valley runs from
-    # (0.65, 6e9) to (0.68, 9e9), and a constant efficiency, W_half = 0, does no better than 0.045 at 0.62)
+    # the fit: the (eta_max, element-wise passes) on the grid of 0.01 x 0.1 that minimises the summed squared
+    # log-error over Table 1 (run as the authors' script ran it); the constants must beat every neighbour
+    # (the search over 0.62-0.69 x 1.7-2.3 that found them is too slow to rerun here; one element-wise pass
+    # with any eta_max and W_half does no better than 0.034, and a W_half > 0 on top only slides along a
+    # flat valley, to 0.0042 at (0.73, 2.3, 28e9): Table 1 does not determine a third number)
     best = _fit_objective(_table1_errors())
-    assert best < 0.019
+    assert best < 0.0075 and GEMM_HALF_FLOPS == 0.0
     for i in (-1, 0, 1):
         for j in (-1, 0, 1):
             if (i, j) != (0, 0):
-                eta, w = round(GEMM_PEAK_EFFICIENCY + 0.01 * i, 2), GEMM_HALF_FLOPS + 1e9 * j
-                assert _fit_objective(_table1_errors(eta, w)) > best, (eta, w)
+                eta, passes = round(GEMM_PEAK_EFFICIENCY + 0.01 * i, 2), round(ELEMENTWISE_TRAFFIC + 0.1 * j, 1)
+                assert _fit_objective(_table1_errors(eta, passes)) > best, (eta, passes)
 
 
 def test_out_of_sample_runs_within_10_percent(capsys):
@@ -93,9 +98,9 @@ def test_out_of_sample_runs_within_10_percent(capsys):
     narayanan = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Narayanan")]
     assert max(abs(e) for e in narayanan) <= 0.10, report
     # Korthikanti's 1T runs are Table 1's last pipeline (TP 8 x PP 64, m = 512) a year later, 8.6% faster
-    # per GPU (177 against 163 TFLOP/s with full recomputation): no Table 1 fit gets closer than ~-9%
-    assert max(abs(e) for e in korthikanti) <= 0.105, report
-    assert sum(abs(e) > 0.10 for e in korthikanti) <= 1, report
+    # per GPU (177 against 163 TFLOP/s with full recomputation): a fit to the 2021 code projects them -12%
+    assert max(abs(e) for e in korthikanti) <= 0.125, report
+    assert [r.name for r, e in zip(OUT_OF_SAMPLE, errors) if abs(e) > 0.10] == ["1T", "1T"], report
     # the one line the projection prints says these numbers and the fit's
     assert FIT_SUMMARY.endswith(f"Table 1 (10 runs): {_span(_table1_errors())}; out of sample, Korthikanti "
                                 f"2022 Tables 3-5 + §6.3 ({len(korthikanti)} runs): {_span(korthikanti)}, "
@@ -103,14 +108,15 @@ def test_out_of_sample_runs_within_10_percent(capsys):
 
 
 def test_korthikanti_table4_layer_times():
-    # one 22B layer (TP 8, micro-batch 4): forward + backward within 6% in all five settings; forward alone
-    # within 8% (the projection does not overlap the 2022 code's backward all-reduces with weight gradients)
+    # one 22B layer (TP 8, micro-batch 4), Korthikanti's 2022 code: the forward within 2% in all five
+    # settings; forward + backward within 11%, the projection slower (the 2021-fitted element-wise passes,
+    # twice as many backward, and no overlap of the backward all-reduces with weight gradients)
     model = ModelSpec("22B", 48, 6144, 64, V, S)
     for name, recompute, sp, fwd_ms, bwd_ms in KORTHIKANTI_TABLE4:
         layer = project(model, tp=8, sequence_parallel=sp, recompute=recompute, micro_batch_size=4,
                         global_batch_size=4, hardware="A100").layer
-        assert (fwd_ms + bwd_ms) / 1e3 == pytest.approx(layer["forward"] + layer["backward"], rel=0.06), name
-        assert fwd_ms / 1e3 == pytest.approx(layer["forward"], rel=0.08), name
+        assert 1.0 < (layer["forward"] + layer["backward"]) / ((fwd_ms + bwd_ms) / 1e3) < 1.11, name
+        assert fwd_ms / 1e3 == pytest.approx(layer["forward"], rel=0.02), name
 
 
 def test_layer_gemms_add_up_to_the_papers_flops():
@@ -130,15 +136,17 @@ def test_layer_gemms_add_up_to_the_papers_flops():
 
 
 def test_gemm_seconds_is_a_roofline_with_a_fixed_cost_per_kernel():
-    a100 = get_hardware("A100")
-    rate = GEMM_PEAK_EFFICIENCY * 312e12
+    a100, eta, w_half = get_hardware("A100"), GEMM_PEAK_EFFICIENCY, 8e9      # a per-kernel cost, as one may set
+    rate = eta * 312e12
     big = Gemm("big", 1, 1, 8192, 8192, 8192, 2 * 3 * 8192 ** 2)  # 1.1e12 FLOPs, 2730 FLOP/byte: compute-bound
-    assert gemm_seconds(big, a100) == pytest.approx((big.flops + GEMM_HALF_FLOPS) / rate, rel=1e-12)
-    assert big.flops / gemm_seconds(big, a100) / 312e12 == pytest.approx(
-        GEMM_PEAK_EFFICIENCY * big.flops / (big.flops + GEMM_HALF_FLOPS), rel=1e-12)
+    assert gemm_seconds(big, a100, eta, w_half) == pytest.approx((big.flops + w_half) / rate, rel=1e-12)
+    assert big.flops / gemm_seconds(big, a100, eta, w_half) / 312e12 == pytest.approx(
+        eta * big.flops / (big.flops + w_half), rel=1e-12)
+    assert gemm_seconds(big, a100) == pytest.approx(big.flops / rate, rel=1e-12)          # the fit: no fixed cost
     # a head's QK^T at s = 2048, h/a = 96: 88 FLOP/byte, under the A100's ridge of 153: HBM-bound
     head = Gemm("scores", 2, 24, 2048, 96, 2048, 2 * 24 * (2 * 2048 * 96 + 2048 ** 2))
-    assert gemm_seconds(head, a100) == pytest.approx(2 * (head.bytes / 2.039e12 + GEMM_HALF_FLOPS / rate), rel=1e-12)
+    assert gemm_seconds(head, a100, eta, w_half) == pytest.approx(2 * (head.bytes / 2.039e12 + w_half / rate),
+                                                                  rel=1e-12)
     assert gemm_seconds(big, a100, 1.0, 0.0) == big.flops / 312e12
 
 

@@ -473,6 +473,9 @@ def test_cited_numbers_match_at_the_precision_written():
     assert conclusions.cited_numbers("A 207.5 ms, D 1,021.9 ms, 1.73-1.76 MB, ratio 4.9", numbers) == [
         "207.5", "1,021.9", "1.73", "1.76", "4.9"]
     assert conclusions.cited_numbers("TP 2, PP 4, 8 ranks, 300 tokens, 200.0 ms", numbers) == []
+    # what the clock measured counts as a citation, but the success line (clock=False) leaves it out
+    steady = conclusions.measured_numbers(SWEEP, clock=False)
+    assert conclusions.cited_numbers("A 207.5 ms, D 1,021.9 ms, 1.73-1.76 MB, ratio 4.9", steady) == ["1.73", "1.76"]
 
 
 def test_deliverable_carries_the_students_conclusions_first():
