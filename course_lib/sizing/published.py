@@ -12,8 +12,8 @@ DGX A100 80 GB nodes (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per
   cell against the same table as Megatron-LM's README showed it in 2021
   (``images/cases_april2021.png`` in Megatron-LM's history, e.g. at commit ``937571cfd4^``): hidden
   size, layers, parameters, model-parallel size (= TP x PP here), GPUs, batch, TFLOP/s per GPU, % of
-  peak and aggregate PFLOP/s all agree; the heads, micro-batch sizes and interleaving agree with the
-  script above.
+  peak and aggregate PFLOP/s all agree; the heads (not in that table) agree with the script above,
+  which also gives the micro-batch sizes and interleaving.
 * Not checked against a primary source here (no copy of the papers is reachable from this
   machine): every number of :data:`OUT_OF_SAMPLE` and
   :data:`KORTHIKANTI_TABLE4` beyond what the abstracts say (Korthikanti: the 530B run is "29%
