@@ -8,7 +8,9 @@ weights (:class:`course_lib.model.GPTModel`, loaded by name: TP shards cut along
 ``partition_dim``, pipeline stages by their layers' ``layer_number``, the last stage's output layer from
 the tied word embedding) and read the course's batches (:mod:`course_lib.data`), so their losses and
 gradient norms can be set beside :func:`course_lib.train.pretrain`'s on the same layout: Lab 05 does,
-``tests/megatron/test_megatron_core_live.py`` asserts them equal within 1e-6 (and much more).
+``tests/megatron/test_megatron_core_live.py`` asserts them equal within 1e-6 (and much more). The same for
+an MoE GPT (:data:`MOE`: megatron-core's local MoE spec, ``MoELayer`` with ``SequentialMLP`` experts and
+the alltoall dispatcher) under expert parallelism (:data:`MOE_LAYOUTS`).
 
 Run on a rank (``torch.distributed`` initialised, gloo), megatron-core imported in the launching process
 before the ranks fork. Needs the optional extra ``pip install .[megatron]``.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from course_lib import rules
 
-__all__ = ["ReferenceRun", "LAYOUTS", "preload", "transformer_config", "master_name", "megatron_core_gpt",
+__all__ = ["ReferenceRun", "LAYOUTS", "MOE", "MOE_LAYOUTS", "moe_config", "preload", "transformer_config", "master_name", "megatron_core_gpt",
            "model_parallel", "train_megatron_core", "side_by_side"]
 
 _MODULES = ("megatron.core.models.gpt", "megatron.core.distributed", "megatron.core.optimizer",
@@ -66,13 +68,18 @@ class ReferenceRun:
                          num_attention_heads=self.num_attention_heads, seq_length=self.seq_length, seed=self.seed,
                          **extra)
 
-    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool) -> list[str]:
-        """The course trainer's flags for this run on one layout (Megatron-LM's names)."""
+    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool, ep: int = 0) -> list[str]:
+        """The course trainer's flags for this run on one layout (Megatron-LM's names); with ``ep`` the MoE
+        GPT of :data:`MOE` over that many expert-parallel ranks (expert TP 1)."""
         argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
                 "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                 "--num-attention-heads", self.num_attention_heads, "--seq-length", self.seq_length,
                 "--micro-batch-size", self.micro_batch_size, "--global-batch-size", self.global_batch_size,
                 "--train-iters", self.train_iters, "--lr", self.lr, "--seed", self.seed, "--log-interval", 100]
+        if ep:
+            argv += [f"--{k.replace('_', '-')}={v}" for k, v in MOE.items()]
+            argv += ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", ep,
+                     "--expert-tensor-parallel-size", 1]
         return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
 
 
@@ -83,6 +90,14 @@ LAYOUTS = (
     ("TP2 x DP2 + SP, distributed optimizer", 2, 1, True, True),
     ("PP2 x DP2 (1F1B)", 1, 2, False, False),
     ("PP2 x TP2 + SP (1F1B)", 2, 2, True, False),
+)
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_aux_loss_coeff": 0.01}
+"""The MoE GPT of :data:`MOE_LAYOUTS`: every layer's MLP 4 experts, top-2, the Switch aux loss at 1e-2,
+Megatron's alltoall dispatcher."""
+# (name, tp, ep, sequence parallel) on 4 ranks, expert TP 1: the MoE GPT
+MOE_LAYOUTS = (
+    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 2, False),
+    ("MoE: TP2 + SP, EP2 (expert TP 1)", 2, 2, True),
 )
 
 
@@ -109,9 +124,31 @@ def master_name(model, name: str) -> str:
     return "embedding.word_embeddings.weight" if name == "output_layer.weight" else name
 
 
+def moe_config(g) -> dict:
+    """megatron-core's MoE fields for the course's MoE ``GPTConfig`` ``g`` (every layer MoE, SequentialMLP,
+    the alltoall dispatcher, the Switch aux loss), or ``{}`` for a dense ``g``."""
+    if not g.num_experts:
+        return {}
+    return dict(num_moe_experts=g.num_experts, moe_router_topk=g.moe_router_topk,
+                moe_ffn_hidden_size=g.moe_ffn_hidden_size, moe_aux_loss_coeff=g.moe_aux_loss_coeff,
+                moe_token_dispatcher_type=g.moe_token_dispatcher_type, moe_router_load_balancing_type="aux_loss",
+                expert_model_parallel_size=_expert_parallel_size(), expert_tensor_parallel_size=1)
+
+
+def _expert_parallel_size() -> int:
+    """EP as :func:`model_parallel` set it up."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_world_size()
+
+
 def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
     """megatron-core's GPTModel for this rank's stage (local spec, tied embeddings) holding the course
-    master's numbers: ``(model, master, its TransformerConfig)``. Inside :func:`model_parallel`."""
+    master's numbers: ``(model, master, its TransformerConfig)``. Inside :func:`model_parallel`.
+
+    With experts (``g.num_experts``): megatron-core's local MoE spec (``SequentialMLP``); local expert ``j``
+    of EP rank ``e`` is the master's expert ``e * L + j``. megatron-core gives the router and the experts a
+    bias when the dense layers have one; the course's have none: those biases stay at zero, out of training."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -120,14 +157,24 @@ def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
     from course_lib.model import GPTModel as CourseGPT
 
     master = CourseGPT(g)
-    cfg = transformer_config(g, tp, pp, sp)
-    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size, max_sequence_length=g.seq_length,
-                     share_embeddings_and_output_weights=True, pre_process=ps.is_pipeline_first_stage(),
-                     post_process=ps.is_pipeline_last_stage())
+    cfg = transformer_config(g, tp, pp, sp, **moe_config(g))
+    model = GPTModel(cfg, get_gpt_layer_local_spec(num_experts=g.num_experts or None), vocab_size=g.padded_vocab_size,
+                     max_sequence_length=g.seq_length, share_embeddings_and_output_weights=True,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     full = dict(master.named_parameters())
     r = ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if g.num_experts and ".mlp." in name and name.endswith("bias"):   # router and expert biases
+                p.zero_()
+                p.requires_grad_(False)
+                continue
+            if ".mlp.experts.local_experts." in name:
+                layer, rest = master_name(model, name).split(".mlp.experts.local_experts.")
+                j, weight = rest.split(".", 1)
+                e = ps.get_expert_model_parallel_rank() * (g.num_experts // _expert_parallel_size()) + int(j)
+                p.copy_(full[f"{layer}.mlp.experts.{weight}"][e])
+                continue
             value = full[master_name(model, name)]
             p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
     return model, master, cfg
@@ -150,14 +197,17 @@ def model_parallel(tp: int, pp: int, seed: int, **kwargs):
         ps.destroy_model_parallel()
 
 
-def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: bool, before_first_step=None) -> dict:
+def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: bool, before_first_step=None,
+                        moe: dict | None = None) -> dict:
     """``run.train_iters`` iterations of megatron-core on this layout, inside :func:`model_parallel`.
 
     Megatron's ``pretrain_gpt.py`` loop in miniature: per iteration ``get_forward_backward_func`` over
     the rank's micro-batches (its DP share of the course's global batch), the optimizer step, the
     scheduler by ``global_batch_size`` samples. ``before_first_step(model, master, ddp)``, when given, runs
     after the first backward (gradients reduced, weights not yet stepped) and its dict is merged into the
-    result. Returns ``{"lm_loss": [...] (last stage; else empty), "grad_norm": [...], "model": model}``."""
+    result. ``moe``: the course's MoE fields (``num_experts``, ``moe_router_topk``, ...) for an MoE GPT,
+    EP as :func:`model_parallel` set it. Returns ``{"lm_loss": [...] (last stage; else empty), "grad_norm":
+    [...], "model": model}``."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -168,7 +218,7 @@ def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: 
 
     from course_lib.data import get_batch
 
-    g = run.gpt_config()
+    g = run.gpt_config(**(moe or {}))
     model, master, cfg = megatron_core_gpt(g, tp, pp, sp)
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=distopt), model)
     cfg.finalize_model_grads_func = finalize_model_grads
@@ -215,18 +265,22 @@ def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: 
     return out
 
 
-def side_by_side(layouts=LAYOUTS, run: ReferenceRun = ReferenceRun()) -> dict:
+def side_by_side(layouts=LAYOUTS, moe_layouts=MOE_LAYOUTS, run: ReferenceRun = ReferenceRun()) -> dict:
     """On every rank: megatron-core (:func:`train_megatron_core`) and the course trainer
-    (:func:`course_lib.train.pretrain`) on each layout of ``layouts``. Returns ``{name: {"megatron-core":
-    {"lm_loss", "grad_norm"}, "course": {...}}}`` (the losses on the last pipeline stage only)."""
+    (:func:`course_lib.train.pretrain`) on each layout of ``layouts`` (the dense GPT) and of ``moe_layouts``
+    (the MoE GPT of :data:`MOE`). Returns ``{name: {"megatron-core": {"lm_loss", "grad_norm"}, "course":
+    {...}}}`` (the losses on the last pipeline stage only)."""
     from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
     from course_lib.train import parse_args, pretrain
 
+    runs = [(name, tp, pp, sp, distopt, 0) for name, tp, pp, sp, distopt in layouts]
+    runs += [(name, tp, 1, sp, False, ep) for name, tp, ep, sp in moe_layouts]
     out = {}
-    for name, tp, pp, sp, distopt in layouts:
-        with megatron_core_on_cpu(), model_parallel(tp, pp, run.seed):
-            mcore = train_megatron_core(run, tp, pp, sp, distopt)
-        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
+    for name, tp, pp, sp, distopt, ep in runs:
+        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
+        with megatron_core_on_cpu(), model_parallel(tp, pp, run.seed, **experts):
+            mcore = train_megatron_core(run, tp, pp, sp, distopt, moe=MOE if ep else None)
+        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep)), print_args=False, record_comm=False)
         out[name] = {"megatron-core": {k: mcore[k] for k in ("lm_loss", "grad_norm")},
                      "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
     return out

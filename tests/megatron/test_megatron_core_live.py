@@ -35,7 +35,8 @@ import re
 import pytest
 
 from course_lib.launch import launch
-from course_lib.megatron.mcore_reference import LAYOUTS, ReferenceRun, model_parallel, preload, transformer_config
+from course_lib.megatron.mcore_reference import (LAYOUTS, MOE_LAYOUTS, ReferenceRun, model_parallel, preload,
+                                                side_by_side, transformer_config)
 
 # (tp, ep, sequence parallel, dispatcher); expert TP 1, 4 experts, top-2, aux and z losses on
 MOE_CASES = [(1, 4, False, "alltoall"), (1, 4, False, "allgather"), (2, 2, True, "alltoall"),
@@ -301,6 +302,7 @@ def _rank(layouts, moe_cases, root):
             mcore = _mcore_train(tp, pp, sp, distopt, save=f"{root}/mcore" if i == 0 else None)
         course = pretrain(parse_args(RUN.course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
         out["train"][name] = {"mcore": mcore, "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
+    out["moe train"] = side_by_side(layouts=(), moe_layouts=MOE_LAYOUTS, run=RUN)   # the MoE GPT, 3 iterations
     # megatron-core saved TP2 x DP2 (SP): the course loads its model under PP2 x DP2, one iteration
     pp2 = RUN.course_argv(1, 2, False, False)
     out["course loads mcore"] = pretrain(parse_args(pp2 + ["--load", f"{root}/mcore", "--finetune", "--train-iters",
@@ -335,6 +337,19 @@ def test_megatron_core_trains_like_the_course_trainer(ranks, name, pp):
             for ours, theirs in zip(course["lm_loss"], mcore["lm_loss"], strict=True):
                 assert abs(ours - theirs) <= TOL * ours, (name, rank, course["lm_loss"], mcore["lm_loss"])
     assert sum(bool(res["train"][name]["mcore"]["lm_loss"]) for res in ranks) == 4 // pp     # the last stages
+
+
+@pytest.mark.parametrize("name", [layout[0] for layout in MOE_LAYOUTS])
+def test_megatron_core_trains_the_moe_gpt_like_the_course_trainer(ranks, name):
+    """megatron-core's GPTModel with MoE layers (SequentialMLP, alltoall dispatcher, aux loss) and the course
+    trainer's MoE GPT, EP2 (with TP2 + SP in the second layout): the same losses and gradient norms."""
+    for rank, res in enumerate(ranks):
+        mcore, course = res["moe train"][name]["megatron-core"], res["moe train"][name]["course"]
+        assert len(mcore["grad_norm"]) == ITERS
+        for ours, theirs in zip(course["grad_norm"], mcore["grad_norm"], strict=True):
+            assert abs(ours - theirs) <= TOL * ours, (name, rank, course["grad_norm"], mcore["grad_norm"])
+        for ours, theirs in zip(course["lm_loss"], mcore["lm_loss"], strict=True):
+            assert abs(ours - theirs) <= TOL * ours, (name, rank, course["lm_loss"], mcore["lm_loss"])
 
 
 @pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS if not layout[4]])
