@@ -68,9 +68,10 @@ class ReferenceRun:
                          num_attention_heads=self.num_attention_heads, seq_length=self.seq_length, seed=self.seed,
                          **extra)
 
-    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool, ep: int = 0) -> list[str]:
+    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool, ep: int = 0, expert_tp: int = 1,
+                    dispatcher: str = "alltoall") -> list[str]:
         """The course trainer's flags for this run on one layout (Megatron-LM's names); with ``ep`` the MoE
-        GPT of :data:`MOE` over that many expert-parallel ranks (expert TP 1)."""
+        GPT of :data:`MOE` over that many expert-parallel ranks, ``expert_tp`` and ``dispatcher`` its."""
         argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
                 "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                 "--num-attention-heads", self.num_attention_heads, "--seq-length", self.seq_length,
@@ -78,8 +79,8 @@ class ReferenceRun:
                 "--train-iters", self.train_iters, "--lr", self.lr, "--seed", self.seed, "--log-interval", 100]
         if ep:
             argv += [f"--{k.replace('_', '-')}={v}" for k, v in MOE.items()]
-            argv += ["--moe-token-dispatcher-type", "alltoall", "--expert-model-parallel-size", ep,
-                     "--expert-tensor-parallel-size", 1]
+            argv += ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", ep,
+                     "--expert-tensor-parallel-size", expert_tp]
         return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
 
 
@@ -92,12 +93,15 @@ LAYOUTS = (
     ("PP2 x TP2 + SP (1F1B)", 2, 2, True, False),
 )
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_aux_loss_coeff": 0.01}
-"""The MoE GPT of :data:`MOE_LAYOUTS`: every layer's MLP 4 experts, top-2, the Switch aux loss at 1e-2,
-Megatron's alltoall dispatcher."""
-# (name, tp, ep, sequence parallel) on 4 ranks, expert TP 1: the MoE GPT
+"""The MoE GPT of :data:`MOE_LAYOUTS`: every layer's MLP 4 experts, top-2, the Switch aux loss at 1e-2."""
+# (name, tp, pp, sequence parallel, ep, expert tp, dispatcher) on 4 ranks: the MoE GPT. Expert TP 1 throughout:
+# megatron-core 0.16.1 refuses expert TP > 1 with biased linears ("Bias in Moe is only supported when ETP==1"),
+# and the course GPT's dense layers have biases.
 MOE_LAYOUTS = (
-    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 2, False),
-    ("MoE: TP2 + SP, EP2 (expert TP 1)", 2, 2, True),
+    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 1, False, 2, 1, "alltoall"),
+    ("MoE: TP2 + SP, EP2, expert TP 1", 2, 1, True, 2, 1, "alltoall"),
+    ("MoE: PP2 x EP2 (1F1B)", 1, 2, False, 2, 1, "alltoall"),
+    ("MoE: EP2, allgather dispatcher", 1, 1, False, 2, 1, "allgather"),
 )
 
 
@@ -132,7 +136,8 @@ def moe_config(g) -> dict:
     return dict(num_moe_experts=g.num_experts, moe_router_topk=g.moe_router_topk,
                 moe_ffn_hidden_size=g.moe_ffn_hidden_size, moe_aux_loss_coeff=g.moe_aux_loss_coeff,
                 moe_token_dispatcher_type=g.moe_token_dispatcher_type, moe_router_load_balancing_type="aux_loss",
-                expert_model_parallel_size=_expert_parallel_size(), expert_tensor_parallel_size=1)
+                expert_model_parallel_size=_expert_parallel_size(),
+                expert_tensor_parallel_size=_expert_tp()[0])
 
 
 def _expert_parallel_size() -> int:
@@ -140,6 +145,13 @@ def _expert_parallel_size() -> int:
     from megatron.core import parallel_state as ps
 
     return ps.get_expert_model_parallel_world_size()
+
+
+def _expert_tp() -> tuple[int, int]:
+    """(size, this rank's index) of the expert tensor-parallel group :func:`model_parallel` set up."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
 
 
 def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
@@ -173,7 +185,10 @@ def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
                 layer, rest = master_name(model, name).split(".mlp.experts.local_experts.")
                 j, weight = rest.split(".", 1)
                 e = ps.get_expert_model_parallel_rank() * (g.num_experts // _expert_parallel_size()) + int(j)
-                p.copy_(full[f"{layer}.mlp.experts.{weight}"][e])
+                value = full[f"{layer}.mlp.experts.{weight}"][e]                     # [F, H] or [H, F]
+                etp, etp_rank = _expert_tp()
+                p.copy_(value.chunk(etp, p.partition_dim)[etp_rank] if getattr(p, "tensor_model_parallel", False)
+                        else value)
                 continue
             value = full[master_name(model, name)]
             p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
@@ -273,14 +288,16 @@ def side_by_side(layouts=LAYOUTS, moe_layouts=MOE_LAYOUTS, run: ReferenceRun = R
     from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
     from course_lib.train import parse_args, pretrain
 
-    runs = [(name, tp, pp, sp, distopt, 0) for name, tp, pp, sp, distopt in layouts]
-    runs += [(name, tp, 1, sp, False, ep) for name, tp, ep, sp in moe_layouts]
+    runs = [(name, tp, pp, sp, distopt, 0, 1, "alltoall") for name, tp, pp, sp, distopt in layouts]
+    runs += [(name, tp, pp, sp, False, ep, etp, dispatcher) for name, tp, pp, sp, ep, etp, dispatcher in moe_layouts]
     out = {}
-    for name, tp, pp, sp, distopt, ep in runs:
-        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
+    for name, tp, pp, sp, distopt, ep, etp, dispatcher in runs:
+        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp) if ep else {}
+        moe = {**MOE, "moe_token_dispatcher_type": dispatcher} if ep else None
         with megatron_core_on_cpu(), model_parallel(tp, pp, run.seed, **experts):
-            mcore = train_megatron_core(run, tp, pp, sp, distopt, moe=MOE if ep else None)
-        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep)), print_args=False, record_comm=False)
+            mcore = train_megatron_core(run, tp, pp, sp, distopt, moe=moe)
+        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep, etp, dispatcher)), print_args=False,
+                          record_comm=False)
         out[name] = {"megatron-core": {k: mcore[k] for k in ("lm_loss", "grad_norm")},
                      "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
     return out
