@@ -68,10 +68,10 @@ class ReferenceRun:
                          num_attention_heads=self.num_attention_heads, seq_length=self.seq_length, seed=self.seed,
                          **extra)
 
-    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool, ep: int = 0, expert_tp: int = 1,
+    def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool, ep: int = 0,
                     dispatcher: str = "alltoall") -> list[str]:
         """The course trainer's flags for this run on one layout (Megatron-LM's names); with ``ep`` the MoE
-        GPT of :data:`MOE` over that many expert-parallel ranks, ``expert_tp`` and ``dispatcher`` its."""
+        GPT of :data:`MOE` over that many expert-parallel ranks (expert TP 1) and ``dispatcher``."""
         argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
                 "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                 "--num-attention-heads", self.num_attention_heads, "--seq-length", self.seq_length,
@@ -80,7 +80,7 @@ class ReferenceRun:
         if ep:
             argv += [f"--{k.replace('_', '-')}={v}" for k, v in MOE.items()]
             argv += ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", ep,
-                     "--expert-tensor-parallel-size", expert_tp]
+                     "--expert-tensor-parallel-size", 1]
         return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
 
 
@@ -94,14 +94,14 @@ LAYOUTS = (
 )
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_aux_loss_coeff": 0.01}
 """The MoE GPT of :data:`MOE_LAYOUTS`: every layer's MLP 4 experts, top-2, the Switch aux loss at 1e-2."""
-# (name, tp, pp, sequence parallel, ep, expert tp, dispatcher) on 4 ranks: the MoE GPT. Expert TP 1 throughout:
+# (name, tp, pp, sequence parallel, ep, dispatcher) on 4 ranks: the MoE GPT. Expert TP 1 throughout:
 # megatron-core 0.16.1 refuses expert TP > 1 with biased linears ("Bias in Moe is only supported when ETP==1"),
 # and the course GPT's dense layers have biases.
 MOE_LAYOUTS = (
-    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 1, False, 2, 1, "alltoall"),
-    ("MoE: TP2 + SP, EP2, expert TP 1", 2, 1, True, 2, 1, "alltoall"),
-    ("MoE: PP2 x EP2 (1F1B)", 1, 2, False, 2, 1, "alltoall"),
-    ("MoE: EP2, allgather dispatcher", 1, 1, False, 2, 1, "allgather"),
+    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 1, False, 2, "alltoall"),
+    ("MoE: TP2 + SP, EP2, expert TP 1", 2, 1, True, 2, "alltoall"),
+    ("MoE: PP2 x EP2 (1F1B)", 1, 2, False, 2, "alltoall"),
+    ("MoE: EP2, allgather dispatcher", 1, 1, False, 2, "allgather"),
 )
 
 
@@ -131,35 +131,22 @@ def master_name(model, name: str) -> str:
 def moe_config(g) -> dict:
     """megatron-core's MoE fields for the course's MoE ``GPTConfig`` ``g`` (every layer MoE, SequentialMLP,
     the alltoall dispatcher, the Switch aux loss), or ``{}`` for a dense ``g``."""
+    from megatron.core import parallel_state as ps
+
     if not g.num_experts:
         return {}
     return dict(num_moe_experts=g.num_experts, moe_router_topk=g.moe_router_topk,
                 moe_ffn_hidden_size=g.moe_ffn_hidden_size, moe_aux_loss_coeff=g.moe_aux_loss_coeff,
                 moe_token_dispatcher_type=g.moe_token_dispatcher_type, moe_router_load_balancing_type="aux_loss",
-                expert_model_parallel_size=_expert_parallel_size(),
-                expert_tensor_parallel_size=_expert_tp()[0])
-
-
-def _expert_parallel_size() -> int:
-    """EP as :func:`model_parallel` set it up."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_model_parallel_world_size()
-
-
-def _expert_tp() -> tuple[int, int]:
-    """(size, this rank's index) of the expert tensor-parallel group :func:`model_parallel` set up."""
-    from megatron.core import parallel_state as ps
-
-    return ps.get_expert_tensor_parallel_world_size(), ps.get_expert_tensor_parallel_rank()
+                expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), expert_tensor_parallel_size=1)
 
 
 def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
     """megatron-core's GPTModel for this rank's stage (local spec, tied embeddings) holding the course
     master's numbers: ``(model, master, its TransformerConfig)``. Inside :func:`model_parallel`.
 
-    With experts (``g.num_experts``): megatron-core's local MoE spec (``SequentialMLP``); local expert ``j``
-    of EP rank ``e`` is the master's expert ``e * L + j``. megatron-core gives the router and the experts a
+    With experts (``g.num_experts``): megatron-core's local MoE spec (``SequentialMLP``); its local expert
+    ``j`` is the master's expert ``local_expert_indices[j]`` (megatron-core's own numbering). megatron-core gives the router and the experts a
     bias when the dense layers have one; the course's have none: those biases stay at zero, out of training."""
     import torch
     from megatron.core import parallel_state as ps
@@ -181,14 +168,12 @@ def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
                 p.zero_()
                 p.requires_grad_(False)
                 continue
-            if ".mlp.experts.local_experts." in name:
-                layer, rest = master_name(model, name).split(".mlp.experts.local_experts.")
+            if ".mlp.experts.local_experts." in name:      # decoder.layers.i.mlp.experts.local_experts.j.<weight>
+                i, rest = name.split(".")[2], name.split(".mlp.experts.local_experts.")[1]
                 j, weight = rest.split(".", 1)
-                e = ps.get_expert_model_parallel_rank() * (g.num_experts // _expert_parallel_size()) + int(j)
-                value = full[f"{layer}.mlp.experts.{weight}"][e]                     # [F, H] or [H, F]
-                etp, etp_rank = _expert_tp()
-                p.copy_(value.chunk(etp, p.partition_dim)[etp_rank] if getattr(p, "tensor_model_parallel", False)
-                        else value)
+                e = model.decoder.layers[int(i)].mlp.local_expert_indices[int(j)]
+                layer = master_name(model, name).split(".mlp.")[0]
+                p.copy_(full[f"{layer}.mlp.experts.{weight}"][e])                    # [F, H] or [H, F]
                 continue
             value = full[master_name(model, name)]
             p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
@@ -288,15 +273,15 @@ def side_by_side(layouts=LAYOUTS, moe_layouts=MOE_LAYOUTS, run: ReferenceRun = R
     from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
     from course_lib.train import parse_args, pretrain
 
-    runs = [(name, tp, pp, sp, distopt, 0, 1, "alltoall") for name, tp, pp, sp, distopt in layouts]
-    runs += [(name, tp, pp, sp, False, ep, etp, dispatcher) for name, tp, pp, sp, ep, etp, dispatcher in moe_layouts]
+    runs = [(name, tp, pp, sp, distopt, 0, "alltoall") for name, tp, pp, sp, distopt in layouts]
+    runs += [(name, tp, pp, sp, False, ep, dispatcher) for name, tp, pp, sp, ep, dispatcher in moe_layouts]
     out = {}
-    for name, tp, pp, sp, distopt, ep, etp, dispatcher in runs:
-        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp) if ep else {}
+    for name, tp, pp, sp, distopt, ep, dispatcher in runs:
+        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
         moe = {**MOE, "moe_token_dispatcher_type": dispatcher} if ep else None
         with megatron_core_on_cpu(), model_parallel(tp, pp, run.seed, **experts):
             mcore = train_megatron_core(run, tp, pp, sp, distopt, moe=moe)
-        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep, etp, dispatcher)), print_args=False,
+        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep, dispatcher)), print_args=False,
                           record_comm=False)
         out[name] = {"megatron-core": {k: mcore[k] for k in ("lm_loss", "grad_norm")},
                      "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
