@@ -31,6 +31,7 @@ from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, 
                                                   split_problem, student_on_rank)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.moe.layer import MoELayer, make_master_weights
+from course_lib.moe.mappings import reorder_chunks
 from course_lib.moe.router import route, switch_load_balancing_loss
 from course_lib.rules import expert_data_parallel_size
 from course_lib.topology import DEFAULT_ORDER, RankGrid, parse_order, rank_groups
@@ -331,15 +332,11 @@ def _combine_error(layer, received, received_probs, counts, x, tpe, perm, group,
     """Experts on the received rows (each scaled by its gate), all-to-all back, unpermute: max error
     against one process."""
     L = EXPERTS // ep
-    starts = [0] + counts.flatten().cumsum(0).tolist()                           # chunk (s, l) at s·L + l
-    order = [s * L + l for l in range(L) for s in range(ep)]                      # by local expert
-    pick = lambda t, i: t[starts[i]:starts[i + 1]]                                # noqa: E731
-    y = layer.experts(torch.cat([pick(received, i) for i in order]),
-                      torch.cat([pick(received_probs, i) for i in order]), counts.sum(0).tolist())
-    by_expert_starts = [0] + torch.tensor([int(counts.flatten()[i]) for i in order]).cumsum(0).tolist()
-    position = {i: j for j, i in enumerate(order)}
-    by_source = torch.cat([y[by_expert_starts[position[i]]:by_expert_starts[position[i] + 1]]
-                           for i in range(ep * L)])
+    sizes = counts.flatten().tolist()                                             # chunk (s, l) at s·L + l
+    by_expert = [s * L + l for l in range(L) for s in range(ep)]
+    y = layer.experts(reorder_chunks(received, sizes, by_expert), reorder_chunks(received_probs, sizes, by_expert),
+                      counts.sum(0).tolist())
+    by_source = reorder_chunks(y, [sizes[i] for i in by_expert], [l * ep + s for s in range(ep) for l in range(L)])
     back = torch.empty(int(tpe.sum()), HIDDEN)
     dist.all_to_all_single(back, by_source, output_split_sizes=tpe.view(ep, L).sum(1).tolist(),
                            input_split_sizes=counts.sum(1).tolist(), group=group)
