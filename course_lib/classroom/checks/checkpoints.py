@@ -21,7 +21,7 @@ Exercise 2, :func:`check_read_plan`
     what each rank read: every element of the piece read exactly once, nothing outside the chunks.
     torch's own overlap planner and the course's ``PieceLoadPlanner`` are refused.
 
-Exercise 3, :func:`check_review_answers`
+Exercise 3, :func:`check_checkpoint_answers`
     the student's answers to the lab's review questions; a light check (written, the right notions
     named, a number from the runs cited), then :func:`print_course_answers`.
 
@@ -48,7 +48,7 @@ from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
 from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces, written_chunks
 
-__all__ = ["check_sharded_state_dict", "check_read_plan", "check_review_answers", "print_course_answers",
+__all__ = ["check_sharded_state_dict", "check_read_plan", "check_checkpoint_answers", "print_course_answers",
            "MLP_SIZES", "RESHARDINGS", "REVIEW_QUESTIONS"]
 
 MLP_SIZES = {"hidden_size": 6, "ffn_hidden_size": 8}   # fc1 [8, 6], fc2 [6, 8]: shapes that show a transpose
@@ -487,7 +487,7 @@ def _answer_problem(key: str, text, numbers) -> str | None:
 
 
 @exercise("my_answers_09")
-def check_review_answers(fn, *sources) -> bool:
+def check_checkpoint_answers(fn, *sources) -> bool:
     """``fn() -> {"resume", "reshard", "crash": str}``: each answered in a few sentences that name what the
     runs showed; "resume" cites a number of ``sources`` (the runs' results)."""
     answers, problem = checked_call(fn, references=references_for("my_answers_09"))

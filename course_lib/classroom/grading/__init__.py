@@ -24,6 +24,7 @@ removed at the end.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import stat
@@ -110,7 +111,8 @@ def grade_class(submissions: Path, out: Path, labs=None, timeout: float = DEFAUL
     work = _work_folder(out)
     sandbox = None
     try:
-        sandbox = Sandbox(work, deny=[Path(solutions), submissions, out], memory_bytes=memory)
+        deepspeed = any("deepspeed_engine" in json.dumps(official[n].notebook["cells"]) for n in chosen)
+        sandbox = Sandbox(work, deny=[Path(solutions), submissions, out], memory_bytes=memory, deepspeed=deepspeed)
         for sub in students:
             for number in chosen:
                 started = time.monotonic()

@@ -117,6 +117,7 @@ class _Progress:
         self.unit_of = {i: u for u in lab.units for i in u.cells}
         self.found: dict[str, Outcome] = {}
         self.checker_errors: dict[str, str] = {}
+        self.first_error: str | None = None  # the first error of a cell of the lab's own (not an exercise's)
         self.notes: list[str] = []
         self.put_back: set[int] = set()  # exercise cells run as the official stub
         self.left_out: set[int] = set()  # other cells not run again
@@ -144,8 +145,15 @@ class _Progress:
     def _cell_error(self, index: int, error: str, sources: dict[int, str]) -> None:
         unit = self.unit_of.get(index)
         if unit is not None and index == unit.checker:
+            # the first real cause: a NameError in a checker often only follows from an earlier cell's error
+            cause = f"cell {self.first_error} first, then the checker cell raised {error}" if self.first_error \
+                else f"the checker cell raised {error}"
             for exercise in unit.exercises:
-                self.checker_errors.setdefault(exercise, error)
+                self.checker_errors.setdefault(exercise, cause)
+        elif index not in self.stubs:
+            if self.first_error is None:
+                self.first_error = f"{index} of the lab (not an exercise) raised {error}"
+                self.notes.append(f"cell {self.first_error}")
         elif index in self.stubs and index not in self.put_back and sources.get(index) != self.stubs[index]:
             note = f"your cell defining {', '.join(sorted(defined_names(self.stubs[index])))} raised {error}"
             if note not in self.notes:
@@ -208,5 +216,5 @@ def _last_line(path: Path) -> str:
 
 def _no_verdict(exercise: str, checker_errors: dict) -> str:
     if exercise in checker_errors:
-        return f"no verdict: the checker cell raised {checker_errors[exercise]}"
+        return f"no verdict: {checker_errors[exercise]}"
     return "no verdict: the checker cell did not run to its verdict"

@@ -42,6 +42,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -56,7 +57,8 @@ _PRELOAD = ("torch", "torch.distributed", "IPython.core.interactiveshell", "matp
             "course_lib.classroom.checks.verdicts", "course_lib.classroom.checks.exercise", "course_lib.launch")
 _SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/opt", "/dev/null",
                 "/dev/zero", "/dev/random", "/dev/urandom")
-_START_TIMEOUT_S = 120
+_START_TIMEOUT_S = 300
+_DEEPSPEED_ENV = "COURSE_GRADE_DEEPSPEED"
 
 
 # ----------------------------------------------------------------------------------- the zygote
@@ -103,6 +105,7 @@ def _child(spec: dict, zygote: int) -> None:
         os.chdir(spec["home"])
         os.environ.clear()
         os.environ.update(spec["env"])
+        tempfile.tempdir = None  # the zygote's imports may have cached its own: the run's TMPDIR is its home's
         sys.path[:] = [p for p in sys.path if p not in ("", spec["home"])]
         exercise.verdict_file()  # opened before the fence: the kernel cannot reach it by name afterwards
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails (EFBIG) instead of killing
@@ -121,6 +124,21 @@ def _child(spec: dict, zygote: int) -> None:
         traceback.print_exc()
     finally:
         os._exit(status)
+
+
+def _load_deepspeed_ops() -> None:
+    """Load DeepSpeed's JIT-built C++ ops here, outside the fence. Loading one takes a lock file in its build
+    folder (torch's ``FileBaton`` in ``TORCH_EXTENSIONS_DIR``, the venv's by default), which a fenced run may
+    not write; DeepSpeed keeps every loaded op (``OpBuilder._loaded_ops``), so a run forked from here, and the
+    ranks it forks, find them loaded and take no lock. An op that cannot be built is left to the run (its
+    cell then says why)."""
+    from course_lib.training.deepspeed_engine import build_ops, preload
+
+    try:
+        preload()
+        build_ops()
+    except (ImportError, OSError, RuntimeError, SystemExit) as err:
+        print(f"DeepSpeed's ops were not loaded before the runs: {err}", file=sys.stderr)
 
 
 def _reap_all(timeout: float = 5.0) -> None:
@@ -162,6 +180,8 @@ def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's: it stops the runs, then closes us
     for module in _PRELOAD:
         importlib.import_module(module)
+    if os.environ.get(_DEEPSPEED_ENV) == "1":
+        _load_deepspeed_ops()
     from course_lib.classroom.grading import landlock
 
     replies = sys.stdout
@@ -223,9 +243,9 @@ class Sandbox:
     ``root``: a folder of the grading output for the zygote's own files (the shared, read-only
     ``pkg/`` through which runs import ``course_lib``, matplotlib's cache); ``deny``: what no run may
     read (the solutions, the submissions, the grading output); ``memory_bytes``: each process's
-    address space."""
+    address space; ``deepspeed``: load DeepSpeed and its ops in the zygote (:func:`_load_deepspeed_ops`)."""
 
-    def __init__(self, root: Path, deny: list[Path], memory_bytes: int):
+    def __init__(self, root: Path, deny: list[Path], memory_bytes: int, deepspeed: bool = False):
         import course_lib
 
         self.root, self.memory_bytes = Path(root).resolve(), memory_bytes
@@ -243,7 +263,9 @@ class Sandbox:
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(self.pkg),
                     "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                     "LANG": os.environ.get("LANG", "C.UTF-8")}
-        env = dict(self.env, MPLCONFIGDIR=str(self.root / "mpl"))
+        if "TORCH_EXTENSIONS_DIR" in os.environ:  # where the instructor's DeepSpeed ops were built
+            self.env["TORCH_EXTENSIONS_DIR"] = os.environ["TORCH_EXTENSIONS_DIR"]
+        env = dict(self.env, MPLCONFIGDIR=str(self.root / "mpl"), **{_DEEPSPEED_ENV: "1" if deepspeed else "0"})
         self._log = open(self.root / "zygote.log", "w")
         # cwd = pkg/: the zygote imports course_lib through it, as the runs' own Python processes will.
         self.proc = subprocess.Popen([sys.executable, "-c", "from course_lib.classroom.grading.sandbox import serve; "

@@ -168,7 +168,7 @@ ANSWERS = {
      "'resume': cite a loss or a size"),
 ])
 def test_review_answers(change, expected, capsys):
-    ok = C.check_review_answers(lambda: {**ANSWERS, **change}, RUNS).ok
+    ok = C.check_checkpoint_answers(lambda: {**ANSWERS, **change}, RUNS).ok
     assert ok == expected.startswith("✓") and expected in capsys.readouterr().out
     C.print_course_answers(ok)
     assert ("latest_checkpointed_iteration.txt" in capsys.readouterr().out) == ok
@@ -178,7 +178,7 @@ def test_review_answers_stub_and_wrong_type(capsys):
     def my_answers():
         raise NotImplementedError
 
-    assert not C.check_review_answers(my_answers, RUNS)
+    assert not C.check_checkpoint_answers(my_answers, RUNS)
     assert "not attempted yet: write my_answers above" in capsys.readouterr().out
-    assert not C.check_review_answers(lambda: ["resume"], RUNS)
+    assert not C.check_checkpoint_answers(lambda: ["resume"], RUNS)
     assert "return a dict with the keys resume, reshard, crash" in capsys.readouterr().out
