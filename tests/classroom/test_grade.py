@@ -194,6 +194,8 @@ def _class(tmp: Path) -> tuple[Path, Path]:
         "        os._exit(0)\n"
         "    if world_size % (tp * pp * cp):\n        raise ValueError('not divisible')\n"
         "    return world_size // (tp * pp * cp)\n")}))
+    (subs / "pat").mkdir()
+    os.mkfifo(subs / "pat" / name)  # a notebook that is a FIFO: opening it would wait for a writer
     stale = _student(lab, solution)
     stale["metadata"]["course_lib"]["generated_sha256"] = "0" * 64
     _write(subs / "max" / name, stale)
@@ -225,7 +227,7 @@ def test_right_solutions_pass_however_written_and_however_submitted(graded):
     for student in ("ada", "bea", "ivy"):
         assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
     assert graded["rows"][("ada", "groups_of")]["evidence"] == "132 calls"
-    assert set(graded["rows"]) == {(s, e) for s in "ada bea cy dee eli fay gus hal ivy jo kai lee max nia oto".split()
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea cy dee eli fay gus hal ivy jo kai lee max nia oto pat".split()
                                    for e in ALL}
 
 
@@ -260,6 +262,8 @@ def test_missing_unreadable_and_stale_notebooks_get_one_line_each(graded):
     assert {rows[("gus", e)]["hint"] for e in ALL} == {"not submitted"}
     assert rows[("hal", "derive_dp")]["hint"].startswith("not graded: hal/01_topology.ipynb: not valid JSON")
     assert rows[("max", "rank_of")]["hint"].startswith("refused: its stamp names no release of labs/01_topology")
+    assert rows[("pat", "rank_of")]["hint"] == ("not graded: pat/01_topology.ipynb is not a regular file (a FIFO, a "
+                                                "device or a socket); submit the notebook file itself")
     assert all(not passed for s in ("gus", "hal", "max", "oto") for passed in _passed(graded, s).values())
     assert rows[("oto", "groups_of")]["hint"].startswith("refused: it is the lab released in commit ")
     assert "whose exercise or checker cells differ from today's" in rows[("oto", "groups_of")]["hint"]

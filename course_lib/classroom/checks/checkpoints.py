@@ -248,14 +248,16 @@ def check_sharded_state_dict(fn) -> bool:
     under TP4, on 4 ranks, in a temporary folder."""
     import tempfile
 
-    from course_lib.launch import RankError, launch
+    from course_lib.classroom.checks.wire import launch_checked
+    from course_lib.launch import RankError
 
     name = getattr(fn, "__name__", "your function")
     if is_course_answer(fn):
         return False
     with tempfile.TemporaryDirectory(prefix="course_ex1_") as root:
         try:
-            results = launch(_sharded_state_dict_rank, world_size=WORLD, output="none", timeout=120, fn=fn, root=root)
+            # launch_checked: the ranks' calls and what they put on the wire are the verdict's evidence
+            results = launch_checked(_sharded_state_dict_rank, WORLD, timeout=120, fn=fn, root=root)
         except RankError as err:
             print(f"✗ {name}: a rank failed outside your function ({err.exc_type}); re-run the cell")
             return False

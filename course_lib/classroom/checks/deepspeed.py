@@ -186,8 +186,8 @@ def check_zero3_wire(fn, runs, numels: dict, thresholds: dict) -> bool:
         wrong = [k for k in WIRE_KEYS if not same_value(got[k], want[k])]
         if wrong:
             k = wrong[0]
-            print(f"✗ run {name} (threshold {threshold:,}): {k} = {safe_repr(got[k])}, the wire shows {want[k]:,}. "
-                  + _wire_hint(k, numels, threshold))
+            print(f"✗ run {name} (threshold {threshold:,}): {k} = {safe_repr(got[k])} is not what the wire shows. "
+                  + _wire_hint(k, threshold))
             return False
         print(f"  run {name}: " + ", ".join(f"{k} {want[k]:,}" for k in WIRE_KEYS) + " elements = the wire")
     print("✓ ZeRO-3's traffic predicted: each partitioned parameter is gathered once per forward (and kept for "
@@ -195,17 +195,17 @@ def check_zero3_wire(fn, runs, numels: dict, thresholds: dict) -> bool:
     return True
 
 
-def _wire_hint(key: str, numels: dict, threshold: int) -> str:
-    small = sum(n for n in numels.values() if n <= threshold)
+def _wire_hint(key: str, threshold: int) -> str:
+    """The rule behind ``key`` (never the measured value: the hint must not give the answer)."""
     return {
-        "forward_all_gather": f"Parameters of <= {threshold:,} elements ({small:,} elements in all) are persistent: "
-                              f"every rank keeps them whole and never gathers them; the others are gathered once.",
+        "forward_all_gather": f"Parameters of <= {threshold:,} elements are persistent: every rank keeps them whole "
+                              f"and never gathers them; the others are gathered once.",
         "backward_all_gather": "stage3_max_live_parameters (1e9) holds the whole model: nothing gathered for the "
                                "forward is released before the backward, so backward gathers nothing.",
         "reduce_scatter": "Every gradient is reduced, the persistent parameters' too: the whole model, once per "
                           "micro-batch.",
-        "step_all_gather": f"After the optimizer updated each rank's partition, the persistent parameters "
-                           f"({small:,} elements) are all-gathered so that every rank has them whole again.",
+        "step_all_gather": "After the optimizer updated each rank's partition, the persistent parameters are "
+                           "all-gathered so that every rank has them whole again.",
     }[key]
 
 
@@ -235,8 +235,8 @@ def check_reduce_buckets(fn, runs, grad_numels: list, bucket_sizes: dict) -> boo
             return False
         want = measured_buckets(runs[0][name])
         if not same_value(list(got) if isinstance(got, (list, tuple)) else got, want):
-            print(f"✗ reduce_bucket_size {size:,} (run {name}): you return {safe_repr(got)}, the wire shows {want}. "
-                  + _bucket_hint(got, want, size))
+            print(f"✗ reduce_bucket_size {size:,} (run {name}): you return {safe_repr(got)}, not the wire's "
+                  f"reduce-scatters. " + _bucket_hint(got, want, grad_numels, size))
             return False
         print(f"  run {name}: reduce_bucket_size {size:,} -> {len(want)} reduce-scatter(s) of {want} = the wire")
     print("✓ DeepSpeed's buckets: a gradient that would overflow the bucket flushes it first; one larger than "
@@ -244,13 +244,21 @@ def check_reduce_buckets(fn, runs, grad_numels: list, bucket_sizes: dict) -> boo
     return True
 
 
-def _bucket_hint(got, want, size) -> str:
-    if isinstance(got, (list, tuple)) and sum(got) == sum(want) and len(got) != len(want):
-        return ("Same elements, other buckets: flush the bucket *before* adding a gradient that would make it "
-                f"exceed {size:,}, then start the next bucket with that gradient (even one larger than the bucket).")
-    if isinstance(got, (list, tuple)) and sum(got) != sum(want):
-        return f"Every gradient is reduced exactly once: the sizes must add up to {sum(want):,}."
-    return "Return the list of bucket sizes, in the order DeepSpeed reduces them."
+def _bucket_hint(got, want, grad_numels, size) -> str:
+    """The rule the student's buckets break, at the first bucket that differs from the wire's (never the wire's
+    sizes: the hint must not give the answer)."""
+    if not isinstance(got, (list, tuple)) or not all(isinstance(n, int) for n in got):
+        return "Return the list of bucket sizes (ints), in the order DeepSpeed reduces them."
+    if sum(got) != sum(grad_numels):
+        return (f"Your sizes add up to {sum(got):,}, the gradients to {sum(grad_numels):,}: every gradient is "
+                f"reduced exactly once.")
+    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    if first < len(got) and got[first] > size and got[first] not in grad_numels:
+        return (f"Your bucket {first} holds {got[first]:,} elements, more than {size:,}: the bucket is reduced "
+                f"*before* a gradient that would make it exceed the size is added.")
+    return (f"Your bucket {first} ({got[first]:,} elements) is where you part from the wire: a bucket is reduced "
+            f"only when the next gradient would not fit, and a gradient larger than the bucket goes alone."
+            if first < len(got) else "You stop early: what is left in the bucket is reduced when backward ends.")
 
 
 # ------------------------------------------------------------------ exercise 3: a config that fits

@@ -72,6 +72,8 @@ class Submission:
         try:
             text = self._read(chosen)
             notebook = loads_json(text, source)
+        except OSError as exc:
+            return None, f"not graded: {source} cannot be read ({exc.strerror or exc})"
         except ValueError as exc:
             return None, f"not graded: {exc}"
         if not isinstance(notebook, dict) or not isinstance(notebook.get("cells"), list):
@@ -80,7 +82,12 @@ class Submission:
 
     def _read(self, member: str) -> str:
         if self.path.is_dir():
-            with open(self.path / member, "rb") as f:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer (it would hang the whole grading)
+            fd = os.open(self.path / member, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise ValueError(f"{self.path.name}/{member} is not a regular file (a FIFO, a device or a "
+                                     f"socket); submit the notebook file itself")
                 data = f.read(NOTEBOOK_LIMIT + 1)
         else:
             with zipfile.ZipFile(self.path) as archive, archive.open(member) as f:

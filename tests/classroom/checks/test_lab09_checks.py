@@ -57,9 +57,11 @@ def stub(mlp, tp_rank, tp_size):
     (stub, ["not attempted yet: write stub above"]),
 ])
 def test_sharded_state_dict_on_ranks(fn, expected, capsys):
-    ok = C.check_sharded_state_dict(fn).ok
-    out = capsys.readouterr().out
+    verdict = C.check_sharded_state_dict(fn)
+    ok, out = verdict.ok, capsys.readouterr().out
     assert ok == expected[0].startswith("✓") and all(e in out for e in expected), out
+    if ok:  # the evidence is what ran on the 4 ranks (the grader's column), not "0 calls"
+        assert verdict.evidence["ranks"] == [4] and verdict.evidence["calls"] == 8, verdict.evidence
 
 
 @pytest.mark.parametrize("name, local, got, want, hint", [

@@ -99,6 +99,8 @@ def test_zero3_wire_right_wrong_stub_and_course_code(capsys, lab, runs, model):
                         (wire_skips_persistent_grads, "Every gradient is reduced, the persistent parameters' too")):
         ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wrong, runs, numels, THRESHOLDS))
         assert not ok and hint in out, (wrong.__name__, out)
+        failing = out.split("✗", 1)[1]  # the failing line shows the student's value and the rule, not the wire's
+        assert "is not what the wire shows" in failing and not any(f"{n:,}" in failing for n in (37632, 38272, 640)), out
     ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(stub, runs, numels, THRESHOLDS))
     assert not ok and "not attempted yet: write zero3_wire" in out
     ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(lab.measured_wire, runs, numels, THRESHOLDS))
@@ -137,7 +139,10 @@ def test_reduce_buckets_right_wrong_stub(capsys, lab, runs, model):
     ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_by_index, runs, order, BUCKETS))
     assert ok and "reduce_bucket_size 3,000 -> 14 reduce-scatter(s)" in out and "1 reduce-scatter(s) of [38272]" in out
     ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_flush_after, runs, order, BUCKETS))
-    assert not ok and "flush the bucket *before* adding a gradient" in out
+    assert not ok and "the bucket is reduced *before* a gradient that would make it exceed the size" in out, out
+    assert "[64, 4096, 32" not in out  # the wire's buckets (the answer) are not printed
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(lambda g, s: list(g)[:-1], runs, order, BUCKETS))
+    assert not ok and "every gradient is reduced exactly once" in out and "38,272" in out, out
     ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(stub, runs, order, BUCKETS))
     assert not ok and "not attempted yet: write reduce_buckets" in out
 
