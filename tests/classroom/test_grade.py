@@ -20,6 +20,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import zipfile
 from pathlib import Path
@@ -28,6 +29,7 @@ import pytest
 
 from course_lib.classroom.grading import grade_class, landlock
 from course_lib.classroom.grading.official import current_lab, defined_names, source_of
+from course_lib.classroom.grading.sandbox import namespaces_available
 from course_lib.classroom.notebooks.generator import lab_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +138,32 @@ def _releases(course: Path, solution_path: Path) -> tuple[dict, dict]:
     return released["A"], released["B"]
 
 
+HOPPER = "7777.31"  # the argument of the `sleep`s a pid-hopping daemon keeps starting
+LISTENERS: dict = {}
+
+
+def _reaching_out() -> str:
+    """A derive_dp cell that reads the grader's environment, connects to the grader's TCP and abstract unix
+    listeners, and leaves a daemon that keeps forking; derive_dp is right only when every one was refused."""
+    tcp = socket.create_server(("127.0.0.1", 0))
+    unix = socket.socket(socket.AF_UNIX)
+    unix.bind(f"\0course-grade-test-{os.getpid()}")
+    unix.listen()
+    LISTENERS.update(tcp=tcp, unix=unix)
+    return (
+        "import os, socket\nbroke = []\n\n"
+        "def attempt(what, action):\n    try:\n        action()\n        broke.append(what)\n    except OSError:\n"
+        "        pass\n\n"
+        f"attempt('the environ of the grader', lambda: open('/proc/{os.getpid()}/environ', 'rb').read())\n"
+        f"attempt('the TCP listener', lambda: socket.create_connection(('127.0.0.1', {tcp.getsockname()[1]}), 2))\n"
+        f"attempt('the unix listener', lambda: socket.socket(socket.AF_UNIX).connect({unix.getsockname()!r}))\n"
+        "if os.fork() == 0:\n    os.setsid()\n"
+        f"    os.execvp('sh', ['sh', '-c', 'while :; do (sleep {HOPPER} &); sleep 0.1; done'])\n\n"
+        "def derive_dp(world_size, tp, pp, cp=1):\n"
+        "    if broke or world_size % (tp * pp * cp):\n        raise ValueError(f'not divisible {broke}')\n"
+        "    return world_size // (tp * pp * cp)\n")
+
+
 def _class(tmp: Path) -> tuple[Path, Path]:
     course = tmp / "course"
     solution_path = _mini_solution(course)
@@ -194,6 +222,7 @@ def _class(tmp: Path) -> tuple[Path, Path]:
         "        os._exit(0)\n"
         "    if world_size % (tp * pp * cp):\n        raise ValueError('not divisible')\n"
         "    return world_size // (tp * pp * cp)\n")}))
+    _write(subs / "zed" / name, _student(lab, solution, {"derive_dp": _reaching_out()}))
     (subs / "pat").mkdir()
     os.mkfifo(subs / "pat" / name)  # a notebook that is a FIFO: opening it would wait for a writer
     stale = _student(lab, solution)
@@ -227,7 +256,7 @@ def test_right_solutions_pass_however_written_and_however_submitted(graded):
     for student in ("ada", "bea", "ivy"):
         assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
     assert graded["rows"][("ada", "groups_of")]["evidence"] == "132 calls"
-    assert set(graded["rows"]) == {(s, e) for s in "ada bea cy dee eli fay gus hal ivy jo kai lee max nia oto pat".split()
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea cy dee eli fay gus hal ivy jo kai lee max nia oto pat zed".split()
                                    for e in ALL}
 
 
@@ -287,10 +316,18 @@ def test_nothing_outside_the_output_folder_is_touched_and_no_process_outlives_gr
     left = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            left += [pid] if LEFT_BEHIND in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") else []
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+            left += [pid] if LEFT_BEHIND in cmdline or HOPPER in cmdline else []
         except OSError:
             pass
     assert left == []
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="a run gets namespaces of its own only when grading as root")
+def test_the_graders_environment_its_listeners_and_a_pid_hopping_daemon_are_out_of_reach(graded):
+    # zed read /proc/<grader>/environ, connected to a TCP and an abstract unix listener of the grader's and left a
+    # daemon that keeps forking: its derive_dp passes only if all three were refused; the daemon is checked above
+    assert graded["rows"][("zed", "derive_dp")]["passed"] == "true", graded["rows"][("zed", "derive_dp")]
 
 
 def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_path):
@@ -299,7 +336,7 @@ def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_pat
     assert "## Lab 01 (01_topology.ipynb): 2 of 3 passed" in feedback and "✗ `groups_of`: timed out" in feedback
     assert "- ✓ `derive_dp`" in feedback
     table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
-    assert [line.split()[:3] for line in table[1:]] == [["01", e, "8/15"] for e in ALL]
+    assert [line.split()[:3] for line in table[1:]] == [["01", e, "9/17"] for e in ALL]
     assert "crashed: the notebook's process" in table[3] and table[3].endswith("(1)")
     seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
     print(f"\nseconds per student-lab: {sorted(seconds)}")

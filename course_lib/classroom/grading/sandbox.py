@@ -106,18 +106,38 @@ def _into_namespaces() -> bool:
     return _libc().unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET) == 0
 
 
-def _relay(inner: int) -> None:
-    """The run's first process outside its pid namespace: wait for the namespace's init and end as it ended."""
+def _relay(inner: int, report: int) -> None:
+    """The run's first process, outside its pid namespace: wait for the namespace's init and end as the
+    notebook's kernel ended (its wait status, which the init writes to ``report``)."""
     while True:
         try:
             _, code = os.waitpid(inner, 0)
             break
         except InterruptedError:
             continue
+    data = os.read(report, 32)
+    code = int(data) if data.strip().isdigit() else code
     if os.WIFSIGNALED(code):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         signal.signal(os.WTERMSIG(code), signal.SIG_DFL)
         os.kill(os.getpid(), os.WTERMSIG(code))
     os._exit(os.WEXITSTATUS(code) if os.WIFEXITED(code) else 1)
+
+
+def _init(kernel: int, report: int) -> None:
+    """The pid namespace's init (pid 1, which ignores the signals it has no handler for -- so the kernel is its
+    child, not itself): reap every orphan until the kernel ends, report its status, end; the kernel of Linux
+    then kills whatever is left in the namespace."""
+    while True:
+        try:
+            pid, code = os.wait()
+        except InterruptedError:
+            continue
+        except ChildProcessError:
+            os._exit(1)
+        if pid == kernel:
+            os.write(report, str(code).encode())
+            os._exit(0)
 
 
 def _set_up_namespaces() -> None:
@@ -155,10 +175,19 @@ def _child(spec: dict, zygote: int) -> None:
         adopt_orphans()
         die_with_parent(zygote)
         if _into_namespaces():
+            report, reported = os.pipe()
             inner = os.fork()
             if inner:
-                _relay(inner)
+                os.close(reported)
+                _relay(inner, report)
+            os.close(report)
             _set_up_namespaces()
+            kernel = os.fork()
+            if kernel:
+                _init(kernel, reported)
+            os.close(reported)
+            libc_prctl = _libc().prctl
+            libc_prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the kernel dies with the init
         cells = json.loads(Path(spec["cells"]).read_text(encoding="utf-8"))
         out = os.open(spec["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
