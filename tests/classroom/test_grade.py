@@ -223,6 +223,10 @@ def _class(tmp: Path) -> tuple[Path, Path]:
         "    if world_size % (tp * pp * cp):\n        raise ValueError('not divisible')\n"
         "    return world_size // (tp * pp * cp)\n")}))
     _write(subs / "zed" / name, _student(lab, solution, {"derive_dp": _reaching_out()}))
+    _write(subs / "bo" / name, _student(lab, solution, {"derive_dp": (  # a fork bomb that outlasts its time limit
+        "import subprocess, time\nsubprocess.Popen(['sh', '-c', 'b() { b | b & }; b'])\ntime.sleep(60)\n\n"
+        "def derive_dp(world_size, tp, pp, cp=1):\n    if world_size % (tp * pp * cp):\n"
+        "        raise ValueError('not divisible')\n    return world_size // (tp * pp * cp)\n")}))
     (subs / "pat").mkdir()
     os.mkfifo(subs / "pat" / name)  # a notebook that is a FIFO: opening it would wait for a writer
     stale = _student(lab, solution)
@@ -256,7 +260,7 @@ def test_right_solutions_pass_however_written_and_however_submitted(graded):
     for student in ("ada", "bea", "ivy"):
         assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
     assert graded["rows"][("ada", "groups_of")]["evidence"] == "132 calls"
-    assert set(graded["rows"]) == {(s, e) for s in "ada bea cy dee eli fay gus hal ivy jo kai lee max nia oto pat zed".split()
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal ivy jo kai lee max nia oto pat zed".split()
                                    for e in ALL}
 
 
@@ -330,13 +334,24 @@ def test_the_graders_environment_its_listeners_and_a_pid_hopping_daemon_are_out_
     assert graded["rows"][("zed", "derive_dp")]["passed"] == "true", graded["rows"][("zed", "derive_dp")]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="as an ordinary user RLIMIT_NPROC stops a fork bomb")
+def test_a_fork_bomb_is_capped_by_its_group_and_killed_whole(graded):
+    # bo's cell starts a shell fork bomb and sleeps past the time limit: the grader kept answering, the bomb costs
+    # only that exercise (the run again without it grades the others), no run's control group is left
+    assert _passed(graded, "bo") == {"derive_dp": False, "groups_of": True, "rank_of": True}
+    assert graded["rows"][("bo", "derive_dp")]["hint"] == f"timed out: its cells and its checker ran over {TIMEOUT_S:g} s"
+    assert not any(line.startswith("warning: grading as root") for line in graded["lines"]), graded["lines"]
+    assert not list(Path("/sys/fs/cgroup").glob("*/course-grade-*")) + list(Path("/sys/fs/cgroup").glob(
+        "*/*/*/course-grade-*"))
+
+
 def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_path):
     out = graded["out"]
     feedback = (out / "feedback" / "fay.md").read_text(encoding="utf-8")
     assert "## Lab 01 (01_topology.ipynb): 2 of 3 passed" in feedback and "✗ `groups_of`: timed out" in feedback
     assert "- ✓ `derive_dp`" in feedback
     table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
-    assert [line.split()[:3] for line in table[1:]] == [["01", e, "9/17"] for e in ALL]
+    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("9/18", "10/18", "10/18"))]
     assert "crashed: the notebook's process" in table[3] and table[3].endswith("(1)")
     seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
     print(f"\nseconds per student-lab: {sorted(seconds)}")

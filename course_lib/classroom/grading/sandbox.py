@@ -47,6 +47,7 @@ import time
 import traceback
 from pathlib import Path
 
+from course_lib.classroom.grading.cgroups import RunGroup
 from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
 
 FILE_LIMIT_BYTES = 64 << 20
@@ -163,7 +164,7 @@ def _limit(which: int, value: int) -> None:
     resource.setrlimit(which, (value, value))
 
 
-def _child(spec: dict, zygote: int) -> None:
+def _child(spec: dict, zygote: int, group) -> None:
     """The kernel of one run, in the forked child: isolate, limit, fence, run the cells; never returns."""
     from course_lib.classroom.checks import exercise
     from course_lib.classroom.grading import driver, landlock
@@ -172,6 +173,7 @@ def _child(spec: dict, zygote: int) -> None:
     status = 1
     try:
         os.setsid()
+        group.enter()  # as root: every process of the run counts against its caps and dies with the group
         adopt_orphans()
         die_with_parent(zygote)
         if _into_namespaces():
@@ -278,6 +280,8 @@ def serve() -> None:
     replies = sys.stdout
     sys.stdout = sys.stderr
     exited: dict[int, int | None] = {}
+    groups: dict = {}  # pid -> its RunGroup
+    started = 0
 
     def reply(obj) -> None:
         replies.write(json.dumps(obj) + "\n")
@@ -288,10 +292,13 @@ def serve() -> None:
         request = json.loads(line)
         if "start" in request:
             spec = dict(request["start"], tasks=_user_tasks() if os.geteuid() != 0 else 0)
+            started += 1
+            group = RunGroup(f"course-grade-{me}-{started}", spec["memory_bytes"])
             pid = os.fork()
             if pid == 0:
-                _child(spec, me)
-            reply({"pid": pid})
+                _child(spec, me, group)
+            groups[pid] = group
+            reply({"pid": pid, "cgroups": group.controllers})
         elif "poll" in request:
             pid = request["poll"]
             if pid not in exited:
@@ -305,8 +312,12 @@ def serve() -> None:
                 kill_tree(pid)
                 exited[pid] = _status(pid, block=True)
             _stop_everything(me)
+            if pid in groups:
+                groups.pop(pid).kill()
             reply({"status": exited.pop(pid)})
     _stop_everything(me)
+    for group in groups.values():
+        group.kill()
 
 
 # ----------------------------------------------------------------------------------- the client
@@ -364,6 +375,7 @@ class Sandbox:
                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
         hello = self._answer(_START_TIMEOUT_S)
         self.landlock = hello["landlock"]
+        self.cgroups: list[str] = []  # the controllers the last run got a group of its own in (as root)
 
     def _answer(self, timeout: float = 60) -> dict:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -390,7 +402,9 @@ class Sandbox:
         env["COURSE_VERDICTS"] = str(run_dir / "events.jsonl")
         spec = dict(cells=str(Path(cells).resolve()), output=str(run_dir / "output.txt"), home=str(home), env=env,
                     read=self.read, memory_bytes=self.memory_bytes)
-        return self._ask({"start": spec})["pid"]
+        answer = self._ask({"start": spec})
+        self.cgroups = answer.get("cgroups", [])
+        return answer["pid"]
 
     def poll(self, pid: int) -> int | None:
         """The run's exit status (negative: killed by that signal), None while it runs."""

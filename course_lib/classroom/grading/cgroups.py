@@ -1,0 +1,101 @@
+"""A run's control group (Linux, as root): a cap on its processes and on the memory of all of them together,
+and a kill that reaches every process in it, however it forked or re-parented.
+
+``RLIMIT_NPROC`` does not apply to root and ``RLIMIT_AS`` is per process, so a grader running as root gives
+each run a group of its own in the ``pids`` and ``memory`` controllers (cgroup v2's unified hierarchy, else
+v1's per-controller ones), beneath the grader's own groups: ``pids.max`` stops a fork bomb at
+:data:`PIDS_MAX` tasks; ``memory.max`` (v1: ``memory.limit_in_bytes``) bounds the sum, and the kernel's OOM
+killer acts inside the group only. :meth:`RunGroup.kill` sends SIGKILL to every member until the group is
+empty, then removes it. Where the hierarchy is not writable (not root, a read-only cgroup mount), nothing is
+created and :attr:`RunGroup.controllers` is empty: the caller says so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+PIDS_MAX = 512
+"""Tasks (processes and threads) one run may have at once."""
+_ROOT = Path("/sys/fs/cgroup")
+
+
+def _own_groups() -> dict[str, Path]:
+    """``{controller: this process's group folder}`` for ``pids`` and ``memory`` where they are mounted."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return {}
+    found = {}
+    for line in lines:
+        _, names, path = line.split(":", 2)
+        if names == "" and (_ROOT / "cgroup.controllers").is_file():  # v2, the unified hierarchy at the root
+            enabled = (_ROOT / path.lstrip("/") / "cgroup.controllers").read_text().split()
+            found.update({c: _ROOT / path.lstrip("/") for c in ("pids", "memory") if c in enabled})
+        for controller in ("pids", "memory"):
+            if controller in names.split(",") and (_ROOT / controller).is_dir():
+                found.setdefault(controller, _ROOT / controller / path.lstrip("/"))
+    return found
+
+
+class RunGroup:
+    """The group ``name`` of one run, made now (an existing one of that name is emptied first)."""
+
+    def __init__(self, name: str, memory_bytes: int):
+        self.folders: dict[str, Path] = {}
+        if os.geteuid() != 0:
+            return
+        for controller, parent in _own_groups().items():
+            folder = parent / name
+            try:
+                folder.mkdir(exist_ok=True)
+                if controller == "pids":
+                    (folder / "pids.max").write_text(str(PIDS_MAX))
+                elif (folder / "memory.max").exists():
+                    (folder / "memory.max").write_text(str(memory_bytes))
+                    if (folder / "memory.swap.max").exists():
+                        (folder / "memory.swap.max").write_text("0")
+                else:
+                    (folder / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            except OSError:
+                continue
+            self.folders[controller] = folder
+
+    @property
+    def controllers(self) -> list[str]:
+        return sorted(self.folders)
+
+    def enter(self) -> None:
+        """Put the calling process (and so all it starts from now on) into the group."""
+        for folder in self.folders.values():
+            (folder / "cgroup.procs").write_text("0")
+
+    def members(self) -> set[int]:
+        pids = set()
+        for folder in self.folders.values():
+            try:
+                pids |= {int(p) for p in (folder / "cgroup.procs").read_text().split()}
+            except OSError:
+                pass
+        return pids
+
+    def kill(self, timeout: float = 10.0) -> None:
+        """SIGKILL every member until none is left (a process forking as it is killed lands in the group too),
+        then remove the group."""
+        deadline = time.monotonic() + timeout
+        while self.members() and time.monotonic() < deadline:
+            for pid in self.members():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+        for folder in self.folders.values():
+            for _ in range(50):  # the last members may take a moment to leave after they died
+                try:
+                    folder.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.02)
