@@ -144,7 +144,8 @@ LISTENERS: dict = {}
 
 def _reaching_out() -> str:
     """A derive_dp cell that reads the grader's environment, connects to the grader's TCP and abstract unix
-    listeners, and leaves a daemon that keeps forking; derive_dp is right only when every one was refused."""
+    listeners, looks for an unbounded folder to write, and leaves a daemon that keeps forking; derive_dp is right
+    only when every one was refused."""
     tcp = socket.create_server(("127.0.0.1", 0))
     unix = socket.socket(socket.AF_UNIX)
     unix.bind(f"\0course-grade-test-{os.getpid()}")
@@ -157,6 +158,8 @@ def _reaching_out() -> str:
         f"attempt('the environ of the grader', lambda: open('/proc/{os.getpid()}/environ', 'rb').read())\n"
         f"attempt('the TCP listener', lambda: socket.create_connection(('127.0.0.1', {tcp.getsockname()[1]}), 2))\n"
         f"attempt('the unix listener', lambda: socket.socket(socket.AF_UNIX).connect({unix.getsockname()!r}))\n"
+        "home = os.statvfs(os.environ['HOME'])  # a folder of bounded size and files: many small ones fill no disk\n"
+        "if home.f_files > 100_000 or home.f_blocks * home.f_frsize > 2 ** 30:\n    broke.append('the disk')\n"
         "if os.fork() == 0:\n    os.setsid()\n"
         f"    os.execvp('sh', ['sh', '-c', 'while :; do (sleep {HOPPER} &); sleep 0.1; done'])\n\n"
         "def derive_dp(world_size, tp, pp, cp=1):\n"

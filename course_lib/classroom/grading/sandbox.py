@@ -14,6 +14,10 @@ A run's kernel, before it executes the first cell (:func:`_child`):
   (``RLIMIT_FSIZE``, so a print loop fills no disk), no core dumps, and, when the grader is not
   root (the kernel exempts root from it), a cap on new processes (``RLIMIT_NPROC``: a fork bomb
   stops at it);
+* as root, enters a control group of its own (:mod:`course_lib.classroom.grading.cgroups`: a cap on its
+  processes and on their memory together) and new network, pid and mount namespaces (:func:`_into_namespaces`:
+  a loopback of its own, a ``/proc`` of its own, an init whose end kills every process left, a home that is a
+  bounded tmpfs);
 * gets a fresh environment whose ``HOME`` and ``TMPDIR`` are its own folder inside the grading
   output, so nothing it writes by habit (caches, histories) lands anywhere else;
 * is fenced by Landlock (:mod:`course_lib.classroom.grading.landlock`): it reads only the system,
@@ -26,6 +30,9 @@ Stopping a run kills its whole tree (:func:`course_lib.launch.process_tree.kill_
 other process the zygote holds: the zygote is a child subreaper too, so a process whose kernel died
 first is re-parented to it, never to init. When the grader ends, the zygote ends, and with it
 everything.
+
+DeepSpeed's C++ ops are loaded by the zygote itself when a graded lab trains with DeepSpeed
+(:func:`_load_deepspeed_ops`): loading one takes a lock in the venv, which no run may write.
 
 The limits of the fence: without Landlock (not Linux, or a kernel older than 5.13) the student's
 code can read and write what the instructor can (the grader says so once); without Landlock's
@@ -52,6 +59,10 @@ from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_
 
 FILE_LIMIT_BYTES = 64 << 20
 """The largest file a run may write (its printed output included)."""
+HOME_BYTES = 1 << 30
+"""As root, the run's home (the one folder it may write) is a tmpfs of this size ..."""
+HOME_FILES = 100_000
+"""... and of this many files and folders."""
 PROCESS_ALLOWANCE = 512
 """How many more processes (and threads) than the grader's user already runs a run may start."""
 _PRELOAD = ("torch", "torch.distributed", "IPython.core.interactiveshell", "matplotlib.pyplot",
@@ -141,8 +152,9 @@ def _init(kernel: int, report: int) -> None:
             os._exit(0)
 
 
-def _set_up_namespaces() -> None:
-    """In the pid namespace's init: die with the relay, a private ``/proc`` of this namespace, loopback up."""
+def _set_up_namespaces(home: str) -> None:
+    """In the pid namespace's init: die with the relay, a private ``/proc`` of this namespace, loopback up, and
+    the run's home a tmpfs of :data:`HOME_BYTES` and :data:`HOME_FILES` (many small files fill it, not the disk)."""
     import fcntl
     import socket
     import struct
@@ -152,6 +164,10 @@ def _set_up_namespaces() -> None:
     if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
             libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
         raise OSError("could not mount the run's own /proc")
+    options = f"size={HOME_BYTES},nr_inodes={HOME_FILES},mode=0700".encode()
+    if libc.mount(b"tmpfs", home.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        raise OSError("could not mount the run's home")
+    os.mkdir(os.path.join(home, "tmp"))
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         request = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(sock, 0x8913, request))[1]  # SIOCGIFFLAGS
@@ -183,7 +199,7 @@ def _child(spec: dict, zygote: int, group) -> None:
                 os.close(reported)
                 _relay(inner, report)
             os.close(report)
-            _set_up_namespaces()
+            _set_up_namespaces(spec["home"])
             kernel = os.fork()
             if kernel:
                 _init(kernel, reported)
