@@ -32,7 +32,10 @@ def _own_groups() -> dict[str, Path]:
     for line in lines:
         _, names, path = line.split(":", 2)
         if names == "" and (_ROOT / "cgroup.controllers").is_file():  # v2, the unified hierarchy at the root
-            enabled = (_ROOT / path.lstrip("/") / "cgroup.controllers").read_text().split()
+            try:
+                enabled = (_ROOT / path.lstrip("/") / "cgroup.controllers").read_text().split()
+            except OSError:
+                enabled = []
             found.update({c: _ROOT / path.lstrip("/") for c in ("pids", "memory") if c in enabled})
         for controller in ("pids", "memory"):
             if controller in names.split(",") and (_ROOT / controller).is_dir():
@@ -68,9 +71,13 @@ class RunGroup:
         return sorted(self.folders)
 
     def enter(self) -> None:
-        """Put the calling process (and so all it starts from now on) into the group."""
-        for folder in self.folders.values():
-            (folder / "cgroup.procs").write_text("0")
+        """Put the calling process (and so all it starts from now on) into the group; a controller that refuses
+        it is said on the run's output (its cap then does not hold for this run)."""
+        for controller, folder in self.folders.items():
+            try:
+                (folder / "cgroup.procs").write_text("0")
+            except OSError as err:
+                print(f"the run is not in its {controller} group: {err}")
 
     def members(self) -> set[int]:
         pids = set()
