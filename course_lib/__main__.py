@@ -25,7 +25,7 @@ COMMANDS = {
     "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
     "project": ("course_lib.sizing.projection",
                 "project a layout's step time, tokens/s, MFU and communication on a named GPU cluster (A100, H100, H200)"),
-    "ds-config": ("course_lib.megatron.ds_config",
+    "ds-config": ("course_lib.deepspeed.config",
                   "read a DeepSpeed ds_config.json and print the equivalent Megatron-LM and course flags"),
     "checkpoint": ("course_lib.training.checkpoint_inspect",
                    "inspect a --save folder: iteration, format, saved layout, every tensor and which rank holds which slice"),

@@ -8,7 +8,7 @@
 (``python -m course_lib train --nproc-per-node 8 ...`` checks the flags, then runs that command.)
 Flag names are ``pretrain_gpt.py``'s (``megatron/training/arguments.py``); there is no
 ``--data-parallel-size``: DP = world / (TP * PP * CP). A bad value or layout fails with a
-one-line error *before* any work starts (:func:`~course_lib.training.arguments.validate_args`:
+one-line error *before* any work starts (:func:`validate_args`:
 the rules of :mod:`course_lib.rules`, through :class:`course_lib.topology.ParallelConfig`), and
 the run reads every layout fact from that validated config. ``--sequence-parallel`` with TP = 1 is
 turned off with a one-line warning, as Megatron does.
@@ -17,7 +17,7 @@ The trainer's rooms, as Megatron's: the flags and their checks in
 :mod:`course_lib.training.arguments` (``megatron/training/arguments.py``); the gradient
 synchronisation after backward in :mod:`course_lib.training.finalize_model_grads`
 (``megatron/core/distributed/finalize_model_grads.py``); the log lines' format, writer and
-reader together in :mod:`course_lib.megatron.logs`; here, :func:`pretrain`, a loop over
+reader together in :mod:`course_lib.training.logs`; here, :func:`pretrain`, a loop over
 :func:`train_step`, and the command-line entry points.
 
 One training iteration, :func:`train_step`, as Megatron's ``train_step`` does it:
@@ -91,7 +91,7 @@ warm-up or a smaller lr before reading a loss difference as a bug.
 
 Log lines (rank 0 prints the first two, the last rank the iteration line, every rank with
 DP rank 0 its memory line; formats of Megatron core 0.16, written and read by
-:mod:`course_lib.megatron.logs`)::
+:mod:`course_lib.training.logs`)::
 
     using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
     ------------------------ arguments ------------------------ ... (sorted)
@@ -134,7 +134,7 @@ import torch.distributed as dist
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
-from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
+from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
 from course_lib.model import GPTModel, build_model, gpt_loss
@@ -147,10 +147,10 @@ from course_lib.pipeline.schedules import PipelineSchedule, build_schedule
 from course_lib.process_groups import ProcessGroups, new_moe_process_groups, new_process_groups
 from course_lib.topology import ParallelConfig
 # What the rest of the course imports from here (the flags, the gradient steps), re-exported:
+from course_lib.training import arguments
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
-                                           gpt_config_from_args, parse_args, uses_sharding_engine, validate_args,
-                                           vocab_padding_tp)
-from course_lib.training import deepspeed_engine
+                                           gpt_config_from_args, parse_args, uses_sharding_engine, vocab_padding_tp)
+from course_lib.deepspeed import engine as deepspeed_engine
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
@@ -388,12 +388,24 @@ def _memory_line(rank: int, iteration: int, tracked: dict, cuda: bool) -> str:
 def _state_fields(sharded) -> str:
     """The sharding engine's measured bytes of this rank, appended to the memory line as fields
     (``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | optimizer on host (bytes): N``;
-    :func:`course_lib.megatron.parse_log` reads them as ``params_bytes`` ...); empty without the engine."""
+    :func:`course_lib.training.logs.parse_log` reads them as ``params_bytes`` ...); empty without the engine."""
     if sharded is None:
         return ""
     return "".join(f" | {label} (bytes): {sharded[key]}" for key, label in
                    (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
                     ("optimizer_host", "optimizer on host")))
+
+
+def validate_args(args: argparse.Namespace, world_size: int, **checks) -> tuple[argparse.Namespace, ParallelConfig]:
+    """The entry point's check of a run's flags for ``world_size`` ranks: a ``--deepspeed-config`` file
+    is folded into the flags first (:func:`course_lib.deepspeed.engine.apply_config`: the file's batch,
+    optimizer, clipping and precision become the flags'), then every rule is checked
+    (:func:`course_lib.training.arguments.validate_args`, which ``checks`` go to). Returns its
+    ``(args, config)``; ``args`` itself is not changed."""
+    if getattr(args, "deepspeed_config", None):
+        args = deepspeed_engine.apply_config(argparse.Namespace(**vars(args)), world_size,
+                                             build_parser().parse_args([]))
+    return arguments.validate_args(args, world_size, **checks)
 
 
 def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = None, print_args: bool = True,
@@ -652,7 +664,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
-        if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.training.deepspeed_engine)
+        if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.deepspeed.engine)
             deepspeed_engine.pretrain(args, gpt_config_from_args(args))
         else:
             pretrain(args, config=config)
@@ -681,7 +693,7 @@ def run(args: argparse.Namespace) -> int:
     n = rules.integer("nproc_per_node", args.nproc_per_node)
     nodes = rules.integer("nodes", getattr(args, "nodes", 1))
     if nodes > 1 or getattr(args, "print_launch", False):
-        from course_lib.megatron.cluster import environment, launch_text
+        from course_lib.launch.cluster import environment, launch_text
 
         validate_args(args, nodes * n)
         if not args.print_launch:

@@ -404,7 +404,7 @@ def test_sharding_strategies_have_one_source_and_read_the_same_in_the_engine():
     import torch
 
     from course_lib.distributed import STRATEGIES, ShardedDataParallel
-    from course_lib.megatron import ds_config
+    from course_lib.deepspeed import config as ds_config
     assert STRATEGIES is rules.SHARDING_STRATEGIES
     assert [rules.sharding_stage(s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")] == [0, 1, 2, 3]
     for stage, name in ((2, "optim_grads"), (3, "optim_grads_params")):   # DeepSpeed's ZeRO stage -> Megatron-FSDP

@@ -31,7 +31,7 @@ Beyond one node and dense models (flags in ``flags.SHARDING_FLAGS`` / ``flags.MO
 core_v0.16.1 and main):
 
 * ``--nodes N --gpus-per-node G``: the multi-node launch (:func:`cluster_launch`, rendered by
-  :mod:`course_lib.megatron.cluster`): torchrun with c10d or static rendezvous on every node, and a
+  :mod:`course_lib.launch.cluster`): torchrun with c10d or static rendezvous on every node, and a
   Slurm ``sbatch`` script running one torchrun per node with ``srun``.
 * ``--sharding dist-opt|fsdp-optim-grads|fsdp|offload`` (``--show sharding``: all four): Megatron's
   distributed optimizer (ZeRO-1) and Megatron-FSDP (ZeRO-2/3), with overlap, and CPU offload of
@@ -362,7 +362,7 @@ def megatron_command(config, run: MegatronRun | None = None, moe: MoESpec | None
     """The ``torchrun ... pretrain_gpt.py`` command (run inside a Megatron-LM checkout).
 
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set except with Megatron-FSDP, where ``validate_args``
-    asserts it is unset or > 1 (:mod:`course_lib.megatron.cluster`).
+    asserts it is unset or > 1 (:mod:`course_lib.launch.cluster`).
 
     >>> print(megatron_command(gpu_config(tp=2, pp=2)).splitlines()[0])
     CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 8 pretrain_gpt.py \\
@@ -376,9 +376,9 @@ def megatron_command(config, run: MegatronRun | None = None, moe: MoESpec | None
 def cluster_launch(config, run: MegatronRun | None = None, moe: MoESpec | None = None, *, nodes: int,
                    gpus_per_node: int, debug: bool = False) -> str:
     """The multi-node launch of ``pretrain_gpt.py``: torchrun on every node (c10d, or static) and a
-    Slurm sbatch script (:func:`course_lib.megatron.cluster.launch_text`). ``nodes x gpus_per_node``
+    Slurm sbatch script (:func:`course_lib.launch.cluster.launch_text`). ``nodes x gpus_per_node``
     must equal the config's world size."""
-    from course_lib.megatron import cluster
+    from course_lib.launch import cluster
 
     cfg, run = _as_config(config), run or MegatronRun()
     nodes, gpus = rules.integer("nodes", nodes), rules.integer("gpus_per_node", gpus_per_node)

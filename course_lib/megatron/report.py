@@ -39,7 +39,7 @@ import io
 from pathlib import Path
 
 from course_lib import rules
-from course_lib.megatron.logs import ParsedLog, parse_log, parse_log_file
+from course_lib.training.logs import ParsedLog, parse_log, parse_log_file
 from course_lib.safe_files import check_output_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 
 COLUMNS = ("config", "TP", "PP", "CP", "DP", "micro-batches", "max mem/rank (MB)", "step time (ms)", "tokens/s",

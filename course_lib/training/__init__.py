@@ -12,5 +12,9 @@
   checkpoint that reshards on load, the legacy ``torch`` one (``megatron/training/checkpointing.py``);
   :mod:`course_lib.training.checkpoint_inspect` -- ``python -m course_lib checkpoint inspect DIR``.
 
-The log lines the trainer prints are written and read in one module, :mod:`course_lib.megatron.logs`.
+* :mod:`course_lib.training.logs` -- the log lines the trainer prints, Megatron-LM's format, written and
+  read in one module (``parse_log``).
+
+The bridges sit above these parts: :mod:`course_lib.deepspeed` (DeepSpeed's engine and config) and
+:mod:`course_lib.mcore` (megatron-core beside the trainer).
 """

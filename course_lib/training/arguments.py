@@ -165,7 +165,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only and start from iteration 0 (no optimizer, scheduler or RNG)")
-    g = parser.add_argument_group("DeepSpeed (course_lib.training.deepspeed_engine; DP only)")
+    g = parser.add_argument_group("DeepSpeed (course_lib.deepspeed.engine; DP only)")
     g.add_argument("--deepspeed-config", default=None, metavar="FILE",
                    help="train under deepspeed.initialize from this ds_config.json (ZeRO, offload, precision, "
                         "batch, clipping, optimizer from the file; the model from the flags)")
@@ -274,13 +274,10 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     one-line ``ValueError``. With ``check_memory``, also refuses a run whose estimated bytes
     (:func:`estimate_memory`) exceed the memory this machine has available for
     ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
-    No process group, no torch.distributed.
+    No process group, no torch.distributed. A ``--deepspeed-config`` is folded into the flags before
+    (by the entry point, :func:`course_lib.train.validate_args`).
     """
     a = argparse.Namespace(**vars(args))
-    if getattr(a, "deepspeed_config", None):   # the file's batch, optimizer, clipping, precision become the flags'
-        from course_lib.training.deepspeed_engine import apply_config
-
-        a = apply_config(a, world_size, build_parser().parse_args([]))
     _check_values(a)
     if getattr(a, "bf16", False):       # Megatron's validate_args: bf16 accumulates and all-reduces in fp32
         a.accumulate_allreduce_grads_in_fp32 = True

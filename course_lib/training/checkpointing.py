@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm, rules
-from course_lib.megatron.logs import print_line
+from course_lib.training.logs import print_line
 from course_lib.model import master_name
 from course_lib.safe_files import write_atomic
 from course_lib.tensor_parallel import is_tensor_parallel

@@ -52,7 +52,7 @@ The contract for the course's own logs (``course_lib.train``): this module also 
 them -- :func:`world_size_line`, :func:`arguments_lines`, :func:`parameters_line`,
 :func:`iteration_line`, :func:`memory_line`, each printed with :func:`print_line` -- exactly
 in Megatron's current (0.16+) form, so the format lives here once and the parser reads back
-what the writers wrote (``tests/megatron/test_megatron_log_writers.py``)::
+what the writers wrote (``tests/training/test_megatron_log_writers.py``)::
 
     using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
     ------------------------ arguments ------------------------

@@ -3,7 +3,7 @@
 :func:`check` accepts exactly the files ``deepspeed.runtime.config.DeepSpeedConfig`` accepts for
 the parts the bridge translates, and returns the values DeepSpeed reads from them (defaults filled
 in, ``"3"`` read as ``3``, ``5e8`` as ``500000000``); what DeepSpeed refuses is a one-line
-``ValueError`` naming the key. ``tests/megatron/test_ds_schema.py`` runs DeepSpeed's own parser on
+``ValueError`` naming the key. ``tests/deepspeed/test_ds_schema.py`` runs DeepSpeed's own parser on
 a generated set of configs and compares the verdicts, and checks every table below against the
 pydantic models it mirrors. Read in the 0.19.8 sources:
 

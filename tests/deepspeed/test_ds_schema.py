@@ -1,4 +1,4 @@
-"""The bridge's verdict is DeepSpeed 0.19.8's own (course_lib.megatron.ds_schema).
+"""The bridge's verdict is DeepSpeed 0.19.8's own (course_lib.deepspeed.schema).
 
 DeepSpeed's parser runs live here (``DeepSpeedConfig``, with ``deepspeed.comm`` answering the world
 size the config is checked for), beside :func:`ds_schema.check`, on a generated set of configs: every
@@ -21,7 +21,7 @@ import typing
 import pytest
 
 from course_lib import rules
-from course_lib.megatron import ds_schema
+from course_lib.deepspeed import schema as ds_schema
 
 pytestmark = pytest.mark.skipif(not ds_schema.deepspeed_installed(), reason="DeepSpeed 0.19.8 is not installed")
 if ds_schema.deepspeed_installed():

@@ -6,7 +6,7 @@ the key each comes from), every difference in semantics between the two, the mod
 GPU and per host -- the ZeRO paper's, DeepSpeed's own estimator's itemised against it, and the
 Megatron flags' -- and every option that has no Megatron equivalent.
 
-The verdict is DeepSpeed 0.19.8's: :mod:`course_lib.megatron.ds_schema` mirrors its config parser
+The verdict is DeepSpeed 0.19.8's: :mod:`course_lib.deepspeed.schema` mirrors its config parser
 for every key the bridge translates (a file DeepSpeed refuses is a one-line ``ValueError`` naming the
 key; what DeepSpeed accepts -- ``"3"``, ``5e8``, ``"yes"`` -- is read as DeepSpeed reads it, and a
 key DeepSpeed does not read is listed as ignored), and the command also runs DeepSpeed's own parser
@@ -51,7 +51,7 @@ gradient_accumulation_steps x DP``, the missing ones derived as DeepSpeed derive
 ``--global-batch-size`` and derives the accumulation steps. DP is ``--dp``, or what the three keys
 imply.
 
-Bytes (:mod:`course_lib.megatron.ds_memory`): DeepSpeed's estimators
+Bytes (:mod:`course_lib.deepspeed.memory`): DeepSpeed's estimators
 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``) at stages 2
 and 3 -- an fp32 grad partition, the largest layer gathered whole, a 1.5x host buffer on top of the
 paper's ``2 + 2 + 12`` -- and the paper's count at stages 0 and 1, where DeepSpeed has none.
@@ -63,7 +63,7 @@ import difflib
 from pathlib import Path
 
 from course_lib import rules
-from course_lib.megatron import ds_memory, ds_schema
+from course_lib.deepspeed import memory as ds_memory, schema as ds_schema
 
 MEGATRON_FLAGS: dict[str, str] = {
     "--use-distributed-optimizer": "megatron/training/arguments.py::_add_distributed_args",
@@ -477,7 +477,7 @@ def course_flags(t: Translation) -> tuple[list[str], list[str]]:
 
 def state_bytes(t: Translation, num_params: float, dp: int, largest_layer: float = 0, nodes: int = 1) -> dict:
     """Model-state bytes for ``num_params`` parameters per GPU's model (after TP/PP) over ``dp`` GPUs on
-    ``nodes`` nodes (:mod:`course_lib.megatron.ds_memory`):
+    ``nodes`` nodes (:mod:`course_lib.deepspeed.memory`):
 
     * ``"paper"``: ``(gpu, host)`` per GPU by ZeRO's accounting (16-bit 2 + 2 + 12; fp32 4 + 4 + 8),
       the offloaded part on the host;
