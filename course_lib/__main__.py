@@ -47,9 +47,11 @@ def main(argv=None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from course_lib.rules import UsageError
+
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
-    except ValueError as exc:  # configuration errors: one line, no traceback
+    except UsageError as exc:  # a person's input broke a rule: one line, no traceback (a bug keeps its traceback)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `... | head` closed our stdout: not an error of ours

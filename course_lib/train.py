@@ -433,7 +433,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     if config is None:       # the ranks are running: their memory is already in use, not to be counted again
         args, config = validate_args(args, world, check_memory=False)
     elif config.world_size != world:
-        raise ValueError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
+        raise rules.UsageError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
     groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
     c = groups.coords
     cuda = torch.cuda.is_available() and "nccl" in dist.get_backend()  # the launcher's is "cpu:gloo,cuda:nccl"
@@ -480,7 +480,7 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
         if args.check_for_nan_in_loss_and_grad and not step["skipped"]:
             try:
                 rules.finite_loss_and_grad(iteration, step["lm_loss"], step["grad_norm"])
-            except ValueError as exc:
+            except rules.UsageError as exc:
                 raise TrainingStopped(str(exc), report=_reports_nonfinite(setup, step)) from None
         peak_activation = max(peak_activation, step["peak_bytes"])
         _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
@@ -577,7 +577,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     same micro-batches. Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...],
     "moe_losses": [{name: value}]}`` per iteration (``{}`` for a dense model)."""
     if args.global_batch_size is None:
-        raise ValueError("train_single_process needs --global-batch-size (the batch every layout shares)")
+        raise rules.UsageError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
     padding_tp = vocab_padding_tp(args)                   # the layout's vocabulary, padded as it pads it
     one.tensor_model_parallel_size = one.pipeline_model_parallel_size = one.context_parallel_size = 1
@@ -653,7 +653,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, config = validate_args(args, world)                        # before any process group
-    except ValueError as exc:
+    except rules.UsageError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -697,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
 
         validate_args(args, nodes * n)
         if not args.print_launch:
-            raise ValueError(f"nodes={nodes} runs on other machines: add --print-launch for their commands")
+            raise rules.UsageError(f"nodes={nodes} runs on other machines: add --print-launch for their commands")
         print(launch_text(["-m", "course_lib.train", *args_to_argv(args)], nodes, n, env=environment(gpus=False),
                           job_name="course-train", gpus=False))
         return 0

@@ -82,7 +82,7 @@ def deepspeed_estimate(stage: int, num_params: float, dp: int, largest: float = 
     nodes = rules.integer("nodes", nodes)
     per_node = d // nodes if d % nodes == 0 else None
     if per_node is None:
-        raise ValueError(f"dp={d} over nodes={nodes} is not a whole number of GPUs per node; use a divisor of {d}")
+        raise rules.UsageError(f"dp={d} over nodes={nodes} is not a whole number of GPUs per node; use a divisor of {d}")
     f = BUFFER_FACTOR
     if stage == 2:
         if offload_optimizer:

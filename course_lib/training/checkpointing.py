@@ -105,7 +105,7 @@ LAYER_AXIS_KEY = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
 _LINEAR_WEIGHT = re.compile(r"decoder\.layers\.(?:\d+\.)?(.+)\.weight")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(rules.UsageError):
     """A checkpoint that cannot be saved or loaded; the message is one line naming the file or the mismatch."""
 
 
