@@ -614,7 +614,7 @@ class ShardedDataParallel:
         ``clip_grad`` (Megatron's ``--clip-grad``; 0: off): grads scaled by ``clip_grad / (norm + 1e-6)``
         when that is < 1. The norm (:meth:`grad_norm`, one or two all-reduces) is computed only when
         clipping needs it or ``grad_norm=True`` asks for it: a trainer that takes the norm itself
-        in its loss scaler's ``unscale_and_check`` (:class:`course_lib.training.sharding.ShardedGradFinalizer`)
+        in its loss scaler's ``unscale_and_check`` (:class:`course_lib.training.state_sharding.ShardedGradFinalizer`)
         leaves both off, so the norm is computed once. Returns ``{"skipped": bool, "found_inf": bool,
         "grad_norm": float or None}`` (None when not computed; a loss scaler's overflow skips the
         update, and the norm is None then too)."""

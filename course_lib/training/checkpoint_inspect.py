@@ -60,7 +60,7 @@ def describe_checkpoint(path) -> dict:
     files = sorted((str(f.relative_to(ckpt)), f.stat().st_size) for f in ckpt.rglob("*") if f.is_file())
     tensors = []
     if fmt == "torch_dist":
-        from course_lib.training.sharded_io import written_chunks
+        from course_lib.training.dcp_io import written_chunks
 
         common = _torch_load(ckpt / COMMON_FILE)
         md = _dist_metadata(ckpt)

@@ -112,7 +112,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "mlp_sharded_state_dict": ("course_lib.training.checkpointing:sharded_state_dict",
                                "course_lib.training.checkpointing:global_spec",
                                "course_lib.training.checkpointing:expert_global_spec"),
-    "read_plan": ("course_lib.training.sharded_io:PieceLoadPlanner", "course_lib.training.sharded_io:load_pieces"),
+    "read_plan": ("course_lib.training.dcp_io:PieceLoadPlanner", "course_lib.training.dcp_io:load_pieces"),
     "my_answers_09": (),
     # Lab 10
     "zero3_wire": ("course_lib.deepspeed.engine:held_bytes",),
