@@ -54,7 +54,7 @@ import time
 import traceback
 from pathlib import Path
 
-from course_lib.classroom.grading.cgroups import RunGroup
+from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup
 from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
 
 FILE_LIMIT_BYTES = 64 << 20
@@ -63,8 +63,9 @@ HOME_BYTES = 1 << 30
 """As root, the run's home (the one folder it may write) is a tmpfs of this size ..."""
 HOME_FILES = 100_000
 """... and of this many files and folders."""
-PROCESS_ALLOWANCE = 512
-"""How many more processes (and threads) than the grader's user already runs a run may start."""
+PROCESS_ALLOWANCE = PIDS_MAX
+"""How many more processes (and threads) than the grader's user already runs a run may start (the pids group's
+cap, for the same reason: threads count)."""
 _PRELOAD = ("torch", "torch.distributed", "IPython.core.interactiveshell", "matplotlib.pyplot",
             "course_lib.classroom.checks.verdicts", "course_lib.classroom.checks.exercise", "course_lib.launch")
 _SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/opt", "/dev/null",
