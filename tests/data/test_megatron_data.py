@@ -1,0 +1,204 @@
+"""Day 22's set-up against megatron-core 0.16.1, live: the course's tokenizer files, the indexed
+dataset ``preprocess`` writes, and the samples ``--data-path``/``--split``/blends draw.
+
+* the byte-level BPE equals Hugging Face ``tokenizers``' byte-level BPE loaded from the same
+  ``vocab.json``/``merges.txt`` (megatron-core 0.16.1's ``GPT2BPETokenizer`` is
+  ``MegatronHFTokenizer`` -> transformers' GPT-2 tokenizer, whose fast form is that library);
+* ``.bin/.idx`` byte-identical to megatron-core's ``IndexedDatasetBuilder``, read by its ``IndexedDataset``;
+* every sample of all three splits (one prefix, several epochs) and of a weighted blend equals
+  megatron-core's ``GPTDataset``/``BlendedMegatronDatasetBuilder``; the sample index equals its
+  compiled ``helpers.build_sample_idx`` on random sizes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from course_lib.data.blend import build_datasets, parse_blend
+from course_lib.data.bpe import BPETokenizer, TokenizerFileError, train_bpe
+from course_lib.data.corpus import export_jsonl, load_documents
+from course_lib.data.gpt_dataset import build_sample_index
+from course_lib.data.indexed import IndexedDataset, IndexedDatasetError, encode_documents, optimal_dtype
+from course_lib.data.preprocess import preprocess
+
+HOSTILE = ["", " ", "Hello world", "张量并行 and 流水线并行", "😀👩‍👩‍👧 🇫🇷", "\x00\x01\x7f\t\r\n  \n\n   x",
+           "it's   we'll  DON'T 123 4567 ²½ Ⅻ ٣", "a" * 300, "\u200b\ufeff e\u0301 ﬁ \ud7ff", "  lead\n\n\n trail   ",
+           "x" + "\U0010ffff" + "y"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The corpus exported, the tokenizer trained and saved, the corpus preprocessed (the lab's steps)."""
+    d = tmp_path_factory.mktemp("tiny")
+    tok = train_bpe(load_documents(), 1024)
+    vocab, merges = tok.save(d)
+    export_jsonl(d / "corpus.jsonl")
+    (bin_path, idx_path), = preprocess(d / "corpus.jsonl", d / "gpt_text", BPETokenizer.from_files(vocab, merges),
+                                       ("text",), append_eod=True).values()
+    return {"dir": d, "tok": tok, "vocab": vocab, "merges": merges, "prefix": str(bin_path)[:-4]}
+
+
+def test_bpe_round_trip_and_files(tiny):
+    tok = tiny["tok"]
+    assert tok.vocab_size == 1024 and tok.eod == 1023 and len(tok.merges) == 767
+    for text in HOSTILE + load_documents()[:20]:
+        assert tok.decode(tok.encode(text)) == text
+    again = BPETokenizer.from_files(tiny["vocab"], tiny["merges"])
+    assert again.encoder == tok.encoder and again.merges == tok.merges
+    corpus = load_documents()
+    ids = [i for doc in corpus for i in tok.encode(doc, append_eod=True)]
+    assert sum(len(d.encode()) for d in corpus) / len(ids) > 3.0          # measured 3.57 bytes per token
+    # the merges are the most frequent pairs: the first is "the"'s or a space pair, never a rare one
+    assert tok.decode([tok.encode(" the")[0]]) == " the"
+
+
+def test_bpe_equals_hugging_face_byte_level_bpe(tiny):
+    tokenizers = pytest.importorskip("tokenizers")
+    hf = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(str(tiny["vocab"]), str(tiny["merges"])))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = tokenizers.decoders.ByteLevel()
+    for text in HOSTILE + load_documents():
+        assert tiny["tok"].encode(text) == hf.encode(text).ids, text[:40]
+
+
+def test_tokenizer_files_refused_in_one_line(tiny, tmp_path):
+    with pytest.raises(TokenizerFileError, match="needs both --vocab-file"):
+        BPETokenizer.from_files(tiny["vocab"], None)
+    with pytest.raises(TokenizerFileError, match="no such file"):
+        BPETokenizer.from_files(tmp_path / "nope.json", tiny["merges"])
+    other = train_bpe(["zzz yyy zzz yyy qqq qqq"], 300)
+    v, _ = other.save(tmp_path)
+    with pytest.raises(TokenizerFileError, match="same tokenizer"):
+        BPETokenizer.from_files(v, tiny["merges"])
+
+
+def test_indexed_dataset_bytes_equal_megatron_core(tiny, tmp_path):
+    torch = pytest.importorskip("torch")
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    docs = [[5, 6, 7, 1023], [], [9, 1023], list(range(1000)) + [1023]]
+    for vocab_size, docs_ in ((1024, docs), (70000, docs + [[69999, 1]])):
+        dtype = optimal_dtype(vocab_size)
+        assert dtype is indexed.DType.optimal_dtype(vocab_size)
+        builder = indexed.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=dtype)
+        for doc in docs_:           # preprocess_data.py: add_document(ids, sentence lengths)
+            builder.add_document(torch.tensor(doc, dtype=torch.int64), [len(doc)] if doc else [])
+        builder.finalize(str(tmp_path / "m.idx"))
+        data, index = encode_documents(docs_, dtype)
+        assert (tmp_path / "m.bin").read_bytes() == data
+        assert (tmp_path / "m.idx").read_bytes() == index
+    theirs = indexed.IndexedDataset(tiny["prefix"])
+    ours = IndexedDataset(tiny["prefix"])
+    assert len(theirs) == len(ours) == 129
+    assert np.array_equal(theirs.document_indices, ours.document_indices)
+    for i in (0, 64, 128):
+        assert np.array_equal(theirs[i], ours[i])
+    tok = tiny["tok"]
+    assert tok.decode(ours[0]) == load_documents()[0] + "<|endoftext|>"
+
+
+def test_preprocess_cli_refuses_bad_input_and_writes_nothing(tiny, tmp_path):
+    src = tmp_path / "in.jsonl"
+    base = [sys.executable, "-m", "course_lib", "preprocess", "--output-prefix", str(tmp_path / "out"),
+            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tiny["vocab"]), "--merge-file",
+            str(tiny["merges"]), "--append-eod", "--workers", "1", "--input", str(src)]
+    cases = [('{"text": "a"}\n{"text": "b"\n', "line 2: not JSON"),
+             ('{"text": "a"}\n{"body": "b"}\n', "line 2: no key 'text'"),
+             ('{"text": 3}\n', "line 1: 'text' holds a int")]
+    for content, message in cases:
+        src.write_text(content)
+        r = subprocess.run(base, capture_output=True, text=True)
+        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert not list(tmp_path.glob("out*"))
+    r = subprocess.run(base[:-2] + ["--input", str(tiny["dir"] / "corpus.jsonl")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    made = (tmp_path / "out_text_document.bin").read_bytes()
+    assert made == open(tiny["prefix"] + ".bin", "rb").read()
+    r = subprocess.run(base[:-2] + ["--input", str(tiny["dir"] / "corpus.jsonl")], capture_output=True, text=True)
+    assert r.returncode == 2 and "already exists; pass --force" in r.stderr
+
+
+def test_bad_data_path_one_line(tiny, tmp_path):
+    with pytest.raises(IndexedDatasetError, match="is missing"):
+        IndexedDataset(tmp_path / "nothing")
+    cut = tmp_path / "cut"
+    (cut.with_suffix(".idx")).write_bytes(open(tiny["prefix"] + ".idx", "rb").read())
+    (cut.with_suffix(".bin")).write_bytes(open(tiny["prefix"] + ".bin", "rb").read()[:-10])
+    with pytest.raises(IndexedDatasetError, match="truncated"):
+        IndexedDataset(cut)
+    with pytest.raises(ValueError, match="is not a positive weight"):
+        parse_blend(["0.7", "A", "x", "B"])
+    with pytest.raises(ValueError, match="is not a positive weight"):
+        parse_blend(["-1", "A", "1", "B"])
+    assert parse_blend(["A", "B"]) == (["A", "B"], None)
+
+
+@pytest.fixture(scope="module")
+def megatron_core_world():
+    """megatron-core's blend builder asks torch.distributed for its rank: a world of one."""
+    dist = pytest.importorskip("torch.distributed")
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield
+    dist.destroy_process_group()
+
+
+def _megatron_core_datasets(data_path, split, sizes, seq_length, seed, tok, cache):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    class Tokenizer:      # what GPTDatasetConfig reads of a tokenizer
+        vocab_size, eod, unique_identifiers = tok.vocab_size, tok.eod, {"class": "course BPE"}
+
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=get_blend_from_list(data_path),
+                              split=split, path_to_cache=str(cache), tokenizer=Tokenizer(), reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False)
+    return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+
+
+@pytest.mark.parametrize("blend, split, sizes, seq_length", [
+    ("one", "90,9,1", [320, 96, 8], 32),          # the trainer's sizes for 40 iterations of 8, eval 3 x 4
+    ("one", "80,15,5", [5000, 300, 60], 64),      # many epochs: a separate final epoch
+    ("blend", "90,8,2", [300, 40, 20], 32),       # --data-path 0.7 A 0.3 B
+])
+def test_samples_equal_megatron_core(tiny, megatron_core_world, tmp_path, blend, split, sizes, seq_length):
+    import shutil
+
+    prefix = tiny["prefix"]
+    if blend == "one":
+        data_path = [prefix]
+    else:
+        other = str(tmp_path / "b_text_document")
+        for suffix in (".bin", ".idx"):
+            shutil.copy(prefix + suffix, other + suffix)
+        data_path = ["0.7", prefix, "0.3", other]
+    theirs = _megatron_core_datasets(data_path, split, sizes, seq_length, 1234, tiny["tok"], tmp_path / "cache")
+    ours = build_datasets(data_path, split, sizes, seq_length, 1234, tiny["tok"].eod)
+    for a, b in zip(theirs, ours):
+        assert len(a) == len(b) >= 8
+        for i in range(len(a)):
+            window = b[i]
+            assert np.array_equal(a[i]["tokens"].numpy(), window[:-1]) and np.array_equal(a[i]["labels"].numpy(),
+                                                                                           window[1:]), i
+
+
+def test_sample_index_equals_megatron_core_helper():
+    helpers = pytest.importorskip("megatron.core.datasets.helpers")
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        sizes = rng.integers(1, 40, size=int(rng.integers(1, 12))).astype(np.int32)
+        epochs = int(rng.integers(1, 4))
+        doc_index = np.tile(np.arange(len(sizes), dtype=np.int32), epochs)
+        rng.shuffle(doc_index)
+        tokens = int(sizes.sum())
+        seq = int(rng.integers(2, max(3, tokens)))
+        if epochs * tokens - 1 < seq:
+            continue
+        want = helpers.build_sample_idx(sizes, doc_index, seq, epochs, tokens, True, True)
+        assert np.array_equal(build_sample_index(sizes, doc_index, seq, epochs, tokens), want)
