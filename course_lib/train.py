@@ -133,6 +133,7 @@ import torch.distributed as dist
 
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
+from course_lib.data.source import build_train_dataset
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
 from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
@@ -219,6 +220,7 @@ class TrainingSetup:
     pipeline_schedule: str = "1f1b"
     num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
     moe_groups: object = None         # --num-experts: course_lib.process_groups.MoEGroups, else None
+    dataset: object = None            # --data-path: its train split (course_lib.data.source), else the built-in corpus
 
 
 def _precision(args) -> str:
@@ -268,15 +270,16 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
                          schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
                          seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
                          precision=_precision(args), scaler=scaler, engine=engine, finalizer=finalizer,
-                         pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups)
+                         pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups,
+                         dataset=build_train_dataset(args, config.effective_global_batch_size))
 
 
-def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
+def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device, dataset=None):
     """Tokens and labels of this rank's ``m`` micro-batches, stacked: ``[m * micro, s / cp]``."""
     toks, labs = [], []
     for j in range(config.num_microbatches):
         b = get_batch(iteration, j, coords["dp"], config.dp, config.micro_batch_size, config.seq_length, seed,
-                      global_batch_size=config.effective_global_batch_size)
+                      global_batch_size=config.effective_global_batch_size, dataset=dataset)
         b = get_batch_on_this_cp_rank({"tokens": b["tokens"], "labels": b["labels"]}, coords["cp"], config.cp)
         toks.append(b["tokens"])
         labs.append(b["labels"])
@@ -310,7 +313,7 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
             on_last_forward()
         return total / count if s.scaler is None else s.scaler.scale_loss(total / count).squeeze()
 
-    tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device)
+    tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device, s.dataset)
     if s.moe_groups is not None:     # the aux losses' gradient: the factor each micro-batch's LM loss gets
         set_aux_loss_scale(s.chunks, (1.0 if s.scaler is None else s.scaler.value) / config.num_microbatches)
     with sync, _autocast(s.device, s.precision):
@@ -584,6 +587,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     optimizer = _optimizer(args, named)
     global_batch_size = config.effective_global_batch_size
     scheduler = _scheduler(args, global_batch_size)
+    dataset = build_train_dataset(args, global_batch_size)
     lr = scheduler.get_lr()
     out = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "moe_losses": []}
     moe = bool(getattr(args, "num_experts", None))
@@ -594,7 +598,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
         for iteration in range(args.train_iters):
             for p in params:
                 p.grad = None
-            batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed)
+            batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed, dataset=dataset)
             loss = 0.0
             for tokens, labels in zip(batch["tokens"].split(micro), batch["labels"].split(micro)):
                 with _autocast(torch.device("cpu"), _precision(args)):

@@ -137,9 +137,10 @@ def test_bad_data_path_one_line(tiny, tmp_path):
     assert parse_blend(["A", "B"]) == (["A", "B"], None)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def megatron_core_world():
-    """megatron-core's blend builder asks torch.distributed for its rank: a world of one."""
+    """megatron-core's blend builder asks torch.distributed for its rank: a world of one (per test: a
+    forked launch must not inherit it)."""
     dist = pytest.importorskip("torch.distributed")
     pytest.importorskip("megatron.core.datasets.gpt_dataset")
     if not dist.is_initialized():
@@ -202,3 +203,52 @@ def test_sample_index_equals_megatron_core_helper():
             continue
         want = helpers.build_sample_idx(sizes, doc_index, seq, epochs, tokens, True, True)
         assert np.array_equal(build_sample_index(sizes, doc_index, seq, epochs, tokens), want)
+
+
+def _train_rank(argv):
+    from course_lib.train import parse_args, pretrain
+
+    return pretrain(parse_args(argv))
+
+
+def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
+    pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    """``--data-path --split --tokenizer-type --vocab-file --merge-file``: each iteration's global batch is
+    megatron-core's train samples ``[it*G, (it+1)*G)``; TP2 x DP2 on 4 ranks trains as one process does."""
+    from course_lib.data import get_global_batch
+    from course_lib.data.source import build_train_dataset
+    from course_lib.launch import launch
+    from course_lib.train import parse_args, train_single_process, validate_args
+
+    data = ["--data-path", tiny["prefix"], "--split", "90,9,1", "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(tiny["vocab"]), "--merge-file", str(tiny["merges"])]
+    argv = ["--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
+            "--lr", "3e-3", "--lr-decay-style", "constant", *data]
+    args, _ = validate_args(parse_args(argv), 1)
+    assert args.padded_vocab_size == 1024                    # the tokenizer's vocabulary, padded to 128
+    theirs = _megatron_core_datasets([tiny["prefix"]], "90,9,1", [3 * 8, 8, 8], 32, 1234, tiny["tok"],
+                                     tmp_path / "cache")[0]
+    ds = build_train_dataset(args, 8)
+    for it in range(3):
+        batch = get_global_batch(it, 8, 32, 1234, dataset=ds)
+        want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 8, it * 8 + 8)])
+        assert np.array_equal(batch["tokens"].numpy(), want), it
+    reference = train_single_process(parse_args(argv))
+    res = launch(_train_rank, world_size=4, output="none", timeout=120,
+                 argv=argv + ["--tensor-model-parallel-size", "2"])
+    got = res[-1]["lm_loss"]
+    assert max(abs(a - b) / abs(b) for a, b in zip(got, reference["lm_loss"])) < 1e-4, (got, reference["lm_loss"])
+    assert reference["lm_loss"][0] == pytest.approx(np.log(1024), rel=0.05)   # the BPE vocabulary, not 257 bytes
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--data-path", "nowhere/x_text_document"], "needs the tokenizer that made it"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "without --data-path"),
+    (["--vocab-file", "v.json"], "need --tokenizer-type"),
+])
+def test_trainer_data_flags_refused_in_one_line(extra, message):
+    from course_lib.train import parse_args, validate_args
+
+    with pytest.raises(ValueError, match=message):
+        validate_args(parse_args(extra), 1)
