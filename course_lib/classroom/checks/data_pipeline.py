@@ -49,17 +49,20 @@ def _cases(seed: int):
     return out
 
 
-def _mistake(got: np.ndarray, want: np.ndarray, seq: int) -> str:
-    """The likeliest mistake behind a wrong index."""
+def _mistake(got: np.ndarray, want: np.ndarray, bad: int, sizes, doc_index) -> str:
+    """The likeliest mistake behind the first wrong row ``bad``."""
     if len(got) != len(want):
         return (f"{len(got)} rows, not {len(want)}: N = (num_epochs * tokens_per_epoch - 1) // seq_length samples, "
                 f"plus one row for where the last one ends")
-    if np.array_equal(got[:, 0], want[:, 0]) and np.all(got[1:, 1] == want[1:, 1] + 1):
-        return ("every offset is one too far: a sample is seq_length + 1 tokens and the next one starts on its last "
-                "token (neighbours share it: tokens[1:] are the labels)")
-    if np.all(got[:, 0] == got[0, 0]):
-        return "the position never moves: when a sample needs more tokens than its document has left, go on in the next one"
-    return "walk document_index with a budget of seq_length + 1 tokens per sample, starting each sample on the last token of the one before"
+    (pos, off), (want_pos, want_off) = got[bad], want[bad]
+    if pos == want_pos and off == want_off + 1:
+        return ("one token too far: a sample is seq_length + 1 tokens and the next one starts on its last token "
+                "(neighbours share it: tokens[1:] are the labels)")
+    if 0 <= pos < len(doc_index) and off >= int(sizes[doc_index[pos]]):
+        return (f"offset {off} is past the end of that document ({int(sizes[doc_index[pos]])} tokens): when a sample "
+                f"needs more tokens than its document has left, go on in the next one at offset 0")
+    return ("walk document_index with a budget of seq_length + 1 tokens per sample, starting each sample on the "
+            "last token of the one before")
 
 
 @exercise("build_sample_index")
@@ -91,7 +94,7 @@ def check_sample_index(fn, seed: int | None = None) -> bool:
             bad = next((j for j in range(rows) if not np.array_equal(arr[j], want[j])), rows)
             print(f"✗ build_sample_index({case}): row {bad} is {arr[bad].tolist() if bad < len(arr) else 'missing'}, "
                   f"{source} gives {want[bad].tolist() if bad < len(want) else 'no such row'}\n"
-                  f"  hint: {_mistake(arr, want, seq)}")
+                  f"  hint: {_mistake(arr, want, bad, sizes, doc_index)}")
             return False
     print(f"✓ build_sample_index: {CASES} random datasets (document sizes, epochs, seq_length) give "
           f"every row of {source}")
