@@ -29,6 +29,10 @@ def add_data_arguments(parser) -> None:
     g.add_argument("--merge-file", default=None, help="GPT-2's merges.txt")
     g.add_argument("--data-cache-path", default=None,
                    help="accepted for Megatron's command line; the course builds its indices in memory")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations and after the last (needs --data-path; Megatron's "
+                        "default 1000, the course's: no evaluation)")
+    g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (Megatron's default 100)")
 
 
 def load_tokenizer(args):
@@ -44,6 +48,13 @@ def check_data_args(args) -> None:
     """One line for data flags that do not go together; opens every ``--data-path`` prefix."""
     data_path = getattr(args, "data_path", None)
     tokenizer_type = getattr(args, "tokenizer_type", None)
+    if getattr(args, "eval_interval", None) is not None:
+        if isinstance(args.eval_interval, bool) or args.eval_interval < 1 or args.eval_iters < 1:
+            raise ValueError(f"--eval-interval {args.eval_interval} --eval-iters {args.eval_iters}: both must be "
+                             f"positive integers")
+        if data_path is None:
+            raise ValueError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
+                             "built-in corpus has none)")
     if tokenizer_type is None and (getattr(args, "vocab_file", None) or getattr(args, "merge_file", None)):
         raise ValueError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer")
     if data_path is None:
@@ -66,6 +77,18 @@ def check_data_args(args) -> None:
 def vocab_size(args) -> int:
     """The unpadded vocabulary of the run (the tokenizer's)."""
     return load_tokenizer(args).vocab_size
+
+
+def build_valid_dataset(args, global_batch_size: int):
+    """The valid split for every evaluation of the run (:func:`course_lib.data.blend.num_samples_per_split`),
+    or None without ``--eval-interval``."""
+    if getattr(args, "eval_interval", None) is None:
+        return None
+    from course_lib.data.blend import build_datasets, num_samples_per_split
+
+    sizes = num_samples_per_split(args.train_iters, global_batch_size, args.eval_interval, args.eval_iters)
+    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
+                          load_tokenizer(args).eod, wanted=("valid",))[1]
 
 
 def build_train_dataset(args, global_batch_size: int):

@@ -307,6 +307,10 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
 
     check_data_args(a)                                          # --data-path's files and tokenizer
+    if getattr(a, "eval_interval", None) and (uses_sharding_engine(a) or getattr(a, "deepspeed_config", None)
+                                              or getattr(a, "num_experts", None)):
+        raise ValueError("--eval-interval runs on the plain trainer only (not with the sharding flags, DeepSpeed or "
+                         "--num-experts); drop it or them")
     gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
     a.max_position_embeddings = gpt.max_position_embeddings
     a.ffn_hidden_size = gpt.ffn_hidden_size

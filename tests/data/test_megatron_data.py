@@ -218,6 +218,7 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     from course_lib.data import get_global_batch
     from course_lib.data.source import build_train_dataset
     from course_lib.launch import launch
+    from course_lib.megatron.logs import parse_log
     from course_lib.train import parse_args, train_single_process, validate_args
 
     data = ["--data-path", tiny["prefix"], "--split", "90,9,1", "--tokenizer-type", "GPT2BPETokenizer",
@@ -235,17 +236,28 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
         want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 8, it * 8 + 8)])
         assert np.array_equal(batch["tokens"].numpy(), want), it
     reference = train_single_process(parse_args(argv))
+    evaluating = argv + ["--eval-interval", "2", "--eval-iters", "2"]
     res = launch(_train_rank, world_size=4, output="none", timeout=120,
-                 argv=argv + ["--tensor-model-parallel-size", "2"])
+                 argv=evaluating + ["--tensor-model-parallel-size", "2"])
     got = res[-1]["lm_loss"]
     assert max(abs(a - b) / abs(b) for a, b in zip(got, reference["lm_loss"])) < 1e-4, (got, reference["lm_loss"])
     assert reference["lm_loss"][0] == pytest.approx(np.log(1024), rel=0.05)   # the BPE vocabulary, not 257 bytes
+    # --eval-interval 2 --eval-iters 2: after iteration 2 and after the last, Megatron's lines, the same loss as
+    # one rank evaluating the same valid samples
+    one = launch(_train_rank, world_size=1, output="none", timeout=120, argv=evaluating)[0]["validation"]
+    four = res[-1]["validation"]
+    assert [v["prefix"] for v in four] == ["iteration 2", "iteration 3 on validation set"]
+    assert all(abs(a["lm_loss"] - b["lm_loss"]) < 1e-4 * b["lm_loss"] for a, b in zip(four, one)), (four, one)
+    log = parse_log("\n".join(res.outputs))
+    assert [v["label"] for v in log.validation] == [v["prefix"] for v in four]
+    assert [v["lm_loss_value"] for v in log.validation] == pytest.approx([v["lm_loss"] for v in four], rel=1e-6)
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--data-path", "nowhere/x_text_document"], "needs the tokenizer that made it"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "without --data-path"),
     (["--vocab-file", "v.json"], "need --tokenizer-type"),
+    (["--eval-interval", "2"], "needs a valid split"),
 ])
 def test_trainer_data_flags_refused_in_one_line(extra, message):
     from course_lib.train import parse_args, validate_args
