@@ -219,7 +219,7 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     from course_lib.data.source import build_train_dataset
     from course_lib.launch import launch
     from course_lib.megatron.logs import parse_log
-    from course_lib.train import parse_args, train_single_process, validate_args
+    from course_lib.train import args_to_argv, parse_args, train_single_process, validate_args
 
     data = ["--data-path", tiny["prefix"], "--split", "90,9,1", "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", str(tiny["vocab"]), "--merge-file", str(tiny["merges"])]
@@ -227,6 +227,7 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
             "--lr", "3e-3", "--lr-decay-style", "constant", *data]
     args, _ = validate_args(parse_args(argv), 1)
+    assert parse_args(args_to_argv(args)).data_path == [tiny["prefix"]]          # what torchrun's ranks get
     assert args.padded_vocab_size == 1024                    # the tokenizer's vocabulary, padded to 128
     theirs = _megatron_core_datasets([tiny["prefix"]], "90,9,1", [3 * 8, 8, 8], 32, 1234, tiny["tok"],
                                      tmp_path / "cache")[0]
