@@ -12,10 +12,6 @@ dataset ``preprocess`` writes, and the samples ``--data-path``/``--split``/blend
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -101,25 +97,28 @@ def test_indexed_dataset_bytes_equal_megatron_core(tiny, tmp_path):
     assert tok.decode(ours[0]) == load_documents()[0] + "<|endoftext|>"
 
 
-def test_preprocess_cli_refuses_bad_input_and_writes_nothing(tiny, tmp_path):
+def test_preprocess_cli_refuses_bad_input_and_writes_nothing(tiny, tmp_path, capsys):
+    from course_lib.__main__ import main
+
     src = tmp_path / "in.jsonl"
-    base = [sys.executable, "-m", "course_lib", "preprocess", "--output-prefix", str(tmp_path / "out"),
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(tiny["vocab"]), "--merge-file",
-            str(tiny["merges"]), "--append-eod", "--workers", "1", "--input", str(src)]
+    base = ["preprocess", "--output-prefix", str(tmp_path / "out"), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(tiny["vocab"]), "--merge-file", str(tiny["merges"]), "--append-eod", "--workers", "1"]
     cases = [('{"text": "a"}\n{"text": "b"\n', "line 2: not JSON"),
              ('{"text": "a"}\n{"body": "b"}\n', "line 2: no key 'text'"),
              ('{"text": 3}\n', "line 1: 'text' holds a int")]
     for content, message in cases:
         src.write_text(content)
-        r = subprocess.run(base, capture_output=True, text=True)
-        assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert main(base + ["--input", str(src)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
         assert not list(tmp_path.glob("out*"))
-    r = subprocess.run(base[:-2] + ["--input", str(tiny["dir"] / "corpus.jsonl")], capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    made = (tmp_path / "out_text_document.bin").read_bytes()
-    assert made == open(tiny["prefix"] + ".bin", "rb").read()
-    r = subprocess.run(base[:-2] + ["--input", str(tiny["dir"] / "corpus.jsonl")], capture_output=True, text=True)
-    assert r.returncode == 2 and "already exists; pass --force" in r.stderr
+    assert main(base[:7] + ["--input", str(src)]) == 2                                  # a vocab without merges
+    assert "needs both --vocab-file" in capsys.readouterr().err and not list(tmp_path.glob("out*"))
+    corpus = ["--input", str(tiny["dir"] / "corpus.jsonl")]
+    assert main(base + corpus) == 0
+    assert (tmp_path / "out_text_document.bin").read_bytes() == open(tiny["prefix"] + ".bin", "rb").read()
+    capsys.readouterr()
+    assert main(base + corpus) == 2 and "already exists; pass --force" in capsys.readouterr().err
 
 
 def test_bad_data_path_one_line(tiny, tmp_path):
