@@ -310,7 +310,7 @@ def _evaluate(args, setup: TrainingSetup, record: dict, evaluation: int, prefix:
     """Megatron's evaluate_and_print_results with the trainer's own batches, loss and schedule."""
     evaluate_and_print(setup, setup.valid_dataset, args.eval_iters, evaluation, prefix, record,
                        rank_batches=_rank_batches, loss_fn_of=_token_loss_fn,
-                       run_schedule=lambda s, t, l, f: _forward_backward(s, t, l, f), dp_kind=dp_kind(setup.config))
+                       run_schedule=_forward_backward, dp_kind=dp_kind(setup.config))
 
 
 def train_step(setup: TrainingSetup, iteration: int) -> dict:

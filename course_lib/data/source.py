@@ -45,7 +45,9 @@ def load_tokenizer(args):
 
 
 def check_data_args(args) -> None:
-    """One line for data flags that do not go together; opens every ``--data-path`` prefix."""
+    """One line for data flags that do not go together; opens every ``--data-path`` prefix and builds
+    the splits the run reads (milliseconds for the course's data), so a bad one fails before any rank starts.
+    ``args.global_batch_size`` must be derived already (``validate_args`` does)."""
     data_path = getattr(args, "data_path", None)
     tokenizer_type = getattr(args, "tokenizer_type", None)
     if getattr(args, "eval_interval", None) is not None:
@@ -68,10 +70,15 @@ def check_data_args(args) -> None:
     from course_lib.data.blend import parse_blend, parse_split
     from course_lib.data.indexed import IndexedDataset
 
+    if getattr(args, "deepspeed_config", None):
+        raise ValueError("--data-path with --deepspeed-config: the DeepSpeed path reads the built-in corpus only; "
+                         "drop one of them")
     load_tokenizer(args)
     parse_split(args.split)
     for prefix in parse_blend(data_path)[0]:
         IndexedDataset(prefix)
+    build_train_dataset(args, args.global_batch_size)     # a split too small for one sample: one line, here
+    build_valid_dataset(args, args.global_batch_size)
 
 
 def vocab_size(args) -> int:

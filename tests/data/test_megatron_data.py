@@ -258,9 +258,13 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     (["--tokenizer-type", "GPT2BPETokenizer"], "without --data-path"),
     (["--vocab-file", "v.json"], "need --tokenizer-type"),
     (["--eval-interval", "2"], "needs a valid split"),
+    (["--seq-length", "64", "--split", "1,0,99"], "not one sample"),
 ])
-def test_trainer_data_flags_refused_in_one_line(extra, message):
+def test_trainer_data_flags_refused_in_one_line(tiny, extra, message):
     from course_lib.train import parse_args, validate_args
 
+    if "--split" in extra:
+        extra = extra + ["--data-path", tiny["prefix"], "--tokenizer-type", "GPT2BPETokenizer",
+                         "--vocab-file", str(tiny["vocab"]), "--merge-file", str(tiny["merges"])]
     with pytest.raises(ValueError, match=message):
         validate_args(parse_args(extra), 1)
