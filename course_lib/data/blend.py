@@ -16,7 +16,7 @@
 
 :func:`build_datasets` returns one dataset per split (or None); ``dataset[i]`` is the
 ``seq_length + 1`` token ids of sample ``i``, ``dataset.batch(indices)`` Megatron's batch dict.
-Bad input (weights that do not parse, a missing ``.idx``...) is one ``ValueError`` line.
+Bad input (weights that do not parse, a missing ``.idx``...) is one ``UsageError`` line.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 
 from course_lib.data.gpt_dataset import MegatronGPTDataset
 from course_lib.data.indexed import IndexedDataset
+from course_lib.rules import UsageError
 
 SPLITS = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
@@ -37,7 +38,7 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
     """``--data-path`` words -> ``(prefixes, normalised weights or None)`` (``get_blend_from_list``)."""
     words = [data_path] if isinstance(data_path, str) else list(data_path or [])
     if not words:
-        raise ValueError("--data-path needs a prefix (PREFIX for PREFIX.bin/.idx) or a blend like '0.7 A 0.3 B'")
+        raise UsageError("--data-path needs a prefix (PREFIX for PREFIX.bin/.idx) or a blend like '0.7 A 0.3 B'")
     if len(words) % 2:
         return [w.strip() for w in words], None
     weights = []
@@ -50,7 +51,7 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
         return [w.strip() for w in words], None
     bad = [words[2 * i] for i, w in enumerate(weights) if w is None or not math.isfinite(w) or w <= 0]
     if bad:
-        raise ValueError(f"--data-path {' '.join(words)}: {bad[0]!r} is not a positive weight; a blend is "
+        raise UsageError(f"--data-path {' '.join(words)}: {bad[0]!r} is not a positive weight; a blend is "
                          f"'WEIGHT PREFIX WEIGHT PREFIX ...', e.g. --data-path 0.7 data/a_text_document "
                          f"0.3 data/b_text_document")
     total = sum(weights)
@@ -61,7 +62,7 @@ def parse_split(split: str) -> list[float]:
     """``parse_and_normalize_split``: ``"949,50,1"`` -> ``[0.949, 0.05, 0.001]``."""
     values = [float(v) for v in re.findall(r"[.0-9]+", str(split))]
     if not values or len(values) > 3 or sum(values) <= 0:
-        raise ValueError(f"--split {split!r}: give up to three non-negative shares, train,valid,test, e.g. 949,50,1")
+        raise UsageError(f"--split {split!r}: give up to three non-negative shares, train,valid,test, e.g. 949,50,1")
     values += [0.0] * (3 - len(values))
     total = sum(values)
     return [v / total for v in values]
@@ -116,7 +117,7 @@ class BlendedSamples:
         for k, ds in enumerate(self.datasets):
             need = int((self.dataset_index == k).sum())
             if need > len(ds):
-                raise ValueError(f"the blend asks {need} samples of dataset {k}, which has {len(ds)}")
+                raise UsageError(f"the blend asks {need} samples of dataset {k}, which has {len(ds)}")
         self.seq_length, self.eod = self.datasets[0].seq_length, self.datasets[0].eod
 
     def __len__(self) -> int:

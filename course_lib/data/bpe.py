@@ -32,6 +32,8 @@ from typing import Iterable
 
 import regex
 
+from course_lib.rules import UsageError
+
 EOD_TEXT = "<|endoftext|>"
 MERGES_HEADER = "#version: 0.2"
 # GPT-2's pre-tokenisation pattern (openai/gpt-2 src/encoder.py; Megatron-LM gpt2_tokenization.py)
@@ -65,7 +67,7 @@ def _symbols(word: str) -> str:
     return "".join(table[b] for b in word.encode("utf-8"))
 
 
-class TokenizerFileError(ValueError):
+class TokenizerFileError(UsageError):
     """A vocab/merges pair that cannot be a GPT-2 tokenizer (one line: which file, which rule)."""
 
 
@@ -115,7 +117,7 @@ class BPETokenizer:
 
     def encode(self, text: str, append_eod: bool = False) -> list[int]:
         if not isinstance(text, str):
-            raise ValueError(f"encode() takes a str, got {type(text).__name__}; decode bytes first")
+            raise UsageError(f"encode() takes a str, got {type(text).__name__}; decode bytes first")
         ids: list[int] = []
         for word in pretokenize(text):
             if word not in self._cache:
@@ -132,7 +134,7 @@ class BPETokenizer:
         for i in ids:
             i = int(i)
             if i not in self.decoder:
-                raise ValueError(f"token id {i} is outside the vocabulary 0..{self.vocab_size - 1}")
+                raise UsageError(f"token id {i} is outside the vocabulary 0..{self.vocab_size - 1}")
             symbols.append(self.decoder[i])
         text = "".join(symbols)
         out, buf = [], bytearray()
@@ -226,7 +228,7 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> BPETokenizer:
     Pair counts are kept up to date incrementally (only the words that hold the merged pair are
     recounted), so the course corpus trains in about a second."""
     if not isinstance(vocab_size, int) or vocab_size < 257:
-        raise ValueError(f"vocab_size={vocab_size!r}: a byte-level BPE needs at least 257 (256 bytes + "
+        raise UsageError(f"vocab_size={vocab_size!r}: a byte-level BPE needs at least 257 (256 bytes + "
                          f"{EOD_TEXT}); try 1024")
     freq = Counter(_symbols(w) for doc in documents for w in pretokenize(doc))
     words = [list(w) for w in freq]

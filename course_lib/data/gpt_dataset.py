@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from course_lib import rules
+from course_lib.rules import UsageError
 
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80   # gpt_dataset.py: `threshold = 0.80`
 
@@ -116,7 +117,7 @@ class MegatronGPTDataset:
         sizes = np.asarray(indexed.sequence_lengths, dtype=np.int32)
         tokens_per_epoch = int(sizes[self.indices].astype(np.int64).sum())
         if tokens_per_epoch <= self.seq_length:
-            raise ValueError(f"the {name} split has {len(self.indices)} documents, {tokens_per_epoch} tokens: "
+            raise UsageError(f"the {name} split has {len(self.indices)} documents, {tokens_per_epoch} tokens: "
                              f"not one sample of seq_length {self.seq_length} + 1; give it more of the data with "
                              f"--split (e.g. 90,8,2) or a shorter --seq-length")
         epochs = num_epochs_for(num_samples, tokens_per_epoch, self.seq_length)

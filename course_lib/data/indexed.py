@@ -28,6 +28,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from course_lib.rules import UsageError
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 DTYPE_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7,
                np.uint16: 8}
@@ -35,7 +37,7 @@ _DTYPE_OF = {code: dtype for dtype, code in DTYPE_CODES.items()}
 _FIXED = len(INDEX_HEADER) + 8 + 1 + 8 + 8   # header, version, dtype code, the two counts
 
 
-class IndexedDatasetError(ValueError):
+class IndexedDatasetError(UsageError):
     """A prefix whose ``.bin``/``.idx`` are missing or are not Megatron's indexed dataset (one line)."""
 
 
@@ -64,7 +66,7 @@ def encode_documents(documents: Iterable[Sequence[int]], dtype) -> tuple[bytes, 
         arr = np.asarray(doc, dtype=np.int64)
         if len(arr):
             if arr.min() < info.min or arr.max() > info.max:
-                raise ValueError(f"token ids {arr.min()}..{arr.max()} do not fit {np.dtype(dtype).name}; "
+                raise UsageError(f"token ids {arr.min()}..{arr.max()} do not fit {np.dtype(dtype).name}; "
                                  f"the vocabulary decides the dtype (optimal_dtype)")
             parts.append(arr.astype(dtype).tobytes())
             lengths.append(len(arr))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from course_lib.data.bpe import BPETokenizer
 from course_lib.data.indexed import optimal_dtype, write_indexed_dataset
+from course_lib.rules import UsageError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer",)
 
@@ -33,11 +34,11 @@ def output_prefix(prefix, key: str) -> str:
 
 def read_jsonl(path, json_keys) -> list[dict]:
     """The JSON lines of ``path``, each an object holding a string under every key of ``json_keys``
-    (``preprocess_data.py`` also takes a list of strings). Bad input: ``ValueError``, one line with the
+    (``preprocess_data.py`` also takes a list of strings). Bad input: ``UsageError``, one line with the
     line number."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--input {path}: no such file; write the course corpus with "
+        raise UsageError(f"--input {path}: no such file; write the course corpus with "
                          f"`python -m course_lib megatron-cmd --export-corpus {path}`")
     rows = []
     with path.open(encoding="utf-8") as f:
@@ -45,19 +46,19 @@ def read_jsonl(path, json_keys) -> list[dict]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"--input {path} line {n}: not JSON ({exc.msg} at column {exc.colno}); "
+                raise UsageError(f"--input {path} line {n}: not JSON ({exc.msg} at column {exc.colno}); "
                                  f"each line must be one object like {{\"text\": \"...\"}}") from None
             if not isinstance(row, dict):
-                raise ValueError(f"--input {path} line {n}: a JSON {type(row).__name__}, not an object with "
+                raise UsageError(f"--input {path} line {n}: a JSON {type(row).__name__}, not an object with "
                                  f"the keys {list(json_keys)}")
             for key in json_keys:
                 if key not in row:
-                    raise ValueError(f"--input {path} line {n}: no key {key!r} (it has {sorted(row)[:5]}); "
+                    raise UsageError(f"--input {path} line {n}: no key {key!r} (it has {sorted(row)[:5]}); "
                                      f"pick the keys with --json-keys")
                 value = row[key]
                 if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str)
                                                                                    for v in value))):
-                    raise ValueError(f"--input {path} line {n}: {key!r} holds a {type(value).__name__}, "
+                    raise UsageError(f"--input {path} line {n}: {key!r} holds a {type(value).__name__}, "
                                      f"not text (a string or a list of strings)")
             rows.append(row)
     return rows
@@ -109,7 +110,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if isinstance(args.workers, bool) or args.workers < 1:
-        raise ValueError(f"--workers {args.workers}: must be a positive integer")
+        raise UsageError(f"--workers {args.workers}: must be a positive integer")
     tokenizer = BPETokenizer.from_files(args.vocab_file, args.merge_file)
     start = time.perf_counter()
     written = preprocess(args.input, args.output_prefix, tokenizer, args.json_keys, args.append_eod, args.force)

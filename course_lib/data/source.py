@@ -13,6 +13,7 @@ Without ``--data-path`` the trainer reads the built-in corpus through the byte t
 from __future__ import annotations
 
 from course_lib.data.tokenizer import ByteTokenizer
+from course_lib.rules import UsageError
 
 TOKENIZER_TYPES = ("GPT2BPETokenizer",)
 DEFAULT_SPLIT = "969,30,1"   # Megatron's --split default
@@ -52,26 +53,26 @@ def check_data_args(args) -> None:
     tokenizer_type = getattr(args, "tokenizer_type", None)
     if getattr(args, "eval_interval", None) is not None:
         if isinstance(args.eval_interval, bool) or args.eval_interval < 1 or args.eval_iters < 1:
-            raise ValueError(f"--eval-interval {args.eval_interval} --eval-iters {args.eval_iters}: both must be "
+            raise UsageError(f"--eval-interval {args.eval_interval} --eval-iters {args.eval_iters}: both must be "
                              f"positive integers")
         if data_path is None:
-            raise ValueError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
+            raise UsageError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
                              "built-in corpus has none)")
     if tokenizer_type is None and (getattr(args, "vocab_file", None) or getattr(args, "merge_file", None)):
-        raise ValueError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer")
+        raise UsageError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer")
     if data_path is None:
         if tokenizer_type is not None:
-            raise ValueError("--tokenizer-type without --data-path: the built-in corpus is byte tokens; give "
+            raise UsageError("--tokenizer-type without --data-path: the built-in corpus is byte tokens; give "
                              "--data-path PREFIX (python -m course_lib preprocess makes one)")
         return
     if tokenizer_type is None:
-        raise ValueError("--data-path needs the tokenizer that made it: --tokenizer-type GPT2BPETokenizer "
+        raise UsageError("--data-path needs the tokenizer that made it: --tokenizer-type GPT2BPETokenizer "
                          "--vocab-file vocab.json --merge-file merges.txt")
     from course_lib.data.blend import parse_blend, parse_split
     from course_lib.data.indexed import IndexedDataset
 
     if getattr(args, "deepspeed_config", None):
-        raise ValueError("--data-path with --deepspeed-config: the DeepSpeed path reads the built-in corpus only; "
+        raise UsageError("--data-path with --deepspeed-config: the DeepSpeed path reads the built-in corpus only; "
                          "drop one of them")
     load_tokenizer(args)
     parse_split(args.split)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 from course_lib.data.bpe import train_bpe
+from course_lib.rules import UsageError
 
 DEFAULT_VOCAB_SIZE = 1024   # 256 bytes + 767 merges + <|endoftext|>: ~3.6 bytes per token on the corpus
 
@@ -36,7 +37,7 @@ def run(args) -> int:
 
     vocab, merges = Path(args.vocab_file), Path(args.merge_file)
     if vocab.resolve() == merges.resolve():
-        raise ValueError("--vocab-file and --merge-file name the same file; give two names")
+        raise UsageError("--vocab-file and --merge-file name the same file; give two names")
     inputs = [args.input] if args.input else []
     check_output_file(vocab, force=args.force, inputs=inputs, what="--vocab-file")
     check_output_file(merges, force=args.force, inputs=inputs, what="--merge-file")

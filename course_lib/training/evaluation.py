@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.megatron.logs import print_line
+from course_lib.training.logs import print_line
 
 
 def validation_line(prefix: str, lm_loss: float) -> str:

@@ -217,7 +217,7 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     from course_lib.data import get_global_batch
     from course_lib.data.source import build_train_dataset
     from course_lib.launch import launch
-    from course_lib.megatron.logs import parse_log
+    from course_lib.training.logs import parse_log
     from course_lib.train import args_to_argv, parse_args, train_single_process, validate_args
 
     data = ["--data-path", tiny["prefix"], "--split", "90,9,1", "--tokenizer-type", "GPT2BPETokenizer",
