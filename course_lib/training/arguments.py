@@ -307,7 +307,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     if getattr(a, "eval_interval", None) and (uses_sharding_engine(a) or getattr(a, "deepspeed_config", None)
                                               or getattr(a, "num_experts", None)):
         raise rules.UsageError("--eval-interval runs on the plain trainer only (not with the sharding flags, DeepSpeed or "
-                         "--num-experts); drop it or them")
+                               "--num-experts); drop it or them")
     gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
     a.max_position_embeddings = gpt.max_position_embeddings
     a.ffn_hidden_size = gpt.ffn_hidden_size
