@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
+from course_lib.data.source import build_train_dataset, build_valid_dataset
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
 from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
@@ -51,6 +52,7 @@ from course_lib.training import arguments
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
                                            gpt_config_from_args, parse_args, uses_sharding_engine, vocab_padding_tp)
 from course_lib.deepspeed import engine as deepspeed_engine
+from course_lib.training.evaluation import evaluate_and_print
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
@@ -119,6 +121,8 @@ class TrainingSetup:
     pipeline_schedule: str = "1f1b"
     num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
     moe_groups: object = None         # --num-experts: course_lib.process_groups.MoEGroups, else None
+    dataset: object = None            # --data-path: its train split (course_lib.data.source), else the built-in corpus
+    valid_dataset: object = None      # --eval-interval: the valid split, else None
 
 
 def _precision(args) -> str:
@@ -168,19 +172,45 @@ def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: Pro
                          schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
                          seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
                          precision=_precision(args), scaler=scaler, engine=engine, finalizer=finalizer,
-                         pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups)
+                         pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups,
+                         dataset=build_train_dataset(args, config.effective_global_batch_size),
+                         valid_dataset=build_valid_dataset(args, config.effective_global_batch_size))
 
 
-def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device):
+def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device, dataset=None):
     """Tokens and labels of this rank's ``m`` micro-batches, stacked: ``[m * micro, s / cp]``."""
     toks, labs = [], []
     for j in range(config.num_microbatches):
         b = get_batch(iteration, j, coords["dp"], config.dp, config.micro_batch_size, config.seq_length, seed,
-                      global_batch_size=config.effective_global_batch_size)
+                      global_batch_size=config.effective_global_batch_size, dataset=dataset)
         b = get_batch_on_this_cp_rank({"tokens": b["tokens"], "labels": b["labels"]}, coords["cp"], config.cp)
         toks.append(b["tokens"])
         labs.append(b["labels"])
     return torch.cat(toks).to(device), torch.cat(labs).to(device)
+
+
+def _forward_backward(s: TrainingSetup, tokens, labels, loss_fn) -> dict:
+    """This rank's part of the pipeline schedule on its micro-batches (16-bit compute with --bf16/--fp16)."""
+    with _autocast(s.device, s.precision):
+        return run_rank_schedule(s.schedule, s.groups.coords["pp"], dict(enumerate(s.chunks)), tokens, labels,
+                                 activation_shape=s.activation_shape, pp_group=s.groups.pp, p2p=s.p2p,
+                                 loss_fn=loss_fn)
+
+
+def _token_loss_fn(s: TrainingSetup, stats: list):
+    """The mean token loss of a micro-batch; its (sum, count) appended to ``stats`` (evaluation's loss)."""
+    def loss_fn(logits, labels):
+        total, count = gpt_loss(logits.float(), labels, s.groups.tp)
+        stats.append((total.detach().double(), count.double()))
+        return total / count
+    return loss_fn
+
+
+def _evaluate(args, setup: TrainingSetup, record: dict, evaluation: int, prefix: str) -> None:
+    """Megatron's evaluate_and_print_results with the trainer's own batches, loss and schedule."""
+    evaluate_and_print(setup, setup.valid_dataset, args.eval_iters, evaluation, prefix, record,
+                       rank_batches=_rank_batches, loss_fn_of=_token_loss_fn,
+                       run_schedule=_forward_backward, dp_kind=dp_kind(setup.config))
 
 
 def train_step(setup: TrainingSetup, iteration: int) -> dict:
@@ -210,7 +240,7 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
             on_last_forward()
         return total / count if s.scaler is None else s.scaler.scale_loss(total / count).squeeze()
 
-    tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device)
+    tokens, labels = _rank_batches(config, iteration - 1, c, s.seed, s.device, s.dataset)
     if s.moe_groups is not None:     # the aux losses' gradient: the factor each micro-batch's LM loss gets
         set_aux_loss_scale(s.chunks, (1.0 if s.scaler is None else s.scaler.value) / config.num_microbatches)
     with sync, _autocast(s.device, s.precision):
@@ -370,7 +400,7 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
     """Iterations ``start_iteration + 1 .. --train-iters`` of :func:`train_step`, each recorded; every
     ``--log-interval`` (and the first) the iteration line, the memory line at the first two logged
     iterations; the checkpoint saves and the exit that ``--save-interval`` / ``--exit-interval`` ask for."""
-    peak_activation, report_memory = 0, True
+    peak_activation, report_memory, evaluations = 0, True, 0
     dist.barrier()
     interval = LogInterval(time.perf_counter())
     for iteration in range(start_iteration + 1, args.train_iters + 1):
@@ -394,8 +424,14 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
             if report_memory:
                 _report_memory(setup, record, iteration, peak_activation, cuda)
                 report_memory = iteration == 1
+        if setup.valid_dataset is not None and iteration % args.eval_interval == 0:
+            _evaluate(args, setup, record, evaluations, f"iteration {iteration}")
+            evaluations += 1
         if checkpoint_and_decide_exit(args, setup, iteration):   # --save-interval, --exit-interval, the last save
             break
+    else:
+        if setup.valid_dataset is not None:          # Megatron's do_valid after training
+            _evaluate(args, setup, record, evaluations, f"iteration {args.train_iters} on validation set")
     record.setdefault("memory", {"allocated": _bytes(setup.params),
                                  "max_allocated": _bytes(setup.params) + peak_activation})
     record["peak_activation_bytes"] = peak_activation
@@ -496,6 +532,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     optimizer = _optimizer(args, named)
     global_batch_size = config.effective_global_batch_size
     scheduler = _scheduler(args, global_batch_size)
+    dataset = build_train_dataset(args, global_batch_size)
     lr = scheduler.get_lr()
     out = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "moe_losses": []}
     moe = bool(getattr(args, "num_experts", None))
@@ -506,7 +543,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
         for iteration in range(args.train_iters):
             for p in params:
                 p.grad = None
-            batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed)
+            batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed, dataset=dataset)
             loss = 0.0
             for tokens, labels in zip(batch["tokens"].split(micro), batch["labels"].split(micro)):
                 with _autocast(torch.device("cpu"), _precision(args)):

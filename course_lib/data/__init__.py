@@ -11,6 +11,16 @@ context-parallel split.
   micro_batch_size, seq_length, seed)``, ``get_global_batch``.
 * ``cp_split``   -- ``get_batch_on_this_cp_rank(batch, cp_rank, cp_size)`` (from
   ``course_lib.context_parallel.zigzag``) and helpers.
+
+Day 22's set-up as Megatron-LM does it (imported from their modules, not here):
+
+* ``bpe``         -- a byte-level BPE in GPT-2's scheme, trained on the corpus, GPT-2's vocab.json + merges.txt.
+* ``indexed``     -- Megatron's indexed dataset (``.bin``/``.idx``): write, read.
+* ``preprocess``  -- ``python -m course_lib preprocess`` (``tools/preprocess_data.py``'s flags);
+  ``train_tokenizer`` -- ``python -m course_lib tokenizer``.
+* ``gpt_dataset`` -- megatron-core ``GPTDataset``'s document, sample and shuffle indices.
+* ``blend``       -- ``--data-path`` blends and ``--split`` (``BlendedMegatronDatasetBuilder``).
+* ``source``      -- the trainer's data flags and the dataset they build.
 """
 
 from course_lib.data.corpus import corpus_text, export_jsonl, load_documents

@@ -420,7 +420,10 @@ def preprocess_command(run: MegatronRun | None = None, workers: int = 1) -> str:
 
 
 def setup_commands(run: MegatronRun | None = None) -> str:
-    """The seed's setup: clone, install, corpus (ours, exported as JSON lines), tokenizer files, preprocess."""
+    """The seed's setup, with files the course makes (nothing downloaded but Megatron-LM itself): the
+    corpus as JSON lines, the course's GPT-2-format BPE files (:mod:`course_lib.data.train_tokenizer`),
+    then ``tools/preprocess_data.py`` -- or the course's ``preprocess``, which writes the same bytes.
+    ``tests/data/test_setup_commands.py`` runs the course's lines and checks the files."""
     run = run or MegatronRun()
     d, q = run.data_dir, shlex.quote
     return "\n".join([
@@ -433,13 +436,22 @@ def setup_commands(run: MegatronRun | None = None) -> str:
         f"mkdir -p {q(d)}",
         f"python -m course_lib megatron-cmd --export-corpus {q(f'{d}/corpus.jsonl')}",
         "",
-        "# 3. GPT-2 BPE tokenizer files",
-        f"wget -O {q(f'{d}/gpt2-vocab.json')} {GPT2_VOCAB_URL}",
-        f"wget -O {q(f'{d}/gpt2-merges.txt')} {GPT2_MERGES_URL}",
+        "# 3. GPT-2-format BPE files: the course's byte-level BPE trained on the corpus",
+        f"#    (GPT-2's own 50257 tokens instead: wget -O {q(f'{d}/gpt2-vocab.json')} {GPT2_VOCAB_URL}",
+        f"#    and wget -O {q(f'{d}/gpt2-merges.txt')} {GPT2_MERGES_URL})",
+        course_tokenizer_command(run),
         "",
         f"# 4. indexed dataset: writes {q(run.data_prefix)}.bin/.idx",
+        f"#    (the same bytes without Megatron-LM: python -m course_lib preprocess with these flags)",
         preprocess_command(run),
     ])
+
+
+def course_tokenizer_command(run: MegatronRun | None = None) -> str:
+    """``python -m course_lib tokenizer``: the ``--vocab-file``/``--merge-file`` that the commands read."""
+    run = run or MegatronRun()
+    return _render("python -m course_lib tokenizer", [("--vocab-file", f"{run.data_dir}/gpt2-vocab.json"),
+                                                      ("--merge-file", f"{run.data_dir}/gpt2-merges.txt")])
 
 
 def run_tiny_gpt_script(run: MegatronRun | None = None, *, seq_length: int = DEFAULT_SEQ_LENGTH,

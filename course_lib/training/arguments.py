@@ -27,7 +27,9 @@ import os
 from typing import Optional, Sequence
 
 from course_lib import rules, sizing
-from course_lib.data import ByteTokenizer, corpus_tokens
+from course_lib.data import corpus_tokens
+from course_lib.data.source import add_data_arguments, check_data_args
+from course_lib.data.source import vocab_size as data_vocab_size
 from course_lib.model import GPTConfig
 from course_lib.moe.pattern import parse_moe_layer_freq
 from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
@@ -117,6 +119,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default: nccl with one GPU per rank, else gloo")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    add_data_arguments(parser)    # --data-path, --split, --tokenizer-type, --vocab-file, --merge-file
     g = parser.add_argument_group("mixed precision (Megatron's _add_mixed_precision_args; course_lib.mixed_precision)")
     g.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 main params and grads")
     g.add_argument("--fp16", action="store_true", help="fp16 compute with loss scaling, fp32 main params")
@@ -300,6 +303,11 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     a.virtual_pipeline_model_parallel_size = cfg.virtual_pipeline_model_parallel_size
     a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
 
+    check_data_args(a)                                          # --data-path's files and tokenizer
+    if getattr(a, "eval_interval", None) and (uses_sharding_engine(a) or getattr(a, "deepspeed_config", None)
+                                              or getattr(a, "num_experts", None)):
+        raise rules.UsageError("--eval-interval runs on the plain trainer only (not with the sharding flags, DeepSpeed or "
+                               "--num-experts); drop it or them")
     gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
     a.max_position_embeddings = gpt.max_position_embeddings
     a.ffn_hidden_size = gpt.ffn_hidden_size
@@ -313,7 +321,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
         raise rules.UsageError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
                                f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
-    rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
+    if getattr(a, "data_path", None) is None:                              # --data-path: its split says (data.gpt_dataset)
+        rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
     _check_sharding(a, cfg)
     _check_checkpointing(a)
     if check_memory:
@@ -486,10 +495,11 @@ def vocab_padding_tp(args: argparse.Namespace) -> int:
 
 
 def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
-    """The :class:`~course_lib.model.GPTConfig` of a run (byte vocabulary, 257 tokens)."""
+    """The :class:`~course_lib.model.GPTConfig` of a run (the tokenizer's vocabulary: 257 byte tokens
+    without ``--tokenizer-type``)."""
     return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                     vocab_size=ByteTokenizer.vocab_size,
+                     vocab_size=data_vocab_size(args),
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                      vocab_padding_tp=vocab_padding_tp(args),
                      max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
@@ -509,6 +519,8 @@ def args_to_argv(args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
+        elif isinstance(value, (list, tuple)):          # nargs="+": --data-path 0.7 A 0.3 B
+            argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]
     return argv

@@ -119,6 +119,10 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "reduce_buckets": ("course_lib.distributed.buffer:size_buckets",),
     "fitting_config": ("course_lib.deepspeed.config:translate", "course_lib.deepspeed.memory:deepspeed_estimate"),
     "my_answers_10": (),
+    # Lab 11
+    "build_sample_index": ("course_lib.data.gpt_dataset:build_sample_index", "course_lib.data.gpt_dataset:MegatronGPTDataset",
+                           "course_lib.data.blend:build_datasets"),
+    "my_answers_11": (),
 }
 """exercise (the name of the function the student writes) -> ``"module:qualname"`` of the course code
 that computes its answer."""

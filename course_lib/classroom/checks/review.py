@@ -1,4 +1,4 @@
-"""The student's answers to a lab's review questions (Labs 07 and 08): checked where a number is asked.
+"""The student's answers to a lab's review questions (Labs 07, 08 and 11): checked where a number is asked.
 
 A lab's review questions are the student's to answer, as Lab 05's conclusions are
 (:mod:`course_lib.classroom.checks.conclusions`): the student writes ``my_answers()``, returning a
@@ -93,6 +93,19 @@ QUESTIONS = {
             "an expert's copies live on the ranks that hold the *same* experts: which group is that?"),
         "top2_over_top1_traffic": Number(
             2.0, "each rank sends each of its T·k (token, expert) rows once: T·k·H elements, ≈ (ep−1)/ep of them off the rank"),
+    },
+    "11": {
+        "samples_in_one_epoch": Number(
+            4, "a sample is seq_length + 1 tokens and neighbours share one: N = (tokens_per_epoch - 1) // seq_length",
+            rel=0.0),
+        "epochs_for_100_samples": Number(
+            25, "GPTDataset takes the fewest epochs whose tokens cover num_samples * seq_length + 1", rel=0.0),
+        "split_cuts": Choice(
+            "documents", {"documents": ("document", "docs", "doc"), "samples": ("sample", "sequences", "tokens")},
+            "look at split_indices: what does --split 90,9,1 count before any sample exists?"),
+        "why_append_eod": Prose(
+            (("document",), ("span", "across", "cross", "next", "boundary", "border", "edge", "continue")),
+            "samples run over document edges: what tells the model that one document ended and another began?"),
     },
 }
 """lab -> question key -> what answers it. The questions themselves are in the lab's markdown."""

@@ -1,0 +1,101 @@
+"""Checker for Lab 11 (Day 22's set-up): the sample index built by hand.
+
+``check_sample_index(fn)``: ``fn(sizes, document_index, seq_length, num_epochs, tokens_per_epoch)``
+returns the ``[N + 1, 2]`` rows ``(position in document_index, offset)`` where each sample starts, as
+megatron-core's ``helpers.build_sample_idx`` (``megatron/core/datasets/helpers.cpp``). The checker
+draws random document sizes, epochs and sequence lengths (sizes of 1 token, samples longer than a
+document, several epochs) and compares every row with megatron-core's own compiled helper (the
+course's :func:`course_lib.data.gpt_dataset.build_sample_index` where megatron-core is not installed).
+A wrong row is explained by the mistake it shows: no shared token between neighbours, a sample
+that never crosses into the next document, the wrong number of rows. Never raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from course_lib.classroom.checks import call_student, not_attempted, outcome, refused_call
+from course_lib.classroom.checks.exercise import exercise
+from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.verdicts import safe_repr
+
+CASES = 40
+
+
+def _reference():
+    """megatron-core's compiled helper, else the course's (the same rows: tests/data/test_megatron_data.py)."""
+    try:
+        from megatron.core.datasets.helpers import build_sample_idx
+    except ImportError:
+        from course_lib.data.gpt_dataset import build_sample_index
+
+        return build_sample_index, "the course's build_sample_index (megatron-core is not installed)"
+    return (lambda *a: build_sample_idx(*a, True, True)), "megatron-core's helpers.build_sample_idx"
+
+
+def _cases(seed: int):
+    rng = np.random.default_rng(seed)
+    out = [(np.array([10, 7, 16], np.int32), np.array([0, 1, 2], np.int32), 8, 1, 33)]   # the lab's picture
+    while len(out) < CASES:
+        sizes = rng.integers(1, 30, size=int(rng.integers(1, 10))).astype(np.int32)
+        epochs = int(rng.integers(1, 4))
+        doc_index = np.tile(np.arange(len(sizes), dtype=np.int32), epochs)
+        rng.shuffle(doc_index)
+        tokens = int(sizes.sum())
+        if epochs * tokens < 4:
+            continue
+        seq = int(rng.integers(2, max(3, min(epochs * tokens - 1, 40))))
+        out.append((sizes, doc_index, seq, epochs, tokens))
+    return out
+
+
+def _mistake(got: np.ndarray, want: np.ndarray, bad: int, sizes, doc_index) -> str:
+    """The likeliest mistake behind the first wrong row ``bad``."""
+    if len(got) != len(want):
+        return (f"{len(got)} rows, not {len(want)}: N = (num_epochs * tokens_per_epoch - 1) // seq_length samples, "
+                f"plus one row for where the last one ends")
+    (pos, off), (want_pos, want_off) = got[bad], want[bad]
+    if pos == want_pos and off == want_off + 1:
+        return ("one token too far: a sample is seq_length + 1 tokens and the next one starts on its last token "
+                "(neighbours share it: tokens[1:] are the labels)")
+    if 0 <= pos < len(doc_index) and off >= int(sizes[doc_index[pos]]):
+        return (f"offset {off} is past the end of that document ({int(sizes[doc_index[pos]])} tokens): when a sample "
+                f"needs more tokens than its document has left, go on in the next one at offset 0")
+    return ("walk document_index with a budget of seq_length + 1 tokens per sample, starting each sample on the "
+            "last token of the one before")
+
+
+@exercise("build_sample_index")
+def check_sample_index(fn, seed: int | None = None) -> bool:
+    """``fn(sizes, document_index, seq_length, num_epochs, tokens_per_epoch) -> [N + 1, 2]`` array."""
+    reference, source = _reference()
+    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    for sizes, doc_index, seq, epochs, tokens in _cases(seed):
+        args = (sizes.copy(), doc_index.copy(), seq, epochs, tokens)
+        got, message = call_student(fn, *args, references=references_for("build_sample_index"))
+        if message == "todo":
+            return not_attempted("build_sample_index")
+        if refused_call(message):
+            return False
+        want = np.asarray(reference(sizes, doc_index, seq, epochs, tokens))
+        case = (f"sizes={sizes.tolist()}, document_index={doc_index.tolist()}, seq_length={seq}, "
+                f"num_epochs={epochs}, tokens_per_epoch={tokens}")
+        if message:
+            print(f"✗ build_sample_index({case}) {outcome(got, message)}")
+            return False
+        try:
+            arr = np.asarray(got, dtype=np.int64).reshape(-1, 2)
+        except (TypeError, ValueError):
+            print(f"✗ build_sample_index({case}) returned {safe_repr(got)}: return an [N + 1, 2] array of "
+                  f"(position, offset) rows")
+            return False
+        if arr.shape != want.shape or not np.array_equal(arr, want):
+            rows = min(len(arr), len(want))
+            bad = next((j for j in range(rows) if not np.array_equal(arr[j], want[j])), rows)
+            print(f"✗ build_sample_index({case}): row {bad} is {arr[bad].tolist() if bad < len(arr) else 'missing'}, "
+                  f"{source} gives {want[bad].tolist() if bad < len(want) else 'no such row'}\n"
+                  f"  hint: {_mistake(arr, want, bad, sizes, doc_index)}")
+            return False
+    print(f"✓ build_sample_index: {CASES} random datasets (document sizes, epochs, seq_length) give "
+          f"every row of {source}")
+    return True

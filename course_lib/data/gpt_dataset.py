@@ -1,0 +1,160 @@
+"""Samples from an indexed dataset the way megatron-core's ``GPTDataset`` draws them
+(``megatron/core/datasets/gpt_dataset.py`` and ``helpers.cpp``, megatron-core 0.16.1).
+
+Three indices, built once per split from the documents ``indices`` of that split:
+
+* **document index** ``[E * D]`` int32: the split's documents repeated for ``E`` epochs and shuffled
+  together with ``numpy.random.RandomState(seed)`` (:func:`build_document_index`). ``E`` is the
+  fewest epochs whose tokens cover ``num_samples * seq_length + 1``. When the last epoch would give
+  fewer than 80 % of an epoch's samples it is shuffled on its own ("separate final epoch"), so the
+  few samples drawn from it are not all from the first documents of a joint shuffle.
+* **sample index** ``[N + 1, 2]``: where sample ``j`` starts -- a position in the document index and
+  a token offset in that document (:func:`build_sample_index`, ``helpers.cpp``'s ``build_sample_idx``).
+  Samples run across document edges; sample ``j`` is the ``seq_length + 1`` tokens from its start, so
+  neighbours share one token (the last label of ``j`` is the first token of ``j + 1``).
+  ``N = (E * tokens_per_epoch - 1) // seq_length``.
+* **shuffle index** ``[N]`` uint32: a permutation of the samples, drawn from the same random state
+  after the document index (:func:`build_shuffle_index`); with a separate final epoch the samples of
+  the earlier epochs and those of the last one are shuffled apart.
+
+``MegatronGPTDataset[i]`` is sample ``shuffle_index[i]``: ``seq_length + 1`` token ids.
+``tests/data/test_gpt_dataset.py`` compares every index and every sample with megatron-core's own
+``GPTDataset`` built on the same files, split and seed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from course_lib import rules
+from course_lib.rules import UsageError
+
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80   # gpt_dataset.py: `threshold = 0.80`
+
+
+def num_epochs_for(num_samples: int | None, tokens_per_epoch: int, seq_length: int) -> int:
+    """``GPTDataset._get_num_epochs``: the fewest epochs with ``num_samples * seq_length + 1`` tokens
+    (one epoch when ``num_samples`` is None)."""
+    if num_samples is None:
+        return 1
+    need = num_samples * seq_length + 1
+    return max(1, -(-need // tokens_per_epoch))
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                         separate_final_epoch: bool) -> np.ndarray:
+    """``_build_document_index``: ``documents`` repeated ``num_epochs`` times, shuffled in place by
+    ``rng`` (all epochs at once, or the last one apart). int32 ``[num_epochs * len(documents)]``."""
+    if not separate_final_epoch or num_epochs == 1:
+        index = np.tile(np.asarray(documents, dtype=np.int32), num_epochs)
+        rng.shuffle(index)
+        return index
+    first = build_document_index(documents, num_epochs - 1, rng, False)
+    return np.concatenate((first, build_document_index(documents, 1, rng, False)))
+
+
+def build_sample_index(sizes, document_index, seq_length: int, num_epochs: int, tokens_per_epoch: int) -> np.ndarray:
+    """``helpers.cpp``'s ``build_sample_idx`` (drop the last partial sample, one extra token):
+    row ``j`` of the int32 ``[N + 1, 2]`` result is ``(position in document_index, offset)`` where
+    sample ``j`` starts; row ``N`` is where the last sample ends (its ``seq_length + 1``-th token).
+
+    Walk the documents in ``document_index`` order with a budget of ``seq_length + 1`` tokens per
+    sample; a sample that ends inside a document starts the next sample at its own last token."""
+    num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    out = np.zeros((num_samples + 1, 2), dtype=np.int32)
+    position, offset = 0, 0
+    for j in range(1, num_samples + 1):
+        remaining = seq_length + 1
+        while remaining:
+            length = int(sizes[document_index[position]]) - offset
+            remaining -= length
+            if remaining <= 0:                      # the sample ends inside this document
+                offset += remaining + length - 1    # ... and the next one starts on its last token
+                remaining = 0
+            elif position == len(document_index) - 1:
+                offset = int(sizes[document_index[position]]) - 1
+                break
+            else:
+                position, offset = position + 1, 0
+        out[j] = position, offset
+    return out
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """``_build_shuffle_index``: ``[0, num_samples)`` shuffled, then ``[num_samples, total_size)``
+    shuffled apart (a separate final epoch). uint32."""
+    first = np.arange(num_samples, dtype=np.uint32)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=np.uint32)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+class MegatronGPTDataset:
+    """One split of one indexed dataset, sampled as megatron-core's ``GPTDataset``.
+
+    Args:
+        indexed: a :class:`course_lib.data.indexed.IndexedDataset` (or anything with
+            ``sequence_lengths`` and ``get(i, offset, length)``).
+        indices: the split's document (sequence) ids, int32, contiguous as ``--split`` cuts them.
+        num_samples: samples the run will draw (Megatron: ``train_iters * global_batch_size`` for
+            train); None: one epoch.
+        seq_length: ``--seq-length``; seed: ``--seed``; eod: the tokenizer's eod id (``--eod-mask-loss``).
+        name: the split's name, for messages.
+    """
+
+    def __init__(self, indexed, indices, num_samples: int | None, seq_length: int, seed: int, eod: int,
+                 name: str = "train"):
+        self.indexed, self.name = indexed, name
+        self.indices = np.asarray(indices, dtype=np.int32)
+        self.seq_length = rules.integer("seq_length", seq_length)
+        self.seed = rules.integer("seed", seed, minimum=0)
+        self.eod = eod
+        self.num_samples = num_samples
+        sizes = np.asarray(indexed.sequence_lengths, dtype=np.int32)
+        tokens_per_epoch = int(sizes[self.indices].astype(np.int64).sum())
+        if tokens_per_epoch <= self.seq_length:
+            raise UsageError(f"the {name} split has {len(self.indices)} documents, {tokens_per_epoch} tokens: "
+                             f"not one sample of seq_length {self.seq_length} + 1; give it more of the data with "
+                             f"--split (e.g. 90,8,2) or a shorter --seq-length")
+        epochs = num_epochs_for(num_samples, tokens_per_epoch, self.seq_length)
+        per_epoch = (tokens_per_epoch - 1) // self.seq_length
+        separate = False
+        if epochs > 1:
+            before_last = ((epochs - 1) * tokens_per_epoch - 1) // self.seq_length
+            separate = num_samples - before_last < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+        rng = np.random.RandomState(self.seed)
+        self.num_epochs = epochs
+        self.document_index = build_document_index(self.indices, epochs, rng, separate)
+        self.sample_index = build_sample_index(sizes, self.document_index, self.seq_length, epochs, tokens_per_epoch)
+        total = len(self.sample_index) - 1
+        self.shuffle_index = build_shuffle_index(before_last if separate else total, total, rng)
+
+    def __len__(self) -> int:
+        return len(self.sample_index) - 1
+
+    def __getitem__(self, idx: int) -> np.ndarray:
+        """The ``seq_length + 1`` token ids of sample ``shuffle_index[idx]`` (int64)."""
+        j = int(self.shuffle_index[idx])
+        (doc_beg, off_beg), (doc_end, off_end) = self.sample_index[j], self.sample_index[j + 1]
+        parts = []
+        for pos in range(doc_beg, doc_end + 1):
+            offset = int(off_beg) if pos == doc_beg else 0
+            length = None if pos < doc_end else int(off_end) + 1 - offset
+            parts.append(self.indexed.get(int(self.document_index[pos]), offset=offset, length=length))
+        return np.concatenate(parts).astype(np.int64)
+
+    def batch(self, indices, eod_mask_loss: bool = False) -> dict:
+        """Samples ``indices`` as Megatron's batch dict: ``tokens``/``labels`` int64 ``[b, s]``,
+        ``loss_mask`` float32 (zeros at eod with ``eod_mask_loss``), ``position_ids`` ``0..s-1``."""
+        windows = np.stack([self[i] for i in indices])                        # [b, s+1]
+        tokens = torch.from_numpy(windows[:, :-1].copy())
+        labels = torch.from_numpy(windows[:, 1:].copy())
+        loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+        if eod_mask_loss:
+            loss_mask[tokens == self.eod] = 0.0
+        position_ids = torch.arange(self.seq_length, dtype=torch.int64).expand_as(tokens).contiguous()
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}

@@ -1,0 +1,110 @@
+"""The trainer's data flags (Megatron's ``_add_data_args`` / ``_add_tokenizer_args``) and what they build.
+
+``--data-path PREFIX`` (or a blend ``0.7 A 0.3 B``) ``--split 969,30,1 --tokenizer-type
+GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt --seed``: the trainer draws its
+samples with :func:`course_lib.data.blend.build_datasets` (megatron-core's ``GPTDataset`` order),
+in Megatron's batch order (:func:`course_lib.data.microbatch_sample_indices`: iteration ``it`` takes
+samples ``[it * G, (it + 1) * G)``), and the model's vocabulary is the tokenizer's.
+
+Without ``--data-path`` the trainer reads the built-in corpus through the byte tokenizer
+(:mod:`course_lib.data.sampler`), as before: the labs' printed losses stay the same.
+"""
+
+from __future__ import annotations
+
+from course_lib.data.tokenizer import ByteTokenizer
+from course_lib.rules import UsageError
+
+TOKENIZER_TYPES = ("GPT2BPETokenizer",)
+DEFAULT_SPLIT = "969,30,1"   # Megatron's --split default
+
+
+def add_data_arguments(parser) -> None:
+    g = parser.add_argument_group("data and tokenizer (Megatron's _add_data_args; course_lib.data)")
+    g.add_argument("--data-path", nargs="+", default=None,
+                   help="PREFIX of PREFIX.bin/.idx (python -m course_lib preprocess), or a blend '0.7 A 0.3 B'; "
+                        "default: the built-in corpus, byte tokens")
+    g.add_argument("--split", default=DEFAULT_SPLIT, help="train,valid,test shares of each prefix's documents")
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    g.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json (python -m course_lib tokenizer)")
+    g.add_argument("--merge-file", default=None, help="GPT-2's merges.txt")
+    g.add_argument("--data-cache-path", default=None,
+                   help="accepted for Megatron's command line; the course builds its indices in memory")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="validation loss every N iterations and after the last (needs --data-path; Megatron's "
+                        "default 1000, the course's: no evaluation)")
+    g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (Megatron's default 100)")
+
+
+def load_tokenizer(args):
+    """The run's tokenizer: GPT-2 BPE from ``--vocab-file``/``--merge-file``, else the byte tokenizer."""
+    if getattr(args, "tokenizer_type", None) is None:
+        return ByteTokenizer()
+    from course_lib.data.bpe import BPETokenizer
+
+    return BPETokenizer.from_files(args.vocab_file, args.merge_file)
+
+
+def check_data_args(args) -> None:
+    """One line for data flags that do not go together; opens every ``--data-path`` prefix and builds
+    the splits the run reads (milliseconds for the course's data), so a bad one fails before any rank starts.
+    ``args.global_batch_size`` must be derived already (``validate_args`` does)."""
+    data_path = getattr(args, "data_path", None)
+    tokenizer_type = getattr(args, "tokenizer_type", None)
+    if getattr(args, "eval_interval", None) is not None:
+        if isinstance(args.eval_interval, bool) or args.eval_interval < 1 or args.eval_iters < 1:
+            raise UsageError(f"--eval-interval {args.eval_interval} --eval-iters {args.eval_iters}: both must be "
+                             f"positive integers")
+        if data_path is None:
+            raise UsageError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
+                             "built-in corpus has none)")
+    if tokenizer_type is None and (getattr(args, "vocab_file", None) or getattr(args, "merge_file", None)):
+        raise UsageError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer")
+    if data_path is None:
+        if tokenizer_type is not None:
+            raise UsageError("--tokenizer-type without --data-path: the built-in corpus is byte tokens; give "
+                             "--data-path PREFIX (python -m course_lib preprocess makes one)")
+        return
+    if tokenizer_type is None:
+        raise UsageError("--data-path needs the tokenizer that made it: --tokenizer-type GPT2BPETokenizer "
+                         "--vocab-file vocab.json --merge-file merges.txt")
+    from course_lib.data.blend import parse_blend, parse_split
+    from course_lib.data.indexed import IndexedDataset
+
+    if getattr(args, "deepspeed_config", None):
+        raise UsageError("--data-path with --deepspeed-config: the DeepSpeed path reads the built-in corpus only; "
+                         "drop one of them")
+    load_tokenizer(args)
+    parse_split(args.split)
+    for prefix in parse_blend(data_path)[0]:
+        IndexedDataset(prefix)
+    build_train_dataset(args, args.global_batch_size)     # a split too small for one sample: one line, here
+    build_valid_dataset(args, args.global_batch_size)
+
+
+def vocab_size(args) -> int:
+    """The unpadded vocabulary of the run (the tokenizer's)."""
+    return load_tokenizer(args).vocab_size
+
+
+def build_valid_dataset(args, global_batch_size: int):
+    """The valid split for every evaluation of the run (:func:`course_lib.data.blend.num_samples_per_split`),
+    or None without ``--eval-interval``."""
+    if getattr(args, "eval_interval", None) is None:
+        return None
+    from course_lib.data.blend import build_datasets, num_samples_per_split
+
+    sizes = num_samples_per_split(args.train_iters, global_batch_size, args.eval_interval, args.eval_iters)
+    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
+                          load_tokenizer(args).eod, wanted=("valid",))[1]
+
+
+def build_train_dataset(args, global_batch_size: int):
+    """The train split for ``--train-iters * global_batch_size`` samples, or None (built-in corpus)."""
+    if getattr(args, "data_path", None) is None:
+        return None
+    from course_lib.data.blend import build_datasets
+
+    sizes = [args.train_iters * global_batch_size, 0, 0]
+    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
+                          load_tokenizer(args).eod, wanted=("train",))[0]

@@ -1,0 +1,52 @@
+"""Lab 11's checker: the right sample index passes; the usual mistakes fail with the hint that names them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from course_lib.classroom.checks.data_pipeline import check_sample_index
+
+
+def _index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch, share=True, cross=True):
+    """A hand-written sample index with two switchable mistakes (not the course's function: the checker
+    refuses that one)."""
+    rows, position, offset = [(0, 0)], 0, 0
+    for _ in range((num_epochs * tokens_per_epoch - 1) // seq_length):
+        budget = seq_length + 1
+        while True:
+            left = int(sizes[document_index[position]]) - offset
+            if left >= budget or not cross:
+                offset += budget - (1 if share else 0)
+                break
+            budget -= left
+            if position == len(document_index) - 1:
+                offset = int(sizes[document_index[position]]) - 1
+                break
+            position, offset = position + 1, 0
+        rows.append((position, offset))
+    return np.array(rows)
+
+
+def test_right_answer_passes(capsys):
+    pytest.importorskip("megatron.core.datasets.helpers")
+    assert check_sample_index(_index, seed=3)
+    assert "megatron-core's helpers.build_sample_idx" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    (dict(share=False), "neighbours share it"),
+    (dict(cross=False), "go on in the next one"),
+])
+def test_mistakes_are_named(mistake, hint, capsys):
+    assert not check_sample_index(lambda *a: _index(*a, **mistake), seed=3)
+    out = capsys.readouterr().out
+    assert out.startswith("✗ build_sample_index(sizes=[10, 7, 16]") and hint in out, out
+
+
+def test_stub_is_not_attempted(capsys):
+    def stub(*args):
+        raise NotImplementedError
+
+    assert not check_sample_index(stub)
+    assert "not attempted yet" in capsys.readouterr().out
