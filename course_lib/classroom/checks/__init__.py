@@ -61,6 +61,11 @@ cells. The robust comparisons and the communication checks are in
 :mod:`course_lib.classroom.checks.wire`.
 """
 
+from course_lib.classroom.checks.judge import warm_up as _warm_up
+
+_warm_up()  # in a notebook: the judge starts importing while the student reads the first cells
+
+
 
 def try_student(fn, *args, references=()):
     """``(value, None)``, or ``(None, exception)`` when ``fn`` raised, patched the library (a
