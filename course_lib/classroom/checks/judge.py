@@ -4,7 +4,7 @@ A checker cell in the notebook (the kernel) does not run the checker. :func:`ask
 checker's name and its arguments as plain data (:mod:`~course_lib.classroom.checks.plain`); the
 student's function travels as its source and the notebook names it uses
 (:mod:`~course_lib.classroom.checks.student_code`). The judge is started once per kernel, clean
-(``python -m course_lib.classroom.checks.judge``: a fresh interpreter, not a fork of the kernel, so
+(``python -I -c 'from ...judge import serve; serve(fd)'``: a fresh interpreter, not a fork of the kernel, so
 nothing the kernel patched is there), with torch and every checker module imported. For each check it
 forks a *check process* that runs the checker as written; there the student's function is a
 :class:`StudentFunction`, which runs the student's code only in a *worker*:
@@ -42,6 +42,8 @@ import time
 import traceback
 
 from course_lib.classroom.checks import plain
+from course_lib.classroom.checks.refusals import prepare
+from course_lib.classroom.checks.student_code import rebuild, resolve
 
 CALL_TIMEOUT = 120.0
 """Seconds a worker may take for one call of the student's function."""
@@ -69,10 +71,9 @@ class StudentFunction:
         self.refused: list[str] = []
         self._local = None
         self._kept = None
-        from course_lib.classroom.checks.refusals import prepare
-
         self.refusals = prepare(exercise)  # here, before the checker runs (and watches what runs in a call)
         self.refusals.prepare_files()
+        self._start_kept_worker()
 
     def __repr__(self) -> str:
         return f"<your function {self.__name__}>"
@@ -86,8 +87,6 @@ class StudentFunction:
         return self._in_worker(refusals, args, kwargs)
 
     def _on_rank(self, refusals, args, kwargs):
-        from course_lib.classroom.checks.student_code import rebuild
-
         try:
             with refusals.around():
                 if self._local is None:
@@ -102,21 +101,26 @@ class StudentFunction:
             return self._in_kept_worker(encoded, args)
         return self._in_forked_worker(refusals, args, kwargs)
 
+    def _start_kept_worker(self) -> None:
+        """Fork the kept worker now, before the checker runs: no frame of the checker (its truth, its cases) is
+        on the stack the worker inherits."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from_judge, to_worker = os.pipe()
+        from_worker, to_judge = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(to_worker)
+            os.close(from_worker)
+            _kept_worker(self.captured, self.refusals, from_judge, to_judge)
+        os.close(from_judge)
+        os.close(to_judge)
+        self._kept = (pid, os.fdopen(to_worker, "w", encoding="utf-8"), from_worker)
+
     def _in_kept_worker(self, encoded, args):
-        """One call in the check's kept worker (forked at the first call whose arguments are plain data)."""
+        """One call in the check's kept worker (its arguments sent as plain data)."""
         if self._kept is None:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            from_judge, to_worker = os.pipe()
-            from_worker, to_judge = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(to_worker)
-                os.close(from_worker)
-                _kept_worker(self.captured, self.refusals, from_judge, to_judge)
-            os.close(from_judge)
-            os.close(to_judge)
-            self._kept = (pid, os.fdopen(to_worker, "w", encoding="utf-8"), from_worker)
+            raise RuntimeError("your function ended its process (os._exit, a crash or a signal) in an earlier call")
         pid, requests, replies = self._kept
         try:
             requests.write(json.dumps(encoded) + "\n")
@@ -176,8 +180,6 @@ def _travels(encoded) -> bool:
 
 def _one_call(fn_or_captured, refusals, args, kwargs) -> tuple:
     """Call the student's function (rebuilt first when given its description); the reply as bytes."""
-    from course_lib.classroom.checks.student_code import rebuild
-
     fn = None
     out: dict = {}
     try:
@@ -316,8 +318,6 @@ def _decode_arg(data, exercise: str):
             return _Uncapturable(data["error"])
         captured = data["captured"]
         if "ref" in captured and captured["ref"].startswith("course_lib"):
-            from course_lib.classroom.checks.student_code import resolve
-
             return resolve(captured["ref"])  # the course's own function: the checker names it
         return StudentFunction(captured, exercise)
     return plain.decode(data)
@@ -336,8 +336,6 @@ class _Uncapturable:
 
 def _run_check(request: dict) -> dict:
     """In a check process: run the checker the request names, on its arguments; the verdict as JSON."""
-    from course_lib.classroom.checks.student_code import resolve
-
     checker = resolve(request["checker"])
     exercise = request["exercise"]
     args = [_decode_arg(a, exercise) for a in request["args"]]
@@ -415,7 +413,7 @@ class _Client:
         env["PYTHONUNBUFFERED"] = "1"
         env[_IN_JUDGE] = "1"
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "course_lib.classroom.checks.judge", str(write_end)],
+            [sys.executable, "-I", "-c", f"from course_lib.classroom.checks.judge import serve; serve({write_end})"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_end,),
             env=env, cwd=os.getcwd(), start_new_session=True)
         os.close(write_end)
@@ -528,8 +526,3 @@ def ask(checker, exercise: str, args: tuple, kwargs: dict, timeout: float = 1800
                "timeout": timeout}
     return _CLIENT.ask(request, timeout + 60)
 
-
-if __name__ == "__main__":  # run as a script: serve from the module the checkers import, not from __main__
-    from course_lib.classroom.checks import judge as _judge
-
-    _judge.serve(int(sys.argv[1]))

@@ -70,6 +70,28 @@ class _Finder:
         return None
 
 
+class _RefusedName:
+    """What a refused name is bound to while the student's code runs: calling it, or reading any attribute
+    (its ``__code__``, a method), raises :class:`Refused` and is recorded."""
+
+    def __init__(self, refusals: "Refusals", name: str):
+        object.__setattr__(self, "_r", (refusals, name))
+
+    def _refuse(self):
+        refusals, name = object.__getattribute__(self, "_r")
+        refusals.note(name)
+        return Refused(f"{REFUSED_MARK} {name}: {refusals.why(name)}")
+
+    def __call__(self, *_args, **_kwargs):
+        raise self._refuse()
+
+    def __getattr__(self, attr):
+        raise self._refuse()
+
+    def __repr__(self) -> str:
+        return f"<refused: {object.__getattribute__(self, '_r')[1]}>"
+
+
 class Refusals:
     """The refusals of one exercise (see the module docstring)."""
 
@@ -94,14 +116,7 @@ class Refusals:
             self.refused.append(name)
 
     def _stub(self, name: str):
-        refusals = self
-
-        def refused(*_args, **_kwargs):
-            refusals.note(name)
-            raise Refused(f"{REFUSED_MARK} {name}: {refusals.why(name)}")
-
-        refused.__name__ = refused.__qualname__ = name.rpartition(".")[2]
-        return refused
+        return _RefusedName(self, name)
 
     def _find_bindings(self, references) -> list:
         """``(owner, attribute, original, stand-in)`` for every name a reference or a refused library
@@ -157,7 +172,7 @@ class Refusals:
 
     # ------------------------------------------------------------------ applying them
     def _fence_files(self) -> None:
-        from course_lib.classroom.grading import landlock
+        import course_lib.classroom.grading.landlock as landlock
 
         if self._ruleset is None:
             self._ruleset = landlock.reading_denied_ruleset(self._files)
@@ -167,7 +182,7 @@ class Refusals:
 
     def prepare_files(self) -> None:
         """Build the Landlock ruleset now (in the judge), so each worker only applies it."""
-        from course_lib.classroom.grading import landlock
+        import course_lib.classroom.grading.landlock as landlock
 
         if self._ruleset is None:
             self._ruleset = landlock.reading_denied_ruleset(self._files)
@@ -207,7 +222,8 @@ class Refusals:
     def apply(self) -> None:
         """The refusals for good (a worker that runs nothing but the student's code)."""
         self.always = True
-        self.around().__enter__()
+        self._for_good = self.around()  # kept: a context manager collected as garbage would run its exit
+        self._for_good.__enter__()
 
 
 def prepare(exercise: str) -> Refusals:
