@@ -41,6 +41,8 @@ import sys
 import time
 import traceback
 
+import torch
+
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.refusals import prepare
 from course_lib.classroom.checks.student_code import rebuild, resolve
@@ -79,10 +81,8 @@ class StudentFunction:
         return f"<your function {self.__name__}>"
 
     def __call__(self, *args, **kwargs):
-        import torch.distributed as dist
-
         refusals = self.refusals
-        if dist.is_available() and dist.is_initialized():
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
             return self._on_rank(refusals, args, kwargs)
         return self._in_worker(refusals, args, kwargs)
 
@@ -144,7 +144,27 @@ class StudentFunction:
         _copy_back(args, plain.decode(out.get("args", [])))
         if "error" in out:
             raise _rebuilt_error(out["error"])
-        return plain.decode(out["value"])
+        value = plain.decode(out["value"])
+        if "graph" in out:  # a tensor with a gradient: backward asks the worker, where its graph lives
+            leaves = _tensor_leaves(args)
+            inputs = [leaves[i] for i in out["graph"]["inputs"]]
+            value = _RemoteGrad.apply(self, out["graph"]["id"], value.detach(), *inputs)
+        return value
+
+    def _remote_backward(self, graph: int, grad) -> list:
+        if self._kept is None:
+            raise RuntimeError("the worker that computed this value has ended")
+        pid, requests, replies = self._kept
+        requests.write(json.dumps({"backward": graph, "grad": plain.encode(grad)}) + "\n")
+        requests.flush()
+        line = _read_line(replies, pid, CALL_TIMEOUT)
+        if not line:
+            self._kept = None
+            raise RuntimeError("your function's backward did not finish")
+        out = json.loads(line)
+        if "error" in out:
+            raise _rebuilt_error(out["error"])
+        return plain.decode(out["grads"])
 
     def _in_forked_worker(self, refusals, args, kwargs):
         sys.stdout.flush()
@@ -167,6 +187,19 @@ class StudentFunction:
         return self._reply(out, args)
 
 
+class _RemoteGrad(torch.autograd.Function):
+    """The student's tensor in the check process; its backward runs in the worker that made it."""
+
+    @staticmethod
+    def forward(ctx, fn, graph, value, *inputs):
+        ctx.fn, ctx.graph = fn, graph
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, None, *ctx.fn._remote_backward(ctx.graph, grad))
+
+
 def _travels(encoded) -> bool:
     """True when nothing in ``encoded`` is an :class:`~course_lib.classroom.checks.plain.Opaque` stand-in."""
     if isinstance(encoded, list):
@@ -178,8 +211,10 @@ def _travels(encoded) -> bool:
     return True
 
 
-def _one_call(fn_or_captured, refusals, args, kwargs) -> tuple:
-    """Call the student's function (rebuilt first when given its description); the reply as bytes."""
+def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
+    """Call the student's function (rebuilt first when given its description); the reply as bytes. With
+    ``graphs`` (a dict), a returned tensor that has a gradient with respect to the arguments is kept there,
+    for :func:`_kept_worker` to run its backward."""
     fn = None
     out: dict = {}
     try:
@@ -187,7 +222,12 @@ def _one_call(fn_or_captured, refusals, args, kwargs) -> tuple:
             fn = rebuild(fn_or_captured) if isinstance(fn_or_captured, dict) else fn_or_captured
             value = fn(*args, **kwargs)
             out["value"] = plain.encode(value)
-            out["args"] = plain.encode(_tensor_leaves(args))
+            leaves = _tensor_leaves(args)
+            out["args"] = plain.encode([t.detach() for t in leaves])
+            inputs = [i for i, t in enumerate(leaves) if t.requires_grad]
+            if graphs is not None and inputs and getattr(value, "grad_fn", None) is not None:
+                graphs[len(graphs)] = (value, [leaves[i] for i in inputs])
+                out["graph"] = {"id": len(graphs) - 1, "inputs": inputs}
         except BaseException as exc:  # noqa: BLE001 - reported to the checker as the student's exception
             out = {"error": {"type": type(exc).__name__, "builtin": getattr(builtins, type(exc).__name__, None)
                              is type(exc), "message": str(exc)[:2000], "traceback": traceback.format_exc()[-4000:]}}
@@ -220,15 +260,32 @@ def _kept_worker(captured, refusals, read_fd: int, write_fd: int) -> None:
     """The check's kept worker: refusals once, then one call per request line (plain arguments); never returns."""
     try:
         refusals.apply()
-        fn = captured
+        fn, graphs = captured, {}
         with os.fdopen(read_fd, "r", encoding="utf-8") as requests:
             for line in requests:
-                args, kwargs = plain.decode(json.loads(line))
-                fn, data = _one_call(fn, refusals, args, kwargs)
-                fn = captured if fn is None else fn
+                request = json.loads(line)
+                if isinstance(request, dict) and "backward" in request:
+                    data = _backward(graphs, request)
+                else:
+                    args, kwargs = plain.decode(request)
+                    fn, data = _one_call(fn, refusals, args, kwargs, graphs)
+                    fn = captured if fn is None else fn
                 _write_all(write_fd, data + b"\n")
     finally:
         os._exit(0)
+
+
+def _backward(graphs: dict, request: dict) -> bytes:
+    """The gradients of a kept value with respect to the arguments that required them (None where unused)."""
+    try:
+        value, inputs = graphs[request["backward"]]
+        grads = torch.autograd.grad(value, inputs, plain.decode(request["grad"]), allow_unused=True,
+                                    retain_graph=True)
+        out = {"grads": plain.encode(list(grads))}
+    except BaseException as exc:  # noqa: BLE001 - the student's backward raised
+        out = {"error": {"type": type(exc).__name__, "builtin": getattr(builtins, type(exc).__name__, None)
+                         is type(exc), "message": str(exc)[:2000], "traceback": traceback.format_exc()[-4000:]}}
+    return json.dumps(out).encode("utf-8")
 
 
 def _read_line(fd: int, pid: int, timeout: float) -> bytes | None:
@@ -254,8 +311,6 @@ def _read_line(fd: int, pid: int, timeout: float) -> bytes | None:
 def _tensor_leaves(value, found=None) -> list:
     """The tensors in ``value`` (nested lists, tuples, dicts), in order: a worker sends them back, since
     an exercise may fill the tensors it was given."""
-    import torch
-
     found = [] if found is None else found
     if isinstance(value, torch.Tensor):
         found.append(value)
@@ -269,8 +324,6 @@ def _tensor_leaves(value, found=None) -> list:
 
 
 def _copy_back(args, returned: list) -> None:
-    import torch
-
     for mine, theirs in zip(_tensor_leaves(args), returned):
         if isinstance(theirs, torch.Tensor) and theirs.shape == mine.shape and theirs.dtype == mine.dtype:
             with torch.no_grad():
