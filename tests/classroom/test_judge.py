@@ -104,6 +104,53 @@ def test_a_cheat_fails_with_a_hint_that_names_it(what):
     assert named in verdict.hint, (what, verdict.hint)
 
 
+LIBRARY_CHEATS = {
+    "megatron-core's switch_load_balancing_loss_func": ("course_lib.classroom.checks.moe:check_aux_loss", '''
+import torch
+
+def aux_loss(scores, indices, num_experts, coeff):
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+    counts = torch.bincount(indices.flatten(), minlength=num_experts)
+    return switch_load_balancing_loss_func(scores, counts, indices.shape[0] * indices.shape[1], indices.shape[1],
+                                           coeff)
+''', "megatron"),
+    "torch's DCP planner helpers": ("course_lib.classroom.checks.checkpoints:check_read_plan", '''
+import torch.distributed.checkpoint as dcp
+
+def read_plan(saved, want):
+    helpers = dcp.planner_helpers
+    return helpers.create_read_items_for_chunk_list("w", want, saved)
+''', "torch.distributed.checkpoint.planner_helpers"),
+    "DeepSpeed's DeepSpeedZeroConfig": ("course_lib.classroom.checks.zero_stages:check_what_it_shards", '''
+def what_it_shards(config):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    zero = DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+    return {"sharded": set(), "offloaded": set()}
+''', "deepspeed"),
+    "setprofile(None), then the course's ring on the ranks": (
+        "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
+import sys
+from course_lib.collectives import ring_all_reduce
+
+def my_ring_all_reduce(x):
+    sys.setprofile(None)
+    return ring_all_reduce(x)
+''', "ring_all_reduce"),
+}
+
+
+@pytest.mark.parametrize("what", list(LIBRARY_CHEATS))
+def test_the_library_that_computes_the_answer_is_refused(what):
+    from course_lib.classroom.checks.student_code import resolve
+
+    checker, source, named = LIBRARY_CHEATS[what]
+    space = cell(source)
+    fn = [v for k, v in space.items() if callable(v) and getattr(v, "__module__", None) == "__main__"][-1]
+    verdict = resolve(checker)(fn)
+    assert not verdict.ok, what
+    assert named in verdict.hint and ("[refused]" in verdict.hint or "yourself" in verdict.hint), (what, verdict.hint)
+
+
 def test_patching_the_checker_in_the_kernel_changes_nothing(monkeypatch):
     from course_lib.classroom.checks import verdicts
 

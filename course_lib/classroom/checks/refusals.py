@@ -109,7 +109,7 @@ class Refusals:
     def why(self, name: str) -> str:
         if _matches(name, (_CHECKS,)):
             return "the checker's own code cannot run inside your function"
-        return f"{name} computes this exercise's answer: the exercise is to write it yourself"
+        return "it computes this exercise's answer: the exercise is to write it yourself"
 
     def note(self, name: str) -> None:
         if name not in self.refused:
@@ -203,8 +203,8 @@ class Refusals:
         try:
             for name in removed:
                 del sys.modules[name]
-            for parent, attr, _ in parents:
-                delattr(parent, attr)
+            for parent, attr, module in parents:  # ``torch.distributed.checkpoint.planner_helpers`` refuses too
+                setattr(parent, attr, self._stub(module.__name__))
             for owner, attr, _, stub in self._stubs:
                 setattr(owner, attr, stub)
             sys.meta_path.insert(0, finder)
