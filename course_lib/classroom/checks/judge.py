@@ -45,7 +45,7 @@ import torch
 
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.refusals import prepare
-from course_lib.classroom.checks.student_code import rebuild, resolve
+from course_lib.classroom.checks.student_code import rebuild, resolve, values_of
 
 CALL_TIMEOUT = 120.0
 """Seconds a worker may take for one call of the student's function."""
@@ -86,12 +86,39 @@ class StudentFunction:
             return self._on_rank(refusals, args, kwargs)
         return self._in_worker(refusals, args, kwargs)
 
+    def __getattr__(self, attr):
+        """An attribute of the student's class (``CopyToTensorParallelRegion.apply``), on a rank: the class is
+        rebuilt there, and a method runs with the refusals in place."""
+        if attr.startswith("__") or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise AttributeError(attr)
+        value = getattr(self._rebuilt(), attr)
+        if not callable(value):
+            return value
+
+        def method(*args, **kwargs):
+            try:
+                with self.refusals.around():
+                    return value(*args, **kwargs)
+            finally:
+                self.refused = list(self.refusals.refused)
+
+        return method
+
+    def _rebuilt(self):
+        if self._local is None:
+            values = values_of(self.captured)
+            try:
+                with self.refusals.around():
+                    self._local = rebuild(self.captured, values)
+            finally:
+                self.refused = list(self.refusals.refused)
+        return self._local
+
     def _on_rank(self, refusals, args, kwargs):
+        fn = self._rebuilt()
         try:
             with refusals.around():
-                if self._local is None:
-                    self._local = rebuild(self.captured)
-                return self._local(*args, **kwargs)
+                return fn(*args, **kwargs)
         finally:
             self.refused = list(refusals.refused)
 
@@ -211,6 +238,16 @@ def _travels(encoded) -> bool:
     return True
 
 
+class _Rebuild:
+    """The student's function still to be rebuilt (in the worker, after the refusals)."""
+
+    def __init__(self, captured: dict, values: dict):
+        self.captured, self.values = captured, values
+
+    def __call__(self):
+        return rebuild(self.captured, self.values)
+
+
 def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
     """Call the student's function (rebuilt first when given its description); the reply as bytes. With
     ``graphs`` (a dict), a returned tensor that has a gradient with respect to the arguments is kept there,
@@ -219,7 +256,7 @@ def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
     out: dict = {}
     try:
         try:
-            fn = rebuild(fn_or_captured) if isinstance(fn_or_captured, dict) else fn_or_captured
+            fn = fn_or_captured() if isinstance(fn_or_captured, _Rebuild) else fn_or_captured
             value = fn(*args, **kwargs)
             out["value"] = plain.encode(value)
             leaves = _tensor_leaves(args)
@@ -250,8 +287,9 @@ def _write_all(fd: int, data: bytes) -> None:
 def _worker(captured, refusals, args, kwargs, write_end) -> None:
     """A worker for one call: refusals, the function rebuilt, the call, the reply; never returns."""
     try:
+        values = values_of(captured)
         refusals.apply()
-        _write_all(write_end, _one_call(captured, refusals, args, kwargs)[1])
+        _write_all(write_end, _one_call(_Rebuild(captured, values), refusals, args, kwargs)[1])
     finally:
         os._exit(0)
 
@@ -259,8 +297,10 @@ def _worker(captured, refusals, args, kwargs, write_end) -> None:
 def _kept_worker(captured, refusals, read_fd: int, write_fd: int) -> None:
     """The check's kept worker: refusals once, then one call per request line (plain arguments); never returns."""
     try:
+        values = values_of(captured)
         refusals.apply()
-        fn, graphs = captured, {}
+        rebuilt = _Rebuild(captured, values)
+        fn, graphs = rebuilt, {}
         with os.fdopen(read_fd, "r", encoding="utf-8") as requests:
             for line in requests:
                 request = json.loads(line)
@@ -269,7 +309,7 @@ def _kept_worker(captured, refusals, read_fd: int, write_fd: int) -> None:
                 else:
                     args, kwargs = plain.decode(request)
                     fn, data = _one_call(fn, refusals, args, kwargs, graphs)
-                    fn = captured if fn is None else fn
+                    fn = rebuilt if fn is None else fn
                 _write_all(write_fd, data + b"\n")
     finally:
         os._exit(0)

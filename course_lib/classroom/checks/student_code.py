@@ -165,17 +165,23 @@ def resolve(path: str):
     return obj
 
 
-def rebuild(captured: dict):
-    """The student's function, rebuilt in this process from :func:`capture`'s description."""
+def values_of(captured: dict) -> dict:
+    """The plain values the student's function uses, decoded (before the refusals: a course config's class
+    is looked up here, not imported under them)."""
+    return {name: plain.decode(value) for name, value in captured.get("values", {}).items()}
+
+
+def rebuild(captured: dict, values: dict | None = None):
+    """The student's function, rebuilt in this process from :func:`capture`'s description (``values``: what
+    :func:`values_of` decoded)."""
     if "ref" in captured:
         return resolve(captured["ref"])
     space = {"__name__": "__student__", "__builtins__": builtins}
+    space.update(values_of(captured) if values is None else values)
     for name, module in captured["modules"].items():
         space[name] = importlib.import_module(module)
     for name, path in captured["refs"].items():
         space[name] = resolve(path)
-    for name, value in captured["values"].items():
-        space[name] = plain.decode(value)
     for name, type_name in captured["unavailable"].items():
         space[name] = Unavailable(name, type_name)
     for def_name, source in captured["defs"]:
