@@ -16,6 +16,11 @@ from course_lib.classroom.checks.rank_grid import check_rank_of
 _CELLS = itertools.count()
 
 
+@pytest.fixture(autouse=True)
+def _through_the_judge(monkeypatch):
+    monkeypatch.setenv("COURSE_JUDGE", "1")  # as in a notebook's kernel
+
+
 def cell(source: str) -> dict:
     """Run ``source`` as a notebook cell would: its functions belong to ``__main__`` and keep their text."""
     filename = f"/tmp/ipykernel_0/{next(_CELLS)}.py"
@@ -149,6 +154,28 @@ def test_the_library_that_computes_the_answer_is_refused(what):
     verdict = resolve(checker)(fn)
     assert not verdict.ok, what
     assert named in verdict.hint and ("[refused]" in verdict.hint or "yourself" in verdict.hint), (what, verdict.hint)
+
+
+def test_a_table_of_the_fixed_cases_fails_on_the_cases_drawn_for_the_run():
+    from course_lib.classroom.checks.checkpoints import RESHARDINGS, check_read_plan
+
+    right = cell('''
+def read_plan(saved, want):
+    (w_off, w_size), plan = want, []
+    for i, (c_off, c_size) in enumerate(saved):
+        lo = [max(c, w) for c, w in zip(c_off, w_off)]
+        hi = [min(c + cs, w + ws) for c, cs, w, ws in zip(c_off, c_size, w_off, w_size)]
+        if all(a < b for a, b in zip(lo, hi)):
+            plan.append((i, [a - c for a, c in zip(lo, c_off)], [a - w for a, w in zip(lo, w_off)],
+                         [b - a for a, b in zip(lo, hi)]))
+    return plan
+''')["read_plan"]
+    assert check_read_plan(right).ok
+    table = {(repr([tuple(c) for c in saved]), repr(tuple(want))): right([tuple(c) for c in saved], tuple(want))
+             for _, _, saved, pieces in RESHARDINGS for want in pieces}
+    cheat = cell(f"TABLE = {table!r}\n\ndef read_plan(saved, want):\n    return TABLE.get((repr(saved), repr(want)), [])\n")
+    verdict = check_read_plan(cheat["read_plan"])
+    assert not verdict.ok and "a random" in verdict.hint, verdict.hint
 
 
 def test_patching_the_checker_in_the_kernel_changes_nothing(monkeypatch):

@@ -127,13 +127,11 @@ def exercise(name: str, judged: bool = True):
 
         @functools.wraps(check)
         def checker(*args, **kwargs) -> Verdict:
-            if not judged:
-                return _in_this_process(check, exercise_of(*args, **kwargs), args, kwargs)
             from course_lib.classroom.checks import judge
 
-            if judge.inside():
-                return _in_this_process(check, exercise_of(*args, **kwargs), args, kwargs)
-            return _from_judge(checker, exercise_of(*args, **kwargs), args, kwargs)
+            if judged and judge.wanted():
+                return _from_judge(checker, exercise_of(*args, **kwargs), args, kwargs)
+            return _in_this_process(check, exercise_of(*args, **kwargs), args, kwargs)
 
         checker.exercise_of = exercise_of
         checker.__annotations__ = {**check.__annotations__, "return": Verdict}

@@ -60,6 +60,20 @@ def inside() -> bool:
     return _INSIDE["judge"]
 
 
+USE_ENV = "COURSE_JUDGE"
+
+
+def wanted() -> bool:
+    """Whether a checker called here asks the judge: in a notebook's kernel (and ``grade``'s), or where
+    :data:`USE_ENV` is ``1``; a test of a checker's logic, in a plain Python process, runs it in-process."""
+    return not inside() and (_in_a_kernel() or os.environ.get(USE_ENV) == "1")
+
+
+def _in_a_kernel() -> bool:
+    app = sys.modules.get("ipykernel.kernelapp")
+    return app is not None and app.IPKernelApp.initialized()
+
+
 # =============================================================================== in the judge
 
 
@@ -589,7 +603,7 @@ _CLIENT = _Client()
 def warm_up() -> None:
     """Start the judge now, in a notebook's kernel (in the background: the notebook goes on while the judge
     imports torch); nothing elsewhere (a test, the judge itself)."""
-    if not inside() and not os.environ.get(_IN_JUDGE) and "ipykernel" in sys.modules and not _CLIENT.alive():
+    if wanted() and not os.environ.get(_IN_JUDGE) and not _CLIENT.alive():
         _CLIENT.start()
 
 
