@@ -5,7 +5,8 @@ checker's name and its arguments as plain data (:mod:`~course_lib.classroom.chec
 student's function travels as its source and the notebook names it uses
 (:mod:`~course_lib.classroom.checks.student_code`). The judge is started once per kernel, clean
 (``python -I -c 'from ...judge import serve; serve(fd)'``: a fresh interpreter, not a fork of the kernel, so
-nothing the kernel patched is there), with torch and every checker module imported. For each check it
+nothing the kernel patched is there), with torch imported, and each checker's module and references imported
+the first time it is asked for (:func:`_load`). For each check it
 forks a *check process* that runs the checker as written; there the student's function is a
 :class:`StudentFunction`, which runs the student's code only in a *worker*:
 
@@ -451,23 +452,28 @@ def _run_check(request: dict) -> dict:
 
 
 def _preload() -> None:
-    """Import what every check needs once, before any fork: torch, the checkers, their references."""
-    import importlib
-    import pkgutil
-
-    import torch  # noqa: F401
+    """Import what every check needs once, before any fork: torch and the checked process group."""
     import torch.distributed  # noqa: F401
 
-    import course_lib.classroom.checks as checks
+    import course_lib.classroom.checks.wire  # noqa: F401
+
+
+_MEASURED = ("course_lib.classroom.checks.context_parallel",)
+"""Checker modules whose ranks measure the largest tensor (:func:`~course_lib.classroom.checks.wire.largest_tensor`)."""
+
+
+def _load(request: dict) -> None:
+    """Import the checker a request names and its exercise's references in the judge itself, before the
+    fork: the next check of the notebook finds them imported."""
     from course_lib.classroom.checks.references import REFERENCES, references_for
     from course_lib.classroom.checks.wire import largest_tensor
 
-    for info in pkgutil.iter_modules(checks.__path__):
-        importlib.import_module(f"{checks.__name__}.{info.name}")
-    for exercise in REFERENCES:
-        references_for(exercise)
-    with largest_tensor():  # its first use imports torch._dynamo: here, once, not in every check
-        pass
+    checker = resolve(request["checker"])
+    if request["exercise"] in REFERENCES:
+        references_for(request["exercise"])
+    if getattr(checker, "__module__", "") in _MEASURED:
+        with largest_tensor():  # its first use imports torch._dynamo: here, once, not on every rank
+            pass
 
 
 def serve(reply_fd: int) -> None:
@@ -478,6 +484,10 @@ def serve(reply_fd: int) -> None:
     reply.write(json.dumps({"ready": os.getpid()}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
+        try:
+            _load(request)
+        except Exception:  # noqa: BLE001 - the check process reports it
+            pass
         sys.stdout.flush()
         read_end, write_end = os.pipe()
         pid = os.fork()
