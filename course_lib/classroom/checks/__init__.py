@@ -67,7 +67,7 @@ cells. The robust comparisons and the communication checks are in
 :mod:`course_lib.classroom.checks.wire`.
 """
 
-from course_lib.classroom.checks.judge import warm_up as _warm_up
+from course_lib.classroom.checks.judge_client import warm_up as _warm_up
 
 _warm_up()  # in a notebook: the judge starts importing while the student reads the first cells
 

@@ -127,9 +127,9 @@ def exercise(name: str, judged: bool = True):
 
         @functools.wraps(check)
         def checker(*args, **kwargs) -> Verdict:
-            from course_lib.classroom.checks import judge
+            from course_lib.classroom.checks import judge_client
 
-            if judged and judge.wanted():
+            if judged and judge_client.wanted():
                 return _from_judge(checker, exercise_of(*args, **kwargs), args, kwargs)
             return _in_this_process(check, exercise_of(*args, **kwargs), args, kwargs)
 
@@ -153,9 +153,9 @@ def _in_this_process(check, exercise_name: str, args, kwargs) -> Verdict:
 def _from_judge(checker, exercise_name: str, args, kwargs) -> Verdict:
     """Ask the judge (:mod:`~course_lib.classroom.checks.judge`): its output is printed here as it comes,
     and it writes the grading record itself."""
-    from course_lib.classroom.checks import judge
+    from course_lib.classroom.checks import judge_client
 
-    reply = judge.ask(checker, exercise_name, args, kwargs)
+    reply = judge_client.ask(checker, exercise_name, args, kwargs)
     if "verdict" in reply:
         v = reply["verdict"]
         return Verdict(bool(v.get("ok")), str(v.get("exercise")), str(v.get("hint", "")), dict(v.get("evidence", {})))

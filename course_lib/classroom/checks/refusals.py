@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import sys
 import threading
 from pathlib import Path
@@ -186,6 +185,10 @@ class Refusals:
 
         if self._ruleset is None:
             self._ruleset = landlock.reading_denied_ruleset(self._files)
+
+    def ruleset_fd(self) -> int:
+        """The prepared Landlock ruleset's file descriptor (-1 when there is none)."""
+        return -1 if self._ruleset is None else self._ruleset
 
     @contextlib.contextmanager
     def around(self):
