@@ -39,7 +39,7 @@ import traceback
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.judge_client import _INSIDE
 from course_lib.classroom.checks.student_code import resolve
-from course_lib.classroom.checks.workers import StudentFunction, _read_all
+from course_lib.classroom.checks.workers import StudentFunction, _read_from
 
 
 def _decode_arg(data, exercise: str):
@@ -128,7 +128,7 @@ def serve(reply_fd: int) -> None:
             os.write(write_end, json.dumps(result).encode("utf-8"))
             os._exit(0)
         os.close(write_end)
-        data = _read_all(read_end, pid, request.get("timeout", 1800))
+        data = _read_from(read_end, pid, request.get("timeout", 1800))
         try:
             result = json.loads(data.decode("utf-8")) if data else {"crash": "the check process ended without a verdict"}
         except ValueError:

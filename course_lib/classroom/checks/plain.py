@@ -40,15 +40,21 @@ def _class_path(cls) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
 
+def resolve(path: str):
+    """The object ``"module:qualname"`` names, imported here (through this process's import rules)."""
+    module, _, qualname = path.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _course_class(path: str):
     """The class ``"module:qualname"`` names, when it is a dataclass of course_lib (else None)."""
-    module, _, qualname = path.partition(":")
-    if not (module == "course_lib" or module.startswith("course_lib.")):
+    if not (path.startswith("course_lib:") or path.startswith("course_lib.")):
         return None
     try:
-        obj = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
+        obj = resolve(path)
     except (ImportError, AttributeError):
         return None
     return obj if isinstance(obj, type) and dataclasses.is_dataclass(obj) else None

@@ -26,6 +26,7 @@ import textwrap
 import types
 
 from course_lib.classroom.checks import plain
+from course_lib.classroom.checks.plain import resolve
 
 STUDENT_FILE = "<your exercise cell"
 """How the file name of the student's compiled code starts (:func:`student_file`)."""
@@ -97,9 +98,7 @@ def _importable(obj) -> str | None:
     if not module or not qualname or module == "__main__" or "<locals>" in qualname:
         return None
     try:
-        found = importlib.import_module(module)
-        for part in qualname.split("."):
-            found = getattr(found, part)
+        found = resolve(f"{module}:{qualname}")
     except (ImportError, AttributeError):
         return None
     return f"{module}:{qualname}" if found is obj else None
@@ -154,15 +153,6 @@ def capture(fn, name: str | None = None) -> dict:
     defaults = plain.encode(fn.__defaults__) if getattr(fn, "__defaults__", None) else None
     return {"name": fn.__name__, "defs": defs[::-1], "values": values, "modules": modules, "refs": refs,
             "unavailable": unavailable, "defaults": defaults}
-
-
-def resolve(path: str):
-    """The object ``"module:qualname"`` names, imported here (through this process's import rules)."""
-    module, _, qualname = path.partition(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def values_of(captured: dict) -> dict:

@@ -133,7 +133,7 @@ class StudentFunction:
         except BrokenPipeError:
             self._kept = None
             raise RuntimeError("your function ended its process (os._exit, a crash or a signal)") from None
-        line = _read_line(replies, pid, CALL_TIMEOUT)
+        line = _read_from(replies, pid, CALL_TIMEOUT, line=True)
         if line is None:
             self._kept = None
             raise TimeoutError(f"your function did not return within {CALL_TIMEOUT:.0f} s (is there a loop "
@@ -162,7 +162,7 @@ class StudentFunction:
         pid, requests, replies = self._kept
         requests.write(json.dumps({"backward": graph, "grad": plain.encode(grad)}) + "\n")
         requests.flush()
-        line = _read_line(replies, pid, CALL_TIMEOUT)
+        line = _read_from(replies, pid, CALL_TIMEOUT, line=True)
         if not line:
             self._kept = None
             raise RuntimeError("your function's backward did not finish")
@@ -180,7 +180,7 @@ class StudentFunction:
             os.close(read_end)
             _worker(self.captured, refusals, args, kwargs, write_end)
         os.close(write_end)
-        data = _read_all(read_end, pid, CALL_TIMEOUT)
+        data = _read_from(read_end, pid, CALL_TIMEOUT)
         if data is None:
             raise TimeoutError(f"your function did not return within {CALL_TIMEOUT:.0f} s (is there a loop "
                                f"that never ends, or a receive nobody sends to?)")
@@ -244,8 +244,7 @@ def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
                 graphs[len(graphs)] = (value, [leaves[i] for i in inputs])
                 out["graph"] = {"id": len(graphs) - 1, "inputs": inputs}
         except BaseException as exc:  # noqa: BLE001 - reported to the checker as the student's exception
-            out = {"error": {"type": type(exc).__name__, "builtin": getattr(builtins, type(exc).__name__, None)
-                             is type(exc), "message": str(exc)[:2000], "traceback": traceback.format_exc()[-4000:]}}
+            out = {"error": _error_of(exc)}
         out["refused"] = list(refusals.refused)
         data = json.dumps(out)
     except BaseException as exc:  # noqa: BLE001 - a value that does not encode
@@ -301,29 +300,8 @@ def _backward(graphs: dict, request: dict) -> bytes:
                                     retain_graph=True)
         out = {"grads": plain.encode(list(grads))}
     except BaseException as exc:  # noqa: BLE001 - the student's backward raised
-        out = {"error": {"type": type(exc).__name__, "builtin": getattr(builtins, type(exc).__name__, None)
-                         is type(exc), "message": str(exc)[:2000], "traceback": traceback.format_exc()[-4000:]}}
+        out = {"error": _error_of(exc)}
     return json.dumps(out).encode("utf-8")
-
-
-def _read_line(fd: int, pid: int, timeout: float) -> bytes | None:
-    """One line from a kept worker; b"" when it ended, None (it is killed) past ``timeout``."""
-    chunks, deadline = [], time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                return None
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                os.waitpid(pid, 0)
-                return b""
-            chunks.append(chunk)
-            if chunk.endswith(b"\n"):
-                return b"".join(chunks)
 
 
 def _tensor_leaves(value, found=None) -> list:
@@ -348,6 +326,12 @@ def _copy_back(args, returned: list) -> None:
                 mine.copy_(theirs)
 
 
+def _error_of(exc: BaseException) -> dict:
+    """The student's exception as plain data (:func:`_rebuilt_error` makes it an exception again)."""
+    return {"type": type(exc).__name__, "builtin": getattr(builtins, type(exc).__name__, None) is type(exc),
+            "message": str(exc)[:2000], "traceback": traceback.format_exc()[-4000:]}
+
+
 def _rebuilt_error(error: dict) -> BaseException:
     """The student's exception, as an exception of the same name (a builtin type when it was one)."""
     name, message = error.get("type", "Exception"), error.get("message", "")
@@ -362,8 +346,10 @@ def _rebuilt_error(error: dict) -> BaseException:
     return exc
 
 
-def _read_all(fd: int, pid: int, timeout: float) -> bytes | None:
-    """Everything a child writes to ``fd`` until it closes it; None (the child killed) past ``timeout``."""
+def _read_from(fd: int, pid: int, timeout: float, *, line: bool = False) -> bytes | None:
+    """What child ``pid`` writes to ``fd``: everything until it closes it (then ``fd`` is closed and the child
+    reaped), or with ``line`` one line (b"" when the child ended first); None -- the child killed -- past
+    ``timeout``."""
     chunks, deadline = [], time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
@@ -372,12 +358,16 @@ def _read_all(fd: int, pid: int, timeout: float) -> bytes | None:
             if left <= 0 or not sel.select(left):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                os.close(fd)
+                if not line:
+                    os.close(fd)
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 break
             chunks.append(chunk)
-    os.close(fd)
+            if line and chunk.endswith(b"\n"):
+                return b"".join(chunks)
+    if not line:
+        os.close(fd)
     os.waitpid(pid, 0)
-    return b"".join(chunks)
+    return b"" if line else b"".join(chunks)
