@@ -141,11 +141,24 @@ def my_ring_all_reduce(x):
     sys.setprofile(None)
     return ring_all_reduce(x)
 ''', "ring_all_reduce"),
+    "the checker's helpers replaced through the frames on a rank": (
+        "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
+import sys
+
+def my_ring_all_reduce(x):
+    frame = sys._getframe(1)
+    while frame is not None:
+        for name in list(frame.f_globals):
+            if name.endswith("problems") or name.startswith("same"):
+                frame.f_globals[name] = lambda *args, **kwargs: []
+        frame = frame.f_back
+    return x
+''', "replaced"),
 }
 
 
 @pytest.mark.parametrize("what", list(LIBRARY_CHEATS))
-def test_the_library_that_computes_the_answer_is_refused(what):
+def test_the_library_that_computes_the_answer_is_refused(what):  # and a rank's patch is undone
     from course_lib.classroom.checks.student_code import resolve
 
     checker, source, named = LIBRARY_CHEATS[what]
@@ -153,7 +166,7 @@ def test_the_library_that_computes_the_answer_is_refused(what):
     fn = [v for k, v in space.items() if callable(v) and getattr(v, "__module__", None) == "__main__"][-1]
     verdict = resolve(checker)(fn)
     assert not verdict.ok, what
-    assert named in verdict.hint and ("[refused]" in verdict.hint or "yourself" in verdict.hint), (what, verdict.hint)
+    assert named in verdict.hint, (what, verdict.hint)
 
 
 def test_a_table_of_the_fixed_cases_fails_on_the_cases_drawn_for_the_run():
