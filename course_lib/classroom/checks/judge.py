@@ -39,7 +39,7 @@ import traceback
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.judge_client import _INSIDE
 from course_lib.classroom.checks.student_code import resolve
-from course_lib.classroom.checks.workers import StudentFunction, _read_from
+from course_lib.classroom.checks.workers import StudentFunction, _read_from, _write_all
 
 
 def _decode_arg(data, exercise: str):
@@ -103,7 +103,6 @@ def serve(reply_fd: int) -> None:
     _INSIDE["judge"] = True
     _preload()
     reply = os.fdopen(reply_fd, "w", buffering=1, encoding="utf-8")
-    reply.write(json.dumps({"ready": os.getpid()}) + "\n")
     for line in sys.stdin:
         request = json.loads(line)
         try:
@@ -125,7 +124,7 @@ def serve(reply_fd: int) -> None:
                 result = {"crash": traceback.format_exc()[-3000:]}
             sys.stdout.flush()
             sys.stderr.flush()
-            os.write(write_end, json.dumps(result).encode("utf-8"))
+            _write_all(write_end, json.dumps(result).encode("utf-8"))
             os._exit(0)
         os.close(write_end)
         data = _read_from(read_end, pid, request.get("timeout", 1800))
