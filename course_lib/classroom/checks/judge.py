@@ -1,32 +1,25 @@
 """The judge: a process the student's code never runs in, where every checker computes its verdict.
 
-A checker cell in the notebook (the kernel) does not run the checker. :func:`ask` hands the judge the
-checker's name and its arguments as plain data (:mod:`~course_lib.classroom.checks.plain`); the
-student's function travels as its source and the notebook names it uses
-(:mod:`~course_lib.classroom.checks.student_code`). The judge is started once per kernel, clean
-(``python -I -c 'from ...judge import serve; serve(fd)'``: a fresh interpreter, not a fork of the kernel, so
-nothing the kernel patched is there), with torch imported, and each checker's module and references imported
-the first time it is asked for (:func:`_load`). For each check it
-forks a *check process* that runs the checker as written; there the student's function is a
-:class:`StudentFunction`, which runs the student's code only in a *worker*:
+A checker cell in the notebook (the kernel) does not run the checker: the kernel's side
+(:mod:`~course_lib.classroom.checks.judge_client`) hands the judge the checker's name and its arguments as
+plain data (:mod:`~course_lib.classroom.checks.plain`), the student's function as its source and the
+notebook names it uses (:mod:`~course_lib.classroom.checks.student_code`). The judge is started once per
+kernel, clean (``python -I -c 'from ...judge import serve; serve(fd)'``: a fresh interpreter, not a fork of
+the kernel, so nothing the kernel patched is there), with torch imported; a checker's module and its
+exercise's references are imported the first time it is asked for (:func:`_load`). For each check it forks
+a *check process* that runs the checker as written. There the student's function is a
+:class:`~course_lib.classroom.checks.workers.StudentFunction`: its code runs only in worker processes, or
+on the checker's ranks, with the exercise's answer refused (:mod:`~course_lib.classroom.checks.refusals`).
 
-* called by the checker directly, each call forks a worker from the check process (the checker's
-  arguments are there already, nothing is re-sent), which puts the exercise's refusals in place for
-  good (:mod:`~course_lib.classroom.checks.refusals`), rebuilds the function from its text, calls it,
-  and sends back the value as plain data (and the tensors it was given, which it may have filled);
-* called on a rank of a checker's launch (:func:`~course_lib.classroom.checks.wire.launch_checked`),
-  where the student's code must talk on that rank's process group, it runs on the rank, with the
-  refusals in place around the call.
-
-The kernel's side is :mod:`~course_lib.classroom.checks.judge_client`; where the student's code runs,
-:mod:`~course_lib.classroom.checks.workers`. The checker computes the truth and the verdict in the check process, on inputs it draws there; its
-printed text and the student's ``print`` output stream back to the notebook as they come; the verdict
-comes back as JSON on a pipe of its own (:class:`~course_lib.classroom.checks.exercise.Verdict`), and the
-judge writes the grading record (:func:`~course_lib.classroom.checks.exercise.write_record`). Nothing the
-exercise cell does in the kernel (patching checker modules, ``sys.setprofile``, threads, frames,
-``__code__``) reaches the judge, and the checker's frames and truth are not in any process the student's
-code runs in -- except the rank processes of a launch, where the student's call runs beside the checker's
-rank code: there the refusals hold, and the checker compares with truth it computes after the call.
+The checker computes the truth and the verdict in the check process, on inputs it draws there; its printed
+text and the student's ``print`` output stream back to the notebook as they come; the verdict comes back as
+JSON on a pipe of its own, and the check process writes the grading record
+(:mod:`~course_lib.classroom.checks.records`). Nothing the exercise cell does in the kernel (patching
+checker modules, ``sys.setprofile``, threads, frames, ``__code__``) reaches the judge, and the checker's
+frames and truth are in no process the student's code runs in -- except the ranks of a launch, where the
+student's call runs beside the checker's rank code: there the refusals hold around the call, a patch is
+undone (:func:`~course_lib.classroom.checks.verdicts.run_student`), and the checker compares with truth it
+computes after the call.
 """
 
 from __future__ import annotations
