@@ -11,7 +11,8 @@ In a check process (:mod:`~course_lib.classroom.checks.judge`) the checker calls
   arguments and the value travel as plain data (:mod:`~course_lib.classroom.checks.plain`), the tensors it
   was given come back (it may fill them), and a returned tensor with a gradient keeps its graph there: its
   backward in the checker asks the worker (:class:`_RemoteGrad`). Arguments that are not plain data
-  (a module, a callback) go to a worker forked for that one call instead;
+  (a module, a callback) go to a worker forked for that one call instead -- that worker inherits the
+  check process's stack, the checker's frames included (the one place off the ranks where it does);
 * on a rank of the checker's launch, where the code must talk on that rank's process group, it runs on the
   rank, with the refusals in place around the call (and around each method of a student's class).
 
