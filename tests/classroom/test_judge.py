@@ -66,6 +66,13 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
     return mine(grid.RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp), tp=tp_rank, cp=cp_rank, dp=dp_rank,
                 pp=pp_rank)
 ''', "RankGrid"),
+    "the course's RankGrid found with gc.get_objects()": ('''
+import gc
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    grid = next(o for o in gc.get_objects() if isinstance(o, type) and o.__name__ == "RankGrid")
+    return grid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
+''', "RankGrid"),
     "megatron-core's RankGenerator": ('''
 def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
     from megatron.core.parallel_state import RankGenerator

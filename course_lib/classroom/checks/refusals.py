@@ -102,6 +102,7 @@ class Refusals:
         self.active = self.always = False
         self._stubs = self._find_bindings(references)
         self._ruleset = None
+        self._removed: dict = {}
         self._files = self._denied_files(references)
 
     # ------------------------------------------------------------------ what is refused
@@ -196,6 +197,7 @@ class Refusals:
         self._fence_files()
         removed = {name: module for name, module in sys.modules.items() if module is not None
                    and _matches(name, self.modules)}
+        self._removed = removed
         parents = []
         for name, module in removed.items():
             parent = sys.modules.get(name.rpartition(".")[0])
@@ -222,11 +224,49 @@ class Refusals:
                 setattr(parent, attr, module)
             sys.modules.update(removed)
 
-    def apply(self) -> None:
-        """The refusals for good (a worker that runs nothing but the student's code)."""
+    def apply(self, handed_over: tuple = ()) -> None:
+        """The refusals for good (a worker that runs nothing but the student's code): also the code of every
+        reference and checker function this process inherited is replaced, so one found through
+        ``gc.get_objects()`` refuses too (the methods of the classes in ``handed_over`` excepted: the checker
+        gave the student instances of them)."""
         self.always = True
         self._for_good = self.around()  # kept: a context manager collected as garbage would run its exit
         self._for_good.__enter__()
+        found = [original for _, _, original, _ in self._stubs]
+        for name, module in self._removed.items():
+            if _matches(name, (_CHECKS + ".checks",)) and name.rpartition(".")[2] not in _MACHINERY:
+                found += [v for v in list(vars(module).values()) if getattr(v, "__module__", None) == name]
+        for obj in found:
+            if not (isinstance(obj, type) and any(issubclass(kept, obj) for kept in handed_over)):
+                _disarm(obj, f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
+
+
+_MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
+              "verdicts", "exercise", "checks"}
+"""Modules of the checks package whose code the worker itself runs (reading requests, encoding replies)."""
+
+
+def _disarm(obj, name: str) -> None:
+    """Make ``obj`` (a function, or each method of a class) raise :class:`Refused` when called."""
+    functions = [obj] if callable(obj) and hasattr(obj, "__code__") else []
+    if isinstance(obj, type):
+        for key, attr in vars(obj).items():
+            if key.startswith("__"):  # construction, comparison, printing: no answer in them
+                continue
+            attr = getattr(attr, "__func__", attr)
+            attr = attr.fget if isinstance(attr, property) else attr
+            if hasattr(attr, "__code__"):
+                functions.append(attr)
+    message = f"{REFUSED_MARK} {name}: it computes this exercise's answer (or is the checker's own code)"
+    refused = compile(f"def refused(*args, **kwargs):\n    raise ImportError({message!r})\n", "<refused>", "exec")
+    space: dict = {}
+    exec(refused, space)  # noqa: S102 - our own two lines
+    for fn in functions:
+        if not fn.__closure__:
+            try:
+                fn.__code__ = space["refused"].__code__
+            except (ValueError, TypeError):
+                pass
 
 
 def prepare(exercise: str) -> Refusals:

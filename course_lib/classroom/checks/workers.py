@@ -266,7 +266,7 @@ def _worker(captured, refusals, args, kwargs, write_end) -> None:
     """A worker for one call: refusals, the function rebuilt, the call, the reply; never returns."""
     try:
         values = values_of(captured)
-        refusals.apply()
+        refusals.apply(handed_over=tuple({type(a) for a in (*args, *kwargs.values())}))
         _write_all(write_end, _one_call(_Rebuild(captured, values), refusals, args, kwargs)[1])
     finally:
         os._exit(0)
