@@ -23,7 +23,13 @@ module                      exercises                                           
 ``review``                  the student's answers to the review questions                             07, 08
 ==========================  =======================================================================  ========
 
-One proof mechanism serves them all:
+Every checker runs in the **judge** (:mod:`~course_lib.classroom.checks.judge`), a clean process the student's
+code never runs in: the checker cell hands it the student's function as source
+(:mod:`~course_lib.classroom.checks.student_code`) and its arguments as plain data
+(:mod:`~course_lib.classroom.checks.plain`); the function runs only in worker processes (or on the checker's
+ranks) where the exercise's answer -- the course's references, the real libraries, the checker modules --
+is refused (:mod:`~course_lib.classroom.checks.refusals`). So nothing the exercise cell does to the kernel
+changes a verdict. Within the judge, one proof mechanism serves them all:
 
 * **The course's own answer is refused, however wrapped.** :mod:`~course_lib.classroom.checks.references`
   names, for every exercise, the course code that computes its answer; :func:`call_student`,
@@ -60,6 +66,11 @@ cells. The robust comparisons and the communication checks are in
 :mod:`course_lib.classroom.checks.verdicts`, the recording process group in
 :mod:`course_lib.classroom.checks.wire`.
 """
+
+from course_lib.classroom.checks.judge_client import warm_up as _warm_up
+
+_warm_up()  # in a notebook: the judge starts importing while the student reads the first cells
+
 
 
 def try_student(fn, *args, references=()):

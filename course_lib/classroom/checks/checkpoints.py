@@ -31,6 +31,8 @@ Every checker prints one verdict and never raises; the stub prints "not attempte
 from __future__ import annotations
 
 import math
+import os
+import random
 import re
 from pathlib import Path
 
@@ -329,6 +331,31 @@ RESHARDINGS = [  # (name, global shape, the checkpoint's chunks, the new layout'
 ]
 
 
+def _grid_cut(shape: tuple, cuts: list) -> list:
+    """The blocks of ``shape`` cut at ``cuts`` (per dimension, the sorted inner cut points): (offsets, sizes)."""
+    edges = [[0, *c, n] for c, n in zip(cuts, shape)]
+    blocks = [((), ())]
+    for e in edges:
+        blocks = [(o + (a,), z + (b - a,)) for o, z in blocks for a, b in zip(e, e[1:])]
+    return blocks
+
+
+def drawn_reshardings(rng, count: int = 2) -> list:
+    """``count`` reshardings drawn from ``rng`` (an ``os.urandom``-seeded ``random.Random``): a 1-d or 2-d
+    tensor saved in uneven blocks, read back in another uneven layout -- no table of fixed cases answers them."""
+    cases = []
+    for _ in range(count):
+        shape = tuple(rng.randint(5, 12) for _ in range(rng.choice((1, 2))))
+
+        def cuts():
+            return [sorted(rng.sample(range(1, n), rng.randint(1, min(3, n - 1)))) for n in shape]
+
+        saved, pieces = _grid_cut(shape, cuts()), _grid_cut(shape, cuts())
+        cases.append((f"a random {list(shape)} tensor, {len(saved)} uneven chunks -> {len(pieces)} pieces", shape,
+                      saved, pieces))
+    return cases
+
+
 def _plan_items(plan, saved, want) -> tuple[list | None, str | None]:
     """The plan as ``[(chunk index, chunk start, piece start, lengths)]`` of ints, bounds checked."""
     if not isinstance(plan, (list, tuple)):
@@ -421,7 +448,7 @@ def check_read_plan(fn) -> bool:
     if is_course_answer(fn):
         return False
     shown = None
-    for case, shape, saved, pieces in RESHARDINGS:
+    for case, shape, saved, pieces in RESHARDINGS + drawn_reshardings(random.Random(os.urandom(8))):
         full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
         for rank, want in enumerate(pieces):
             run = run_student(fn, [tuple(c) for c in saved], tuple(want),
@@ -451,7 +478,8 @@ def check_read_plan(fn) -> bool:
                                             for i, cs, ps, n in items])
     case, rank, want, reads = shown
     print(f"✓ {name} fills every rank's piece in {len(RESHARDINGS)} reshardings (TP2->TP4, TP4->TP2, TP2->one "
-          f"process, uneven chunks, 2-d blocks, a replicated bias), reading each element it needs exactly once")
+          f"process, uneven chunks, 2-d blocks, a replicated bias) and 2 drawn for this run, reading each element "
+          f"it needs exactly once")
     print(f"  e.g. {case}, rank {rank} (piece {_region(*want)}): "
           + "; ".join(f"chunk {i} global {g} -> piece {p}" for i, g, p in reads))
     return True

@@ -34,9 +34,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from course_lib.classroom.checks.records import VERDICTS_ENV, VERDICTS_FD_ENV, verdict_file, write_record  # noqa: F401
 from course_lib.classroom.checks.wire import traced
 
-VERDICTS_ENV = "COURSE_VERDICTS"
 HINT_LIMIT = 1000
 """Characters of a hint a verdict keeps (a student's answer can make a checker print a lot)."""
 COPY_LIMIT = 64 << 10
@@ -112,7 +112,7 @@ class _Tee(io.TextIOBase):
         return self._stream.isatty()
 
 
-def exercise(name: str):
+def exercise(name: str, judged: bool = True):
     """Decorate a checker of exercise ``name`` (a literal; ``{arg}`` fields are filled with the checker's
     arguments): it returns a :class:`Verdict` instead of its bool, and writes it where
     :data:`VERDICTS_ENV` says."""
@@ -120,41 +120,50 @@ def exercise(name: str):
     def decorate(check):
         signature = inspect.signature(check)
 
-        @functools.wraps(check)
-        def checker(*args, **kwargs) -> Verdict:
+        def exercise_of(*args, **kwargs) -> str:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            printed = io.StringIO()
-            with traced() as trace, contextlib.redirect_stdout(_Tee(sys.stdout, printed, trace)):
-                ok = bool(check(*args, **kwargs))
-            verdict = Verdict(ok, name.format(**bound.arguments), "" if ok else one_line(printed.getvalue()),
-                              trace.evidence())
-            write_record({"verdict": verdict.as_json()})
-            return verdict
+            return name.format(**bound.arguments)
 
+        @functools.wraps(check)
+        def checker(*args, **kwargs) -> Verdict:
+            from course_lib.classroom.checks import judge_client
+
+            if judged and judge_client.wanted():
+                return _from_judge(checker, exercise_of(*args, **kwargs), args, kwargs)
+            return _in_this_process(check, exercise_of(*args, **kwargs), args, kwargs)
+
+        checker.exercise_of = exercise_of
         checker.__annotations__ = {**check.__annotations__, "return": Verdict}
         return checker
 
     return decorate
 
 
-@functools.lru_cache(maxsize=None)
-def _open_sink(path: str):
-    return open(path, "a", encoding="utf-8", buffering=1)
+def _in_this_process(check, exercise_name: str, args, kwargs) -> Verdict:
+    """Run the checker here (in the judge; or in the kernel for a checker that is not judged)."""
+    printed = io.StringIO()
+    with traced() as trace, contextlib.redirect_stdout(_Tee(sys.stdout, printed, trace)):
+        ok = bool(check(*args, **kwargs))
+    verdict = Verdict(ok, exercise_name, "" if ok else one_line(printed.getvalue()), trace.evidence())
+    write_record({"verdict": verdict.as_json()})
+    return verdict
 
 
-def verdict_file():
-    """The open file :data:`VERDICTS_ENV` names (opened on first use, kept open), or None."""
-    path = os.environ.get(VERDICTS_ENV)
-    return _open_sink(path) if path else None
+def _from_judge(checker, exercise_name: str, args, kwargs) -> Verdict:
+    """Ask the judge (:mod:`~course_lib.classroom.checks.judge`): its output is printed here as it comes,
+    and it writes the grading record itself."""
+    from course_lib.classroom.checks import judge_client
 
-
-def write_record(record: dict) -> None:
-    """Append ``record`` as one JSON line to :func:`verdict_file`, if there is one."""
-    sink = verdict_file()
-    if sink is not None:
-        sink.write(json.dumps(record, sort_keys=True, ensure_ascii=False) + "\n")
-        sink.flush()
+    reply = judge_client.ask(checker, exercise_name, args, kwargs)
+    if "verdict" in reply:
+        v = reply["verdict"]
+        return Verdict(bool(v.get("ok")), str(v.get("exercise")), str(v.get("hint", "")), dict(v.get("evidence", {})))
+    text = f"the checker could not finish: {reply.get('crash', 'no reply')}"
+    print(f"✗ {text.splitlines()[-1] if text.splitlines() else text}")
+    verdict = Verdict(False, exercise_name, one_line(text)[-HINT_LIMIT:])
+    write_record({"verdict": verdict.as_json()})
+    return verdict
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["REFERENCES", "references_for"]
+__all__ = ["REFERENCES", "LIBRARIES", "references_for"]
 
 _COLLECTIVES = ("course_lib.collectives:ring_all_reduce", "course_lib.collectives:apply_collective")
 _GRID = ("course_lib.topology.grid:RankGrid", "course_lib.topology.config:ParallelConfig",
@@ -126,6 +126,22 @@ REFERENCES: dict[str, tuple[str, ...]] = {
 }
 """exercise (the name of the function the student writes) -> ``"module:qualname"`` of the course code
 that computes its answer."""
+
+_MCORE = ("megatron",)
+_DCP_PLANNERS = ("torch.distributed.checkpoint.planner_helpers", "torch.distributed.checkpoint.resharding",
+                 "torch.distributed.checkpoint.default_planner", "torch.distributed.checkpoint._dedup_save_plans")
+LIBRARIES: dict[str, tuple[str, ...]] = {
+    "derive_dp": _MCORE, "groups_of": _MCORE, "rank_of": _MCORE, "derive_layout": _MCORE,
+    "expert_groups_of": _MCORE, "dispatch": _MCORE, "aux_loss": _MCORE,
+    "distributed_optimizer_step": (*_MCORE, "deepspeed"), "zero1_step": (*_MCORE, "deepspeed"),
+    "mlp_sharded_state_dict": _MCORE, "read_plan": (*_MCORE, *_DCP_PLANNERS),
+    "zero_bytes_per_rank": ("deepspeed",), "what_it_shards": ("deepspeed",), "zero3_wire": ("deepspeed",),
+    "reduce_buckets": ("deepspeed",), "fitting_config": ("deepspeed",),
+}
+"""exercise -> the real libraries (module names, with their submodules) that compute its answer: megatron-core's
+``parallel_state``/``RankGenerator`` and MoE utilities (``switch_load_balancing_loss_func``), DeepSpeed's
+``DeepSpeedZeroConfig`` and bucketing, torch's DCP planner helpers. The judge refuses them inside the
+student's function (:mod:`course_lib.classroom.checks.refusals`)."""
 
 _RESOLVED: dict[str, tuple] = {}
 

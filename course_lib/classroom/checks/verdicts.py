@@ -369,7 +369,8 @@ def _code_objects(fn) -> dict:
 
 
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
-_MACHINERY = {"wire.py", "verdicts.py", "__init__.py", "exercise.py"}
+_MACHINERY = {"wire.py", "verdicts.py", "__init__.py", "exercise.py", "judge.py", "judge_client.py",
+              "workers.py", "plain.py", "student_code.py", "refusals.py"}
 """Files of the checks package whose code may run inside a student's call: the checked process group
 (every collective passes through it), the verdict helpers and the verdict record (what the student's code
 prints passes through it)."""
@@ -471,6 +472,9 @@ def run_student(fn, *args, references: Sequence = (), **kwargs) -> StudentRun:
             except Exception as exc:  # noqa: BLE001 - reported to the student
                 run.error = exc
     run.patched, run.course_code = list(changed), list(seen)
+    for name in getattr(fn, "refused", ()):  # what the judge's worker refused (a StudentFunction)
+        if name not in run.course_code:
+            run.course_code.append(name)
     return run
 
 
@@ -542,7 +546,11 @@ def course_function(fn) -> str | None:
 
 
 def course_code_hint(name: str) -> str:
-    """The verdict line for an answer that is (or calls) the course's own implementation ``name``."""
+    """The verdict line for an answer that is (or calls) the course's own implementation ``name`` (or, refused
+    by the judge, a library that computes the answer)."""
+    if not name.startswith("course_lib"):
+        return (f"your function used {name}, which computes this exercise's answer: the exercise is to write it "
+                f"yourself (the judge refuses it where your function runs)")
     return (f"your function runs the course's own {name}: the exercise is to write it yourself "
             f"(reading it is fine; calling it proves nothing)")
 

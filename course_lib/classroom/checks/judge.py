@@ -1,0 +1,129 @@
+"""The judge: a process the student's code never runs in, where every checker computes its verdict.
+
+A checker cell in the notebook (the kernel) does not run the checker: the kernel's side
+(:mod:`~course_lib.classroom.checks.judge_client`) hands the judge the checker's name and its arguments as
+plain data (:mod:`~course_lib.classroom.checks.plain`), the student's function as its source and the
+notebook names it uses (:mod:`~course_lib.classroom.checks.student_code`). The judge is started once per
+kernel, clean (``python -I -c 'from ...judge import serve; serve(fd)'``: a fresh interpreter, not a fork of
+the kernel, so nothing the kernel patched is there), with torch imported; a checker's module and its
+exercise's references are imported the first time it is asked for (:func:`_load`). For each check it forks
+a *check process* that runs the checker as written. There the student's function is a
+:class:`~course_lib.classroom.checks.workers.StudentFunction`: its code runs only in worker processes, or
+on the checker's ranks, with the exercise's answer refused (:mod:`~course_lib.classroom.checks.refusals`).
+
+The checker computes the truth and the verdict in the check process, on inputs it draws there; its printed
+text and the student's ``print`` output stream back to the notebook as they come; the verdict comes back as
+JSON on a pipe of its own, and the check process writes the grading record
+(:mod:`~course_lib.classroom.checks.records`). Nothing the exercise cell does in the kernel (patching
+checker modules, ``sys.setprofile``, threads, frames, ``__code__``) reaches the judge, and the checker's
+frames and truth are in no process the student's code runs in -- except the ranks of a launch, where the
+student's call runs beside the checker's rank code: there the refusals hold around the call, a patch is
+undone (:func:`~course_lib.classroom.checks.verdicts.run_student`), and the checker compares with truth it
+computes after the call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+from course_lib.classroom.checks import plain
+from course_lib.classroom.checks.judge_client import _INSIDE
+from course_lib.classroom.checks.student_code import resolve
+from course_lib.classroom.checks.workers import StudentFunction, _read_from, _write_all
+
+
+def _decode_arg(data, exercise: str):
+    if isinstance(data, dict) and data.get("$") == "student":
+        if "error" in data:
+            return _Uncapturable(data["error"])
+        captured = data["captured"]
+        if "ref" in captured and captured["ref"].startswith("course_lib"):
+            return resolve(captured["ref"])  # the course's own function: the checker names it
+        return StudentFunction(captured, exercise)
+    return plain.decode(data)
+
+
+class _Uncapturable:
+    """A function the kernel could not send: every call raises why."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.__name__ = "your function"
+
+    def __call__(self, *_args, **_kwargs):
+        raise TypeError(self.reason)
+
+
+def _run_check(request: dict) -> dict:
+    """In a check process: run the checker the request names, on its arguments; the verdict as JSON."""
+    checker = resolve(request["checker"])
+    exercise = request["exercise"]
+    args = [_decode_arg(a, exercise) for a in request["args"]]
+    kwargs = {k: _decode_arg(v, exercise) for k, v in request["kwargs"].items()}
+    return checker(*args, **kwargs).as_json()
+
+
+def _preload() -> None:
+    """Import what every check needs once, before any fork: torch and the checked process group."""
+    import torch.distributed  # noqa: F401
+
+    import course_lib.classroom.checks.wire  # noqa: F401
+
+
+_MEASURED = ("course_lib.classroom.checks.context_parallel",)
+"""Checker modules whose ranks measure the largest tensor (:func:`~course_lib.classroom.checks.wire.largest_tensor`)."""
+
+
+def _load(request: dict) -> None:
+    """Import the checker a request names and its exercise's references in the judge itself, before the
+    fork: the next check of the notebook finds them imported."""
+    from course_lib.classroom.checks.references import REFERENCES, references_for
+    from course_lib.classroom.checks.wire import largest_tensor
+
+    checker = resolve(request["checker"])
+    if request["exercise"] in REFERENCES:
+        references_for(request["exercise"])
+    if getattr(checker, "__module__", "") in _MEASURED:
+        with largest_tensor():  # its first use imports torch._dynamo: here, once, not on every rank
+            pass
+
+
+def serve(reply_fd: int) -> None:
+    """The judge's loop: one JSON request a line on stdin, one verdict a line on ``reply_fd``."""
+    _INSIDE["judge"] = True
+    _preload()
+    reply = os.fdopen(reply_fd, "w", buffering=1, encoding="utf-8")
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            _load(request)
+        except Exception:  # noqa: BLE001 - the check process reports it
+            pass
+        sys.stdout.flush()
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the check process: the kernel's channels closed (no worker can write a reply)
+            os.close(read_end)
+            reply.close()
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            try:
+                result = {"verdict": _run_check(request)}
+            except BaseException:  # noqa: BLE001 - a checker that raised: said, never a hang
+                result = {"crash": traceback.format_exc()[-3000:]}
+            sys.stdout.flush()
+            sys.stderr.flush()
+            _write_all(write_end, json.dumps(result).encode("utf-8"))
+            os._exit(0)
+        os.close(write_end)
+        data = _read_from(read_end, pid, request.get("timeout", 1800))
+        try:
+            result = json.loads(data.decode("utf-8")) if data else {"crash": "the check process ended without a verdict"}
+        except ValueError:
+            result = {"crash": "the check process wrote an unreadable verdict"}
+        sys.stdout.flush()
+        reply.write(json.dumps({"id": request["id"], **result}) + "\n")

@@ -1,0 +1,283 @@
+"""What the student's code may not use where the judge runs it: the exercise's answer, in any form.
+
+For an exercise, :func:`prepare` (in the judge, before any student code runs) collects
+
+* the course's own implementations of the answer (:func:`~course_lib.classroom.checks.references.references_for`):
+  every name they are bound to in a loaded ``course_lib`` module is replaced, while the student's code
+  runs, by a stand-in that raises :class:`Refused` naming it;
+* the real libraries that compute it (:data:`~course_lib.classroom.checks.references.LIBRARIES`:
+  megatron-core's ``parallel_state``/``RankGenerator`` and MoE utilities, DeepSpeed's config, torch's
+  DCP planner helpers): removed from ``sys.modules`` and from their parent packages, their objects
+  replaced where course or torch modules hold them, and refused by an import hook;
+* the checker modules themselves (their truth, their input generators): removed from ``sys.modules``
+  and refused by the import hook, as are the references' modules re-imported under another name;
+* the files of all of these, and the course's solutions: not readable (Landlock, where the kernel has it,
+  :func:`course_lib.classroom.grading.landlock.reading_denied_ruleset`), so ``exec(open(...).read())``
+  or ``importlib.reload`` finds nothing either.
+
+A worker that only runs student code applies them for good (:meth:`Refusals.apply`); a rank of a checker
+launch, where the checker's own code runs after the student's function, applies them around each call
+(:meth:`Refusals.around`): the file rule stays, the names come back. Every refusal is recorded
+(:attr:`Refusals.refused`), so the verdict names it even when the student's code caught the exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+from course_lib.classroom.checks.student_code import STUDENT_FILE
+
+REFUSED_MARK = "[refused]"
+_CHECKS = "course_lib.classroom"
+_REPO = Path(__file__).resolve().parents[3]
+
+
+class Refused(ImportError):
+    """The student's code reached for something that computes the exercise's answer."""
+
+
+def _student_on_stack() -> bool:
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(STUDENT_FILE):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _matches(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+class _Finder:
+    """An import hook: refuses the listed modules to the student's code (and to threads it started)."""
+
+    def __init__(self, refusals: "Refusals"):
+        self.refusals = refusals
+
+    def find_spec(self, name, path=None, target=None):
+        r = self.refusals
+        if not r.active or not _matches(name, r.modules):
+            return None
+        if r.always or threading.current_thread() is not threading.main_thread() or _student_on_stack():
+            r.note(name)
+            raise Refused(f"{REFUSED_MARK} `import {name}`: {r.why(name)}")
+        return None
+
+
+class _RefusedName:
+    """What a refused name is bound to while the student's code runs: calling it, or reading any attribute
+    (its ``__code__``, a method), raises :class:`Refused` and is recorded."""
+
+    def __init__(self, refusals: "Refusals", name: str):
+        object.__setattr__(self, "_r", (refusals, name))
+
+    def _refuse(self):
+        refusals, name = object.__getattribute__(self, "_r")
+        refusals.note(name)
+        return Refused(f"{REFUSED_MARK} {name}: {refusals.why(name)}")
+
+    def __call__(self, *_args, **_kwargs):
+        raise self._refuse()
+
+    def __getattr__(self, attr):
+        raise self._refuse()
+
+    def __repr__(self) -> str:
+        return f"<refused: {object.__getattribute__(self, '_r')[1]}>"
+
+
+class Refusals:
+    """The refusals of one exercise (see the module docstring)."""
+
+    def __init__(self, exercise: str, libraries: tuple, references: tuple):
+        self.exercise = exercise
+        self.libraries = libraries
+        self.modules = (*libraries, _CHECKS)
+        self.refused: list[str] = []
+        self.active = self.always = False
+        self._stubs = self._find_bindings(references)
+        self._ruleset = None
+        self._removed: dict = {}
+        self._files = self._denied_files(references)
+
+    # ------------------------------------------------------------------ what is refused
+    def why(self, name: str) -> str:
+        if _matches(name, (_CHECKS,)):
+            return "the checker's own code cannot run inside your function"
+        return "it computes this exercise's answer: the exercise is to write it yourself"
+
+    def note(self, name: str) -> None:
+        if name not in self.refused:
+            self.refused.append(name)
+
+    def _stub(self, name: str):
+        return _RefusedName(self, name)
+
+    def _find_bindings(self, references) -> list:
+        """``(owner, attribute, original, stand-in)`` for every name a reference or a refused library
+        object is bound to in a loaded course module (and, for a library module, its siblings)."""
+        wanted = {}
+        for ref in references:
+            wanted[id(ref)] = f"{getattr(ref, '__module__', '?')}.{getattr(ref, '__qualname__', '?')}"
+        scan_prefixes = ["course_lib"] + [lib.rpartition(".")[0] for lib in self.libraries if "." in lib]
+        bindings = []
+        for module_name, module in list(sys.modules.items()):
+            if module is None or not _matches(module_name, scan_prefixes) or _matches(module_name, self.modules):
+                continue
+            for attr, value in list(vars(module).items()):
+                name = wanted.get(id(value)) or self._library_name(value)
+                if name:
+                    bindings.append((module, attr, value, self._stub(name)))
+        for ref in references:  # a method named as a reference (Class.forward): replaced on its class
+            owner_name, _, attr = getattr(ref, "__qualname__", "").rpartition(".")
+            owner = sys.modules.get(getattr(ref, "__module__", ""))
+            for part in owner_name.split(".") if owner_name else ():
+                owner = getattr(owner, part, None)
+            if owner is not None and isinstance(owner, type) and vars(owner).get(attr) is ref:
+                bindings.append((owner, attr, ref, self._stub(wanted[id(ref)])))
+        return bindings
+
+    def _library_name(self, value) -> str | None:
+        try:
+            name = value.__name__ if isinstance(value, type(sys)) else getattr(value, "__module__", None)
+        except Exception:  # noqa: BLE001 - an object whose attributes raise
+            return None
+        if isinstance(name, str) and _matches(name, self.libraries):
+            return name if isinstance(value, type(sys)) else f"{name}.{getattr(value, '__qualname__', '?')}"
+        return None
+
+    def _denied_files(self, references) -> list:
+        files = {Path(__file__).resolve().parent, _REPO / "solutions", _REPO / "tests"}
+        for ref in references:
+            module = sys.modules.get(getattr(ref, "__module__", ""))
+            path = getattr(module, "__file__", None)
+            if path:
+                path = Path(path)
+                files.add(path)
+                files.update(path.parent.glob(f"__pycache__/{path.stem}.*.pyc"))
+        for lib in self.libraries:
+            try:
+                spec = importlib.util.find_spec(lib)
+            except (ImportError, ValueError):
+                spec = None
+            if spec is not None and spec.origin:
+                origin = Path(spec.origin)
+                files.add(origin.parent if origin.name == "__init__.py" else origin)
+        return sorted(files)
+
+    # ------------------------------------------------------------------ applying them
+    def _fence_files(self) -> None:
+        import course_lib.classroom.grading.landlock as landlock
+
+        if self._ruleset is None:
+            self._ruleset = landlock.reading_denied_ruleset(self._files)
+        if self._ruleset >= 0 and not getattr(self, "_fenced", False):
+            landlock.restrict_self(self._ruleset)
+            self._fenced = True
+
+    def prepare_files(self) -> None:
+        """Build the Landlock ruleset now (in the judge), so each worker only applies it."""
+        import course_lib.classroom.grading.landlock as landlock
+
+        if self._ruleset is None:
+            self._ruleset = landlock.reading_denied_ruleset(self._files)
+
+    def ruleset_fd(self) -> int:
+        """The prepared Landlock ruleset's file descriptor (-1 when there is none)."""
+        return -1 if self._ruleset is None else self._ruleset
+
+    @contextlib.contextmanager
+    def around(self):
+        """The refusals in place for the block (the file rule for good); names restored afterwards."""
+        self._fence_files()
+        removed = {name: module for name, module in sys.modules.items() if module is not None
+                   and _matches(name, self.modules)}
+        self._removed = removed
+        parents = []
+        for name, module in removed.items():
+            parent = sys.modules.get(name.rpartition(".")[0])
+            attr = name.rpartition(".")[2]
+            if parent is not None and vars(parent).get(attr) is module:
+                parents.append((parent, attr, module))
+        finder = _Finder(self)
+        try:
+            for name in removed:
+                del sys.modules[name]
+            for parent, attr, module in parents:  # ``torch.distributed.checkpoint.planner_helpers`` refuses too
+                setattr(parent, attr, self._stub(module.__name__))
+            for owner, attr, _, stub in self._stubs:
+                setattr(owner, attr, stub)
+            sys.meta_path.insert(0, finder)
+            self.active = True
+            yield self
+        finally:
+            self.active = False
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
+            for owner, attr, original, _ in self._stubs:
+                setattr(owner, attr, original)
+            for parent, attr, module in parents:
+                setattr(parent, attr, module)
+            sys.modules.update(removed)
+
+    def apply(self, handed_over: tuple = ()) -> None:
+        """The refusals for good (a worker that runs nothing but the student's code): also the code of every
+        reference and checker function this process inherited is replaced, so one found through
+        ``gc.get_objects()`` refuses too (the methods of the classes in ``handed_over`` excepted: the checker
+        gave the student instances of them)."""
+        self.always = True
+        self._for_good = self.around()  # kept: a context manager collected as garbage would run its exit
+        self._for_good.__enter__()
+        found = [original for _, _, original, _ in self._stubs]
+        for name, module in self._removed.items():
+            if _matches(name, (_CHECKS + ".checks",)) and name.rpartition(".")[2] not in _MACHINERY:
+                found += [v for v in list(vars(module).values()) if getattr(v, "__module__", None) == name]
+        for obj in found:
+            if not (isinstance(obj, type) and any(issubclass(kept, obj) for kept in handed_over)):
+                _disarm(obj, f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
+
+
+_MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
+              "verdicts", "exercise", "checks"}
+"""Modules of the checks package whose code the worker itself runs (reading requests, encoding replies)."""
+
+
+def _disarm(obj, name: str) -> None:
+    """Make ``obj`` (a function, or each method of a class) raise :class:`Refused` when called."""
+    functions = [obj] if callable(obj) and hasattr(obj, "__code__") else []
+    if isinstance(obj, type):
+        for key, attr in vars(obj).items():
+            if key.startswith("__"):  # construction, comparison, printing: no answer in them
+                continue
+            attr = getattr(attr, "__func__", attr)
+            attr = attr.fget if isinstance(attr, property) else attr
+            if hasattr(attr, "__code__"):
+                functions.append(attr)
+    message = f"{REFUSED_MARK} {name}: it computes this exercise's answer (or is the checker's own code)"
+    refused = compile(f"def refused(*args, **kwargs):\n    raise ImportError({message!r})\n", "<refused>", "exec")
+    space: dict = {}
+    exec(refused, space)  # noqa: S102 - our own two lines
+    for fn in functions:
+        if not fn.__closure__:
+            try:
+                fn.__code__ = space["refused"].__code__
+            except (ValueError, TypeError):
+                pass
+
+
+def prepare(exercise: str) -> Refusals:
+    """The :class:`Refusals` of ``exercise`` (in the judge: resolves the references, reads no student code)."""
+    from course_lib.classroom.checks.references import LIBRARIES, references_for
+
+    return Refusals(exercise, LIBRARIES.get(exercise, ()), references_for(exercise))
+
+
+def refused_hint(names: list) -> str:
+    """The verdict line for a function whose code reached for refused names."""
+    return f"{REFUSED_MARK} your function used {', '.join(names[:3])}: " + (
+        "the checker's own code cannot run inside your function" if all(n.startswith(_CHECKS) for n in names)
+        else "it computes this exercise's answer, and the exercise is to write it yourself")

@@ -1,0 +1,247 @@
+"""The judge: cheats written in the exercise cell fail with a hint that names them; right answers written
+differently pass. Each answer is a notebook cell (its text in linecache, its names in ``__main__``), checked
+through the lab's real checker, which runs in the judge (:mod:`course_lib.classroom.checks.judge`)."""
+
+from __future__ import annotations
+
+import itertools
+import linecache
+
+import pytest
+import torch
+
+from course_lib.classroom.checks import plain
+from course_lib.classroom.checks.rank_grid import check_rank_of
+
+_CELLS = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def _through_the_judge(monkeypatch):
+    monkeypatch.setenv("COURSE_JUDGE", "1")  # as in a notebook's kernel
+
+
+def cell(source: str) -> dict:
+    """Run ``source`` as a notebook cell would: its functions belong to ``__main__`` and keep their text."""
+    filename = f"/tmp/ipykernel_0/{next(_CELLS)}.py"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    space = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), space)  # noqa: S102 - the test's own cell
+    return space
+
+
+RIGHT = '''
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+'''
+
+CHEATS = {
+    "setprofile(None), then the course's RankGrid": ('''
+import sys
+from course_lib.topology.grid import RankGrid
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    sys.setprofile(None)
+    return RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
+''', "RankGrid"),
+    "the course's RankGrid in a thread": ('''
+import threading
+from course_lib.topology.grid import RankGrid
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    box = []
+    run = lambda: box.append(RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(
+        tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank))
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return box[0] if box else 0
+''', "RankGrid"),
+    "a renamed copy of a reference's code object": ('''
+import types
+from course_lib.topology import grid
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    mine = types.FunctionType(grid.RankGrid.rank_of.__code__, vars(grid), "mine")
+    return mine(grid.RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp), tp=tp_rank, cp=cp_rank, dp=dp_rank,
+                pp=pp_rank)
+''', "RankGrid"),
+    "the course's RankGrid found with gc.get_objects()": ('''
+import gc
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    grid = next(o for o in gc.get_objects() if isinstance(o, type) and o.__name__ == "RankGrid")
+    return grid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
+''', "RankGrid"),
+    "megatron-core's RankGenerator": ('''
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    from megatron.core.parallel_state import RankGenerator
+    return RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp").get_ranks("tp")[0][tp_rank]
+''', "megatron"),
+    "the checker's helpers monkeypatched from inside the function": ('''
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    import course_lib.classroom.checks.rank_grid as checker
+    checker.same_number = lambda *args, **kwargs: True
+    return 0
+''', "checker's own code"),
+    "the reference's source read from disk": ('''
+import course_lib.topology.grid as grid
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    space = {}
+    exec(open(grid.__file__.replace(".pyc", ".py")).read(), space)
+    return space["RankGrid"](tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank,
+                                                                          pp=pp_rank)
+''', "Permission denied"),
+    "the expected value read off the checker's frames": ('''
+import sys
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    frame = sys._getframe(1)
+    while frame is not None:
+        for key in ("expected", "want", "truth", "answer"):
+            if isinstance(frame.f_locals.get(key), int):
+                return frame.f_locals[key]
+        frame = frame.f_back
+    return -1
+''', "expected"),
+}
+
+
+@pytest.mark.parametrize("what", list(CHEATS))
+def test_a_cheat_fails_with_a_hint_that_names_it(what):
+    source, named = CHEATS[what]
+    verdict = check_rank_of(cell(source)["rank_of"])
+    assert not verdict.ok, what
+    assert named in verdict.hint, (what, verdict.hint)
+
+
+LIBRARY_CHEATS = {
+    "megatron-core's switch_load_balancing_loss_func": ("course_lib.classroom.checks.moe:check_aux_loss", '''
+import torch
+
+def aux_loss(scores, indices, num_experts, coeff):
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+    counts = torch.bincount(indices.flatten(), minlength=num_experts)
+    return switch_load_balancing_loss_func(scores, counts, indices.shape[0] * indices.shape[1], indices.shape[1],
+                                           coeff)
+''', "megatron"),
+    "torch's DCP planner helpers": ("course_lib.classroom.checks.checkpoints:check_read_plan", '''
+import torch.distributed.checkpoint as dcp
+
+def read_plan(saved, want):
+    helpers = dcp.planner_helpers
+    return helpers.create_read_items_for_chunk_list("w", want, saved)
+''', "torch.distributed.checkpoint.planner_helpers"),
+    "DeepSpeed's DeepSpeedZeroConfig": ("course_lib.classroom.checks.zero_stages:check_what_it_shards", '''
+def what_it_shards(config):
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    zero = DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
+    return {"sharded": set(), "offloaded": set()}
+''', "deepspeed"),
+    "setprofile(None), then the course's ring on the ranks": (
+        "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
+import sys
+from course_lib.collectives import ring_all_reduce
+
+def my_ring_all_reduce(x):
+    sys.setprofile(None)
+    return ring_all_reduce(x)
+''', "ring_all_reduce"),
+    "the checker's helpers replaced through the frames on a rank": (
+        "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
+import sys
+
+def my_ring_all_reduce(x):
+    frame = sys._getframe(1)
+    while frame is not None:
+        for name in list(frame.f_globals):
+            if name.endswith("problems") or name.startswith("same"):
+                frame.f_globals[name] = lambda *args, **kwargs: []
+        frame = frame.f_back
+    return x
+''', "replaced"),
+}
+
+
+@pytest.mark.parametrize("what", list(LIBRARY_CHEATS))
+def test_the_library_that_computes_the_answer_is_refused(what):  # and a rank's patch is undone
+    from course_lib.classroom.checks.student_code import resolve
+
+    checker, source, named = LIBRARY_CHEATS[what]
+    space = cell(source)
+    fn = [v for k, v in space.items() if callable(v) and getattr(v, "__module__", None) == "__main__"][-1]
+    verdict = resolve(checker)(fn)
+    assert not verdict.ok, what
+    assert named in verdict.hint, (what, verdict.hint)
+
+
+def test_a_table_of_the_fixed_cases_fails_on_the_cases_drawn_for_the_run():
+    from course_lib.classroom.checks.checkpoints import RESHARDINGS, check_read_plan
+
+    right = cell('''
+def read_plan(saved, want):
+    (w_off, w_size), plan = want, []
+    for i, (c_off, c_size) in enumerate(saved):
+        lo = [max(c, w) for c, w in zip(c_off, w_off)]
+        hi = [min(c + cs, w + ws) for c, cs, w, ws in zip(c_off, c_size, w_off, w_size)]
+        if all(a < b for a, b in zip(lo, hi)):
+            plan.append((i, [a - c for a, c in zip(lo, c_off)], [a - w for a, w in zip(lo, w_off)],
+                         [b - a for a, b in zip(lo, hi)]))
+    return plan
+''')["read_plan"]
+    assert check_read_plan(right).ok
+    table = {(repr([tuple(c) for c in saved]), repr(tuple(want))): right([tuple(c) for c in saved], tuple(want))
+             for _, _, saved, pieces in RESHARDINGS for want in pieces}
+    cheat = cell(f"TABLE = {table!r}\n\ndef read_plan(saved, want):\n    return TABLE.get((repr(saved), repr(want)), [])\n")
+    verdict = check_read_plan(cheat["read_plan"])
+    assert not verdict.ok and "a random" in verdict.hint, verdict.hint
+
+
+def test_patching_the_checker_in_the_kernel_changes_nothing(monkeypatch):
+    from course_lib.classroom.checks import verdicts
+
+    def always(*_args, **_kwargs):
+        print("✓ passed")
+        return True
+
+    monkeypatch.setattr(check_rank_of.__wrapped__, "__code__", always.__code__)
+    monkeypatch.setattr(verdicts, "run_student", lambda *args, **kwargs: verdicts.StudentRun(value=0))
+    wrong = cell("def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n    return tp_rank\n")
+    assert not check_rank_of(wrong["rank_of"]).ok
+
+
+def test_right_answers_written_differently_pass(capsys):
+    assert check_rank_of(cell(RIGHT)["rank_of"]).ok
+    helpers = cell('''
+import numpy as np
+ORDER = ("tp", "cp", "dp", "pp")
+
+def strides(sizes):
+    return np.cumprod([1] + [sizes[a] for a in ORDER[:-1]]).tolist()
+''')
+    answer = cell('''
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    print("my strides", strides(dict(tp=tp, cp=cp, dp=dp, pp=pp)))
+    coords = (tp_rank, cp_rank, dp_rank, pp_rank)
+    return int(sum(c * s for c, s in zip(coords, strides(dict(tp=tp, cp=cp, dp=dp, pp=pp)))))
+''')
+    answer["strides"], answer["ORDER"], answer["np"] = helpers["strides"], helpers["ORDER"], helpers["np"]
+    answer["rank_of"].__globals__.update(strides=helpers["strides"])
+    assert check_rank_of(answer["rank_of"]).ok
+    assert "my strides" in capsys.readouterr().out  # the student's print output reaches the notebook
+
+
+def test_plain_data_round_trip():
+    from fractions import Fraction
+
+    import numpy as np
+
+    value = {"t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "n": np.arange(3.0), "f": Fraction(1, 3),
+             (1, 2): {3, 4}, "x": [None, True, 2.5, "s"], "np": np.int64(7)}
+    back = plain.loads(plain.dumps(value))
+    assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.bfloat16
+    assert back["n"].tolist() == [0.0, 1.0, 2.0] and back["f"] == Fraction(1, 3) and back[(1, 2)] == {3, 4}
+    assert back["x"] == [None, True, 2.5, "s"] and back["np"] == 7
+    odd = plain.loads(plain.dumps(object()))
+    assert type(odd).__name__ == "Opaque"
