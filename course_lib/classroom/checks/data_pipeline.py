@@ -12,6 +12,8 @@ that never crosses into the next document, the wrong number of rows. Never raise
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from course_lib.classroom.checks import call_student, not_attempted, outcome, refused_call
@@ -25,7 +27,9 @@ CASES = 40
 def _reference():
     """megatron-core's compiled helper, else the course's (the same rows: tests/data/test_megatron_data.py)."""
     try:
-        from megatron.core.datasets.helpers import build_sample_idx
+        with warnings.catch_warnings():   # megatron-core's "Transformer Engine and Apex are not installed"
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.helpers import build_sample_idx
     except ImportError:
         from course_lib.data.gpt_dataset import build_sample_index
 
