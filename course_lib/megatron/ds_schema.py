@@ -564,7 +564,8 @@ def import_deepspeed():
     without oneCCL DeepSpeed's CPU accelerator talks gloo). ``ImportError`` (one line) without it.
     Its JIT-built ops are cached per Python environment (``TORCH_EXTENSIONS_DIR`` =
     ``<venv>/torch_extensions`` unless set): torch keys the cache by op name only, so two clones'
-    environments sharing ``~/.cache`` would rebuild each other's ops."""
+    environments sharing ``~/.cache`` would rebuild each other's ops. The first import in an
+    environment builds them (:func:`course_lib.megatron.ds_ops.ensure_built`, about a minute)."""
     import os
     import sys
 
@@ -578,6 +579,9 @@ def import_deepspeed():
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     import deepspeed
 
+    from course_lib.megatron.ds_ops import ensure_built
+
+    ensure_built()
     return deepspeed
 
 
