@@ -697,7 +697,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return run_torchrun(cmd, env=env)
+    return run_torchrun(cmd, env=env, timeout=args.distributed_timeout_minutes * 60)
 
 
 if __name__ == "__main__":
