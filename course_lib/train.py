@@ -134,6 +134,7 @@ import torch.distributed as dist
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
+from course_lib.launch.contract import report_error
 from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
@@ -638,18 +639,18 @@ def _init_distributed(args) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m course_lib.train`` (under torchrun, or alone as a world of one)."""
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         args, config = validate_args(args, world)                        # before any process group
     except ValueError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if rank == 0:
+            report_error(rank, str(exc))
         return 2
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         _init_distributed(args)
     except RendezvousError as exc:                                       # one line: which rank, the fix
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_error(rank, str(exc))
         return 2
     try:
         if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.training.deepspeed_engine)
@@ -658,11 +659,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pretrain(args, config=config)
         dist.barrier()
     except CheckpointError as exc:                                       # one line, on the rank that saw it
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_error(rank, str(exc))
         return 2
     except TrainingStopped as exc:                                       # one line, and a failed run's exit code
         if exc.report:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            report_error(rank, str(exc))
         return 1
     finally:
         dist.destroy_process_group()

@@ -15,6 +15,7 @@ import time
 import traceback
 
 from course_lib import rules
+from course_lib.safe_files import write_atomic
 from course_lib.launch.output import tail
 from course_lib.rules import MAX_TIMEOUT_S  # noqa: F401  (launch's name since Lab 00)
 
@@ -205,6 +206,16 @@ def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=No
         dist.init_process_group(**kwargs)
     if JOB_ENV in os.environ:  # for the launcher: this rank is past start-up
         open(os.path.join(os.environ[JOB_ENV], f"rank{rank}.joined"), "w").close()
+
+
+def report_error(rank: int, message: str) -> None:
+    """A rank's error, for the person: ``error: message`` on stderr -- in a job run by
+    :func:`course_lib.launch.run_torchrun`, the job's log -- and, in such a job, its first line and the
+    time in ``JOB/rank{r}.error``, from which the launcher prints the first failing rank's line, once."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if JOB_ENV in os.environ:
+        line = message.strip().splitlines()[0] if message.strip() else "failed"
+        write_atomic(os.path.join(os.environ[JOB_ENV], f"rank{rank}.error"), f"{time.time()!r}\n{line}".encode())
 
 
 def failure_record(exc: BaseException) -> tuple[str, str, float]:

@@ -147,6 +147,17 @@ class TorchrunAgent:
                 return RENDEZVOUS, missing
         return START_UP, missing
 
+    def first_error(self, world_size: int) -> str | None:
+        """``"rank R: <its error line>"`` of the rank that reported an error first (``report_error``), or None."""
+        records = []
+        for r in range(world_size):
+            try:
+                at, _, line = (self.job / f"rank{r}.error").read_text(errors="replace").partition("\n")
+                records.append((float(at), r, line))
+            except (OSError, ValueError):
+                continue
+        return f"rank {min(records)[1]}: {min(records)[2]}" if records else None
+
     def stop(self, rank_pids: Sequence[int] = ()) -> str:
         """Kill torchrun and every process under it -- all but the agent, which still has
         to remove the job folder -- and report, checked, what was stopped.
@@ -220,6 +231,11 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout:
     """Run a :func:`torchrun_command` line in the foreground (``python -m course_lib train``);
     return its exit code.
 
+    The ranks' stdout reaches the terminal as they print it; stderr -- torchrun's own (its
+    ChildFailedError traceback), the ranks' warnings and tracebacks -- goes to a log. A run that
+    fails prints one line: the first failing rank's error (:func:`course_lib.launch.contract.report_error`),
+    with its rank, and where the log is kept; a run that succeeds prints the log's text, if any, and removes it.
+
     ``timeout``: the process groups' (``--distributed-timeout-minutes``); torchrun's rendezvous and the
     ranks' start-up must end within it plus ``_TORCHRUN_STARTUP_S``, else everything is stopped and
     one line names the phase that hung (exit code 124); after that, the groups' timeout bounds every
@@ -231,22 +247,33 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout:
     startup_timeout = _TORCHRUN_STARTUP_S + (timeout if timeout is not None else MAX_TIMEOUT_S)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    log = tempfile.NamedTemporaryFile(prefix="course_torchrun_", suffix=".log", delete=False)
+    code, first = None, None
     try:
-        with TorchrunAgent(cmd, env=env) as agent:
+        with log, TorchrunAgent(cmd, env=env, stderr=log) as agent:
             agent.start()
             code, _ = supervise(lambda: _wait_joined(agent, world_size, startup_timeout), agent.stop)
+            first = agent.first_error(world_size)
     except LaunchTimeout as exc:
-        print(f"error: {str(exc).splitlines()[0]}", file=sys.stderr, flush=True)
+        print(f"error: {str(exc).splitlines()[0]} (the log: {log.name})", file=sys.stderr, flush=True)
         return 124
     except KeyboardInterrupt as exc:
-        print(f"{exc}", file=sys.stderr, flush=True)
+        print(f"{exc} (the log: {log.name})", file=sys.stderr, flush=True)
         return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if code is None:  # the agent was killed: its own exit code says how
         code = agent.proc.returncode
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    if code == 0:
+        text = Path(log.name).read_text(errors="replace")
+        os.unlink(log.name)
+        print(text, end="", file=sys.stderr, flush=True)
+    else:
+        said = first or f"torchrun exited with code {code}, and no rank reported an error"
+        print(f"error: {said} (the whole report, tracebacks included: {log.name})", file=sys.stderr, flush=True)
+    return code
 
 
 def _not_importable(obj) -> str | None:

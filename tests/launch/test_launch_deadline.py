@@ -1,6 +1,9 @@
-"""One-machine launches do not depend on this machine's hostname (gloo and torchrun meet on loopback),
-and a torchrun job that never gets past its rendezvous is stopped at its deadline with one line naming
-that phase (course_lib/launch/contract.py, course_lib/launch/torchrun.py)."""
+"""One-machine launches do not depend on this machine's hostname (gloo and torchrun meet on loopback);
+a torchrun job that never gets past its rendezvous is stopped at its deadline with one line naming
+that phase; a failing ``python -m course_lib train`` says its first failing rank's error once, and
+torchrun's traceback goes to the log (course_lib/launch/contract.py, course_lib/launch/torchrun.py)."""
+
+import re
 
 import os
 import shutil
@@ -83,3 +86,22 @@ def test_a_hostname_that_does_not_resolve_changes_nothing(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.split() == ["fork", "ok", "torchrun", "ok"]
     assert "Unable to resolve" not in run.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_run_says_its_error_once_and_keeps_the_traceback_in_the_log(tmp_path):
+    """--lr 1e30 on 2 ranks: the loss is NaN at iteration 2 on both; one line on the terminal, with the
+    rank; torchrun's ChildFailedError traceback only in the log that line names."""
+    argv = ["--nproc-per-node", "2", "--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e30", "--log-interval", "1"]
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "course_lib", "train", *argv], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert out.returncode == 1, out.stderr
+    line = re.fullmatch(r"error: rank [01]: lm_loss=nan at iteration 2 is not finite, .* "
+                        r"\(the whole report, tracebacks included: (\S+)\)\n", out.stderr)
+    assert line, out.stderr
+    log = Path(line.group(1)).read_text()
+    assert "ChildFailedError" in log and "Traceback" in log and "Traceback" not in out.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [Path(line.group(1)).name]   # the log, nothing else
