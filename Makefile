@@ -26,7 +26,8 @@ TORCH_CPU   ?= torch==2.13.0
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU     := $(shell command -v nvidia-smi 2>/dev/null)
 JOBS   ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
+DURATIONS ?= 20
+PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=$(DURATIONS) -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 # Students work here; labs/ is generated and released (see course_lib/classroom/notebooks/workspace.py).
 WORKSPACE ?= my-labs
