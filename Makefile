@@ -62,7 +62,8 @@ ifneq ($(HAS_GPU),)
 else ifeq ($(shell uname -s),Darwin)
 	$(BIN)/python -m pip install "$(TORCH_CPU)"
 else
-	$(BIN)/python -m pip install --retries 0 --timeout 20 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)+cpu" || { \
+	@echo '$(BIN)/python -m pip install --retries 0 --timeout 20 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)+cpu"'
+	@$(BIN)/python -m pip install --retries 0 --timeout 20 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)+cpu" || { \
 	  echo "note: $(TORCH_CPU)+cpu is neither in your pip indexes nor at $(TORCH_INDEX): installing PyPI's $(TORCH_CPU) (a CUDA build, ~4 GB; it runs on CPU too)"; \
 	  $(BIN)/python -m pip install "$(TORCH_CPU)"; }
 endif

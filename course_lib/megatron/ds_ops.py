@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import sysconfig
 import time
 
 # The C++ ops built, in order; DeepSpeed's builder class names (deepspeed/ops/op_builder/cpu/).
@@ -41,6 +42,9 @@ def build_ops() -> list[str]:
     if shutil.which("c++") is None and shutil.which("g++") is None:
         raise RuntimeError("DeepSpeed compiles its CPU ops with g++, which is missing: run "
                            "'sudo apt-get install g++ libaio-dev' (macOS: xcode-select --install)")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        raise RuntimeError(f"DeepSpeed's ops compile against Python's headers (Python.h), which are missing for "
+                           f"Python {sysconfig.get_python_version()}: run 'sudo apt-get install python3-dev'")
     from deepspeed.accelerator import get_accelerator
 
     names = []
@@ -81,6 +85,9 @@ def ensure_built() -> None:
 if __name__ == "__main__":      # make test: build them before the notebooks run
     from course_lib.megatron.ds_schema import import_deepspeed
 
-    import_deepspeed()              # builds them if this environment has not yet
+    try:
+        import_deepspeed()          # builds them if this environment has not yet
+    except RuntimeError as exc:
+        sys.exit(f"error: {str(exc).splitlines()[0]}")
     with open(os.path.join(_extensions_dir(), _STAMP)) as f:
         print(f"DeepSpeed's ops are built: {f.read().strip()}")
