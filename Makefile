@@ -7,7 +7,7 @@
 # missing, and the package is reinstalled only when pyproject.toml changes.
 # DeepSpeed installs as pure Python (DS_BUILD_OPS=0); the C++ ops it compiles with g++ on first use
 # on CPU (shared-memory comm, pinned memory; async_io for NVMe offload, with libaio-dev) are built
-# when a lab or test first imports DeepSpeed, once, under a file lock (course_lib/megatron/ds_ops.py),
+# when a lab or test first imports DeepSpeed, once, under a file lock (course_lib/deepspeed/ops.py),
 # so that `make lab` opens JupyterLab without waiting for g++.
 
 PYTHON ?= python3
@@ -98,7 +98,7 @@ lab: setup
 # DeepSpeed's ops are built before the notebooks run (their stored outputs lack the build's progress line).
 test: setup browser
 	$(BIN)/python -m course_lib labs --check
-	$(BIN)/python -m course_lib.megatron.ds_ops
+	$(BIN)/python -m course_lib.deepspeed.ops
 	$(PYTEST) -p course_lib.classroom.notebooks.nbval_plugin solutions labs tests --nbval $(NBVAL_OPTS)
 
 # The inner loop while editing course_lib/: unit tests only, without those marked slow (pyproject.toml).

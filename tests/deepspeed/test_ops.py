@@ -1,11 +1,12 @@
-"""DeepSpeed's ops are built on first use, once, by one process at a time (course_lib/megatron/ds_ops.py)."""
+"""DeepSpeed's ops are built on first use, once, by one process at a time (course_lib/deepspeed/ops.py)."""
 
 import multiprocessing
 import os
 
 import pytest
 
-from course_lib.megatron import ds_ops, ds_schema
+from course_lib.deepspeed import ops as ds_ops
+from course_lib.deepspeed import schema as ds_schema
 
 pytestmark = pytest.mark.skipif(not ds_schema.deepspeed_installed(), reason="DeepSpeed 0.19.8 is not installed")
 

@@ -11,7 +11,7 @@ kernel when its holder dies, unlike torch's own ``lock`` file, which a build kil
 behind (the next build then waits for it forever).
 
 The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extensions``, set by
-:func:`course_lib.megatron.ds_schema.import_deepspeed`, the only caller).
+:func:`course_lib.deepspeed.schema.import_deepspeed`, the only caller).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def ensure_built() -> None:
 
 
 if __name__ == "__main__":      # make test: build them before the notebooks run
-    from course_lib.megatron.ds_schema import import_deepspeed
+    from course_lib.deepspeed.schema import import_deepspeed
 
     try:
         import_deepspeed()          # builds them if this environment has not yet
