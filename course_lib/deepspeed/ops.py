@@ -10,8 +10,8 @@ under an ``fcntl`` lock: the first builds, the others find the stamp. The lock i
 kernel when its holder dies, unlike torch's own ``lock`` file, which a build killed midway leaves
 behind (the next build then waits for it forever).
 
-The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extensions``, set by
-:func:`course_lib.deepspeed.schema.import_deepspeed`, the only caller).
+The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extensions``, see
+:func:`set_environment`); :func:`course_lib.deepspeed.schema.import_deepspeed` calls both.
 """
 
 from __future__ import annotations
@@ -26,6 +26,19 @@ import time
 OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
 _STAMP = ".course_ops_built"
 _LOCK = ".course_ops.lock"
+
+
+def set_environment() -> None:
+    """Before ``import deepspeed``: its CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at
+    import), and its JIT-built ops cached per Python environment (``TORCH_EXTENSIONS_DIR`` =
+    ``<venv>/torch_extensions`` unless set: torch keys the cache by op name only, so two clones'
+    environments sharing ``~/.cache`` would rebuild each other's ops)."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 def _extensions_dir() -> str:
@@ -83,10 +96,11 @@ def ensure_built() -> None:
 
 
 if __name__ == "__main__":      # make test: build them before the notebooks run
-    from course_lib.deepspeed.schema import import_deepspeed
+    set_environment()
+    import deepspeed  # noqa: F401
 
     try:
-        import_deepspeed()          # builds them if this environment has not yet
+        ensure_built()
     except RuntimeError as exc:
         sys.exit(f"error: {str(exc).splitlines()[0]}")
     with open(os.path.join(_extensions_dir(), _STAMP)) as f:

@@ -613,20 +613,12 @@ def import_deepspeed():
     ``<venv>/torch_extensions`` unless set): torch keys the cache by op name only, so two clones'
     environments sharing ``~/.cache`` would rebuild each other's ops. The first import in an
     environment builds them (:func:`course_lib.deepspeed.ops.ensure_built`, about a minute)."""
-    import os
-    import sys
+    from course_lib.deepspeed.ops import ensure_built, set_environment
 
     if not deepspeed_installed():
         raise ImportError(f"DeepSpeed is not installed: pip install 'deepspeed=={VERSION}' (DS_BUILD_OPS=0)")
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    set_environment()
     import deepspeed
-
-    from course_lib.deepspeed.ops import ensure_built
 
     ensure_built()
     return deepspeed

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -46,16 +47,18 @@ def test_the_phase_is_named_in_the_timeout_line():
     assert str(run).startswith("ranks [0] did not finish within timeout=5s (a hang or deadlock")
 
 
-def test_a_torchrun_rendezvous_that_never_completes_is_stopped_at_its_deadline(monkeypatch, capfd):
+def test_a_torchrun_rendezvous_that_never_completes_is_stopped_at_its_deadline(monkeypatch, capfd, tmp_path):
     # --nnodes=2 on one machine: torchrun's own rendezvous waits for a second node that never comes
     monkeypatch.setattr(torchrun, "_TORCHRUN_STARTUP_S", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=2", "--nproc-per-node=1",
            "-m", "course_lib.train"]
     code = torchrun.run_torchrun(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=4)
     err = capfd.readouterr().err.strip().splitlines()
     assert code == 124
     assert err[-1].startswith("error: torchrun's rendezvous did not complete within 4s: it started no rank"), err
-    assert err[-1].endswith("torchrun and all its rank processes were stopped")
+    assert "torchrun and all its rank processes were stopped (the log: " in err[-1]
+    assert [p.name for p in tmp_path.iterdir()] == [err[-1].rpartition(" ")[2].rstrip(")").rpartition("/")[2]]
     assert _descendants(os.getpid()) == []
 
 
