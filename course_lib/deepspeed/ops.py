@@ -85,7 +85,7 @@ def ensure_built() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)    # a second process waits here while the first builds
         if built():
             return
-        print("building DeepSpeed's C++ ops with g++ (once for this environment, about a minute on 2 cores) ...",
+        print("building DeepSpeed's C++ ops with g++ (once for this environment; minutes on 2 cores) ...",
               file=sys.stderr, flush=True)
         start = time.perf_counter()
         names = build_ops()

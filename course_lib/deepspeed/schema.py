@@ -612,7 +612,7 @@ def import_deepspeed():
     Its JIT-built ops are cached per Python environment (``TORCH_EXTENSIONS_DIR`` =
     ``<venv>/torch_extensions`` unless set): torch keys the cache by op name only, so two clones'
     environments sharing ``~/.cache`` would rebuild each other's ops. The first import in an
-    environment builds them (:func:`course_lib.deepspeed.ops.ensure_built`, about a minute)."""
+    environment builds them (:func:`course_lib.deepspeed.ops.ensure_built`, minutes on 2 cores)."""
     from course_lib.deepspeed.ops import ensure_built, set_environment
 
     if not deepspeed_installed():
