@@ -228,6 +228,15 @@ def _wait_joined(agent: TorchrunAgent, world_size: int, startup_timeout: float) 
     return agent.wait()
 
 
+def _keep(log) -> str:
+    """Copy the unlinked ``log`` to a new named file in the temporary folder; its path."""
+    fd, path = tempfile.mkstemp(prefix="course_torchrun_", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(read_back(log))
+    log.close()
+    return path
+
+
 def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float | None = None) -> int:
     """Run a :func:`torchrun_command` line in the foreground (``python -m course_lib train``);
     return its exit code.
@@ -248,18 +257,20 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout:
     startup_timeout = _TORCHRUN_STARTUP_S + (timeout if timeout is not None else MAX_TIMEOUT_S)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
-    log = tempfile.NamedTemporaryFile(prefix="course_torchrun_", suffix=".log", delete=False)
+    # Deleted at birth (nothing is left if this process is killed); kept, as a named file, only for a failure.
+    log = tempfile.TemporaryFile(prefix="course_torchrun_")
     code, first = None, None
     try:
-        with log, TorchrunAgent(cmd, env=env, stderr=log) as agent:
+        with TorchrunAgent(cmd, env=env, stderr=log) as agent:
             agent.start()
             code, _ = supervise(lambda: _wait_joined(agent, world_size, startup_timeout), agent.stop)
             first = agent.first_error(world_size)
     except LaunchTimeout as exc:
-        print(f"error: {str(exc).splitlines()[0]} (the log: {log.name})", file=sys.stderr, flush=True)
+        print(f"error: {str(exc).splitlines()[0]} (the log: {_keep(log)})", file=sys.stderr, flush=True)
         return 124
     except KeyboardInterrupt as exc:
-        print(f"{exc} (the log: {log.name})", file=sys.stderr, flush=True)
+        log.close()
+        print(f"{exc}", file=sys.stderr, flush=True)
         return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     finally:
         if in_main_thread:
@@ -268,12 +279,11 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout:
         code = agent.proc.returncode
     code = code if code >= 0 else 128 - code
     if code == 0:
-        text = Path(log.name).read_text(errors="replace")
-        os.unlink(log.name)
-        print(text, end="", file=sys.stderr, flush=True)
+        print(read_back(log), end="", file=sys.stderr, flush=True)
+        log.close()
     else:
         said = first or f"torchrun exited with code {code}, and no rank reported an error"
-        print(f"error: {said} (the whole report, tracebacks included: {log.name})", file=sys.stderr, flush=True)
+        print(f"error: {said} (the whole report, tracebacks included: {_keep(log)})", file=sys.stderr, flush=True)
     return code
 
 
