@@ -5,31 +5,41 @@
 #               strict nbval over solutions/, lax nbval over labs/ (course_lib/classroom/notebooks/nbval_plugin.py)
 # Set-up is incremental: the venv is created once, torch is installed only when
 # missing, and the package is reinstalled only when pyproject.toml changes.
-# DeepSpeed installs as pure Python (DS_BUILD_OPS=0); the two C++ ops it compiles with g++ on
-# first use on CPU (shared-memory comm; async_io for NVMe offload, with libaio-dev) are built once here.
+# DeepSpeed installs as pure Python (DS_BUILD_OPS=0); the C++ ops it compiles with g++ on first use
+# on CPU (shared-memory comm, pinned memory; async_io for NVMe offload, with libaio-dev) are built
+# when a lab or test first imports DeepSpeed, once, under a file lock (course_lib/deepspeed/ops.py),
+# so that `make lab` opens JupyterLab without waiting for g++.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# Every command below runs with the venv's bin/ first on the PATH: torch's C++ extension builder
+# (DeepSpeed's ops) looks for `ninja` there, and pip puts it in the venv, not in /usr/bin.
+export PATH := $(abspath $(BIN)):$(PATH)
 STAMP  := $(VENV)/.installed
-# Machines without an NVIDIA driver get the tested CPU release (the notebooks'
-# printed numbers were produced with it); GPU machines get any torch >= 2.4.
-# The CPU pin is written only here (.ci/run reads it: make -s print-torch-cpu).
-TORCH_CPU  ?= torch==2.13.0
-TORCH_SPEC ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch>=2.4,$(TORCH_CPU))
+# Machines without an NVIDIA driver get the tested CPU release (the notebooks' printed numbers
+# were produced with it): its CPU build (+cpu) from the configured indexes (a local wheel) or from
+# PyTorch's CPU index, so no CUDA wheel is downloaded; only if both fail, PyPI's torch (on Linux a
+# CUDA build, ~4 GB), said in a note. macOS: PyPI's wheel is the CPU one. GPU machines get torch >= 2.4.
+# The CPU pin is written only here (`make torch` installs it; .ci/run and set-up use that).
+TORCH_CPU   ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_GPU     := $(shell command -v nvidia-smi 2>/dev/null)
 JOBS   ?= 2
-PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=12 -q
+DURATIONS ?= 20
+PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=$(DURATIONS) -q
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 # Students work here; labs/ is generated and released (see course_lib/classroom/notebooks/workspace.py).
 WORKSPACE ?= my-labs
 # The course as a static website (course_lib/classroom/site/).
 SITE ?= build/site
 
-.PHONY: lab test setup graphviz browser labs figures solutions benchmarks sweep site gpu-check clean help print-torch-cpu
+.PHONY: lab test test-fast torch setup graphviz browser labs figures solutions benchmarks sweep site gpu-check clean help
 
 help:
 	@echo "make lab        set up, copy new labs into $(WORKSPACE)/ (never over your work), open JupyterLab there"
 	@echo "make test       set up and run every test (unit + notebooks)"
+	@echo "make test-fast  the inner loop (< 1 min): unit tests not marked slow, no notebooks"
 	@echo "make labs       regenerate labs/ from solutions/ (never overwrites a hand-edited notebook)"
 	@echo "make solutions  re-execute solutions/ in place (refreshes their stored outputs)"
 	@echo "make figures    regenerate figures/"
@@ -42,10 +52,21 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(MAKE) --no-print-directory torch
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -e ".[dev,megatron,deepspeed]"
-	$(BIN)/python -m course_lib.deepspeed.engine --build-ops
 	@touch $@
+
+torch: | $(BIN)/python
+ifneq ($(HAS_GPU),)
+	$(BIN)/python -m pip install "torch>=2.4"
+else ifeq ($(shell uname -s),Darwin)
+	$(BIN)/python -m pip install "$(TORCH_CPU)"
+else
+	@echo '$(BIN)/python -m pip install --retries 0 --timeout 20 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)+cpu"'
+	@$(BIN)/python -m pip install --retries 0 --timeout 20 --extra-index-url $(TORCH_INDEX) "$(TORCH_CPU)+cpu" || { \
+	  echo "note: $(TORCH_CPU)+cpu is neither in your pip indexes nor at $(TORCH_INDEX): installing PyPI's $(TORCH_CPU) (a CUDA build, ~4 GB; it runs on CPU too)"; \
+	  $(BIN)/python -m pip install "$(TORCH_CPU)"; }
+endif
 
 graphviz:
 	@command -v dot >/dev/null 2>&1 || { \
@@ -74,9 +95,15 @@ lab: setup
 	$(BIN)/python -m course_lib workspace --dir $(WORKSPACE)
 	$(BIN)/jupyter lab --ServerApp.root_dir=$(WORKSPACE) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
+# DeepSpeed's ops are built before the notebooks run (their stored outputs lack the build's progress line).
 test: setup browser
 	$(BIN)/python -m course_lib labs --check
+	$(BIN)/python -m course_lib.deepspeed.ops
 	$(PYTEST) -p course_lib.classroom.notebooks.nbval_plugin solutions labs tests --nbval $(NBVAL_OPTS)
+
+# The inner loop while editing course_lib/: unit tests only, without those marked slow (pyproject.toml).
+test-fast: setup
+	$(PYTEST) -m "not slow" tests
 
 labs: setup
 	$(BIN)/python -m course_lib labs
@@ -99,9 +126,6 @@ gpu-check: setup
 
 benchmarks: setup
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
-
-print-torch-cpu:
-	@echo '$(TORCH_CPU)'
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -35,6 +35,7 @@ from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
 from course_lib.data.source import build_train_dataset, build_valid_dataset
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
+from course_lib.launch.contract import report_error
 from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
@@ -587,18 +588,18 @@ def _init_distributed(args) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m course_lib.train`` (under torchrun, or alone as a world of one)."""
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
         args, config = validate_args(args, world)                        # before any process group
     except rules.UsageError as exc:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+        if rank == 0:
+            report_error(rank, str(exc))
         return 2
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
         _init_distributed(args)
     except RendezvousError as exc:                                       # one line: which rank, the fix
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_error(rank, str(exc))
         return 2
     try:
         if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.deepspeed.engine)
@@ -607,11 +608,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pretrain(args, config=config)
         dist.barrier()
     except CheckpointError as exc:                                       # one line, on the rank that saw it
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        report_error(rank, str(exc))
         return 2
     except TrainingStopped as exc:                                       # one line, and a failed run's exit code
         if exc.report:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
+            report_error(rank, str(exc))
         return 1
     finally:
         dist.destroy_process_group()
@@ -646,7 +647,7 @@ def run(args: argparse.Namespace) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return run_torchrun(cmd, env=env)
+    return run_torchrun(cmd, env=env, timeout=args.distributed_timeout_minutes * 60)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 import warnings
 
@@ -105,29 +104,6 @@ def preload() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is not None and builder.is_compatible(verbose=False):
         builder.load(verbose=False)
-
-
-def build_ops() -> list[str]:
-    """Build (once; cached in ``<venv>/torch_extensions``, see :func:`course_lib.deepspeed.schema.import_deepspeed`) the C++ ops
-    DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op, the
-    pinned-memory op (offload's host buffers), and ``async_io`` (NVMe offload) where libaio's headers are
-    installed. ``make setup`` runs this, so that no run or test pays the build.
-    Returns the names built or found."""
-    import shutil
-
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        raise SystemExit("DeepSpeed compiles its CPU ops with g++, which is missing: run "
-                         "'sudo apt-get install g++ libaio-dev' (macOS: xcode-select --install), then re-run make")
-    import_deepspeed()
-    from deepspeed.accelerator import get_accelerator
-
-    built = []
-    for name in ("ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder"):
-        builder = get_accelerator().create_op_builder(name)
-        if builder is not None and builder.is_compatible(verbose=False):
-            builder.load(verbose=False)
-            built.append(builder.NAME)
-    return built
 
 
 def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.Namespace) -> None:
@@ -488,9 +464,3 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     gc.collect()
     dist.barrier()
     return record
-
-
-if __name__ == "__main__":      # make setup: python -m course_lib.deepspeed.engine --build-ops
-    if sys.argv[1:] != ["--build-ops"]:
-        sys.exit("usage: python -m course_lib.deepspeed.engine --build-ops")
-    print("DeepSpeed ops ready: " + ", ".join(build_ops()))

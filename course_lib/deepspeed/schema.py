@@ -611,20 +611,16 @@ def import_deepspeed():
     without oneCCL DeepSpeed's CPU accelerator talks gloo). ``ImportError`` (one line) without it.
     Its JIT-built ops are cached per Python environment (``TORCH_EXTENSIONS_DIR`` =
     ``<venv>/torch_extensions`` unless set): torch keys the cache by op name only, so two clones'
-    environments sharing ``~/.cache`` would rebuild each other's ops."""
-    import os
-    import sys
+    environments sharing ``~/.cache`` would rebuild each other's ops. The first import in an
+    environment builds them (:func:`course_lib.deepspeed.ops.ensure_built`, minutes on 2 cores)."""
+    from course_lib.deepspeed.ops import ensure_built, set_environment
 
     if not deepspeed_installed():
         raise ImportError(f"DeepSpeed is not installed: pip install 'deepspeed=={VERSION}' (DS_BUILD_OPS=0)")
-    if "DS_ACCELERATOR" not in os.environ:
-        import torch
-
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    set_environment()
     import deepspeed
 
+    ensure_built()
     return deepspeed
 
 

@@ -9,11 +9,13 @@ import contextlib
 import datetime
 import os
 import pickle
+import socket
 import sys
 import time
 import traceback
 
 from course_lib import rules
+from course_lib.safe_files import write_atomic
 from course_lib.launch.output import tail
 from course_lib.rules import MAX_TIMEOUT_S, UsageError  # noqa: F401  (launch's name since Lab 00)
 
@@ -26,6 +28,12 @@ RANK_ENV = "COURSE_LIB_LAUNCH_RANK"
 # of a result that the launching process cannot unpickle.
 PROCESS_DIED = "ProcessDied"
 RESULT_UNREADABLE = "ResultUnreadable"
+# Where every rank of a one-machine run meets: the ranks never look up this machine's hostname,
+# which need not resolve (containers, fresh roots); gloo then warns in every rank's output.
+LOOPBACK_ADDR = "127.0.0.1"
+# Set for torchrun and its ranks by its agent (course_lib.launch.worker): the job folder, where each
+# rank's init_rank leaves ``rank{r}.joined`` once it has joined the process group.
+JOB_ENV = "COURSE_LIB_TORCHRUN_JOB"
 
 
 class LaunchError(RuntimeError):
@@ -68,17 +76,28 @@ class RankError(LaunchError):
 
 
 class LaunchTimeout(LaunchError):
-    """Some ranks did not finish within the timeout (a hang or a deadlock).
-    ``stopped`` says what became of the rank processes (checked, not assumed)."""
+    """The launch passed its deadline. ``phase`` names where it hung: ``"rendezvous"`` (torchrun's own:
+    it started no rank), ``"start-up"`` (ranks ``unfinished`` never joined the process group) or
+    ``"run"`` (they joined but did not finish: a hang or a deadlock). ``stopped`` says what became of
+    the rank processes (checked, not assumed)."""
 
     def __init__(self, timeout: float, unfinished: list[int], outputs: list[str],
-                 stopped: str = "every rank process was stopped"):
+                 stopped: str = "every rank process was stopped", phase: str = "run", waited: float | None = None):
         self.timeout, self.unfinished, self.outputs, self.stopped = timeout, unfinished, outputs, stopped
+        self.phase = phase
         tails = "".join(
             f"\n--- last output of rank {r} ---\n{tail(outputs[r])}" for r in unfinished if outputs[r].strip())
-        super().__init__(
-            f"ranks {unfinished} did not finish within timeout={timeout:g}s (a hang or deadlock: "
-            f"check that every rank calls the same collectives in the same order); {stopped}{tails}")
+        waited = f"{waited:.0f}s" if waited is not None else f"timeout={timeout:g}s and start-up"
+        if phase == "rendezvous":
+            what = (f"torchrun's rendezvous did not complete within {waited}: it started no rank (a --standalone "
+                    f"run meets on {LOOPBACK_ADDR}: check that nothing blocks local TCP connections)")
+        elif phase == "start-up":
+            what = (f"ranks {unfinished} did not join the process group within {waited} (start-up: imports, "
+                    f"then the rendezvous; a busy machine starts ranks slowly: give a longer timeout)")
+        else:
+            what = (f"ranks {unfinished} did not finish within timeout={timeout:g}s (a hang or deadlock: "
+                    f"check that every rank calls the same collectives in the same order)")
+        super().__init__(f"{what}; {stopped}{tails}")
 
 
 class RankResults(list):
@@ -141,6 +160,22 @@ def _joining(rank: int, timeout: float):
             f"holds or blocks the rendezvous port") from None
 
 
+def bind_gloo_to_loopback() -> None:
+    """Every rank is on this machine: gloo binds to the loopback interface (``GLOO_SOCKET_IFNAME``;
+    unless already set) instead of the address this machine's hostname resolves to. Without it, a
+    hostname that does not resolve makes gloo print "Unable to resolve hostname" in every rank's output
+    (``ProcessGroupGloo::createDefaultDevice``), which torchrun --standalone does not prevent."""
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return
+    loopback = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
+    if loopback:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+
+
 def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None,
               master: tuple[str, int] | None = None) -> None:
     """Initialise ``torch.distributed`` in this process (one rank) with ``timeout``
@@ -150,9 +185,13 @@ def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=No
 
     With NCCL the rank gets its own GPU and the group is ``"cpu:gloo,cuda:nccl"``:
     CUDA tensors travel over NCCL while the labs' CPU tensors still work (gloo).
+    When every rank is on this machine, gloo binds to loopback (:func:`bind_gloo_to_loopback`).
     """
     import torch
     import torch.distributed as dist
+
+    if master is not None or store is not None or os.environ.get("LOCAL_WORLD_SIZE") == str(world_size):
+        bind_gloo_to_loopback()
 
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -165,6 +204,18 @@ def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=No
         if store is not None:
             kwargs["store"] = store
         dist.init_process_group(**kwargs)
+    if JOB_ENV in os.environ:  # for the launcher: this rank is past start-up
+        open(os.path.join(os.environ[JOB_ENV], f"rank{rank}.joined"), "w").close()
+
+
+def report_error(rank: int, message: str) -> None:
+    """A rank's error, for the person: ``error: message`` on stderr -- in a job run by
+    :func:`course_lib.launch.run_torchrun`, the job's log -- and, in such a job, its first line and the
+    time in ``JOB/rank{r}.error``, from which the launcher prints the first failing rank's line, once."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    if JOB_ENV in os.environ:
+        line = message.strip().splitlines()[0] if message.strip() else "failed"
+        write_atomic(os.path.join(os.environ[JOB_ENV], f"rank{rank}.error"), f"{time.time()!r}\n{line}".encode())
 
 
 def failure_record(exc: BaseException) -> tuple[str, str, float]:

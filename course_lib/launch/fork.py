@@ -144,7 +144,7 @@ def _collect_reports(procs, conns, timeout):
     """Read each rank's report (or note its death) until all have reported, ``timeout`` passes
     once every rank has joined the group (``timeout`` + ``_FORK_STARTUP_S`` until then), or
     ``_GRACE_AFTER_FAILURE_S`` after the first failure. Returns
-    ``({rank: pickled result}, {rank: (exception name, traceback, time)})``."""
+    ``({rank: pickled result}, {rank: (exception name, traceback, time)}, {ranks that joined the group})``."""
     payloads, failures, deaths, joined = {}, {}, {}, set()
     watchers = [threading.Thread(target=_record_death, args=(p.pid, p.sentinel, r, deaths), daemon=True)
                 for r, p in enumerate(procs)]
@@ -180,7 +180,7 @@ def _collect_reports(procs, conns, timeout):
                 failures[rank] = pickle.loads(payload)
                 if first_failure_at is None:
                     first_failure_at = time.monotonic()
-    return payloads, failures
+    return payloads, failures, joined
 
 
 def launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
@@ -209,7 +209,7 @@ def launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     try:
         # Reported ranks are parked (see _fork_child), the others failed to
         # report in time: either way, every rank process ends here.
-        (payloads, failures), stopped = supervise(run_ranks, lambda: _stop_forked(procs))
+        (payloads, failures, joined), stopped = supervise(run_ranks, lambda: _stop_forked(procs))
     finally:
         for c in conns:
             c.close()
@@ -220,6 +220,9 @@ def launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
         listener.close()  # a no-op once detached
     if failures:
         raise first_failure(failures, outputs)
+    if len(joined) < world_size:  # start-up (fork, import, rendezvous) ran past timeout + _FORK_STARTUP_S
+        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - joined), outputs, stopped, phase="start-up",
+                            waited=timeout + _FORK_STARTUP_S)
     if len(payloads) < world_size:
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
     return load_results(payloads, outputs)

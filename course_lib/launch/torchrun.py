@@ -26,11 +26,15 @@ from multiprocessing import connection
 from pathlib import Path
 from typing import Sequence
 
-from course_lib.launch.contract import LaunchError, LaunchTimeout, RankResults, load_results
+from course_lib.launch.contract import (LOOPBACK_ADDR, MAX_TIMEOUT_S, LaunchError, LaunchTimeout, RankResults,
+                                        load_results)
 from course_lib.launch.output import read_back, tail
 from course_lib.launch.process_tree import (POLL_S, first_failure, kill_tree, parent_pids, stop_report, supervise,
                                             wait_gone)
 from course_lib.rules import UsageError
+
+# How far a launch got when its deadline passed (LaunchTimeout.phase).
+RENDEZVOUS, START_UP, RUN = "rendezvous", "start-up", "run"
 
 # torchrun: how long start-up (imports, rendezvous) may take on top of
 # ``timeout``, and how long after ``timeout`` the ranks' own watchdogs get to
@@ -75,6 +79,10 @@ class TorchrunAgent:
             raise UsageError(f"not a torchrun_command() line: {shlex.join(cmd)}")
         # The agent's temporary folder is this process's (tempfile.tempdir included).
         env = dict(popen_kwargs.pop("env", None) or os.environ, TMPDIR=tempfile.gettempdir())
+        if "--standalone" in cmd:
+            # --local-addr (torchrun reads PET_<FLAG>): the address it gives its ranks as MASTER_ADDR. Without
+            # it, the machine's FQDN: where the hostname does not resolve, the ranks never find their store.
+            env.setdefault("PET_LOCAL_ADDR", LOOPBACK_ADDR)
         self._channel, theirs = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
@@ -121,6 +129,35 @@ class TorchrunAgent:
         while not self.poll(POLL_S * 10):
             pass
         return self.exit_code
+
+    def unjoined(self, world_size: int) -> list[int]:
+        """The ranks that have not (yet) joined the process group (no ``rank{r}.joined``, see ``init_rank``)."""
+        return [r for r in range(world_size) if not (self.job / f"rank{r}.joined").exists()]
+
+    def phase(self, world_size: int) -> tuple[str, list[int]]:
+        """How far the job got: (:data:`RUN`, []) once every rank has joined the process group, else
+        (:data:`START_UP` or :data:`RENDEZVOUS`, the ranks not joined) -- :data:`RENDEZVOUS` while
+        torchrun has started no rank process (its own rendezvous; without /proc, said as start-up)."""
+        missing = self.unjoined(world_size)
+        if not missing:
+            return RUN, []
+        parents = parent_pids()
+        if parents is not None:
+            torchrun = {pid for pid, parent in parents.items() if parent == self.proc.pid}
+            if not any(parent in torchrun for parent in parents.values()):
+                return RENDEZVOUS, missing
+        return START_UP, missing
+
+    def first_error(self, world_size: int) -> str | None:
+        """``"rank R: <its error line>"`` of the rank that reported an error first (``report_error``), or None."""
+        records = []
+        for r in range(world_size):
+            try:
+                at, _, line = (self.job / f"rank{r}.error").read_text(errors="replace").partition("\n")
+                records.append((float(at), r, line))
+            except (OSError, ValueError):
+                continue
+        return f"rank {min(records)[1]}: {min(records)[2]}" if records else None
 
     def stop(self, rank_pids: Sequence[int] = ()) -> str:
         """Kill torchrun and every process under it -- all but the agent, which still has
@@ -176,21 +213,63 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
+def _wait_joined(agent: TorchrunAgent, world_size: int, startup_timeout: float) -> int | None:
+    """Wait for torchrun's job until every rank has joined the process group, then until it ends; its
+    exit code. If the ranks have not all joined ``startup_timeout`` s after the start, stop everything
+    and raise :class:`LaunchTimeout` naming the phase that hung (torchrun's rendezvous, or start-up)."""
+    start = time.monotonic()
+    while agent.unjoined(world_size):
+        if agent.poll(POLL_S):
+            return agent.exit_code
+        if time.monotonic() - start >= startup_timeout:
+            phase, missing = agent.phase(world_size)
+            raise LaunchTimeout(startup_timeout, missing, [""] * world_size, agent.stop(), phase=phase,
+                                waited=time.monotonic() - start)
+    return agent.wait()
+
+
+def _keep(log) -> str:
+    """Copy the unlinked ``log`` to a new named file in the temporary folder; its path."""
+    fd, path = tempfile.mkstemp(prefix="course_torchrun_", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(read_back(log))
+    log.close()
+    return path
+
+
+def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float | None = None) -> int:
     """Run a :func:`torchrun_command` line in the foreground (``python -m course_lib train``);
     return its exit code.
 
-    Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
+    The ranks' stdout reaches the terminal as they print it; stderr -- torchrun's own (its
+    ChildFailedError traceback), the ranks' warnings and tracebacks -- goes to a log. A run that
+    fails prints one line: the first failing rank's error (:func:`course_lib.launch.contract.report_error`),
+    with its rank, and where the log is kept; a run that succeeds prints the log's text, if any, and removes it.
+
+    ``timeout``: the process groups' (``--distributed-timeout-minutes``); torchrun's rendezvous and the
+    ranks' start-up must end within it plus ``_TORCHRUN_STARTUP_S``, else everything is stopped and
+    one line names the phase that hung (exit code 124); after that, the groups' timeout bounds every
+    collective. Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
     stopped and return 130 / 143; if this process is killed outright, torchrun
     stops its ranks itself, and no file is left either (:class:`TorchrunAgent`).
     """
+    world_size = int(next(a for a in cmd if a.startswith("--nproc-per-node=")).partition("=")[2])
+    startup_timeout = _TORCHRUN_STARTUP_S + (timeout if timeout is not None else MAX_TIMEOUT_S)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    # Deleted at birth (nothing is left if this process is killed); kept, as a named file, only for a failure.
+    log = tempfile.TemporaryFile(prefix="course_torchrun_")
+    code, first = None, None
     try:
-        with TorchrunAgent(cmd, env=env) as agent:
+        with TorchrunAgent(cmd, env=env, stderr=log) as agent:
             agent.start()
-            code, _ = supervise(agent.wait, agent.stop)
+            code, _ = supervise(lambda: _wait_joined(agent, world_size, startup_timeout), agent.stop)
+            first = agent.first_error(world_size)
+    except LaunchTimeout as exc:
+        print(f"error: {str(exc).splitlines()[0]} (the log: {_keep(log)})", file=sys.stderr, flush=True)
+        return 124
     except KeyboardInterrupt as exc:
+        log.close()
         print(f"{exc}", file=sys.stderr, flush=True)
         return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     finally:
@@ -198,7 +277,14 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     if code is None:  # the agent was killed: its own exit code says how
         code = agent.proc.returncode
-    return code if code >= 0 else 128 - code
+    code = code if code >= 0 else 128 - code
+    if code == 0:
+        print(read_back(log), end="", file=sys.stderr, flush=True)
+        log.close()
+    else:
+        said = first or f"torchrun exited with code {code}, and no rank reported an error"
+        print(f"error: {said} (the whole report, tracebacks included: {_keep(log)})", file=sys.stderr, flush=True)
+    return code
 
 
 def _not_importable(obj) -> str | None:
@@ -282,24 +368,27 @@ def _import_root(module: str) -> str | None:
     return str(root)
 
 
-def _wait_for_torchrun(agent: TorchrunAgent, world_size: int, timeout: float) -> bool:
-    """Wait for torchrun to end; False if it runs past the backstop.
+def _wait_for_torchrun(agent: TorchrunAgent, world_size: int, timeout: float) -> tuple[str, list[int], float] | None:
+    """Wait for torchrun to end; None if it did, else where the job was when it passed the backstop:
+    (phase, the ranks not past it, seconds waited) -- see :meth:`TorchrunAgent.phase`.
 
     Each rank stops itself ``timeout`` s after it starts ``fn`` (its watchdog,
     in :mod:`course_lib.launch.worker`) and torchrun then stops the others. The backstop covers a
     rank whose watchdog cannot run (e.g. native code holding the GIL): ``timeout``
     plus a grace after every rank has started, or ``_TORCHRUN_STARTUP_S`` more
-    when they never all start (a hang in start-up).
+    when they never all start (a hang in torchrun's rendezvous or the ranks' start-up).
     """
-    deadline = time.monotonic() + _TORCHRUN_STARTUP_S + timeout
+    start = time.monotonic()
+    deadline = start + _TORCHRUN_STARTUP_S + timeout
     all_started = False
     while not agent.poll(POLL_S):
         if not all_started and all((agent.job / f"rank{r}.started").exists() for r in range(world_size)):
             all_started = True
             deadline = min(deadline, time.monotonic() + timeout + _WATCHDOG_GRACE_S)
         if time.monotonic() >= deadline:
-            return False
-    return True
+            phase, missing = agent.phase(world_size)
+            return phase, missing, time.monotonic() - start
+    return None
 
 
 def _rank_pids(job: Path, world_size: int) -> list[int]:
@@ -340,16 +429,19 @@ def launch_torchrun(fn, world_size, backend, timeout, kwargs) -> RankResults:
             TorchrunAgent(cmd, stdout=log, stderr=subprocess.STDOUT, env=env) as agent:
         (agent.job / "job.pkl").write_bytes(job_spec)
         agent.start()
-        finished, stopped = supervise(lambda: _wait_for_torchrun(agent, world_size, timeout),
-                                       lambda: agent.stop(_rank_pids(agent.job, world_size)))
+        passed, stopped = supervise(lambda: _wait_for_torchrun(agent, world_size, timeout),
+                                     lambda: agent.stop(_rank_pids(agent.job, world_size)))
         outputs, failures, payloads, hung = _read_reports(agent.job, world_size)
         launcher_log = read_back(log)
     if hung:  # checked first: the others' errors are the consequence
         raise LaunchTimeout(timeout, hung, outputs, stopped)
     if failures:
         raise first_failure(failures, outputs)
-    if not finished:
-        raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
+    if passed is not None:
+        phase, missing, waited = passed
+        if phase == RUN:
+            missing, waited = sorted(set(range(world_size)) - set(payloads)), None
+        raise LaunchTimeout(timeout, missing, outputs, stopped, phase=phase, waited=waited)
     if len(payloads) < world_size:
         raise LaunchError(f"torchrun exited with code {agent.exit_code} before all ranks reported:\n"
                           f"{tail(launcher_log, 30)}")

@@ -46,14 +46,12 @@ import threading
 import time
 from pathlib import Path
 
-from course_lib.launch.contract import RANK_ENV, failure_record, init_rank
+from course_lib.launch.contract import JOB_ENV, RANK_ENV, failure_record, init_rank
 from course_lib.launch.output import redirect_output
 from course_lib.launch.process_tree import POLL_S, adopt_orphans, death_report, die_with_parent, kill_tree
 from course_lib.launch.torchrun import TORCHRUN_SIGTERM_S
 from course_lib.safe_files import write_atomic
 
-# Set by the agent for torchrun and the ranks: the job folder.
-JOB_ENV = "COURSE_LIB_TORCHRUN_JOB"
 # Set by torchrun for its ranks, which check that it is still their parent.
 TORCHRUN_PID_ENV = "COURSE_LIB_TORCHRUN_PID"
 REPORTS = ("pkl", "err", "timeout")

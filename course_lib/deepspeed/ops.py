@@ -1,0 +1,107 @@
+"""DeepSpeed's C++ ops, built when a lab or test first needs them -- not during set-up.
+
+DeepSpeed installs as pure Python (``DS_BUILD_OPS=0``) and JIT-compiles its CPU ops with g++ on
+first use (``OpBuilder.load`` -> ``torch.utils.cpp_extension.load``): the CPU accelerator's
+shared-memory comm op, the pinned-memory op (offload's host buffers) and ``async_io`` (NVMe offload,
+where libaio's headers are installed). :func:`ensure_built` builds all three once, with a progress
+line, so that ``make lab`` opens JupyterLab without waiting for g++ and no rank of a timed launch pays
+the build. Concurrent first users (pytest-xdist workers, a notebook beside a test run) take turns
+under an ``fcntl`` lock: the first builds, the others find the stamp. The lock is released by the
+kernel when its holder dies, unlike torch's own ``lock`` file, which a build killed midway leaves
+behind (the next build then waits for it forever).
+
+The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extensions``, see
+:func:`set_environment`); :func:`course_lib.deepspeed.schema.import_deepspeed` calls both.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+import time
+
+# The C++ ops built, in order; DeepSpeed's builder class names (deepspeed/ops/op_builder/cpu/).
+OPS = ("ShareMemCommBuilder", "PinMemoryBuilder", "AsyncIOBuilder")
+_STAMP = ".course_ops_built"
+_LOCK = ".course_ops.lock"
+
+
+def set_environment() -> None:
+    """Before ``import deepspeed``: its CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at
+    import), and its JIT-built ops cached per Python environment (``TORCH_EXTENSIONS_DIR`` =
+    ``<venv>/torch_extensions`` unless set: torch keys the cache by op name only, so two clones'
+    environments sharing ``~/.cache`` would rebuild each other's ops)."""
+    if "DS_ACCELERATOR" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+
+
+def _extensions_dir() -> str:
+    return os.environ["TORCH_EXTENSIONS_DIR"]
+
+
+def built() -> bool:
+    """Whether :func:`ensure_built` has run to the end in this environment."""
+    return os.path.exists(os.path.join(_extensions_dir(), _STAMP))
+
+
+def build_ops() -> list[str]:
+    """Build (or find, in the cache) every op of :data:`OPS` that can be built here; their names."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        raise RuntimeError("DeepSpeed compiles its CPU ops with g++, which is missing: run "
+                           "'sudo apt-get install g++ libaio-dev' (macOS: xcode-select --install)")
+    if not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        raise RuntimeError(f"DeepSpeed's ops compile against Python's headers (Python.h), which are missing for "
+                           f"Python {sysconfig.get_python_version()}: run 'sudo apt-get install python3-dev'")
+    from deepspeed.accelerator import get_accelerator
+
+    names = []
+    for name in OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible(verbose=False):
+            builder.load(verbose=False)
+            names.append(builder.NAME)
+    return names
+
+
+def ensure_built() -> None:
+    """Build DeepSpeed's ops once per environment (say so on stderr while it runs); a no-op once built.
+
+    Called with ``deepspeed`` imported and ``TORCH_EXTENSIONS_DIR`` set. On CUDA, DeepSpeed builds
+    its GPU ops itself, on first use: nothing is built here."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or built():
+        return
+    import fcntl
+
+    os.makedirs(_extensions_dir(), exist_ok=True)
+    with open(os.path.join(_extensions_dir(), _LOCK), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)    # a second process waits here while the first builds
+        if built():
+            return
+        print("building DeepSpeed's C++ ops with g++ (once for this environment; minutes on 2 cores) ...",
+              file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        names = build_ops()
+        with open(os.path.join(_extensions_dir(), _STAMP), "w") as stamp:
+            stamp.write(" ".join(names) + "\n")
+        print(f"DeepSpeed's ops are ready ({', '.join(names)}; {time.perf_counter() - start:.0f} s)",
+              file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":      # make test: build them before the notebooks run
+    set_environment()
+    import deepspeed  # noqa: F401
+
+    try:
+        ensure_built()
+    except RuntimeError as exc:
+        sys.exit(f"error: {str(exc).splitlines()[0]}")
+    with open(os.path.join(_extensions_dir(), _STAMP)) as f:
+        print(f"DeepSpeed's ops are built: {f.read().strip()}")

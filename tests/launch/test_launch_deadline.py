@@ -1,0 +1,110 @@
+"""One-machine launches do not depend on this machine's hostname (gloo and torchrun meet on loopback);
+a torchrun job that never gets past its rendezvous is stopped at its deadline with one line naming
+that phase; a failing ``python -m course_lib train`` says its first failing rank's error once, and
+torchrun's traceback goes to the log (course_lib/launch/contract.py, course_lib/launch/torchrun.py)."""
+
+import re
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from course_lib.launch import torchrun
+from course_lib.launch.contract import LaunchTimeout, bind_gloo_to_loopback
+from course_lib.launch.process_tree import parent_pids
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _descendants(pid: int) -> list[int]:
+    parents, found, todo = parent_pids() or {}, [], [pid]
+    while todo:
+        here = todo.pop()
+        kids = [p for p, parent in parents.items() if parent == here]
+        found += kids
+        todo += kids
+    return found
+
+
+def test_gloo_binds_to_loopback_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    bind_gloo_to_loopback()
+    assert os.environ["GLOO_SOCKET_IFNAME"] in ("lo", "lo0")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")          # a person's choice stands
+    bind_gloo_to_loopback()
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
+def test_the_phase_is_named_in_the_timeout_line():
+    start_up = LaunchTimeout(5, [1, 3], [""] * 4, "all 4 rank processes were stopped", phase="start-up", waited=15)
+    assert str(start_up).startswith("ranks [1, 3] did not join the process group within 15s (start-up")
+    run = LaunchTimeout(5, [0], [""] * 2)
+    assert str(run).startswith("ranks [0] did not finish within timeout=5s (a hang or deadlock")
+
+
+def test_a_torchrun_rendezvous_that_never_completes_is_stopped_at_its_deadline(monkeypatch, capfd, tmp_path):
+    # --nnodes=2 on one machine: torchrun's own rendezvous waits for a second node that never comes
+    monkeypatch.setattr(torchrun, "_TORCHRUN_STARTUP_S", 0)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=2", "--nproc-per-node=1",
+           "-m", "course_lib.train"]
+    code = torchrun.run_torchrun(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=4)
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 124
+    assert err[-1].startswith("error: torchrun's rendezvous did not complete within 4s: it started no rank"), err
+    assert "torchrun and all its rank processes were stopped (the log: " in err[-1]
+    assert [p.name for p in tmp_path.iterdir()] == [err[-1].rpartition(" ")[2].rstrip(")").rpartition("/")[2]]
+    assert _descendants(os.getpid()) == []
+
+
+HOSTNAME_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from course_lib.launch import launch
+from test_launch import rank_sum
+for launcher in ("fork", "torchrun"):
+    results = launch(rank_sum, world_size=2, launcher=launcher, timeout=60, output="none")
+    assert [r["total"] for r in results] == [3.0, 3.0], results
+    assert not any("resolve" in out for out in results.outputs), results.outputs
+    print(launcher, "ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("hostname") is None,
+                    reason="needs root and unshare to give a process a hostname that does not resolve")
+def test_a_hostname_that_does_not_resolve_changes_nothing(tmp_path):
+    script = tmp_path / "launches.py"
+    script.write_text(HOSTNAME_SCRIPT.format(tests=str(ROOT / "tests" / "launch")))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    run = subprocess.run(["unshare", "--uts", "sh", "-c",
+                          f'hostname no-such-host-for-the-course && exec "{sys.executable}" "{script}"'],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.split() == ["fork", "ok", "torchrun", "ok"]
+    assert "Unable to resolve" not in run.stderr
+
+
+@pytest.mark.slow
+def test_a_failing_run_says_its_error_once_and_keeps_the_traceback_in_the_log(tmp_path):
+    """--lr 1e30 on 2 ranks: the loss is NaN at iteration 2 on both; one line on the terminal, with the
+    rank; torchrun's ChildFailedError traceback only in the log that line names."""
+    argv = ["--nproc-per-node", "2", "--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e30", "--log-interval", "1"]
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-m", "course_lib", "train", *argv], capture_output=True, text=True,
+                         env=env, timeout=240)
+    assert out.returncode == 1, out.stderr
+    line = re.fullmatch(r"error: rank [01]: lm_loss=nan at iteration 2 is not finite, .* "
+                        r"\(the whole report, tracebacks included: (\S+)\)\n", out.stderr)
+    assert line, out.stderr
+    log = Path(line.group(1)).read_text()
+    assert "ChildFailedError" in log and "Traceback" in log and "Traceback" not in out.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [Path(line.group(1)).name]   # the log, nothing else
