@@ -242,7 +242,8 @@ def _load_deepspeed_ops() -> None:
     not write; DeepSpeed keeps every loaded op (``OpBuilder._loaded_ops``), so a run forked from here, and the
     ranks it forks, find them loaded and take no lock. An op that cannot be built is left to the run (its
     cell then says why)."""
-    from course_lib.deepspeed.engine import build_ops, preload
+    from course_lib.deepspeed.engine import preload
+    from course_lib.deepspeed.ops import build_ops
 
     try:
         preload()
