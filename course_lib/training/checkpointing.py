@@ -72,6 +72,7 @@ from course_lib.safe_files import write_atomic
 from course_lib.tensor_parallel import is_tensor_parallel
 from course_lib.training.arguments import sharding_strategy, uses_sharding_engine
 from course_lib.training.finalize_model_grads import unique_named_params
+from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
            "read_metadata", "stacked_layers", "sharded_key", "LAYER_AXIS_KEY", "global_spec", "expert_global_spec",
@@ -479,8 +480,12 @@ def checkpoint_and_decide_exit(args, setup, iteration: int) -> bool:
 
 
 def _torch_load(path: Path):
+    """A checkpoint file read with :func:`course_lib.training.safe_load.torch_load` (an allow-list of classes:
+    a file naming any other is refused, not run), or a one-line :class:`CheckpointError`."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch_load(path)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; --load another folder") from None
     except Exception as exc:  # noqa: BLE001 -- unpickling a damaged file raises anything
@@ -491,10 +496,10 @@ def _torch_load(path: Path):
 
 def _dist_metadata(ckpt: Path):
     """DCP's ``.metadata`` of ``ckpt``, with every ``.distcp`` file checked to be as long as it says."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        md = FileSystemReader(str(ckpt)).read_metadata()
+        md = SafeFileSystemReader(str(ckpt)).read_metadata()
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"{ckpt / '.metadata'} cannot be read ({type(exc).__name__}): the file is damaged "
                               f"or missing; --load an earlier checkpoint") from None
@@ -536,7 +541,10 @@ def _load_dist(ckpt: Path, wanted: dict, rng: bool):
     if not rng:
         return values, None
     state[rng_key].seek(0)                # DCP hands back the saved BytesIO
-    return values, torch.load(state[rng_key], weights_only=False)
+    try:
+        return values, torch_load(state[rng_key], where=f"{ckpt} ({rng_key})")
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _read_legacy(ckpt: Path, setup, load_optim: bool):
