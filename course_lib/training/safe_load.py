@@ -77,10 +77,9 @@ def torch_load(source, where=None):
                 return torch.load(source, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
             match = _UNSUPPORTED.search(str(exc))
-            if match is None:
-                if "Weights only load failed" not in str(exc):
-                    raise
-                raise _refuse(where if where is not None else source, "a pickle instruction") from None
+            if match is None:       # not a global: a damaged file ("Unsupported operand 110"), said short
+                reason = str(exc).partition("WeightsUnpickler error:")[2].strip().split("\n\n")[0]
+                raise pickle.UnpicklingError(reason or str(exc)) from None
             if match.group(1).startswith("megatron.") and len(allowed) == len(SAFE_GLOBALS) and megatron_core_globals():
                 allowed += megatron_core_globals()          # a Megatron checkpoint: read again with its classes
                 if hasattr(source, "seek"):

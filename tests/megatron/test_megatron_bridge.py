@@ -855,12 +855,14 @@ def test_checkpoint_flags_follow_megatrons_rules(capsys):
     assert "\n" not in str(err.value)
     for kwargs, message in ((dict(save_interval=10), "save_interval=10 has no folder to save into"),
                             (dict(finetune=True), "finetune=True says what to load"),
-                            (dict(save="c", exit_interval=0), "exit_interval"),
+                            (dict(save="c", save_interval=10, exit_interval=0), "exit_interval"),
+                            (dict(save="c"), "save=c without --save-interval: Megatron's validate_args asserts"),
                             (dict(save="-c"), "save='-c' starts with '-'"),
                             (dict(load="a\nb"), "control character")):
         with pytest.raises(ValueError, match=re.escape(message)):
             MegatronRun(**kwargs)
-    assert _cli(command_mod, ["--config", "D", "--show", "sharding", "--save", "c", "--ckpt-format", "torch_dist"]) == 0
+    assert _cli(command_mod, ["--config", "D", "--show", "sharding", "--save", "c", "--save-interval", "50",
+                                   "--ckpt-format", "torch_dist"]) == 0
     out = capsys.readouterr().out
     assert out.count("--ckpt-format torch_dist") == 2 and out.count("--ckpt-format fsdp_dtensor") == 2
     assert _cli(command_mod, ["--config", "D", "--save", "c", "--load", "c", "--save-interval", "50"]) == 0

@@ -196,7 +196,8 @@ def _moe_checkpoint_layout(root) -> dict:
     from course_lib.train import parse_args, pretrain
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MOE_CKPT.items()] + ["--expert-model-parallel-size", "2"]
-    pretrain(parse_args(RUN.course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root]),
+    pretrain(parse_args(RUN.course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root,
+                                                                        "--save-interval", "1"]),
              print_args=False, record_comm=False)
     folder = f"{root}/iter_0000001"
     md = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata

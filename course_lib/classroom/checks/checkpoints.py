@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # imported here once: forked ranks inherit it (seconds each otherwise)
-from torch.distributed.checkpoint import FileSystemReader, resharding
+from torch.distributed.checkpoint import resharding
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -46,6 +46,7 @@ from course_lib.classroom.checks.conclusions import cited_numbers, measured_numb
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
+from course_lib.training.safe_load import SafeFileSystemReader
 from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces, written_chunks
 
 __all__ = ["check_sharded_state_dict", "check_read_plan", "check_review_answers", "print_course_answers",
@@ -285,7 +286,7 @@ def _sharded_state_dict_verdict(name: str, results: list, root: Path) -> str:
     if not all(r["in_module"] for r in results):
         return (f"✗ {name}: your tensors were filled, not the MLP's parameters: give the parameters themselves (as "
                 f"Megatron's sharded_state_dict does), so that a load lands in the model")
-    written = written_chunks(FileSystemReader(str(root)).read_metadata())
+    written = written_chunks(SafeFileSystemReader(str(root)).read_metadata())
     pieces = sum(len(r["save"]["specs"]) for r in results)
     return (f"✓ {name}: under TP2 x DP2 the {WORLD} ranks' {pieces} pieces were written as "
             f"{sum(len(v) for v in written.values())} chunks (a replica's equal piece once), and under TP4 every "

@@ -200,8 +200,10 @@ def _wire_hint(key: str, numels: dict, threshold: int) -> str:
     return {
         "forward_all_gather": f"Parameters of <= {threshold:,} elements ({small:,} elements in all) are persistent: "
                               f"every rank keeps them whole and never gathers them; the others are gathered once.",
-        "backward_all_gather": "stage3_max_live_parameters (1e9) holds the whole model: nothing gathered for the "
-                               "forward is released before the backward, so backward gathers nothing.",
+        "backward_all_gather": "stage3_max_reuse_distance (1e9) spans the whole model: a parameter used again within "
+                               "that many elements is not released (partitioned_param_coordinator.py "
+                               "__params_to_release), so nothing gathered for the forward is released before "
+                               "the backward, which gathers nothing.",
         "reduce_scatter": "Every gradient is reduced, the persistent parameters' too: the whole model, once per "
                           "micro-batch.",
         "step_all_gather": f"After the optimizer updated each rank's partition, the persistent parameters "
