@@ -35,16 +35,20 @@ too); replicated tensors (LayerNorms, the router, DP and CP replicas, expert-DP 
 offsets and reads each rank's new pieces from the saved chunks that overlap them. The optimizer's state
 -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
 takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
-to full local tensors first (Megatron's ``dp_zero_gather_scatter`` layout), so a checkpoint depends on TP
-and PP only through its chunk offsets, and loads under any TP x PP x DP: DCP reads the overlapping parts of
-the saved chunks into each rank's new shard (``--ckpt-format torch_dist``). fp32 main params: the course's
-params are fp32 (``--bf16`` computes under autocast), so the main params *are* the params (Megatron keeps
-no copy either), written once. The data position is the iteration: batch ``i`` is drawn from ``(seed,
+to full local tensors first (one state tensor per parameter: megatron-core 0.16.1's ``fully_reshardable``
+layout, which Megatron writes only with ``--dist-ckpt-optim-fully-reshardable``; its default
+``dp_reshardable`` saves each DP rank's flat buffers and reshards over DP only, ``distrib_optimizer.py``
+``sharded_param_state``), so a checkpoint depends on TP and PP only through its chunk offsets, and loads
+under any TP x PP x DP: DCP reads the overlapping parts of the saved chunks into each rank's new shard
+(``--ckpt-format torch_dist``). fp32 main params: Megatron with ``--bf16``/``--fp16`` keeps an fp32 copy
+and saves it (``optimizer.state.fp32_param.*``); the course's params are fp32 (``--bf16`` computes under
+autocast), so its main params *are* the params, written once. The data position is the iteration: batch ``i`` is drawn from ``(seed,
 i)`` (:mod:`course_lib.data`), so ``consumed_train_samples = iteration x global batch`` resumes it.
 
 Faults: a save writes into ``DIR/.iter_0000003.incomplete/``, renames it when every rank has finished,
-then writes the tracker; a save killed before that leaves the previous checkpoint and the tracker as they
-were. A damaged file, a checkpoint of another model or a layout the legacy format cannot load fails with
+then writes the tracker atomically; a save killed before that leaves the previous checkpoint and the tracker
+as they were. That rename is the course's own: Megatron writes into ``iter_0000003/`` directly, marks it
+complete by ``metadata.json`` written last, and writes the tracker in place (not atomically). A damaged file, a checkpoint of another model or a layout the legacy format cannot load fails with
 one line (:class:`CheckpointError`) naming the file or the mismatch; ``--load`` of a folder without a
 tracker warns and starts from scratch, as Megatron does.
 """
@@ -58,7 +62,7 @@ import os
 import random
 import re
 import shutil
-import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -416,7 +420,6 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
     root, rank, g = Path(args.save), dist.get_rank(), setup.groups
     final = checkpoint_dir(root, iteration)
     tmp = final.with_name(f".{final.name}.incomplete")
-    start = time.perf_counter()
     _print0(f"saving checkpoint at iteration {iteration:7d} to {root} in {args.ckpt_format} format")
     params = _local_params(setup)
     optim = _optimizer_state(setup, params)
@@ -452,9 +455,8 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
         _publish(tmp, final)
         write_atomic(get_checkpoint_tracker_filename(root), str(iteration))
     dist.barrier()
-    _print0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} "
-            f"[ t {g.coords['tp'] + 1}/{setup.config.tp}, p {g.coords['pp'] + 1}/{setup.config.pp} ] "
-            f"({time.perf_counter() - start:.2f} s)")
+    _print0(f"  [{datetime.now():%Y-%m-%d %H:%M:%S.%f}] successfully saved checkpoint from iteration "     # Megatron's
+            f"{iteration:7d} to {root} [ t {g.coords['tp'] + 1}/{setup.config.tp}, p {g.coords['pp'] + 1}/{setup.config.pp} ]")
     return final
 
 
@@ -647,7 +649,7 @@ def load_checkpoint(args, setup) -> int:
         saved = " x ".join(f"{k.upper()}{common['layout'][k]}" for k in LAYOUT_KEYS)
         _print0(f"WARNING: checkpoint saved under {saved}; the random number generators are per rank: not loaded")
         load_rng = False
-    _print0(f" loading checkpoint from {root} at iteration {iteration}")
+    _print0(f" loading {'distributed ' if fmt == 'torch_dist' else ''}checkpoint from {root} at iteration {iteration}")
     if fmt == "torch_dist":
         params = _local_params(setup)
         optim = _optimizer_state(setup, params) if load_optim else {}

@@ -322,7 +322,7 @@ def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120
         print("✗ it fits, but forward gathers no parameter: every rank holds every parameter whole, so this is not "
               "ZeRO-3's partitioning any more; keep stage 3 with a persistence threshold below the large weights")
         return False
-    print(f"✓ {_device_bytes(h):,} B per rank on the device (budget {budget:,}); the price is on the wire: "
+    print(f"✓ {_device_bytes(h):,} B per rank on the device at rest (budget {budget:,}); the price is on the wire: "
           f"{gathered:,} elements all-gathered in every forward, and the host holds the rest")
     return True
 
