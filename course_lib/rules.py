@@ -841,6 +841,9 @@ def sharding_flags(*, use_distributed_optimizer: bool, use_megatron_fsdp: bool, 
     if use_precision_aware_optimizer and optimizer != "adam":
         raise ValueError(f"--use-precision-aware-optimizer only supported with adam (Megatron's OptimizerConfig), "
                          f"got optimizer={optimizer}: use --optimizer adam")
+    if use_precision_aware_optimizer and not use_distributed_optimizer:
+        raise ValueError("--use-precision-aware-optimizer only supported with distributed optimizer (megatron-core's "
+                         "OptimizerConfig asserts it): add --use-distributed-optimizer")
 
 
 def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_microbatches: int) -> None:

@@ -55,6 +55,7 @@ tracker warns and starts from scratch, as Megatron does.
 
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
 import json
@@ -330,17 +331,31 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
+def _scheduler_state(args, scheduler) -> dict:
+    """megatron-core's ``OptimizerParamScheduler.state_dict()`` keys (steps in samples; the course's weight
+    decay is constant: ``start_wd = end_wd``, Megatron's ``wd_incr_steps = train_iters x global batch``,
+    ``training.py`` ``get_optimizer_param_scheduler``), so its ``load_state_dict`` takes them."""
+    return {"max_lr": scheduler.max_lr, "lr_warmup_steps": scheduler.warmup_steps, "num_steps": scheduler.num_steps,
+            "lr_decay_style": scheduler.style, "lr_decay_steps": scheduler.decay_steps, "min_lr": scheduler.min_lr,
+            "start_wd": args.weight_decay, "end_wd": args.weight_decay, "wd_incr_style": "constant",
+            "wd_incr_steps": args.train_iters * args.global_batch_size}
+
+
 def _common_state(args, setup, iteration: int) -> dict:
-    """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``)."""
+    """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``):
+    ``args`` an ``argparse.Namespace`` as Megatron's (its ``load_checkpoint`` reads it with getattr, the
+    consumed samples too), the scheduler's state as megatron-core's."""
     scaler = setup.scaler
+    consumed = iteration * setup.config.effective_global_batch_size
+    saved_args = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            "args": argparse.Namespace(**{**saved_args, "consumed_train_samples": consumed,
+                                          "consumed_valid_samples": 0}),
             "model_flags": {k: getattr(args, k) for k in MODEL_FLAGS},
             "data_flags": {k: getattr(args, k) for k in DATA_FLAGS},
-            "consumed_train_samples": iteration * setup.config.effective_global_batch_size,
+            "consumed_train_samples": consumed,
             "layout": {**_layout(setup), "strategy": sharding_strategy(args) if uses_sharding_engine(args) else None},
-            "opt_param_scheduler": {"num_steps": setup.scheduler.num_steps, "max_lr": setup.scheduler.max_lr,
-                                    "min_lr": setup.scheduler.min_lr, "decay_style": setup.scheduler.style},
+            "opt_param_scheduler": _scheduler_state(args, setup.scheduler),
             "optimizer": {"kind": setup.optimizer.kind, "step_count": setup.optimizer.step_count,
                           "grad_scaler": None if scaler is None else scaler.state_dict()}}
 
@@ -358,13 +373,34 @@ def _agree(failure) -> None:
         raise CheckpointError("another rank failed (its error is above); nothing was changed")
 
 
-def _save_dist(tmp: Path, sharded: dict) -> None:
+def _rng_object(setup) -> tuple[str, int, bool]:
+    """megatron-core's ``rng_state`` ``ShardedObject`` of this rank (Megatron-LM's ``get_rng_state`` for
+    torch_dist): ``(key, index of this rank's state in its list, one object per rank)``. One object per
+    (PP, TP) rank, ``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, holding the list of its DP x CP replicas' states
+    (Megatron's ``--data-parallel-random-init`` list; replica 0 writes it); with EP > 1 one per rank,
+    ``rng_state/shard_<pp>.<tp>.<dp>_<PP>.<TP>.<DP>`` (DP with CP)."""
+    g, c = setup.groups, setup.config
+    pp, tp, dp, n = g.coords["pp"], g.coords["tp"], comm.group_rank(g.dp_cp), comm.group_size(g.dp_cp)
+    if setup.moe_groups is not None and setup.moe_groups.size("ep") > 1:
+        return f"rng_state/shard_{pp}.{tp}.{dp}_{c.pp}.{c.tp}.{n}", 0, True
+    return f"rng_state/shard_{pp}.{tp}_{c.pp}.{c.tp}", dp, False
+
+
+def _save_dist(tmp: Path, sharded: dict, setup) -> None:
+    """The pieces, the linears' ``_extra_state`` and the RNG ``ShardedObject`` (:func:`_rng_object`), each
+    object as megatron-core's torch_dist strategy stores one: ``torch.save([data])`` in a ``BytesIO``."""
     from course_lib.training.sharded_io import save_pieces
 
     state = _extra_states(sharded)
-    buf = io.BytesIO()
-    torch.save(_rng_state(), buf)
-    state[f"rng_state.rank{dist.get_rank()}"] = buf
+    key, index, per_rank = _rng_object(setup)
+    rngs = [_rng_state()]
+    if not per_rank and comm.group_size(setup.groups.dp_cp) > 1:
+        rngs = [None] * comm.group_size(setup.groups.dp_cp)
+        dist.all_gather_object(rngs, _rng_state(), group=setup.groups.dp_cp)
+    if per_rank or index == 0:                    # the main replica writes it
+        buf = io.BytesIO()
+        torch.save([rngs], buf)
+        state[key] = buf
     save_pieces(state, sharded, tmp)
 
 
@@ -433,7 +469,7 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
 
     try:
         if args.ckpt_format == "torch_dist":
-            _save_dist(tmp, sharded_state_dict(setup, params, optim))
+            _save_dist(tmp, sharded_state_dict(setup, params, optim), setup)
             if rank == 0:
                 torch.save(common, tmp / COMMON_FILE)
                 write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
@@ -517,9 +553,10 @@ def _dist_metadata(ckpt: Path):
     return md
 
 
-def _load_dist(ckpt: Path, wanted: dict, rng: bool):
+def _load_dist(ckpt: Path, wanted: dict, rng: tuple | None):
     """Read ``wanted`` (:func:`sharded_state_dict`) from a torch_dist checkpoint into new tensors of this
-    rank's shapes, ``{name: tensor}``; DCP reads the overlapping saved chunks."""
+    rank's shapes, ``{name: tensor}``; DCP reads the overlapping saved chunks. ``rng``: this rank's
+    :func:`_rng_object`, to read its generator states too (or None)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from course_lib.training.sharded_io import load_pieces, piece_problem
@@ -530,7 +567,7 @@ def _load_dist(ckpt: Path, wanted: dict, rng: bool):
         f"checkpoint {ckpt} holds {problem}: it was saved from another model, layer pattern or optimizer; "
         f"--load another checkpoint"))
     pieces = {name: (torch.empty_like(like), *spec) for name, (like, *spec) in wanted.items()}
-    state, rng_key = {}, f"rng_state.rank{dist.get_rank()}"
+    state, rng_key = {}, rng[0] if rng else None
     if rng:
         state[rng_key] = io.BytesIO()
     try:
@@ -544,9 +581,10 @@ def _load_dist(ckpt: Path, wanted: dict, rng: bool):
         return values, None
     state[rng_key].seek(0)                # DCP hands back the saved BytesIO
     try:
-        return values, torch_load(state[rng_key], where=f"{ckpt} ({rng_key})")
+        rngs = torch_load(state[rng_key], where=f"{ckpt} ({rng_key})")[0]
     except UnsafeCheckpointError as exc:
         raise CheckpointError(str(exc)) from None
+    return values, rngs[rng[1]]
 
 
 def _read_legacy(ckpt: Path, setup, load_optim: bool):
@@ -653,7 +691,8 @@ def load_checkpoint(args, setup) -> int:
     if fmt == "torch_dist":
         params = _local_params(setup)
         optim = _optimizer_state(setup, params) if load_optim else {}
-        values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
+        values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True),
+                                 _rng_object(setup) if load_rng else None)
     else:
         failure = values = rngs = None
         try:

@@ -202,7 +202,7 @@ def _moe_checkpoint_layout(root) -> dict:
     folder = f"{root}/iter_0000001"
     md = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     out = {"course": {k: tuple(m.size) if hasattr(m, "size") else None for k, m in md.items()
-                      if not k.startswith(("optimizer.", "rng_state."))}, "mcore": {}}
+                      if not k.startswith(("optimizer.", "rng_state/"))}, "mcore": {}}
     with model_parallel(1, 1, SEED, expert_model_parallel_size=2):
         g = GPTConfig(**MODEL, **MOE_CKPT)
         cfg = transformer_config(g, 1, 1, False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,

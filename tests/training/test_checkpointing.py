@@ -280,6 +280,39 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_by_load_inspect_and
     assert set(torch_load(root / "dist" / "iter_0000003" / "common.pt")) >= {"args", "iteration", "opt_param_scheduler"}
 
 
+def test_common_pt_is_read_by_megatron_core_and_as_megatron_lm_reads_it(runs):
+    """megatron-core 0.16.1's own OptimizerParamScheduler resumes from the course's common.pt (the LR of sample 24
+    equals the course scheduler's); ``args`` is a Namespace with the consumed samples, as Megatron-LM's
+    load_checkpoint reads it (getattr)."""
+    import argparse
+
+    import torch
+
+    from course_lib.optimizer import LRScheduler
+    from course_lib.training.safe_load import torch_load
+
+    scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    common = torch_load(runs["root"] / "dist" / "iter_0000003" / "common.pt")
+    args = common["args"]
+    assert isinstance(args, argparse.Namespace) and (args.consumed_train_samples, args.hidden_size) == (24, 64)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    mcore = scheduler.OptimizerParamScheduler(sgd, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0,
+                                              lr_decay_steps=1, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                              wd_incr_steps=1, wd_incr_style="constant")   # all taken from the file
+    mcore.load_state_dict(common["opt_param_scheduler"])
+    ours = LRScheduler(3e-3, 0.0, args.lr_decay_style, 2 * 8, 6 * 8)
+    ours.step(24)
+    assert mcore.num_steps == 24 and sgd.param_groups[0]["lr"] == pytest.approx(ours.get_lr(), rel=1e-12)
+    assert (mcore.lr_warmup_steps, mcore.lr_decay_steps, mcore.max_lr) == (16, 48, 3e-3)
+    # megatron-core reads the whole checkpoint's sharded metadata (its --dist-ckpt-strictness checks need it):
+    # the RNG states are its ShardedObjects, one per (PP, TP) rank of the TP2 x PP2 save, each a list of 2 DP states
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    md = load_sharded_metadata(str(runs["root"] / "dist" / "iter_0000003"))
+    rng = sorted(k for k in md if k.startswith("rng_state"))
+    assert rng == [f"rng_state/shard_{pp}.{tp}_2.2" for pp in range(2) for tp in range(2)], rng
+
+
 def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, capsys):
     assert cli(["checkpoint", "inspect", str(runs["root"] / "dist")]) == 0
     out = capsys.readouterr().out

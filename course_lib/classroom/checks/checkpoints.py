@@ -467,11 +467,12 @@ REVIEW_QUESTIONS = {
              "half-written folder was harmless",
 }
 _NOTIONS = {
-    "resume": ("optimizer state (Adam's moments), the learning-rate scheduler, the random generators, the data "
-               "position", (r"optimi[sz]er|adam|moment", r"schedul|learning.rate|\blr\b", r"rng|random|generator",
-                             r"data|sample|batch|iteration")),
-    "reshard": ("global shapes and offsets, overlaps", (r"offset|global shape|overlap|chunk|slice",)),
-    "crash": ("the tracker latest_checkpointed_iteration.txt, written last", (r"tracker|latest_checkpointed",)),
+    "resume": (("optimizer state (Adam's moments)", "the learning-rate scheduler", "the random generators",
+                "the data position (consumed samples)"),
+               (r"optimi[sz]er|adam|moment", r"schedul|learning.rate|\blr\b", r"rng|random|generator|seed",
+                r"data (?:position|order)|consum|samples?\b|batch")),
+    "reshard": (("global shapes and offsets, overlaps",), (r"offset|global shape|overlap|chunk|slice",)),
+    "crash": (("the tracker latest_checkpointed_iteration.txt, written last",), (r"tracker|latest_checkpointed",)),
 }
 
 
@@ -479,9 +480,9 @@ def _answer_problem(key: str, text, numbers) -> str | None:
     if not isinstance(text, str) or len(text.split()) < 8 or text.strip().strip(".…").upper() in ("", "TODO"):
         return f"{key!r}: answer {REVIEW_QUESTIONS[key]} -- a few sentences (got {safe_repr(text, 40)})"
     words, patterns = _NOTIONS[key]
-    named = sum(bool(re.search(p, text, re.IGNORECASE)) for p in patterns)
-    if named < min(2, len(patterns)):
-        return f"{key!r}: name what the run showed ({words})"
+    missing = [w for w, p in zip(words, patterns) if not re.search(p, text, re.IGNORECASE)]
+    if missing:        # every one: drop any of them and the resume is not exact
+        return f"{key!r}: name what the run showed: {', '.join(missing)}"
     if key == "resume" and not cited_numbers(text, numbers):
         return f"{key!r}: cite a loss or a size from this notebook's runs, as it was printed"
     return None
@@ -517,8 +518,9 @@ COURSE_ANSWERS = {
                "TP x PP x DP that divides the shapes loads it. The legacy format stores mp_rank_TT_PPP files of local "
                "shapes with no offsets: only the layout that wrote them can read them.",
     "crash": "latest_checkpointed_iteration.txt, written last and atomically after every rank finished and the "
-             "folder was renamed from .iter_XXXXXXX.incomplete: it still named iteration 2, so the next run "
-             "loaded iteration 2 and ignored the incomplete folder.",
+             "folder was renamed from .iter_XXXXXXX.incomplete (the course's step; Megatron writes iter_XXXXXXX "
+             "directly and marks it complete with metadata.json, written last): it still named iteration 2, so the "
+             "next run loaded iteration 2 and ignored the incomplete folder.",
 }
 
 
