@@ -44,7 +44,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install "$(TORCH_SPEC)"
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -e ".[dev,megatron,deepspeed]"
-	$(BIN)/python -m course_lib.training.deepspeed_engine --build-ops
+	$(BIN)/python -m course_lib.deepspeed.engine --build-ops
 	@touch $@
 
 graphviz:

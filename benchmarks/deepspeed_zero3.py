@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from course_lib.megatron.ds_schema import import_deepspeed  # noqa: E402
+from course_lib.deepspeed.schema import import_deepspeed  # noqa: E402
 from fsdp2_vs_zero3 import LR, _groups, _model, batch, build_steps, run_bench, time_steps  # noqa: E402
 
 deepspeed = import_deepspeed()       # DS_ACCELERATOR=cpu without CUDA; imported once, before forking

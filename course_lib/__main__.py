@@ -25,7 +25,7 @@ COMMANDS = {
     "pipeline": ("course_lib.pipeline.cli", "a pipeline schedule's per-rank order, bubble and activation memory (simulated)"),
     "project": ("course_lib.sizing.projection",
                 "project a layout's step time, tokens/s, MFU and communication on a named GPU cluster (A100, H100, H200)"),
-    "ds-config": ("course_lib.megatron.ds_config",
+    "ds-config": ("course_lib.deepspeed.config",
                   "read a DeepSpeed ds_config.json and print the equivalent Megatron-LM and course flags"),
     "checkpoint": ("course_lib.training.checkpoint_inspect",
                    "inspect a --save folder: iteration, format, saved layout, every tensor and which rank holds which slice"),
@@ -47,9 +47,11 @@ def main(argv=None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    from course_lib.rules import UsageError
+
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args) or 0
-    except ValueError as exc:  # configuration errors: one line, no traceback
+    except UsageError as exc:  # a person's input broke a rule: one line, no traceback (a bug keeps its traceback)
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `... | head` closed our stdout: not an error of ours

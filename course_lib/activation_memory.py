@@ -79,11 +79,11 @@ def _check_dtype(dtype, cp: int, attention_backend: str) -> int:
     k, v and the scores), which is neither the paper's layer nor Megatron's; the ring's 16-bit
     bookkeeping is not written out here."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype} is not one of float32, bfloat16, float16")
+        raise rules.UsageError(f"dtype={dtype} is not one of float32, bfloat16, float16")
     if dtype != torch.float32 and (attention_backend != "flash" or cp > 1):
-        raise ValueError(f"dtype={dtype} with attention_backend={attention_backend!r}, cp={cp}: 16-bit layers are "
-                         f"measured with attention_backend='flash' and cp=1 (torch's CPU math kernel upcasts "
-                         f"16-bit attention to float32)")
+        raise rules.UsageError(f"dtype={dtype} with attention_backend={attention_backend!r}, cp={cp}: 16-bit layers are "
+                               f"measured with attention_backend='flash' and cp=1 (torch's CPU math kernel upcasts "
+                               f"16-bit attention to float32)")
     return torch.empty((), dtype=dtype).element_size()
 
 
@@ -99,8 +99,8 @@ def local_tokens(x: torch.Tensor, tp_group, cp_group=None, sequence_parallel: bo
     t = comm.group_size(tp_group)
     if sequence_parallel and t > 1:
         if x.shape[0] % t:
-            raise ValueError(f"{x.shape[0]} local tokens are not divisible by tensor-model-parallel-size={t} "
-                             f"(sequence parallelism splits them evenly)")
+            raise rules.UsageError(f"{x.shape[0]} local tokens are not divisible by tensor-model-parallel-size={t} "
+                                   f"(sequence parallelism splits them evenly)")
         x = x.chunk(t, dim=0)[comm.group_rank(tp_group)]
     return x.clone(memory_format=torch.contiguous_format)  # its own storage, like a real layer input
 
@@ -188,18 +188,18 @@ def _check(seq_length, micro_batch_size, hidden_size, num_heads, tp, sequence_pa
     ffn = 4 * hidden_size if ffn_hidden_size is None else rules.integer("ffn_hidden_size", ffn_hidden_size)
     rules.ffn_divisible_by_tp(ffn, tp)
     if attention_backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend={attention_backend!r} is unknown: use 'flash' or 'unfused'")
+        raise rules.UsageError(f"attention_backend={attention_backend!r} is unknown: use 'flash' or 'unfused'")
     for name, p in (("hidden_dropout", hidden_dropout), ("attention_dropout", attention_dropout)):
         rules.probability(name, p)
     if cp > 1:
         rules.sequence_split(seq_length, cp)
         if attention_backend != "flash":
-            raise ValueError("context-parallel-size>1 runs ring attention, which computes every block "
-                             "flash-style (no s x s matrix is stored); use attention_backend='flash'")
+            raise rules.UsageError("context-parallel-size>1 runs ring attention, which computes every block "
+                                   "flash-style (no s x s matrix is stored); use attention_backend='flash'")
         rules.cp_attention_dropout(attention_dropout, cp)
     if attention_backend == "flash" and attention_dropout:
-        raise ValueError(f"attention_dropout={attention_dropout}: the CPU flash kernel has no dropout (torch "
-                         f"falls back to the math kernel); use attention_backend='unfused'")
+        raise rules.UsageError(f"attention_dropout={attention_dropout}: the CPU flash kernel has no dropout (torch "
+                               f"falls back to the math kernel); use attention_backend='unfused'")
     if sequence_parallel:
         rules.sequence_parallel_split(seq_length, cp, tp)
     return ffn
@@ -360,7 +360,7 @@ def _why(term: str, *, tp, sp, cp, backend, hidden_dropout, attention_dropout) -
         "mlp_fc2_input": fp32,
     }
     if term not in whys:
-        raise ValueError(f"unknown term {term!r}")
+        raise rules.UsageError(f"unknown term {term!r}")
     return whys[term]
 
 
@@ -443,7 +443,7 @@ def memory_vs_seq_length(seq_lengths, hidden_size: int, num_heads: int, micro_ba
     ``"paper"``: :func:`course_lib.sizing.activation_bytes_per_layer` (16-bit; its score
     term for every setup, as the paper's layer stores it)."""
     if source not in ("ours", "paper"):
-        raise ValueError(f"source={source!r} must be 'ours' or 'paper'")
+        raise rules.UsageError(f"source={source!r} must be 'ours' or 'paper'")
     out = {}
     for label, setup in PLOT_SETUPS:
         c = cp if setup["cp"] is None else setup["cp"]

@@ -26,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from course_lib.rules import UsageError
 
 # Recent torch (2.13 here) names the flat-tensor collectives *_single and warns on the old names.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -75,7 +76,7 @@ def apply_collective(op: str, x: torch.Tensor, group=None) -> torch.Tensor:
         out = torch.empty_like(x)
         dist.all_to_all_single(out, x.contiguous(), group=group)
     else:
-        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(COLLECTIVES)}")
+        raise UsageError(f"op={op!r} is unknown: use one of {', '.join(COLLECTIVES)}")
     return out
 
 

@@ -38,8 +38,8 @@ Conventions
 
 The ring cost model
 -------------------
-:func:`ring_elements_sent` (one formula for the whole course, kept in the rule
-book :mod:`course_lib.rules`, which imports no torch, so that the sizing formulas
+:func:`ring_elements_sent` (one formula for the whole course, kept in
+:mod:`course_lib.ring_cost`, which imports no torch, so that the sizing formulas
 share it; re-exported here) gives the elements one rank *sends* when the collective runs
 as a ring over ``t`` ranks (Patarasuk & Yuan 2009; Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import rules
-from course_lib.rules import COMM_OPS as OPS, ring_elements_sent
+from course_lib.ring_cost import COMM_OPS as OPS, comm_op, ring_elements_sent
 
 __all__ = [
     "OPS", "CommEvent", "CommRecorder", "ring_elements_sent", "record_event",
@@ -155,7 +155,7 @@ class CommRecorder:
         fields = CommEvent.__dataclass_fields__
         for key in match:
             if key not in fields:
-                raise ValueError(f"{key!r} is not a CommEvent field: use one of {', '.join(fields)}")
+                raise rules.UsageError(f"{key!r} is not a CommEvent field: use one of {', '.join(fields)}")
 
         def ok(e):
             for k, v in match.items():
@@ -233,10 +233,10 @@ def record_event(op: str, numel: int, *, group_size: int, kind: str, dtype=torch
     call it too so that recorders see everything."""
     if not _ACTIVE:
         return
-    rules.comm_op(op)
+    comm_op(op)
     direction = direction or _infer_direction()
     if direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r} must be 'fwd' or 'bwd'")
+        raise rules.UsageError(f"direction={direction!r} must be 'fwd' or 'bwd'")
     itemsize = torch.empty((), dtype=dtype).element_size()
     event = CommEvent(op=op, kind=kind, group_size=int(group_size), numel=int(numel),
                       bytes=int(numel) * itemsize, direction=direction, dtype=str(dtype).replace("torch.", ""),
@@ -252,8 +252,8 @@ def record_event(op: str, numel: int, *, group_size: int, kind: str, dtype=torch
 
 def _check_group(group, fn: str):
     if group is None:
-        raise ValueError(f"{fn}: group is None; pass the process group explicitly "
-                         f"(e.g. the tensor-parallel group; use dist.group.WORLD for all ranks)")
+        raise rules.UsageError(f"{fn}: group is None; pass the process group explicitly "
+                               f"(e.g. the tensor-parallel group; use dist.group.WORLD for all ranks)")
     return group
 
 
@@ -269,7 +269,7 @@ def group_rank(group) -> int:
 
 def _reduce_op(op: str):
     if op not in _REDUCE_OPS:
-        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(_REDUCE_OPS)}")
+        raise rules.UsageError(f"op={op!r} is unknown: use one of {', '.join(_REDUCE_OPS)}")
     return _REDUCE_OPS[op]
 
 
@@ -282,7 +282,7 @@ def all_reduce(tensor: torch.Tensor, group, *, op: str = "sum", kind: str = "tp"
         return tensor
     red = _reduce_op(op)
     if not tensor.is_contiguous():
-        raise ValueError("all_reduce: tensor must be contiguous (call .contiguous() first)")
+        raise rules.UsageError("all_reduce: tensor must be contiguous (call .contiguous() first)")
     record_event("all_reduce", tensor.numel(), group_size=t, kind=kind, dtype=tensor.dtype,
                  direction=direction, reduce_op=op, source=source, tag=tag)
     dist.all_reduce(tensor, op=red, group=group)
@@ -322,8 +322,8 @@ def reduce_scatter(tensor: torch.Tensor, group, *, dim: int = 0, op: str = "sum"
         return tensor
     dim = dim % tensor.dim()
     if tensor.shape[dim] % t:
-        raise ValueError(f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible "
-                         f"by the group size {t}")
+        raise rules.UsageError(f"reduce_scatter: dimension {dim} of size {tensor.shape[dim]} is not divisible "
+                               f"by the group size {t}")
     red = _reduce_op(op)
     inp = tensor if dim == 0 else torch.cat(tensor.chunk(t, dim=dim), dim=0)
     inp = inp.contiguous()
@@ -356,8 +356,8 @@ def all_to_all(tensor: torch.Tensor, group, *, kind: str = "cp", direction: Opti
     if t == 1:
         return tensor
     if tensor.shape[0] % t:
-        raise ValueError(f"all_to_all: dimension 0 of size {tensor.shape[0]} is not divisible by the "
-                         f"group size {t}")
+        raise rules.UsageError(f"all_to_all: dimension 0 of size {tensor.shape[0]} is not divisible by the "
+                               f"group size {t}")
     inp = tensor.contiguous()
     out = torch.empty_like(inp)
     record_event("all_to_all", inp.numel(), group_size=t, kind=kind, dtype=inp.dtype,
@@ -368,8 +368,8 @@ def all_to_all(tensor: torch.Tensor, group, *, kind: str = "cp", direction: Opti
 
 def _check_peer(peer: int, fn: str) -> None:
     if peer == dist.get_rank():
-        raise ValueError(f"{fn}: peer={peer} is this rank; a rank cannot send to itself "
-                         f"(gloo refuses; skip the transfer for a group of one)")
+        raise rules.UsageError(f"{fn}: peer={peer} is this rank; a rank cannot send to itself "
+                               f"(gloo refuses; skip the transfer for a group of one)")
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, *, kind: str = "pp", direction: Optional[str] = None,

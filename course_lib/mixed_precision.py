@@ -97,7 +97,7 @@ def unscale_and_check(grads: Iterable[Optional[torch.Tensor]], scale: torch.Tens
     found = torch.zeros(1, dtype=torch.float32, device=device)
     for g in grads:
         if g.dtype != torch.float32:
-            raise ValueError(f"unscale_and_check: grads must be the fp32 main grads, got {g.dtype}")
+            raise rules.UsageError(f"unscale_and_check: grads must be the fp32 main grads, got {g.dtype}")
         g.mul_(inv.to(g.device))
         if not torch.isfinite(g).all():
             found.fill_(1.0)
@@ -167,9 +167,9 @@ class DynamicLossScaler(_LossScaler):
         _, _, self.min_scale, growth_interval, hysteresis = rules.loss_scale(
             None, initial_scale, min_scale, growth_interval, hysteresis)
         if rules.number("growth_factor", growth_factor) <= 1.0:
-            raise ValueError(f"growth_factor={growth_factor} must be > 1")
+            raise rules.UsageError(f"growth_factor={growth_factor} must be > 1")
         if not 0.0 < rules.number("backoff_factor", backoff_factor) < 1.0:
-            raise ValueError(f"backoff_factor={backoff_factor} must be between 0 and 1")
+            raise rules.UsageError(f"backoff_factor={backoff_factor} must be between 0 and 1")
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.growth_tracker = 0
@@ -235,7 +235,7 @@ class Float16Module(nn.Module):
     def __init__(self, module: nn.Module, dtype: torch.dtype, pre_process: bool = True, post_process: bool = True):
         super().__init__()
         if dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"Float16Module needs bfloat16 or float16, got {dtype}")
+            raise rules.UsageError(f"Float16Module needs bfloat16 or float16, got {dtype}")
         self.module, self.dtype = module.to(dtype), dtype
         self.pre_process, self.post_process = pre_process, post_process
 
@@ -257,7 +257,7 @@ def to_float16(module: nn.Module, precision: str) -> nn.Module:
     """``precision`` ``"bf16"``/``"fp16"``: the module wrapped in :class:`Float16Module` (params cast in
     place); ``"fp32"``: the module itself."""
     if precision not in DTYPES:
-        raise ValueError(f"precision={precision!r} is unknown: use one of {', '.join(DTYPES)}")
+        raise rules.UsageError(f"precision={precision!r} is unknown: use one of {', '.join(DTYPES)}")
     return module if precision == "fp32" else Float16Module(module, DTYPES[precision])
 
 

@@ -272,8 +272,8 @@ class ParallelLanguageModelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.shape[1] != self.position_ids.numel():
-            raise ValueError(f"tokens have {tokens.shape[1]} positions per sample but this rank's chunk expects "
-                             f"{self.position_ids.numel()} (seq_length / context-parallel-size)")
+            raise rules.UsageError(f"tokens have {tokens.shape[1]} positions per sample but this rank's chunk expects "
+                                   f"{self.position_ids.numel()} (seq_length / context-parallel-size)")
         x = self.word_embeddings(tokens) + self.position_embeddings(self.position_ids)   # [b, s_l, h]
         x = x.transpose(0, 1).contiguous()                                               # [s_l, b, h]
         if self.sequence_parallel:
@@ -388,8 +388,8 @@ def build_model(config: GPTConfig, groups: ProcessGroups, *, vp: int = 1, sequen
         rules.moe_sequence_parallel(config.num_experts, t, sequence_parallel)
         rules.moe_context_parallel(config.num_experts, cp)
         if moe_groups is None:
-            raise ValueError(f"num_experts={config.num_experts}: pass moe_groups="
-                             f"course_lib.process_groups.new_moe_process_groups(grid) to build_model")
+            raise rules.UsageError(f"num_experts={config.num_experts}: pass moe_groups="
+                                   f"course_lib.process_groups.new_moe_process_groups(grid) to build_model")
         rules.moe_experts(config.num_experts, moe_groups.size("ep"))
     from course_lib.data import cp_token_positions
 
@@ -464,7 +464,7 @@ def gather_full_parameters(chunks: list[GPTChunk], groups: ProcessGroups, grads:
         for name, p in chunk.named_parameters():
             value = (p.grad if grads else p.data)
             if value is None:
-                raise ValueError(f"{name} has no gradient: run backward first")
+                raise rules.UsageError(f"{name} has no gradient: run backward first")
             value = value.detach()
             if hasattr(p, "expert_partition_dim"):         # decoder.layers.<i>.mlp.experts.linear_fc1.weight
                 owner = chunk.get_submodule(name.rsplit(".experts.", 1)[0])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from course_lib.rules import UsageError
 
 OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
@@ -42,7 +43,7 @@ class Optimizer:
     def __init__(self, params, kind: str = "adam", *, weight_decay: float = 0.01, betas=(0.9, 0.999),
                  eps: float = 1e-8, momentum: float = 0.9):
         if kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer={kind!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
+            raise UsageError(f"optimizer={kind!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
         self.kind, self.betas, self.eps, self.momentum = kind, betas, eps, momentum
         self.params = [(p, 0.0 if _no_weight_decay(n, p) else weight_decay) for n, p in params]
         self.state: dict = {}
@@ -87,7 +88,7 @@ class LRScheduler:
 
     def __init__(self, max_lr: float, min_lr: float, style: str, warmup_steps: int, decay_steps: int):
         if style not in LR_DECAY_STYLES:
-            raise ValueError(f"lr_decay_style={style!r} is unknown: use one of {', '.join(LR_DECAY_STYLES)}")
+            raise UsageError(f"lr_decay_style={style!r} is unknown: use one of {', '.join(LR_DECAY_STYLES)}")
         self.max_lr, self.min_lr, self.style = max_lr, min_lr, style
         self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
         self.num_steps = 0

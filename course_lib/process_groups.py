@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from course_lib import comm
 from course_lib.topology import RankGrid
+from course_lib.rules import UsageError
 
 __all__ = ["ProcessGroups", "MoEGroups", "new_groups", "new_process_groups", "new_moe_process_groups",
            "DEFAULT_TIMEOUT"]
@@ -81,9 +82,9 @@ _FIELD_TOKENS = {"tp": "tp", "cp": "cp", "pp": "pp", "dp_cp": "dp-cp", "model": 
 def _check_world(grid: RankGrid) -> int:
     """This rank's global rank, after checking that the running world is the grid's."""
     if not dist.is_initialized():
-        raise ValueError("torch.distributed is not initialised: run under torchrun or course_lib.launch.launch")
+        raise UsageError("torch.distributed is not initialised: run under torchrun or course_lib.launch.launch")
     if dist.get_world_size() != grid.world_size:
-        raise ValueError(f"the grid has world_size={grid.world_size} but {dist.get_world_size()} ranks are running")
+        raise UsageError(f"the grid has world_size={grid.world_size} but {dist.get_world_size()} ranks are running")
     return dist.get_rank()
 
 

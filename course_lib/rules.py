@@ -1,151 +1,46 @@
 """The rule book: every rule a parallel layout and a training run obey, each written once.
 
 Each rule is a function that returns what it checked (or derived) and otherwise raises a
-one-line ``ValueError`` in one style::
+one-line :class:`UsageError` in one style::
 
     <name>=<value> <what is wrong>; <the fix>
 
-Names: the parallel sizes by Megatron-LM's flag (``tensor-model-parallel-size``,
-``pipeline-model-parallel-size``, ``context-parallel-size``, ``data-parallel-size``), every
-other value by Megatron's argument name (``num_attention_heads``, ``seq_length``, ``lr``: the
-flag ``--num-attention-heads`` with ``_`` for ``-``, as Megatron's own ``validate_args`` writes
-them). So a rule reads the same whoever applies it: ``ParallelConfig``, the trainer, the
-planner, ``megatron-cmd`` or a layer used on its own.
+Names: the parallel sizes by Megatron-LM's flag (``tensor-model-parallel-size``, ...), every other
+value by Megatron's argument name (``num_attention_heads``, ``seq_length``, ``lr``), as Megatron's own
+``validate_args`` writes them; so a rule reads the same whoever applies it. Pure Python (no torch, no
+numpy): the ground floor every other module may import. ``tests/test_rules_are_called.py`` checks
+that no module derives a rule again; ``tests/test_rules.py`` that each one is listed here.
 
-Pure Python (no torch, no numpy): the ground floor that every other module may import, and
-instant to import for the rank-map CLI. (The corpus's generated fact sentences about heads,
-layers and micro-batches are decided by these rules too, ``data.corpus``.)
+The map
+-------
+* values -- :func:`integer`, :func:`number`, :func:`probability`, :func:`rank_in`, :func:`precision`,
+  :func:`loss_scale`, :func:`removed_flag`;
+* launch (processes on this machine) -- :func:`launch_ranks`, :func:`timeout_seconds`;
+* layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``) --
+  :func:`data_parallel_size`, :func:`order_ends_with_pp`, :func:`heads_divisible_by_tp`,
+  :func:`query_groups`, :func:`heads_divisible_by_groups`, :func:`heads_divisible_by_cp`,
+  :func:`hidden_divisible_by_heads`, :func:`tp_split`, :func:`ffn_divisible_by_tp`,
+  :func:`vocab_size_with_padding`, :func:`vocab_divisible_by_tp`, :func:`pipeline_split`,
+  :func:`pipeline_ranks`, :func:`virtual_pipeline_size`, :func:`virtual_pipeline`,
+  :func:`interleaved_microbatch_group`, :func:`sequence_split`, :func:`sequence_parallel`,
+  :func:`sequence_parallel_split`, :func:`num_microbatches`, :func:`cp_attention_dropout`;
+* a run -- :func:`max_position_embeddings`, :func:`min_lr`, :func:`seq_length_fits_corpus`,
+  :func:`fits_in_memory`, :func:`finite_loss_and_grad`;
+* mixture of experts (Megatron's ``MoELayer``, the expert grid of ``topology.RankGrid``) --
+  :func:`moe_experts`, :func:`expert_data_parallel_size`, :func:`expert_order`,
+  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_context_parallel`,
+  :func:`moe_dispatcher`, :func:`moe_state_sharding`;
+* state sharding (distributed optimizer, Megatron-FSDP, DeepSpeed's ZeRO over DP) --
+  :func:`sharding_stage`, :func:`sharding_flags`, :func:`sharding_layout`, :func:`deepspeed_layout`;
+* checkpoints -- :func:`checkpoint_flags`, :func:`course_checkpoint`, :func:`megatron_fsdp_checkpoint`,
+  :func:`checkpoint_layout`, :func:`checkpoint_model`.
 
-The rules, and the entry points that apply them
------------------------------------------------
-Values
-  * :func:`integer` -- an int (not a bool) ``>= minimum`` (sizes ``>= 1``, seeds and counts
-    ``>= 0``): everyone.
-  * :func:`number` -- a finite real number in a range (``>= 0``, ``> 0``, ``[0, 1)``...): NaN and
-    inf are refused for every float flag of the trainer (:func:`course_lib.train.validate_args`),
-    ``megatron-cmd`` (``MegatronRun``), the planner and the sizing formulas.
-  * :func:`probability` -- dropout in ``[0, 1)``: trainer, ``TransformerConfig`` (the layers),
-    ``activation_memory``.
-  * :func:`rank_in` -- a rank or index in ``0..size-1``: the CP split, the data sampler, ``RankGrid``
-    (a rank, a coordinate, a stage).
-  * :func:`precision` -- ``--bf16`` and ``--fp16`` exclusive: trainer, ``mixed_precision``.
-  * :func:`loss_scale` -- the loss-scale flags (``--loss-scale`` > 0, ``--initial-loss-scale`` >=
-    ``--min-loss-scale`` > 0, a whole ``--loss-scale-window`` >= 1, ``--hysteresis`` >= 1), checked
-    whether or not ``--fp16`` is on: trainer, ``mixed_precision.make_loss_scaler`` and its scalers.
-  * :func:`removed_flag` -- a flag Megatron-LM removed is refused in Megatron's own words
-    (``--model-parallel-size``): trainer.
-Layout (Megatron's ``validate_args``, ``initialize_model_parallel``, ``TransformerConfig``)
-  * :func:`data_parallel_size` -- ``world % (tp·pp·cp) == 0``, DP derived (with Megatron
-    0.9-0.13's encoder ranks, ``world % ((tp·pp + encoder_tp·encoder_pp)·cp)``):
-    ``RankGrid``, hence ``ParallelConfig``, the trainer, the planner, ``megatron-cmd``, ``rankmap``,
-    the sweep, the corpus's facts, the log parser (``megatron.logs``).
-  * :func:`order_ends_with_pp` -- with pp > 1 and cp > 1 the rank order ends in ``pp``: ``ParallelConfig``.
-  * :func:`heads_divisible_by_tp` -- ``num_attention_heads % tp == 0``: ``ParallelConfig`` (trainer,
-    planner, megatron-cmd, rankmap), ``ParallelSelfAttention``, ``build_model``,
-    ``tensor_parallel.memory``, ``activation_memory``, the sizing formulas.
-  * :func:`query_groups` -- ``num_query_groups % tp == 0`` and ``heads % groups == 0``:
-    ``ParallelConfig``, ``sizing.comm``.
-  * :func:`heads_divisible_by_groups` -- ``num_attention_heads % num_query_groups == 0`` (GQA):
-    :func:`query_groups`, ring attention (``context_parallel.ring``).
-  * :func:`heads_divisible_by_cp` -- all-to-all (Ulysses) CP splits the heads and the query groups
-    over CP: ``context_parallel.ulysses``.
-  * :func:`hidden_divisible_by_heads` -- ``hidden_size % num_attention_heads == 0``:
-    ``ParallelConfig``, ``GPTConfig``, ``TransformerConfig``, ``activation_memory``, sizing.
-  * :func:`tp_split` -- a dimension split evenly over TP (a column-parallel output, a
-    row-parallel input): ``ColumnParallelLinear``, ``RowParallelLinear``, ``tensor_parallel.memory``.
-  * :func:`ffn_divisible_by_tp` -- ``ffn_hidden_size % tp == 0`` (a :func:`tp_split`): trainer,
-    ``ParallelMLP``, ``tensor_parallel.memory``, ``activation_memory``.
-  * :func:`vocab_size_with_padding` -- Megatron's padded vocabulary (the next multiple of
-    ``make_vocab_size_divisible_by · tp``): ``GPTConfig``, ``data.vocab_size_with_padding``.
-  * :func:`vocab_divisible_by_tp` -- the padded vocabulary splits evenly over TP: trainer,
-    planner, ``build_model``, ``VocabParallelEmbedding``, ``sizing.flops``.
-  * :func:`pipeline_split` -- ``num_layers % pp == 0``, or an explicit uneven split with
-    ``decoder_first/last_pipeline_num_layers`` (each ``>= 1``, the rest even over the middle
-    stages); returns the layers per stage: ``ParallelConfig``, the sizing formulas,
-    ``pipeline.stages.layer_split``.
-  * :func:`pipeline_ranks` -- virtual stages ``pp · vpp``: ``pipeline.stages.layer_split``.
-  * :func:`virtual_pipeline_size` -- one value from Megatron's three spellings of the
-    interleaved schedule (``--num-layers-per-virtual-pipeline-stage`` is refused with an
-    uneven split, as Megatron does); ``vpp == 1`` means no interleaving: trainer.
-  * :func:`virtual_pipeline` -- ``pp > 1`` and every stage's layers divisible by vpp; returns the
-    layers per model chunk: ``ParallelConfig``, ``pipeline.stages.layer_split``.
-  * :func:`interleaved_microbatch_group` -- the interleaved schedule's micro-batch groups
-    (``num_microbatches % pp == 0`` by default): ``ParallelConfig`` (trainer, planner,
-    megatron-cmd), ``pipeline.schedules.check_interleaved_config`` (bubbles, schedules).
-  * :func:`sequence_split` -- ``seq_length % (2·cp) == 0`` (load-balanced causal CP; ``% cp``
-    for the contiguous split): ``ParallelConfig``, ``context_parallel.zigzag`` (hence
-    ``data.cp_split``, ``build_model``, the corpus's facts), ring attention, ``activation_memory``.
-  * :func:`sequence_parallel` -- Megatron's policy: with tp = 1 sequence parallelism is turned
-    off, and :data:`SP_WITHOUT_TP` says so in one line: ``ParallelConfig`` (trainer, planner,
-    megatron-cmd).
-  * :func:`sequence_parallel_split` -- ``(seq_length / cp) % tp == 0`` under SP:
-    ``ParallelConfig``, ``build_model``, ``activation_memory``, ``sizing.memory``/``comm``.
-  * :func:`num_microbatches` -- ``m = global_batch_size / (micro_batch_size · dp)``, a whole
-    number: ``ParallelConfig`` (trainer, planner, megatron-cmd), ``data.sampler``, the log
-    parser (``megatron.logs``), the single-process reference (``train``), the memory estimate
-    (``training.arguments``), the corpus's facts.
-  * :func:`cp_attention_dropout` -- ring attention has no dropout: trainer,
-    ``ContextParallelSelfAttention``, ``activation_memory``.
-Mixture of experts (the expert grid itself: ``topology.RankGrid``, with ``ep`` / ``expert_tp``)
-  * :func:`moe_experts` -- ``num_experts % ep == 0``, and ep > 1 needs experts: trainer, ``GPTConfig``,
-    ``RankGrid.local_experts``, ``moe.transformer.MoEMLP`` (via ``build_model``), ``moe.layer.MoELayer``.
-  * :func:`expert_data_parallel_size` -- ``world % (expert_tp·ep·pp) == 0``, expert DP derived:
-    ``RankGrid`` (hence ``ParallelConfig``, the trainer, ``megatron-cmd``, ``sizing.moe``, the widgets).
-  * :func:`expert_order` -- an order not ending in ``pp`` (pp > 1) needs expert DP = dense DP: ``RankGrid``.
-  * :func:`moe_ffn_divisible_by_expert_tp` -- ``moe_ffn_hidden_size % expert_tp == 0``: trainer, ``MoEMLP``.
-  * :func:`moe_sequence_parallel` -- MoE with tp > 1 trains only with sequence parallelism (Megatron's
-    ``MoELayer.forward``): trainer, ``build_model``.
-  * :func:`moe_context_parallel` -- the course's MoE model is not tested with CP yet: trainer, ``build_model``.
-  * :func:`moe_dispatcher` -- ``--moe-token-dispatcher-type`` is ``alltoall`` or ``allgather``: ``GPTConfig``,
-    ``MoEMLP``.
-  * :func:`moe_state_sharding` -- MoE without the sharding engine's flags (it shards and reduces over
-    dense DP only, not expert DP): trainer (``train.setup_training``, ``train.run``).
-Communication
-  * :func:`comm_op` -- an op the course records and prices (:data:`COMM_OPS`): ``comm.record_event``,
-    :func:`ring_elements_sent`.
-  * :func:`ring_elements_sent` -- the ring cost model, one formula for the whole course: ``comm``
-    (``CommEvent``, ``CommRecorder``), ``sizing.comm``, the projection.
-State sharding
-  * :func:`sharding_stage` -- a ``--data-parallel-sharding-strategy`` is one of
-    :data:`SHARDING_STRATEGIES`, and its ZeRO stage: the sharding engine (``distributed.engine``),
-    ``megatron.ds_config``, :func:`sharding_flags`.
-  * :func:`sharding_flags` -- the state-sharding flags together (distributed optimizer, Megatron FSDP
-    and its strategy, overlap, CPU offload), as Megatron's ``validate_args``: trainer
-    (``training.arguments``), the sharding engine.
-  * :func:`sharding_layout` -- what the course's engine runs inside the trainer (one model chunk per
-    rank; ZeRO-3 not under GPipe with several micro-batches): trainer (``training.arguments``).
-  * :func:`deepspeed_layout` -- ``--deepspeed-config`` is DP only (TP = PP = CP = 1, no Megatron
-    sharding flags, no MoE): trainer (``training.deepspeed_engine``).
-  * :func:`deepspeed_batch` -- DeepSpeed's ``train_batch_size = micro x accumulation x DP`` (the missing
-    ones derived as DeepSpeed derives them): the ds_config bridge (``megatron.ds_schema``), trainer
-    (``training.deepspeed_engine``).
-Run
-  * :func:`max_position_embeddings` -- ``>= seq_length``: trainer, ``GPTConfig``.
-  * :func:`min_lr` -- ``min_lr <= lr``: trainer, ``MegatronRun``.
-  * :func:`seq_length_fits_corpus` -- a sample needs ``seq_length + 1`` tokens: trainer,
-    ``data.GPTDataset``.
-  * :func:`fits_in_memory` -- the estimated bytes of a run fit the memory this machine has,
-    naming the flag that matters most: trainer.
-  * :func:`finite_loss_and_grad` -- a NaN or infinite loss or grad norm stops the run, naming the
-    iteration (Megatron's ``--check-for-nan-in-loss-and-grad``, on by default): trainer
-    (``train._training_loop``).
-Launch (processes on this machine)
-  * :func:`launch_ranks` -- the ranks one launch starts here: 1..:data:`MAX_LAUNCH_RANKS`:
-    ``launch``, the trainer's ``--nproc-per-node``.
-  * :func:`timeout_seconds` -- a wait in seconds (or minutes), from :data:`MIN_TIMEOUT_S` (a
-    rendezvous needs that long) to :data:`MAX_TIMEOUT_S`: ``launch``, ``sweep --timeout``, the trainer's
-    ``--distributed-timeout-minutes``.
-Checkpoints (``training.checkpointing``)
-  * :func:`checkpoint_flags` -- the checkpoint flags on their own (intervals >= 1, a known
-    ``--ckpt-format``, a folder for the flags that need one): trainer (``training.arguments``), ``megatron-cmd``.
-  * :func:`course_checkpoint` -- what the course writes: ``torch_dist`` or ``torch``, MoE as ``torch_dist``:
-    trainer.
-  * :func:`megatron_fsdp_checkpoint` -- Megatron-FSDP saves ``fsdp_dtensor`` only: ``megatron-cmd``.
-  * :func:`checkpoint_layout` -- a legacy ``torch`` checkpoint loads only under its TP x PP x VP: ``load_checkpoint``.
-  * :func:`checkpoint_model` -- the checkpoint's model (and data order) is this run's: ``load_checkpoint``.
-Grading (``python -m course_lib grade``, ``classroom.grading``)
-  * :func:`lab_number` -- ``--labs NN`` names a lab there is (``3`` reads as ``03``).
-  * :func:`grading_folders` -- ``--out`` and ``SUBMISSIONS`` are apart, neither inside the other.
+The messages' helpers (:func:`divisors`, :func:`nearby_multiples`, :func:`format_bytes`) are here
+because the rules' messages use them. Helpers that are not rules live with their domain: the ring
+cost model in :mod:`course_lib.ring_cost`, DeepSpeed's batch arithmetic in
+:mod:`course_lib.deepspeed.schema`, the machine's free memory in :mod:`course_lib.training.arguments`,
+the ``grade`` command's inputs in :mod:`course_lib.classroom.grading.inputs`. Which code applies a
+rule: ``git grep "rules.<name>"``.
 """
 
 from __future__ import annotations
@@ -153,6 +48,15 @@ from __future__ import annotations
 import math
 import os
 from numbers import Integral, Real
+
+
+class UsageError(ValueError):
+    """A person's input breaks a rule: one line naming the value, the rule and a fix.
+
+    The command line (``python -m course_lib``, ``python -m course_lib.train``) prints it as
+    ``error: <message>`` and exits 2; any other exception is a bug and keeps its traceback. A
+    ``ValueError``, so code that catches ``ValueError`` catches it too."""
+
 
 # Megatron's command-line flag for each parallel axis (dp has none: it is derived).
 AXIS_FLAG = {
@@ -179,7 +83,7 @@ def precision(bf16: bool, fp16: bool) -> str:
     """``"bf16"``, ``"fp16"`` or ``"fp32"``; both flags -> ValueError (Megatron's ``validate_args``
     asserts ``not args.fp16`` under ``args.bf16``)."""
     if bf16 and fp16:
-        raise ValueError("--bf16 and --fp16 are mutually exclusive (Megatron's validate_args asserts "
+        raise UsageError("--bf16 and --fp16 are mutually exclusive (Megatron's validate_args asserts "
                          "not args.fp16 under args.bf16): pass one of them")
     return "bf16" if bf16 else "fp16" if fp16 else "fp32"
 
@@ -193,11 +97,11 @@ def loss_scale(loss_scale_value, initial_loss_scale, min_loss_scale, loss_scale_
     initial = number("initial_loss_scale", initial_loss_scale, 0.0, low_open=True)
     minimum = number("min_loss_scale", min_loss_scale, 0.0, low_open=True)
     if minimum > initial:
-        raise ValueError(f"min_loss_scale={min_loss_scale!r} must be <= initial_loss_scale={initial_loss_scale!r}; "
+        raise UsageError(f"min_loss_scale={min_loss_scale!r} must be <= initial_loss_scale={initial_loss_scale!r}; "
                          "lower --min-loss-scale or raise --initial-loss-scale")
     window = number("loss_scale_window", loss_scale_window, 1.0)
     if window != int(window):
-        raise ValueError(f"loss_scale_window={loss_scale_window!r} must be a whole number of iterations")
+        raise UsageError(f"loss_scale_window={loss_scale_window!r} must be a whole number of iterations")
     return loss_scale_value, initial, minimum, int(window), integer("hysteresis", hysteresis)
 
 
@@ -206,7 +110,7 @@ def removed_flag(flag: str, value, replacement: str) -> None:
     (``megatron/training/arguments.py``: "--model-parallel-size is no longer valid, use
     --tensor-model-parallel-size instead"). ``value`` None means the flag was not given."""
     if value is not None:
-        raise ValueError(f"--{flag} is no longer valid, use --{replacement} instead")
+        raise UsageError(f"--{flag} is no longer valid, use --{replacement} instead")
 
 
 def integer(name: str, value, minimum: int = 1, maximum: int | None = None) -> int:
@@ -215,7 +119,7 @@ def integer(name: str, value, minimum: int = 1, maximum: int | None = None) -> i
     if ok and value >= minimum and (maximum is None or value <= maximum):
         return int(value)
     bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-    raise ValueError(f"{name}={value!r} must be an integer {bound}")
+    raise UsageError(f"{name}={value!r} must be an integer {bound}")
 
 
 def number(name: str, value, low: float | None = None, high: float | None = None, *,
@@ -236,7 +140,7 @@ def number(name: str, value, low: float | None = None, high: float | None = None
         bound = f"a finite number {'<' if high_open else '<='} {high:g}"
     else:
         bound = "a finite number"
-    raise ValueError(f"{name}={value!r} must be {bound}")
+    raise UsageError(f"{name}={value!r} must be {bound}")
 
 
 def probability(name: str, value) -> float:
@@ -252,7 +156,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600  # a week: longer is a typo, and some OS timers ov
 def launch_ranks(name: str, value) -> int:
     """The number of rank processes one launch starts on this machine: an integer in ``1..MAX_LAUNCH_RANKS``."""
     if isinstance(value, Integral) and not isinstance(value, bool) and value > MAX_LAUNCH_RANKS:
-        raise ValueError(f"{name}={value} starts more processes than one machine runs ({MAX_LAUNCH_RANKS} at most); "
+        raise UsageError(f"{name}={value} starts more processes than one machine runs ({MAX_LAUNCH_RANKS} at most); "
                          f"use several nodes, or fewer ranks")
     return integer(name, value)
 
@@ -263,7 +167,7 @@ def timeout_seconds(name: str, value, unit_s: float = 1.0) -> float:
     units = "second" if unit_s == 1 else "minute" if unit_s == 60 else f"x {unit_s:g} s"
     low, high = MIN_TIMEOUT_S / unit_s, MAX_TIMEOUT_S / unit_s
     if isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value) and 0 < value < low:
-        raise ValueError(f"{name}={value!r} is shorter than a rendezvous takes; give at least {low:.3g} {units}"
+        raise UsageError(f"{name}={value!r} is shorter than a rendezvous takes; give at least {low:.3g} {units}"
                          f"{'' if low == 1 else 's'} (e.g. {name}={60 / unit_s:g})")
     return number(name, value, low, high) * unit_s
 
@@ -272,7 +176,7 @@ def rank_in(name: str, value, size: int, size_name: str) -> int:
     """A rank (or index) of a group of ``size``: an integer in ``0..size-1``."""
     if isinstance(value, Integral) and not isinstance(value, bool) and 0 <= value < size:
         return int(value)
-    raise ValueError(f"{name}={value!r} must be an integer in 0..{size - 1} for {size_name}={size}")
+    raise UsageError(f"{name}={value!r} must be an integer in 0..{size - 1} for {size_name}={size}")
 
 
 # ============================================================================ helpers for the messages
@@ -293,6 +197,16 @@ def nearby_multiples(value: int, step: int) -> str:
     """The multiples of ``step`` just below and above ``value`` (positive ones), e.g. ``"28 or 32"``."""
     low = (value // step) * step
     return " or ".join(str(c) for c in (low, low + step) if c > 0)
+
+
+def format_bytes(num_bytes: float) -> str:
+    """Bytes for a message, decimal units: ``"23.8 GB"``, ``"15,400 TB"``."""
+    if num_bytes >= 1e15:
+        return f"{num_bytes / 1e12:,.0f} TB"
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.3g} {unit}"
+    return f"{num_bytes / 1e3:.3g} kB"
 
 
 def _use_divisor(value: int, size_name: str) -> str:
@@ -321,7 +235,7 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, *
             parts = (f"(tensor-model-parallel-size={tp} × pipeline-model-parallel-size={pp} + encoder-tensor-model-"
                      f"parallel-size={encoder_tp} × encoder-pipeline-model-parallel-size={encoder_pp})"
                      + (f" × {AXIS_FLAG['cp']}={sizes['cp']}" if sizes["cp"] > 1 else ""))
-        raise ValueError(f"world_size={world_size} is not divisible by {parts} = {model}; choose sizes whose "
+        raise UsageError(f"world_size={world_size} is not divisible by {parts} = {model}; choose sizes whose "
                          f"product divides {world_size} ({DP} = world_size / product is derived)")
     return world_size // model
 
@@ -329,14 +243,14 @@ def data_parallel_size(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, *
 def order_ends_with_pp(order: str, last_axis: str, pp: int, cp: int) -> None:
     """Megatron's ``initialize_model_parallel`` asserts that a rank order with pp > 1 and cp > 1 ends in pp."""
     if pp > 1 and cp > 1 and last_axis != "pp":
-        raise ValueError(f"order='{order}' must end with 'pp' when {PP}={pp} and {CP}={cp} (Megatron's "
+        raise UsageError(f"order='{order}' must end with 'pp' when {PP}={pp} and {CP}={cp} (Megatron's "
                          f"initialize_model_parallel asserts it); use e.g. order='tp-cp-ep-dp-pp'")
 
 
 def heads_divisible_by_tp(num_attention_heads: int, tp: int) -> int:
     """Attention is split by whole heads: ``num_attention_heads % tp == 0``; returns heads per rank."""
     if num_attention_heads % tp:
-        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by {TP}={tp}; "
+        raise UsageError(f"num_attention_heads={num_attention_heads} is not divisible by {TP}={tp}; "
                          f"{_use_divisor(num_attention_heads, TP)}")
     return num_attention_heads // tp
 
@@ -344,7 +258,7 @@ def heads_divisible_by_tp(num_attention_heads: int, tp: int) -> int:
 def query_groups(num_query_groups: int, num_attention_heads: int | None, tp: int) -> None:
     """Grouped-query attention: the groups split over TP, and the heads split into the groups."""
     if num_query_groups % tp:
-        raise ValueError(f"num_query_groups={num_query_groups} is not divisible by {TP}={tp}; "
+        raise UsageError(f"num_query_groups={num_query_groups} is not divisible by {TP}={tp}; "
                          f"{_use_divisor(num_query_groups, TP)}")
     if num_attention_heads is not None:
         heads_divisible_by_groups(num_attention_heads, num_query_groups)
@@ -354,7 +268,7 @@ def heads_divisible_by_groups(num_attention_heads: int, num_query_groups: int) -
     """Grouped-query attention shares each K/V head among ``num_attention_heads / num_query_groups``
     query heads; returns that number."""
     if num_attention_heads % num_query_groups:
-        raise ValueError(f"num_attention_heads={num_attention_heads} is not divisible by num_query_groups="
+        raise UsageError(f"num_attention_heads={num_attention_heads} is not divisible by num_query_groups="
                          f"{num_query_groups}; use num_query_groups from {_divisor_list(num_attention_heads)}")
     return num_attention_heads // num_query_groups
 
@@ -366,7 +280,7 @@ def heads_divisible_by_cp(num_attention_heads: int, num_query_groups: int, cp: i
     for name, value, what in (("num_attention_heads", num_attention_heads, "heads"),
                               ("num_query_groups", num_query_groups, "K/V heads")):
         if value % cp:
-            raise ValueError(f"{name}={value} is not divisible by {CP}={cp}: all-to-all (Ulysses) attention "
+            raise UsageError(f"{name}={value} is not divisible by {CP}={cp}: all-to-all (Ulysses) attention "
                              f"splits the {what} over the CP group; use the ring (cp_comm_type='p2p') or a "
                              f"{CP} that divides {value} ({_divisor_list(value)})")
     return num_attention_heads // cp
@@ -375,7 +289,7 @@ def heads_divisible_by_cp(num_attention_heads: int, num_query_groups: int, cp: i
 def hidden_divisible_by_heads(hidden_size: int, num_attention_heads: int) -> int:
     """Every head gets ``hidden_size / num_attention_heads`` channels; returns that number."""
     if hidden_size % num_attention_heads:
-        raise ValueError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}; "
+        raise UsageError(f"hidden_size={hidden_size} is not divisible by num_attention_heads={num_attention_heads}; "
                          f"use a hidden_size that is a multiple of {num_attention_heads}, e.g. "
                          f"{nearby_multiples(hidden_size, num_attention_heads)}")
     return hidden_size // num_attention_heads
@@ -385,7 +299,7 @@ def tp_split(name: str, size: int, tp: int) -> int:
     """A dimension split evenly over TP -- a column-parallel layer's output features, a row-parallel
     layer's input features (Megatron's ``divide`` in ``core/utils.py``); returns the size per rank."""
     if size % tp:
-        raise ValueError(f"{name}={size} is not divisible by {TP}={tp}; use a multiple of {tp}, e.g. "
+        raise UsageError(f"{name}={size} is not divisible by {TP}={tp}; use a multiple of {tp}, e.g. "
                          f"{nearby_multiples(size, tp)}")
     return size // tp
 
@@ -411,7 +325,7 @@ def vocab_divisible_by_tp(padded_vocab_size: int, tp: int) -> int:
     """The vocab-parallel embedding splits its rows evenly over TP; returns the rows per rank."""
     if padded_vocab_size % tp:
         above = -(-padded_vocab_size // tp) * tp
-        raise ValueError(f"vocab_size={padded_vocab_size} (padded) is not divisible by {TP}={tp}: the vocab-parallel "
+        raise UsageError(f"vocab_size={padded_vocab_size} (padded) is not divisible by {TP}={tp}: the vocab-parallel "
                          f"embedding splits its rows evenly; pad the vocabulary to a multiple of {tp}, e.g. {above} "
                          f"(a make_vocab_size_divisible_by that is a multiple of {tp})")
     return padded_vocab_size // tp
@@ -427,16 +341,16 @@ def pipeline_split(num_layers: int, pp: int, first: int | None = None, last: int
         if v is not None:
             integer(name, v)
             if pp == 1:
-                raise ValueError(f"{name}={v} needs {PP} > 1; drop it or raise {PP}")
+                raise UsageError(f"{name}={v} needs {PP} > 1; drop it or raise {PP}")
     if first is None and last is None:
         if num_layers % pp:
-            raise ValueError(f"num_layers={num_layers} is not divisible by {PP}={pp}; "
+            raise UsageError(f"num_layers={num_layers} is not divisible by {PP}={pp}; "
                              f"{_use_divisor(num_layers, PP)} or make the uneven split explicit with {UNEVEN_FLAGS}")
         return [num_layers // pp] * pp
     rest = num_layers - (first or 0) - (last or 0)
     middle = pp - (first is not None) - (last is not None)
     if rest < 0 or (middle == 0 and rest != 0) or (middle > 0 and rest % middle):
-        raise ValueError(f"num_layers={num_layers} minus decoder_first_pipeline_num_layers={first} and "
+        raise UsageError(f"num_layers={num_layers} minus decoder_first_pipeline_num_layers={first} and "
                          f"decoder_last_pipeline_num_layers={last} leaves {rest} layers for {middle} middle "
                          f"stage(s), not an even split; choose first/last so the rest divides by {max(middle, 1)}")
     stages = [rest // middle if middle else 0] * pp
@@ -461,7 +375,7 @@ def virtual_pipeline_size(num_layers: int, pp: int, *, virtual_pipeline_model_pa
                                      ("num_virtual_stages_per_pipeline_rank", num_virtual_stages_per_pipeline_rank))
              if v is not None}
     if len(given) > 1:
-        raise ValueError(f"{' and '.join(f'{n}={v}' for n, v in given.items())} are given together; give only one "
+        raise UsageError(f"{' and '.join(f'{n}={v}' for n, v in given.items())} are given together; give only one "
                          f"of --virtual-pipeline-model-parallel-size, --num-layers-per-virtual-pipeline-stage, "
                          f"--num-virtual-stages-per-pipeline-rank")
     if not given:
@@ -470,14 +384,14 @@ def virtual_pipeline_size(num_layers: int, pp: int, *, virtual_pipeline_model_pa
     integer(name, value)
     if name == "num_layers_per_virtual_pipeline_stage":
         if pp == 1:
-            raise ValueError(f"{name}={value} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
+            raise UsageError(f"{name}={value} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
         if uneven:
-            raise ValueError(f"{name}={value} cannot describe an uneven pipeline split ({UNEVEN_FLAGS}); use "
+            raise UsageError(f"{name}={value} cannot describe an uneven pipeline split ({UNEVEN_FLAGS}); use "
                              f"num_virtual_stages_per_pipeline_rank (--num-virtual-stages-per-pipeline-rank), as "
                              f"Megatron's validate_args asks")
         per_stage = pipeline_split(num_layers, pp)[0]
         if per_stage % value:
-            raise ValueError(f"{name}={value} does not divide the {per_stage} layers per pipeline stage "
+            raise UsageError(f"{name}={value} does not divide the {per_stage} layers per pipeline stage "
                              f"(num_layers={num_layers} / {PP}={pp}); use one of {_divisor_list(per_stage)}")
         value = per_stage // value
     return None if value == 1 else value
@@ -488,10 +402,10 @@ def virtual_pipeline(vpp: int, pp: int, layers_per_stage: list[int] | None) -> l
     returns the layers of one model chunk of each stage."""
     integer(VPP, vpp)
     if pp == 1:
-        raise ValueError(f"{VPP}={vpp} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
+        raise UsageError(f"{VPP}={vpp} needs {PP} > 1 (interleaved schedule); drop it or raise {PP}")
     for stage, n in enumerate(layers_per_stage or []):
         if n % vpp:
-            raise ValueError(f"stage {stage} has {n} layers, not divisible by {VPP}={vpp}; use a "
+            raise UsageError(f"stage {stage} has {n} layers, not divisible by {VPP}={vpp}; use a "
                              f"{VPP} that divides {n} ({_divisor_list(n)})")
     return [n // vpp for n in layers_per_stage or []]
 
@@ -501,7 +415,7 @@ def pipeline_ranks(num_stages: int, vp_size: int) -> int:
     ``num_stages / vp_size``, a whole number."""
     integer("num_stages", num_stages)
     if num_stages % integer("vp_size", vp_size):
-        raise ValueError(f"num_stages={num_stages} is not divisible by vp_size={vp_size}; num_stages counts "
+        raise UsageError(f"num_stages={num_stages} is not divisible by vp_size={vp_size}; num_stages counts "
                          f"the virtual stages, pp_size * vp_size")
     return num_stages // vp_size
 
@@ -519,18 +433,18 @@ def interleaved_microbatch_group(pp_size: int, num_microbatches: int, vp_size: i
     integer("num_microbatches", num_microbatches)
     integer("vp_size", vp_size)
     if pp_size < 2:
-        raise ValueError(f"the interleaved schedule needs {PP} >= 2, got pp_size={pp_size}: with one stage "
+        raise UsageError(f"the interleaved schedule needs {PP} >= 2, got pp_size={pp_size}: with one stage "
                          f"there is nothing to interleave")
     if vp_size < 2:
-        raise ValueError(f"vp_size={vp_size}: the interleaved schedule needs >= 2 model chunks per rank; Megatron "
+        raise UsageError(f"vp_size={vp_size}: the interleaved schedule needs >= 2 model chunks per rank; Megatron "
                          f"treats virtual-pipeline size 1 as no interleaving: use schedule_1f1b")
     group = pp_size if microbatch_group_size is None else integer("microbatch_group_size", microbatch_group_size)
     if group > num_microbatches or group < pp_size:
-        raise ValueError(f"microbatch_group_size_per_vp_stage={group} must be in [pp_size={pp_size}, "
+        raise UsageError(f"microbatch_group_size_per_vp_stage={group} must be in [pp_size={pp_size}, "
                          f"num_microbatches={num_microbatches}]: use more micro-batches or a group size between them")
     remainder = num_microbatches % group
     if 0 < remainder < pp_size:
-        raise ValueError(f"num_microbatches={num_microbatches} % microbatch_group_size_per_vp_stage={group} = "
+        raise UsageError(f"num_microbatches={num_microbatches} % microbatch_group_size_per_vp_stage={group} = "
                          f"{remainder} must be 0 or >= pp_size={pp_size} (a smaller last group would stall the "
                          f"pipeline): change num_microbatches or the group size")
     return group
@@ -548,7 +462,7 @@ def sequence_split(seq_length: int, cp: int, layout: str = "zigzag") -> int:
             rule = (f"2 × {CP}={cp} = {chunks} (load-balanced causal CP gives each rank 2 of 2·cp chunks)")
         else:
             rule = f"{CP}={cp} (each rank holds seq_length/cp consecutive tokens)"
-        raise ValueError(f"seq_length={seq_length} is not divisible by {rule}; use a multiple of {chunks}, e.g. "
+        raise UsageError(f"seq_length={seq_length} is not divisible by {rule}; use a multiple of {chunks}, e.g. "
                          f"{nearby_multiples(seq_length, chunks)}")
     return seq_length // chunks
 
@@ -567,7 +481,7 @@ def sequence_parallel_split(seq_length: int, cp: int, tp: int) -> int:
     local = seq_length // cp
     if local % tp:
         step = math.lcm(2 * cp, cp * tp) if cp > 1 else tp
-        raise ValueError(f"sequence_parallel: seq_length/{CP} = {local} is not divisible by {TP}={tp}; use a "
+        raise UsageError(f"sequence_parallel: seq_length/{CP} = {local} is not divisible by {TP}={tp}; use a "
                          f"seq_length that is a multiple of {step}, e.g. {nearby_multiples(seq_length, step)}")
     return local // tp
 
@@ -576,7 +490,7 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, dp: int) -> 
     """Micro-batches per step per pipeline: ``global_batch_size / (micro_batch_size · dp)``, a whole number."""
     per_step = micro_batch_size * dp
     if global_batch_size % per_step:
-        raise ValueError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size="
+        raise UsageError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size="
                          f"{micro_batch_size} × {DP}={dp} = {per_step}; use a multiple of {per_step}, e.g. "
                          f"{nearby_multiples(global_batch_size, per_step)}")
     return global_batch_size // per_step
@@ -589,7 +503,7 @@ def cp_attention_dropout(attention_dropout: float, cp: int | None = None) -> Non
     context-parallel by construction."""
     if attention_dropout and (cp is None or cp > 1):
         where = "context parallelism" if cp is None else f"{CP}={cp}"
-        raise ValueError(f"attention_dropout={attention_dropout} is not supported with {where}: ring attention "
+        raise UsageError(f"attention_dropout={attention_dropout} is not supported with {where}: ring attention "
                          f"has no dropout; use attention_dropout=0")
 
 
@@ -599,7 +513,7 @@ def cp_attention_dropout(attention_dropout: float, cp: int | None = None) -> Non
 def max_position_embeddings(max_positions: int, seq_length: int) -> int:
     """A learned position table must cover every position of a sample."""
     if max_positions < seq_length:
-        raise ValueError(f"max_position_embeddings={max_positions} is shorter than seq_length={seq_length}; "
+        raise UsageError(f"max_position_embeddings={max_positions} is shorter than seq_length={seq_length}; "
                          f"use a max_position_embeddings >= {seq_length}")
     return max_positions
 
@@ -607,32 +521,22 @@ def max_position_embeddings(max_positions: int, seq_length: int) -> int:
 def min_lr(min_lr_value: float, lr: float) -> None:
     """The learning rate decays towards ``min_lr``, which may not exceed ``lr`` (Megatron asserts it)."""
     if min_lr_value > lr:
-        raise ValueError(f"min_lr={min_lr_value:g} is larger than lr={lr:g} (Megatron's validate_args asserts "
+        raise UsageError(f"min_lr={min_lr_value:g} is larger than lr={lr:g} (Megatron's validate_args asserts "
                          f"min_lr <= lr); use a min_lr <= {lr:g}")
 
 
 def seq_length_fits_corpus(seq_length: int, num_tokens: int) -> None:
     """A sample is ``seq_length + 1`` consecutive tokens of the corpus (tokens and shifted labels)."""
     if seq_length + 1 > num_tokens:
-        raise ValueError(f"seq_length={seq_length} needs at least seq_length + 1 = {seq_length + 1} tokens, the "
+        raise UsageError(f"seq_length={seq_length} needs at least seq_length + 1 = {seq_length + 1} tokens, the "
                          f"corpus has {num_tokens}; use a seq_length < {num_tokens}")
-
-
-def format_bytes(num_bytes: float) -> str:
-    """Bytes for a message, decimal units: ``"23.8 GB"``, ``"15,400 TB"``."""
-    if num_bytes >= 1e15:
-        return f"{num_bytes / 1e12:,.0f} TB"
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.3g} {unit}"
-    return f"{num_bytes / 1e3:.3g} kB"
 
 
 def fits_in_memory(flag: str, value, needed_bytes: float, available_bytes: float | None, detail: str) -> None:
     """Refuse a run whose estimated memory exceeds what this machine has, naming the flag that
     weighs most (``flag=value``) and what the bytes are (``detail``). ``available_bytes`` None: unknown."""
     if available_bytes is not None and needed_bytes > available_bytes:
-        raise ValueError(f"{flag}={value} needs about {format_bytes(needed_bytes)} of memory ({detail}) but this "
+        raise UsageError(f"{flag}={value} needs about {format_bytes(needed_bytes)} of memory ({detail}) but this "
                          f"machine has {format_bytes(available_bytes)} available; use a smaller {flag}")
 
 
@@ -643,24 +547,9 @@ def finite_loss_and_grad(iteration: int, lm_loss: float | None, grad_norm: float
     scaler handles it."""
     for name, value in (("lm_loss", lm_loss), ("grad_norm", grad_norm)):
         if value is not None and not math.isfinite(value):
-            raise ValueError(f"{name}={value} at iteration {iteration} is not finite, so training stops there "
+            raise UsageError(f"{name}={value} at iteration {iteration} is not finite, so training stops there "
                              f"(Megatron's --check-for-nan-in-loss-and-grad); lower --lr or --init-method-std, "
                              f"or pass --no-check-for-nan-in-loss-and-grad to train on")
-
-
-def available_memory_bytes() -> int | None:
-    """Memory this machine can still give (Linux ``MemAvailable``; else free pages; None if unknown)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 # ============================================================================ mixture of experts
@@ -674,12 +563,12 @@ def moe_experts(num_experts, ep: int = 1) -> int | None:
     ep > 1 needs experts. Returns num_experts or None."""
     if num_experts in (None, 0):
         if ep > 1:
-            raise ValueError(f"{AXIS_FLAG['ep']}={ep} needs experts: set num-experts (a multiple of {ep}) or use "
+            raise UsageError(f"{AXIS_FLAG['ep']}={ep} needs experts: set num-experts (a multiple of {ep}) or use "
                              f"{AXIS_FLAG['ep']}=1")
         return None
     n = integer("num-experts", num_experts)
     if n % ep:
-        raise ValueError(f"num-experts={n} is not divisible by {AXIS_FLAG['ep']}={ep}; each expert-parallel rank "
+        raise UsageError(f"num-experts={n} is not divisible by {AXIS_FLAG['ep']}={ep}; each expert-parallel rank "
                          f"holds num_experts / ep experts: use a multiple of {ep}, e.g. {nearby_multiples(n, ep)}")
     return n
 
@@ -687,7 +576,7 @@ def moe_experts(num_experts, ep: int = 1) -> int | None:
 def moe_ffn_divisible_by_expert_tp(moe_ffn_hidden_size: int, expert_tp: int) -> int:
     """Each expert's fc1 is column-parallel over the expert-TP group; returns the columns per rank."""
     if moe_ffn_hidden_size % expert_tp:
-        raise ValueError(f"moe-ffn-hidden-size={moe_ffn_hidden_size} is not divisible by "
+        raise UsageError(f"moe-ffn-hidden-size={moe_ffn_hidden_size} is not divisible by "
                          f"expert-tensor-parallel-size={expert_tp}; use a multiple of {expert_tp}, e.g. "
                          f"{nearby_multiples(moe_ffn_hidden_size, expert_tp)}")
     return moe_ffn_hidden_size // expert_tp
@@ -701,7 +590,7 @@ def moe_sequence_parallel(num_experts, tp: int, sequence_parallel: bool) -> None
     ~560-565); the assertion once in ``yaml_arguments.py`` is legacy. Without SP every TP rank would
     route the same tokens: the experts would see each token tp times."""
     if num_experts and tp > 1 and not sequence_parallel:
-        raise ValueError(f"num-experts={num_experts} with {TP}={tp} needs sequence parallelism: Megatron's MoELayer "
+        raise UsageError(f"num-experts={num_experts} with {TP}={tp} needs sequence parallelism: Megatron's MoELayer "
                          f"refuses to train without it ('During training, performance may degrade if MoE and tensor "
                          f"parallelism are enabled without also enabling sequence parallelism.'); add "
                          f"--sequence-parallel")
@@ -711,7 +600,7 @@ def moe_context_parallel(num_experts, cp: int) -> None:
     """The course's MoE model is proven against one process without context parallelism only (Megatron
     supports CP with MoE: the aux-loss statistics are summed over the tp-cp group); refuse until tested."""
     if num_experts and cp > 1:
-        raise ValueError(f"num-experts={num_experts} with {CP}={cp}: the course's MoE model is not tested with "
+        raise UsageError(f"num-experts={num_experts} with {CP}={cp}: the course's MoE model is not tested with "
                          f"context parallelism yet; use {CP}=1 (expert layers fold CP into EP and expert DP in "
                          f"Megatron)")
 
@@ -724,7 +613,7 @@ def moe_state_sharding(num_experts, sharding_flags) -> None:
     ``sharding_flags``: the names of the engine flags this run sets."""
     flags = [f"--{f.strip('-').replace('_', '-')}" for f in sharding_flags or ()]
     if num_experts and flags:
-        raise ValueError(f"--num-experts={num_experts} with {' / '.join(flags)}: the course's sharding engine "
+        raise UsageError(f"--num-experts={num_experts} with {' / '.join(flags)}: the course's sharding engine "
                          f"knows nothing of expert data parallelism yet (expert grads and optimizer state belong "
                          f"to the expert-DP group); drop {' and '.join(flags)} for MoE runs (the trainer's "
                          f"all-reduce reduces experts over expert DP)")
@@ -733,7 +622,7 @@ def moe_state_sharding(num_experts, sharding_flags) -> None:
 def moe_dispatcher(dispatcher: str) -> str:
     """``--moe-token-dispatcher-type``: one of :data:`MOE_DISPATCHERS`."""
     if dispatcher not in MOE_DISPATCHERS:
-        raise ValueError(f"moe-token-dispatcher-type={dispatcher!r} is unknown; use one of "
+        raise UsageError(f"moe-token-dispatcher-type={dispatcher!r} is unknown; use one of "
                          f"{', '.join(MOE_DISPATCHERS)}")
     return dispatcher
 
@@ -746,7 +635,7 @@ def expert_data_parallel_size(world_size: int, expert_tp: int, ep: int, pp: int)
     (Megatron's second ``RankGenerator``, ``initialize_model_parallel``; cp = 1 there)."""
     model = expert_tp * ep * pp
     if world_size % model:
-        raise ValueError(f"world_size={world_size} is not divisible by {EXPERT_TP}={expert_tp} × {AXIS_FLAG['ep']}="
+        raise UsageError(f"world_size={world_size} is not divisible by {EXPERT_TP}={expert_tp} × {AXIS_FLAG['ep']}="
                          f"{ep} × {PP}={pp} = {model}; choose expert sizes whose product divides {world_size} "
                          f"(expert data-parallel size = world_size / product is derived)")
     return world_size // model
@@ -756,46 +645,9 @@ def expert_order(order: str, last_axis: str, pp: int, dp: int, expert_dp: int) -
     """Megatron asserts that an order not ending in ``pp`` (with pp > 1) gives the dense and the expert grid
     the same data-parallel size (``initialize_model_parallel``)."""
     if pp > 1 and last_axis != "pp" and expert_dp != dp:
-        raise ValueError(f"order='{order}' does not end with 'pp', so dense data-parallel size {dp} and expert "
+        raise UsageError(f"order='{order}' does not end with 'pp', so dense data-parallel size {dp} and expert "
                          f"data-parallel size {expert_dp} must be equal (Megatron asserts it); use an order ending "
                          f"in 'pp', e.g. 'tp-cp-ep-dp-pp'")
-
-
-# ============================================================================ communication
-# The ops course_lib.comm issues and records, and the one ring cost model (pure arithmetic, here so that
-# the recorder and the torch-free sizing formulas share it without importing each other).
-
-COMM_OPS = ("all_reduce", "all_gather", "reduce_scatter", "send", "recv", "broadcast", "all_to_all")
-
-
-def comm_op(op: str) -> str:
-    """A communication op the course records and prices: one of :data:`COMM_OPS`."""
-    if op not in COMM_OPS:
-        raise ValueError(f"op={op!r} is unknown: use one of {', '.join(COMM_OPS)}")
-    return op
-
-
-def ring_elements_sent(op: str, numel: float, group_size: int) -> float:
-    """The ring cost model: elements one rank sends for ``op`` on ``numel`` elements over ``group_size`` ranks.
-
-    all_reduce ``2 N (t-1)/t`` (a reduce-scatter then an all-gather, ``t - 1`` steps each, one
-    ``N/t`` chunk per step: the ``(d-1)/d`` of Narayanan et al. 2021 §3.3.1, the ``(t-1)/t`` of §3.2);
-    all_gather and reduce_scatter ``N (t-1)/t`` (N = the full tensor; half an all-reduce,
-    Korthikanti et al. 2022 §4.2.2); all_to_all ``N (t-1)/t`` (a rank keeps its own 1/t); broadcast
-    ``N`` (pipelined chain: every rank but the last forwards the whole tensor); send ``N``; recv ``0``.
-    A cost formula, not a collective: :func:`course_lib.collectives.ring_all_reduce` is the ring
-    itself (Patarasuk & Yuan 2009), whose measured sends this formula predicts.
-    """
-    comm_op(op)
-    t = integer("group_size", group_size)
-    if op == "send":
-        return float(numel)
-    if op == "recv" or t == 1:
-        return 0.0
-    if op == "broadcast":
-        return float(numel)
-    factor = 2 if op == "all_reduce" else 1
-    return factor * numel * (t - 1) / t
 
 
 # ============================================================================ state sharding
@@ -813,7 +665,7 @@ def sharding_stage(strategy: str) -> int:
     :data:`SHARDING_STRATEGIES`): what the sharding engine shards, and what ``ds-config`` maps
     DeepSpeed's stages to."""
     if strategy not in SHARDING_STRATEGIES:
-        raise ValueError(f"--data-parallel-sharding-strategy={strategy!r} is unknown; use one of "
+        raise UsageError(f"--data-parallel-sharding-strategy={strategy!r} is unknown; use one of "
                          f"{', '.join(SHARDING_STRATEGIES)}")
     return SHARDING_STRATEGIES.index(strategy)
 
@@ -827,22 +679,22 @@ def sharding_flags(*, use_distributed_optimizer: bool, use_megatron_fsdp: bool, 
     ``cpu_offload`` is one switch, not Megatron's offload + precision-aware pair)."""
     sharding_stage(strategy)
     if overlap_param_gather and not (use_distributed_optimizer or use_megatron_fsdp):
-        raise ValueError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp "
+        raise UsageError("--overlap-param-gather only supported with distributed optimizer or megatron fsdp "
                          "(Megatron's validate_args): add --use-distributed-optimizer or drop the flag")
     if overlap_param_gather and not overlap_grad_reduce:
-        raise ValueError("--overlap-param-gather needs --overlap-grad-reduce (Megatron: 'Must use "
+        raise UsageError("--overlap-param-gather needs --overlap-grad-reduce (Megatron: 'Must use "
                          "--overlap-param-gather with --overlap-grad-reduce'): add --overlap-grad-reduce")
     if overlap_param_gather and use_megatron_fsdp and strategy == "no_shard":
-        raise ValueError("--overlap-param-gather with --data-parallel-sharding-strategy no_shard: every rank "
+        raise UsageError("--overlap-param-gather with --data-parallel-sharding-strategy no_shard: every rank "
                          "already holds the updated params, there is nothing to gather; use optim or above")
     if optimizer_cpu_offload and not use_precision_aware_optimizer:
-        raise ValueError("--optimizer-cpu-offload must be used with --use-precision-aware-optimizer (Megatron's "
+        raise UsageError("--optimizer-cpu-offload must be used with --use-precision-aware-optimizer (Megatron's "
                          "validate_args: the hybrid device optimizer reuses its code path): add that flag")
     if use_precision_aware_optimizer and optimizer != "adam":
-        raise ValueError(f"--use-precision-aware-optimizer only supported with adam (Megatron's OptimizerConfig), "
+        raise UsageError(f"--use-precision-aware-optimizer only supported with adam (Megatron's OptimizerConfig), "
                          f"got optimizer={optimizer}: use --optimizer adam")
     if use_precision_aware_optimizer and not use_distributed_optimizer:
-        raise ValueError("--use-precision-aware-optimizer only supported with distributed optimizer (megatron-core's "
+        raise UsageError("--use-precision-aware-optimizer only supported with distributed optimizer (megatron-core's "
                          "OptimizerConfig asserts it): add --use-distributed-optimizer")
 
 
@@ -852,10 +704,10 @@ def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_micr
     and ZeRO-3 needs each micro-batch's backward to follow its own forward's gather (GPipe runs
     every forward first, so the engine would meet a released unit in backward)."""
     if vpp > 1:
-        raise ValueError(f"virtual-pipeline-model-parallel-size={vpp} with the sharding flags: the course's "
+        raise UsageError(f"virtual-pipeline-model-parallel-size={vpp} with the sharding flags: the course's "
                          f"engine wraps one model chunk per rank; drop the virtual pipeline stages")
     if strategy == "optim_grads_params" and pipeline_schedule == "gpipe" and num_microbatches > 1:
-        raise ValueError(f"--data-parallel-sharding-strategy optim_grads_params with --pipeline-schedule gpipe and "
+        raise UsageError(f"--data-parallel-sharding-strategy optim_grads_params with --pipeline-schedule gpipe and "
                          f"{num_microbatches} micro-batches: ZeRO-3 re-gathers a unit for the backward that "
                          f"follows its forward; use --pipeline-schedule 1f1b")
 
@@ -873,19 +725,19 @@ def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: s
     """The checkpoint flags on their own (Megatron's ``_add_checkpointing_args``): intervals >= 1,
     a known format, a folder for every flag that needs one."""
     if ckpt_format not in CKPT_FORMATS:
-        raise ValueError(f"ckpt_format={ckpt_format!r} is not one of Megatron's; use one of {', '.join(CKPT_FORMATS)}")
+        raise UsageError(f"ckpt_format={ckpt_format!r} is not one of Megatron's; use one of {', '.join(CKPT_FORMATS)}")
     for name, value in (("save_interval", save_interval), ("exit_interval", exit_interval)):
         if value is not None:
             integer(name, value)
     if save_interval is not None and not save:
-        raise ValueError(f"save_interval={save_interval} has no folder to save into; add --save DIR")
+        raise UsageError(f"save_interval={save_interval} has no folder to save into; add --save DIR")
     if save and save_interval is None:       # validate_args: core_v0.16.1 arguments.py:838, main :1362
-        raise ValueError(f"save={save} without --save-interval: Megatron's validate_args asserts a save interval "
+        raise UsageError(f"save={save} without --save-interval: Megatron's validate_args asserts a save interval "
                          f"whenever --save is given; add --save-interval N (a save every N iterations; the end "
                          f"of training and --exit-interval save too)")
     for name, value in (("finetune", finetune), ("no_load_optim", no_load_optim), ("no_load_rng", no_load_rng)):
         if value and not load:
-            raise ValueError(f"{name}=True says what to load, but there is no --load; add --load DIR")
+            raise UsageError(f"{name}=True says what to load, but there is no --load; add --load DIR")
 
 
 def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
@@ -893,11 +745,11 @@ def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
     only (its experts are pieces of the ``[E, ...]`` tensors at their EP offsets; the legacy files are per
     TP x PP rank and would hold one EP rank's experts)."""
     if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
-        raise ValueError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
+        raise UsageError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
                          f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
                          f"global offsets, what {ckpt_format} is built on too)")
     if num_experts and (save or load) and ckpt_format != "torch_dist":
-        raise ValueError(f"num_experts={num_experts} with --ckpt-format {ckpt_format}: the course saves an MoE "
+        raise UsageError(f"num_experts={num_experts} with --ckpt-format {ckpt_format}: the course saves an MoE "
                          f"model as torch_dist only (the experts sharded over EP with global offsets); use "
                          f"--ckpt-format torch_dist")
 
@@ -905,7 +757,7 @@ def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
 def megatron_fsdp_checkpoint(ckpt_format) -> None:
     """Megatron-FSDP saves only ``fsdp_dtensor`` (``validate_args`` asserts it, core_v0.16.1 and main)."""
     if ckpt_format is not None and ckpt_format != "fsdp_dtensor":
-        raise ValueError(f"ckpt_format={ckpt_format!r} with Megatron-FSDP: validate_args asserts --ckpt-format "
+        raise UsageError(f"ckpt_format={ckpt_format!r} with Megatron-FSDP: validate_args asserts --ckpt-format "
                          f"fsdp_dtensor there; drop --ckpt-format (the FSDP variants print it) or use dist-opt")
 
 
@@ -916,7 +768,7 @@ def checkpoint_layout(path, saved: dict, run: dict, ckpt_format: str) -> None:
     if ckpt_format == "torch" and any(saved[k] != run[k] for k in keys):
         def fmt(d):
             return " x ".join(f"{k.upper()}{d[k]}" for k in keys)
-        raise ValueError(f"checkpoint {path} is in the legacy torch format, saved under {fmt(saved)}; this run is "
+        raise UsageError(f"checkpoint {path} is in the legacy torch format, saved under {fmt(saved)}; this run is "
                          f"{fmt(run)}: the legacy format cannot change the layout; save it with --ckpt-format "
                          f"torch_dist (which reshards on load) or run the saved layout")
 
@@ -925,56 +777,9 @@ def checkpoint_model(path, saved: dict, run: dict) -> None:
     """The model a checkpoint holds is the model this run builds: every size flag equal."""
     for name in saved:
         if saved[name] != run.get(name):
-            raise ValueError(f"checkpoint {path} holds a model with {name}={saved[name]} but this run builds "
+            raise UsageError(f"checkpoint {path} holds a model with {name}={saved[name]} but this run builds "
                              f"{name}={run.get(name)}: another model; pass --{name.replace('_', '-')} "
                              f"{saved[name]} or --load another checkpoint")
-
-
-def deepspeed_batch(train_batch_size, micro_batch_size, gradient_accumulation_steps, world_size: int) -> tuple:
-    """DeepSpeed 0.19.8's batch rule for ``world_size`` data-parallel ranks, as its config parser applies it
-    (``deepspeed/runtime/config.py``: ``_set_batch_related_parameters``, ``_batch_assertion``,
-    ``_do_error_check``), on the file's values as read (``None`` for a key the file does not have).
-
-    The missing values are derived with Python's ``//`` exactly as DeepSpeed does (only
-    ``train_batch_size``: one accumulation step, ``micro = train_batch_size // DP``), then
-    ``train_batch_size = micro x accumulation x DP`` with all three ``> 0`` is required. Returns
-    ``(train_batch_size, micro, accumulation)``; what DeepSpeed refuses (an assertion, or a
-    ``TypeError`` / ``ZeroDivisionError`` from a value it cannot compute with: ``"auto"``, ``"8"``,
-    ``0`` accumulation steps) is a one-line ``ValueError``."""
-    tbs, micro, ga = train_batch_size, micro_batch_size, gradient_accumulation_steps
-    given = ", ".join(f"{k}={v!r}" for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
-                                                ("gradient_accumulation_steps", ga)) if v is not None)
-    rule = (f"; DeepSpeed needs train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps "
-            f"x DP ({world_size}), all three > 0")
-    try:
-        if tbs is not None and micro is not None and ga is not None:
-            pass
-        elif tbs is not None and micro is not None:
-            ga = tbs // micro // world_size
-        elif tbs is not None and ga is not None:
-            micro = tbs // world_size // ga
-        elif micro is not None and ga is not None:
-            tbs = micro * ga * world_size
-        elif tbs is not None:
-            ga, micro = 1, tbs // world_size
-        elif micro is not None:
-            tbs, ga = micro * world_size, 1
-        else:
-            raise ValueError(f"{given or 'no batch size'} on {world_size} rank(s): DeepSpeed needs "
-                             f"train_batch_size or train_micro_batch_size_per_gpu; add one")
-        for name, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
-                            ("gradient_accumulation_steps", ga)):
-            if not value > 0:
-                raise ValueError(f"{name}={value!r} (from {given}) on {world_size} rank(s) is not > 0" + rule)
-        if tbs != micro * ga * world_size:
-            raise ValueError(f"train_batch_size={tbs!r} != {micro!r} x {ga!r} x {world_size} (from {given})" + rule)
-    except ZeroDivisionError:
-        raise ValueError(f"{given} on {world_size} rank(s): DeepSpeed divides by zero deriving the missing batch "
-                         f"size (ZeroDivisionError){rule}") from None
-    except TypeError as err:
-        raise ValueError(f"{given} on {world_size} rank(s): DeepSpeed cannot compute with these "
-                         f"(TypeError: {err}){rule}; put whole numbers in the file") from None
-    return tbs, micro, ga
 
 
 def deepspeed_layout(tp: int, pp: int, cp: int, vpp=None, other_flags=()) -> None:
@@ -984,34 +789,11 @@ def deepspeed_layout(tp: int, pp: int, cp: int, vpp=None, other_flags=()) -> Non
     sizes = {"tensor-model-parallel-size": tp, "pipeline-model-parallel-size": pp, "context-parallel-size": cp}
     for flag, value in sizes.items():
         if value != 1:
-            raise ValueError(f"{flag}={value} with --deepspeed-config: DeepSpeed runs one process per data-parallel "
+            raise UsageError(f"{flag}={value} with --deepspeed-config: DeepSpeed runs one process per data-parallel "
                              f"rank here (TP = PP = CP = 1); drop --{flag}")
     if vpp not in (None, 1):
-        raise ValueError(f"virtual-pipeline-model-parallel-size={vpp} with --deepspeed-config: there is no "
+        raise UsageError(f"virtual-pipeline-model-parallel-size={vpp} with --deepspeed-config: there is no "
                          f"pipeline (PP = 1); drop the flag")
     if other_flags:
-        raise ValueError(f"--{other_flags[0]} with --deepspeed-config: the ds_config sets the state sharding and "
+        raise UsageError(f"--{other_flags[0]} with --deepspeed-config: the ds_config sets the state sharding and "
                          f"the model is dense; drop --{other_flags[0]}")
-
-
-# ============================================================================ grading
-
-
-def lab_number(name: str, value, labs) -> str:
-    """A lab named by its two-digit number, one of ``labs`` (``"3"`` reads as ``"03"``)."""
-    text = str(value).strip()
-    if text.isdigit() and text.zfill(2) in labs:
-        return text.zfill(2)
-    raise ValueError(f"{name}={value!r} names no lab; give the two-digit number of one of {', '.join(labs)}")
-
-
-def grading_folders(submissions, out) -> None:
-    """The grading output ``out`` and the ``submissions`` folder are apart (neither inside the other):
-    the grader reads every folder of the one and writes the other."""
-    sub, dest = os.path.realpath(submissions), os.path.realpath(out)
-    if dest == sub or dest.startswith(sub + os.sep):
-        raise ValueError(f"--out={out} is inside SUBMISSIONS={submissions}, where it would be read as a student's "
-                         f"submission; write the grades to a folder outside it")
-    if sub.startswith(dest + os.sep):
-        raise ValueError(f"SUBMISSIONS={submissions} is inside --out={out}, the grader's own folder; "
-                         f"keep the submissions outside it")

@@ -32,11 +32,12 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Iterable, Mapping, Union
+from course_lib.rules import UsageError
 
 PathLike = Union[str, os.PathLike]
 
 
-class OutputPathError(ValueError):
+class OutputPathError(UsageError):
     """An output path that must not or cannot be written; the message says why and what to do."""
 
 
@@ -48,13 +49,13 @@ def _refuse_duplicate_keys(pairs):
     seen = {}
     for key, value in pairs:
         if key in seen:
-            raise ValueError(f"the key {key!r} appears twice in one object")
+            raise UsageError(f"the key {key!r} appears twice in one object")
         seen[key] = value
     return seen
 
 
 def _refuse_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
+    raise UsageError(f"{name} is not a JSON number")
 
 
 def _depth(value) -> int:
@@ -77,14 +78,14 @@ def loads_json(text: str, source: str):
     try:
         value = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+        raise UsageError(f"{source}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
     except RecursionError:
-        raise ValueError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file this course "
+        raise UsageError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file this course "
                          f"writes or reads") from None
     except ValueError as exc:
-        raise ValueError(f"{source}: not plain JSON ({exc})") from None
+        raise UsageError(f"{source}: not plain JSON ({exc})") from None
     if _depth(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file this course "
+        raise UsageError(f"{source}: nested more than {MAX_JSON_DEPTH} levels deep; not a file this course "
                          f"writes or reads")
     return value
 
@@ -100,13 +101,13 @@ def read_json(path: PathLike, what: str = ""):
     try:
         size = path.stat().st_size
         if size > MAX_JSON_BYTES:
-            raise ValueError(f"{source}: {size} bytes, more than the {MAX_JSON_BYTES} this course reads "
+            raise UsageError(f"{source}: {size} bytes, more than the {MAX_JSON_BYTES} this course reads "
                              f"as JSON")
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+        raise UsageError(f"{source}: not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
-        raise ValueError(f"{source}: cannot read it ({exc.strerror or exc})") from None
+        raise UsageError(f"{source}: cannot read it ({exc.strerror or exc})") from None
     return loads_json(text, source)
 
 

@@ -1,119 +1,19 @@
-"""Train the tiny GPT under any TP x PP x CP x DP (+SP, +interleaving) layout: Megatron's flags, Megatron's log lines.
+"""The course trainer: the tiny GPT under any TP x PP x CP x DP (+SP, +interleaving, +EP) layout, on real ranks,
+with Megatron-LM's flags and Megatron's log lines.
 
-    python -m torch.distributed.run --standalone --nproc-per-node 8 -m course_lib.train \\
-        --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \\
-        --num-layers 8 --hidden-size 128 --num-attention-heads 8 --seq-length 64 \\
-        --micro-batch-size 2 --global-batch-size 16 --train-iters 20 --lr 1e-3 --log-interval 5
+    python -m course_lib train --nproc-per-node 8 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 ...
 
-(``python -m course_lib train --nproc-per-node 8 ...`` checks the flags, then runs that command.)
-Flag names are ``pretrain_gpt.py``'s (``megatron/training/arguments.py``); there is no
-``--data-parallel-size``: DP = world / (TP * PP * CP). A bad value or layout fails with a
-one-line error *before* any work starts (:func:`~course_lib.training.arguments.validate_args`:
-the rules of :mod:`course_lib.rules`, through :class:`course_lib.topology.ParallelConfig`), and
-the run reads every layout fact from that validated config. ``--sequence-parallel`` with TP = 1 is
-turned off with a one-line warning, as Megatron does.
+It follows ``pretrain_gpt.py`` and ``megatron/training/training.py`` (``pretrain``, ``train_step``,
+``training_log``): :func:`validate_args` checks the flags before any work starts (a ``--deepspeed-config``
+folded in first), :func:`pretrain` loops over :func:`train_step` on the ranks of the running process group,
+:func:`train_single_process` is the single-process reference every layout is compared with, :func:`main`
+and :func:`run` are the entry points (under torchrun, and the launcher that checks, then starts it). The
+trainer's parts live in :mod:`course_lib.training` (flags, gradient finalisation, sharded steps,
+checkpoints, log lines); with ``--deepspeed-config`` the run is DeepSpeed's engine
+(:mod:`course_lib.deepspeed.engine`).
 
-The trainer's rooms, as Megatron's: the flags and their checks in
-:mod:`course_lib.training.arguments` (``megatron/training/arguments.py``); the gradient
-synchronisation after backward in :mod:`course_lib.training.finalize_model_grads`
-(``megatron/core/distributed/finalize_model_grads.py``); the log lines' format, writer and
-reader together in :mod:`course_lib.megatron.logs`; here, :func:`pretrain`, a loop over
-:func:`train_step`, and the command-line entry points.
-
-One training iteration, :func:`train_step`, as Megatron's ``train_step`` does it:
-
-1. every rank takes its micro-batches of the global batch (``course_lib.data``: Megatron's
-   sampler order, sharded by DP rank, cut along the sequence for CP) -- ``m = global /
-   (micro * dp)`` micro-batches per pipeline;
-2. the pipeline schedule (1F1B, GPipe, or interleaved 1F1B with virtual stages) runs on real
-   ranks through :func:`course_lib.pipeline.executor.run_rank_schedule`; the last stage's
-   loss per micro-batch is ``sum(token losses) / tokens / m`` (``forward_step``);
-3. :func:`~course_lib.training.finalize_model_grads.finalize_model_grads`: gradients averaged over the dp-cp group (one coalesced
-   all-reduce, then ``/ (dp * cp)``), sequence-parallel LayerNorm gradients summed over TP,
-   the tied word-embedding gradient summed over the embedding group (first + last stage);
-4. the gradient norm over the model-parallel group (each parameter counted once: TP
-   duplicates only on TP rank 0, the last stage's embedding copy not at all), clipping to
-   ``--clip-grad``;
-5. the optimizer step (Adam(W) or SGD, written out elementwise, so a shard takes exactly the
-   step its slice of the full tensor would), then the learning-rate schedule
-   (``OptimizerParamScheduler``: warm-up, then constant / linear / cosine decay, in samples).
-
-Mixed precision (``--bf16`` / ``--fp16``, :mod:`course_lib.mixed_precision`): the schedule's
-forward and backward run under ``torch.autocast`` in the 16-bit dtype -- every GEMM computes on
-16-bit copies of the fp32 params, which stay the optimizer's main params -- and the logits are
-cast to fp32 before the loss (Megatron's ``Float16Module``). Gradients land in fp32 and are
-reduced in fp32 (``--accumulate-allreduce-grads-in-fp32``, which ``--bf16`` switches on as
-Megatron does; with ``--fp16`` the trainer also reduces in fp32, where Megatron without the flag
-would reduce in 16-bit). ``--fp16`` scales the loss, and so does ``--loss-scale`` with ``--bf16`` or the distributed optimizer (a
-constant scaler, as Megatron builds: :func:`~course_lib.mixed_precision.make_loss_scaler`):
-after ``finalize_model_grads`` the grads are unscaled and checked for inf/NaN, the flag
-all-reduced with MAX over the model-parallel group, and an overflowing iteration is skipped
-(no step, no learning-rate step) and counted in the log line's ``number of skipped iterations``.
-
-State sharding (Megatron's ``--use-distributed-optimizer``, ``--overlap-grad-reduce``,
-``--overlap-param-gather``, ``--ddp-bucket-size``, ``--use-megatron-fsdp
---data-parallel-sharding-strategy {no_shard,optim,optim_grads,optim_grads_params}``,
-``--optimizer-cpu-offload`` with ``--use-precision-aware-optimizer``; rules in
-:func:`course_lib.rules.sharding_flags`): the model chunk is wrapped by :mod:`course_lib.distributed`
-and steps 3-5 run on its buckets -- reduce(-scatter) over dp-cp, the finalizer's sums, norm and
-clipping on the shards, the shard's update, the param all-gather (ZeRO-3: gathered per unit in
-forward and backward) -- see :mod:`course_lib.training.sharding`. Flag semantics are Megatron-LM
-main's (``--use-megatron-fsdp`` turns the distributed optimizer on, and the strategy defaults to
-``optim_grads_params``; core 0.16.1 defaulted it to ``no_shard`` and did not). One model chunk per
-rank (no virtual stages); ZeRO-3 under GPipe needs one micro-batch. The memory line then reports
-the engine's measured bytes and appends them as ``| params (bytes): N | grads (bytes): N |
-optimizer (bytes): N | optimizer on host (bytes): N``. ``--bf16`` keeps fp32 params (autocast), so
-the bytes are fp32's: 4 + 4 + 8 per parameter before sharding.
-
-Mixture of Experts (``--num-experts``, ``--expert-model-parallel-size``, ``--expert-tensor-parallel-size``
-and the other ``--moe-*`` flags; :mod:`course_lib.moe`): the MoE groups come from Megatron's second,
-expert grid (:class:`~course_lib.topology.RankGrid` with ``ep``: dense DP stays world / (tp·pp·cp); expert DP is
-world / (expert_tp·ep·pp)). Each micro-batch's aux losses send back ``loss_scale / m``, the factor its
-LM loss gets (Megatron's ``MoEAuxLossAutoScaler``); ``finalize_model_grads`` sums expert gradients over
-expert DP and divides them by dp·cp like the dense ones; the grad norm counts every expert shard over
-the expert tp-ep-pp group; ``--fp16`` checks overflow in both groups. ``load_balancing_loss`` (and
-``z_loss``) is printed right after ``lm loss``, averaged over the log interval, as Megatron main's
-``track_moe_metrics`` does. :func:`train_single_process` then runs the global batch in the same
-micro-batches (the load-balancing loss depends on which tokens share one); ``tests/test_train_moe.py``
-checks EP2, EP4, TP2×EP2+SP, fp16 and TP2×PP2×EP2 against it (measured: <= 3e-7 relative, fp32).
-The sharding engine reduces over dense DP only: ``--use-distributed-optimizer``, ``--use-megatron-fsdp``
-(and the other engine flags) are refused with MoE (:func:`course_lib.rules.moe_state_sharding`).
-
-The reported ``lm loss`` is the mean over every token of the global batch (sum and count
-all-reduced over dp-cp), so with dropout off every layout prints the loss a single process
-computes on the same global batch with the same padded vocabulary (:func:`train_single_process`;
-with ``--uniform-vocab-padding`` that is one model for every layout); ``tests/test_train.py``
-checks this to 1e-4 (measured: 1e-7 to 2e-6 over 20 iterations, 8 ranks). The layouts sum in
-different orders, so their numbers differ by float32 rounding (~1e-7); stable training keeps
-that small, but a loss spike amplifies it (Adam at lr 3e-3 with no warm-up on the 4-layer test
-model spikes at iteration 11, and by iteration 20 two layouts differ by percents): use a
-warm-up or a smaller lr before reading a loss difference as a bug.
-
-Log lines (rank 0 prints the first two, the last rank the iteration line, every rank with
-DP rank 0 its memory line; formats of Megatron core 0.16, written and read by
-:mod:`course_lib.megatron.logs`)::
-
-    using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
-    ------------------------ arguments ------------------------ ... (sorted)
-     > number of parameters on (tensor, pipeline) model parallel rank (0, 0): 104000
-     [2026-01-01 12:00:00.000000] iteration        5/      20 | consumed samples:           80 | elapsed time per iteration (ms): 812.3 | learning rate: 8.000000E-04 | global batch size:    16 | lm loss: 4.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |
-    [Rank 0] (after 5 iterations) memory (MB) | allocated: 1.23 | max allocated: 4.56 | reserved: 0.00 | max reserved: 0.00 | source: tracked tensor bytes
-
-Like Megatron 0.16 the first iteration is always logged and its statistics stay in the
-first interval's average (iteration 5 above averages iterations 1-5); memory is reported
-after the first and the second logged iteration. On CPU there is no CUDA allocator: the memory
-line reports **tracked tensor bytes** -- parameters + gradients + optimizer state
-("allocated"), plus the peak bytes autograd saved for backward during the pipeline schedule
-("max allocated") -- and says so in ``| source: ...``. With CUDA it prints
-``torch.cuda.memory_allocated`` and friends, exactly like Megatron.
-
-Deviations from Megatron, on purpose: dropout defaults to 0 (Megatron: 0.1) so that layouts
-can be compared number for number; ``--uniform-vocab-padding`` (a course flag, which the
-course's layouts pass) pads the vocabulary once for every TP size, where
-``--make-vocab-size-divisible-by`` alone pads, as in Megatron, to a multiple of it times TP --
-a different model for each TP size (see :mod:`course_lib.model`); the loss mask is all ones
-(no ``--eod-mask-loss``); ``--bf16`` keeps fp32 params under autocast (Megatron: 16-bit params);
-``--pipeline-schedule`` is the course's (Megatron picks 1F1B, or interleaved 1F1B when virtual stages are given).
+One iteration step by step, mixed precision, state sharding, MoE, what the loss means, the log lines
+and the deviations from Megatron on purpose: ``docs/trainer.md``.
 """
 
 from __future__ import annotations
@@ -134,7 +34,7 @@ import torch.distributed as dist
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
-from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
+from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
 from course_lib.mixed_precision import DTYPES, make_loss_scaler
 from course_lib.model import GPTModel, build_model, gpt_loss
@@ -147,14 +47,14 @@ from course_lib.pipeline.schedules import PipelineSchedule, build_schedule
 from course_lib.process_groups import ProcessGroups, new_moe_process_groups, new_process_groups
 from course_lib.topology import ParallelConfig
 # What the rest of the course imports from here (the flags, the gradient steps), re-exported:
+from course_lib.training import arguments
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
-                                           gpt_config_from_args, parse_args, uses_sharding_engine, validate_args,
-                                           vocab_padding_tp)
-from course_lib.training import deepspeed_engine
+                                           gpt_config_from_args, parse_args, uses_sharding_engine, vocab_padding_tp)
+from course_lib.deepspeed import engine as deepspeed_engine
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
-from course_lib.training.sharding import (allreduce_embedding_grads_after_sync, build_engine, schedule_sync,
+from course_lib.training.state_sharding import (allreduce_embedding_grads_after_sync, build_engine, schedule_sync,
                                           state_bytes)
 
 MEMORY_SOURCE_CPU = "tracked tensor bytes"
@@ -215,7 +115,7 @@ class TrainingSetup:
     precision: str = "fp32"           # "bf16" / "fp16": autocast compute (course_lib.mixed_precision)
     scaler: object = None             # fp16's loss scaler, else None
     engine: object = None             # course_lib.distributed's wrapper with the sharding flags, else None
-    finalizer: object = None          # its course_lib.training.sharding.ShardedGradFinalizer
+    finalizer: object = None          # its course_lib.training.state_sharding.ShardedGradFinalizer
     pipeline_schedule: str = "1f1b"
     num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
     moe_groups: object = None         # --num-experts: course_lib.process_groups.MoEGroups, else None
@@ -343,7 +243,7 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
 
 
 def _engine_step(s: TrainingSetup, out: dict, stats: list) -> dict:
-    """The rest of :func:`train_step` on the sharding engine (:mod:`course_lib.training.sharding`), in
+    """The rest of :func:`train_step` on the sharding engine (:mod:`course_lib.training.state_sharding`), in
     Megatron's order: the dp-cp reduction (``finish_grad_sync``), with pp > 1 the tied-embedding sum
     on the reduced grads, then ``engine.step`` -- the finalizer (SP sums, fp16 unscale/found-inf, norm,
     clipping), the shard's update and the param all-gather."""
@@ -388,12 +288,24 @@ def _memory_line(rank: int, iteration: int, tracked: dict, cuda: bool) -> str:
 def _state_fields(sharded) -> str:
     """The sharding engine's measured bytes of this rank, appended to the memory line as fields
     (``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | optimizer on host (bytes): N``;
-    :func:`course_lib.megatron.parse_log` reads them as ``params_bytes`` ...); empty without the engine."""
+    :func:`course_lib.training.logs.parse_log` reads them as ``params_bytes`` ...); empty without the engine."""
     if sharded is None:
         return ""
     return "".join(f" | {label} (bytes): {sharded[key]}" for key, label in
                    (("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
                     ("optimizer_host", "optimizer on host")))
+
+
+def validate_args(args: argparse.Namespace, world_size: int, **checks) -> tuple[argparse.Namespace, ParallelConfig]:
+    """The entry point's check of a run's flags for ``world_size`` ranks: a ``--deepspeed-config`` file
+    is folded into the flags first (:func:`course_lib.deepspeed.engine.apply_config`: the file's batch,
+    optimizer, clipping and precision become the flags'), then every rule is checked
+    (:func:`course_lib.training.arguments.validate_args`, which ``checks`` go to). Returns its
+    ``(args, config)``; ``args`` itself is not changed."""
+    if getattr(args, "deepspeed_config", None):
+        args = deepspeed_engine.apply_config(argparse.Namespace(**vars(args)), world_size,
+                                             build_parser().parse_args([]))
+    return arguments.validate_args(args, world_size, **checks)
 
 
 def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = None, print_args: bool = True,
@@ -421,7 +333,7 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
     if config is None:       # the ranks are running: their memory is already in use, not to be counted again
         args, config = validate_args(args, world, check_memory=False)
     elif config.world_size != world:
-        raise ValueError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
+        raise rules.UsageError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
     groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
     c = groups.coords
     cuda = torch.cuda.is_available() and "nccl" in dist.get_backend()  # the launcher's is "cpu:gloo,cuda:nccl"
@@ -468,7 +380,7 @@ def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict,
         if args.check_for_nan_in_loss_and_grad and not step["skipped"]:
             try:
                 rules.finite_loss_and_grad(iteration, step["lm_loss"], step["grad_norm"])
-            except ValueError as exc:
+            except rules.UsageError as exc:
                 raise TrainingStopped(str(exc), report=_reports_nonfinite(setup, step)) from None
         peak_activation = max(peak_activation, step["peak_bytes"])
         _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
@@ -565,7 +477,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     same micro-batches. Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...],
     "moe_losses": [{name: value}]}`` per iteration (``{}`` for a dense model)."""
     if args.global_batch_size is None:
-        raise ValueError("train_single_process needs --global-batch-size (the batch every layout shares)")
+        raise rules.UsageError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
     padding_tp = vocab_padding_tp(args)                   # the layout's vocabulary, padded as it pads it
     one.tensor_model_parallel_size = one.pipeline_model_parallel_size = one.context_parallel_size = 1
@@ -641,7 +553,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, config = validate_args(args, world)                        # before any process group
-    except ValueError as exc:
+    except rules.UsageError as exc:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -652,7 +564,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     try:
-        if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.training.deepspeed_engine)
+        if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.deepspeed.engine)
             deepspeed_engine.pretrain(args, gpt_config_from_args(args))
         else:
             pretrain(args, config=config)
@@ -681,11 +593,11 @@ def run(args: argparse.Namespace) -> int:
     n = rules.integer("nproc_per_node", args.nproc_per_node)
     nodes = rules.integer("nodes", getattr(args, "nodes", 1))
     if nodes > 1 or getattr(args, "print_launch", False):
-        from course_lib.megatron.cluster import environment, launch_text
+        from course_lib.launch.cluster import environment, launch_text
 
         validate_args(args, nodes * n)
         if not args.print_launch:
-            raise ValueError(f"nodes={nodes} runs on other machines: add --print-launch for their commands")
+            raise rules.UsageError(f"nodes={nodes} runs on other machines: add --print-launch for their commands")
         print(launch_text(["-m", "course_lib.train", *args_to_argv(args)], nodes, n, env=environment(gpus=False),
                           job_name="course-train", gpus=False))
         return 0

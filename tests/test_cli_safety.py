@@ -19,8 +19,8 @@ import pytest
 
 from course_lib.classroom import figures as figures_mod
 from course_lib.__main__ import main
-from course_lib.megatron import logs as logs_mod
-from course_lib.megatron.logs import parse_log
+from course_lib.training import logs as logs_mod
+from course_lib.training.logs import parse_log
 
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron_logs"
 REPO = Path(__file__).resolve().parents[1]

@@ -6,11 +6,19 @@ dependency). The layers, lowest first -- a module may import its own layer and t
 
 1. ``foundation``  the rule book and safe file writing (no torch, no course_lib imports)
 2. ``launch``      running ranks: the process tree, the fork and torchrun launchers, the worker
-3. ``core``        instrumented collectives, the rank grid and its process groups, saved tensors
+3. ``core``        instrumented collectives (and Lab 00's six patterns), the rank grid and its process groups,
+                   saved tensors
 4. ``parallel``    TP, CP, PP, MoE, the sharding engine, optimizer, mixed precision, data
 5. ``model``       the tiny GPT assembled from the parallel layers
-6. ``training``    the trainer, sizing, the Megatron and DeepSpeed bridges, the sweep, measurements
-7. ``classroom``   the course machinery: checkers, notebooks, widgets, site, figures
+6. ``sizing``      the arithmetic before a run (FLOPs, memory, communication, projections to GPUs) and
+                   activation memory measured against it
+7. ``training``    the trainer's parts: its flags and their checks, its log lines (Megatron's format),
+                   gradient finalisation, the sharded steps, checkpoints
+8. ``bridges``     Megatron-LM's command line and record table; DeepSpeed's config and engine
+9. ``trainer``     the course trainer's loop and entry point (``course_lib.train``: it picks DeepSpeed's
+                   engine when a ``--deepspeed-config`` is given)
+10. ``runs``       what runs the trainer: megatron-core beside it, the Day 22 sweep
+11. ``classroom``  the course machinery: checkers, notebooks, widgets, site, figures
 """
 
 from __future__ import annotations
@@ -25,11 +33,15 @@ PACKAGE = ROOT / "course_lib"
 LAYERS = {
     "foundation": ["rules", "safe_files"],
     "launch": ["launch"],
-    "core": ["comm", "topology", "process_groups", "saved_tensors"],
+    "core": ["comm", "ring_cost", "collectives", "topology", "process_groups", "saved_tensors"],
     "parallel": ["tensor_parallel", "context_parallel", "pipeline", "moe", "distributed", "optimizer",
                  "mixed_precision", "data"],
     "model": ["model"],
-    "training": ["training", "train", "sizing", "megatron", "sweep", "activation_memory", "collectives"],
+    "sizing": ["sizing", "activation_memory"],
+    "training": ["training"],
+    "bridges": ["megatron", "deepspeed"],
+    "trainer": ["train"],
+    "runs": ["mcore", "sweep"],
     "classroom": ["classroom", "__main__", "__init__"],
 }
 RANK = {room: i for i, room in enumerate(LAYERS)}

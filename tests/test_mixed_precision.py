@@ -311,7 +311,7 @@ def _train_ranks(runs):
 
 
 def test_trainer_bf16_matches_one_process_and_fp16_skips_overflows():
-    from course_lib.megatron import parse_log
+    from course_lib.training.logs import parse_log
     from course_lib.train import parse_args, train_single_process
 
     bf16 = TRAIN + ["--bf16"]
@@ -352,7 +352,7 @@ def test_trainer_precision_flags_follow_megatrons_rules():
 def test_bf16_with_a_loss_scale_trains_under_a_constant_scaler():
     """Megatron builds a ConstantGradScaler for --bf16 --loss-scale (optimizer/__init__.py ~645-647): the
     log line shows the scale, and a power-of-two scale changes no loss (it is undone exactly)."""
-    from course_lib.megatron import parse_log
+    from course_lib.training.logs import parse_log
 
     bf16 = TRAIN + ["--bf16"]
     res = launch(_train_ranks, world_size=1, backend="gloo", timeout=120, output="none",

@@ -366,12 +366,36 @@ def test_the_rule_book_lists_every_rule_and_needs_no_torch():
 
     public = [n for n, f in vars(rules).items() if callable(f) and not n.startswith("_")
               and getattr(f, "__module__", None) == rules.__name__]
-    helpers = {"divisors", "nearby_multiples", "format_bytes", "available_memory_bytes"}
-    for name in set(public) - helpers:
+    for name in set(public) - {"UsageError"}:
         assert f":func:`{name}`" in rules.__doc__, f"{name} is missing from the rule list"
     code = "import sys, course_lib.rules, course_lib.topology; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True).stdout.strip() == "False"
+
+
+def test_a_persons_bad_input_is_a_usage_error_and_a_bug_keeps_its_traceback(capsys, monkeypatch):
+    """Every error the library raises on purpose is a :class:`rules.UsageError` (a ``ValueError``), which the
+    command line prints in one line; any other exception -- Python's own ``ValueError`` too -- is a bug and
+    keeps its traceback. The checkers (``classroom/checks``) raise ``ValueError`` as the students' code does."""
+    from pathlib import Path
+
+    from course_lib.topology import cli as rankmap_cli
+
+    package = Path(rules.__file__).parent
+    plain = [f"{path.relative_to(package.parent)}:{number}" for path in sorted(package.rglob("*.py"))
+             if "classroom/checks" not in path.as_posix()
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\b(raise|return) ValueError\(", line)]
+    assert not plain, "raise rules.UsageError for a person's bad input (the CLI prints it in one line):\n" + \
+        "\n".join(plain)
+    assert _cli(["rankmap", "--world-size", "8", "--tp", "3"], capsys).startswith("world_size=8 is not divisible")
+
+    def bug(args):
+        return int("not a number")            # a ValueError of Python's own, not a rule's
+    monkeypatch.setattr(rankmap_cli, "run", bug)
+    with pytest.raises(ValueError, match="invalid literal") as info:
+        course_main(["rankmap", "--world-size", "8"])
+    assert not isinstance(info.value, rules.UsageError)
 
 
 def test_uneven_split_with_interleaving_follows_megatron():
@@ -404,7 +428,7 @@ def test_sharding_strategies_have_one_source_and_read_the_same_in_the_engine():
     import torch
 
     from course_lib.distributed import STRATEGIES, ShardedDataParallel
-    from course_lib.megatron import ds_config
+    from course_lib.deepspeed import config as ds_config
     assert STRATEGIES is rules.SHARDING_STRATEGIES
     assert [rules.sharding_stage(s) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")] == [0, 1, 2, 3]
     for stage, name in ((2, "optim_grads"), (3, "optim_grads_params")):   # DeepSpeed's ZeRO stage -> Megatron-FSDP

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.launch import launch
-from course_lib.megatron import parse_log
+from course_lib.training.logs import parse_log
 from course_lib.train import (LRScheduler, Optimizer, add_arguments, args_to_argv, build_parser, main, parse_args,
                               pretrain, run, torchrun_argv, train_single_process, validate_args)
 from course_lib.training.finalize_model_grads import finalize_model_grads

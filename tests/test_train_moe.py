@@ -24,7 +24,7 @@ import io
 import pytest
 
 from course_lib.launch import launch
-from course_lib.megatron import parse_log
+from course_lib.training.logs import parse_log
 from course_lib.train import parse_args, pretrain, run, train_single_process, validate_args
 from course_lib.train import add_arguments
 from course_lib.training.finalize_model_grads import finalize_model_grads

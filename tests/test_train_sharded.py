@@ -26,7 +26,7 @@ trainer's own optimizer -- not the engine). Checked:
 import pytest
 
 from course_lib.launch import launch
-from course_lib.megatron import parse_log
+from course_lib.training.logs import parse_log
 from course_lib.sizing.memory import model_state_bytes, optimizer_offload_bytes_per_param
 from course_lib.train import parse_args, pretrain, train_single_process, validate_args
 

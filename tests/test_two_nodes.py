@@ -1,7 +1,7 @@
 """The course trainer on two torchrun "nodes" of this machine: the multi-node launch is real.
 
 Each node is a torchrun of its own (``--nnodes 2 --nproc-per-node 2``: world 4), started as
-``megatron-cmd --nodes`` prints it (:func:`course_lib.megatron.cluster.run_nodes_here`), once with
+``megatron-cmd --nodes`` prints it (:func:`course_lib.launch.cluster.run_nodes_here`), once with
 static rendezvous (``--node-rank 0/1 --master-addr --master-port``) and once with c10d
 (``--rdzv-backend c10d --rdzv-endpoint --rdzv-id``). The layout is TP2 x DP2, so TP stays inside a
 node and the DP all-reduce crosses the nodes (Megatron's advice, Narayanan et al. 2021 Sec. 3.3).
@@ -14,8 +14,8 @@ Two launches (each two torchruns started together), run at once: ~30 s on 2 busy
 import pytest
 from test_train import BASE, TOL, _megatron_logged
 
-from course_lib.megatron import parse_log
-from course_lib.megatron.cluster import run_nodes_here
+from course_lib.training.logs import parse_log
+from course_lib.launch.cluster import run_nodes_here
 from course_lib.train import parse_args, train_single_process
 
 LAYOUT = ["--tensor-model-parallel-size", "2"]

@@ -17,7 +17,7 @@
     hidden 2048, 16 heads, sequence 1024, micro-batch 8: 0.41 B parameters, 21.5 model TFLOP a step) through
     ``python -m course_lib train --nproc-per-node 1``, in bf16 when the GPU supports it (else
     fp32); the median step time of the logged iterations (the first excluded, as
-    :meth:`course_lib.megatron.logs.ParsedLog.step_time_ms` does), tokens/s, achieved TFLOP/s
+    :meth:`course_lib.training.logs.ParsedLog.step_time_ms` does), tokens/s, achieved TFLOP/s
     and MFU = model FLOPs (Korthikanti Eq. 7, :func:`course_lib.sizing.flops.model_flops_per_iteration`)
     / (step time x the GPU's dense bf16 peak).
 (c) **Measured against the projection** for that GPU (:func:`course_lib.sizing.projection.project`
@@ -105,7 +105,7 @@ def nccl_probe() -> dict:
 
 def run_trainer(flags: list[str], nproc: int = 1, timeout: float = 600):
     """``python -m course_lib train --nproc-per-node nproc FLAGS``; (exit code, parsed log, output)."""
-    from course_lib.megatron import parse_log
+    from course_lib.training.logs import parse_log
 
     cmd = [sys.executable, "-m", "course_lib", "train", "--nproc-per-node", str(nproc), *flags]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,

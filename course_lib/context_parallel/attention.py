@@ -36,7 +36,7 @@ class ContextParallelSelfAttention(ParallelSelfAttention):
 
     def __init__(self, config: TransformerConfig, tp_group, cp_group):
         if cp_group is None:
-            raise ValueError("cp_group is None: pass the context-parallel process group explicitly")
+            raise rules.UsageError("cp_group is None: pass the context-parallel process group explicitly")
         rules.cp_attention_dropout(config.attention_dropout)
         super().__init__(config, tp_group)
         self.cp_group = cp_group

@@ -74,12 +74,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, kind: str, scale: float) -> torch.
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     if kind == CAUSAL:
         if q.shape[-2] != k.shape[-2]:
-            raise ValueError(f"a causal (diagonal) block must be square, got {q.shape[-2]} queries and "
-                             f"{k.shape[-2]} keys")
+            raise rules.UsageError(f"a causal (diagonal) block must be square, got {q.shape[-2]} queries and "
+                                   f"{k.shape[-2]} keys")
         above = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
     elif kind != FULL:
-        raise ValueError(f"kind={kind!r} must be 'full' or 'causal'")
+        raise rules.UsageError(f"kind={kind!r} must be 'full' or 'causal'")
     return s
 
 
@@ -280,33 +280,33 @@ class RingAttention(torch.autograd.Function):
 
 def _validate(q, k, v, cp_group, causal, layout, softmax_scale) -> None:
     if cp_group is None:
-        raise ValueError("cp_group is None: pass the context-parallel process group explicitly "
-                         "(e.g. dist.new_group(cp_ranks)); a group of one gives plain attention")
+        raise rules.UsageError("cp_group is None: pass the context-parallel process group explicitly "
+                               "(e.g. dist.new_group(cp_ranks)); a group of one gives plain attention")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            raise rules.UsageError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}: expected 4 dims [b, heads, s_local, head_dim] "
-                             f"(Megatron's [s, b, heads, head_dim] -> x.permute(1, 2, 0, 3))")
+            raise rules.UsageError(f"{name} has shape {tuple(t.shape)}: expected 4 dims [b, heads, s_local, head_dim] "
+                                   f"(Megatron's [s, b, heads, head_dim] -> x.permute(1, 2, 0, 3))")
         if not t.is_floating_point():
-            raise ValueError(f"{name} has dtype {t.dtype}: attention needs a floating-point dtype")
+            raise rules.UsageError(f"{name} has dtype {t.dtype}: attention needs a floating-point dtype")
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}: use one dtype")
+        raise rules.UsageError(f"q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}: use one dtype")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in [b, query groups, s_local]")
+        raise rules.UsageError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in [b, query groups, s_local]")
     if q.shape[0] != k.shape[0]:
-        raise ValueError(f"batch sizes differ: q has b={q.shape[0]}, k/v have b={k.shape[0]}")
+        raise rules.UsageError(f"batch sizes differ: q has b={q.shape[0]}, k/v have b={k.shape[0]}")
     if q.shape[2] != k.shape[2]:
-        raise ValueError(f"local sequence lengths differ: q has {q.shape[2]} tokens, k/v have {k.shape[2]}; "
-                         f"each rank passes the q, k, v of the same tokens")
+        raise rules.UsageError(f"local sequence lengths differ: q has {q.shape[2]} tokens, k/v have {k.shape[2]}; "
+                               f"each rank passes the q, k, v of the same tokens")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"head dims differ: q has {q.shape[-1]}, k has {k.shape[-1]} (q·k needs equal head dims)")
+        raise rules.UsageError(f"head dims differ: q has {q.shape[-1]}, k has {k.shape[-1]} (q·k needs equal head dims)")
     rules.heads_divisible_by_groups(q.shape[1], k.shape[1])      # q: [b, np, ..], k: [b, ng, ..]
     _check_layout(layout)
     if not isinstance(causal, bool):
-        raise ValueError(f"causal={causal!r} must be True or False")
+        raise rules.UsageError(f"causal={causal!r} must be True or False")
     if softmax_scale is not None and not (isinstance(softmax_scale, (int, float)) and softmax_scale > 0):
-        raise ValueError(f"softmax_scale={softmax_scale!r} must be a positive number or None (1/sqrt(head_dim))")
+        raise rules.UsageError(f"softmax_scale={softmax_scale!r} must be a positive number or None (1/sqrt(head_dim))")
     cp = dist.get_world_size(cp_group)
     rules.sequence_split(q.shape[2] * cp, cp, layout)     # the whole sequence: 2·cp chunks when zigzag
 

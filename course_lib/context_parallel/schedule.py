@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from course_lib.context_parallel.zigzag import _check_cp, _check_layout, _check_rank, rank_chunk_ids
+from course_lib.rules import UsageError
 
 __all__ = ["FULL", "CAUSAL", "Block", "block_kind", "kv_source_rank", "step_blocks", "ring_schedule"]
 
@@ -61,7 +62,7 @@ def block_kind(q_chunk: int, kv_chunk: int, causal: bool) -> str:
 
 def _check_direction(direction: str) -> str:
     if direction not in DIRECTIONS:
-        raise ValueError(f"direction={direction!r} must be 'fwd' or 'bwd'")
+        raise UsageError(f"direction={direction!r} must be 'fwd' or 'bwd'")
     return direction
 
 
@@ -70,7 +71,7 @@ def kv_source_rank(cp_rank: int, step: int, cp_size: int, direction: str = "fwd"
     cp_size = _check_cp(cp_size)
     cp_rank = _check_rank(cp_rank, cp_size)
     if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < cp_size:
-        raise ValueError(f"step={step!r} must be an integer in 0..{cp_size - 1} (a ring of {cp_size} ranks "
+        raise UsageError(f"step={step!r} must be an integer in 0..{cp_size - 1} (a ring of {cp_size} ranks "
                          f"has {cp_size} steps)")
     if _check_direction(direction) == "fwd":
         return (cp_rank - step) % cp_size

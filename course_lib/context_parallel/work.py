@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from course_lib.context_parallel.schedule import CAUSAL, ring_schedule
 from course_lib.context_parallel.zigzag import _check_cp, check_sequence_split, num_chunks, token_positions
+from course_lib.rules import UsageError
 
 __all__ = ["score_elements", "score_elements_closed_form", "block_elements", "ring_step_work", "critical_path",
            "imbalance", "plot_attention_work"]
@@ -55,7 +56,7 @@ def ring_step_work(seq_length: int, cp_size: int, layout: str = "zigzag", causal
     """``work[step][rank]`` of the forward ring: unmasked score elements (``unit="elements"``)
     or the number of chunk blocks computed (``unit="blocks"``)."""
     if unit not in ("elements", "blocks"):
-        raise ValueError(f"unit={unit!r} must be 'elements' or 'blocks'")
+        raise UsageError(f"unit={unit!r} must be 'elements' or 'blocks'")
     c = check_sequence_split(seq_length, cp_size, layout)
     sched = ring_schedule(cp_size, layout, causal, "fwd")
     if unit == "blocks":

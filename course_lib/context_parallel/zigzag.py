@@ -49,8 +49,8 @@ def _check_rank(cp_rank, cp_size: int) -> int:
 
 def _check_layout(layout) -> str:
     if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is unknown: use 'zigzag' (load-balanced, Megatron's) "
-                         f"or 'contiguous'")
+        raise rules.UsageError(f"layout={layout!r} is unknown: use 'zigzag' (load-balanced, Megatron's) "
+                               f"or 'contiguous'")
     return layout
 
 
@@ -107,9 +107,9 @@ def shard_sequence(x: torch.Tensor, cp_rank: int, cp_size: int, *, seq_dim: int 
     ``[b, heads, s, d]``, 1 for ``[b, s]`` token ids) -> ``[.., s/cp, ..]``:
     the rank's chunks concatenated in ascending order."""
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        raise rules.UsageError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not -x.dim() <= seq_dim < x.dim():
-        raise ValueError(f"seq_dim={seq_dim} is out of range for a tensor of shape {tuple(x.shape)}")
+        raise rules.UsageError(f"seq_dim={seq_dim} is out of range for a tensor of shape {tuple(x.shape)}")
     seq_dim %= x.dim()
     c = check_sequence_split(int(x.shape[seq_dim]), cp_size, layout)
     parts = [x.narrow(seq_dim, k * c, c) for k in rank_chunk_ids(cp_rank, cp_size, layout)]
@@ -122,16 +122,16 @@ def unshard_sequence(shards: Sequence[torch.Tensor], *, seq_dim: int = 2, layout
     ``shards``: cp tensors ``[.., s/cp, ..]`` -> ``[.., s, ..]``."""
     cp_size = len(shards)
     if cp_size == 0:
-        raise ValueError("shards is empty: pass one tensor per context-parallel rank, in rank order")
+        raise rules.UsageError("shards is empty: pass one tensor per context-parallel rank, in rank order")
     seq_dim %= shards[0].dim()
     per_rank = len(rank_chunk_ids(0, cp_size, layout))
     local = int(shards[0].shape[seq_dim])
     if any(tuple(t.shape) != tuple(shards[0].shape) for t in shards):
-        raise ValueError(f"shards have different shapes {[tuple(t.shape) for t in shards]}: every rank "
-                         f"holds the same number of tokens")
+        raise rules.UsageError(f"shards have different shapes {[tuple(t.shape) for t in shards]}: every rank "
+                               f"holds the same number of tokens")
     if local % per_rank:
-        raise ValueError(f"a {layout} shard holds {per_rank} chunks, but its sequence length {local} is "
-                         f"not divisible by {per_rank}")
+        raise rules.UsageError(f"a {layout} shard holds {per_rank} chunks, but its sequence length {local} is "
+                               f"not divisible by {per_rank}")
     c = local // per_rank
     chunks: dict[int, torch.Tensor] = {}
     for r, t in enumerate(shards):

@@ -65,11 +65,11 @@ def gather_from_cp_ranks(parts: list[torch.Tensor], seq_dim: int = 1) -> torch.T
     """Inverse of ``split_for_cp_rank``: ``parts[r]`` is rank ``r``'s part; returns the full sequence."""
     cp_size = len(parts)
     if cp_size == 0:
-        raise ValueError("gather_from_cp_ranks needs at least one part")
+        raise rules.UsageError("gather_from_cp_ranks needs at least one part")
     if cp_size == 1:
         return parts[0]
     local = parts[0].shape[seq_dim]
     if local % 2 or any(p.shape[seq_dim] != local for p in parts):
-        raise ValueError(f"every part must hold the same even number of positions along dim {seq_dim}, got "
-                         f"{[p.shape[seq_dim] for p in parts]}")
+        raise rules.UsageError(f"every part must hold the same even number of positions along dim {seq_dim}, got "
+                               f"{[p.shape[seq_dim] for p in parts]}")
     return unshard_sequence(parts, seq_dim=seq_dim)

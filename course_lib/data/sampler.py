@@ -81,7 +81,7 @@ class GPTDataset:
         self.seed = rules.integer("seed", seed, minimum=0)
         self.tokens = corpus_tokens() if tokens is None else np.asarray(tokens, dtype=np.int64)
         if self.tokens.ndim != 1:
-            raise ValueError(f"tokens must be a 1-D token stream, got shape {tuple(self.tokens.shape)}")
+            raise rules.UsageError(f"tokens must be a 1-D token stream, got shape {tuple(self.tokens.shape)}")
         rules.seq_length_fits_corpus(self.seq_length, len(self.tokens))
         self.num_windows = (len(self.tokens) - 1) // self.seq_length
         self._perms: dict[int, np.ndarray] = {}
@@ -152,8 +152,8 @@ def get_batch(iteration: int, micro_batch_index: int, dp_rank: int, dp_size: int
     ds = _corpus_dataset(rules.integer("seq_length", seq_length), rules.integer("seed", seed, minimum=0)) \
         if dataset is None else dataset
     if ds.seq_length != seq_length:
-        raise ValueError(f"dataset.seq_length={ds.seq_length} differs from seq_length={seq_length}; "
-                         f"build the dataset with seq_length={seq_length}")
+        raise rules.UsageError(f"dataset.seq_length={ds.seq_length} differs from seq_length={seq_length}; "
+                               f"build the dataset with seq_length={seq_length}")
     return ds.batch(idx, eod_mask_loss=eod_mask_loss)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from course_lib.rules import vocab_size_with_padding
+from course_lib.rules import UsageError, vocab_size_with_padding
 
 __all__ = ["ByteTokenizer", "EOD_TEXT", "vocab_size_with_padding"]
 
@@ -45,7 +45,7 @@ class ByteTokenizer:
 
     def encode(self, text: str, append_eod: bool = False) -> list[int]:
         if not isinstance(text, str):
-            raise ValueError(f"encode() takes a str, got {type(text).__name__}; decode bytes first")
+            raise UsageError(f"encode() takes a str, got {type(text).__name__}; decode bytes first")
         ids = list(text.encode("utf-8"))
         if append_eod:
             ids.append(self.eod)
@@ -64,7 +64,7 @@ class ByteTokenizer:
                 out.append(eod_text)
                 buf = bytearray()
             else:
-                raise ValueError(f"token id {i} is outside the byte vocabulary 0..{self.vocab_size - 1}")
+                raise UsageError(f"token id {i} is outside the byte vocabulary 0..{self.vocab_size - 1}")
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 

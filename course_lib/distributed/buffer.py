@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from course_lib.rules import UsageError
 
 
 @dataclass
@@ -148,7 +149,7 @@ def layout_rules(layout: str, dp: int) -> tuple[int, int, bool]:
         return PARAM_START_ALIGNMENT, math.lcm(dp, BUCKET_END_ALIGNMENT), True
     if layout == "fsdp":
         return 1, dp, True
-    raise ValueError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
+    raise UsageError(f"layout={layout!r} is not one of {', '.join(LAYOUTS)}")
 
 
 def _round_up(n: int, divisor: int) -> int:
@@ -200,7 +201,7 @@ def size_buckets(named_params: list, bucket_size, dp: int, layout: str = "ddp") 
     (two or three around a shared embedding). ``named_params``: ``[(name, param)]``."""
     if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int)
                                     or bucket_size < 1):
-        raise ValueError(f"bucket_size={bucket_size!r} (--ddp-bucket-size) must be a positive number of "
+        raise UsageError(f"bucket_size={bucket_size!r} (--ddp-bucket-size) must be a positive number of "
                          f"elements or None for one bucket")
     return _layout(list(reversed(named_params)), bucket_size, dp, layout)
 

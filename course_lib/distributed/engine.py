@@ -62,7 +62,7 @@ def _dp_group(groups):
     or the group itself."""
     group = getattr(groups, "dp_cp", groups)
     if group is None:
-        raise ValueError("the data-parallel group is None: pass the dp_cp group (or a ProcessGroups) explicitly")
+        raise rules.UsageError("the data-parallel group is None: pass the dp_cp group (or a ProcessGroups) explicitly")
     return group
 
 
@@ -82,11 +82,11 @@ def _trainable(module: torch.nn.Module) -> list:
     """``[(name, param)]`` of the params that require grad, all of one float dtype (else ValueError)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
-        raise ValueError("the module has no parameter that requires grad: nothing to train")
+        raise rules.UsageError("the module has no parameter that requires grad: nothing to train")
     dtypes = {p.dtype for _, p in named}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _FLOAT_DTYPES:
-        raise ValueError(f"params have dtypes {sorted(map(str, dtypes))}: use one of fp32/bf16/fp16 for all "
-                         f"(model.to(torch.bfloat16) for --bf16)")
+        raise rules.UsageError(f"params have dtypes {sorted(map(str, dtypes))}: use one of fp32/bf16/fp16 for all "
+                               f"(model.to(torch.bfloat16) for --bf16)")
     return named
 
 
@@ -614,7 +614,7 @@ class ShardedDataParallel:
         ``clip_grad`` (Megatron's ``--clip-grad``; 0: off): grads scaled by ``clip_grad / (norm + 1e-6)``
         when that is < 1. The norm (:meth:`grad_norm`, one or two all-reduces) is computed only when
         clipping needs it or ``grad_norm=True`` asks for it: a trainer that takes the norm itself
-        in its loss scaler's ``unscale_and_check`` (:class:`course_lib.training.sharding.ShardedGradFinalizer`)
+        in its loss scaler's ``unscale_and_check`` (:class:`course_lib.training.state_sharding.ShardedGradFinalizer`)
         leaves both off, so the norm is computed once. Returns ``{"skipped": bool, "found_inf": bool,
         "grad_norm": float or None}`` (None when not computed; a loss scaler's overflow skips the
         update, and the norm is None then too)."""
@@ -736,9 +736,9 @@ class ShardedDataParallel:
         b, pr = self._where[id(param)]
         full = b.state.grad_full
         if full is None or b.state.grad_reduce is not None:
-            raise ValueError(f"main_grad: strategy={self.strategy!r} keeps only a 1/d grad shard once the "
-                             f"reduce-scatter started (or no backward ran yet); read main_grad after backward, "
-                             f"before step, or use strategy 'no_shard' / 'optim' for full main grads")
+            raise rules.UsageError(f"main_grad: strategy={self.strategy!r} keeps only a 1/d grad shard once the "
+                                   f"reduce-scatter started (or no backward ran yet); read main_grad after backward, "
+                                   f"before step, or use strategy 'no_shard' / 'optim' for full main grads")
         return full[pr.start:pr.end].view(self._shapes[id(param)])
 
     def synced_main_grad(self, param: torch.Tensor) -> torch.Tensor:
@@ -753,8 +753,8 @@ class ShardedDataParallel:
         embedding is a bucket of its own, laid out alike on the first and the last stage, so the two
         ranks of a pair hold the same elements of it."""
         if not self._grads_synced:
-            raise ValueError("synced_main_grad: call finish_grad_sync() after backward first (the reduced "
-                             "grad does not exist yet); before it, main_grad() is the local one")
+            raise rules.UsageError("synced_main_grad: call finish_grad_sync() after backward first (the reduced "
+                                   "grad does not exist yet); before it, main_grad() is the local one")
         b, pr = self._where[id(param)]
         if not self.shard_grads:
             return self.main_grad(param)
@@ -794,6 +794,6 @@ def wrap(model: torch.nn.Module, groups, *, use_distributed_optimizer: bool = Fa
     if use_distributed_optimizer:
         strategy = kwargs.setdefault("strategy", "optim")
         if strategy == "no_shard":
-            raise ValueError("use_distributed_optimizer=True (--use-distributed-optimizer) shards the optimizer "
-                             "but strategy='no_shard' shards nothing: drop one of them")
+            raise rules.UsageError("use_distributed_optimizer=True (--use-distributed-optimizer) shards the optimizer "
+                                   "but strategy='no_shard' shards nothing: drop one of them")
     return ShardedDataParallel(model, groups, **kwargs)

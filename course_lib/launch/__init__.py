@@ -61,6 +61,7 @@ from course_lib.launch.fork import launch_fork
 from course_lib.launch.output import print_outputs
 from course_lib.launch.process_tree import describe_exit, die_with_parent, is_running, kill_tree, wait_gone
 from course_lib.launch.torchrun import TorchrunAgent, launch_torchrun, run_torchrun, torchrun_command
+from course_lib.rules import UsageError
 
 __all__ = ["launch", "LaunchError", "RankError", "LaunchTimeout", "RendezvousError", "RankResults", "LAUNCHERS",
            "BACKENDS", "OUTPUT_MODES", "MAX_TIMEOUT_S", "RANK_ENV", "PROCESS_DIED", "RESULT_UNREADABLE",
@@ -91,7 +92,7 @@ def launch(fn: Callable[..., Any], /, world_size: int = 4, launcher: str = "fork
         import torch
 
         if torch.cuda.is_initialized():
-            raise ValueError("CUDA is already initialised in this process, and forked ranks cannot use it: "
+            raise UsageError("CUDA is already initialised in this process, and forked ranks cannot use it: "
                              "use launcher='torchrun', or restart the kernel and launch before touching the GPU")
     start = time.perf_counter()
     if launcher == "fork":

@@ -15,7 +15,7 @@ import traceback
 
 from course_lib import rules
 from course_lib.launch.output import tail
-from course_lib.rules import MAX_TIMEOUT_S  # noqa: F401  (launch's name since Lab 00)
+from course_lib.rules import MAX_TIMEOUT_S, UsageError  # noqa: F401  (launch's name since Lab 00)
 
 LAUNCHERS = ("fork", "torchrun")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -96,12 +96,12 @@ def resolve_backend(backend: str, world_size: int) -> str:
     import torch
 
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is unknown: use one of {', '.join(BACKENDS)}")
+        raise UsageError(f"backend={backend!r} is unknown: use one of {', '.join(BACKENDS)}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         return "nccl" if gpus >= world_size else "gloo"
     if backend == "nccl" and gpus < world_size:
-        raise ValueError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
+        raise UsageError(f"backend='nccl' needs one GPU per rank: world_size={world_size} but "
                          f"{gpus} CUDA GPUs are visible; use backend='gloo' or fewer ranks")
     return backend
 
@@ -109,9 +109,9 @@ def resolve_backend(backend: str, world_size: int) -> str:
 def check_args(world_size, launcher, output, timeout):
     rules.launch_ranks("world_size", world_size)
     if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher={launcher!r} is unknown: use 'fork' (fast, notebooks) or 'torchrun'")
+        raise UsageError(f"launcher={launcher!r} is unknown: use 'fork' (fast, notebooks) or 'torchrun'")
     if output not in OUTPUT_MODES:
-        raise ValueError(f"output={output!r} is unknown: use one of {', '.join(OUTPUT_MODES)}")
+        raise UsageError(f"output={output!r} is unknown: use one of {', '.join(OUTPUT_MODES)}")
     rules.timeout_seconds("timeout", timeout)
 
 

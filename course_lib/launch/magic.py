@@ -28,6 +28,7 @@ import shlex
 import tempfile
 
 from course_lib.launch import LAUNCHERS, launch
+from course_lib.rules import UsageError
 
 
 def run_script(path: str) -> None:
@@ -59,7 +60,7 @@ def torchrun_cell(line: str, cell: str) -> None:
     try:
         opts = _parser().parse_args(shlex.split(line))
     except SystemExit:
-        raise ValueError(f"%%torchrun {line!r}: usage: %%torchrun [--nproc-per-node N] "
+        raise UsageError(f"%%torchrun {line!r}: usage: %%torchrun [--nproc-per-node N] "
                          f"[--launcher fork|torchrun] [--backend auto|gloo|nccl] [--timeout S] "
                          f"[--rank0-only]") from None
     with tempfile.TemporaryDirectory(prefix="course_cell_") as tmp:

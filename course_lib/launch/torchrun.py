@@ -30,6 +30,7 @@ from course_lib.launch.contract import LaunchError, LaunchTimeout, RankResults, 
 from course_lib.launch.output import read_back, tail
 from course_lib.launch.process_tree import (POLL_S, first_failure, kill_tree, parent_pids, stop_report, supervise,
                                             wait_gone)
+from course_lib.rules import UsageError
 
 # torchrun: how long start-up (imports, rendezvous) may take on top of
 # ``timeout``, and how long after ``timeout`` the ranks' own watchdogs get to
@@ -71,7 +72,7 @@ class TorchrunAgent:
 
     def __init__(self, cmd: Sequence[str], **popen_kwargs):
         if list(cmd[1:3]) != ["-m", "torch.distributed.run"]:
-            raise ValueError(f"not a torchrun_command() line: {shlex.join(cmd)}")
+            raise UsageError(f"not a torchrun_command() line: {shlex.join(cmd)}")
         # The agent's temporary folder is this process's (tempfile.tempdir included).
         env = dict(popen_kwargs.pop("env", None) or os.environ, TMPDIR=tempfile.gettempdir())
         self._channel, theirs = socket.socketpair()
@@ -215,7 +216,7 @@ def _not_importable(obj) -> str | None:
 def _importable_name(fn) -> tuple[str, str]:
     where = _not_importable(fn)
     if where:
-        raise ValueError(
+        raise UsageError(
             f"fn {getattr(fn, '__name__', repr(fn))!r} {where}; torchrun starts fresh Python processes that must "
             f"import it: move it into a module file, or use launcher='fork'")
     return fn.__module__, getattr(fn, "__qualname__", "")
@@ -263,7 +264,7 @@ def _job_spec(**spec) -> bytes:
                 else:
                     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                     what = f" (a {type(value).__name__}) cannot be pickled ({reason})"
-                raise ValueError(
+                raise UsageError(
                     f"argument {name}{what}; torchrun starts fresh Python processes "
                     f"that receive each argument pickled: pass a function defined at the top of a module file, or "
                     f"another picklable value, or use launcher='fork'") from None

@@ -31,7 +31,7 @@ Beyond one node and dense models (flags in ``flags.SHARDING_FLAGS`` / ``flags.MO
 core_v0.16.1 and main):
 
 * ``--nodes N --gpus-per-node G``: the multi-node launch (:func:`cluster_launch`, rendered by
-  :mod:`course_lib.megatron.cluster`): torchrun with c10d or static rendezvous on every node, and a
+  :mod:`course_lib.launch.cluster`): torchrun with c10d or static rendezvous on every node, and a
   Slurm ``sbatch`` script running one torchrun per node with ``srun``.
 * ``--sharding dist-opt|fsdp-optim-grads|fsdp|offload`` (``--show sharding``: all four): Megatron's
   distributed optimizer (ZeRO-1) and Megatron-FSDP (ZeRO-2/3), with overlap, and CPU offload of
@@ -221,7 +221,7 @@ class MegatronRun:
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
-            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+            raise rules.UsageError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
         for name in ("train_iters", "log_interval", "eval_interval"):
             rules.integer(name, getattr(self, name))
         for name in ("lr_warmup_iters", "eval_iters", "seed"):
@@ -230,9 +230,9 @@ class MegatronRun:
             rules.number(name, getattr(self, name), 0.0)
         rules.min_lr(self.min_lr, self.lr)
         if self.sharding is not None and self.sharding not in SHARDING:
-            raise ValueError(f"sharding={self.sharding!r} is unknown; use one of {', '.join(SHARDING)}")
+            raise rules.UsageError(f"sharding={self.sharding!r} is unknown; use one of {', '.join(SHARDING)}")
         if self.transformer_impl not in (None, "local", "transformer_engine"):
-            raise ValueError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
+            raise rules.UsageError(f"transformer_impl={self.transformer_impl!r} must be 'local' or 'transformer_engine'")
         _check_path("data_dir", self.data_dir)
         for name in ("save", "load"):
             if getattr(self, name) is not None:
@@ -244,12 +244,12 @@ class MegatronRun:
             rules.megatron_fsdp_checkpoint(self.ckpt_format)
         if self.megatron_fsdp_main_grads_dtype is not None:
             if self.megatron_fsdp_main_grads_dtype not in FSDP_MAIN_GRADS_DTYPES:
-                raise ValueError(f"megatron_fsdp_main_grads_dtype={self.megatron_fsdp_main_grads_dtype!r} is not one "
-                                 f"of {', '.join(FSDP_MAIN_GRADS_DTYPES)} (Megatron-LM main's choices)")
+                raise rules.UsageError(f"megatron_fsdp_main_grads_dtype={self.megatron_fsdp_main_grads_dtype!r} is not one "
+                                       f"of {', '.join(FSDP_MAIN_GRADS_DTYPES)} (Megatron-LM main's choices)")
             if not self.megatron_fsdp:
-                raise ValueError(f"--megatron-fsdp-main-grads-dtype {self.megatron_fsdp_main_grads_dtype} sets "
-                                 f"Megatron-FSDP's grad buffer; sharding={self.sharding!r} is not Megatron-FSDP: use "
-                                 f"--sharding fsdp or fsdp-optim-grads, or drop the flag")
+                raise rules.UsageError(f"--megatron-fsdp-main-grads-dtype {self.megatron_fsdp_main_grads_dtype} sets "
+                                       f"Megatron-FSDP's grad buffer; sharding={self.sharding!r} is not Megatron-FSDP: use "
+                                       f"--sharding fsdp or fsdp-optim-grads, or drop the flag")
 
     @property
     def megatron_fsdp(self) -> bool:
@@ -266,11 +266,11 @@ def _check_path(name: str, path) -> None:
     """A path (``data_dir``, ``save``, ``load``) every printed command can carry safely (each line quotes
     it with ``shlex.quote``)."""
     if not isinstance(path, str) or not path:
-        raise ValueError(f"{name}={path!r} must be a non-empty path")
+        raise rules.UsageError(f"{name}={path!r} must be a non-empty path")
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in path):
-        raise ValueError(f"{name}={path!r} holds a control character (newline, tab, ...); choose a plain path")
+        raise rules.UsageError(f"{name}={path!r} holds a control character (newline, tab, ...); choose a plain path")
     if path.startswith("-"):
-        raise ValueError(f"{name}={path!r} starts with '-' and would read as an option; write ./{path}")
+        raise rules.UsageError(f"{name}={path!r} starts with '-' and would read as an option; write ./{path}")
 
 
 def gpu_config(tp: int = 1, pp: int = 1, cp: int = 1, nproc: int = 8, *, seq_length: int = DEFAULT_SEQ_LENGTH,
@@ -291,10 +291,10 @@ def _as_config(config) -> ParallelConfig:
     elif isinstance(config, dict):
         cfg = ParallelConfig(**config)
     else:
-        raise ValueError(f"config must be a ParallelConfig or a dict of its fields, got {type(config).__name__}")
+        raise rules.UsageError(f"config must be a ParallelConfig or a dict of its fields, got {type(config).__name__}")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
         if getattr(cfg, name) is None:
-            raise ValueError(f"a Megatron command needs {name}; give it in the config (e.g. gpu_config(...))")
+            raise rules.UsageError(f"a Megatron command needs {name}; give it in the config (e.g. gpu_config(...))")
     return cfg
 
 
@@ -362,7 +362,7 @@ def megatron_command(config, run: MegatronRun | None = None, moe: MoESpec | None
     """The ``torchrun ... pretrain_gpt.py`` command (run inside a Megatron-LM checkout).
 
     ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is set except with Megatron-FSDP, where ``validate_args``
-    asserts it is unset or > 1 (:mod:`course_lib.megatron.cluster`).
+    asserts it is unset or > 1 (:mod:`course_lib.launch.cluster`).
 
     >>> print(megatron_command(gpu_config(tp=2, pp=2)).splitlines()[0])
     CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc_per_node 8 pretrain_gpt.py \\
@@ -376,15 +376,15 @@ def megatron_command(config, run: MegatronRun | None = None, moe: MoESpec | None
 def cluster_launch(config, run: MegatronRun | None = None, moe: MoESpec | None = None, *, nodes: int,
                    gpus_per_node: int, debug: bool = False) -> str:
     """The multi-node launch of ``pretrain_gpt.py``: torchrun on every node (c10d, or static) and a
-    Slurm sbatch script (:func:`course_lib.megatron.cluster.launch_text`). ``nodes x gpus_per_node``
+    Slurm sbatch script (:func:`course_lib.launch.cluster.launch_text`). ``nodes x gpus_per_node``
     must equal the config's world size."""
-    from course_lib.megatron import cluster
+    from course_lib.launch import cluster
 
     cfg, run = _as_config(config), run or MegatronRun()
     nodes, gpus = rules.integer("nodes", nodes), rules.integer("gpus_per_node", gpus_per_node)
     if nodes * gpus != cfg.world_size:
-        raise ValueError(f"nodes={nodes} × gpus_per_node={gpus} = {nodes * gpus} is not the world size "
-                         f"{cfg.world_size}; give --nproc {nodes * gpus} or leave --nproc out")
+        raise rules.UsageError(f"nodes={nodes} × gpus_per_node={gpus} = {nodes * gpus} is not the world size "
+                               f"{cfg.world_size}; give --nproc {nodes * gpus} or leave --nproc out")
     program = ["pretrain_gpt.py"] + [x for f, v in pretrain_args(cfg, run, moe) for x in ([f] if v is None else [f, v])]
     env = cluster.environment(tp=cfg.tp, cp=cfg.cp, megatron_fsdp=run.megatron_fsdp, debug=debug)
     return cluster.launch_text(program, nodes, gpus, env=env, job_name="megatron")
@@ -405,7 +405,7 @@ def preprocess_command(run: MegatronRun | None = None, workers: int = 1) -> str:
     ``{output_prefix}_{json_key}_document``."""
     run = run or MegatronRun()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers={workers!r} must be a positive integer")
+        raise rules.UsageError(f"workers={workers!r} must be a positive integer")
     d = run.data_dir
     return _render("python tools/preprocess_data.py", [
         ("--input", f"{d}/corpus.jsonl"),
@@ -576,13 +576,13 @@ def add_arguments(parser) -> None:
 def _world(args) -> int:
     """--nproc, or nodes x GPUs per node (both given: they must agree)."""
     if (args.nodes is None) != (args.gpus_per_node is None):
-        raise ValueError("--nodes and --gpus-per-node go together, e.g. --nodes 2 --gpus-per-node 8")
+        raise rules.UsageError("--nodes and --gpus-per-node go together, e.g. --nodes 2 --gpus-per-node 8")
     if args.nodes is None:
         return 8 if args.nproc is None else args.nproc
     world = rules.integer("nodes", args.nodes) * rules.integer("gpus_per_node", args.gpus_per_node)
     if args.nproc is not None and args.nproc != world:
-        raise ValueError(f"nproc={args.nproc} is not nodes={args.nodes} × gpus_per_node={args.gpus_per_node} = "
-                         f"{world}; leave --nproc out with --nodes")
+        raise rules.UsageError(f"nproc={args.nproc} is not nodes={args.nodes} × gpus_per_node={args.gpus_per_node} = "
+                               f"{world}; leave --nproc out with --nodes")
     return world
 
 
@@ -635,8 +635,8 @@ def run(args) -> int:
     moe = None
     if args.num_experts is not None or args.ep > 1 or args.expert_tp is not None:
         if args.num_experts is None:
-            raise ValueError("--expert-model-parallel-size/--expert-tensor-parallel-size need --num-experts, "
-                             "e.g. --num-experts 8")
+            raise rules.UsageError("--expert-model-parallel-size/--expert-tensor-parallel-size need --num-experts, "
+                                   "e.g. --num-experts 8")
         moe = MoESpec(args.num_experts, args.ep, args.expert_tp, args.moe_router_topk, args.moe_aux_loss_coeff,
                       args.moe_ffn_hidden_size)
     parts = []

@@ -39,7 +39,7 @@ import io
 from pathlib import Path
 
 from course_lib import rules
-from course_lib.megatron.logs import ParsedLog, parse_log, parse_log_file
+from course_lib.training.logs import ParsedLog, parse_log, parse_log_file
 from course_lib.safe_files import check_output_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 
 COLUMNS = ("config", "TP", "PP", "CP", "DP", "micro-batches", "max mem/rank (MB)", "step time (ms)", "tokens/s",
@@ -101,7 +101,7 @@ def record_table(parsed_logs, names=None, *, seq_length: int | None = None, note
     logs = [p if isinstance(p, ParsedLog) else parse_log(p) for p in parsed_logs]
     names = [str(i + 1) for i in range(len(logs))] if names is None else list(names)
     if len(names) != len(logs):
-        raise ValueError(f"record_table got {len(logs)} logs but {len(names)} names; give one name per log")
+        raise rules.UsageError(f"record_table got {len(logs)} logs but {len(names)} names; give one name per log")
     notes = notes or {}
     return [record_row(p, n, seq_length=seq_length, note=notes.get(n)) for p, n in zip(logs, names)]
 
@@ -155,7 +155,7 @@ def _check_outputs(args, logs: list[Path]) -> dict[str, Path]:
         if value is not None:
             outputs[flag] = check_output_file(value, force=args.force, inputs=logs, what=flag)
     if len(outputs) == 2 and outputs["--markdown"].resolve() == outputs["--csv"].resolve():
-        raise ValueError(f"--markdown and --csv are the same file ({args.csv}); give each table its own name")
+        raise rules.UsageError(f"--markdown and --csv are the same file ({args.csv}); give each table its own name")
     return outputs
 
 
@@ -163,7 +163,7 @@ def run(args) -> int:
     paths = [Path(p) for p in args.logs]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
-        raise ValueError(f"no such log file: {', '.join(missing)}")
+        raise rules.UsageError(f"no such log file: {', '.join(missing)}")
     if args.seq_length is not None:
         rules.integer("--seq-length", args.seq_length)
     outputs = _check_outputs(args, paths)

@@ -22,17 +22,17 @@ def moe_layer_pattern(num_layers: int, moe_layer_freq=1) -> list[int]:
     ``get_gpt_decoder_block_spec``). ``moe_layer_pattern(4, 2) == [1, 0, 1, 0]``."""
     num_layers = rules.integer("num-layers", num_layers)
     if isinstance(moe_layer_freq, bool):
-        raise ValueError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer")
+        raise rules.UsageError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer")
     if isinstance(moe_layer_freq, int):
         k = rules.integer("moe-layer-freq", moe_layer_freq)
         return [1 if i % k == 0 else 0 for i in range(num_layers)]
     pattern = list(moe_layer_freq) if isinstance(moe_layer_freq, (list, tuple)) else None
     if pattern is None or any(v not in (0, 1) or isinstance(v, bool) for v in pattern):
-        raise ValueError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer, "
-                         f"e.g. [1, 0, 1, 0]")
+        raise rules.UsageError(f"moe-layer-freq={moe_layer_freq!r} must be an int k or a list of 0/1 per layer, "
+                               f"e.g. [1, 0, 1, 0]")
     if len(pattern) != num_layers:
-        raise ValueError(f"moe-layer-freq has {len(pattern)} entries but num-layers={num_layers}: give one 0/1 "
-                         f"per layer")
+        raise rules.UsageError(f"moe-layer-freq has {len(pattern)} entries but num-layers={num_layers}: give one 0/1 "
+                               f"per layer")
     return pattern
 
 
@@ -49,7 +49,7 @@ def parse_moe_layer_freq(text):
     refusal = (f"moe-layer-freq={source[:40]!r}{'...' if len(source) > 40 else ''} must be an integer or a list "
                f"pattern such as '([1]*3+[0]*1)*2' (lists of 0/1, + and * only)")
     if len(source) > MAX_PATTERN_CHARS:
-        raise ValueError(f"{refusal}, at most {MAX_PATTERN_CHARS} characters (this one has {len(source)})")
+        raise rules.UsageError(f"{refusal}, at most {MAX_PATTERN_CHARS} characters (this one has {len(source)})")
 
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
@@ -66,16 +66,16 @@ def parse_moe_layer_freq(text):
                     return checked(items * times if len(items) * times <= MAX_PATTERN_LAYERS else None)
             if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, int):
                 return left * right if abs(left * right) <= MAX_PATTERN_LAYERS else checked(None)
-        raise ValueError(refusal)
+        raise rules.UsageError(refusal)
 
     def checked(pattern):
         """``pattern``, unless it expands past MAX_PATTERN_LAYERS (``None``: it would)."""
         if pattern is None or len(pattern) > MAX_PATTERN_LAYERS:
-            raise ValueError(f"{refusal}; this one expands past {MAX_PATTERN_LAYERS} layers")
+            raise rules.UsageError(f"{refusal}; this one expands past {MAX_PATTERN_LAYERS} layers")
         return pattern
 
     try:
         tree = ast.parse(source, mode="eval").body
         return value(tree)
     except (SyntaxError, RecursionError, MemoryError):
-        raise ValueError(refusal) from None
+        raise rules.UsageError(refusal) from None

@@ -19,18 +19,19 @@ they answer different questions.
 from __future__ import annotations
 
 from typing import Optional
+from course_lib.rules import UsageError
 
 ZB_SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 
 
 def _check_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+        raise UsageError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
 def _check_time(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a number >= 0 (time of one micro-batch on one stage)")
+        raise UsageError(f"{name}={value!r} must be a number >= 0 (time of one micro-batch on one stage)")
 
 
 def bubble_fraction(pp: int, num_microbatches: int, vp: int = 1) -> float:
@@ -77,7 +78,7 @@ def pipeline_bubble_time(schedule: str, pp: int, t_f: float, t_b: float, t_w: fl
     those conditions simulate the schedule instead.
     """
     if schedule not in ZB_SCHEDULES:
-        raise ValueError(f"schedule={schedule!r} is unknown: use one of {', '.join(ZB_SCHEDULES)} "
+        raise UsageError(f"schedule={schedule!r} is unknown: use one of {', '.join(ZB_SCHEDULES)} "
                          f"(for the interleaved schedule use bubble_fraction(pp, m, vp))")
     _check_int("pp", pp)
     for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
@@ -85,7 +86,7 @@ def pipeline_bubble_time(schedule: str, pp: int, t_f: float, t_b: float, t_w: fl
     if schedule in ("gpipe", "1f1b"):
         return (pp - 1) * (t_f + t_b + t_w)
     if t_w > t_f:
-        raise ValueError(f"t_w={t_w} > t_f={t_f}: Qi et al.'s {schedule} formula assumes a W pass fits "
+        raise UsageError(f"t_w={t_w} > t_f={t_f}: Qi et al.'s {schedule} formula assumes a W pass fits "
                          f"in the gap of a forward (t_w <= t_f); simulate the schedule instead")
     if schedule == "zb-h1":
         return (pp - 1) * (t_f + t_b - t_w)
@@ -119,4 +120,4 @@ def inflight_microbatches(pp: int, num_microbatches: int, schedule: str, vp: int
 
         group = check_interleaved_config(p, m, vp, microbatch_group_size)
         return [min(2 * (p - s - 1) + (vp - 1) * group + 1, vp * m) for s in range(p)]
-    raise ValueError(f"schedule={schedule!r} is unknown: use one of gpipe, 1f1b, interleaved, zb-h1, zb-h2")
+    raise UsageError(f"schedule={schedule!r} is unknown: use one of gpipe, 1f1b, interleaved, zb-h1, zb-h2")

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 from course_lib.pipeline.schedules import Action, PipelineSchedule
+from course_lib.rules import UsageError
 
 P2P_MODES = ("blocking", "batched", "prefetch")
 
@@ -110,7 +111,7 @@ def comm_plan(schedule: PipelineSchedule, rank: int, p2p: str = "batched") -> li
     ``"prefetch"`` the receive was posted long before and only *waits* here).
     """
     if p2p not in P2P_MODES:
-        raise ValueError(f"p2p={p2p!r} is unknown: use one of {', '.join(P2P_MODES)}")
+        raise UsageError(f"p2p={p2p!r} is unknown: use one of {', '.join(P2P_MODES)}")
     plan: list = []
     pending_sends: list = []
     for a in schedule.ranks[rank]:
@@ -138,9 +139,9 @@ def _check_complete(schedule: PipelineSchedule) -> None:
         counts = Counter((a.kind, a.microbatch, a.chunk_id) for a in actions)
         for (kind, mb, c), n in counts.items():
             if (mb, c) not in want:
-                raise ValueError(f"rank {r} runs {kind}{mb} on chunk {c}, outside m={m}, vp={v}")
+                raise UsageError(f"rank {r} runs {kind}{mb} on chunk {c}, outside m={m}, vp={v}")
             if n > 1:
-                raise ValueError(f"rank {r} runs {kind}{mb}{f' on chunk {c}' if v > 1 else ''} {n} times: "
+                raise UsageError(f"rank {r} runs {kind}{mb}{f' on chunk {c}' if v > 1 else ''} {n} times: "
                                  f"each action must appear once")
         kinds = ("F", "B", "W") if split else ("F", "B")
         for kind in kinds:
@@ -149,13 +150,13 @@ def _check_complete(schedule: PipelineSchedule) -> None:
                 mb, c = missing[0]
                 what = "W (the schedule splits the backward on some rank, so every rank needs every W)" \
                     if kind == "W" else kind
-                raise ValueError(f"rank {r} never runs {what} of micro-batch {mb}"
+                raise UsageError(f"rank {r} never runs {what} of micro-batch {mb}"
                                  f"{f' on chunk {c}' if v > 1 else ''} ({len(missing)} missing)")
         seen: set = set()
         for a in actions:
             before = {"B": "F", "W": "B"}.get(a.kind)
             if before and (before, a.microbatch, a.chunk_id) not in seen:
-                raise ValueError(f"rank {r} runs {a} before {before}{a.microbatch}"
+                raise UsageError(f"rank {r} runs {a} before {before}{a.microbatch}"
                                  f"{f'.c{a.chunk}' if a.chunk is not None else ''}: "
                                  f"a micro-batch goes F, then B{', then W' if split else ''}")
             seen.add((a.kind, a.microbatch, a.chunk_id))
@@ -183,7 +184,7 @@ def _check_dependencies(schedule: PipelineSchedule) -> None:
     if stuck:
         waits = "; ".join(f"rank {r} waits at {schedule.ranks[r][ptr[r]]} for the "
                           f"{inputs_of(schedule, r, schedule.ranks[r][ptr[r]])[0]}" for r in stuck[:3])
-        raise ValueError(f"the schedule cannot run, its ranks wait for each other in a cycle: {waits}")
+        raise UsageError(f"the schedule cannot run, its ranks wait for each other in a cycle: {waits}")
 
 
 def incoming_messages(schedule: PipelineSchedule, rank: int) -> dict:
@@ -243,7 +244,7 @@ def simulate_p2p(schedule: PipelineSchedule, p2p: str = "batched") -> int:
         while sq and rq:
             sent, expected = sq.popleft(), rq.popleft()
             if sent != expected:
-                raise ValueError(f"messages from rank {channel[0]} to rank {channel[1]} are matched out of "
+                raise UsageError(f"messages from rank {channel[0]} to rank {channel[1]} are matched out of "
                                  f"order: it sends the {sent} while rank {channel[1]} receives the "
                                  f"{expected}; reorder the actions so both ranks agree")
             matched += 1
@@ -261,7 +262,7 @@ def simulate_p2p(schedule: PipelineSchedule, p2p: str = "batched") -> int:
             return f"rank {r} waits to {op[0] if op else 'finish a step'}"
         hint = (" (post each send together with the next receive, as Megatron's send_forward_recv_backward "
                 "does: p2p='batched')" if p2p == "blocking" else "")
-        raise ValueError(f"deadlock with {p2p} send/recv: " + "; ".join(describe(r) for r in blocked[:3]) + hint)
+        raise UsageError(f"deadlock with {p2p} send/recv: " + "; ".join(describe(r) for r in blocked[:3]) + hint)
     return matched
 
 
@@ -281,14 +282,14 @@ def check_schedule(schedule: PipelineSchedule, p2p: str | None = None) -> str:
     one :func:`choose_p2p` picks (what the executor runs). Returns that protocol.
     """
     if not isinstance(schedule, PipelineSchedule):
-        raise ValueError(f"check_schedule needs a PipelineSchedule (build_schedule or from_orders), "
+        raise UsageError(f"check_schedule needs a PipelineSchedule (build_schedule or from_orders), "
                          f"got {type(schedule).__name__}")
     if len(schedule.ranks) != schedule.pp_size:
-        raise ValueError(f"the schedule has {len(schedule.ranks)} rank orders for pp_size={schedule.pp_size}")
+        raise UsageError(f"the schedule has {len(schedule.ranks)} rank orders for pp_size={schedule.pp_size}")
     if schedule.vp_size > 1 and schedule.pp_size < 2:
-        raise ValueError("virtual pipeline stages need pp_size >= 2 (a chunk cannot send to its own rank)")
+        raise UsageError("virtual pipeline stages need pp_size >= 2 (a chunk cannot send to its own rank)")
     if p2p is not None and p2p not in P2P_MODES:
-        raise ValueError(f"p2p={p2p!r} is unknown: use one of {', '.join(P2P_MODES)}")
+        raise UsageError(f"p2p={p2p!r} is unknown: use one of {', '.join(P2P_MODES)}")
     _check_complete(schedule)
     _check_dependencies(schedule)
     if p2p is None:

@@ -18,6 +18,7 @@ from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.check import check_schedule
 from course_lib.pipeline.schedules import SCHEDULE_NAMES, build_schedule
 from course_lib.pipeline.simulate import simulate
+from course_lib.rules import UsageError
 
 
 def add_arguments(parser) -> None:
@@ -41,10 +42,10 @@ def check_arguments(args) -> None:
     for flag, value, zero_ok in (("--t-f", args.t_f, False), ("--t-b", args.t_b, False), ("--t-w", args.t_w, True)):
         if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
             rule = ">= 0 (0: no separate weight-gradient pass)" if zero_ok else "> 0"
-            raise ValueError(f"{flag} {value} is not a time: give a finite number {rule}")
+            raise UsageError(f"{flag} {value} is not a time: give a finite number {rule}")
     sizes = (args.pp, args.vp, args.microbatches)
     if all(isinstance(n, int) and n >= 1 for n in sizes) and math.prod(sizes) > MAX_PASSES:
-        raise ValueError(f"--pp {args.pp} x --vp {args.vp} x --microbatches {args.microbatches} = {math.prod(sizes)} "
+        raise UsageError(f"--pp {args.pp} x --vp {args.vp} x --microbatches {args.microbatches} = {math.prod(sizes)} "
                          f"(stage, micro-batch) passes; the simulation handles at most {MAX_PASSES}: lower "
                          f"--microbatches or --pp (a few times pp micro-batches already shows the bubble)")
 

@@ -46,6 +46,7 @@ from course_lib.pipeline.simulate import Event, Timeline, live_activations
 from course_lib.pipeline.stages import (StackConfig, build_stages, layer_split, lm_loss, make_batch,
                                         reference_gradients)
 from course_lib.saved_tensors import SavedTensorRecorder, activation_bytes
+from course_lib.rules import UsageError
 
 _WEIGHT_MODULES = (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Embedding)
 
@@ -114,7 +115,7 @@ class RankRunner:
     def __init__(self, schedule: PipelineSchedule, rank: int, chunks: dict, tokens, labels, *,
                  activation_shape, pp_group, p2p: str = "batched", compute_time=None, loss_fn=None):
         if pp_group is None:
-            raise ValueError("pp_group is None: pass this rank's pipeline process group explicitly (groups.pp, or "
+            raise UsageError("pp_group is None: pass this rank's pipeline process group explicitly (groups.pp, or "
                              "dist.group.WORLD when every rank is a stage of one pipeline)")
         self.schedule, self.rank, self.chunks = schedule, rank, chunks
         self.tokens, self.labels = tokens, labels
@@ -311,7 +312,7 @@ class PipelineRun:
         """Largest ``|grad - reference grad|`` over all parameters (every one must be present)."""
         missing = sorted(set(reference) - set(self.grads))
         if missing:
-            raise ValueError(f"no gradient for {missing[:3]}: a stage did not run its backward")
+            raise UsageError(f"no gradient for {missing[:3]}: a stage did not run its backward")
         return max(float((self.grads[n] - g).abs().max()) for n, g in reference.items())
 
 
@@ -355,7 +356,7 @@ def execute(schedule: PipelineSchedule, cfg: StackConfig = StackConfig(), *, p2p
     elif p2p in ("blocking", "batched", "prefetch"):
         chosen = p2p
     else:
-        raise ValueError(f"check=False needs an explicit p2p ('blocking', 'batched' or 'prefetch'), got {p2p!r}")
+        raise UsageError(f"check=False needs an explicit p2p ('blocking', 'batched' or 'prefetch'), got {p2p!r}")
     warm_up_autograd()
     results = launch(_pipeline_rank, world_size=schedule.pp_size, backend="gloo", output="none", timeout=timeout,
                      schedule=schedule, cfg=cfg, p2p=chosen, compute_time=compute_time)

@@ -54,7 +54,7 @@ class Action:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise ValueError(f"Action kind={self.kind!r} is unknown: use one of {', '.join(KINDS)}")
+            raise rules.UsageError(f"Action kind={self.kind!r} is unknown: use one of {', '.join(KINDS)}")
 
     @property
     def chunk_id(self) -> int:
@@ -75,8 +75,8 @@ def parse_action(text: str) -> Action:
     s = str(text).strip()
     head, _, chunk = s.partition(".c")
     if len(head) < 2 or head[0] not in KINDS or not head[1:].isdigit() or (chunk and not chunk.isdigit()):
-        raise ValueError(f"action {text!r} is not of the form F3, B3, W3 or F3.c1 (kind, micro-batch, "
-                         f"optional .c<model chunk>)")
+        raise rules.UsageError(f"action {text!r} is not of the form F3, B3, W3 or F3.c1 (kind, micro-batch, "
+                               f"optional .c<model chunk>)")
     return Action(head[0], int(head[1:]), int(chunk) if chunk else None)
 
 
@@ -90,7 +90,7 @@ def virtual_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
 
 def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+        raise rules.UsageError(f"{name}={value!r} must be an integer >= {minimum}")
 
 
 def _check_common(pp_size, num_microbatches, pp_rank) -> None:
@@ -98,7 +98,7 @@ def _check_common(pp_size, num_microbatches, pp_rank) -> None:
     _check_int("num_microbatches", num_microbatches, 1)
     _check_int("pp_rank", pp_rank, 0)
     if pp_rank >= pp_size:
-        raise ValueError(f"pp_rank={pp_rank} is out of range for pp_size={pp_size}: use 0..{pp_size - 1}")
+        raise rules.UsageError(f"pp_rank={pp_rank} is out of range for pp_size={pp_size}: use 0..{pp_size - 1}")
 
 
 def check_interleaved_config(pp_size: int, num_microbatches: int, vp_size: int,
@@ -311,7 +311,7 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int, vp_size: int 
                    microbatch_group_size: Optional[int] = None) -> PipelineSchedule:
     """All ranks' orders for schedule ``name`` (one of :data:`SCHEDULE_NAMES`)."""
     if name not in SCHEDULE_NAMES:
-        raise ValueError(f"schedule={name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}")
+        raise rules.UsageError(f"schedule={name!r} is unknown: use one of {', '.join(SCHEDULE_NAMES)}")
     _check_int("pp_size", pp_size, 1)
     if name == "interleaved":
         group = check_interleaved_config(pp_size, num_microbatches, vp_size, microbatch_group_size)
@@ -319,8 +319,8 @@ def build_schedule(name: str, pp_size: int, num_microbatches: int, vp_size: int 
                       for r in range(pp_size))
         return PipelineSchedule(name, pp_size, num_microbatches, ranks, vp_size, group)
     if vp_size != 1:
-        raise ValueError(f"schedule={name!r} runs one model chunk per rank, got vp_size={vp_size}: use "
-                         f"schedule='interleaved' for virtual pipeline stages")
+        raise rules.UsageError(f"schedule={name!r} runs one model chunk per rank, got vp_size={vp_size}: use "
+                               f"schedule='interleaved' for virtual pipeline stages")
     ranks = tuple(tuple(_RANK_FUNCS[name](pp_size, num_microbatches, r)) for r in range(pp_size))
     return PipelineSchedule(name, pp_size, num_microbatches, ranks)
 
@@ -334,5 +334,5 @@ def from_orders(orders: Sequence[Sequence], name: str = "custom", vp_size: int =
     ranks = tuple(tuple(parse_action(a) for a in actions) for actions in orders)
     ids = [a.microbatch for actions in ranks for a in actions]
     if not ranks or not ids:
-        raise ValueError("from_orders needs at least one rank with at least one action")
+        raise rules.UsageError("from_orders needs at least one rank with at least one action")
     return PipelineSchedule(name, len(ranks), max(ids) + 1, ranks, vp_size)

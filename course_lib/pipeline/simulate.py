@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence, Union
 
 from course_lib.pipeline.schedules import Action, PipelineSchedule
+from course_lib.rules import UsageError
 
 Times = Union[float, int, Sequence[float]]
 
@@ -151,16 +152,16 @@ def _per_stage(name: str, value: Times, pp: int, vp: int) -> list[float]:
                 raise TypeError
             seq = [float(v) for v in value]
         except (TypeError, ValueError):
-            raise ValueError(f"{name}={value!r} must be a number or a sequence of numbers") from None
+            raise UsageError(f"{name}={value!r} must be a number or a sequence of numbers") from None
         if len(seq) == pp:
             values = [seq[s % pp] / vp for s in range(stages)]
         elif len(seq) == stages:
             values = seq
         else:
-            raise ValueError(f"{name} has {len(seq)} values: give one number, one per pipeline rank "
+            raise UsageError(f"{name} has {len(seq)} values: give one number, one per pipeline rank "
                              f"({pp}) or one per virtual stage ({stages})")
     if any(v < 0 for v in values):
-        raise ValueError(f"{name}={value!r} has a negative time: times must be >= 0")
+        raise UsageError(f"{name}={value!r} has a negative time: times must be >= 0")
     return values
 
 
@@ -176,7 +177,7 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
     S = p * v
     tf, tb, tw = (_per_stage(n, t, p, v) for n, t in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)))
     if p2p_latency < 0:
-        raise ValueError(f"p2p_latency={p2p_latency} must be >= 0")
+        raise UsageError(f"p2p_latency={p2p_latency} must be >= 0")
     # Each action has a key (kind, stage, micro-batch) -> a flat index; per rank, the
     # key, the key it waits for (-1: none), its duration and the latency added to the wait.
     programs = []
@@ -187,7 +188,7 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
             mb, c = a.microbatch, a.chunk_id
             s = c * p + r
             if not (0 <= mb < m and 0 <= s < S):
-                raise ValueError(f"rank {r} has action {a} outside the schedule (m={m}, stages={S})")
+                raise UsageError(f"rank {r} has action {a} outside the schedule (m={m}, stages={S})")
             lat = p2p_latency
             if a.kind == "F":
                 k, dur, dep = s * m + mb, tf[s], ((s - 1) * m + mb if s > 0 else -1)
@@ -237,7 +238,7 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
     stuck = [r for r in range(p) if ptr[r] < len(programs[r][0])]
     if stuck:
         what = ", ".join(f"rank {r} at {schedule.ranks[r][ptr[r]]}" for r in stuck[:4])
-        raise ValueError(f"schedule {schedule.name!r} cannot finish: {what} wait for inputs that are "
+        raise UsageError(f"schedule {schedule.name!r} cannot finish: {what} wait for inputs that are "
                          f"never produced (check_schedule explains why)")
     events = [[Event(r, a, a.chunk_id * p + r, t0, t0 + d)
                for a, t0, d in zip(schedule.ranks[r], starts[r], programs[r][2])] for r in range(p)]

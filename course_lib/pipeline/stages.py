@@ -126,11 +126,11 @@ def layer_split(num_layers: int, num_stages: int, layers_per_stage: Optional[Seq
     else:
         counts = list(layers_per_stage)
         if len(counts) != num_stages or any((not isinstance(c, int)) or c < 0 for c in counts):
-            raise ValueError(f"layers_per_stage={tuple(counts)} needs {num_stages} integers >= 0 "
-                             f"(one per virtual stage)")
+            raise rules.UsageError(f"layers_per_stage={tuple(counts)} needs {num_stages} integers >= 0 "
+                                   f"(one per virtual stage)")
         if sum(counts) != num_layers:
-            raise ValueError(f"layers_per_stage={tuple(counts)} adds up to {sum(counts)} blocks, but "
-                             f"num_layers={num_layers}")
+            raise rules.UsageError(f"layers_per_stage={tuple(counts)} adds up to {sum(counts)} blocks, but "
+                                   f"num_layers={num_layers}")
     starts = [sum(counts[:k]) for k in range(num_stages)]
     return [range(a, a + c) for a, c in zip(starts, counts)]
 

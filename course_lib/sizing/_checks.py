@@ -35,7 +35,7 @@ def recompute_mode(recompute) -> str:
     if recompute is False or recompute is None:
         return "none"
     if recompute not in RECOMPUTE_CHOICES:
-        raise ValueError(
+        raise rules.UsageError(
             f"recompute={recompute!r} is not one of {', '.join(RECOMPUTE_CHOICES)} "
             "(Megatron: --recompute-granularity selective|full, or no flag for none)"
         )

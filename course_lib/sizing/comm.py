@@ -23,7 +23,7 @@ schedules.py ``get_tensor_shapes``); gradients are reduced over the data-paralle
 from __future__ import annotations
 
 from course_lib import rules
-from course_lib.rules import ring_elements_sent  # the one ring cost model (re-exported by course_lib.sizing)
+from course_lib.ring_cost import ring_elements_sent  # the one ring cost model (re-exported by course_lib.sizing)
 from course_lib.sizing import _checks
 
 
@@ -139,7 +139,7 @@ def dp_comm_per_iteration(num_params: float, dp: int, cp: int = 1, zero_stage: i
     _checks.positive_int("context-parallel-size", cp)
     _checks.non_negative_int("zero_stage", zero_stage)
     if zero_stage > 3:
-        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
+        raise rules.UsageError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
     g = dp * cp
     factor = 3 if zero_stage == 3 else 2
     return {"group_size": g, "total": factor * ring_elements_sent("all_gather", num_params, g)}

@@ -43,6 +43,7 @@ Sources (vendor datasheets, read through the copies the course's ``search`` tool
 from __future__ import annotations
 
 from dataclasses import dataclass
+from course_lib.rules import UsageError
 
 GB = 1e9
 TERA = 1e12
@@ -112,4 +113,4 @@ def get_hardware(name) -> Hardware:
         key = ALIASES.get(key, key)
         if key in HARDWARE:
             return HARDWARE[key]
-    raise ValueError(f"hardware={name!r} is unknown: use one of {', '.join(HARDWARE)}")
+    raise UsageError(f"hardware={name!r} is unknown: use one of {', '.join(HARDWARE)}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 from typing import Iterable, Sequence
+from course_lib.rules import UsageError
 
 __all__ = ["elements_sent", "tp_layer_volume", "cp_layer_volume", "pp_rank_volume", "dp_volume"]
 
@@ -46,7 +47,7 @@ def _only(events: Sequence, kinds: tuple, what: str) -> list:
     events = list(events)
     other = sorted({e.kind for e in events if e.kind not in kinds})
     if other:
-        raise ValueError(f"{what} expects only kind {' or '.join(map(repr, kinds))} events, got kinds {other}; "
+        raise UsageError(f"{what} expects only kind {' or '.join(map(repr, kinds))} events, got kinds {other}; "
                          f"filter the recorder first, e.g. rec.filter(kind={kinds[0]!r})")
     return events
 
@@ -82,7 +83,7 @@ def cp_layer_volume(forward_events: Sequence, backward_events: Sequence) -> dict
     bwd = [e for e in _only(backward_events, ("cp",), "cp_layer_volume") if e.op == "send"]
     sizes = sorted({e.numel for e in fwd})
     if len(sizes) > 1:
-        raise ValueError(f"forward ring sends differ in size {sizes}: K and V chunks should have one size "
+        raise UsageError(f"forward ring sends differ in size {sizes}: K and V chunks should have one size "
                          f"(different K and V head dims are not covered by cp_comm_per_layer)")
     out = {"chunk": sizes[0] if sizes else 0, "forward": elements_sent(fwd), "backward": elements_sent(bwd)}
     out["total"] = out["forward"] + out["backward"]
@@ -101,10 +102,10 @@ def pp_rank_volume(sends: Iterable[tuple]) -> dict:
     sends = list(sends)
     bad = sorted({w for w, _ in sends} - {"act", "grad"})
     if bad:
-        raise ValueError(f"send kinds {bad} are unknown: use 'act' (forward) or 'grad' (backward)")
+        raise UsageError(f"send kinds {bad} are unknown: use 'act' (forward) or 'grad' (backward)")
     sizes = sorted({n for _, n in sends})
     if len(sizes) > 1:
-        raise ValueError(f"pipeline sends differ in size {sizes}: every boundary tensor should be [s, b, h]")
+        raise UsageError(f"pipeline sends differ in size {sizes}: every boundary tensor should be [s, b, h]")
     forward = sum(n for w, n in sends if w == "act")
     backward = sum(n for w, n in sends if w == "grad")
     count = Counter(w for w, _ in sends)
@@ -123,7 +124,7 @@ def dp_volume(events: Sequence) -> dict:
     events = _only(events, ("dp", "dp-cp"), "dp_volume")
     sizes = sorted({e.group_size for e in events})
     if len(sizes) > 1:
-        raise ValueError(f"data-parallel events use groups of sizes {sizes}: pass one group's events")
+        raise UsageError(f"data-parallel events use groups of sizes {sizes}: pass one group's events")
     numel = Counter()
     for e in events:
         numel[e.op] += e.numel

@@ -260,12 +260,12 @@ def model_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, k: fl
     _checks.positive_int("dp", dp)
     _checks.non_negative_int("zero_stage", zero_stage)
     if zero_stage > 3:
-        raise ValueError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
+        raise rules.UsageError(f"zero_stage={zero_stage} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
     if isinstance(k, bool) or not (isinstance(k, (int, float)) and k >= 0):
-        raise ValueError(f"k={k!r} must be a non-negative number of optimizer bytes per parameter")
+        raise rules.UsageError(f"k={k!r} must be a non-negative number of optimizer bytes per parameter")
     for name, value in (("param_bytes", param_bytes), ("grad_bytes", grad_bytes)):
         if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > 0):
-            raise ValueError(f"{name}={value!r} must be a positive number of bytes per parameter (2 or 4)")
+            raise rules.UsageError(f"{name}={value!r} must be a positive number of bytes per parameter (2 or 4)")
     n = dp
     weights, grads, optimizer = param_bytes * num_params, grad_bytes * num_params, k * num_params
     if zero_stage >= 1:
@@ -308,11 +308,11 @@ def megatron_optimizer_bytes_per_param(
     _checks.positive_int("dp", dp)
     for name, value in (("params_dtype", params_dtype), ("grad_dtype", grad_dtype)):
         if value not in _DTYPE_BYTES:
-            raise ValueError(f"{name}={value!r} is not one of {', '.join(_DTYPE_BYTES)}")
+            raise rules.UsageError(f"{name}={value!r} is not one of {', '.join(_DTYPE_BYTES)}")
     param, grad = _DTYPE_BYTES[params_dtype], _DTYPE_BYTES[grad_dtype]
     if param == 4 and grad == 2:
-        raise ValueError("fp32 params with 16-bit grads is not a Megatron configuration; "
-                         "use grad_dtype='fp32'")
+        raise rules.UsageError("fp32 params with 16-bit grads is not a Megatron configuration; "
+                               "use grad_dtype='fp32'")
     optimizer = 8 + (4 if param == 2 else 0) + (4 if grad == 2 else 0)
     if distributed_optimizer:
         optimizer /= dp
@@ -339,10 +339,10 @@ def megatron_grad_dtype(precision: str, zero_stage: int = 0, *, accumulate_allre
     ``fp32`` is asked. (megatron-core 0.16.1 had no such flag; its FSDP reduced in fp32 under bf16
     through ``grad_reduce_in_fp32``. The course follows main.)"""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+        raise rules.UsageError(f"precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if fsdp_main_grads_dtype not in FSDP_MAIN_GRADS_DTYPES:
-        raise ValueError(f"fsdp_main_grads_dtype={fsdp_main_grads_dtype!r} (--megatron-fsdp-main-grads-dtype) is "
-                         f"not one of {', '.join(FSDP_MAIN_GRADS_DTYPES)}")
+        raise rules.UsageError(f"fsdp_main_grads_dtype={fsdp_main_grads_dtype!r} (--megatron-fsdp-main-grads-dtype) is "
+                               f"not one of {', '.join(FSDP_MAIN_GRADS_DTYPES)}")
     if zero_stage >= 2:
         return precision if fsdp_main_grads_dtype == "auto" else fsdp_main_grads_dtype
     if precision == "bf16":
@@ -366,13 +366,13 @@ def megatron_state_bytes(num_params: float, dp: int = 1, zero_stage: int = 0, pr
     _checks.positive_number("num_params", num_params)
     _checks.positive_int("dp", dp)
     if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
+        raise rules.UsageError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
     grad_dtype = megatron_grad_dtype(precision, zero_stage) if grad_dtype is None else grad_dtype
     if zero_stage <= 1:
         per = megatron_optimizer_bytes_per_param(dp, zero_stage == 1, precision, grad_dtype)
         return ModelStateBytes(per.weights * num_params, per.grads * num_params, per.optimizer * num_params)
     if grad_dtype not in _DTYPE_BYTES:
-        raise ValueError(f"grad_dtype={grad_dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
+        raise rules.UsageError(f"grad_dtype={grad_dtype!r} is not one of {', '.join(_DTYPE_BYTES)}")
     param, grad = _DTYPE_BYTES[precision], _DTYPE_BYTES[grad_dtype]
     optimizer = 8 + (4 if param == 2 else 0)
     return ModelStateBytes(param * num_params / (dp if zero_stage == 3 else 1), grad * num_params / dp,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from course_lib.sizing import _checks
 from course_lib.sizing.memory import ModelStateBytes, megatron_optimizer_bytes_per_param
+from course_lib.rules import UsageError
 
 __all__ = ["moe_parameter_counts", "moe_bytes_per_rank", "MIXTRAL_8X7B"]
 
@@ -67,9 +68,9 @@ def moe_parameter_counts(*, num_layers: int, hidden_size: int, num_attention_hea
                         ("moe_router_topk", moe_router_topk)):
         _checks.positive_int(name, value)
     if moe_router_topk > num_experts:
-        raise ValueError(f"moe_router_topk={moe_router_topk} is more than num_experts={num_experts}; use 1..{num_experts}")
+        raise UsageError(f"moe_router_topk={moe_router_topk} is more than num_experts={num_experts}; use 1..{num_experts}")
     if normalization not in _NORM_VECTORS:
-        raise ValueError(f"normalization={normalization!r} is not one of {', '.join(_NORM_VECTORS)}")
+        raise UsageError(f"normalization={normalization!r} is not one of {', '.join(_NORM_VECTORS)}")
     _checks.non_negative_int("max_position_embeddings", max_position_embeddings)
     h, E, Fe, glu = hidden_size, num_experts, moe_ffn_hidden_size, 2 if gated_linear_unit else 1
     ffn = 4 * h if ffn_hidden_size is None else _checks.positive_int("ffn_hidden_size", ffn_hidden_size)

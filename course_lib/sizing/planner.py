@@ -129,7 +129,7 @@ def _checked(model, tp, pp, dp, cp, vp, sequence_parallel, recompute, zero_stage
     config = parallel_config(model, tp, pp, dp, cp, vp, sequence_parallel, micro_batch_size, global_batch_size)
     _checks.recompute_mode(recompute)
     if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
+        raise rules.UsageError(f"zero_stage={zero_stage!r} is not one of 0, 1, 2, 3 (ZeRO-DP stages)")
     rules.vocab_divisible_by_tp(model.vocab_size, tp)
     return config
 

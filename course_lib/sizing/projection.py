@@ -260,9 +260,9 @@ def _num_nodes(world: int, hw: Hardware, num_nodes) -> int:
         return needed
     n = rules.integer("num_nodes", num_nodes)
     if n != needed:
-        raise ValueError(f"num_nodes={n} does not hold tp*pp*dp*cp = {world} GPUs at {hw.gpus_per_node} per node: "
-                         f"use num_nodes={needed}, or change dp so the layout fills {n} node(s) "
-                         f"(dp = {n * hw.gpus_per_node} / (tp*pp*cp))")
+        raise rules.UsageError(f"num_nodes={n} does not hold tp*pp*dp*cp = {world} GPUs at {hw.gpus_per_node} per node: "
+                               f"use num_nodes={needed}, or change dp so the layout fills {n} node(s) "
+                               f"(dp = {n * hw.gpus_per_node} / (tp*pp*cp))")
     return n
 
 
@@ -326,7 +326,7 @@ class _Run:
 def _assumptions(assumptions: Assumptions | None, overrides: dict) -> Assumptions:
     for name in overrides:
         if name not in ASSUMPTION_NAMES:
-            raise ValueError(f"{name}= is not an assumption of project(): use one of {', '.join(ASSUMPTION_NAMES)}")
+            raise rules.UsageError(f"{name}= is not an assumption of project(): use one of {', '.join(ASSUMPTION_NAMES)}")
     return replace(assumptions or Assumptions(), **overrides)
 
 
@@ -444,8 +444,8 @@ def _pipeline(run: _Run, t_f: list, t_b: list, message: tuple[str, float, float]
     pp, vp, m, a = run.pp, run.vp, run.m, run.assumptions
     name, x, pp_raw = message
     if pp * vp * m > MAX_PASSES:
-        raise ValueError(f"pp {pp} x vp {vp} x {m} micro-batches = {pp * vp * m} passes; the schedule simulator "
-                         f"handles at most {MAX_PASSES}: raise micro_batch_size or lower global_batch_size")
+        raise rules.UsageError(f"pp {pp} x vp {vp} x {m} micro-batches = {pp * vp * m} passes; the schedule simulator "
+                               f"handles at most {MAX_PASSES}: raise micro_batch_size or lower global_batch_size")
     schedule = build_schedule("interleaved" if vp > 1 else "1f1b", pp, m, vp)
     # the messages sit on the dependency path of the schedule (a stage waits for its input), so their
     # cost is what they add to the simulated makespan: the bubble includes the waits, as a measured one does
@@ -565,8 +565,8 @@ def _preset(name: str) -> dict:
     for key, value in PRESETS.items():
         if key.lower() == name.strip().lower() or key.split(" (")[0].lower() == name.strip().lower():
             return value
-    raise ValueError(f"--model {name!r} is not a preset: use one of {', '.join(repr(k) for k in PRESETS)}, "
-                     f"or give --num-layers, --hidden-size and --num-attention-heads")
+    raise rules.UsageError(f"--model {name!r} is not a preset: use one of {', '.join(repr(k) for k in PRESETS)}, "
+                           f"or give --num-layers, --hidden-size and --num-attention-heads")
 
 
 def add_arguments(parser) -> None:
@@ -630,8 +630,8 @@ def _model(args):
         return model, config
     missing = [f"--{flag.replace('_', '-')}" for field_, flag in list(_SHAPE_FLAGS.items())[:3] if field_ not in given]
     if missing:
-        raise ValueError(f"{', '.join(missing)} missing: give the model's shape, or --model with a preset "
-                         f"({'; '.join(PRESETS)})")
+        raise rules.UsageError(f"{', '.join(missing)} missing: give the model's shape, or --model with a preset "
+                               f"({'; '.join(PRESETS)})")
     model = ModelSpec("model", **{**DEFAULT_SHAPE, **given})
     return model, dict(tp=1, pp=1, cp=1, vp=1, sequence_parallel=False, recompute="none", zero_stage=0,
                        micro_batch_size=1, global_batch_size=None)

@@ -95,7 +95,7 @@ PLOT_NAMES = ("tokens_per_s.png", "memory_per_rank.png")
 def summarize(runs: Sequence[ConfigRun], *, total_s: Optional[float] = None, run_name: Optional[str] = None) -> dict:
     """The JSON-able summary of a list of config runs (what ``day22_sweep.json`` holds, without the run's state)."""
     if not runs:
-        raise ValueError("no config was run: give at least one (e.g. --configs A)")
+        raise rules.UsageError("no config was run: give at least one (e.g. --configs A)")
     first = runs[0]
     return {"run_name": run_name, "world_size": first.world_size, "iters": first.iters, "launcher": first.launcher,
             "model": dict(first.model), "total_s": None if total_s is None else round(total_s, 1),
@@ -123,7 +123,7 @@ def latest_summary(out, current: Optional[dict] = None) -> dict:
     out = Path(out)
     found = [read_json(out / f"{n}.json") for n in SWEEP_CONFIGS if (out / f"{n}.json").is_file()]
     if not found:
-        raise ValueError(f"no sweep results in {out}: run `python -m course_lib sweep --out {out}` first")
+        raise rules.UsageError(f"no sweep results in {out}: run `python -m course_lib sweep --out {out}` first")
     rows_by_run: dict = {}
     for f in found:
         rows_by_run.setdefault(f.get("run"), []).append(f["name"])
@@ -235,8 +235,8 @@ def _make_run_dir(out: Path, run_name: Optional[str]) -> Path:
             run_name, suffix = f"{base}-{suffix}", suffix + 1
     run_dir = out / "runs" / run_name
     if run_dir.exists():
-        raise ValueError(f"run {run_name!r} already exists ({run_dir}); runs are never overwritten: "
-                         f"choose another --run-name")
+        raise rules.UsageError(f"run {run_name!r} already exists ({run_dir}); runs are never overwritten: "
+                               f"choose another --run-name")
     try:
         run_dir.mkdir(parents=True)
     except OSError as exc:
@@ -254,8 +254,8 @@ def _check_before_training(names: Sequence[str], out, iters, timeout, run_name: 
     for n in names:
         config_argv(n, world_size=world_size, iters=iters, **model)
     if run_name is not None and not _valid_run_name(run_name):
-        raise ValueError(f"--run-name {run_name[:40]!r}{'...' if len(run_name) > 40 else ''} may only use letters, "
-                         f"digits, '-', '_' and '.' (not first), at most {MAX_RUN_NAME} of them")
+        raise rules.UsageError(f"--run-name {run_name[:40]!r}{'...' if len(run_name) > 40 else ''} may only use letters, "
+                               f"digits, '-', '_' and '.' (not first), at most {MAX_RUN_NAME} of them")
     out = check_output_dir(out, what="--out")
     own = OutputLedger(out)
     check_replaceable(own, _top_level_names(names), force=force, what="--out")
@@ -393,8 +393,8 @@ def committed_summary(folder=None) -> dict:
     folder = Path(folder) if folder is not None else Path(__file__).resolve().parents[2] / "figures"
     path = folder / SUMMARY_NAME
     if not path.is_file():
-        raise ValueError(f"no committed sweep at {path}: run `make sweep` (python -m course_lib sweep --figures "
-                         f"{folder})")
+        raise rules.UsageError(f"no committed sweep at {path}: run `make sweep` (python -m course_lib sweep --figures "
+                               f"{folder})")
     return read_json(path)
 
 
@@ -440,7 +440,7 @@ def run(args) -> int:
     names = parse_configs(args.configs)
     add = getattr(args, "add", False)
     if add and args.figures is None:
-        raise ValueError("--add adds this run's configs to a committed summary: give --figures DIR too")
+        raise rules.UsageError("--add adds this run's configs to a committed summary: give --figures DIR too")
     if args.figures is not None:                        # refused before any training, like --out
         check_output_dir(args.figures, what="--figures")
         published = [s["name"] for s in committed_summary(args.figures)["configs"]] if add else []

@@ -9,8 +9,10 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from course_lib.megatron import SEED_SWEEP, parse_log, record_table
+from course_lib.megatron import SEED_SWEEP, record_table
+from course_lib.training.logs import parse_log
 from course_lib.topology import ParallelConfig
+from course_lib.rules import UsageError
 
 
 WORLD_SIZE = 8
@@ -50,13 +52,13 @@ def parse_configs(text: Optional[str]) -> list[str]:
     for item in (n.strip() for n in text.split(",") if n.strip()):
         names += list(SEED_SWEEP) if item.lower() == "all" else [canonical.get(item.upper(), item)]
     if not names:
-        raise ValueError(f"--configs {text!r} names no config; give at least one (e.g. --configs A,D, or all)")
+        raise UsageError(f"--configs {text!r} names no config; give at least one (e.g. --configs A,D, or all)")
     bad = [n for n in names if n not in SWEEP_CONFIGS]
     if bad:
-        raise ValueError(f"unknown config {', '.join(bad)}: the sweep has {', '.join(SWEEP_CONFIGS)} "
+        raise UsageError(f"unknown config {', '.join(bad)}: the sweep has {', '.join(SWEEP_CONFIGS)} "
                          f"(e.g. --configs A,D)")
     if len(set(names)) != len(names):
-        raise ValueError(f"--configs {text} names a config twice; give each once")
+        raise UsageError(f"--configs {text} names a config twice; give each once")
     return names
 
 
@@ -72,10 +74,10 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
     from course_lib.train import parse_args, validate_args
 
     if name not in SWEEP_CONFIGS:
-        raise ValueError(f"unknown config {name!r}: use one of {', '.join(SWEEP_CONFIGS)}")
+        raise UsageError(f"unknown config {name!r}: use one of {', '.join(SWEEP_CONFIGS)}")
     unknown = set(model) - set(SWEEP_MODEL) - set(SWEEP_BATCH)
     if unknown:
-        raise ValueError(f"unknown model setting {', '.join(sorted(unknown))}: use "
+        raise UsageError(f"unknown model setting {', '.join(sorted(unknown))}: use "
                          f"{', '.join(list(SWEEP_MODEL) + list(SWEEP_BATCH))}")
     tp, pp, cp = SWEEP_CONFIGS[name]
     sizes = {**SWEEP_MODEL, **SWEEP_BATCH, **model}
@@ -88,8 +90,8 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
     argv += list(SHARDED_CONFIGS.get(name, ("", ()))[1])
     try:
         _, config = validate_args(parse_args(argv), world_size)
-    except ValueError as exc:
-        raise ValueError(f"config {name} (TP {tp}, PP {pp}, CP {cp}) on {world_size} ranks: {exc}") from None
+    except UsageError as exc:
+        raise UsageError(f"config {name} (TP {tp}, PP {pp}, CP {cp}) on {world_size} ranks: {exc}") from None
     return argv, config
 
 
@@ -353,6 +355,6 @@ def check_loss_parity(run: ConfigRun, tol: float = 1e-4) -> tuple[bool, float]:
     ref = train_single_process(parse_args(run.argv))["lm_loss"]
     got = run.lm_loss
     if len(got) != len(ref):
-        raise ValueError(f"config {run.name} logged {len(got)} losses but the reference has {len(ref)}")
+        raise UsageError(f"config {run.name} logged {len(got)} losses but the reference has {len(ref)}")
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, ref))
     return worst <= tol, worst

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from course_lib import comm
+from course_lib.rules import UsageError
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -78,9 +79,9 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     not modified (Megatron works in place on it to save memory).
     """
     if tp_group is None or isinstance(tp_group, (int, float)):
-        raise ValueError(f"tp_group={tp_group!r}: pass the tensor-parallel process group explicitly (the third "
+        raise UsageError(f"tp_group={tp_group!r}: pass the tensor-parallel process group explicitly (the third "
                          f"argument; label smoothing is not supported here)")
     if target.shape != vocab_parallel_logits.shape[:-1]:
-        raise ValueError(f"target shape {tuple(target.shape)} must equal the logits' shape without the "
+        raise UsageError(f"target shape {tuple(target.shape)} must equal the logits' shape without the "
                          f"vocabulary dim {tuple(vocab_parallel_logits.shape[:-1])}")
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, tp_group, kind)

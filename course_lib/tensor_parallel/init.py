@@ -21,6 +21,7 @@ import math
 from typing import Callable
 
 import torch
+from course_lib.rules import UsageError
 
 __all__ = ["init_method_normal", "scaled_init_method_normal", "initialize_affine_weight_cpu",
            "set_tensor_model_parallel_attributes"]
@@ -59,10 +60,10 @@ def initialize_affine_weight_cpu(weight: torch.Tensor, output_size: int, input_s
     and chunk ``rank`` is copied into ``weight``. Returns the master weight.
     """
     if partition_dim not in (0, 1):
-        raise ValueError(f"partition_dim={partition_dim} must be 0 (column-parallel) or 1 (row-parallel)")
+        raise UsageError(f"partition_dim={partition_dim} must be 0 (column-parallel) or 1 (row-parallel)")
     full = (output_size, input_size)[partition_dim]
     if per_partition_size * world_size != full:
-        raise ValueError(f"per_partition_size={per_partition_size} x world_size={world_size} != "
+        raise UsageError(f"per_partition_size={per_partition_size} x world_size={world_size} != "
                          f"{full} (the full size of dimension {partition_dim})")
     set_tensor_model_parallel_attributes(weight, True, partition_dim, 1)
     master = torch.empty(output_size, input_size, dtype=torch.float32)

@@ -49,8 +49,8 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 def _tp(group) -> tuple[int, int]:
     if group is None:
-        raise ValueError("tp_group is None: pass the tensor-parallel process group explicitly "
-                         "(a group of one gives the dense layer)")
+        raise rules.UsageError("tp_group is None: pass the tensor-parallel process group explicitly "
+                               "(a group of one gives the dense layer)")
     return comm.group_size(group), comm.group_rank(group)
 
 
@@ -160,8 +160,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         t, rank = _tp(tp_group)
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("sequence_parallel=True needs input_is_parallel=True in RowParallelLinear "
-                             "(the input comes from a column-parallel layer)")
+            raise rules.UsageError("sequence_parallel=True needs input_is_parallel=True in RowParallelLinear "
+                                   "(the input comes from a column-parallel layer)")
         self.tp_group, self.tp_size, self.tp_rank = tp_group, t, rank
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from course_lib import comm
+from course_lib.rules import UsageError
 
 __all__ = [
     "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
@@ -50,7 +51,7 @@ __all__ = [
 
 def _size(group) -> int:
     if group is None:
-        raise ValueError("group is None: pass the tensor-parallel process group explicitly "
+        raise UsageError("group is None: pass the tensor-parallel process group explicitly "
                          "(a group of one makes every mapping a no-op)")
     return comm.group_size(group)
 
@@ -61,7 +62,7 @@ def split_along_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     if t == 1:
         return x
     if x.shape[-1] % t:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-model-parallel-size={t}")
+        raise UsageError(f"last dimension {x.shape[-1]} is not divisible by tensor-model-parallel-size={t}")
     return x.chunk(t, dim=-1)[comm.group_rank(group)].contiguous()
 
 
@@ -71,7 +72,7 @@ def split_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     if t == 1:
         return x
     if x.shape[0] % t:
-        raise ValueError(f"sequence length {x.shape[0]} (first dimension) is not divisible by "
+        raise UsageError(f"sequence length {x.shape[0]} (first dimension) is not divisible by "
                          f"tensor-model-parallel-size={t}: sequence parallelism splits the sequence "
                          f"evenly; pad the sequence or change the TP size")
     return x.chunk(t, dim=0)[comm.group_rank(group)].contiguous()

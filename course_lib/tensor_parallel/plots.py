@@ -6,6 +6,7 @@ nn.Linear stores its transpose ``[out, in]``). Colours are ranks; grey means
 """
 
 from __future__ import annotations
+from course_lib.rules import UsageError
 
 __all__ = ["plot_linear_splits", "RANK_COLORS"]
 
@@ -28,7 +29,7 @@ def plot_linear_splits(tp: int = 2):
     import matplotlib.pyplot as plt
 
     if not 1 <= tp <= len(RANK_COLORS):
-        raise ValueError(f"tp={tp} must be between 1 and {len(RANK_COLORS)} for this drawing")
+        raise UsageError(f"tp={tp} must be between 1 and {len(RANK_COLORS)} for this drawing")
     fig, axes = plt.subplots(2, 1, figsize=(10, 5.6))
     S, IN, OUT = 2.0, 2.4, 2.4      # drawn sizes of tokens, in-features, out-features
     xa, xy = IN + 1.2, IN + OUT + 2.4  # left edges of A and of the result

@@ -23,6 +23,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from course_lib import comm
+from course_lib.rules import UsageError
 
 __all__ = ["is_tensor_parallel", "copy_dense_to_parallel", "gather_full_params", "gather_full_grads",
            "allreduce_sequence_parallel_grads", "sequence_parallel_params"]
@@ -39,7 +40,7 @@ def _check_same_structure(dense: nn.Module, parallel: nn.Module) -> dict:
     if sorted(dense_params) != sorted(names):
         missing = sorted(set(names) - set(dense_params))
         extra = sorted(set(dense_params) - set(names))
-        raise ValueError(f"dense and parallel modules differ in parameters: missing in dense {missing}, "
+        raise UsageError(f"dense and parallel modules differ in parameters: missing in dense {missing}, "
                          f"extra in dense {extra}")
     return dense_params
 
@@ -59,7 +60,7 @@ def copy_dense_to_parallel(dense: nn.Module, parallel: nn.Module, tp_group) -> n
         else:
             piece = full
         if piece.shape != p.shape:
-            raise ValueError(f"{name}: this rank's slice has shape {tuple(piece.shape)} but the parallel "
+            raise UsageError(f"{name}: this rank's slice has shape {tuple(piece.shape)} but the parallel "
                              f"parameter has {tuple(p.shape)}")
         p.copy_(piece)
     return parallel
@@ -70,7 +71,7 @@ def _gather(module: nn.Module, tp_group, grads: bool) -> dict[str, torch.Tensor]
     for name, p in module.named_parameters():
         value = p.grad if grads else p.data
         if value is None:
-            raise ValueError(f"{name} has no gradient: run backward first")
+            raise UsageError(f"{name} has no gradient: run backward first")
         value = value.detach()
         if is_tensor_parallel(p):
             value = comm.all_gather(value, tp_group, dim=p.partition_dim, kind="tp",

@@ -99,7 +99,7 @@ class TransformerConfig:
 
 def _tp_size(tp_group) -> int:
     if tp_group is None:
-        raise ValueError("tp_group is None: pass the tensor-parallel process group explicitly")
+        raise rules.UsageError("tp_group is None: pass the tensor-parallel process group explicitly")
     return comm.group_size(tp_group)
 
 
@@ -223,6 +223,6 @@ def tp_layer_comm_elements(micro_batch_size: int, seq_length: int, hidden_size: 
     Megatron's extra all-gather of the stored input shard in backward.
     """
     if passes not in ("fwd", "bwd", "fwd+bwd"):
-        raise ValueError(f"passes={passes!r} must be 'fwd', 'bwd' or 'fwd+bwd'")
+        raise rules.UsageError(f"passes={passes!r} must be 'fwd', 'bwd' or 'fwd+bwd'")
     per_pass = 2 * comm.ring_elements_sent("all_reduce", micro_batch_size * seq_length * hidden_size, tp)
     return per_pass * (2 if passes == "fwd+bwd" else 1)

@@ -27,6 +27,7 @@ from course_lib.safe_files import check_output_file
 from course_lib.topology import rankmap
 from course_lib.topology.config import ParallelConfig
 from course_lib.topology.grid import DEFAULT_ORDER, RankGrid
+from course_lib.rules import UsageError
 
 TABLE_MAX_RANKS = 1 << 20  # 1,048,576 ranks: ~100 MB for the group tables
 DRAW_MAX_RANKS = 1024      # a map of more ranks is unreadable (and takes minutes with matplotlib)
@@ -62,11 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_size(world_size: int, drawing: bool) -> None:
     """Refuse a world too large to tabulate or draw (one line naming the limit)."""
     if drawing and world_size > DRAW_MAX_RANKS:
-        raise ValueError(f"--world-size {world_size}: rankmap draws at most {DRAW_MAX_RANKS} ranks; drop --out to "
+        raise UsageError(f"--world-size {world_size}: rankmap draws at most {DRAW_MAX_RANKS} ranks; drop --out to "
                          f"print the tables (up to {TABLE_MAX_RANKS} ranks), or draw a smaller world with the same "
                          f"--tp/--pp/--cp")
     if world_size > TABLE_MAX_RANKS:
-        raise ValueError(f"--world-size {world_size}: rankmap prints tables for at most {TABLE_MAX_RANKS} ranks; "
+        raise UsageError(f"--world-size {world_size}: rankmap prints tables for at most {TABLE_MAX_RANKS} ranks; "
                          f"the grid repeats the same pattern at any scale, so try a smaller world with the same "
                          f"--tp/--pp/--cp")
 
@@ -76,10 +77,10 @@ def _check_out(args: argparse.Namespace) -> Path:
     out = Path(args.out)
     suffix = out.suffix.lower()
     if args.engine == "matplotlib" and suffix not in rankmap.FORMATS_MATPLOTLIB:
-        raise ValueError(f"--out {args.out}: matplotlib writes {', '.join(rankmap.FORMATS_MATPLOTLIB)}; "
+        raise UsageError(f"--out {args.out}: matplotlib writes {', '.join(rankmap.FORMATS_MATPLOTLIB)}; "
                          f"change the suffix")
     if args.engine == "graphviz" and suffix not in rankmap.FORMATS_GRAPHVIZ:
-        raise ValueError(f"--out {args.out}: use a .svg, .png, .pdf or .dot file name")
+        raise UsageError(f"--out {args.out}: use a .svg, .png, .pdf or .dot file name")
     return check_output_file(out, force=args.force, what="--out")
 
 
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             rankmap.save(dot, out)
         except graphviz.ExecutableNotFound:
-            raise ValueError("Graphviz's 'dot' program is not installed; install graphviz, or use "
+            raise UsageError("Graphviz's 'dot' program is not installed; install graphviz, or use "
                              "--out NAME.dot, or --engine matplotlib") from None
     print(f"wrote {out} ({grid!r})", file=sys.stderr)
     return 0

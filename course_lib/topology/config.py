@@ -118,7 +118,7 @@ class ParallelConfig:
         if self.num_layers is None:
             for name, v in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
                 if v is not None:
-                    raise ValueError(f"{name}={v} needs num_layers; give num_layers too")
+                    raise rules.UsageError(f"{name}={v} needs num_layers; give num_layers too")
             return None
         return rules.pipeline_split(self.num_layers, self.pp, first, last)
 
@@ -154,7 +154,7 @@ class ParallelConfig:
     def layers_per_stage(self) -> list[int]:
         """Number of transformer layers on each pipeline stage."""
         if self.num_layers is None:
-            raise ValueError("layers_per_stage() needs num_layers; give num_layers")
+            raise rules.UsageError("layers_per_stage() needs num_layers; give num_layers")
         return rules.pipeline_split(self.num_layers, self.pp, self.decoder_first_pipeline_num_layers,
                                     self.decoder_last_pipeline_num_layers)
 

@@ -50,7 +50,7 @@ from typing import Iterable
 import numpy as np
 
 from course_lib import rules
-from course_lib.rules import AXIS_FLAG
+from course_lib.rules import AXIS_FLAG, UsageError
 
 AXES = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -100,15 +100,15 @@ def split_axes(name: str, text, example: str, also: str = "") -> list[str]:
     """The axes of ``text`` (``"tp-cp-dp"``), each checked: one-line ValueError naming ``name`` for
     an empty string, an unknown axis or a repeated one (``example`` and ``also`` make the fix)."""
     if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"{name}={text!r} must be axes joined by '-', e.g. '{example}'{also}")
+        raise UsageError(f"{name}={text!r} must be axes joined by '-', e.g. '{example}'{also}")
     parts = [t.strip() for t in text.lower().split("-")]
     for t in parts:
         if t not in AXES:
-            raise ValueError(f"{name}={text!r} has unknown axis {t!r}; use {', '.join(AXES)} joined by '-', "
+            raise UsageError(f"{name}={text!r} has unknown axis {t!r}; use {', '.join(AXES)} joined by '-', "
                              f"e.g. '{example}'{also}")
     dup = sorted({t for t in parts if parts.count(t) > 1})
     if dup:
-        raise ValueError(f"{name}={text!r} repeats axis {dup[0]!r}; list each axis once, e.g. '{example}'")
+        raise UsageError(f"{name}={text!r} repeats axis {dup[0]!r}; list each axis once, e.g. '{example}'")
     return parts
 
 
@@ -128,7 +128,7 @@ def parse_order(order: str, sizes: dict[str, int]) -> tuple[str, ...]:
                 later = [t for t in given if AXES.index(t) > AXES.index(name)]
                 at = given.index(later[0]) if later else len(given)
                 fixed = "-".join(given[:at] + [name] + given[at:])
-                raise ValueError(f"{AXIS_FLAG[name]}={sizes[name]} but {name!r} is missing from "
+                raise UsageError(f"{AXIS_FLAG[name]}={sizes[name]} but {name!r} is missing from "
                                  f"order={order!r}; add it, e.g. order='{fixed}'")
             tokens.append(name)
     return tuple(tokens)
@@ -223,7 +223,7 @@ class RankGrid:
             order = parse_order(self._order_text, self.expert_sizes)
             rules.expert_order(self._order_text, order[-1], self.pp, self.dp, self.expert_dp)
             if not np.array_equal(self.group_array("pp"), rank_group_array(order, self.expert_sizes, "pp")):
-                raise ValueError(
+                raise UsageError(
                     f"order='{self._order_text}' gives the dense and the expert layers different pipeline groups "
                     f"with {AXIS_FLAG['cp']}={self.cp}, {AXIS_FLAG['ep']}={self.ep}, {rules.EXPERT_TP}="
                     f"{self.expert_tp} (Megatron asserts they are equal); use an order ending in 'pp', "
@@ -271,7 +271,7 @@ class RankGrid:
         """Inverse of ``coords``: ``rank_of(tp=1, dp=0, pp=1)``. Omitted axes count as 0."""
         for a in coords:
             if a not in AXES:
-                raise ValueError(f"unknown axis {a!r} in rank_of(); use {', '.join(AXES)}")
+                raise UsageError(f"unknown axis {a!r} in rank_of(); use {', '.join(AXES)}")
         return sum(rules.rank_in(a, coords.get(a, 0), s, AXIS_FLAG[a]) * d
                    for a, s, d in zip(self.order, self._shape, self._stride))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from course_lib.topology.config import ParallelConfig
 from course_lib.topology.grid import RankGrid
+from course_lib.rules import UsageError
 
 COLORS = {
     "self": "#d62728",  # the highlighted rank
@@ -107,7 +108,7 @@ LEGEND_TEXT = ("orange box = TP group (all-reduce inside)    blue arrow = PP sen
 
 def _auto_detail(grid: RankGrid, detail: str) -> str:
     if detail not in ("auto", "ranks", "groups"):
-        raise ValueError(f"detail={detail!r} must be 'auto', 'ranks' or 'groups'")
+        raise UsageError(f"detail={detail!r} must be 'auto', 'ranks' or 'groups'")
     if detail == "auto":
         return "ranks" if grid.world_size <= 16 else "groups"
     return detail
@@ -318,11 +319,11 @@ def save(obj, path, dpi: int = 150) -> Path:
     suffix = path.suffix.lower()
     if hasattr(obj, "pipe") and hasattr(obj, "source"):  # graphviz
         if suffix not in FORMATS_GRAPHVIZ:
-            raise ValueError(f"cannot write a Graphviz map as {suffix or 'no suffix'!r}; "
+            raise UsageError(f"cannot write a Graphviz map as {suffix or 'no suffix'!r}; "
                              f"use one of {', '.join(FORMATS_GRAPHVIZ)}")
         return write_atomic(path, obj.source if suffix == ".dot" else obj.pipe(format=suffix[1:]))
     if suffix not in FORMATS_MATPLOTLIB:
-        raise ValueError(f"cannot write a matplotlib figure as {suffix or 'no suffix'!r}; "
+        raise UsageError(f"cannot write a matplotlib figure as {suffix or 'no suffix'!r}; "
                          f"use one of {', '.join(FORMATS_MATPLOTLIB)}")
     import matplotlib
 

@@ -6,11 +6,15 @@
 * :mod:`course_lib.training.finalize_model_grads` -- the gradients after backward: the dp-cp
   average, the sequence-parallel and tied-embedding sums, the norm that clipping reads
   (``megatron/core/distributed/finalize_model_grads.py``);
-* :mod:`course_lib.training.sharding` -- the same steps on :mod:`course_lib.distributed`'s buckets
+* :mod:`course_lib.training.state_sharding` -- the same steps on :mod:`course_lib.distributed`'s buckets
   when a state-sharding flag is on (``--use-distributed-optimizer``, ``--use-megatron-fsdp``, ...);
 * :mod:`course_lib.training.checkpointing` -- ``--save``/``--load``: the exact resume, the ``torch_dist``
   checkpoint that reshards on load, the legacy ``torch`` one (``megatron/training/checkpointing.py``);
   :mod:`course_lib.training.checkpoint_inspect` -- ``python -m course_lib checkpoint inspect DIR``.
 
-The log lines the trainer prints are written and read in one module, :mod:`course_lib.megatron.logs`.
+* :mod:`course_lib.training.logs` -- the log lines the trainer prints, Megatron-LM's format, written and
+  read in one module (``parse_log``).
+
+The bridges sit above these parts: :mod:`course_lib.deepspeed` (DeepSpeed's engine and config) and
+:mod:`course_lib.mcore` (megatron-core beside the trainer).
 """

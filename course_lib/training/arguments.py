@@ -165,7 +165,7 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
     g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states")
     g.add_argument("--finetune", action="store_true",
                    help="load the model only and start from iteration 0 (no optimizer, scheduler or RNG)")
-    g = parser.add_argument_group("DeepSpeed (course_lib.training.deepspeed_engine; DP only)")
+    g = parser.add_argument_group("DeepSpeed (course_lib.deepspeed.engine; DP only)")
     g.add_argument("--deepspeed-config", default=None, metavar="FILE",
                    help="train under deepspeed.initialize from this ds_config.json (ZeRO, offload, precision, "
                         "batch, clipping, optimizer from the file; the model from the flags)")
@@ -274,13 +274,10 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     one-line ``ValueError``. With ``check_memory``, also refuses a run whose estimated bytes
     (:func:`estimate_memory`) exceed the memory this machine has available for
     ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
-    No process group, no torch.distributed.
+    No process group, no torch.distributed. A ``--deepspeed-config`` is folded into the flags before
+    (by the entry point, :func:`course_lib.train.validate_args`).
     """
     a = argparse.Namespace(**vars(args))
-    if getattr(a, "deepspeed_config", None):   # the file's batch, optimizer, clipping, precision become the flags'
-        from course_lib.training.deepspeed_engine import apply_config
-
-        a = apply_config(a, world_size, build_parser().parse_args([]))
     _check_values(a)
     if getattr(a, "bf16", False):       # Megatron's validate_args: bf16 accumulates and all-reduces in fp32
         a.accumulate_allreduce_grads_in_fp32 = True
@@ -290,8 +287,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
         num_layers_per_virtual_pipeline_stage=a.num_layers_per_virtual_pipeline_stage,
         num_virtual_stages_per_pipeline_rank=a.num_virtual_stages_per_pipeline_rank)
     if vp is not None and a.pipeline_schedule != "1f1b":
-        raise ValueError(f"pipeline_schedule={a.pipeline_schedule} runs one model chunk per rank; virtual "
-                         f"pipeline stages need the interleaved 1F1B schedule (drop --pipeline-schedule)")
+        raise rules.UsageError(f"pipeline_schedule={a.pipeline_schedule} runs one model chunk per rank; virtual "
+                               f"pipeline stages need the interleaved 1F1B schedule (drop --pipeline-schedule)")
     cfg = ParallelConfig(world_size=world_size, tp=tp, pp=pp, cp=cp, num_layers=a.num_layers,
                          num_attention_heads=a.num_attention_heads, hidden_size=a.hidden_size,
                          seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
@@ -314,8 +311,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     rules.min_lr(a.min_lr, a.lr)
     a.lr_decay_iters = a.train_iters if a.lr_decay_iters is None else a.lr_decay_iters
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
-        raise ValueError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
-                         f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
+        raise rules.UsageError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
+                               f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
     rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
     _check_sharding(a, cfg)
     _check_checkpointing(a)
@@ -445,12 +442,27 @@ _MEMORY_FLAGS = ("hidden_size", "seq_length", "micro_batch_size", "ffn_hidden_si
                  "max_position_embeddings", "num_experts")
 
 
+def available_memory_bytes() -> int | None:
+    """Memory this machine can still give (Linux ``MemAvailable``; else free pages; None if unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> None:
     """Refuse a run that cannot fit this machine's memory, naming the flag whose halving saves most
     (among the halvings that keep the layout valid)."""
     parts = estimate_memory(a, cfg)
     needed = ranks * sum(parts.values())
-    available = rules.available_memory_bytes()
+    available = available_memory_bytes()
     if available is None or needed <= available:
         return
     saved = {}

@@ -27,6 +27,7 @@ from course_lib.topology.grid import RankGrid
 from course_lib.training.checkpointing import (COMMON_FILE, LAYER_AXIS_KEY, LEGACY_FILE, TRACKER, CheckpointError,
                                                _dist_metadata, _torch_load, checkpoint_dir, checkpoint_format,
                                                read_metadata)
+from course_lib.rules import UsageError
 
 __all__ = ["describe_checkpoint", "format_description", "holders", "slice_map_figure", "add_arguments", "run"]
 
@@ -59,7 +60,7 @@ def describe_checkpoint(path) -> dict:
     files = sorted((str(f.relative_to(ckpt)), f.stat().st_size) for f in ckpt.rglob("*") if f.is_file())
     tensors = []
     if fmt == "torch_dist":
-        from course_lib.training.sharded_io import written_chunks
+        from course_lib.training.dcp_io import written_chunks
 
         common = _torch_load(ckpt / COMMON_FILE)
         md = _dist_metadata(ckpt)
@@ -144,17 +145,17 @@ def holders(layout: dict, tensor: dict) -> dict[int, list[tuple]]:
 
 def _select(d: dict, tensors: str) -> list[dict]:
     if d["format"] != "torch_dist":
-        raise ValueError(f"{d['path']} is a legacy torch checkpoint: its files hold each model-parallel rank's own "
+        raise UsageError(f"{d['path']} is a legacy torch checkpoint: its files hold each model-parallel rank's own "
                          f"shapes, with no global offsets to draw; save with --ckpt-format torch_dist")
     try:
         rows = [t for t in d["tensors"] if re.search(tensors, t["key"])]
     except re.error as exc:
-        raise ValueError(f"--tensors {tensors!r} is not a regular expression ({exc})") from None
+        raise UsageError(f"--tensors {tensors!r} is not a regular expression ({exc})") from None
     if not rows:
-        raise ValueError(f"--tensors {tensors!r} matches none of the {len(d['tensors'])} tensors of {d['path']}; "
+        raise UsageError(f"--tensors {tensors!r} matches none of the {len(d['tensors'])} tensors of {d['path']}; "
                          f"the table without --out lists their names")
     if len(rows) > MAP_MAX_TENSORS:
-        raise ValueError(f"--tensors {tensors!r} matches {len(rows)} tensors: a map draws at most "
+        raise UsageError(f"--tensors {tensors!r} matches {len(rows)} tensors: a map draws at most "
                          f"{MAP_MAX_TENSORS}; narrow it, e.g. --tensors 'linear_fc1'")
     return rows
 
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     out = None
     if args.out is not None:        # checked before anything is read
         if Path(args.out).suffix.lower() not in FORMATS_MATPLOTLIB:
-            raise ValueError(f"--out {args.out}: the slice map is written as {', '.join(FORMATS_MATPLOTLIB)}; "
+            raise UsageError(f"--out {args.out}: the slice map is written as {', '.join(FORMATS_MATPLOTLIB)}; "
                              f"change the suffix")
         out = check_output_file(args.out, force=args.force, what="--out")
     d = describe_checkpoint(args.dir)

@@ -31,7 +31,7 @@ layer's stacked experts ``[E/ep, F/etp, H]`` are the piece at expert ``ep_rank *
 ``expert_tp_rank * F/etp`` (:func:`expert_global_spec`) of ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
 ``[L, E, F, H]`` (megatron-core's ``SequentialMLP`` keys, so the experts reshard to any EP and expert TP
 too); replicated tensors (LayerNorms, the router, DP and CP replicas, expert-DP replicas) are saved once
-(DCP deduplicates equal chunks). :mod:`course_lib.training.sharded_io` hands every piece to DCP at its
+(DCP deduplicates equal chunks). :mod:`course_lib.training.dcp_io` hands every piece to DCP at its
 offsets and reads each rank's new pieces from the saved chunks that overlap them. The optimizer's state
 -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
 takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm, rules
-from course_lib.megatron.logs import print_line
+from course_lib.training.logs import print_line
 from course_lib.model import master_name
 from course_lib.safe_files import write_atomic
 from course_lib.tensor_parallel import is_tensor_parallel
@@ -111,7 +111,7 @@ LAYER_AXIS_KEY = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
 _LINEAR_WEIGHT = re.compile(r"decoder\.layers\.(?:\d+\.)?(.+)\.weight")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(rules.UsageError):
     """A checkpoint that cannot be saved or loaded; the message is one line naming the file or the mismatch."""
 
 
@@ -389,7 +389,7 @@ def _rng_object(setup) -> tuple[str, int, bool]:
 def _save_dist(tmp: Path, sharded: dict, setup) -> None:
     """The pieces, the linears' ``_extra_state`` and the RNG ``ShardedObject`` (:func:`_rng_object`), each
     object as megatron-core's torch_dist strategy stores one: ``torch.save([data])`` in a ``BytesIO``."""
-    from course_lib.training.sharded_io import save_pieces
+    from course_lib.training.dcp_io import save_pieces
 
     state = _extra_states(sharded)
     key, index, per_rank = _rng_object(setup)
@@ -559,7 +559,7 @@ def _load_dist(ckpt: Path, wanted: dict, rng: tuple | None):
     :func:`_rng_object`, to read its generator states too (or None)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from course_lib.training.sharded_io import load_pieces, piece_problem
+    from course_lib.training.dcp_io import load_pieces, piece_problem
 
     md = _dist_metadata(ckpt)
     problem = next(filter(None, (piece_problem(md, key, shape) for _, key, shape, _ in wanted.values())), None)

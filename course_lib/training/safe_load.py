@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from course_lib.rules import UsageError
+
 __all__ = ["SAFE_GLOBALS", "UnsafeCheckpointError", "torch_load", "SafeFileSystemReader", "read_dcp_metadata",
            "megatron_core_globals"]
 
@@ -55,7 +57,7 @@ def megatron_core_globals() -> tuple:
 _UNSUPPORTED = re.compile(r"[Uu]nsupported (?:global: )?GLOBAL ([\w.]+)")
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UsageError):
     """A file whose pickle names a class or function outside the allow-list: not read."""
 
 

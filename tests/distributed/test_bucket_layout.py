@@ -1,7 +1,7 @@
 """The engine's bucket layout (course_lib.distributed.buffer) against megatron-core 0.16.1's own, computed live.
 
 megatron-core's ``_ParamAndGradBuffer`` (``megatron/core/distributed/param_and_grad_buffer.py``) is built on
-one forked gloo rank, through the CPU shim course_lib/megatron/mcore_cpu.py, for the same parameters, bucket
+one forked gloo rank, through the CPU shim course_lib/mcore/cpu.py, for the same parameters, bucket
 size and data-parallel size (its group stands in by its ``size()``: the layout reads nothing else of it),
 with and without ``use_distributed_optimizer``. Its ``bucket_indices`` and ``param_index_map`` (start, end,
 bucket of every parameter in the flat buffer) must equal the course's buckets laid end to end: no padding
@@ -50,7 +50,7 @@ def _megatron_core_layouts():
 
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
-    from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
+    from course_lib.mcore.cpu import megatron_core_on_cpu
 
     out = {}
     for model, named in _models().items():

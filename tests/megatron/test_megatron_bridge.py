@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from course_lib.megatron import (COLUMNS, NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, PRETRAIN_FLAGS, SEED_SWEEP,
-                                 MegatronRun, gpu_config, megatron_command, parse_log, preprocess_command,
+                                 MegatronRun, gpu_config, megatron_command, preprocess_command,
                                  pretrain_args, record_table, run_tiny_gpt_script, setup_commands, sweep_script,
                                  to_csv, to_markdown)
-from course_lib.megatron import cluster
+from course_lib.training.logs import parse_log
+from course_lib.launch import cluster
 from course_lib.megatron import command as command_mod
 from course_lib.megatron.command import SHARDING, MoESpec, cluster_launch, sharding_variants
 from course_lib.megatron.flags import CHECKPOINT_FLAGS, MCORE_FIELDS, MOE_FLAGS, SHARDING_FLAGS, TORCHRUN_FLAGS

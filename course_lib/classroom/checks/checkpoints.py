@@ -5,7 +5,7 @@ Exercise 1, :func:`check_sharded_state_dict`
     course's ``ParallelMLP`` (``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel): Megatron's
     ``sharded_state_dict`` in miniature. Proven on 4 real ranks by what they wrote and read:
     ``torch.distributed.checkpoint`` saves the pieces under TP2 x DP2 *at the offsets fn gives*
-    (:mod:`course_lib.training.sharded_io` writes any offsets, so a wrong one lands where it says), the ``.metadata``
+    (:mod:`course_lib.training.dcp_io` writes any offsets, so a wrong one lands where it says), the ``.metadata``
     is read back (each tensor's chunks and the file that holds each) and the files' values are
     compared with the master MLP's; then every rank rebuilds the MLP under TP4, asks fn for its new
     pieces and loads them: what each rank read (file and region, recorded by the storage reader) must be
@@ -46,8 +46,8 @@ from course_lib.classroom.checks.conclusions import cited_numbers, measured_numb
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
+from course_lib.training.dcp_io import RecordingReader, load_pieces, save_pieces, written_chunks
 from course_lib.training.safe_load import SafeFileSystemReader
-from course_lib.training.sharded_io import RecordingReader, load_pieces, save_pieces, written_chunks
 
 __all__ = ["check_sharded_state_dict", "check_read_plan", "check_review_answers", "print_course_answers",
            "MLP_SIZES", "RESHARDINGS", "REVIEW_QUESTIONS"]

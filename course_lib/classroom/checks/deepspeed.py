@@ -2,7 +2,7 @@
 
 The lab trains the course GPT with DeepSpeed on real ranks whose process group records every op
 (:func:`course_lib.classroom.checks.wire.launch_checked`); :func:`train_on_ranks` runs there and
-returns, per ds_config, what each rank held (:func:`course_lib.training.deepspeed_engine.held_bytes`)
+returns, per ds_config, what each rank held (:func:`course_lib.deepspeed.engine.held_bytes`)
 and what it put on the wire, each op placed in DeepSpeed's phase of the step (forward, backward,
 ``engine.step()``) by the time it was issued. The checkers judge the student by that record:
 
@@ -67,7 +67,7 @@ def wire_in_phases(stamped, phases: list) -> list[dict]:
 
 def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict:
     """On every rank of a checked world: for each ``name: ds_config path`` of ``configs``, the course GPT
-    (``model`` flags) trained by DeepSpeed (:func:`course_lib.training.deepspeed_engine.pretrain`) with the
+    (``model`` flags) trained by DeepSpeed (:func:`course_lib.deepspeed.engine.pretrain`) with the
     wire recorded; for each ``name: flags`` of ``ours``, the course's own engine (losses only). Returns
     ``{name: {"lm_loss", "state_bytes", "phases", "wire"}}`` (phases and wire on one clock, seconds)."""
     import io
@@ -77,7 +77,7 @@ def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict
 
     from course_lib.classroom.checks.wire import wire_recorder
     from course_lib.train import parse_args, pretrain, validate_args
-    from course_lib.training import deepspeed_engine
+    from course_lib.deepspeed import engine as deepspeed_engine
     from course_lib.training.arguments import gpt_config_from_args
 
     out = {}
@@ -284,7 +284,7 @@ def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120
     what each rank holds and what it sends."""
     from course_lib.classroom.checks.wire import launch_checked
     from course_lib.launch import LaunchError, RankError
-    from course_lib.training.deepspeed_engine import preload
+    from course_lib.deepspeed.engine import preload
 
     config = _returned_dict(fn, "fitting_config", "a ds_config dict", "fitting_config")
     if config is None:

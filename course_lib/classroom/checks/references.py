@@ -31,7 +31,7 @@ _LAYOUT = ("course_lib.rules:data_parallel_size", "course_lib.rules:num_microbat
 _ENGINE = ("course_lib.distributed.engine:ShardedDataParallel", "course_lib.distributed.engine:wrap",
            "course_lib.distributed.engine:OptimizerPiece", "course_lib.distributed.buffer:size_buckets")
 _ZERO_BYTES = ("course_lib.sizing.memory:model_state_bytes", "course_lib.sizing.memory:megatron_optimizer_bytes_per_param",
-               "course_lib.megatron.ds_config:state_bytes")
+               "course_lib.deepspeed.config:state_bytes")
 _SCHEDULES = ("course_lib.pipeline.schedules:schedule_1f1b", "course_lib.pipeline.schedules:build_schedule",
               "course_lib.pipeline.schedules:schedule_interleaved_1f1b", "course_lib.pipeline.schedules:PipelineSchedule")
 _BUBBLES = ("course_lib.pipeline.bubbles:bubble_fraction", "course_lib.pipeline.bubbles:bubble_share",
@@ -87,8 +87,8 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "predict_gpu_winner": ("course_lib.sizing.projection:project", "course_lib.sizing.projection:project_configs",
                            "course_lib.sizing.planner:plan"),
     "my_conclusions": (),
-    "parse_iteration_line": ("course_lib.megatron.logs:parse_log", "course_lib.megatron.logs:_parse_lines",
-                             "course_lib.megatron.logs:_fields"),
+    "parse_iteration_line": ("course_lib.training.logs:parse_log", "course_lib.training.logs:_parse_lines",
+                             "course_lib.training.logs:_fields"),
     # Lab 06
     "gpt_parameters": ("course_lib.sizing.flops:num_parameters", "course_lib.sizing.flops:parameter_breakdown",
                        "course_lib.sizing.flops:parameters_per_stage", "course_lib.sizing.flops:parameters_per_rank",
@@ -97,8 +97,8 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     # Lab 07
     "zero_bytes_per_rank": _ZERO_BYTES,
     "zero1_step": _ENGINE,
-    "what_it_shards": ("course_lib.megatron.ds_config:parse", "course_lib.megatron.ds_config:translate",
-                       "course_lib.megatron.ds_config:state_bytes", "course_lib.megatron.ds_config:report"),
+    "what_it_shards": ("course_lib.deepspeed.config:parse", "course_lib.deepspeed.config:translate",
+                       "course_lib.deepspeed.config:state_bytes", "course_lib.deepspeed.config:report"),
     "my_answers_07": (),
     # Lab 08
     "expert_groups_of": _GRID,
@@ -112,12 +112,12 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "mlp_sharded_state_dict": ("course_lib.training.checkpointing:sharded_state_dict",
                                "course_lib.training.checkpointing:global_spec",
                                "course_lib.training.checkpointing:expert_global_spec"),
-    "read_plan": ("course_lib.training.sharded_io:PieceLoadPlanner", "course_lib.training.sharded_io:load_pieces"),
+    "read_plan": ("course_lib.training.dcp_io:PieceLoadPlanner", "course_lib.training.dcp_io:load_pieces"),
     "my_answers_09": (),
     # Lab 10
-    "zero3_wire": ("course_lib.training.deepspeed_engine:held_bytes",),
+    "zero3_wire": ("course_lib.deepspeed.engine:held_bytes",),
     "reduce_buckets": ("course_lib.distributed.buffer:size_buckets",),
-    "fitting_config": ("course_lib.megatron.ds_config:translate", "course_lib.megatron.ds_memory:deepspeed_estimate"),
+    "fitting_config": ("course_lib.deepspeed.config:translate", "course_lib.deepspeed.memory:deepspeed_estimate"),
     "my_answers_10": (),
 }
 """exercise (the name of the function the student writes) -> ``"module:qualname"`` of the course code

@@ -3,7 +3,7 @@
 ``check_parse_line(fn)``: ``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}`` on one
 iteration line per Megatron log era (before core 0.6, 0.6-0.15, 0.16+; the format strings of
 ``megatron/training/training.py``'s ``training_log``), the course's own CPU log and a torchrun
-``--tee`` prefixed line, against :func:`course_lib.megatron.parse_log`. Numbers of any real type are
+``--tee`` prefixed line, against :func:`course_lib.training.logs.parse_log`. Numbers of any real type are
 accepted; a monkeypatch is undone, and an answer that runs the course's parser is told so. It prints one
 verdict line ("not attempted yet" while the stub raises NotImplementedError) and, when wrong, the most
 specific hint it can find; it never raises.
@@ -17,10 +17,10 @@ from course_lib.classroom.checks import checked_call, is_course_answer, not_atte
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr
-from course_lib.megatron import parse_log
+from course_lib.training.logs import parse_log
 
 # One iteration line per Megatron log era (format strings read in NVIDIA/Megatron-LM; see
-# course_lib.megatron.logs), plus the course's own and a torchrun --tee prefixed one.
+# course_lib.training.logs), plus the course's own and a torchrun --tee prefixed one.
 ITERATION_LINES = {
     "Megatron before core 0.6": " iteration       10/      50 | consumed samples:          640 | elapsed time per "
                                 "iteration (ms): 1450.3 | learning rate: 3.000E-04 | global batch size:    64 | "

@@ -9,6 +9,7 @@ replaces only its own files); while it runs, every student runs in a folder of `
 removed at the end.
 
 ======================  ==========================================================================
+:mod:`.inputs`          the command's labs and folders checked (one-line errors)
 :mod:`.submissions`     the students' folders and zips, and the notebook of each lab in them
 :mod:`.official`        the official lab (today's, or the release a stamp names), its units, the run
 :mod:`.sandbox`         the zygote and the fenced, limited kernel each run gets
@@ -79,7 +80,7 @@ def grade_class(submissions: Path, out: Path, labs=None, timeout: float = DEFAUL
                 memory_gib: float = DEFAULT_MEMORY_GIB, solutions: Path = Path("solutions"), log=print) -> list:
     """Grade every student of ``submissions`` on ``labs`` (two-digit numbers; default all), write the gradebook
     to ``out``, and return the :class:`~course_lib.classroom.grading.gradebook.LabGrade` list."""
-    from course_lib.classroom.grading import gradebook
+    from course_lib.classroom.grading import gradebook, inputs
     from course_lib.classroom.grading.grader import Outcome, grade_lab
     from course_lib.classroom.grading.official import current_lab, graded_cells, lab_for
     from course_lib.classroom.grading.sandbox import Sandbox
@@ -89,13 +90,13 @@ def grade_class(submissions: Path, out: Path, labs=None, timeout: float = DEFAUL
 
     submissions, out = Path(submissions), Path(out)
     if not submissions.is_dir():
-        raise ValueError(f"SUBMISSIONS={submissions} is not a folder; give the folder that holds one folder or "
-                         f".zip file per student")
-    rules.grading_folders(submissions, out)
+        raise rules.UsageError(f"SUBMISSIONS={submissions} is not a folder; give the folder that holds one folder or "
+                               f".zip file per student")
+    inputs.grading_folders(submissions, out)
     timeout = rules.timeout_seconds("--timeout", timeout)
     memory = int(rules.number("--memory", memory_gib, 0.25) * 2 ** 30)
     sources = {path.name[:2]: path for path in solution_notebooks(Path(solutions))}
-    chosen = sorted({rules.lab_number("--labs", n, sorted(sources)) for n in labs} if labs else sources)
+    chosen = sorted({inputs.lab_number("--labs", n, sorted(sources)) for n in labs} if labs else sources)
     students, skipped = find_students(submissions)
     names = gradebook.feedback_names([s.student for s in students])
     out = check_output_dir(out)

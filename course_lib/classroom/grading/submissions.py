@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from course_lib.safe_files import loads_json
+from course_lib.rules import UsageError
 
 NOTEBOOK_LIMIT = 32 << 20
 """The largest notebook read (a lab with its outputs is a few MB)."""
@@ -86,11 +87,11 @@ class Submission:
             with zipfile.ZipFile(self.path) as archive, archive.open(member) as f:
                 data = f.read(NOTEBOOK_LIMIT + 1)
         if len(data) > NOTEBOOK_LIMIT:
-            raise ValueError(f"{self.path.name}/{member}: larger than {NOTEBOOK_LIMIT >> 20} MiB")
+            raise UsageError(f"{self.path.name}/{member}: larger than {NOTEBOOK_LIMIT >> 20} MiB")
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{self.path.name}/{member}: not UTF-8 text (byte {exc.start})") from None
+            raise UsageError(f"{self.path.name}/{member}: not UTF-8 text (byte {exc.start})") from None
 
 
 def _plain_member(info: zipfile.ZipInfo) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import re
 from pathlib import Path
+from course_lib.rules import UsageError
 
 FIGURES_PREFIX = "../figures/"
 MIME = {".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".gif": "image/gif",
@@ -55,7 +56,7 @@ def figure_name(target: str) -> str | None:
         return None
     name = target[len(FIGURES_PREFIX):] if target.startswith(FIGURES_PREFIX) else None
     if name is None or not _NAME.fullmatch(name) or Path(name).suffix.lower() not in MIME:
-        raise ValueError(f"image {target!r}: a notebook's picture is a generated file of figures/, written "
+        raise UsageError(f"image {target!r}: a notebook's picture is a generated file of figures/, written "
                          f"{FIGURES_PREFIX}NAME with NAME one of its {'/'.join(sorted(MIME))} files "
                          f"(other relative paths do not resolve in labs/, my-labs/ or the website)")
     return name
@@ -65,7 +66,7 @@ def figure_refs(source: str) -> list[str]:
     """The ``figures/`` names a markdown source shows, in order (``ValueError`` for a misplaced image)."""
     for found in _HTML_IMG.finditer(source):
         if not _LEFT_ALONE.match(found.group("target")):
-            raise ValueError(f"<img src={found.group('target')!r}>: write a local picture as markdown, "
+            raise UsageError(f"<img src={found.group('target')!r}>: write a local picture as markdown, "
                              f"![caption]({FIGURES_PREFIX}NAME), so every reader can resolve it")
     names = [figure_name(found.group("target")) for found in _IMAGE.finditer(source)]
     return [name for name in names if name]
@@ -79,7 +80,7 @@ def notebook_figures(notebook: dict) -> list[str]:
             try:
                 names += figure_refs(_source(cell))
             except ValueError as exc:
-                raise ValueError(f"{_where(index, cell)}: {exc}") from None
+                raise UsageError(f"{_where(index, cell)}: {exc}") from None
     return list(dict.fromkeys(names))
 
 
@@ -96,11 +97,11 @@ def _rewrite(notebook: dict, figures_dir: Path, new_target) -> dict[str, bytes]:
         try:
             names = figure_refs(source)
         except ValueError as exc:
-            raise ValueError(f"{_where(index, cell)}: {exc}") from None
+            raise UsageError(f"{_where(index, cell)}: {exc}") from None
         for name in (n for n in names if n not in read):
             path = Path(figures_dir) / name
             if not path.is_file():
-                raise ValueError(f"{_where(index, cell)}: {FIGURES_PREFIX}{name}: no such figure in {figures_dir}; "
+                raise UsageError(f"{_where(index, cell)}: {FIGURES_PREFIX}{name}: no such figure in {figures_dir}; "
                                  f"draw it with `make figures` (python -m course_lib figures) or correct the name")
             read[name] = path.read_bytes()
 

@@ -35,6 +35,7 @@ from course_lib.classroom.notebooks.figures import FIGURES_PREFIX, embed_figures
 from course_lib.classroom.notebooks.stamp import content_hash, dumps, is_untouched, read_if_notebook, read_notebook, stamped
 from course_lib.safe_files import check_output_dir, write_atomic
 from course_lib.classroom.notebooks.workspace import DEFAULT_WORKSPACE, free_name
+from course_lib.rules import UsageError
 
 BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "### HINT:"
 EXERCISE_TAGS = ("exercise", "raises-exception")
@@ -51,18 +52,18 @@ def stub_source(source: str) -> tuple[str, int]:
         stripped = line.strip()
         if stripped.startswith(BEGIN):
             if block is not None:
-                raise ValueError(f"line {number}: {BEGIN} inside another solution block; close it with {END}")
+                raise UsageError(f"line {number}: {BEGIN} inside another solution block; close it with {END}")
             block, indent = [], line[: len(line) - len(line.lstrip())]
         elif stripped.startswith(END):
             if block is None:
-                raise ValueError(f"line {number}: {END} without a matching {BEGIN}")
+                raise UsageError(f"line {number}: {END} without a matching {BEGIN}")
             hints = [b.strip()[len(HINT):].strip() for b in block if b.strip().startswith(HINT)]
             message = " ".join(hints) or _DEFAULT_HINT
             out.append(f"{indent}# YOUR CODE HERE\n")
             out.append(f"{indent}raise NotImplementedError({message!r})\n")
             block, blocks = None, blocks + 1
         elif _MARKER_LIKE.search(line):
-            raise ValueError(f"line {number}: {stripped!r} looks like a solution marker but is not one, so the "
+            raise UsageError(f"line {number}: {stripped!r} looks like a solution marker but is not one, so the "
                              f"solution would leak into the lab; write {BEGIN} / {END} alone on their lines, "
                              f"in capitals")
         elif block is not None:
@@ -70,7 +71,7 @@ def stub_source(source: str) -> tuple[str, int]:
         else:
             out.append(line)
     if block is not None:
-        raise ValueError(f"{BEGIN} without a matching {END}")
+        raise UsageError(f"{BEGIN} without a matching {END}")
     return "".join(out), blocks
 
 
@@ -82,19 +83,19 @@ def _where(index: int, cell) -> str:
 def _checked_source(index: int, cell) -> str:
     """The cell's source as one string, after checking the cell has the shape of a notebook cell."""
     if not isinstance(cell, dict):
-        raise ValueError(f"cell {index} is a JSON {type(cell).__name__}, not an object with 'cell_type' and 'source'")
+        raise UsageError(f"cell {index} is a JSON {type(cell).__name__}, not an object with 'cell_type' and 'source'")
     if cell.get("cell_type") not in ("code", "markdown", "raw"):
-        raise ValueError(f"{_where(index, cell)}: 'cell_type' is {cell.get('cell_type')!r}, "
+        raise UsageError(f"{_where(index, cell)}: 'cell_type' is {cell.get('cell_type')!r}, "
                          f"expected 'code', 'markdown' or 'raw'")
     metadata = cell.get("metadata", {})
     if not isinstance(metadata, dict) or not isinstance(metadata.get("tags", []), list):
-        raise ValueError(f"{_where(index, cell)}: 'metadata' must be an object and its 'tags' a list")
+        raise UsageError(f"{_where(index, cell)}: 'metadata' must be an object and its 'tags' a list")
     source = cell.get("source")
     if isinstance(source, list) and all(isinstance(line, str) for line in source):
         return "".join(source)
     if isinstance(source, str):
         return source
-    raise ValueError(f"{_where(index, cell)}: 'source' is {type(source).__name__} {source!r:.40}, "
+    raise UsageError(f"{_where(index, cell)}: 'source' is {type(source).__name__} {source!r:.40}, "
                      f"expected a string or a list of strings")
 
 
@@ -102,7 +103,7 @@ def _refuse_markers_in_text_cell(index: int, cell: dict, source: str) -> None:
     """Markdown and raw cells are copied to the lab as they are: a marker there would leak the solution."""
     for number, line in enumerate(source.splitlines(), 1):
         if _MARKER_LIKE.search(line):
-            raise ValueError(f"{_where(index, cell)}: line {number}: {line.strip()!r} is a solution marker in a "
+            raise UsageError(f"{_where(index, cell)}: line {number}: {line.strip()!r} is a solution marker in a "
                              f"{cell['cell_type']} cell, which would leak into the lab; "
                              f"markers work only in code cells")
 
@@ -114,9 +115,9 @@ def make_lab(solution: dict) -> dict:
     a solution marker that would leak.
     """
     if not isinstance(solution.get("cells"), list):
-        raise ValueError("no 'cells' list: a Jupyter notebook is a JSON object with a 'cells' list")
+        raise UsageError("no 'cells' list: a Jupyter notebook is a JSON object with a 'cells' list")
     if not isinstance(solution.get("metadata", {}), dict):
-        raise ValueError("the notebook's 'metadata' must be a JSON object")
+        raise UsageError("the notebook's 'metadata' must be a JSON object")
     lab = copy.deepcopy(solution)
     # Saved widget state describes the solution run's outputs, which a lab does not have
     # (tens of kB of stale state in Labs 01, 03 and 06).
@@ -129,7 +130,7 @@ def make_lab(solution: dict) -> dict:
         try:
             new_source, blocks = stub_source(source)
         except ValueError as exc:
-            raise ValueError(f"{_where(index, cell)}: {exc}") from None
+            raise UsageError(f"{_where(index, cell)}: {exc}") from None
         cell["source"] = new_source
         cell["outputs"] = []
         cell["execution_count"] = None
@@ -160,17 +161,17 @@ def lab_text(solution_path: Path) -> str:
         return dumps(stamped(lab_notebook(solution_path)))
     except ValueError as exc:
         message = str(exc)
-        raise ValueError(message if message.startswith(str(solution_path)) else f"{solution_path}: {message}") from None
+        raise UsageError(message if message.startswith(str(solution_path)) else f"{solution_path}: {message}") from None
 
 
 def solution_notebooks(solutions_dir: Path) -> list[Path]:
     """The ``NN_*.ipynb`` notebooks of ``solutions_dir``; a one-line error when there are none."""
     if not solutions_dir.is_dir():
-        raise ValueError(f"--solutions {solutions_dir}: no such folder; give the folder of the solution "
+        raise UsageError(f"--solutions {solutions_dir}: no such folder; give the folder of the solution "
                          f"notebooks (default: solutions); nothing was changed")
     found = sorted(solutions_dir.glob(SOLUTION_GLOB))
     if not found:
-        raise ValueError(f"--solutions {solutions_dir}: no {SOLUTION_GLOB} notebooks in it; nothing was changed")
+        raise UsageError(f"--solutions {solutions_dir}: no {SOLUTION_GLOB} notebooks in it; nothing was changed")
     return found
 
 
@@ -204,7 +205,7 @@ def _state(path: Path, text: str) -> str:
 def survey(solutions_dir: Path, labs_dir: Path) -> tuple[list[LabStatus], list[Path]]:
     """Every lab's status, and the notebooks in ``labs_dir`` that no solution generates."""
     if labs_dir.resolve() == solutions_dir.resolve():
-        raise ValueError(f"--labs {labs_dir} is the --solutions folder; the labs go to a folder of their own")
+        raise UsageError(f"--labs {labs_dir} is the --solutions folder; the labs go to a folder of their own")
     statuses = []
     for source in solution_notebooks(solutions_dir):
         path, text = labs_dir / source.name, lab_text(source)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from course_lib.safe_files import read_json
+from course_lib.rules import UsageError
 
 STAMP_KEY = "course_lib"
 HASH_FIELD = "generated_sha256"
@@ -40,7 +41,7 @@ def read_notebook(path: Path) -> dict:
     (read by :func:`course_lib.safe_files.read_json`: bounded, no NaN, no duplicate keys)."""
     notebook = read_json(path)
     if not isinstance(notebook, dict):
-        raise ValueError(f"{path}: a notebook is a JSON object with a 'cells' list, "
+        raise UsageError(f"{path}: a notebook is a JSON object with a 'cells' list, "
                          f"not a JSON {type(notebook).__name__}")
     return notebook
 

@@ -29,6 +29,7 @@ from typing import Iterator, Optional
 
 from course_lib.classroom.notebooks.stamp import is_untouched, read_if_notebook, version
 from course_lib.safe_files import check_output_dir, write_atomic
+from course_lib.rules import UsageError
 
 DEFAULT_WORKSPACE = "my-labs"
 LAB_GLOB = "[0-9][0-9]_*.ipynb"
@@ -72,7 +73,7 @@ def release_labs(labs_dir: Path) -> list[Path]:
     """The released labs (``labs/NN_*.ipynb``); a one-line error when there are none."""
     found = sorted(labs_dir.glob(LAB_GLOB)) if labs_dir.is_dir() else []
     if not found:
-        raise ValueError(f"--labs {labs_dir}: no {LAB_GLOB} notebooks there; run this from the course folder "
+        raise UsageError(f"--labs {labs_dir}: no {LAB_GLOB} notebooks there; run this from the course folder "
                          f"(or give --labs)")
     return found
 
@@ -121,13 +122,13 @@ def find_lab(labs_dir: Path, which: str) -> Path:
     """The released lab named by ``which``: its number (``03`` or ``3``), its stem or its file name."""
     releases = release_labs(labs_dir)
     if not which.strip():
-        raise ValueError("--fresh '': name a lab, by number (--fresh 03) or name; the labs are "
+        raise UsageError("--fresh '': name a lab, by number (--fresh 03) or name; the labs are "
                          f"{', '.join(p.stem for p in releases)}")
     key = f"{int(which):02d}" if which.isascii() and which.isdigit() else which
     for path in releases:
         if key in (path.name, path.stem) or path.name.startswith(f"{key}_"):
             return path
-    raise ValueError(f"--fresh {which}: no such lab in {labs_dir}/; the labs are "
+    raise UsageError(f"--fresh {which}: no such lab in {labs_dir}/; the labs are "
                      f"{', '.join(p.stem for p in releases)}")
 
 
@@ -154,7 +155,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     if args.dir.resolve() == args.labs.resolve():
-        raise ValueError(f"--dir {args.dir} is the labs folder; your workspace must be a folder of its own "
+        raise UsageError(f"--dir {args.dir} is the labs folder; your workspace must be a folder of its own "
                          f"(default: {DEFAULT_WORKSPACE})")
     if args.fresh is not None:
         print(fresh_copy(args.labs, args.dir, args.fresh))

@@ -25,6 +25,7 @@ from course_lib.classroom.notebooks.figures import link_figures
 from course_lib.classroom.notebooks.stamp import read_notebook
 from course_lib.classroom.site import pictures, readme
 from course_lib.classroom.site.reader import leaked_lines, reader_notebook, solution_lines
+from course_lib.rules import UsageError
 
 HERE = Path(__file__).parent
 PAGE_TEMPLATE = HERE / "page.html.j2"
@@ -188,7 +189,7 @@ def find_labs(solutions_dir: Path, only: list[str] | None = None) -> list[tuple[
         notebook = read_notebook(path)
         found.append((Lab(path, notebook_title(notebook, path.stem)), notebook))
     if only and not found:
-        raise ValueError(f"--labs {' '.join(only)}: no such lab in {solutions_dir}")
+        raise UsageError(f"--labs {' '.join(only)}: no such lab in {solutions_dir}")
     return found
 
 
@@ -199,17 +200,17 @@ def lab_page_files(lab: Lab, solution: dict, figures_dir: Path, renderer: Render
         notebook = reader_notebook(solution)
         secret = solution_lines(solution)
     except ValueError as exc:
-        raise ValueError(f"{lab.source}: {exc}") from None
+        raise UsageError(f"{lab.source}: {exc}") from None
     files = pictures.replace_widget_outputs(notebook, lab.stem)  # first: picture names use the notebook's cell numbers
     try:
         shown = link_figures(notebook, figures_dir, pictures.FIGURE_FOLDER)  # the theory's own ../figures/NAME
     except ValueError as exc:
-        raise ValueError(f"{lab.source}: {exc}") from None
+        raise UsageError(f"{lab.source}: {exc}") from None
     files.update(shown)
     page = renderer.page(notebook, lab.title, previous=previous, following=following, notice=lab_notice(lab))
     leaked = leaked_lines(html_text(page), secret)
     if leaked:
-        raise ValueError(f"{lab.page} would show solution code from {lab.source} ({leaked[0]!r}); nothing was written")
+        raise UsageError(f"{lab.page} would show solution code from {lab.source} ({leaked[0]!r}); nothing was written")
     files[lab.page] = page.encode("utf-8")
     return files
 
@@ -220,9 +221,9 @@ def build_site(solutions_dir: Path, figures_dir: Path, readme_path: Path,
     try:
         readme_text = Path(readme_path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--readme {readme_path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+        raise UsageError(f"--readme {readme_path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     if not Path(figures_dir).is_dir():
-        raise ValueError(f"--figures {figures_dir}: no such folder (the committed figures/; 'make figures' redraws it)")
+        raise UsageError(f"--figures {figures_dir}: no such folder (the committed figures/; 'make figures' redraws it)")
     labs = find_labs(Path(solutions_dir), only)
     renderer = Renderer(readme.title(readme_text, str(readme_path)))
     files = {f"{ASSETS}/jupyterlab.css": renderer.jupyterlab_css(),

@@ -16,6 +16,7 @@ import html
 import inspect
 import io
 from dataclasses import dataclass, field
+from course_lib.rules import UsageError
 
 FIGURE_FOLDER = "assets/figures"
 WIDGET_FOLDER = "assets/widgets"
@@ -66,7 +67,7 @@ def _rank_map_view(stem: str, args, kwargs) -> WidgetView:
     call.apply_defaults()
     out = render(**call.arguments)
     if out["error"]:
-        raise ValueError(f"the RankMapWidget call shows an error on start: {out['error']}")
+        raise UsageError(f"the RankMapWidget call shows an error on start: {out['error']}")
     name = f"{WIDGET_FOLDER}/{stem}-rank-map.svg"
     caption = f"Rank map widget on start: {out['grid']!r}"
     return WidgetView({name: out["svg"].encode("utf-8")},
@@ -77,7 +78,7 @@ def _pipeline_view(stem: str, args, kwargs) -> WidgetView:
     from course_lib.classroom.widgets.pipeline import explore
 
     if args or kwargs:
-        raise ValueError("pipeline_widget() takes no arguments; its view starts at explore()'s defaults")
+        raise UsageError("pipeline_widget() takes no arguments; its view starts at explore()'s defaults")
     fig, text = explore()  # pipeline_widget's sliders start at explore()'s defaults
     name = f"{WIDGET_FOLDER}/{stem}-pipeline.png"
     defaults = ", ".join(f"{k}={p.default!r}" for k, p in inspect.signature(explore).parameters.items())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from course_lib.rules import UsageError
 
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _SEPARATOR_CELL = re.compile(r"^:?-{3,}:?$")
@@ -29,7 +30,7 @@ class Table:
         """The index of the column named ``name``; a one-line ``ValueError`` naming ``where`` otherwise."""
         lowered = [cell.lower() for cell in self.header]
         if name not in lowered:
-            raise ValueError(f"{where}: the table has no '{name}' column (columns: {', '.join(self.header)})")
+            raise UsageError(f"{where}: the table has no '{name}' column (columns: {', '.join(self.header)})")
         return lowered.index(name)
 
     def markdown(self) -> str:
@@ -80,7 +81,7 @@ def section_table(readme: str, heading: str, where: str = "README.md") -> Table:
             start, level, found = number + 1, len(match.group(1)), match.group(2)
             break
     if start is None:
-        raise ValueError(f"{where}: no heading '{heading}'; the site's index reads its table from there")
+        raise UsageError(f"{where}: no heading '{heading}'; the site's index reads its table from there")
     for number in range(start, len(lines) - 1):
         match = _HEADING.match(lines[number])
         if match and len(match.group(1)) <= level:
@@ -92,7 +93,7 @@ def section_table(readme: str, heading: str, where: str = "README.md") -> Table:
                     break
                 rows.append(split_row(line))
             return Table(header, rows, found)
-    raise ValueError(f"{where}: no table under the heading '{heading}'")
+    raise UsageError(f"{where}: no table under the heading '{heading}'")
 
 
 def title(readme: str, where: str = "README.md") -> str:
@@ -101,7 +102,7 @@ def title(readme: str, where: str = "README.md") -> str:
         match = _HEADING.match(line)
         if match and len(match.group(1)) == 1:
             return match.group(2)
-    raise ValueError(f"{where}: no '# title' line")
+    raise UsageError(f"{where}: no '# title' line")
 
 
 def notebook_stem(cell: str) -> str | None:

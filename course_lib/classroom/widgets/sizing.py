@@ -16,6 +16,7 @@ without ipywidgets (e.g. in tests and static notebook cells).
 from __future__ import annotations
 
 from course_lib.sizing.planner import GB, PRESETS, Plan, plan, summary
+from course_lib.rules import UsageError
 
 PARTS = ("weights", "grads", "optimizer", "activations")
 COLORS = {"weights": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "activations": "#C44E52"}
@@ -76,7 +77,7 @@ def explorer(preset: str = "GPT-3 175B"):
     from IPython.display import display
 
     if preset not in PRESETS:
-        raise ValueError(f"preset={preset!r} is not one of: {', '.join(PRESETS)}")
+        raise UsageError(f"preset={preset!r} is not one of: {', '.join(PRESETS)}")
     ints = {k: w.BoundedIntText(description=k, min=1, max=100000, layout=w.Layout(width="170px"))
             for k in ("tp", "pp", "dp", "cp", "vp", "micro_batch_size", "global_batch_size")}
     ints["micro_batch_size"].description = "micro batch"

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from course_lib import sizing
 from course_lib.classroom.checks import (conclusions, distributed_optimizer, gpu_projection, pipeline_bubbles,
                                          rank_grid, training_logs)
-from course_lib.megatron import SEED_SWEEP, parse_log
+from course_lib.megatron import SEED_SWEEP
+from course_lib.training.logs import parse_log
 from course_lib.topology import ParallelConfig
 
 
@@ -249,7 +250,7 @@ def test_check_parse_line(fn, ok, text, capsys):
 
 def test_checker_lines_are_the_fixtures_formats():
     """Each sample line is read by the course parser exactly as the fixture logs of its era."""
-    from course_lib.megatron import parse_log
+    from course_lib.training.logs import parse_log
 
     eras = {name: parse_log(line).era for name, line in training_logs.ITERATION_LINES.items()}
     assert eras == {"Megatron before core 0.6": "pre-0.6", "Megatron core 0.6-0.15": "0.6-0.15",

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from course_lib.megatron import ds_schema
+from course_lib.deepspeed import schema as ds_schema
 
 pytestmark = pytest.mark.skipif(not ds_schema.deepspeed_installed(), reason="DeepSpeed 0.19.8 is not installed")
 
@@ -43,7 +43,7 @@ def model(lab):
 @pytest.fixture(scope="module")
 def runs(lab):
     from course_lib.classroom.checks.wire import launch_checked
-    from course_lib.training.deepspeed_engine import preload
+    from course_lib.deepspeed.engine import preload
 
     small = copy.deepcopy(SEED4)
     small["zero_optimization"].update(reduce_bucket_size=3000, stage3_prefetch_bucket_size=2000,

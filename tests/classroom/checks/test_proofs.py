@@ -115,7 +115,7 @@ def _wrapped_cases():
                                              sizing, training_logs, zero_stages)
     from course_lib.context_parallel import zigzag
     from course_lib.context_parallel.ring import merge_partials
-    from course_lib.megatron import parse_log
+    from course_lib.training.logs import parse_log
     from course_lib.pipeline.bubbles import bubble_fraction
     from course_lib.pipeline.schedules import num_warmup_microbatches, schedule_1f1b
     from course_lib.sizing import megatron_optimizer_bytes_per_param, model_state_bytes, moe

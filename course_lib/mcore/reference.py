@@ -3,12 +3,12 @@
 megatron-core 0.16.1's ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
 ``get_megatron_optimizer`` (plain or distributed), ``OptimizerParamScheduler`` and
 ``get_forward_backward_func`` (1F1B over gloo send/recv when PP > 1) run as they are, inside the CPU
-shim :func:`course_lib.megatron.mcore_cpu.megatron_core_on_cpu`. They start from the course's master
+shim :func:`course_lib.mcore.cpu.megatron_core_on_cpu`. They start from the course's master
 weights (:class:`course_lib.model.GPTModel`, loaded by name: TP shards cut along each parameter's
 ``partition_dim``, pipeline stages by their layers' ``layer_number``, the last stage's output layer from
 the tied word embedding) and read the course's batches (:mod:`course_lib.data`), so their losses and
 gradient norms can be set beside :func:`course_lib.train.pretrain`'s on the same layout: Lab 05 does,
-``tests/megatron/test_megatron_core_live.py`` asserts them equal within 1e-6 (and much more). The same for
+``tests/mcore/test_megatron_core_live.py`` asserts them equal within 1e-6 (and much more). The same for
 an MoE GPT (:data:`MOE`: megatron-core's local MoE spec, ``MoELayer`` with ``SequentialMLP`` experts and
 the alltoall dispatcher) under expert parallelism (:data:`MOE_LAYOUTS`).
 
@@ -270,7 +270,7 @@ def side_by_side(layouts=LAYOUTS, moe_layouts=MOE_LAYOUTS, run: ReferenceRun = R
     (:func:`course_lib.train.pretrain`) on each layout of ``layouts`` (the dense GPT) and of ``moe_layouts``
     (the MoE GPT of :data:`MOE`). Returns ``{name: {"megatron-core": {"lm_loss", "grad_norm"}, "course":
     {...}}}`` (the losses on the last pipeline stage only)."""
-    from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
+    from course_lib.mcore.cpu import megatron_core_on_cpu
     from course_lib.train import parse_args, pretrain
 
     runs = [(name, tp, pp, sp, distopt, 0, "alltoall") for name, tp, pp, sp, distopt in layouts]

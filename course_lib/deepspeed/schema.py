@@ -3,14 +3,14 @@
 :func:`check` accepts exactly the files ``deepspeed.runtime.config.DeepSpeedConfig`` accepts for
 the parts the bridge translates, and returns the values DeepSpeed reads from them (defaults filled
 in, ``"3"`` read as ``3``, ``5e8`` as ``500000000``); what DeepSpeed refuses is a one-line
-``ValueError`` naming the key. ``tests/megatron/test_ds_schema.py`` runs DeepSpeed's own parser on
+``ValueError`` naming the key. ``tests/deepspeed/test_ds_schema.py`` runs DeepSpeed's own parser on
 a generated set of configs and compares the verdicts, and checks every table below against the
 pydantic models it mirrors. Read in the 0.19.8 sources:
 
 * the top level (``deepspeed/runtime/config.py``) is a plain dict reader: a key DeepSpeed does not
   read is **ignored**, silently (a typo such as ``"zero_optimisation"`` runs ZeRO-0); blocks 0.19
   removed are refused (``_REMOVED_TOP_LEVEL_CONFIG_KEYS``: ``elasticity``, ``amp``,
-  ``sparse_gradients``, ...); the batch rule is :func:`course_lib.rules.deepspeed_batch`;
+  ``sparse_gradients``, ...); the batch rule is :func:`deepspeed_batch`;
 * each section is a pydantic model (``DeepSpeedConfigModel``: unknown keys refused, pydantic's lax
   coercion -- ``"yes"`` and ``1`` are true, ``"3"`` and ``3.0`` are 3 -- and a value ``"auto"``
   dropped, so DeepSpeed's default applies): ``zero_optimization`` (``runtime/zero/config.py``,
@@ -296,8 +296,8 @@ def _show(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _refuse(path: str, value, what: str, fix: str = "fix the value") -> ValueError:
-    return ValueError(f"{path}={_show(value)} is not {what} for DeepSpeed {VERSION}; {fix}")
+def _refuse(path: str, value, what: str, fix: str = "fix the value") -> rules.UsageError:
+    return rules.UsageError(f"{path}={_show(value)} is not {what} for DeepSpeed {VERSION}; {fix}")
 
 
 # ------------------------------------------------------------------------------------ the sections
@@ -327,11 +327,11 @@ class _Reader:
                 hint = (f"it is a key of the other offload block, {other}" if key in SECTIONS.get(other, ()) else
                         f"did you mean {path}.{near[0]}?" if near else
                         f"{section}'s keys are {', '.join(sorted(table))}")
-                raise ValueError(f"{path}.{key} is not a key of DeepSpeed {VERSION}'s {section} block (pydantic "
-                                 f"refuses unknown keys); {hint}")
+                raise rules.UsageError(f"{path}.{key} is not a key of DeepSpeed {VERSION}'s {section} block (pydantic "
+                                       f"refuses unknown keys); {hint}")
             if known in given:
-                raise ValueError(f"{path} has both {known} and its field name {table[known].name}: DeepSpeed "
-                                 f"refuses the pair; keep one")
+                raise rules.UsageError(f"{path} has both {known} and its field name {table[known].name}: DeepSpeed "
+                                       f"refuses the pair; keep one")
             if value == AUTO:
                 default = out.get(known)
                 self.notes.append((f"{path}.{known}", '"auto" is dropped by DeepSpeed, so its default'
@@ -376,8 +376,8 @@ def _deprecated(out: dict, given: set, path: str) -> None:
         if new is None:
             continue
         if new in given:
-            raise ValueError(f"{path}.{old} is deprecated and {path}.{new} is given too: DeepSpeed {VERSION} "
-                             f"refuses both together; keep {new}")
+            raise rules.UsageError(f"{path}.{old} is deprecated and {path}.{new} is given too: DeepSpeed {VERSION} "
+                                   f"refuses both together; keep {new}")
         if new.startswith("offload_"):
             device = {"device": "cpu"} if value else None
             out[new] = None if device is None else dict(DEFAULTS[new], **device)
@@ -399,18 +399,18 @@ def _zero(config: dict, reader: _Reader) -> dict:
         if isinstance(block, dict):
             for key, why in REMOVED_ZERO.items():
                 if key in block:
-                    raise ValueError(f"zero_optimization.{key} is refused by DeepSpeed {VERSION}: {why} "
-                                     f"({ISSUE}); drop it")
+                    raise rules.UsageError(f"zero_optimization.{key} is refused by DeepSpeed {VERSION}: {why} "
+                                           f"({ISSUE}); drop it")
         zero = reader.model(block, "zero_optimization", "zero_optimization")
     if zero["overlap_comm"] is None:                     # overlap_comm_valid: on by default at stage 3 only
         zero["overlap_comm"] = zero["stage"] == 3
     if not zero["compute_grad_norm"] and zero["stage"] not in (1, 2):
-        raise ValueError(f"zero_optimization.compute_grad_norm=false with stage {zero['stage']}: DeepSpeed allows "
-                         f"it at stages 1 and 2 only; drop it")
+        raise rules.UsageError(f"zero_optimization.compute_grad_norm=false with stage {zero['stage']}: DeepSpeed allows "
+                               f"it at stages 1 and 2 only; drop it")
     ratio = (zero["offload_optimizer"] or {}).get("ratio", 1.0)
     if ratio < 1.0 and zero["stage"] != 3:
-        raise ValueError(f"zero_optimization.offload_optimizer.ratio={ratio:g} with stage {zero['stage']}: partial "
-                         f"offload is ZeRO-3 only in DeepSpeed; set stage 3 or drop ratio")
+        raise rules.UsageError(f"zero_optimization.offload_optimizer.ratio={ratio:g} with stage {zero['stage']}: partial "
+                               f"offload is ZeRO-3 only in DeepSpeed; set stage 3 or drop ratio")
     return zero
 
 
@@ -422,18 +422,18 @@ def _precision(config: dict, zero: dict, reader: _Reader) -> tuple[dict, dict]:
     if fp16["enabled"] and fp16["loss_scale"] == 0:
         for key in ("loss_scale_window", "min_loss_scale"):
             if fp16[key] <= 0:
-                raise ValueError(f"fp16.{key}={fp16[key]} must be > 0 with dynamic loss scaling (loss_scale 0) "
-                                 f"in DeepSpeed; set it >= 1")
+                raise rules.UsageError(f"fp16.{key}={fp16[key]} must be > 0 with dynamic loss scaling (loss_scale 0) "
+                                       f"in DeepSpeed; set it >= 1")
     if fp16["enabled"] and bf16["enabled"]:
-        raise ValueError("fp16.enabled and bf16.enabled are both true: DeepSpeed (and Megatron's --bf16 / --fp16) "
-                         "takes one of them; disable one")
+        raise rules.UsageError("fp16.enabled and bf16.enabled are both true: DeepSpeed (and Megatron's --bf16 / --fp16) "
+                               "takes one of them; disable one")
     needs_zero = [f"fp16.{k}" for k in ("fp16_master_weights_and_grads",) if fp16[k]] + [
         f"{bf16_key}.{k}" for k in ("bf16_master_weights_and_grads", "bf16_optimizer_states") if bf16[k]]
     if needs_zero and zero["stage"] == 0:
-        raise ValueError(f"{needs_zero[0]}=true needs ZeRO stage 1, 2 or 3 in DeepSpeed; set zero_optimization.stage")
+        raise rules.UsageError(f"{needs_zero[0]}=true needs ZeRO stage 1, 2 or 3 in DeepSpeed; set zero_optimization.stage")
     if bf16["bf16_optimizer_states"] and not bf16["bf16_master_weights_and_grads"]:
-        raise ValueError(f"{bf16_key}.bf16_optimizer_states=true needs bf16_master_weights_and_grads=true in "
-                         f"DeepSpeed; set it or drop bf16_optimizer_states")
+        raise rules.UsageError(f"{bf16_key}.bf16_optimizer_states=true needs bf16_master_weights_and_grads=true in "
+                               f"DeepSpeed; set it or drop bf16_optimizer_states")
     return fp16, bf16
 
 
@@ -506,6 +506,53 @@ def implied_dp(config: dict) -> int | None:
     return int(dp) if isinstance(dp, float) and dp >= 1 and dp == int(dp) else None
 
 
+def deepspeed_batch(train_batch_size, micro_batch_size, gradient_accumulation_steps, world_size: int) -> tuple:
+    """DeepSpeed 0.19.8's batch rule for ``world_size`` data-parallel ranks, as its config parser applies it
+    (``deepspeed/runtime/config.py``: ``_set_batch_related_parameters``, ``_batch_assertion``,
+    ``_do_error_check``), on the file's values as read (``None`` for a key the file does not have).
+
+    The missing values are derived with Python's ``//`` exactly as DeepSpeed does (only
+    ``train_batch_size``: one accumulation step, ``micro = train_batch_size // DP``), then
+    ``train_batch_size = micro x accumulation x DP`` with all three ``> 0`` is required. Returns
+    ``(train_batch_size, micro, accumulation)``; what DeepSpeed refuses (an assertion, or a
+    ``TypeError`` / ``ZeroDivisionError`` from a value it cannot compute with: ``"auto"``, ``"8"``,
+    ``0`` accumulation steps) is a one-line ``ValueError``."""
+    tbs, micro, ga = train_batch_size, micro_batch_size, gradient_accumulation_steps
+    given = ", ".join(f"{k}={v!r}" for k, v in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
+                                                ("gradient_accumulation_steps", ga)) if v is not None)
+    rule = (f"; DeepSpeed needs train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps "
+            f"x DP ({world_size}), all three > 0")
+    try:
+        if tbs is not None and micro is not None and ga is not None:
+            pass
+        elif tbs is not None and micro is not None:
+            ga = tbs // micro // world_size
+        elif tbs is not None and ga is not None:
+            micro = tbs // world_size // ga
+        elif micro is not None and ga is not None:
+            tbs = micro * ga * world_size
+        elif tbs is not None:
+            ga, micro = 1, tbs // world_size
+        elif micro is not None:
+            tbs, ga = micro * world_size, 1
+        else:
+            raise rules.UsageError(f"{given or 'no batch size'} on {world_size} rank(s): DeepSpeed needs "
+                                   f"train_batch_size or train_micro_batch_size_per_gpu; add one")
+        for name, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", micro),
+                            ("gradient_accumulation_steps", ga)):
+            if not value > 0:
+                raise rules.UsageError(f"{name}={value!r} (from {given}) on {world_size} rank(s) is not > 0" + rule)
+        if tbs != micro * ga * world_size:
+            raise rules.UsageError(f"train_batch_size={tbs!r} != {micro!r} x {ga!r} x {world_size} (from {given})" + rule)
+    except ZeroDivisionError:
+        raise rules.UsageError(f"{given} on {world_size} rank(s): DeepSpeed divides by zero deriving the missing batch "
+                               f"size (ZeroDivisionError){rule}") from None
+    except TypeError as err:
+        raise rules.UsageError(f"{given} on {world_size} rank(s): DeepSpeed cannot compute with these "
+                               f"(TypeError: {err}){rule}; put whole numbers in the file") from None
+    return tbs, micro, ga
+
+
 def check(config, dp: int | None = None, *, require_batch: bool = True) -> Checked:
     """DeepSpeed's verdict on ``config`` (a dict read from a ds_config.json) for ``dp`` data-parallel
     ranks -- the DP the file implies when ``dp`` is None (see :func:`implied_dp`; 1 when it implies
@@ -513,10 +560,10 @@ def check(config, dp: int | None = None, *, require_batch: bool = True) -> Check
     what DeepSpeed 0.19.8 refuses. ``require_batch=False``: a config without any batch key passes
     (the trainer's flags give the batch) instead of DeepSpeed's "needs train_batch_size"."""
     if not isinstance(config, dict):
-        raise ValueError(f"a ds_config is a JSON object {{...}}, not a {type(config).__name__}; write one")
+        raise rules.UsageError(f"a ds_config is a JSON object {{...}}, not a {type(config).__name__}; write one")
     for key, why in REMOVED.items():
         if key in config:
-            raise ValueError(f"{key} is refused by DeepSpeed {VERSION}: {why} ({ISSUE}); drop the {key} block")
+            raise rules.UsageError(f"{key} is refused by DeepSpeed {VERSION}: {why} ({ISSUE}); drop the {key} block")
     reader = _Reader()
     zero = _zero(config, reader)
     fp16, bf16 = _precision(config, zero, reader)
@@ -527,10 +574,10 @@ def check(config, dp: int | None = None, *, require_batch: bool = True) -> Check
         values = [config.get(k) for k in BATCH_KEYS]
         if AUTO in values:
             key = BATCH_KEYS[values.index(AUTO)]
-            raise ValueError(f'{key}="auto" is the Hugging Face Trainer\'s placeholder, which it replaces before '
-                             f"DeepSpeed reads the file; DeepSpeed {VERSION} itself refuses it: put the number in "
-                             f"the file")
-        batch = rules.deepspeed_batch(*values, world)
+            raise rules.UsageError(f'{key}="auto" is the Hugging Face Trainer\'s placeholder, which it replaces before '
+                                   f"DeepSpeed reads the file; DeepSpeed {VERSION} itself refuses it: put the number in "
+                                   f"the file")
+        batch = deepspeed_batch(*values, world)
     read_too = {"allgather_size"} if isinstance(config.get("zero_optimization"), bool) else set()
     for key in config:
         if key not in DEEPSPEED_KEYS | read_too:
@@ -548,8 +595,8 @@ def read(path, what: str = "ds_config") -> dict:
 
     config = read_json(path, what)
     if not isinstance(config, dict):
-        raise ValueError(f"{what} {path}: a {type(config).__name__}, not a JSON object {{...}}; "
-                         f"a ds_config is an object")
+        raise rules.UsageError(f"{what} {path}: a {type(config).__name__}, not a JSON object {{...}}; "
+                               f"a ds_config is an object")
     return config
 
 

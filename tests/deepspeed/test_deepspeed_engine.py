@@ -1,9 +1,9 @@
 """DeepSpeed itself (0.19.8, ``DS_ACCELERATOR=cpu``, gloo) trains the course GPT from a ds_config.json.
 
 One fork launch of 2 ranks runs, for each config below, ``deepspeed.initialize`` through
-:func:`course_lib.training.deepspeed_engine.pretrain` *and* the course's trainer
+:func:`course_lib.deepspeed.engine.pretrain` *and* the course's trainer
 (:func:`course_lib.train.pretrain`) under the flags the ds_config bridge translates the same file
-into (:func:`course_lib.megatron.ds_config.translate` / ``course_flags``); the reference is one
+into (:func:`course_lib.deepspeed.config.translate` / ``course_flags``); the reference is one
 process (:func:`course_lib.train.train_single_process`) with those flags. Same seed, same data:
 
 * fp32 (ZeRO 0-3, buckets, prefetch, persistence threshold, max live params, overlap_comm,
@@ -16,7 +16,7 @@ process (:func:`course_lib.train.train_single_process`) with those flags. Same s
   state over d), with what the offload moved on the host.
 
 One real ``python -m course_lib train --nproc-per-node 2 --deepspeed-config`` (torchrun) prints
-Megatron's lines, which ``course_lib.megatron.parse_log`` and the report's record table read.
+Megatron's lines, which ``course_lib.training.logs.parse_log`` and the report's record table read.
 """
 
 import argparse
@@ -28,10 +28,11 @@ from contextlib import redirect_stdout
 import pytest
 
 from course_lib.launch import launch
-from course_lib.megatron import ds_config, parse_log
+from course_lib.deepspeed import config as ds_config
+from course_lib.training.logs import parse_log
 from course_lib.megatron.report import record_row
 from course_lib.train import add_arguments, parse_args, pretrain, run, train_single_process, validate_args
-from course_lib.training import deepspeed_engine
+from course_lib.deepspeed import engine as deepspeed_engine
 from course_lib.training.arguments import gpt_config_from_args
 
 WORLD = 2

@@ -1,4 +1,4 @@
-"""course_lib.megatron.logs' writers: every line the trainer prints, read back by the parser.
+"""course_lib.training.logs' writers: every line the trainer prints, read back by the parser.
 
 One format lives in one module (writer next to reader); this round trip holds them to each
 other: write each line with its writer, parse it with ``parse_log`` / ``parse_log_file``, get
@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from course_lib.megatron.logs import (arguments_lines, iteration_line, memory_line, parameters_line, parse_log,
+from course_lib.training.logs import (arguments_lines, iteration_line, memory_line, parameters_line, parse_log,
                                       parse_log_file, print_line, world_size_line)
 
 MB = 1024 * 1024

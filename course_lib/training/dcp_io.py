@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from course_lib.rules import UsageError
 
 from course_lib.training.safe_load import SafeFileSystemReader
 
@@ -97,7 +98,7 @@ class PieceLoadPlanner(_Pieces, DefaultLoadPlanner):
         for key, local, shape, offsets in self.pieces:
             problem = piece_problem(self.metadata, key, shape)
             if problem:
-                raise ValueError(f"the checkpoint holds {problem}")
+                raise UsageError(f"the checkpoint holds {problem}")
             items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
                                                       [ChunkStorageMetadata(torch.Size(offsets), local.shape)])
         return dataclasses.replace(plan, items=plan.items + items)

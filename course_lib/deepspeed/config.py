@@ -6,7 +6,7 @@ the key each comes from), every difference in semantics between the two, the mod
 GPU and per host -- the ZeRO paper's, DeepSpeed's own estimator's itemised against it, and the
 Megatron flags' -- and every option that has no Megatron equivalent.
 
-The verdict is DeepSpeed 0.19.8's: :mod:`course_lib.megatron.ds_schema` mirrors its config parser
+The verdict is DeepSpeed 0.19.8's: :mod:`course_lib.deepspeed.schema` mirrors its config parser
 for every key the bridge translates (a file DeepSpeed refuses is a one-line ``ValueError`` naming the
 key; what DeepSpeed accepts -- ``"3"``, ``5e8``, ``"yes"`` -- is read as DeepSpeed reads it, and a
 key DeepSpeed does not read is listed as ignored), and the command also runs DeepSpeed's own parser
@@ -49,12 +49,12 @@ step, overlapped with nothing.
 
 Batch sizes: DeepSpeed's ``train_batch_size = train_micro_batch_size_per_gpu x
 gradient_accumulation_steps x DP``, the missing ones derived as DeepSpeed derives them
-(:func:`course_lib.rules.deepspeed_batch`: a file with only ``train_batch_size`` has
+(:func:`course_lib.deepspeed.schema.deepspeed_batch`: a file with only ``train_batch_size`` has
 ``micro = train_batch_size // DP``); Megatron takes ``--micro-batch-size`` and
 ``--global-batch-size`` and derives the accumulation steps. DP is ``--dp``, or what the three keys
 imply.
 
-Bytes (:mod:`course_lib.megatron.ds_memory`): DeepSpeed's estimators
+Bytes (:mod:`course_lib.deepspeed.memory`): DeepSpeed's estimators
 (``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``) at stages 2
 and 3 -- an fp32 grad partition, the largest layer gathered whole, a 1.5x host buffer on top of the
 paper's ``2 + 2 + 12`` -- and the paper's count at stages 0 and 1, where DeepSpeed has none.
@@ -66,7 +66,7 @@ import difflib
 from pathlib import Path
 
 from course_lib import rules
-from course_lib.megatron import ds_memory, ds_schema
+from course_lib.deepspeed import memory as ds_memory, schema as ds_schema
 
 MEGATRON_FLAGS: dict[str, str] = {
     "--use-distributed-optimizer": "megatron/training/arguments.py::_add_distributed_args",
@@ -115,7 +115,7 @@ def load(path, dp: int | None = None) -> dict:
     """The ds_config in ``path``, read with :func:`course_lib.safe_files.read_json` (a key given twice, NaN,
     bad JSON: one line) and accepted as DeepSpeed accepts a file (:func:`parse`, a batch size required)."""
     if not Path(path).is_file():
-        raise ValueError(f"ds_config file {str(path)!r} does not exist; give the path of a ds_config.json")
+        raise rules.UsageError(f"ds_config file {str(path)!r} does not exist; give the path of a ds_config.json")
     return parse(ds_schema.read(path), dp, require_batch=True)
 
 
@@ -351,7 +351,7 @@ def _loss_scale(t: Translation, fp16: dict) -> None:
 
 
 def _batch_sizes(t: Translation) -> None:
-    """DeepSpeed's batch, resolved for DP (:func:`rules.deepspeed_batch`): ``--micro-batch-size`` and
+    """DeepSpeed's batch, resolved for DP (:func:`ds_schema.deepspeed_batch`): ``--micro-batch-size`` and
     ``--global-batch-size``. Without DP (no ``--dp``, and the file implies none) only what the file says."""
     config = t.checked.config
     present = [k for k in ds_schema.BATCH_KEYS if config.get(k) is not None]
@@ -487,7 +487,7 @@ def course_flags(t: Translation) -> tuple[list[str], list[str]]:
 
 def state_bytes(t: Translation, num_params: float, dp: int, largest_layer: float = 0, nodes: int = 1) -> dict:
     """Model-state bytes for ``num_params`` parameters per GPU's model (after TP/PP) over ``dp`` GPUs on
-    ``nodes`` nodes (:mod:`course_lib.megatron.ds_memory`):
+    ``nodes`` nodes (:mod:`course_lib.deepspeed.memory`):
 
     * ``"paper"``: ``(gpu, host)`` per GPU by ZeRO's accounting (16-bit 2 + 2 + 12; fp32 4 + 4 + 8),
       the offloaded part on the host;
@@ -592,7 +592,7 @@ def _preset(model: str):
     from course_lib import sizing
 
     if model not in sizing.PRESETS:
-        raise ValueError(f"--model {model!r} is not a sizing preset: use one of {', '.join(sizing.PRESETS)}")
+        raise rules.UsageError(f"--model {model!r} is not a sizing preset: use one of {', '.join(sizing.PRESETS)}")
     return sizing.PRESETS[model]["model"]
 
 
@@ -620,11 +620,11 @@ def run(args) -> int:
     num_params, largest = args.num_params, args.largest_layer
     if args.model is not None:
         if num_params is not None:
-            raise ValueError("--model and --num-params both give the parameters per GPU: pass one of them")
+            raise rules.UsageError("--model and --num-params both give the parameters per GPU: pass one of them")
         num_params, largest = params_per_gpu(args.model, args.tp, args.pp), largest_layer_per_gpu(args.model, args.tp)
     if ds_schema.deepspeed_installed():                          # the keys the bridge does not translate
         refused = ds_schema.deepspeed_verdict(config, t.dp or 1)
         if refused:
-            raise ValueError(f"{args.file}: DeepSpeed {ds_schema.VERSION}'s own parser refuses it: {refused}")
+            raise rules.UsageError(f"{args.file}: DeepSpeed {ds_schema.VERSION}'s own parser refuses it: {refused}")
     print(report(t, num_params, args.dp, name=Path(args.file).name, largest_layer=largest, nodes=args.nodes))
     return 0

@@ -1,9 +1,9 @@
-"""The ds_config.json bridge (course_lib.megatron.ds_config; ``python -m course_lib ds-config FILE``).
+"""The ds_config.json bridge (course_lib.deepspeed.config; ``python -m course_lib ds-config FILE``).
 
 Expected flags are written from the mapping in the module docstring (ZeRO-1 = distributed optimizer,
 ZeRO-2/3 = Megatron-FSDP optim_grads / optim_grads_params) and Megatron's validate_args rules; expected
 bytes from ZeRO's 2 + 2 + K, DeepSpeed's estimator formulas and Megatron's dist_optimizer.md table,
-written out here (tests/megatron/test_ds_schema.py and test_ds_memory.py check the verdicts and the
+written out here (tests/deepspeed/test_ds_schema.py and test_ds_memory.py check the verdicts and the
 estimators against DeepSpeed itself). The flag table is
 re-checked against a Megatron-LM checkout (or bare mirror) when MEGATRON_LM_DIR points to one.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from course_lib.__main__ import main
-from course_lib.megatron import ds_config as dsc
-from course_lib.megatron import ds_memory
+from course_lib.deepspeed import config as dsc
+from course_lib.deepspeed import memory as ds_memory
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ZERO3 = FIXTURES / "ds_config_zero3_offload.json"

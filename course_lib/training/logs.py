@@ -52,7 +52,7 @@ The contract for the course's own logs (``course_lib.train``): this module also 
 them -- :func:`world_size_line`, :func:`arguments_lines`, :func:`parameters_line`,
 :func:`iteration_line`, :func:`memory_line`, each printed with :func:`print_line` -- exactly
 in Megatron's current (0.16+) form, so the format lives here once and the parser reads back
-what the writers wrote (``tests/megatron/test_megatron_log_writers.py``)::
+what the writers wrote (``tests/training/test_megatron_log_writers.py``)::
 
     using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
     ------------------------ arguments ------------------------
@@ -282,24 +282,24 @@ def _check_world_sizes(cfg: dict) -> int:
     printed = ", ".join(f"{names[k]} {cfg[k]}" for k in names if k in cfg)
     zero = [names[k] for k in names if cfg.get(k) == 0]
     if zero:
-        raise ValueError(f"impossible 'using world size' line ({printed}): {', '.join(zero)} is 0; "
-                         f"the line is garbled or not Megatron-LM's")
+        raise rules.UsageError(f"impossible 'using world size' line ({printed}): {', '.join(zero)} is 0; "
+                               f"the line is garbled or not Megatron-LM's")
     # core 0.9-0.13: encoder ranks come on top of the decoder's (encoder sizes 0 when unused)
     model = cfg["tp"] * cfg["pp"] + cfg.get("encoder_tp", 0) * cfg.get("encoder_pp", 0)
     formula = "TP x PP" if not cfg.get("encoder_pp") else "(TP x PP + encoder TP x encoder PP)"
     world, cp = cfg["world_size"], cfg["cp"]
     if "dp" in cfg and model * cp * cfg["dp"] != world:
-        raise ValueError(f"impossible 'using world size' line ({printed}): {formula} x CP x DP = "
-                         f"{model * cp * cfg['dp']} != world size {world}; the line is garbled (e.g. two ranks' "
-                         f"output spliced together) or not Megatron-LM's")
+        raise rules.UsageError(f"impossible 'using world size' line ({printed}): {formula} x CP x DP = "
+                               f"{model * cp * cfg['dp']} != world size {world}; the line is garbled (e.g. two ranks' "
+                               f"output spliced together) or not Megatron-LM's")
     if "dp" in cfg:
         return cfg["dp"]
     try:
         return rules.data_parallel_size(world, cfg["tp"], cfg["pp"], cp, encoder_tp=cfg.get("encoder_tp", 0),
                                         encoder_pp=cfg.get("encoder_pp", 0))
     except ValueError:
-        raise ValueError(f"impossible 'using world size' line ({printed}): world size {world} is not divisible by "
-                         f"{formula} x CP = {model * cp}; the line is garbled or not Megatron-LM's") from None
+        raise rules.UsageError(f"impossible 'using world size' line ({printed}): world size {world} is not divisible by "
+                               f"{formula} x CP = {model * cp}; the line is garbled or not Megatron-LM's") from None
 
 
 def _era(iterations: list[dict]) -> str:
@@ -409,8 +409,8 @@ def parse_log(text: str) -> ParsedLog:
     Linear in the length of ``text`` (see the module docstring); a ``using world size`` line
     whose sizes are impossible raises ``ValueError`` naming them."""
     if not isinstance(text, str):
-        raise ValueError(f"parse_log takes the log text (str), got {type(text).__name__}; "
-                         f"read the file first, e.g. parse_log(Path(p).read_text()), or use parse_log_file(p)")
+        raise rules.UsageError(f"parse_log takes the log text (str), got {type(text).__name__}; "
+                               f"read the file first, e.g. parse_log(Path(p).read_text()), or use parse_log_file(p)")
     return _parse_lines(_iter_lines([text]))
 
 
@@ -423,12 +423,12 @@ def parse_log_file(path) -> ParsedLog:
     try:
         return _parse_lines(_iter_lines(_text_chunks(path)))
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc.reason}: byte 0x{exc.object[exc.start]:02x}), so not a "
-                         f"training log; give the log as written by Megatron-LM or course_lib.train") from None
+        raise rules.UsageError(f"{path}: not UTF-8 text ({exc.reason}: byte 0x{exc.object[exc.start]:02x}), so not a "
+                               f"training log; give the log as written by Megatron-LM or course_lib.train") from None
     except OSError as exc:
-        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+        raise rules.UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
+        raise rules.UsageError(f"{path}: {exc}") from None
 
 
 def _text_chunks(path: Path) -> Iterator[str]:
@@ -436,8 +436,8 @@ def _text_chunks(path: Path) -> Iterator[str]:
     with open(path, encoding="utf-8", newline="") as f:
         while chunk := f.read(_FILE_CHUNK_CHARS):
             if "\0" in chunk:
-                raise ValueError("binary file (it holds NUL bytes), not a training log; give the log as written "
-                                 "by Megatron-LM or course_lib.train")
+                raise rules.UsageError("binary file (it holds NUL bytes), not a training log; give the log as written "
+                                       "by Megatron-LM or course_lib.train")
             yield chunk
 
 

@@ -4,8 +4,8 @@ checkpoints.
 Nothing of Megatron is re-implemented here: its ``GPTModel`` (local layer spec), ``DistributedDataParallel``,
 ``get_megatron_optimizer`` (plain and distributed), ``OptimizerParamScheduler``, ``get_forward_backward_func``
 (1F1B over gloo send/recv with PP), ``finalize_model_grads``, ``MoELayer`` (alltoall and allgather
-dispatchers) and ``dist_checkpointing`` (torch_dist) run as they are; the shim :mod:`course_lib.megatron.mcore_cpu`
-only reroutes their CUDA calls; the training loop is :func:`course_lib.megatron.mcore_reference.train_megatron_core`.
+dispatchers) and ``dist_checkpointing`` (torch_dist) run as they are; the shim :mod:`course_lib.mcore.cpu`
+only reroutes their CUDA calls; the training loop is :func:`course_lib.mcore.reference.train_megatron_core`.
 The course's master weights (:class:`course_lib.model.GPTModel`, seed 1234) are loaded into megatron-core by
 name: TP shards cut along each parameter's ``partition_dim`` at the TP rank, pipeline stages mapped by their
 layers' ``layer_number`` (Megatron's layer offset), the last stage's ``output_layer.weight`` from the tied
@@ -35,7 +35,7 @@ import re
 import pytest
 
 from course_lib.launch import launch
-from course_lib.megatron.mcore_reference import (LAYOUTS, MOE_LAYOUTS, ReferenceRun, model_parallel, preload,
+from course_lib.mcore.reference import (LAYOUTS, MOE_LAYOUTS, ReferenceRun, model_parallel, preload,
                                                 side_by_side, transformer_config)
 
 # (tp, ep, sequence parallel, dispatcher); expert TP 1, 4 experts, top-2, aux and z losses on
@@ -90,7 +90,7 @@ def _mcore_train(tp: int, pp: int, sp: bool, distopt: bool, save=None) -> dict:
     import torch
 
     from course_lib.data import get_global_batch
-    from course_lib.megatron.mcore_reference import master_name, model_parallel, train_megatron_core
+    from course_lib.mcore.reference import master_name, model_parallel, train_megatron_core
 
     def first_step_checks(model, master, ddp):
         """Before any step: the logits of a batch (pp = 1) and every gradient (reduced over DP, SP sums,
@@ -293,7 +293,7 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
 def _rank(layouts, moe_cases, root):
     """Runs on every rank: megatron-core and the course trainer on each layout (the first layout's
     megatron-core model saved for the course to load), the checkpoints both ways, then the MoE cases."""
-    from course_lib.megatron.mcore_cpu import megatron_core_on_cpu
+    from course_lib.mcore.cpu import megatron_core_on_cpu
 
     from course_lib.train import parse_args, pretrain
 

@@ -12,8 +12,8 @@ as the file says -- ZeRO stage 0-3 (``deepspeed/runtime/zero/stage_1_and_2.py``,
 ``scheduler`` blocks. One process is one data-parallel rank: TP = PP = CP = 1
 (:func:`course_lib.rules.deepspeed_layout`).
 
-The file and the flags, one run (:func:`apply_config`, called by
-:func:`~course_lib.training.arguments.validate_args` before any rule):
+The file and the flags, one run (:func:`apply_config`, called by the trainer's entry point,
+:func:`course_lib.train.validate_args`, before any rule):
 
 * what the file sets wins and is written back into the flags (``--micro-batch-size``,
   ``--global-batch-size``, ``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``,
@@ -34,8 +34,8 @@ The file and the flags, one run (:func:`apply_config`, called by
   the bare ``model.parameters()`` DeepSpeed would decay every one of them;
 * the file is read with :func:`course_lib.safe_files.read_json` (a key given twice, NaN refused) and
   judged in the launching process, for the world about to start, as DeepSpeed 0.19.8 judges it:
-  the bridge's mirror of its parser first (:func:`course_lib.megatron.ds_schema.check`, one line
-  naming the key), its batch rule (:func:`course_lib.rules.deepspeed_batch`), then DeepSpeed's own
+  the bridge's mirror of its parser first (:func:`course_lib.deepspeed.schema.check`, one line
+  naming the key), its batch rule (:func:`course_lib.deepspeed.schema.deepspeed_batch`), then DeepSpeed's own
   ``DeepSpeedConfig`` for the keys the mirror does not read (:func:`ds_schema.deepspeed_verdict`).
 
 One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss = engine(tokens)``,
@@ -43,7 +43,7 @@ One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss 
 step runs at the boundary: reduction or reduce-scatter over DP, clipping, the optimizer, the
 16-bit copy or the param partition). Each DP rank takes the micro-batches of the course's sampler
 (:func:`course_lib.data.get_batch`), so the same seed and data give the course trainer's losses
-(fp32: equal to rounding, ``tests/training/test_deepspeed.py``). The loss printed is the global batch's mean
+(fp32: equal to rounding, ``tests/deepspeed/test_deepspeed_engine.py``). The loss printed is the global batch's mean
 token loss; the grad norm is DeepSpeed's (before clipping).
 
 The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as
@@ -73,9 +73,9 @@ import torch.distributed as dist
 
 from course_lib import rules
 from course_lib.data import get_batch
-from course_lib.megatron import ds_schema
-from course_lib.megatron.ds_schema import import_deepspeed
-from course_lib.megatron.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
+from course_lib.deepspeed import schema as ds_schema
+from course_lib.deepspeed.schema import import_deepspeed
+from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
                                       print_line, world_size_line)
 from course_lib.model import GPTConfig, GPTModel
 from course_lib.optimizer import LRScheduler, param_groups
@@ -108,7 +108,7 @@ def preload() -> None:
 
 
 def build_ops() -> list[str]:
-    """Build (once; cached in ``<venv>/torch_extensions``, see :func:`course_lib.megatron.ds_schema.import_deepspeed`) the C++ ops
+    """Build (once; cached in ``<venv>/torch_extensions``, see :func:`course_lib.deepspeed.schema.import_deepspeed`) the C++ ops
     DeepSpeed JIT-compiles with g++ on first use here: the CPU accelerator's shared-memory comm op, the
     pinned-memory op (offload's host buffers), and ``async_io`` (NVMe offload) where libaio's headers are
     installed. ``make setup`` runs this, so that no run or test pays the build.
@@ -134,8 +134,8 @@ def _take(a: argparse.Namespace, dest: str, value, key: str, defaults: argparse.
     """The file's ``key`` sets ``--dest``; a flag given with another value is refused."""
     given = getattr(a, dest)
     if given != getattr(defaults, dest) and given != value:
-        raise ValueError(f"{dest}={given} disagrees with {key}={value} in the deepspeed-config; "
-                         f"drop --{dest.replace('_', '-')} (the file sets it) or change the file")
+        raise rules.UsageError(f"{dest}={given} disagrees with {key}={value} in the deepspeed-config; "
+                               f"drop --{dest.replace('_', '-')} (the file sets it) or change the file")
     setattr(a, dest, value)
 
 
@@ -146,8 +146,8 @@ def _check_fp16(fp16: bool) -> None:
 
     accelerator = get_accelerator()
     if fp16 and not accelerator.is_fp16_supported():
-        raise ValueError(f"fp16.enabled=true: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 on this "
-                         f"machine (is_fp16_supported() is False); use \"bf16\": {{\"enabled\": true}}")
+        raise rules.UsageError(f"fp16.enabled=true: DeepSpeed's {accelerator.device_name()} accelerator has no fp16 on this "
+                               f"machine (is_fp16_supported() is False); use \"bf16\": {{\"enabled\": true}}")
 
 
 def _check_nvme(zero: dict) -> None:
@@ -158,13 +158,13 @@ def _check_nvme(zero: dict) -> None:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     if not AsyncIOBuilder().is_compatible(verbose=False):
-        raise ValueError(f"zero_optimization.{nvme[0]}.device=nvme needs DeepSpeed's async_io op, which cannot be "
-                         f"built here (libaio's headers are missing: apt-get install libaio-dev); "
-                         f"use \"device\": \"cpu\"")
+        raise rules.UsageError(f"zero_optimization.{nvme[0]}.device=nvme needs DeepSpeed's async_io op, which cannot be "
+                               f"built here (libaio's headers are missing: apt-get install libaio-dev); "
+                               f"use \"device\": \"cpu\"")
     for k in nvme:
         path = zero[k].get("nvme_path")
         if not path or not os.path.isdir(path):
-            raise ValueError(f"zero_optimization.{k}.nvme_path={path} is not a folder; give an existing local folder")
+            raise rules.UsageError(f"zero_optimization.{k}.nvme_path={path} is not a folder; give an existing local folder")
 
 
 def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace) -> argparse.Namespace:
@@ -189,7 +189,7 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
         config["train_batch_size"] = global_batch
         notes.append(f"deepspeed-config: train_micro_batch_size_per_gpu={a.micro_batch_size}, "
                      f"train_batch_size={global_batch} from --micro-batch-size / --global-batch-size")
-    tbs, micro, ga = rules.deepspeed_batch(*(config.get(k) for k in ds_schema.BATCH_KEYS), world)
+    tbs, micro, ga = ds_schema.deepspeed_batch(*(config.get(k) for k in ds_schema.BATCH_KEYS), world)
     config.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=ga)
     for key, dest in _BATCH:
         _take(a, dest, config[key], key, defaults)
@@ -207,8 +207,8 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
     if opt is not None:
         kind = str(opt.get("type", "")).lower()
         if kind not in _ADAM_TYPES:
-            raise ValueError(f"optimizer.type={opt.get('type')} is not run by the course on CPU; use Adam or AdamW "
-                             f"(or drop the block: the flags' --optimizer runs as a client optimizer)")
+            raise rules.UsageError(f"optimizer.type={opt.get('type')} is not run by the course on CPU; use Adam or AdamW "
+                                   f"(or drop the block: the flags' --optimizer runs as a client optimizer)")
         _take(a, "optimizer", "adam", "optimizer.type", defaults)
         params = opt.setdefault("params", {})
         for key, dest in _ADAM_PARAMS:
@@ -234,7 +234,7 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
     _check_nvme(zero)
     refused = ds_schema.deepspeed_verdict(config, world)           # and on every key it does not read
     if refused:
-        raise ValueError(f"deepspeed-config rejected by DeepSpeed: {refused}")
+        raise rules.UsageError(f"deepspeed-config rejected by DeepSpeed: {refused}")
     a.deepspeed = {"config": config, "client_optimizer": opt is None, "megatron_schedule": "scheduler" not in config}
     a.deepspeed_notes = tuple(notes)
     return a
@@ -490,7 +490,7 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     return record
 
 
-if __name__ == "__main__":      # make setup: python -m course_lib.training.deepspeed_engine --build-ops
+if __name__ == "__main__":      # make setup: python -m course_lib.deepspeed.engine --build-ops
     if sys.argv[1:] != ["--build-ops"]:
-        sys.exit("usage: python -m course_lib.training.deepspeed_engine --build-ops")
+        sys.exit("usage: python -m course_lib.deepspeed.engine --build-ops")
     print("DeepSpeed ops ready: " + ", ".join(build_ops()))

@@ -13,7 +13,7 @@ import itertools
 
 import pytest
 
-from course_lib.megatron import ds_config, ds_memory, ds_schema
+from course_lib.deepspeed import config as ds_config, memory as ds_memory, schema as ds_schema
 
 pytestmark = pytest.mark.skipif(not ds_schema.deepspeed_installed(), reason="DeepSpeed 0.19.8 is not installed")
 

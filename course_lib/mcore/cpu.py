@@ -1,7 +1,7 @@
 """A shim: megatron-core 0.16.1 on CPU gloo ranks, so that the course can run the real thing beside its own.
 
-Used by :mod:`course_lib.megatron.mcore_reference` (Lab 05 trains megatron-core's GPT next to the
-course trainer), by ``tests/megatron/test_megatron_core_live.py`` and ``tests/distributed/test_bucket_layout.py``.
+Used by :mod:`course_lib.mcore.reference` (Lab 05 trains megatron-core's GPT next to the
+course trainer), by ``tests/mcore/test_megatron_core_live.py`` and ``tests/distributed/test_bucket_layout.py``.
 Nothing of the parallelism library imports it; it imports megatron-core only when entered.
 
 megatron-core is written for CUDA: it allocates with ``device=torch.cuda.current_device()`` or

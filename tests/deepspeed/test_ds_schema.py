@@ -1,4 +1,4 @@
-"""The bridge's verdict is DeepSpeed 0.19.8's own (course_lib.megatron.ds_schema).
+"""The bridge's verdict is DeepSpeed 0.19.8's own (course_lib.deepspeed.schema).
 
 DeepSpeed's parser runs live here (``DeepSpeedConfig``, with ``deepspeed.comm`` answering the world
 size the config is checked for), beside :func:`ds_schema.check`, on a generated set of configs: every
@@ -20,8 +20,7 @@ import typing
 
 import pytest
 
-from course_lib import rules
-from course_lib.megatron import ds_schema
+from course_lib.deepspeed import schema as ds_schema
 
 pytestmark = pytest.mark.skipif(not ds_schema.deepspeed_installed(), reason="DeepSpeed 0.19.8 is not installed")
 if ds_schema.deepspeed_installed():
@@ -266,7 +265,7 @@ def test_removed_blocks_and_the_keys_deepspeed_reads():
 
 
 def test_the_batch_rule_is_deepspeeds():
-    """:func:`rules.deepspeed_batch` derives and refuses as DeepSpeed's own two functions do."""
+    """:func:`ds_schema.deepspeed_batch` derives and refuses as DeepSpeed's own two functions do."""
     values = (None, 0, -2, 1, 2, 3, 4, 8, 16, 8.0, 2.5, "8", "auto", True, [2])
     checked = 0
     for tbs, micro, ga in itertools.product(values, repeat=3):
@@ -281,16 +280,16 @@ def test_the_batch_rule_is_deepspeeds():
             except (AssertionError, TypeError, ZeroDivisionError):
                 want = None
             try:
-                got = rules.deepspeed_batch(tbs, micro, ga, world)
+                got = ds_schema.deepspeed_batch(tbs, micro, ga, world)
             except ValueError as err:
                 assert "\n" not in str(err)
                 got = None
             assert got == want, (tbs, micro, ga, world, got, want)
             checked += 1
     assert checked == 15 ** 3 * 5
-    assert rules.deepspeed_batch(256, None, None, 8) == (256, 32, 1)        # only train_batch_size: micro = 256 / DP
+    assert ds_schema.deepspeed_batch(256, None, None, 8) == (256, 32, 1)        # only train_batch_size: micro = 256 / DP
     with pytest.raises(ValueError, match="gradient_accumulation_steps=0 .* is not > 0"):
-        rules.deepspeed_batch(8, 1, 0, 8)
+        ds_schema.deepspeed_batch(8, 1, 0, 8)
 
 
 def test_sections_the_bridge_does_not_mirror_get_deepspeeds_own_verdict():

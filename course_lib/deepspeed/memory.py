@@ -2,7 +2,7 @@
 
 DeepSpeed 0.19.8 ships two estimators (``deepspeed/runtime/zero/stage_1_and_2.py::
 estimate_zero2_model_states_mem_needs`` and ``stage3.py::estimate_zero3_model_states_mem_needs``);
-:func:`deepspeed_estimate` is their arithmetic (``tests/megatron/test_ds_memory.py`` calls them live
+:func:`deepspeed_estimate` is their arithmetic (``tests/deepspeed/test_ds_memory.py`` calls them live
 and compares byte for byte), written as items against the paper's ``2 + 2 + 12`` bytes per
 parameter (Rajbhandari et al. 2020, §3.1; :func:`course_lib.sizing.model_state_bytes`) so that each
 extra is a line of its own. Ψ = parameters per GPU's model (after TP/PP), d = data-parallel GPUs
@@ -82,7 +82,7 @@ def deepspeed_estimate(stage: int, num_params: float, dp: int, largest: float = 
     nodes = rules.integer("nodes", nodes)
     per_node = d // nodes if d % nodes == 0 else None
     if per_node is None:
-        raise ValueError(f"dp={d} over nodes={nodes} is not a whole number of GPUs per node; use a divisor of {d}")
+        raise rules.UsageError(f"dp={d} over nodes={nodes} is not a whole number of GPUs per node; use a divisor of {d}")
     f = BUFFER_FACTOR
     if stage == 2:
         if offload_optimizer:

@@ -92,7 +92,7 @@ def _check(nodes, procs_per_node, rendezvous, master_port) -> tuple[int, int]:
     nodes = rules.integer("nodes", nodes)
     procs = rules.integer("gpus_per_node", procs_per_node)
     if rendezvous not in RENDEZVOUS:
-        raise ValueError(f"rendezvous={rendezvous!r} is unknown; use one of {', '.join(RENDEZVOUS)}")
+        raise rules.UsageError(f"rendezvous={rendezvous!r} is unknown; use one of {', '.join(RENDEZVOUS)}")
     rules.integer("master_port", master_port, 1, 65535)
     return nodes, procs
 
@@ -145,7 +145,7 @@ def sbatch_script(program: list[str], nodes: int, procs_per_node: int, *, env: l
     c10d rendezvous at the first node of the allocation (``scontrol show hostnames``)."""
     nodes, procs = _check(nodes, procs_per_node, "c10d", master_port)
     if not job_name or any(c.isspace() for c in job_name):
-        raise ValueError(f"job_name={job_name!r} must be one word, e.g. 'megatron'")
+        raise rules.UsageError(f"job_name={job_name!r} must be one word, e.g. 'megatron'")
     head = ["#!/bin/bash",
             f"#SBATCH --job-name={job_name}",
             f"#SBATCH --nodes={nodes}",
