@@ -693,6 +693,9 @@ def sharding_flags(*, use_distributed_optimizer: bool, use_megatron_fsdp: bool, 
     if use_precision_aware_optimizer and optimizer != "adam":
         raise UsageError(f"--use-precision-aware-optimizer only supported with adam (Megatron's OptimizerConfig), "
                          f"got optimizer={optimizer}: use --optimizer adam")
+    if use_precision_aware_optimizer and not use_distributed_optimizer:
+        raise UsageError("--use-precision-aware-optimizer only supported with distributed optimizer (megatron-core's "
+                         "OptimizerConfig asserts it): add --use-distributed-optimizer")
 
 
 def sharding_layout(strategy: str, *, vpp: int, pipeline_schedule: str, num_microbatches: int) -> None:
@@ -728,6 +731,10 @@ def checkpoint_flags(*, save, load, save_interval, exit_interval, ckpt_format: s
             integer(name, value)
     if save_interval is not None and not save:
         raise UsageError(f"save_interval={save_interval} has no folder to save into; add --save DIR")
+    if save and save_interval is None:       # validate_args: core_v0.16.1 arguments.py:838, main :1362
+        raise UsageError(f"save={save} without --save-interval: Megatron's validate_args asserts a save interval "
+                         f"whenever --save is given; add --save-interval N (a save every N iterations; the end "
+                         f"of training and --exit-interval save too)")
     for name, value in (("finetune", finetune), ("no_load_optim", no_load_optim), ("no_load_rng", no_load_rng)):
         if value and not load:
             raise UsageError(f"{name}=True says what to load, but there is no --load; add --load DIR")

@@ -197,3 +197,30 @@ def test_bad_sharding_flags_fail_in_one_line(extra, flag):
 def test_megatron_fsdp_turns_the_distributed_optimizer_on():
     args, _ = validate_args(parse_args(BASE + FSDP + ["optim_grads"]), WORLD, check_memory=False)
     assert args.use_distributed_optimizer and "Using DistributedOptimizer" in args.sharding_notes[0]
+
+
+@pytest.mark.parametrize("offload, precision_aware, distopt, optimizer", [
+    (True, True, False, "adam"),      # issue 37: megatron-core asserts the distributed optimizer
+    (True, True, True, "sgd"),
+    (False, False, False, "adam"),
+    (False, False, True, "sgd"),
+])
+def test_optimizer_flags_are_refused_as_megatron_core_refuses_them(offload, precision_aware, distopt, optimizer):
+    """The course refuses exactly what megatron-core 0.16.1's own OptimizerConfig refuses, with its reason
+    (the cases it judges on CPU: an accepted precision-aware config asks Transformer Engine's version first)."""
+    config = pytest.importorskip("megatron.core.optimizer").OptimizerConfig
+    try:
+        config(optimizer=optimizer, optimizer_cpu_offload=offload, use_precision_aware_optimizer=precision_aware,
+               use_distributed_optimizer=distopt)
+        megatron = None
+    except AssertionError as exc:
+        megatron = str(exc)
+    flags = (["--optimizer-cpu-offload"] * offload + ["--use-precision-aware-optimizer"] * precision_aware
+             + ["--use-distributed-optimizer", "--micro-batch-size", "1"] * distopt + ["--optimizer", optimizer])
+    try:
+        validate_args(parse_args(BASE + flags), WORLD, check_memory=False)
+        ours = None
+    except ValueError as exc:
+        ours = str(exc)
+    assert (ours is None) == (megatron is None), (ours, megatron)
+    assert megatron is None or megatron in ours

@@ -87,7 +87,8 @@ def _save_one_iteration(save: str) -> None:
     from course_lib.train import parse_args, pretrain
 
     pretrain(parse_args(CHECKPOINT_MODEL + CHECKPOINT_LAYOUT + ["--train-iters", "1", "--lr-warmup-iters", "0",
-                                                                "--save", save]), print_args=False)
+                                                                "--save", save, "--save-interval", "1"]),
+             print_args=False)
 
 
 def checkpoint_slice_map(save_dir):

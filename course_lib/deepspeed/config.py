@@ -34,8 +34,11 @@ distributed optimizer or Megatron-FSDP. ``--bf16`` makes Megatron's DDP and dist
 accumulate and all-reduce grads in fp32 (``--accumulate-allreduce-grads-in-fp32`` is switched on), hence
 their 18 bytes per parameter against ZeRO's 16 (:func:`course_lib.sizing.megatron_optimizer_bytes_per_param`).
 Megatron-FSDP keeps its grads in ``--megatron-fsdp-main-grads-dtype`` instead, whose default (main: ``auto``)
-is the param dtype; DeepSpeed's ZeRO-2/3 keep fp32 gradient partitions, so a 16-bit ZeRO-2/3 file becomes
-``--megatron-fsdp-main-grads-dtype fp32`` (bytes: :func:`course_lib.sizing.memory.megatron_state_bytes`).
+is the param dtype. DeepSpeed's ZeRO-2/3 keep their gradient partitions in the model dtype too (``engine.py``
+``_configure_zero_optimizer`` / ``stage3.py``: the grad buffers are ``self.dtype``); the fp32 copy exists only
+during the step, and persists (on the host) only with ``offload_optimizer``. So a 16-bit ZeRO-2/3 file keeps
+Megatron-FSDP's ``auto`` unless it offloads the optimizer, which becomes ``--megatron-fsdp-main-grads-dtype
+fp32`` (bytes: :func:`course_lib.sizing.memory.megatron_state_bytes`).
 
 ``overlap_comm`` (DeepSpeed's default: true at stage 3, false below, ``zero/config.py``
 ``overlap_comm_valid``) puts the gradient reduction on a side stream (``--overlap-grad-reduce``) and,
@@ -317,11 +320,18 @@ def _precision(t: Translation) -> None:
     if t.precision == "fp16":
         t.add("fp16.enabled", [["--fp16", None]], "fp16 params/activations, fp32 main params, loss scaling")
         _loss_scale(t, t.checked.fp16)
-    if t.precision != "fp32" and t.stage >= 2:
-        t.add("zero_optimization.stage", [["--megatron-fsdp-main-grads-dtype", "fp32"]],
-              f"ZeRO-{t.stage} in {t.precision}: fp32 gradient partitions, as DeepSpeed keeps them; Megatron-FSDP's default (auto) keeps the grads "
-              "in the param dtype: 2 bytes per parameter over d instead of 4 (param_and_grad_buffer.py "
-              "_resolve_group_grad_dtype; main only, core_v0.16.1 reduces in fp32 via grad_reduce_in_fp32)")
+    if t.precision != "fp32" and t.stage >= 2 and t.offload_optimizer:
+        t.add("offload_optimizer.device", [["--megatron-fsdp-main-grads-dtype", "fp32"]],
+              f"ZeRO-{t.stage} in {t.precision} with offload_optimizer: DeepSpeed keeps fp32 gradient partitions on "
+              "the host for the CPU optimizer; Megatron-FSDP's default (auto) keeps the grads in the param dtype "
+              "(param_and_grad_buffer.py _resolve_group_grad_dtype; main only, core_v0.16.1 reduces in fp32 via "
+              "grad_reduce_in_fp32)")
+    elif t.precision != "fp32" and t.stage >= 2:
+        t.semantics.append((
+            "gradient dtype", f"ZeRO-{t.stage} in {t.precision} keeps its gradient partitions in the model dtype "
+            "(engine.py get_data_types: grad_accum_dtype defaults to the model's; stage3.py "
+            "grad_partitions_flat_buffer), the fp32 copy exists only during the step: Megatron-FSDP's default "
+            "--megatron-fsdp-main-grads-dtype auto (the param dtype) is the same, so nothing is printed"))
 
 
 def _loss_scale(t: Translation, fp16: dict) -> None:

@@ -35,22 +35,27 @@ too); replicated tensors (LayerNorms, the router, DP and CP replicas, expert-DP 
 offsets and reads each rank's new pieces from the saved chunks that overlap them. The optimizer's state
 -- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
 takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
-to full local tensors first (Megatron's ``dp_zero_gather_scatter`` layout), so a checkpoint depends on TP
-and PP only through its chunk offsets, and loads under any TP x PP x DP: DCP reads the overlapping parts of
-the saved chunks into each rank's new shard (``--ckpt-format torch_dist``). fp32 main params: the course's
-params are fp32 (``--bf16`` computes under autocast), so the main params *are* the params (Megatron keeps
-no copy either), written once. The data position is the iteration: batch ``i`` is drawn from ``(seed,
+to full local tensors first (one state tensor per parameter: megatron-core 0.16.1's ``fully_reshardable``
+layout, which Megatron writes only with ``--dist-ckpt-optim-fully-reshardable``; its default
+``dp_reshardable`` saves each DP rank's flat buffers and reshards over DP only, ``distrib_optimizer.py``
+``sharded_param_state``), so a checkpoint depends on TP and PP only through its chunk offsets, and loads
+under any TP x PP x DP: DCP reads the overlapping parts of the saved chunks into each rank's new shard
+(``--ckpt-format torch_dist``). fp32 main params: Megatron with ``--bf16``/``--fp16`` keeps an fp32 copy
+and saves it (``optimizer.state.fp32_param.*``); the course's params are fp32 (``--bf16`` computes under
+autocast), so its main params *are* the params, written once. The data position is the iteration: batch ``i`` is drawn from ``(seed,
 i)`` (:mod:`course_lib.data`), so ``consumed_train_samples = iteration x global batch`` resumes it.
 
 Faults: a save writes into ``DIR/.iter_0000003.incomplete/``, renames it when every rank has finished,
-then writes the tracker; a save killed before that leaves the previous checkpoint and the tracker as they
-were. A damaged file, a checkpoint of another model or a layout the legacy format cannot load fails with
+then writes the tracker atomically; a save killed before that leaves the previous checkpoint and the tracker
+as they were. That rename is the course's own: Megatron writes into ``iter_0000003/`` directly, marks it
+complete by ``metadata.json`` written last, and writes the tracker in place (not atomically). A damaged file, a checkpoint of another model or a layout the legacy format cannot load fails with
 one line (:class:`CheckpointError`) naming the file or the mismatch; ``--load`` of a folder without a
 tracker warns and starts from scratch, as Megatron does.
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
 import json
@@ -58,7 +63,7 @@ import os
 import random
 import re
 import shutil
-import time
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +77,7 @@ from course_lib.safe_files import write_atomic
 from course_lib.tensor_parallel import is_tensor_parallel
 from course_lib.training.arguments import sharding_strategy, uses_sharding_engine
 from course_lib.training.finalize_model_grads import unique_named_params
+from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
            "read_metadata", "stacked_layers", "sharded_key", "LAYER_AXIS_KEY", "global_spec", "expert_global_spec",
@@ -325,17 +331,31 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
+def _scheduler_state(args, scheduler) -> dict:
+    """megatron-core's ``OptimizerParamScheduler.state_dict()`` keys (steps in samples; the course's weight
+    decay is constant: ``start_wd = end_wd``, Megatron's ``wd_incr_steps = train_iters x global batch``,
+    ``training.py`` ``get_optimizer_param_scheduler``), so its ``load_state_dict`` takes them."""
+    return {"max_lr": scheduler.max_lr, "lr_warmup_steps": scheduler.warmup_steps, "num_steps": scheduler.num_steps,
+            "lr_decay_style": scheduler.style, "lr_decay_steps": scheduler.decay_steps, "min_lr": scheduler.min_lr,
+            "start_wd": args.weight_decay, "end_wd": args.weight_decay, "wd_incr_style": "constant",
+            "wd_incr_steps": args.train_iters * args.global_batch_size}
+
+
 def _common_state(args, setup, iteration: int) -> dict:
-    """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``)."""
+    """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``):
+    ``args`` an ``argparse.Namespace`` as Megatron's (its ``load_checkpoint`` reads it with getattr, the
+    consumed samples too), the scheduler's state as megatron-core's."""
     scaler = setup.scaler
+    consumed = iteration * setup.config.effective_global_batch_size
+    saved_args = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+            "args": argparse.Namespace(**{**saved_args, "consumed_train_samples": consumed,
+                                          "consumed_valid_samples": 0}),
             "model_flags": {k: getattr(args, k) for k in MODEL_FLAGS},
             "data_flags": {k: getattr(args, k) for k in DATA_FLAGS},
-            "consumed_train_samples": iteration * setup.config.effective_global_batch_size,
+            "consumed_train_samples": consumed,
             "layout": {**_layout(setup), "strategy": sharding_strategy(args) if uses_sharding_engine(args) else None},
-            "opt_param_scheduler": {"num_steps": setup.scheduler.num_steps, "max_lr": setup.scheduler.max_lr,
-                                    "min_lr": setup.scheduler.min_lr, "decay_style": setup.scheduler.style},
+            "opt_param_scheduler": _scheduler_state(args, setup.scheduler),
             "optimizer": {"kind": setup.optimizer.kind, "step_count": setup.optimizer.step_count,
                           "grad_scaler": None if scaler is None else scaler.state_dict()}}
 
@@ -353,13 +373,34 @@ def _agree(failure) -> None:
         raise CheckpointError("another rank failed (its error is above); nothing was changed")
 
 
-def _save_dist(tmp: Path, sharded: dict) -> None:
+def _rng_object(setup) -> tuple[str, int, bool]:
+    """megatron-core's ``rng_state`` ``ShardedObject`` of this rank (Megatron-LM's ``get_rng_state`` for
+    torch_dist): ``(key, index of this rank's state in its list, one object per rank)``. One object per
+    (PP, TP) rank, ``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, holding the list of its DP x CP replicas' states
+    (Megatron's ``--data-parallel-random-init`` list; replica 0 writes it); with EP > 1 one per rank,
+    ``rng_state/shard_<pp>.<tp>.<dp>_<PP>.<TP>.<DP>`` (DP with CP)."""
+    g, c = setup.groups, setup.config
+    pp, tp, dp, n = g.coords["pp"], g.coords["tp"], comm.group_rank(g.dp_cp), comm.group_size(g.dp_cp)
+    if setup.moe_groups is not None and setup.moe_groups.size("ep") > 1:
+        return f"rng_state/shard_{pp}.{tp}.{dp}_{c.pp}.{c.tp}.{n}", 0, True
+    return f"rng_state/shard_{pp}.{tp}_{c.pp}.{c.tp}", dp, False
+
+
+def _save_dist(tmp: Path, sharded: dict, setup) -> None:
+    """The pieces, the linears' ``_extra_state`` and the RNG ``ShardedObject`` (:func:`_rng_object`), each
+    object as megatron-core's torch_dist strategy stores one: ``torch.save([data])`` in a ``BytesIO``."""
     from course_lib.training.dcp_io import save_pieces
 
     state = _extra_states(sharded)
-    buf = io.BytesIO()
-    torch.save(_rng_state(), buf)
-    state[f"rng_state.rank{dist.get_rank()}"] = buf
+    key, index, per_rank = _rng_object(setup)
+    rngs = [_rng_state()]
+    if not per_rank and comm.group_size(setup.groups.dp_cp) > 1:
+        rngs = [None] * comm.group_size(setup.groups.dp_cp)
+        dist.all_gather_object(rngs, _rng_state(), group=setup.groups.dp_cp)
+    if per_rank or index == 0:                    # the main replica writes it
+        buf = io.BytesIO()
+        torch.save([rngs], buf)
+        state[key] = buf
     save_pieces(state, sharded, tmp)
 
 
@@ -415,7 +456,6 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
     root, rank, g = Path(args.save), dist.get_rank(), setup.groups
     final = checkpoint_dir(root, iteration)
     tmp = final.with_name(f".{final.name}.incomplete")
-    start = time.perf_counter()
     _print0(f"saving checkpoint at iteration {iteration:7d} to {root} in {args.ckpt_format} format")
     params = _local_params(setup)
     optim = _optimizer_state(setup, params)
@@ -429,7 +469,7 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
 
     try:
         if args.ckpt_format == "torch_dist":
-            _save_dist(tmp, sharded_state_dict(setup, params, optim))
+            _save_dist(tmp, sharded_state_dict(setup, params, optim), setup)
             if rank == 0:
                 torch.save(common, tmp / COMMON_FILE)
                 write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
@@ -451,9 +491,8 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
         _publish(tmp, final)
         write_atomic(get_checkpoint_tracker_filename(root), str(iteration))
     dist.barrier()
-    _print0(f"  successfully saved checkpoint from iteration {iteration:7d} to {root} "
-            f"[ t {g.coords['tp'] + 1}/{setup.config.tp}, p {g.coords['pp'] + 1}/{setup.config.pp} ] "
-            f"({time.perf_counter() - start:.2f} s)")
+    _print0(f"  [{datetime.now():%Y-%m-%d %H:%M:%S.%f}] successfully saved checkpoint from iteration "     # Megatron's
+            f"{iteration:7d} to {root} [ t {g.coords['tp'] + 1}/{setup.config.tp}, p {g.coords['pp'] + 1}/{setup.config.pp} ]")
     return final
 
 
@@ -479,8 +518,12 @@ def checkpoint_and_decide_exit(args, setup, iteration: int) -> bool:
 
 
 def _torch_load(path: Path):
+    """A checkpoint file read with :func:`course_lib.training.safe_load.torch_load` (an allow-list of classes:
+    a file naming any other is refused, not run), or a one-line :class:`CheckpointError`."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch_load(path)
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete; --load another folder") from None
     except Exception as exc:  # noqa: BLE001 -- unpickling a damaged file raises anything
@@ -491,10 +534,10 @@ def _torch_load(path: Path):
 
 def _dist_metadata(ckpt: Path):
     """DCP's ``.metadata`` of ``ckpt``, with every ``.distcp`` file checked to be as long as it says."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     try:
-        md = FileSystemReader(str(ckpt)).read_metadata()
+        md = SafeFileSystemReader(str(ckpt)).read_metadata()
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001
         raise CheckpointError(f"{ckpt / '.metadata'} cannot be read ({type(exc).__name__}): the file is damaged "
                               f"or missing; --load an earlier checkpoint") from None
@@ -510,9 +553,10 @@ def _dist_metadata(ckpt: Path):
     return md
 
 
-def _load_dist(ckpt: Path, wanted: dict, rng: bool):
+def _load_dist(ckpt: Path, wanted: dict, rng: tuple | None):
     """Read ``wanted`` (:func:`sharded_state_dict`) from a torch_dist checkpoint into new tensors of this
-    rank's shapes, ``{name: tensor}``; DCP reads the overlapping saved chunks."""
+    rank's shapes, ``{name: tensor}``; DCP reads the overlapping saved chunks. ``rng``: this rank's
+    :func:`_rng_object`, to read its generator states too (or None)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     from course_lib.training.dcp_io import load_pieces, piece_problem
@@ -523,7 +567,7 @@ def _load_dist(ckpt: Path, wanted: dict, rng: bool):
         f"checkpoint {ckpt} holds {problem}: it was saved from another model, layer pattern or optimizer; "
         f"--load another checkpoint"))
     pieces = {name: (torch.empty_like(like), *spec) for name, (like, *spec) in wanted.items()}
-    state, rng_key = {}, f"rng_state.rank{dist.get_rank()}"
+    state, rng_key = {}, rng[0] if rng else None
     if rng:
         state[rng_key] = io.BytesIO()
     try:
@@ -536,7 +580,11 @@ def _load_dist(ckpt: Path, wanted: dict, rng: bool):
     if not rng:
         return values, None
     state[rng_key].seek(0)                # DCP hands back the saved BytesIO
-    return values, torch.load(state[rng_key], weights_only=False)
+    try:
+        rngs = torch_load(state[rng_key], where=f"{ckpt} ({rng_key})")[0]
+    except UnsafeCheckpointError as exc:
+        raise CheckpointError(str(exc)) from None
+    return values, rngs[rng[1]]
 
 
 def _read_legacy(ckpt: Path, setup, load_optim: bool):
@@ -639,11 +687,12 @@ def load_checkpoint(args, setup) -> int:
         saved = " x ".join(f"{k.upper()}{common['layout'][k]}" for k in LAYOUT_KEYS)
         _print0(f"WARNING: checkpoint saved under {saved}; the random number generators are per rank: not loaded")
         load_rng = False
-    _print0(f" loading checkpoint from {root} at iteration {iteration}")
+    _print0(f" loading {'distributed ' if fmt == 'torch_dist' else ''}checkpoint from {root} at iteration {iteration}")
     if fmt == "torch_dist":
         params = _local_params(setup)
         optim = _optimizer_state(setup, params) if load_optim else {}
-        values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True), load_rng)
+        values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True),
+                                 _rng_object(setup) if load_rng else None)
     else:
         failure = values = rngs = None
         try:

@@ -25,12 +25,14 @@ import dataclasses
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from course_lib.rules import UsageError
+
+from course_lib.training.safe_load import SafeFileSystemReader
 
 __all__ = ["PieceSavePlanner", "PieceLoadPlanner", "RecordingReader", "piece_problem", "written_chunks", "save_pieces",
            "load_pieces"]
@@ -106,7 +108,7 @@ class PieceLoadPlanner(_Pieces, DefaultLoadPlanner):
         return super().lookup_tensor(index) if local is None else local
 
 
-class RecordingReader(FileSystemReader):
+class RecordingReader(SafeFileSystemReader):
     """A ``FileSystemReader`` that keeps what this rank read in ``reads``: ``(key, file, global start, lengths)``
     of every read item."""
 
@@ -137,7 +139,7 @@ def save_pieces(state: dict, pieces: dict, path) -> None:
     dcp.save(state, storage_writer=FileSystemWriter(str(path)), planner=PieceSavePlanner(pieces))
 
 
-def load_pieces(state: dict, pieces: dict, path, reader: FileSystemReader | None = None) -> None:
+def load_pieces(state: dict, pieces: dict, path, reader: SafeFileSystemReader | None = None) -> None:
     """Fill ``state`` in place (a ``BytesIO`` entry is replaced by the one saved) and each piece's local
     tensor from the checkpoint in ``path``; collective. ``reader``: e.g. a :class:`RecordingReader`."""
-    dcp.load(state, storage_reader=reader or FileSystemReader(str(path)), planner=PieceLoadPlanner(pieces))
+    dcp.load(state, storage_reader=reader or SafeFileSystemReader(str(path)), planner=PieceLoadPlanner(pieces))

@@ -57,7 +57,7 @@ def test_zero3_with_offload_becomes_megatron_fsdp():
     gpu, host = b["paper"]
     assert gpu.total == 0 and host.total == pytest.approx(16 * N / 8)
     assert b["deepspeed"].gpu == 4 * 4e8 and b["deepspeed"].host == int(18 * N * 1.5)   # 4L; 18 x 1.5 per node
-    assert "--megatron-fsdp-main-grads-dtype" in flags      # fp32 grad partitions, as DeepSpeed keeps them
+    assert flags["--megatron-fsdp-main-grads-dtype"] == "fp32"   # offload_optimizer: fp32 grad partitions on the host
     gpu, host = b["megatron_gpu"], b["megatron_host"]
     assert (gpu.weights, gpu.grads, gpu.optimizer) == pytest.approx((2 * N / 8, 4 * N / 8, 0))
     # HybridDeviceOptimizer: fp32 main params, Adam's moments and an fp32 grad copy on the host, 16 bytes over d
@@ -113,9 +113,10 @@ def test_stage_0_overlap_only_reduces_and_stage_2_without_offload():
     b = dsc.state_bytes(t2, 1000, 4)
     assert b["paper"][0].total == pytest.approx(2 * 1000 + 14 * 1000 / 4)   # ZeRO-2: 2 + (2 + K)/d
     assert b["deepspeed"].gpu == 2 * 1000 + 18 * 1000 // 4                   # + the fp32 grad partition 4/d
-    # Megatron-FSDP with --megatron-fsdp-main-grads-dtype fp32: fp32 grads 4 + main params and moments 12, / d
-    assert "--megatron-fsdp-main-grads-dtype" in _flags(t2)
-    assert b["megatron"].total == pytest.approx(2 * 1000 + 16 * 1000 / 4)
+    # no offload: DeepSpeed's grad partitions are fp16 (the model dtype), Megatron-FSDP's auto too: nothing printed;
+    # fp16 grads 2 + main params and moments 12, / d
+    assert "--megatron-fsdp-main-grads-dtype" not in _flags(t2) and "gradient dtype" in dict(t2.semantics)
+    assert b["megatron"].total == pytest.approx(2 * 1000 + 14 * 1000 / 4)
 
 
 def test_overlap_comm_is_on_by_default_at_stage_3_and_offload_param_is_ignored_below_it():

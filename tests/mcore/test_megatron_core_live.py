@@ -196,12 +196,13 @@ def _moe_checkpoint_layout(root) -> dict:
     from course_lib.train import parse_args, pretrain
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in MOE_CKPT.items()] + ["--expert-model-parallel-size", "2"]
-    pretrain(parse_args(RUN.course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root]),
+    pretrain(parse_args(RUN.course_argv(1, 1, False, False) + flags + ["--train-iters", "1", "--save", root,
+                                                                        "--save-interval", "1"]),
              print_args=False, record_comm=False)
     folder = f"{root}/iter_0000001"
     md = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     out = {"course": {k: tuple(m.size) if hasattr(m, "size") else None for k, m in md.items()
-                      if not k.startswith(("optimizer.", "rng_state."))}, "mcore": {}}
+                      if not k.startswith(("optimizer.", "rng_state/"))}, "mcore": {}}
     with model_parallel(1, 1, SEED, expert_model_parallel_size=2):
         g = GPTConfig(**MODEL, **MOE_CKPT)
         cfg = transformer_config(g, 1, 1, False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,

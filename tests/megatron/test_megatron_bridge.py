@@ -844,24 +844,26 @@ def test_checkpoint_flags_are_the_verified_list_and_the_course_trainers():
     assert (a.save, a.load, a.save_interval, a.exit_interval, a.ckpt_format) == ("ckpt dir/$x", "ckpt dir/$x", 50,
                                                                                   200, "torch")
     assert a.no_load_optim and a.no_load_rng and a.finetune
-    plain = _flags(megatron_command(gpu_config(*SEED_SWEEP["D"]), MegatronRun(save="c", load="c")))
+    plain = _flags(megatron_command(gpu_config(*SEED_SWEEP["D"]), MegatronRun(save="c", save_interval=10, load="c")))
     assert "--ckpt-format" not in plain                       # Megatron's default torch_dist: not printed
 
 
 def test_checkpoint_flags_follow_megatrons_rules(capsys):
-    fsdp = MegatronRun(sharding="fsdp", save="c")
+    fsdp = MegatronRun(sharding="fsdp", save="c", save_interval=10)
     assert _flags(megatron_command(gpu_config(2, 2), fsdp)).count("--ckpt-format") == 1     # fsdp_dtensor, once
     with pytest.raises(ValueError, match="validate_args asserts --ckpt-format fsdp_dtensor") as err:
         MegatronRun(sharding="fsdp", ckpt_format="torch_dist")
     assert "\n" not in str(err.value)
     for kwargs, message in ((dict(save_interval=10), "save_interval=10 has no folder to save into"),
                             (dict(finetune=True), "finetune=True says what to load"),
-                            (dict(save="c", exit_interval=0), "exit_interval"),
+                            (dict(save="c", save_interval=10, exit_interval=0), "exit_interval"),
+                            (dict(save="c"), "save=c without --save-interval: Megatron's validate_args asserts"),
                             (dict(save="-c"), "save='-c' starts with '-'"),
                             (dict(load="a\nb"), "control character")):
         with pytest.raises(ValueError, match=re.escape(message)):
             MegatronRun(**kwargs)
-    assert _cli(command_mod, ["--config", "D", "--show", "sharding", "--save", "c", "--ckpt-format", "torch_dist"]) == 0
+    assert _cli(command_mod, ["--config", "D", "--show", "sharding", "--save", "c", "--save-interval", "50",
+                                   "--ckpt-format", "torch_dist"]) == 0
     out = capsys.readouterr().out
     assert out.count("--ckpt-format torch_dist") == 2 and out.count("--ckpt-format fsdp_dtensor") == 2
     assert _cli(command_mod, ["--config", "D", "--save", "c", "--load", "c", "--save-interval", "50"]) == 0

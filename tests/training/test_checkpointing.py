@@ -43,7 +43,7 @@ def _train(*flags):
 def _save_then_resume(layout, save, fmt, resumed_save=None):
     """3 iterations + save (every 2 and at the exit, 3), then a new run loading it for 3 more."""
     _train(*layout, "--save", save, "--save-interval", 2, "--exit-interval", 3, "--ckpt-format", fmt)
-    more = ["--save", resumed_save] if resumed_save else []
+    more = ["--save", resumed_save, "--save-interval", 3] if resumed_save else []
     return _train(*layout, "--load", save, *more)
 
 
@@ -95,9 +95,9 @@ def _two_ranks(root, dp4):
 def _one_rank(root):
     out = {"one process": _train("--load", f"{root}/dist"), "moe one process": _train(*MOE, "--load", f"{root}/moe")}
     out["no-load-optim"] = _train("--load", f"{root}/dist", "--no-load-optim")
-    out["finetune"] = _train("--load", f"{root}/dist", "--finetune", "--save", f"{root}/resumed")   # over iter 6
+    out["finetune"] = _train("--load", f"{root}/dist", "--finetune", "--save", f"{root}/resumed", "--save-interval", 6)   # over iter 6
     out["empty"] = _train("--load", f"{root}/empty", "--exit-interval", 1)
-    for case in ("truncated", "tracker", "common"):
+    for case in ("truncated", "tracker", "common", "hostile common", "hostile metadata", "hostile legacy"):
         out[case] = _error("--load", f"{root}/{case}")
     out["another model"] = _error("--load", f"{root}/dist", "--hidden-size", 128)
 
@@ -105,8 +105,35 @@ def _one_rank(root):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     os.fsync = full_disk                  # every write of the save at iteration 6 fails
-    out["full disk"] = _error("--load", f"{root}/full", "--save", f"{root}/full")
+    out["full disk"] = _error("--load", f"{root}/full", "--save", f"{root}/full", "--save-interval", 6)
     return out
+
+
+class _RunsCode:
+    """Unpickled, this runs a shell command (``os.system``): what a crafted checkpoint could do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def _plant_hostile_pickles(root):
+    """Copies of the saved checkpoints whose common.pt, DCP .metadata or legacy file would run code when read."""
+    import pickle
+
+    import torch
+
+    for case, src in (("hostile common", "dist"), ("hostile metadata", "dist"), ("hostile legacy", "legacy")):
+        shutil.copytree(root / src, root / case)
+    evil = _RunsCode(root / "code ran")
+    common = root / "hostile common" / "iter_0000003" / "common.pt"
+    state = torch.load(common, weights_only=False)      # the test's own file, just written
+    torch.save({**state, "args": evil}, common)
+    (root / "hostile metadata" / "iter_0000003" / ".metadata").write_bytes(pickle.dumps(evil))
+    legacy = root / "hostile legacy" / "iter_0000003" / "mp_rank_00_000" / "model_optim_rng.pt"
+    torch.save({"model": {}, "rng_state": [evil]}, legacy)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +155,7 @@ def runs(tmp_path_factory):
     (root / "tracker" / "latest_checkpointed_iteration.txt").write_text("3\x00junk")
     (root / "common" / "iter_0000003" / "common.pt").write_bytes(b"not a checkpoint")
     (root / "empty").mkdir()
+    _plant_hostile_pickles(root)
     res["1"] = launch(_one_rank, world_size=1, output="none", timeout=240, root=str(root))
     res["root"] = root
     return res
@@ -228,6 +256,63 @@ def test_faults_and_partial_loads_say_what_happened(runs):
     assert "iter_0000006 already exists (an earlier run's save of this iteration); replacing it" in printed
 
 
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_by_load_inspect_and_the_lab_helpers(runs, capsys):
+    from course_lib.classroom.checks.checkpoints import check_read_plan  # noqa: F401 -- the Lab 09 checker's reader
+    from course_lib.training.checkpoint_inspect import describe_checkpoint
+    from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
+
+    root, one = runs["root"], runs["1"][0]
+    refused = {"hostile common": "common.pt needs posix.system", "hostile metadata": ".metadata needs posix.system",
+               "hostile legacy": "model_optim_rng.pt needs posix.system"}
+    for case, needs in refused.items():
+        assert needs in one[case] and "reading it could run code, so it was refused" in one[case], one[case]
+        assert "\n" not in one[case]
+        assert cli(["checkpoint", "inspect", str(root / case)]) == 2
+        assert needs in capsys.readouterr().err
+        with pytest.raises(CheckpointError, match=re.escape(needs)):
+            describe_checkpoint(root / case)                      # Lab 09's inspect helper
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        torch_load(root / "hostile common" / "iter_0000003" / "common.pt")       # what Lab 09 reads common.pt with
+    with pytest.raises(UnsafeCheckpointError, match="posix.system"):
+        SafeFileSystemReader(str(root / "hostile metadata" / "iter_0000003")).read_metadata()   # and .metadata
+    assert not (root / "code ran").exists()
+    # the allow-list is enough for a real save: the untouched checkpoint reads
+    assert set(torch_load(root / "dist" / "iter_0000003" / "common.pt")) >= {"args", "iteration", "opt_param_scheduler"}
+
+
+def test_common_pt_is_read_by_megatron_core_and_as_megatron_lm_reads_it(runs):
+    """megatron-core 0.16.1's own OptimizerParamScheduler resumes from the course's common.pt (the LR of sample 24
+    equals the course scheduler's); ``args`` is a Namespace with the consumed samples, as Megatron-LM's
+    load_checkpoint reads it (getattr)."""
+    import argparse
+
+    import torch
+
+    from course_lib.optimizer import LRScheduler
+    from course_lib.training.safe_load import torch_load
+
+    scheduler = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+    common = torch_load(runs["root"] / "dist" / "iter_0000003" / "common.pt")
+    args = common["args"]
+    assert isinstance(args, argparse.Namespace) and (args.consumed_train_samples, args.hidden_size) == (24, 64)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    mcore = scheduler.OptimizerParamScheduler(sgd, init_lr=0.0, max_lr=1.0, min_lr=0.0, lr_warmup_steps=0,
+                                              lr_decay_steps=1, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                              wd_incr_steps=1, wd_incr_style="constant")   # all taken from the file
+    mcore.load_state_dict(common["opt_param_scheduler"])
+    ours = LRScheduler(3e-3, 0.0, args.lr_decay_style, 2 * 8, 6 * 8)
+    ours.step(24)
+    assert mcore.num_steps == 24 and sgd.param_groups[0]["lr"] == pytest.approx(ours.get_lr(), rel=1e-12)
+    assert (mcore.lr_warmup_steps, mcore.lr_decay_steps, mcore.max_lr) == (16, 48, 3e-3)
+    # megatron-core reads the whole checkpoint's sharded metadata (its --dist-ckpt-strictness checks need it):
+    # the RNG states are its ShardedObjects, one per (PP, TP) rank of the TP2 x PP2 save, each a list of 2 DP states
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    md = load_sharded_metadata(str(runs["root"] / "dist" / "iter_0000003"))
+    rng = sorted(k for k in md if k.startswith("rng_state"))
+    assert rng == [f"rng_state/shard_{pp}.{tp}_2.2" for pp in range(2) for tp in range(2)], rng
+
+
 def test_inspect_names_every_tensor_and_the_ranks_that_hold_its_slices(runs, capsys):
     assert cli(["checkpoint", "inspect", str(runs["root"] / "dist")]) == 0
     out = capsys.readouterr().out
@@ -291,10 +376,11 @@ def test_inspect_draws_the_slice_map_of_what_each_rank_holds_and_writes(runs, tm
 @pytest.mark.parametrize("extra, message", [
     (["--save-interval", "2"], "save_interval=2 has no folder to save into; add --save DIR"),
     (["--finetune"], "finetune=True says what to load, but there is no --load"),
-    (["--save", "/proc/x"], "--save /proc/x"),
-    (["--save", "{tmp}", "--num-experts", "2", "--ckpt-format", "torch"], "num_experts=2 with --ckpt-format torch"),
-    (["--save", "{tmp}", "--exit-interval", "0"], "exit_interval"),
-    (["--save", "{tmp}", "--ckpt-format", "fsdp_dtensor"], "the course writes its checkpoints as torch_dist or torch"),
+    (["--save", "/proc/x", "--save-interval", "2"], "--save /proc/x"),
+    (["--save", "{tmp}"], "without --save-interval: Megatron's validate_args asserts a save interval"),
+    (["--save", "{tmp}", "--save-interval", "2", "--num-experts", "2", "--ckpt-format", "torch"], "num_experts=2 with --ckpt-format torch"),
+    (["--save", "{tmp}", "--save-interval", "2", "--exit-interval", "0"], "exit_interval"),
+    (["--save", "{tmp}", "--save-interval", "2", "--ckpt-format", "fsdp_dtensor"], "the course writes its checkpoints as torch_dist or torch"),
 ])
 def test_checkpoint_flags_fail_in_one_line(extra, message, tmp_path):
     argv = BASE + [a.replace("{tmp}", str(tmp_path)) for a in extra]

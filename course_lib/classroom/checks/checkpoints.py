@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp  # imported here once: forked ranks inherit it (seconds each otherwise)
-from torch.distributed.checkpoint import FileSystemReader, resharding
+from torch.distributed.checkpoint import resharding
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -49,6 +49,7 @@ from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
 from course_lib.training.dcp_io import RecordingReader, load_pieces, save_pieces, written_chunks
+from course_lib.training.safe_load import SafeFileSystemReader
 
 __all__ = ["check_sharded_state_dict", "check_read_plan", "check_checkpoint_answers", "print_course_answers",
            "MLP_SIZES", "RESHARDINGS", "REVIEW_QUESTIONS"]
@@ -289,7 +290,7 @@ def _sharded_state_dict_verdict(name: str, results: list, root: Path) -> str:
     if not all(r["in_module"] for r in results):
         return (f"✗ {name}: your tensors were filled, not the MLP's parameters: give the parameters themselves (as "
                 f"Megatron's sharded_state_dict does), so that a load lands in the model")
-    written = written_chunks(FileSystemReader(str(root)).read_metadata())
+    written = written_chunks(SafeFileSystemReader(str(root)).read_metadata())
     pieces = sum(len(r["save"]["specs"]) for r in results)
     return (f"✓ {name}: under TP2 x DP2 the {WORLD} ranks' {pieces} pieces were written as "
             f"{sum(len(v) for v in written.values())} chunks (a replica's equal piece once), and under TP4 every "
@@ -496,11 +497,12 @@ REVIEW_QUESTIONS = {
              "half-written folder was harmless",
 }
 _NOTIONS = {
-    "resume": ("optimizer state (Adam's moments), the learning-rate scheduler, the random generators, the data "
-               "position", (r"optimi[sz]er|adam|moment", r"schedul|learning.rate|\blr\b", r"rng|random|generator",
-                             r"data|sample|batch|iteration")),
-    "reshard": ("global shapes and offsets, overlaps", (r"offset|global shape|overlap|chunk|slice",)),
-    "crash": ("the tracker latest_checkpointed_iteration.txt, written last", (r"tracker|latest_checkpointed",)),
+    "resume": (("optimizer state (Adam's moments)", "the learning-rate scheduler", "the random generators",
+                "the data position (consumed samples)"),
+               (r"optimi[sz]er|adam|moment", r"schedul|learning.rate|\blr\b", r"rng|random|generator|seed",
+                r"data (?:position|order)|consum|samples?\b|batch")),
+    "reshard": (("global shapes and offsets, overlaps",), (r"offset|global shape|overlap|chunk|slice",)),
+    "crash": (("the tracker latest_checkpointed_iteration.txt, written last",), (r"tracker|latest_checkpointed",)),
 }
 
 
@@ -508,9 +510,9 @@ def _answer_problem(key: str, text, numbers) -> str | None:
     if not isinstance(text, str) or len(text.split()) < 8 or text.strip().strip(".…").upper() in ("", "TODO"):
         return f"{key!r}: answer {REVIEW_QUESTIONS[key]} -- a few sentences (got {safe_repr(text, 40)})"
     words, patterns = _NOTIONS[key]
-    named = sum(bool(re.search(p, text, re.IGNORECASE)) for p in patterns)
-    if named < min(2, len(patterns)):
-        return f"{key!r}: name what the run showed ({words})"
+    missing = [w for w, p in zip(words, patterns) if not re.search(p, text, re.IGNORECASE)]
+    if missing:        # every one: drop any of them and the resume is not exact
+        return f"{key!r}: name what the run showed: {', '.join(missing)}"
     if key == "resume" and not cited_numbers(text, numbers):
         return f"{key!r}: cite a loss or a size from this notebook's runs, as it was printed"
     return None
@@ -546,8 +548,9 @@ COURSE_ANSWERS = {
                "TP x PP x DP that divides the shapes loads it. The legacy format stores mp_rank_TT_PPP files of local "
                "shapes with no offsets: only the layout that wrote them can read them.",
     "crash": "latest_checkpointed_iteration.txt, written last and atomically after every rank finished and the "
-             "folder was renamed from .iter_XXXXXXX.incomplete: it still named iteration 2, so the next run "
-             "loaded iteration 2 and ignored the incomplete folder.",
+             "folder was renamed from .iter_XXXXXXX.incomplete (the course's step; Megatron writes iter_XXXXXXX "
+             "directly and marks it complete with metadata.json, written last): it still named iteration 2, so the "
+             "next run loaded iteration 2 and ignored the incomplete folder.",
 }
 
 

@@ -200,8 +200,10 @@ def _wire_hint(key: str, threshold: int) -> str:
     return {
         "forward_all_gather": f"Parameters of <= {threshold:,} elements are persistent: every rank keeps them whole "
                               f"and never gathers them; the others are gathered once.",
-        "backward_all_gather": "stage3_max_live_parameters (1e9) holds the whole model: nothing gathered for the "
-                               "forward is released before the backward, so backward gathers nothing.",
+        "backward_all_gather": "stage3_max_reuse_distance (1e9) spans the whole model: a parameter used again within "
+                               "that many elements is not released (partitioned_param_coordinator.py "
+                               "__params_to_release), so nothing gathered for the forward is released before "
+                               "the backward, which gathers nothing.",
         "reduce_scatter": "Every gradient is reduced, the persistent parameters' too: the whole model, once per "
                           "micro-batch.",
         "step_all_gather": "After the optimizer updated each rank's partition, the persistent parameters are "
@@ -328,7 +330,7 @@ def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120
         print("✗ it fits, but forward gathers no parameter: every rank holds every parameter whole, so this is not "
               "ZeRO-3's partitioning any more; keep stage 3 with a persistence threshold below the large weights")
         return False
-    print(f"✓ {_device_bytes(h):,} B per rank on the device (budget {budget:,}); the price is on the wire: "
+    print(f"✓ {_device_bytes(h):,} B per rank on the device at rest (budget {budget:,}); the price is on the wire: "
           f"{gathered:,} elements all-gathered in every forward, and the host holds the rest")
     return True
 

@@ -165,8 +165,12 @@ ANSWERS = {
     ({}, "✓ your answers are written (resume cites 24, 5.3944)"),
     ({"crash": "it was fine"}, "'crash': answer after the save killed at iteration 4"),
     ({"reshard": "The TP4 run loaded it because it is a newer and better format than the other one."},
-     "'reshard': name what the run showed (global shapes and offsets, overlaps)"),
-    ({"resume": "Adam's moments and the learning-rate scheduler were saved along with the weights of the model."},
+     "'reshard': name what the run showed: global shapes and offsets, overlaps"),
+    ({"resume": "Adam's moments and the learning-rate scheduler were saved along with the weights: iteration 4 "
+                "was 5.3944 both times."},       # 2 of the 4; "iteration" is no data position
+     "'resume': name what the run showed: the random generators, the data position (consumed samples)"),
+    ({"resume": "Adam's moments, the learning-rate scheduler, the random generators and the consumed samples were "
+                "saved along with the weights of the model."},
      "'resume': cite a loss or a size"),
 ])
 def test_review_answers(change, expected, capsys):
