@@ -51,10 +51,7 @@ def check_data_args(args) -> None:
     ``args.global_batch_size`` must be derived already (``validate_args`` does)."""
     data_path = getattr(args, "data_path", None)
     tokenizer_type = getattr(args, "tokenizer_type", None)
-    if getattr(args, "eval_interval", None) is not None:
-        if isinstance(args.eval_interval, bool) or args.eval_interval < 1 or args.eval_iters < 1:
-            raise UsageError(f"--eval-interval {args.eval_interval} --eval-iters {args.eval_iters}: both must be "
-                             f"positive integers")
+    if getattr(args, "eval_interval", None) is not None:     # its value: rules.integer, in validate_args
         if data_path is None:
             raise UsageError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
                              "built-in corpus has none)")

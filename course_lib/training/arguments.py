@@ -215,8 +215,9 @@ def _check_values(a: argparse.Namespace) -> None:
     rules.timeout_seconds("distributed_timeout_minutes", a.distributed_timeout_minutes, unit_s=60)
     _check_precision(a)
     _check_moe_values(a)
-    if getattr(a, "ddp_bucket_size", None) is not None:
-        rules.integer("ddp_bucket_size", a.ddp_bucket_size)
+    for dest in ("ddp_bucket_size", "eval_interval", "eval_iters"):
+        if getattr(a, dest, None) is not None:
+            rules.integer(dest, getattr(a, dest))
 
 
 def _check_precision(a: argparse.Namespace) -> None:

@@ -87,7 +87,7 @@ class Submission:
             fd = os.open(self.path / member, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
             with os.fdopen(fd, "rb") as f:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise ValueError(f"{self.path.name}/{member} is not a regular file (a FIFO, a device or a "
+                    raise UsageError(f"{self.path.name}/{member} is not a regular file (a FIFO, a device or a "
                                      f"socket); submit the notebook file itself")
                 data = f.read(NOTEBOOK_LIMIT + 1)
         else:
