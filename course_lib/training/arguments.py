@@ -520,7 +520,7 @@ def args_to_argv(args: argparse.Namespace) -> list[str]:
             continue
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             argv.append(flag)
-        elif isinstance(value, (list, tuple)):          # nargs="+": --data-path 0.7 A 0.3 B
+        elif action.nargs in ("+", "*") and isinstance(value, (list, tuple)):   # --data-path 0.7 A 0.3 B
             argv += [flag, *map(str, value)]
         else:
             argv += [flag, str(value)]

@@ -91,6 +91,8 @@ def torch_load(source, where=None):
 
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
+# megatron-core's own saves keep the save plans in the metadata (SavePlan, WriteItem, ...: dataclasses and enums)
+_DCP_MODULES = (_DCP_METADATA, "torch.distributed.checkpoint.planner")
 _OTHER_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
                            ("torch.serialization", "_get_layout")}      # _get_layout: a layout by its name
 _TORCH_NAMES = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last", "sparse_coo"}
@@ -105,8 +107,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         self.where = where
 
     def find_class(self, module, name):
-        found = getattr(__import__(module, fromlist=["_"]), name, None) if module == _DCP_METADATA else None
-        allowed = ((isinstance(found, type) and found.__module__ == _DCP_METADATA)      # its classes, not functions
+        found = getattr(__import__(module, fromlist=["_"]), name, None) if module in _DCP_MODULES else None
+        allowed = ((isinstance(found, type) and found.__module__ in _DCP_MODULES)       # their classes, not functions
                    or (module, name) in _OTHER_METADATA_GLOBALS
                    or (module == "torch" and (name in _TORCH_NAMES or isinstance(getattr(torch, name, None), torch.dtype)))
                    or (module == "collections" and name == "OrderedDict"))

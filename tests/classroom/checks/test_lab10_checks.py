@@ -95,7 +95,7 @@ def test_zero3_wire_right_wrong_stub_and_course_code(capsys, lab, runs, model):
     assert ok and "run small: forward_all_gather 37,632, backward_all_gather 0, reduce_scatter 38,272, " \
                   "step_all_gather 640" in out and "run seed: forward_all_gather 0" in out
     for wrong, hint in ((wire_counts_persistent, "are persistent: every rank keeps them whole"),
-                        (wire_regathers_in_backward, "stage3_max_live_parameters (1e9) holds the whole model"),
+                        (wire_regathers_in_backward, "stage3_max_reuse_distance (1e9) spans the whole model"),
                         (wire_skips_persistent_grads, "Every gradient is reduced, the persistent parameters' too")):
         ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wrong, runs, numels, THRESHOLDS))
         assert not ok and hint in out, (wrong.__name__, out)
