@@ -165,6 +165,7 @@ def _mcore_load_course_checkpoint(folder, tp: int, sp: bool, iteration: int) -> 
     from megatron.core import dist_checkpointing
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.safe_globals import register_safe_globals
 
     from course_lib.model import GPTConfig
 
@@ -172,6 +173,7 @@ def _mcore_load_course_checkpoint(folder, tp: int, sp: bool, iteration: int) -> 
         g = GPTConfig(**MODEL, seed=SEED)
         model = GPTModel(transformer_config(g, tp, 1, sp), get_gpt_layer_local_spec(), vocab_size=g.padded_vocab_size,
                          max_sequence_length=g.seq_length, share_embeddings_and_output_weights=True)
+        register_safe_globals()     # common.pt's args Namespace: weights_only with megatron-core's allow-list
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(folder))   # + common.pt's items
         model.load_state_dict(state["model"])
         loss = _mcore_loss(model, iteration, g.seq_length)
