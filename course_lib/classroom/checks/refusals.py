@@ -23,6 +23,8 @@ launch, where the checker's own code runs after the student's function, applies 
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import importlib.util
 import sys
@@ -175,6 +177,7 @@ class Refusals:
         import course_lib.classroom.grading.landlock as landlock
 
         if self._ruleset is None:
+            _private_tempdir()
             self._ruleset = landlock.reading_denied_ruleset(self._files)
         if self._ruleset >= 0 and not getattr(self, "_fenced", False):
             landlock.restrict_self(self._ruleset)
@@ -185,6 +188,7 @@ class Refusals:
         import course_lib.classroom.grading.landlock as landlock
 
         if self._ruleset is None:
+            _private_tempdir()
             self._ruleset = landlock.reading_denied_ruleset(self._files)
 
     def ruleset_fd(self) -> int:
@@ -281,3 +285,18 @@ def refused_hint(names: list) -> str:
     return f"{REFUSED_MARK} your function used {', '.join(names[:3])}: " + (
         "the checker's own code cannot run inside your function" if all(n.startswith(_CHECKS) for n in names)
         else "it computes this exercise's answer, and the exercise is to write it yourself")
+
+
+def _private_tempdir() -> None:
+    """Give this process (and the workers forked from it) a temp folder that exists before the ruleset is
+    built: the ruleset allows reading only the entries an ancestor of a denied path holds at that moment, so
+    with the course checked out under /tmp a temp folder made later in /tmp could not be read back."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if os.environ.get("COURSE_JUDGE_TMPDIR") == tempfile.gettempdir():
+        return
+    folder = tempfile.mkdtemp(prefix="course-judge-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    os.environ["TMPDIR"] = os.environ["COURSE_JUDGE_TMPDIR"] = tempfile.tempdir = folder
