@@ -183,6 +183,24 @@ DS_CASES = [
 ]
 
 
+def drawn_ds_configs(rng, count: int = 3) -> list:
+    """``count`` ds_configs drawn for this run: a stage (or none), each offload block present or not (with a
+    device of cpu, nvme or none), the old ``cpu_offload`` switch, and keys that change nothing here."""
+    configs = []
+    for _ in range(count):
+        zero = {"stage": rng.randint(0, 3)} if rng.random() < 0.9 else {}
+        if rng.random() < 0.6:
+            zero["offload_optimizer"] = {"device": rng.choice(("cpu", "nvme", "none"))}
+        elif rng.random() < 0.3:
+            zero["cpu_offload"] = rng.choice((True, False))
+        if rng.random() < 0.5:
+            zero["offload_param"] = {"device": rng.choice(("cpu", "nvme", "none"))}
+        if rng.random() < 0.5:
+            zero[rng.choice(("overlap_comm", "contiguous_gradients"))] = rng.choice((True, False))
+        configs.append({"train_micro_batch_size_per_gpu": rng.randint(1, 8), "zero_optimization": zero})
+    return configs
+
+
 def _shards_hint(config, got, want) -> str:
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if got["sharded"] != want["sharded"]:
@@ -203,7 +221,7 @@ def check_what_it_shards(fn) -> bool:
     ``"optimizer states"``, ``"gradients"``, ``"parameters"`` (any spelling: "grads", "params", ...)."""
     if is_course_answer(fn):
         return False
-    for config in DS_CASES:
+    for config in DS_CASES + drawn_ds_configs(drawn_rng()):
         got, problem = checked_call(fn, config, references=references_for("what_it_shards"))
         if problem == "todo":
             return not_attempted("what_it_shards")
@@ -222,6 +240,6 @@ def check_what_it_shards(fn) -> bool:
         if norm != want:
             print(f"✗ {config}\n  got {safe_repr(got)}\n  hint: {_shards_hint(config, norm, want)}")
             return False
-    print(f"✓ what_it_shards reads all {len(DS_CASES)} configs: the stage says what is sharded over DP, the "
+    print(f"✓ what_it_shards reads all {len(DS_CASES) + 3} configs (3 drawn for this run): the stage says what is sharded over DP, the "
           f"offload blocks what leaves the GPU")
     return True
