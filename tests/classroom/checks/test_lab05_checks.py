@@ -540,6 +540,13 @@ def test_check_gpu_winner(fn, ok, text, capsys):
     assert text in capsys.readouterr().out
 
 
+def test_gpu_winner_hint_never_names_the_winner(capsys):
+    """The hint explains why the student's config loses from its own numbers; the winner stays unnamed."""
+    assert gpu_projection.check_gpu_winner(_gpu(("B", "tp_is_free"), ("D", "small_tp_short_pp"))).ok is False
+    out = capsys.readouterr().out
+    assert "B: step" in out and "A: step" not in out and " A " not in out.split("hint")[1], out
+
+
 def test_gpu_winner_cases_are_the_labs_story():
     # the checker's expected answers: DP alone for the model that fits, the least split that fits for 13B;
     # on the *CPU* sweep TP is several times slower than A, on NVLink only a fraction (the lesson's contrast)
