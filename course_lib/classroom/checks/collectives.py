@@ -367,7 +367,8 @@ def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
         print("\n".join(problems))
         return False
     print(f"✓ my_ring_all_reduce equals dist.all_reduce for world sizes {list(WORLD_SIZES)} on tensor sizes drawn "
-          f"for this run (multiples of W, not multiples, fewer elements than ranks); it used only point-to-point messages, each rank sending to one neighbour, "
+          f"for this run (multiples of W, not multiples, fewer elements than ranks); it used only point-to-point "
+          f"messages, each rank sending to one neighbour, "
           f"2(W-1)/W·N elements per rank")
     return True
 

@@ -52,8 +52,9 @@ def drawn_line(line: str, rng) -> str:
     """``line`` with its iteration, iteration count, time and loss drawn for this run (in the line's own
     formats and widths), so no table of the fixed lines answers."""
     total = rng.randint(20, 500000)
-    line = re.sub(r"iteration(\s+)(\d+)/(\s*)(\d+)", lambda m: f"iteration {rng.randint(1, total):{len(m[1]) + len(m[2]) - 1}d}/"
-                  f"{total:{len(m[3]) + len(m[4])}d}", line, count=1)
+    line = re.sub(r"iteration(\s+)(\d+)/(\s*)(\d+)",
+                  lambda m: f"iteration {rng.randint(1, total):{len(m[1]) + len(m[2]) - 1}d}/"
+                            f"{total:{len(m[3]) + len(m[4])}d}", line, count=1)
     line = re.sub(r"\(ms\): [\d.]+", lambda m: f"(ms): {rng.uniform(20, 20000):.1f}", line, count=1)
     return re.sub(r"lm loss: (\d)\.(\d+)E([+-]\d+)",
                   lambda m: f"lm loss: {rng.uniform(0.5, 12):.{len(m[2])}E}", line, count=1)

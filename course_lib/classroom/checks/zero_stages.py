@@ -128,7 +128,8 @@ def check_zero_bytes(fn) -> bool:
                       f"  hint: {_part_hint(part, parts[part], n, dp, stage)}")
                 return False
     print(f"✓ zero_bytes_per_rank gives ZeRO's params, grads and optimizer bytes, part by part, for stages 0-3 on "
-          f"{len(BYTES_CASES) + 4} cases (4 drawn for this run; 7.5B on 64 ranks: 120, 31.4, 16.6, 1.9 GB in all -- ZeRO Figure 1)")
+          f"{len(BYTES_CASES) + 4} cases (4 drawn for this run; 7.5B on 64 ranks: 120, 31.4, 16.6, 1.9 GB in all -- "
+          f"ZeRO Figure 1)")
     return True
 
 
@@ -240,6 +241,7 @@ def check_what_it_shards(fn) -> bool:
         if norm != want:
             print(f"✗ {config}\n  got {safe_repr(got)}\n  hint: {_shards_hint(config, norm, want)}")
             return False
-    print(f"✓ what_it_shards reads all {len(DS_CASES) + 3} configs (3 drawn for this run): the stage says what is sharded over DP, the "
+    print(f"✓ what_it_shards reads all {len(DS_CASES) + 3} configs (3 drawn for this run): the stage says what is "
+          f"sharded over DP, the "
           f"offload blocks what leaves the GPU")
     return True

@@ -180,8 +180,9 @@ def test_a_table_of_the_fixed_cases_fails_on_the_drawn_ones(capsys):
     fixed = {(8, 2, 2, 1): 2, (8, 2, 2, 2): 1, (128, 4, 4, 1): 8}
     assert check_derive_dp(lambda w, tp, pp, cp=1: fixed.get((w, tp, pp, cp), 1)).ok is False
     assert "returned 1" in capsys.readouterr().out
-    fixed_ranks = lambda t, k, d, p, tp, cp, dp, pp: rank_right(t, k, d, p, tp, cp, dp, pp) if (tp, cp, dp, pp) in {  # noqa
-        (2, 1, 2, 2), (2, 2, 1, 2)} else 0
+    def fixed_ranks(t, k, d, p, tp, cp, dp, pp):
+        return rank_right(t, k, d, p, tp, cp, dp, pp) if (tp, cp, dp, pp) in {(2, 1, 2, 2), (2, 2, 1, 2)} else 0
+
     assert check_rank_of(fixed_ranks).ok is False
 
 
