@@ -27,6 +27,7 @@ import re
 import numpy as np
 
 from course_lib.data.gpt_dataset import MegatronGPTDataset
+from course_lib.data.index_cache import describe
 from course_lib.data.indexed import IndexedDataset
 from course_lib.rules import UsageError
 
@@ -64,14 +65,16 @@ def parse_split(split: str) -> list[float]:
     if not values or len(values) > 3 or sum(values) <= 0:
         raise UsageError(f"--split {split!r}: give up to three non-negative shares, train,valid,test, e.g. 949,50,1")
     values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
+    return (np.array(values, dtype=np.float64) / np.sum(values)).tolist()   # utils.normalize, bit for bit
 
 
 def split_matrix(vector) -> list[tuple[float, float] | None]:
     """``convert_split_vector_to_split_matrix`` (one vector): ``[0.9, 0.1, 0]`` ->
-    ``[(0, 0.9), (0.9, 1.0), None]`` (None: an empty split)."""
-    ends = np.cumsum([0.0, *vector]).tolist()
+    ``[(0, 0.9), (0.9, 1.0), None]`` (None: an empty split). The same running sum from an int 0, so the
+    bookends print as megatron-core's in the ``--data-cache-path`` description."""
+    ends = [0]
+    for v in vector:
+        ends.append(ends[-1] + v)
     return [None if b <= a else (a, b) for a, b in zip(ends[:-1], ends[1:])]
 
 
@@ -135,9 +138,12 @@ def _size_per_dataset(weights, size: int, surplus: float = 0.0) -> list[int]:
 
 
 def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod: int,
-                   wanted=SPLITS) -> list:
+                   wanted=SPLITS, cache_path=None, tokenizer_identifiers=None) -> list:
     """The train/valid/test datasets of ``--data-path``/``--split`` for ``sizes`` samples each, as
-    ``BlendedMegatronDatasetBuilder.build``; a split not in ``wanted`` (or empty) is None."""
+    ``BlendedMegatronDatasetBuilder.build``; a split not in ``wanted`` (or empty) is None.
+    ``cache_path`` (``--data-cache-path``): each ``GPTDataset``'s indices are loaded from / written to
+    megatron-core's files there (:mod:`course_lib.data.index_cache`), described with
+    ``tokenizer_identifiers`` (the tokenizer's ``unique_identifiers``)."""
     prefixes, weights = parse_blend(data_path)
     bookends = split_matrix(parse_split(split))
     indexed = [IndexedDataset(p) for p in prefixes]          # every prefix checked before any index is built
@@ -145,8 +151,13 @@ def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod
 
     def mid_level(k, i, num_samples):
         ids = split_indices(len(indexed[k].sequence_lengths), bookends[i])
+        cache = None
+        if cache_path is not None:
+            description = describe(prefixes[k], num_samples, SPLITS[i], seed, seq_length, split, bookends,
+                                   tokenizer_identifiers)
+            cache = (cache_path, description, SPLITS[i])
         return MegatronGPTDataset(indexed[k], ids, num_samples, seq_length, seed, eod,
-                                  name=f"{SPLITS[i]} (of {prefixes[k]})")
+                                  name=f"{SPLITS[i]} (of {prefixes[k]})", cache=cache)
 
     out = [None] * len(SPLITS)
     for i in wanted_ids:

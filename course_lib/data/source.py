@@ -12,6 +12,8 @@ Without ``--data-path`` the trainer reads the built-in corpus through the byte t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from course_lib.data.tokenizer import ByteTokenizer
 from course_lib.rules import UsageError
 
@@ -29,7 +31,8 @@ def add_data_arguments(parser) -> None:
     g.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json (python -m course_lib tokenizer)")
     g.add_argument("--merge-file", default=None, help="GPT-2's merges.txt")
     g.add_argument("--data-cache-path", default=None,
-                   help="accepted for Megatron's command line; the course builds its indices in memory")
+                   help="folder of megatron-core's GPTDataset index files (HASH-GPTDataset-SPLIT-*.npy): loaded when "
+                        "there, else built and written by rank 0; default: built in memory, nothing written")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations and after the last (needs --data-path; Megatron's "
                         "default 1000, the course's: no evaluation)")
@@ -73,6 +76,10 @@ def check_data_args(args) -> None:
                          "drop one of them")
     load_tokenizer(args)
     parse_split(args.split)
+    cache = getattr(args, "data_cache_path", None)
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        raise UsageError(f"--data-cache-path {cache} is a file; give a folder (megatron-core keeps its index "
+                         f"files there), e.g. --data-cache-path data/cache")
     for prefix in parse_blend(data_path)[0]:
         IndexedDataset(prefix)
     build_train_dataset(args, args.global_batch_size)     # a split too small for one sample: one line, here
@@ -89,19 +96,23 @@ def build_valid_dataset(args, global_batch_size: int):
     or None without ``--eval-interval``."""
     if getattr(args, "eval_interval", None) is None:
         return None
-    from course_lib.data.blend import build_datasets, num_samples_per_split
+    from course_lib.data.blend import num_samples_per_split
 
     sizes = num_samples_per_split(args.train_iters, global_batch_size, args.eval_interval, args.eval_iters)
-    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
-                          load_tokenizer(args).eod, wanted=("valid",))[1]
+    return _build(args, sizes, "valid")
 
 
 def build_train_dataset(args, global_batch_size: int):
     """The train split for ``--train-iters * global_batch_size`` samples, or None (built-in corpus)."""
     if getattr(args, "data_path", None) is None:
         return None
-    from course_lib.data.blend import build_datasets
+    return _build(args, [args.train_iters * global_batch_size, 0, 0], "train")
 
-    sizes = [args.train_iters * global_batch_size, 0, 0]
-    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
-                          load_tokenizer(args).eod, wanted=("train",))[0]
+
+def _build(args, sizes, split_name: str):
+    from course_lib.data.blend import SPLITS, build_datasets
+
+    tok = load_tokenizer(args)
+    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed, tok.eod,
+                          wanted=(split_name,), cache_path=getattr(args, "data_cache_path", None),
+                          tokenizer_identifiers=tok.unique_identifiers)[SPLITS.index(split_name)]

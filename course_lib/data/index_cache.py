@@ -1,0 +1,106 @@
+"""``--data-cache-path``: megatron-core's on-disk cache of a ``GPTDataset``'s three indices.
+
+megatron-core (``megatron/core/datasets/megatron_dataset.py`` ``MegatronDataset.__init__`` and
+``gpt_dataset.py`` ``_build_document_sample_shuffle_indices``, 0.16.1) names a split's indices by the
+MD5 of a JSON description of everything that decides them::
+
+    {"class": "GPTDataset", "dataset_path": PREFIX, "num_samples": N, "index_split": "train",
+     "random_seed": --seed, "sequence_length": --seq-length, "split": "90,9,1",
+     "split_matrix": [[0, 0.9], ...], "tokenizer": {the tokenizer's unique_identifiers}}
+
+(``json.dumps(..., indent=4)``), and keeps four files under the cache folder::
+
+    HASH-GPTDataset-train-description.txt      the description itself
+    HASH-GPTDataset-train-document_index.npy   int32 [E * D]
+    HASH-GPTDataset-train-sample_index.npy     int32 [N + 1, 2]
+    HASH-GPTDataset-train-shuffle_index.npy    uint32 [N]
+
+A run finds all four and loads them, or builds the indices and (rank 0 only) writes them. The course
+does the same with the same names and bytes (``tests/data/test_megatron_data.py`` compares them with
+what megatron-core writes, and lets megatron-core load the course's files), with two differences:
+each file is written atomically and only when missing, so a run never replaces a file; and the
+arrays are loaded with ``allow_pickle=False`` after the description is compared with the run's,
+so a cache that does not belong to this configuration is one line, not a silent wrong order.
+Without ``--data-cache-path`` megatron-core writes under ``PREFIX/cache/GPTDataset_indices``; the
+course then keeps the indices in memory and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from course_lib.rules import UsageError
+
+INDEX_FILES = ("document_index", "sample_index", "shuffle_index")
+_DTYPES = {"document_index": np.int32, "sample_index": np.int32, "shuffle_index": np.uint32}
+
+
+def describe(dataset_path: str, num_samples, split_name: str, seed: int, seq_length: int, split: str,
+             split_matrix, tokenizer_identifiers) -> str:
+    """``MegatronDataset.unique_description`` of one ``GPTDataset`` split (key order as megatron-core's)."""
+    fields = OrderedDict(
+        [("class", "GPTDataset"), ("dataset_path", dataset_path), ("num_samples", num_samples),
+         ("index_split", split_name), ("random_seed", seed), ("sequence_length", seq_length), ("split", split),
+         ("split_matrix", split_matrix), ("tokenizer", tokenizer_identifiers)])
+    return json.dumps(fields, indent=4)
+
+
+def cache_files(cache_path, description: str, split_name: str) -> dict[str, Path]:
+    """``{affix: path}`` of the description and the three ``.npy`` files (megatron-core's names)."""
+    digest = hashlib.md5(description.encode("utf-8"), usedforsecurity=False).hexdigest()
+    base = Path(cache_path) / f"{digest}-GPTDataset-{split_name}"
+    return {affix: Path(f"{base}-{affix}{'.txt' if affix == 'description' else '.npy'}")
+            for affix in ("description", *INDEX_FILES)}
+
+
+def load(files: dict[str, Path], description: str):
+    """The three cached indices, or None when any file is missing (build them)."""
+    if not all(path.is_file() for path in files.values()):
+        return None
+    if files["description"].read_text(encoding="utf-8") != description:
+        raise UsageError(f"--data-cache-path: {files['description']} does not describe this run's dataset; "
+                         f"the folder holds another run's files under this name: give another --data-cache-path")
+    out = []
+    for affix in INDEX_FILES:
+        try:
+            array = np.load(files[affix], allow_pickle=False, mmap_mode="r")
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"--data-cache-path: {files[affix]} is not a NumPy index ({exc}); move the "
+                             f"cache files away (they are rebuilt) or give another --data-cache-path") from None
+        if array.dtype != _DTYPES[affix]:
+            raise UsageError(f"--data-cache-path: {files[affix]} holds {array.dtype}, not {np.dtype(_DTYPES[affix])}; "
+                             f"move it away (it is rebuilt) or give another --data-cache-path")
+        out.append(array)
+    return tuple(out)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """What ``numpy.save(path, array, allow_pickle=True)`` writes (megatron-core's call), as bytes."""
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=True)
+    return buffer.getvalue()
+
+
+def save(files: dict[str, Path], description: str, indices) -> None:
+    """Write the files that are missing, each atomically (the description last, as megatron-core's readers
+    test all four: a reader never sees a half-built cache)."""
+    from course_lib.safe_files import write_atomic
+
+    for affix, array in zip(INDEX_FILES, indices):
+        if not files[affix].exists():
+            write_atomic(files[affix], npy_bytes(np.asarray(array)))
+    if not files["description"].exists():
+        write_atomic(files["description"], description)
+
+
+def writes_cache() -> bool:
+    """megatron-core's rule: the indices are written by global rank 0, or by a process with no world."""
+    import torch.distributed as dist
+
+    return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
