@@ -7,17 +7,21 @@ in Megatron's batch order (:func:`course_lib.data.microbatch_sample_indices`: it
 samples ``[it * G, (it + 1) * G)``), and the model's vocabulary is the tokenizer's.
 
 Without ``--data-path`` the trainer reads the built-in corpus through the byte tokenizer
-(:mod:`course_lib.data.sampler`), as before: the labs' printed losses stay the same.
+(:mod:`course_lib.data.sampler`), as before: the labs' printed losses were measured on that order
+and nbval compares them, so it stays the default. The same documents go through Megatron's path when
+asked: :func:`course_lib.data.corpus.write_corpus_dataset` writes them as byte ids into ``.bin/.idx``
+and ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256`` trains on them (same
+vocabulary, megatron-core's ``GPTDataset`` order).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from course_lib.data.tokenizer import ByteTokenizer
+from course_lib.data.tokenizer import ByteTokenizer, NullTokenizer
 from course_lib.rules import UsageError
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer",)
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "NullTokenizer")
 DEFAULT_SPLIT = "969,30,1"   # Megatron's --split default
 
 
@@ -30,6 +34,9 @@ def add_data_arguments(parser) -> None:
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     g.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json (python -m course_lib tokenizer)")
     g.add_argument("--merge-file", default=None, help="GPT-2's merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary before eod (ids 0..N-1, eod N); 256 reads the built-in corpus "
+                        "written by course_lib.data.corpus.write_corpus_dataset")
     g.add_argument("--data-cache-path", default=None,
                    help="folder of megatron-core's GPTDataset index files (HASH-GPTDataset-SPLIT-*.npy): loaded when "
                         "there, else built and written by rank 0; default: built in memory, nothing written")
@@ -40,9 +47,12 @@ def add_data_arguments(parser) -> None:
 
 
 def load_tokenizer(args):
-    """The run's tokenizer: GPT-2 BPE from ``--vocab-file``/``--merge-file``, else the byte tokenizer."""
+    """The run's tokenizer: GPT-2 BPE from ``--vocab-file``/``--merge-file``, ``NullTokenizer`` of
+    ``--vocab-size``, else the byte tokenizer."""
     if getattr(args, "tokenizer_type", None) is None:
         return ByteTokenizer()
+    if args.tokenizer_type == "NullTokenizer":
+        return NullTokenizer(getattr(args, "vocab_size", None))
     from course_lib.data.bpe import BPETokenizer
 
     return BPETokenizer.from_files(args.vocab_file, args.merge_file)

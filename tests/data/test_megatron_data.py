@@ -336,3 +336,40 @@ def test_trainer_data_flags_refused_in_one_line(tiny, extra, message):
                          "--vocab-file", str(tiny["vocab"]), "--merge-file", str(tiny["merges"])]
     with pytest.raises(ValueError, match=message):
         validate_args(parse_args(extra), 1)
+
+
+def test_builtin_corpus_through_megatron_path(megatron_core_world, tmp_path):
+    """The trainer's default text through Megatron's path when asked: ``write_corpus_dataset`` holds the byte
+    sampler's token stream document by document; ``--tokenizer-type NullTokenizer --vocab-size 256`` is the byte
+    vocabulary (eod 256, 257 ids, as megatron-core's NullTokenizer); the trainer's samples are megatron-core's
+    GPTDataset's on those files; the model is the default's (257 ids padded to 384) and starts at ln 384."""
+    import warnings
+
+    from course_lib.data import ByteTokenizer, corpus_tokens, get_global_batch
+    from course_lib.data.corpus import write_corpus_dataset
+    from course_lib.data.source import build_train_dataset, load_tokenizer
+    from course_lib.train import parse_args, train_single_process, validate_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNull
+    prefix = str(tmp_path / "builtin_text_document")
+    write_corpus_dataset(prefix)
+    ds = IndexedDataset(prefix)
+    assert np.array_equal(np.concatenate([ds[i] for i in range(len(ds))]), corpus_tokens())
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "2", "--lr", "3e-3",
+            "--data-path", prefix, "--split", "98,2,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+    args, _ = validate_args(parse_args(argv), 1)
+    tok, theirs_tok = load_tokenizer(args), McoreNull(256)
+    assert (tok.vocab_size, tok.eod) == (theirs_tok.vocab_size, theirs_tok._eod_id) == (257, ByteTokenizer.eod)
+    theirs = _megatron_core_datasets([prefix], "98,2,0", [8, 4, 0], 64, 1234, tok, tmp_path / "cache")[0]
+    ours = build_train_dataset(args, 4)
+    for it in range(2):
+        want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 4, it * 4 + 4)])
+        assert np.array_equal(get_global_batch(it, 4, 64, 1234, dataset=ours)["tokens"].numpy(), want)
+    default, _ = validate_args(parse_args(argv[:-8]), 1)                     # no data flags: the byte sampler
+    assert args.padded_vocab_size == default.padded_vocab_size == 384       # the same model as the default's
+    assert train_single_process(parse_args(argv))["lm_loss"][0] == pytest.approx(np.log(384), rel=0.02)
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        validate_args(parse_args(argv[:-2]), 1)
