@@ -104,6 +104,8 @@ class MegatronGPTDataset:
             train); None: one epoch.
         seq_length: ``--seq-length``; seed: ``--seed``; eod: the tokenizer's eod id (``--eod-mask-loss``).
         name: the split's name, for messages.
+        cache: ``(folder, description, split name)`` for ``--data-cache-path``: the three indices are loaded
+            from megatron-core's files there, or built and written (:mod:`course_lib.data.index_cache`).
     """
 
     def __init__(self, indexed, indices, num_samples: int | None, seq_length: int, seed: int, eod: int,
@@ -182,7 +184,8 @@ def ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_position_i
                                 reset_attention_mask: bool = False, eod_mask_loss: bool = False):
     """megatron-core's ``_get_ltor_masks_and_position_ids`` (``gpt_dataset.py``) for one sample ``[s]``.
 
-    Returns ``(attention_mask [1, s, s] bool, True = masked; loss_mask [s] float32; position_ids [s] int64)``:
+    Returns ``(attention_mask [1, s, s] bool, True = masked, or None without reset_attention_mask;
+    loss_mask [s] float32; position_ids [s] int64)``:
 
     * ``eod_mask_loss`` (``--eod-mask-loss``): the loss mask is 0 where the *input* token is eod (the
       prediction made from an eod, i.e. the first token of the next document, is not trained);
@@ -203,7 +206,7 @@ def ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_position_i
         after_eod = torch.zeros(s, dtype=torch.int64)
         after_eod[1:] = torch.where(is_eod[:-1], torch.arange(1, s), torch.zeros(s - 1, dtype=torch.int64))
         position_ids = position_ids - torch.cummax(after_eod, 0).values       # minus where the document starts
-    allowed = torch.ones(s, s, dtype=torch.bool).tril()
-    if reset_attention_mask:
-        allowed &= segment[:, None] == segment[None, :]
+    if not reset_attention_mask:      # the model's attention is causal by itself: no [s, s] mask to carry
+        return None, loss_mask, position_ids
+    allowed = torch.ones(s, s, dtype=torch.bool).tril() & (segment[:, None] == segment[None, :])
     return ~allowed.unsqueeze(0), loss_mask, position_ids
