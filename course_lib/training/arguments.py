@@ -215,7 +215,7 @@ def _check_values(a: argparse.Namespace) -> None:
     rules.timeout_seconds("distributed_timeout_minutes", a.distributed_timeout_minutes, unit_s=60)
     _check_precision(a)
     _check_moe_values(a)
-    for dest in ("ddp_bucket_size", "eval_interval", "eval_iters"):
+    for dest in ("ddp_bucket_size", "eval_interval", "eval_iters", "vocab_size"):
         if getattr(a, dest, None) is not None:
             rules.integer(dest, getattr(a, dest))
 
