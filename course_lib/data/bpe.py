@@ -88,7 +88,8 @@ class BPETokenizer:
         self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
         self._cache: dict[str, list[int]] = {}
         # what --data-cache-path's description records of the tokenizer: Megatron-LM's _GPT2BPETokenizer
-        # (megatron/training/tokenizer, MegatronLegacyTokenizer.__init__): its class and its two files
+        # (megatron/training/tokenizer, MegatronLegacyTokenizer.__init__): its class and its two files. Megatron-LM
+        # builds that one with --legacy-tokenizer; its default (megatron.core.tokenizers) records other fields.
         self.unique_identifiers = {"class": "_GPT2BPETokenizer", "tokenizer_path": []}
         _check_tokenizer(self)
 

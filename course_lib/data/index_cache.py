@@ -23,6 +23,12 @@ arrays are loaded with ``allow_pickle=False`` after the description is compared 
 so a cache that does not belong to this configuration is one line, not a silent wrong order.
 Without ``--data-cache-path`` megatron-core writes under ``PREFIX/cache/GPTDataset_indices``; the
 course then keeps the indices in memory and writes nothing.
+
+The tokenizer's part of the description is its ``unique_identifiers``: the course records those of
+Megatron-LM's legacy tokenizers (``_GPT2BPETokenizer``, ``_NullTokenizer``), which Megatron-LM main
+builds with ``--legacy-tokenizer``; without it, main's ``megatron.core.tokenizers`` tokenizer records
+other fields, so its hash (its file names) differs while the arrays are the same. Only the
+``GPTDataset`` files are kept: a blend's own ``BlendedDataset`` index is rebuilt in memory.
 """
 
 from __future__ import annotations
