@@ -81,7 +81,8 @@ class NullTokenizer:
     megatron/training/tokenizer/tokenizer.py): ids are given, not made from text; ``eod == V`` and
     ``vocab_size == V + 1``. With ``V = 256`` it is the byte tokenizer's vocabulary, so the built-in
     corpus written as bytes (:func:`course_lib.data.corpus.write_corpus_dataset`) trains through
-    ``--data-path`` with it. ``unique_identifiers``: what Megatron-LM's records for ``--data-cache-path``."""
+    ``--data-path`` with it. ``unique_identifiers``: what Megatron-LM's ``_NullTokenizer`` records for
+    ``--data-cache-path``."""
 
     def __init__(self, vocab_size: int):
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
