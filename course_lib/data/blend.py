@@ -21,13 +21,14 @@ Bad input (weights that do not parse, a missing ``.idx``...) is one ``UsageError
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
 import numpy as np
 
 from course_lib.data.gpt_dataset import MegatronGPTDataset
-from course_lib.data.index_cache import describe
+from course_lib.data.index_cache import CacheEntry, blended_identifiers, gpt_identifiers
 from course_lib.data.indexed import IndexedDataset
 from course_lib.rules import UsageError
 
@@ -111,12 +112,22 @@ def blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BlendedSamples:
-    """megatron-core's ``BlendedDataset``: sample ``i`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``."""
+    """megatron-core's ``BlendedDataset``: sample ``i`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``.
+    With ``cache_path`` (``--data-cache-path``; the datasets built with theirs) the two indices are megatron-core's
+    ``HASH-BlendedDataset-SPLIT-*.npy`` files there, loaded or written."""
 
-    def __init__(self, datasets, weights, size: int):
-        total = sum(weights)                   # BlendedDataset normalises again (bit for bit as it does)
-        self.datasets, self.weights = list(datasets), [w / total for w in weights]
-        self.dataset_index, self.dataset_sample_index = blending_indices(self.weights, size)
+    def __init__(self, datasets, weights, size: int, cache_path=None):
+        self.datasets = list(datasets)
+        w = np.asarray(weights, dtype=np.float64)
+        self.weights = (w / np.sum(w)).tolist()       # BlendedDataset normalises again (utils.normalize)
+        build = functools.partial(blending_indices, self.weights, size)
+        if cache_path is None:
+            self.dataset_index, self.dataset_sample_index = build()
+        else:
+            identifiers = blended_identifiers([d.cache.identifiers for d in self.datasets],
+                                              self.datasets[0].cache.split_name, self.weights, size)
+            entry = CacheEntry(cache_path, identifiers, self.datasets[0].cache.split_name)
+            self.dataset_index, self.dataset_sample_index = entry.load_or_build(build)
         for k, ds in enumerate(self.datasets):
             need = int((self.dataset_index == k).sum())
             if need > len(ds):
@@ -153,9 +164,8 @@ def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod
         ids = split_indices(len(indexed[k].sequence_lengths), bookends[i])
         cache = None
         if cache_path is not None:
-            description = describe(prefixes[k], num_samples, SPLITS[i], seed, seq_length, split, bookends,
-                                   tokenizer_identifiers)
-            cache = (cache_path, description, SPLITS[i])
+            cache = CacheEntry(cache_path, gpt_identifiers(prefixes[k], num_samples, SPLITS[i], seed, seq_length,
+                                                           split, bookends, tokenizer_identifiers), SPLITS[i])
         return MegatronGPTDataset(indexed[k], ids, num_samples, seq_length, seed, eod,
                                   name=f"{SPLITS[i]} (of {prefixes[k]})", cache=cache)
 
@@ -167,10 +177,10 @@ def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod
             parts = [mid_level(k, i, None) for k in range(len(prefixes))]
             lengths = [len(p) for p in parts]
             total = sum(lengths)
-            out[i] = BlendedSamples(parts, lengths, min(sizes[i], total))
+            out[i] = BlendedSamples(parts, lengths, min(sizes[i], total), cache_path)
         else:
             target = _size_per_dataset(weights, sizes[i])
             buffered = _size_per_dataset(weights, sizes[i], MID_LEVEL_DATASET_SURPLUS)
             parts = [mid_level(k, i, buffered[k]) for k in range(len(prefixes))]
-            out[i] = BlendedSamples(parts, weights, sum(target))
+            out[i] = BlendedSamples(parts, weights, sum(target), cache_path)
     return out

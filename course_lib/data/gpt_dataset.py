@@ -24,6 +24,8 @@ Three indices, built once per split from the documents ``indices`` of that split
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -104,8 +106,8 @@ class MegatronGPTDataset:
             train); None: one epoch.
         seq_length: ``--seq-length``; seed: ``--seed``; eod: the tokenizer's eod id (``--eod-mask-loss``).
         name: the split's name, for messages.
-        cache: ``(folder, description, split name)`` for ``--data-cache-path``: the three indices are loaded
-            from megatron-core's files there, or built and written (:mod:`course_lib.data.index_cache`).
+        cache: a :class:`course_lib.data.index_cache.CacheEntry` for ``--data-cache-path``: the three indices
+            are loaded from megatron-core's files there, or built and written.
     """
 
     def __init__(self, indexed, indices, num_samples: int | None, seq_length: int, seed: int, eod: int,
@@ -123,17 +125,10 @@ class MegatronGPTDataset:
                              f"not one sample of seq_length {self.seq_length} + 1; give it more of the data with "
                              f"--split (e.g. 90,8,2) or a shorter --seq-length")
         self.num_epochs = num_epochs_for(num_samples, tokens_per_epoch, self.seq_length)
-        cached = None
-        if cache is not None:                     # (folder, description, split name): course_lib.data.index_cache
-            from course_lib.data import index_cache
-
-            files = index_cache.cache_files(cache[0], cache[1], cache[2])
-            cached = index_cache.load(files, cache[1])
-        if cached is None:
-            cached = self._build_indices(sizes, tokens_per_epoch)
-            if cache is not None and index_cache.writes_cache():
-                index_cache.save(files, cache[1], cached)
-        self.document_index, self.sample_index, self.shuffle_index = cached
+        self.cache = cache
+        build = functools.partial(self._build_indices, sizes, tokens_per_epoch)
+        self.document_index, self.sample_index, self.shuffle_index = \
+            build() if cache is None else cache.load_or_build(build)
 
     def _build_indices(self, sizes, tokens_per_epoch: int):
         """``_build_document_sample_shuffle_indices`` (the build half): ``(document, sample, shuffle)``."""

@@ -1,4 +1,4 @@
-"""``--data-cache-path``: megatron-core's on-disk cache of a ``GPTDataset``'s three indices.
+"""``--data-cache-path``: megatron-core's on-disk cache of a ``GPTDataset``'s three indices (and a blend's two).
 
 megatron-core (``megatron/core/datasets/megatron_dataset.py`` ``MegatronDataset.__init__`` and
 ``gpt_dataset.py`` ``_build_document_sample_shuffle_indices``, 0.16.1) names a split's indices by the
@@ -27,8 +27,12 @@ course then keeps the indices in memory and writes nothing.
 The tokenizer's part of the description is its ``unique_identifiers``: the course records those of
 Megatron-LM's legacy tokenizers (``_GPT2BPETokenizer``, ``_NullTokenizer``), which Megatron-LM main
 builds with ``--legacy-tokenizer``; without it, main's ``megatron.core.tokenizers`` tokenizer records
-other fields, so its hash (its file names) differs while the arrays are the same. Only the
-``GPTDataset`` files are kept: a blend's own ``BlendedDataset`` index is rebuilt in memory.
+other fields, so its hash (its file names) differs while the arrays are the same.
+
+A weighted blend adds megatron-core's ``BlendedDataset`` files (``blended_dataset.py``
+``_build_indices``): ``HASH-BlendedDataset-train-{description.txt, dataset_index.npy (int16),
+dataset_sample_index.npy (int64)}``, described by the class, its datasets' descriptions, the split,
+the normalised weights and the size.
 """
 
 from __future__ import annotations
@@ -37,43 +41,76 @@ import hashlib
 import io
 import json
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from course_lib.rules import UsageError
 
-INDEX_FILES = ("document_index", "sample_index", "shuffle_index")
-_DTYPES = {"document_index": np.int32, "sample_index": np.int32, "shuffle_index": np.uint32}
+INDEX_FILES = {"GPTDataset": ("document_index", "sample_index", "shuffle_index"),
+               "BlendedDataset": ("dataset_index", "dataset_sample_index")}
+_DTYPES = {"document_index": np.int32, "sample_index": np.int32, "shuffle_index": np.uint32,
+           "dataset_index": np.int16, "dataset_sample_index": np.int64}
 
 
-def describe(dataset_path: str, num_samples, split_name: str, seed: int, seq_length: int, split: str,
-             split_matrix, tokenizer_identifiers) -> str:
-    """``MegatronDataset.unique_description`` of one ``GPTDataset`` split (key order as megatron-core's)."""
-    fields = OrderedDict(
+def gpt_identifiers(dataset_path: str, num_samples, split_name: str, seed: int, seq_length: int, split: str,
+                    split_matrix, tokenizer_identifiers) -> OrderedDict:
+    """``MegatronDataset.unique_identifiers`` of one ``GPTDataset`` split (key order as megatron-core's)."""
+    return OrderedDict(
         [("class", "GPTDataset"), ("dataset_path", dataset_path), ("num_samples", num_samples),
          ("index_split", split_name), ("random_seed", seed), ("sequence_length", seq_length), ("split", split),
          ("split_matrix", split_matrix), ("tokenizer", tokenizer_identifiers)])
-    return json.dumps(fields, indent=4)
 
 
-def cache_files(cache_path, description: str, split_name: str) -> dict[str, Path]:
-    """``{affix: path}`` of the description and the three ``.npy`` files (megatron-core's names)."""
-    digest = hashlib.md5(description.encode("utf-8"), usedforsecurity=False).hexdigest()
-    base = Path(cache_path) / f"{digest}-GPTDataset-{split_name}"
-    return {affix: Path(f"{base}-{affix}{'.txt' if affix == 'description' else '.npy'}")
-            for affix in ("description", *INDEX_FILES)}
+def blended_identifiers(datasets, split_name: str, weights, size: int) -> OrderedDict:
+    """``BlendedDataset``'s: its datasets' identifiers, the split, the normalised weights, the size."""
+    return OrderedDict([("class", "BlendedDataset"), ("datasets", list(datasets)), ("split", split_name),
+                        ("weights", list(weights)), ("size", size)])
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One dataset's files under ``--data-cache-path``: ``folder``, ``identifiers`` (whose class names the
+    kind), ``split_name``."""
+
+    folder: str
+    identifiers: OrderedDict
+    split_name: str
+
+    @property
+    def description(self) -> str:
+        return json.dumps(self.identifiers, indent=4)
+
+    def files(self) -> dict[str, Path]:
+        """``{affix: path}``: the description first, then the ``.npy`` files (megatron-core's names)."""
+        kind = self.identifiers["class"]
+        digest = hashlib.md5(self.description.encode("utf-8"), usedforsecurity=False).hexdigest()
+        base = Path(self.folder) / f"{digest}-{kind}-{self.split_name}"
+        return {affix: Path(f"{base}-{affix}{'.txt' if affix == 'description' else '.npy'}")
+                for affix in ("description", *INDEX_FILES[kind])}
+
+    def load_or_build(self, build) -> tuple:
+        """The cached arrays when all the files are there, else ``build()``'s, written by rank 0."""
+        files = self.files()
+        cached = load(files, self.description)
+        if cached is not None:
+            return cached
+        arrays = build()
+        if writes_cache():
+            save(files, self.description, arrays)
+        return arrays
 
 
 def load(files: dict[str, Path], description: str):
-    """The three cached indices, or None when any file is missing (build them)."""
+    """The cached arrays, or None when any file is missing (build them)."""
     if not all(path.is_file() for path in files.values()):
         return None
     if files["description"].read_text(encoding="utf-8") != description:
         raise UsageError(f"--data-cache-path: {files['description']} does not describe this run's dataset; "
                          f"the folder holds another run's files under this name: give another --data-cache-path")
     out = []
-    for affix in INDEX_FILES:
+    for affix in list(files)[1:]:
         try:
             array = np.load(files[affix], allow_pickle=False, mmap_mode="r")
         except (ValueError, OSError) as exc:
@@ -93,12 +130,12 @@ def npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def save(files: dict[str, Path], description: str, indices) -> None:
+def save(files: dict[str, Path], description: str, arrays) -> None:
     """Write the files that are missing, each atomically (the description last, as megatron-core's readers
-    test all four: a reader never sees a half-built cache)."""
+    test all of them: a reader never sees a half-built cache)."""
     from course_lib.safe_files import write_atomic
 
-    for affix, array in zip(INDEX_FILES, indices):
+    for affix, array in zip(list(files)[1:], arrays):
         if not files[affix].exists():
             write_atomic(files[affix], npy_bytes(np.asarray(array)))
     if not files["description"].exists():

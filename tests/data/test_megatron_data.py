@@ -188,13 +188,14 @@ def test_samples_equal_megatron_core(tiny, megatron_core_world, tmp_path, blend,
                                                                                            window[1:]), i
 
 
-def _gpt_dataset_files(folder) -> dict:
-    return {p.name: p.read_bytes() for p in sorted(folder.glob("*-GPTDataset-*"))}
+def _cache_files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
 def test_data_cache_path_files_equal_megatron_core_and_load_both_ways(tiny, megatron_core_world, tmp_path):
     """``--data-cache-path``: the course writes megatron-core's file names (MD5 of the same description)
-    and bytes for every split of a blend; megatron-core loads the course's files without rebuilding them,
+    and bytes for every split of a blend (each GPTDataset's three indices, the BlendedDataset's two);
+    megatron-core loads the course's files without rebuilding them,
     and the course loads them back (a description of another run is one line)."""
     import os
     import shutil
@@ -212,16 +213,17 @@ def test_data_cache_path_files_equal_megatron_core_and_load_both_ways(tiny, mega
     ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
     ours = build_datasets(*args, cache_path=ours_dir, tokenizer_identifiers=tok.unique_identifiers)
     _megatron_core_datasets(data_path, "90,8,2", [300, 40, 20], 32, 1234, tok, theirs_dir)
-    mine, theirs = _gpt_dataset_files(ours_dir), _gpt_dataset_files(theirs_dir)
-    assert len(mine) == 2 * 3 * 4 and sorted(mine) == sorted(theirs)      # 2 prefixes x 3 splits x 4 files
+    mine, theirs = _cache_files(ours_dir), _cache_files(theirs_dir)
+    assert sorted(mine) == sorted(theirs)
+    assert sum("-GPTDataset-" in n for n in mine) == 2 * 3 * 4            # 2 prefixes x 3 splits x 4 files
+    assert sum("-BlendedDataset-" in n for n in mine) == 3 * 3            # 3 splits x (description + 2 indices)
     assert all(mine[name] == theirs[name] for name in mine)
     stamps = {p.name: p.stat().st_mtime_ns for p in ours_dir.iterdir()}
     again = _megatron_core_datasets(data_path, "90,8,2", [300, 40, 20], 32, 1234, tok, ours_dir)
-    assert {p.name: p.stat().st_mtime_ns for p in ours_dir.glob("*-GPTDataset-*")} == \
-        {n: t for n, t in stamps.items() if "-GPTDataset-" in n}               # loaded, not rebuilt
+    assert {p.name: p.stat().st_mtime_ns for p in ours_dir.iterdir()} == stamps     # loaded, not rebuilt
     loaded = build_datasets(*args, cache_path=ours_dir, tokenizer_identifiers=tok.unique_identifiers)
     for a, b, c in zip(again, ours, loaded):
-        assert isinstance(c.datasets[0].sample_index, np.memmap)            # read from the files
+        assert isinstance(c.datasets[0].sample_index, np.memmap) and isinstance(c.dataset_index, np.memmap)
         assert all(np.array_equal(a[i]["tokens"].numpy(), b[i][:-1]) and np.array_equal(b[i], c[i])
                    for i in range(len(a)))
     name = next(n for n in mine if n.endswith("-train-description.txt"))
