@@ -36,6 +36,13 @@ SPLITS = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
 
 
+def normalize(weights) -> list[float]:
+    """megatron-core's ``utils.normalize``, bit for bit (NumPy's sum): the weights and split shares it
+    computes are written into ``--data-cache-path``'s descriptions, so they must print the same."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
 def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
     """``--data-path`` words -> ``(prefixes, normalised weights or None)`` (``get_blend_from_list``)."""
     words = [data_path] if isinstance(data_path, str) else list(data_path or [])
@@ -56,8 +63,7 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
         raise UsageError(f"--data-path {' '.join(words)}: {bad[0]!r} is not a positive weight; a blend is "
                          f"'WEIGHT PREFIX WEIGHT PREFIX ...', e.g. --data-path 0.7 data/a_text_document "
                          f"0.3 data/b_text_document")
-    total = sum(weights)
-    return [w.strip() for w in words[1::2]], [w / total for w in weights]
+    return [w.strip() for w in words[1::2]], normalize(weights)
 
 
 def parse_split(split: str) -> list[float]:
@@ -66,7 +72,7 @@ def parse_split(split: str) -> list[float]:
     if not values or len(values) > 3 or sum(values) <= 0:
         raise UsageError(f"--split {split!r}: give up to three non-negative shares, train,valid,test, e.g. 949,50,1")
     values += [0.0] * (3 - len(values))
-    return (np.array(values, dtype=np.float64) / np.sum(values)).tolist()   # utils.normalize, bit for bit
+    return normalize(values)
 
 
 def split_matrix(vector) -> list[tuple[float, float] | None]:
@@ -118,8 +124,7 @@ class BlendedSamples:
 
     def __init__(self, datasets, weights, size: int, cache_path=None):
         self.datasets = list(datasets)
-        w = np.asarray(weights, dtype=np.float64)
-        self.weights = (w / np.sum(w)).tolist()       # BlendedDataset normalises again (utils.normalize)
+        self.weights = normalize(weights)             # BlendedDataset normalises again
         build = functools.partial(blending_indices, self.weights, size)
         if cache_path is None:
             self.dataset_index, self.dataset_sample_index = build()
@@ -152,8 +157,8 @@ def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod
                    wanted=SPLITS, cache_path=None, tokenizer_identifiers=None) -> list:
     """The train/valid/test datasets of ``--data-path``/``--split`` for ``sizes`` samples each, as
     ``BlendedMegatronDatasetBuilder.build``; a split not in ``wanted`` (or empty) is None.
-    ``cache_path`` (``--data-cache-path``): each ``GPTDataset``'s indices are loaded from / written to
-    megatron-core's files there (:mod:`course_lib.data.index_cache`), described with
+    ``cache_path`` (``--data-cache-path``): each ``GPTDataset``'s indices (and a blend's) are loaded from /
+    written to megatron-core's files there (:mod:`course_lib.data.index_cache`), described with
     ``tokenizer_identifiers`` (the tokenizer's ``unique_identifiers``)."""
     prefixes, weights = parse_blend(data_path)
     bookends = split_matrix(parse_split(split))

@@ -205,7 +205,7 @@ def test_data_cache_path_files_equal_megatron_core_and_load_both_ways(tiny, mega
     other = str(tmp_path / "b_text_document")
     for suffix in (".bin", ".idx"):
         shutil.copy(tiny["prefix"] + suffix, other + suffix)
-    data_path = ["0.7", tiny["prefix"], "0.3", other]
+    data_path = ["2", tiny["prefix"], "1", other]           # weights 2/3, 1/3: normalised as megatron-core does
     tok = BPETokenizer.from_files(str(tiny["vocab"]), str(tiny["merges"]))
     assert tok.unique_identifiers == {"class": "_GPT2BPETokenizer",
                                       "tokenizer_path": [str(tiny["vocab"]), str(tiny["merges"])]}
