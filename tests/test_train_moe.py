@@ -42,7 +42,7 @@ LAYOUTS_4 = {   # name: extra flags, on 4 ranks
     "EP2 (DP4, expert DP2)": [EP, "2"],
     "EP4, allgather dispatcher (DP4, expert DP1)": [EP, "4", "--moe-token-dispatcher-type", "allgather"],
     "TP2 x EP2 + SP (DP2, expert TP2, expert DP1)": ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                                      EP, "2"],
+                                                      EP, "2", "--disable-bias-linear"],
     # the aux loss's gradient takes the loss scale too (forgetting it: loss 1.2e-3 off, measured);
     # overflow flags: dense over tp-pp, experts over tp-ep-pp
     "EP2 + fp16, loss scale 128": [EP, "2", "--fp16", "--loss-scale", "128"],
