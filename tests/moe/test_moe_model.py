@@ -342,7 +342,8 @@ def test_parameters_each_rank_holds_equal_the_sizing_formula(runs4, name):
                                   num_attention_heads=c.num_attention_heads, vocab_size=c.padded_vocab_size,
                                   num_experts=c.num_experts, moe_router_topk=c.moe_router_topk,
                                   moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_layer_freq=c.moe_layer_freq,
-                                  max_position_embeddings=c.max_position_embeddings)
+                                  max_position_embeddings=c.max_position_embeddings,
+                                  add_bias_linear=c.add_bias_linear)
     want = moe_bytes_per_rank(counts, world_size=4, **sizes)
     for r in runs4:
         assert r[name]["numel"] == {"expert": want["expert_params"], "dense": want["dense_params"]}
