@@ -188,9 +188,9 @@ class MoEMLP(nn.Module):
             dim = mine.expert_partition_dim
             mine.copy_(full[local] if dim is None else full[local].chunk(self.etp, dim)[r])
 
-    def full_expert_tensor(self, value: torch.Tensor, partition_dim: int) -> torch.Tensor:
+    def full_expert_tensor(self, value: torch.Tensor, partition_dim: int | None) -> torch.Tensor:
         """All experts, unsplit: gather ``value`` (an expert weight or grad of this rank) over expert TP
-        along ``partition_dim``, then over EP along dim 0. Collective over both groups."""
+        along ``partition_dim`` (None: not split), then over EP along dim 0. Collective over both groups."""
         if self.groups is None:
             return value.detach().clone()
         value = value.detach().contiguous()
