@@ -439,7 +439,8 @@ def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dic
         counts = moe_parameter_counts(
             num_layers=L, hidden_size=h, num_attention_heads=heads, vocab_size=V, num_experts=experts,
             moe_ffn_hidden_size=a.moe_ffn_hidden_size or ffn, moe_router_topk=min(a.moe_router_topk, experts),
-            moe_layer_freq=a.moe_layer_freq, ffn_hidden_size=ffn, max_position_embeddings=positions)
+            moe_layer_freq=a.moe_layer_freq, ffn_hidden_size=ffn, max_position_embeddings=positions,
+            add_bias_linear=not getattr(a, "disable_bias_linear", False))
         master += counts["experts"] + counts["router"]
         mine += counts["experts"] / (cfg.grid.expert_tp * cfg.grid.ep * pp) + counts["router"] / pp
     states = sizing.model_state_bytes(mine, param_bytes=4, grad_bytes=4, k=8).total
