@@ -258,6 +258,10 @@ def _moe_case(tp: int, ep: int, etp: int, sp: bool, dispatcher: str) -> dict:
         with torch.random.fork_rng(devices=[]):                 # every expert, the same numbers on every rank
             torch.manual_seed(SEED)
             master = MoEMLP(g, 1, None, init=True)
+            with torch.no_grad():                                 # the experts' biases start at zero: not here
+                for bias in (master.experts.linear_fc1.bias, master.experts.linear_fc2.bias):
+                    if bias is not None:
+                        bias.normal_(0.0, 0.3)
         course = MoEMLP(g, 1, new_moe_process_groups(RankGrid(dist.get_world_size(), tp=tp, ep=ep, expert_tp=etp)))
         if sp:
             course.mark_sequence_parallel()
