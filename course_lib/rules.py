@@ -28,8 +28,8 @@ The map
   :func:`fits_in_memory`, :func:`finite_loss_and_grad`;
 * mixture of experts (Megatron's ``MoELayer``, the expert grid of ``topology.RankGrid``) --
   :func:`moe_experts`, :func:`expert_data_parallel_size`, :func:`expert_order`,
-  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_bias_with_expert_tp`, :func:`moe_context_parallel`,
-  :func:`moe_dispatcher`, :func:`moe_state_sharding`;
+  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_bias_with_expert_tp`,
+  :func:`moe_context_parallel`, :func:`moe_dispatcher`, :func:`moe_state_sharding`;
 * state sharding (distributed optimizer, Megatron-FSDP, DeepSpeed's ZeRO over DP) --
   :func:`sharding_stage`, :func:`sharding_flags`, :func:`sharding_layout`, :func:`deepspeed_layout`;
 * checkpoints -- :func:`checkpoint_flags`, :func:`course_checkpoint`, :func:`megatron_fsdp_checkpoint`,

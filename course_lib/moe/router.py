@@ -47,9 +47,8 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, topk: int, *, bias: torch.Tensor | None = None,
-          aux_loss_coeff: float = 0.0,
-          z_loss_coeff: float | None = None, pre_softmax: bool = False, sequence_partition_group=None,
-          parts: dict | None = None):
+          aux_loss_coeff: float = 0.0, z_loss_coeff: float | None = None, pre_softmax: bool = False,
+          sequence_partition_group=None, parts: dict | None = None):
     """Route each token to ``topk`` experts.
 
     ``x``: [T, H] tokens; ``weight``: [E, H] (Megatron's ``router.weight``); ``bias``: [E] or None
