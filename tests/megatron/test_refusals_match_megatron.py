@@ -125,13 +125,23 @@ REFUSALS = [
     Refusal("experts divisible by EP", 4, "--num-experts 3 --expert-model-parallel-size 2",
             "num-experts=3 is not divisible by expert-model-parallel-size=2",
             ("Number of experts should be a multiple of expert model parallel_size",)),
+    # expert TP defaults to TP (2 here); Megatron-LM's validate_args lets it pass, its TransformerConfig refuses it
+    Refusal("biased experts need expert TP 1", 4, "--tensor-model-parallel-size 2 --sequence-parallel "
+            "--num-experts 4 --expert-model-parallel-size 2",
+            "expert-tensor-parallel-size=2 and biased linears: megatron-core refuses it", (OK,),
+            (_transformer_config, dict(num_moe_experts=4, tensor_model_parallel_size=2, sequence_parallel=True,
+                                       expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+             "Bias in Moe is only supported when ETP==1")),
 ]
 
 # Combinations Megatron-LM's validate_args accepts (possibly after changing a flag, as it says) and the course too.
 ACCEPTED = [
     (4, ""),
     (2, "--sequence-parallel"),                                   # TP 1: both turn sequence parallelism off
-    (4, "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2"),
+    (4, "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+        "--disable-bias-linear"),
+    (4, "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+        "--expert-tensor-parallel-size 1"),                         # biased experts at expert TP 1
     (4, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --num-layers 8 "
         "--global-batch-size 4"),
     (2, "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"),
