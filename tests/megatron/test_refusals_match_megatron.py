@@ -117,7 +117,8 @@ REFUSALS = [
             (_optimizer_config, dict(use_precision_aware_optimizer=True), "only supported with distributed optimizer")),
     Refusal("Megatron-FSDP needs the fsdp_dtensor format", 2, "--use-megatron-fsdp",
             "ckpt_format='torch_dist' with --use-megatron-fsdp",
-            ("Megatron FSDP only supports fsdp_dtensor checkpoint format",)),
+            ("Megatron FSDP only supports fsdp_dtensor checkpoint format",          # core_v0.16.1
+             "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format")),    # main
     Refusal("expert parallelism needs experts", 2, "--expert-model-parallel-size 2",
             "expert-model-parallel-size=2 needs experts",
             ("num_experts must be non None to use expert model parallelism",),
