@@ -28,8 +28,8 @@ The map
   :func:`fits_in_memory`, :func:`finite_loss_and_grad`;
 * mixture of experts (Megatron's ``MoELayer``, the expert grid of ``topology.RankGrid``) --
   :func:`moe_experts`, :func:`expert_data_parallel_size`, :func:`expert_order`,
-  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_context_parallel`,
-  :func:`moe_dispatcher`, :func:`moe_state_sharding`;
+  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_bias_with_expert_tp`,
+  :func:`moe_context_parallel`, :func:`moe_dispatcher`, :func:`moe_state_sharding`;
 * state sharding (distributed optimizer, Megatron-FSDP, DeepSpeed's ZeRO over DP) --
   :func:`sharding_stage`, :func:`sharding_flags`, :func:`sharding_layout`, :func:`deepspeed_layout`;
 * checkpoints -- :func:`checkpoint_flags`, :func:`course_checkpoint`, :func:`megatron_fsdp_checkpoint`,
@@ -596,6 +596,17 @@ def moe_sequence_parallel(num_experts, tp: int, sequence_parallel: bool) -> None
                          f"--sequence-parallel")
 
 
+def moe_bias_with_expert_tp(num_experts, add_bias_linear: bool, expert_tp: int) -> None:
+    """Experts with biases only at expert TP 1, as megatron-core asserts (``TransformerConfig.__post_init__``,
+    ``transformer_config.py`` ~1587 in 0.16.1): a row-parallel fc2 returns its bias beside the partial sums
+    and the expert adds it, times the gate, on every expert-TP rank, so the reduce-scatter would count it
+    ``expert_tp`` times."""
+    if num_experts and add_bias_linear and expert_tp > 1:
+        raise UsageError(f"num-experts={num_experts} with {EXPERT_TP}={expert_tp} and biased linears: megatron-core "
+                         f"refuses it ('Bias in Moe is only supported when ETP==1'); add --disable-bias-linear, or "
+                         f"use {EXPERT_TP}=1")
+
+
 def moe_context_parallel(num_experts, cp: int) -> None:
     """The course's MoE model is proven against one process without context parallelism only (Megatron
     supports CP with MoE: the aux-loss statistics are summed over the tp-cp group); refuse until tested."""
@@ -747,7 +758,9 @@ def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
     if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
         raise UsageError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
                          f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
-                         f"global offsets, what {ckpt_format} is built on too)")
+                         f"global offsets, what {ckpt_format} is built on too)"
+                         + (", and shard with --use-distributed-optimizer: Megatron-FSDP asks for fsdp_dtensor"
+                            if ckpt_format == "fsdp_dtensor" else ""))
     if num_experts and (save or load) and ckpt_format != "torch_dist":
         raise UsageError(f"num_experts={num_experts} with --ckpt-format {ckpt_format}: the course saves an MoE "
                          f"model as torch_dist only (the experts sharded over EP with global offsets); use "
@@ -755,10 +768,13 @@ def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
 
 
 def megatron_fsdp_checkpoint(ckpt_format) -> None:
-    """Megatron-FSDP saves only ``fsdp_dtensor`` (``validate_args`` asserts it, core_v0.16.1 and main)."""
+    """Megatron-FSDP runs only with ``--ckpt-format fsdp_dtensor`` (``validate_args`` asserts it whether or not
+    the run saves, core_v0.16.1 and main; ``torch_dist``, the default, is refused). ``None``: not given, as in
+    ``megatron-cmd``, whose FSDP variants print the flag themselves."""
     if ckpt_format is not None and ckpt_format != "fsdp_dtensor":
-        raise UsageError(f"ckpt_format={ckpt_format!r} with Megatron-FSDP: validate_args asserts --ckpt-format "
-                         f"fsdp_dtensor there; drop --ckpt-format (the FSDP variants print it) or use dist-opt")
+        raise UsageError(f"ckpt_format={ckpt_format!r} with --use-megatron-fsdp: Megatron's validate_args asserts "
+                         f"'Megatron FSDP only supports fsdp_dtensor checkpoint format' (torch_dist is the default); "
+                         f"add --ckpt-format fsdp_dtensor, or shard with --use-distributed-optimizer instead")
 
 
 def checkpoint_layout(path, saved: dict, run: dict, ckpt_format: str) -> None:

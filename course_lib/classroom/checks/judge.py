@@ -31,6 +31,7 @@ import traceback
 
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.judge_client import _INSIDE
+from course_lib.classroom.checks.refusals import private_tempdir
 from course_lib.classroom.checks.student_code import resolve
 from course_lib.classroom.checks.workers import StudentFunction, _read_from, _write_all
 
@@ -95,6 +96,7 @@ def serve(reply_fd: int) -> None:
     """The judge's loop: one JSON request a line on stdin, one verdict a line on ``reply_fd``."""
     _INSIDE["judge"] = True
     _preload()
+    private_tempdir()   # made once here, removed when stdin closes: the forked check processes end by os._exit
     reply = os.fdopen(reply_fd, "w", buffering=1, encoding="utf-8")
     for line in sys.stdin:
         request = json.loads(line)

@@ -78,6 +78,11 @@ class _Client:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            try:   # end of input: the judge ends its loop and removes its temp folder
+                self.proc.stdin.close()
+                self.proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
