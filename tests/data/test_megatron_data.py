@@ -3,7 +3,9 @@ dataset ``preprocess`` writes, and the samples ``--data-path``/``--split``/blend
 
 * the byte-level BPE equals Hugging Face ``tokenizers``' byte-level BPE loaded from the same
   ``vocab.json``/``merges.txt`` (megatron-core 0.16.1's ``GPT2BPETokenizer`` is
-  ``MegatronHFTokenizer`` -> transformers' GPT-2 tokenizer, whose fast form is that library);
+  ``MegatronHFTokenizer`` -> transformers' GPT-2 tokenizer, whose fast form is that library), and
+  Megatron-LM's own ``gpt2_tokenization.GPT2Tokenizer`` (its ``_GPT2BPETokenizer``) loads the files and
+  encodes and decodes every text the same way, where ``MEGATRON_LM_DIR`` names a checkout that has it;
 * ``.bin/.idx`` byte-identical to megatron-core's ``IndexedDatasetBuilder``, read by its ``IndexedDataset``;
 * every sample of all three splits (one prefix, several epochs) and of a weighted blend equals
   megatron-core's ``GPTDataset``/``BlendedMegatronDatasetBuilder``; the sample index equals its
@@ -375,3 +377,34 @@ def test_builtin_corpus_through_megatron_path(megatron_core_world, tmp_path):
     assert train_single_process(parse_args(argv))["lm_loss"][0] == pytest.approx(np.log(384), rel=0.02)
     with pytest.raises(ValueError, match="needs --vocab-size"):
         validate_args(parse_args(argv[:-2]), 1)
+
+
+def _megatron_lm_gpt2_tokenization():
+    """Megatron-LM's own ``megatron/training/tokenizer/gpt2_tokenization.py`` (what its ``_GPT2BPETokenizer``
+    wraps, up to core_v0.16.1), loaded by path from the checkout ``MEGATRON_LM_DIR``; skipped without one."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("MEGATRON_LM_DIR")
+    path = Path(root or ".") / "megatron" / "training" / "tokenizer" / "gpt2_tokenization.py"
+    if not root or not path.is_file():
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout with megatron/training/tokenizer/gpt2_tokenization.py "
+                    "(core_v0.16.1 has it; main dropped it)")
+    spec = importlib.util.spec_from_file_location("megatron_lm_gpt2_tokenization", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatron_lm_gpt2_tokenizer_loads_the_files_and_agrees(tiny):
+    """As Megatron-LM's ``_GPT2BPETokenizer`` builds it: ``GPT2Tokenizer(vocab, merges, errors='replace',
+    special_tokens=[], max_len=None)``; its eod is the vocabulary's ``<|endoftext|>``."""
+    theirs = _megatron_lm_gpt2_tokenization().GPT2Tokenizer(str(tiny["vocab"]), str(tiny["merges"]), errors="replace",
+                                                             special_tokens=[], max_len=None)
+    ours = tiny["tok"]
+    assert theirs.encoder["<|endoftext|>"] == ours.eod and len(theirs.encoder) == ours.vocab_size
+    for text in HOSTILE + load_documents():
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, text[:40]
+        assert theirs.decode(ids) == text, text[:40]
