@@ -11,8 +11,11 @@ def _notebook(path, checked_output):
     stale.outputs = [nbformat.v4.new_output("stream", name="stdout", text="1\n")]  # not what it prints
     marked = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nprint(3)", execution_count=2)
     marked.outputs = [nbformat.v4.new_output("stream", name="stdout", text=checked_output)]
+    independent = nbformat.v4.new_code_cell("print(5)", execution_count=3)   # skipped in labs/ only
+    independent.outputs = [nbformat.v4.new_output("stream", name="stdout", text="5\n")]
+    independent.metadata["tags"] = ["labs-pass-skip"]
     nb = nbformat.v4.new_notebook()
-    nb.cells = [stale, marked]
+    nb.cells = [stale, marked, independent]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(path))
 
@@ -27,4 +30,42 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     failed = sorted(line[len("FAILED "):].split(" - ")[0] for line in done.stdout.splitlines()
                     if line.startswith("FAILED"))
     assert failed == ["labs/marked_wrong.ipynb::Cell 1", "solutions/strict.ipynb::Cell 0"], done.stdout
-    assert "2 failed, 4 passed" in done.stdout
+    assert "2 failed, 5 passed, 2 skipped" in done.stdout
+
+
+def _cells(*sources, tagged=()):
+    cells = [nbformat.v4.new_code_cell(s) for s in sources]
+    for i in tagged:
+        cells[i].metadata["tags"] = ["labs-pass-skip"]
+    return cells
+
+
+def test_a_tagged_cell_is_skipped_in_labs_only_when_no_exercise_reaches_it_and_nothing_later_needs_it():
+    from course_lib.classroom.notebooks.nbval_plugin import skip_problems
+
+    exercise = "def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n"
+    assert skip_problems(_cells("import math", exercise, "y = math.pi\nfor k in range(2):\n    z = k\nprint(y, z)",
+                                "print(math.e)", tagged=[2])) == {}
+    assert skip_problems(_cells(exercise, "y = f(1)", tagged=[1])) == {1: "it reads ['f'], which depend on an exercise"}
+    # a cell using a checker's result depends on the exercise too, through the name it reads
+    assert 2 in skip_problems(_cells(exercise, "r = check(f)", "print(r)", tagged=[2]))
+    assert skip_problems(_cells("y = 1", "print(y)", tagged=[0])) == {
+        0: "it defines ['y'], which a later cell that runs reads"}
+    assert skip_problems(_cells("y = 1", "print(y)", tagged=[0, 1])) == {}       # skipped together
+    assert 0 in skip_problems(_cells("d['k'] = 1", "print(d)", tagged=[0]))      # changing an object defines it
+    assert 0 in skip_problems(_cells("y = 1", "if c:\n    y = 2\nprint(y)", tagged=[0]))   # y may be cell 0's
+    assert skip_problems(_cells("x = 0", "x = 1", "x = 2\nprint(x)", tagged=[1])) == {}   # rebound before it is read
+    assert 0 in skip_problems(_cells(exercise, tagged=[0]))
+
+
+def test_every_cell_tagged_labs_pass_skip_is_proven_skippable():
+    from pathlib import Path
+
+    from course_lib.classroom.notebooks.nbval_plugin import SKIP_TAG, skip_problems
+
+    tagged = 0
+    for path in sorted(Path(__file__).parents[2].joinpath("solutions").glob("[0-9][0-9]_*.ipynb")):
+        cells = nbformat.read(str(path), as_version=4).cells
+        tagged += sum(SKIP_TAG in c.metadata.get("tags", []) for c in cells)
+        assert skip_problems(cells) == {}, path.name
+    assert tagged >= 2          # Lab 05's megatron-core side-by-side and its printed difference
