@@ -7,8 +7,9 @@ shim :func:`course_lib.mcore.cpu.megatron_core_on_cpu`. They start from the cour
 weights (:class:`course_lib.model.GPTModel`, loaded by name: TP shards cut along each parameter's
 ``partition_dim``, pipeline stages by their layers' ``layer_number``, the last stage's output layer from
 the tied word embedding) and read the course's batches (:mod:`course_lib.data`), so their losses and
-gradient norms can be set beside :func:`course_lib.train.pretrain`'s on the same layout: Lab 05 does,
-``tests/mcore/test_megatron_core_live.py`` asserts them equal within 1e-6 (and much more). The same for
+gradient norms can be set beside :func:`course_lib.train.pretrain`'s on the same layout: Lab 05 does, and
+its stored output, compared by nbval in ``make test``, says them equal within 1e-6 on every rank
+(``tests/mcore/test_megatron_core_live.py`` checks the rest: logits, gradients, checkpoints). The same for
 an MoE GPT (:data:`MOE`: megatron-core's local MoE spec, ``MoELayer`` with ``SequentialMLP`` experts and
 the alltoall dispatcher) under expert parallelism (:data:`MOE_LAYOUTS`).
 

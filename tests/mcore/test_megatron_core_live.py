@@ -14,8 +14,12 @@ word embedding. Then, per layout:
 * logits and every gradient (after megatron-core's own DP reduction and ``finalize_model_grads``: SP
   LayerNorm sums, the tied embedding over the embedding group) equal the dense master's on the same
   global batch;
-* 3 training iterations (Adam, linear decay, clipping) give the losses and gradient norms of the course
-  trainer (:func:`course_lib.train.pretrain`) on the same layout;
+* 3 training iterations (Adam, linear decay, clipping) run on every layout, and the course trainer loads and
+  writes megatron-core's checkpoints (below); that those iterations' losses and gradient norms, and those of
+  the MoE GPT under EP2, equal the course trainer's (:func:`course_lib.train.pretrain`) within 1e-6 on every
+  rank is Lab 05's side-by-side (``solutions/05_3d_parallel_in_practice.ipynb``, the cell calling
+  :func:`course_lib.mcore.reference.side_by_side`, its printed losses and verdict compared by nbval in
+  ``make test``): the same comparison is not run twice;
 * megatron-core's ``MoELayer`` and the course's ``MoEMLP`` (router with aux and z losses, experts, either
   dispatcher; Megatron's router and expert biases at expert TP 1, expert TP 2 with ``--disable-bias-linear``)
   give the same output, input gradient, router and expert gradients (biases' too) on every rank;
@@ -34,8 +38,7 @@ extra (``pip install .[megatron]``); skipped with a reason without it.
 import pytest
 
 from course_lib.launch import launch
-from course_lib.mcore.reference import (LAYOUTS, MOE_LAYOUTS, ReferenceRun, model_parallel, preload,
-                                                side_by_side, transformer_config)
+from course_lib.mcore.reference import LAYOUTS, ReferenceRun, model_parallel, preload, transformer_config
 
 # (tp, ep, expert tp, sequence parallel, dispatcher); 4 experts, top-2, aux and z losses on; Megatron's router
 # and expert biases at expert TP 1, none at expert TP 2 (--disable-bias-linear, which megatron-core requires)
@@ -47,6 +50,7 @@ MODEL = dict(num_layers=RUN.num_layers, hidden_size=RUN.hidden_size, num_attenti
 # the MoE checkpoint: 4 experts over EP2, layers 0 and 2 MoE (--moe-layer-freq 2), top-2
 MOE_CKPT = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_layer_freq": 2}
 MICRO, GLOBAL, ITERS, SEED = RUN.micro_batch_size, RUN.global_batch_size, RUN.train_iters, RUN.seed
+PLAIN_LAYOUTS = [layout for layout in LAYOUTS if not layout[4]]      # without the distributed optimizer
 TOL = 1e-6          # relative: losses, gradient norms, logits (measured <= 1.9e-7: float32 summation order)
 GRAD_TOL = 3e-6     # relative to the tensor's largest entry: each gradient, the MoE layer (measured <= 8.2e-7)
 
@@ -307,8 +311,8 @@ def _moe_case(tp: int, ep: int, etp: int, sp: bool, dispatcher: str) -> dict:
 
 
 def _rank(layouts, moe_cases, root):
-    """Runs on every rank: megatron-core and the course trainer on each layout (the first layout's
-    megatron-core model saved for the course to load), the checkpoints both ways, then the MoE cases."""
+    """Runs on every rank: megatron-core on each layout (the first layout's model saved for the course to
+    load), the checkpoints both ways, then the MoE cases."""
     from course_lib.mcore.cpu import megatron_core_on_cpu
 
     from course_lib.train import parse_args, pretrain
@@ -316,10 +320,7 @@ def _rank(layouts, moe_cases, root):
     out = {"train": {}, "moe": {}}
     for i, (name, tp, pp, sp, distopt) in enumerate(layouts):
         with megatron_core_on_cpu():
-            mcore = _mcore_train(tp, pp, sp, distopt, save=f"{root}/mcore" if i == 0 else None)
-        course = pretrain(parse_args(RUN.course_argv(tp, pp, sp, distopt)), print_args=False, record_comm=False)
-        out["train"][name] = {"mcore": mcore, "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}
-    out["moe train"] = side_by_side(layouts=(), moe_layouts=MOE_LAYOUTS, run=RUN)   # the MoE GPT, 3 iterations
+            out["train"][name] = {"mcore": _mcore_train(tp, pp, sp, distopt, save=f"{root}/mcore" if i == 0 else None)}
     # megatron-core saved TP2 x DP2 (SP): the course loads its model under PP2 x DP2, one iteration
     pp2 = RUN.course_argv(1, 2, False, False)
     out["course loads mcore"] = pretrain(parse_args(pp2 + ["--load", f"{root}/mcore", "--finetune", "--train-iters",
@@ -340,40 +341,12 @@ def _rank(layouts, moe_cases, root):
 def ranks(tmp_path_factory):
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (optional extra: pip install .[megatron])")
     preload()
-    return launch(_rank, world_size=4, backend="gloo", timeout=240, output="none", layouts=LAYOUTS,
+    # the distributed optimizer's layouts only train, which Lab 05 compares: here the layouts whose gradients are checked
+    return launch(_rank, world_size=4, backend="gloo", timeout=240, output="none", layouts=PLAIN_LAYOUTS,
                   moe_cases=MOE_CASES, root=str(tmp_path_factory.mktemp("mcore_ckpt")))
 
 
-@pytest.mark.parametrize("name, pp", [(layout[0], layout[2]) for layout in LAYOUTS])
-def test_megatron_core_trains_like_the_course_trainer(ranks, name, pp):
-    for rank, res in enumerate(ranks):
-        mcore, course = res["train"][name]["mcore"], res["train"][name]["course"]
-        for ours, theirs in zip(course["grad_norm"], mcore["grad_norm"], strict=True):
-            assert abs(ours - theirs) <= TOL * ours, (name, rank, course["grad_norm"], mcore["grad_norm"])
-        if mcore["lm_loss"]:                                # the last stage reports the loss
-            for ours, theirs in zip(course["lm_loss"], mcore["lm_loss"], strict=True):
-                assert abs(ours - theirs) <= TOL * ours, (name, rank, course["lm_loss"], mcore["lm_loss"])
-    assert sum(bool(res["train"][name]["mcore"]["lm_loss"]) for res in ranks) == 4 // pp     # the last stages
-
-
-@pytest.mark.parametrize("name", [layout[0] for layout in MOE_LAYOUTS])
-def test_megatron_core_trains_the_moe_gpt_like_the_course_trainer(ranks, name):
-    """megatron-core's GPTModel with MoE layers (SequentialMLP, aux loss, either dispatcher) and the course
-    trainer's MoE GPT under EP2, with TP2 + SP or PP2: the same losses and gradient norms."""
-    reported = 0
-    for rank, res in enumerate(ranks):
-        mcore, course = res["moe train"][name]["megatron-core"], res["moe train"][name]["course"]
-        assert len(mcore["grad_norm"]) == ITERS
-        for ours, theirs in zip(course["grad_norm"], mcore["grad_norm"], strict=True):
-            assert abs(ours - theirs) <= TOL * ours, (name, rank, course["grad_norm"], mcore["grad_norm"])
-        if mcore["lm_loss"]:                                # the last stage reports the loss
-            reported += 1
-            for ours, theirs in zip(course["lm_loss"], mcore["lm_loss"], strict=True):
-                assert abs(ours - theirs) <= TOL * ours, (name, rank, course["lm_loss"], mcore["lm_loss"])
-    assert reported >= 2
-
-
-@pytest.mark.parametrize("name", [layout[0] for layout in LAYOUTS if not layout[4]])
+@pytest.mark.parametrize("name", [layout[0] for layout in PLAIN_LAYOUTS])
 def test_megatron_core_gpt_has_the_course_models_logits_and_gradients(ranks, name):
     seen = set()
     for res in ranks:
@@ -409,7 +382,9 @@ def test_megatron_core_and_the_course_load_each_others_torch_dist_checkpoints(ra
     course_4th = last["course saved"][ITERS]
     for res in ranks:
         assert abs(res["mcore loads course"] - course_4th) <= TOL * course_4th, (res["mcore loads course"], course_4th)
-    assert last["course saved"][:ITERS] == last["train"]["PP2 x DP2 (1F1B)"]["course"]["lm_loss"]
+    layout_run = last["train"]["PP2 x DP2 (1F1B)"]["mcore"]["lm_loss"]     # the saving run is that layout's run
+    assert all(abs(a - b) <= TOL * b for a, b in zip(last["course saved"][:ITERS], layout_run, strict=True)), \
+        (last["course saved"], layout_run)
 
 
 def test_an_moe_checkpoint_has_megatron_cores_keys_and_loads_into_its_experts(ranks):
