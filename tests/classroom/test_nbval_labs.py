@@ -68,4 +68,19 @@ def test_every_cell_tagged_labs_pass_skip_is_proven_skippable():
         cells = nbformat.read(str(path), as_version=4).cells
         tagged += sum(SKIP_TAG in c.metadata.get("tags", []) for c in cells)
         assert skip_problems(cells) == {}, path.name
-    assert tagged >= 2          # Lab 05's megatron-core side-by-side and its printed difference
+    assert tagged >= 5          # Lab 05's loss parity and megatron-core side-by-side, Lab 03's measured bubbles
+
+
+def test_the_longest_files_are_handed_out_first_and_stay_whole():
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from course_lib.classroom.notebooks.nbval_plugin import LONGEST_FIRST, _longest_first
+
+    root = Path(__file__).parents[2]
+    assert [p for p in LONGEST_FIRST if not (root / p).is_file()] == []       # a renamed file would lose its place
+    items = [SimpleNamespace(nodeid=n) for n in ("a.py::t1", LONGEST_FIRST[1] + "::x", "a.py::t2",
+                                                 LONGEST_FIRST[0] + "::y", LONGEST_FIRST[1] + "::z")]
+    _longest_first(items)
+    assert [i.nodeid for i in items] == [LONGEST_FIRST[0] + "::y", LONGEST_FIRST[1] + "::x", LONGEST_FIRST[1] + "::z",
+                                         "a.py::t1", "a.py::t2"]

@@ -7,6 +7,11 @@ are not stored, so only cells marked ``# NBVAL_CHECK_OUTPUT`` are compared, as
 busy across all three instead of idling at the end of each. Load it with
 ``pytest -p course_lib.classroom.notebooks.nbval_plugin``; notebooks in a folder named ``labs`` get the lax treatment.
 
+``pytest-xdist --dist loadfile`` hands out whole files, by default the files with the most tests first. Test
+count is not time: a file of one long test (grading every lab) handed out last leaves the other core idle for
+its length. So this plugin hands out the files of :data:`LONGEST_FIRST` (measured) first, longest first, and
+the others after them in collection order.
+
 A heavy cell that does not depend on any exercise (Lab 05's megatron-core side-by-side) computes in a lab
 exactly what it computes in the solution, which the strict pass has already run and compared. Tagged
 ``labs-pass-skip`` in ``solutions/`` (the generator copies the tag), it is skipped in the ``labs/`` pass
@@ -21,9 +26,50 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 LAX_FOLDER = "labs"
 SKIP_TAG = "labs-pass-skip"
 _EXERCISE_MARK = "### BEGIN SOLUTION"
+
+
+# The files that took 25 s or more in one `make test` session (junit times summed per file, -n 2 on 2 busy cores,
+# 2026-12-04; DeepSpeed's op build left out, the labs/ cells now skipped left out), longest first. Only the order in which xdist hands out files depends on it: a stale list
+# costs minutes, never a result.
+LONGEST_FIRST = (
+    "tests/test_train_moe.py",
+    "tests/classroom/test_grade_every_lab.py",
+    "solutions/05_3d_parallel_in_practice.ipynb",
+    "tests/classroom/checks/test_lab00_checks.py",
+    "tests/classroom/test_grade.py",
+    "tests/test_train.py",
+    "tests/sweep/test_sweep.py",
+    "tests/launch/test_launch_cleanup.py",
+    "solutions/00_collectives.ipynb",
+    "labs/05_3d_parallel_in_practice.ipynb",
+    "tests/launch/test_launch_deadline.py",
+    "solutions/10_deepspeed.ipynb",
+    "solutions/03_pipeline.ipynb",
+    "tests/mcore/test_megatron_core_live.py",
+    "labs/03_pipeline.ipynb",
+    "labs/00_collectives.ipynb",
+    "tests/sizing/test_projection.py",
+    "tests/launch/test_launch.py",
+    "tests/training/test_checkpointing.py",
+    "tests/topology/test_topology.py",
+    "tests/deepspeed/test_deepspeed_engine.py",
+    "tests/classroom/test_gpu_check.py",
+    "tests/classroom/checks/test_lab03_checks.py",
+    "labs/11_data_pipeline.ipynb",
+    "tests/classroom/test_site.py",
+    "tests/classroom/checks/test_lab02_checks.py",
+    "labs/09_checkpoints.ipynb",
+    "solutions/09_checkpoints.ipynb",
+    "solutions/02_tensor_parallel.ipynb",
+    "labs/02_tensor_parallel.ipynb",
+    "tests/moe/test_moe_model.py",
+    "solutions/11_data_pipeline.ipynb",
+)
 
 
 def _is_lab_cell(item) -> bool:
@@ -124,7 +170,20 @@ def skip_problems(cells: list) -> dict[int, str]:
     return problems
 
 
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):      # xdist: keep the order pytest_collection_modifyitems gives
+        config.option.loadscopereorder = False
+
+
+def _longest_first(items) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))     # stable: files stay whole
+
+
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
+    _longest_first(items)
+
     proofs = {}
     for item in items:
         if _is_lab_cell(item):
