@@ -327,7 +327,7 @@ def test_the_meta_tests_cheats_fail_with_the_checkers_own_hint(graded):
     assert "course_lib.rules.data_parallel_size" in hint and "write it yourself" in hint, hint
     # the judge refuses the patch where the function runs (replacing RankGrid.groups_of reaches for RankGrid)
     assert "course_lib.topology.RankGrid" in graded["rows"][("cy", "groups_of")]["hint"]
-    assert "course's own course_lib.topology.RankGrid" in graded["rows"][("cy", "rank_of")]["hint"]
+    assert "course_lib.topology.RankGrid" in graded["rows"][("cy", "rank_of")]["hint"]
 
 
 def test_cheats_that_switch_a_checker_off_or_forge_its_verdict_fail_through_the_judge(graded):
