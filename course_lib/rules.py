@@ -747,7 +747,9 @@ def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
     if (save or load) and ckpt_format not in CKPT_FORMATS_WRITTEN:
         raise UsageError(f"ckpt_format={ckpt_format!r} with --save/--load: the course writes its checkpoints as "
                          f"{' or '.join(CKPT_FORMATS_WRITTEN)} only; use --ckpt-format torch_dist (DCP shards with "
-                         f"global offsets, what {ckpt_format} is built on too)")
+                         f"global offsets, what {ckpt_format} is built on too)"
+                         + (", and shard with --use-distributed-optimizer: Megatron-FSDP asks for fsdp_dtensor"
+                            if ckpt_format == "fsdp_dtensor" else ""))
     if num_experts and (save or load) and ckpt_format != "torch_dist":
         raise UsageError(f"num_experts={num_experts} with --ckpt-format {ckpt_format}: the course saves an MoE "
                          f"model as torch_dist only (the experts sharded over EP with global offsets); use "
@@ -755,10 +757,13 @@ def course_checkpoint(*, save, load, ckpt_format: str, num_experts) -> None:
 
 
 def megatron_fsdp_checkpoint(ckpt_format) -> None:
-    """Megatron-FSDP saves only ``fsdp_dtensor`` (``validate_args`` asserts it, core_v0.16.1 and main)."""
+    """Megatron-FSDP runs only with ``--ckpt-format fsdp_dtensor`` (``validate_args`` asserts it whether or not
+    the run saves, core_v0.16.1 and main; ``torch_dist``, the default, is refused). ``None``: not given, as in
+    ``megatron-cmd``, whose FSDP variants print the flag themselves."""
     if ckpt_format is not None and ckpt_format != "fsdp_dtensor":
-        raise UsageError(f"ckpt_format={ckpt_format!r} with Megatron-FSDP: validate_args asserts --ckpt-format "
-                         f"fsdp_dtensor there; drop --ckpt-format (the FSDP variants print it) or use dist-opt")
+        raise UsageError(f"ckpt_format={ckpt_format!r} with --use-megatron-fsdp: Megatron's validate_args asserts "
+                         f"'Megatron FSDP only supports fsdp_dtensor checkpoint format' (torch_dist is the default); "
+                         f"add --ckpt-format fsdp_dtensor, or shard with --use-distributed-optimizer instead")
 
 
 def checkpoint_layout(path, saved: dict, run: dict, ckpt_format: str) -> None:

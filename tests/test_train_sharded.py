@@ -34,7 +34,7 @@ WORLD = 4
 BASE = ["--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "3",
         "--log-interval", "1", "--lr", "3e-3", "--lr-decay-style", "constant"]
-FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+FSDP = ["--ckpt-format", "fsdp_dtensor", "--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]

@@ -32,7 +32,8 @@ SUMMARY_NAME = "day22_sweep.json"
 # Not in the default sweep (A-F, the seed's); run them by name: --configs D,D-distopt,D-zero3.
 SHARDED_CONFIGS = {
     "D-distopt": ("D", ("--use-distributed-optimizer",)),
-    "D-zero3": ("D", ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params")),
+    "D-zero3": ("D", ("--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+                      "--ckpt-format", "fsdp_dtensor")),
 }
 SWEEP_CONFIGS = {**SEED_SWEEP, **{name: SEED_SWEEP[base] for name, (base, _) in SHARDED_CONFIGS.items()}}
 """Every config the sweep can run: ``{name: (tp, pp, cp)}``, the seed's A-F then :data:`SHARDED_CONFIGS`."""

@@ -368,6 +368,8 @@ def _check_checkpointing(a: argparse.Namespace) -> None:
                           ("ckpt_format", "torch_dist"), ("no_load_optim", False), ("no_load_rng", False),
                           ("finetune", False)):
         setattr(a, dest, getattr(a, dest, default))
+    if getattr(a, "use_megatron_fsdp", False):
+        rules.megatron_fsdp_checkpoint(a.ckpt_format)
     rules.checkpoint_flags(save=a.save, load=a.load, save_interval=a.save_interval, exit_interval=a.exit_interval,
                            ckpt_format=a.ckpt_format, finetune=a.finetune, no_load_optim=a.no_load_optim,
                            no_load_rng=a.no_load_rng)

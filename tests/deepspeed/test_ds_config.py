@@ -245,8 +245,11 @@ def test_dp_given_and_implied_must_agree(tmp_path):
 
 
 def _megatron_source(root: Path, path: str) -> str:
+    """``path`` in the checkout ``root``, or at the verified main revision of a bare mirror ``root``."""
     if (root / path).is_file():
         return (root / path).read_text()
+    if (root / "megatron").is_dir():      # a checkout of another revision: the table names main's files
+        pytest.skip(f"{path} is not in {root}: the table is verified at {dict([dsc.VERIFIED_AT])['main'][:8]} (main)")
     rev = dict([dsc.VERIFIED_AT])["main"]
     return subprocess.run(["git", "--git-dir", str(root), "show", f"{rev}:{path}"], check=True,
                           capture_output=True, text=True).stdout

@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import sys
+import traceback
 import types
 import typing
 import warnings
@@ -117,7 +118,10 @@ def validate(arguments, command: str) -> str:
     except SystemExit as exc:             # argparse: an unknown flag or a bad value
         return f"error: argparse exit {exc.code}"
     except Exception as exc:  # noqa: BLE001 -- Megatron's asserts and ValueErrors, said in one line
-        return f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if not said:                      # a bare assert: its own source line says the rule
+            said = (traceback.extract_tb(exc.__traceback__)[-1].line or "").strip()
+        return f"error: {type(exc).__name__}: {said}"
     finally:
         os.environ.update(keep)
 

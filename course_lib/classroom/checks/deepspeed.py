@@ -21,8 +21,10 @@ None of them raises; the stub prints "not attempted yet".
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -100,8 +102,11 @@ def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict
 
 
 def write_configs(configs: dict, folder: str | None = None) -> dict:
-    """``{name: path}`` of each ``name: ds_config dict`` written as JSON into ``folder`` (a new temporary one)."""
-    folder = folder or tempfile.mkdtemp(prefix="ds_configs_")
+    """``{name: path}`` of each ``name: ds_config dict`` written as JSON into ``folder`` (by default a new temporary
+    one, removed when this process exits)."""
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="ds_configs_")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
     paths = {}
     for name, config in configs.items():
         paths[name] = os.path.join(folder, f"{name}.json")

@@ -31,6 +31,7 @@ import traceback
 
 from course_lib.classroom.checks import plain, records
 from course_lib.classroom.checks.judge_client import _INSIDE
+from course_lib.classroom.checks.refusals import private_tempdir
 from course_lib.classroom.checks.student_code import resolve
 from course_lib.classroom.checks.workers import StudentFunction, _read_from, _write_all
 
@@ -159,6 +160,7 @@ def serve(reply_fd: int, requests=None) -> None:
     _INSIDE["judge"] = True
     _preload()
     records.verdict_file()  # opened here, before any check process (each drops it)
+    private_tempdir()   # made once here, removed when stdin closes: the forked check processes end by os._exit
     reply = os.fdopen(reply_fd, "w", buffering=1, encoding="utf-8")
     for line in requests if requests is not None else sys.stdin:
         try:

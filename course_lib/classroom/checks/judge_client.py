@@ -79,6 +79,11 @@ class _Client:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            try:   # end of input: the judge ends its loop and removes its temp folder
+                self.proc.stdin.close()
+                self.proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except OSError:
@@ -166,7 +171,10 @@ class _Attached:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self):
+    def wait(self, timeout: float | None = None):
+        deadline = time.monotonic() + (timeout if timeout is not None else 5.0)
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         return self.returncode
 
 

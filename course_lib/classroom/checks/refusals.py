@@ -180,7 +180,7 @@ class Refusals:
         import course_lib.classroom.grading.landlock as landlock
 
         if self._ruleset is None:
-            _private_tempdir()
+            private_tempdir()
             self._ruleset = landlock.reading_denied_ruleset(self._files)
         if self._ruleset >= 0 and not getattr(self, "_fenced", False):
             landlock.restrict_self(self._ruleset)
@@ -191,7 +191,7 @@ class Refusals:
         import course_lib.classroom.grading.landlock as landlock
 
         if self._ruleset is None:
-            _private_tempdir()
+            private_tempdir()
             self._ruleset = landlock.reading_denied_ruleset(self._files)
 
     def ruleset_fd(self) -> int:
@@ -290,7 +290,7 @@ def refused_hint(names: list) -> str:
         else "it computes this exercise's answer, and the exercise is to write it yourself")
 
 
-def _private_tempdir() -> None:
+def private_tempdir() -> None:
     """Give this process (and the workers forked from it) a temp folder that exists before the ruleset is
     built: the ruleset allows reading only the entries an ancestor of a denied path holds at that moment, so
     with the course checked out under /tmp a temp folder made later in /tmp could not be read back."""
