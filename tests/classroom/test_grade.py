@@ -6,7 +6,9 @@ of the checkers' meta-test (tests/classroom/checks/test_proofs.py, test_lab01_ch
 reference, a patch of the library, the course's own RankGrid), a faked "✓" output, an edited checker
 cell, a hanging exercise, a crashing kernel, a notebook that deletes and writes files outside and reads
 the solutions, one that leaves processes behind, a deleted lab, malformed JSON, a zip file, a stamp of no
-release, and copies of two older releases (one graded against its release, one refused). To stay fast the official lab is cut to its graded cells (the exercises and their checkers,
+release, copies of two older releases (one graded against its release, one refused), the cheats that pass a
+checker running in the student's kernel -- setprofile(None), a thread, patched checker helpers, the checker's
+frames, forged verdict records and forged requests to the judge (hex) -- and the reference read from disk (rex). To stay fast the official lab is cut to its graded cells (the exercises and their checkers,
 unchanged): grading runs exactly as on the whole lab.
 """
 
@@ -232,6 +234,13 @@ def _class(tmp: Path) -> tuple[Path, Path]:
     _write(subs / "bea" / name, _student(lab, solution, RIGHT_DIFFERENTLY))
     _write(subs / "cy" / name, _student(lab, solution, CHEATS))
     _write(subs / "hex" / name, _student(lab, solution, JUDGE_CHEATS))
+    _write(subs / "rex" / name, _student(lab, solution, {"rank_of": (  # the reference's source, read in the worker
+        "import course_lib.topology.grid as grid\n\n"
+        "def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n"
+        "    space = {}\n"
+        "    exec(open(grid.__file__.replace('.pyc', '.py')).read(), space)\n"
+        "    grid = space['RankGrid'](tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)\n"
+        "    return grid.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)\n")}))
 
     faked = _student(lab, solution, solved=False)  # stubs, with the solution's "✓" lines pasted in as outputs
     for cell, solved in zip(_checker_cells(faked), _checker_cells(solution)):
@@ -316,7 +325,7 @@ def test_right_solutions_pass_however_written_and_however_submitted(graded):
     for student in ("ada", "bea", "ivy"):
         assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
     assert graded["rows"][("ada", "groups_of")]["evidence"] == "132 calls"
-    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal hex ivy jo kai lee max nia oto pat zed".split()
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal hex ivy jo kai lee max nia oto pat rex zed".split()
                                    for e in ALL}
 
 
@@ -340,6 +349,9 @@ def test_cheats_that_switch_a_checker_off_or_forge_its_verdict_fail_through_the_
     assert "RankGrid" in rows[("hex", "groups_of")]["hint"], rows[("hex", "groups_of")]
     assert "derive_dp" in rows[("hex", "derive_dp")]["hint"] and rows[("hex", "derive_dp")]["evidence"] != "", \
         rows[("hex", "derive_dp")]
+    # the judge's workers inside the sandbox read what the run may, less the exercise's references
+    assert _passed(graded, "rex") == {"derive_dp": True, "groups_of": True, "rank_of": False}
+    assert "Permission denied" in rows[("rex", "rank_of")]["hint"] and "grid.py" in rows[("rex", "rank_of")]["hint"]
     feedback = (graded["out"] / "feedback" / "hex.md").read_text(encoding="utf-8")
     assert FORGED in feedback, feedback  # the feedback says the forged records were ignored
     assert FORGED not in (graded["out"] / "feedback" / "ada.md").read_text(encoding="utf-8")
@@ -421,7 +433,7 @@ def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_pat
     assert "## Lab 01 (01_topology.ipynb): 2 of 3 passed" in feedback and "✗ `groups_of`: timed out" in feedback
     assert "- ✓ `derive_dp`" in feedback
     table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
-    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("9/19", "10/19", "10/19"))]
+    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("10/20", "11/20", "10/20"))]
     assert re.search(r" \(\d+\)$", table[3]), table  # the most common hint of rank_of, and how many got it
     seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
     print(f"\nseconds per student-lab: {sorted(seconds)}")

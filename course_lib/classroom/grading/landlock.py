@@ -144,24 +144,18 @@ def reading_denied_ruleset(denied: Iterable[Path]) -> int:
     if abi == 0:
         return -1
     if _RESTRICTED["read"] is not None:
-        return _ruleset_reading(allowed_except(_RESTRICTED["read"], [p for p in denied if os.path.exists(p)]))
+        return _ruleset_reading(allowed_except(_RESTRICTED["read"], denied))
     denied = {Path(os.path.realpath(p)) for p in denied if os.path.exists(p)}
     keep = set()  # the denied paths and their ancestors: no rule beneath them
     for path in denied:
         keep.add(path)
         keep.update(path.parents)
-    libc = _libc()
-    attr = _RulesetAttr(READ_FILE, 0, 0)
-    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
-                           ctypes.c_uint32(0))
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    allowed = []
     for folder in sorted(p for p in keep if p not in denied):
         try:
             entries = os.listdir(folder)
-        except OSError:  # a folder this process may not list (inside the grading sandbox): rules that
-            os.close(ruleset)  # cannot name its other entries would deny them all; no ruleset instead
-            return -1
+        except OSError:  # a folder this process may not list: rules that cannot name its other entries would
+            return -1    # deny them all; no ruleset instead
         for entry in entries:
             path = folder / entry
             if path in keep:
@@ -170,11 +164,11 @@ def reading_denied_ruleset(denied: Iterable[Path]) -> int:
                 real = Path(os.path.realpath(path))
                 if real in keep or any(d in real.parents for d in denied):
                     continue
-            _allow(libc, ruleset, path, READ_FILE)
-    return ruleset
+            allowed.append(path)
+    return _ruleset_reading(allowed)
 
 
-def _ruleset_reading(paths: list[str]) -> int:
+def _ruleset_reading(paths: list) -> int:
     """A ruleset that handles only reading files and allows it beneath ``paths``."""
     libc = _libc()
     attr = _RulesetAttr(READ_FILE, 0, 0)

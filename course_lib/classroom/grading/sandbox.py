@@ -18,6 +18,8 @@ A run's kernel, before it executes the first cell (:func:`_child`):
   processes and on their memory together) and new network, pid and mount namespaces (:func:`_into_namespaces`:
   a loopback of its own, a ``/proc`` of its own, an init whose end kills every process left, a home that is a
   bounded tmpfs);
+* forks the run's judge (:func:`_start_judge`), where every checker cell's verdict is computed and
+  recorded, out of the student's reach;
 * gets a fresh environment whose ``HOME`` and ``TMPDIR`` are its own folder inside the grading
   output, so nothing it writes by habit (caches, histories) lands anywhere else;
 * is fenced by Landlock (:mod:`course_lib.classroom.grading.landlock`): it reads only the system,
@@ -36,8 +38,8 @@ DeepSpeed's C++ ops are loaded by the zygote itself when a graded lab trains wit
 
 The limits of the fence: without Landlock (not Linux, or a kernel older than 5.13) the student's
 code can read and write what the instructor can (the grader says so once); without Landlock's
-signal scope (Linux < 6.12) it could signal the zygote; code that inspects its own file
-descriptors can write to the events file (see :mod:`course_lib.classroom.checks.exercise`).
+signal scope (Linux < 6.12) it could signal the zygote (and the judge); code that inspects its own
+file descriptors can write to the events file, where no verdict counts.
 """
 
 from __future__ import annotations
@@ -415,7 +417,8 @@ class Sandbox:
         # Python's own folders (the venv's site-packages are in them), not the other entries of sys.path: those
         # are checkouts of the course (its solutions, tests, history), of which only course_lib is readable.
         python = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent)}
-        self.read = landlock.allowed_except([*_SYSTEM_READ, *python], [*deny, self.root]) + [str(self.pkg), str(package)]
+        readable = landlock.allowed_except([*_SYSTEM_READ, *python], [*deny, self.root])
+        self.read = readable + [str(self.pkg), str(package)]
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(self.pkg),
                     "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                     "LANG": os.environ.get("LANG", "C.UTF-8")}
