@@ -239,8 +239,8 @@ def _class(tmp: Path) -> tuple[Path, Path]:
         "def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n"
         "    space = {}\n"
         "    exec(open(grid.__file__.replace('.pyc', '.py')).read(), space)\n"
-        "    grid = space['RankGrid'](tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)\n"
-        "    return grid.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)\n")}))
+        "    made = space['RankGrid'](tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)\n"
+        "    return made.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)\n")}))
 
     faked = _student(lab, solution, solved=False)  # stubs, with the solution's "✓" lines pasted in as outputs
     for cell, solved in zip(_checker_cells(faked), _checker_cells(solution)):
