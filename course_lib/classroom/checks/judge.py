@@ -13,8 +13,12 @@ on the checker's ranks, with the exercise's answer refused (:mod:`~course_lib.cl
 
 The checker computes the truth and the verdict in the check process, on inputs it draws there; its printed
 text and the student's ``print`` output stream back to the notebook as they come; the verdict comes back as
-JSON on a pipe of its own, and the check process writes the grading record
-(:mod:`~course_lib.classroom.checks.records`). Nothing the exercise cell does in the kernel (patching
+JSON on a pipe of its own, and the judge itself writes the grading record
+(:mod:`~course_lib.classroom.checks.records`; no check process holds the record file), with the answers in
+prose of a review exercise for the instructor (:func:`_prose`). A request comes from the kernel, where the
+student's code runs: it can name only a checker, and the judge works out the exercise -- and so what the
+student's function is refused -- from the checker's own arguments. Under ``grade`` the judge is not started
+by the kernel but forked by the sandbox (:mod:`course_lib.classroom.grading.sandbox`). Nothing the exercise cell does in the kernel (patching
 checker modules, ``sys.setprofile``, threads, frames, ``__code__``) reaches the judge, and the checker's
 frames and truth are in no process the student's code runs in -- except the ranks of a launch, where the
 student's call runs beside the checker's rank code: there the refusals hold around the call, a patch is

@@ -39,7 +39,8 @@ USE_ENV = "COURSE_JUDGE"
 
 def wanted() -> bool:
     """Whether a checker called here asks the judge: in a notebook's kernel, in ``grade``'s (attached to the
-    run's judge), or where :data:`USE_ENV` is ``1``; a test of a checker's logic, in a plain Python process, runs it in-process."""
+    run's judge), or where :data:`USE_ENV` is ``1``; a test of a checker's logic, in a plain Python process,
+    runs it in-process."""
     return not inside() and (_CLIENT.attached or _in_a_kernel() or os.environ.get(USE_ENV) == "1")
 
 
