@@ -104,6 +104,7 @@ class GPTConfig:
     attention_dropout: float = 0.0
     init_method_std: float = 0.02
     layernorm_epsilon: float = 1e-5
+    add_bias_linear: bool = True                            # --disable-bias-linear: False (every linear, router too)
     seed: int = 1234
     # Mixture of Experts (Megatron's flags; num_experts None: a dense model). See course_lib.moe.transformer.
     num_experts: Optional[int] = None
@@ -165,7 +166,7 @@ class GPTConfig:
                                  ffn_hidden_size=self.ffn_hidden_size, num_layers=self.num_layers,
                                  sequence_parallel=sequence_parallel, layernorm_epsilon=self.layernorm_epsilon,
                                  init_method_std=self.init_method_std, hidden_dropout=self.hidden_dropout,
-                                 attention_dropout=self.attention_dropout)
+                                 attention_dropout=self.attention_dropout, add_bias_linear=self.add_bias_linear)
 
     def with_(self, **changes) -> "GPTConfig":
         return replace(self, **changes)
@@ -220,8 +221,8 @@ class GPTModel(nn.Module):
     untouched), drawing, in order: word embeddings ``[V, h]``, position embeddings
     ``[max_pos, h]``, then each layer's ``linear_qkv``, ``linear_proj``, ``linear_fc1``,
     ``linear_fc2`` (``N(0, 0.02^2)``; the two output GEMMs scaled by ``1/sqrt(2 L)``); an MoE
-    layer (``config.moe_layers``) then draws its router ``[E, h]``, experts' fc1 ``[E, F, h]`` and
-    fc2 ``[E, h, F]`` and takes them as its ``mlp`` (:class:`course_lib.moe.transformer.MoEMLP`), so
+    layer (``config.moe_layers``) then draws its router ``[E, h]`` (and its bias ``[E]``), experts'
+    fc1 ``[E, F, h]`` and fc2 ``[E, h, F]`` and takes them as its ``mlp`` (:class:`course_lib.moe.transformer.MoEMLP`), so
     its attention holds the same numbers as the dense model's.
     ``forward(tokens [b, s], position_ids=None) -> logits [s, b, V]`` (padded ``V``).
     """

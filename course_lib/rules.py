@@ -28,8 +28,8 @@ The map
   :func:`fits_in_memory`, :func:`finite_loss_and_grad`;
 * mixture of experts (Megatron's ``MoELayer``, the expert grid of ``topology.RankGrid``) --
   :func:`moe_experts`, :func:`expert_data_parallel_size`, :func:`expert_order`,
-  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_context_parallel`,
-  :func:`moe_dispatcher`, :func:`moe_state_sharding`;
+  :func:`moe_ffn_divisible_by_expert_tp`, :func:`moe_sequence_parallel`, :func:`moe_bias_with_expert_tp`,
+  :func:`moe_context_parallel`, :func:`moe_dispatcher`, :func:`moe_state_sharding`;
 * state sharding (distributed optimizer, Megatron-FSDP, DeepSpeed's ZeRO over DP) --
   :func:`sharding_stage`, :func:`sharding_flags`, :func:`sharding_layout`, :func:`deepspeed_layout`;
 * checkpoints -- :func:`checkpoint_flags`, :func:`course_checkpoint`, :func:`megatron_fsdp_checkpoint`,
@@ -594,6 +594,17 @@ def moe_sequence_parallel(num_experts, tp: int, sequence_parallel: bool) -> None
                          f"refuses to train without it ('During training, performance may degrade if MoE and tensor "
                          f"parallelism are enabled without also enabling sequence parallelism.'); add "
                          f"--sequence-parallel")
+
+
+def moe_bias_with_expert_tp(num_experts, add_bias_linear: bool, expert_tp: int) -> None:
+    """Experts with biases only at expert TP 1, as megatron-core asserts (``TransformerConfig.__post_init__``,
+    ``transformer_config.py`` ~1587 in 0.16.1): a row-parallel fc2 returns its bias beside the partial sums
+    and the expert adds it, times the gate, on every expert-TP rank, so the reduce-scatter would count it
+    ``expert_tp`` times."""
+    if num_experts and add_bias_linear and expert_tp > 1:
+        raise UsageError(f"num-experts={num_experts} with {EXPERT_TP}={expert_tp} and biased linears: megatron-core "
+                         f"refuses it ('Bias in Moe is only supported when ETP==1'); add --disable-bias-linear, or "
+                         f"use {EXPERT_TP}=1")
 
 
 def moe_context_parallel(num_experts, cp: int) -> None:

@@ -45,13 +45,14 @@ WRITERS = {
     "course_lib.distributed.plots": "write_figures",
     "course_lib.moe.plots": "write_figures",
     "course_lib.deepspeed.plots": "write_figures",
+    "course_lib.data.plots": "write_figures",
 }
 # The PNGs of these writers are stored as 64-colour palettes: the same picture to the eye, 4-6 times
 # smaller, since the labs carry them as cell attachments (course_lib.classroom.notebooks.figures). The sweep's
 # plots stay exactly as `make sweep` publishes them.
 COMPACT_WRITERS = ("course_lib.collectives", "course_lib.topology.figures", "course_lib.pipeline.plots",
                    "course_lib.classroom.figures", "course_lib.distributed.plots", "course_lib.moe.plots",
-                   "course_lib.deepspeed.plots")
+                   "course_lib.deepspeed.plots", "course_lib.data.plots")
 PALETTE_COLOURS = 64
 _LISTED_CONFLICTS = 5  # names shown in the refusal; the rest are counted
 

@@ -18,7 +18,10 @@ Day 22's set-up as Megatron-LM does it (imported from their modules, not here):
 * ``indexed``     -- Megatron's indexed dataset (``.bin``/``.idx``): write, read.
 * ``preprocess``  -- ``python -m course_lib preprocess`` (``tools/preprocess_data.py``'s flags);
   ``train_tokenizer`` -- ``python -m course_lib tokenizer``.
-* ``gpt_dataset`` -- megatron-core ``GPTDataset``'s document, sample and shuffle indices.
+* ``gpt_dataset`` -- megatron-core ``GPTDataset``'s document, sample and shuffle indices, its loss mask and
+  position ids (``--eod-mask-loss``, ``--reset-position-ids``, ``--reset-attention-mask``).
+* ``index_cache`` -- ``--data-cache-path``: those indices in megatron-core's cache files.
+* ``plots``       -- the documents -> samples -> order picture (Lab 11, ``figures/``).
 * ``blend``       -- ``--data-path`` blends and ``--split`` (``BlendedMegatronDatasetBuilder``).
 * ``source``      -- the trainer's data flags and the dataset they build.
 """

@@ -21,17 +21,26 @@ Bad input (weights that do not parse, a missing ``.idx``...) is one ``UsageError
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
 import numpy as np
 
 from course_lib.data.gpt_dataset import MegatronGPTDataset
+from course_lib.data.index_cache import CacheEntry, blended_identifiers, gpt_identifiers
 from course_lib.data.indexed import IndexedDataset
 from course_lib.rules import UsageError
 
 SPLITS = ("train", "valid", "test")
 MID_LEVEL_DATASET_SURPLUS = 0.005   # BlendedMegatronDatasetConfig.mid_level_dataset_surplus
+
+
+def normalize(weights) -> list[float]:
+    """megatron-core's ``utils.normalize``, bit for bit (NumPy's sum): the weights and split shares it
+    computes are written into ``--data-cache-path``'s descriptions, so they must print the same."""
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
 
 
 def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
@@ -54,8 +63,7 @@ def parse_blend(data_path) -> tuple[list[str], list[float] | None]:
         raise UsageError(f"--data-path {' '.join(words)}: {bad[0]!r} is not a positive weight; a blend is "
                          f"'WEIGHT PREFIX WEIGHT PREFIX ...', e.g. --data-path 0.7 data/a_text_document "
                          f"0.3 data/b_text_document")
-    total = sum(weights)
-    return [w.strip() for w in words[1::2]], [w / total for w in weights]
+    return [w.strip() for w in words[1::2]], normalize(weights)
 
 
 def parse_split(split: str) -> list[float]:
@@ -64,14 +72,16 @@ def parse_split(split: str) -> list[float]:
     if not values or len(values) > 3 or sum(values) <= 0:
         raise UsageError(f"--split {split!r}: give up to three non-negative shares, train,valid,test, e.g. 949,50,1")
     values += [0.0] * (3 - len(values))
-    total = sum(values)
-    return [v / total for v in values]
+    return normalize(values)
 
 
 def split_matrix(vector) -> list[tuple[float, float] | None]:
     """``convert_split_vector_to_split_matrix`` (one vector): ``[0.9, 0.1, 0]`` ->
-    ``[(0, 0.9), (0.9, 1.0), None]`` (None: an empty split)."""
-    ends = np.cumsum([0.0, *vector]).tolist()
+    ``[(0, 0.9), (0.9, 1.0), None]`` (None: an empty split). The same running sum from an int 0, so the
+    bookends print as megatron-core's in the ``--data-cache-path`` description."""
+    ends = [0]
+    for v in vector:
+        ends.append(ends[-1] + v)
     return [None if b <= a else (a, b) for a, b in zip(ends[:-1], ends[1:])]
 
 
@@ -108,12 +118,21 @@ def blending_indices(weights, size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class BlendedSamples:
-    """megatron-core's ``BlendedDataset``: sample ``i`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``."""
+    """megatron-core's ``BlendedDataset``: sample ``i`` is ``datasets[dataset_index[i]][dataset_sample_index[i]]``.
+    With ``cache_path`` (``--data-cache-path``; the datasets built with theirs) the two indices are megatron-core's
+    ``HASH-BlendedDataset-SPLIT-*.npy`` files there, loaded or written."""
 
-    def __init__(self, datasets, weights, size: int):
-        total = sum(weights)                   # BlendedDataset normalises again (bit for bit as it does)
-        self.datasets, self.weights = list(datasets), [w / total for w in weights]
-        self.dataset_index, self.dataset_sample_index = blending_indices(self.weights, size)
+    def __init__(self, datasets, weights, size: int, cache_path=None):
+        self.datasets = list(datasets)
+        self.weights = normalize(weights)             # BlendedDataset normalises again
+        build = functools.partial(blending_indices, self.weights, size)
+        if cache_path is None:
+            self.dataset_index, self.dataset_sample_index = build()
+        else:
+            identifiers = blended_identifiers([d.cache.identifiers for d in self.datasets],
+                                              self.datasets[0].cache.split_name, self.weights, size)
+            entry = CacheEntry(cache_path, identifiers, self.datasets[0].cache.split_name)
+            self.dataset_index, self.dataset_sample_index = entry.load_or_build(build)
         for k, ds in enumerate(self.datasets):
             need = int((self.dataset_index == k).sum())
             if need > len(ds):
@@ -135,9 +154,12 @@ def _size_per_dataset(weights, size: int, surplus: float = 0.0) -> list[int]:
 
 
 def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod: int,
-                   wanted=SPLITS) -> list:
+                   wanted=SPLITS, cache_path=None, tokenizer_identifiers=None) -> list:
     """The train/valid/test datasets of ``--data-path``/``--split`` for ``sizes`` samples each, as
-    ``BlendedMegatronDatasetBuilder.build``; a split not in ``wanted`` (or empty) is None."""
+    ``BlendedMegatronDatasetBuilder.build``; a split not in ``wanted`` (or empty) is None.
+    ``cache_path`` (``--data-cache-path``): each ``GPTDataset``'s indices (and a blend's) are loaded from /
+    written to megatron-core's files there (:mod:`course_lib.data.index_cache`), described with
+    ``tokenizer_identifiers`` (the tokenizer's ``unique_identifiers``)."""
     prefixes, weights = parse_blend(data_path)
     bookends = split_matrix(parse_split(split))
     indexed = [IndexedDataset(p) for p in prefixes]          # every prefix checked before any index is built
@@ -145,8 +167,12 @@ def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod
 
     def mid_level(k, i, num_samples):
         ids = split_indices(len(indexed[k].sequence_lengths), bookends[i])
+        cache = None
+        if cache_path is not None:
+            cache = CacheEntry(cache_path, gpt_identifiers(prefixes[k], num_samples, SPLITS[i], seed, seq_length,
+                                                           split, bookends, tokenizer_identifiers), SPLITS[i])
         return MegatronGPTDataset(indexed[k], ids, num_samples, seq_length, seed, eod,
-                                  name=f"{SPLITS[i]} (of {prefixes[k]})")
+                                  name=f"{SPLITS[i]} (of {prefixes[k]})", cache=cache)
 
     out = [None] * len(SPLITS)
     for i in wanted_ids:
@@ -156,10 +182,10 @@ def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod
             parts = [mid_level(k, i, None) for k in range(len(prefixes))]
             lengths = [len(p) for p in parts]
             total = sum(lengths)
-            out[i] = BlendedSamples(parts, lengths, min(sizes[i], total))
+            out[i] = BlendedSamples(parts, lengths, min(sizes[i], total), cache_path)
         else:
             target = _size_per_dataset(weights, sizes[i])
             buffered = _size_per_dataset(weights, sizes[i], MID_LEVEL_DATASET_SURPLUS)
             parts = [mid_level(k, i, buffered[k]) for k in range(len(prefixes))]
-            out[i] = BlendedSamples(parts, weights, sum(target))
+            out[i] = BlendedSamples(parts, weights, sum(target), cache_path)
     return out

@@ -87,6 +87,10 @@ class BPETokenizer:
         self.ranks = {m: r for r, m in enumerate(self.merges)}
         self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
         self._cache: dict[str, list[int]] = {}
+        # what --data-cache-path's description records of the tokenizer: Megatron-LM's _GPT2BPETokenizer
+        # (megatron/training/tokenizer, MegatronLegacyTokenizer.__init__): its class and its two files. Megatron-LM
+        # builds that one with --legacy-tokenizer; its default (megatron.core.tokenizers) records other fields.
+        self.unique_identifiers = {"class": "_GPT2BPETokenizer", "tokenizer_path": []}
         _check_tokenizer(self)
 
     @property
@@ -175,6 +179,7 @@ class BPETokenizer:
     def from_files(cls, vocab_file, merge_file) -> "BPETokenizer":
         """Load GPT-2's ``vocab.json`` + ``merges.txt`` (the course's or GPT-2's own). Bad files:
         :class:`TokenizerFileError`, one line."""
+        given = [str(vocab_file), str(merge_file)]
         if not vocab_file or not merge_file:
             raise TokenizerFileError("GPT2BPETokenizer needs both --vocab-file (vocab.json) and --merge-file "
                                      "(merges.txt); make them with `python -m course_lib tokenizer --vocab-file ... --merge-file ...`")
@@ -201,7 +206,9 @@ class BPETokenizer:
             if len(pair) != 2 or not all(pair):
                 raise TokenizerFileError(f"--merge-file {merge_file} line {n}: {line!r} is not 'left right'")
             merges.append(pair)
-        return cls(encoder, merges)
+        tok = cls(encoder, merges)
+        tok.unique_identifiers["tokenizer_path"] = given
+        return tok
 
 
 def _check_tokenizer(tok: BPETokenizer) -> None:

@@ -16,7 +16,10 @@ memorise one batch.
 
 ``export_jsonl(path)`` writes the documents as JSON lines ``{"text": ...}``, the
 input format of Megatron-LM's ``tools/preprocess_data.py`` (``--json-keys text``),
-so GPU users can train Megatron on the same text.
+so GPU users can train Megatron on the same text. ``write_corpus_dataset(prefix)`` writes the
+documents as the byte tokenizer's ids (eod after each) into Megatron's ``PREFIX.bin/.idx``: the
+trainer's default text, read through ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256``
+and megatron-core's ``GPTDataset`` order instead of the byte sampler's.
 """
 
 from __future__ import annotations
@@ -198,3 +201,15 @@ def export_jsonl(path, key: str = "text") -> Path:
     from course_lib.safe_files import write_atomic
 
     return write_atomic(path, "".join(json.dumps({key: doc}, ensure_ascii=False) + "\n" for doc in _documents()))
+
+
+def write_corpus_dataset(prefix, force: bool = False):
+    """The built-in corpus as byte tokens + eod (:class:`~course_lib.data.tokenizer.ByteTokenizer`) in
+    ``prefix.bin``/``prefix.idx`` (uint16, one sequence per document; atomic, never over a file without
+    ``force``). The token stream is :func:`course_lib.data.sampler.corpus_tokens`'s. Returns the two paths."""
+    from course_lib.data.indexed import write_indexed_dataset
+    from course_lib.data.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    return write_indexed_dataset(prefix, (tok.encode(d, append_eod=True) for d in load_documents()),
+                                 tok.vocab_size, force=force)

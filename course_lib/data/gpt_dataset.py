@@ -24,6 +24,8 @@ Three indices, built once per split from the documents ``indices`` of that split
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -104,10 +106,12 @@ class MegatronGPTDataset:
             train); None: one epoch.
         seq_length: ``--seq-length``; seed: ``--seed``; eod: the tokenizer's eod id (``--eod-mask-loss``).
         name: the split's name, for messages.
+        cache: a :class:`course_lib.data.index_cache.CacheEntry` for ``--data-cache-path``: the three indices
+            are loaded from megatron-core's files there, or built and written.
     """
 
     def __init__(self, indexed, indices, num_samples: int | None, seq_length: int, seed: int, eod: int,
-                 name: str = "train"):
+                 name: str = "train", cache=None):
         self.indexed, self.name = indexed, name
         self.indices = np.asarray(indices, dtype=np.int32)
         self.seq_length = rules.integer("seq_length", seq_length)
@@ -120,18 +124,25 @@ class MegatronGPTDataset:
             raise UsageError(f"the {name} split has {len(self.indices)} documents, {tokens_per_epoch} tokens: "
                              f"not one sample of seq_length {self.seq_length} + 1; give it more of the data with "
                              f"--split (e.g. 90,8,2) or a shorter --seq-length")
-        epochs = num_epochs_for(num_samples, tokens_per_epoch, self.seq_length)
+        self.num_epochs = num_epochs_for(num_samples, tokens_per_epoch, self.seq_length)
+        self.cache = cache
+        build = functools.partial(self._build_indices, sizes, tokens_per_epoch)
+        self.document_index, self.sample_index, self.shuffle_index = \
+            build() if cache is None else cache.load_or_build(build)
+
+    def _build_indices(self, sizes, tokens_per_epoch: int):
+        """``_build_document_sample_shuffle_indices`` (the build half): ``(document, sample, shuffle)``."""
+        epochs = self.num_epochs
         per_epoch = (tokens_per_epoch - 1) // self.seq_length
         separate = False
         if epochs > 1:
             before_last = ((epochs - 1) * tokens_per_epoch - 1) // self.seq_length
-            separate = num_samples - before_last < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+            separate = self.num_samples - before_last < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
         rng = np.random.RandomState(self.seed)
-        self.num_epochs = epochs
-        self.document_index = build_document_index(self.indices, epochs, rng, separate)
-        self.sample_index = build_sample_index(sizes, self.document_index, self.seq_length, epochs, tokens_per_epoch)
-        total = len(self.sample_index) - 1
-        self.shuffle_index = build_shuffle_index(before_last if separate else total, total, rng)
+        document_index = build_document_index(self.indices, epochs, rng, separate)
+        sample_index = build_sample_index(sizes, document_index, self.seq_length, epochs, tokens_per_epoch)
+        total = len(sample_index) - 1
+        return document_index, sample_index, build_shuffle_index(before_last if separate else total, total, rng)
 
     def __len__(self) -> int:
         return len(self.sample_index) - 1
@@ -147,14 +158,50 @@ class MegatronGPTDataset:
             parts.append(self.indexed.get(int(self.document_index[pos]), offset=offset, length=length))
         return np.concatenate(parts).astype(np.int64)
 
-    def batch(self, indices, eod_mask_loss: bool = False) -> dict:
-        """Samples ``indices`` as Megatron's batch dict: ``tokens``/``labels`` int64 ``[b, s]``,
-        ``loss_mask`` float32 (zeros at eod with ``eod_mask_loss``), ``position_ids`` ``0..s-1``."""
+    def batch(self, indices, eod_mask_loss: bool = False, reset_position_ids: bool = False,
+              reset_attention_mask: bool = False) -> dict:
+        """Samples ``indices`` as Megatron's batch dict: ``tokens``/``labels`` int64 ``[b, s]``, ``loss_mask``
+        float32 ``[b, s]``, ``position_ids`` int64 ``[b, s]`` and, with ``reset_attention_mask``,
+        ``attention_mask`` bool ``[b, 1, s, s]`` (True = masked); see :func:`ltor_masks_and_position_ids`."""
         windows = np.stack([self[i] for i in indices])                        # [b, s+1]
         tokens = torch.from_numpy(windows[:, :-1].copy())
         labels = torch.from_numpy(windows[:, 1:].copy())
-        loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
-        if eod_mask_loss:
-            loss_mask[tokens == self.eod] = 0.0
-        position_ids = torch.arange(self.seq_length, dtype=torch.int64).expand_as(tokens).contiguous()
-        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+        masks = [ltor_masks_and_position_ids(t, self.eod, reset_position_ids, reset_attention_mask, eod_mask_loss)
+                 for t in tokens]
+        out = {"tokens": tokens, "labels": labels, "loss_mask": torch.stack([m[1] for m in masks]),
+               "position_ids": torch.stack([m[2] for m in masks])}
+        if reset_attention_mask:
+            out["attention_mask"] = torch.stack([m[0] for m in masks])
+        return out
+
+
+def ltor_masks_and_position_ids(tokens: torch.Tensor, eod: int, reset_position_ids: bool = False,
+                                reset_attention_mask: bool = False, eod_mask_loss: bool = False):
+    """megatron-core's ``_get_ltor_masks_and_position_ids`` (``gpt_dataset.py``) for one sample ``[s]``.
+
+    Returns ``(attention_mask [1, s, s] bool, True = masked, or None without reset_attention_mask;
+    loss_mask [s] float32; position_ids [s] int64)``:
+
+    * ``eod_mask_loss`` (``--eod-mask-loss``): the loss mask is 0 where the *input* token is eod (the
+      prediction made from an eod, i.e. the first token of the next document, is not trained);
+    * ``reset_position_ids`` (``--reset-position-ids``): positions restart at 0 after each eod (the eod
+      itself keeps the position it had in its document);
+    * ``reset_attention_mask`` (``--reset-attention-mask``): on top of the causal mask, a token never
+      attends to a token before the last eod that precedes it (each document sees only itself).
+
+    Vectorised: a token's segment is the number of eods strictly before it."""
+    s = tokens.numel()
+    is_eod = tokens == eod
+    segment = torch.cumsum(is_eod.long(), 0) - is_eod.long()                  # eods strictly before each token
+    loss_mask = torch.ones(s, dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[is_eod] = 0.0
+    position_ids = torch.arange(s, dtype=torch.int64)
+    if reset_position_ids:
+        after_eod = torch.zeros(s, dtype=torch.int64)
+        after_eod[1:] = torch.where(is_eod[:-1], torch.arange(1, s), torch.zeros(s - 1, dtype=torch.int64))
+        position_ids = position_ids - torch.cummax(after_eod, 0).values       # minus where the document starts
+    if not reset_attention_mask:      # the model's attention is causal by itself: no [s, s] mask to carry
+        return None, loss_mask, position_ids
+    allowed = torch.ones(s, s, dtype=torch.bool).tril() & (segment[:, None] == segment[None, :])
+    return ~allowed.unsqueeze(0), loss_mask, position_ids

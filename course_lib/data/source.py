@@ -7,15 +7,21 @@ in Megatron's batch order (:func:`course_lib.data.microbatch_sample_indices`: it
 samples ``[it * G, (it + 1) * G)``), and the model's vocabulary is the tokenizer's.
 
 Without ``--data-path`` the trainer reads the built-in corpus through the byte tokenizer
-(:mod:`course_lib.data.sampler`), as before: the labs' printed losses stay the same.
+(:mod:`course_lib.data.sampler`), as before: the labs' printed losses were measured on that order
+and nbval compares them, so it stays the default. The same documents go through Megatron's path when
+asked: :func:`course_lib.data.corpus.write_corpus_dataset` writes them as byte ids into ``.bin/.idx``
+and ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256`` trains on them (same
+vocabulary, megatron-core's ``GPTDataset`` order).
 """
 
 from __future__ import annotations
 
-from course_lib.data.tokenizer import ByteTokenizer
+from pathlib import Path
+
+from course_lib.data.tokenizer import ByteTokenizer, NullTokenizer
 from course_lib.rules import UsageError
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer",)
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "NullTokenizer")
 DEFAULT_SPLIT = "969,30,1"   # Megatron's --split default
 
 
@@ -28,8 +34,12 @@ def add_data_arguments(parser) -> None:
     g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
     g.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json (python -m course_lib tokenizer)")
     g.add_argument("--merge-file", default=None, help="GPT-2's merges.txt")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocabulary before eod (ids 0..N-1, eod N); 256 reads the built-in corpus "
+                        "written by course_lib.data.corpus.write_corpus_dataset")
     g.add_argument("--data-cache-path", default=None,
-                   help="accepted for Megatron's command line; the course builds its indices in memory")
+                   help="folder of megatron-core's GPTDataset index files (HASH-GPTDataset-SPLIT-*.npy): loaded when "
+                        "there, else built and written by rank 0; default: built in memory, nothing written")
     g.add_argument("--eval-interval", type=int, default=None,
                    help="validation loss every N iterations and after the last (needs --data-path; Megatron's "
                         "default 1000, the course's: no evaluation)")
@@ -37,9 +47,12 @@ def add_data_arguments(parser) -> None:
 
 
 def load_tokenizer(args):
-    """The run's tokenizer: GPT-2 BPE from ``--vocab-file``/``--merge-file``, else the byte tokenizer."""
+    """The run's tokenizer: GPT-2 BPE from ``--vocab-file``/``--merge-file``, ``NullTokenizer`` of
+    ``--vocab-size``, else the byte tokenizer."""
     if getattr(args, "tokenizer_type", None) is None:
         return ByteTokenizer()
+    if args.tokenizer_type == "NullTokenizer":
+        return NullTokenizer(getattr(args, "vocab_size", None))
     from course_lib.data.bpe import BPETokenizer
 
     return BPETokenizer.from_files(args.vocab_file, args.merge_file)
@@ -73,6 +86,10 @@ def check_data_args(args) -> None:
                          "drop one of them")
     load_tokenizer(args)
     parse_split(args.split)
+    cache = getattr(args, "data_cache_path", None)
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        raise UsageError(f"--data-cache-path {cache} is a file; give a folder (megatron-core keeps its index "
+                         f"files there), e.g. --data-cache-path data/cache")
     for prefix in parse_blend(data_path)[0]:
         IndexedDataset(prefix)
     build_train_dataset(args, args.global_batch_size)     # a split too small for one sample: one line, here
@@ -89,19 +106,23 @@ def build_valid_dataset(args, global_batch_size: int):
     or None without ``--eval-interval``."""
     if getattr(args, "eval_interval", None) is None:
         return None
-    from course_lib.data.blend import build_datasets, num_samples_per_split
+    from course_lib.data.blend import num_samples_per_split
 
     sizes = num_samples_per_split(args.train_iters, global_batch_size, args.eval_interval, args.eval_iters)
-    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
-                          load_tokenizer(args).eod, wanted=("valid",))[1]
+    return _build(args, sizes, "valid")
 
 
 def build_train_dataset(args, global_batch_size: int):
     """The train split for ``--train-iters * global_batch_size`` samples, or None (built-in corpus)."""
     if getattr(args, "data_path", None) is None:
         return None
-    from course_lib.data.blend import build_datasets
+    return _build(args, [args.train_iters * global_batch_size, 0, 0], "train")
 
-    sizes = [args.train_iters * global_batch_size, 0, 0]
-    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed,
-                          load_tokenizer(args).eod, wanted=("train",))[0]
+
+def _build(args, sizes, split_name: str):
+    from course_lib.data.blend import SPLITS, build_datasets
+
+    tok = load_tokenizer(args)
+    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed, tok.eod,
+                          wanted=(split_name,), cache_path=getattr(args, "data_cache_path", None),
+                          tokenizer_identifiers=tok.unique_identifiers)[SPLITS.index(split_name)]

@@ -25,7 +25,7 @@ from typing import Iterable
 
 from course_lib.rules import UsageError, vocab_size_with_padding
 
-__all__ = ["ByteTokenizer", "EOD_TEXT", "vocab_size_with_padding"]
+__all__ = ["ByteTokenizer", "NullTokenizer", "EOD_TEXT", "vocab_size_with_padding"]
 
 EOD_TEXT = "<|endoftext|>"  # how decode() shows the end-of-document token (GPT-2's spelling)
 
@@ -75,3 +75,25 @@ class ByteTokenizer:
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.decode(ids)
 
+
+class NullTokenizer:
+    """Megatron-LM's ``--tokenizer-type NullTokenizer --vocab-size V`` (``_NullTokenizer``,
+    megatron/training/tokenizer/tokenizer.py): ids are given, not made from text; ``eod == V`` and
+    ``vocab_size == V + 1``. With ``V = 256`` it is the byte tokenizer's vocabulary, so the built-in
+    corpus written as bytes (:func:`course_lib.data.corpus.write_corpus_dataset`) trains through
+    ``--data-path`` with it. ``unique_identifiers``: what Megatron-LM's ``_NullTokenizer`` records for
+    ``--data-cache-path``."""
+
+    def __init__(self, vocab_size: int):
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise UsageError(f"--tokenizer-type NullTokenizer needs --vocab-size N (ids 0..N-1, eod N), got "
+                             f"{vocab_size!r}; for the built-in corpus as bytes: --vocab-size 256")
+        self.eod = vocab_size
+        self.vocab_size = vocab_size + 1
+        self.unique_identifiers = {"class": "_NullTokenizer", "tokenizer_path": [None], "vocab_size": str(vocab_size)}
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(x) for x in text.split(" ")]
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)

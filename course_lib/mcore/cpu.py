@@ -25,7 +25,10 @@ on the CPU and the numbers are megatron-core's own.
 * ``dist_checkpointing``'s torch_dist writer runs its per-bucket workers as threads (a forked rank may
   not start processes);
 * the alltoall dispatcher's split sizes go to ``all_to_all_single`` as host numpy arrays, as on a GPU
-  (``maybe_move_tensor_to_cpu`` converts only tensors that ``is_cuda``; a CPU tensor is no sequence).
+  (``maybe_move_tensor_to_cpu`` converts only tensors that ``is_cuda``; a CPU tensor is no sequence);
+* with expert TP > 1 that dispatcher all-gathers and reduce-scatters pieces of different lengths over expert
+  TP (``tensor_parallel/mappings.py`` with ``output_split_sizes``), which NCCL takes and gloo refuses: the
+  all-gather pads each piece to the longest, the reduce-scatter is an all-reduce of the whole, cut.
 
 Use it inside a rank, after ``torch.distributed`` is initialised: ``with megatron_core_on_cpu(): ...``.
 """
@@ -55,6 +58,40 @@ def _is_cuda(device) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
     return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _uneven_collectives():
+    """``torch.distributed.all_gather`` and ``reduce_scatter`` that also take pieces of different lengths
+    along dim 0 (NCCL does, gloo refuses): the all-gather pads each piece to the longest and cuts the
+    results back; the reduce-scatter all-reduces the pieces whole and keeps this rank's. Even pieces go to
+    torch's own. Patched as module attributes, so that autograd's backward (where no torch-function mode
+    reaches) takes them too."""
+    import torch.distributed as dist
+
+    all_gather, reduce_scatter = dist.all_gather, dist.reduce_scatter
+
+    def uneven(tensors) -> bool:
+        return len({tuple(t.shape) for t in tensors}) > 1
+
+    def gather(output_list, tensor, group=None, async_op=False):
+        if not uneven(output_list):
+            return all_gather(output_list, tensor, group=group, async_op=async_op)
+        longest = max(t.shape[0] for t in output_list)
+        padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+        padded[:tensor.shape[0]] = tensor
+        parts = [torch.empty_like(padded) for _ in output_list]
+        all_gather(parts, padded, group=group)
+        for out, part in zip(output_list, parts):
+            out.copy_(part[:out.shape[0]])
+
+    def scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not uneven(input_list):
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat(list(input_list))
+        dist.all_reduce(whole, op=op, group=group)
+        output.copy_(torch.split(whole, [t.shape[0] for t in input_list])[dist.get_rank(group)])
+
+    return gather, scatter
 
 
 class CpuDeviceMode(TorchFunctionMode):
@@ -151,7 +188,10 @@ def megatron_core_on_cpu():
     import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
     import megatron.core.transformer.transformer_block as transformer_block
 
+    gather, scatter = _uneven_collectives()
     patches = [
+        mock.patch("torch.distributed.all_gather", gather),
+        mock.patch("torch.distributed.reduce_scatter", scatter),
         mock.patch("torch.cuda.current_device", lambda: "cpu"),
         mock.patch("torch.cuda.synchronize", _none),
         mock.patch("torch.cuda.current_stream", lambda *a, **k: _NoStream()),

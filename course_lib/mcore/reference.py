@@ -69,9 +69,10 @@ class ReferenceRun:
                          **extra)
 
     def course_argv(self, tp: int, pp: int, sp: bool, distopt: bool, ep: int = 0,
-                    dispatcher: str = "alltoall") -> list[str]:
+                    dispatcher: str = "alltoall", expert_tp: int = 1) -> list[str]:
         """The course trainer's flags for this run on one layout (Megatron-LM's names); with ``ep`` the MoE
-        GPT of :data:`MOE` over that many expert-parallel ranks (expert TP 1) and ``dispatcher``."""
+        GPT of :data:`MOE` over that many expert-parallel ranks, ``expert_tp`` and ``dispatcher`` (expert
+        TP > 1: ``--disable-bias-linear``, as megatron-core requires)."""
         argv = ["--uniform-vocab-padding", "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp,
                 "--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                 "--num-attention-heads", self.num_attention_heads, "--seq-length", self.seq_length,
@@ -80,7 +81,7 @@ class ReferenceRun:
         if ep:
             argv += [f"--{k.replace('_', '-')}={v}" for k, v in MOE.items()]
             argv += ["--moe-token-dispatcher-type", dispatcher, "--expert-model-parallel-size", ep,
-                     "--expert-tensor-parallel-size", 1]
+                     "--expert-tensor-parallel-size", expert_tp] + ["--disable-bias-linear"] * (expert_tp > 1)
         return [str(a) for a in argv] + ["--sequence-parallel"] * sp + ["--use-distributed-optimizer"] * distopt
 
 
@@ -94,14 +95,14 @@ LAYOUTS = (
 )
 MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48, "moe_aux_loss_coeff": 0.01}
 """The MoE GPT of :data:`MOE_LAYOUTS`: every layer's MLP 4 experts, top-2, the Switch aux loss at 1e-2."""
-# (name, tp, pp, sequence parallel, ep, dispatcher) on 4 ranks: the MoE GPT. Expert TP 1 throughout:
-# megatron-core 0.16.1 refuses expert TP > 1 with biased linears ("Bias in Moe is only supported when ETP==1"),
-# and the course GPT's dense layers have biases.
+# (name, tp, pp, sequence parallel, ep, dispatcher, expert tp) on 4 ranks: the MoE GPT, with Megatron's
+# biases (router and experts) at expert TP 1; expert TP 2 without any (--disable-bias-linear: megatron-core
+# 0.16.1 refuses biased experts with expert TP > 1, "Bias in Moe is only supported when ETP==1").
 MOE_LAYOUTS = (
-    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 1, False, 2, "alltoall"),
-    ("MoE: TP2 + SP, EP2, expert TP 1", 2, 1, True, 2, "alltoall"),
-    ("MoE: PP2 x EP2 (1F1B)", 1, 2, False, 2, "alltoall"),
-    ("MoE: EP2, allgather dispatcher", 1, 1, False, 2, "allgather"),
+    ("MoE: EP2 x DP4 (4 experts, top-2)", 1, 1, False, 2, "alltoall", 1),
+    ("MoE: TP2 + SP, EP2, expert TP 2, no bias", 2, 1, True, 2, "alltoall", 2),
+    ("MoE: PP2 x EP2 (1F1B)", 1, 2, False, 2, "alltoall", 1),
+    ("MoE: EP2, allgather dispatcher", 1, 1, False, 2, "allgather", 1),
 )
 
 
@@ -113,7 +114,8 @@ def transformer_config(g, tp: int, pp: int, sp: bool, **extra):
     return TransformerConfig(num_layers=g.num_layers, hidden_size=g.hidden_size,
                              num_attention_heads=g.num_attention_heads, ffn_hidden_size=g.ffn_hidden_size,
                              hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=g.layernorm_epsilon,
-                             init_method_std=g.init_method_std, use_cpu_initialization=True,
+                             init_method_std=g.init_method_std, add_bias_linear=g.add_bias_linear,
+                             use_cpu_initialization=True,
                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
                              pipeline_dtype=torch.float32, bias_dropout_fusion=False, masked_softmax_fusion=False,
                              gradient_accumulation_fusion=False, **extra)
@@ -138,7 +140,8 @@ def moe_config(g) -> dict:
     return dict(num_moe_experts=g.num_experts, moe_router_topk=g.moe_router_topk,
                 moe_ffn_hidden_size=g.moe_ffn_hidden_size, moe_aux_loss_coeff=g.moe_aux_loss_coeff,
                 moe_token_dispatcher_type=g.moe_token_dispatcher_type, moe_router_load_balancing_type="aux_loss",
-                expert_model_parallel_size=ps.get_expert_model_parallel_world_size(), expert_tensor_parallel_size=1)
+                expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+                expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size())
 
 
 def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
@@ -146,8 +149,9 @@ def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
     master's numbers: ``(model, master, its TransformerConfig)``. Inside :func:`model_parallel`.
 
     With experts (``g.num_experts``): megatron-core's local MoE spec (``SequentialMLP``); its local expert
-    ``j`` is the master's expert ``local_expert_indices[j]`` (megatron-core's own numbering). megatron-core gives the router and the experts a
-    bias when the dense layers have one; the course's have none: those biases stay at zero, out of training."""
+    ``j`` is the master's expert ``local_expert_indices[j]`` (megatron-core's own numbering), cut along its
+    ``partition_dim`` at the expert-TP rank; the router's and experts' biases (unless ``add_bias_linear`` is
+    off) are the master's too."""
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -164,16 +168,16 @@ def megatron_core_gpt(g, tp: int, pp: int, sp: bool):
     r = ps.get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if g.num_experts and ".mlp." in name and name.endswith("bias"):   # router and expert biases
-                p.zero_()
-                p.requires_grad_(False)
-                continue
-            if ".mlp.experts.local_experts." in name:      # decoder.layers.i.mlp.experts.local_experts.j.<weight>
+            if ".mlp.experts.local_experts." in name:      # decoder.layers.i.mlp.experts.local_experts.j.<tensor>
                 i, rest = name.split(".")[2], name.split(".mlp.experts.local_experts.")[1]
-                j, weight = rest.split(".", 1)
+                j, tensor = rest.split(".", 1)
                 e = model.decoder.layers[int(i)].mlp.local_expert_indices[int(j)]
                 layer = master_name(model, name).split(".mlp.")[0]
-                p.copy_(full[f"{layer}.mlp.experts.{weight}"][e])                    # [F, H] or [H, F]
+                value = full[f"{layer}.mlp.experts.{tensor}"][e]                     # [F, H], [H, F], [F], [H]
+                if getattr(p, "tensor_model_parallel", False):                       # over expert TP
+                    value = value.chunk(ps.get_expert_tensor_parallel_world_size(), p.partition_dim)[
+                        ps.get_expert_tensor_parallel_rank()]
+                p.copy_(value)
                 continue
             value = full[master_name(model, name)]
             p.copy_(value.chunk(tp, p.partition_dim)[r] if getattr(p, "tensor_model_parallel", False) else value)
@@ -273,15 +277,15 @@ def side_by_side(layouts=LAYOUTS, moe_layouts=MOE_LAYOUTS, run: ReferenceRun = R
     from course_lib.mcore.cpu import megatron_core_on_cpu
     from course_lib.train import parse_args, pretrain
 
-    runs = [(name, tp, pp, sp, distopt, 0, "alltoall") for name, tp, pp, sp, distopt in layouts]
-    runs += [(name, tp, pp, sp, False, ep, dispatcher) for name, tp, pp, sp, ep, dispatcher in moe_layouts]
+    runs = [(name, tp, pp, sp, distopt, 0, "alltoall", 1) for name, tp, pp, sp, distopt in layouts]
+    runs += [(name, tp, pp, sp, False, ep, dispatcher, etp) for name, tp, pp, sp, ep, dispatcher, etp in moe_layouts]
     out = {}
-    for name, tp, pp, sp, distopt, ep, dispatcher in runs:
-        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=1) if ep else {}
-        moe = {**MOE, "moe_token_dispatcher_type": dispatcher} if ep else None
+    for name, tp, pp, sp, distopt, ep, dispatcher, etp in runs:
+        experts = dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp) if ep else {}
+        moe = {**MOE, "moe_token_dispatcher_type": dispatcher, "add_bias_linear": etp == 1} if ep else None
         with megatron_core_on_cpu(), model_parallel(tp, pp, run.seed, **experts):
             mcore = train_megatron_core(run, tp, pp, sp, distopt, moe=moe)
-        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep, dispatcher)), print_args=False,
+        course = pretrain(parse_args(run.course_argv(tp, pp, sp, distopt, ep, dispatcher, etp)), print_args=False,
                           record_comm=False)
         out[name] = {"megatron-core": {k: mcore[k] for k in ("lm_loss", "grad_norm")},
                      "course": {k: course[k] for k in ("lm_loss", "grad_norm")}}

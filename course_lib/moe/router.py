@@ -13,6 +13,7 @@ Fedus et al. 2021 "Switch Transformer" (eq. 4: ``aux = α · E · Σ_i f_i · P_
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from course_lib import comm, rules
 
@@ -45,12 +46,13 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return coeff * torch.logsumexp(logits, dim=-1).square().mean()
 
 
-def route(x: torch.Tensor, weight: torch.Tensor, topk: int, *, aux_loss_coeff: float = 0.0,
-          z_loss_coeff: float | None = None, pre_softmax: bool = False, sequence_partition_group=None,
-          parts: dict | None = None):
+def route(x: torch.Tensor, weight: torch.Tensor, topk: int, *, bias: torch.Tensor | None = None,
+          aux_loss_coeff: float = 0.0, z_loss_coeff: float | None = None, pre_softmax: bool = False,
+          sequence_partition_group=None, parts: dict | None = None):
     """Route each token to ``topk`` experts.
 
-    ``x``: [T, H] tokens; ``weight``: [E, H] (Megatron's ``router.weight``).
+    ``x``: [T, H] tokens; ``weight``: [E, H] (Megatron's ``router.weight``); ``bias``: [E] or None
+    (``router.bias``: Megatron's router has one unless ``--disable-bias-linear``).
     Returns ``probs`` [T, k] (gate values), ``indices`` [T, k] (expert ids) and the auxiliary loss
     (a scalar: load balancing + z-loss). Megatron's default (``pre_softmax=False``): top-k on the
     logits, then softmax over the k chosen (the gates of one token sum to 1); ``pre_softmax=True``:
@@ -62,7 +64,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, topk: int, *, aux_loss_coeff: f
     terms, coefficients included) for logging."""
     num_experts = weight.shape[0]
     topk = rules.integer("moe-router-topk", topk, maximum=num_experts)
-    logits = x @ weight.t()                                   # [T, E]
+    logits = F.linear(x, weight, bias)                        # [T, E]
     scores = torch.softmax(logits, dim=-1)                    # [T, E]
     if pre_softmax:
         probs, indices = torch.topk(scores, topk, dim=-1)     # [T, k]

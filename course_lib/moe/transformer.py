@@ -8,14 +8,19 @@ reference model, so every layout starts from the same master numbers.
 
 Parameters (``E`` experts, ``L = E / ep`` on this rank, ``F`` = ``--moe-ffn-hidden-size``):
 
-* ``router.weight`` ``[E, H]`` -- replicated; under sequence parallelism it sees only this rank's
-  tokens, so it carries ``sequence_parallel = True`` (its gradient is summed over TP, as Megatron's
-  ``Router.reset_parameters`` marks it);
+* ``router.weight`` ``[E, H]`` and, unless ``--disable-bias-linear``, ``router.bias`` ``[E]`` -- replicated;
+  under sequence parallelism they see only this rank's tokens, so they carry ``sequence_parallel = True``
+  (their gradient is summed over TP, as Megatron's ``Router.reset_parameters`` marks them). Megatron draws
+  the bias with the weights' ``init_method`` (``N(0, σ²)``, not zero), right after the weight;
 * ``experts.linear_fc1.weight`` ``[L, F/etp, H]`` and ``experts.linear_fc2.weight`` ``[L, H, F/etp]``
   -- the rank's experts stacked (Megatron's GroupedMLP keeps them stacked too), split over the expert
-  tensor-parallel group along F (fc1 column-parallel, fc2 row-parallel), no biases (Megatron's MoE
-  runs are configured with ``--disable-bias-linear``). They carry ``allreduce = False`` (Megatron's
-  mark): their gradients are reduced over the **expert** data-parallel group, not DP.
+  tensor-parallel group along F (fc1 column-parallel, fc2 row-parallel); unless ``--disable-bias-linear``,
+  ``experts.linear_fc1.bias`` ``[L, F/etp]`` and ``experts.linear_fc2.bias`` ``[L, H]`` (zero at start, as
+  Megatron's linears). An expert computes ``(gelu(x W1^T + b1) · p) W2^T + b2 · p`` (Megatron's ``MLP.forward``
+  with ``per_token_scale``: the fc2 bias is scaled by the gate too). Biases need expert TP 1
+  (:func:`course_lib.rules.moe_bias_with_expert_tp`, megatron-core's own assertion). Expert parameters carry
+  ``allreduce = False`` (Megatron's mark): their gradients are reduced over the **expert** data-parallel
+  group, not DP.
 
 The route of a token (``T`` = this rank's tokens, ``k`` = top-k):
 
@@ -61,31 +66,42 @@ __all__ = ["MoEMLP", "track_moe_metrics", "set_aux_loss_scale", "moe_modules"]
 
 
 class _Stacked(nn.Module):
-    """Holds one stacked expert weight as ``.weight`` (so names read ``experts.linear_fc1.weight``)."""
+    """One stacked expert linear: ``.weight`` and, when given, ``.bias`` (names read
+    ``experts.linear_fc1.weight``). ``partition_dim``: the weight's dim split over expert TP; the bias's
+    is ``partition_dim`` too for fc1 (``[L, F/etp]``) and None for fc2 (``[L, H]``, whole)."""
 
-    def __init__(self, weight: torch.Tensor, partition_dim: int):
+    def __init__(self, weight: torch.Tensor, partition_dim: int, bias: torch.Tensor | None = None,
+                 bias_partition_dim: int | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
-        self.weight.allreduce = False                  # Megatron: reduced over expert DP, not DP
         self.weight.expert_partition_dim = partition_dim
+        self.bias = None if bias is None else nn.Parameter(bias)
+        if self.bias is not None:
+            self.bias.expert_partition_dim = bias_partition_dim
+        for p in self.parameters():
+            p.allreduce = False                        # Megatron: reduced over expert DP, not DP
 
 
 class _Experts(nn.Module):
-    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor):
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor, b1: torch.Tensor | None, b2: torch.Tensor | None):
         super().__init__()
-        self.linear_fc1 = _Stacked(fc1, 1)             # [L, F/etp, H]  column-parallel over expert TP
-        self.linear_fc2 = _Stacked(fc2, 2)             # [L, H, F/etp]  row-parallel over expert TP
+        self.linear_fc1 = _Stacked(fc1, 1, b1, 1)      # [L, F/etp, H], [L, F/etp]  column-parallel over expert TP
+        self.linear_fc2 = _Stacked(fc2, 2, b2, None)   # [L, H, F/etp], [L, H]      row-parallel over expert TP
 
     def forward(self, rows: torch.Tensor, probs: torch.Tensor, chunk_sizes: list[int],
                 chunk_experts: list[int]) -> torch.Tensor:
         """Chunk ``c`` of ``rows`` ([N, H], chunks of ``chunk_sizes``) through local expert
-        ``chunk_experts[c]``, each row's gate value ``probs`` [N] scaling the activation (Megatron's
-        ``per_token_scale``, ``megatron/core/transformer/mlp.py``): ``(gelu(x W1^T) · p) W2^T`` -> [N, H]
-        (a partial sum when expert TP > 1)."""
+        ``chunk_experts[c]``, each row's gate value ``probs`` [N] scaling the activation and the fc2 bias
+        (Megatron's ``per_token_scale``, ``megatron/core/transformer/mlp.py``):
+        ``(gelu(x W1^T + b1) · p) W2^T + b2 · p`` -> [N, H] (a partial sum when expert TP > 1, no biases then)."""
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
+        b1, b2 = self.linear_fc1.bias, self.linear_fc2.bias
         sizes = [int(n) for n in chunk_sizes]
-        outs = [(F.gelu(chunk @ w1[e].t()) * p.unsqueeze(-1)) @ w2[e].t()
-                for chunk, p, e in zip(torch.split(rows, sizes), torch.split(probs, sizes), chunk_experts)]
+        outs = []
+        for chunk, p, e in zip(torch.split(rows, sizes), torch.split(probs, sizes), chunk_experts):
+            p = p.unsqueeze(-1)                                                      # [n, 1]
+            y = (F.gelu(F.linear(chunk, w1[e], None if b1 is None else b1[e])) * p) @ w2[e].t()
+            outs.append(y if b2 is None else y + b2[e] * p)
         return torch.cat(outs) if outs else rows[:0]
 
 
@@ -126,6 +142,7 @@ class MoEMLP(nn.Module):
         self.etp = 1 if groups is None else groups.size("expert_tp")
         rules.moe_experts(E, self.ep)
         rules.moe_ffn_divisible_by_expert_tp(Fh, self.etp)
+        rules.moe_bias_with_expert_tp(E, config.add_bias_linear, self.etp)
         self.num_local_experts = E // self.ep
         ep_rank = 0 if groups is None else comm.group_rank(groups.ep)
         self.local_expert_indices = list(range(ep_rank * self.num_local_experts,
@@ -134,42 +151,52 @@ class MoEMLP(nn.Module):
         self.dispatcher = rules.moe_dispatcher(config.moe_token_dispatcher_type)
         self.aux_loss_scale = 1.0
         tcfg = config.transformer_config()
-        router = torch.empty(E, H)
+        bias = config.add_bias_linear
+        router, router_bias = torch.empty(E, H), torch.empty(E) if bias else None
         fc1 = torch.empty(E, Fh, H)
         fc2 = torch.empty(E, H, Fh)
-        if init:                                           # Megatron: router and fc1 init_method, fc2 scaled
+        if init:             # Megatron: router weight then bias with init_method, fc1 init_method, fc2 scaled
             tcfg.init_method(router)
+            if bias:
+                tcfg.init_method(router_bias)
             tcfg.init_method(fc1)
             tcfg.output_layer_init_method(fc2)
         self.router = nn.Module()
         self.router.weight = nn.Parameter(router)
-        local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
-        self.experts = _Experts(fc1[local].chunk(self.etp, 1)[0].clone(), fc2[local].chunk(self.etp, 2)[0].clone())
+        self.router.bias = None if router_bias is None else nn.Parameter(router_bias)
+        L, local = self.num_local_experts, slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
+        self.experts = _Experts(fc1[local].chunk(self.etp, 1)[0].clone(), fc2[local].chunk(self.etp, 2)[0].clone(),
+                                torch.zeros(L, Fh // self.etp) if bias else None, torch.zeros(L, H) if bias else None)
         self.metrics: dict[str, torch.Tensor] = {}
 
     # -------------------------------------------------------------------------------------- weights
     def mark_sequence_parallel(self) -> None:
-        """The router sees this rank's ``s/t`` tokens only: its gradient is a partial sum over TP."""
-        self.router.weight.sequence_parallel = True
+        """The router sees this rank's ``s/t`` tokens only: its gradients are partial sums over TP."""
+        for p in self.router.parameters():
+            p.sequence_parallel = True
 
     @torch.no_grad()
     def load_from_master(self, master: "MoEMLP") -> None:
         """Copy this rank's slice of the single-process MoE ``master``: the router whole, experts
-        ``local_expert_indices``, expert-TP shard ``expert_tp_rank`` along F."""
+        ``local_expert_indices``, expert-TP shard ``expert_tp_rank`` along each tensor's
+        ``expert_partition_dim`` (None: whole)."""
         r = 0 if self.groups is None else comm.group_rank(self.groups.expert_tp)
         local = slice(self.local_expert_indices[0], self.local_expert_indices[-1] + 1)
-        self.router.weight.copy_(master.router.weight)
-        for mine, full in ((self.experts.linear_fc1.weight, master.experts.linear_fc1.weight),
-                           (self.experts.linear_fc2.weight, master.experts.linear_fc2.weight)):
-            mine.copy_(full[local].chunk(self.etp, mine.expert_partition_dim)[r])
+        for mine, full in zip(self.router.parameters(), master.router.parameters()):
+            mine.copy_(full)
+        for mine, full in zip(self.experts.parameters(), master.experts.parameters()):
+            dim = mine.expert_partition_dim
+            mine.copy_(full[local] if dim is None else full[local].chunk(self.etp, dim)[r])
 
-    def full_expert_tensor(self, value: torch.Tensor, partition_dim: int) -> torch.Tensor:
+    def full_expert_tensor(self, value: torch.Tensor, partition_dim: int | None) -> torch.Tensor:
         """All experts, unsplit: gather ``value`` (an expert weight or grad of this rank) over expert TP
-        along ``partition_dim``, then over EP along dim 0. Collective over both groups."""
+        along ``partition_dim`` (None: not split), then over EP along dim 0. Collective over both groups."""
         if self.groups is None:
             return value.detach().clone()
-        value = comm.all_gather(value.detach().contiguous(), self.groups.expert_tp, dim=partition_dim,
-                                kind="expert_tp", source="gather_full_parameters")
+        value = value.detach().contiguous()
+        if partition_dim is not None:
+            value = comm.all_gather(value, self.groups.expert_tp, dim=partition_dim, kind="expert_tp",
+                                    source="gather_full_parameters")
         return comm.all_gather(value, self.groups.ep, dim=0, kind="ep", source="gather_full_parameters").clone()
 
     # -------------------------------------------------------------------------------------- forward
@@ -178,7 +205,7 @@ class MoEMLP(nn.Module):
         tokens = hidden_states.reshape(-1, shape[-1])                                  # [T, H]
         parts: dict = {}
         partition = None if self.groups is None or self.groups.size("tp_cp") == 1 else self.groups.tp_cp
-        probs, indices, aux = route(tokens, self.router.weight, self.topk,
+        probs, indices, aux = route(tokens, self.router.weight, self.topk, bias=self.router.bias,
                                     aux_loss_coeff=self.config.moe_aux_loss_coeff,
                                     z_loss_coeff=self.config.moe_z_loss_coeff,
                                     sequence_partition_group=partition, parts=parts)   # [T, k], [T, k], []

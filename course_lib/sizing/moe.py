@@ -11,8 +11,10 @@ expert FFN size, ``ffn`` the dense FFN size; ``gated_linear_unit`` (SwiGLU) doub
 * attention: ``linear_qkv`` ``h × (a + 2g) d`` (+ bias), ``linear_proj`` ``a d × h`` (+ bias ``h``);
 * two norms: ``2h`` each for LayerNorm (weight, bias), ``h`` for RMSNorm;
 * a dense MLP: ``h × ffn (×2 with GLU)`` (+ bias) and ``ffn × h`` (+ bias ``h``);
-* an MoE MLP: router ``E × h`` and ``E`` experts of ``h F (×2 with GLU) + F h`` (no biases: the
-  course's experts, Megatron's GroupedMLP and Mixtral have none).
+* an MoE MLP: router ``E × h`` (+ bias ``E``) and ``E`` experts of ``h F (×2 with GLU) + F h`` (+ biases
+  ``F (×2 with GLU) + h``): Megatron's router and SequentialMLP experts have biases unless
+  ``--disable-bias-linear`` (``add_bias_linear=False``), which expert TP > 1, Megatron's GroupedMLP and
+  Mixtral need or have.
 
 Outside the layers: word embeddings ``V × h``, learned positions ``max_position_embeddings × h``
 (0 for RoPE), a final norm, and an output layer ``V × h`` only when untied.
@@ -85,7 +87,7 @@ def moe_parameter_counts(*, num_layers: int, hidden_size: int, num_attention_hea
     norm = _NORM_VECTORS[normalization] * h
     mlp_split = h * ffn * glu + bias * ffn * glu + ffn * h                      # fc1 w+b, fc2 w
     mlp_replicated = bias * h                                                   # fc2 bias
-    per_expert = h * Fe * glu + Fe * h
+    per_expert = h * Fe * glu + Fe * h + bias * (Fe * glu + h)                 # fc1 w+b, fc2 w+b (expert TP 1)
     embedding = vocab_size * h + max_position_embeddings * h
     output_layer = vocab_size * h if untie_embeddings_and_output_weights else 0
     counts = dict(
@@ -93,7 +95,8 @@ def moe_parameter_counts(*, num_layers: int, hidden_size: int, num_attention_hea
         attention=num_layers * (attention_split + attention_replicated),
         norms=num_layers * 2 * norm + norm,
         dense_mlp=dense_layers * (mlp_split + mlp_replicated),
-        router=moe_layers * E * h, experts=moe_layers * E * per_expert, per_expert=per_expert, moe_layers=moe_layers)
+        router=moe_layers * (E * h + bias * E), experts=moe_layers * E * per_expert, per_expert=per_expert,
+        moe_layers=moe_layers)
     counts["dense"] = sum(counts[k] for k in ("embedding", "output_layer", "attention", "norms", "dense_mlp", "router"))
     counts["total"] = counts["dense"] + counts["experts"]
     counts["active"] = counts["dense"] + moe_layers * moe_router_topk * per_expert

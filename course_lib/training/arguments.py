@@ -83,6 +83,9 @@ def add_megatron_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="course flag: pad as for TP = 1 on every layout (a multiple of "
                         "--make-vocab-size-divisible-by), so every TP size trains the same model")
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no bias in any linear: attention, MLP, the MoE router and experts (Megatron's "
+                        "add_bias_linear=False; expert TP > 1 needs it)")
     g.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
     g.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron's default is 0.1")
     g = parser.add_argument_group("mixture of experts (Megatron's _add_moe_args; course_lib.moe)")
@@ -215,7 +218,7 @@ def _check_values(a: argparse.Namespace) -> None:
     rules.timeout_seconds("distributed_timeout_minutes", a.distributed_timeout_minutes, unit_s=60)
     _check_precision(a)
     _check_moe_values(a)
-    for dest in ("ddp_bucket_size", "eval_interval", "eval_iters"):
+    for dest in ("ddp_bucket_size", "eval_interval", "eval_iters", "vocab_size"):
         if getattr(a, dest, None) is not None:
             rules.integer(dest, getattr(a, dest))
 
@@ -250,7 +253,7 @@ def _expert_sizes(a: argparse.Namespace) -> dict:
 def _check_moe(a: argparse.Namespace) -> None:
     """The MoE flags (Megatron's ``validate_args``): experts divisible by EP, expert TP defaults to TP,
     SP with TP > 1, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` and splits over expert
-    TP. (The expert grid -- world divisible by expert_tp·ep·pp -- is the config's: :func:`_expert_sizes`.)"""
+    TP, biases only with expert TP 1. (The expert grid -- world divisible by expert_tp·ep·pp -- is the config's: :func:`_expert_sizes`.)"""
     ep = rules.integer("expert-model-parallel-size", getattr(a, "expert_model_parallel_size", 1))
     a.expert_model_parallel_size = ep
     a.num_experts = rules.moe_experts(getattr(a, "num_experts", None), ep)
@@ -264,6 +267,8 @@ def _check_moe(a: argparse.Namespace) -> None:
     if getattr(a, "moe_ffn_hidden_size", None) is None:
         a.moe_ffn_hidden_size = a.ffn_hidden_size
     rules.moe_ffn_divisible_by_expert_tp(a.moe_ffn_hidden_size, a.expert_tensor_parallel_size)
+    rules.moe_bias_with_expert_tp(a.num_experts, not getattr(a, "disable_bias_linear", False),
+                                  a.expert_tensor_parallel_size)
 
 
 def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
@@ -436,7 +441,8 @@ def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dic
         counts = moe_parameter_counts(
             num_layers=L, hidden_size=h, num_attention_heads=heads, vocab_size=V, num_experts=experts,
             moe_ffn_hidden_size=a.moe_ffn_hidden_size or ffn, moe_router_topk=min(a.moe_router_topk, experts),
-            moe_layer_freq=a.moe_layer_freq, ffn_hidden_size=ffn, max_position_embeddings=positions)
+            moe_layer_freq=a.moe_layer_freq, ffn_hidden_size=ffn, max_position_embeddings=positions,
+            add_bias_linear=not getattr(a, "disable_bias_linear", False))
         master += counts["experts"] + counts["router"]
         mine += counts["experts"] / (cfg.grid.expert_tp * cfg.grid.ep * pp) + counts["router"] / pp
     states = sizing.model_state_bytes(mine, param_bytes=4, grad_bytes=4, k=8).total
@@ -508,6 +514,7 @@ def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
                      max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
                      hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                      init_method_std=args.init_method_std, seed=args.seed,
+                     add_bias_linear=not getattr(args, "disable_bias_linear", False),
                      **{k: getattr(args, k) for k in MOE_CONFIG_FLAGS if hasattr(args, k)})
 
 

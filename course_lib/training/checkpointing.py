@@ -103,7 +103,9 @@ MCORE_LAYER_KEYS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_n
                     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
                     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
                     "mlp.experts.linear_fc1.weight": "mlp.experts.experts.linear_fc1.weight",
-                    "mlp.experts.linear_fc2.weight": "mlp.experts.experts.linear_fc2.weight"}
+                    "mlp.experts.linear_fc2.weight": "mlp.experts.experts.linear_fc2.weight",
+                    "mlp.experts.linear_fc1.bias": "mlp.experts.experts.linear_fc1.bias",
+                    "mlp.experts.linear_fc2.bias": "mlp.experts.experts.linear_fc2.bias"}
 MCORE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
                  "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2")
 # a key stacked over the layers (dim 0: the layer axis), the model's or its optimizer state's
@@ -254,11 +256,12 @@ def global_spec(p, local: torch.Tensor, tp: int, tp_rank: int) -> tuple[tuple, t
 def expert_global_spec(p, local: torch.Tensor, ep: int, ep_rank: int, etp: int, etp_rank: int) -> tuple[tuple, tuple]:
     """``(global shape, offsets)`` of a rank's stacked experts ``local`` ``[E/ep, ...]`` of the expert weight
     ``p``: experts ``ep_rank * E/ep`` on along dim 0, the expert-TP shard ``etp_rank`` along
-    ``p.expert_partition_dim`` (:class:`course_lib.moe.transformer.MoEMLP`)."""
+    ``p.expert_partition_dim`` (None: not split, fc2's bias; :class:`course_lib.moe.transformer.MoEMLP`)."""
     shape, offsets = list(local.shape), [0] * local.dim()
     offsets[0], shape[0] = ep_rank * shape[0], shape[0] * ep
     dim = p.expert_partition_dim
-    offsets[dim], shape[dim] = etp_rank * shape[dim], shape[dim] * etp
+    if dim is not None:
+        offsets[dim], shape[dim] = etp_rank * shape[dim], shape[dim] * etp
     return tuple(shape), tuple(offsets)
 
 

@@ -94,6 +94,7 @@ _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # megatron-core's own saves keep the save plans in the metadata (SavePlan, WriteItem, ...: dataclasses and enums)
 _DCP_MODULES = (_DCP_METADATA, "torch.distributed.checkpoint.planner")
 _OTHER_METADATA_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("pathlib", "PosixPath"),
+                           (pathlib.PosixPath.__module__, "PosixPath"),  # Python 3.13 pickles it as pathlib._local
                            ("torch.serialization", "_get_layout")}      # _get_layout: a layout by its name
 _TORCH_NAMES = {"Size", "strided", "contiguous_format", "preserve_format", "channels_last", "sparse_coo"}
 

@@ -295,3 +295,19 @@ def test_real_ranks_dp_and_cp_shards_give_the_global_mean():
     ref = get_global_batch(it, gbs, s)
     expected = float(score(ref["tokens"], ref["labels"])) / (gbs * s)
     assert all(abs(g - expected) <= 1e-12 * abs(expected) for g in got)
+
+
+def test_lab11_figure_is_drawn_by_the_figures_command_from_the_toy_dataset(tmp_path):
+    """figures/data_documents_samples_order.png is what ``python -m course_lib figures`` draws now (not stale), and
+    the picture's example is the lab's: three documents, four samples cut every 8 tokens, one epoch."""
+    from pathlib import Path
+
+    from course_lib.classroom.figures import COMPACT_WRITERS, WRITERS, compact_png
+    from course_lib.data.plots import FIGURE_NAME, toy_dataset, write_figures
+
+    assert WRITERS["course_lib.data.plots"] == "write_figures" and "course_lib.data.plots" in COMPACT_WRITERS
+    toy = toy_dataset()
+    assert toy.sample_index.tolist() == [[0, 0], [0, 8], [1, 6], [2, 7], [2, 15]] and len(toy) == 4
+    (path,) = write_figures(tmp_path)
+    committed = Path(__file__).resolve().parents[2] / "figures" / FIGURE_NAME
+    assert compact_png(path.read_bytes()) == committed.read_bytes()

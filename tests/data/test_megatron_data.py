@@ -3,7 +3,9 @@ dataset ``preprocess`` writes, and the samples ``--data-path``/``--split``/blend
 
 * the byte-level BPE equals Hugging Face ``tokenizers``' byte-level BPE loaded from the same
   ``vocab.json``/``merges.txt`` (megatron-core 0.16.1's ``GPT2BPETokenizer`` is
-  ``MegatronHFTokenizer`` -> transformers' GPT-2 tokenizer, whose fast form is that library);
+  ``MegatronHFTokenizer`` -> transformers' GPT-2 tokenizer, whose fast form is that library), and
+  Megatron-LM's own ``gpt2_tokenization.GPT2Tokenizer`` (its ``_GPT2BPETokenizer``) loads the files and
+  encodes and decodes every text the same way, where ``MEGATRON_LM_DIR`` names a checkout that has it;
 * ``.bin/.idx`` byte-identical to megatron-core's ``IndexedDatasetBuilder``, read by its ``IndexedDataset``;
 * every sample of all three splits (one prefix, several epochs) and of a weighted blend equals
   megatron-core's ``GPTDataset``/``BlendedMegatronDatasetBuilder``; the sample index equals its
@@ -148,17 +150,17 @@ def megatron_core_world():
     dist.destroy_process_group()
 
 
-def _megatron_core_datasets(data_path, split, sizes, seq_length, seed, tok, cache):
+def _megatron_core_datasets(data_path, split, sizes, seq_length, seed, tok, cache, masks=False):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
 
     class Tokenizer:      # what GPTDatasetConfig reads of a tokenizer
-        vocab_size, eod, unique_identifiers = tok.vocab_size, tok.eod, {"class": "course BPE"}
+        vocab_size, eod, unique_identifiers = tok.vocab_size, tok.eod, tok.unique_identifiers
 
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=get_blend_from_list(data_path),
-                              split=split, path_to_cache=str(cache), tokenizer=Tokenizer(), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=False)
+                              split=split, path_to_cache=str(cache), tokenizer=Tokenizer(), reset_position_ids=masks,
+                              reset_attention_mask=masks, eod_mask_loss=masks)
     return BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
 
 
@@ -186,6 +188,72 @@ def test_samples_equal_megatron_core(tiny, megatron_core_world, tmp_path, blend,
             window = b[i]
             assert np.array_equal(a[i]["tokens"].numpy(), window[:-1]) and np.array_equal(a[i]["labels"].numpy(),
                                                                                            window[1:]), i
+
+
+def _cache_files(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_data_cache_path_files_equal_megatron_core_and_load_both_ways(tiny, megatron_core_world, tmp_path):
+    """``--data-cache-path``: the course writes megatron-core's file names (MD5 of the same description)
+    and bytes for every split of a blend (each GPTDataset's three indices, the BlendedDataset's two);
+    megatron-core loads the course's files without rebuilding them,
+    and the course loads them back (a description of another run is one line)."""
+    import os
+    import shutil
+
+    from course_lib.rules import UsageError
+
+    other = str(tmp_path / "b_text_document")
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tiny["prefix"] + suffix, other + suffix)
+    data_path = ["2", tiny["prefix"], "1", other]           # weights 2/3, 1/3: normalised as megatron-core does
+    tok = BPETokenizer.from_files(str(tiny["vocab"]), str(tiny["merges"]))
+    assert tok.unique_identifiers == {"class": "_GPT2BPETokenizer",
+                                      "tokenizer_path": [str(tiny["vocab"]), str(tiny["merges"])]}
+    args = (data_path, "90,8,2", [300, 40, 20], 32, 1234, tok.eod)
+    ours_dir, theirs_dir = tmp_path / "ours", tmp_path / "theirs"
+    ours = build_datasets(*args, cache_path=ours_dir, tokenizer_identifiers=tok.unique_identifiers)
+    _megatron_core_datasets(data_path, "90,8,2", [300, 40, 20], 32, 1234, tok, theirs_dir)
+    mine, theirs = _cache_files(ours_dir), _cache_files(theirs_dir)
+    assert sorted(mine) == sorted(theirs)
+    assert sum("-GPTDataset-" in n for n in mine) == 2 * 3 * 4            # 2 prefixes x 3 splits x 4 files
+    assert sum("-BlendedDataset-" in n for n in mine) == 3 * 3            # 3 splits x (description + 2 indices)
+    assert all(mine[name] == theirs[name] for name in mine)
+    stamps = {p.name: p.stat().st_mtime_ns for p in ours_dir.iterdir()}
+    again = _megatron_core_datasets(data_path, "90,8,2", [300, 40, 20], 32, 1234, tok, ours_dir)
+    assert {p.name: p.stat().st_mtime_ns for p in ours_dir.iterdir()} == stamps     # loaded, not rebuilt
+    loaded = build_datasets(*args, cache_path=ours_dir, tokenizer_identifiers=tok.unique_identifiers)
+    for a, b, c in zip(again, ours, loaded):
+        assert isinstance(c.datasets[0].sample_index, np.memmap) and isinstance(c.dataset_index, np.memmap)
+        assert all(np.array_equal(a[i]["tokens"].numpy(), b[i][:-1]) and np.array_equal(b[i], c[i])
+                   for i in range(len(a)))
+    name = next(n for n in mine if n.endswith("-train-description.txt"))
+    (ours_dir / name).write_text("another run")
+    with pytest.raises(UsageError, match="does not describe this run"):
+        build_datasets(*args, cache_path=ours_dir, tokenizer_identifiers=tok.unique_identifiers)
+    assert os.listdir(ours_dir) and (ours_dir / name).read_text() == "another run"   # nothing replaced
+
+
+def test_masks_and_position_ids_equal_megatron_core(tiny, megatron_core_world, tmp_path):
+    """``--eod-mask-loss --reset-position-ids --reset-attention-mask``: loss mask, positions and attention
+    mask of every valid sample equal megatron-core's ``GPTDataset`` outputs; without them, ones and 0..s-1."""
+    import torch
+
+    theirs = _megatron_core_datasets([tiny["prefix"]], "90,9,1", [8, 64, 8], 64, 1234, tiny["tok"],
+                                     tmp_path / "cache", masks=True)[1]
+    ours = build_datasets([tiny["prefix"]], "90,9,1", [8, 64, 8], 64, 1234, tiny["tok"].eod)[1]
+    batch = ours.batch(range(len(ours)), eod_mask_loss=True, reset_position_ids=True, reset_attention_mask=True)
+    eods = 0
+    for i in range(len(ours)):
+        want = theirs[i]
+        eods += int((want["tokens"] == tiny["tok"].eod).sum())
+        for key in ("tokens", "loss_mask", "position_ids", "attention_mask"):
+            assert torch.equal(batch[key][i], want[key]), (i, key)
+    assert eods >= 5                                                       # documents do end inside samples
+    plain = ours.batch([0, 1])
+    assert "attention_mask" not in plain and bool((plain["loss_mask"] == 1).all())
+    assert torch.equal(plain["position_ids"][1], torch.arange(64))
 
 
 def test_sample_index_equals_megatron_core_helper():
@@ -237,8 +305,10 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
         assert np.array_equal(batch["tokens"].numpy(), want), it
     reference = train_single_process(parse_args(argv))
     evaluating = argv + ["--eval-interval", "2", "--eval-iters", "2"]
+    cache = tmp_path / "index_cache"
     res = launch(_train_rank, world_size=4, output="none", timeout=120,
-                 argv=evaluating + ["--tensor-model-parallel-size", "2"])
+                 argv=evaluating + ["--tensor-model-parallel-size", "2", "--data-cache-path", str(cache)])
+    assert len(list(cache.glob("*-GPTDataset-train-*"))) == len(list(cache.glob("*-GPTDataset-valid-*"))) == 4
     got = res[-1]["lm_loss"]
     assert max(abs(a - b) / abs(b) for a, b in zip(got, reference["lm_loss"])) < 1e-4, (got, reference["lm_loss"])
     assert reference["lm_loss"][0] == pytest.approx(np.log(1024), rel=0.05)   # the BPE vocabulary, not 257 bytes
@@ -259,12 +329,82 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     (["--vocab-file", "v.json"], "need --tokenizer-type"),
     (["--eval-interval", "2"], "needs a valid split"),
     (["--seq-length", "64", "--split", "1,0,99"], "not one sample"),
+    (["--data-cache-path", "VOCAB"], "is a file; give a folder"),
 ])
 def test_trainer_data_flags_refused_in_one_line(tiny, extra, message):
     from course_lib.train import parse_args, validate_args
 
-    if "--split" in extra:
+    extra = [str(tiny["vocab"]) if word == "VOCAB" else word for word in extra]
+    if "--split" in extra or "--data-cache-path" in extra:
         extra = extra + ["--data-path", tiny["prefix"], "--tokenizer-type", "GPT2BPETokenizer",
                          "--vocab-file", str(tiny["vocab"]), "--merge-file", str(tiny["merges"])]
     with pytest.raises(ValueError, match=message):
         validate_args(parse_args(extra), 1)
+
+
+def test_builtin_corpus_through_megatron_path(megatron_core_world, tmp_path):
+    """The trainer's default text through Megatron's path when asked: ``write_corpus_dataset`` holds the byte
+    sampler's token stream document by document; ``--tokenizer-type NullTokenizer --vocab-size 256`` is the byte
+    vocabulary (eod 256, 257 ids, as megatron-core's NullTokenizer); the trainer's samples are megatron-core's
+    GPTDataset's on those files; the model is the default's (257 ids padded to 384) and starts at ln 384."""
+    import warnings
+
+    from course_lib.data import ByteTokenizer, corpus_tokens, get_global_batch
+    from course_lib.data.corpus import write_corpus_dataset
+    from course_lib.data.source import build_train_dataset, load_tokenizer
+    from course_lib.train import parse_args, train_single_process, validate_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNull
+    prefix = str(tmp_path / "builtin_text_document")
+    write_corpus_dataset(prefix)
+    ds = IndexedDataset(prefix)
+    assert np.array_equal(np.concatenate([ds[i] for i in range(len(ds))]), corpus_tokens())
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "2", "--lr", "3e-3",
+            "--data-path", prefix, "--split", "98,2,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+    args, _ = validate_args(parse_args(argv), 1)
+    tok, theirs_tok = load_tokenizer(args), McoreNull(256)
+    assert (tok.vocab_size, tok.eod) == (theirs_tok.vocab_size, theirs_tok._eod_id) == (257, ByteTokenizer.eod)
+    theirs = _megatron_core_datasets([prefix], "98,2,0", [8, 4, 0], 64, 1234, tok, tmp_path / "cache")[0]
+    ours = build_train_dataset(args, 4)
+    for it in range(2):
+        want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 4, it * 4 + 4)])
+        assert np.array_equal(get_global_batch(it, 4, 64, 1234, dataset=ours)["tokens"].numpy(), want)
+    default, _ = validate_args(parse_args(argv[:-8]), 1)                     # no data flags: the byte sampler
+    assert args.padded_vocab_size == default.padded_vocab_size == 384       # the same model as the default's
+    assert train_single_process(parse_args(argv))["lm_loss"][0] == pytest.approx(np.log(384), rel=0.02)
+    with pytest.raises(ValueError, match="needs --vocab-size"):
+        validate_args(parse_args(argv[:-2]), 1)
+
+
+def _megatron_lm_gpt2_tokenization():
+    """Megatron-LM's own ``megatron/training/tokenizer/gpt2_tokenization.py`` (what its ``_GPT2BPETokenizer``
+    wraps, up to core_v0.16.1), loaded by path from the checkout ``MEGATRON_LM_DIR``; skipped without one."""
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("MEGATRON_LM_DIR")
+    path = Path(root or ".") / "megatron" / "training" / "tokenizer" / "gpt2_tokenization.py"
+    if not root or not path.is_file():
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout with megatron/training/tokenizer/gpt2_tokenization.py "
+                    "(core_v0.16.1 has it; main dropped it)")
+    spec = importlib.util.spec_from_file_location("megatron_lm_gpt2_tokenization", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatron_lm_gpt2_tokenizer_loads_the_files_and_agrees(tiny):
+    """As Megatron-LM's ``_GPT2BPETokenizer`` builds it: ``GPT2Tokenizer(vocab, merges, errors='replace',
+    special_tokens=[], max_len=None)``; its eod is the vocabulary's ``<|endoftext|>``."""
+    theirs = _megatron_lm_gpt2_tokenization().GPT2Tokenizer(str(tiny["vocab"]), str(tiny["merges"]), errors="replace",
+                                                             special_tokens=[], max_len=None)
+    ours = tiny["tok"]
+    assert theirs.encoder["<|endoftext|>"] == ours.eod and len(theirs.encoder) == ours.vocab_size
+    for text in HOSTILE + load_documents():
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, text[:40]
+        assert theirs.decode(ids) == text, text[:40]

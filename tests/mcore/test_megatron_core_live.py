@@ -17,20 +17,19 @@ word embedding. Then, per layout:
 * 3 training iterations (Adam, linear decay, clipping) give the losses and gradient norms of the course
   trainer (:func:`course_lib.train.pretrain`) on the same layout;
 * megatron-core's ``MoELayer`` and the course's ``MoEMLP`` (router with aux and z losses, experts, either
-  dispatcher) give the same output, input gradient, router and expert gradients on every rank;
+  dispatcher; Megatron's router and expert biases at expert TP 1, expert TP 2 with ``--disable-bias-linear``)
+  give the same output, input gradient, router and expert gradients (biases' too) on every rank;
 * a torch_dist checkpoint crosses both ways, resharded: megatron-core's ``dist_checkpointing.save``
   (TP2 x DP2) loads into the course trainer under PP2 x DP2 (``--finetune``), and the course's save
   (PP2 x DP2) loads by ``dist_checkpointing.load`` into megatron-core's GPTModel under TP2 x DP2 -- the
   same losses (:mod:`course_lib.training.checkpointing` writes megatron-core's sharded keys and layout);
-  an MoE model's (EP2, every other layer MoE: megatron-core's non-homogeneous layers) has the keys and global
-  shapes of megatron-core's own ``sharded_state_dict`` on that layout, and ``dist_checkpointing.load`` puts
-  the course's experts and routers into megatron-core's ``SequentialMLP`` experts.
+  an MoE model's (EP2, every other layer MoE: megatron-core's non-homogeneous layers) has exactly the keys and
+  global shapes of megatron-core's own ``sharded_state_dict`` on that layout, and ``dist_checkpointing.load``
+  (strict) puts the course's experts and routers, biases included, into megatron-core's ``SequentialMLP``.
 
 One launch, megatron-core imported once (in this process, before the ranks fork). Needs the optional
 extra (``pip install .[megatron]``); skipped with a reason without it.
 """
-
-import re
 
 import pytest
 
@@ -38,9 +37,10 @@ from course_lib.launch import launch
 from course_lib.mcore.reference import (LAYOUTS, MOE_LAYOUTS, ReferenceRun, model_parallel, preload,
                                                 side_by_side, transformer_config)
 
-# (tp, ep, sequence parallel, dispatcher); expert TP 1, 4 experts, top-2, aux and z losses on
-MOE_CASES = [(1, 4, False, "alltoall"), (1, 4, False, "allgather"), (2, 2, True, "alltoall"),
-             (2, 2, True, "allgather")]
+# (tp, ep, expert tp, sequence parallel, dispatcher); 4 experts, top-2, aux and z losses on; Megatron's router
+# and expert biases at expert TP 1, none at expert TP 2 (--disable-bias-linear, which megatron-core requires)
+MOE_CASES = [(1, 4, 1, False, "alltoall"), (1, 4, 1, False, "allgather"), (2, 2, 1, True, "alltoall"),
+             (2, 2, 1, True, "allgather"), (2, 2, 2, True, "alltoall")]
 RUN = ReferenceRun()
 MODEL = dict(num_layers=RUN.num_layers, hidden_size=RUN.hidden_size, num_attention_heads=RUN.num_attention_heads,
              seq_length=RUN.seq_length)
@@ -218,26 +218,27 @@ def _moe_checkpoint_layout(root) -> dict:
                 out["mcore"][v.key] = tuple(v.global_shape)
             elif isinstance(v, ShardedObject):
                 out["mcore"][v.unique_key] = None
-        wanted = {k: v for k, v in sharded.items() if not isinstance(v, ShardedTensor) or v.key in md}  # not biases
-        model.load_state_dict(dist_checkpointing.load(wanted, folder), strict=False)
+        model.load_state_dict(dist_checkpointing.load({"model": sharded}, folder)["model"])   # + common.pt's items
         out["loaded"] = 0.0
         for layer in (0, 2):
             mlp, prefix = model.decoder.layers[layer].mlp, f"decoder.layers.{layer}.mlp."
-            names = ("router.weight", "experts.experts.linear_fc1.weight", "experts.experts.linear_fc2.weight")
+            names = [f"{m}.{kind}" for m in ("router", "experts.experts.linear_fc1", "experts.experts.linear_fc2")
+                     for kind in ("weight", "bias")]
             saved = {prefix + k: torch.empty(md[prefix + k].size) for k in names}
             dcp.load(saved, checkpoint_id=folder, no_dist=True)          # the course's tensors, whole
-            pairs = [(mlp.router.weight, saved[prefix + "router.weight"])]
+            pairs = [(getattr(mlp.router, kind), saved[f"{prefix}router.{kind}"]) for kind in ("weight", "bias")]
             for i, expert in enumerate(mlp.experts.local_experts):
                 e = ps.get_expert_model_parallel_rank() * len(mlp.experts.local_experts) + i
-                pairs += [(expert.linear_fc1.weight, saved[prefix + "experts.experts.linear_fc1.weight"][e]),
-                          (expert.linear_fc2.weight, saved[prefix + "experts.experts.linear_fc2.weight"][e])]
+                pairs += [(getattr(getattr(expert, fc), kind), saved[f"{prefix}experts.experts.{fc}.{kind}"][e])
+                          for fc in ("linear_fc1", "linear_fc2") for kind in ("weight", "bias")]
             out["loaded"] = max([out["loaded"]] + [float((a - b).abs().max()) for a, b in pairs])
     return out
 
 
-def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
-    """megatron-core's MoELayer and the course's MoEMLP, one set of weights, this rank's tokens
-    ``[s/tp (SP), b, h]``: relative errors of the output, the input gradient, router and expert grads."""
+def _moe_case(tp: int, ep: int, etp: int, sp: bool, dispatcher: str) -> dict:
+    """megatron-core's MoELayer and the course's MoEMLP, one set of weights (biases at expert TP 1), this rank's
+    tokens ``[s/tp (SP), b, h]``: relative errors of the output, the input gradient, router and expert grads
+    (biases' included)."""
     import torch
     import torch.distributed as dist
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -250,28 +251,37 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
     from course_lib.topology import RankGrid
 
     experts, topk, s, b, h, ffn = 4, 2, 8, 2, 16, 32
-    with model_parallel(tp, 1, SEED, expert_model_parallel_size=ep, expert_tensor_parallel_size=1):
+    with model_parallel(tp, 1, SEED, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp) as ps:
         g = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=4, seq_length=s, num_experts=experts,
                       moe_router_topk=topk, moe_ffn_hidden_size=ffn, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
-                      moe_token_dispatcher_type=dispatcher, init_method_std=0.3)
+                      moe_token_dispatcher_type=dispatcher, init_method_std=0.3, add_bias_linear=etp == 1)
         with torch.random.fork_rng(devices=[]):                 # every expert, the same numbers on every rank
             torch.manual_seed(SEED)
             master = MoEMLP(g, 1, None, init=True)
-        course = MoEMLP(g, 1, new_moe_process_groups(RankGrid(dist.get_world_size(), tp=tp, ep=ep, expert_tp=1)))
+            with torch.no_grad():                                 # the experts' biases start at zero: not here
+                for bias in (master.experts.linear_fc1.bias, master.experts.linear_fc2.bias):
+                    if bias is not None:
+                        bias.normal_(0.0, 0.3)
+        course = MoEMLP(g, 1, new_moe_process_groups(RankGrid(dist.get_world_size(), tp=tp, ep=ep, expert_tp=etp)))
         if sp:
             course.mark_sequence_parallel()
         course.load_from_master(master)
         cfg = transformer_config(g, tp, 1, sp, num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
-                            add_bias_linear=False, moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                            moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
                             moe_token_dispatcher_type=dispatcher, moe_router_load_balancing_type="aux_loss",
-                            expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        assert cfg.add_bias_linear == g.add_bias_linear
         layer = build_module(get_gpt_layer_local_spec(num_experts=experts).submodules.mlp, config=cfg, layer_number=1)
-        fc1, fc2 = course.experts.linear_fc1.weight, course.experts.linear_fc2.weight       # [L, F, H], [L, H, F]
-        with torch.no_grad():
-            layer.router.weight.copy_(course.router.weight)
-            for i, expert in enumerate(layer.experts.local_experts):
-                expert.linear_fc1.weight.copy_(fc1[i])
-                expert.linear_fc2.weight.copy_(fc2[i])
+        pairs = [(layer.router, course.router, None)] + [       # (megatron-core module, course module, local expert)
+            (getattr(e, fc), getattr(course.experts, fc), i)
+            for i, e in enumerate(layer.experts.local_experts) for fc in ("linear_fc1", "linear_fc2")]
+        assert ps.get_expert_tensor_parallel_world_size() == etp
+        with torch.no_grad():   # course: [L, F/etp, H], [L, H, F/etp], [L, F/etp], [L, H]; the same shards as mcore's
+            for theirs, ours, i in pairs:
+                for kind in ("weight", "bias"):
+                    assert (getattr(theirs, kind) is None) == (getattr(ours, kind) is None), (kind, g.add_bias_linear)
+                    if getattr(ours, kind) is not None:
+                        getattr(theirs, kind).copy_(getattr(ours, kind) if i is None else getattr(ours, kind)[i])
         gen = torch.Generator().manual_seed(100 + dist.get_rank())
         x = torch.randn(s // (tp if sp else 1), b, h, generator=gen)
         dy = torch.randn(x.shape, generator=gen)
@@ -281,12 +291,16 @@ def _moe_case(tp: int, ep: int, sp: bool, dispatcher: str) -> dict:
         (y_m * dy).sum().backward()
         y_c = course(x_c)
         (y_c * dy).sum().backward()
+        grads = {"router grad": [], "expert grads": []}
+        for theirs, ours, i in pairs:
+            for kind in ("weight", "bias"):
+                if getattr(ours, kind) is not None:
+                    mine = getattr(ours, kind).grad
+                    grads["router grad" if i is None else "expert grads"].append(
+                        _rel(getattr(theirs, kind).grad, mine if i is None else mine[i]))
         out = {"output": _rel(y_m, y_c), "input grad": _rel(x_m.grad, x_c.grad),
-               "router grad": _rel(layer.router.weight.grad, course.router.weight.grad),
-               "expert grads": max(max(_rel(e.linear_fc1.weight.grad, fc1.grad[i]),
-                                       _rel(e.linear_fc2.weight.grad, fc2.grad[i]))
-                                   for i, e in enumerate(layer.experts.local_experts))}
-    return out
+               **{k: max(v) for k, v in grads.items()}}
+    return {"errors": out, "biases compared": sum(getattr(ours, "bias") is not None for _, ours, _ in pairs)}
 
 
 # ------------------------------------------------------------------ the launch
@@ -376,9 +390,12 @@ def test_megatron_core_gpt_has_the_course_models_logits_and_gradients(ranks, nam
 
 @pytest.mark.parametrize("case", MOE_CASES)
 def test_megatron_core_moe_layer_equals_the_course_moe_layer(ranks, case):
+    etp = case[2]
     for rank, res in enumerate(ranks):
-        for what, err in res["moe"][case].items():
+        for what, err in res["moe"][case]["errors"].items():
             assert err <= GRAD_TOL, (case, rank, what, err)
+        # the router's bias and each local expert's two (expert TP 1), or none at all (expert TP 2)
+        assert res["moe"][case]["biases compared"] == (0 if etp > 1 else 1 + 2 * 4 // case[1]), res["moe"][case]
 
 
 def test_megatron_core_and_the_course_load_each_others_torch_dist_checkpoints(ranks):
@@ -399,15 +416,15 @@ def test_an_moe_checkpoint_has_megatron_cores_keys_and_loads_into_its_experts(ra
     """The course's save of an MoE GPT under EP2 with layers 0 and 2 MoE: megatron-core keys each layer on its
     own (``decoder.layers.2.mlp.experts.experts.linear_fc1.weight`` [E, F, H], SequentialMLP's); every key and
     global shape the course wrote is megatron-core's, every ``_extra_state`` object too, and megatron-core's
-    load puts the course's experts, exactly, into each EP rank's local experts. What only megatron-core has are
-    the experts' and router's biases (this config has ``add_bias_linear``; the course's experts have none, as
-    Megatron's MoE runs use ``--disable-bias-linear``)."""
+    load (strict) puts the course's experts and router, biases included, exactly, into each EP rank's local
+    experts: both sides hold the same keys."""
     course, mcore = ranks[0]["moe checkpoint"]["course"], {}
     for res in ranks:
         mcore.update(res["moe checkpoint"]["mcore"])
     assert {k: mcore.get(k, "missing") for k in course} == course
-    assert all(re.fullmatch(r"decoder\.layers\.[02]\.mlp\.(experts\.experts\.linear_fc[12]|router)\.bias", k)
-               for k in set(mcore) - set(course)), sorted(set(mcore) - set(course))
+    assert set(mcore) == set(course), set(mcore) ^ set(course)
+    assert course["decoder.layers.2.mlp.experts.experts.linear_fc2.bias"] == (4, 32)
+    assert course["decoder.layers.0.mlp.router.bias"] == (4,)
     assert course["decoder.layers.2.mlp.experts.experts.linear_fc1.weight"] == (4, 48, 32)
     assert "decoder.layers.1.mlp.linear_fc1.weight" in course and "decoder.layers.2.mlp.linear_fc1.weight" not in course
     assert "decoder.layers.2.mlp.experts.experts.linear_fc2._extra_state/shard_3_4" in course

@@ -115,9 +115,23 @@ REFUSALS = [
     Refusal("--use-precision-aware-optimizer needs the distributed optimizer", 2, "--use-precision-aware-optimizer",
             "--use-precision-aware-optimizer only supported with distributed optimizer", (OK,),
             (_optimizer_config, dict(use_precision_aware_optimizer=True), "only supported with distributed optimizer")),
+    Refusal("--use-precision-aware-optimizer needs Adam", 2,
+            "--use-precision-aware-optimizer --use-distributed-optimizer --optimizer sgd",
+            "--use-precision-aware-optimizer only supported with adam", (OK,),
+            (_optimizer_config, dict(use_precision_aware_optimizer=True, use_distributed_optimizer=True,
+                                     optimizer="sgd"), "--use-precision-aware-optimizer only supported with adam")),
+    Refusal("--optimizer-cpu-offload needs --use-precision-aware-optimizer", 2,
+            "--optimizer-cpu-offload --use-distributed-optimizer",
+            "--optimizer-cpu-offload must be used with --use-precision-aware-optimizer",
+            ("The optimizer cpu offload must be used in conjunction with `--use-precision-aware-optimizer`",)),
+    Refusal("one way to give the virtual stages", 4, "--pipeline-model-parallel-size 2 --num-layers 8 "
+            "--num-layers-per-virtual-pipeline-stage 1 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 4",
+            "are given together",
+            ("No more than one of the following arguments can be set at the same time",)),
     Refusal("Megatron-FSDP needs the fsdp_dtensor format", 2, "--use-megatron-fsdp",
             "ckpt_format='torch_dist' with --use-megatron-fsdp",
-            ("Megatron FSDP only supports fsdp_dtensor checkpoint format",)),
+            ("Megatron FSDP only supports fsdp_dtensor checkpoint format",          # core_v0.16.1
+             "Megatron-FSDP requires the `fsdp_dtensor` checkpointing format")),    # main
     Refusal("expert parallelism needs experts", 2, "--expert-model-parallel-size 2",
             "expert-model-parallel-size=2 needs experts",
             ("num_experts must be non None to use expert model parallelism",),
@@ -125,13 +139,23 @@ REFUSALS = [
     Refusal("experts divisible by EP", 4, "--num-experts 3 --expert-model-parallel-size 2",
             "num-experts=3 is not divisible by expert-model-parallel-size=2",
             ("Number of experts should be a multiple of expert model parallel_size",)),
+    # expert TP defaults to TP (2 here); Megatron-LM's validate_args lets it pass, its TransformerConfig refuses it
+    Refusal("biased experts need expert TP 1", 4, "--tensor-model-parallel-size 2 --sequence-parallel "
+            "--num-experts 4 --expert-model-parallel-size 2",
+            "expert-tensor-parallel-size=2 and biased linears: megatron-core refuses it", (OK,),
+            (_transformer_config, dict(num_moe_experts=4, tensor_model_parallel_size=2, sequence_parallel=True,
+                                       expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+             "Bias in Moe is only supported when ETP==1")),
 ]
 
 # Combinations Megatron-LM's validate_args accepts (possibly after changing a flag, as it says) and the course too.
 ACCEPTED = [
     (4, ""),
     (2, "--sequence-parallel"),                                   # TP 1: both turn sequence parallelism off
-    (4, "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2"),
+    (4, "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+        "--disable-bias-linear"),
+    (4, "--tensor-model-parallel-size 2 --sequence-parallel --num-experts 4 --expert-model-parallel-size 2 "
+        "--expert-tensor-parallel-size 1"),                         # biased experts at expert TP 1
     (4, "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1 --num-layers 8 "
         "--global-batch-size 4"),
     (2, "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather"),

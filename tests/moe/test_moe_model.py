@@ -42,8 +42,10 @@ LAYOUTS4 = {  # name: (grid sizes, config changes, misrouted)
     "ep2": (dict(ep=2), dict(moe_layer_freq=2), False),
     "ep4": (dict(ep=4), dict(), False),
     "ep2-allgather": (dict(ep=2), dict(moe_token_dispatcher_type="allgather"), False),
-    "tp2-ep2-sp": (dict(tp=2, ep=2), dict(), False),
-    "tp2-ep2-sp-allgather": (dict(tp=2, ep=2), dict(moe_token_dispatcher_type="allgather"), False),
+    # expert TP = TP = 2: no biases (megatron-core refuses biased experts with expert TP > 1)
+    "tp2-ep2-sp": (dict(tp=2, ep=2), dict(add_bias_linear=False), False),
+    "tp2-ep2-sp-allgather": (dict(tp=2, ep=2), dict(moe_token_dispatcher_type="allgather", add_bias_linear=False),
+                             False),
     "ep4-misrouted": (dict(ep=4), dict(), True),
 }
 LAYOUTS8 = {"tp2-pp2-ep2-etp1-sp": (dict(tp=2, pp=2, ep=2, expert_tp=1), dict(moe_layer_freq=[1, 1, 0, 1]), False)}
@@ -131,6 +133,7 @@ def _run_layouts(layouts):
                 break
             raw = {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
             finalize_model_grads(chunks, groups, layout, moe_groups)
+            right = {n: p.grad.clone() for n, p in chunks[0].named_parameters() if p.grad is not None}
             metrics, line = track_moe_metrics(chunks, moe_groups)
             mean_loss = torch.tensor([0.0 if loss is None else loss.item()], dtype=torch.float64)
             comm.all_reduce(mean_loss, moe_groups.dp_cp, kind="dp")
@@ -147,6 +150,9 @@ def _run_layouts(layouts):
                             p.grad = raw[n].clone()
                     finalize_model_grads(chunks, groups, layout, dataclasses.replace(moe_groups, expert_dp=expert_dp))
                     res[wrong] = gather_full_parameters(chunks, groups, grads=True)
+                for n, p in chunks[0].named_parameters():     # the step takes the right gradients
+                    if n in raw:
+                        p.grad = right[n]
             with torch.no_grad():
                 for p in chunks[0].parameters():
                     p -= LR * p.grad
@@ -285,17 +291,24 @@ def test_trainer_flags_reach_the_model_and_bad_layouts_are_one_line_errors():
     from course_lib.training.arguments import args_to_argv, gpt_config_from_args, parse_args, validate_args
 
     argv = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-            "--sequence-parallel", "--moe-layer-freq", "([1]+[0])*4", "--moe-aux-loss-coeff", "0.01"]
+            "--sequence-parallel", "--moe-layer-freq", "([1]+[0])*4", "--moe-aux-loss-coeff", "0.01",
+            "--disable-bias-linear"]
     args, _ = validate_args(parse_args(argv), 4, check_memory=False)
     assert (args.expert_tensor_parallel_size, args.moe_ffn_hidden_size) == (2, args.ffn_hidden_size)
     config = gpt_config_from_args(args)
     assert config.moe_layers == [0, 2, 4, 6] and config.moe_token_dispatcher_type == "allgather"  # Megatron's default
-    assert gpt_config_from_args(parse_args(args_to_argv(args))).moe_layers == [0, 2, 4, 6]
+    assert not config.add_bias_linear and not any(n.endswith("bias") and "layernorm" not in n
+                                                  for n, _ in GPTModel(config).named_parameters())
+    again = gpt_config_from_args(parse_args(args_to_argv(args)))
+    assert again.moe_layers == [0, 2, 4, 6] and not again.add_bias_linear
     for argv, world, message in (
             (["--num-experts", "3", "--expert-model-parallel-size", "2"], 2, "num-experts=3 is not divisible by"),
             (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, "needs sequence parallelism"),
             (["--num-experts", "4", "--expert-model-parallel-size", "4", "--tensor-model-parallel-size", "2",
-              "--sequence-parallel"], 4, r"world_size=4 is not divisible by expert-tensor-parallel-size=2 × "),
+              "--sequence-parallel", "--disable-bias-linear"], 4,
+             r"world_size=4 is not divisible by expert-tensor-parallel-size=2 × "),
+            (argv[:-1], 4, r"expert-tensor-parallel-size=2 and biased linears: megatron-core refuses it \('Bias in "
+                           r"Moe is only supported when ETP==1'\); add --disable-bias-linear"),
             (["--expert-model-parallel-size", "2"], 2, "expert-model-parallel-size=2 needs experts"),
             (["--num-experts", "4", "--moe-router-topk", "5"], 1, "moe-router-topk=5"),
             (["--num-experts", "4", "--context-parallel-size", "2"], 2, "not tested with context parallelism"),
@@ -329,7 +342,8 @@ def test_parameters_each_rank_holds_equal_the_sizing_formula(runs4, name):
                                   num_attention_heads=c.num_attention_heads, vocab_size=c.padded_vocab_size,
                                   num_experts=c.num_experts, moe_router_topk=c.moe_router_topk,
                                   moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_layer_freq=c.moe_layer_freq,
-                                  max_position_embeddings=c.max_position_embeddings)
+                                  max_position_embeddings=c.max_position_embeddings,
+                                  add_bias_linear=c.add_bias_linear)
     want = moe_bytes_per_rank(counts, world_size=4, **sizes)
     for r in runs4:
         assert r[name]["numel"] == {"expert": want["expert_params"], "dense": want["dense_params"]}

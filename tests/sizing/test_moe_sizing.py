@@ -27,9 +27,15 @@ def test_tiny_model_by_hand_and_by_its_real_parameters():
     assert c["attention"] == 4 * ((32 * 96 + 96) + (32 * 32 + 32))    # qkv w+b, proj w+b
     assert c["norms"] == 4 * 2 * (2 * 32) + 2 * 32                    # two LayerNorms a layer + final
     assert c["dense_mlp"] == 2 * ((32 * 128 + 128) + (128 * 32 + 32))  # layers 1 and 3
-    assert c["router"] == 2 * 8 * 32 and c["per_expert"] == 32 * 48 + 48 * 32
+    assert c["router"] == 2 * (8 * 32 + 8)                            # weight + bias (Megatron's Router)
+    assert c["per_expert"] == (32 * 48 + 48) + (48 * 32 + 32)          # fc1 w+b, fc2 w+b
     assert c["experts"] == 2 * 8 * c["per_expert"]
     assert c["total"] == sum(p.numel() for p in GPTModel(config).parameters())   # the real nn.Module
+    bare = moe_parameter_counts(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=384, num_experts=8,
+                                moe_ffn_hidden_size=48, moe_layer_freq=2, max_position_embeddings=16,
+                                add_bias_linear=False)                 # --disable-bias-linear: no bias anywhere
+    assert bare["total"] == sum(p.numel() for p in GPTModel(config.with_(add_bias_linear=False)).parameters())
+    assert c["total"] - bare["total"] == 4 * (96 + 32) + 2 * (128 + 32) + 2 * (8 + 8 * (48 + 32))
     assert c["active"] == c["total"] - 2 * (8 - 2) * c["per_expert"]            # 2 of 8 experts per MoE layer
 
 

@@ -97,14 +97,44 @@ def test_out_of_sample_runs_within_10_percent(capsys):
     korthikanti = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Korthikanti")]
     narayanan = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Narayanan")]
     assert max(abs(e) for e in narayanan) <= 0.10, report
-    # Korthikanti's 1T runs are Table 1's last pipeline (TP 8 x PP 64, m = 512) a year later, 8.6% faster
-    # per GPU (177 against 163 TFLOP/s with full recomputation): a fit to the 2021 code projects them -12%
+    # Korthikanti's 1T runs are Table 1's last pipeline a year later, 8.7% faster per GPU: a fit to the 2021
+    # code projects them -12% (test_korthikanti_residual_is_the_2022_code_on_table1_pipelines says why)
     assert max(abs(e) for e in korthikanti) <= 0.125, report
     assert [r.name for r, e in zip(OUT_OF_SAMPLE, errors) if abs(e) > 0.10] == ["1T", "1T"], report
     # the one line the projection prints says these numbers and the fit's
     assert FIT_SUMMARY.endswith(f"Table 1 (10 runs): {_span(_table1_errors())}; out of sample, Korthikanti "
                                 f"2022 Tables 3-5 + §6.3 ({len(korthikanti)} runs): {_span(korthikanti)}, "
                                 f"Narayanan Table 2 PTD-P ({len(narayanan)}): {_span(narayanan)}"), FIT_SUMMARY
+
+
+def test_korthikanti_residual_is_the_2022_code_on_table1_pipelines(capsys):
+    """Why both 1T rows of Korthikanti Table 5 project 12% slow, from the papers' settings: Korthikanti's 530B
+    and 1T full-recompute runs are Narayanan Table 1's 530B and 1T pipelines again -- the same model, TP 8, PP,
+    micro-batch 1, m = 280 / 512 micro-batches per pipeline, the same interleaving (3 chunks for 530B in both,
+    Table 1's script; none for 1T), full recomputation, seq 2048 -- and differ only in data parallelism (DP 9 / 6
+    in 2021, 1 in 2022), which the projection prices (its 2022/2021 ratio, under 0.6%). Measured with Narayanan's
+    own FLOP count, the 2022 code runs these identical pipelines 10.3% and 8.7% faster per GPU. So a projection
+    fitted to the 2021 runs is off by its in-sample error there (530B +0.8%, 1T -4.6%) over that speed-up:
+    530B -8.1%, 1T -12.0% -- no setting of either paper closes it; the 1T row adds its in-sample -4.6%."""
+    t1 = {r.name: r for r in TABLE1}
+    lines = []
+    for k in (r for r in OUT_OF_SAMPLE if r.source.startswith("Korthikanti 2022 Table 3") and r.recompute == "full"
+              and r.name in ("530B", "1T")):
+        n = t1["529.6B" if k.name == "530B" else "1008.0B"]
+        for a in ("heads", "hidden", "layers", "tp", "pp", "micro_batch", "vp", "recompute", "sequence_parallel"):
+            assert getattr(k, a) == getattr(n, a), (k.name, a)
+        assert k.batch // (k.dp * k.micro_batch) == n.batch // (n.dp * n.micro_batch)     # micro-batches per pipeline
+        pk, pn = project_published(k), project_published(n)
+        measured_2022 = pk.plan.hardware_flops / (k.seconds * k.gpus) / 1e12               # Narayanan's Eq. 3 per GPU
+        speedup = measured_2022 / n.tflops
+        projected_ratio = pk.achieved_flops_per_gpu / pn.achieved_flops_per_gpu           # DP 1 against DP 9 / 6
+        e_in, e_out = published_error(n, pn), published_error(k, pk)
+        assert 1.0 < projected_ratio < 1.006 and speedup > 1.08, (k.name, projected_ratio, speedup)
+        lines.append(f"  {k.name}: 2022 {measured_2022:.1f} vs 2021 {n.tflops} TFLOP/s per GPU on the same pipeline "
+                     f"(x{speedup:.3f}); projection in sample {e_in:+.1%}, out of sample {e_out:+.1%}")
+    assert len(lines) == 2
+    with capsys.disabled():
+        print("\nKorthikanti 2022 on Narayanan Table 1's pipelines (full recompute):\n" + "\n".join(lines))
 
 
 def test_korthikanti_table4_layer_times():

@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 from pathlib import Path
 
 import torch
@@ -496,23 +495,11 @@ REVIEW_QUESTIONS = {
     "crash": "after the save killed at iteration 4, which file told the next run what to load, and why the "
              "half-written folder was harmless",
 }
-_NOTIONS = {
-    "resume": (("optimizer state (Adam's moments)", "the learning-rate scheduler", "the random generators",
-                "the data position (consumed samples)"),
-               (r"optimi[sz]er|adam|moment", r"schedul|learning.rate|\blr\b", r"rng|random|generator|seed",
-                r"data (?:position|order)|consum|samples?\b|batch")),
-    "reshard": (("global shapes and offsets, overlaps",), (r"offset|global shape|overlap|chunk|slice",)),
-    "crash": (("the tracker latest_checkpointed_iteration.txt, written last",), (r"tracker|latest_checkpointed",)),
-}
 
 
 def _answer_problem(key: str, text, numbers) -> str | None:
     if not isinstance(text, str) or len(text.split()) < 8 or text.strip().strip(".…").upper() in ("", "TODO"):
         return f"{key!r}: answer {REVIEW_QUESTIONS[key]} -- a few sentences (got {safe_repr(text, 40)})"
-    words, patterns = _NOTIONS[key]
-    missing = [w for w, p in zip(words, patterns) if not re.search(p, text, re.IGNORECASE)]
-    if missing:        # every one: drop any of them and the resume is not exact
-        return f"{key!r}: name what the run showed: {', '.join(missing)}"
     if key == "resume" and not cited_numbers(text, numbers):
         return f"{key!r}: cite a loss or a size from this notebook's runs, as it was printed"
     return None
@@ -520,8 +507,9 @@ def _answer_problem(key: str, text, numbers) -> str | None:
 
 @exercise("my_answers_09")
 def check_checkpoint_answers(fn, *sources) -> bool:
-    """``fn() -> {"resume", "reshard", "crash": str}``: each answered in a few sentences that name what the
-    runs showed; "resume" cites a number of ``sources`` (the runs' results)."""
+    """``fn() -> {"resume", "reshard", "crash": str}``: each answered in a few sentences, "resume" citing a number
+    of ``sources`` (the runs' results). Checked only as written: what they say is the instructor's to read
+    (``grade`` exports it), never judged by the words they use."""
     answers, problem = checked_call(fn, references=references_for("my_answers_09"))
     if problem == "todo":
         return not_attempted("my_answers")
@@ -533,8 +521,8 @@ def check_checkpoint_answers(fn, *sources) -> bool:
     if problems:
         print("✗ my_answers: " + "\n  also ".join(problems))
         return False
-    print(f"✓ your answers are written (resume cites {', '.join(cited_numbers(answers['resume'], numbers)[:3])}); "
-          f"now read the course's")
+    print(f"✓ your answers are recorded for your instructor, who reads them (not graded here; resume cites "
+          f"{', '.join(cited_numbers(answers['resume'], numbers)[:3])}); now read the course's")
     return True
 
 

@@ -34,13 +34,20 @@ from course_lib.classroom.checks import not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
-                                                  describe_ops, launch_checked, point_to_point_only,
+                                                  describe_ops, drawn_rng, launch_checked, point_to_point_only,
                                                   refused_collective, run_student, safe_repr, secret_generator,
                                                   wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 
 WORLD_SIZES = (2, 3, 4)
 NUMELS = (4, 12, 10, 1)  # multiples of W first, then not divisible, then fewer elements than ranks
+
+
+def drawn_numels(rng) -> tuple:
+    """This run's tensor sizes, in :data:`NUMELS`' four kinds: a multiple of every W in :data:`WORLD_SIZES`,
+    another multiple, one that no W > 1 divides, and fewer elements than the largest W."""
+    return 12 * rng.randint(1, 3), 12 * rng.randint(4, 6), 12 * rng.randint(1, 4) + rng.choice((1, 5, 7, 11)), \
+        rng.randint(1, 3)
 P2P_RULE = ("this exercise builds all-reduce from point-to-point messages only (dist.send/recv, isend/irecv, "
             "batch_isend_irecv); collectives are switched off in the process group itself")
 
@@ -328,7 +335,8 @@ def ring_problems(runs: dict) -> Optional[list]:
             hint = diagnose(t["x"], t["want"], t["got"], world) or _matching_bug(runs) or _phase_hint(
                 [tr["x"] for tr in trials], t["want"], [tr["got"] for tr in trials])
             lines = [f"✗ wrong with {world} ranks on rank {wrong[0]} for a tensor of {numel} elements "
-                     f"(expected {t['want'].tolist()[:6]}, got {_shown(t['got'])})", f"  hint: {hint}"]
+                     f"(your result starts {_shown(t['got'])}; it must be the elementwise sum over the ranks)",
+                     f"  hint: {hint}"]
             if numel < world or numel % world:
                 lines.append("  (N is not a multiple of W here: torch.tensor_split gives chunks of unequal "
                              "size, some possibly empty)")
@@ -345,10 +353,10 @@ def ring_problems(runs: dict) -> Optional[list]:
 @exercise("my_ring_all_reduce")
 def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
     """Print a verdict on ``fn`` (``fn(x: Tensor[N]) -> Tensor[N]``, the sum over ranks, point-to-point only)."""
-    runs = {}
+    runs, numels = {}, drawn_numels(drawn_rng())
     for world in WORLD_SIZES:
         per_rank, verdict = launch_trials(_rank_ring_trial, world, timeout, "my_ring_all_reduce", fn=fn,
-                                           numels=NUMELS)
+                                           numels=numels)
         if per_rank is None:
             return verdict
         if course_code_used(per_rank):
@@ -358,8 +366,9 @@ def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
     if problems:
         print("\n".join(problems))
         return False
-    print(f"✓ my_ring_all_reduce equals dist.all_reduce for world sizes {list(WORLD_SIZES)} and tensor sizes "
-          f"{list(NUMELS)}; it used only point-to-point messages, each rank sending to one neighbour, "
+    print(f"✓ my_ring_all_reduce equals dist.all_reduce for world sizes {list(WORLD_SIZES)} on tensor sizes drawn "
+          f"for this run (multiples of W, not multiples, fewer elements than ranks); it used only point-to-point "
+          f"messages, each rank sending to one neighbour, "
           f"2(W-1)/W·N elements per rank")
     return True
 
@@ -368,7 +377,12 @@ def check_ring_all_reduce(fn, timeout: float = 20) -> bool:
 
 
 HALVES_WORLDS = (2, 4)
-HALVES_NUMELS = (8, 24)  # multiples of 2 and 4
+HALVES_NUMELS = (8, 24)  # multiples of 2 and 4: the kinds of size drawn per run (see drawn_halves_numels)
+
+
+def drawn_halves_numels(rng) -> tuple:
+    """This run's sizes for the reduce-scatter + all-gather exercise: two multiples of 4 (so of every W)."""
+    return 4 * rng.randint(1, 3), 4 * rng.randint(4, 9)
 
 
 def _rank_halves_trial(fn, numels):
@@ -417,14 +431,15 @@ def _halves_value_hint(t: dict, world: int, per_rank_trials: list) -> str:
 @exercise("my_all_reduce_rs_ag")
 def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
     """``fn(x: Tensor[N]) -> Tensor[N]`` must all-reduce ``x`` with exactly one reduce-scatter and one all-gather."""
+    numels = drawn_halves_numels(drawn_rng())
     for world in HALVES_WORLDS:
         per_rank, verdict = launch_trials(_rank_halves_trial, world, timeout, "my_all_reduce_rs_ag", fn=fn,
-                                           numels=HALVES_NUMELS)
+                                           numels=numels)
         if per_rank is None:
             return verdict
         if course_code_used(per_rank):
             return False
-        for i, numel in enumerate(HALVES_NUMELS):
+        for i, numel in enumerate(numels):
             trials = [per_rank[r][i] for r in range(world)]
             events = trials[0]["events"]
             ops = collective_events(events)
@@ -442,7 +457,7 @@ def check_all_reduce_from_halves(fn, timeout: float = 20) -> bool:
                     and torch.equal(t["got"], t["want"])))
                 t = trials[rank]
                 print(f"✗ wrong with {world} ranks on rank {rank} for a tensor of {numel} elements "
-                      f"(expected {t['want'].tolist()[:6]}, got {_shown(t['got'])})")
+                      f"(your result starts {_shown(t['got'])}; it must be the elementwise sum over the ranks)")
                 print(f"  hint: {_halves_value_hint(t, world, trials)}")
                 return False
             wanted = [("reduce_scatter", numel), ("all_gather", numel)]

@@ -125,7 +125,8 @@ def check_conclusions(fn, *sources) -> bool:
     steady = measured_numbers(*sources, clock=False)      # the line must read the same on every run
     cites = "; ".join(f"{key}: {', '.join(cited_numbers(answers[key], steady)[:3]) or 'a measured time'}"
                       for key in CITING)
-    print(f"✓ your conclusions are written, and they cite numbers from the run ({cites}); now read the course's")
+    print(f"✓ your conclusions are written, and they cite numbers from the run ({cites}); recorded for your "
+          f"instructor (what they say is not graded here); now read the course's")
     return True
 
 

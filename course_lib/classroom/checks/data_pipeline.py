@@ -1,4 +1,4 @@
-"""Checker for Lab 11 (Day 22's set-up): the sample index built by hand.
+"""Checkers for Lab 11 (Day 22's set-up): the sample index and the blend's order built by hand.
 
 ``check_sample_index(fn)``: ``fn(sizes, document_index, seq_length, num_epochs, tokens_per_epoch)``
 returns the ``[N + 1, 2]`` rows ``(position in document_index, offset)`` where each sample starts, as
@@ -8,6 +8,13 @@ document, several epochs) and compares every row with megatron-core's own compil
 course's :func:`course_lib.data.gpt_dataset.build_sample_index` where megatron-core is not installed).
 A wrong row is explained by the mistake it shows: no shared token between neighbours, a sample
 that never crosses into the next document, the wrong number of rows. Never raises.
+
+``check_blending_indices(fn)``: ``fn(weights, size)`` returns ``(dataset_index, dataset_sample_index)``
+of a ``--data-path`` blend, as megatron-core's ``helpers.build_blending_indices`` (``BlendedDataset``):
+sample ``i`` comes from the dataset whose count lags furthest behind ``weight * max(i, 1)``, the first
+on a tie, and is that dataset's next sample. Compared with megatron-core's compiled helper (the
+course's :func:`course_lib.data.blend.blending_indices` without megatron-core) on drawn weights and
+sizes; the hint names the mistake a wrong row shows. Never raises.
 """
 
 from __future__ import annotations
@@ -102,4 +109,83 @@ def check_sample_index(fn, seed: int | None = None) -> bool:
             return False
     print(f"✓ build_sample_index: {CASES} random datasets (document sizes, epochs, seq_length) give "
           f"every row of {source}")
+    return True
+
+
+def _blending_reference():
+    """megatron-core's compiled helper, else the course's (equal: tests/data/test_megatron_data.py's blends)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from megatron.core.datasets.helpers import build_blending_indices
+    except ImportError:
+        from course_lib.data.blend import blending_indices
+
+        return blending_indices, "the course's blending_indices (megatron-core is not installed)"
+
+    def reference(weights, size):
+        dataset_index, sample_index = np.zeros(size, np.int16), np.zeros(size, np.int64)
+        build_blending_indices(dataset_index, sample_index, np.asarray(weights, np.float64), len(weights), size, False)
+        return dataset_index, sample_index
+    return reference, "megatron-core's helpers.build_blending_indices"
+
+
+def _blend_cases(seed: int):
+    rng = np.random.default_rng(seed)
+    out = [([0.7, 0.3], 10), ([0.5, 0.5], 6), ([0.2, 0.3, 0.5], 12)]     # the lab's blend, a tie, 3 datasets
+    while len(out) < CASES:
+        raw = rng.integers(1, 20, size=int(rng.integers(1, 6))).astype(np.float64)
+        out.append(((raw / raw.sum()).tolist(), int(rng.integers(1, 200))))
+    return out
+
+
+def _blend_mistake(weights, got_d, got_s, want_d, want_s, bad: int) -> str:
+    """The likeliest mistake behind the first wrong blended sample ``bad``."""
+    if got_d[bad] == want_d[bad]:
+        return (f"dataset {want_d[bad]} is right but its sample is {got_s[bad]}, not {want_s[bad]}: a dataset's "
+                f"samples are taken in order, so dataset_sample_index[i] is how many it gave before i")
+    errors = [w * max(bad, 1) - int(np.sum(np.asarray(want_d[:bad]) == k)) for k, w in enumerate(weights)]
+    if errors[int(got_d[bad])] == errors[int(want_d[bad])]:
+        return "a tie: the first dataset with the largest error wins (compare with >, not >=)"
+    if bad == 0:
+        return ("sample 0: count the samples so far as max(i, 1), so the first sample goes to the largest weight "
+                "(with i = 0 every error is 0)")
+    return ("pick the dataset whose count lags furthest behind its share: the largest weight * max(i, 1) - "
+            "samples it gave so far")
+
+
+@exercise("build_blending_indices")
+def check_blending_indices(fn, seed: int | None = None) -> bool:
+    """``fn(weights, size) -> (dataset_index [size], dataset_sample_index [size])``."""
+    reference, source = _blending_reference()
+    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    for weights, size in _blend_cases(seed):
+        got, message = call_student(fn, list(weights), size, references=references_for("build_blending_indices"))
+        if message == "todo":
+            return not_attempted("build_blending_indices")
+        if refused_call(message):
+            return False
+        case = f"weights={[round(w, 4) for w in weights]}, size={size}"
+        if message:
+            print(f"✗ build_blending_indices({case}) {outcome(got, message)}")
+            return False
+        try:
+            got_d, got_s = (np.asarray(a, dtype=np.int64).reshape(-1) for a in got)
+        except (TypeError, ValueError):
+            print(f"✗ build_blending_indices({case}) returned {safe_repr(got)}: return two arrays of {size} "
+                  f"integers, (dataset_index, dataset_sample_index)")
+            return False
+        want_d, want_s = (np.asarray(a, dtype=np.int64) for a in reference(weights, size))
+        if len(got_d) != size or len(got_s) != size:
+            print(f"✗ build_blending_indices({case}): {len(got_d)} and {len(got_s)} entries, not {size}: one "
+                  f"(dataset, sample) pair per blended sample")
+            return False
+        if not (np.array_equal(got_d, want_d) and np.array_equal(got_s, want_s)):
+            bad = int(np.flatnonzero((got_d != want_d) | (got_s != want_s))[0])
+            print(f"✗ build_blending_indices({case}): blended sample {bad} is (dataset {got_d[bad]}, sample "
+                  f"{got_s[bad]}), {source} gives (dataset {want_d[bad]}, sample {want_s[bad]})\n"
+                  f"  hint: {_blend_mistake(weights, got_d, got_s, want_d, want_s, bad)}")
+            return False
+    print(f"✓ build_blending_indices: {CASES} drawn blends (1 to 5 datasets, weights, sizes, a tie) give every "
+          f"(dataset, sample) pair of {source}")
     return True

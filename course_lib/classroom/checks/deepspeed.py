@@ -381,5 +381,6 @@ def check_answers(fn, *sources) -> bool:
         if not cited_numbers(text, numbers):
             print(f"✗ answer {key!r} cites no number measured above: quote one as printed (bytes, elements, calls)")
             return False
-    print("✓ four answers, each citing the measurements; compare them with the course's reading below")
+    print("✓ four answers, each citing a measurement, recorded for your instructor (what they say is not graded "
+          "here); compare them with the course's reading below")
     return True

@@ -79,6 +79,8 @@ def _costs(p) -> str:
 
 
 def _config_hint(key: str, got: str, want: str, projections: dict) -> str:
+    """Why ``got`` loses, from its own projection (the winner ``want`` only decides which part to name: the
+    hint never names it nor shows its numbers)."""
     p, w = projections[got], projections[want]
     gpu = p.hardware.hbm_gb
     if not p.plan.fits:
@@ -88,13 +90,14 @@ def _config_hint(key: str, got: str, want: str, projections: dict) -> str:
     if c["cp"] > 1:
         why = "CP adds a K/V ring in every attention on top of TP's all-reduces"
     elif c["tp"] > w.plan.config["tp"]:
-        why = (f"TP {c['tp']}'s all-reduces take {p.breakdown()['tp'] * 1e3:.3g} ms per step against "
-               f"{w.breakdown()['tp'] * 1e3:.3g} ms")
+        why = (f"TP {c['tp']}'s all-reduces take {p.breakdown()['tp'] * 1e3:.3g} ms per step; a config that fits "
+               f"with less TP spends less")
     elif c["pp"] > w.plan.config["pp"]:
-        why = f"PP {c['pp']} idles longer in the bubble ({p.bubble:.3f} of the busy time against {w.bubble:.3f})"
+        why = (f"PP {c['pp']} idles longer in the bubble ({p.bubble:.3f} of the busy time) than a config that fits "
+               f"with fewer stages")
     else:
         why = "its communication costs more than it saves"
-    return f"{got}: {_costs(p)}; {want}: {_costs(w)} -- {why}"
+    return f"{got}: {_costs(p)} -- {why}"
 
 
 @exercise("predict_gpu_winner")

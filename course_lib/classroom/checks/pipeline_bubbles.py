@@ -21,7 +21,7 @@ from course_lib.classroom.checks import (call_student, checked_call, is_course_a
                                         refused_call)
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import safe_repr, same_number
+from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, same_number
 from course_lib.megatron import SEED_SWEEP
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.schedules import build_schedule
@@ -33,42 +33,45 @@ from course_lib.rules import data_parallel_size
 
 @exercise("bubble")
 def check_bubble(fn) -> bool:
-    """``fn(pp, num_microbatches, vp) -> number``: bubble time over ideal time (any real type)."""
-    for p in (1, 2, 4, 8):
-        for m in (1, 4, 8, 16):
-            for vp in (1, 2):
-                got, err = call_student(fn, p, m, vp, references=references_for("bubble"))
-                if refused_call(err):
-                    return False
-                if err == "todo":
-                    return not_attempted("bubble")
-                name = "1f1b" if vp == 1 else "interleaved"
-                try:
-                    simulated = simulate(build_schedule(name, p, m, vp), 1.0, 2.0).bubble_fraction
-                except ValueError:
-                    simulated = bubble_fraction(p, m, vp)  # interleaved needs m % p == 0
-                verdict = same_number(got, simulated, rel=1e-9) if not err else None
-                if verdict:
-                    continue
-                print(f"✗ bubble({p}, {m}, {vp}) {outcome(got, err)}; the simulated schedule "
-                      f"idles {simulated:.4f} of its useful time")
-                value = verdict.value if verdict is not None else None
-                if err:
-                    print("  hint: compute it from p, m and vp: (p - 1) idle steps against m useful ones")
-                elif value is None:
-                    print(f"  hint: {verdict.reason}")
-                elif abs(value - (p - 1) / (vp * m + p - 1)) < 1e-9:
-                    print("  hint: that is the share of the *whole* iteration, (p-1)/(m+p-1); here we "
-                          "divide the bubble by the ideal (useful) time m * (t_f + t_b)")
-                elif abs(value - (p - 1) / m) < 1e-9 and vp > 1:
-                    print("  hint: with v chunks per rank each bubble step is v times shorter")
-                elif (p - 1) % (vp * m) and value == (p - 1) // (vp * m):
-                    print("  hint: integer division (//) rounds the fraction down to a whole number: use /")
-                else:
-                    print("  hint: the first micro-batch needs p - 1 steps to reach the last stage and "
-                          "p - 1 to come back; compare that with m steps of useful work")
-                return False
-    print("✓ bubble equals the simulated 1F1B and interleaved schedules for 32 (p, m, v) settings")
+    """``fn(pp, num_microbatches, vp) -> number``: bubble time over ideal time (any real type), on a grid of
+    settings and 4 drawn for this run."""
+    rng = drawn_rng()
+    drawn = [(rng.randint(3, 12), rng.randint(3, 40), vp) for vp in (1, 1, 2, 3)]
+    grid = [(p, m, vp) for p in (1, 2, 4, 8) for m in (1, 4, 8, 16) for vp in (1, 2)]
+    for p, m, vp in grid + drawn:
+        got, err = call_student(fn, p, m, vp, references=references_for("bubble"))
+        if refused_call(err):
+            return False
+        if err == "todo":
+            return not_attempted("bubble")
+        name = "1f1b" if vp == 1 else "interleaved"
+        try:
+            simulated = simulate(build_schedule(name, p, m, vp), 1.0, 2.0).bubble_fraction
+        except ValueError:
+            simulated = bubble_fraction(p, m, vp)  # interleaved needs m % p == 0
+        verdict = same_number(got, simulated, rel=1e-6) if not err else None  # float32 answers too
+        if verdict:
+            continue
+        print(f"✗ bubble({p}, {m}, {vp}) {outcome(got, err)}: not what the simulated "
+              f"{'1F1B' if vp == 1 else 'interleaved'} schedule idles, as a share of its useful time")
+        value = verdict.value if verdict is not None else None
+        if err:
+            print("  hint: compute it from p, m and vp: (p - 1) idle steps against m useful ones")
+        elif value is None:
+            print(f"  hint: {verdict.reason}")
+        elif abs(value - (p - 1) / (vp * m + p - 1)) < 1e-9:
+            print("  hint: that is the share of the *whole* iteration, (p-1)/(m+p-1); here we "
+                  "divide the bubble by the ideal (useful) time m * (t_f + t_b)")
+        elif abs(value - (p - 1) / m) < 1e-9 and vp > 1:
+            print("  hint: with v chunks per rank each bubble step is v times shorter")
+        elif (p - 1) % (vp * m) and value == (p - 1) // (vp * m):
+            print("  hint: integer division (//) rounds the fraction down to a whole number: use /")
+        else:
+            print("  hint: the first micro-batch needs p - 1 steps to reach the last stage and "
+                  "p - 1 to come back; compare that with m steps of useful work")
+        return False
+    print(f"✓ bubble equals the simulated 1F1B and interleaved schedules for {len(grid) + len(drawn)} (p, m, v) "
+          f"settings ({len(drawn)} drawn for this run)")
     return True
 
 
@@ -85,6 +88,22 @@ BUBBLE_CASES = [
     ({"T": (4, 2, 1), "U": (1, 1, 1), "V": (2, 4, 1)}, 16, 1, 32),
     ({"G": (1, 2, 4), "H": (2, 4, 1)}, 16, 1, 16),
 ]
+
+
+def drawn_sweeps(rng, count: int = 2) -> list:
+    """``count`` sweeps drawn for this run, shaped like :data:`BUBBLE_CASES`: 3 configs named by random
+    letters on 8 or 16 ranks, one with CP, a global batch every config's micro * DP divides."""
+    sweeps = []
+    for _ in range(count):
+        world = rng.choice((8, 16))
+        layouts = [(tp, pp, cp) for tp in (1, 2, 4) for pp in (1, 2, 4, 8) for cp in (1, 2)
+                   if world % (tp * pp * cp) == 0]
+        chosen = rng.sample([l for l in layouts if l[2] == 1], 2) + [rng.choice([l for l in layouts if l[2] == 2])]
+        rng.shuffle(chosen)
+        names = rng.sample("ABCDEFGHJKLMNPQRSTUVWXYZ", 3)
+        micro = rng.randint(1, 2)
+        sweeps.append((dict(zip(names, chosen)), world, micro, micro * world * rng.randint(1, 4)))
+    return sweeps
 
 
 def _bubbles(configs, world, micro, gbs, dp_of=data_parallel_size):
@@ -118,7 +137,8 @@ def check_largest_bubble(fn) -> bool:
     if is_course_answer(fn):
         return False
     answers, first_wrong = [], None
-    for i, (configs, world, micro, gbs) in enumerate(BUBBLE_CASES):
+    cases = BUBBLE_CASES + drawn_sweeps(drawn_rng())
+    for i, (configs, world, micro, gbs) in enumerate(cases):
         got, err = checked_call(fn, dict(configs), world, micro, gbs, references=references_for("largest_bubble"))
         if err == "todo":
             return not_attempted("largest_bubble")
@@ -131,15 +151,15 @@ def check_largest_bubble(fn) -> bool:
         if first_wrong is None and not (isinstance(got, str) and got in want):
             first_wrong = (i, shown, want)
     if first_wrong is None:
-        print(f"✓ largest_bubble right on {len(BUBBLE_CASES)} sweeps (the seed's A-F: E, PP 4 with 8 "
-              f"micro-batches; CP counted out of DP)")
+        print(f"✓ largest_bubble right on {len(cases)} sweeps (the seed's A-F, and 2 drawn for this run; CP "
+              f"counted out of DP)")
         return True
     i, shown, want = first_wrong
-    configs, world, micro, gbs = BUBBLE_CASES[i]
-    print(f"✗ largest_bubble({{{shown}}}, world {world}, micro {micro}, global {gbs}) = {safe_repr(answers[i])}, "
-          f"expected {sorted(want)[0]!r}")
+    configs, world, micro, gbs = cases[i]
+    print(f"✗ largest_bubble({{{shown}}}, world {world}, micro {micro}, global {gbs}) = {safe_repr(answers[i])}: "
+          f"not the config with the largest (p-1)/m")
     for rule, hint in BUBBLE_MISTAKES:  # the mistake that gives *every* one of the student's answers
-        if all(isinstance(a, str) and a in rule(*case) for a, case in zip(answers, BUBBLE_CASES)):
+        if all(isinstance(a, str) and a in rule(*case) for a, case in zip(answers, cases)):
             print(f"  hint: {hint}")
             break
     else:
@@ -147,6 +167,5 @@ def check_largest_bubble(fn) -> bool:
             print(f"  hint: return the *name* of a config, one of {', '.join(configs)}")
         else:
             print("  hint: bubble = (p-1)/m with m = global / (micro * DP) and DP = world / (TP * PP * CP)")
-    print("  bubbles: " + ", ".join(f"{n} {v:.3f}" for n, v in _bubbles(configs, world, micro, gbs).items()))
     return False
 

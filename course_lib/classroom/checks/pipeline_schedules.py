@@ -26,7 +26,7 @@ from typing import Callable, Optional
 from course_lib.classroom.checks import call_student, not_attempted, outcome, refused_call
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr, whole_numbers
+from course_lib.classroom.checks.verdicts import as_real, as_whole, drawn_rng, safe_repr, whole_numbers
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.check import _check_complete, _check_dependencies, check_schedule, simulate_p2p
 from course_lib.pipeline.schedules import (build_schedule, from_orders, num_warmup_microbatches, parse_action,
@@ -36,13 +36,19 @@ from course_lib.pipeline.simulate import simulate
 SETTINGS = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 6, 8, 12)]
 
 
+def drawn_settings(rng, count: int = 3) -> list:
+    """:data:`SETTINGS` and ``count`` deeper pipelines ``(p, m)`` drawn for this run (5-12 stages, 5-24
+    micro-batches, fewer or more than p), so no table of the fixed settings answers a checker."""
+    return SETTINGS + [(rng.randint(5, 12), rng.randint(5, 24)) for _ in range(count)]
+
+
 _call, _todo = call_student, not_attempted
 
 
 @exercise("warmup_1f1b")
 def check_warmup(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> int``: 1F1B's warm-up forwards on one rank."""
-    for p, m in SETTINGS:
+    for p, m in drawn_settings(drawn_rng()):
         for r in range(p):
             got, err = _call(fn, p, m, r, references=references_for("warmup_1f1b"))
             if refused_call(err):
@@ -52,7 +58,7 @@ def check_warmup(fn) -> bool:
             want = num_warmup_microbatches(p, m, r)
             value = None if err else as_whole(got)
             if value != want:
-                print(f"✗ warmup_1f1b({p}, {m}, {r}) {outcome(got, err)}, expected {want}")
+                print(f"✗ warmup_1f1b({p}, {m}, {r}) {outcome(got, err)}")
                 if value == p - r - 1:
                     print("  hint: with fewer micro-batches than stages a rank cannot warm up with more "
                           "forwards than there are micro-batches: cap it at m")
@@ -68,7 +74,8 @@ def check_warmup(fn) -> bool:
                     print("  hint: rank r must run F until its first gradient can arrive: that is the "
                           "number of stages after it, p - r - 1 (but never more than m)")
                 return False
-    print(f"✓ warmup_1f1b equals Megatron's min(p - r - 1, m) on {sum(p for p, _ in SETTINGS)} (p, m, rank) cases")
+    print(f"✓ warmup_1f1b equals Megatron's min(p - r - 1, m) on every rank of {len(SETTINGS) + 3} (p, m) settings "
+          f"(3 drawn for this run)")
     return True
 
 
@@ -126,7 +133,7 @@ def _matching_mistake(answers: dict) -> Optional[str]:
 def check_order(fn) -> bool:
     """``fn(pp_size, num_microbatches, pp_rank) -> list`` of "F0"/"B0" strings (or Actions)."""
     answers, wrong = {}, []
-    for p, m in SETTINGS:
+    for p, m in drawn_settings(drawn_rng()):
         for r in range(p):
             got, err = _call(fn, p, m, r, references=references_for("order_1f1b"))
             if refused_call(err):
@@ -146,13 +153,12 @@ def check_order(fn) -> bool:
                 wrong.append((p, m, r))
     if not wrong:
         print(f"✓ order_1f1b equals Megatron's forward_backward_pipelining_without_interleaving order "
-              f"for {len(SETTINGS)} (p, m) settings, every rank")
+              f"for {len(SETTINGS) + 3} (p, m) settings (3 drawn for this run), every rank")
         return True
     # show a pipeline deep enough to read (on 1 or 2 stages several mistakes give the same order)
     p, m, r = next((key for key in wrong if 3 <= key[0] <= 4 and key[1] >= 4), wrong[0])
     got, want = answers[(p, m, r)], [str(a) for a in schedule_1f1b(p, m, r)]
-    print(f"✗ order_1f1b({p}, {m}, {r}) = {' '.join(got)}")
-    print(f"  expected           {' '.join(want)}")
+    print(f"✗ order_1f1b({p}, {m}, {r}) = {' '.join(got)} is not 1F1B's order on rank {r} of {p}")
     hint = _matching_mistake(answers)
     if hint is None and sorted(got) != sorted(want):
         hint = "each micro-batch needs exactly one F and one B on every rank"
@@ -174,8 +180,9 @@ def check_order(fn) -> bool:
 @exercise("peak_activations")
 def check_peak_memory(fn) -> bool:
     """``fn(pp, num_microbatches, schedule) -> list`` of peak micro-batches held per rank."""
+    settings = drawn_settings(drawn_rng())
     for name in ("gpipe", "1f1b", "zb-h1"):
-        for p, m in SETTINGS:
+        for p, m in settings:
             got, err = _call(fn, p, m, name, references=references_for("peak_activations"))
             if refused_call(err):
                 return False
@@ -184,7 +191,8 @@ def check_peak_memory(fn) -> bool:
             want = simulate(build_schedule(name, p, m)).peak_activations
             values = None if err else whole_numbers(got)
             if values != want:
-                print(f"✗ peak_activations({p}, {m}, {name!r}) {outcome(got, err)}; simulated {want}")
+                print(f"✗ peak_activations({p}, {m}, {name!r}) {outcome(got, err)}: not the peak the schedule's "
+                      f"simulation holds on every rank")
                 if name == "1f1b" and values == [min(p - r - 1, m) for r in range(p)]:
                     print("  hint: off by one -- after the warm-up a rank runs one more forward before "
                           "its first backward frees anything")

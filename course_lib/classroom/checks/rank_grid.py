@@ -25,11 +25,36 @@ import itertools
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, run_student,
-                                                  safe_repr, whole_numbers)
+from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, drawn_rng,
+                                                  run_student, safe_repr, whole_numbers)
 from course_lib.megatron import SEED_SWEEP
 from course_lib.rules import data_parallel_size, num_microbatches
 from course_lib.topology import ParallelConfig, RankGrid, divisors
+
+
+def drawn_grids(rng, count: int) -> list:
+    """``count`` grids ``(tp, cp, dp, pp)`` drawn for this run (each size 1-4, cp 1-3, at least two axes
+    larger than 1): with the seed's fixed layouts first, no table of fixed cases answers the checkers."""
+    grids = []
+    while len(grids) < count:
+        grid = (rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4))
+        if sum(n > 1 for n in grid) >= 2:
+            grids.append(grid)
+    return grids
+
+
+def _drawn_layouts(rng, count: int) -> list:
+    """``count`` possible layouts ``(world, tp, pp, cp)`` drawn for this run."""
+    return [(tp * cp * dp * pp, tp, pp, cp) for tp, cp, dp, pp in drawn_grids(rng, count)]
+
+
+def _drawn_impossible(rng, count: int) -> list:
+    """``count`` layouts ``(world, tp, pp, cp)`` whose tp·pp·cp does not divide the world size."""
+    out = []
+    for tp, cp, dp, pp in drawn_grids(rng, count):
+        out.append((tp * pp * cp * dp + rng.randint(1, tp * pp * cp - 1), tp, pp, cp))
+    return out
+
 
 def _call(fn, *args, exercise: str):
     """``(value, exception)`` of the student's call; a patch or the course's grid (the exercise's
@@ -61,8 +86,8 @@ def _verdict_for_exception(call: str, exc: BaseException) -> None:
 def check_derive_dp(fn) -> bool:
     """``fn(world_size, tp, pp, cp)`` must return world / (tp·pp·cp) and raise
     ValueError when tp·pp·cp does not divide the world size."""
-    cases = [(8, 2, 2, 1), (8, 1, 1, 1), (8, 2, 2, 2), (128, 4, 4, 1), (32, 16, 2, 1), (32, 4, 8, 1),
-             (96, 2, 3, 2), (8, 8, 1, 1)]
+    rng = drawn_rng()
+    cases = [(8, 2, 2, 1), (8, 2, 2, 2), (128, 4, 4, 1), *_drawn_layouts(rng, 5)]
     for world, tp, pp, cp in cases:
         got, exc = _call(fn, world, tp, pp, cp, exercise="derive_dp")
         if isinstance(exc, NotImplementedError):
@@ -73,7 +98,7 @@ def check_derive_dp(fn) -> bool:
             return False
         value = as_whole(got)
         if value != want:
-            print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) returned {safe_repr(got)}, expected {want}")
+            print(f"✗ derive_dp({world}, tp={tp}, pp={pp}, cp={cp}) returned {safe_repr(got)}")
             if value is None and as_real(got)[1]:
                 print(f"  hint: {as_real(got)[1]}")
             elif value is None:
@@ -85,7 +110,7 @@ def check_derive_dp(fn) -> bool:
             else:
                 print("  hint: every rank belongs to exactly one (tp, cp, dp, pp) cell: world = tp·pp·cp·dp")
             return False
-    for world, tp, pp, cp in [(8, 3, 1, 1), (12, 2, 4, 1), (8, 2, 2, 4)]:
+    for world, tp, pp, cp in [(8, 3, 1, 1), *_drawn_impossible(rng, 2)]:
         got, exc = _call(fn, world, tp, pp, cp, exercise="derive_dp")
         if isinstance(exc, (_CourseCode, LibraryPatched)):
             _verdict_for_exception(f"derive_dp({world}, tp={tp}, pp={pp}, cp={cp})", exc)
@@ -100,16 +125,17 @@ def check_derive_dp(fn) -> bool:
         if "\n" in str(exc) or not str(exc):
             print("✗ the ValueError should be one line naming the rule and a fix")
             return False
-    print(f"✓ derive_dp is right for {len(cases)} layouts and rejects the 3 impossible ones")
+    print(f"✓ derive_dp is right for {len(cases)} layouts (the seed's and 5 drawn for this run) and rejects 3 "
+          f"impossible ones")
     return True
 
 
 # ---- Lab 01, exercise 2: every group of a rank, for any layout ---------------------------------------
 
 AXES = ("tp", "cp", "dp", "pp")
-GROUP_LAYOUTS = [(8, 2, 2, 1), (16, 2, 2, 2), (8, 1, 1, 1), (32, 4, 2, 1), (16, 2, 1, 2), (24, 2, 3, 1),
-                 (16, 1, 4, 2), (12, 3, 1, 2)]
-"""(world_size, tp, pp, cp): the seed's 8 = 2x2x2 first, then CP, DP = 1..4, odd sizes."""
+GROUP_LAYOUTS = [(8, 2, 2, 1), (16, 2, 2, 2), (12, 3, 1, 2)]
+"""(world_size, tp, pp, cp): the seed's 8 = 2x2x2 first, then CP; the checker adds layouts drawn per run."""
+DRAWN_GROUP_LAYOUTS = 4
 
 _GROUP_HINTS = {
     "tp": "TP neighbours are consecutive ranks (tp varies fastest): rank r's TP group is the block of tp ranks "
@@ -153,12 +179,13 @@ def _matching_order(fn, layout: tuple, axis: str):
 
 def _group_mistake(fn, got, want: list, rank: int, axis: str, layout: tuple) -> list:
     """The verdict lines for one wrong group."""
-    lines = [f"✗ groups_of({rank}, {layout_of(*layout)})[{axis!r}] = {safe_repr(got)}, expected {want}"]
+    lines = [f"✗ groups_of({rank}, {layout_of(*layout)})[{axis!r}] = {safe_repr(got)} is not rank {rank}'s "
+             f"{axis.upper()} group"]
     ints = whole_numbers(got)
     if ints is None:
         lines.append("  hint: give each group as a list of ints, e.g. [4, 5]")
     elif sorted(ints) == want:
-        lines.append(f"  hint: right ranks, wrong order: list them in group-rank order (ascending here), {want}")
+        lines.append("  hint: right ranks, wrong order: list them in group-rank order (ascending here)")
     else:
         order = _matching_order(fn, layout, axis)
         if order:
@@ -176,8 +203,8 @@ def check_groups_of(fn) -> bool:
     """``fn(rank, layout) -> {"tp": [...], "cp": [...], "dp": [...], "pp": [...]}``: the four groups of
     ``rank`` (lists in group-rank order) for ``layout = {"world_size", "tp", "pp", "cp"}`` in Megatron's
     default order, for every rank of the layouts in :data:`GROUP_LAYOUTS`."""
-    checked = 0
-    for layout in GROUP_LAYOUTS:
+    layouts = GROUP_LAYOUTS + _drawn_layouts(drawn_rng(), DRAWN_GROUP_LAYOUTS)
+    for layout in layouts:
         world, tp, pp, cp = layout
         grid = RankGrid(world, tp=tp, pp=pp, cp=cp)
         for rank in range(world):
@@ -198,9 +225,8 @@ def check_groups_of(fn) -> bool:
                 if whole_numbers(got[axis]) != want[axis]:
                     print("\n".join(_group_mistake(fn, got[axis], want[axis], rank, axis, layout)))
                     return False
-            checked += 1
-    print(f"✓ groups_of gives Megatron's TP, CP, DP and PP groups of all {checked} ranks of {len(GROUP_LAYOUTS)} "
-          f"layouts (rank 5 of 8 = 2×2×2: TP [4, 5], DP [5, 7], PP [1, 5])")
+    print(f"✓ groups_of gives Megatron's TP, CP, DP and PP groups of every rank of {len(layouts)} layouts (the "
+          f"seed's and {DRAWN_GROUP_LAYOUTS} drawn for this run)")
     return True
 
 
@@ -237,8 +263,7 @@ def _matching_formula(fn, sizes: tuple):
 def check_rank_of(fn) -> bool:
     """``fn(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp)`` must return the
     global rank in Megatron's default order tp-cp-ep-dp-pp (tp fastest)."""
-    layouts = [(2, 1, 2, 2), (2, 2, 1, 2), (4, 2, 2, 2), (2, 3, 2, 2), (1, 1, 8, 1), (8, 1, 1, 4)]
-    checked = 0
+    layouts = [(2, 1, 2, 2), (2, 2, 1, 2), *drawn_grids(drawn_rng(), 4)]
     for tp, cp, dp, pp in layouts:
         grid = RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)
         for t, k, d, p in itertools.product(range(tp), range(cp), range(dp), range(pp)):
@@ -253,7 +278,7 @@ def check_rank_of(fn) -> bool:
             if exc is not None or value != want:
                 what = f"raised {type(exc).__name__}: {exc}" if exc else f"returned {safe_repr(got)}"
                 print(f"✗ rank_of(tp_rank={t}, cp_rank={k}, dp_rank={d}, pp_rank={p}) with tp={tp}, cp={cp}, "
-                      f"dp={dp}, pp={pp} {what}; expected {want}")
+                      f"dp={dp}, pp={pp} {what}")
                 name = None if exc is not None else _matching_formula(fn, (tp, cp, dp, pp))
                 if name:
                     print(f"  hint: your formula matches '{name}'. Megatron's order tp-cp-ep-dp-pp puts tp "
@@ -262,8 +287,8 @@ def check_rank_of(fn) -> bool:
                     print("  hint: each axis' stride is the product of the sizes of the axes before it in the "
                           "order: tp 1, cp tp, dp tp·cp, pp tp·cp·dp")
                 return False
-            checked += 1
-    print(f"✓ rank_of matches Megatron's order for {checked} coordinates in {len(layouts)} layouts")
+    print(f"✓ rank_of matches Megatron's order for every coordinate of {len(layouts)} layouts (2 fixed, 4 drawn "
+          f"for this run)")
     return True
 
 
@@ -296,6 +321,22 @@ def _microbatches_if(gbs, micro, replicas):
         return None
 
 
+def _drawn_batch_layouts(rng, count: int) -> tuple[list, list]:
+    """``count`` possible layouts ``(world, tp, pp, cp, micro, global)`` drawn for this run, and two that
+    Megatron refuses (as in :data:`BAD_LAYOUTS`: tp·pp·cp does not divide the world; global % (micro·dp))."""
+    good = []
+    for tp, cp, dp, pp in drawn_grids(rng, count):
+        micro = rng.randint(1, 4)
+        good.append((tp * cp * dp * pp, tp, pp, cp, micro, micro * dp * rng.randint(1, 8)))
+    (world, tp, pp, cp), = _drawn_impossible(rng, 1)
+    tp2, cp2, dp2, pp2 = next(g for g in drawn_grids(rng, 20) if g[2] > 1)
+    micro = rng.randint(1, 4)
+    bad = [(world, tp, pp, cp, 1, 16, "world_size % (tp*pp*cp)"),
+           (tp2 * cp2 * dp2 * pp2, tp2, pp2, cp2, micro, micro * (dp2 * rng.randint(1, 4) + rng.randint(1, dp2 - 1)),
+            "global % (micro*dp)")]
+    return good, bad
+
+
 def _want(world, tp, pp, cp, micro, gbs):
     cfg = ParallelConfig(world_size=world, tp=tp, pp=pp, cp=cp, micro_batch_size=micro, global_batch_size=gbs)
     return cfg.dp, cfg.num_microbatches
@@ -307,7 +348,8 @@ def check_layout(fn) -> bool:
     raises ValueError when the layout is impossible."""
     if is_course_answer(fn):
         return False
-    for case in LAYOUTS:
+    drawn, drawn_bad = _drawn_batch_layouts(drawn_rng(), 4)
+    for case in LAYOUTS + drawn:
         got, err = checked_call(fn, *case, references=references_for("derive_layout"))
         if err == "todo":
             return not_attempted("derive_layout")
@@ -315,7 +357,8 @@ def check_layout(fn) -> bool:
         want = _want(*case)
         args = f"derive_layout(world_size={world}, tp={tp}, pp={pp}, cp={cp}, micro={micro}, global={gbs})"
         if err:
-            print(f"✗ {args}: {err}; expected {want}")
+            print(f"✗ {args}: {err}; this layout is possible (tp·pp·cp divides the world, micro·dp the global "
+                  f"batch)")
             return False
         try:
             dp, m = got
@@ -324,7 +367,7 @@ def check_layout(fn) -> bool:
             return False
         if (as_whole(dp), as_whole(m)) == want:
             continue
-        print(f"✗ {args} returned {safe_repr(got)}, expected {want}")
+        print(f"✗ {args} returned {safe_repr(got)}")
         wdp, wm = want
         dp_n, m_n = as_real(dp)[0], as_real(m)[0]
         if dp_n is None or m_n is None:
@@ -348,7 +391,7 @@ def check_layout(fn) -> bool:
             else:
                 print("  hint: micro-batches per step m = global / (micro * DP)")
         return False
-    for world, tp, pp, cp, micro, gbs, rule in BAD_LAYOUTS:
+    for world, tp, pp, cp, micro, gbs, rule in BAD_LAYOUTS + drawn_bad:
         got, err = checked_call(fn, world, tp, pp, cp, micro, gbs, references=references_for("derive_layout"))
         if err == "todo":
             return not_attempted("derive_layout")
@@ -360,6 +403,7 @@ def check_layout(fn) -> bool:
               + (" (a DP of 8 / 12 ranks is not a whole number of replicas)" if "tp" in rule else
                  " (every replica must get a whole number of micro-batches)"))
         return False
-    print(f"✓ derive_layout: DP and micro-batches right on {len(LAYOUTS)} layouts (A-F on CPU and GPU batches, "
-          f"seeds 000/001), {len(BAD_LAYOUTS)} impossible ones refused")
+    print(f"✓ derive_layout: DP and micro-batches right on {len(LAYOUTS) + len(drawn)} layouts (A-F on CPU and GPU "
+          f"batches, seeds 000/001, {len(drawn)} drawn for this run), {len(BAD_LAYOUTS) + len(drawn_bad)} impossible "
+          f"ones refused")
     return True

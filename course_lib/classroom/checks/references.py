@@ -122,6 +122,8 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     # Lab 11
     "build_sample_index": ("course_lib.data.gpt_dataset:build_sample_index", "course_lib.data.gpt_dataset:MegatronGPTDataset",
                            "course_lib.data.blend:build_datasets"),
+    "build_blending_indices": ("course_lib.data.blend:blending_indices", "course_lib.data.blend:BlendedSamples",
+                               "course_lib.data.blend:build_datasets"),
     "my_answers_11": (),
 }
 """exercise (the name of the function the student writes) -> ``"module:qualname"`` of the course code

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (as_real, call_problem, describe_ops, launch_checked, portable,
-                                                  run_student, safe_repr, same_number, secret_generator,
+from course_lib.classroom.checks.verdicts import (as_real, call_problem, describe_ops, drawn_rng, launch_checked,
+                                                  portable, run_student, safe_repr, same_number, secret_generator,
                                                   student_on_rank, tensors_close, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
@@ -293,7 +293,10 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
     measured = sum(e.ring_elements_sent for e in measured_events[False])
     hint = ("a ring all-reduce of N elements sends 2N(t-1)/t per rank; a layer all-reduces b*s*h elements twice "
             "forward and twice backward (per micro-batch)")
-    for bb, ss, hh, tt, want in ((b, s, h, t, measured), (1, 2048, 12288, 8, None), (b, s, h, 4, None)):
+    rng = drawn_rng()  # two more shapes drawn for this run: no table of fixed shapes answers
+    drawn = [(rng.randint(1, 16), 128 * rng.randint(1, 64), 256 * rng.randint(1, 64), rng.choice((2, 4, 8)), None)
+             for _ in range(2)]
+    for bb, ss, hh, tt, want in ((b, s, h, t, measured), *drawn):
         want = 8 * bb * ss * hh * (tt - 1) / tt if want is None else want
         run = run_student(predict_elements_sent, bb, ss, hh, tt, references=references_for("predict_collectives"))
         if run.todo:
@@ -303,9 +306,10 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
             return False
         verdict = same_number(run.value, want, rel=1e-6)
         if not verdict:
-            what = "measured" if (bb, ss, hh, tt) == (b, s, h, t) else "expected"
-            print(f"✗ predict_elements_sent({bb}, {ss}, {hh}, {tt}): {verdict.reason.replace('expected', what)} "
-                  f"elements sent per rank\n  hint: {hint}")
+            what = "the recorded wire" if (bb, ss, hh, tt) == (b, s, h, t) else "the ring's count for this layer"
+            shown = f"returned {verdict.value:.6g}" if verdict.value is not None else verdict.reason
+            print(f"✗ predict_elements_sent({bb}, {ss}, {hh}, {tt}): {shown} elements sent per rank, not {what}"
+                  f"\n  hint: {hint}")
             return False
     print(f"✓ your predictions match the recorded collectives of a ParallelTransformerLayer on 2 ranks, "
           f"with and without sequence parallelism, and the {measured:,.0f} elements each rank sends per layer "

@@ -12,11 +12,12 @@ specific hint it can find; it never raises.
 from __future__ import annotations
 
 import math
+import re
 
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import as_real, as_whole, safe_repr
+from course_lib.classroom.checks.verdicts import as_real, as_whole, drawn_rng, safe_repr
 from course_lib.training.logs import parse_log
 
 # One iteration line per Megatron log era (format strings read in NVIDIA/Megatron-LM; see
@@ -47,6 +48,18 @@ ITERATION_LINES = {
 KEYS = ("iteration", "elapsed_ms", "lm_loss")
 
 
+def drawn_line(line: str, rng) -> str:
+    """``line`` with its iteration, iteration count, time and loss drawn for this run (in the line's own
+    formats and widths), so no table of the fixed lines answers."""
+    total = rng.randint(20, 500000)
+    line = re.sub(r"iteration(\s+)(\d+)/(\s*)(\d+)",
+                  lambda m: f"iteration {rng.randint(1, total):{len(m[1]) + len(m[2]) - 1}d}/"
+                            f"{total:{len(m[3]) + len(m[4])}d}", line, count=1)
+    line = re.sub(r"\(ms\): [\d.]+", lambda m: f"(ms): {rng.uniform(20, 20000):.1f}", line, count=1)
+    return re.sub(r"lm loss: (\d)\.(\d+)E([+-]\d+)",
+                  lambda m: f"lm loss: {rng.uniform(0.5, 12):.{len(m[2])}E}", line, count=1)
+
+
 def _parsed_ok(got, want) -> bool:
     """The three fields, numbers of any real type, equal to the reference (the iteration a whole number)."""
     if not isinstance(got, dict) or any(k not in got for k in KEYS):
@@ -63,7 +76,9 @@ def check_parse_line(fn) -> bool:
     """``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}``."""
     if is_course_answer(fn):
         return False
+    rng = drawn_rng()
     for era, line in ITERATION_LINES.items():
+        line = drawn_line(line, rng)
         got, err = checked_call(fn, line, references=references_for("parse_iteration_line"))
         if err == "todo":
             return not_attempted("parse_iteration_line")
@@ -72,7 +87,9 @@ def check_parse_line(fn) -> bool:
         if not err and _parsed_ok(got, want):
             continue
         print(f"✗ {era}: parse_iteration_line {err or 'returned ' + safe_repr(got, 200)}")
-        print(f"  expected {want}")
+        if not err and isinstance(got, dict) and all(k in got for k in KEYS):
+            wrong = [k for k in KEYS if not _parsed_ok({**want, k: got[k]}, want)]
+            print(f"  {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what the line says")
         if err and err.startswith("raised") and "[" in line.split("iteration")[0]:
             print("  hint: " + ("torchrun --tee puts '[defaultN]:' in front of every line" if "default" in line else
                                 "since core 0.6 the line starts with a '[date time]' stamp")
@@ -92,5 +109,5 @@ def check_parse_line(fn) -> bool:
             print("  hint: 'elapsed time per iteration (ms)' and 'lm loss' are floats (1.05E+01 parses with float())")
         return False
     print(f"✓ parse_iteration_line reads {len(ITERATION_LINES)} formats: Megatron pre-0.6, 0.6-0.15, 0.16+, the "
-          f"course's, and torchrun-prefixed lines")
+          f"course's, and torchrun-prefixed lines (with numbers drawn for this run)")
     return True

@@ -62,7 +62,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from course_lib.classroom.checks.wire import (REFUSED_MARK, SPLIT_MARK, CollectiveRefused, SplitMismatch,
+from course_lib.classroom.checks.wire import (REFUSED_MARK, SPLIT_MARK, CollectiveRefused, SplitMismatch, drawn_rng,
                                              largest_tensor, launch_checked, point_to_point_only, secret_generator,
                                              student_running, wire_recorder)
 
@@ -71,7 +71,7 @@ __all__ = [
     "StudentRun", "run_student", "student_on_rank", "call_problem", "portable", "undo_patches", "course_function",
     "course_code_hint", "LibraryPatched",
     "launch_checked", "point_to_point_only", "wire_recorder", "CollectiveRefused", "REFUSED_MARK",
-    "SplitMismatch", "SPLIT_MARK", "secret_generator", "largest_tensor",
+    "SplitMismatch", "SPLIT_MARK", "secret_generator", "drawn_rng", "largest_tensor",
     "elements_sent", "collectives", "describe_ops", "expect_collectives", "refused_collective", "split_problem",
     "carried_by", "same_payload",
 ]

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -436,6 +437,13 @@ def secret_generator() -> torch.Generator:
     student's code can rebuild (call it on the rank, after the fork; the checker computes the truth from
     what the ranks really hold, after the student's function returned)."""
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
+def drawn_rng() -> random.Random:
+    """A ``random.Random`` seeded from ``os.urandom``: the cases a checker draws for this run (sizes, layouts,
+    configs, budgets), so no table of fixed cases answers them. The verdict line names what was verified,
+    never the drawn values (nbval compares it); a hint may show the case that failed."""
+    return random.Random(os.urandom(8))
 
 
 class _LargestTensor(TorchDispatchMode):

@@ -17,7 +17,7 @@ from __future__ import annotations
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import as_real, safe_repr
+from course_lib.classroom.checks.verdicts import as_real, drawn_rng, safe_repr
 from course_lib.sizing import model_state_bytes
 
 # ------------------------------------------------------------------ bytes per rank, by stage
@@ -29,6 +29,12 @@ _PART_ALIASES = {"params": ("params", "parameters", "weights", "param", "p"),
                  "grads": ("grads", "gradients", "grad", "g"),
                  "optimizer": ("optimizer", "optimizer states", "optimizer_states", "optimizer state", "os", "optim")}
 _SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}   # the first stage that divides each part by N_d
+
+
+def drawn_bytes_cases(rng) -> list:
+    """One model and DP size drawn for this run, at every stage (so each part is seen whole and sharded)."""
+    n, dp = rng.randint(10**6, 10**11), rng.randint(2, 512)
+    return [(n, dp, stage) for stage in range(4)]
 
 
 def _parts(got) -> tuple[dict | None, str | None]:
@@ -103,7 +109,7 @@ def check_zero_bytes(fn) -> bool:
     states on one rank (ZeRO's 2 + 2 + K, K = 12), checked part by part."""
     if is_course_answer(fn):
         return False
-    for n, dp, stage in BYTES_CASES:
+    for n, dp, stage in BYTES_CASES + drawn_bytes_cases(drawn_rng()):
         call = f"num_params={n:g}, dp={dp}, stage={stage}"
         got, problem = checked_call(fn, n, dp, stage, references=references_for("zero_bytes_per_rank"))
         if problem == "todo":
@@ -118,11 +124,12 @@ def check_zero_bytes(fn) -> bool:
         want = dict(zip(PARTS, model_state_bytes(n, dp, stage)))
         for part in PARTS:
             if abs(parts[part] - want[part]) > 1e-6 * max(want[part], 1.0):
-                print(f"✗ {call}: {part} = {parts[part]:,.0f} bytes, expected {want[part]:,.0f}\n"
+                print(f"✗ {call}: {part} = {parts[part]:,.0f} bytes is not ZeRO's count for this stage\n"
                       f"  hint: {_part_hint(part, parts[part], n, dp, stage)}")
                 return False
     print(f"✓ zero_bytes_per_rank gives ZeRO's params, grads and optimizer bytes, part by part, for stages 0-3 on "
-          f"{len(BYTES_CASES)} cases (7.5B on 64 ranks: 120, 31.4, 16.6, 1.9 GB in all -- ZeRO Figure 1)")
+          f"{len(BYTES_CASES) + 4} cases (4 drawn for this run; 7.5B on 64 ranks: 120, 31.4, 16.6, 1.9 GB in all -- "
+          f"ZeRO Figure 1)")
     return True
 
 
@@ -177,6 +184,24 @@ DS_CASES = [
 ]
 
 
+def drawn_ds_configs(rng, count: int = 3) -> list:
+    """``count`` ds_configs drawn for this run: a stage (or none), each offload block present or not (with a
+    device of cpu, nvme or none), the old ``cpu_offload`` switch, and keys that change nothing here."""
+    configs = []
+    for _ in range(count):
+        zero = {"stage": rng.randint(0, 3)} if rng.random() < 0.9 else {}
+        if rng.random() < 0.6:
+            zero["offload_optimizer"] = {"device": rng.choice(("cpu", "nvme", "none"))}
+        elif rng.random() < 0.3:
+            zero["cpu_offload"] = rng.choice((True, False))
+        if rng.random() < 0.5:
+            zero["offload_param"] = {"device": rng.choice(("cpu", "nvme", "none"))}
+        if rng.random() < 0.5:
+            zero[rng.choice(("overlap_comm", "contiguous_gradients"))] = rng.choice((True, False))
+        configs.append({"train_micro_batch_size_per_gpu": rng.randint(1, 8), "zero_optimization": zero})
+    return configs
+
+
 def _shards_hint(config, got, want) -> str:
     stage = config.get("zero_optimization", {}).get("stage", 0)
     if got["sharded"] != want["sharded"]:
@@ -197,7 +222,7 @@ def check_what_it_shards(fn) -> bool:
     ``"optimizer states"``, ``"gradients"``, ``"parameters"`` (any spelling: "grads", "params", ...)."""
     if is_course_answer(fn):
         return False
-    for config in DS_CASES:
+    for config in DS_CASES + drawn_ds_configs(drawn_rng()):
         got, problem = checked_call(fn, config, references=references_for("what_it_shards"))
         if problem == "todo":
             return not_attempted("what_it_shards")
@@ -216,6 +241,7 @@ def check_what_it_shards(fn) -> bool:
         if norm != want:
             print(f"✗ {config}\n  got {safe_repr(got)}\n  hint: {_shards_hint(config, norm, want)}")
             return False
-    print(f"✓ what_it_shards reads all {len(DS_CASES)} configs: the stage says what is sharded over DP, the "
+    print(f"✓ what_it_shards reads all {len(DS_CASES) + 3} configs (3 drawn for this run): the stage says what is "
+          f"sharded over DP, the "
           f"offload blocks what leaves the GPU")
     return True

@@ -14,7 +14,7 @@ import lab00_answers as answers
 from course_lib.classroom.checks import collectives
 from course_lib.classroom.checks.collectives import (NUMELS, RING_BUGS, WORLD_SIZES, check_all_reduce_from_halves,
                                                      check_ring_all_reduce, ring_problems, simulate_ring)
-from course_lib.classroom.checks.grad_sync import check_grad_sync, expected_buckets
+from course_lib.classroom.checks.grad_sync import check_grad_sync, drawn_buckets, expected_buckets
 
 # Other routes to a collective (a name bound earlier, gather + scatter, new groups...) are refused by
 # the same process group: tests/classroom/checks/test_verdicts.py tries them all in one launch.
@@ -22,7 +22,7 @@ RING_TABLE = [
     # (answer, passes, words the verdict must contain)
     ("right_ring", True, ["✓", "2(W-1)/W·N elements per rank"]),
     ("ring_to_the_left", True, ["✓"]),
-    ("whole_tensor_ring", False, ["not a ring", "(W-1)·N = 8 elements: whole tensors"]),
+    ("whole_tensor_ring", False, ["not a ring", "elements: whole tensors"]),
     ("star_via_p2p", False, ["not a ring", "rank 0 sent to ranks [1, 2]"]),
     ("via_c10d", False, ["ran a collective: an all_reduce ran on the process group", "however they are reached"]),
     ("via_object_collective", False, ["an all_gather ran on the process group"]),
@@ -102,7 +102,7 @@ def test_all_reduce_from_halves_checker_table(name, passes, words, capsys):
 
 
 SYNC_TABLE = [
-    ("right_sync", True, ["✓", "[35, 48]"]),
+    ("right_sync", True, ["✓", "three bucket_numel values drawn for this run"]),
     ("sync_with_avg", True, ["✓"]),
     ("sync_nothing", False, ["still this rank's own"]),
     ("sync_no_divide", False, ["W times too large"]),
@@ -126,6 +126,25 @@ def test_buckets_are_filled_in_reverse_parameter_order():
     assert expected_buckets([48, 8, 24, 3], 40) == [35, 48]
     assert expected_buckets([48, 8, 24, 3], 1000) == [83]
     assert expected_buckets([48, 8, 24, 3], 8) == [3, 24, 8, 48]
+
+
+def test_drawn_cases_keep_their_kind_and_vary():
+    """Every draw of the checkers' sizes is of the kinds the hints tell apart (several buckets, forward order
+    different from reverse, one bucket, one per tensor; sizes W divides and does not), and draws differ."""
+    import random
+
+    sizes = [48, 8, 24, 3]
+    draws = set()
+    for seed in range(300):
+        several, one, per_tensor = drawn_buckets(random.Random(seed))
+        assert 1 < len(expected_buckets(sizes, several)) < 4
+        assert expected_buckets(sizes, several) != expected_buckets(sizes[::-1], several)
+        assert expected_buckets(sizes, one) == [83] and expected_buckets(sizes, per_tensor) == sizes[::-1]
+        a, b, odd, few = collectives.drawn_numels(random.Random(seed))
+        assert a % 12 == b % 12 == 0 and all(odd % w for w in WORLD_SIZES) and few < max(WORLD_SIZES)
+        assert all(n % 4 == 0 for n in collectives.drawn_halves_numels(random.Random(seed)))
+        draws.add((several, a, b, odd))
+    assert len(draws) > 100
 
 
 # Right numbers without the exchange: rebuilt from the seeds the checker once drew its inputs from. Every

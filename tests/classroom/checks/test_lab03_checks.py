@@ -129,3 +129,17 @@ def test_orders_on_real_ranks_table(orders, passes, words, capsys):
     out = capsys.readouterr().out
     for word in words:
         assert word in out, out
+
+
+def test_a_table_of_the_fixed_settings_fails_on_the_drawn_ones(capsys):
+    """Warm-ups and bubbles looked up for the fixed settings fail on the pipelines drawn per run; the line
+    names the call, not the answer."""
+    from course_lib.pipeline.schedules import num_warmup_microbatches
+
+    table = {(p, m, r): num_warmup_microbatches(p, m, r) for p, m in pipeline_schedules.SETTINGS for r in range(p)}
+    assert pipeline_schedules.check_warmup(lambda p, m, r: table.get((p, m, r), 0)).ok is False
+    out = capsys.readouterr().out
+    assert "✗ warmup_1f1b(" in out and "expected" not in out, out
+    bubbles = {(p, m, v): (p - 1) / (v * m) for p in (1, 2, 4, 8) for m in (1, 4, 8, 16) for v in (1, 2)}
+    assert pipeline_bubbles.check_bubble(lambda p, m, v: bubbles.get((p, m, v), 0.0)).ok is False
+    assert "✗ bubble(" in capsys.readouterr().out

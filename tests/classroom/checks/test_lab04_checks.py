@@ -209,6 +209,16 @@ def test_check_chunks_for_rank_robust(capsys, fn, ok, expect):
     assert expect in capsys.readouterr().out
 
 
+def test_chunks_for_rank_a_table_of_small_cp_fails_on_the_drawn_ones(capsys):
+    """A table of the fixed cases (cp <= 8) fails on the cp drawn for this run; the hint shows no answer."""
+    table = {(r, cp): (r, 2 * cp - 1 - r) for cp in range(1, 9) for r in range(cp)}
+    assert cp_checks.check_chunks_for_rank(lambda r, cp: table.get((r, cp), (r, cp))).ok is False
+    out = capsys.readouterr().out
+    assert "not the load-balanced pair" in out and "expected" not in out, out
+    assert cp_checks.check_chunks_for_rank(lambda r, cp: (r, r + cp)).ok is False  # a named mistake keeps its hint
+    assert "still grows with r" in capsys.readouterr().out
+
+
 def _merge_float32(o1, l1, o2, l2):
     out, lse = merge(o1.float(), l1.float(), o2.float(), l2.float())
     return out, lse

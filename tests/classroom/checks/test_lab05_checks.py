@@ -236,7 +236,8 @@ def parse_course(line):
 @pytest.mark.parametrize("fn, ok, text", [
     (parse, True, "✓ parse_iteration_line reads 5 formats"),
     (parse_numpy, True, "✓ parse_iteration_line reads 5 formats"),
-    (lambda line: {**parse(line), "lm_loss": float("nan")}, False, "expected"),
+    (lambda line: {**parse(line), "lm_loss": float("nan")}, False, "lm_loss is not what the line says"),
+    (lambda line: {**parse(line), "iteration": 10}, False, "iteration is not what the line says"),  # a table
     (parse_course, False, "the course's own"),
     (parse_assumes_first_field, False, "since core 0.6 the line starts with a '[date time]' stamp"),
     (parse_total_iterations, False, "take the number before the '/'"),
@@ -246,6 +247,18 @@ def parse_course(line):
 def test_check_parse_line(fn, ok, text, capsys):
     assert training_logs.check_parse_line(fn).ok is ok
     assert text in capsys.readouterr().out
+
+
+def test_drawn_lines_keep_their_era_and_vary():
+    """The numbers drawn into each line keep the era's format (the course's parser reads them as that era)."""
+    import random
+
+    from course_lib.training.logs import parse_log
+
+    for name, line in training_logs.ITERATION_LINES.items():
+        drawn = [training_logs.drawn_line(line, random.Random(seed)) for seed in range(20)]
+        assert all(parse_log(d).era == parse_log(line).era and len(parse_log(d).iterations) == 1 for d in drawn)
+        assert len({parse_log(d).iterations[0]["lm_loss"] for d in drawn}) == 20, name
 
 
 def test_checker_lines_are_the_fixtures_formats():
@@ -525,6 +538,13 @@ def _gpu(tiny, big):
 def test_check_gpu_winner(fn, ok, text, capsys):
     assert gpu_projection.check_gpu_winner(fn).ok is ok
     assert text in capsys.readouterr().out
+
+
+def test_gpu_winner_hint_never_names_the_winner(capsys):
+    """The hint explains why the student's config loses from its own numbers; the winner stays unnamed."""
+    assert gpu_projection.check_gpu_winner(_gpu(("B", "tp_is_free"), ("D", "small_tp_short_pp"))).ok is False
+    out = capsys.readouterr().out
+    assert "B: step" in out and "A: step" not in out and " A " not in out.split("hint")[1], out
 
 
 def test_gpu_winner_cases_are_the_labs_story():

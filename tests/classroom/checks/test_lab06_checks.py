@@ -118,3 +118,16 @@ def test_check_model_state_bytes(fn, ok, text, capsys):
     assert sizing_checks.check_model_state_bytes(fn).ok is ok
     out = capsys.readouterr().out
     assert text in out, out
+
+
+def test_a_table_of_the_fixed_cases_fails_on_the_drawn_ones(capsys):
+    """Counts and bytes looked up for the fixed cases fail on the cases drawn per run; the line shows the
+    student's value, never the right one."""
+    counts = {case: sizing.num_parameters(*case) for case in sizing_checks.PARAMETER_CASES}
+    assert sizing_checks.check_gpt_parameters(lambda *case: counts.get(case, 1)).ok is False
+    out = capsys.readouterr().out
+    assert "returned 1, not Eq. 2's count" in out and "expected" not in out, out
+    states = {case: states_ok(*case) for case in sizing_checks.STATE_CASES}
+    assert sizing_checks.check_model_state_bytes(lambda *case: states.get(case, 1.0)).ok is False
+    out = capsys.readouterr().out
+    assert "returned 1.0" in out and "expected" not in out, out

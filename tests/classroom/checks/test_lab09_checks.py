@@ -162,13 +162,12 @@ ANSWERS = {
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({}, "✓ your answers are written (resume cites 24, 5.3944)"),
+    ({}, "✓ your answers are recorded for your instructor, who reads them (not graded here; resume cites 24, "
+         "5.3944)"),
     ({"crash": "it was fine"}, "'crash': answer after the save killed at iteration 4"),
+    # what an answer says is the instructor's to read: no word list passes or fails it
     ({"reshard": "The TP4 run loaded it because it is a newer and better format than the other one."},
-     "'reshard': name what the run showed: global shapes and offsets, overlaps"),
-    ({"resume": "Adam's moments and the learning-rate scheduler were saved along with the weights: iteration 4 "
-                "was 5.3944 both times."},       # 2 of the 4; "iteration" is no data position
-     "'resume': name what the run showed: the random generators, the data position (consumed samples)"),
+     "✓ your answers are recorded for your instructor"),
     ({"resume": "Adam's moments, the learning-rate scheduler, the random generators and the consumed samples were "
                 "saved along with the weights of the model."},
      "'resume': cite a loss or a size"),

@@ -1,0 +1,55 @@
+"""The review answers of Labs 07, 08 and 11 (:mod:`course_lib.classroom.checks.review`): numbers, ranks and
+choices are checked (written differently they still pass, wrong they get the question's hint); prose is
+recorded for the instructor, never passed or failed by the words it uses."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+from course_lib.classroom.checks.review import QUESTIONS, Prose, check_review_answers
+
+RIGHT_07 = {"zero3_over_zero1_traffic": 1.5, "dp_that_halves_bf16_states": 4,
+            "why_bf16_needs_no_loss_scaler": "bf16 keeps the eight exponent bits of fp32, so small gradients stay "
+                                             "normal numbers; fp16 flushes them to zero unless the loss is scaled."}
+RIGHT_08 = {"dense_dp": 2, "expert_dp": 2, "experts_on_rank_13": list(range(16, 32)),
+            "expert_share_ep4": 2048 / 2176, "router_grads_summed_over": "dense DP",
+            "expert_grads_summed_over": "expert DP", "top2_over_top1_traffic": 2}
+
+
+@pytest.mark.parametrize("lab, change, ok, words", [
+    ("07", {}, True, ["✓ your 3 answers", "in prose recorded for your instructor (not graded here)"]),
+    # right answers written differently
+    ("07", {"zero3_over_zero1_traffic": Fraction(3, 2), "dp_that_halves_bf16_states": np.int64(4)}, True, ["✓"]),
+    ("08", {"expert_share_ep4": 94.1176,  # a percentage "experts_on_rank_13": tuple(range(31, 15, -1)),
+            "router_grads_summed_over": "data-parallel", "expert_grads_summed_over": "EDP"}, True,
+     ["✓ your 7 answers: the 7 numbers"]),
+    # prose that names none of the course's words still goes to the instructor: no keyword decides
+    ("07", {"why_bf16_needs_no_loss_scaler": "Because the two sixteen bit formats split their bits differently "
+                                             "between how wide and how fine they are."}, True,
+     ["recorded for your instructor"]),
+    # wrong ones: the question's hint, never the answer
+    ("07", {"zero3_over_zero1_traffic": 2}, False, ["'zero3_over_zero1_traffic' = 2 is not it", "count the "
+                                                                                                 "collectives"]),
+    ("07", {"why_bf16_needs_no_loss_scaler": "TODO"}, False, ["write a few sentences", "compare the exponent"]),
+    ("08", {"experts_on_rank_13": [0, 1, 2]}, False, ["not it (a list of whole numbers)", "EP coordinate"]),
+    ("08", {"router_grads_summed_over": "expert DP"}, False, ["answer 'dense DP' or 'expert DP'", "replicated"]),
+])
+def test_review_answers(lab, change, ok, words, capsys):
+    right = RIGHT_07 if lab == "07" else RIGHT_08
+    assert check_review_answers(lambda: {**right, **change}, lab).ok is ok
+    out = capsys.readouterr().out
+    for word in words:
+        assert word in out, out
+    if not ok:  # the hint names the rule, never the right value
+        assert "1.5" not in out and "16, 17" not in out and "expected" not in out, out
+
+
+def test_prose_has_no_word_list():
+    """Prose carries what to write about (its hint), no words that would pass it."""
+    for questions in QUESTIONS.values():
+        for spec in questions.values():
+            if isinstance(spec, Prose):
+                assert set(vars(spec)) == {"hint", "words"}
