@@ -104,7 +104,7 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
                 return frame.f_locals[key]
         frame = frame.f_back
     return -1
-''', "expected"),
+''', "returned -1"),  # no frame of the checker is on the worker's stack: nothing found
 }
 
 
