@@ -8,7 +8,8 @@ code did under the checker, in words: calls, and on ranks the ops, groups and by
 (a review exercise's answers in free prose, ``key: text`` joined by `` | ``: for the instructor to read;
 ``passed`` says only that they were written, never what they say). Rows come in
 the order of the students' names and of the lab's exercises, and nothing in them depends on when or
-where grading ran, so grading the same class again writes the same bytes.
+where grading ran, so grading the same class again writes the same grades and hints (the evidence may
+count other calls: the checkers draw their cases per run).
 """
 
 from __future__ import annotations
