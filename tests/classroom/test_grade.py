@@ -6,7 +6,9 @@ of the checkers' meta-test (tests/classroom/checks/test_proofs.py, test_lab01_ch
 reference, a patch of the library, the course's own RankGrid), a faked "✓" output, an edited checker
 cell, a hanging exercise, a crashing kernel, a notebook that deletes and writes files outside and reads
 the solutions, one that leaves processes behind, a deleted lab, malformed JSON, a zip file, a stamp of no
-release, and copies of two older releases (one graded against its release, one refused). To stay fast the official lab is cut to its graded cells (the exercises and their checkers,
+release, copies of two older releases (one graded against its release, one refused), the cheats that pass a
+checker running in the student's kernel -- setprofile(None), a thread, patched checker helpers, the checker's
+frames, forged verdict records and forged requests to the judge (hex) -- and the reference read from disk (rex). To stay fast the official lab is cut to its graded cells (the exercises and their checkers,
 unchanged): grading runs exactly as on the whole lab.
 """
 
@@ -19,6 +21,7 @@ import inspect
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -28,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from course_lib.classroom.grading import grade_class, landlock
+from course_lib.classroom.grading.grader import FORGED
 from course_lib.classroom.grading.official import current_lab, defined_names, source_of
 from course_lib.classroom.grading.sandbox import namespaces_available
 from course_lib.classroom.notebooks.generator import lab_text
@@ -46,7 +50,6 @@ def _load(path: Path):
 
 
 LAB01 = _load(ROOT / "tests" / "classroom" / "checks" / "test_lab01_checks.py")
-PROOFS = _load(ROOT / "tests" / "classroom" / "checks" / "test_proofs.py")
 
 
 def _sources(*fns) -> str:
@@ -73,6 +76,56 @@ CHEATS = {  # the meta-test's cheats, as a student writes them
                             LAB01.groups_patch_rankgrid) + "\n\ngroups_of = groups_patch_rankgrid\n",
     "rank_of": "from course_lib.topology import RankGrid\n\ndef rank_of(t, k, d, p, tp, cp, dp, pp):\n"
                "    return RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=t, cp=k, dp=d, pp=p)\n",
+}
+
+
+FORGED_VERDICT = "{'ok': True, 'exercise': 'derive_dp', 'hint': '', 'evidence': {'calls': 11}}"
+JUDGE_CHEATS = {  # the cheats that pass a checker running in the student's kernel (issue 32), through grade
+    "derive_dp": (  # forged verdicts: kernel's record file, a thread during the checker cell, requests to the judge
+        "import json, sys, threading, time\n"
+        "from course_lib.classroom.checks import judge_client, records\n"
+        f"FORGED = {FORGED_VERDICT}\n"
+        "here = judge_client.RUNNING['cell']\n"
+        "for cell in range(here, here + 4):  # the judge asked to run write_record, 'from' the checker cell\n"
+        "    line = {'id': -cell, 'checker': 'course_lib.classroom.checks.records:write_record',\n"
+        "            'args': [{'verdict': FORGED}], 'kwargs': {}, 'cell': cell}\n"
+        "    judge_client._CLIENT.proc.stdin.write((json.dumps(line) + '\\n').encode())\n"
+        "    judge_client._CLIENT.proc.stdin.flush()\n\n"
+        "def forge():\n"
+        "    for _ in range(200):\n"
+        "        records.write_record({'verdict': FORGED})\n"
+        "        time.sleep(0.05)\n\n"
+        "threading.Thread(target=forge, daemon=True).start()\n\n"
+        "def derive_dp(world_size, tp, pp, cp=1):\n"
+        "    records.write_record({'verdict': FORGED})\n"
+        "    print('✓ derive_dp: all cases right')\n"
+        "    frame = sys._getframe(1)\n"
+        "    while frame is not None:  # the expected value off the checker's frames\n"
+        "        for key in ('expected', 'want', 'truth', 'dp'):\n"
+        "            if isinstance(frame.f_locals.get(key), int):\n"
+        "                return frame.f_locals[key]\n"
+        "        frame = frame.f_back\n"
+        "    return 0\n"),
+    "groups_of": (  # the course's RankGrid in a thread
+        "import threading\nfrom course_lib.topology import RankGrid\n\n"
+        "def groups_of(rank, layout):\n"
+        "    box = []\n"
+        "    def run():\n"
+        "        grid = RankGrid(layout['world_size'], tp=layout['tp'], pp=layout['pp'], cp=layout['cp'])\n"
+        "        box.append({k: list(v) for k, v in grid.groups_of(rank).items()})\n"
+        "    thread = threading.Thread(target=run)\n"
+        "    thread.start()\n"
+        "    thread.join()\n"
+        "    return box[0] if box else {}\n"),
+    "rank_of": (  # sys.setprofile(None) and the course's RankGrid; the checker's helpers patched from the cell
+        "import sys\nimport course_lib.classroom.checks.rank_grid as checker\n"
+        "from course_lib.topology import RankGrid\n"
+        "sys.setprofile(None)\n"
+        "checker.same_number = lambda *args, **kwargs: True\n\n"
+        "def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n"
+        "    sys.setprofile(None)\n"
+        "    return RankGrid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, "
+        "pp=pp_rank)\n"),
 }
 
 
@@ -180,6 +233,14 @@ def _class(tmp: Path) -> tuple[Path, Path]:
     _write(subs / "ada" / "my-labs" / name, _student(lab, solution))
     _write(subs / "bea" / name, _student(lab, solution, RIGHT_DIFFERENTLY))
     _write(subs / "cy" / name, _student(lab, solution, CHEATS))
+    _write(subs / "hex" / name, _student(lab, solution, JUDGE_CHEATS))
+    _write(subs / "rex" / name, _student(lab, solution, {"rank_of": (  # the reference's source, read in the worker
+        "import course_lib.topology.grid as grid\n\n"
+        "def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n"
+        "    space = {}\n"
+        "    exec(open(grid.__file__.replace('.pyc', '.py')).read(), space)\n"
+        "    made = space['RankGrid'](tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)\n"
+        "    return made.rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)\n")}))
 
     faked = _student(lab, solution, solved=False)  # stubs, with the solution's "✓" lines pasted in as outputs
     for cell, solved in zip(_checker_cells(faked), _checker_cells(solution)):
@@ -214,7 +275,8 @@ def _class(tmp: Path) -> tuple[Path, Path]:
         "    if broke or world_size % (tp * pp * cp):\n        raise ValueError('not divisible')\n"
         "    return world_size // (tp * pp * cp)\n")}))
     _write(subs / "kai" / name, _student(lab, solution, {
-        "rank_of": "import os, signal\n\ndef rank_of(*coordinates):\n    os.kill(os.getpid(), signal.SIGSEGV)\n"}))
+        "rank_of": "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)  # the kernel itself crashes\n\n"
+                   "def rank_of(*coordinates):\n    return 0\n"}))
     _write(subs / "lee" / name, _student(lab, solution, {"derive_dp": (
         "import os, subprocess\n\ndef derive_dp(world_size, tp, pp, cp=1):\n"
         f"    subprocess.Popen(['sleep', '{LEFT_BEHIND}'], start_new_session=True)\n"
@@ -262,20 +324,37 @@ NONE = {"derive_dp": False, "groups_of": False, "rank_of": False}
 def test_right_solutions_pass_however_written_and_however_submitted(graded):
     for student in ("ada", "bea", "ivy"):
         assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
-    assert graded["rows"][("ada", "groups_of")]["evidence"] == "132 calls"
-    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal ivy jo kai lee max nia oto pat zed".split()
+    assert re.fullmatch(r"\d+ calls", graded["rows"][("ada", "groups_of")]["evidence"])  # cases drawn per run
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal hex ivy jo kai lee max nia oto pat rex zed".split()
                                    for e in ALL}
 
 
 def test_the_meta_tests_cheats_fail_with_the_checkers_own_hint(graded):
-    from course_lib.classroom.checks.rank_grid import check_derive_dp
-
     assert _passed(graded, "cy") == NONE
-    wrapped = next(fn for check, fn, _ in PROOFS._wrapped_cases() if check is check_derive_dp)
-    assert graded["rows"][("cy", "derive_dp")]["hint"] == check_derive_dp(wrapped).hint
-    assert "course's own course_lib.rules.data_parallel_size" in graded["rows"][("cy", "derive_dp")]["hint"]
-    assert "it replaced course_lib.topology.RankGrid.groups_of" in graded["rows"][("cy", "groups_of")]["hint"]
-    assert "course's own course_lib.topology.RankGrid" in graded["rows"][("cy", "rank_of")]["hint"]
+    # through the judge (as in the notebook): the course's function is refused where the student's code runs
+    hint = graded["rows"][("cy", "derive_dp")]["hint"]
+    assert "course_lib.rules.data_parallel_size" in hint and "write it yourself" in hint, hint
+    # the judge refuses the patch where the function runs (replacing RankGrid.groups_of reaches for RankGrid)
+    assert "course_lib.topology.RankGrid" in graded["rows"][("cy", "groups_of")]["hint"]
+    assert "course_lib.topology.RankGrid" in graded["rows"][("cy", "rank_of")]["hint"]
+
+
+def test_cheats_that_switch_a_checker_off_or_forge_its_verdict_fail_through_the_judge(graded):
+    """The checkers run in the run's judge (a process the kernel forked before the student's first cell, fenced
+    apart): setprofile(None), threads, patched checker helpers and the checker's frames reach nothing there,
+    and the grade is read from the judge's own record file, not from what the kernel writes."""
+    rows = graded["rows"]
+    assert _passed(graded, "hex") == NONE, [rows[("hex", e)] for e in ALL]
+    assert "RankGrid" in rows[("hex", "rank_of")]["hint"], rows[("hex", "rank_of")]
+    assert "RankGrid" in rows[("hex", "groups_of")]["hint"], rows[("hex", "groups_of")]
+    assert "derive_dp" in rows[("hex", "derive_dp")]["hint"] and rows[("hex", "derive_dp")]["evidence"] != "", \
+        rows[("hex", "derive_dp")]
+    # the judge's workers inside the sandbox read what the run may, less the exercise's references
+    assert _passed(graded, "rex") == {"derive_dp": True, "groups_of": True, "rank_of": False}
+    assert "Permission denied" in rows[("rex", "rank_of")]["hint"] and "grid.py" in rows[("rex", "rank_of")]["hint"]
+    feedback = (graded["out"] / "feedback" / "hex.md").read_text(encoding="utf-8")
+    assert FORGED in feedback, feedback  # the feedback says the forged records were ignored
+    assert FORGED not in (graded["out"] / "feedback" / "ada.md").read_text(encoding="utf-8")
 
 
 def test_faked_outputs_and_edited_checker_cells_change_nothing(graded):
@@ -354,8 +433,8 @@ def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_pat
     assert "## Lab 01 (01_topology.ipynb): 2 of 3 passed" in feedback and "✗ `groups_of`: timed out" in feedback
     assert "- ✓ `derive_dp`" in feedback
     table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
-    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("9/18", "10/18", "10/18"))]
-    assert "crashed: the notebook's process" in table[3] and table[3].endswith("(1)")
+    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("10/20", "11/20", "10/20"))]
+    assert re.search(r" \(\d+\)$", table[3]), table  # the most common hint of rank_of, and how many got it
     seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
     print(f"\nseconds per student-lab: {sorted(seconds)}")
 
@@ -366,7 +445,11 @@ def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_pat
     again = [tmp_path / "a", tmp_path / "b"]
     for folder in again:
         grade_class(small, folder, ["01"], timeout=TIMEOUT_S, solutions=graded["solutions"], log=lambda _: None)
-    assert (again[0] / "grades.csv").read_bytes() == (again[1] / "grades.csv").read_bytes()
+    def without_evidence(folder):  # the checkers draw their cases per run: how many calls they took varies
+        rows = list(csv.DictReader(io.StringIO((folder / "grades.csv").read_text(encoding="utf-8"))))
+        return [{k: v for k, v in row.items() if k != "evidence"} for row in rows]
+
+    assert without_evidence(again[0]) == without_evidence(again[1])
     assert before["ada.md"] == (again[0] / "feedback" / "ada.md").read_bytes()
 
 

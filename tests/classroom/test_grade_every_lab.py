@@ -68,3 +68,7 @@ def test_the_solutions_of_every_lab_pass_every_exercise_in_the_sandbox(tmp_path)
     assert evidence["mlp_sharded_state_dict"].startswith("8 calls; ranks 4:"), evidence["mlp_sharded_state_dict"]
     assert "ranks 2,3,4" in evidence["my_ring_all_reduce"]
     assert not any(line.startswith("not graded") for line in lines), lines
+    # the review answers in prose go to the instructor, verbatim, in their own column (no checker grades them)
+    prose = {r["exercise"]: r["prose"] for r in rows if r["prose"]}
+    assert set(prose) == {"my_conclusions", "my_answers_07", "my_answers_09", "my_answers_10", "my_answers_11"}, prose
+    assert prose["my_answers_07"].startswith("why_bf16_needs_no_loss_scaler: "), prose["my_answers_07"]

@@ -104,7 +104,7 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
                 return frame.f_locals[key]
         frame = frame.f_back
     return -1
-''', "expected"),
+''', "returned -1"),  # no frame of the checker is on the worker's stack: nothing found
 }
 
 
@@ -245,3 +245,56 @@ def test_plain_data_round_trip():
     assert back["x"] == [None, True, 2.5, "s"] and back["np"] == 7
     odd = plain.loads(plain.dumps(object()))
     assert type(odd).__name__ == "Opaque"
+
+
+def test_a_request_written_by_the_kernel_runs_only_a_checker_and_its_exercise_is_the_judges(tmp_path, monkeypatch):
+    """The kernel writes the judge's requests, and the student's code runs in the kernel: a request that names
+    any other function (the record writer, to forge a verdict) is refused, and one that names another exercise
+    (whose refusals would not cover RankGrid) is graded as the checker's own exercise. The records are the
+    judge's: the check processes hold no record file."""
+    import json
+
+    from course_lib.classroom.checks import judge_client, records
+    from course_lib.classroom.checks.judge_client import _encode_arg
+
+    record_file = tmp_path / "records.jsonl"
+    monkeypatch.setenv(records.VERDICTS_ENV, str(record_file))
+    monkeypatch.setattr(records, "_SINK", {})
+    judge_client._CLIENT.stop()  # a judge that holds this test's record file
+    try:
+        forged = {"verdict": {"ok": True, "exercise": "rank_of", "hint": "", "evidence": {}}}
+        reply = judge_client._CLIENT.ask({"checker": "course_lib.classroom.checks.records:write_record",
+                                          "args": [forged], "kwargs": {}, "cell": 3}, 60)
+        assert "records:write_record' is not a checker" in reply["crash"], reply
+        cheat, _ = CHEATS["setprofile(None), then the course's RankGrid"]
+        reply = judge_client._CLIENT.ask({"checker": "course_lib.classroom.checks.rank_grid:check_rank_of",
+                                          "exercise": "derive_dp", "args": [_encode_arg(cell(cheat)["rank_of"])],
+                                          "kwargs": {}, "cell": 5}, 120)
+        assert not reply["verdict"]["ok"] and "RankGrid" in reply["verdict"]["hint"], reply
+    finally:
+        judge_client._CLIENT.stop()
+    written = [json.loads(line) for line in record_file.read_text().splitlines()]
+    assert [(r["cell"], r["verdict"]["exercise"], r["verdict"]["ok"]) for r in written] == [(5, "rank_of", False)]
+
+
+def test_review_answers_in_prose_travel_with_the_verdict_for_the_instructor():
+    """The judge hands a review exercise's prose answers (review.Prose, read from the questions) to ``grade``
+    with its verdict, whatever the verdict; numbers stay out; the gradebook shows them in a column and in the
+    student's feedback page, and the column never turns prose into a pass."""
+    from course_lib.classroom.checks import judge_client
+    from course_lib.classroom.checks.review import QUESTIONS, Prose, check_review_answers
+    from course_lib.classroom.grading.gradebook import LabGrade, files
+    from course_lib.classroom.grading.grader import Outcome
+
+    prose_keys = [k for k, spec in QUESTIONS["07"].items() if isinstance(spec, Prose)]
+    text = "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor: 42."
+    answers = {k: (text if k in prose_keys else 1) for k in QUESTIONS["07"]}
+    fn = cell(f"def my_answers():\n    return {answers!r}\n")["my_answers"]
+    reply = judge_client.ask(check_review_answers, (fn, "07"), {})
+    assert reply["verdict"]["prose"] == {k: text for k in prose_keys}, reply
+
+    outcome = Outcome("my_answers_07", reply["verdict"]["ok"], reply["verdict"]["hint"], {}, reply["verdict"]["prose"])
+    written = files([LabGrade("ann", "07", "07_zero.ipynb", [outcome])])
+    row = written["grades.csv"].splitlines()[1]
+    assert row.startswith("ann,07,my_answers_07,false,") and f"{prose_keys[0]}: {text}" in row, row
+    assert f"> {text}" in written["feedback/ann.md"] and "for your instructor to read" in written["feedback/ann.md"]

@@ -152,18 +152,16 @@ def _in_this_process(check, exercise_name: str, args, kwargs) -> Verdict:
 
 def _from_judge(checker, exercise_name: str, args, kwargs) -> Verdict:
     """Ask the judge (:mod:`~course_lib.classroom.checks.judge`): its output is printed here as it comes,
-    and it writes the grading record itself."""
+    and it writes the grading record itself (also when the checker could not finish)."""
     from course_lib.classroom.checks import judge_client
 
-    reply = judge_client.ask(checker, exercise_name, args, kwargs)
+    reply = judge_client.ask(checker, args, kwargs)
     if "verdict" in reply:
         v = reply["verdict"]
         return Verdict(bool(v.get("ok")), str(v.get("exercise")), str(v.get("hint", "")), dict(v.get("evidence", {})))
     text = f"the checker could not finish: {reply.get('crash', 'no reply')}"
     print(f"✗ {text.splitlines()[-1] if text.splitlines() else text}")
-    verdict = Verdict(False, exercise_name, one_line(text)[-HINT_LIMIT:])
-    write_record({"verdict": verdict.as_json()})
-    return verdict
+    return Verdict(False, exercise_name, one_line(text)[-HINT_LIMIT:])
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,12 @@ on the checker's ranks, with the exercise's answer refused (:mod:`~course_lib.cl
 
 The checker computes the truth and the verdict in the check process, on inputs it draws there; its printed
 text and the student's ``print`` output stream back to the notebook as they come; the verdict comes back as
-JSON on a pipe of its own, and the check process writes the grading record
-(:mod:`~course_lib.classroom.checks.records`). Nothing the exercise cell does in the kernel (patching
+JSON on a pipe of its own, and the judge itself writes the grading record
+(:mod:`~course_lib.classroom.checks.records`; no check process holds the record file), with the answers in
+prose of a review exercise for the instructor (:func:`_prose`). A request comes from the kernel, where the
+student's code runs: it can name only a checker, and the judge works out the exercise -- and so what the
+student's function is refused -- from the checker's own arguments. Under ``grade`` the judge is not started
+by the kernel but forked by the sandbox (:mod:`course_lib.classroom.grading.sandbox`). Nothing the exercise cell does in the kernel (patching
 checker modules, ``sys.setprofile``, threads, frames, ``__code__``) reaches the judge, and the checker's
 frames and truth are in no process the student's code runs in -- except the ranks of a launch, where the
 student's call runs beside the checker's rank code: there the refusals hold around the call, a patch is
@@ -29,7 +33,7 @@ import os
 import sys
 import traceback
 
-from course_lib.classroom.checks import plain
+from course_lib.classroom.checks import plain, records
 from course_lib.classroom.checks.judge_client import _INSIDE
 from course_lib.classroom.checks.refusals import private_tempdir
 from course_lib.classroom.checks.student_code import resolve
@@ -58,13 +62,59 @@ class _Uncapturable:
         raise TypeError(self.reason)
 
 
+_CHECKS = "course_lib.classroom.checks."
+
+
+def _checker(name: str):
+    """The checker ``"module:qualname"`` names: an ``@exercise`` checker of the checks package, nothing else (a
+    request is written by the kernel, where the student's code runs: it names no other function to call)."""
+    if not name.startswith(_CHECKS) or ":" not in name:
+        raise ValueError(f"the judge runs only the course's checkers, not {name[:100]!r}")
+    checker = resolve(name)
+    if not callable(getattr(checker, "exercise_of", None)):
+        raise ValueError(f"{name[:100]!r} is not a checker")
+    return checker
+
+
+def _exercise(checker, request: dict) -> str:
+    """The exercise the request's checker grades, from its own arguments (never from the request's word: the
+    exercise decides what the student's function is refused)."""
+    def plain_only(data):
+        return None if isinstance(data, dict) and data.get("$") == "student" else plain.decode(data)
+
+    return checker.exercise_of(*[plain_only(a) for a in request["args"]],
+                               **{k: plain_only(v) for k, v in request["kwargs"].items()})
+
+
 def _run_check(request: dict) -> dict:
     """In a check process: run the checker the request names, on its arguments; the verdict as JSON."""
-    checker = resolve(request["checker"])
-    exercise = request["exercise"]
+    checker = _checker(request["checker"])
+    exercise = _exercise(checker, request)
     args = [_decode_arg(a, exercise) for a in request["args"]]
     kwargs = {k: _decode_arg(v, exercise) for k, v in request["kwargs"].items()}
-    return checker(*args, **kwargs).as_json()
+    verdict = checker(*args, **kwargs).as_json()
+    returned = [getattr(a, "returned", None) for a in (*args, *kwargs.values()) if isinstance(a, StudentFunction)]
+    prose = _prose(exercise, returned[0] if returned else None)
+    return {**verdict, "prose": prose} if prose else verdict
+
+
+PROSE_LIMIT = 4000
+"""Characters of one prose answer a verdict carries to the instructor."""
+
+
+def _prose(exercise: str, answers) -> dict:
+    """The answers in free prose of a review exercise (``my_answers_NN``, ``my_conclusions``), as the student's
+    function returned them: no checker passes or fails them, ``grade`` hands them to the instructor. Which
+    answers are prose is read from the questions: :class:`~course_lib.classroom.checks.review.Prose` where a
+    lab's questions are typed (:data:`~course_lib.classroom.checks.review.QUESTIONS`), else every answer in
+    words (Labs 05, 09 and 10 ask only for prose)."""
+    from course_lib.classroom.checks import review
+
+    if not isinstance(answers, dict) or not (exercise.startswith("my_answers_") or exercise == "my_conclusions"):
+        return {}
+    typed = review.QUESTIONS.get(exercise.removeprefix("my_answers_"))
+    keys = [k for k, spec in typed.items() if isinstance(spec, review.Prose)] if typed else list(answers)
+    return {str(k): answers[k][:PROSE_LIMIT] for k in keys if isinstance(answers.get(k), str)}
 
 
 def _preload() -> None:
@@ -84,22 +134,44 @@ def _load(request: dict) -> None:
     from course_lib.classroom.checks.references import REFERENCES, references_for
     from course_lib.classroom.checks.wire import largest_tensor
 
-    checker = resolve(request["checker"])
-    if request["exercise"] in REFERENCES:
-        references_for(request["exercise"])
+    checker = _checker(request["checker"])
+    exercise = _exercise(checker, request)
+    if exercise in REFERENCES:
+        references_for(exercise)
     if getattr(checker, "__module__", "") in _MEASURED:
         with largest_tensor():  # its first use imports torch._dynamo: here, once, not on every rank
             pass
 
 
-def serve(reply_fd: int) -> None:
-    """The judge's loop: one JSON request a line on stdin, one verdict a line on ``reply_fd``."""
+def _record(request: dict, result: dict) -> None:
+    """The grading record of one check, written by the judge itself, with the cell the kernel said it ran in."""
+    if "verdict" in result:
+        verdict = result["verdict"]
+    else:
+        try:
+            exercise = _exercise(_checker(request["checker"]), request)
+        except Exception:  # noqa: BLE001 - a request that names no checker has no exercise to record
+            return
+        verdict = {"ok": False, "exercise": exercise, "evidence": {},
+                   "hint": f"the checker could not finish: {str(result.get('crash', '')).strip()[-900:]}"}
+    records.write_record({"verdict": verdict, "cell": request.get("cell")})
+
+
+def serve(reply_fd: int, requests=None) -> None:
+    """The judge's loop: one JSON request a line on ``requests`` (default stdin), one reply a line on
+    ``reply_fd``. The grading record of each check is written here (:func:`_record`): a check process, where
+    the student's code runs (on ranks beside the checker), holds no record file."""
     _INSIDE["judge"] = True
     _preload()
+    records.verdict_file()  # opened here, before any check process (each drops it)
     private_tempdir()   # made once here, removed when stdin closes: the forked check processes end by os._exit
     reply = os.fdopen(reply_fd, "w", buffering=1, encoding="utf-8")
-    for line in sys.stdin:
-        request = json.loads(line)
+    for line in requests if requests is not None else sys.stdin:
+        try:
+            request = json.loads(line)
+            request_id = request["id"]
+        except (ValueError, TypeError, KeyError):
+            continue
         try:
             _load(request)
         except Exception:  # noqa: BLE001 - the check process reports it
@@ -107,9 +179,10 @@ def serve(reply_fd: int) -> None:
         sys.stdout.flush()
         read_end, write_end = os.pipe()
         pid = os.fork()
-        if pid == 0:  # the check process: the kernel's channels closed (no worker can write a reply)
+        if pid == 0:  # the check process: the kernel's channels and the record file closed
             os.close(read_end)
             reply.close()
+            records.forget()
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.close(null)
@@ -122,10 +195,14 @@ def serve(reply_fd: int) -> None:
             _write_all(write_end, json.dumps(result).encode("utf-8"))
             os._exit(0)
         os.close(write_end)
-        data = _read_from(read_end, pid, request.get("timeout", 1800))
+        timeout = request.get("timeout", 1800)
+        data = _read_from(read_end, pid, timeout if isinstance(timeout, (int, float)) else 1800)
         try:
             result = json.loads(data.decode("utf-8")) if data else {"crash": "the check process ended without a verdict"}
         except ValueError:
             result = {"crash": "the check process wrote an unreadable verdict"}
+        if not isinstance(result, dict) or not isinstance(result.get("verdict", {}), dict):
+            result = {"crash": "the check process wrote an unreadable verdict"}
+        _record(request, result)
         sys.stdout.flush()
-        reply.write(json.dumps({"id": request["id"], **result}) + "\n")
+        reply.write(json.dumps({"id": request_id, **result}) + "\n")

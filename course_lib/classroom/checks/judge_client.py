@@ -38,9 +38,10 @@ USE_ENV = "COURSE_JUDGE"
 
 
 def wanted() -> bool:
-    """Whether a checker called here asks the judge: in a notebook's kernel (and ``grade``'s), or where
-    :data:`USE_ENV` is ``1``; a test of a checker's logic, in a plain Python process, runs it in-process."""
-    return not inside() and (_in_a_kernel() or os.environ.get(USE_ENV) == "1")
+    """Whether a checker called here asks the judge: in a notebook's kernel, in ``grade``'s (attached to the
+    run's judge), or where :data:`USE_ENV` is ``1``; a test of a checker's logic, in a plain Python process,
+    runs it in-process."""
+    return not inside() and (_CLIENT.attached or _in_a_kernel() or os.environ.get(USE_ENV) == "1")
 
 
 def _in_a_kernel() -> bool:
@@ -55,6 +56,7 @@ class _Client:
         self.proc = None
         self.reply = None
         self.count = 0
+        self.attached = False
 
     def start(self) -> None:
         if os.environ.get(_IN_JUDGE):
@@ -95,6 +97,8 @@ class _Client:
 
     def ask(self, request: dict, timeout: float) -> dict:
         if not self.alive():
+            if self.attached:  # grade's judge is the run's; another would write no record
+                return {"crash": "the judge of this run has ended"}
             self.start()
         self.count += 1
         request["id"] = self.count
@@ -150,7 +154,42 @@ class _Client:
         sys.stdout.flush()
 
 
+class _Attached:
+    """A judge this kernel did not start (``grade``'s sandbox forked it), as :class:`_Client` uses a ``Popen``."""
+
+    def __init__(self, pid: int, requests: int, stdout: int, stderr: int):
+        self.pid, self.returncode = pid, None
+        self.stdin = os.fdopen(requests, "wb")
+        self.stdout, self.stderr = os.fdopen(stdout, "rb"), os.fdopen(stderr, "rb")
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                done, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = self.pid, 0
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        deadline = time.monotonic() + (timeout if timeout is not None else 5.0)
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.returncode
+
+
 _CLIENT = _Client()
+
+
+def attach(pid: int, requests: int, stdout: int, stderr: int, reply: int) -> None:
+    """Use the judge ``pid`` (its request pipe, its output pipes, its reply pipe): ``grade``'s sandbox forks one
+    per run (:mod:`course_lib.classroom.grading.sandbox`); it is never restarted from here."""
+    _CLIENT.proc, _CLIENT.reply, _CLIENT.buffer, _CLIENT.attached = _Attached(pid, requests, stdout, stderr), reply, \
+        b"", True
+RUNNING = {"cell": None}
+"""The notebook cell running now, as ``grade``'s driver sets it (:mod:`course_lib.classroom.grading.driver`): the
+judge writes it into its record, and the grader counts a verdict only from its exercise's checker cell."""
 
 
 def warm_up() -> None:
@@ -176,10 +215,11 @@ def _encode_arg(value):
     return plain.encode(value)
 
 
-def ask(checker, exercise: str, args: tuple, kwargs: dict, timeout: float = 1800):
-    """Run ``checker(*args, **kwargs)`` in the judge; its output appears here; returns its verdict (a dict:
-    ``verdict`` as :meth:`Verdict.as_json`, or ``crash`` with what went wrong)."""
-    request = {"checker": f"{checker.__module__}:{checker.__qualname__}", "exercise": exercise,
+def ask(checker, args: tuple, kwargs: dict, timeout: float = 1800):
+    """Run ``checker(*args, **kwargs)`` in the judge (which works out its exercise itself); its output appears
+    here; returns its verdict (a dict: ``verdict`` as :meth:`Verdict.as_json`, or ``crash`` with what went
+    wrong)."""
+    request = {"checker": f"{checker.__module__}:{checker.__qualname__}",
                "args": [_encode_arg(a) for a in args], "kwargs": {k: _encode_arg(v) for k, v in kwargs.items()},
-               "timeout": timeout}
+               "timeout": timeout, "cell": RUNNING["cell"]}
     return _CLIENT.ask(request, timeout + 60)

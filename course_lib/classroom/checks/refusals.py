@@ -72,8 +72,8 @@ class _Finder:
 
 
 class _RefusedName:
-    """What a refused name is bound to while the student's code runs: calling it, or reading any attribute
-    (its ``__code__``, a method), raises :class:`Refused` and is recorded."""
+    """What a refused name is bound to while the student's code runs: calling it, or reading or replacing any
+    attribute (its ``__code__``, a method), raises :class:`Refused` and is recorded."""
 
     def __init__(self, refusals: "Refusals", name: str):
         object.__setattr__(self, "_r", (refusals, name))
@@ -87,6 +87,9 @@ class _RefusedName:
         raise self._refuse()
 
     def __getattr__(self, attr):
+        raise self._refuse()
+
+    def __setattr__(self, attr, value):  # a patch of the reference (``RankGrid.groups_of = ...``) reaches for it too
         raise self._refuse()
 
     def __repr__(self) -> str:

@@ -135,8 +135,8 @@ def capture(fn, name: str | None = None) -> dict:
         for used in _names_used(source):
             if used in done or used not in space or used in values or used in modules or used in refs:
                 continue
-            value = space[used]
-            if value is getattr(builtins, used, object()):
+            value, builtin = space[used], getattr(builtins, used, object())
+            if value is builtin or getattr(value, "__wrapped__", None) is builtin:  # IPython's own `open` wraps it
                 continue
             if isinstance(value, types.ModuleType):
                 modules[used] = value.__name__

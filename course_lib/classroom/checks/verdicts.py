@@ -472,6 +472,7 @@ def run_student(fn, *args, references: Sequence = (), **kwargs) -> StudentRun:
             except Exception as exc:  # noqa: BLE001 - reported to the student
                 run.error = exc
     run.patched, run.course_code = list(changed), list(seen)
+    run.patched += [n for n in getattr(fn, "patched", ()) if n not in run.patched]  # in the judge's worker
     for name in getattr(fn, "refused", ()):  # what the judge's worker refused (a StudentFunction)
         if name not in run.course_code:
             run.course_code.append(name)

@@ -36,6 +36,7 @@ import torch
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.refusals import prepare
 from course_lib.classroom.checks.student_code import rebuild, values_of
+from course_lib.classroom.checks.verdicts import undo_patches
 
 CALL_TIMEOUT = 120.0
 """Seconds a worker may take for one call of the student's function."""
@@ -49,6 +50,8 @@ class StudentFunction:
         self.__name__ = self.__qualname__ = captured.get("name", "your function")
         self.__module__ = "__main__"
         self.refused: list[str] = []
+        self.patched: list[str] = []  # what the last call in a worker replaced in the course or torch (undone)
+        self.returned = None  # what the last call in a worker returned (a review's answers go to the instructor)
         self._local = None
         self._kept = None
         self.refusals = prepare(exercise)  # here, before the checker runs (and watches what runs in a call)
@@ -146,11 +149,11 @@ class StudentFunction:
         return self._reply(json.loads(line), args)
 
     def _reply(self, out: dict, args):
-        self.refused = out.get("refused", [])
+        self.refused, self.patched = out.get("refused", []), out.get("patched", [])
         _copy_back(args, plain.decode(out.get("args", [])))
         if "error" in out:
             raise _rebuilt_error(out["error"])
-        value = plain.decode(out["value"])
+        value = self.returned = plain.decode(out["value"])
         if "graph" in out:  # a tensor with a gradient: backward asks the worker, where its graph lives
             leaves = _tensor_leaves(args)
             inputs = [leaves[i] for i in out["graph"]["inputs"]]
@@ -236,7 +239,9 @@ def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
     try:
         try:
             fn = fn_or_captured() if isinstance(fn_or_captured, _Rebuild) else fn_or_captured
-            value = fn(*args, **kwargs)
+            with undo_patches() as patched:  # said to the checker as in its own process (run_student)
+                value = fn(*args, **kwargs)
+            out["patched"] = patched
             out["value"] = plain.encode(value)
             leaves = _tensor_leaves(args)
             out["args"] = plain.encode([t.detach() for t in leaves])

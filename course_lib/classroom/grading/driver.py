@@ -4,9 +4,9 @@ Inside a run's kernel (:mod:`course_lib.classroom.grading.sandbox`), the cells r
 shell (magics such as ``%load_ext course_lib`` and ``%%torchrun`` work; no history is kept). A cell
 that raises does not stop the run, as in ``pytest --nbval-lax``: a later exercise is graded whatever
 an earlier one did. Each cell writes two events, ``{"cell": i, "phase": "start"}`` and
-``{"cell": i, "phase": "end", "error": "NameError: ..." or None}``, then ``{"done": true}``; the
-checkers write their verdicts between them (:mod:`course_lib.classroom.checks.exercise`), which
-is how the grader knows which cell printed which verdict and how long each took.
+``{"cell": i, "phase": "end", "error": "NameError: ..." or None}``, then ``{"done": true}``: how the
+grader knows how long each cell took. The verdicts come from the run's judge, in a file of its own; each
+says the cell it was asked from (:data:`~course_lib.classroom.checks.judge_client.RUNNING`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, Sequence
 
+from course_lib.classroom.checks import judge_client
 from course_lib.classroom.checks.exercise import CappedOutput
 
 ERROR_LIMIT = 300
@@ -43,6 +44,7 @@ def run_cells(cells: Sequence[tuple[int, str]], write: Callable[[dict], None]) -
     shell = InteractiveShell.instance(config=config)
     shell.history_manager.outputs = _KeepNothing()
     for index, source in cells:
+        judge_client.RUNNING["cell"] = index  # the judge writes it into its record of a check asked now
         write({"cell": index, "phase": "start"})
         result = shell.run_cell(source, store_history=False)
         error = result.error_before_exec or result.error_in_exec

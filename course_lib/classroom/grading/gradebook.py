@@ -4,9 +4,12 @@ instructor reads before class.
 ``grades.csv`` has one row per student, lab and exercise: ``student``, ``lab``, ``exercise``,
 ``passed`` (``true``/``false``), ``hint`` (the checker's hint, or why there is no verdict: "not
 submitted", "timed out: ...", "crashed: ...", "refused: ...") and ``evidence`` (what the student's
-code did under the checker, in words: calls, and on ranks the ops, groups and bytes). Rows come in
+code did under the checker, in words: calls, and on ranks the ops, groups and bytes) and ``prose``
+(a review exercise's answers in free prose, ``key: text`` joined by `` | ``: for the instructor to read;
+``passed`` says only that they were written, never what they say). Rows come in
 the order of the students' names and of the lab's exercises, and nothing in them depends on when or
-where grading ran, so grading the same class again writes the same bytes.
+where grading ran, so grading the same class again writes the same grades and hints (the evidence may
+count other calls: the checkers draw their cases per run).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 from course_lib.classroom.grading.grader import Outcome
 
-COLUMNS = ("student", "lab", "exercise", "passed", "hint", "evidence")
+COLUMNS = ("student", "lab", "exercise", "passed", "hint", "evidence", "prose")
 _SUMMARY_HINT = 60
 
 
@@ -46,6 +49,11 @@ def evidence_line(evidence: dict) -> str:
         parts.append(f"ranks {','.join(map(str, evidence['ranks']))}: {ops}" + (f" on {shown}" if shown else ""))
         parts.append(f"{evidence.get('bytes', 0)} B sent")
     return "; ".join(parts)
+
+
+def prose_line(prose: dict) -> str:
+    """``"why_append_eod: Samples run over ... | split_cuts: ..."``: answers in prose on one line."""
+    return " | ".join(f"{key}: {' '.join(text.split())}" for key, text in prose.items())
 
 
 def _csv(rows) -> str:
@@ -81,6 +89,11 @@ def _feedback(student: str, grades: list[LabGrade]) -> str:
             lines.append(f"- ✗ `{outcome.exercise}`: {outcome.hint}")
             if evidence_line(outcome.evidence):
                 lines.append(f"  - what your code did under the checker: {evidence_line(outcome.evidence)}")
+        prose = [(o.exercise, key, text) for o in grade.outcomes for key, text in o.prose.items()]
+        if prose:  # the instructor reads them: ✓ above says they were written, not what they are worth
+            lines += ["", "Your answers in prose (for your instructor to read; no checker grades them):", ""]
+            lines += [f"- `{exercise}` / `{key}`:\n\n  > " + "\n  > ".join(text.strip().splitlines() or [""])
+                      for exercise, key, text in prose]
         if grade.notes:
             lines += ["", "Notes:"] + [f"- {note}" for note in grade.notes]
         lines.append("")
@@ -92,8 +105,8 @@ def files(grades: list[LabGrade]) -> dict[str, str]:
     rows = [COLUMNS]
     totals = [("student", "lab", "passed", "exercises")]
     for g in grades:
-        rows += [(g.student, g.number, o.exercise, "true" if o.passed else "false", o.hint, evidence_line(o.evidence))
-                 for o in g.outcomes]
+        rows += [(g.student, g.number, o.exercise, "true" if o.passed else "false", o.hint, evidence_line(o.evidence),
+                  prose_line(o.prose)) for o in g.outcomes]
         totals.append((g.student, g.number, sum(o.passed for o in g.outcomes), len(g.outcomes)))
     out = {"grades.csv": _csv(rows), "totals.csv": _csv(totals)}
     students = sorted({g.student for g in grades})

@@ -9,9 +9,10 @@ lab runs again from the top with that unit's exercise cells put back to the offi
 cell that hangs is left out), so the later exercises are still graded. Each run resolves one unit,
 so a lab runs at most once more than it has units.
 
-A verdict counts only when it arrives while the official checker cell of its exercise runs, and
-the first one counts: a checker the student calls from their own cell decides nothing, and a
-re-run does not change what an earlier run found.
+A verdict counts only when the run's judge wrote it (:mod:`course_lib.classroom.grading.sandbox`: a file
+no process of the student's holds) for a check asked from the official checker cell of its exercise, and
+the first one counts: a checker the student calls from their own cell decides nothing, a verdict record
+the student's code writes decides nothing, and a re-run does not change what an earlier run found.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from course_lib.classroom.grading.official import OfficialLab, defined_names
+from course_lib.classroom.grading.sandbox import JUDGE_RECORDS
 from course_lib.launch.process_tree import describe_exit
 
+FORGED = ("a verdict record your code wrote (not the judge) was ignored: a grade comes only from the judge, "
+          "which runs the checkers where your code cannot reach")
 POLL_S = 0.05
 START_TIMEOUT_S = 60.0
 """How long a kernel may take to reach its first cell."""
@@ -31,12 +35,14 @@ START_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True)
 class Outcome:
-    """One exercise's grade: ``passed``, the ``hint`` (why not) and the checker's ``evidence``."""
+    """One exercise's grade: ``passed``, the ``hint`` (why not), the checker's ``evidence``, and the student's
+    answers in ``prose`` (question key -> text) for the instructor to read: no checker passes them."""
 
     exercise: str
     passed: bool
     hint: str
     evidence: dict = field(default_factory=dict)
+    prose: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -125,22 +131,28 @@ class _Progress:
     def cells(self, cells: list[tuple[int, str]]) -> list[tuple[int, str]]:
         return [(i, self.stubs[i] if i in self.put_back else s) for i, s in cells if i not in self.left_out]
 
-    def collect(self, events: list[dict], sources: dict[int, str]) -> None:
-        """Take the verdicts written during their own checker cell, and the errors of the student's cells."""
-        running = None
+    def collect(self, events: list[dict], judged: list[dict], sources: dict[int, str]) -> None:
+        """Take the judge's verdicts (``judged``) asked from their own checker cell, and the errors of the
+        student's cells (``events``). A verdict in the kernel's events was written by the student's code: it
+        counts for nothing, and the feedback says so."""
         for event in events:
             if "cell" in event:
-                running = event["cell"] if event.get("phase") == "start" else None
                 if event.get("phase") == "end" and event.get("error"):
                     self._cell_error(event["cell"], event["error"], sources)
-            elif isinstance(event.get("verdict"), dict) and running is not None:
-                verdict, unit = event["verdict"], self.unit_of.get(running)
-                exercise = verdict.get("exercise")
-                if unit is None or running != unit.checker or exercise not in unit.exercises or exercise in self.found:
-                    continue
-                evidence = verdict.get("evidence") if isinstance(verdict.get("evidence"), dict) else {}
-                self.found[exercise] = Outcome(exercise, verdict.get("ok") is True, str(verdict.get("hint") or ""),
-                                               evidence)
+            elif "verdict" in event and FORGED not in self.notes:
+                self.notes.append(FORGED)
+        for record in judged:
+            verdict, cell = record.get("verdict"), record.get("cell")
+            unit = self.unit_of.get(cell) if isinstance(cell, int) else None
+            if not isinstance(verdict, dict) or unit is None or cell != unit.checker:
+                continue
+            exercise = verdict.get("exercise")
+            if exercise not in unit.exercises or exercise in self.found:
+                continue
+            evidence = verdict.get("evidence") if isinstance(verdict.get("evidence"), dict) else {}
+            prose = verdict.get("prose") if isinstance(verdict.get("prose"), dict) else {}
+            self.found[exercise] = Outcome(exercise, verdict.get("ok") is True, str(verdict.get("hint") or ""),
+                                           evidence, {str(k): str(v) for k, v in prose.items()})
 
     def _cell_error(self, index: int, error: str, sources: dict[int, str]) -> None:
         unit = self.unit_of.get(index)
@@ -193,9 +205,10 @@ def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: di
         todo = progress.cells(cells)
         (run_dir / "cells.json").write_text(json.dumps(todo), encoding="utf-8")
         (run_dir / "events.jsonl").write_bytes(b"")
+        (run_dir / JUDGE_RECORDS).write_bytes(b"")
         pid = sandbox.start(run_dir / "cells.json", run_dir)
         run = _watch(sandbox, pid, _Events(run_dir / "events.jsonl"), lambda i: progress.unit_of.get(i, i), timeout)
-        progress.collect(run.events, dict(todo))
+        progress.collect(run.events, _Events(run_dir / JUDGE_RECORDS).new(), dict(todo))
         if run.ended == "done" or not progress.blame(run, timeout, run_dir / "output.txt"):
             break
     return progress.outcomes(), progress.notes

@@ -90,7 +90,30 @@ def restrict(read: Iterable[Path], write: Iterable[Path], write_files: Iterable[
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
     finally:
         os.close(ruleset)
+    _RESTRICTED["read"] = [*map(str, read), *map(str, write)]
     return abi
+
+
+_RESTRICTED: dict = {"read": None}
+"""What :func:`restrict` left this process able to read (None: not restricted): a ruleset built later
+(:func:`reading_denied_ruleset`) allows only within it, since it cannot list folders outside it."""
+
+
+def allowed_except(paths: Iterable, deny: Iterable) -> list[str]:
+    """``paths`` (resolved) with every one that holds a denied path replaced by its other entries, down to the
+    denied paths: a Landlock rule allows a whole tree, so a folder that holds ``solutions/`` is allowed entry
+    by entry (links are left out: a rule would follow them)."""
+    denied = [Path(d).resolve() for d in deny]
+    out, todo = [], [Path(p).resolve() for p in paths]
+    while todo:
+        path = todo.pop()
+        if not path.exists() or any(path == d or path.is_relative_to(d) for d in denied):
+            continue
+        if any(d.is_relative_to(path) for d in denied):
+            todo += [child for child in path.iterdir() if not child.is_symlink()]
+        else:
+            out.append(str(path))
+    return sorted(set(out))
 
 
 def _allow(libc, ruleset: int, path: Path, rights: int) -> None:
@@ -113,28 +136,26 @@ def reading_denied_ruleset(denied: Iterable[Path]) -> int:
     except those beneath ``denied``: Landlock only allows, so the rules allow reading beneath every entry
     of each denied path's ancestors that leads to no denied path. Only reading files is handled (listing
     directories, writing and running stay as they were). Files created later directly inside such an
-    ancestor are not readable either; -1 where an ancestor cannot be listed. Apply it with
-    :func:`restrict_self` (in a forked child, say)."""
+    ancestor are not readable either; -1 where an ancestor cannot be listed. In a process :func:`restrict`
+    already fenced (the judge inside ``grade``'s sandbox, which may not list ``/``), the rules allow what the
+    fence allows, less the denied paths (:func:`allowed_except`). Apply it with :func:`restrict_self` (in a
+    forked child, say)."""
     abi = abi_version()
     if abi == 0:
         return -1
+    if _RESTRICTED["read"] is not None:
+        return _ruleset_reading(allowed_except(_RESTRICTED["read"], denied))
     denied = {Path(os.path.realpath(p)) for p in denied if os.path.exists(p)}
     keep = set()  # the denied paths and their ancestors: no rule beneath them
     for path in denied:
         keep.add(path)
         keep.update(path.parents)
-    libc = _libc()
-    attr = _RulesetAttr(READ_FILE, 0, 0)
-    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
-                           ctypes.c_uint32(0))
-    if ruleset < 0:
-        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    allowed = []
     for folder in sorted(p for p in keep if p not in denied):
         try:
             entries = os.listdir(folder)
-        except OSError:  # a folder this process may not list (inside the grading sandbox): rules that
-            os.close(ruleset)  # cannot name its other entries would deny them all; no ruleset instead
-            return -1
+        except OSError:  # a folder this process may not list: rules that cannot name its other entries would
+            return -1    # deny them all; no ruleset instead
         for entry in entries:
             path = folder / entry
             if path in keep:
@@ -143,7 +164,20 @@ def reading_denied_ruleset(denied: Iterable[Path]) -> int:
                 real = Path(os.path.realpath(path))
                 if real in keep or any(d in real.parents for d in denied):
                     continue
-            _allow(libc, ruleset, path, READ_FILE)
+            allowed.append(path)
+    return _ruleset_reading(allowed)
+
+
+def _ruleset_reading(paths: list) -> int:
+    """A ruleset that handles only reading files and allows it beneath ``paths``."""
+    libc = _libc()
+    attr = _RulesetAttr(READ_FILE, 0, 0)
+    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                           ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    for path in paths:
+        _allow(libc, ruleset, Path(path), READ_FILE)
     return ruleset
 
 

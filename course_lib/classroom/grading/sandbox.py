@@ -18,6 +18,8 @@ A run's kernel, before it executes the first cell (:func:`_child`):
   processes and on their memory together) and new network, pid and mount namespaces (:func:`_into_namespaces`:
   a loopback of its own, a ``/proc`` of its own, an init whose end kills every process left, a home that is a
   bounded tmpfs);
+* forks the run's judge (:func:`_start_judge`), where every checker cell's verdict is computed and
+  recorded, out of the student's reach;
 * gets a fresh environment whose ``HOME`` and ``TMPDIR`` are its own folder inside the grading
   output, so nothing it writes by habit (caches, histories) lands anywhere else;
 * is fenced by Landlock (:mod:`course_lib.classroom.grading.landlock`): it reads only the system,
@@ -36,8 +38,8 @@ DeepSpeed's C++ ops are loaded by the zygote itself when a graded lab trains wit
 
 The limits of the fence: without Landlock (not Linux, or a kernel older than 5.13) the student's
 code can read and write what the instructor can (the grader says so once); without Landlock's
-signal scope (Linux < 6.12) it could signal the zygote; code that inspects its own file
-descriptors can write to the events file (see :mod:`course_lib.classroom.checks.exercise`).
+signal scope (Linux < 6.12) it could signal the zygote (and the judge); code that inspects its own
+file descriptors can write to the events file, where no verdict counts.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ import time
 import traceback
 from pathlib import Path
 
+from course_lib.classroom.grading import landlock
 from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup
 from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
 
@@ -71,6 +74,8 @@ _PRELOAD = ("torch", "torch.distributed", "IPython.core.interactiveshell", "matp
 _SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/opt", "/dev/null",
                 "/dev/zero", "/dev/random", "/dev/urandom")
 _START_TIMEOUT_S = 300
+JUDGE_RECORDS = "judge.jsonl"
+"""The file of a run's folder where the run's judge writes its verdicts (the grade's one source)."""
 _DEEPSPEED_ENV = "COURSE_GRADE_DEEPSPEED"
 
 
@@ -184,7 +189,7 @@ def _limit(which: int, value: int) -> None:
 def _child(spec: dict, zygote: int, group) -> None:
     """The kernel of one run, in the forked child: isolate, limit, fence, run the cells; never returns."""
     from course_lib.classroom.checks import exercise
-    from course_lib.classroom.grading import driver, landlock
+    from course_lib.classroom.grading import driver
     from course_lib.launch.output import redirect_output
 
     status = 1
@@ -217,13 +222,9 @@ def _child(spec: dict, zygote: int, group) -> None:
         os.environ.update(spec["env"])
         tempfile.tempdir = None  # the zygote's imports may have cached its own: the run's TMPDIR is its home's
         sys.path[:] = [p for p in sys.path if p not in ("", spec["home"])]
+        _limits(spec)
+        _start_judge(spec)
         exercise.verdict_file()  # opened before the fence: the kernel cannot reach it by name afterwards
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails (EFBIG) instead of killing
-        _limit(resource.RLIMIT_AS, spec["memory_bytes"])
-        _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_BYTES)
-        _limit(resource.RLIMIT_CORE, 0)
-        if os.geteuid() != 0:
-            _limit(resource.RLIMIT_NPROC, spec["tasks"] + PROCESS_ALLOWANCE)
         abi = landlock.restrict(spec["read"], [spec["home"]], [os.devnull])
         exercise.write_record({"sandbox": {"landlock": abi}})
         driver.run_cells(cells, exercise.write_record)
@@ -234,6 +235,59 @@ def _child(spec: dict, zygote: int, group) -> None:
         traceback.print_exc()
     finally:
         os._exit(status)
+
+
+def _limits(spec: dict) -> None:
+    """A run's limits on this process and what it starts: address space, file size, no core, and (not as root)
+    the number of processes."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails (EFBIG) instead of killing
+    _limit(resource.RLIMIT_AS, spec["memory_bytes"])
+    _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_BYTES)
+    _limit(resource.RLIMIT_CORE, 0)
+    if os.geteuid() != 0:
+        _limit(resource.RLIMIT_NPROC, spec["tasks"] + PROCESS_ALLOWANCE)
+
+
+def _start_judge(spec: dict) -> None:
+    """Fork the run's judge (:mod:`course_lib.classroom.checks.judge`) from the kernel before the kernel runs
+    anything -- a fork of the zygote's imports, started in no time and outside any exercise's clock -- and
+    attach the kernel's checkers to it (:func:`~course_lib.classroom.checks.judge_client.attach`).
+
+    The judge gets the run's limits and its own Landlock fence (the run's rules, a domain of its own: the
+    kernel can neither signal nor trace it), and the run's record file ``spec["judge_records"]``, opened here
+    in the judge only: the grade comes from that file, which no process of the student's ever holds (a verdict
+    the kernel writes to the events file counts for nothing, :mod:`course_lib.classroom.grading.grader`)."""
+    from course_lib.classroom.checks import judge, judge_client, records
+
+    requests_r, requests_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    kernel = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            die_with_parent(kernel)
+            record = os.open(spec["judge_records"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            for fd, target in ((requests_r, 0), (out_w, 1), (err_w, 2)):
+                os.dup2(fd, target)
+            keep = sorted({0, 1, 2, reply_w, record})
+            for low, high in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]):
+                os.closerange(low + 1, high)
+            sys.stdin = open(0, encoding="utf-8", closefd=False)
+            sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+            sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+            os.environ.pop(records.VERDICTS_ENV, None)
+            os.environ[records.VERDICTS_FD_ENV] = str(record)
+            landlock.restrict(spec["read"], [spec["home"]], [os.devnull])
+            judge.serve(reply_w)
+        except BaseException:  # noqa: BLE001 - said in the run's output; the checkers then say the judge ended
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    for fd in (requests_r, out_w, err_w, reply_w):
+        os.close(fd)
+    judge_client.attach(pid, requests_w, out_r, err_r, reply_r)
 
 
 def _load_deepspeed_ops() -> None:
@@ -341,22 +395,6 @@ def serve() -> None:
 # ----------------------------------------------------------------------------------- the client
 
 
-def _readable(paths, deny) -> list[str]:
-    """``paths`` (resolved) with every one that holds a denied path replaced by its other entries: a Landlock
-    rule allows a whole tree, so a folder that holds ``solutions/`` is allowed entry by entry."""
-    denied = [Path(d).resolve() for d in deny]
-    out, todo = [], [Path(p).resolve() for p in paths]
-    while todo:
-        path = todo.pop()
-        if not path.exists() or any(path == d or path.is_relative_to(d) for d in denied):
-            continue
-        if any(d.is_relative_to(path) for d in denied):
-            todo += [child for child in path.iterdir() if not child.is_symlink()]
-        else:
-            out.append(str(path))
-    return sorted(set(out))
-
-
 class Sandbox:
     """The grader's end of the zygote (:func:`serve`): ``start`` a run, ``poll`` it, ``stop`` it.
 
@@ -379,7 +417,8 @@ class Sandbox:
         # Python's own folders (the venv's site-packages are in them), not the other entries of sys.path: those
         # are checkouts of the course (its solutions, tests, history), of which only course_lib is readable.
         python = {sys.prefix, sys.base_prefix, sys.exec_prefix, str(Path(sys.executable).resolve().parent)}
-        self.read = _readable([*_SYSTEM_READ, *python], [*deny, self.root]) + [str(self.pkg), str(package)]
+        readable = landlock.allowed_except([*_SYSTEM_READ, *python], [*deny, self.root])
+        self.read = readable + [str(self.pkg), str(package)]
         self.env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(self.pkg),
                     "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                     "LANG": os.environ.get("LANG", "C.UTF-8")}
@@ -419,7 +458,7 @@ class Sandbox:
                    MPLCONFIGDIR=str(home / ".matplotlib"))
         env["COURSE_VERDICTS"] = str(run_dir / "events.jsonl")
         spec = dict(cells=str(Path(cells).resolve()), output=str(run_dir / "output.txt"), home=str(home), env=env,
-                    read=self.read, memory_bytes=self.memory_bytes)
+                    read=self.read, memory_bytes=self.memory_bytes, judge_records=str(run_dir / JUDGE_RECORDS))
         answer = self._ask({"start": spec})
         self.cgroups = answer.get("cgroups", [])
         return answer["pid"]
