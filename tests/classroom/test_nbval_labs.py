@@ -56,6 +56,9 @@ def test_a_tagged_cell_is_skipped_in_labs_only_when_no_exercise_reaches_it_and_n
     assert 0 in skip_problems(_cells("y = 1", "if c:\n    y = 2\nprint(y)", tagged=[0]))   # y may be cell 0's
     assert skip_problems(_cells("x = 0", "x = 1", "x = 2\nprint(x)", tagged=[1])) == {}   # rebound before it is read
     assert 0 in skip_problems(_cells(exercise, tagged=[0]))
+    # cell 2 must run (it reads the exercise's f), so cell 0, whose y it reads, must run too
+    assert set(skip_problems([*_cells("y = 1", tagged=[0]), *_cells(exercise), *_cells("print(f(y))", tagged=[0])])) \
+        == {0, 2}
 
 
 def test_every_cell_tagged_labs_pass_skip_is_proven_skippable():

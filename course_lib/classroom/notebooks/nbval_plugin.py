@@ -17,8 +17,9 @@ exactly what it computes in the solution, which the strict pass has already run 
 ``labs-pass-skip`` in ``solutions/`` (the generator copies the tag), it is skipped in the ``labs/`` pass
 when :func:`skip_problems` proves it independent of the exercises by its names: it reads no name that an
 exercise cell, or a cell reading one, defines; and no later cell left to run reads a name it defines, so
-the lab still runs top to bottom without it. What a cell writes to files is not seen by names: tag only
-cells whose files no later cell opens. A tagged cell that fails the proof simply runs.
+the lab still runs top to bottom without it. What a cell changes without assigning a name (a file it
+writes, an object a method call changes, a module it imports into the kernel) is not seen by names: tag only
+cells of which no later cell uses such a thing. A tagged cell that fails the proof simply runs.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ SKIP_TAG = "labs-pass-skip"
 _EXERCISE_MARK = "### BEGIN SOLUTION"
 
 
-# The files that took 25 s or more in one `make test` session (junit times summed per file, -n 2 on 2 busy cores,
-# 2026-12-04; DeepSpeed's op build left out, the labs/ cells now skipped left out), longest first. Only the order in which xdist hands out files depends on it: a stale list
-# costs minutes, never a result.
+# The files that took 25 s or more in one `make test` session (junit times summed per file, -n 2 on 2 busy
+# cores, 2026-12-04; DeepSpeed's op build and the labs/ cells now skipped left out), longest first. Only the
+# order in which xdist hands out files depends on it: a stale list costs minutes, never a result.
 LONGEST_FIRST = (
     "tests/test_train_moe.py",
     "tests/classroom/test_grade_every_lab.py",
@@ -150,7 +151,17 @@ def skip_problems(cells: list) -> dict[int, str]:
     not be skipped in the labs pass, the reason; an empty dict when every tagged cell may be."""
     code = [(i, c) for i, c in enumerate(cells) if c.get("cell_type") == "code"]
     names = {i: _names("".join(c["source"]) if isinstance(c["source"], list) else c["source"]) for i, c in code}
-    tagged = {i for i, c in code if SKIP_TAG in c.get("metadata", {}).get("tags", [])}
+    skipped = {i for i, c in code if SKIP_TAG in c.get("metadata", {}).get("tags", [])}
+    problems = {}
+    while True:                            # a tagged cell that must run is a later cell that runs
+        found = _problems(code, names, skipped)
+        if not found:
+            return problems
+        problems |= found
+        skipped -= set(found)
+
+
+def _problems(code: list, names: dict, tagged: set) -> dict[int, str]:
     problems, depends = {}, set()          # depends: names an exercise's result may reach
     for i, c in code:
         source = "".join(c["source"])
