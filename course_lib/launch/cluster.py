@@ -230,12 +230,18 @@ def run_nodes_here(program: list[str], nodes: int = 2, procs_per_node: int = 2, 
     import time
 
     from course_lib.launch import TorchrunAgent
+    from course_lib.launch.contract import LOOPBACK_ADDR, loopback_interface
     from course_lib.launch.output import read_back
 
     nodes, procs = _check(nodes, procs_per_node, rendezvous, DEFAULT_MASTER_PORT)
     timeout = rules.number("timeout", timeout, 0.0)
     port = free_port()
     base = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
+    # Every node is on this machine: the agents tell each other 127.0.0.1 (torchrun's --local-addr) and gloo binds
+    # to loopback, so the run does not depend on this machine's hostname resolving.
+    base.setdefault("PET_LOCAL_ADDR", LOOPBACK_ADDR)
+    if loopback_interface():
+        base.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
     runs, agents, logs = [], [], []

@@ -165,15 +165,18 @@ def bind_gloo_to_loopback() -> None:
     unless already set) instead of the address this machine's hostname resolves to. Without it, a
     hostname that does not resolve makes gloo print "Unable to resolve hostname" in every rank's output
     (``ProcessGroupGloo::createDefaultDevice``), which torchrun --standalone does not prevent."""
-    if "GLOO_SOCKET_IFNAME" in os.environ:
-        return
+    loopback = loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+
+
+def loopback_interface() -> str | None:
+    """This machine's loopback interface: ``lo`` (Linux), ``lo0`` (macOS), else None."""
     try:
         names = {name for _, name in socket.if_nameindex()}
     except OSError:
-        return
-    loopback = next((n for n in ("lo", "lo0") if n in names), None)  # Linux, macOS
-    if loopback:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None,

@@ -167,9 +167,11 @@ def _set_up_namespaces(home: str) -> None:
 
     libc = _libc()
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: getppid() is 0 here, the relay is outside
-    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0 or \
-            libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
-        raise OSError("could not mount the run's own /proc")
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        raise OSError("the sandbox could not make the run's mounts private: / is not a mount point here (a chroot? "
+                      "enter it through a mount namespace: unshare -m, mount --rbind ROOT ROOT, chroot ROOT)")
+    if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
+        raise OSError("the sandbox could not mount the run's own /proc")
     options = f"size={HOME_BYTES},nr_inodes={HOME_FILES},mode=0700".encode()
     if libc.mount(b"tmpfs", home.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
         raise OSError("could not mount the run's home")
@@ -192,7 +194,7 @@ def _child(spec: dict, zygote: int, group) -> None:
     from course_lib.classroom.grading import driver
     from course_lib.launch.output import redirect_output
 
-    status = 1
+    status, redirected = 1, False
     try:
         os.setsid()
         group.enter()  # as root: every process of the run counts against its caps and dies with the group
@@ -216,6 +218,7 @@ def _child(spec: dict, zygote: int, group) -> None:
         out = os.open(spec["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         redirect_output(out)
+        redirected = True
         os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         os.chdir(spec["home"])
         os.environ.clear()
@@ -232,7 +235,14 @@ def _child(spec: dict, zygote: int, group) -> None:
         while True:  # stay, so that whatever it started stays in this tree until the grader stops it
             signal.pause()
     except BaseException:  # noqa: BLE001 - the grader reads the run's output to say why it ended
-        traceback.print_exc()
+        if redirected:
+            traceback.print_exc()
+        else:   # set-up failed before the output was the run's: say why there, not only in the zygote's log
+            try:
+                with open(spec["output"], "a", encoding="utf-8") as output:
+                    output.write(traceback.format_exc())
+            except OSError:
+                traceback.print_exc()
     finally:
         os._exit(status)
 
