@@ -52,9 +52,7 @@ def drawn_expert_layouts(rng, count: int = 2) -> list:
     while len(out) < count:
         tp, pp, cp, dp = rng.choice((1, 2, 4)), rng.choice((1, 2)), rng.choice((1, 2)), rng.choice((1, 2, 4))
         world, ep, etp = tp * pp * cp * dp, rng.choice((2, 4, 8)), rng.choice((1, 2, 4))
-        if (world // pp) % (ep * etp):
-            continue
-        try:
+        try:   # the grid refuses a world that expert TP x EP x PP does not divide
             RankGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, expert_tp=etp)
         except ValueError:
             continue

@@ -90,6 +90,15 @@ BUBBLE_CASES = [
 ]
 
 
+def _fits(world: int, tp: int, pp: int, cp: int) -> bool:
+    """Whether ``world`` ranks hold the layout (:func:`course_lib.rules.data_parallel_size` accepts it)."""
+    try:
+        data_parallel_size(world, tp, pp, cp)
+    except ValueError:
+        return False
+    return True
+
+
 def drawn_sweeps(rng, count: int = 2) -> list:
     """``count`` sweeps drawn for this run, shaped like :data:`BUBBLE_CASES`: 3 configs named by random
     letters on 8 or 16 ranks, one with CP, a global batch every config's micro * DP divides."""
@@ -97,7 +106,7 @@ def drawn_sweeps(rng, count: int = 2) -> list:
     for _ in range(count):
         world = rng.choice((8, 16))
         layouts = [(tp, pp, cp) for tp in (1, 2, 4) for pp in (1, 2, 4, 8) for cp in (1, 2)
-                   if world % (tp * pp * cp) == 0]
+                   if _fits(world, tp, pp, cp)]
         chosen = rng.sample([l for l in layouts if l[2] == 1], 2) + [rng.choice([l for l in layouts if l[2] == 2])]
         rng.shuffle(chosen)
         names = rng.sample("ABCDEFGHJKLMNPQRSTUVWXYZ", 3)
