@@ -26,7 +26,7 @@ import numpy as np
 from course_lib.classroom.checks import call_student, not_attempted, outcome, refused_call
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import safe_repr
+from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr
 
 CASES = 40
 
@@ -80,7 +80,7 @@ def _mistake(got: np.ndarray, want: np.ndarray, bad: int, sizes, doc_index) -> s
 def check_sample_index(fn, seed: int | None = None) -> bool:
     """``fn(sizes, document_index, seq_length, num_epochs, tokens_per_epoch) -> [N + 1, 2]`` array."""
     reference, source = _reference()
-    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    seed = drawn_rng().randrange(2**31) if seed is None else seed
     for sizes, doc_index, seq, epochs, tokens in _cases(seed):
         args = (sizes.copy(), doc_index.copy(), seq, epochs, tokens)
         got, message = call_student(fn, *args, references=references_for("build_sample_index"))
@@ -158,7 +158,7 @@ def _blend_mistake(weights, got_d, got_s, want_d, want_s, bad: int) -> str:
 def check_blending_indices(fn, seed: int | None = None) -> bool:
     """``fn(weights, size) -> (dataset_index [size], dataset_sample_index [size])``."""
     reference, source = _blending_reference()
-    seed = int(np.random.SeedSequence().entropy % 2**31) if seed is None else seed
+    seed = drawn_rng().randrange(2**31) if seed is None else seed
     for weights, size in _blend_cases(seed):
         got, message = call_student(fn, list(weights), size, references=references_for("build_blending_indices"))
         if message == "todo":
