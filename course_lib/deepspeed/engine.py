@@ -145,15 +145,16 @@ def _check_nvme(zero: dict) -> None:
 
 def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace) -> argparse.Namespace:
     """Fold ``a.deepspeed_config`` (a path) into the flags for ``world`` ranks; see the module doc.
-    ``defaults``: the parser's defaults (a flag that differs from its default was given).
+    ``a``: every trainer flag (``with_defaults``); ``defaults``: the parser's defaults (a flag that
+    differs from its default was given).
 
     Sets ``a.deepspeed = {"config": the config DeepSpeed gets, "client_optimizer": bool,
     "megatron_schedule": bool}`` and ``a.deepspeed_notes`` (what was added, one line each).
     Refuses, in one line, a layout other than DP only, a flag that disagrees with the file, a file
     DeepSpeed's parser refuses, NVMe offload without the async_io op."""
     rules.deepspeed_layout(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size,
-                           getattr(a, "virtual_pipeline_model_parallel_size", None),
-                           [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest, None)])
+                           a.virtual_pipeline_model_parallel_size,
+                           [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest)])
     import_deepspeed()
     config = ds_schema.read(a.deepspeed_config, "--deepspeed-config")
     ds_schema.check(config, world, require_batch=False)          # DeepSpeed's verdict on what the bridge reads

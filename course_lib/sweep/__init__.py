@@ -438,7 +438,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     names = parse_configs(args.configs)
-    add = getattr(args, "add", False)
+    add = args.add
     if add and args.figures is None:
         raise rules.UsageError("--add adds this run's configs to a committed summary: give --figures DIR too")
     if args.figures is not None:                        # refused before any training, like --out

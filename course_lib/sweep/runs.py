@@ -90,7 +90,7 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
              "--uniform-vocab-padding"]          # A-F train one model (384 vocabulary rows), compared row by row
     argv += list(SHARDED_CONFIGS.get(name, ("", ()))[1])
     try:
-        _, config = validate_args(parse_args(argv), world_size)
+        config = validate_args(parse_args(argv), world_size).parallel
     except UsageError as exc:
         raise UsageError(f"config {name} (TP {tp}, PP {pp}, CP {cp}) on {world_size} ranks: {exc}") from None
     return argv, config
