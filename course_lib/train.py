@@ -35,8 +35,8 @@ from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_bat
 from course_lib.data.source import build_train_dataset
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
 from course_lib.launch.contract import report_error
-from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
-                                      print_line, world_size_line)
+from course_lib.training.logs import arguments_lines, memory_line, parameters_line, print_line, world_size_line
+from course_lib.training.training_log import TrainingLog
 from course_lib.mixed_precision import DTYPES
 from course_lib.model import GPTModel, gpt_loss
 from course_lib.moe.layer import is_expert_param
@@ -309,10 +309,12 @@ def _training_loop(setup: TrainingSetup, record: dict, record_comm: bool, cuda: 
     """Iterations ``start_iteration + 1 .. --train-iters`` of :func:`train_step`, each recorded; every
     ``--log-interval`` (and the first) the iteration line, the memory line at the first two logged
     iterations; the checkpoint saves and the exit that ``--save-interval`` / ``--exit-interval`` ask for."""
-    peak_activation, report_memory, evaluations = 0, True, 0
-    schedule, log_interval = setup.run.schedule, setup.run.logging.log_interval
+    peak_activation, evaluations = 0, 0
+    schedule = setup.run.schedule
     dist.barrier()
-    interval = LogInterval(time.perf_counter())
+    log = TrainingLog(record, train_iters=schedule.train_iters, log_interval=setup.run.logging.log_interval,
+                      global_batch_size=setup.config.effective_global_batch_size,
+                      prints=dist.get_rank() == dist.get_world_size() - 1)
     for iteration in range(start_iteration + 1, schedule.train_iters + 1):
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
@@ -323,17 +325,16 @@ def _training_loop(setup: TrainingSetup, record: dict, record_comm: bool, cuda: 
             except rules.UsageError as exc:
                 raise TrainingStopped(str(exc), report=_reports_nonfinite(setup, step)) from None
         peak_activation = max(peak_activation, step["peak_bytes"])
-        _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
-        interval.add(step["lm_loss"], step["skipped"], step["moe_losses"])
-        first = iteration == 1
-        if iteration % log_interval == 0 or first:
+        log.step(lm_loss=step["lm_loss"], grad_norm=step["grad_norm"], learning_rate=step["learning_rate"],
+                 elapsed_ms=(time.perf_counter() - it_start) * 1000.0, skipped=step["skipped"],
+                 loss_scale=step["loss_scale"], moe_losses=step["moe_losses"])
+        _record_last_step(record, step, rec)
+        if log.due(iteration):
             dist.barrier()
-            _log_iteration(setup, record, iteration, interval, step)
-            if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                interval = LogInterval(time.perf_counter())
-            if report_memory:
+            log.log(iteration, learning_rate=step["learning_rate"], grad_norm=step["grad_norm"],
+                    loss_scale=step["loss_scale"])
+            if log.memory_due(iteration):
                 _report_memory(setup, record, iteration, peak_activation, cuda)
-                report_memory = iteration == 1
         if setup.valid_dataset is not None and iteration % schedule.eval_interval == 0:
             _evaluate(setup, record, evaluations, f"iteration {iteration}")
             evaluations += 1
@@ -356,13 +357,10 @@ def _reports_nonfinite(setup: TrainingSetup, step: dict) -> bool:
     return setup.groups.is_last_stage and c["tp"] == c["cp"] == c["dp"] == 0
 
 
-def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
-    """One iteration's values into the record; ``rec``: its :class:`course_lib.comm.CommRecorder`
-    (None when not recording), whose bytes per group kind replace the record's ``comm``."""
-    record["lm_loss"].append(step["lm_loss"])
-    record["grad_norm"].append(step["grad_norm"])
-    record["learning_rate"].append(step["learning_rate"])
-    record["elapsed_ms"].append(elapsed_ms)
+def _record_last_step(record: dict, step: dict, rec) -> None:
+    """The last iteration's communication and pipeline events into the record; ``rec``: its
+    :class:`course_lib.comm.CommRecorder` (None when not recording), whose bytes per group kind replace
+    the record's ``comm``."""
     if rec is not None:
         kinds: dict = {}
         for e in rec.events:
@@ -370,27 +368,6 @@ def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
                 kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
         record["comm"] = kinds
     record["pipeline_events"] = step["events"]
-    record["skipped"].append(step["skipped"])
-    record["moe_losses"].append(step["moe_losses"])
-    record["loss_scale"].append(step["loss_scale"])
-
-
-def _log_iteration(setup: TrainingSetup, record: dict, iteration: int,
-                   interval: LogInterval, step: dict) -> None:
-    """The last rank prints Megatron's iteration line for the interval (time per iteration,
-    averaged losses, this step's learning rate and norm) and keeps it in ``record["logged"]``."""
-    elapsed_ms = interval.elapsed_ms(time.perf_counter())
-    if dist.get_rank() != dist.get_world_size() - 1:
-        return
-    avg, moe_avg = interval.averages()
-    lr, norm = step["learning_rate"], step["grad_norm"]
-    global_batch_size = setup.config.effective_global_batch_size
-    print_line(iteration_line(iteration, setup.run.schedule.train_iters, consumed_samples=iteration * global_batch_size,
-                              elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
-                              lm_loss=avg, grad_norm=norm, loss_scale=step["loss_scale"],
-                              skipped_iterations=interval.skipped, extra_losses=moe_avg))
-    record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms, learning_rate=lr,
-                                 grad_norm=norm, **moe_avg))
 
 
 def _report_memory(setup: TrainingSetup, record: dict, iteration: int, peak_activation: int, cuda: bool) -> None:

@@ -74,8 +74,8 @@ from course_lib import rules
 from course_lib.data import get_batch
 from course_lib.deepspeed import schema as ds_schema
 from course_lib.deepspeed.schema import import_deepspeed
-from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
-                                      print_line, world_size_line)
+from course_lib.training.logs import arguments_lines, memory_line, parameters_line, print_line, world_size_line
+from course_lib.training.training_log import TrainingLog
 from course_lib.model import GPTConfig, GPTModel
 from course_lib.optimizer import LRScheduler, param_groups
 
@@ -400,9 +400,9 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     record = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [], "skipped": [], "loss_scale": [],
               "logged": [], "num_parameters": num_parameters, "zero_stage": stage, "coords": {"dp": rank},
               "phases": []}
-    report_memory = True
     dist.barrier()
-    interval = LogInterval(time.perf_counter())
+    log = TrainingLog(record, train_iters=args.train_iters, log_interval=args.log_interval,
+                      global_batch_size=global_batch_size, prints=rank == world - 1)
     for iteration in range(1, args.train_iters + 1):
         it_start = time.perf_counter()
         skipped_before, own_norm = engine.skipped_steps, float("nan")
@@ -431,32 +431,17 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
         norm = float(norm) if norm is not None else own_norm
         lr = engine.get_lr()[0]
         scale = float(getattr(engine.optimizer, "cur_scale", 1.0)) if args.fp16 else 1.0
-        for key, value in (("lm_loss", lm_loss), ("grad_norm", norm), ("learning_rate", lr),
-                           ("elapsed_ms", (time.perf_counter() - it_start) * 1000.0), ("skipped", skipped),
-                           ("loss_scale", scale)):
-            record[key].append(value)
-        interval.add(lm_loss, skipped)
-        first = iteration == 1
-        if iteration % args.log_interval == 0 or first:
+        log.step(lm_loss=lm_loss, grad_norm=norm, learning_rate=lr,
+                 elapsed_ms=(time.perf_counter() - it_start) * 1000.0, skipped=skipped, loss_scale=scale)
+        if log.due(iteration):
             dist.barrier()
-            elapsed_ms = interval.elapsed_ms(time.perf_counter())
-            avg, _ = interval.averages()
-            if rank == world - 1:
-                print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
-                                          elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
-                                          lm_loss=avg, grad_norm=norm, loss_scale=scale,
-                                          skipped_iterations=interval.skipped))
-                record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
-                                             learning_rate=lr, grad_norm=norm))
-            if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                interval = LogInterval(time.perf_counter())
-            if report_memory:
+            log.log(iteration, learning_rate=lr, grad_norm=norm, loss_scale=scale)
+            if log.memory_due(iteration):
                 held = held_bytes(engine, stage)
                 device = held["params"] + held["grads"] + held["optimizer"]
                 record["state_bytes"], record["memory"] = held, {"allocated": device, "max_allocated": device}
                 print_line(memory_line(rank, iteration, allocated=device, max_allocated=device,
                                        source=MEMORY_SOURCE) + _state_fields(held, offload_devices(config)))
-                report_memory = iteration == 1
     engine.destroy()
     # DeepSpeed's ZeRO-3 objects hold collectives in reference cycles; freed at interpreter exit, after the
     # process group is gone, a gloo work's thread can end the rank with "terminate called without an active
