@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from course_lib.megatron import SEED_SWEEP, record_table
+from course_lib.megatron import record_table
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.training.logs import parse_log
 from course_lib.topology import ParallelConfig
 from course_lib.rules import UsageError
