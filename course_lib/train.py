@@ -48,7 +48,7 @@ from course_lib.topology import ParallelConfig
 # What the rest of the course imports from here (the flags, the gradient steps), re-exported:
 from course_lib.training import arguments
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
-                                           gpt_config_from_args, parse_args, with_defaults)
+                                           gpt_config_from_args, parse_args, vocab_padding_tp, with_defaults)
 from course_lib.training.run_config import DistributedConfig, RunConfig
 from course_lib.training.setup import (TrainingSetup, build_lr_scheduler, build_optimizer,  # noqa: F401
                                       setup_training)
@@ -399,11 +399,11 @@ def train_single_process(args: argparse.Namespace) -> dict:
     tokens (Megatron computes it per micro-batch, scaled by ``1 / m``), so the reference must see the
     same micro-batches. Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...],
     "moe_losses": [{name: value}]}`` per iteration (``{}`` for a dense model)."""
+    args = with_defaults(args)
     if args.global_batch_size is None:
         raise rules.UsageError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
-    # the layout's vocabulary, padded as it pads it (its TP; checked against the world when the layout runs)
-    padding_tp = 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size
+    padding_tp = vocab_padding_tp(args)                   # the layout's vocabulary, padded as it pads it
     one.tensor_model_parallel_size = one.pipeline_model_parallel_size = one.context_parallel_size = 1
     one.sequence_parallel = False
     one.virtual_pipeline_model_parallel_size = one.num_layers_per_virtual_pipeline_stage = None

@@ -291,7 +291,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     the run reads every value from; its ``arguments`` are the flags with the derived values filled in
     (``data_parallel_size``, ``world_size``, ``global_batch_size``,
     ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...). A flag ``args`` lacks
-    takes the parser's default; ``args`` itself is not changed. Raises a one-line ``UsageError``. With ``check_memory``, also refuses a run whose estimated bytes
+    takes the parser's default; ``args`` itself is not changed. Raises a one-line ``UsageError``.
+    With ``check_memory``, also refuses a run whose estimated bytes
     (:func:`estimate_memory`) exceed the memory this machine has available for
     ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
     No process group, no torch.distributed. A ``--deepspeed-config`` is folded into the flags before
@@ -325,7 +326,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     if a.eval_interval and (_sharding(a).uses_engine or a.deepspeed_config or a.num_experts):
         raise rules.UsageError("--eval-interval runs on the plain trainer only (not with the sharding flags, DeepSpeed or "
                                "--num-experts); drop it or them")
-    padding_tp = 1 if a.uniform_vocab_padding else cfg.tp      # the config's TP (Megatron), or 1
+    padding_tp = vocab_padding_tp(a, cfg.tp)                   # the config's TP (Megatron), or 1
     gpt = gpt_config_from_args(a, padding_tp)                   # max positions >= seq, hidden % heads
     a.max_position_embeddings = gpt.max_position_embeddings
     a.ffn_hidden_size = gpt.ffn_hidden_size
@@ -515,10 +516,11 @@ def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> Non
     rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
 
 
-def vocab_padding_tp(args: argparse.Namespace) -> int:
-    """The TP size the vocabulary is padded for: the run's own (Megatron), or 1 with
-    ``--uniform-vocab-padding`` (every layout the same model: what the course's layouts choose)."""
-    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size
+def vocab_padding_tp(args: argparse.Namespace, tp: Optional[int] = None) -> int:
+    """The TP size the vocabulary is padded for: the run's own (Megatron; ``tp``, the validated
+    layout's, else the flag's), or 1 with ``--uniform-vocab-padding`` (every layout the same model:
+    what the course's layouts choose)."""
+    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size if tp is None else tp
 
 
 def gpt_config_from_args(args: argparse.Namespace, padding_tp: Optional[int] = None) -> GPTConfig:

@@ -54,7 +54,7 @@ class TrainingSetup:
     finalizer: Optional[ShardedGradFinalizer] = None    # the engine's gradient finaliser, else None
     num_parameters: int = 0                             # this rank's parameters (counted before any ZeRO-3 sharding)
     moe_groups: Optional[MoEGroups] = None              # --num-experts: the expert grid's groups, else None
-    dataset: object = None              # --data-path: its train split (course_lib.data.source), else the built-in corpus
+    dataset: object = None              # --data-path: its train split (course_lib.data.source), else None
     valid_dataset: object = None        # --eval-interval: the valid split, else None
 
     @property
@@ -121,8 +121,8 @@ def setup_training(run: RunConfig, groups: ProcessGroups, device: torch.device, 
     gbs = config.effective_global_batch_size
     return TrainingSetup(run=run, groups=groups, chunks=chunks, params=[p for _, p in named],
                          optimizer=build_optimizer(run.optimizer, named) if engine is None else engine.optimizer,
-                         scheduler=build_lr_scheduler(run.optimizer, gbs), schedule=schedule, p2p=check_schedule(schedule),
-                         activation_shape=shape, device=device, finalize_model_grads_func=finalize_model_grads_func,
+                         scheduler=build_lr_scheduler(run.optimizer, gbs), schedule=schedule,
+                         p2p=check_schedule(schedule), activation_shape=shape, device=device, finalize_model_grads_func=finalize_model_grads_func,
                          scaler=scaler, engine=engine, finalizer=finalizer, num_parameters=num_parameters,
                          moe_groups=moe_groups, dataset=build_train_dataset(run, gbs),
                          valid_dataset=build_valid_dataset(run, gbs))

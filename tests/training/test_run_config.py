@@ -101,5 +101,5 @@ def test_the_bridges_get_the_flags_back():
     same = [f.name for f in dataclasses.fields(run) if f.name not in ("parallel", "arguments")]
     assert [getattr(again, n) for n in same] == [getattr(run, n) for n in same]
     p, q = run.parallel, again.parallel      # --global-batch-size was derived, then given: the same layout
-    assert (q.tp, q.dp, q.effective_global_batch_size, q.num_microbatches) == (p.tp, p.dp, p.effective_global_batch_size,
-                                                                               p.num_microbatches)
+    assert ((q.tp, q.dp, q.effective_global_batch_size, q.num_microbatches)
+            == (p.tp, p.dp, p.effective_global_batch_size, p.num_microbatches))
