@@ -497,7 +497,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         if run_config.deepspeed_config:   # DeepSpeed's engine from the ds_config (course_lib.deepspeed.engine)
-            deepspeed_engine.pretrain(run_config.namespace(), run_config.model)
+            deepspeed_engine.pretrain(run_config)
         else:
             pretrain(run_config)
         dist.barrier()

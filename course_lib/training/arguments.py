@@ -372,7 +372,8 @@ def _run_config(a: argparse.Namespace, cfg: ParallelConfig, model: GPTConfig, da
                      data=data, logging=_section(LoggingConfig, a),
                      distributed=DistributedConfig(backend=a.distributed_backend,
                                                    timeout_minutes=a.distributed_timeout_minutes),
-                     deepspeed_config=a.deepspeed_config, arguments=tuple(vars(a).items()))
+                     deepspeed_config=a.deepspeed_config, deepspeed=vars(a).get("deepspeed"),
+                     deepspeed_notes=tuple(vars(a).get("deepspeed_notes", ())), arguments=tuple(vars(a).items()))
 
 
 def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:

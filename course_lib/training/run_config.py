@@ -11,9 +11,10 @@ point, and the run reads every value from it (Megatron keeps an argparse namespa
 * ``sharding`` -- the state-sharding flags (:mod:`course_lib.distributed`);
 * ``checkpointing``, ``data``, ``logging``, ``distributed``.
 
-``arguments``: the validated flags as ``(name, value)`` pairs, for the edges that speak flags
-(Megatron's arguments block, the torchrun command line, a DeepSpeed config); nothing below the entry
-point reads a flag from there.
+``deepspeed``/``deepspeed_notes``: a ``--deepspeed-config`` folded into the run
+(:func:`course_lib.deepspeed.engine.apply_config`). ``arguments``: the validated flags as
+``(name, value)`` pairs, for the edges that speak flags (Megatron's arguments block, the torchrun
+command line, a checkpoint's ``args``); nothing below the entry point reads a flag from there.
 """
 
 from __future__ import annotations
@@ -174,6 +175,8 @@ class RunConfig:
     logging: LoggingConfig
     distributed: DistributedConfig
     deepspeed_config: Optional[str] = None
+    deepspeed: Optional[dict] = None      # --deepspeed-config folded in: {"config", "client_optimizer", ...}
+    deepspeed_notes: tuple = ()           # what the fold added, one line each
     arguments: tuple = ()
 
     def namespace(self) -> argparse.Namespace:

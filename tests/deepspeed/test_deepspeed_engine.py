@@ -81,11 +81,11 @@ def _bridge_flags(config: dict) -> list[str]:
 def _on_ranks(paths: dict):
     out = {}
     for name, path in paths.items():
-        a = validate_args(parse_args(MODEL + ["--deepspeed-config", path]), WORLD, check_memory=False).namespace()
+        run = validate_args(parse_args(MODEL + ["--deepspeed-config", path]), WORLD, check_memory=False)
         buf = io.StringIO()
         start = time.perf_counter()
         with redirect_stdout(buf):
-            rec = deepspeed_engine.pretrain(a, gpt_config_from_args(a), print_args=False)
+            rec = deepspeed_engine.pretrain(run, print_args=False)
         seconds = time.perf_counter() - start
         out[name] = {"lm_loss": rec["lm_loss"], "grad_norm": rec["grad_norm"], "state_bytes": rec["state_bytes"],
                      "log": buf.getvalue(), "seconds": seconds}

@@ -16,12 +16,16 @@ from course_lib.train import parse_args, validate_args
 from course_lib.training.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-# the functions that take flags (a namespace) and turn them into the config: the trainer's entry points
-ENTRY_POINTS = {"validate_args", "pretrain", "train_single_process", "main", "run", "torchrun_argv", "add_arguments"}
-# the trainer's modules below its entry point (course_lib/train.py's other functions included)
+# the functions that take flags (a namespace) and turn them into the config: the trainer's entry points,
+# and the DeepSpeed bridge's fold of a ds_config into the flags (called by validate_args)
+ENTRY_POINTS = {"course_lib/train.py": {"validate_args", "pretrain", "train_single_process", "main", "run",
+                                        "torchrun_argv", "add_arguments"},
+                "course_lib/deepspeed/engine.py": {"apply_config", "_take"}}
+# the modules of the loops below the entry point (their other functions included)
 BELOW_ENTRY = ("course_lib/train.py", "course_lib/training/setup.py", "course_lib/training/checkpointing.py",
                "course_lib/training/state_sharding.py", "course_lib/training/evaluation.py",
-               "course_lib/training/finalize_model_grads.py", "course_lib/data/source.py")
+               "course_lib/training/finalize_model_grads.py", "course_lib/data/source.py",
+               "course_lib/deepspeed/engine.py")
 FLAG_BAGS = {"args", "a"}          # the names a namespace of flags goes by in this code base
 
 
@@ -40,7 +44,7 @@ def _flag_reads(path: str) -> list[str]:
     found = []
     tree = ast.parse((ROOT / path).read_text())
     for fn in _functions(tree):
-        if path == "course_lib/train.py" and fn.name in ENTRY_POINTS:
+        if fn.name in ENTRY_POINTS.get(path, ()):
             continue
         params = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs}
         found += [f"{path}:{fn.lineno}  {fn.name}({name})" for name in sorted(params & FLAG_BAGS)]

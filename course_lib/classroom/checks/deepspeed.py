@@ -87,7 +87,7 @@ def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict
                             check_memory=False)
         with wire_recorder() as rec, redirect_stdout(io.StringIO()):
             rec.events = _Stamped()
-            record = deepspeed_engine.pretrain(run.namespace(), run.model, print_args=False)
+            record = deepspeed_engine.pretrain(run, print_args=False)
         phases = record["phases"]
         out[name] = {"lm_loss": record["lm_loss"], "state_bytes": record["state_bytes"],
                      "phases": [dict(p, start=p["start"] - phases[0]["start"], end=p["end"] - phases[0]["start"])
