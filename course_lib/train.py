@@ -7,10 +7,11 @@ It follows ``pretrain_gpt.py`` and ``megatron/training/training.py`` (``pretrain
 ``training_log``): :func:`validate_args` checks the flags before any work starts (a ``--deepspeed-config``
 folded in first), :func:`pretrain` loops over :func:`train_step` on the ranks of the running process group,
 :func:`train_single_process` is the single-process reference every layout is compared with, :func:`main`
-and :func:`run` are the entry points (under torchrun, and the launcher that checks, then starts it). The
-trainer's parts live in :mod:`course_lib.training` (flags, gradient finalisation, sharded steps,
-checkpoints, log lines); with ``--deepspeed-config`` the run is DeepSpeed's engine
-(:mod:`course_lib.deepspeed.engine`).
+and :func:`run` are the entry points (under torchrun, and the launcher that checks, then starts it):
+they take flags and build the run's one :class:`~course_lib.training.run_config.RunConfig`, which
+everything below reads. The trainer's parts live in :mod:`course_lib.training` (flags, the run
+config, the setup, gradient finalisation, sharded steps, checkpoints, the training log and its lines);
+with ``--deepspeed-config`` the run is DeepSpeed's engine (:mod:`course_lib.deepspeed.engine`).
 
 One iteration step by step, mixed precision, state sharding, MoE, what the loss means, the log lines
 and the deviations from Megatron on purpose: ``docs/trainer.md``.

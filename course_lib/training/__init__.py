@@ -17,7 +17,8 @@
   :mod:`course_lib.training.checkpoint_inspect` -- ``python -m course_lib checkpoint inspect DIR``.
 
 * :mod:`course_lib.training.logs` -- the log lines the trainer prints, Megatron-LM's format, written and
-  read in one module (``parse_log``).
+  read in one module (``parse_log``); :mod:`course_lib.training.training_log` -- ``TrainingLog``, the
+  cadence, series and iteration line every loop that logs shares.
 
 The bridges sit above these parts: :mod:`course_lib.deepspeed` (DeepSpeed's engine and config) and
 :mod:`course_lib.mcore` (megatron-core beside the trainer).
