@@ -29,13 +29,13 @@ Day 22's set-up as Megatron-LM does it (imported from their modules, not here):
 from course_lib.data.corpus import corpus_text, export_jsonl, load_documents
 from course_lib.data.cp_split import (cp_chunk_ids, cp_token_positions, gather_from_cp_ranks,
                                       get_batch_on_this_cp_rank, split_for_cp_rank)
-from course_lib.data.sampler import (DEFAULT_SEED, GPTDataset, corpus_tokens, get_batch, get_global_batch,
-                                     microbatch_sample_indices)
+from course_lib.data.sampler import (DEFAULT_SEED, DataPosition, GPTDataset, corpus_tokens, get_batch,
+                                     get_global_batch, microbatch_sample_indices)
 from course_lib.data.tokenizer import EOD_TEXT, ByteTokenizer, vocab_size_with_padding
 
 __all__ = [
     "ByteTokenizer", "EOD_TEXT", "vocab_size_with_padding",
     "load_documents", "corpus_text", "export_jsonl",
-    "GPTDataset", "DEFAULT_SEED", "corpus_tokens", "get_batch", "get_global_batch", "microbatch_sample_indices",
+    "GPTDataset", "DataPosition", "DEFAULT_SEED", "corpus_tokens", "get_batch", "get_global_batch", "microbatch_sample_indices",
     "get_batch_on_this_cp_rank", "split_for_cp_rank", "gather_from_cp_ranks", "cp_chunk_ids", "cp_token_positions",
 ]

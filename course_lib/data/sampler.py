@@ -121,6 +121,33 @@ def _corpus_dataset(seq_length: int, seed: int) -> GPTDataset:
     return GPTDataset(seq_length, seed)
 
 
+class DataPosition:
+    """Where the sampler stands, as state that saves itself (torchtitan's ``Stateful`` shape): the
+    ``consumed_train_samples`` of Megatron's ``MegatronPretrainingSampler(consumed_samples=...)``
+    (``megatron/training/datasets/data_samplers.py``). The batch order above makes it
+    ``iteration x global_batch_size``, so :attr:`iteration` is where a resume continues."""
+
+    def __init__(self, global_batch_size: int, consumed_train_samples: int = 0):
+        self.global_batch_size = rules.integer("global_batch_size", global_batch_size)
+        self.consumed_train_samples = rules.integer("consumed_train_samples", consumed_train_samples, minimum=0)
+
+    @property
+    def iteration(self) -> int:
+        """Iterations done: ``consumed_train_samples // global_batch_size``."""
+        return self.consumed_train_samples // self.global_batch_size
+
+    def state_dict(self) -> dict:
+        return {"consumed_train_samples": self.consumed_train_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        consumed = rules.integer("consumed_train_samples", state["consumed_train_samples"], minimum=0)
+        if consumed % self.global_batch_size:
+            raise rules.UsageError(f"consumed_train_samples={consumed} is not a whole number of global batches of "
+                             f"{self.global_batch_size}: the data position was saved with another "
+                             f"--global-batch-size; resume with that one")
+        self.consumed_train_samples = consumed
+
+
 def microbatch_sample_indices(iteration: int, micro_batch_index: int, dp_rank: int, dp_size: int,
                               micro_batch_size: int, global_batch_size: int | None = None) -> range:
     """Global sample indices of one micro-batch on one DP rank (Megatron's sampler order).

@@ -60,23 +60,23 @@ import io
 import itertools
 import json
 import os
-import random
 import re
 import shutil
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from course_lib import comm, rules
+from course_lib.data.sampler import DataPosition
 from course_lib.training.logs import print_line
 from course_lib.model import master_name
 from course_lib.safe_files import write_atomic
 from course_lib.tensor_parallel import is_tensor_parallel
 from course_lib.training.setup import TrainingSetup
 from course_lib.training.finalize_model_grads import unique_named_params
+from course_lib.training.rng_state import RNGState
 from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
@@ -285,23 +285,6 @@ def _extra_states(sharded: dict) -> dict:
     return out
 
 
-def _rng_state() -> dict:
-    """Every generator of this rank (Megatron's ``get_rng_state`` names)."""
-    state = {"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda_rng_state"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random_rng_state"])
-    np.random.set_state(state["np_rng_state"])
-    torch.set_rng_state(state["torch_rng_state"])
-    if "cuda_rng_state" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda_rng_state"])
-
-
 def _scheduler_state(run, scheduler) -> dict:
     """megatron-core's ``OptimizerParamScheduler.state_dict()`` keys: the learning rate's (the scheduler's
     own), then the weight decay's (the course's is constant: ``start_wd = end_wd``, Megatron's
@@ -322,19 +305,24 @@ def _data_flags(run) -> dict:
     return {"global_batch_size": run.parallel.effective_global_batch_size, "seed": run.schedule.seed}
 
 
+def _data_position(setup: TrainingSetup, iteration: int = 0) -> DataPosition:
+    """The sampler's position after ``iteration`` iterations (Megatron's ``consumed_train_samples``)."""
+    g = setup.config.effective_global_batch_size
+    return DataPosition(g, iteration * g)
+
+
 def _common_state(setup: TrainingSetup, iteration: int) -> dict:
     """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``):
     ``args`` an ``argparse.Namespace`` of the run's flags as Megatron's (its ``load_checkpoint`` reads it
     with getattr, the consumed samples too), the scheduler's state as megatron-core's."""
     run, scaler = setup.run, setup.scaler
-    consumed = iteration * setup.config.effective_global_batch_size
+    data = _data_position(setup, iteration).state_dict()
     saved_args = {k: v for k, v in run.arguments if isinstance(v, (int, float, str, bool, type(None)))}
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-            "args": argparse.Namespace(**{**saved_args, "consumed_train_samples": consumed,
-                                          "consumed_valid_samples": 0}),
+            "args": argparse.Namespace(**{**saved_args, **data, "consumed_valid_samples": 0}),
             "model_flags": _model_flags(run),
             "data_flags": _data_flags(run),
-            "consumed_train_samples": consumed,
+            **data,
             "layout": {**_layout(setup), "strategy": run.sharding.strategy if run.sharding.uses_engine else None},
             "opt_param_scheduler": _scheduler_state(run, setup.scheduler),
             "optimizer": {**setup.optimizer.state_dict(),
@@ -374,10 +362,10 @@ def _save_dist(tmp: Path, sharded: dict, setup) -> None:
 
     state = _extra_states(sharded)
     key, index, per_rank = _rng_object(setup)
-    rngs = [_rng_state()]
+    rngs = [RNGState().state_dict()]
     if not per_rank and comm.group_size(setup.groups.dp_cp) > 1:
         rngs = [None] * comm.group_size(setup.groups.dp_cp)
-        dist.all_gather_object(rngs, _rng_state(), group=setup.groups.dp_cp)
+        dist.all_gather_object(rngs, RNGState().state_dict(), group=setup.groups.dp_cp)
     if per_rank or index == 0:                    # the main replica writes it
         buf = io.BytesIO()
         torch.save([rngs], buf)
@@ -391,9 +379,9 @@ def _save_legacy(tmp: Path, setup: TrainingSetup, params: dict, optim: dict, com
     g = setup.groups
     rngs = [None] * comm.group_size(g.dp_cp)
     if len(rngs) > 1:
-        dist.all_gather_object(rngs, _rng_state(), group=g.dp_cp)
+        dist.all_gather_object(rngs, RNGState().state_dict(), group=g.dp_cp)
     else:
-        rngs = [_rng_state()]
+        rngs = [RNGState().state_dict()]
     if g.coords["dp"] != 0 or g.coords["cp"] != 0:
         return
     name = get_checkpoint_name(tmp.parent, common["iteration"], g.coords["tp"], g.coords["pp"], setup.config.pp > 1)
@@ -651,6 +639,12 @@ def load_checkpoint(setup: TrainingSetup) -> int:
             saved = {**common["data_flags"], **({"optimizer": common["optimizer"]["kind"]} if load_optim else {})}
             rules.checkpoint_model(ckpt, saved, {**_data_flags(setup.run),
                                                  "optimizer": setup.optimizer.kind})
+            data = _data_position(setup)
+            data.load_state_dict(common)
+            if data.iteration != iteration:
+                raise ValueError(f"{ckpt / COMMON_FILE} says consumed_train_samples={data.consumed_train_samples}, "
+                                 f"{data.iteration} iterations, but its folder is iteration {iteration}: "
+                                 f"the checkpoint is damaged; --load an earlier checkpoint")
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     load_rng = not (flags.finetune or flags.no_load_rng)
@@ -676,7 +670,7 @@ def load_checkpoint(setup: TrainingSetup) -> int:
     if load_optim:
         _set_common(setup, common)
     if rng is not None:
-        _set_rng_state(rng)
+        RNGState().load_state_dict(rng)
     dist.barrier()
     start = 0 if flags.finetune else iteration
     _print0(f"  successfully loaded checkpoint from {root} [ t {g.coords['tp'] + 1}/{run['tp']}, "

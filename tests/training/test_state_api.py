@@ -53,3 +53,43 @@ def test_the_scan_sees_a_reach(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [line.split("  ")[1] for line in private_reaches("m.py", ENGINE_INSIDES)] == [
         "from course_lib.comm import _x", "engine.buckets", "engine._pieces"]
+
+
+def test_checkpointing_sets_no_generator_itself():
+    """The generators and the data position are their owners' state (RNGState, DataPosition):
+    checkpointing calls neither ``random``/``np.random`` nor ``torch.set_rng_state`` itself."""
+    tree = ast.parse((ROOT / "course_lib/training/checkpointing.py").read_text())
+    calls = {ast.unparse(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+    reached = sorted(c for c in calls if "rng_state" in c.lower() and not c.startswith("RNGState()")
+                     or c.startswith(("random.", "np.random.", "torch.cuda.")))
+    assert not reached, reached
+
+
+def test_rng_state_round_trip():
+    import random
+
+    import numpy as np
+    import torch
+
+    from course_lib.training.rng_state import RNGState
+
+    saved = RNGState().state_dict()
+    assert {"random_rng_state", "np_rng_state", "torch_rng_state"} <= set(saved)   # Megatron's get_rng_state names
+    first = (random.random(), float(np.random.rand()), torch.rand(3).tolist())
+    RNGState().load_state_dict(saved)
+    assert (random.random(), float(np.random.rand()), torch.rand(3).tolist()) == first
+
+
+def test_data_position_round_trip_and_its_rule():
+    import pytest
+
+    from course_lib.data import DataPosition
+    from course_lib.rules import UsageError
+
+    at = DataPosition(16, 5 * 16)
+    assert at.state_dict() == {"consumed_train_samples": 80} and at.iteration == 5
+    resumed = DataPosition(16)
+    resumed.load_state_dict({**at.state_dict(), "iteration": 5})     # common.pt holds more keys
+    assert resumed.iteration == 5
+    with pytest.raises(UsageError, match="--global-batch-size"):
+        DataPosition(24).load_state_dict(at.state_dict())             # 80 is not a whole number of 24s
