@@ -1,59 +1,12 @@
 """Mixed precision as Megatron-LM does it: 16-bit compute, fp32 main params, loss scaling for fp16.
 
-Three pieces, each after a Megatron-LM file (read, not copied):
-
-* **Loss scalers** (``megatron/core/optimizer/grad_scaler.py``). fp16 has 5 exponent bits: small
-  gradients underflow to 0, so the loss is multiplied by a scale ``S`` before backward and the
-  gradients divided by ``S`` after it. :class:`ConstantLossScaler` (``--loss-scale S``) never
-  changes ``S``; :class:`DynamicLossScaler` (``--fp16`` without ``--loss-scale``) follows
-  Megatron's rules:
-
-  - it starts at ``--initial-loss-scale`` (default ``2**32``);
-  - an iteration whose gradients hold an inf/NaN is **skipped** (no parameter update), the
-    growth counter restarts and the hysteresis counter drops by one; once it reaches 0, that
-    iteration and *every* following bad one multiplies ``S`` by the backoff factor 0.5, never
-    going below ``--min-loss-scale`` (default 1);
-  - after ``--loss-scale-window`` (default 1000) good iterations *in a row* ``S`` doubles, and
-    only then is the hysteresis counter refilled to ``--hysteresis`` (default 2). (A single good
-    iteration does not refill it: with hysteresis 2, two bad iterations 500 steps apart
-    still back off.)
-
-  bf16 has fp32's 8 exponent bits and needs no scaler: ``--bf16`` builds none, unless ``--loss-scale``
-  asks for a constant one (as Megatron's ``get_megatron_optimizer`` does for ``--fp16``, ``--bf16`` or the
-  distributed optimizer: ``megatron/core/optimizer/__init__.py``, main ~644-656 and core 0.16.1 alike;
-  :func:`make_loss_scaler`).
-  The protocol: ``scaler.scale`` (a 1-element fp32 tensor), :meth:`unscale_and_check`
-  ``(grads, group) -> found_inf`` -- divides the fp32 main grads by ``S`` and all-reduces a
-  found-inf flag with MAX over ``group`` (Megatron's ``_unscale_main_grads_and_check_for_nan``
-  uses the grad-stats group: the model-parallel group, or with the distributed optimizer every rank
-  of its instance, data-parallel ranks included -- the whole world with one instance,
-  ``distrib_optimizer.py`` ``get_grad_stats_parallel_group`` main ~796-802) so that every rank skips the
-  same iteration -- then ``update(found_inf)``.
-  ``skipped_iterations`` counts the skipped ones; Megatron prints the count of the logging
-  window in its iteration line as ``number of skipped iterations: N``
-  (``megatron/training/training.py::training_log``).
-
-* **Float16Module semantics** (``megatron/core/transformer/module.py::Float16Module``): the
-  model's parameters and activations are 16-bit (``--bf16``: bfloat16, ``--fp16``: float16);
-  floating inputs of the first stage are cast down, the last stage's output is cast up to fp32, so
-  the logits ``[s, b, V]`` and the loss are fp32. :func:`to_float16` wraps a model that way.
-
-* **fp32 main params** (``megatron/core/optimizer/optimizer.py::Float16OptimizerWithFloat16Params``):
-  :class:`MixedPrecisionOptimizer` keeps an fp32 copy of every 16-bit parameter (same shape),
-  steps the fp32 copies with the course's Adam (:class:`course_lib.optimizer.Optimizer`) and
-  copies them back, rounded, into the 16-bit params. Gradients: with
-  ``accumulate_allreduce_grads_in_fp32=True`` (``--accumulate-allreduce-grads-in-fp32``, which
-  ``validate_args`` turns on for ``--bf16``) every parameter gets an fp32 ``main_grad`` buffer
-  and a post-accumulate hook adds the 16-bit ``.grad`` into it (Megatron's DDP grad buffer,
-  ``megatron/core/distributed/param_and_grad_buffer.py``): accumulation over micro-batches and
-  the data-parallel all-reduce happen in fp32. Without it (the fp16 default) the grad is
-  reduced in 16-bit and cast to fp32 for the optimizer.
-
-Bytes per parameter this gives (Megatron's ``docs/user-guide/features/dist_optimizer.md``, checked in the tests
-through :func:`course_lib.sizing.megatron_optimizer_bytes_per_param`): a 16-bit param (2), the
-model's grad (4 with fp32 accumulation, else 2), the optimizer's fp32 main param (4), an fp32 main
-grad only when the model's grad is 16-bit (4), and Adam's two fp32 moments (8): 18 bytes for
-bf16 with fp32 accumulation, 20 with 16-bit grads.
+For: the trainer's ``--bf16`` / ``--fp16``. Main names: :class:`ConstantLossScaler`,
+:class:`DynamicLossScaler`, :func:`make_loss_scaler`, :func:`to_float16` (Float16Module semantics),
+:class:`MixedPrecisionOptimizer` (fp32 main params).
+Follows: ``megatron/core/optimizer/grad_scaler.py``, ``megatron/core/transformer/module.py``
+``Float16Module``, ``megatron/core/optimizer/optimizer.py`` ``Float16OptimizerWithFloat16Params``;
+Micikevicius et al. 2018 (loss scaling).
+Manual (the scaler's rules, the protocol, bytes per parameter): docs/internals/mixed_precision.md.
 """
 
 from __future__ import annotations

@@ -1,65 +1,14 @@
 """One tiny GPT for every parallel layout, built from one set of master weights.
 
-The model is Megatron-core's ``GPTModel`` in miniature (``megatron/core/models/gpt/gpt_model.py``):
-token + learned absolute position embeddings -> ``num_layers`` pre-LayerNorm transformer
-layers -> final LayerNorm -> output layer that **reuses the word-embedding matrix** (tied
-input/output embeddings, Megatron's default; ``--untie-embeddings-and-output-weights`` is not
-offered). Activations are ``[s, b, h]``; logits ``[s, b, V]``. Parameter names are mcore's:
-``embedding.word_embeddings.weight``, ``decoder.layers.3.self_attention.linear_qkv.weight``,
-``decoder.final_layernorm.weight``, ``output_layer.weight``.
-
-One set of numbers for every layout
------------------------------------
-:class:`GPTModel` is the dense, single-process model: the reference *and* the master
-weights. It is seeded once (``GPTConfig.seed``) and every layout copies its share out of it:
-each rank builds the master (cheap for a course-sized model, and deterministic), and
-:func:`build_model` cuts its pieces -- pipeline stages by layers, tensor-parallel shards by
-:func:`course_lib.tensor_parallel.copy_dense_to_parallel` -- so TP=1 and TP=4, PP=1 and PP=4
-start from identical numbers. (Megatron's ``--use-cpu-initialization`` applies the same idea
-per weight -- draw the full matrix, keep a shard -- but from a generator seeded per pipeline
-stage; its default GPU initialisation draws each shard from a per-rank seed.)
-
-Vocabulary padding, said out loud: Megatron pads the vocabulary to a multiple of
-``make_vocab_size_divisible_by * tp`` (257 byte tokens -> 384 for TP 1, 512 for TP 2 and 4,
-1024 for TP 8), so its models of different TP sizes differ in their padding rows -- and in
-their parameter counts per rank. :attr:`GPTConfig.vocab_padding_tp` is the TP size the
-padding is computed for: Megatron's choice is the run's own TP; the course's layouts choose
-``1`` explicitly (``--uniform-vocab-padding`` in :mod:`course_lib.train`), padding every layout
-to 384 rows, which TP 1, 2, 4 and 8 all divide, so that TP = 1 and TP = 4 start from the same
-model and their losses can be compared number for number.
-
-How a layout splits the model (a rank holds ``vp`` chunks, :class:`GPTChunk`)
------------------------------------------------------------------------------
-* **PP** (+ interleaving): virtual stage ``c * pp + pp_rank`` owns ``num_layers / (pp * vp)``
-  consecutive layers; the first virtual stage also owns the embedding, the last one the final
-  LayerNorm and the output layer (Narayanan et al. 2021, Sec. 2.2).
-* **Tied embeddings across stages**: with ``pp > 1`` the last stage holds a second copy of the
-  word-embedding matrix as ``output_layer.weight`` (``shared = shared_embedding = True``, as in
-  mcore's ``LanguageModule.setup_embeddings_and_output_layer``). It starts at zero and is
-  all-reduced over the **embedding group** (first and last stage) -- which copies the first
-  stage's values; during training the two gradients are all-reduced over the same group, so
-  both copies take identical steps (:func:`allreduce_embedding_grads`).
-* **TP**: ``VocabParallelEmbedding`` (vocabulary rows), column/row-parallel attention and MLP,
-  a column-parallel output layer (vocabulary rows again) whose logits ``[s, b, V/t]`` go to
-  ``vocab_parallel_cross_entropy`` -- the full logits never exist on one rank.
-* **SP** (``sequence_parallel``): the embedding output is scattered along the sequence
-  (``[s/t, b, h]``), LayerNorms and residuals work on the shard, the output layer all-gathers
-  its input. LayerNorm gradients are partial sums: all-reduce them over TP
-  (:func:`course_lib.tensor_parallel.allreduce_sequence_parallel_grads`).
-* **CP**: a rank holds the tokens of its two zigzag chunks (``course_lib.data``'s CP split);
-  its position embeddings use those tokens' true positions, and attention is ring attention
-  over the CP group (:func:`course_lib.context_parallel.ring_attention`). Weights are
-  replicated over CP: their gradients are averaged over the dp-cp group like DP's.
-
-* **EP** (MoE, ``config.num_experts``): the layers ``--moe-layer-freq`` selects take an MoE MLP
-  (:class:`course_lib.moe.transformer.MoEMLP`): a replicated router and ``num_experts / ep``
-  experts of the master's, split over expert TP; tokens travel to their experts by all-to-all over
-  the EP group (or all-gather over tp-ep). Expert gradients are reduced over the expert
-  data-parallel group (:func:`course_lib.training.finalize_model_grads.finalize_model_grads`), and the
-  groups come from Megatron's second (expert) grid (:func:`course_lib.process_groups.new_moe_process_groups`).
-
-Process groups are created once, in Megatron's rank order, by
-:func:`course_lib.process_groups.new_process_groups` and passed in explicitly.
+For: the course's model, Megatron-core's ``GPTModel`` in miniature (token + position embeddings,
+pre-LayerNorm layers, final LayerNorm, an output layer tied to the word embeddings; activations
+``[s, b, h]``, logits ``[s, b, V]``, mcore's parameter names). Main names: :class:`GPTConfig`,
+:class:`GPTModel` (the dense reference and master weights), :class:`GPTChunk` and :func:`build_model`
+(a rank's PP/VP chunks with its TP/SP/CP/EP shards cut from the master), :func:`allreduce_embedding_grads`.
+Follows: ``megatron/core/models/gpt/gpt_model.py``, ``LanguageModule.setup_embeddings_and_output_layer``;
+Narayanan et al. 2021, Sec. 2.2 (stages, interleaving).
+Manual (one set of numbers for every layout, vocabulary padding, how each layout splits the model):
+docs/internals/model.md.
 """
 
 from __future__ import annotations

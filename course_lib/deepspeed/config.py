@@ -1,63 +1,13 @@
 """The ds_config.json bridge: a DeepSpeed config read as Megatron-LM flags, with DeepSpeed's own verdict and bytes.
 
-``python -m course_lib ds-config FILE [--dp D] [--num-params N [--largest-layer L] | --model NAME --tp T --pp P]
-[--nodes K]`` reads a DeepSpeed config and prints, one line each: the equivalent Megatron-LM flags (and
-the key each comes from), every difference in semantics between the two, the model-state bytes per
-GPU and per host -- the ZeRO paper's, DeepSpeed's own estimator's itemised against it, and the
-Megatron flags' -- and every option that has no Megatron equivalent.
-
-The verdict is DeepSpeed 0.19.8's: :mod:`course_lib.deepspeed.schema` mirrors its config parser
-for every key the bridge translates (a file DeepSpeed refuses is a one-line ``ValueError`` naming the
-key; what DeepSpeed accepts -- ``"3"``, ``5e8``, ``"yes"`` -- is read as DeepSpeed reads it, and a
-key DeepSpeed does not read is listed as ignored), and the command also runs DeepSpeed's own parser
-when it is installed, which judges the keys the bridge does not translate.
-
-How the ZeRO stages map (Megatron-LM main, ``megatron/training/arguments.py`` and the config
-dataclasses it turns into flags; :data:`MEGATRON_FLAGS` names where each flag is defined):
-
-====================  ===========================================================================
-ZeRO stage            Megatron-LM
-====================  ===========================================================================
-0 (plain DDP)         nothing (DDP with a contiguous grad buffer, all-reduce)
-1 (P_os)              ``--use-distributed-optimizer`` (optimizer state and fp32 main params sharded
-                      over DP x CP; grads reduce-scattered, params all-gathered)
-2 (P_os+g)            ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads``
-3 (P_os+g+p)          ``--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params``
-====================  ===========================================================================
-
-Megatron-FSDP (v1, the default ``--megatron-fsdp-version 1``) runs on the distributed optimizer:
-``validate_args`` switches ``--use-distributed-optimizer`` on with a warning, so it is printed;
-it also asserts ``--ckpt-format fsdp_dtensor`` and ``CUDA_DEVICE_MAX_CONNECTIONS`` unset or > 1.
-``--optimizer-cpu-offload`` needs ``--use-precision-aware-optimizer`` (asserted by
-``validate_args``). ``--overlap-param-gather`` needs ``--overlap-grad-reduce`` and the
-distributed optimizer or Megatron-FSDP. ``--bf16`` makes Megatron's DDP and distributed optimizer
-accumulate and all-reduce grads in fp32 (``--accumulate-allreduce-grads-in-fp32`` is switched on), hence
-their 18 bytes per parameter against ZeRO's 16 (:func:`course_lib.sizing.megatron_optimizer_bytes_per_param`).
-Megatron-FSDP keeps its grads in ``--megatron-fsdp-main-grads-dtype`` instead, whose default (main: ``auto``)
-is the param dtype. DeepSpeed's ZeRO-2/3 keep their gradient partitions in the model dtype too (``engine.py``
-``_configure_zero_optimizer`` / ``stage3.py``: the grad buffers are ``self.dtype``); the fp32 copy exists only
-during the step, and persists (on the host) only with ``offload_optimizer``. So a 16-bit ZeRO-2/3 file keeps
-Megatron-FSDP's ``auto`` unless it offloads the optimizer, which becomes ``--megatron-fsdp-main-grads-dtype
-fp32`` (bytes: :func:`course_lib.sizing.memory.megatron_state_bytes`).
-
-``overlap_comm`` (DeepSpeed's default: true at stage 3, false below, ``zero/config.py``
-``overlap_comm_valid``) puts the gradient reduction on a side stream (``--overlap-grad-reduce``) and,
-at stage 3 only, the parameter all-gathers as well -- the fetches and the prefetches share that stream
-(``zero/parameter_offload.py`` ``__allgather_stream``, used by ``partitioned_param_coordinator.py``):
-``--overlap-param-gather`` then. At stages 1 and 2 DeepSpeed all-gathers the parameters after the
-step, overlapped with nothing.
-
-Batch sizes: DeepSpeed's ``train_batch_size = train_micro_batch_size_per_gpu x
-gradient_accumulation_steps x DP``, the missing ones derived as DeepSpeed derives them
-(:func:`course_lib.deepspeed.schema.deepspeed_batch`: a file with only ``train_batch_size`` has
-``micro = train_batch_size // DP``); Megatron takes ``--micro-batch-size`` and
-``--global-batch-size`` and derives the accumulation steps. DP is ``--dp``, or what the three keys
-imply.
-
-Bytes (:mod:`course_lib.deepspeed.memory`): DeepSpeed's estimators
-(``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs``) at stages 2
-and 3 -- an fp32 grad partition, the largest layer gathered whole, a 1.5x host buffer on top of the
-paper's ``2 + 2 + 12`` -- and the paper's count at stages 0 and 1, where DeepSpeed has none.
+For: ``python -m course_lib ds-config FILE [--dp D] ...``, which prints the equivalent Megatron-LM flags
+(and the key each comes from), every difference in semantics, the model-state bytes per GPU and host,
+and the options with no Megatron equivalent. Main names: :data:`MEGATRON_FLAGS` and the translation
+functions below; the verdict is :mod:`course_lib.deepspeed.schema`'s (DeepSpeed 0.19.8's parser).
+Follows: ``megatron/training/arguments.py``; DeepSpeed's ``runtime/config.py``, ``zero/config.py``;
+ZeRO (Rajbhandari et al. 2020).
+Manual (how the ZeRO stages map, Megatron-FSDP, overlap_comm, batch sizes, bytes):
+docs/internals/deepspeed_config.md.
 """
 
 from __future__ import annotations

@@ -1,61 +1,13 @@
 """The course GPT trained by DeepSpeed itself, from a ds_config.json: Megatron's log lines, DeepSpeed's engine.
 
-    python -m course_lib train --nproc-per-node 4 --deepspeed-config ds.json --num-layers 2 --hidden-size 64 ...
-
-The model flags (``--num-layers``, ``--hidden-size``, ...) build the dense
-:class:`~course_lib.model.GPTModel` on every rank (same seed, same numbers as the course's
-trainer); ``deepspeed.initialize`` (DeepSpeed 0.19.8, ``deepspeed/runtime/engine.py``) then wraps it
-as the file says -- ZeRO stage 0-3 (``deepspeed/runtime/zero/stage_1_and_2.py``, ``stage3.py``),
-``offload_optimizer`` / ``offload_param``, bucket sizes, prefetch, ``stage3_max_live_parameters``,
-``stage3_param_persistence_threshold``, ``overlap_comm``, ``contiguous_gradients``, the ``bf16`` /
-``fp16`` blocks, ``gradient_accumulation_steps``, ``gradient_clipping``, the ``optimizer`` and
-``scheduler`` blocks. One process is one data-parallel rank: TP = PP = CP = 1
-(:func:`course_lib.rules.deepspeed_layout`).
-
-The file and the flags, one run (:func:`apply_config`, called by the trainer's entry point,
-:func:`course_lib.train.validate_args`, before any rule):
-
-* what the file sets wins and is written back into the flags (``--micro-batch-size``,
-  ``--global-batch-size``, ``--lr``, ``--adam-beta1/2``, ``--adam-eps``, ``--weight-decay``,
-  ``--clip-grad``, ``--bf16``/``--fp16``), so the arguments block, the iteration lines and
-  ``python -m course_lib report`` show the run DeepSpeed did; a flag given with another value is
-  refused in one line;
-* what the file leaves out comes from the flags and is added to the config DeepSpeed gets: the
-  batch sizes (when the file has none of the three), ``gradient_clipping`` (DeepSpeed's default is
-  no clipping, Megatron's ``--clip-grad 1.0``), and, without an ``optimizer`` block, a client
-  ``torch.optim.AdamW`` / ``SGD`` of the flags; without a ``scheduler`` block the learning rate
-  follows Megatron's schedule of the flags (warm-up, decay, in samples: :class:`course_lib.optimizer.LRScheduler`);
-* on CPU the file's Adam runs as ``torch.optim.AdamW`` (``"torch_adam": true`` is added unless the
-  file says otherwise: DeepSpeed's FusedAdam and DeepSpeedCPUAdam are C++ ops, a ~4 min g++ build
-  on first use), and optimizer offload then needs ``"zero_force_ds_cpu_optimizer": false`` (added
-  likewise); each addition is printed as a ``WARNING:`` line;
-* parameters are handed to DeepSpeed in Megatron's two groups (biases and 1-D parameters without
-  weight decay, :func:`course_lib.optimizer.param_groups`), as Megatron-DeepSpeed does; given
-  the bare ``model.parameters()`` DeepSpeed would decay every one of them;
-* the file is read with :func:`course_lib.safe_files.read_json` (a key given twice, NaN refused) and
-  judged in the launching process, for the world about to start, as DeepSpeed 0.19.8 judges it:
-  the bridge's mirror of its parser first (:func:`course_lib.deepspeed.schema.check`, one line
-  naming the key), its batch rule (:func:`course_lib.deepspeed.schema.deepspeed_batch`), then DeepSpeed's own
-  ``DeepSpeedConfig`` for the keys the mirror does not read (:func:`ds_schema.deepspeed_verdict`).
-
-One iteration is DeepSpeed's loop: ``gradient_accumulation_steps`` times ``loss = engine(tokens)``,
-``engine.backward(loss)`` (DeepSpeed divides by the accumulation steps), ``engine.step()`` (the
-step runs at the boundary: reduction or reduce-scatter over DP, clipping, the optimizer, the
-16-bit copy or the param partition). Each DP rank takes the micro-batches of the course's sampler
-(:func:`course_lib.data.get_batch`), so the same seed and data give the course trainer's losses
-(fp32: equal to rounding, ``tests/deepspeed/test_deepspeed_engine.py``). The loss printed is the global batch's mean
-token loss; the grad norm is DeepSpeed's (before clipping).
-
-The memory line (every rank: ZeRO's partitions differ by rank) reports the model states as
-DeepSpeed holds them, walked from the engine (:func:`held_bytes`), appended as fields
-``| params (bytes): N | grads (bytes): N | optimizer (bytes): N | params on host (bytes): N |
-grads on host (bytes): N | optimizer on host (bytes): N`` (``on nvme`` for NVMe offload); "optimizer" counts the fp32 master copy (or partition) and the
-optimizer state; "on host" is what ``offload_*`` moved to CPU memory (with ``DS_ACCELERATOR=cpu``
-the device *is* the CPU: the split is DeepSpeed's bookkeeping, not two memories).
-
-NVMe offload (``"device": "nvme"``) needs DeepSpeed's ``async_io`` op (g++ and libaio's headers,
-Debian's ``libaio-dev``); without them the run is refused in one line before any rank starts
-(:func:`_check_nvme`).
+For: ``python -m course_lib train --deepspeed-config ds.json ...``: the dense
+:class:`~course_lib.model.GPTModel` on every rank, wrapped by ``deepspeed.initialize`` as the file
+says (ZeRO 0-3, offload, the bf16/fp16 blocks, optimizer and scheduler), one process per
+data-parallel rank. Main names: :func:`apply_config` (the file folded into the flags, at the
+trainer's entry point), :func:`pretrain`, :func:`held_bytes`.
+Follows: DeepSpeed 0.19.8's ``deepspeed/runtime/engine.py``, ``zero/stage_1_and_2.py``, ``stage3.py``.
+Manual (the file and the flags, the loss and the memory line, NVMe offload):
+docs/internals/deepspeed_engine.md.
 """
 
 from __future__ import annotations

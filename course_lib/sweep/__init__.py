@@ -1,61 +1,12 @@
 """The Day 22 sweep: the seed's configs A-F trained on 8 real ranks, read back into one record table.
 
-    python -m course_lib sweep [--configs A,B,...] [--out logs/day22] [--iters N] [--run-name NAME]
-
-Each config (seed 003: A 1/1/8, B 2/1/4, C 4/1/2, D 2/2/2, E 1/4/2, F 2/2/1 with CP=2 --
-TP/PP/DP on 8 ranks, DP derived) trains the tiny GPT of :mod:`course_lib.train` with the
-seed's shape ratios made small enough for a 2-core laptop (:data:`SWEEP_MODEL`: 8 layers,
-8 heads as in the seed; hidden 64 and sequence 32 instead of 512 and 1024; micro-batch 1,
-global batch 16, so every config gets the seed's GPU micro-batch count ``16 / DP``).
-
-Config D also runs with its data-parallel state sharded (Lab 07, :data:`SHARDED_CONFIGS`):
-``D-distopt`` (``--use-distributed-optimizer``, ZeRO-1) and ``D-zero3`` (``--use-megatron-fsdp
---data-parallel-sharding-strategy optim_grads_params``) -- same layout and losses, the memory
-columns move (model states per rank: 16 bytes per fp32 parameter in D, 8 + 8/DP with the
-distributed optimizer, 16/DP with ZeRO-3). They run by name only, so the default sweep stays the
-seed's six: ``--configs all,D-distopt,D-zero3`` gives the whole Day 22 table.
-
-How a config runs, and where each number comes from
----------------------------------------------------
-* **Launch**: ``launch(sweep_rank, launcher="torchrun")`` -- real ``torchrun --standalone
-  --nproc-per-node 8`` processes (gloo on CPU, NCCL with a GPU per rank) -- each rank calls
-  :func:`course_lib.train.pretrain`, the function ``python -m course_lib.train`` runs, so it
-  prints the same Megatron log lines; the same run from a shell is the ``$ torchrun ...``
-  command written at the top of each log. ``launcher="fork"`` (tests, the notebook) runs
-  the same function on forked ranks. We launch ``pretrain`` rather than the ``course_lib.train``
-  script because the per-rank numbers below only exist inside the processes.
-* **Log** (``<config>.log``): the ranks' printed lines, rank 0 first (world line, arguments,
-  parameters, memory), the last rank's iteration lines -- what ``torchrun ... | tee`` saves.
-  The record table (:func:`course_lib.megatron.record_table`) is read *from these logs* with
-  the parser that reads Megatron-LM's, so CPU and GPU runs land in the same table.
-* **Returned by every rank** (``<config>.json``): communication per process group per
-  iteration, recorded by :mod:`course_lib.comm` around ``pretrain`` -- calls, bytes of the
-  full tensors (the NCCL-tests convention) and bytes this rank *sends* under the ring model
-  (all-reduce ``2N(t-1)/t``, all-gather/reduce-scatter ``N(t-1)/t``, send ``N``); tracked memory
-  per rank (parameters + gradients + Adam state, plus the peak bytes autograd saved for
-  backward: ``source: tracked tensor bytes``, there is no CUDA allocator on CPU); the pipeline
-  timeline of the last iteration, from which the **measured bubble** is
-  ``(p * makespan - busy) / busy`` per pipeline (the idle-over-useful definition of
-  ``(p-1)/m``; :class:`course_lib.pipeline.Timeline`), averaged over the pipelines.
-
-Runs are never overwritten, and each says how it ended: a run goes to ``<out>/runs/<run-name>/``
-(default name: the start time), whose ``day22_sweep.json`` says ``running`` from the start,
-lists the configs done as each finishes, and ends ``finished`` or ``interrupted`` (Ctrl-C,
-SIGTERM, a config's error; a run whose process was killed is found by the next sweep and
-marked). Each config's ``.log``/``.json`` is written the moment it finishes, there and as
-``<out>/<config>.log``/``.json`` (the newest result of each config, so ``python -m course_lib
-report logs/day22/*.log`` reads the latest of every config); the tables at the top of ``<out>``
-are over those latest results and say which run each row comes from. No temporary file is
-left, however a sweep ends (:func:`course_lib.launch.launch` sees to it). A wrong ``--out`` is
-refused before any training, and a file the sweep did not write (or that was edited since,
-e.g. the deliverable's conclusions) is never replaced without ``--force``. ``--figures DIR``
-also writes the committed summary (``day22_sweep.json``, the tables, the logs and the plots).
-
-On a 2-core machine 8 ranks share 2 cores: step times measure CPU contention and gloo over
-loopback as much as the model, which is why TP (many small all-reduces per layer) is so slow
-there. The ordering and the reasons are the lesson, not the absolute numbers. The full sweep
-(A-F, 8 ranks, torchrun, 10 iterations) takes about 3 minutes on 2 cores: about 15 s of
-torchrun start-up per config plus 2-35 s of training.
+For: ``python -m course_lib sweep [--configs A,B,...] [--out logs/day22] [--iters N] [--run-name NAME]``:
+each config of :data:`course_lib.topology.seed.SEED_SWEEP` (and the sharded D variants,
+:data:`SHARDED_CONFIGS`) trains the tiny GPT of :mod:`course_lib.train` (:data:`SWEEP_MODEL`), and the
+logs are read back with the Megatron log parser into one table.
+Follows: the seed's Day 22 table (``seeds/003``); Megatron-LM's log format
+(:mod:`course_lib.training.logs`).
+Manual (how a config runs, where each number comes from): docs/internals/sweep.md.
 """
 
 from __future__ import annotations

@@ -1,56 +1,13 @@
 """Checkpoints: save, resume exactly, reshard on load -- Megatron-LM's checkpoint flow for the course's trainer.
 
-Semantics and names of Megatron-LM main's ``megatron/training/checkpointing.py`` (``save_checkpoint``,
-``load_checkpoint``, ``get_checkpoint_name``, ``get_checkpoint_tracker_filename``, ``read_metadata``) and
-``megatron/core/dist_checkpointing/`` (the ``torch_dist`` format: ``common.pt`` + ``metadata.json`` beside
-``torch.distributed.checkpoint``'s files). What one save writes::
-
-    DIR/latest_checkpointed_iteration.txt          "3": the newest *complete* iteration, written last, atomically
-    DIR/iter_0000003/                              --ckpt-format torch_dist (default)
-        .metadata                                  DCP's index: every tensor's global shape and its chunks
-        __0_0.distcp ... __{R-1}_0.distcp          rank r's chunks (each with its global offsets)
-        common.pt                                  what every rank shares: args, iteration, scheduler, loss scaler
-        metadata.json                              {"sharded_backend": "torch_dist", ...}
-    DIR/iter_0000003/mp_rank_TT_PPP/               --ckpt-format torch (legacy; mp_rank_TT when PP = 1)
-        model_optim_rng.pt                         the model shard, optimizer, scheduler, RNG of DP ranks
-        distrib_optim.pt                           (--use-distributed-optimizer) the optimizer, gathered over DP
-
-A rank's state as *pieces* of the tensors of the global model (:func:`sharded_state_dict`: each
-``(local tensor, key, global shape, global offsets)``, megatron-core's ``ShardedTensor``), under
-megatron-core's sharded keys and layout (``GPTModel.sharded_state_dict`` of the local spec, so
-``megatron.core.dist_checkpointing`` loads a course checkpoint into megatron-core's own ``GPTModel`` and the
-course reads one it saved): the decoder layers stacked along a prepended layer axis -- master
-``decoder.layers.3.self_attention.linear_qkv.weight`` ``[3h, h]`` is the piece at layer offset 3 of
-``decoder.layers.self_attention.linear_qkv.weight`` ``[L, 3h, h]`` (so the keys do not depend on PP) --
-unless the layers differ (``--moe-layer-freq`` other than 1: megatron-core's ``non_homogeneous_layers``,
-each layer its own keys ``decoder.layers.3.…``, :func:`stacked_layers`); the LayerNorms under the names of
-the linears they feed (``decoder.layers.self_attention.linear_qkv.layer_norm_weight``,
-``...mlp.linear_fc1.layer_norm_bias``), and each linear's (empty) ``_extra_state`` object per layer; a TP
-shard is the piece at offset ``tp_rank * local`` along its ``partition_dim`` (:func:`global_spec`); an MoE
-layer's stacked experts ``[E/ep, F/etp, H]`` are the piece at expert ``ep_rank * E/ep`` and, along F,
-``expert_tp_rank * F/etp`` (:func:`expert_global_spec`) of ``decoder.layers.mlp.experts.experts.linear_fc1.weight``
-``[L, E, F, H]`` (megatron-core's ``SequentialMLP`` keys, so the experts reshard to any EP and expert TP
-too); replicated tensors (LayerNorms, the router, DP and CP replicas, expert-DP replicas) are saved once
-(DCP deduplicates equal chunks). :mod:`course_lib.training.dcp_io` hands every piece to DCP at its
-offsets and reads each rank's new pieces from the saved chunks that overlap them. The optimizer's state
--- Adam's ``exp_avg``/``exp_avg_sq`` (SGD's ``momentum_buffer``) --
-takes the same keys under ``optimizer.state.<name>.``; the distributed optimizer's DP shards are gathered
-to full local tensors first (one state tensor per parameter: megatron-core 0.16.1's ``fully_reshardable``
-layout, which Megatron writes only with ``--dist-ckpt-optim-fully-reshardable``; its default
-``dp_reshardable`` saves each DP rank's flat buffers and reshards over DP only, ``distrib_optimizer.py``
-``sharded_param_state``), so a checkpoint depends on TP and PP only through its chunk offsets, and loads
-under any TP x PP x DP: DCP reads the overlapping parts of the saved chunks into each rank's new shard
-(``--ckpt-format torch_dist``). fp32 main params: Megatron with ``--bf16``/``--fp16`` keeps an fp32 copy
-and saves it (``optimizer.state.fp32_param.*``); the course's params are fp32 (``--bf16`` computes under
-autocast), so its main params *are* the params, written once. The data position is the iteration: batch ``i`` is drawn from ``(seed,
-i)`` (:mod:`course_lib.data`), so ``consumed_train_samples = iteration x global batch`` resumes it.
-
-Faults: a save writes into ``DIR/.iter_0000003.incomplete/``, renames it when every rank has finished,
-then writes the tracker atomically; a save killed before that leaves the previous checkpoint and the tracker
-as they were. That rename is the course's own: Megatron writes into ``iter_0000003/`` directly, marks it
-complete by ``metadata.json`` written last, and writes the tracker in place (not atomically). A damaged file, a checkpoint of another model or a layout the legacy format cannot load fails with
-one line (:class:`CheckpointError`) naming the file or the mismatch; ``--load`` of a folder without a
-tracker warns and starts from scratch, as Megatron does.
+For: ``--save`` / ``--load`` / ``--ckpt-format torch_dist|torch``. Main names: :func:`save_checkpoint`,
+:func:`load_checkpoint`, :func:`checkpoint_and_decide_exit`, :func:`sharded_state_dict` (a rank's
+pieces as megatron-core's ``ShardedTensor`` keys, so megatron-core loads a course checkpoint),
+:class:`CheckpointError`. It composes the owners' state: the optimizer's, the scheduler's, the
+engine's, :class:`~course_lib.training.rng_state.RNGState` and :class:`~course_lib.data.DataPosition`.
+Follows: ``megatron/training/checkpointing.py`` (``save_checkpoint``, ``load_checkpoint``,
+``get_checkpoint_name``, ``read_metadata``), ``megatron/core/dist_checkpointing/``.
+Manual (what one save writes, the sharded keys, faults): docs/internals/checkpointing.md.
 """
 
 from __future__ import annotations

@@ -1,83 +1,13 @@
-"""Read Megatron-LM training logs -- every format era -- and the course's own logs.
+"""Read Megatron-LM training logs -- every format era -- and write the course's own in Megatron's form.
 
-``parse_log(text) -> ParsedLog`` with
-
-* ``.config`` -- ``world_size``, ``dp``, ``cp``, ``tp``, ``pp`` from the
-  ``using world size: ...`` line (plus model/batch sizes from the arguments
-  block when it is printed, and ``num_microbatches`` derived from them);
-* ``.iterations`` -- one dict per iteration line: ``iteration``, ``train_iters``,
-  ``timestamp`` (str or None), ``consumed_samples``, ``elapsed_ms``,
-  ``throughput`` (TFLOP/s/GPU, only with ``--log-throughput``), ``learning_rate``,
-  ``global_batch_size``, ``lm_loss``, ``loss_scale``, ``grad_norm``,
-  ``skipped_iterations``, ``nan_iterations``, and any other ``name: value`` field
-  (name lower-cased, non-alphanumerics -> ``_``);
-* ``.memory`` -- one dict per ``report_memory`` line: ``rank``, ``iteration``,
-  ``allocated_mb``, ``max_allocated_mb``, ``reserved_mb``, ``max_reserved_mb``
-  (and any extra field, e.g. ``total_device_memory_used_mb`` or the course's
-  ``source``);
-* ``.args`` (the ``---- arguments ----`` block), ``.parameters`` (the
-  ``number of parameters on (tensor, pipeline) model parallel rank`` lines),
-  ``.theoretical_memory``, ``.validation`` and ``.era``.
-
-Format eras (format strings read in NVIDIA/Megatron-LM; fixtures for each in
-``tests/fixtures/megatron_logs/``):
-
-==========  ===================================================================
-era         what changes
-==========  ===================================================================
-pre-0.6     ``training_log`` in ``megatron/training.py``: the line starts
-            `` iteration {:8d}/{:8d} |``; ``report_memory`` (``megatron/utils.py``)
-            prints raw floats (``'{}'.format(mb)``).
-0.6-0.15    ``megatron/training/training.py`` (commit f427c6f, 2024-03-09, first
-            in core_v0.6.0) prefixes `` [%Y-%m-%d %H:%M:%S]``; memory still raw
-            floats (``megatron/training/utils.py``).
-0.16+       commit 6cf285b (2026-01-27) adds microseconds ``[... %H:%M:%S.%f]``;
-            c40b6ea (2026-01-16) logs iteration 1 as well (initialisation
-            overhead) and reports memory after it and after the next logged
-            iteration; 82ea022 (2026-01-21) prints memory with ``:.2f``. All
-            first released in core_v0.16.0; unchanged on main (d98e8a6).
-==========  ===================================================================
-
-The ``using world size`` line (``validate_args``, ``megatron/training/arguments.py``)
-changed wording too: ``data-parallel-size`` (v2.x) vs ``data-parallel size``; no CP
-field before core 0.4; a missing comma after the CP size (core 0.4-0.8); extra
-``encoder-tensor-/encoder-pipeline-model-parallel size`` fields (core 0.9-0.13,
-which must not be read as TP/PP) and ``hierarchical context-parallel sizes`` (from
-core 0.10; without its comma until core 0.13: ``sizes: Nonetensor-model-parallel size: 2``).
-The oldest form, ``using world size: 8 and model-parallel size: 2`` (v1.0), is read
-as TP = model-parallel size, PP = 1. Lines may carry a launcher prefix
-(``[default0]:`` from ``torchrun --tee``, ``3: `` from ``srun -l``).
-
-The contract for the course's own logs (``course_lib.train``): this module also writes
-them -- :func:`world_size_line`, :func:`arguments_lines`, :func:`parameters_line`,
-:func:`iteration_line`, :func:`memory_line`, each printed with :func:`print_line` -- exactly
-in Megatron's current (0.16+) form, so the format lives here once and the parser reads back
-what the writers wrote (``tests/training/test_megatron_log_writers.py``)::
-
-    using world size: 8, data-parallel size: 2, context-parallel size: 1, hierarchical context-parallel sizes: None, tensor-model-parallel size: 2, pipeline-model-parallel size: 2
-    ------------------------ arguments ------------------------
-      global_batch_size ............................... 16
-      micro_batch_size ................................ 2
-      seq_length ...................................... 64
-      ...
-    -------------------- end of arguments ---------------------
-     [2026-08-22 15:22:22.123456] iteration       10/     100 | consumed samples:          160 | elapsed time per iteration (ms): 812.3 | learning rate: 3.000000E-04 | global batch size:    16 | lm loss: 4.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 | number of nan iterations:   0 |
-    [Rank 0] (after 10 iterations) memory (MB) | allocated: 12.34 | max allocated: 56.78 | reserved: 0.00 | max reserved: 0.00 | source: tracked tensor bytes
-
-(the arguments block: ``'  {} {} {}'.format(name, '.' * (48 - len(name)), value)``,
-sorted by name, as ``_print_args``). On CPU there is no CUDA allocator: the course
-reports what it measured and names it in a trailing ``| source: ...`` field
-(e.g. ``tracked tensor bytes`` or ``peak RSS``), which lands in ``memory[i]['source']``.
-
-Any input is read in linear time and bounded memory: every pattern is anchored on a
-fixed substring and has no nested or overlapping repeats, and a line longer than
-``MAX_LINE_CHARS`` (Megatron's lines are under 2 kB; a longer one is a log that lost
-its newlines) is skipped without being held whole and counted in
-``ParsedLog.long_lines_skipped``. ``parse_log_file(path)`` streams a file the same way
-and refuses, in one line naming the file, one that is not UTF-8 text. A ``using world
-size`` line whose sizes cannot multiply to the world size (a size of 0, or TP x PP x CP
-x DP != world, e.g. two ranks' lines spliced together) is a ``ValueError`` naming the
-values, never a row of made-up numbers.
+For: one place for the log format, read and written. Main names: :func:`parse_log` -> ``ParsedLog``
+(``.config``, ``.iterations``, ``.memory``, ``.args``, ``.parameters``, ``.era``), and the writers
+:func:`world_size_line`, :func:`arguments_lines`, :func:`parameters_line`, :func:`iteration_line`,
+:func:`memory_line`, printed with :func:`print_line`.
+Follows: ``megatron/training/training.py`` ``training_log``, ``megatron/training/utils.py``
+``report_memory``, ``megatron/training/arguments.py`` ``validate_args`` (the world-size line).
+Manual (the fields, the format eras with their commits, the world-size line's wordings, an example
+log): docs/internals/training_logs.md.
 """
 
 from __future__ import annotations
