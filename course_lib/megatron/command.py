@@ -1,52 +1,13 @@
 """The real Megatron-LM commands for a Day 22 configuration.
 
-``megatron_command(config)`` renders the ``torchrun ... pretrain_gpt.py`` command
-for a ``course_lib.topology.ParallelConfig`` (the same validated object the CPU
-labs use, so a configuration that is wrong here is wrong there, with the same
-one-line error). ``preprocess_command()`` renders Megatron's
-``tools/preprocess_data.py`` call for the tiny corpus, ``run_tiny_gpt_script()``
-the seed's ``run_tiny_gpt.sh`` (env ``GPUS TP PP CP``) and ``sweep_script()`` the
-seed's A-F loop that saves ``logs/day22/<config>.log``.
-
-Every flag printed is listed, with the Megatron-LM file and function (or config
-dataclass) that defines it, in ``course_lib/megatron/flags.py``. Things the seed
-gets wrong and the commands here get right:
-
-* ``tools/preprocess_data.py`` requires ``--workers`` (``required=True`` in
-  ``get_args``); the seed's command omits it and fails.
-* With TP > 1 or CP > 1 on GPUs before Blackwell, ``validate_args`` asserts
-  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (``megatron/training/arguments.py`` at core_v0.15.3,
-  core_v0.16.1 and main d98e8a6), so the commands export it -- except with Megatron-FSDP,
-  where it asserts the opposite (unset or > 1) and only warns about TP/CP.
-* DP is never a flag; ``--context-parallel-size`` is printed only when CP > 1, so
-  A-E also run on branches older than context parallelism.
-* Interleaved pipelining is ``--num-layers-per-virtual-pipeline-stage``
-  (layers / (PP * VPP)), or ``--num-virtual-stages-per-pipeline-rank`` with an uneven
-  split (``validate_args`` refuses the former there); Megatron has no
-  ``--virtual-pipeline-model-parallel-size``.
-* ``--sequence-parallel`` with TP = 1 is turned off with a one-line note, as Megatron
-  does (and the course's trainer and planner).
-
-Beyond one node and dense models (flags in ``flags.SHARDING_FLAGS`` / ``flags.MOE_FLAGS``, checked at
-core_v0.16.1 and main):
-
-* ``--nodes N --gpus-per-node G``: the multi-node launch (:func:`cluster_launch`, rendered by
-  :mod:`course_lib.launch.cluster`): torchrun with c10d or static rendezvous on every node, and a
-  Slurm ``sbatch`` script running one torchrun per node with ``srun``.
-* ``--sharding dist-opt|fsdp-optim-grads|fsdp|offload`` (``--show sharding``: all four): Megatron's
-  distributed optimizer (ZeRO-1) and Megatron-FSDP (ZeRO-2/3), with overlap, and CPU offload of
-  the optimizer (:data:`SHARDING`; the rules each follows are beside it). Megatron-FSDP keeps its
-  grads in the param dtype at main (``--megatron-fsdp-main-grads-dtype auto``, not printed);
-  ``--megatron-fsdp-main-grads-dtype fp32`` prints the flag for fp32 grads (main only:
-  ``flags.MAIN_ONLY_FLAGS``).
-* ``--num-experts E --ep EP [--expert-tensor-parallel-size T --moe-router-topk K]``: a Mixtral-style
-  MoE (:class:`MoESpec`), checked by the course's rules (``rules.moe_experts``, the expert grid of
-  ``course_lib.topology.RankGrid``).
-
-CLI: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8`` (see
-``add_arguments``). ``--data-dir`` is shell-quoted in every line printed (a path with
-spaces or ``$`` is safe to paste); ``--export-corpus PATH`` never replaces an existing
-file without ``--force``.
+For: ``python -m course_lib megatron-cmd --tp 2 --pp 2 --cp 1 --nproc 8``, the ``torchrun ... pretrain_gpt.py``
+command (and the seed's scripts) for a validated :class:`course_lib.topology.ParallelConfig`, so a layout
+that is wrong here is wrong in the CPU labs too, with the same one-line error. Main names:
+:func:`megatron_command`, :func:`cluster_launch`, :func:`preprocess_command`, :func:`run_tiny_gpt_script`,
+:func:`sweep_script`, :data:`SHARDING`, :class:`MoESpec`, :class:`MegatronRun`.
+Follows: ``megatron/training/arguments.py``, ``pretrain_gpt.py``, ``tools/preprocess_data.py``; every flag
+printed is listed with the file that defines it in :mod:`course_lib.megatron.flags`.
+Manual (what the seed gets wrong, multi-node, sharding and MoE flags, the CLI): docs/internals/megatron_command.md.
 """
 
 from __future__ import annotations
