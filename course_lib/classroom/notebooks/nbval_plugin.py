@@ -10,7 +10,8 @@ busy across all three instead of idling at the end of each. Load it with
 ``pytest-xdist --dist loadfile`` hands out whole files, by default the files with the most tests first. Test
 count is not time: a file of one long test (grading every lab) handed out last leaves the other core idle for
 its length. So this plugin hands out the files of :data:`LONGEST_FIRST` (measured) first, longest first, and
-the others after them in collection order.
+the others after them in collection order; and a worker that dies fails its file instead of hanging the
+session (:mod:`.xdist_crash`, whose scheduler this plugin installs).
 
 A heavy cell that does not depend on any exercise (Lab 05's megatron-core side-by-side) computes in a lab
 exactly what it computes in the solution, which the strict pass has already run and compared. Tagged
@@ -28,6 +29,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from course_lib.classroom.notebooks.xdist_crash import pytest_handlecrashitem, pytest_xdist_make_scheduler  # noqa: F401
 
 LAX_FOLDER = "labs"
 SKIP_TAG = "labs-pass-skip"
