@@ -187,6 +187,29 @@ def _problems(code: list, names: dict, tagged: set) -> dict[int, str]:
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):      # xdist: keep the order pytest_collection_modifyitems gives
         config.option.loadscopereorder = False
+    try:
+        from nbval.plugin import IPyNbFile
+    except ImportError:
+        return
+    if not getattr(IPyNbFile.teardown, "graceful", False):
+        IPyNbFile.teardown = _graceful_teardown(IPyNbFile.teardown)
+
+
+def _graceful_teardown(teardown):
+    """nbval ends a notebook's kernel with SIGKILL (``RunningKernel.stop``: ``shutdown_kernel(now=True)``), so
+    the kernel's ``atexit`` handlers never run and what a lab made to last until its kernel ends (Lab 10's
+    ``ds_configs_*``, Lab 11's ``lab11-*`` temporary folders) stays behind. Ask it to shut down first, as
+    JupyterLab does (``shutdown_request``; jupyter_client sends SIGTERM, then SIGKILL, after
+    ``shutdown_wait_time``); nbval's own teardown then finds it ended."""
+    def graceful(self):
+        kernel = self.kernel
+        if kernel is not None and kernel.is_alive() and not getattr(self.config.option, "cov_source", None):
+            kernel.kc.stop_channels()
+            kernel.km.shutdown_kernel(now=False)
+        teardown(self)
+
+    graceful.graceful = True
+    return graceful
 
 
 def _longest_first(items) -> None:
