@@ -103,7 +103,8 @@ test: setup browser
 	$(BIN)/python -m course_lib.deepspeed.ops
 	$(PYTEST) solutions labs tests --nbval $(NBVAL_OPTS)
 
-# The inner loop while editing course_lib/: unit tests only, without those marked slow (pyproject.toml).
+# The inner loop while editing course_lib/: unit tests only, without those marked slow (pyproject.toml) and
+# the files measured longest (tests/conftest.py).
 test-fast: setup
 	$(PYTEST) -m "not slow" tests
 

@@ -150,19 +150,18 @@ class TorchrunAgent:
 
     def running_ranks(self, world_size: int) -> list[int]:
         """The ranks whose processes torchrun still runs (its children's ``RANK``, from /proc); every rank
-        where that cannot be read."""
-        parents = parent_pids()
-        torchrun = [pid for pid, parent in (parents or {}).items() if parent == self.proc.pid]
+        where none can be read (no /proc)."""
+        parents = parent_pids() or {}
+        torchrun = {pid for pid, parent in parents.items() if parent == self.proc.pid}
         ranks = set()
-        for pid, parent in (parents or {}).items():
-            if parent in torchrun:
-                try:
-                    with open(f"/proc/{pid}/environ", "rb") as f:
-                        env = dict(v.partition(b"=")[::2] for v in f.read().split(b"\0"))
-                    ranks.add(int(env[b"RANK"]))
-                except (OSError, KeyError, ValueError):
-                    return list(range(world_size))
-        return sorted(ranks) if parents is not None else list(range(world_size))
+        for pid in (pid for pid, parent in parents.items() if parent in torchrun):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.partition(b"=")[::2] for v in f.read().split(b"\0"))
+                ranks.add(int(env[b"RANK"]))
+            except (OSError, KeyError, ValueError):     # ended meanwhile (a zombie has no environment)
+                continue
+        return sorted(ranks) or list(range(world_size))
 
     def first_error(self, world_size: int) -> str | None:
         """``"rank R: <its error line>"`` of the rank that reported an error first (``report_error``), or None."""
