@@ -65,13 +65,14 @@ from course_lib.ring_cost import COMM_OPS as OPS, comm_op, ring_elements_sent
 __all__ = [
     "OPS", "CommEvent", "CommRecorder", "ring_elements_sent", "record_event",
     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send", "recv",
-    "group_size", "group_rank", "summarize",
+    "group_size", "group_rank", "summarize", "all_gather_into_tensor", "reduce_scatter_tensor",
 ]
 
 DIRECTIONS = ("fwd", "bwd")
 # torch 2.13 renamed the tensor-in/tensor-out collectives (the old names warn); torch >= 2.4 has one or the other.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch's own (not recorded): for code that records its events itself (course_lib.distributed's engine).
+all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
                "avg": dist.ReduceOp.AVG, "product": dist.ReduceOp.PRODUCT}
 
@@ -305,7 +306,7 @@ def all_gather(tensor: torch.Tensor, group, *, dim: int = 0, kind: str = "tp",
     out = torch.empty((t * inp.shape[0],) + tuple(inp.shape[1:]), dtype=inp.dtype, device=inp.device)
     record_event("all_gather", out.numel(), group_size=t, kind=kind, dtype=inp.dtype,
                  direction=direction, source=source, tag=tag)
-    _all_gather_tensor(out, inp, group=group)
+    all_gather_into_tensor(out, inp, group=group)
     if dim != 0:  # the gather stacks along dim 0; move the rank blocks to ``dim``
         out = torch.cat(out.chunk(t, dim=0), dim=dim)
     return out
@@ -330,7 +331,7 @@ def reduce_scatter(tensor: torch.Tensor, group, *, dim: int = 0, op: str = "sum"
     out = torch.empty((inp.shape[0] // t,) + tuple(inp.shape[1:]), dtype=inp.dtype, device=inp.device)
     record_event("reduce_scatter", inp.numel(), group_size=t, kind=kind, dtype=inp.dtype,
                  direction=direction, reduce_op=op, source=source, tag=tag)
-    _reduce_scatter_tensor(out, inp, op=red, group=group)
+    reduce_scatter_tensor(out, inp, op=red, group=group)
     # For dim != 0 the t chunks were stacked along dim 0 above, so this rank's
     # slice of the stack already has the chunk's shape [.., n, ..].
     return out

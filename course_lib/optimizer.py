@@ -16,7 +16,7 @@ OPTIMIZERS = ("adam", "sgd")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
-def _no_weight_decay(name: str, param: torch.Tensor) -> bool:
+def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     """Megatron's default ``no_weight_decay_cond``: biases and 1-D parameters (LayerNorm) are not decayed."""
     return name.endswith(".bias") or param.dim() == 1
 
@@ -25,8 +25,8 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
     """``torch.optim``-style groups of ``[(name, parameter)]`` with Megatron's weight-decay rule:
     ``[{"params": decayed, "weight_decay": weight_decay}, {"params": biases and 1-D, "weight_decay": 0.0}]``
     (what Megatron-DeepSpeed hands ``deepspeed.initialize``; an empty group is left out)."""
-    decay = [p for n, p in named_params if not _no_weight_decay(n, p)]
-    no_decay = [p for n, p in named_params if _no_weight_decay(n, p)]
+    decay = [p for n, p in named_params if not no_weight_decay(n, p)]
+    no_decay = [p for n, p in named_params if no_weight_decay(n, p)]
     return [g for g in ({"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0})
             if g["params"]]
 
@@ -45,7 +45,7 @@ class Optimizer:
         if kind not in OPTIMIZERS:
             raise UsageError(f"optimizer={kind!r} is unknown: use one of {', '.join(OPTIMIZERS)}")
         self.kind, self.betas, self.eps, self.momentum = kind, betas, eps, momentum
-        self.params = [(p, 0.0 if _no_weight_decay(n, p) else weight_decay) for n, p in params]
+        self.params = [(p, 0.0 if no_weight_decay(n, p) else weight_decay) for n, p in params]
         self.state: dict = {}
         self.step_count = 0
 
@@ -81,6 +81,32 @@ class Optimizer:
     def state_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
 
+    @property
+    def state_keys(self) -> tuple:
+        """The names of a parameter's state tensors: Adam's two moments, SGD's momentum buffer (none
+        without momentum) -- torch.optim's names, which megatron-core's checkpoints use too."""
+        if self.kind == "adam":
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if self.momentum else ()
+
+    def param_state(self, param: torch.Tensor) -> dict:
+        """``{state name: tensor}`` of ``param`` (one of :attr:`params`), zeros of its shape for a state
+        no step has made yet."""
+        st = self.state.get(id(param), {})
+        return {k: st[k].detach() if k in st else torch.zeros_like(param) for k in self.state_keys}
+
+    def load_param_state(self, param: torch.Tensor, values: dict) -> None:
+        """Set ``param``'s state tensors to a copy of ``values`` (``{state name: tensor}``, any shape of
+        ``param``'s size), in ``param``'s device and dtype."""
+        self.state[id(param)] = {k: v.to(param.device, param.dtype).clone() for k, v in values.items()}
+
+    def state_dict(self) -> dict:
+        """What a step depends on besides the tensors: ``{"kind", "step_count"}`` (Adam's bias correction)."""
+        return {"kind": self.kind, "step_count": self.step_count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = state["step_count"]
+
 
 class LRScheduler:
     """Megatron's ``OptimizerParamScheduler.get_lr`` (``megatron/core/optimizer_param_scheduler.py``),
@@ -108,6 +134,16 @@ class LRScheduler:
     def step(self, increment: int) -> float:
         self.num_steps += increment
         return self.get_lr()
+
+    def state_dict(self) -> dict:
+        """megatron-core's ``OptimizerParamScheduler.state_dict()`` learning-rate keys (steps in samples)."""
+        return {"max_lr": self.max_lr, "lr_warmup_steps": self.warmup_steps, "num_steps": self.num_steps,
+                "lr_decay_style": self.style, "lr_decay_steps": self.decay_steps, "min_lr": self.min_lr}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``'s step count (the schedule itself comes from this run's flags, as
+        Megatron's ``--override-opt-param-scheduler`` keeps it)."""
+        self.num_steps = state["num_steps"]
 
 
 @torch.no_grad()

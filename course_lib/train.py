@@ -7,10 +7,11 @@ It follows ``pretrain_gpt.py`` and ``megatron/training/training.py`` (``pretrain
 ``training_log``): :func:`validate_args` checks the flags before any work starts (a ``--deepspeed-config``
 folded in first), :func:`pretrain` loops over :func:`train_step` on the ranks of the running process group,
 :func:`train_single_process` is the single-process reference every layout is compared with, :func:`main`
-and :func:`run` are the entry points (under torchrun, and the launcher that checks, then starts it). The
-trainer's parts live in :mod:`course_lib.training` (flags, gradient finalisation, sharded steps,
-checkpoints, log lines); with ``--deepspeed-config`` the run is DeepSpeed's engine
-(:mod:`course_lib.deepspeed.engine`).
+and :func:`run` are the entry points (under torchrun, and the launcher that checks, then starts it):
+they take flags and build the run's one :class:`~course_lib.training.run_config.RunConfig`, which
+everything below reads. The trainer's parts live in :mod:`course_lib.training` (flags, the run
+config, the setup, gradient finalisation, sharded steps, checkpoints, the training log and its lines);
+with ``--deepspeed-config`` the run is DeepSpeed's engine (:mod:`course_lib.deepspeed.engine`).
 
 One iteration step by step, mixed precision, state sharding, MoE, what the loss means, the log lines
 and the deviations from Megatron on purpose: ``docs/trainer.md``.
@@ -25,7 +26,6 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -33,31 +33,32 @@ import torch.distributed as dist
 
 from course_lib import comm, rules
 from course_lib.data import get_batch, get_batch_on_this_cp_rank, get_global_batch
-from course_lib.data.source import build_train_dataset, build_valid_dataset
+from course_lib.data.source import build_train_dataset
 from course_lib.launch import RendezvousError, init_rank, resolve_backend, run_torchrun, torchrun_command
 from course_lib.launch.contract import report_error
-from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
-                                      print_line, world_size_line)
-from course_lib.mixed_precision import DTYPES, make_loss_scaler
-from course_lib.model import GPTModel, build_model, gpt_loss
+from course_lib.training.logs import arguments_lines, memory_line, parameters_line, print_line, world_size_line
+from course_lib.training.training_log import TrainingLog
+from course_lib.mixed_precision import DTYPES
+from course_lib.model import GPTModel, gpt_loss
 from course_lib.moe.layer import is_expert_param
 from course_lib.moe.transformer import set_aux_loss_scale, track_moe_metrics
-from course_lib.optimizer import LRScheduler, Optimizer, clip_grads
-from course_lib.pipeline.check import check_schedule
+from course_lib.optimizer import LRScheduler, Optimizer, clip_grads  # noqa: F401
 from course_lib.pipeline.executor import run_rank_schedule
-from course_lib.pipeline.schedules import PipelineSchedule, build_schedule
-from course_lib.process_groups import ProcessGroups, new_moe_process_groups, new_process_groups
+from course_lib.process_groups import new_process_groups
 from course_lib.topology import ParallelConfig
 # What the rest of the course imports from here (the flags, the gradient steps), re-exported:
 from course_lib.training import arguments
 from course_lib.training.arguments import (add_megatron_arguments, args_to_argv, build_parser,  # noqa: F401
-                                           gpt_config_from_args, parse_args, uses_sharding_engine, vocab_padding_tp)
+                                           gpt_config_from_args, parse_args, vocab_padding_tp, with_defaults)
+from course_lib.training.run_config import DistributedConfig, RunConfig
+from course_lib.training.setup import (TrainingSetup, build_lr_scheduler, build_optimizer,  # noqa: F401
+                                      setup_training)
 from course_lib.deepspeed import engine as deepspeed_engine
 from course_lib.training.evaluation import evaluate_and_print
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
-from course_lib.training.state_sharding import (allreduce_embedding_grads_after_sync, build_engine, schedule_sync,
+from course_lib.training.state_sharding import (allreduce_embedding_grads_after_sync, schedule_sync,
                                           state_bytes)
 
 MEMORY_SOURCE_CPU = "tracked tensor bytes"
@@ -78,107 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _scheduler(args, global_batch_size: int) -> LRScheduler:
-    """Megatron's schedule, counted in samples: ``global_batch_size`` per iteration."""
-    g = global_batch_size
-    return LRScheduler(args.lr, args.min_lr, args.lr_decay_style, args.lr_warmup_iters * g, args.lr_decay_iters * g)
-
-
-def _optimizer(args, named_params) -> Optimizer:
-    return Optimizer(named_params, args.optimizer, weight_decay=args.weight_decay,
-                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, momentum=args.sgd_momentum)
-
-
 # ============================================================================ one iteration
-
-
-@dataclass
-class TrainingSetup:
-    """What every iteration of a run uses, built once by :func:`setup_training` (Megatron's
-    ``setup_model_and_optimizer`` plus ``get_forward_backward_func``).
-
-    ``chunks``: this rank's model chunks (one per virtual stage); ``params``: their parameters,
-    each once; ``schedule``/``p2p``: the pipeline schedule and its checked sends;
-    ``activation_shape``: ``[s/cp (/tp with SP), micro, hidden]``, what a stage sends;
-    ``finalize_model_grads_func``: the gradient step after backward (Megatron's
-    ``config.finalize_model_grads_func``; a test passes a broken one to see the parity check fail),
-    called as ``f(chunks, groups, config)``, plus ``moe_groups=`` in an MoE run.
-    """
-
-    config: ParallelConfig
-    groups: ProcessGroups
-    chunks: list
-    params: list
-    optimizer: Optimizer
-    scheduler: LRScheduler
-    schedule: PipelineSchedule
-    p2p: str
-    activation_shape: tuple
-    device: torch.device
-    seed: int
-    clip_grad: float
-    finalize_model_grads_func: Callable = finalize_model_grads
-    precision: str = "fp32"           # "bf16" / "fp16": autocast compute (course_lib.mixed_precision)
-    scaler: object = None             # fp16's loss scaler, else None
-    engine: object = None             # course_lib.distributed's wrapper with the sharding flags, else None
-    finalizer: object = None          # its course_lib.training.state_sharding.ShardedGradFinalizer
-    pipeline_schedule: str = "1f1b"
-    num_parameters: int = 0           # this rank's parameters (counted before any ZeRO-3 sharding)
-    moe_groups: object = None         # --num-experts: course_lib.process_groups.MoEGroups, else None
-    dataset: object = None            # --data-path: its train split (course_lib.data.source), else the built-in corpus
-    valid_dataset: object = None      # --eval-interval: the valid split, else None
-
-
-def _precision(args) -> str:
-    return "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "fp32"
-
-
-def _loss_scaler(args):
-    return make_loss_scaler(getattr(args, "fp16", False), args.loss_scale, args.initial_loss_scale,
-                            args.min_loss_scale, args.loss_scale_window, args.hysteresis,
-                            bf16=getattr(args, "bf16", False),
-                            distributed_optimizer=getattr(args, "use_distributed_optimizer", False))
 
 
 def _autocast(device: torch.device, precision: str):
     """16-bit compute for ``--bf16``/``--fp16`` (a no-op context for fp32)."""
     return torch.autocast(device.type, dtype=DTYPES[precision], enabled=precision != "fp32")
-
-
-def setup_training(args: argparse.Namespace, config: ParallelConfig, groups: ProcessGroups, device: torch.device, *,
-                   finalize_model_grads_func: Callable = finalize_model_grads) -> TrainingSetup:
-    """Build this rank's model chunks (from the dense master, :func:`course_lib.model.build_model`),
-    optimizer, learning-rate schedule and pipeline schedule for the validated ``config``.
-
-    With ``--num-experts`` the MoE groups come first (collective, with the run's timeout): Megatron's
-    expert grid, held by the config's grid beside the dense one (``--expert-model-parallel-size``,
-    ``--expert-tensor-parallel-size``, the dense grid's order), and each MoE layer keeps its experts."""
-    moe_groups = None
-    if getattr(args, "num_experts", None):
-        moe_groups = new_moe_process_groups(groups.grid, timeout=args.distributed_timeout_minutes * 60)
-    chunks = build_model(gpt_config_from_args(args), groups, vp=config.vpp,
-                         sequence_parallel=config.sequence_parallel, device=device, moe_groups=moe_groups)
-    for chunk in chunks:
-        chunk.train()
-    named = unique_named_params(chunks)
-    name = "interleaved" if config.vpp > 1 else args.pipeline_schedule
-    schedule = build_schedule(name, config.pp, config.num_microbatches, config.vpp)
-    seq_local = config.seq_length // config.cp
-    shape = (seq_local // (config.tp if config.sequence_parallel else 1), config.micro_batch_size, config.hidden_size)
-    num_parameters = sum(p.numel() for chunk in chunks for p in chunk.parameters())
-    scaler = _loss_scaler(args)
-    engine = finalizer = None
-    if uses_sharding_engine(args):   # DP reduction + optimizer through course_lib.distributed
-        engine, finalizer = build_engine(args, chunks, groups, config, scaler)
-    return TrainingSetup(config=config, groups=groups, chunks=chunks, params=[p for _, p in named],
-                         optimizer=_optimizer(args, named) if engine is None else engine.optimizer,
-                         scheduler=_scheduler(args, config.effective_global_batch_size),
-                         schedule=schedule, p2p=check_schedule(schedule), activation_shape=shape, device=device,
-                         seed=args.seed, clip_grad=args.clip_grad, finalize_model_grads_func=finalize_model_grads_func,
-                         precision=_precision(args), scaler=scaler, engine=engine, finalizer=finalizer,
-                         pipeline_schedule=name, num_parameters=num_parameters, moe_groups=moe_groups,
-                         dataset=build_train_dataset(args, config.effective_global_batch_size),
-                         valid_dataset=build_valid_dataset(args, config.effective_global_batch_size))
 
 
 def _rank_batches(config: ParallelConfig, iteration: int, coords: dict, seed: int, device, dataset=None):
@@ -210,9 +116,9 @@ def _token_loss_fn(s: TrainingSetup, stats: list):
     return loss_fn
 
 
-def _evaluate(args, setup: TrainingSetup, record: dict, evaluation: int, prefix: str) -> None:
+def _evaluate(setup: TrainingSetup, record: dict, evaluation: int, prefix: str) -> None:
     """Megatron's evaluate_and_print_results with the trainer's own batches, loss and schedule."""
-    evaluate_and_print(setup, setup.valid_dataset, args.eval_iters, evaluation, prefix, record,
+    evaluate_and_print(setup, setup.valid_dataset, setup.run.schedule.eval_iters, evaluation, prefix, record,
                        rank_batches=_rank_batches, loss_fn_of=_token_loss_fn,
                        run_schedule=_forward_backward, dp_kind=dp_kind(setup.config))
 
@@ -270,7 +176,7 @@ def train_step(setup: TrainingSetup, iteration: int) -> dict:
     if skipped:
         lr = s.scheduler.get_lr()    # Megatron: no optimizer step and no scheduler step
     else:
-        clip_grads(s.params, norm, s.clip_grad)
+        clip_grads(s.params, norm, s.run.optimizer.clip_grad)
         s.optimizer.step(s.scheduler.get_lr())
         lr = s.scheduler.step(config.effective_global_batch_size)
     return _step_record(s, out, stats, norm, lr, skipped)
@@ -330,26 +236,27 @@ def _state_fields(sharded) -> str:
                     ("optimizer_host", "optimizer on host")))
 
 
-def validate_args(args: argparse.Namespace, world_size: int, **checks) -> tuple[argparse.Namespace, ParallelConfig]:
+def validate_args(args: argparse.Namespace, world_size: int, **checks) -> RunConfig:
     """The entry point's check of a run's flags for ``world_size`` ranks: a ``--deepspeed-config`` file
     is folded into the flags first (:func:`course_lib.deepspeed.engine.apply_config`: the file's batch,
     optimizer, clipping and precision become the flags'), then every rule is checked
     (:func:`course_lib.training.arguments.validate_args`, which ``checks`` go to). Returns its
-    ``(args, config)``; ``args`` itself is not changed."""
-    if getattr(args, "deepspeed_config", None):
-        args = deepspeed_engine.apply_config(argparse.Namespace(**vars(args)), world_size,
-                                             build_parser().parse_args([]))
+    :class:`~course_lib.training.run_config.RunConfig`; ``args`` itself is not changed."""
+    args = with_defaults(args)
+    if args.deepspeed_config:
+        args = deepspeed_engine.apply_config(args, world_size, build_parser().parse_args([]))
     return arguments.validate_args(args, world_size, **checks)
 
 
-def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = None, print_args: bool = True,
+def pretrain(args: argparse.Namespace | RunConfig, *, print_args: bool = True,
              record_comm: bool = True, finalize_model_grads_func: Callable = finalize_model_grads) -> dict:
     """Train on the ranks of the running default process group (torchrun or ``launch``): a loop
     over :func:`train_step`, logging as Megatron's ``training_log`` does.
 
-    ``args``: from :func:`parse_args`, validated here for this world size; or, with ``config``,
-    the pair :func:`validate_args` returned (not checked again). Every layout fact -- sizes, DP,
-    micro-batches, sequence parallelism, virtual stages -- is read from the validated config.
+    ``args``: from :func:`parse_args`, validated here for this world size; or the
+    :class:`~course_lib.training.run_config.RunConfig` :func:`validate_args` returned (not checked
+    again). Every value -- sizes, DP, micro-batches, sequence parallelism, virtual stages, the
+    optimizer, the checkpoint flags -- is read from that one config.
     ``finalize_model_grads_func``: the gradient step after backward (Megatron's
     ``config.finalize_model_grads_func``). Collective: every rank calls it. Returns this rank's record::
 
@@ -364,78 +271,82 @@ def pretrain(args: argparse.Namespace, *, config: Optional[ParallelConfig] = Non
          "memory": {"allocated", "max_allocated"} bytes (tracked), "coords": {...}, "num_parameters": int}
     """
     world = dist.get_world_size()
-    if config is None:       # the ranks are running: their memory is already in use, not to be counted again
-        args, config = validate_args(args, world, check_memory=False)
-    elif config.world_size != world:
+    # the ranks are running: their memory is already in use, not to be counted again
+    run = args if isinstance(args, RunConfig) else validate_args(args, world, check_memory=False)
+    config = run.parallel
+    if config.world_size != world:
         raise rules.UsageError(f"config was validated for world_size={config.world_size} but {world} ranks are running")
-    groups = new_process_groups(config.grid, timeout=args.distributed_timeout_minutes * 60)
+    groups = new_process_groups(config.grid, timeout=run.distributed.timeout_s)
     c = groups.coords
     cuda = torch.cuda.is_available() and "nccl" in dist.get_backend()  # the launcher's is "cpu:gloo,cuda:nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    _print_run_header(args, config, print_args)
-    setup = setup_training(args, config, groups, device, finalize_model_grads_func=finalize_model_grads_func)
+    _print_run_header(run, print_args)
+    setup = setup_training(run, groups, device, finalize_model_grads_func=finalize_model_grads_func)
     if c["dp"] == 0 and c["cp"] == 0:
         print_line(parameters_line(c["tp"], c["pp"], setup.num_parameters))
     # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
-    torch.manual_seed(args.seed + 100 * c["pp"])
-    start_iteration = load_checkpoint(args, setup) if args.load else 0   # course_lib.training.checkpointing
+    torch.manual_seed(run.schedule.seed + 100 * c["pp"])
+    start_iteration = load_checkpoint(setup) if run.checkpointing.load else 0   # course_lib.training.checkpointing
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": setup.num_parameters,
               "skipped": [], "loss_scale": [], "moe_losses": []}
-    _training_loop(args, setup, record, record_comm, cuda, start_iteration)
+    _training_loop(setup, record, record_comm, cuda, start_iteration)
     return record
 
 
-def _print_run_header(args: argparse.Namespace, config: ParallelConfig, print_args: bool) -> None:
+def _print_run_header(run: RunConfig, print_args: bool) -> None:
     """Rank 0: the layout's and the flags' warnings, then (``print_args``) Megatron's world-size
     line and arguments block."""
     if dist.get_rank() != 0:
         return
-    for note in (*config.notes, *getattr(args, "sharding_notes", ())):
+    config = run.parallel
+    for note in (*config.notes, *run.sharding.notes):
         print_line(f"WARNING: {note}")
     if print_args:
         print_line(world_size_line(config.world_size, config.dp, config.cp, config.tp, config.pp))
-        for line in arguments_lines(vars(args)):
+        for line in arguments_lines(dict(run.arguments)):
             print_line(line)
 
 
-def _training_loop(args: argparse.Namespace, setup: TrainingSetup, record: dict, record_comm: bool,
-                   cuda: bool, start_iteration: int = 0) -> None:
+def _training_loop(setup: TrainingSetup, record: dict, record_comm: bool, cuda: bool,
+                   start_iteration: int = 0) -> None:
     """Iterations ``start_iteration + 1 .. --train-iters`` of :func:`train_step`, each recorded; every
     ``--log-interval`` (and the first) the iteration line, the memory line at the first two logged
     iterations; the checkpoint saves and the exit that ``--save-interval`` / ``--exit-interval`` ask for."""
-    peak_activation, report_memory, evaluations = 0, True, 0
+    peak_activation, evaluations = 0, 0
+    schedule = setup.run.schedule
     dist.barrier()
-    interval = LogInterval(time.perf_counter())
-    for iteration in range(start_iteration + 1, args.train_iters + 1):
+    log = TrainingLog(record, train_iters=schedule.train_iters, log_interval=setup.run.logging.log_interval,
+                      global_batch_size=setup.config.effective_global_batch_size,
+                      prints=dist.get_rank() == dist.get_world_size() - 1)
+    for iteration in range(start_iteration + 1, schedule.train_iters + 1):
         it_start = time.perf_counter()
         with comm.CommRecorder() if record_comm else contextlib.nullcontext() as rec:
             step = train_step(setup, iteration)
-        if args.check_for_nan_in_loss_and_grad and not step["skipped"]:
+        if schedule.check_for_nan_in_loss_and_grad and not step["skipped"]:
             try:
                 rules.finite_loss_and_grad(iteration, step["lm_loss"], step["grad_norm"])
             except rules.UsageError as exc:
                 raise TrainingStopped(str(exc), report=_reports_nonfinite(setup, step)) from None
         peak_activation = max(peak_activation, step["peak_bytes"])
-        _record_step(record, step, rec, (time.perf_counter() - it_start) * 1000.0)
-        interval.add(step["lm_loss"], step["skipped"], step["moe_losses"])
-        first = iteration == 1
-        if iteration % args.log_interval == 0 or first:
+        log.step(lm_loss=step["lm_loss"], grad_norm=step["grad_norm"], learning_rate=step["learning_rate"],
+                 elapsed_ms=(time.perf_counter() - it_start) * 1000.0, skipped=step["skipped"],
+                 loss_scale=step["loss_scale"], moe_losses=step["moe_losses"])
+        _record_last_step(record, step, rec)
+        if log.due(iteration):
             dist.barrier()
-            _log_iteration(args, setup, record, iteration, interval, step)
-            if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                interval = LogInterval(time.perf_counter())
-            if report_memory:
+            log.log(iteration, learning_rate=step["learning_rate"], grad_norm=step["grad_norm"],
+                    loss_scale=step["loss_scale"])
+            if log.memory_due(iteration):
                 _report_memory(setup, record, iteration, peak_activation, cuda)
-                report_memory = iteration == 1
-        if setup.valid_dataset is not None and iteration % args.eval_interval == 0:
-            _evaluate(args, setup, record, evaluations, f"iteration {iteration}")
+        if setup.valid_dataset is not None and iteration % schedule.eval_interval == 0:
+            _evaluate(setup, record, evaluations, f"iteration {iteration}")
             evaluations += 1
-        if checkpoint_and_decide_exit(args, setup, iteration):   # --save-interval, --exit-interval, the last save
+        if checkpoint_and_decide_exit(setup, iteration):   # --save-interval, --exit-interval, the last save
             break
     else:
         if setup.valid_dataset is not None:          # Megatron's do_valid after training
-            _evaluate(args, setup, record, evaluations, f"iteration {args.train_iters} on validation set")
+            _evaluate(setup, record, evaluations, f"iteration {schedule.train_iters} on validation set")
     record.setdefault("memory", {"allocated": _bytes(setup.params),
                                  "max_allocated": _bytes(setup.params) + peak_activation})
     record["peak_activation_bytes"] = peak_activation
@@ -450,13 +361,10 @@ def _reports_nonfinite(setup: TrainingSetup, step: dict) -> bool:
     return setup.groups.is_last_stage and c["tp"] == c["cp"] == c["dp"] == 0
 
 
-def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
-    """One iteration's values into the record; ``rec``: its :class:`course_lib.comm.CommRecorder`
-    (None when not recording), whose bytes per group kind replace the record's ``comm``."""
-    record["lm_loss"].append(step["lm_loss"])
-    record["grad_norm"].append(step["grad_norm"])
-    record["learning_rate"].append(step["learning_rate"])
-    record["elapsed_ms"].append(elapsed_ms)
+def _record_last_step(record: dict, step: dict, rec) -> None:
+    """The last iteration's communication and pipeline events into the record; ``rec``: its
+    :class:`course_lib.comm.CommRecorder` (None when not recording), whose bytes per group kind replace
+    the record's ``comm``."""
     if rec is not None:
         kinds: dict = {}
         for e in rec.events:
@@ -464,27 +372,6 @@ def _record_step(record: dict, step: dict, rec, elapsed_ms: float) -> None:
                 kinds[e.kind] = kinds.get(e.kind, 0) + e.bytes
         record["comm"] = kinds
     record["pipeline_events"] = step["events"]
-    record["skipped"].append(step["skipped"])
-    record["moe_losses"].append(step["moe_losses"])
-    record["loss_scale"].append(step["loss_scale"])
-
-
-def _log_iteration(args: argparse.Namespace, setup: TrainingSetup, record: dict, iteration: int,
-                   interval: LogInterval, step: dict) -> None:
-    """The last rank prints Megatron's iteration line for the interval (time per iteration,
-    averaged losses, this step's learning rate and norm) and keeps it in ``record["logged"]``."""
-    elapsed_ms = interval.elapsed_ms(time.perf_counter())
-    if dist.get_rank() != dist.get_world_size() - 1:
-        return
-    avg, moe_avg = interval.averages()
-    lr, norm = step["learning_rate"], step["grad_norm"]
-    global_batch_size = setup.config.effective_global_batch_size
-    print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
-                              elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
-                              lm_loss=avg, grad_norm=norm, loss_scale=step["loss_scale"],
-                              skipped_iterations=interval.skipped, extra_losses=moe_avg))
-    record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms, learning_rate=lr,
-                                 grad_norm=norm, **moe_avg))
 
 
 def _report_memory(setup: TrainingSetup, record: dict, iteration: int, peak_activation: int, cuda: bool) -> None:
@@ -516,6 +403,7 @@ def train_single_process(args: argparse.Namespace) -> dict:
     tokens (Megatron computes it per micro-batch, scaled by ``1 / m``), so the reference must see the
     same micro-batches. Returns ``{"lm_loss": [...], "grad_norm": [...], "learning_rate": [...],
     "moe_losses": [{name: value}]}`` per iteration (``{}`` for a dense model)."""
+    args = with_defaults(args)
     if args.global_batch_size is None:
         raise rules.UsageError("train_single_process needs --global-batch-size (the batch every layout shares)")
     one = argparse.Namespace(**vars(args))
@@ -524,41 +412,48 @@ def train_single_process(args: argparse.Namespace) -> dict:
     one.sequence_parallel = False
     one.virtual_pipeline_model_parallel_size = one.num_layers_per_virtual_pipeline_stage = None
     one.num_virtual_stages_per_pipeline_rank = None
-    micro = args.micro_batch_size if getattr(args, "num_experts", None) else args.global_batch_size
+    micro = args.micro_batch_size if args.num_experts else args.global_batch_size
     one.micro_batch_size = args.global_batch_size          # one step = the whole global batch at once
     one.expert_model_parallel_size, one.expert_tensor_parallel_size = 1, None
-    args, config = validate_args(one, world_size=1)
+    run = validate_args(one, world_size=1)
+    return _train_single_process(run, padding_tp, micro)
+
+
+def _train_single_process(run: RunConfig, padding_tp: int, micro: int) -> dict:
+    """:func:`train_single_process` on its validated one-rank ``run``: the model padded for
+    ``padding_tp``, the global batch in micro-batches of ``micro``."""
+    config, seed = run.parallel, run.schedule.seed
     m = rules.num_microbatches(config.effective_global_batch_size, micro, 1)   # 1 for a dense model
-    model = GPTModel(gpt_config_from_args(args).with_(vocab_padding_tp=padding_tp))
+    model = GPTModel(run.model.with_(vocab_padding_tp=padding_tp))
     model.train()
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    optimizer = _optimizer(args, named)
+    opt = build_optimizer(run.optimizer, named)
     global_batch_size = config.effective_global_batch_size
-    scheduler = _scheduler(args, global_batch_size)
-    dataset = build_train_dataset(args, global_batch_size)
+    scheduler = build_lr_scheduler(run.optimizer, global_batch_size)
+    dataset = build_train_dataset(run, global_batch_size)
     lr = scheduler.get_lr()
     out = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "moe_losses": []}
-    moe = bool(getattr(args, "num_experts", None))
+    moe = bool(run.model.num_experts)
     if moe:
         set_aux_loss_scale([model], 1.0 / m)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(args.seed)
-        for iteration in range(args.train_iters):
+        torch.manual_seed(seed)
+        for iteration in range(run.schedule.train_iters):
             for p in params:
                 p.grad = None
-            batch = get_global_batch(iteration, global_batch_size, config.seq_length, args.seed, dataset=dataset)
+            batch = get_global_batch(iteration, global_batch_size, config.seq_length, seed, dataset=dataset)
             loss = 0.0
             for tokens, labels in zip(batch["tokens"].split(micro), batch["labels"].split(micro)):
-                with _autocast(torch.device("cpu"), _precision(args)):
+                with _autocast(torch.device("cpu"), run.precision.name):
                     logits = model(tokens)                                         # [s, micro, V]
                 part = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                                          labels.t().reshape(-1)) / m
                 part.backward()
                 loss = loss + part.detach()
             norm = float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in params)))
-            clip_grads(params, norm, args.clip_grad)
-            optimizer.step(lr)
+            clip_grads(params, norm, run.optimizer.clip_grad)
+            opt.step(lr)
             lr = scheduler.step(global_batch_size)
             out["lm_loss"].append(float(loss))
             out["moe_losses"].append(track_moe_metrics([model], None, m)[0] if moe else {})
@@ -578,10 +473,10 @@ class TrainingStopped(RuntimeError):
         self.report = report
 
 
-def _init_distributed(args) -> None:
-    timeout = args.distributed_timeout_minutes * 60
+def _init_distributed(distributed: DistributedConfig) -> None:
+    timeout = distributed.timeout_s
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    backend = args.distributed_backend or resolve_backend("auto", world)
+    backend = distributed.backend or resolve_backend("auto", world)
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         init_rank(int(os.environ["RANK"]), world, backend, timeout)        # torchrun: env:// rendezvous
     else:                                                                  # plain python: a world of one
@@ -593,22 +488,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     try:
-        args, config = validate_args(args, world)                        # before any process group
+        run_config = validate_args(args, world)                          # before any process group
     except rules.UsageError as exc:
         if rank == 0:
             report_error(rank, str(exc))
         return 2
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
-        _init_distributed(args)
+        _init_distributed(run_config.distributed)
     except RendezvousError as exc:                                       # one line: which rank, the fix
         report_error(rank, str(exc))
         return 2
     try:
-        if args.deepspeed_config:    # DeepSpeed's engine from the ds_config (course_lib.deepspeed.engine)
-            deepspeed_engine.pretrain(args, gpt_config_from_args(args))
+        if run_config.deepspeed_config:   # DeepSpeed's engine from the ds_config (course_lib.deepspeed.engine)
+            deepspeed_engine.pretrain(run_config)
         else:
-            pretrain(args, config=config)
+            pretrain(run_config)
         dist.barrier()
     except CheckpointError as exc:                                       # one line, on the rank that saw it
         report_error(rank, str(exc))
@@ -631,9 +526,10 @@ def run(args: argparse.Namespace) -> int:
     """``python -m course_lib train --nproc-per-node N [Megatron flags]``: check the layout for N
     ranks (a one-line error when it is wrong), print the torchrun command, run it. Ctrl-C, SIGTERM
     or this process's death stop torchrun and every rank (:func:`course_lib.launch.run_torchrun`)."""
+    args = with_defaults(args, add_arguments(argparse.ArgumentParser()))
     n = rules.integer("nproc_per_node", args.nproc_per_node)
-    nodes = rules.integer("nodes", getattr(args, "nodes", 1))
-    if nodes > 1 or getattr(args, "print_launch", False):
+    nodes = rules.integer("nodes", args.nodes)
+    if nodes > 1 or args.print_launch:
         from course_lib.launch.cluster import environment, launch_text
 
         validate_args(args, nodes * n)

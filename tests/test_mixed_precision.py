@@ -339,7 +339,7 @@ def test_trainer_bf16_matches_one_process_and_fp16_skips_overflows():
 def test_trainer_precision_flags_follow_megatrons_rules():
     from course_lib.train import args_to_argv, parse_args, validate_args
 
-    a, _ = validate_args(parse_args(TRAIN + ["--bf16"]), 1)
+    a = validate_args(parse_args(TRAIN + ["--bf16"]), 1).namespace()
     assert a.accumulate_allreduce_grads_in_fp32 is True           # validate_args turns it on for bf16
     assert "--bf16" in args_to_argv(a)
     for extra, match in ((["--bf16", "--fp16"], "mutually exclusive"),

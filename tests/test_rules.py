@@ -242,8 +242,8 @@ def test_sequence_parallel_with_tp_1_is_turned_off_and_said_in_one_line(capsys):
     note = rules.SP_WITHOUT_TP
     cfg = ParallelConfig(8, seq_length=32, sequence_parallel=True)
     assert cfg.sequence_parallel is False and cfg.notes == (note,)
-    args, cfg = validate_args(parse_args(_train_argv({**BASE, "sp": True})), 8)
-    assert args.sequence_parallel is False and cfg.notes == (note,)
+    run = validate_args(parse_args(_train_argv({**BASE, "sp": True})), 8)
+    assert run.parallel.sequence_parallel is False and run.parallel.notes == (note,)
     p = plan(ModelSpec("case", 8, 64, 8, 51200, 32), dp=8, sequence_parallel=True)
     assert p.config["sequence_parallel"] is False and note in p.notes
     capsys.readouterr()

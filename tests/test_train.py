@@ -155,8 +155,8 @@ def test_vocabulary_padding_is_megatrons_unless_the_layout_asks_for_one_model(re
     """--make-vocab-size-divisible-by pads to a multiple of it x TP (Megatron's meaning); the course's
     layouts pass --uniform-vocab-padding to train one model whatever the TP size (BASE does)."""
     megatron = BASE[1:] + ["--tensor-model-parallel-size", "2", "--train-iters", "2"]
-    assert validate_args(parse_args(megatron), 2)[0].padded_vocab_size == 512          # 257 -> 2 x 128 x 2
-    assert validate_args(parse_args(BASE + ["--tensor-model-parallel-size", "2"]), 2)[0].padded_vocab_size == 384
+    assert validate_args(parse_args(megatron), 2).model.padded_vocab_size == 512          # 257 -> 2 x 128 x 2
+    assert validate_args(parse_args(BASE + ["--tensor-model-parallel-size", "2"]), 2).model.padded_vocab_size == 384
     res = launch(_rank, world_size=2, output="none", timeout=120, argv=megatron)
     own = train_single_process(parse_args(megatron))                   # the reference pads as the layout does
     assert _rel(res[-1]["lm_loss"], own["lm_loss"]) < TOL
@@ -207,12 +207,13 @@ def test_bad_layouts_fail_in_one_line(extra, world, message):
 
 
 def test_validate_derives_dp_and_follows_megatron_defaults():
-    a, cfg = validate_args(parse_args(BASE[:-6] + ["--tensor-model-parallel-size", "2"]), 8)  # no --global-batch
+    run = validate_args(parse_args(BASE[:-6] + ["--tensor-model-parallel-size", "2"]), 8)  # no --global-batch
+    a, cfg = run.namespace(), run.parallel
     assert (a.data_parallel_size, cfg.dp, a.global_batch_size, cfg.num_microbatches) == (4, 4, 8, 1)
-    a, _ = validate_args(parse_args(BASE + ["--sequence-parallel"]), 2)   # TP=1: SP switched off, like Megatron
+    a = validate_args(parse_args(BASE + ["--sequence-parallel"]), 2).namespace()   # TP=1: SP off, like Megatron
     assert a.sequence_parallel is False
-    a, _ = validate_args(parse_args(BASE + ["--pipeline-model-parallel-size", "2",
-                                            "--num-layers-per-virtual-pipeline-stage", "1"]), 2)
+    a = validate_args(parse_args(BASE + ["--pipeline-model-parallel-size", "2",
+                                            "--num-layers-per-virtual-pipeline-stage", "1"]), 2).namespace()
     assert a.virtual_pipeline_model_parallel_size == 2
     assert not hasattr(build_parser().parse_args([]), "data_parallel_size")   # DP is never a flag
     with pytest.raises(SystemExit):

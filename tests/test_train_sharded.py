@@ -195,7 +195,7 @@ def test_bad_sharding_flags_fail_in_one_line(extra, flag):
 
 
 def test_megatron_fsdp_turns_the_distributed_optimizer_on():
-    args, _ = validate_args(parse_args(BASE + FSDP + ["optim_grads"]), WORLD, check_memory=False)
+    args = validate_args(parse_args(BASE + FSDP + ["optim_grads"]), WORLD, check_memory=False).namespace()
     assert args.use_distributed_optimizer and "Using DistributedOptimizer" in args.sharding_notes[0]
 
 

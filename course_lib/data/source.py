@@ -46,83 +46,89 @@ def add_data_arguments(parser) -> None:
     g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (Megatron's default 100)")
 
 
-def load_tokenizer(args):
-    """The run's tokenizer: GPT-2 BPE from ``--vocab-file``/``--merge-file``, ``NullTokenizer`` of
-    ``--vocab-size``, else the byte tokenizer."""
-    if getattr(args, "tokenizer_type", None) is None:
+def load_tokenizer(data):
+    """The run's tokenizer (``data``: a :class:`course_lib.training.run_config.DataConfig`): GPT-2 BPE from
+    ``--vocab-file``/``--merge-file``, ``NullTokenizer`` of ``--vocab-size``, else the byte tokenizer."""
+    if data.tokenizer_type is None:
         return ByteTokenizer()
-    if args.tokenizer_type == "NullTokenizer":
-        return NullTokenizer(getattr(args, "vocab_size", None))
+    if data.tokenizer_type == "NullTokenizer":
+        return NullTokenizer(data.vocab_size)
     from course_lib.data.bpe import BPETokenizer
 
-    return BPETokenizer.from_files(args.vocab_file, args.merge_file)
+    return BPETokenizer.from_files(data.vocab_file, data.merge_file)
 
 
-def check_data_args(args) -> None:
-    """One line for data flags that do not go together; opens every ``--data-path`` prefix and builds
-    the splits the run reads (milliseconds for the course's data), so a bad one fails before any rank starts.
-    ``args.global_batch_size`` must be derived already (``validate_args`` does)."""
-    data_path = getattr(args, "data_path", None)
-    tokenizer_type = getattr(args, "tokenizer_type", None)
-    if getattr(args, "eval_interval", None) is not None:     # its value: rules.integer, in validate_args
-        if data_path is None:
-            raise UsageError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
-                             "built-in corpus has none)")
-    if tokenizer_type is None and (getattr(args, "vocab_file", None) or getattr(args, "merge_file", None)):
+def check_data_args(data, *, eval_interval=None, deepspeed: bool = False) -> None:
+    """One line for data flags that do not go together (``data``: a ``DataConfig``; ``eval_interval``:
+    ``--eval-interval``, its value already checked; ``deepspeed``: a ``--deepspeed-config`` is given);
+    opens the tokenizer and every ``--data-path`` prefix, so a bad one fails before any rank starts.
+    The splits' sizes: :func:`check_datasets`, once the batch is derived."""
+    if eval_interval is not None and data.data_path is None:
+        raise UsageError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
+                         "built-in corpus has none)")
+    if data.tokenizer_type is None and (data.vocab_file or data.merge_file):
         raise UsageError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer")
-    if data_path is None:
-        if tokenizer_type is not None:
+    if data.data_path is None:
+        if data.tokenizer_type is not None:
             raise UsageError("--tokenizer-type without --data-path: the built-in corpus is byte tokens; give "
                              "--data-path PREFIX (python -m course_lib preprocess makes one)")
         return
-    if tokenizer_type is None:
+    if data.tokenizer_type is None:
         raise UsageError("--data-path needs the tokenizer that made it: --tokenizer-type GPT2BPETokenizer "
                          "--vocab-file vocab.json --merge-file merges.txt")
     from course_lib.data.blend import parse_blend, parse_split
     from course_lib.data.indexed import IndexedDataset
 
-    if getattr(args, "deepspeed_config", None):
+    if deepspeed:
         raise UsageError("--data-path with --deepspeed-config: the DeepSpeed path reads the built-in corpus only; "
                          "drop one of them")
-    load_tokenizer(args)
-    parse_split(args.split)
-    cache = getattr(args, "data_cache_path", None)
+    load_tokenizer(data)
+    parse_split(data.split)
+    cache = data.data_cache_path
     if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
         raise UsageError(f"--data-cache-path {cache} is a file; give a folder (megatron-core keeps its index "
                          f"files there), e.g. --data-cache-path data/cache")
-    for prefix in parse_blend(data_path)[0]:
+    for prefix in parse_blend(list(data.data_path))[0]:
         IndexedDataset(prefix)
-    build_train_dataset(args, args.global_batch_size)     # a split too small for one sample: one line, here
-    build_valid_dataset(args, args.global_batch_size)
 
 
-def vocab_size(args) -> int:
+def check_datasets(run) -> None:
+    """Builds the splits ``run`` (a ``RunConfig``) reads (milliseconds for the course's data): a split too
+    small for one sample fails in one line, here, before any rank starts."""
+    if run.data.data_path is not None:
+        build_train_dataset(run, run.parallel.effective_global_batch_size)
+        build_valid_dataset(run, run.parallel.effective_global_batch_size)
+
+
+def vocab_size(data) -> int:
     """The unpadded vocabulary of the run (the tokenizer's)."""
-    return load_tokenizer(args).vocab_size
+    return load_tokenizer(data).vocab_size
 
 
-def build_valid_dataset(args, global_batch_size: int):
-    """The valid split for every evaluation of the run (:func:`course_lib.data.blend.num_samples_per_split`),
-    or None without ``--eval-interval``."""
-    if getattr(args, "eval_interval", None) is None:
+def build_valid_dataset(run, global_batch_size: int):
+    """The valid split for every evaluation of ``run`` (a ``RunConfig``;
+    :func:`course_lib.data.blend.num_samples_per_split`), or None without ``--eval-interval``."""
+    schedule = run.schedule
+    if schedule.eval_interval is None:
         return None
     from course_lib.data.blend import num_samples_per_split
 
-    sizes = num_samples_per_split(args.train_iters, global_batch_size, args.eval_interval, args.eval_iters)
-    return _build(args, sizes, "valid")
+    sizes = num_samples_per_split(schedule.train_iters, global_batch_size, schedule.eval_interval, schedule.eval_iters)
+    return _build(run, sizes, "valid")
 
 
-def build_train_dataset(args, global_batch_size: int):
+def build_train_dataset(run, global_batch_size: int):
     """The train split for ``--train-iters * global_batch_size`` samples, or None (built-in corpus)."""
-    if getattr(args, "data_path", None) is None:
+    if run.data.data_path is None:
         return None
-    return _build(args, [args.train_iters * global_batch_size, 0, 0], "train")
+    return _build(run, [run.schedule.train_iters * global_batch_size, 0, 0], "train")
 
 
-def _build(args, sizes, split_name: str):
+def _build(run, sizes, split_name: str):
     from course_lib.data.blend import SPLITS, build_datasets
 
-    tok = load_tokenizer(args)
-    return build_datasets(args.data_path, args.split, sizes, args.seq_length, args.seed, tok.eod,
-                          wanted=(split_name,), cache_path=getattr(args, "data_cache_path", None),
+    data = run.data
+    tok = load_tokenizer(data)
+    return build_datasets(list(data.data_path), data.split, sizes, run.model.seq_length, run.schedule.seed, tok.eod,
+                          wanted=(split_name,), cache_path=data.data_cache_path,
                           tokenizer_identifiers=tok.unique_identifiers)[SPLITS.index(split_name)]

@@ -74,10 +74,12 @@ from course_lib import rules
 from course_lib.data import get_batch
 from course_lib.deepspeed import schema as ds_schema
 from course_lib.deepspeed.schema import import_deepspeed
-from course_lib.training.logs import (LogInterval, arguments_lines, iteration_line, memory_line, parameters_line,
-                                      print_line, world_size_line)
-from course_lib.model import GPTConfig, GPTModel
+from course_lib.training.logs import arguments_lines, memory_line, parameters_line, print_line, world_size_line
+from course_lib.training.training_log import TrainingLog
+from course_lib.model import GPTModel
 from course_lib.optimizer import LRScheduler, param_groups
+from course_lib.training.run_config import OptimizerConfig, RunConfig
+from course_lib.training.setup import build_lr_scheduler
 
 MEMORY_SOURCE = "DeepSpeed's model states"
 _ADAM_TYPES = ("adam", "adamw")
@@ -145,15 +147,16 @@ def _check_nvme(zero: dict) -> None:
 
 def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace) -> argparse.Namespace:
     """Fold ``a.deepspeed_config`` (a path) into the flags for ``world`` ranks; see the module doc.
-    ``defaults``: the parser's defaults (a flag that differs from its default was given).
+    ``a``: every trainer flag (``with_defaults``); ``defaults``: the parser's defaults (a flag that
+    differs from its default was given).
 
     Sets ``a.deepspeed = {"config": the config DeepSpeed gets, "client_optimizer": bool,
     "megatron_schedule": bool}`` and ``a.deepspeed_notes`` (what was added, one line each).
     Refuses, in one line, a layout other than DP only, a flag that disagrees with the file, a file
     DeepSpeed's parser refuses, NVMe offload without the async_io op."""
     rules.deepspeed_layout(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size,
-                           getattr(a, "virtual_pipeline_model_parallel_size", None),
-                           [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest, None)])
+                           a.virtual_pipeline_model_parallel_size,
+                           [dest.replace("_", "-") for dest in _NOT_WITH_DEEPSPEED if getattr(a, dest)])
     import_deepspeed()
     config = ds_schema.read(a.deepspeed_config, "--deepspeed-config")
     ds_schema.check(config, world, require_batch=False)          # DeepSpeed's verdict on what the bridge reads
@@ -244,10 +247,10 @@ class MegatronSchedule:
         self.schedule.num_steps = state["num_steps"]
 
 
-def _client_optimizer(args, groups):
-    if args.optimizer == "adam":
-        return torch.optim.AdamW(groups, lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps)
-    return torch.optim.SGD(groups, lr=args.lr, momentum=args.sgd_momentum)
+def _client_optimizer(opt: OptimizerConfig, groups):
+    if opt.optimizer == "adam":
+        return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps)
+    return torch.optim.SGD(groups, lr=opt.lr, momentum=opt.sgd_momentum)
 
 
 def _grad_norm(params) -> float:
@@ -355,10 +358,10 @@ def _state_fields(held: dict, devices: dict) -> str:
                     ("optimizer_host", f"optimizer on {devices['optimizer']}")))
 
 
-def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: bool = True) -> dict:
+def pretrain(run: RunConfig, *, print_args: bool = True) -> dict:
     """Train on the running default process group (every rank one DP rank) with DeepSpeed's engine
-    built from ``args.deepspeed`` (:func:`apply_config`, through ``validate_args``), on the model
-    ``gpt_config`` describes (``gpt_config_from_args(args)``). Collective.
+    built from ``run.deepspeed`` (:func:`apply_config`, through ``validate_args``), on ``run.model``;
+    the rest of the run (optimizer, schedule, seed, log) as the course trainer reads it. Collective.
 
     Returns this rank's record, as :func:`course_lib.train.pretrain`'s: ``lm_loss`` (every rank),
     ``grad_norm``, ``learning_rate``, ``elapsed_ms``, ``skipped``, ``loss_scale`` per iteration,
@@ -370,44 +373,43 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
     deepspeed = import_deepspeed()
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed", category=FutureWarning)
     world, rank = dist.get_world_size(), dist.get_rank()
-    ds = args.deepspeed
+    ds, opt, seed = run.deepspeed, run.optimizer, run.schedule.seed
     config = ds["config"]
     ga, micro = config["gradient_accumulation_steps"], config["train_micro_batch_size_per_gpu"]
     global_batch_size = config["train_batch_size"]
     stage = int((config.get("zero_optimization") or {}).get("stage", 0))
     if rank == 0:
-        for note in args.deepspeed_notes:
+        for note in run.deepspeed_notes:
             print_line(f"WARNING: {note}")
         if print_args:
             print_line(world_size_line(world, world, 1, 1, 1))
-            for line in arguments_lines({k: v for k, v in vars(args).items() if k != "deepspeed"}):
+            for line in arguments_lines({k: v for k, v in run.arguments if k != "deepspeed"}):
                 print_line(line)
-    model = GPTModel(gpt_config)
+    model = GPTModel(run.model)
     model.train()
     num_parameters = sum(p.numel() for p in model.parameters())
-    groups = param_groups(list(model.named_parameters()), args.weight_decay)
-    client = _client_optimizer(args, groups) if ds["client_optimizer"] else None
-    schedule = LRScheduler(args.lr, args.min_lr, args.lr_decay_style, args.lr_warmup_iters * global_batch_size,
-                           args.lr_decay_iters * global_batch_size)
+    groups = param_groups(list(model.named_parameters()), opt.weight_decay)
+    client = _client_optimizer(opt, groups) if ds["client_optimizer"] else None
+    schedule = build_lr_scheduler(opt, global_batch_size)
     lr_scheduler = (lambda opt: MegatronSchedule(opt, schedule, global_batch_size)) if ds["megatron_schedule"] else None
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups if client is None else None,
                                            optimizer=client, lr_scheduler=lr_scheduler, config=json.loads(
                                                json.dumps(config)), dist_init_required=False)
     if rank == 0:
         print_line(parameters_line(0, 0, num_parameters))
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     record = {"lm_loss": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [], "skipped": [], "loss_scale": [],
               "logged": [], "num_parameters": num_parameters, "zero_stage": stage, "coords": {"dp": rank},
               "phases": []}
-    report_memory = True
     dist.barrier()
-    interval = LogInterval(time.perf_counter())
-    for iteration in range(1, args.train_iters + 1):
+    log = TrainingLog(record, train_iters=run.schedule.train_iters, log_interval=run.logging.log_interval,
+                      global_batch_size=global_batch_size, prints=rank == world - 1)
+    for iteration in range(1, run.schedule.train_iters + 1):
         it_start = time.perf_counter()
         skipped_before, own_norm = engine.skipped_steps, float("nan")
         loss_sum = torch.zeros((), dtype=torch.float64)
         for j in range(ga):
-            b = get_batch(iteration - 1, j, rank, world, micro, args.seq_length, args.seed,
+            b = get_batch(iteration - 1, j, rank, world, micro, run.model.seq_length, seed,
                           global_batch_size=global_batch_size)
             marks = [time.perf_counter()]
             logits = engine(b["tokens"].to(engine.device))                               # [s, micro, V]
@@ -429,33 +431,18 @@ def pretrain(args: argparse.Namespace, gpt_config: GPTConfig, *, print_args: boo
         norm = engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else own_norm
         lr = engine.get_lr()[0]
-        scale = float(getattr(engine.optimizer, "cur_scale", 1.0)) if args.fp16 else 1.0
-        for key, value in (("lm_loss", lm_loss), ("grad_norm", norm), ("learning_rate", lr),
-                           ("elapsed_ms", (time.perf_counter() - it_start) * 1000.0), ("skipped", skipped),
-                           ("loss_scale", scale)):
-            record[key].append(value)
-        interval.add(lm_loss, skipped)
-        first = iteration == 1
-        if iteration % args.log_interval == 0 or first:
+        scale = float(getattr(engine.optimizer, "cur_scale", 1.0)) if run.precision.fp16 else 1.0
+        log.step(lm_loss=lm_loss, grad_norm=norm, learning_rate=lr,
+                 elapsed_ms=(time.perf_counter() - it_start) * 1000.0, skipped=skipped, loss_scale=scale)
+        if log.due(iteration):
             dist.barrier()
-            elapsed_ms = interval.elapsed_ms(time.perf_counter())
-            avg, _ = interval.averages()
-            if rank == world - 1:
-                print_line(iteration_line(iteration, args.train_iters, consumed_samples=iteration * global_batch_size,
-                                          elapsed_ms=elapsed_ms, learning_rate=lr, global_batch_size=global_batch_size,
-                                          lm_loss=avg, grad_norm=norm, loss_scale=scale,
-                                          skipped_iterations=interval.skipped))
-                record["logged"].append(dict(iteration=iteration, lm_loss=avg, elapsed_ms=elapsed_ms,
-                                             learning_rate=lr, grad_norm=norm))
-            if not first:   # Megatron 0.16: the first iteration is logged but stays in the interval
-                interval = LogInterval(time.perf_counter())
-            if report_memory:
+            log.log(iteration, learning_rate=lr, grad_norm=norm, loss_scale=scale)
+            if log.memory_due(iteration):
                 held = held_bytes(engine, stage)
                 device = held["params"] + held["grads"] + held["optimizer"]
                 record["state_bytes"], record["memory"] = held, {"allocated": device, "max_allocated": device}
                 print_line(memory_line(rank, iteration, allocated=device, max_allocated=device,
                                        source=MEMORY_SOURCE) + _state_fields(held, offload_devices(config)))
-                report_memory = iteration == 1
     engine.destroy()
     # DeepSpeed's ZeRO-3 objects hold collectives in reference cycles; freed at interpreter exit, after the
     # process group is gone, a gloo work's thread can end the rank with "terminate called without an active

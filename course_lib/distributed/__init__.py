@@ -51,6 +51,8 @@ API (what Lab 07 calls)
     overlap_seconds(ddp.timeline)           # seconds a collective ran under compute (0 without overlap)
     plot_timeline([tl_rank0, tl_rank1, ...])  # compute and comm lanes per rank (timelines returned by ranks)
     ddp.full_parameters()  # {name: full tensor} (ZeRO-3: gathered for inspection, tag "inspect")
+    ddp.full_optimizer_state()              # {state name: {name: full tensor}} (DP shards summed): a checkpoint's
+    ddp.load_full_state(params, state)      # both back into the buffers, main params and this rank's optimizer pieces
 
 ``use_distributed_optimizer=True`` is ``strategy="optim"``. Under ZeRO-3 (``optim_grads_params``)
 the buckets are the FSDP units -- by default every module that owns parameters directly, or the

@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm, rules
-from course_lib.comm import CommRecorder, _all_gather_tensor, _reduce_scatter_tensor, record_event
+from course_lib.comm import CommRecorder, all_gather_into_tensor, reduce_scatter_tensor, record_event
 from course_lib.distributed.buffer import Bucket, InFlight, size_buckets, unit_buckets
 from course_lib.distributed.offload import HostPool
-from course_lib.optimizer import Optimizer, _no_weight_decay, clip_grads
+from course_lib.optimizer import Optimizer, no_weight_decay, clip_grads
 from course_lib.tensor_parallel.sharding import is_tensor_parallel
 
 __all__ = ["STRATEGIES", "ShardedDataParallel", "wrap"]
@@ -183,7 +183,7 @@ class ShardedDataParallel:
         self._t0 = time.perf_counter()
         self._sync = True
         self._grads_synced = False  # finish_grad_sync ran and no grad arrived since
-        self._decay = {id(p): not _no_weight_decay(n, p) for n, p in named}
+        self._decay = {id(p): not no_weight_decay(n, p) for n, p in named}
         self._shapes = {id(p): p.shape for _, p in named}
         self._init_layout(named, bucket_size, fsdp_unit_modules, megatron_fsdp)
         self._init_buffers()
@@ -346,9 +346,9 @@ class ShardedDataParallel:
         if op == "all_reduce":
             work = dist.all_reduce(inp, group=self.group, async_op=async_op)
         elif op == "reduce_scatter":
-            work = _reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op)
+            work = reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op)
         else:
-            work = _all_gather_tensor(out, inp, group=self.group, async_op=async_op)
+            work = all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
         if not async_op:
             ev["end"] = self._now()
             return None
@@ -776,6 +776,55 @@ class ShardedDataParallel:
             for pr in b.params:
                 out[pr.name] = full[pr.start:pr.end].view(self._shapes[id(pr.param)]).clone()
         return out
+
+    def _piece_ranges(self) -> list:
+        """``(optimizer piece, its parameter's ParamRange, lo, hi)``: each piece of :attr:`optimizer`'s
+        params with its elements ``[lo, hi)`` in bucket coordinates."""
+        ranges = []
+        for b in self.buckets:
+            whole = {pr.name: pr for pr in b.params}
+            ranges += [(whole[pr.name], pr.start, pr.end) for pr in b.pieces(b.state.lo, b.state.hi)]
+        return [(piece, *r) for piece, r in zip(self._pieces, ranges, strict=True)]
+
+    @torch.no_grad()
+    def full_optimizer_state(self) -> dict:
+        """``{state name: {name: full state tensor}}`` of every parameter (its shape) -- beside
+        :meth:`full_parameters`, what a checkpoint saves. The distributed optimizer's shards are summed
+        over DP into whole tensors (every other rank contributes zeros; recorded with source
+        ``checkpoint_gather_optimizer_state``). Collective."""
+        keys = self.optimizer.state_keys
+        flats = {k: {b.index: torch.zeros(b.numel, device=self.device) for b in self.buckets} for k in keys}
+        for piece, _, lo, hi in self._piece_ranges():
+            for k, value in self.optimizer.param_state(piece.main).items():
+                flats[k][piece.bucket.index][lo:hi] = value.to(self.device)
+        out = {k: {} for k in keys}
+        for k in keys:
+            for b in self.buckets:
+                flat = flats[k][b.index]
+                if self.shard_optim:
+                    comm.all_reduce(flat, self.group, kind="dp", source="checkpoint_gather_optimizer_state")
+                for pr in b.params:
+                    out[k][pr.name] = flat[pr.start:pr.end].view(self._shapes[id(pr.param)])
+        return out
+
+    @torch.no_grad()
+    def load_full_state(self, params: dict, optimizer_state: dict | None = None) -> None:
+        """The inverse of :meth:`full_parameters` and :meth:`full_optimizer_state`: ``params``
+        (``{name: full tensor}``) into the param buffers (ZeRO-3: this rank's shard) and the fp32 main
+        params; ``optimizer_state`` (``{state name: {name: full tensor}}``; None or empty: left as it is)
+        sliced to this rank's pieces. Not collective: every rank holds what it needs."""
+        for b in self.buckets:
+            flat = torch.zeros(b.numel, dtype=self.param_dtype, device=self.device)
+            for pr in b.params:
+                flat[pr.start:pr.end] = params[pr.name].reshape(-1)
+            st = b.state
+            (st.param_shard if self.shard_params else st.param_full).copy_(
+                flat[st.lo:st.hi] if self.shard_params else flat)
+            st.main.copy_(flat[st.lo:st.hi])
+        if optimizer_state:
+            for piece, pr, lo, hi in self._piece_ranges():
+                self.optimizer.load_param_state(piece.main, {
+                    k: v[pr.name].reshape(-1)[lo - pr.start:hi - pr.start] for k, v in optimizer_state.items()})
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -11,7 +11,7 @@ the multi-node launch text in :mod:`course_lib.launch.cluster`.
 No torch import here: reading logs and printing commands is instant.
 """
 
-from course_lib.megatron.command import (SEED_MODEL, SEED_SWEEP, MegatronRun, describe, gpu_config,
+from course_lib.megatron.command import (SEED_MODEL, MegatronRun, describe, gpu_config,
                                          megatron_command, preprocess_command, pretrain_args, run_tiny_gpt_script,
                                          setup_commands, sweep_script)
 from course_lib.megatron.flags import NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, PRETRAIN_FLAGS
@@ -19,7 +19,7 @@ from course_lib.megatron.report import COLUMNS, STEP_TIME_NOTE, record_row, reco
 
 __all__ = [
     "megatron_command", "preprocess_command", "setup_commands", "run_tiny_gpt_script", "sweep_script",
-    "pretrain_args", "describe", "gpu_config", "MegatronRun", "SEED_MODEL", "SEED_SWEEP",
+    "pretrain_args", "describe", "gpu_config", "MegatronRun", "SEED_MODEL",
     "PRETRAIN_FLAGS", "PREPROCESS_FLAGS", "NOT_MEGATRON_FLAGS",
     "record_table", "record_row", "to_markdown", "to_csv", "COLUMNS", "STEP_TIME_NOTE",
 ]

@@ -57,11 +57,10 @@ from dataclasses import dataclass
 from course_lib import rules
 from course_lib.sizing.memory import FSDP_MAIN_GRADS_DTYPES
 from course_lib.topology import ParallelConfig
+from course_lib.topology.seed import SEED_SWEEP
 
 # The seed's GPU model: 8 layers so PP = 1/2/4 divide, 8 heads so TP = 1/2/4/8 divide.
 SEED_MODEL = {"num_layers": 8, "hidden_size": 512, "num_attention_heads": 8}
-# The seed's sweep on 8 GPUs: name -> (TP, PP, CP); DP = 8 / (TP*PP*CP).
-SEED_SWEEP = {"A": (1, 1, 1), "B": (2, 1, 1), "C": (4, 1, 1), "D": (2, 2, 1), "E": (1, 4, 1), "F": (2, 2, 2)}
 # Batch shape for the GPU runs: 4 x 16 = 64 sequences of 1024 tokens; E (PP 4, DP 2)
 # gets 64 / (4*2) = 8 micro-batches = 2*PP, enough to keep its bubble at (4-1)/8.
 DEFAULT_SEQ_LENGTH = 1024

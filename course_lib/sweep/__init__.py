@@ -69,7 +69,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from course_lib import rules
-from course_lib.megatron import SEED_SWEEP, to_csv, to_markdown
+from course_lib.megatron import to_csv, to_markdown
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.megatron.report import STEP_TIME_NOTE
 from course_lib.safe_files import OutputLedger, OutputPathError, check_output_dir, read_json, write_atomic
 from course_lib.sweep.bookkeeping import (
@@ -438,7 +439,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     names = parse_configs(args.configs)
-    add = getattr(args, "add", False)
+    add = args.add
     if add and args.figures is None:
         raise rules.UsageError("--add adds this run's configs to a committed summary: give --figures DIR too")
     if args.figures is not None:                        # refused before any training, like --out

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from course_lib.megatron import SEED_SWEEP, record_table
+from course_lib.megatron import record_table
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.training.logs import parse_log
 from course_lib.topology import ParallelConfig
 from course_lib.rules import UsageError
@@ -90,7 +91,7 @@ def sweep_config(name: str, *, world_size: int = WORLD_SIZE, iters: int = DEFAUL
              "--uniform-vocab-padding"]          # A-F train one model (384 vocabulary rows), compared row by row
     argv += list(SHARDED_CONFIGS.get(name, ("", ()))[1])
     try:
-        _, config = validate_args(parse_args(argv), world_size)
+        config = validate_args(parse_args(argv), world_size).parallel
     except UsageError as exc:
         raise UsageError(f"config {name} (TP {tp}, PP {pp}, CP {cp}) on {world_size} ranks: {exc}") from None
     return argv, config

@@ -8,8 +8,8 @@ course's trainer (:mod:`course_lib.train`):
   (TP * PP * CP));
 * :func:`validate_args` -- each flag's value on its own (:func:`_check_values`), then the layout
   (:class:`~course_lib.topology.ParallelConfig`) and the cross-flag rules, every one from
-  :mod:`course_lib.rules`; returns the args with derived values filled in and the validated config
-  that the run reads every layout fact from;
+  :mod:`course_lib.rules`; returns the run's one frozen
+  :class:`~course_lib.training.run_config.RunConfig`, which the run reads every value from;
 * :func:`estimate_memory` -- a run's bytes per rank, so that a run that cannot fit this machine is
   refused by name (the flag whose halving saves most) instead of dying in an allocation;
 * :func:`gpt_config_from_args` -- the model the flags describe; :func:`args_to_argv` -- the flags
@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import fields
 from typing import Optional, Sequence
 
 from course_lib import rules, sizing
 from course_lib.data import corpus_tokens
-from course_lib.data.source import add_data_arguments, check_data_args
+from course_lib.data.source import add_data_arguments, check_data_args, check_datasets
 from course_lib.data.source import vocab_size as data_vocab_size
 from course_lib.model import GPTConfig
 from course_lib.moe.pattern import parse_moe_layer_freq
@@ -36,6 +37,9 @@ from course_lib.optimizer import LR_DECAY_STYLES, OPTIMIZERS
 from course_lib.safe_files import check_output_dir
 from course_lib.sizing.moe import moe_parameter_counts
 from course_lib.topology import ParallelConfig
+from course_lib.training.run_config import (CheckpointConfig, DataConfig, DistributedConfig, LoggingConfig,
+                                            OptimizerConfig, PrecisionConfig, RunConfig, ScheduleConfig,
+                                            ShardingConfig)
 
 SCHEDULES = ("1f1b", "gpipe")
 MOE_CONFIG_FLAGS = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff", "moe_z_loss_coeff",
@@ -199,6 +203,12 @@ _FRACTIONS = ("adam_beta1", "adam_beta2", "sgd_momentum")          # in [0, 1): 
 MAX_SEED = 2 ** 32 - 1
 
 
+def with_defaults(args: argparse.Namespace, parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """A copy of ``args`` where each flag it lacks takes ``parser``'s default (:func:`build_parser`'s when
+    None): a namespace another parser made (a notebook's, the sweep's) reads like the trainer's own."""
+    return argparse.Namespace(**{**vars((parser or build_parser()).parse_args([])), **vars(args)})
+
+
 def _check_values(a: argparse.Namespace) -> None:
     """Every flag's value on its own: integers in range, finite numbers in range (no NaN, no inf)."""
     rules.removed_flag("model-parallel-size", a.model_parallel_size, "tensor-model-parallel-size")
@@ -219,7 +229,7 @@ def _check_values(a: argparse.Namespace) -> None:
     _check_precision(a)
     _check_moe_values(a)
     for dest in ("ddp_bucket_size", "eval_interval", "eval_iters", "vocab_size"):
-        if getattr(a, dest, None) is not None:
+        if getattr(a, dest) is not None:
             rules.integer(dest, getattr(a, dest))
 
 
@@ -233,62 +243,64 @@ def _check_moe_values(a: argparse.Namespace) -> None:
     """The MoE flags' values on their own (sizes >= 1, coefficients >= 0 and finite). Unlike Megatron,
     ``--num-experts 0`` is refused like every size (leave the flag out for a dense model)."""
     for dest in ("num_experts", "moe_ffn_hidden_size", "expert_tensor_parallel_size"):
-        if getattr(a, dest, None) is not None:
+        if getattr(a, dest) is not None:
             rules.integer(dest, getattr(a, dest))
-    rules.integer("moe_router_topk", getattr(a, "moe_router_topk", 2))
-    rules.integer("expert_model_parallel_size", getattr(a, "expert_model_parallel_size", 1))
-    rules.number("moe_aux_loss_coeff", getattr(a, "moe_aux_loss_coeff", 0.0), 0.0)
-    if getattr(a, "moe_z_loss_coeff", None) is not None:
+    rules.integer("moe_router_topk", a.moe_router_topk)
+    rules.integer("expert_model_parallel_size", a.expert_model_parallel_size)
+    rules.number("moe_aux_loss_coeff", a.moe_aux_loss_coeff, 0.0)
+    if a.moe_z_loss_coeff is not None:
         rules.number("moe_z_loss_coeff", a.moe_z_loss_coeff, 0.0)
 
 
 def _expert_sizes(a: argparse.Namespace) -> dict:
     """``{ep, expert_tp}`` of an MoE run for its :class:`~course_lib.topology.ParallelConfig` (whose grid
     holds the expert grid beside the dense one and validates it); ``{}`` without experts."""
-    if not getattr(a, "num_experts", None):
+    if not a.num_experts:
         return {}
-    return dict(ep=getattr(a, "expert_model_parallel_size", 1), expert_tp=getattr(a, "expert_tensor_parallel_size", None))
+    return dict(ep=a.expert_model_parallel_size, expert_tp=a.expert_tensor_parallel_size)
 
 
 def _check_moe(a: argparse.Namespace) -> None:
     """The MoE flags (Megatron's ``validate_args``): experts divisible by EP, expert TP defaults to TP,
     SP with TP > 1, ``--moe-ffn-hidden-size`` defaults to ``--ffn-hidden-size`` and splits over expert
     TP, biases only with expert TP 1. (The expert grid -- world divisible by expert_tp·ep·pp -- is the config's: :func:`_expert_sizes`.)"""
-    ep = rules.integer("expert-model-parallel-size", getattr(a, "expert_model_parallel_size", 1))
+    ep = rules.integer("expert-model-parallel-size", a.expert_model_parallel_size)
     a.expert_model_parallel_size = ep
-    a.num_experts = rules.moe_experts(getattr(a, "num_experts", None), ep)
-    etp = getattr(a, "expert_tensor_parallel_size", None)
+    a.num_experts = rules.moe_experts(a.num_experts, ep)
+    etp = a.expert_tensor_parallel_size
     a.expert_tensor_parallel_size = (a.tensor_model_parallel_size if etp is None
                                      else rules.integer("expert-tensor-parallel-size", etp))
     if a.num_experts is None:
         return
     rules.moe_sequence_parallel(a.num_experts, a.tensor_model_parallel_size, a.sequence_parallel)
     rules.moe_context_parallel(a.num_experts, a.context_parallel_size)
-    if getattr(a, "moe_ffn_hidden_size", None) is None:
+    if a.moe_ffn_hidden_size is None:
         a.moe_ffn_hidden_size = a.ffn_hidden_size
     rules.moe_ffn_divisible_by_expert_tp(a.moe_ffn_hidden_size, a.expert_tensor_parallel_size)
-    rules.moe_bias_with_expert_tp(a.num_experts, not getattr(a, "disable_bias_linear", False),
+    rules.moe_bias_with_expert_tp(a.num_experts, not a.disable_bias_linear,
                                   a.expert_tensor_parallel_size)
 
 
 def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bool = True,
-                  ranks_on_this_machine: Optional[int] = None) -> tuple[argparse.Namespace, ParallelConfig]:
+                  ranks_on_this_machine: Optional[int] = None) -> RunConfig:
     """Check a run's flags for ``world_size`` ranks, like Megatron's ``validate_args``: every
     rule of :mod:`course_lib.rules`, before any work starts.
 
-    Returns ``(args, config)``: a copy of ``args`` with the derived values filled in
+    Returns the run's one frozen :class:`~course_lib.training.run_config.RunConfig` (the model, the
+    validated :class:`~course_lib.topology.ParallelConfig`, the schedule, the optimizer, ...), which
+    the run reads every value from; its ``arguments`` are the flags with the derived values filled in
     (``data_parallel_size``, ``world_size``, ``global_batch_size``,
-    ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...) and the validated
-    :class:`~course_lib.topology.ParallelConfig`, which the run reads its layout from. Raises a
-    one-line ``ValueError``. With ``check_memory``, also refuses a run whose estimated bytes
+    ``virtual_pipeline_model_parallel_size``, ``padded_vocab_size``, ...). A flag ``args`` lacks
+    takes the parser's default; ``args`` itself is not changed. Raises a one-line ``UsageError``.
+    With ``check_memory``, also refuses a run whose estimated bytes
     (:func:`estimate_memory`) exceed the memory this machine has available for
     ``ranks_on_this_machine`` ranks (default ``$LOCAL_WORLD_SIZE``, else ``world_size``).
     No process group, no torch.distributed. A ``--deepspeed-config`` is folded into the flags before
     (by the entry point, :func:`course_lib.train.validate_args`).
     """
-    a = argparse.Namespace(**vars(args))
+    a = with_defaults(args)
     _check_values(a)
-    if getattr(a, "bf16", False):       # Megatron's validate_args: bf16 accumulates and all-reduces in fp32
+    if a.bf16:       # Megatron's validate_args: bf16 accumulates and all-reduces in fp32
         a.accumulate_allreduce_grads_in_fp32 = True
     tp, pp, cp = a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.context_parallel_size
     vp = rules.virtual_pipeline_size(
@@ -309,12 +321,13 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     a.virtual_pipeline_model_parallel_size = cfg.virtual_pipeline_model_parallel_size
     a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
 
-    check_data_args(a)                                          # --data-path's files and tokenizer
-    if getattr(a, "eval_interval", None) and (uses_sharding_engine(a) or getattr(a, "deepspeed_config", None)
-                                              or getattr(a, "num_experts", None)):
+    data = _data(a)
+    check_data_args(data, eval_interval=a.eval_interval, deepspeed=bool(a.deepspeed_config))   # files, tokenizer
+    if a.eval_interval and (_sharding(a).uses_engine or a.deepspeed_config or a.num_experts):
         raise rules.UsageError("--eval-interval runs on the plain trainer only (not with the sharding flags, DeepSpeed or "
                                "--num-experts); drop it or them")
-    gpt = gpt_config_from_args(a)                               # max positions >= seq, hidden % heads
+    padding_tp = vocab_padding_tp(a, cfg.tp)                   # the config's TP (Megatron), or 1
+    gpt = gpt_config_from_args(a, padding_tp)                   # max positions >= seq, hidden % heads
     a.max_position_embeddings = gpt.max_position_embeddings
     a.ffn_hidden_size = gpt.ffn_hidden_size
     a.padded_vocab_size = gpt.padded_vocab_size
@@ -327,14 +340,40 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
         raise rules.UsageError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
                                f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
-    if getattr(a, "data_path", None) is None:                              # --data-path: its split says (data.gpt_dataset)
+    if a.data_path is None:                              # --data-path: its split says (data.gpt_dataset)
         rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
     _check_sharding(a, cfg)
     _check_checkpointing(a)
     if check_memory:
         local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         _check_memory(a, cfg, local)
-    return a, cfg
+    run = _run_config(a, cfg, gpt_config_from_args(a, padding_tp), data)
+    check_datasets(run)                                         # a split too small for one sample
+    return run
+
+
+def _data(a: argparse.Namespace) -> DataConfig:
+    return DataConfig(data_path=None if a.data_path is None else tuple(a.data_path), split=a.split,
+                      tokenizer_type=a.tokenizer_type, vocab_file=a.vocab_file, merge_file=a.merge_file,
+                      vocab_size=a.vocab_size, data_cache_path=a.data_cache_path)
+
+
+def _section(cls, a: argparse.Namespace, **given):
+    """A run-config section from the flags of the same names (``given``: the fields named otherwise)."""
+    return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if f.name not in given}, **given)
+
+
+def _run_config(a: argparse.Namespace, cfg: ParallelConfig, model: GPTConfig, data: DataConfig) -> RunConfig:
+    """The checked flags ``a`` as the typed config the run reads (built once, by :func:`validate_args`)."""
+    schedule = "interleaved" if cfg.vpp > 1 else a.pipeline_schedule
+    return RunConfig(model=model, parallel=cfg, schedule=_section(ScheduleConfig, a, pipeline_schedule=schedule),
+                     optimizer=_section(OptimizerConfig, a), precision=_section(PrecisionConfig, a),
+                     sharding=_sharding(a, a.sharding_notes), checkpointing=_section(CheckpointConfig, a),
+                     data=data, logging=_section(LoggingConfig, a),
+                     distributed=DistributedConfig(backend=a.distributed_backend,
+                                                   timeout_minutes=a.distributed_timeout_minutes),
+                     deepspeed_config=a.deepspeed_config, deepspeed=vars(a).get("deepspeed"),
+                     deepspeed_notes=tuple(vars(a).get("deepspeed_notes", ())), arguments=tuple(vars(a).items()))
 
 
 def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
@@ -344,11 +383,9 @@ def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
     :func:`course_lib.rules.sharding_layout`; with ``--num-experts``, :func:`course_lib.rules.moe_state_sharding`."""
     for dest in ("use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather", "use_megatron_fsdp",
                  "optimizer_cpu_offload", "use_precision_aware_optimizer"):
-        setattr(a, dest, bool(getattr(a, dest, False)))
-    a.ddp_bucket_size = getattr(a, "ddp_bucket_size", None)
+        setattr(a, dest, bool(getattr(a, dest)))
     given = [f for f in ("use_distributed_optimizer", "use_megatron_fsdp", "overlap_grad_reduce",
                          "optimizer_cpu_offload") if getattr(a, f)] or ["ddp_bucket_size"]   # as the user wrote them
-    a.data_parallel_sharding_strategy = getattr(a, "data_parallel_sharding_strategy", "optim_grads_params")
     a.sharding_notes = ()
     if a.use_megatron_fsdp and not a.use_distributed_optimizer:
         a.use_distributed_optimizer = True
@@ -359,47 +396,30 @@ def _check_sharding(a: argparse.Namespace, cfg: ParallelConfig) -> None:
                          overlap_grad_reduce=a.overlap_grad_reduce, overlap_param_gather=a.overlap_param_gather,
                          optimizer_cpu_offload=a.optimizer_cpu_offload,
                          use_precision_aware_optimizer=a.use_precision_aware_optimizer, optimizer=a.optimizer)
-    if uses_sharding_engine(a):
-        rules.sharding_layout(sharding_strategy(a), vpp=cfg.vpp, pipeline_schedule=a.pipeline_schedule,
+    sharding = _sharding(a)
+    if sharding.uses_engine:
+        rules.sharding_layout(sharding.strategy, vpp=cfg.vpp, pipeline_schedule=a.pipeline_schedule,
                               num_microbatches=cfg.num_microbatches)
-        if getattr(a, "num_experts", None):  # the engine reduces over dense DP only
+        if a.num_experts:  # the engine reduces over dense DP only
             rules.moe_state_sharding(a.num_experts, given)
 
 
 def _check_checkpointing(a: argparse.Namespace) -> None:
     """The checkpoint flags (:func:`course_lib.rules.checkpoint_flags`, :func:`course_lib.rules.course_checkpoint`);
     the ``--save`` folder must be writable."""
-    for dest, default in (("save", None), ("load", None), ("save_interval", None), ("exit_interval", None),
-                          ("ckpt_format", "torch_dist"), ("no_load_optim", False), ("no_load_rng", False),
-                          ("finetune", False)):
-        setattr(a, dest, getattr(a, dest, default))
-    if getattr(a, "use_megatron_fsdp", False):
+    if a.use_megatron_fsdp:
         rules.megatron_fsdp_checkpoint(a.ckpt_format)
     rules.checkpoint_flags(save=a.save, load=a.load, save_interval=a.save_interval, exit_interval=a.exit_interval,
                            ckpt_format=a.ckpt_format, finetune=a.finetune, no_load_optim=a.no_load_optim,
                            no_load_rng=a.no_load_rng)
     rules.course_checkpoint(save=a.save, load=a.load, ckpt_format=a.ckpt_format,
-                            num_experts=getattr(a, "num_experts", None))
+                            num_experts=a.num_experts)
     if a.save:
         check_output_dir(a.save, what="--save")
 
 
-def uses_sharding_engine(args: argparse.Namespace) -> bool:
-    """Whether the DP grad reduction and the optimizer step go through :mod:`course_lib.distributed`
-    (any state-sharding, overlap, bucket or offload flag); otherwise the trainer's one coalesced
-    all-reduce (:func:`course_lib.training.finalize_model_grads.allreduce_dp_grads`)."""
-    return bool(getattr(args, "use_distributed_optimizer", False) or getattr(args, "use_megatron_fsdp", False)
-                or getattr(args, "overlap_grad_reduce", False) or getattr(args, "optimizer_cpu_offload", False)
-                or getattr(args, "ddp_bucket_size", None) is not None)
-
-
-def sharding_strategy(args: argparse.Namespace) -> str:
-    """Megatron-FSDP's strategy name for the flags: ``--data-parallel-sharding-strategy`` with
-    ``--use-megatron-fsdp``; else ``optim`` with ``--use-distributed-optimizer`` (ZeRO-1), else
-    ``no_shard`` (DDP)."""
-    if getattr(args, "use_megatron_fsdp", False):
-        return args.data_parallel_sharding_strategy
-    return "optim" if getattr(args, "use_distributed_optimizer", False) else "no_shard"
+def _sharding(a: argparse.Namespace, notes: Sequence[str] = ()) -> ShardingConfig:
+    return _section(ShardingConfig, a, notes=tuple(notes))
 
 
 def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dict:
@@ -436,13 +456,13 @@ def estimate_memory(a: argparse.Namespace, cfg: ParallelConfig, **halved) -> dic
     m = rules.num_microbatches(value("global_batch_size"), b, cfg.dp)
     master = sizing.num_parameters(L, h, V, positions, ffn)
     mine = sizing.parameters_per_rank(L, h, V, positions, heads, tp, pp, ffn)
-    if getattr(a, "num_experts", None):   # the master holds every expert; this rank its EP x expert-TP share
+    if a.num_experts:   # the master holds every expert; this rank its EP x expert-TP share
         experts = rules.moe_experts(value("num_experts"), cfg.grid.ep)
         counts = moe_parameter_counts(
             num_layers=L, hidden_size=h, num_attention_heads=heads, vocab_size=V, num_experts=experts,
             moe_ffn_hidden_size=a.moe_ffn_hidden_size or ffn, moe_router_topk=min(a.moe_router_topk, experts),
             moe_layer_freq=a.moe_layer_freq, ffn_hidden_size=ffn, max_position_embeddings=positions,
-            add_bias_linear=not getattr(a, "disable_bias_linear", False))
+            add_bias_linear=not a.disable_bias_linear)
         master += counts["experts"] + counts["router"]
         mine += counts["experts"] / (cfg.grid.expert_tp * cfg.grid.ep * pp) + counts["router"] / pp
     states = sizing.model_state_bytes(mine, param_bytes=4, grad_bytes=4, k=8).total
@@ -493,29 +513,31 @@ def _check_memory(a: argparse.Namespace, cfg: ParallelConfig, ranks: int) -> Non
     detail = (f"{ranks} rank(s) on this machine, each about {rules.format_bytes(parts['weights'])} of weights, "
               f"gradients and optimizer state and {rules.format_bytes(parts['activations'] + parts['batches'])} of "
               f"activations and batches" + (f", {a.num_experts} experts per MoE layer in its master weights"
-                                           if getattr(a, "num_experts", None) else ""))
+                                           if a.num_experts else ""))
     rules.fits_in_memory(flag, getattr(a, flag), needed, available, detail)
 
 
-def vocab_padding_tp(args: argparse.Namespace) -> int:
-    """The TP size the vocabulary is padded for: the run's own (Megatron), or 1 with
-    ``--uniform-vocab-padding`` (every layout the same model: what the course's layouts choose)."""
-    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size
+def vocab_padding_tp(args: argparse.Namespace, tp: Optional[int] = None) -> int:
+    """The TP size the vocabulary is padded for: the run's own (Megatron; ``tp``, the validated
+    layout's, else the flag's), or 1 with ``--uniform-vocab-padding`` (every layout the same model:
+    what the course's layouts choose)."""
+    return 1 if args.uniform_vocab_padding else args.tensor_model_parallel_size if tp is None else tp
 
 
-def gpt_config_from_args(args: argparse.Namespace) -> GPTConfig:
-    """The :class:`~course_lib.model.GPTConfig` of a run (the tokenizer's vocabulary: 257 byte tokens
-    without ``--tokenizer-type``)."""
+def gpt_config_from_args(args: argparse.Namespace, padding_tp: Optional[int] = None) -> GPTConfig:
+    """The :class:`~course_lib.model.GPTConfig` of a run's flags (the tokenizer's vocabulary: 257 byte
+    tokens without ``--tokenizer-type``), the vocabulary padded for ``padding_tp`` (default
+    :func:`vocab_padding_tp`). For the bridges that hold flags; the trainer reads ``RunConfig.model``."""
     return GPTConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                      num_attention_heads=args.num_attention_heads, seq_length=args.seq_length,
-                     vocab_size=data_vocab_size(args),
+                     vocab_size=data_vocab_size(_data(args)),
                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                     vocab_padding_tp=vocab_padding_tp(args),
+                     vocab_padding_tp=vocab_padding_tp(args) if padding_tp is None else padding_tp,
                      max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
                      hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                      init_method_std=args.init_method_std, seed=args.seed,
-                     add_bias_linear=not getattr(args, "disable_bias_linear", False),
-                     **{k: getattr(args, k) for k in MOE_CONFIG_FLAGS if hasattr(args, k)})
+                     add_bias_linear=not args.disable_bias_linear,
+                     **{k: getattr(args, k) for k in MOE_CONFIG_FLAGS})
 
 
 def args_to_argv(args: argparse.Namespace) -> list[str]:

@@ -75,7 +75,7 @@ from course_lib.training.logs import print_line
 from course_lib.model import master_name
 from course_lib.safe_files import write_atomic
 from course_lib.tensor_parallel import is_tensor_parallel
-from course_lib.training.arguments import sharding_strategy, uses_sharding_engine
+from course_lib.training.setup import TrainingSetup
 from course_lib.training.finalize_model_grads import unique_named_params
 from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
 
@@ -178,49 +178,17 @@ def _local_params(setup) -> dict:
     return {n: p.detach() for n, p in unique_named_params(setup.chunks)}
 
 
-def _state_keys(optimizer) -> tuple:
-    if optimizer.kind == "adam":
-        return ("exp_avg", "exp_avg_sq")
-    return ("momentum_buffer",) if optimizer.momentum else ()
-
-
-def _engine_pieces(engine) -> list:
-    """``(bucket, param range, lo, hi, view)``: each piece of the engine's optimizer (elements ``[lo, hi)``
-    of the bucket; ``view``: the fp32 main-param view the optimizer steps)."""
-    pieces = []
-    for b in engine.buckets:
-        whole = {pr.name: pr for pr in b.params}
-        pieces += [(b, whole[piece.name], piece.start, piece.end) for piece in b.pieces(b.state.lo, b.state.hi)]
-    views = [view for view, _ in engine.optimizer.params]
-    return [(*piece, view) for piece, view in zip(pieces, views, strict=True)]
-
-
 @torch.no_grad()
-def _optimizer_state(setup, params: dict) -> dict:
-    """``{state name: {chunk param name: full local tensor}}``; the distributed optimizer's DP shards
-    summed over DP into full local tensors (every other rank contributes zeros). Collective with the engine."""
-    opt, keys = setup.optimizer, _state_keys(setup.optimizer)
-    out = {k: {} for k in keys}
-    if setup.engine is None:
-        for name, p in unique_named_params(setup.chunks):
-            st = opt.state.get(id(p), {})
-            for k in keys:
-                out[k][name] = st[k].detach() if k in st else torch.zeros_like(p)
-        return out
-    engine = setup.engine
-    flats = {k: {b.index: torch.zeros(b.numel, device=engine.device) for b in engine.buckets} for k in keys}
-    for b, pr, lo, hi, view in _engine_pieces(engine):
-        st = opt.state.get(id(view), {})
-        for k in keys:
-            if k in st:
-                flats[k][b.index][lo:hi] = st[k].to(engine.device)
-    for k in keys:
-        for b in engine.buckets:
-            flat = flats[k][b.index]
-            if engine.shard_optim:
-                comm.all_reduce(flat, engine.group, kind="dp", source="checkpoint_gather_optimizer_state")
-            for pr in b.params:
-                out[k][pr.name] = flat[pr.start:pr.end].view(params[pr.name].shape)
+def _optimizer_state(setup: TrainingSetup) -> dict:
+    """``{state name: {chunk param name: full local tensor}}``: the optimizer's, or the engine's (the
+    distributed optimizer's DP shards gathered). Collective with the engine."""
+    if setup.engine is not None:
+        return setup.engine.full_optimizer_state()
+    opt = setup.optimizer
+    out = {k: {} for k in opt.state_keys}
+    for name, p in unique_named_params(setup.chunks):
+        for k, value in opt.param_state(p).items():
+            out[k][name] = value
     return out
 
 
@@ -334,32 +302,42 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda_rng_state"])
 
 
-def _scheduler_state(args, scheduler) -> dict:
-    """megatron-core's ``OptimizerParamScheduler.state_dict()`` keys (steps in samples; the course's weight
-    decay is constant: ``start_wd = end_wd``, Megatron's ``wd_incr_steps = train_iters x global batch``,
-    ``training.py`` ``get_optimizer_param_scheduler``), so its ``load_state_dict`` takes them."""
-    return {"max_lr": scheduler.max_lr, "lr_warmup_steps": scheduler.warmup_steps, "num_steps": scheduler.num_steps,
-            "lr_decay_style": scheduler.style, "lr_decay_steps": scheduler.decay_steps, "min_lr": scheduler.min_lr,
-            "start_wd": args.weight_decay, "end_wd": args.weight_decay, "wd_incr_style": "constant",
-            "wd_incr_steps": args.train_iters * args.global_batch_size}
+def _scheduler_state(run, scheduler) -> dict:
+    """megatron-core's ``OptimizerParamScheduler.state_dict()`` keys: the learning rate's (the scheduler's
+    own), then the weight decay's (the course's is constant: ``start_wd = end_wd``, Megatron's
+    ``wd_incr_steps = train_iters x global batch``, ``training.py`` ``get_optimizer_param_scheduler``),
+    so its ``load_state_dict`` takes them."""
+    return {**scheduler.state_dict(),
+            "start_wd": run.optimizer.weight_decay, "end_wd": run.optimizer.weight_decay, "wd_incr_style": "constant",
+            "wd_incr_steps": run.schedule.train_iters * run.parallel.effective_global_batch_size}
 
 
-def _common_state(args, setup, iteration: int) -> dict:
+def _model_flags(run) -> dict:
+    """The model sizes a checkpoint must match (``MODEL_FLAGS``, from the run's ``GPTConfig``)."""
+    return {k: getattr(run.model, k) for k in MODEL_FLAGS}
+
+
+def _data_flags(run) -> dict:
+    """The data order a resume continues (``DATA_FLAGS``)."""
+    return {"global_batch_size": run.parallel.effective_global_batch_size, "seed": run.schedule.seed}
+
+
+def _common_state(setup: TrainingSetup, iteration: int) -> dict:
     """What every rank shares (Megatron's ``common.pt`` / the non-tensor part of ``model_optim_rng.pt``):
-    ``args`` an ``argparse.Namespace`` as Megatron's (its ``load_checkpoint`` reads it with getattr, the
-    consumed samples too), the scheduler's state as megatron-core's."""
-    scaler = setup.scaler
+    ``args`` an ``argparse.Namespace`` of the run's flags as Megatron's (its ``load_checkpoint`` reads it
+    with getattr, the consumed samples too), the scheduler's state as megatron-core's."""
+    run, scaler = setup.run, setup.scaler
     consumed = iteration * setup.config.effective_global_batch_size
-    saved_args = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}
+    saved_args = {k: v for k, v in run.arguments if isinstance(v, (int, float, str, bool, type(None)))}
     return {"checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
             "args": argparse.Namespace(**{**saved_args, "consumed_train_samples": consumed,
                                           "consumed_valid_samples": 0}),
-            "model_flags": {k: getattr(args, k) for k in MODEL_FLAGS},
-            "data_flags": {k: getattr(args, k) for k in DATA_FLAGS},
+            "model_flags": _model_flags(run),
+            "data_flags": _data_flags(run),
             "consumed_train_samples": consumed,
-            "layout": {**_layout(setup), "strategy": sharding_strategy(args) if uses_sharding_engine(args) else None},
-            "opt_param_scheduler": _scheduler_state(args, setup.scheduler),
-            "optimizer": {"kind": setup.optimizer.kind, "step_count": setup.optimizer.step_count,
+            "layout": {**_layout(setup), "strategy": run.sharding.strategy if run.sharding.uses_engine else None},
+            "opt_param_scheduler": _scheduler_state(run, setup.scheduler),
+            "optimizer": {**setup.optimizer.state_dict(),
                           "grad_scaler": None if scaler is None else scaler.state_dict()}}
 
 
@@ -407,7 +385,7 @@ def _save_dist(tmp: Path, sharded: dict, setup) -> None:
     save_pieces(state, sharded, tmp)
 
 
-def _save_legacy(tmp: Path, args, setup, params: dict, optim: dict, common: dict) -> None:
+def _save_legacy(tmp: Path, setup: TrainingSetup, params: dict, optim: dict, common: dict) -> None:
     """Megatron's ``torch`` format: DP rank 0 (CP rank 0) of each model-parallel rank writes its file; the
     RNG states of its DP x CP replicas go in as a list (group-rank order)."""
     g = setup.groups
@@ -450,19 +428,20 @@ def _publish(tmp: Path, final: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(args, setup, iteration: int) -> Path:
-    """Save this run at ``iteration`` into ``args.save`` in ``args.ckpt_format`` (collective: every rank).
+def save_checkpoint(setup: TrainingSetup, iteration: int) -> Path:
+    """Save this run at ``iteration`` into ``--save`` in ``--ckpt-format`` (collective: every rank).
 
     Written into ``DIR/.iter_XXXXXXX.incomplete``; renamed to ``iter_XXXXXXX`` once every rank has
     written; then the tracker (atomic). A failed write (a full disk) removes the incomplete folder and
     raises a one-line :class:`CheckpointError` on every rank; the previous checkpoint stays."""
-    root, rank, g = Path(args.save), dist.get_rank(), setup.groups
+    flags = setup.run.checkpointing
+    root, rank, g = Path(flags.save), dist.get_rank(), setup.groups
     final = checkpoint_dir(root, iteration)
     tmp = final.with_name(f".{final.name}.incomplete")
-    _print0(f"saving checkpoint at iteration {iteration:7d} to {root} in {args.ckpt_format} format")
+    _print0(f"saving checkpoint at iteration {iteration:7d} to {root} in {flags.ckpt_format} format")
     params = _local_params(setup)
-    optim = _optimizer_state(setup, params)
-    common = _common_state(args, setup, iteration)
+    optim = _optimizer_state(setup)
+    common = _common_state(setup, iteration)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)      # a save killed earlier left it
         tmp.mkdir(parents=True)
@@ -471,13 +450,13 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
     from torch.distributed.checkpoint.api import CheckpointException    # what DCP raises for any rank's failure
 
     try:
-        if args.ckpt_format == "torch_dist":
+        if flags.ckpt_format == "torch_dist":
             _save_dist(tmp, sharded_state_dict(setup, params, optim), setup)
             if rank == 0:
                 torch.save(common, tmp / COMMON_FILE)
                 write_atomic(tmp / METADATA_FILE, json.dumps(DIST_METADATA))
         else:
-            _save_legacy(tmp, args, setup, params, optim, common)
+            _save_legacy(tmp, setup, params, optim, common)
     except (OSError, RuntimeError, CheckpointException) as exc:   # a full disk, a failed write on any rank
         reason = str(exc).strip().splitlines()
         failure = CheckpointError(f"saving checkpoint at iteration {iteration} to {root} failed "
@@ -499,21 +478,21 @@ def save_checkpoint(args, setup, iteration: int) -> Path:
     return final
 
 
-def checkpoint_and_decide_exit(args, setup, iteration: int) -> bool:
+def checkpoint_and_decide_exit(setup: TrainingSetup, iteration: int) -> bool:
     """After iteration ``iteration`` (Megatron's ``checkpoint_and_decide_exit``, plus ``pretrain``'s save
     at the end of training): save every ``--save-interval``; at an ``--exit-interval`` save (with
     ``--save``) and return True (stop); at the last iteration save unless that iteration was just saved."""
-    saved = False
-    if args.save and args.save_interval and iteration % args.save_interval == 0:
-        save_checkpoint(args, setup, iteration)
+    flags, saved = setup.run.checkpointing, False
+    if flags.save and flags.save_interval and iteration % flags.save_interval == 0:
+        save_checkpoint(setup, iteration)
         saved = True
-    if args.exit_interval and iteration % args.exit_interval == 0:
-        if args.save and not saved:
-            save_checkpoint(args, setup, iteration)
+    if flags.exit_interval and iteration % flags.exit_interval == 0:
+        if flags.save and not saved:
+            save_checkpoint(setup, iteration)
         _print0(f"exiting program at iteration {iteration}")
         return True
-    if args.save and not saved and iteration == args.train_iters:
-        save_checkpoint(args, setup, iteration)
+    if flags.save and not saved and iteration == setup.run.schedule.train_iters:
+        save_checkpoint(setup, iteration)
     return False
 
 
@@ -610,45 +589,33 @@ def _read_legacy(ckpt: Path, setup, load_optim: bool):
 
 
 @torch.no_grad()
-def _set_state(setup, values: dict, load_optim: bool) -> None:
+def _set_state(setup: TrainingSetup, values: dict, load_optim: bool) -> None:
     """Copy ``values`` (keys of :func:`sharded_state_dict`) into this rank's params and optimizer; the
     tied embedding's last-stage copy takes the embedding's values (and state)."""
     named = unique_named_params(setup.chunks)
-    keys = _state_keys(setup.optimizer) if load_optim else ()
+    keys = setup.optimizer.state_keys if load_optim else ()
     params = {n: values[master_name(n)].to(p.device, p.dtype) for n, p in named}
     state = {k: {n: values[f"optimizer.state.{k}.{master_name(n)}"] for n, _ in named} for k in keys}
-    engine, opt = setup.engine, setup.optimizer
-    if engine is None:
-        for n, p in named:
-            p.data.copy_(params[n])
-            if keys:
-                opt.state[id(p)] = {k: state[k][n].to(p.device, p.dtype).clone() for k in keys}
+    if setup.engine is not None:      # its buffers: model params (or the ZeRO-3 shard), fp32 main params, state
+        setup.engine.load_full_state(params, state)
         return
-    for b in engine.buckets:      # the engine's buffers: model params (or the ZeRO-3 shard) and fp32 main params
-        flat = torch.zeros(b.numel, dtype=engine.param_dtype, device=engine.device)
-        for pr in b.params:
-            flat[pr.start:pr.end] = params[pr.name].reshape(-1)
-        st = b.state
-        (st.param_shard if engine.shard_params else st.param_full).copy_(
-            flat[st.lo:st.hi] if engine.shard_params else flat)
-        st.main.copy_(flat[st.lo:st.hi])
-    if keys:
-        for b, pr, lo, hi, view in _engine_pieces(engine):
-            opt.state[id(view)] = {k: state[k][pr.name].reshape(-1)[lo - pr.start:hi - pr.start]
-                                   .to(view.device, view.dtype).clone() for k in keys}
+    for n, p in named:
+        p.data.copy_(params[n])
+        if keys:
+            setup.optimizer.load_param_state(p, {k: state[k][n] for k in keys})
 
 
-def _set_common(setup, common: dict) -> None:
+def _set_common(setup: TrainingSetup, common: dict) -> None:
     """Scheduler, step count and loss scaler (Megatron loads them with the optimizer)."""
-    setup.scheduler.num_steps = common["opt_param_scheduler"]["num_steps"]
-    setup.optimizer.step_count = common["optimizer"]["step_count"]
+    setup.scheduler.load_state_dict(common["opt_param_scheduler"])
+    setup.optimizer.load_state_dict(common["optimizer"])
     saved, scaler = common["optimizer"]["grad_scaler"], setup.scaler
     if scaler is not None and saved is not None:
         scaler.load_state_dict(saved)
 
 
-def load_checkpoint(args, setup) -> int:
-    """Load ``args.load``'s newest checkpoint into this rank (collective); returns the iteration to
+def load_checkpoint(setup: TrainingSetup) -> int:
+    """Load ``--load``'s newest checkpoint into this rank (collective); returns the iteration to
     continue after (0: from scratch, or ``--finetune``).
 
     No tracker: Megatron's warning, then 0. ``--finetune``: the model only, iteration 0;
@@ -657,7 +624,8 @@ def load_checkpoint(args, setup) -> int:
     loads under any layout; torch only under the TP x PP x VP it was saved with. A model that
     megatron-core's ``dist_checkpointing.save`` wrote (its ``GPTModel.sharded_state_dict``, no run state
     in ``common.pt``) loads with ``--finetune``."""
-    root = Path(args.load)
+    flags = setup.run.checkpointing
+    root = Path(flags.load)
     tracker = get_checkpoint_tracker_filename(root)
     if not tracker.is_file():
         _print0(f"WARNING: could not find the metadata file {tracker}")
@@ -670,22 +638,22 @@ def load_checkpoint(args, setup) -> int:
                               f"complete iteration into it, or --load another folder")
     fmt = checkpoint_format(ckpt)
     g, run = setup.groups, _layout(setup)
-    load_optim = not (args.finetune or args.no_load_optim)
+    load_optim = not (flags.finetune or flags.no_load_optim)
     common = _torch_load(ckpt / COMMON_FILE if fmt == "torch_dist" else min(ckpt.glob(f"mp_rank_*/{LEGACY_FILE}")))
-    if "model_flags" not in common and not args.finetune:     # tensors only: megatron-core saved it
+    if "model_flags" not in common and not flags.finetune:     # tensors only: megatron-core saved it
         raise CheckpointError(f"{ckpt / COMMON_FILE} holds no run state (flags, layout, optimizer, scheduler): "
                               f"megatron-core's dist_checkpointing saved only a model; load it with --finetune")
     try:
         if "model_flags" in common:       # (a model megatron-core saved is checked by its global shapes)
-            rules.checkpoint_model(ckpt, common["model_flags"], {k: getattr(args, k) for k in MODEL_FLAGS})
+            rules.checkpoint_model(ckpt, common["model_flags"], _model_flags(setup.run))
             rules.checkpoint_layout(ckpt, common["layout"], run, fmt)
-        if not args.finetune:             # the data order (and the optimizer) a resume continues
+        if not flags.finetune:            # the data order (and the optimizer) a resume continues
             saved = {**common["data_flags"], **({"optimizer": common["optimizer"]["kind"]} if load_optim else {})}
-            rules.checkpoint_model(ckpt, saved, {**{k: getattr(args, k) for k in DATA_FLAGS},
+            rules.checkpoint_model(ckpt, saved, {**_data_flags(setup.run),
                                                  "optimizer": setup.optimizer.kind})
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    load_rng = not (args.finetune or args.no_load_rng)
+    load_rng = not (flags.finetune or flags.no_load_rng)
     if load_rng and not all(common["layout"][k] == run[k] for k in LAYOUT_KEYS):
         saved = " x ".join(f"{k.upper()}{common['layout'][k]}" for k in LAYOUT_KEYS)
         _print0(f"WARNING: checkpoint saved under {saved}; the random number generators are per rank: not loaded")
@@ -693,7 +661,7 @@ def load_checkpoint(args, setup) -> int:
     _print0(f" loading {'distributed ' if fmt == 'torch_dist' else ''}checkpoint from {root} at iteration {iteration}")
     if fmt == "torch_dist":
         params = _local_params(setup)
-        optim = _optimizer_state(setup, params) if load_optim else {}
+        optim = _optimizer_state(setup) if load_optim else {}
         values, rng = _load_dist(ckpt, sharded_state_dict(setup, params, optim, for_load=True),
                                  _rng_object(setup) if load_rng else None)
     else:
@@ -710,7 +678,7 @@ def load_checkpoint(args, setup) -> int:
     if rng is not None:
         _set_rng_state(rng)
     dist.barrier()
-    start = 0 if args.finetune else iteration
+    start = 0 if flags.finetune else iteration
     _print0(f"  successfully loaded checkpoint from {root} [ t {g.coords['tp'] + 1}/{run['tp']}, "
             f"p {g.coords['pp'] + 1}/{run['pp']} ] at iteration {start}")
     return start

@@ -532,39 +532,6 @@ def _fill_config(out: ParsedLog) -> None:
 _MB = 1024.0 * 1024.0
 
 
-@dataclass
-class LogInterval:
-    """Megatron's ``training_log`` accumulators over one logging interval (``training.py``): the LM
-    and MoE losses of the advanced iterations, the iterations run and skipped, and when the interval
-    began (``time.perf_counter()`` seconds)."""
-
-    start: float
-    total_loss: float = 0.0
-    advanced: int = 0
-    skipped: int = 0
-    total_moe: dict = field(default_factory=dict)    # Megatron's total_loss_dict for the MoE losses
-
-    def add(self, lm_loss, skipped: bool, moe_losses: dict | None = None) -> None:
-        """One iteration: its LM loss (None on a pipeline stage that has none), whether the optimizer
-        skipped it, its MoE losses by name."""
-        self.skipped += bool(skipped)
-        if not skipped:                               # Megatron averages the advanced iterations only
-            if lm_loss is not None:
-                self.total_loss += lm_loss
-            for name, value in (moe_losses or {}).items():
-                self.total_moe[name] = self.total_moe.get(name, 0.0) + value
-        self.advanced += 1
-
-    def averages(self) -> tuple[float, dict]:
-        """The LM loss and each MoE loss averaged over the advanced iterations."""
-        n = max(1, self.advanced - self.skipped)
-        return self.total_loss / n, {name: value / n for name, value in self.total_moe.items()}
-
-    def elapsed_ms(self, now: float) -> float:
-        """Milliseconds per iteration since the interval began."""
-        return (now - self.start) * 1000.0 / max(1, self.advanced)
-
-
 def print_line(line: str, stream=None) -> None:
     """Write one log line with a single ``write`` (default ``sys.stdout``): several ranks share
     torchrun's stdout, and ``print`` writes the text and its newline separately when output is

@@ -1,6 +1,6 @@
 """The trainer on the state-sharding engine: ``--use-distributed-optimizer``, ``--use-megatron-fsdp``, overlap, offload.
 
-With any of the sharding flags (:func:`~course_lib.training.arguments.uses_sharding_engine`) the
+With any of the sharding flags (``RunConfig.sharding.uses_engine``) the
 trainer's model chunk is wrapped by :func:`course_lib.distributed.wrap` (Megatron's
 ``DistributedDataParallel`` + ``DistributedOptimizer``, or Megatron-FSDP's strategy): the engine's
 post-accumulate-grad hooks take every gradient into its bucketed fp32 buffer, its ``step`` reduces
@@ -53,7 +53,6 @@ from course_lib.distributed.buffer import megatron_bucket_size
 from course_lib.model import _shared_embedding_weight
 from course_lib.optimizer import clip_grads
 from course_lib.tensor_parallel import is_tensor_parallel
-from course_lib.training.arguments import sharding_strategy
 from course_lib.training.finalize_model_grads import dp_kind
 
 __all__ = ["ShardedGradFinalizer", "build_engine", "schedule_sync", "allreduce_embedding_grads_after_sync",
@@ -122,21 +121,23 @@ class ShardedGradFinalizer:
             self.scaler.update(found_inf)
 
 
-def build_engine(args, chunks: list, groups, config, scaler=None):
-    """Wrap this rank's one model chunk with the flags' strategy; returns ``(engine, finalizer)``.
+def build_engine(run, chunks: list, groups, scaler=None):
+    """Wrap this rank's one model chunk with ``run``'s strategy (a
+    :class:`~course_lib.training.run_config.RunConfig`); returns ``(engine, finalizer)``.
     ZeRO-3 units are the transformer layers (the chunk itself holds the embeddings, the final
     LayerNorm and the output layer, which share the tied word embedding)."""
     (chunk,) = chunks
-    finalizer = ShardedGradFinalizer(groups, config, args.clip_grad, scaler)
+    config, sharding, opt = run.parallel, run.sharding, run.optimizer
+    finalizer = ShardedGradFinalizer(groups, config, opt.clip_grad, scaler)
     layer_types = tuple({type(layer) for layer in chunk.decoder.layers.values()})
-    bucket_size = megatron_bucket_size(args.ddp_bucket_size, args.overlap_grad_reduce, config.dp * config.cp,
+    bucket_size = megatron_bucket_size(sharding.ddp_bucket_size, sharding.overlap_grad_reduce, config.dp * config.cp,
                                        groups.coords["pp"])
-    engine = wrap(chunk, groups, strategy=sharding_strategy(args), bucket_size=bucket_size,
-                  megatron_fsdp=args.use_megatron_fsdp,
-                  overlap_grad_reduce=args.overlap_grad_reduce, overlap_param_gather=args.overlap_param_gather,
-                  cpu_offload=args.optimizer_cpu_offload, grad_reduce_in_fp32=True, optimizer=args.optimizer,
-                  weight_decay=args.weight_decay, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                  momentum=args.sgd_momentum, loss_scaler=finalizer, fsdp_unit_modules=layer_types or None)
+    engine = wrap(chunk, groups, strategy=sharding.strategy, bucket_size=bucket_size,
+                  megatron_fsdp=sharding.use_megatron_fsdp,
+                  overlap_grad_reduce=sharding.overlap_grad_reduce, overlap_param_gather=sharding.overlap_param_gather,
+                  cpu_offload=sharding.optimizer_cpu_offload, grad_reduce_in_fp32=True, optimizer=opt.optimizer,
+                  weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_eps,
+                  momentum=opt.sgd_momentum, loss_scaler=finalizer, fsdp_unit_modules=layer_types or None)
     finalizer.engine = engine
     return engine, finalizer
 

@@ -293,12 +293,13 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     argv = ["--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3",
             "--lr", "3e-3", "--lr-decay-style", "constant", *data]
-    args, _ = validate_args(parse_args(argv), 1)
+    run = validate_args(parse_args(argv), 1)
+    args = run.namespace()
     assert parse_args(args_to_argv(args)).data_path == [tiny["prefix"]]          # what torchrun's ranks get
     assert args.padded_vocab_size == 1024                    # the tokenizer's vocabulary, padded to 128
     theirs = _megatron_core_datasets([tiny["prefix"]], "90,9,1", [3 * 8, 8, 8], 32, 1234, tiny["tok"],
                                      tmp_path / "cache")[0]
-    ds = build_train_dataset(args, 8)
+    ds = build_train_dataset(run, 8)
     for it in range(3):
         batch = get_global_batch(it, 8, 32, 1234, dataset=ds)
         want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 8, it * 8 + 8)])
@@ -364,15 +365,16 @@ def test_builtin_corpus_through_megatron_path(megatron_core_world, tmp_path):
     argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "2", "--lr", "3e-3",
             "--data-path", prefix, "--split", "98,2,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
-    args, _ = validate_args(parse_args(argv), 1)
-    tok, theirs_tok = load_tokenizer(args), McoreNull(256)
+    run = validate_args(parse_args(argv), 1)
+    args = run.namespace()
+    tok, theirs_tok = load_tokenizer(run.data), McoreNull(256)
     assert (tok.vocab_size, tok.eod) == (theirs_tok.vocab_size, theirs_tok._eod_id) == (257, ByteTokenizer.eod)
     theirs = _megatron_core_datasets([prefix], "98,2,0", [8, 4, 0], 64, 1234, tok, tmp_path / "cache")[0]
-    ours = build_train_dataset(args, 4)
+    ours = build_train_dataset(run, 4)
     for it in range(2):
         want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 4, it * 4 + 4)])
         assert np.array_equal(get_global_batch(it, 4, 64, 1234, dataset=ours)["tokens"].numpy(), want)
-    default, _ = validate_args(parse_args(argv[:-8]), 1)                     # no data flags: the byte sampler
+    default = validate_args(parse_args(argv[:-8]), 1).namespace()                     # no data flags: the byte sampler
     assert args.padded_vocab_size == default.padded_vocab_size == 384       # the same model as the default's
     assert train_single_process(parse_args(argv))["lm_loss"][0] == pytest.approx(np.log(384), rel=0.02)
     with pytest.raises(ValueError, match="needs --vocab-size"):

@@ -81,11 +81,11 @@ def _bridge_flags(config: dict) -> list[str]:
 def _on_ranks(paths: dict):
     out = {}
     for name, path in paths.items():
-        a, _ = validate_args(parse_args(MODEL + ["--deepspeed-config", path]), WORLD, check_memory=False)
+        run = validate_args(parse_args(MODEL + ["--deepspeed-config", path]), WORLD, check_memory=False)
         buf = io.StringIO()
         start = time.perf_counter()
         with redirect_stdout(buf):
-            rec = deepspeed_engine.pretrain(a, gpt_config_from_args(a), print_args=False)
+            rec = deepspeed_engine.pretrain(run, print_args=False)
         seconds = time.perf_counter() - start
         out[name] = {"lm_loss": rec["lm_loss"], "grad_norm": rec["grad_norm"], "state_bytes": rec["state_bytes"],
                      "log": buf.getvalue(), "seconds": seconds}
@@ -250,7 +250,7 @@ def test_fp16_runs_only_where_deepspeeds_accelerator_has_it(tmp_path):
     path.write_text(json.dumps({**BATCH, "fp16": {"enabled": True}}))
     argv = parse_args(MODEL + ["--deepspeed-config", str(path)])
     if get_accelerator().is_fp16_supported():
-        assert validate_args(argv, WORLD, check_memory=False)[0].fp16
+        assert validate_args(argv, WORLD, check_memory=False).namespace().fp16
     else:
         with pytest.raises(ValueError, match=r"fp16.enabled=true: DeepSpeed's cpu accelerator has no fp16"):
             validate_args(argv, WORLD, check_memory=False)

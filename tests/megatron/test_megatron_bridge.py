@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.megatron import (COLUMNS, NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, PRETRAIN_FLAGS, SEED_SWEEP,
+from course_lib.megatron import (COLUMNS, NOT_MEGATRON_FLAGS, PREPROCESS_FLAGS, PRETRAIN_FLAGS,
                                  MegatronRun, gpu_config, megatron_command, preprocess_command,
                                  pretrain_args, record_table, run_tiny_gpt_script, setup_commands, sweep_script,
                                  to_csv, to_markdown)
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.training.logs import parse_log
 from course_lib.launch import cluster
 from course_lib.megatron import command as command_mod

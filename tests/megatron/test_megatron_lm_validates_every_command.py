@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from course_lib.megatron import MegatronRun, SEED_SWEEP, gpu_config, megatron_command
+from course_lib.megatron import MegatronRun, gpu_config, megatron_command
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.megatron.command import MoESpec, cluster_launch, sharding_variants
 from course_lib.megatron.flags import MAIN_ONLY_FLAGS
 

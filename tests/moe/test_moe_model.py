@@ -293,7 +293,7 @@ def test_trainer_flags_reach_the_model_and_bad_layouts_are_one_line_errors():
     argv = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
             "--sequence-parallel", "--moe-layer-freq", "([1]+[0])*4", "--moe-aux-loss-coeff", "0.01",
             "--disable-bias-linear"]
-    args, _ = validate_args(parse_args(argv), 4, check_memory=False)
+    args = validate_args(parse_args(argv), 4, check_memory=False).namespace()
     assert (args.expert_tensor_parallel_size, args.moe_ffn_hidden_size) == (2, args.ffn_hidden_size)
     config = gpt_config_from_args(args)
     assert config.moe_layers == [0, 2, 4, 6] and config.moe_token_dispatcher_type == "allgather"  # Megatron's default

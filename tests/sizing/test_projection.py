@@ -353,7 +353,7 @@ def test_cli_applies_the_shape_flags_to_a_preset_or_refuses_them(capsys):
 
 
 def test_breakdown_sums_to_the_step_and_configs_derive_dp():
-    from course_lib.megatron import SEED_SWEEP
+    from course_lib.topology.seed import SEED_SWEEP
     from course_lib.sizing.projection import project_configs
 
     seed = ModelSpec("seed", 8, 512, 8, 50304, 1024)

@@ -581,7 +581,7 @@ def _step_rank(argv):
     """One iteration of course_lib.train.pretrain, every collective recorded; pipeline sends counted on
     the wire (P2P ops on this rank's pipeline group, through torch.distributed)."""
     args = parse_args(argv)
-    _, pcfg = validate_args(args, dist.get_world_size())
+    pcfg = validate_args(args, dist.get_world_size()).parallel
     pp_ranks = sorted(pcfg.grid.group_of(dist.get_rank(), "pp"))
     wire = []
     real_send, real_batch = dist.send, dist.batch_isend_irecv

@@ -23,7 +23,8 @@ import pytest
 
 from course_lib import sweep as S
 from course_lib.__main__ import main as course_main
-from course_lib.megatron import COLUMNS, SEED_SWEEP
+from course_lib.megatron import COLUMNS
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.training.logs import parse_log
 from course_lib.megatron import report as report_cli
 from course_lib.pipeline import bubble_fraction, build_schedule, simulate

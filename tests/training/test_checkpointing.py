@@ -390,8 +390,8 @@ def test_checkpoint_flags_fail_in_one_line(extra, message, tmp_path):
 
 
 def test_defaults_are_megatrons():
-    a, _ = validate_args(parse_args(BASE), 1)
+    a = validate_args(parse_args(BASE), 1).namespace()
     assert (a.ckpt_format, a.save, a.load, a.save_interval, a.exit_interval) == ("torch_dist", None, None, None, None)
     assert not (a.no_load_optim or a.no_load_rng or a.finetune)
     for fmt in ("torch_dcp", "fsdp_dtensor"):   # Megatron's other formats: accepted while nothing is saved
-        assert validate_args(parse_args(BASE + ["--ckpt-format", fmt]), 1)[0].ckpt_format == fmt
+        assert validate_args(parse_args(BASE + ["--ckpt-format", fmt]), 1).namespace().ckpt_format == fmt

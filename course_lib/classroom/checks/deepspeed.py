@@ -80,15 +80,14 @@ def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict
     from course_lib.classroom.checks.wire import wire_recorder
     from course_lib.train import parse_args, pretrain, validate_args
     from course_lib.deepspeed import engine as deepspeed_engine
-    from course_lib.training.arguments import gpt_config_from_args
 
     out = {}
     for name, path in configs.items():
-        a, _ = validate_args(parse_args(model + ["--deepspeed-config", path]), dist.get_world_size(),
-                             check_memory=False)
+        run = validate_args(parse_args(model + ["--deepspeed-config", path]), dist.get_world_size(),
+                            check_memory=False)
         with wire_recorder() as rec, redirect_stdout(io.StringIO()):
             rec.events = _Stamped()
-            record = deepspeed_engine.pretrain(a, gpt_config_from_args(a), print_args=False)
+            record = deepspeed_engine.pretrain(run, print_args=False)
         phases = record["phases"]
         out[name] = {"lm_loss": record["lm_loss"], "state_bytes": record["state_bytes"],
                      "phases": [dict(p, start=p["start"] - phases[0]["start"], end=p["end"] - phases[0]["start"])

@@ -14,7 +14,7 @@ from course_lib.classroom.checks import checked_call, is_course_answer, not_atte
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import safe_repr
-from course_lib.megatron import SEED_SWEEP
+from course_lib.topology.seed import SEED_SWEEP
 
 GPU_MODELS = {"tiny_gpt": "the seed's tiny GPT", "gpt_13b": "the 13B GPT"}
 GPU_REASONS = {

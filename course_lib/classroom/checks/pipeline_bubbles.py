@@ -22,7 +22,7 @@ from course_lib.classroom.checks import (call_student, checked_call, is_course_a
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, same_number
-from course_lib.megatron import SEED_SWEEP
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.pipeline.bubbles import bubble_fraction
 from course_lib.pipeline.schedules import build_schedule
 from course_lib.pipeline.simulate import simulate

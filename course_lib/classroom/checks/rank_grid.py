@@ -27,7 +27,7 @@ from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, drawn_rng,
                                                   run_student, safe_repr, whole_numbers)
-from course_lib.megatron import SEED_SWEEP
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.rules import data_parallel_size, num_microbatches
 from course_lib.topology import ParallelConfig, RankGrid, divisors
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from course_lib import sizing
 from course_lib.classroom.checks import (conclusions, distributed_optimizer, gpu_projection, pipeline_bubbles,
                                          rank_grid, training_logs)
-from course_lib.megatron import SEED_SWEEP
+from course_lib.topology.seed import SEED_SWEEP
 from course_lib.training.logs import parse_log
 from course_lib.topology import ParallelConfig
 

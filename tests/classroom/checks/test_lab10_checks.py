@@ -35,9 +35,8 @@ def lab():
 def model(lab):
     from course_lib.model import GPTModel
     from course_lib.train import parse_args, validate_args
-    from course_lib.training.arguments import gpt_config_from_args
 
-    return GPTModel(gpt_config_from_args(validate_args(parse_args(lab.MODEL_FLAGS), 4, check_memory=False)[0]))
+    return GPTModel(validate_args(parse_args(lab.MODEL_FLAGS), 4, check_memory=False).model)
 
 
 @pytest.fixture(scope="module")

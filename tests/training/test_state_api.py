@@ -1,0 +1,55 @@
+"""State that saves itself (issue 35, item 3): checkpointing composes the optimizer's, the scheduler's
+and the sharding engine's own ``state_dict``-style methods and never reaches inside them; the engine
+imports no private name of another module. Pure ``ast``: no ranks (the save/load round trips are
+tests/training/test_checkpointing.py's)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# what checkpointing used to read inside the engine and the optimizer (buckets and their BucketState,
+# the optimizer's id-keyed state): now the engine's full_optimizer_state/load_full_state and the
+# optimizer's param_state/load_param_state/state_dict
+ENGINE_INSIDES = {"buckets", "state", "param_shard", "param_full", "main", "lo", "hi"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reaches(path: str, insides=frozenset()) -> list[str]:
+    """``line  what`` for each private name imported from another module, each private attribute of
+    something other than ``self``/``cls``, and each attribute named in ``insides``."""
+    found = []
+    for node in ast.walk(ast.parse((ROOT / path).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{node.lineno}  from {node.module} import {a.name}" for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.Attribute):
+            owner = node.value.id if isinstance(node.value, ast.Name) else None
+            if owner in ("self", "cls"):
+                continue
+            if _private(node.attr) or node.attr in insides:
+                found.append(f"{node.lineno}  {ast.unparse(node)}")
+    return found
+
+
+def test_checkpointing_composes_state_dicts_and_never_reaches_inside():
+    found = private_reaches("course_lib/training/checkpointing.py", ENGINE_INSIDES)
+    assert not found, "use the owner's state methods:\n" + "\n".join(found)
+
+
+def test_the_engine_imports_no_private_name():
+    found = [line for line in private_reaches("course_lib/distributed/engine.py") if " import " in line]
+    assert not found, "\n".join(found)
+
+
+def test_the_scan_sees_a_reach(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "m.py").write_text("from course_lib.comm import _x\n"
+                                   "def f(engine, self):\n    return engine.buckets, engine._pieces, self._ok\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [line.split("  ")[1] for line in private_reaches("m.py", ENGINE_INSIDES)] == [
+        "from course_lib.comm import _x", "engine.buckets", "engine._pieces"]
