@@ -27,7 +27,9 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 HAS_GPU     := $(shell command -v nvidia-smi 2>/dev/null)
 JOBS   ?= 2
 DURATIONS ?= 20
-PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=$(DURATIONS) -q
+# The course's plugin: notebooks checked strictly in solutions/ and laxly in labs/, the longest files first, and a
+# worker that dies fails its file instead of hanging the session (course_lib/classroom/notebooks/xdist_crash.py).
+PYTEST := $(BIN)/python -m pytest -n $(JOBS) --dist loadfile --durations=$(DURATIONS) -q -p course_lib.classroom.notebooks.nbval_plugin
 NBVAL_OPTS := --nbval-cell-timeout=300 --sanitize-with tests/nbval_sanitize.cfg
 # Students work here; labs/ is generated and released (see course_lib/classroom/notebooks/workspace.py).
 WORKSPACE ?= my-labs
@@ -99,9 +101,10 @@ lab: setup
 test: setup browser
 	$(BIN)/python -m course_lib labs --check
 	$(BIN)/python -m course_lib.deepspeed.ops
-	$(PYTEST) -p course_lib.classroom.notebooks.nbval_plugin solutions labs tests --nbval $(NBVAL_OPTS)
+	$(PYTEST) solutions labs tests --nbval $(NBVAL_OPTS)
 
-# The inner loop while editing course_lib/: unit tests only, without those marked slow (pyproject.toml).
+# The inner loop while editing course_lib/: unit tests only, without those marked slow (pyproject.toml) and
+# the files measured longest (tests/conftest.py).
 test-fast: setup
 	$(PYTEST) -m "not slow" tests
 

@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="nodes (torchrun's --nnodes): world = nodes x nproc-per-node; > 1 needs --print-launch")
     parser.add_argument("--print-launch", action="store_true",
                         help="print the multi-node launch (torchrun c10d/static, Slurm sbatch) instead of running")
+    parser.add_argument("--run-timeout-minutes", type=float, default=60.0,
+                        help="the launcher's deadline for the run once every rank has joined: past it, torchrun and "
+                             "every rank are stopped and one line names the phase (course_lib.launch.run_torchrun)")
     return parser
 
 
@@ -538,12 +541,14 @@ def run(args: argparse.Namespace) -> int:
     validate_args(args, n)
     if args.distributed_backend is not None:   # nccl needs a GPU per rank here: refused before torchrun starts
         resolve_backend(args.distributed_backend, n)
+    run_timeout = rules.timeout_seconds("run_timeout_minutes", args.run_timeout_minutes, unit_s=60)
     cmd = torchrun_argv(args, n)
     print("$ " + shlex.join(["torchrun", *cmd[3:]]), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return run_torchrun(cmd, env=env, timeout=args.distributed_timeout_minutes * 60)
+    return run_torchrun(cmd, env=env, timeout=args.distributed_timeout_minutes * 60,
+                        run_timeout=run_timeout)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ where libaio's headers are installed). :func:`ensure_built` builds all three onc
 line, so that ``make lab`` opens JupyterLab without waiting for g++ and no rank of a timed launch pays
 the build. Concurrent first users (pytest-xdist workers, a notebook beside a test run) take turns
 under an ``fcntl`` lock: the first builds, the others find the stamp. The lock is released by the
-kernel when its holder dies, unlike torch's own ``lock`` file, which a build killed midway leaves
-behind (the next build then waits for it forever).
+kernel when its holder dies, unlike torch's own ``lock`` file (``torch.utils.file_baton.FileBaton``,
+one per op folder, taken by every load), which a process killed while building or loading leaves
+behind: the next load then waits for it forever. :func:`clear_stale_locks` removes such a file, and
+only when no process holds it open (torch keeps it open from creation to removal).
 
 The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extensions``, see
 :func:`set_environment`); :func:`course_lib.deepspeed.schema.import_deepspeed` calls both.
@@ -16,6 +18,7 @@ The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extension
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import sys
@@ -50,6 +53,54 @@ def built() -> bool:
     return os.path.exists(os.path.join(_extensions_dir(), _STAMP))
 
 
+def _held(path: str) -> bool | None:
+    """Whether some process has ``path`` open (Linux: ``/proc/<pid>/fd``); None where that cannot be seen."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    target = os.stat(path)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:                      # gone, or another user's (who cannot build in this venv)
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                return True
+    return False
+
+
+def clear_stale_locks(settle: float = 1.0) -> list[str]:
+    """Remove torch's build locks (``<TORCH_EXTENSIONS_DIR>/<op>/lock``) that no process holds open -- left by
+    a build or load that was killed -- saying so in one line each; the paths removed. A lock seen unheld is
+    looked at again after ``settle`` seconds (torch's ``FileBaton.release`` closes the file, then removes
+    it: a live release is done by then). Where holders cannot be seen (no ``/proc``), the line says how to
+    remove it by hand."""
+    removed = []
+    for lock in glob.glob(os.path.join(_extensions_dir(), "*", "lock")):
+        try:
+            if _held(lock) is None:
+                print(f"note: if no DeepSpeed op is building, remove {lock} (a killed build leaves it; the next "
+                      "build waits for it forever)", file=sys.stderr, flush=True)
+                continue
+            first = os.stat(lock).st_ino
+            if _held(lock):
+                continue
+            time.sleep(settle)
+            if os.stat(lock).st_ino != first or _held(lock):
+                continue
+            os.remove(lock)
+        except FileNotFoundError:            # released meanwhile
+            continue
+        removed.append(lock)
+        print(f"note: removed {lock}, torch's build lock left by a DeepSpeed op build or load that was killed "
+              "(no process holds it)", file=sys.stderr, flush=True)
+    return removed
+
+
 def build_ops() -> list[str]:
     """Build (or find, in the cache) every op of :data:`OPS` that can be built here; their names."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -73,10 +124,14 @@ def ensure_built() -> None:
     """Build DeepSpeed's ops once per environment (say so on stderr while it runs); a no-op once built.
 
     Called with ``deepspeed`` imported and ``TORCH_EXTENSIONS_DIR`` set. On CUDA, DeepSpeed builds
-    its GPU ops itself, on first use: nothing is built here."""
+    its GPU ops itself, on first use: nothing is built here. Every call first clears torch's stale build
+    locks (:func:`clear_stale_locks`), since DeepSpeed loads the ops through them later, built or not."""
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cpu" or built():
+    if get_accelerator().device_name() != "cpu":
+        return
+    clear_stale_locks()
+    if built():
         return
     import fcntl
 
@@ -85,6 +140,7 @@ def ensure_built() -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)    # a second process waits here while the first builds
         if built():
             return
+        clear_stale_locks()                 # a build that held this lock was killed while we waited
         print("building DeepSpeed's C++ ops with g++ (once for this environment; minutes on 2 cores) ...",
               file=sys.stderr, flush=True)
         start = time.perf_counter()

@@ -148,6 +148,21 @@ class TorchrunAgent:
                 return RENDEZVOUS, missing
         return START_UP, missing
 
+    def running_ranks(self, world_size: int) -> list[int]:
+        """The ranks whose processes torchrun still runs (its children's ``RANK``, from /proc); every rank
+        where none can be read (no /proc)."""
+        parents = parent_pids() or {}
+        torchrun = {pid for pid, parent in parents.items() if parent == self.proc.pid}
+        ranks = set()
+        for pid in (pid for pid, parent in parents.items() if parent in torchrun):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = dict(v.partition(b"=")[::2] for v in f.read().split(b"\0"))
+                ranks.add(int(env[b"RANK"]))
+            except (OSError, KeyError, ValueError):     # ended meanwhile (a zombie has no environment)
+                continue
+        return sorted(ranks) or list(range(world_size))
+
     def first_error(self, world_size: int) -> str | None:
         """``"rank R: <its error line>"`` of the rank that reported an error first (``report_error``), or None."""
         records = []
@@ -213,10 +228,12 @@ def _raise_terminated(signum, frame):
     raise _Terminated()
 
 
-def _wait_joined(agent: TorchrunAgent, world_size: int, startup_timeout: float) -> int | None:
+def _wait_joined(agent: TorchrunAgent, world_size: int, startup_timeout: float,
+                 run_timeout: float | None = None) -> int | None:
     """Wait for torchrun's job until every rank has joined the process group, then until it ends; its
-    exit code. If the ranks have not all joined ``startup_timeout`` s after the start, stop everything
-    and raise :class:`LaunchTimeout` naming the phase that hung (torchrun's rendezvous, or start-up)."""
+    exit code. If the ranks have not all joined ``startup_timeout`` s after the start, or have not ended
+    ``run_timeout`` s after that (None: no limit), stop everything and raise :class:`LaunchTimeout`
+    naming the phase that hung (torchrun's rendezvous, start-up, or the run)."""
     start = time.monotonic()
     while agent.unjoined(world_size):
         if agent.poll(POLL_S):
@@ -225,7 +242,14 @@ def _wait_joined(agent: TorchrunAgent, world_size: int, startup_timeout: float) 
             phase, missing = agent.phase(world_size)
             raise LaunchTimeout(startup_timeout, missing, [""] * world_size, agent.stop(), phase=phase,
                                 waited=time.monotonic() - start)
-    return agent.wait()
+    if run_timeout is None:
+        return agent.wait()
+    deadline = time.monotonic() + run_timeout
+    while not agent.poll(min(POLL_S * 10, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            running = agent.running_ranks(world_size)
+            raise LaunchTimeout(run_timeout, running, [""] * world_size, agent.stop(), phase=RUN)
+    return agent.exit_code
 
 
 def _keep(log) -> str:
@@ -237,7 +261,8 @@ def _keep(log) -> str:
     return path
 
 
-def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float | None = None) -> int:
+def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float | None = None,
+                 run_timeout: float | None = None) -> int:
     """Run a :func:`torchrun_command` line in the foreground (``python -m course_lib train``);
     return its exit code.
 
@@ -249,7 +274,8 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout:
     ``timeout``: the process groups' (``--distributed-timeout-minutes``); torchrun's rendezvous and the
     ranks' start-up must end within it plus ``_TORCHRUN_STARTUP_S``, else everything is stopped and
     one line names the phase that hung (exit code 124); after that, the groups' timeout bounds every
-    collective. Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
+    collective, and ``run_timeout`` (seconds from the moment every rank has joined; None: no limit) the
+    whole run, a rank stuck outside a collective included: past it, the same (the phase: the run). Ctrl-C or SIGTERM stop torchrun and every rank (checked), print what was
     stopped and return 130 / 143; if this process is killed outright, torchrun
     stops its ranks itself, and no file is left either (:class:`TorchrunAgent`).
     """
@@ -263,7 +289,7 @@ def run_torchrun(cmd: Sequence[str], env: dict[str, str] | None = None, timeout:
     try:
         with TorchrunAgent(cmd, env=env, stderr=log) as agent:
             agent.start()
-            code, _ = supervise(lambda: _wait_joined(agent, world_size, startup_timeout), agent.stop)
+            code, _ = supervise(lambda: _wait_joined(agent, world_size, startup_timeout, run_timeout), agent.stop)
             first = agent.first_error(world_size)
     except LaunchTimeout as exc:
         print(f"error: {str(exc).splitlines()[0]} (the log: {_keep(log)})", file=sys.stderr, flush=True)

@@ -14,8 +14,12 @@ def _notebook(path, checked_output):
     independent = nbformat.v4.new_code_cell("print(5)", execution_count=3)   # skipped in labs/ only
     independent.outputs = [nbformat.v4.new_output("stream", name="stdout", text="5\n")]
     independent.metadata["tags"] = ["labs-pass-skip"]
+    # What a kernel makes and removes at exit (a lab's temporary folder): nbval's SIGKILL would leave it behind.
+    folder = f"{path.parent.name}-{path.stem}.tmp"
+    cleanup = nbformat.v4.new_code_cell(f"import atexit, os, shutil\nos.mkdir({folder!r})\nopen({folder!r} + '.made', 'w').close()\n"
+                                        f"_ = atexit.register(shutil.rmtree, {folder!r})", execution_count=4)
     nb = nbformat.v4.new_notebook()
-    nb.cells = [stale, marked, independent]
+    nb.cells = [stale, marked, independent, cleanup]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(path))
 
@@ -30,7 +34,10 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     failed = sorted(line[len("FAILED "):].split(" - ")[0] for line in done.stdout.splitlines()
                     if line.startswith("FAILED"))
     assert failed == ["labs/marked_wrong.ipynb::Cell 1", "solutions/strict.ipynb::Cell 0"], done.stdout
-    assert "2 failed, 5 passed, 2 skipped" in done.stdout
+    assert "2 failed, 8 passed, 2 skipped" in done.stdout
+    made = sorted(p.name for p in tmp_path.glob("**/*.made"))
+    assert made == ["labs-good.tmp.made", "labs-marked_wrong.tmp.made", "solutions-strict.tmp.made"], made
+    assert not list(tmp_path.glob("**/*.tmp")), "a kernel's atexit handlers did not run (nbval killed it)"
 
 
 def _cells(*sources, tagged=()):

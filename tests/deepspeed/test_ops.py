@@ -46,3 +46,61 @@ def test_two_first_users_build_once_in_turn(tmp_path, monkeypatch, capfd):
     assert err.count("building DeepSpeed's C++ ops") == 1 and "DeepSpeed's ops are ready (shm_comm;" in err
     ds_ops.ensure_built()                                # built: nothing to do, nothing said
     assert capfd.readouterr().err == ""
+
+
+def _killed_build(lock: str, ready) -> None:
+    """A first user whose build is killed midway: it holds torch's lock of one op (``FileBaton``, as
+    ``torch.utils.cpp_extension.load`` does) and our build lock, until SIGKILL."""
+    import time
+
+    from torch.utils.file_baton import FileBaton
+
+    def build_until_killed():
+        assert FileBaton(lock).try_acquire()
+        ready.set()
+        time.sleep(120)
+
+    ds_ops.build_ops = build_until_killed
+    ds_ops.ensure_built()
+
+
+def _next_build(lock: str, log: str) -> None:
+    """The next user: it builds only if torch would not wait (its lock of the op can be taken)."""
+    from torch.utils.file_baton import FileBaton
+
+    def build():
+        baton = FileBaton(lock)
+        with open(log, "w") as f:
+            f.write("acquired" if baton.try_acquire() else "torch would wait forever")
+        baton.release()
+        return ["shm_comm"]
+
+    ds_ops.build_ops = build
+    ds_ops.ensure_built()
+
+
+def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path, monkeypatch, capfd):
+    ds_schema.import_deepspeed()
+    capfd.readouterr()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock, log = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "next.log"
+    lock.parent.mkdir()
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    first = ctx.Process(target=_killed_build, args=(str(lock), ready))
+    first.start()
+    assert ready.wait(30)
+    second = ctx.Process(target=_next_build, args=(str(lock), str(log)))
+    second.start()                                       # it finds torch's lock held, and waits for our build lock
+    assert ds_ops.clear_stale_locks(settle=0) == [] and lock.exists()     # a live build's lock stays
+    os.kill(first.pid, 9)
+    first.join(10)
+    second.join(30)
+    assert second.exitcode == 0 and log.read_text() == "acquired"
+    assert ds_ops.built() and not lock.exists()
+    err = capfd.readouterr().err
+    assert err.count(f"note: removed {lock}, torch's build lock left by a DeepSpeed op build or load that was "
+                     "killed") == 1, err
+    lock.write_text("")                                  # killed while loading the built ops: the next import clears it
+    ds_ops.ensure_built()
+    assert not lock.exists() and f"note: removed {lock}" in capfd.readouterr().err

@@ -63,6 +63,36 @@ def test_a_torchrun_rendezvous_that_never_completes_is_stopped_at_its_deadline(m
     assert set(_descendants(os.getpid())) - already_running == set()
 
 
+HUNG_RUN = """
+import os, time
+from course_lib.launch import init_rank
+init_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "gloo", 60)
+print("joined", flush=True)
+if os.environ["RANK"] == "1":
+    while True:                      # stuck outside any collective: no process-group timeout sees it
+        time.sleep(1)
+"""
+
+
+def test_a_torchrun_run_that_hangs_is_stopped_at_its_deadline(monkeypatch, capfd, tmp_path):
+    """``python -m course_lib train``'s run phase: rank 1 never ends (rank 0 has); the run deadline names it and
+    stops every process."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG_RUN)
+    already_running = set(_descendants(os.getpid()))
+    cmd = torchrun.torchrun_command(2, [str(script)])
+    code = torchrun.run_torchrun(cmd, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
+                                 timeout=120, run_timeout=4)
+    out, err = capfd.readouterr()
+    assert code == 124 and out.count("joined") == 2, (out, err)
+    assert err.strip().splitlines()[-1].startswith(
+        "error: ranks [1] did not finish within timeout=4s (a hang or deadlock: check that every rank calls "
+        "the same collectives in the same order); torchrun and all its rank processes were stopped (the log: "), err
+    assert set(_descendants(os.getpid())) - already_running == set()
+    assert sorted(p.name for p in tmp_path.iterdir())[1:] == ["hung.py"]      # the log, and the script
+
+
 HOSTNAME_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})

@@ -10,7 +10,8 @@ busy across all three instead of idling at the end of each. Load it with
 ``pytest-xdist --dist loadfile`` hands out whole files, by default the files with the most tests first. Test
 count is not time: a file of one long test (grading every lab) handed out last leaves the other core idle for
 its length. So this plugin hands out the files of :data:`LONGEST_FIRST` (measured) first, longest first, and
-the others after them in collection order.
+the others after them in collection order; and a worker that dies fails its file instead of hanging the
+session (:mod:`.xdist_crash`, whose scheduler this plugin installs).
 
 A heavy cell that does not depend on any exercise (Lab 05's megatron-core side-by-side) computes in a lab
 exactly what it computes in the solution, which the strict pass has already run and compared. Tagged
@@ -28,6 +29,8 @@ import ast
 from pathlib import Path
 
 import pytest
+
+from course_lib.classroom.notebooks.xdist_crash import pytest_handlecrashitem, pytest_xdist_make_scheduler  # noqa: F401
 
 LAX_FOLDER = "labs"
 SKIP_TAG = "labs-pass-skip"
@@ -184,6 +187,29 @@ def _problems(code: list, names: dict, tagged: set) -> dict[int, str]:
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):      # xdist: keep the order pytest_collection_modifyitems gives
         config.option.loadscopereorder = False
+    try:
+        from nbval.plugin import IPyNbFile
+    except ImportError:
+        return
+    if not getattr(IPyNbFile.teardown, "graceful", False):
+        IPyNbFile.teardown = _graceful_teardown(IPyNbFile.teardown)
+
+
+def _graceful_teardown(teardown):
+    """nbval ends a notebook's kernel with SIGKILL (``RunningKernel.stop``: ``shutdown_kernel(now=True)``), so
+    the kernel's ``atexit`` handlers never run and what a lab made to last until its kernel ends (Lab 10's
+    ``ds_configs_*``, Lab 11's ``lab11-*`` temporary folders) stays behind. Ask it to shut down first, as
+    JupyterLab does (``shutdown_request``; jupyter_client sends SIGTERM, then SIGKILL, after
+    ``shutdown_wait_time``); nbval's own teardown then finds it ended."""
+    def graceful(self):
+        kernel = self.kernel
+        if kernel is not None and kernel.is_alive() and not getattr(self.config.option, "cov_source", None):
+            kernel.kc.stop_channels()
+            kernel.km.shutdown_kernel(now=False)
+        teardown(self)
+
+    graceful.graceful = True
+    return graceful
 
 
 def _longest_first(items) -> None:
