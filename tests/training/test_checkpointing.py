@@ -97,7 +97,8 @@ def _one_rank(root):
     out["no-load-optim"] = _train("--load", f"{root}/dist", "--no-load-optim")
     out["finetune"] = _train("--load", f"{root}/dist", "--finetune", "--save", f"{root}/resumed", "--save-interval", 6)   # over iter 6
     out["empty"] = _train("--load", f"{root}/empty", "--exit-interval", 1)
-    for case in ("truncated", "tracker", "common", "hostile common", "hostile metadata", "hostile legacy"):
+    for case in ("truncated", "tracker", "common", "hostile common", "hostile metadata", "hostile legacy",
+                 "consumed"):
         out[case] = _error("--load", f"{root}/{case}")
     out["another model"] = _error("--load", f"{root}/dist", "--hidden-size", 128)
 
@@ -136,6 +137,17 @@ def _plant_hostile_pickles(root):
     torch.save({"model": {}, "rng_state": [evil]}, legacy)
 
 
+def _plant_a_data_position_off_by_one_batch(root):
+    """A copy of the torch_dist checkpoint whose common.pt says one global batch more was consumed."""
+    import torch
+
+    shutil.copytree(root / "dist", root / "consumed")
+    common = root / "consumed" / "iter_0000003" / "common.pt"
+    state = torch.load(common, weights_only=False)      # the test's own file, just written
+    torch.save({**state, "consumed_train_samples": state["consumed_train_samples"]
+                + state["data_flags"]["global_batch_size"]}, common)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -156,6 +168,7 @@ def runs(tmp_path_factory):
     (root / "common" / "iter_0000003" / "common.pt").write_bytes(b"not a checkpoint")
     (root / "empty").mkdir()
     _plant_hostile_pickles(root)
+    _plant_a_data_position_off_by_one_batch(root)
     res["1"] = launch(_one_rank, world_size=1, output="none", timeout=240, root=str(root))
     res["root"] = root
     return res
@@ -240,6 +253,7 @@ def test_faults_and_partial_loads_say_what_happened(runs):
     assert "__3_0.distcp is truncated" in messages["truncated"]
     assert "latest_checkpointed_iteration.txt should hold an iteration number" in messages["tracker"]
     assert "common.pt cannot be read" in messages["common"]
+    assert "consumed_train_samples=" in one["consumed"] and "but its folder is iteration 3" in one["consumed"]
     assert "hidden_size=64" in messages["another model"] and "hidden_size=128" in messages["another model"]
     assert "saving checkpoint at iteration 6" in messages["full disk"] and "No space left on device" in messages[
         "full disk"] and "the previous checkpoint and latest_checkpointed_iteration.txt are unchanged" in messages[
