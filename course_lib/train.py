@@ -58,6 +58,7 @@ from course_lib.training.evaluation import evaluate_and_print
 from course_lib.training.finalize_model_grads import (allreduce_dp_grads, dp_kind,  # noqa: F401
                                                       finalize_model_grads, grad_norm, unique_named_params)
 from course_lib.training.checkpointing import CheckpointError, checkpoint_and_decide_exit, load_checkpoint
+from course_lib.training.rng_state import set_random_seed
 from course_lib.training.state_sharding import (allreduce_embedding_grads_after_sync, schedule_sync,
                                           state_bytes)
 
@@ -284,8 +285,7 @@ def pretrain(args: argparse.Namespace | RunConfig, *, print_args: bool = True,
     setup = setup_training(run, groups, device, finalize_model_grads_func=finalize_model_grads_func)
     if c["dp"] == 0 and c["cp"] == 0:
         print_line(parameters_line(c["tp"], c["pp"], setup.num_parameters))
-    # Megatron's _set_random_seed: seed + 100 * pipeline rank (drives dropout only; weights came from the master)
-    torch.manual_seed(run.schedule.seed + 100 * c["pp"])
+    set_random_seed(run.schedule.seed, c["pp"])
     start_iteration = load_checkpoint(setup) if run.checkpointing.load else 0   # course_lib.training.checkpointing
     record = {"lm_loss": [], "logged": [], "grad_norm": [], "learning_rate": [], "elapsed_ms": [],
               "comm": {}, "pipeline_events": [], "coords": dict(c), "num_parameters": setup.num_parameters,

@@ -1,10 +1,11 @@
-"""The random number generators of one rank as state that saves itself (torchtitan's ``Stateful`` shape).
+"""The random number generators of one rank: the seed set-up, and the state that saves itself.
 
-:class:`RNGState` captures and restores Python's, NumPy's, torch's CPU (and, when initialised, CUDA's)
-generators under Megatron-LM's key names (``megatron/training/checkpointing.py`` ``get_rng_state``:
-``random_rng_state``, ``np_rng_state``, ``torch_rng_state``, ``cuda_rng_state``). Checkpointing stores
-the dict as Megatron does (``rng_state``: one entry per DP x CP replica); the run's seed itself is
-``--seed`` (``RunConfig.schedule.seed``), which the model's initialisation and the data order read.
+:func:`set_random_seed` seeds a rank as Megatron-LM's ``_set_random_seed`` (``megatron/training/
+initialize.py``) does. :class:`RNGState` (torchtitan's ``Stateful`` shape) captures and restores Python's,
+NumPy's, torch's CPU (and, when initialised, CUDA's) generators under Megatron-LM's key names
+(``megatron/training/checkpointing.py`` ``get_rng_state``: ``random_rng_state``, ``np_rng_state``,
+``torch_rng_state``, ``cuda_rng_state``); checkpointing stores them as Megatron does (``rng_state``: one
+entry per DP x CP replica).
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import random
 
 import numpy as np
 import torch
+
+
+def set_random_seed(seed: int, pp_rank: int) -> None:
+    """Seed torch's generator with ``seed + 100 * pp_rank`` (Megatron's offset per pipeline stage). It drives
+    dropout only: the weights came from the seeded master model (:mod:`course_lib.model`). Megatron also
+    seeds ``random`` and NumPy; the course's training draws nothing from them."""
+    torch.manual_seed(seed + 100 * pp_rank)
 
 
 class RNGState:

@@ -93,3 +93,15 @@ def test_data_position_round_trip_and_its_rule():
     assert resumed.iteration == 5
     with pytest.raises(UsageError, match="--global-batch-size"):
         DataPosition(24).load_state_dict(at.state_dict())             # 80 is not a whole number of 24s
+
+
+def test_the_seed_set_up_is_megatrons_offset_per_pipeline_stage():
+    import torch
+
+    from course_lib.training.rng_state import set_random_seed
+
+    with torch.random.fork_rng(devices=[]):
+        set_random_seed(1234, 2)
+        drawn = torch.rand(4)
+        torch.manual_seed(1234 + 100 * 2)              # Megatron's _set_random_seed: seed + 100 x PP rank
+        assert torch.equal(drawn, torch.rand(4))
