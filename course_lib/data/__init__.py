@@ -36,6 +36,7 @@ from course_lib.data.tokenizer import EOD_TEXT, ByteTokenizer, vocab_size_with_p
 __all__ = [
     "ByteTokenizer", "EOD_TEXT", "vocab_size_with_padding",
     "load_documents", "corpus_text", "export_jsonl",
-    "GPTDataset", "DataPosition", "DEFAULT_SEED", "corpus_tokens", "get_batch", "get_global_batch", "microbatch_sample_indices",
+    "GPTDataset", "DataPosition", "DEFAULT_SEED", "corpus_tokens", "get_batch", "get_global_batch",
+    "microbatch_sample_indices",
     "get_batch_on_this_cp_rank", "split_for_cp_rank", "gather_from_cp_ranks", "cp_chunk_ids", "cp_token_positions",
 ]

@@ -143,8 +143,8 @@ class DataPosition:
         consumed = rules.integer("consumed_train_samples", state["consumed_train_samples"], minimum=0)
         if consumed % self.global_batch_size:
             raise rules.UsageError(f"consumed_train_samples={consumed} is not a whole number of global batches of "
-                             f"{self.global_batch_size}: the data position was saved with another "
-                             f"--global-batch-size; resume with that one")
+                                   f"{self.global_batch_size}: the data position was saved with another "
+                                   f"--global-batch-size; resume with that one")
         self.consumed_train_samples = consumed
 
 
