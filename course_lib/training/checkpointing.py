@@ -599,7 +599,7 @@ def load_checkpoint(setup: TrainingSetup) -> int:
             data = _data_position(setup)
             data.load_state_dict(common)
             if data.iteration != iteration:
-                raise ValueError(f"{ckpt / COMMON_FILE} says consumed_train_samples={data.consumed_train_samples}, "
+                raise CheckpointError(f"{ckpt / COMMON_FILE} says consumed_train_samples={data.consumed_train_samples}, "
                                  f"{data.iteration} iterations, but its folder is iteration {iteration}: "
                                  f"the checkpoint is damaged; --load an earlier checkpoint")
     except ValueError as exc:
