@@ -600,8 +600,8 @@ def load_checkpoint(setup: TrainingSetup) -> int:
             data.load_state_dict(common)
             if data.iteration != iteration:
                 raise CheckpointError(f"{ckpt / COMMON_FILE} says consumed_train_samples={data.consumed_train_samples}, "
-                                 f"{data.iteration} iterations, but its folder is iteration {iteration}: "
-                                 f"the checkpoint is damaged; --load an earlier checkpoint")
+                                      f"{data.iteration} iterations, but its folder is iteration {iteration}: "
+                                      f"the checkpoint is damaged; --load an earlier checkpoint")
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     load_rng = not (flags.finetune or flags.no_load_rng)
