@@ -47,7 +47,8 @@ from course_lib.classroom.checks import checked_call, is_course_answer, not_atte
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import course_code_hint, drawn_rng, run_student, safe_repr, whole_numbers
+from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
+from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, whole_numbers
 from course_lib.training.dcp_io import RecordingReader, load_pieces, save_pieces, written_chunks
 from course_lib.training.safe_load import SafeFileSystemReader
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from course_lib.classroom.checks import not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import as_real, drawn_rng, run_student, safe_repr, whole_numbers
+from course_lib.classroom.checks.tamper_guard import run_student
+from course_lib.classroom.checks.verdicts import as_real, drawn_rng, safe_repr, whole_numbers
 
 __all__ = ["Number", "Ranks", "Choice", "Prose", "QUESTIONS", "check_review_answers"]
 
