@@ -25,8 +25,9 @@ Exercise 2, :func:`check_read_plan`
     torch's own overlap planner and the course's ``PieceLoadPlanner`` are refused.
 
 Exercise 3, :func:`check_checkpoint_answers`
-    the student's answers to the lab's review questions; a light check (written, the right notions
-    named, a number from the runs cited), then :func:`print_course_answers`.
+    the student's answers to the lab's review questions; checked only as written (a few sentences each,
+    ``resume`` citing a number from the runs), never by the words they use: the instructor reads them. Then
+    :func:`print_course_answers`.
 
 Every checker prints one verdict and never raises; the stub prints "not attempted yet".
 """
