@@ -8,8 +8,11 @@ cell, a hanging exercise, a crashing kernel, a notebook that deletes and writes 
 the solutions, one that leaves processes behind, a deleted lab, malformed JSON, a zip file, a stamp of no
 release, copies of two older releases (one graded against its release, one refused), the cheats that pass a
 checker running in the student's kernel -- setprofile(None), a thread, patched checker helpers, the checker's
-frames, forged verdict records and forged requests to the judge (hex) -- and the reference read from disk (rex). To stay fast the official lab is cut to its graded cells (the exercises and their checkers,
-unchanged): grading runs exactly as on the whole lab.
+frames, forged verdict records and forged requests to the judge (hex) -- and the reference read from disk (rex); a
+fork bomb (bo) and memory spread over 8 processes (mo). To stay fast the official lab is cut to its graded cells (the
+exercises and their checkers, unchanged): grading runs exactly as on the whole lab. The class is graded with a run's
+caps lowered to what Lab 01 needs (``tasks_max`` 256, 2 GiB), so that the fork bomb and the memory hog reach
+them without loading the machine (2,048 tasks on 2 cores are a load of ~1,000 for seconds).
 """
 
 from __future__ import annotations
@@ -220,6 +223,29 @@ def _reaching_out() -> str:
         "    return world_size // (tp * pp * cp)\n")
 
 
+TASKS_MAX, MEMORY_GIB = 256, 2.0   # a run's caps for this class: Lab 01 needs far less (grade_class's defaults are
+                                   # 2,048 tasks and 8 GiB)
+
+
+def _memory_hog() -> str:
+    """A derive_dp cell that starts 8 processes each touching a quarter of the run's memory cap (each far below the
+    per-process address-space limit, twice the cap together) and waits for them; derive_dp is right only when the
+    run's memory cap (the whole group's, not a process's) killed one."""
+    quarter = int(MEMORY_GIB * 2 ** 30) // 4
+    return (
+        "import os, time\nkids = []\n"
+        "for _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n        try:\n"
+        f"            block = b'x' * {quarter}  # the largest processes of the run: the OOM killer's first\n"
+        "            time.sleep(1.5)\n        finally:\n            os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "killed = [os.waitpid(pid, 0)[1] for pid in kids]\n"
+        "contained = any(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in killed)\n\n"
+        "def derive_dp(world_size, tp, pp, cp=1):\n"
+        "    if not contained or world_size % (tp * pp * cp):\n        raise ValueError('8 processes held twice "
+        "the cap')\n"
+        "    return world_size // (tp * pp * cp)\n")
+
+
 def _class(tmp: Path) -> tuple[Path, Path]:
     course = tmp / "course"
     solution_path = _mini_solution(course)
@@ -292,6 +318,7 @@ def _class(tmp: Path) -> tuple[Path, Path]:
         "import subprocess, time\nsubprocess.Popen(['sh', '-c', 'b() { b | b & }; b'])\ntime.sleep(60)\n\n"
         "def derive_dp(world_size, tp, pp, cp=1):\n    if world_size % (tp * pp * cp):\n"
         "        raise ValueError('not divisible')\n    return world_size // (tp * pp * cp)\n")}))
+    _write(subs / "mo" / name, _student(lab, solution, {"derive_dp": _memory_hog()}))
     (subs / "pat").mkdir()
     os.mkfifo(subs / "pat" / name)  # a notebook that is a FIFO: opening it would wait for a writer
     stale = _student(lab, solution)
@@ -307,7 +334,8 @@ def graded(tmp_path_factory):
     out = tmp / "grades"
     before = _snapshot(tmp, out)
     lines = []
-    grades = grade_class(subs, out, ["01"], timeout=TIMEOUT_S, solutions=solutions, log=lines.append)
+    grades = grade_class(subs, out, ["01"], timeout=TIMEOUT_S, solutions=solutions, log=lines.append,
+                         tasks_max=TASKS_MAX, memory_gib=MEMORY_GIB)
     rows = list(csv.DictReader(io.StringIO((out / "grades.csv").read_text(encoding="utf-8"))))
     return dict(tmp=tmp, out=out, subs=subs, solutions=solutions, grades=grades, lines=lines, before=before,
                 rows={(r["student"], r["exercise"]): r for r in rows})
@@ -325,7 +353,7 @@ def test_right_solutions_pass_however_written_and_however_submitted(graded):
     for student in ("ada", "bea", "ivy"):
         assert _passed(graded, student) == ALL, [graded["rows"][(student, e)] for e in ALL]
     assert re.fullmatch(r"\d+ calls", graded["rows"][("ada", "groups_of")]["evidence"])  # cases drawn per run
-    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal hex ivy jo kai lee max nia oto pat rex zed".split()
+    assert set(graded["rows"]) == {(s, e) for s in "ada bea bo cy dee eli fay gus hal hex ivy jo kai lee max mo nia oto pat rex zed".split()
                                    for e in ALL}
 
 
@@ -426,6 +454,13 @@ def test_a_fork_bomb_is_capped_by_its_group_and_killed_whole(graded):
     assert not _orphaned_run_groups()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="as an ordinary user memory is limited per process only")
+def test_memory_spread_over_8_processes_is_capped_for_the_run_as_a_whole(graded):
+    # mo's cell: 8 processes of a quarter of the cap each, none over the per-process limit: the run's memory group
+    # killed one (derive_dp passes only then), and the rest of the run went on
+    assert _passed(graded, "mo") == ALL, [graded["rows"][("mo", e)] for e in ALL]
+
+
 def _orphaned_run_groups() -> list[Path]:
     """Run groups (``course-grade-<zygote pid>-<n>``) whose grader's zygote has ended: another grading may be
     running in the other xdist worker, and its groups are alive with it."""
@@ -439,7 +474,7 @@ def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_pat
     assert "## Lab 01 (01_topology.ipynb): 2 of 3 passed" in feedback and "✗ `groups_of`: timed out" in feedback
     assert "- ✓ `derive_dp`" in feedback
     table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
-    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("10/20", "11/20", "10/20"))]
+    assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, ("11/21", "12/21", "11/21"))]
     assert re.search(r" \(\d+\)$", table[3]), table  # the most common hint of rank_of, and how many got it
     seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
     print(f"\nseconds per student-lab: {sorted(seconds)}")

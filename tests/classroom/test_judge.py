@@ -199,14 +199,14 @@ def read_plan(saved, want):
 
 
 def test_patching_the_checker_in_the_kernel_changes_nothing(monkeypatch):
-    from course_lib.classroom.checks import verdicts
+    from course_lib.classroom.checks import tamper_guard
 
     def always(*_args, **_kwargs):
         print("✓ passed")
         return True
 
     monkeypatch.setattr(check_rank_of.__wrapped__, "__code__", always.__code__)
-    monkeypatch.setattr(verdicts, "run_student", lambda *args, **kwargs: verdicts.StudentRun(value=0))
+    monkeypatch.setattr(tamper_guard, "run_student", lambda *args, **kwargs: tamper_guard.StudentRun(value=0))
     wrong = cell("def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n    return tp_rank\n")
     assert not check_rank_of(wrong["rank_of"]).ok
 

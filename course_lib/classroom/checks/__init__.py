@@ -33,7 +33,7 @@ changes a verdict. Within the judge, one proof mechanism serves them all:
 
 * **The course's own answer is refused, however wrapped.** :mod:`~course_lib.classroom.checks.references`
   names, for every exercise, the course code that computes its answer; :func:`call_student`,
-  :func:`checked_call` and :func:`~course_lib.classroom.checks.verdicts.run_student` refuse it when
+  :func:`checked_call` and :func:`~course_lib.classroom.checks.tamper_guard.run_student` refuse it when
   it runs inside the student's call (directly, through a wrapper or a partial, or as a copy of its
   code), and refuse every function of the checker modules themselves (their truth tables, their
   input generators) the same way.
@@ -59,8 +59,8 @@ needs the exception itself); checkers that run it on ranks test
 ``RankError.exc_type == "NotImplementedError"``.
 
 Both undo any monkeypatch the student's function made (see
-:func:`course_lib.classroom.checks.verdicts.run_student`) and report it as a
-:class:`~course_lib.classroom.checks.verdicts.LibraryPatched` error, so a patched
+:func:`course_lib.classroom.checks.tamper_guard.run_student`) and report it as a
+:class:`~course_lib.classroom.checks.tamper_guard.LibraryPatched` error, so a patched
 ``F.linear`` or ``RankGrid`` can neither fool a checker nor leak into later
 cells. The robust comparisons and the communication checks are in
 :mod:`course_lib.classroom.checks.verdicts`, the recording process group in
@@ -75,9 +75,9 @@ _warm_up()  # in a notebook: the judge starts importing while the student reads 
 
 def try_student(fn, *args, references=()):
     """``(value, None)``, or ``(None, exception)`` when ``fn`` raised, patched the library (a
-    :class:`~course_lib.classroom.checks.verdicts.LibraryPatched`; the patch is undone) or ran the course's
+    :class:`~course_lib.classroom.checks.tamper_guard.LibraryPatched`; the patch is undone) or ran the course's
     own code (``references``, and any checker function: a ``LibraryPatched`` naming it too)."""
-    from course_lib.classroom.checks.verdicts import LibraryPatched, run_student
+    from course_lib.classroom.checks.tamper_guard import LibraryPatched, run_student
 
     run = run_student(fn, *args, references=references)
     if run.patched or run.course_code:
@@ -117,7 +117,7 @@ def outcome(value, message) -> str:
 def checked_call(fn, *args, references=()):
     """``(value, None)``, ``(None, "todo")`` for the stub, or ``(None, what went wrong)``: an exception,
     a monkeypatch (undone), or the course's own code (``references``) running inside the call."""
-    from course_lib.classroom.checks.verdicts import run_student
+    from course_lib.classroom.checks.tamper_guard import run_student
 
     run = run_student(fn, *args, references=references)
     if run.todo:
@@ -128,7 +128,7 @@ def checked_call(fn, *args, references=()):
 
 def is_course_answer(*fns) -> bool:
     """Print the verdict for an answer that *is* the course's own implementation; True when one is."""
-    from course_lib.classroom.checks.verdicts import course_code_hint, course_function
+    from course_lib.classroom.checks.tamper_guard import course_code_hint, course_function
 
     for fn in fns:
         name = course_function(fn)

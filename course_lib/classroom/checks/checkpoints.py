@@ -3,14 +3,17 @@
 Exercise 1, :func:`check_sharded_state_dict`
     ``fn(mlp, tp_rank, tp_size) -> {name: (local tensor, global shape, global offsets)}`` for the
     course's ``ParallelMLP`` (``linear_fc1`` column-parallel, ``linear_fc2`` row-parallel): Megatron's
-    ``sharded_state_dict`` in miniature. Proven on 4 real ranks by what they wrote and read:
+    ``sharded_state_dict`` in miniature. Proven on 4 real ranks by what they wrote and read, in one launch,
+    for the lab's MLP (hidden 6, ffn 8: TP2 x DP2 -> TP4, the case the notebook prints) and for one drawn
+    per run (:func:`drawn_mlp_case`: other sizes, other TP sizes for the save and the reload):
     ``torch.distributed.checkpoint`` saves the pieces under TP2 x DP2 *at the offsets fn gives*
     (:mod:`course_lib.training.dcp_io` writes any offsets, so a wrong one lands where it says), the ``.metadata``
     is read back (each tensor's chunks and the file that holds each) and the files' values are
     compared with the master MLP's; then every rank rebuilds the MLP under TP4, asks fn for its new
     pieces and loads them: what each rank read (file and region, recorded by the storage reader) must be
-    exactly its quarter, and the values the master's. The course's own ``sharded_state_dict`` and
-    ``global_spec`` are refused.
+    exactly its part, and the values the master's. The course's own ``sharded_state_dict`` and
+    ``global_spec`` are refused; a failing hint shows the student's spec and the rule it breaks, never the
+    right spec.
 
 Exercise 2, :func:`check_read_plan`
     ``fn(saved, want) -> [(chunk index, start in the chunk, start in the piece, lengths)]``: the reads
@@ -22,8 +25,9 @@ Exercise 2, :func:`check_read_plan`
     torch's own overlap planner and the course's ``PieceLoadPlanner`` are refused.
 
 Exercise 3, :func:`check_checkpoint_answers`
-    the student's answers to the lab's review questions; a light check (written, the right notions
-    named, a number from the runs cited), then :func:`print_course_answers`.
+    the student's answers to the lab's review questions; checked only as written (a few sentences each,
+    ``resume`` citing a number from the runs), never by the words they use: the instructor reads them. Then
+    :func:`print_course_answers`.
 
 Every checker prints one verdict and never raises; the stub prints "not attempted yet".
 """
@@ -31,8 +35,6 @@ Every checker prints one verdict and never raises; the stub prints "not attempte
 from __future__ import annotations
 
 import math
-import os
-import random
 from pathlib import Path
 
 import torch
@@ -46,7 +48,8 @@ from course_lib.classroom.checks import checked_call, is_course_answer, not_atte
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import course_code_hint, run_student, safe_repr, whole_numbers
+from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
+from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, whole_numbers
 from course_lib.training.dcp_io import RecordingReader, load_pieces, save_pieces, written_chunks
 from course_lib.training.safe_load import SafeFileSystemReader
 
@@ -55,6 +58,7 @@ __all__ = ["check_sharded_state_dict", "check_read_plan", "check_checkpoint_answ
 
 MLP_SIZES = {"hidden_size": 6, "ffn_hidden_size": 8}   # fc1 [8, 6], fc2 [6, 8]: shapes that show a transpose
 SAVE_TP, LOAD_TP, WORLD = 2, 4, 4                       # saved under TP2 x DP2, reloaded under TP4, on 4 ranks
+LAB_CASE = (MLP_SIZES, SAVE_TP, LOAD_TP)
 _FAILED = (Exception, CheckpointException)              # DCP gathers every rank's failure into a BaseException
 
 
@@ -70,10 +74,19 @@ def _region(start, lengths) -> str:
 # ------------------------------------------------------------------ Exercise 1: what a TP layer writes
 
 
-def _mlp_parts():
+def drawn_mlp_case(rng) -> tuple:
+    """``(sizes, save TP, reload TP)`` drawn for this run: an MLP other than the lab's (ffn a multiple of 4, so every
+    TP size of 4 ranks divides it), saved under one of TP 1, 2, 4 and reloaded under another."""
+    while True:
+        sizes = {"hidden_size": rng.randint(3, 10), "ffn_hidden_size": 4 * rng.randint(1, 4)}
+        if sizes != MLP_SIZES:
+            return (sizes, *rng.sample((1, 2, 4), 2))
+
+
+def _mlp_parts(sizes: dict = MLP_SIZES):
     from course_lib.tensor_parallel import DenseMLP, ParallelMLP, TransformerConfig, copy_dense_to_parallel
 
-    config = TransformerConfig(num_attention_heads=1, **MLP_SIZES)
+    config = TransformerConfig(num_attention_heads=1, **sizes)
     torch.manual_seed(0)               # the same master MLP on every rank
     dense = DenseMLP(config)
     with torch.no_grad():
@@ -142,38 +155,50 @@ def _stage(fn, mlp, tp: int, tp_rank: int, action, report: dict) -> bool:
     return not _anyone("error" in report)
 
 
-def _sharded_state_dict_rank(fn, root: str) -> dict:
+def _tp_group(tp: int):
+    """This rank's TP group and TP rank when the :data:`WORLD` ranks run TP ``tp`` x DP (every rank makes every group)."""
     from course_lib.topology import RankGrid
 
-    config, dense, ParallelMLP, copy_dense_to_parallel = _mlp_parts()
-    rank, grid = dist.get_rank(), RankGrid(WORLD, tp=SAVE_TP)      # TP2 x DP2: TP groups [0, 1], [2, 3]
-    tp2 = {tuple(g): dist.new_group(g) for g in grid.groups("tp")}[tuple(grid.group_of(rank, "tp"))]
-    out = {"save": {}, "load": {}}
-    mlp = copy_dense_to_parallel(dense, ParallelMLP(config, tp2), tp2)
+    rank, grid = dist.get_rank(), RankGrid(WORLD, tp=tp)
+    groups = {tuple(g): dist.new_group(g) for g in grid.groups("tp")}
+    return groups[tuple(grid.group_of(rank, "tp"))], grid.coords(rank)["tp"]
 
-    def save(pieces):
-        save_pieces({}, pieces, root)
 
-    if not _stage(fn, mlp, SAVE_TP, grid.coords(rank)["tp"], save, out["save"]):
-        return out
-    tp4 = dist.new_group(list(range(WORLD)))
-    mlp = copy_dense_to_parallel(dense, ParallelMLP(config, tp4), tp4)
-    want = {n: p.detach().clone() for n, p in mlp.named_parameters()}
-    with torch.no_grad():
-        for p in mlp.parameters():
-            p.fill_(float("nan"))
-    reader = RecordingReader(root)
-    filled: dict = {}
+def _sharded_state_dict_rank(fn, cases: list) -> list:
+    """On each rank, per ``(sizes, save TP, reload TP, folder)`` of ``cases``: the MLP saved under the first layout
+    and reloaded under the second with ``fn``'s pieces; stops (on every rank) after a case that failed."""
+    outs = []
+    for sizes, save_tp, load_tp, root in cases:
+        config, dense, ParallelMLP, copy_dense_to_parallel = _mlp_parts(sizes)
+        out = {"save": {}, "load": {}}
+        outs.append(out)
+        group, tp_rank = _tp_group(save_tp)
+        mlp = copy_dense_to_parallel(dense, ParallelMLP(config, group), group)
 
-    def load(pieces):
-        load_pieces({}, pieces, root, reader)
-        filled.update({k: v[0] for k, v in pieces.items()})
+        def save(pieces):
+            save_pieces({}, pieces, root)
 
-    if _stage(fn, mlp, LOAD_TP, rank, load, out["load"]):
+        if not _stage(fn, mlp, save_tp, tp_rank, save, out["save"]):
+            break
+        group, tp_rank = _tp_group(load_tp)
+        mlp = copy_dense_to_parallel(dense, ParallelMLP(config, group), group)
+        want = {n: p.detach().clone() for n, p in mlp.named_parameters()}
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.fill_(float("nan"))
+        reader = RecordingReader(root)
+        filled: dict = {}
+
+        def load(pieces):
+            load_pieces({}, pieces, root, reader)
+            filled.update({k: v[0] for k, v in pieces.items()})
+
+        if not _stage(fn, mlp, load_tp, tp_rank, load, out["load"]):
+            break
         out["reads"] = reader.reads
         out["loaded"] = {n: bool(torch.equal(filled[n], want[n])) for n in want}
         out["in_module"] = all(torch.equal(p.detach(), want[n]) for n, p in mlp.named_parameters())
-    return out
+    return outs
 
 
 def _layer_rule(name: str) -> str:
@@ -195,18 +220,19 @@ def spec_hint(name: str, local, got, want, tp: int, tp_rank: int) -> str | None:
                 f"({_layer_rule(name)})")
     dim = split[0]
     if tuple(got_shape) == tuple(local):
-        return (f"{name}: the global shape is the whole tensor's, {list(want_shape)} -- this rank's {list(local)} "
-                f"times TP={tp} along dim {dim} -- not the shard's own shape")
+        return (f"{name}: you gave the shard's own shape {list(got_shape)}; the global shape is the whole tensor's "
+                f"-- TP={tp} shards like this rank's {list(local)} put together ({_layer_rule(name)})")
     if tuple(got_shape) != tuple(want_shape):
-        return f"{name}: global shape {list(got_shape)}, but the whole tensor is {list(want_shape)} ({_layer_rule(name)})"
+        return (f"{name}: global shape {list(got_shape)} under TP={tp} is not the whole tensor's: the TP shards "
+                f"put together along the split dimension ({_layer_rule(name)})")
     if not any(got_off):
         return (f"{name}: TP rank {tp_rank} gave offsets {list(got_off)}, as if every shard started at the origin; "
-                f"rank r's shard starts at r x {local[dim]} along dim {dim}: {list(want_off)}")
+                f"rank r's shard starts at r x the shard's size along the split dimension")
     moved = [d for d in range(len(local)) if got_off[d] != 0]
     if moved != [dim]:
         return f"{name}: TP rank {tp_rank}'s offsets {list(got_off)} move along the wrong dimension ({_layer_rule(name)})"
-    return (f"{name}: TP rank {tp_rank} of {tp} starts at {list(got_off)}, not {list(want_off)}: the offset along "
-            f"dim {dim} is tp_rank x the shard's size ({local[dim]})")
+    return (f"{name}: TP rank {tp_rank} of {tp} starts at {list(got_off)}: the offset along the split dimension "
+            f"is tp_rank x the shard's size there ({_layer_rule(name)})")
 
 
 def _stage_problem(results: list, stage: str, tp: int) -> str | None:
@@ -229,11 +255,11 @@ def _stage_problem(results: list, stage: str, tp: int) -> str | None:
     return None
 
 
-def _files_hold_the_master(root: Path) -> str | None:
-    """Read every tensor whole in this process; compare with the master MLP."""
+def _files_hold_the_master(root: Path, sizes: dict) -> str | None:
+    """Read every tensor whole in this process; compare with the master MLP of ``sizes``."""
     import warnings
 
-    _, dense, _, _ = _mlp_parts()
+    _, dense, _, _ = _mlp_parts(sizes)
     full = {n: torch.full_like(p, float("nan")) for n, p in dense.named_parameters()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")            # "assuming the intent is to load in a single process"
@@ -246,8 +272,8 @@ def _files_hold_the_master(root: Path) -> str | None:
 
 @exercise("mlp_sharded_state_dict")
 def check_sharded_state_dict(fn) -> bool:
-    """Exercise 1 (see the module doc): ``fn(mlp, tp_rank, tp_size)`` saved under TP2 x DP2 and reloaded
-    under TP4, on 4 ranks, in a temporary folder."""
+    """Exercise 1 (see the module doc): ``fn(mlp, tp_rank, tp_size)`` on 4 ranks, for :data:`LAB_CASE` (saved under
+    TP2 x DP2, reloaded under TP4) and a case drawn for this run, each in a temporary folder."""
     import tempfile
 
     from course_lib.classroom.checks.wire import launch_checked
@@ -257,43 +283,51 @@ def check_sharded_state_dict(fn) -> bool:
     if is_course_answer(fn):
         return False
     with tempfile.TemporaryDirectory(prefix="course_ex1_") as root:
+        cases = [(*case, str(Path(root) / f"case{i}")) for i, case in enumerate([LAB_CASE, drawn_mlp_case(drawn_rng())])]
         try:
             # launch_checked: the ranks' calls and what they put on the wire are the verdict's evidence
-            results = launch_checked(_sharded_state_dict_rank, WORLD, timeout=120, fn=fn, root=root)
+            results = launch_checked(_sharded_state_dict_rank, WORLD, timeout=120, fn=fn, cases=cases)
         except RankError as err:
             print(f"✗ {name}: a rank failed outside your function ({err.exc_type}); re-run the cell")
             return False
-        if any(r[stage].get("problem") == "todo" for r in results for stage in ("save", "load")):
+        if any(case[stage].get("problem") == "todo" for r in results for case in r for stage in ("save", "load")):
             return not_attempted(name)
-        verdict = _sharded_state_dict_verdict(name, results, Path(root))
+        verdict = _sharded_state_dict_verdict(name, results, cases)
     print(verdict)
     return verdict.startswith("✓")
 
 
-def _sharded_state_dict_verdict(name: str, results: list, root: Path) -> str:
-    reports = [r[stage] for r in results for stage in ("save", "load")]
+def _sharded_state_dict_verdict(name: str, results: list, cases: list) -> str:
+    """``results[rank][case]``: what each rank reported per case (a failed case is the last one)."""
+    reports = [case[stage] for r in results for case in r for stage in ("save", "load")]
     used = next((rep["course_code"][0] for rep in reports if rep.get("course_code")), None)
     if used:
         return f"✗ {course_code_hint(used)}"
-    for stage, tp in (("save", SAVE_TP), ("load", LOAD_TP)):
-        problem = _stage_problem(results, stage, tp)
+    for c, (sizes, save_tp, load_tp, root) in enumerate(cases):
+        of_case = [r[c] for r in results]
+        what = "" if c == 0 else (f" (an MLP of hidden {sizes['hidden_size']}, ffn {sizes['ffn_hidden_size']} drawn "
+                                  f"for this run)")
+        for stage, tp in (("save", save_tp), ("load", load_tp)):
+            problem = _stage_problem(of_case, stage, tp)
+            if problem:
+                return f"✗ {name}{what} {problem}"
+        problem = _files_hold_the_master(Path(root), sizes)
         if problem:
-            return f"✗ {name} {problem}"
-    problem = _files_hold_the_master(root)
-    if problem:
-        return f"✗ {name}: {problem}"
-    for rank, res in enumerate(results):
-        bad = [n for n, ok in res["loaded"].items() if not ok]
-        if bad:
-            return f"✗ {name}: under TP4 rank {rank} read wrong values into {bad[0]}"
-    if not all(r["in_module"] for r in results):
-        return (f"✗ {name}: your tensors were filled, not the MLP's parameters: give the parameters themselves (as "
-                f"Megatron's sharded_state_dict does), so that a load lands in the model")
-    written = written_chunks(SafeFileSystemReader(str(root)).read_metadata())
-    pieces = sum(len(r["save"]["specs"]) for r in results)
+            return f"✗ {name}{what}: {problem}"
+        for rank, res in enumerate(of_case):
+            bad = [n for n, ok in res["loaded"].items() if not ok]
+            if bad:
+                return f"✗ {name}{what}: under TP{load_tp} rank {rank} read wrong values into {bad[0]}"
+        if not all(r["in_module"] for r in of_case):
+            return (f"✗ {name}: your tensors were filled, not the MLP's parameters: give the parameters themselves "
+                    f"(as Megatron's sharded_state_dict does), so that a load lands in the model")
+    lab = [r[0] for r in results]
+    written = written_chunks(SafeFileSystemReader(cases[0][3]).read_metadata())
+    pieces = sum(len(r["save"]["specs"]) for r in lab)
     return (f"✓ {name}: under TP2 x DP2 the {WORLD} ranks' {pieces} pieces were written as "
             f"{sum(len(v) for v in written.values())} chunks (a replica's equal piece once), and under TP4 every "
-            f"rank read only its quarter\n" + _reads_table(results, written))
+            f"rank read only its quarter; so it did for an MLP and TP sizes drawn for this run\n"
+            + _reads_table(lab, written))
 
 
 def _reads_table(results: list, written: dict) -> str:
@@ -448,7 +482,7 @@ def check_read_plan(fn) -> bool:
     if is_course_answer(fn):
         return False
     shown = None
-    for case, shape, saved, pieces in RESHARDINGS + drawn_reshardings(random.Random(os.urandom(8))):
+    for case, shape, saved, pieces in RESHARDINGS + drawn_reshardings(drawn_rng()):
         full = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
         for rank, want in enumerate(pieces):
             run = run_student(fn, [tuple(c) for c in saved], tuple(want),

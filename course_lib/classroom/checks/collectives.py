@@ -33,10 +33,10 @@ import torch.distributed as dist
 from course_lib.classroom.checks import not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_code_hint,
-                                                  describe_ops, drawn_rng, launch_checked, point_to_point_only,
-                                                  refused_collective, run_student, safe_repr, secret_generator,
-                                                  wire_recorder)
+from course_lib.classroom.checks.tamper_guard import LibraryPatched, course_code_hint, run_student
+from course_lib.classroom.checks.verdicts import (collectives as collective_events, describe_ops, drawn_rng,
+                                                  launch_checked, point_to_point_only, refused_collective, safe_repr,
+                                                  secret_generator, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 
 WORLD_SIZES = (2, 3, 4)

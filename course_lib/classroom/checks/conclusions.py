@@ -15,7 +15,8 @@ import re
 from course_lib.classroom.checks import not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import run_student, safe_repr
+from course_lib.classroom.checks.tamper_guard import run_student
+from course_lib.classroom.checks.verdicts import safe_repr
 
 CONCLUSIONS = {
     "tiny_gpt": "your choice from A-F for the seed's tiny GPT, and why",

@@ -8,9 +8,14 @@ and what it put on the wire, each op placed in DeepSpeed's phase of the step (fo
 
 * :func:`check_zero3_wire` -- predict the elements ZeRO-3 all-gathers in forward and backward, the
   elements it reduce-scatters, and what it all-gathers again after the step, from the parameters'
-  sizes and the persistence threshold; compared with the wire of every recorded run;
+  sizes and the persistence threshold;
 * :func:`check_reduce_buckets` -- DeepSpeed's bucketing of the gradients: the sizes of the
-  reduce-scatters one backward issues for a ``reduce_bucket_size``; compared with the wire;
+  reduce-scatters one backward issues for a ``reduce_bucket_size``;
+
+  both are judged on cases drawn for the run (:func:`drawn_wire_cases`: a GPT of drawn depth and width, a
+  persistence threshold and a bucket size), which DeepSpeed trains in one launch of 4 ranks with the wire
+  recorded (:func:`drawn_wire_runs`); the student's function is called on every case first, so a stub, a
+  crash or a malformed answer costs no launch;
 * :func:`check_fits` -- a ds_config that keeps the seed's batch, precision and optimizer and fits a
   per-rank device budget; the checker trains it on 4 ranks and reads what each rank holds on the device
   and on the host, and what crossed the wire (it must still be ZeRO-3: parameters gathered);
@@ -31,7 +36,7 @@ import time
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import safe_repr, same_value
+from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, same_value
 
 # the lab's model: the course GPT, tiny (the ds_config sets the batch, the precision and the optimizer)
 MODEL_FLAGS = ["--uniform-vocab-padding", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -67,9 +72,9 @@ def wire_in_phases(stamped, phases: list) -> list[dict]:
     return out
 
 
-def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict:
+def train_on_ranks(configs: dict, model: list, ours: dict | None = None, models: dict | None = None) -> dict:
     """On every rank of a checked world: for each ``name: ds_config path`` of ``configs``, the course GPT
-    (``model`` flags) trained by DeepSpeed (:func:`course_lib.deepspeed.engine.pretrain`) with the
+    (``model`` flags, or ``models[name]``) trained by DeepSpeed (:func:`course_lib.deepspeed.engine.pretrain`) with the
     wire recorded; for each ``name: flags`` of ``ours``, the course's own engine (losses only). Returns
     ``{name: {"lm_loss", "state_bytes", "phases", "wire"}}`` (phases and wire on one clock, seconds)."""
     import io
@@ -83,7 +88,8 @@ def train_on_ranks(configs: dict, model: list, ours: dict | None = None) -> dict
 
     out = {}
     for name, path in configs.items():
-        run = validate_args(parse_args(model + ["--deepspeed-config", path]), dist.get_world_size(),
+        flags = (models or {}).get(name, model)
+        run = validate_args(parse_args(flags + ["--deepspeed-config", path]), dist.get_world_size(),
                             check_memory=False)
         with wire_recorder() as rec, redirect_stdout(io.StringIO()):
             rec.events = _Stamped()
@@ -140,15 +146,121 @@ def traffic_table(runs: dict, names, iterations=(None,)) -> str:
     return "\n".join(lines)
 
 
-# ------------------------------------------------------------------ exercise 1: ZeRO-3's wire, predicted
+# ------------------------------------------------------------------ the drawn cases of exercises 1 and 2
 
 WIRE_KEYS = ("forward_all_gather", "backward_all_gather", "reduce_scatter", "step_all_gather")
+DRAWN_CASES = 3
+_DRAWN: dict = {}   # this process's drawn cases and their runs (a check process of the judge draws its own)
+
+
+def gradient_order(model) -> list[int]:
+    """The gradients' element counts in the order backward makes them ready: modules in reverse order of use,
+    each module's tensors in their order, the tied word embedding (input and output layer) last."""
+    modules = [m for m in model.modules() if list(m.parameters(recurse=False))]
+    tied = model.embedding.word_embeddings.weight
+    order = [p for m in reversed(modules) for p in m.parameters(recurse=False) if p is not tied]
+    return [p.numel() for p in order] + [tied.numel()]
+
+
+def model_flags(num_layers: int, hidden_size: int) -> list:
+    """:data:`MODEL_FLAGS` with another depth and width."""
+    flags = list(MODEL_FLAGS)
+    flags[flags.index("--num-layers") + 1], flags[flags.index("--hidden-size") + 1] = str(num_layers), str(hidden_size)
+    return flags
+
+
+def _drawn_threshold(rng, numels: list) -> int:
+    """A persistence threshold that splits the tensors somewhere (at, just above or between two sizes)."""
+    sizes = sorted(set(numels))
+    k = rng.randrange(1, len(sizes))                  # tensors of sizes[:k] persistent, the rest gathered
+    return rng.choice((sizes[k - 1], rng.randint(sizes[k - 1], sizes[k] - 1)))
+
+
+def drawn_wire_cases(rng, count: int = DRAWN_CASES) -> list[dict]:
+    """``count`` cases for this run: ``{"flags", "numels", "grad_numels", "threshold", "bucket", "config"}`` -- the
+    course GPT of a drawn depth and width (``numels``: name -> elements; ``grad_numels`` in backward's order), a
+    persistence threshold that splits its tensors, and a reduce bucket between its smallest and its whole
+    gradient; ``config`` the lab's ds_config on 4 ranks with those two set."""
+    from course_lib.model import GPTModel
+    from course_lib.train import parse_args, validate_args
+
+    cases = []
+    for _ in range(count):
+        flags = model_flags(rng.randint(1, 3), 4 * rng.randint(3, 12))
+        model = GPTModel(validate_args(parse_args(flags), 4, check_memory=False).model)
+        numels = {n: p.numel() for n, p in model.named_parameters()}
+        grads = gradient_order(model)
+        threshold, bucket = _drawn_threshold(rng, list(numels.values())), rng.randint(min(grads), sum(grads))
+        config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                  "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
+                  "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                        "offload_param": {"device": "cpu"}, "overlap_comm": True,
+                                        "reduce_bucket_size": bucket, "stage3_prefetch_bucket_size": bucket,
+                                        "stage3_param_persistence_threshold": threshold}}
+        cases.append({"flags": flags, "numels": numels, "grad_numels": grads, "threshold": threshold,
+                      "bucket": bucket, "config": config})
+    return cases
+
+
+def _drawn_cases() -> list[dict]:
+    if "cases" not in _DRAWN:
+        _DRAWN["cases"] = drawn_wire_cases(drawn_rng())
+    return _DRAWN["cases"]
+
+
+def drawn_wire_runs(world: int = 4, timeout: float = 240) -> list:
+    """The drawn cases trained by DeepSpeed in one launch of ``world`` checked ranks (:func:`train_on_ranks`):
+    ``runs[rank]["case<i>"]``; launched once per process, whichever exercise asks first."""
+    from course_lib.classroom.checks.wire import launch_checked
+    from course_lib.deepspeed.engine import preload
+
+    if "runs" not in _DRAWN:
+        cases = _drawn_cases()
+        names = [f"case{i}" for i in range(len(cases))]
+        preload()
+        _DRAWN["runs"] = launch_checked(train_on_ranks, world, timeout=timeout, model=MODEL_FLAGS,
+                                        configs=write_configs({n: c["config"] for n, c in zip(names, cases)}),
+                                        models={n: c["flags"] for n, c in zip(names, cases)})
+    return _DRAWN["runs"]
+
+
+def _runs_or_problem(world: int):
+    """The drawn runs, or ``None`` with the reason printed (a launch that failed is not the student's fault)."""
+    from course_lib.launch import LaunchError, RankError
+
+    try:
+        return drawn_wire_runs(world)
+    except (RankError, LaunchError) as err:
+        print(f"✗ DeepSpeed's run of the drawn cases failed outside your function "
+              f"({raised_line(err) if isinstance(err, RankError) else err}); re-run the cell")
+        return None
+
+
+def _answers(fn, name: str, args_of) -> list | None:
+    """The student's answer to every drawn case (``args_of(case)``: the call's arguments), before any launch;
+    ``None`` with the verdict printed for a stub or a call that went wrong."""
+    answers = []
+    for case in _drawn_cases():
+        args = args_of(case)
+        got, problem = checked_call(fn, *args, references=references_for(name))
+        if problem == "todo":
+            not_attempted(name)
+            return None
+        if problem:
+            print(f"✗ {name}(..., {', '.join(map(str, args[1:]))}) {problem}")
+            return None
+        answers.append(got)
+    return answers
+
+
+# ------------------------------------------------------------------ exercise 1: ZeRO-3's wire, predicted
 
 
 def measured_wire(run: dict) -> dict:
     """What a rank moved in its last iteration, per micro-batch (:data:`WIRE_KEYS`, elements): the
     parameters' all-gathers in forward and in backward, the gradients' reduce-scatters, and the
-    all-gathers of ``engine.step()``; ``None`` when the ranks disagree is not possible (one rank's)."""
+    all-gathers of ``engine.step()``."""
     last = max(w["iteration"] for w in run["wire"] if w["iteration"] is not None)
     micros = {w["micro"] for w in run["wire"] if w["iteration"] == last}
     micro = max(m for m in micros if m is not None)
@@ -165,37 +277,38 @@ def measured_wire(run: dict) -> dict:
 
 
 @exercise("zero3_wire")
-def check_zero3_wire(fn, runs, numels: dict, thresholds: dict) -> bool:
+def check_zero3_wire(fn, world: int = 4) -> bool:
     """``fn(numels, world, persistence_threshold)`` -> :data:`WIRE_KEYS` elements for one micro-batch of a
-    steady-state iteration; compared with every run's measured wire (``thresholds``: run name ->
-    ``stage3_param_persistence_threshold``) on every rank."""
+    steady-state iteration; compared, on every rank, with the wire DeepSpeed's ZeRO-3 put out on
+    :data:`DRAWN_CASES` models and thresholds drawn for this run."""
     if is_course_answer(fn):
         return False
-    world = len(runs)
-    for name, threshold in thresholds.items():
-        got, problem = checked_call(fn, dict(numels), world, threshold, references=references_for("zero3_wire"))
-        if problem == "todo":
-            return not_attempted("zero3_wire")
-        if problem:
-            print(f"✗ zero3_wire(..., {world}, {threshold}) {problem}")
-            return False
-        want = [measured_wire(r[name]) for r in runs]
-        if any(w != want[0] for w in want):
-            print(f"✗ the ranks of run {name} disagree on the wire: {want}; re-run the launch")
-            return False
-        want = want[0]
+    answers = _answers(fn, "zero3_wire", lambda c: (dict(c["numels"]), world, c["threshold"]))
+    if answers is None:
+        return False
+    for got in answers:
         if not isinstance(got, dict) or set(got) != set(WIRE_KEYS):
             print(f"✗ zero3_wire returned {safe_repr(got)}; return a dict with the keys {', '.join(WIRE_KEYS)}")
             return False
-        wrong = [k for k in WIRE_KEYS if not same_value(got[k], want[k])]
-        if wrong:
-            k = wrong[0]
-            print(f"✗ run {name} (threshold {threshold:,}): {k} = {safe_repr(got[k])} is not what the wire shows. "
-                  + _wire_hint(k, threshold))
+    runs = _runs_or_problem(world)
+    if runs is None:
+        return False
+    for i, (case, got) in enumerate(zip(_drawn_cases(), answers)):
+        want = [measured_wire(r[f"case{i}"]) for r in runs]
+        if any(w != want[0] for w in want):
+            print("✗ the ranks disagree on the wire of a drawn case; re-run the cell")
             return False
-        print(f"  run {name}: " + ", ".join(f"{k} {want[k]:,}" for k in WIRE_KEYS) + " elements = the wire")
-    print("✓ ZeRO-3's traffic predicted: each partitioned parameter is gathered once per forward (and kept for "
-          "backward), every gradient is reduce-scattered, the persistent ones are re-gathered after the step")
+        wrong = [k for k in WIRE_KEYS if not same_value(got[k], want[0][k])]
+        if wrong:
+            k, sizes = wrong[0], sorted(case["numels"].values())
+            print(f"✗ a GPT of {len(sizes)} tensors ({sizes[0]:,} to {sizes[-1]:,} elements), threshold "
+                  f"{case['threshold']:,}: {k} = {safe_repr(got[k])} is not what the wire shows. "
+                  + _wire_hint(k, case["threshold"]))
+            return False
+    print(f"✓ ZeRO-3's traffic predicted on {len(answers)} models and persistence thresholds drawn for this run, "
+          f"each as DeepSpeed's wire on {world} ranks: each partitioned parameter is gathered once per forward (and "
+          f"kept for backward), every gradient is reduce-scattered, the persistent ones are re-gathered after the "
+          f"step")
     return True
 
 
@@ -227,26 +340,28 @@ def measured_buckets(run: dict) -> list[int]:
 
 
 @exercise("reduce_buckets")
-def check_reduce_buckets(fn, runs, grad_numels: list, bucket_sizes: dict) -> bool:
+def check_reduce_buckets(fn, world: int = 4) -> bool:
     """``fn(grad_numels, reduce_bucket_size)`` -> the list of reduce-scatter sizes, for the gradients in the
-    order they become ready; compared with each run's wire (``bucket_sizes``: run -> its bucket size)."""
+    order they become ready; compared with the wire of :data:`DRAWN_CASES` models and bucket sizes drawn for
+    this run."""
     if is_course_answer(fn):
         return False
-    for name, size in bucket_sizes.items():
-        got, problem = checked_call(fn, list(grad_numels), size, references=references_for("reduce_buckets"))
-        if problem == "todo":
-            return not_attempted("reduce_buckets")
-        if problem:
-            print(f"✗ reduce_buckets(..., {size}) {problem}")
-            return False
-        want = measured_buckets(runs[0][name])
+    answers = _answers(fn, "reduce_buckets", lambda c: (list(c["grad_numels"]), c["bucket"]))
+    if answers is None:
+        return False
+    runs = _runs_or_problem(world)
+    if runs is None:
+        return False
+    for i, (case, got) in enumerate(zip(_drawn_cases(), answers)):
+        want = measured_buckets(runs[0][f"case{i}"])
         if not same_value(list(got) if isinstance(got, (list, tuple)) else got, want):
-            print(f"✗ reduce_bucket_size {size:,} (run {name}): you return {safe_repr(got)}, not the wire's "
-                  f"reduce-scatters. " + _bucket_hint(got, want, grad_numels, size))
+            print(f"✗ reduce_bucket_size {case['bucket']:,} on {len(case['grad_numels'])} gradients: you return "
+                  f"{safe_repr(got)}, not the wire's reduce-scatters. "
+                  + _bucket_hint(got, want, case["grad_numels"], case["bucket"]))
             return False
-        print(f"  run {name}: reduce_bucket_size {size:,} -> {len(want)} reduce-scatter(s) of {want} = the wire")
-    print("✓ DeepSpeed's buckets: a gradient that would overflow the bucket flushes it first; one larger than "
-          "the bucket goes alone; what is left is flushed when backward ends")
+    print(f"✓ DeepSpeed's buckets, on {len(answers)} models and bucket sizes drawn for this run, each as the wire "
+          f"showed: a gradient that would overflow the bucket flushes it first; one larger than the bucket goes "
+          f"alone; what is left is flushed when backward ends")
     return True
 
 

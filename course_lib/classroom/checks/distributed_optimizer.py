@@ -29,9 +29,9 @@ import torch.distributed as dist
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (carried_by, course_code_hint, describe_ops, launch_checked,
-                                                  run_student, safe_repr, same_payload, secret_generator,
-                                                  tensors_close, wire_recorder)
+from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
+from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, launch_checked, safe_repr, same_payload,
+                                                  secret_generator, tensors_close, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
 
 

@@ -22,7 +22,7 @@ by the kernel but forked by the sandbox (:mod:`course_lib.classroom.grading.sand
 checker modules, ``sys.setprofile``, threads, frames, ``__code__``) reaches the judge, and the checker's
 frames and truth are in no process the student's code runs in -- except the ranks of a launch, where the
 student's call runs beside the checker's rank code: there the refusals hold around the call, a patch is
-undone (:func:`~course_lib.classroom.checks.verdicts.run_student`), and the checker compares with truth it
+undone (:func:`~course_lib.classroom.checks.tamper_guard.run_student`), and the checker compares with truth it
 computes after the call.
 """
 

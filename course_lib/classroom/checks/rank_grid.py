@@ -14,7 +14,7 @@ find. Expected values come from ``course_lib.topology.RankGrid`` and ``ParallelC
 (the tests compare them with Megatron-LM's own algorithm) and the DP rule of
 :func:`course_lib.rules.data_parallel_size`. The exercises ask for the arithmetic, so
 an answer that calls ``RankGrid`` or ``ParallelConfig`` is told so; the student's
-code runs through :func:`course_lib.classroom.checks.verdicts.run_student` (a monkeypatch of
+code runs through :func:`course_lib.classroom.checks.tamper_guard.run_student` (a monkeypatch of
 ``RankGrid`` is undone and reported). Any real integer type is a right answer.
 """
 
@@ -25,8 +25,8 @@ import itertools
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (LibraryPatched, as_real, as_whole, course_code_hint, drawn_rng,
-                                                  run_student, safe_repr, whole_numbers)
+from course_lib.classroom.checks.tamper_guard import LibraryPatched, course_code_hint, run_student
+from course_lib.classroom.checks.verdicts import as_real, as_whole, drawn_rng, safe_repr, whole_numbers
 from course_lib.topology.seed import SEED_SWEEP
 from course_lib.rules import data_parallel_size, num_microbatches
 from course_lib.topology import ParallelConfig, RankGrid, divisors

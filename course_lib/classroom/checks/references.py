@@ -4,7 +4,7 @@ An exercise asks the student to write something the course already implements (a
 Megatron-LM or the papers). Calling that implementation proves nothing, so every checker runs the
 student's function with :func:`references_for` its exercise: the functions and classes named here,
 *and* every function of the checker modules themselves (the checker's truth tables, its input
-generators -- see :func:`course_lib.classroom.checks.verdicts.run_student`), are refused when they
+generators -- see :func:`course_lib.classroom.checks.tamper_guard.run_student`), are refused when they
 run inside the student's call -- called directly, through an alias or a wrapper, a
 ``functools.partial``, a copy of their code object, or an ``exec`` of their source (the same
 bytecode under the same name).

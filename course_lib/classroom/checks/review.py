@@ -5,7 +5,8 @@ A lab's review questions are the student's to answer, as Lab 05's conclusions ar
 dict with one entry per question; :func:`check_review_answers` checks each against the lab's
 :data:`QUESTIONS` -- a :class:`Number` (the value, within a tolerance; a share may be written as a
 fraction or a percentage), :class:`Ranks` (a list of whole numbers, any order), :class:`Choice`
-(one of a few named answers, any spelling) or :class:`Prose` (a few sentences: never judged here,
+(one of a few named answers, any spelling, said by its words: a letter or an index is refused, and a hint
+lists the options in an order drawn for the run, so no position names an answer) or :class:`Prose` (a few sentences: never judged here,
 since no word list tells a right explanation from the right words around a wrong one; it is recorded
 for the instructor, whom ``python -m course_lib grade`` hands it) -- prints one line, and the hint of
 the first wrong answer. The course's own reading is shown after it, once the answers are in. Never
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from course_lib.classroom.checks import not_attempted
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import as_real, run_student, safe_repr, whole_numbers
+from course_lib.classroom.checks.tamper_guard import run_student
+from course_lib.classroom.checks.verdicts import as_real, drawn_rng, safe_repr, whole_numbers
 
 __all__ = ["Number", "Ranks", "Choice", "Prose", "QUESTIONS", "check_review_answers"]
 
@@ -114,7 +116,32 @@ def _norm(text: str) -> str:
     return re.sub(r"[\s_-]+", " ", text.strip().lower())
 
 
-def _problem(key: str, spec, answer) -> str | None:
+_POSITION = re.compile(r"^\(?(option|choice|answer)?\s*([a-z]|\d+)\s*[).:]?$")
+
+
+def _positional(answer) -> bool:
+    """An answer that names an option by where it stood (``"b"``, ``"(2)"``, ``"option a"``, ``1``), not by its
+    words."""
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        return True
+    return isinstance(answer, str) and bool(_POSITION.match(_norm(answer)))
+
+
+def _choice_problem(key: str, spec: "Choice", answer, rng) -> str | None:
+    said = _norm(answer) if isinstance(answer, str) else None
+    picked = [name for name, words in spec.options.items() if said in {_norm(w) for w in (name, *words)}]
+    if picked == [spec.value]:
+        return None
+    names = list(spec.options)
+    rng.shuffle(names)                     # no order of the options is the answer's position
+    names = " or ".join(repr(n) for n in names)
+    if not picked and _positional(answer):
+        return (f"{key!r} = {safe_repr(answer)} names an option by its position; answer with its words: {names} "
+                f"(listed in an order drawn for this run)\n  hint: {spec.hint}")
+    return f"{key!r} = {safe_repr(answer)}: answer {names}\n  hint: {spec.hint}"
+
+
+def _problem(key: str, spec, answer, rng) -> str | None:
     if isinstance(spec, Number):
         number, reason = as_real(answer)
         if reason:
@@ -130,12 +157,7 @@ def _problem(key: str, spec, answer) -> str | None:
             return f"{key!r} = {safe_repr(answer)} is not it (a list of whole numbers)\n  hint: {spec.hint}"
         return None
     if isinstance(spec, Choice):
-        said = _norm(answer) if isinstance(answer, str) else None
-        picked = [name for name, words in spec.options.items() if said in {_norm(w) for w in (name, *words)}]
-        if picked != [spec.value]:
-            names = " or ".join(repr(n) for n in spec.options)
-            return f"{key!r} = {safe_repr(answer)}: answer {names}\n  hint: {spec.hint}"
-        return None
+        return _choice_problem(key, spec, answer, rng)
     text = answer if isinstance(answer, str) else ""
     if len(text.split()) < spec.words or text.strip().strip(".…").upper() in ("", "TODO"):
         return f"{key!r}: write a few sentences (got {safe_repr(answer, 40)})\n  hint: {spec.hint}"
@@ -160,7 +182,8 @@ def check_review_answers(fn, lab: str) -> bool:
         got = sorted(answers) if isinstance(answers, dict) else safe_repr(answers)
         print(f"✗ my_answers returned {got}: return a dict with the keys {keys}")
         return False
-    problems = [p for p in (_problem(k, spec, answers[k]) for k, spec in questions.items()) if p]
+    rng = drawn_rng()
+    problems = [p for p in (_problem(k, spec, answers[k], rng) for k, spec in questions.items()) if p]
     if problems:
         print(f"✗ {len(questions) - len(problems)} of {len(questions)} answers right; first: {problems[0]}")
         return False

@@ -11,7 +11,7 @@ row-parallel forward that gathers its input and runs the dense GEMM is refused w
 the exercise asks for -- however the collective was called -- and so is one whose single all-reduce
 carries anything but the rank's partial sum; each rank's input slice is drawn from ``os.urandom``, so
 no rank can rebuild the others'. Student code runs through
-:func:`~course_lib.classroom.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is undone
+:func:`~course_lib.classroom.checks.tamper_guard.run_student`: a monkeypatch (``F.linear``, ...) is undone
 and named, and a function that runs the course's own implementation is told so.
 
 =========================================  ============================================================
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (call_problem, carried_by, describe_ops, launch_checked, run_student,
-                                                  same_payload, secret_generator, student_on_rank, tensors_close)
+from course_lib.classroom.checks.tamper_guard import call_problem, run_student, student_on_rank
+from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, launch_checked, same_payload,
+                                                  secret_generator, tensors_close)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.tensor_parallel import DenseMLP, ParallelMLP, TransformerConfig, gather_full_grads
 

@@ -16,7 +16,7 @@ records every operation and what it carried (:mod:`course_lib.classroom.checks.w
 that gathers every rank's tensor and adds them by hand is refused -- however the collective was called --
 and so is one whose all-reduce carries anything but its own tensor; each rank's tensors are drawn from
 ``os.urandom``, so no rank can add up the others' without the wire. Student code runs
-through :func:`~course_lib.classroom.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is
+through :func:`~course_lib.classroom.checks.tamper_guard.run_student`: a monkeypatch (``F.linear``, ...) is
 undone and named, and a function that runs the course's own implementation is told so.
 """
 
@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (as_real, call_problem, describe_ops, drawn_rng, launch_checked,
-                                                  portable, run_student, safe_repr, same_number, secret_generator,
-                                                  student_on_rank, tensors_close, wire_recorder)
+from course_lib.classroom.checks.tamper_guard import call_problem, portable, run_student, student_on_rank
+from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, safe_repr,
+                                                  same_number, secret_generator, tensors_close, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
 from course_lib.tensor_parallel import DenseMLP, ParallelTransformerLayer, TransformerConfig

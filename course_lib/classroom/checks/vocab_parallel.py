@@ -9,7 +9,7 @@ hint it can find; a function that still raises ``NotImplementedError`` gets a "n
 The checker proves the *algorithm*, not only the numbers: ranks run on a process group that
 records every operation (:mod:`course_lib.classroom.checks.wire`), so a cross-entropy that gathers the
 logits gets the right numbers and is refused -- however the collective was called. Student code runs
-through :func:`~course_lib.classroom.checks.verdicts.run_student`: a monkeypatch (``F.linear``, ...) is
+through :func:`~course_lib.classroom.checks.tamper_guard.run_student`: a monkeypatch (``F.linear``, ...) is
 undone and named, and a function that runs the course's own implementation is told so.
 """
 
@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.verdicts import (call_problem, describe_ops, launch_checked, secret_generator,
-                                                  student_on_rank, tensors_close)
+from course_lib.classroom.checks.tamper_guard import call_problem, student_on_rank
+from course_lib.classroom.checks.verdicts import describe_ops, launch_checked, secret_generator, tensors_close
 from course_lib.launch import LaunchTimeout, RankError
 
 __all__ = ["check_vocab_parallel_cross_entropy"]

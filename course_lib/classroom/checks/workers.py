@@ -16,7 +16,7 @@ In a check process (:mod:`~course_lib.classroom.checks.judge`) the checker calls
 * on a rank of the checker's launch, where the code must talk on that rank's process group, it runs on the
   rank, with the refusals in place around the call (and around each method of a student's class).
 
-What the code refused is kept in ``refused``; :func:`~course_lib.classroom.checks.verdicts.run_student`
+What the code refused is kept in ``refused``; :func:`~course_lib.classroom.checks.tamper_guard.run_student`
 reports it even when the student's code caught the exception.
 """
 
@@ -36,7 +36,7 @@ import torch
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.refusals import prepare
 from course_lib.classroom.checks.student_code import rebuild, values_of
-from course_lib.classroom.checks.verdicts import undo_patches
+from course_lib.classroom.checks.tamper_guard import undo_patches
 
 CALL_TIMEOUT = 120.0
 """Seconds a worker may take for one call of the student's function."""

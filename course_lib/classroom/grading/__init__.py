@@ -79,10 +79,14 @@ def _check_owned(out: Path, names, ledger) -> None:
 
 
 def grade_class(submissions: Path, out: Path, labs=None, timeout: float = DEFAULT_TIMEOUT_S,
-                memory_gib: float = DEFAULT_MEMORY_GIB, solutions: Path = Path("solutions"), log=print) -> list:
+                memory_gib: float = DEFAULT_MEMORY_GIB, solutions: Path = Path("solutions"), log=print,
+                tasks_max: int | None = None) -> list:
     """Grade every student of ``submissions`` on ``labs`` (two-digit numbers; default all), write the gradebook
-    to ``out``, and return the :class:`~course_lib.classroom.grading.gradebook.LabGrade` list."""
+    to ``out``, and return the :class:`~course_lib.classroom.grading.gradebook.LabGrade` list. ``tasks_max``: the
+    processes and threads one run may have at once (default :data:`~course_lib.classroom.grading.cgroups.PIDS_MAX`,
+    enough for every lab; a test of a fork bomb's containment lowers it)."""
     from course_lib.classroom.grading import gradebook, inputs
+    from course_lib.classroom.grading.cgroups import PIDS_MAX
     from course_lib.classroom.grading.grader import Outcome, grade_lab
     from course_lib.classroom.grading.official import current_lab, graded_cells, lab_for
     from course_lib.classroom.grading.sandbox import Sandbox
@@ -114,7 +118,8 @@ def grade_class(submissions: Path, out: Path, labs=None, timeout: float = DEFAUL
     sandbox = None
     try:
         deepspeed = any("course_lib.deepspeed.engine" in json.dumps(official[n].notebook["cells"]) for n in chosen)
-        sandbox = Sandbox(work, deny=[Path(solutions), submissions, out], memory_bytes=memory, deepspeed=deepspeed)
+        sandbox = Sandbox(work, deny=[Path(solutions), submissions, out], memory_bytes=memory, deepspeed=deepspeed,
+                          tasks_max=tasks_max or PIDS_MAX)
         for sub in students:
             for number in chosen:
                 started = time.monotonic()

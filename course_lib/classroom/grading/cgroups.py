@@ -4,7 +4,7 @@ and a kill that reaches every process in it, however it forked or re-parented.
 ``RLIMIT_NPROC`` does not apply to root and ``RLIMIT_AS`` is per process, so a grader running as root gives
 each run a group of its own in the ``pids`` and ``memory`` controllers (cgroup v2's unified hierarchy, else
 v1's per-controller ones), beneath the grader's own groups: ``pids.max`` stops a fork bomb at
-:data:`PIDS_MAX` tasks; ``memory.max`` (v1: ``memory.limit_in_bytes``) bounds the sum, and the kernel's OOM
+``tasks`` tasks (:data:`PIDS_MAX` by default; a test lowers it); ``memory.max`` (v1: ``memory.limit_in_bytes``) bounds the sum, and the kernel's OOM
 killer acts inside the group only. :meth:`RunGroup.kill` sends SIGKILL to every member until the group is
 empty, then removes it. Where the hierarchy is not writable (not root, a read-only cgroup mount), nothing is
 created and :attr:`RunGroup.controllers` is empty: the caller says so.
@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 PIDS_MAX = 2048
-"""Tasks (processes and threads: pids.max counts both) one run may have at once. Lab 09's solution peaks at 788
-(measured, 4 ranks of torch and gloo threads); 512 failed it with EAGAIN."""
+"""Tasks (processes and threads: pids.max counts both) one run may have at once, by default. Lab 09's solution peaks
+at 788 (measured, 4 ranks of torch and gloo threads); 512 failed it with EAGAIN. A fork bomb fills the cap: on 2 cores
+2048 tasks are a load of ~1000 for seconds, which is why a test of containment lowers it."""
 _ROOT = Path("/sys/fs/cgroup")
 
 
@@ -45,9 +46,10 @@ def _own_groups() -> dict[str, Path]:
 
 
 class RunGroup:
-    """The group ``name`` of one run, made now (an existing one of that name is emptied first)."""
+    """The group ``name`` of one run, made now (an existing one of that name is emptied first): at most ``tasks``
+    tasks, ``memory_bytes`` of memory for all of them together."""
 
-    def __init__(self, name: str, memory_bytes: int):
+    def __init__(self, name: str, memory_bytes: int, tasks: int = PIDS_MAX):
         self.folders: dict[str, Path] = {}
         if os.geteuid() != 0:
             return
@@ -56,7 +58,7 @@ class RunGroup:
             try:
                 folder.mkdir(exist_ok=True)
                 if controller == "pids":
-                    (folder / "pids.max").write_text(str(PIDS_MAX))
+                    (folder / "pids.max").write_text(str(tasks))
                 elif (folder / "memory.max").exists():
                     (folder / "memory.max").write_text(str(memory_bytes))
                     if (folder / "memory.swap.max").exists():

@@ -66,11 +66,9 @@ HOME_BYTES = 1 << 30
 """As root, the run's home (the one folder it may write) is a tmpfs of this size ..."""
 HOME_FILES = 100_000
 """... and of this many files and folders."""
-PROCESS_ALLOWANCE = PIDS_MAX
-"""How many more processes (and threads) than the grader's user already runs a run may start (the pids group's
-cap, for the same reason: threads count)."""
 _PRELOAD = ("torch", "torch.distributed", "IPython.core.interactiveshell", "matplotlib.pyplot",
-            "course_lib.classroom.checks.verdicts", "course_lib.classroom.checks.exercise", "course_lib.launch")
+            "course_lib.classroom.checks.verdicts", "course_lib.classroom.checks.tamper_guard",
+            "course_lib.classroom.checks.exercise", "course_lib.launch")
 _SYSTEM_READ = ("/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/opt", "/dev/null",
                 "/dev/zero", "/dev/random", "/dev/urandom")
 _START_TIMEOUT_S = 300
@@ -249,13 +247,14 @@ def _child(spec: dict, zygote: int, group) -> None:
 
 def _limits(spec: dict) -> None:
     """A run's limits on this process and what it starts: address space, file size, no core, and (not as root)
-    the number of processes."""
+    the number of processes: ``tasks_max`` more than the grader's user already runs (the pids group's cap, for the
+    same reason: threads count)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails (EFBIG) instead of killing
     _limit(resource.RLIMIT_AS, spec["memory_bytes"])
     _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_BYTES)
     _limit(resource.RLIMIT_CORE, 0)
     if os.geteuid() != 0:
-        _limit(resource.RLIMIT_NPROC, spec["tasks"] + PROCESS_ALLOWANCE)
+        _limit(resource.RLIMIT_NPROC, spec["tasks"] + spec["tasks_max"])
 
 
 def _start_judge(spec: dict) -> None:
@@ -375,7 +374,7 @@ def serve() -> None:
         if "start" in request:
             spec = dict(request["start"], tasks=_user_tasks() if os.geteuid() != 0 else 0)
             started += 1
-            group = RunGroup(f"course-grade-{me}-{started}", spec["memory_bytes"])
+            group = RunGroup(f"course-grade-{me}-{started}", spec["memory_bytes"], spec["tasks_max"])
             pid = os.fork()
             if pid == 0:
                 _child(spec, me, group)
@@ -410,13 +409,15 @@ class Sandbox:
 
     ``root``: a folder of the grading output for the zygote's own files (the shared, read-only
     ``pkg/`` through which runs import ``course_lib``, matplotlib's cache); ``deny``: what no run may
-    read (the solutions, the submissions, the grading output); ``memory_bytes``: each process's
-    address space; ``deepspeed``: load DeepSpeed and its ops in the zygote (:func:`_load_deepspeed_ops`)."""
+    read (the solutions, the submissions, the grading output); ``memory_bytes``: each process's address space (and
+    as root the memory of all of a run's processes together); ``tasks_max``: the processes and threads a run may
+    have at once (as root its pids group's cap, else ``RLIMIT_NPROC`` above what the user runs); ``deepspeed``: load DeepSpeed and its ops in the zygote (:func:`_load_deepspeed_ops`)."""
 
-    def __init__(self, root: Path, deny: list[Path], memory_bytes: int, deepspeed: bool = False):
+    def __init__(self, root: Path, deny: list[Path], memory_bytes: int, deepspeed: bool = False,
+                 tasks_max: int = PIDS_MAX):
         import course_lib
 
-        self.root, self.memory_bytes = Path(root).resolve(), memory_bytes
+        self.root, self.memory_bytes, self.tasks_max = Path(root).resolve(), memory_bytes, tasks_max
         package = Path(course_lib.__file__).resolve().parent
         self.pkg = self.root / "pkg"
         self.pkg.mkdir(parents=True, exist_ok=True)
@@ -468,7 +469,8 @@ class Sandbox:
                    MPLCONFIGDIR=str(home / ".matplotlib"))
         env["COURSE_VERDICTS"] = str(run_dir / "events.jsonl")
         spec = dict(cells=str(Path(cells).resolve()), output=str(run_dir / "output.txt"), home=str(home), env=env,
-                    read=self.read, memory_bytes=self.memory_bytes, judge_records=str(run_dir / JUDGE_RECORDS))
+                    read=self.read, memory_bytes=self.memory_bytes, tasks_max=self.tasks_max,
+                    judge_records=str(run_dir / JUDGE_RECORDS))
         answer = self._ask({"start": spec})
         self.cgroups = answer.get("cgroups", [])
         return answer["pid"]

@@ -1,6 +1,7 @@
 """Lab 09's checkers (course_lib.classroom.checks.checkpoints): right answers written differently from the
-notebook's pass, each wrong answer fails with its own hint, the stub says "not attempted yet", the course's
-(and torch's) own functions are refused. Exercise 1 runs on 4 real ranks (one launch per answer, ~0.5 s)."""
+notebook's pass, each wrong answer fails with its own hint and without the right value, a lookup table of the
+lab's case fails on the drawn one, the stub says "not attempted yet", the course's (and torch's) own functions are
+refused. Exercise 1 runs on 4 real ranks (one launch per answer, the lab's case and a drawn one, ~1 s)."""
 
 from __future__ import annotations
 
@@ -45,13 +46,28 @@ def stub(mlp, tp_rank, tp_size):
     raise NotImplementedError
 
 
+# the lab's MLP (hidden 6, ffn 8) under TP2 and TP4, as printed by the notebook's table: the checker's one case until
+# it drew a second
+LAB_TABLE = {(name, tp, r): ([8, 6] if "fc1" in name else [6, 8] if name == "linear_fc2.weight" else [6],
+                             [r * 8 // tp if "fc1" in name else 0] + ([0] if name == "linear_fc1.weight" else [])
+                             if name != "linear_fc2.weight" else [0, r * 8 // tp])
+             for name in ("linear_fc1.weight", "linear_fc1.bias", "linear_fc2.weight", "linear_fc2.bias")
+             for tp in (2, 4) for r in range(tp)}
+LAB_TABLE.update({("linear_fc1.bias", tp, r): ([8], [r * 8 // tp]) for tp in (2, 4) for r in range(tp)})
+
+
+def looked_up(mlp, tp_rank, tp_size):
+    return {n: (p, *LAB_TABLE.get((n, tp_size, tp_rank), LAB_TABLE[(n, 2, 0)])) for n, p in mlp.named_parameters()}
+
+
 @pytest.mark.parametrize("fn, expected", [
     (by_partition_dim, ["✓ by_partition_dim: under TP2 x DP2 the 4 ranks' 16 pieces were written as 7 chunks",
                         "rank 1                      [2:4, 0:6] <- __0_0.distcp"]),
     (every_shard_at_the_origin, ["✗ every_shard_at_the_origin under TP2 (the save), rank 1: linear_fc1.weight: TP "
-                                 "rank 1 gave offsets [0, 0]", "starts at r x 4 along dim 0: [4, 0]"]),
-    (tp_two_only, ["✗ tp_two_only under TP4 (the reload), rank 0: linear_fc1.weight: global shape [4, 6], but the "
-                   "whole tensor is [8, 6]"]),
+                                 "rank 1 gave offsets [0, 0]", "starts at r x the shard's size along the split"]),
+    (tp_two_only, ["✗ tp_two_only under TP4 (the reload), rank 0: linear_fc1.weight: global shape [4, 6] under TP=4 "
+                   "is not the whole tensor's"]),
+    (looked_up, ["✗ looked_up (an MLP of hidden ", "drawn for this run) under TP"]),
     (copies, ["✗ copies: your tensors were filled, not the MLP's parameters"]),
     (courses_own, ["✗ your function runs the course's own course_lib.training.checkpointing.global_spec"]),
     (stub, ["not attempted yet: write stub above"]),
@@ -60,20 +76,27 @@ def test_sharded_state_dict_on_ranks(fn, expected, capsys):
     verdict = C.check_sharded_state_dict(fn)
     ok, out = verdict.ok, capsys.readouterr().out
     assert ok == expected[0].startswith("✓") and all(e in out for e in expected), out
-    if ok:  # the evidence is what ran on the 4 ranks (the grader's column), not "0 calls"
-        assert verdict.evidence["ranks"] == [4] and verdict.evidence["calls"] == 8, verdict.evidence
+    if ok:  # the evidence is what ran on the 4 ranks (the grader's column), not "0 calls": 2 cases, 2 stages each
+        assert verdict.evidence["ranks"] == [4] and verdict.evidence["calls"] == 16, verdict.evidence
+    if not ok:
+        assert "[8, 6] at [4, 0]" not in out and "whole tensor is [" not in out, out   # never the right spec
 
 
 @pytest.mark.parametrize("name, local, got, want, hint", [
-    ("linear_fc1.weight", (4, 6), ((4, 6), (0, 0)), ((8, 6), (4, 0)), "the global shape is the whole tensor's, [8, 6]"),
+    ("linear_fc1.weight", (4, 6), ((4, 6), (0, 0)), ((8, 6), (4, 0)), "you gave the shard's own shape [4, 6]; the "
+                                                                      "global shape is the whole tensor's"),
     ("linear_fc1.weight", (4, 6), ((6, 8), (4, 0)), ((8, 6), (4, 0)), "linear_fc1 is column-parallel"),
     ("linear_fc2.weight", (6, 4), ((6, 8), (4, 0)), ((6, 8), (0, 4)), "move along the wrong dimension (linear_fc2 is "
                                                                       "row-parallel"),
     ("linear_fc2.bias", (6,), ((12,), (6,)), ((6,), (0,)), "linear_fc2.bias is replicated on every TP rank"),
-    ("linear_fc1.bias", (4,), ((8,), (2,)), ((8,), (4,)), "starts at [2], not [4]: the offset along dim 0 is tp_rank x"),
+    ("linear_fc1.bias", (4,), ((8,), (2,)), ((8,), (4,)), "starts at [2]: the offset along the split dimension is "
+                                                          "tp_rank x"),
 ])
 def test_spec_hints_name_the_mistake(name, local, got, want, hint):
-    assert hint in C.spec_hint(name, local, got, want, 2, 1)
+    text = C.spec_hint(name, local, got, want, 2, 1)
+    assert hint in text
+    for right, given in zip(want, got):   # the right shape or offsets appear only as the student's or the rank's own
+        assert right in (given, local) or str(list(right)) not in text, text
     assert C.spec_hint(name, local, want, want, 2, 1) is None
 
 

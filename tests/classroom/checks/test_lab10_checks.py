@@ -1,12 +1,15 @@
-"""Lab 10's checkers (course_lib.classroom.checks.deepspeed) on a real DeepSpeed run: right answers written
-differently from the notebook's pass, wrong ones fail with the hint that names the mistake, the stub says
-"not attempted yet", the course's own functions are refused. One launch of 4 ranks records the wire of the
-lab's two configs; Exercise 3's checker launches its own (a config that does not fit, and one that does)."""
+"""Lab 10's checkers (course_lib.classroom.checks.deepspeed) on real DeepSpeed runs: right answers written
+differently from the notebook's pass, wrong ones fail with the hint that names the mistake and no expected value,
+a lookup table of the lab's runs (the checkers' old fixed cases) fails on the drawn ones, the stub says "not
+attempted yet" without a launch, the course's own functions are refused. Exercises 1 and 2 draw their cases once
+per process and DeepSpeed trains them in one launch of 4 ranks that both checkers use; Exercise 3's checker
+launches its own (a config that does not fit, and one that does)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 
@@ -20,41 +23,35 @@ SEED4 = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_a
          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                                "overlap_comm": True, "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
                                "stage3_param_persistence_threshold": 1e6}}
-THRESHOLDS = {"seed": 10 ** 6, "small": 100}
-BUCKETS = {"seed": 500_000_000, "small": 3000}
+# the lab's two runs (thresholds 1e6 and 100, buckets 5e8 and 3000): the checkers' fixed cases until they drew theirs
+OLD_WIRE = {10 ** 6: {"forward_all_gather": 0, "backward_all_gather": 0, "reduce_scatter": 38272,
+                      "step_all_gather": 38272},
+            100: {"forward_all_gather": 37632, "backward_all_gather": 0, "reduce_scatter": 38272, "step_all_gather": 640}}
+OLD_BUCKETS = {500_000_000: [38272],
+               3000: [64, 4096, 32, 4096, 1248, 3072, 160, 4096, 32, 4096, 1248, 3072, 672, 12288]}
 
 
 @pytest.fixture(scope="module")
 def lab():
     from course_lib.classroom.checks import deepspeed
 
+    deepspeed._DRAWN.clear()           # this module's cases are drawn afresh
     return deepspeed
 
 
 @pytest.fixture(scope="module")
-def model(lab):
-    from course_lib.model import GPTModel
-    from course_lib.train import parse_args, validate_args
-
-    return GPTModel(validate_args(parse_args(lab.MODEL_FLAGS), 4, check_memory=False).model)
-
-
-@pytest.fixture(scope="module")
 def runs(lab):
-    from course_lib.classroom.checks.wire import launch_checked
-    from course_lib.deepspeed.engine import preload
-
-    small = copy.deepcopy(SEED4)
-    small["zero_optimization"].update(reduce_bucket_size=3000, stage3_prefetch_bucket_size=2000,
-                                      stage3_param_persistence_threshold=100)
-    preload()
-    return launch_checked(lab.train_on_ranks, 4, timeout=240, configs=lab.write_configs({"seed": SEED4, "small": small}),
-                          model=lab.MODEL_FLAGS)
+    """The drawn cases' runs: the one launch both checkers use (``lab.drawn_wire_runs``)."""
+    return lab.drawn_wire_runs()
 
 
 def _verdict(capsys, fn) -> tuple[bool, str]:
     ok = fn()
     return ok, capsys.readouterr().out
+
+
+def _failing(out: str) -> str:
+    return out.split("✗", 1)[1]
 
 
 # ------------------------------------------------------------------ exercise 1
@@ -88,22 +85,42 @@ def stub(*args):
     raise NotImplementedError("write it")
 
 
-def test_zero3_wire_right_wrong_stub_and_course_code(capsys, lab, runs, model):
-    numels = {n: p.numel() for n, p in model.named_parameters()}
-    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wire_by_loop, runs, numels, THRESHOLDS))
-    assert ok and "run small: forward_all_gather 37,632, backward_all_gather 0, reduce_scatter 38,272, " \
-                  "step_all_gather 640" in out and "run seed: forward_all_gather 0" in out
-    for wrong, hint in ((wire_counts_persistent, "are persistent: every rank keeps them whole"),
-                        (wire_regathers_in_backward, "stage3_max_reuse_distance (1e9) spans the whole model"),
-                        (wire_skips_persistent_grads, "Every gradient is reduced, the persistent parameters' too")):
-        ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wrong, runs, numels, THRESHOLDS))
-        assert not ok and hint in out, (wrong.__name__, out)
-        failing = out.split("✗", 1)[1]  # the failing line shows the student's value and the rule, not the wire's
-        assert "is not what the wire shows" in failing and not any(f"{n:,}" in failing for n in (37632, 38272, 640)), out
-    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(stub, runs, numels, THRESHOLDS))
+def wire_looked_up(numels, world, persistence_threshold):
+    """The lab's runs as a table, and the seed's row for any other threshold."""
+    return dict(OLD_WIRE.get(persistence_threshold, OLD_WIRE[10 ** 6]))
+
+
+def test_zero3_wire_stub_and_course_code_cost_no_launch(capsys, lab):
+    launched = lab._DRAWN.pop("runs", None)
+    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(stub))
     assert not ok and "not attempted yet: write zero3_wire" in out
-    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(lab.measured_wire, runs, numels, THRESHOLDS))
+    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(lab.measured_wire))
     assert not ok and "course" in out.lower()
+    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(lambda numels, world, t: [1, 2]))
+    assert not ok and "return a dict with the keys" in out
+    assert "runs" not in lab._DRAWN
+    if launched is not None:
+        lab._DRAWN["runs"] = launched
+
+
+def test_zero3_wire_right_wrong_lookup(capsys, lab, runs):
+    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wire_by_loop))
+    assert ok and out.startswith("✓ ZeRO-3's traffic predicted on 3 models and persistence thresholds drawn for this "
+                                 "run, each as DeepSpeed's wire on 4 ranks"), out
+    assert re.findall(r"\d[\d,]*", out) == ["3", "3", "4"], out   # ZeRO-3, 3 models, 4 ranks: no drawn value
+    wires = [lab.measured_wire(runs[0][f"case{i}"]) for i in range(lab.DRAWN_CASES)]
+    for wrong, hint, key in ((wire_counts_persistent, "are persistent: every rank keeps them whole", "forward_all_gather"),
+                             (wire_regathers_in_backward, "stage3_max_reuse_distance (1e9) spans the whole model",
+                              "backward_all_gather"),
+                             (wire_skips_persistent_grads, "Every gradient is reduced, the persistent parameters' too",
+                              "reduce_scatter")):
+        ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wrong))
+        assert not ok and hint in out, (wrong.__name__, out)
+        failing = _failing(out)   # the student's value and the rule, not the wire's
+        assert "is not what the wire shows" in failing, out
+        assert not any(f"= {w[key]:,}" in failing for w in wires if w[key]), out
+    ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wire_looked_up))
+    assert not ok and "is not what the wire shows" in out and "✓" not in out, out
 
 
 # ------------------------------------------------------------------ exercise 2
@@ -131,18 +148,24 @@ def buckets_flush_after(grad_numels, reduce_bucket_size):
     return out + ([held] if held else [])
 
 
-def test_reduce_buckets_right_wrong_stub(capsys, lab, runs, model):
-    tied = model.embedding.word_embeddings.weight
-    modules = [m for m in model.modules() if list(m.parameters(recurse=False))]
-    order = [p.numel() for m in reversed(modules) for p in m.parameters(recurse=False) if p is not tied] + [tied.numel()]
-    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_by_index, runs, order, BUCKETS))
-    assert ok and "reduce_bucket_size 3,000 -> 14 reduce-scatter(s)" in out and "1 reduce-scatter(s) of [38272]" in out
-    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_flush_after, runs, order, BUCKETS))
-    assert not ok and "the bucket is reduced *before* a gradient that would make it exceed the size" in out, out
-    assert "[64, 4096, 32" not in out  # the wire's buckets (the answer) are not printed
-    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(lambda g, s: list(g)[:-1], runs, order, BUCKETS))
-    assert not ok and "every gradient is reduced exactly once" in out and "38,272" in out, out
-    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(stub, runs, order, BUCKETS))
+def buckets_looked_up(grad_numels, reduce_bucket_size):
+    return list(OLD_BUCKETS.get(reduce_bucket_size, OLD_BUCKETS[500_000_000]))
+
+
+def test_reduce_buckets_right_wrong_lookup_stub(capsys, lab, runs):
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_by_index))
+    assert ok and out.startswith("✓ DeepSpeed's buckets, on 3 models and bucket sizes drawn for this run"), out
+    assert re.findall(r"\d[\d,]*", out) == ["3"], out              # 3 models: no drawn value (nbval)
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_flush_after))
+    assert not ok and ("the bucket is reduced *before* a gradient that would make it exceed the size" in out
+                       or "a bucket is reduced only when the next gradient would not fit" in out), out
+    wanted = [lab.measured_buckets(runs[0][f"case{i}"]) for i in range(lab.DRAWN_CASES)]
+    assert not any(str(w)[:-1] in _failing(out) for w in wanted), out    # the wire's buckets (the answer) are not shown
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(lambda g, s: list(g)[:-1]))
+    assert not ok and "every gradient is reduced exactly once" in out, out
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_looked_up))
+    assert not ok and "not the wire's reduce-scatters" in out and "✓" not in out, out
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(stub))
     assert not ok and "not attempted yet: write reduce_buckets" in out
 
 
@@ -172,7 +195,8 @@ def test_fits_reads_the_ranks(capsys, lab):
 
 
 def test_answers_must_be_written_and_cite_a_measurement(capsys, lab, runs):
-    text = "The seed kept every tensor whole: 76,544 B of parameters on each rank and no gather at all."
+    held = runs[0]["case0"]["state_bytes"]["params_host"]
+    text = f"The seed kept every tensor whole: {held:,} B of parameters on the host of each rank, no gather at all."
     good = dict.fromkeys(lab.QUESTIONS, text)
     ok, out = _verdict(capsys, lambda: lab.check_answers(lambda: good, runs))
     assert ok, out
@@ -186,11 +210,11 @@ def test_answers_must_be_written_and_cite_a_measurement(capsys, lab, runs):
     assert json.loads(json.dumps(good)) == good
 
 
-def test_a_wrapped_registered_reference_is_refused(capsys, lab, runs):
+def test_a_wrapped_registered_reference_is_refused(capsys, lab):
     from course_lib.distributed.buffer import size_buckets
 
     def via_course_buckets(grad_numels, reduce_bucket_size):
         return [b.numel for b in size_buckets([(str(i), n) for i, n in enumerate(grad_numels)], reduce_bucket_size, 1)]
 
-    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(via_course_buckets, runs, [64, 32], BUCKETS))
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(via_course_buckets))
     assert not ok and "the course's own" in out and "size_buckets" in out and "✓" not in out, out

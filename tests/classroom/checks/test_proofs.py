@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from course_lib.classroom.checks import references, verdicts
+from course_lib.classroom.checks import references, tamper_guard
 
 ROOT = Path(__file__).resolve().parents[3]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -59,7 +59,7 @@ def test_every_exercise_of_every_lab_has_a_registry_entry_that_resolves():
 
 
 def _caught(fn, *args, refs=()) -> list:
-    return verdicts.run_student(fn, *args, references=refs).course_code
+    return tamper_guard.run_student(fn, *args, references=refs).course_code
 
 
 def test_a_reference_is_seen_through_a_wrapper_a_partial_a_copy_of_its_code_and_an_exec_of_its_source():
@@ -101,7 +101,7 @@ def test_a_trivial_function_written_like_the_courses_is_no_copy():
             return grad_output, None
 
     x = torch.ones(2, requires_grad=True)
-    run = verdicts.run_student(lambda: Identity.apply(x, None).sum().backward(),
+    run = tamper_guard.run_student(lambda: Identity.apply(x, None).sum().backward(),
                                references=references.references_for("f_and_g"))
     assert run.error is None and run.course_code == []
 

@@ -35,7 +35,13 @@ RIGHT_08 = {"dense_dp": 2, "expert_dp": 2, "experts_on_rank_13": list(range(16, 
                                                                                                  "collectives"]),
     ("07", {"why_bf16_needs_no_loss_scaler": "TODO"}, False, ["write a few sentences", "compare the exponent"]),
     ("08", {"experts_on_rank_13": [0, 1, 2]}, False, ["not it (a list of whole numbers)", "EP coordinate"]),
-    ("08", {"router_grads_summed_over": "expert DP"}, False, ["answer 'dense DP' or 'expert DP'", "replicated"]),
+    ("08", {"router_grads_summed_over": "expert DP"}, False, ["'router_grads_summed_over' = 'expert DP': answer '",
+                                                              "replicated"]),
+    # an option named by its position, not its words: refused, whichever position would be right
+    ("08", {"router_grads_summed_over": "a"}, False, ["names an option by its position; answer with its words"]),
+    ("08", {"expert_grads_summed_over": 1}, False, ["names an option by its position"]),
+    ("08", {"router_grads_summed_over": "(B)"}, False, ["names an option by its position"]),
+    ("08", {"router_grads_summed_over": "option 1"}, False, ["names an option by its position"]),
 ])
 def test_review_answers(lab, change, ok, words, capsys):
     right = RIGHT_07 if lab == "07" else RIGHT_08
@@ -53,3 +59,14 @@ def test_prose_has_no_word_list():
         for spec in questions.values():
             if isinstance(spec, Prose):
                 assert set(vars(spec)) == {"hint", "words"}
+
+
+def test_choice_options_are_listed_in_a_drawn_order(capsys):
+    """The hint of a wrong choice lists the options in an order drawn per run: over 20 runs both orders of Lab 08's
+    two options appear (all the same: probability 2**-19)."""
+    orders = set()
+    for _ in range(20):
+        assert not check_review_answers(lambda: {**RIGHT_08, "router_grads_summed_over": "b"}, "08").ok
+        out = capsys.readouterr().out
+        orders.add(out.index("'dense DP'") < out.index("'expert DP'"))
+    assert orders == {True, False}

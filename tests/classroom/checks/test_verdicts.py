@@ -16,9 +16,10 @@ import torch.nn.functional as F
 import course_lib.collectives as collectives
 import course_lib.topology as topology
 from course_lib.classroom.checks import call_student, try_student
-from course_lib.classroom.checks.verdicts import (LibraryPatched, collectives as collective_events, course_function,
-                                        describe_ops, elements_sent, expect_collectives, refused_collective,
-                                        run_student, safe_repr, same_number, same_value)
+from course_lib.classroom.checks.tamper_guard import LibraryPatched, course_function, run_student
+from course_lib.classroom.checks.verdicts import (collectives as collective_events, describe_ops, elements_sent,
+                                                  expect_collectives, refused_collective, safe_repr, same_number,
+                                                  same_value)
 
 RIGHT_QUARTERS = [0.25, fractions.Fraction(1, 4), decimal.Decimal("0.25"), np.float32(0.25), np.float64(0.25),
                   np.int64(1) / 4, torch.tensor(0.25, dtype=torch.float64), torch.tensor([0.25]), np.array(0.25)]
@@ -155,7 +156,7 @@ def _student_on_rank_results(rank):
     """On a rank: student_on_rank's value, wire, patches and course code for three student functions."""
     import torch.distributed as dist
 
-    from course_lib.classroom.checks.verdicts import student_on_rank
+    from course_lib.classroom.checks.tamper_guard import student_on_rank
 
     def summed(t):
         dist.all_reduce(t)
