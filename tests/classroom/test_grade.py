@@ -200,9 +200,9 @@ LISTENERS: dict = {}
 
 
 def _reaching_out() -> str:
-    """A derive_dp cell that reads the grader's environment, connects to the grader's TCP and abstract unix
-    listeners, looks for an unbounded folder to write, and leaves a daemon that keeps forking; derive_dp is right
-    only when every one was refused."""
+    """A derive_dp cell that reads the grader's environment, signals the grader, connects to the grader's TCP and
+    abstract unix listeners, looks for an unbounded folder to write, and leaves a daemon that keeps forking;
+    derive_dp is right only when every one was refused."""
     tcp = socket.create_server(("127.0.0.1", 0))
     unix = socket.socket(socket.AF_UNIX)
     unix.bind(f"\0course-grade-test-{os.getpid()}")
@@ -213,6 +213,7 @@ def _reaching_out() -> str:
         "def attempt(what, action):\n    try:\n        action()\n        broke.append(what)\n    except OSError:\n"
         "        pass\n\n"
         f"attempt('the environ of the grader', lambda: open('/proc/{os.getpid()}/environ', 'rb').read())\n"
+        f"attempt('a signal to the grader', lambda: os.kill({os.getpid()}, 0))  # its pid is outside the run's\n"
         f"attempt('the TCP listener', lambda: socket.create_connection(('127.0.0.1', {tcp.getsockname()[1]}), 2))\n"
         f"attempt('the unix listener', lambda: socket.socket(socket.AF_UNIX).connect({unix.getsockname()!r}))\n"
         "home = os.statvfs(os.environ['HOME'])  # a folder of bounded size and files: many small ones fill no disk\n"
@@ -458,8 +459,8 @@ def test_nothing_outside_the_output_folder_is_touched_and_no_process_outlives_gr
 
 @pytest.mark.skipif(not namespaces_available(), reason="a run gets namespaces of its own only when grading as root")
 def test_the_graders_environment_its_listeners_and_a_pid_hopping_daemon_are_out_of_reach(graded):
-    # zed read /proc/<grader>/environ, connected to a TCP and an abstract unix listener of the grader's and left a
-    # daemon that keeps forking: its derive_dp passes only if all three were refused; the daemon is checked above
+    # zed read /proc/<grader>/environ, signalled the grader, connected to a TCP and an abstract unix listener of the
+    # grader's and left a daemon that keeps forking: its derive_dp passes only if all were refused (daemon: above)
     assert graded["rows"][("zed", "derive_dp")]["passed"] == "true", graded["rows"][("zed", "derive_dp")]
 
 
