@@ -48,7 +48,7 @@ def _cells(*sources, tagged=()):
 
 
 def test_a_tagged_cell_is_skipped_in_labs_only_when_no_exercise_reaches_it_and_nothing_later_needs_it():
-    from course_lib.classroom.notebooks.nbval_plugin import skip_problems
+    from course_lib.classroom.notebooks.independent_cells import skip_problems
 
     exercise = "def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n"
     assert skip_problems(_cells("import math", exercise, "y = math.pi\nfor k in range(2):\n    z = k\nprint(y, z)",
@@ -71,7 +71,7 @@ def test_a_tagged_cell_is_skipped_in_labs_only_when_no_exercise_reaches_it_and_n
 def test_every_cell_tagged_labs_pass_skip_is_proven_skippable():
     from pathlib import Path
 
-    from course_lib.classroom.notebooks.nbval_plugin import SKIP_TAG, skip_problems
+    from course_lib.classroom.notebooks.independent_cells import SKIP_TAG, skip_problems
 
     tagged = 0
     for path in sorted(Path(__file__).parents[2].joinpath("solutions").glob("[0-9][0-9]_*.ipynb")):
@@ -94,3 +94,25 @@ def test_the_longest_files_are_handed_out_first_and_stay_whole():
     _longest_first(items)
     assert [i.nodeid for i in items] == [LONGEST_FIRST[0] + "::y", LONGEST_FIRST[1] + "::x", LONGEST_FIRST[1] + "::z",
                                          "a.py::t1", "a.py::t2"]
+
+
+def test_grade_runs_no_cell_that_no_exercise_depends_on():
+    """`grade` leaves out what the labs pass leaves out, proved on the notebook that is run (the official
+    cells with the student's exercise cells in): a student's cell can make a tagged cell necessary, never
+    unnecessary."""
+    from course_lib.classroom.grading.official import OfficialLab, graded_cells
+
+    stub = nbformat.v4.new_code_cell("def f(x):\n    raise NotImplementedError")
+    stub.metadata["tags"] = ["exercise"]
+    stub.id = "ex1"
+    cells = [*_cells("import math", "heavy = math.pi", "print(heavy)", tagged=[1, 2]), stub, *_cells("check(f)")]
+    lab = OfficialLab("99", "99_x.ipynb", {"cells": cells}, "v")
+
+    def run_of(source):
+        mine = nbformat.v4.new_code_cell(source)
+        mine.id = "ex1"
+        return [i for i, _ in graded_cells(lab, {"cells": [mine]})[0]]
+
+    assert run_of("def f(x):\n    return x") == [0, 3, 4]
+    assert run_of("def f(x):\n    return heavy * x") == [0, 1, 3, 4]   # this exercise reads heavy: cell 1 runs
+    assert run_of("def f(x:\n    return x") == [0, 1, 2, 3, 4]          # does not parse: nothing is proved

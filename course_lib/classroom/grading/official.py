@@ -15,7 +15,9 @@ and the exercises that cell grades -- found by reading which ``@exercise`` check
 The notebook that is run (:func:`graded_cells`) is a fresh copy of the official lab with only the
 student's exercise cells put in: each found by its cell id, else as the student's cell that defines
 the same functions; everything else -- the checker cells above all -- is the official lab's, so an
-edited, deleted or faked checker cell changes nothing.
+edited, deleted or faked checker cell changes nothing. A heavy cell that no exercise depends on (tagged
+``labs-pass-skip``, proved so by :mod:`course_lib.classroom.notebooks.independent_cells` on the notebook
+that is run) is left out: it cannot change a verdict, only the time a class takes to grade.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from course_lib.classroom.checks.exercise import checkers_in
 from course_lib.classroom.notebooks.generator import EXERCISE_TAGS, lab_text
+from course_lib.classroom.notebooks.independent_cells import SKIP_TAG, skip_problems
 from course_lib.classroom.notebooks.stamp import recorded_hash
 
 _DEFINED = re.compile(r"^(?:(?:async\s+)?(?:def|class)\s+(\w+)|(\w+)\s*=(?!=))", re.M)
@@ -179,7 +182,7 @@ def lab_for(notebook: dict, today: OfficialLab, repo: Path) -> tuple[OfficialLab
 def graded_cells(lab: OfficialLab, notebook: dict | None) -> tuple[list[tuple[int, str]], dict[int, str], list[str]]:
     """The code cells to run: ``[(index, source)]`` of the official lab with the student's exercise cells
     put in; ``{index: official stub}`` of those exercise cells; and notes for the feedback. ``notebook``
-    None: the stubs (what the official lab itself gives)."""
+    None: the stubs (what the official lab itself gives). Tagged cells that no exercise depends on are not run."""
     cells = lab.notebook["cells"]
     theirs = [c for c in (notebook or {}).get("cells", []) if isinstance(c, dict) and c.get("cell_type") == "code"]
     by_id = {c.get("id"): c for c in reversed(theirs) if isinstance(c.get("id"), str)}
@@ -198,4 +201,8 @@ def graded_cells(lab: OfficialLab, notebook: dict | None) -> tuple[list[tuple[in
                 notes.append(f"no cell of yours defines {', '.join(sorted(names))}: graded as the stub")
             source = source if mine is None else source_of(mine)
         run.append((index, source))
-    return run, stubs, notes
+    graded = [dict(cell, source=dict(run).get(index, source_of(cell))) for index, cell in enumerate(cells)]
+    must_run = skip_problems(graded)
+    independent = {i for i, cell in enumerate(cells) if SKIP_TAG in cell.get("metadata", {}).get("tags", [])
+                   and i not in must_run}
+    return [(i, s) for i, s in run if i not in independent], stubs, notes
