@@ -34,7 +34,7 @@ from course_lib.tensor_parallel import is_tensor_parallel
 from course_lib.training.setup import TrainingSetup
 from course_lib.training.finalize_model_grads import unique_named_params
 from course_lib.training.rng_state import RNGState
-from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
+from course_lib.training.safe_load import UnsafeCheckpointError, torch_load
 
 __all__ = ["CheckpointError", "TRACKER", "get_checkpoint_tracker_filename", "checkpoint_dir", "get_checkpoint_name",
            "read_metadata", "stacked_layers", "sharded_key", "LAYER_AXIS_KEY", "global_spec", "expert_global_spec",
@@ -461,6 +461,8 @@ def _torch_load(path: Path):
 
 def _dist_metadata(ckpt: Path):
     """DCP's ``.metadata`` of ``ckpt``, with every ``.distcp`` file checked to be as long as it says."""
+    from course_lib.training.dcp_io import SafeFileSystemReader
+
     try:
         md = SafeFileSystemReader(str(ckpt)).read_metadata()
     except UnsafeCheckpointError as exc:

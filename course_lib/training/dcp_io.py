@@ -13,6 +13,8 @@ leading axes (megatron-core's ``prepend_axis_num``).
 * :class:`PieceLoadPlanner` fills each piece with its overlap with every saved chunk
   (``create_read_items_for_chunk_list``: the resharding reads), once :func:`piece_problem` found the
   key and its global shape in the checkpoint;
+* :class:`SafeFileSystemReader` is DCP's reader whose ``.metadata`` is read without running it
+  (:func:`course_lib.training.safe_load.read_dcp_metadata`);
 * :class:`RecordingReader` keeps what a rank read: ``(key, file, global start, lengths)``;
   :func:`written_chunks` what the files hold (from ``.metadata``).
 
@@ -25,16 +27,16 @@ import dataclasses
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from course_lib.rules import UsageError
 
-from course_lib.training.safe_load import SafeFileSystemReader
+from course_lib.training.safe_load import read_dcp_metadata
 
-__all__ = ["PieceSavePlanner", "PieceLoadPlanner", "RecordingReader", "piece_problem", "written_chunks", "save_pieces",
+__all__ = ["SafeFileSystemReader", "PieceSavePlanner", "PieceLoadPlanner", "RecordingReader", "piece_problem", "written_chunks", "save_pieces",
            "load_pieces"]
 
 
@@ -106,6 +108,17 @@ class PieceLoadPlanner(_Pieces, DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex):
         local = self._local(index)
         return super().lookup_tensor(index) if local is None else local
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose ``read_metadata`` builds only DCP's own metadata classes."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 class RecordingReader(SafeFileSystemReader):

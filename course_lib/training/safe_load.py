@@ -9,9 +9,12 @@ write in this process is read here instead, as megatron-core reads its own check
   standard-library and numpy classes always; its own enums and ``OptimizerConfig`` when a file names one and
   megatron-core is installed -- a file that needs them cannot be read without it anyway) plus the course's own types (none
   beyond those: the course saves dicts, numbers, strings, tensors, ``argparse.Namespace``, numpy's RNG state);
-* :class:`SafeFileSystemReader` -- DCP's ``FileSystemReader`` whose ``.metadata`` (a plain pickle, which
-  torch 2.13 reads with ``pickle.load``) is read by an unpickler that builds only DCP's metadata classes,
-  ``torch.Size`` and torch's dtypes (DCP reads the tensors of ``.distcp`` files with ``weights_only=True``).
+* :func:`read_dcp_metadata` -- DCP's ``.metadata`` (a plain pickle, which torch 2.13 reads with
+  ``pickle.load``) read by an unpickler that builds only DCP's metadata classes, ``torch.Size`` and torch's
+  dtypes (DCP reads the tensors of ``.distcp`` files with ``weights_only=True``); the reader DCP loads with
+  is :class:`course_lib.training.dcp_io.SafeFileSystemReader`, which reads its metadata so. This module does
+  not import ``torch.distributed.checkpoint`` (over a second per process): a run that never touches a
+  checkpoint does not pay for it.
 
 A file that names anything else is refused in one line naming the class (:class:`UnsafeCheckpointError`).
 """
@@ -29,12 +32,10 @@ import types
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint import FileSystemReader
 
 from course_lib.rules import UsageError
 
-__all__ = ["SAFE_GLOBALS", "UnsafeCheckpointError", "torch_load", "SafeFileSystemReader", "read_dcp_metadata",
-           "megatron_core_globals"]
+__all__ = ["SAFE_GLOBALS", "UnsafeCheckpointError", "torch_load", "read_dcp_metadata", "megatron_core_globals"]
 
 
 # megatron-core 0.16.1's SAFE_GLOBALS, its standard-library and numpy part: the same classes, named here so the
@@ -122,16 +123,3 @@ def read_dcp_metadata(path):
     """DCP's ``.metadata`` file at ``path``, read by the restricted unpickler."""
     with open(path, "rb") as f:
         return _MetadataUnpickler(f, path).load()
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``read_metadata`` builds only DCP's own metadata classes."""
-
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata

@@ -273,7 +273,8 @@ def test_faults_and_partial_loads_say_what_happened(runs):
 def test_a_checkpoint_whose_pickle_would_run_code_is_refused_by_load_inspect_and_the_lab_helpers(runs, capsys):
     from course_lib.classroom.checks.checkpoints import check_read_plan  # noqa: F401 -- the Lab 09 checker's reader
     from course_lib.training.checkpoint_inspect import describe_checkpoint
-    from course_lib.training.safe_load import SafeFileSystemReader, UnsafeCheckpointError, torch_load
+    from course_lib.training.dcp_io import SafeFileSystemReader
+    from course_lib.training.safe_load import UnsafeCheckpointError, torch_load
 
     root, one = runs["root"], runs["1"][0]
     refused = {"hostile common": "common.pt needs posix.system", "hostile metadata": ".metadata needs posix.system",

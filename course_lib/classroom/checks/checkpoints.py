@@ -50,8 +50,7 @@ from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
 from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, whole_numbers
-from course_lib.training.dcp_io import RecordingReader, load_pieces, save_pieces, written_chunks
-from course_lib.training.safe_load import SafeFileSystemReader
+from course_lib.training.dcp_io import RecordingReader, SafeFileSystemReader, load_pieces, save_pieces, written_chunks
 
 __all__ = ["check_sharded_state_dict", "check_read_plan", "check_checkpoint_answers", "print_course_answers",
            "MLP_SIZES", "RESHARDINGS", "REVIEW_QUESTIONS"]
