@@ -206,3 +206,17 @@ def serve(reply_fd: int, requests=None) -> None:
         _record(request, result)
         sys.stdout.flush()
         reply.write(json.dumps({"id": request_id, **result}) + "\n")
+    if requests is None:    # the kernel closed our input (it ends): clean up and leave at once -- tearing down an
+        _leave()            # interpreter that holds torch takes a second, which every kernel's exit would wait for
+
+
+def _leave() -> None:
+    """Run this process's exit handlers (its temp folder's removal) and end, without the interpreter's teardown."""
+    import atexit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        os._exit(0)
