@@ -1,7 +1,7 @@
 """Megatron-style 3D/4D parallelism you can run on a laptop.
 
 Concepts live in their own modules: ``launch`` (run real ranks from a notebook),
-``collectives`` (Lab 00), and one module or package per later lab. Nothing here
+``communication_patterns`` (Lab 00), and one module or package per later lab. Nothing here
 imports torch, so ``import course_lib`` is instant.
 
 In a notebook, ``%load_ext course_lib`` adds the ``%%torchrun`` cell magic.

@@ -6,8 +6,7 @@ wrappers below (``all_reduce``, ``all_gather``, ``reduce_scatter``,
 collective and, when a :class:`CommRecorder` is active in this process, appends
 a :class:`CommEvent` to it: the op, the group's kind label ("tp", "pp", "dp",
 "cp", ...), the group size, the element count, the bytes, and the direction
-(forward or backward pass). A notebook can then print "per layer, forward: 2
-all-reduces of b*s*h elements" and a test can assert it::
+(forward or backward pass). A notebook can print it, a test assert it::
 
     with CommRecorder() as rec:
         out = layer(x)          # forward
@@ -38,16 +37,11 @@ Conventions
 
 The ring cost model
 -------------------
-:func:`ring_elements_sent` (one formula for the whole course, kept in
-:mod:`course_lib.ring_cost`, which imports no torch, so that the sizing formulas
-share it; re-exported here) gives the elements one rank *sends* when the collective runs
-as a ring over ``t`` ranks (Patarasuk & Yuan 2009; Narayanan et al. 2021,
-"Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", SC'21, section 3.2): a reduce-scatter or an all-gather of ``N``
-elements sends ``N (t-1)/t`` per rank, an all-reduce (= reduce-scatter then
-all-gather) ``2 N (t-1)/t``. With two all-reduces of ``b*s*h`` elements per
-transformer layer in each of the forward and backward passes, a tensor-parallel
-layer sends ``8 b s h (t-1)/t`` elements per rank (Narayanan et al. 2021).
+:func:`ring_elements_sent` (kept in :mod:`course_lib.ring_cost`, torch-free, re-exported here): the
+elements one rank *sends* when the collective runs as a ring over ``t`` ranks -- ``N (t-1)/t`` for a
+reduce-scatter or an all-gather, ``2 N (t-1)/t`` for an all-reduce (Patarasuk & Yuan 2009; Narayanan
+et al. 2021 §3.2). Lab 00's six patterns, run bare on ``torch.distributed`` to be looked at, are
+:mod:`course_lib.communication_patterns`, not these wrappers.
 """
 
 from __future__ import annotations

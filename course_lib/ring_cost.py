@@ -31,7 +31,7 @@ def ring_elements_sent(op: str, numel: float, group_size: int) -> float:
     all_gather and reduce_scatter ``N (t-1)/t`` (N = the full tensor; half an all-reduce,
     Korthikanti et al. 2022 §4.2.2); all_to_all ``N (t-1)/t`` (a rank keeps its own 1/t); broadcast
     ``N`` (pipelined chain: every rank but the last forwards the whole tensor); send ``N``; recv ``0``.
-    A cost formula, not a collective: :func:`course_lib.collectives.ring_all_reduce` is the ring
+    A cost formula, not a collective: :func:`course_lib.communication_patterns.ring_all_reduce` is the ring
     itself (Patarasuk & Yuan 2009), whose measured sends this formula predicts.
     """
     comm_op(op)

@@ -36,7 +36,7 @@ INNER_LOOP_LEAVES_OUT = (
     "tests/sizing/test_sizing_measured.py",
     "tests/context_parallel/test_context_parallel_ring.py",
     "tests/classroom/checks/test_lab07_checks.py",
-    "tests/test_collectives.py",
+    "tests/test_communication_patterns.py",
     "tests/test_layout.py",
 )
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib import comm
-from course_lib.collectives import ring_all_reduce
+from course_lib.communication_patterns import ring_all_reduce
 from course_lib.comm import CommRecorder, ring_elements_sent
 from course_lib.launch import launch
 from helpers import group_of_one

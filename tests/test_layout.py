@@ -33,7 +33,7 @@ PACKAGE = ROOT / "course_lib"
 LAYERS = {
     "foundation": ["rules", "safe_files"],
     "launch": ["launch"],
-    "core": ["comm", "ring_cost", "collectives", "topology", "process_groups", "saved_tensors"],
+    "core": ["comm", "ring_cost", "communication_patterns", "collectives", "topology", "process_groups", "saved_tensors"],
     "parallel": ["tensor_parallel", "context_parallel", "pipeline", "moe", "distributed", "optimizer",
                  "mixed_precision", "data"],
     "model": ["model"],

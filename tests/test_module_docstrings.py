@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 45
 # module -> why its docstring may stay longer (trim it when its owner next touches it)
 LONGER = {
-    "course_lib/comm.py": "its naming (comm.py vs collectives.py) is being redrawn; trimmed with that rename",
     "course_lib/launch/__init__.py": "launch/ has another owner this round; trimmed when it is next reworked",
     "course_lib/moe/transformer.py": "the layer's parameter shapes and a token's route, no figures or how-tos",
     "course_lib/context_parallel/ring.py": "its references, tensor layout and sends per call, no figures or how-tos",

@@ -37,7 +37,7 @@ from course_lib.safe_files import OutputLedger, OutputPathError, check_output_di
 
 # module path -> function name; each function takes the output folder and returns the paths it wrote
 WRITERS = {
-    "course_lib.collectives": "write_figures",
+    "course_lib.communication_patterns": "write_figures",
     "course_lib.topology.figures": "write_figures",
     "course_lib.pipeline.plots": "write_figures",
     "course_lib.classroom.figures": "write_theory_figures",
@@ -50,7 +50,7 @@ WRITERS = {
 # The PNGs of these writers are stored as 64-colour palettes: the same picture to the eye, 4-6 times
 # smaller, since the labs carry them as cell attachments (course_lib.classroom.notebooks.figures). The sweep's
 # plots stay exactly as `make sweep` publishes them.
-COMPACT_WRITERS = ("course_lib.collectives", "course_lib.topology.figures", "course_lib.pipeline.plots",
+COMPACT_WRITERS = ("course_lib.communication_patterns", "course_lib.topology.figures", "course_lib.pipeline.plots",
                    "course_lib.classroom.figures", "course_lib.distributed.plots", "course_lib.moe.plots",
                    "course_lib.deepspeed.plots", "course_lib.data.plots")
 PALETTE_COLOURS = 64

@@ -14,7 +14,7 @@ Conventions shared with :mod:`course_lib.comm`:
 * a collective is converted with the ring model (``CommEvent.ring_elements_sent``):
   all-reduce ``2 N (g-1)/g``, all-gather and reduce-scatter ``N (g-1)/g`` (``N`` = the full
   tensor). That model is itself checked by measurement in ``tests/sizing/test_sizing_measured.py``
-  (a ring all-reduce built from send/recv, :func:`course_lib.collectives.ring_all_reduce`,
+  (a ring all-reduce built from send/recv, :func:`course_lib.communication_patterns.ring_all_reduce`,
   sends exactly that many elements).
 
 Events are split by **phase**: what a rank issued while running the forward pass and while

@@ -142,7 +142,7 @@ def what_it_shards(config):
     "setprofile(None), then the course's ring on the ranks": (
         "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
 import sys
-from course_lib.collectives import ring_all_reduce
+from course_lib.communication_patterns import ring_all_reduce
 
 def my_ring_all_reduce(x):
     sys.setprofile(None)

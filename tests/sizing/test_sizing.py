@@ -150,11 +150,11 @@ def test_output_activation_terms_korthikanti_4_3():
 
 
 def test_one_ring_cost_model_named_as_a_cost():
-    from course_lib import collectives, comm
+    from course_lib import comm, communication_patterns
 
     assert sizing.ring_elements_sent is comm.ring_elements_sent      # the recorder and the formulas share it
     assert not hasattr(sizing, "ring_all_reduce")                    # that name is Lab 00's ring, a collective
-    assert callable(collectives.ring_all_reduce)
+    assert callable(communication_patterns.ring_all_reduce)
     with pytest.raises(ValueError, match="group_size=0 must be an integer >= 1"):
         sizing.ring_elements_sent("all_reduce", 8, 0)
 

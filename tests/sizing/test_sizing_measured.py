@@ -23,7 +23,7 @@ measured value comes from real forked gloo ranks running the course's parallel c
 The formulas count elements one rank *sends* under the ring model; the recorder records the
 full tensor of each collective. ``course_lib.sizing.measured`` converts; the ring model
 itself is measured here with a ring all-reduce built from send/recv
-(``course_lib.collectives.ring_all_reduce``). Sizes are small (h = 16) so the whole file runs
+(``course_lib.communication_patterns.ring_all_reduce``). Sizes are small (h = 16) so the whole file runs
 in a few seconds on 2 cores; pass ``-s`` to see the measured figures.
 """
 
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from course_lib import sizing
-from course_lib.collectives import ring_all_reduce
+from course_lib.communication_patterns import ring_all_reduce
 from course_lib.comm import (CommEvent, CommRecorder, all_gather, all_reduce, reduce_scatter, ring_elements_sent,
                              summarize)
 from course_lib.context_parallel import reference_attention, ring_attention, shard_sequence

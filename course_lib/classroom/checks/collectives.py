@@ -164,7 +164,7 @@ def simulate_ring(inputs: list, *, rs_send=lambda r, s, w: (r - s) % w, rs_recv=
                   ag_steps: Optional[int] = None) -> Optional[list]:
     """Every rank's result of a ring all-reduce run in one process, with the given chunk rules.
 
-    The defaults are the correct ring (:func:`course_lib.collectives.ring_all_reduce`); the
+    The defaults are the correct ring (:func:`course_lib.communication_patterns.ring_all_reduce`); the
     checker changes one rule at a time to reproduce a student's bug. ``*_combine``: "add",
     "replace" or "add_own" (add the chunk one *sent*). Returns None when the rules send a
     chunk into a slot of another size (such a program would fail before giving a result)."""

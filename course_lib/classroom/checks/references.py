@@ -22,7 +22,8 @@ import importlib
 
 __all__ = ["REFERENCES", "LIBRARIES", "references_for"]
 
-_COLLECTIVES = ("course_lib.collectives:ring_all_reduce", "course_lib.collectives:apply_collective")
+_COLLECTIVES = ("course_lib.communication_patterns:ring_all_reduce",
+                "course_lib.communication_patterns:apply_collective")
 _GRID = ("course_lib.topology.grid:RankGrid", "course_lib.topology.config:ParallelConfig",
          "course_lib.topology.grid:rank_groups", "course_lib.topology.grid:rank_group_array",
          "course_lib.topology.grid:_group_offsets")

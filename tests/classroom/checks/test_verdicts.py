@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import course_lib.collectives as collectives
+import course_lib.communication_patterns as communication_patterns
 import course_lib.topology as topology
 from course_lib.classroom.checks import call_student, try_student
 from course_lib.classroom.checks.tamper_guard import LibraryPatched, course_function, run_student
@@ -91,7 +91,7 @@ def test_a_clean_call_passes_through():
 
 
 def test_the_courses_own_code_is_recognised_however_it_is_reached():
-    reach = getattr(collectives, "ring_" + "all_reduce")
+    reach = getattr(communication_patterns, "ring_" + "all_reduce")
 
     def calls_it(x):
         try:
@@ -99,13 +99,31 @@ def test_the_courses_own_code_is_recognised_however_it_is_reached():
         except Exception:  # noqa: BLE001
             pass
 
-    run = run_student(calls_it, 1, references=[collectives.ring_all_reduce])
-    assert run.course_code == ["course_lib.collectives.ring_all_reduce"]
+    run = run_student(calls_it, 1, references=[communication_patterns.ring_all_reduce])
+    assert run.course_code == ["course_lib.communication_patterns.ring_all_reduce"]
     assert "write it yourself" in run.problem()
-    assert run_student(lambda x: x, 1, references=[collectives.ring_all_reduce]).course_code == []
-    assert course_function(functools.partial(collectives.ring_all_reduce, group=None)) == \
-        "course_lib.collectives.ring_all_reduce"
+    assert run_student(lambda x: x, 1, references=[communication_patterns.ring_all_reduce]).course_code == []
+    assert course_function(functools.partial(communication_patterns.ring_all_reduce, group=None)) == \
+        "course_lib.communication_patterns.ring_all_reduce"
     assert course_function(lambda x: x) is None
+
+
+def test_the_old_module_name_reaches_code_that_is_still_refused():
+    """A Lab 00 notebook copied before the rename imports ``course_lib.collectives``: the same functions come back,
+    and the guard names them by their home, whatever name the student used."""
+    import course_lib.collectives as old_name
+    from course_lib.classroom.checks.references import references_for
+
+    def via_old_name(x):
+        try:
+            old_name.ring_all_reduce(x)  # no process group: it raises, but it ran
+        except Exception:  # noqa: BLE001
+            pass
+
+    run = run_student(via_old_name, torch.ones(2), references=references_for("my_ring_all_reduce"))
+    assert run.course_code == ["course_lib.communication_patterns.ring_all_reduce"]
+    assert "write it yourself" in run.problem()
+    assert course_function(old_name.apply_collective) == "course_lib.communication_patterns.apply_collective"
 
 
 # ----------------------------------------------------------------- the checked process group
@@ -173,7 +191,8 @@ def _student_on_rank_results(rank):
         raised = None
     except ZeroDivisionError as exc:
         raised = type(exc).__name__
-    course_run = student_on_rank(collectives.ring_all_reduce, torch.ones(3), references=(collectives.ring_all_reduce,))
+    ring = communication_patterns.ring_all_reduce
+    course_run = student_on_rank(ring, torch.ones(3), references=(ring,))
     return dict(value=tensor_run["value"].tolist(), ops=describe_ops(tensor_run["events"]),
                 listed=list_run["value"], patched=list_run["patched"], restored=F.linear is torch._C._nn.linear,
                 raised=raised, course_code=course_run["course_code"])
@@ -189,7 +208,7 @@ def test_collectives_are_refused_at_the_process_group_level_however_they_are_rea
         assert on_rank["listed"] == "a list ([2.0])" and on_rank["restored"]
         assert any("linear" in name for name in on_rank["patched"]), on_rank["patched"]
         assert on_rank["raised"] == "ZeroDivisionError"
-        assert on_rank["course_code"] == ["course_lib.collectives.ring_all_reduce"], on_rank["course_code"]
+        assert on_rank["course_code"] == ["course_lib.communication_patterns.ring_all_reduce"], on_rank["course_code"]
         assert total == [3.0] * 4
         assert all("use send/recv" in v for v in verdicts.values()), verdicts
         assert expect_collectives(events, {("all_reduce", "world"): 1}) is None

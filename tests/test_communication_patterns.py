@@ -1,16 +1,19 @@
-"""Lab 00's library: the six collectives' before/after and the reference ring all-reduce
+"""Lab 00's library: the six collectives' before/after and the reference ring all-reduce, and its old name
 (the checkers are tested in tests/classroom/checks/test_lab00_checks.py)."""
+
+import subprocess
+import sys
 
 import torch
 import torch.distributed as dist
 
-from course_lib import collectives
+from course_lib import communication_patterns
 from course_lib.launch import launch
 
 
 def test_before_after_matches_the_definitions():
     w = 4
-    table = collectives.before_after(world_size=w)
+    table = communication_patterns.before_after(world_size=w)
     before = [[10 * r + i for i in range(w)] for r in range(w)]
     column_sums = [sum(before[r][i] for r in range(w)) for i in range(w)]
     assert table["all_reduce"]["after"] == [column_sums] * w
@@ -28,7 +31,7 @@ def _ring_vs_all_reduce(numel):
     want = x.clone()
     dist.all_reduce(want)
     sent = []
-    got = collectives.ring_all_reduce(x, sent=sent)
+    got = communication_patterns.ring_all_reduce(x, sent=sent)
     return (got - want).abs().max().item(), sum(sent)
 
 
@@ -39,3 +42,16 @@ def test_reference_ring_equals_all_reduce_and_sends_2_w_minus_1_over_w():
             assert max(err for err, _ in res) < 1e-5
             if numel % world == 0:
                 assert {n for _, n in res} == {2 * (world - 1) * numel // world}
+
+
+def test_the_old_name_imports_silently_and_holds_the_same_functions():
+    """``course_lib.collectives`` (notebooks copied before the rename) re-exports every public name, prints nothing."""
+    import course_lib.collectives as old_name
+
+    public = [n for n in vars(communication_patterns) if not n.startswith("_")]
+    assert all(getattr(old_name, n) is getattr(communication_patterns, n) for n in public)
+    assert "ring_all_reduce" in public and "before_after" in public
+    run = subprocess.run([sys.executable, "-W", "error", "-c",
+                          "from course_lib.collectives import ring_all_reduce, before_after"],
+                         capture_output=True, text=True, timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (0, "", "")
