@@ -413,6 +413,31 @@ def test_eval_interval_without_data_path_is_the_files_valid_split(tmp_path):
     assert evaluated[0]["lm_loss"] == evaluated[1]["lm_loss"]
 
 
+def test_data_cache_path_without_data_path_writes_then_loads_the_same_indices(tmp_path):
+    """``--data-cache-path`` on the built-in corpus: the first build (validate_args's check) writes megatron-core's
+    index files (train), later builds load them untouched; all draw the samples of the in-memory build."""
+    import torch
+
+    from course_lib.data import get_global_batch
+    from course_lib.data.source import build_train_dataset, corpus_dataset
+    from course_lib.train import parse_args, validate_args
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3",
+            "--data-cache-path", str(tmp_path / "cache")]
+    run = validate_args(parse_args(argv), 1)
+    first = build_train_dataset(run, 4)
+    written = sorted(p.name for p in (tmp_path / "cache").glob("*-GPTDataset-train-*"))
+    assert len(written) == 4
+    stamps = [p.stat().st_mtime_ns for p in sorted((tmp_path / "cache").glob("*-GPTDataset-train-*"))]
+    second = build_train_dataset(run, 4)
+    assert [p.stat().st_mtime_ns for p in sorted((tmp_path / "cache").glob("*-GPTDataset-train-*"))] == stamps
+    plain = corpus_dataset(32, 1234, 12)
+    for it in range(3):
+        want = get_global_batch(it, 4, 32, 1234, dataset=plain)["tokens"]
+        assert all(torch.equal(get_global_batch(it, 4, 32, 1234, dataset=d)["tokens"], want) for d in (first, second))
+
+
 def _megatron_lm_gpt2_tokenization():
     """Megatron-LM's own ``megatron/training/tokenizer/gpt2_tokenization.py`` (what its ``_GPT2BPETokenizer``
     wraps, up to core_v0.16.1), loaded by path from the checkout ``MEGATRON_LM_DIR``; skipped without one."""
