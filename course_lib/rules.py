@@ -24,7 +24,7 @@ The map
   :func:`pipeline_ranks`, :func:`virtual_pipeline_size`, :func:`virtual_pipeline`,
   :func:`interleaved_microbatch_group`, :func:`sequence_split`, :func:`sequence_parallel`,
   :func:`sequence_parallel_split`, :func:`num_microbatches`, :func:`cp_attention_dropout`;
-* a run -- :func:`max_position_embeddings`, :func:`min_lr`, :func:`seq_length_fits_corpus`,
+* a run -- :func:`max_position_embeddings`, :func:`min_lr`, :func:`split_holds_a_sample`,
   :func:`fits_in_memory`, :func:`finite_loss_and_grad`;
 * mixture of experts (Megatron's ``MoELayer``, the expert grid of ``topology.RankGrid``) --
   :func:`moe_experts`, :func:`expert_data_parallel_size`, :func:`expert_order`,
@@ -525,11 +525,13 @@ def min_lr(min_lr_value: float, lr: float) -> None:
                          f"min_lr <= lr); use a min_lr <= {lr:g}")
 
 
-def seq_length_fits_corpus(seq_length: int, num_tokens: int) -> None:
-    """A sample is ``seq_length + 1`` consecutive tokens of the corpus (tokens and shifted labels)."""
-    if seq_length + 1 > num_tokens:
-        raise UsageError(f"seq_length={seq_length} needs at least seq_length + 1 = {seq_length + 1} tokens, the "
-                         f"corpus has {num_tokens}; use a seq_length < {num_tokens}")
+def split_holds_a_sample(split_name: str, num_documents: int, num_tokens: int, seq_length: int) -> None:
+    """A sample is ``seq_length + 1`` consecutive tokens of one ``--split`` part of the data (tokens and
+    shifted labels; megatron-core's ``GPTDataset`` draws none from a smaller split)."""
+    if num_tokens <= seq_length:
+        raise UsageError(f"the {split_name} split has {num_documents} documents, {num_tokens} tokens: not one "
+                         f"sample of seq_length {seq_length} + 1; give it more of the data with --split (e.g. "
+                         f"90,8,2) or a shorter --seq-length")
 
 
 def fits_in_memory(flag: str, value, needed_bytes: float, available_bytes: float | None, detail: str) -> None:

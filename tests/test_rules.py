@@ -19,6 +19,9 @@ from course_lib import rules
 from course_lib.__main__ import main as course_main
 from course_lib.activation_memory import expected_saved_tensors
 from course_lib.data import cp_token_positions, microbatch_sample_indices
+from course_lib.data.blend import parse_split, split_indices, split_matrix
+from course_lib.data.corpus import BUILTIN_CORPUS, corpus_token_documents
+from course_lib.data.source import DEFAULT_SPLIT
 from course_lib.megatron import MegatronRun
 from course_lib.model import GPTConfig
 from course_lib.sizing import ModelSpec, plan, validate_config
@@ -254,6 +257,13 @@ def test_sequence_parallel_with_tp_1_is_turned_off_and_said_in_one_line(capsys):
 
 # ---------------------------------------------------------------------------- values: refused before work
 
+def _train_split(seq_length: int = 100000) -> tuple[int, int, int]:
+    """The default --split's train documents of the built-in corpus, their tokens, and ``seq_length``."""
+    docs = corpus_token_documents()
+    train = split_indices(len(docs), split_matrix(parse_split(DEFAULT_SPLIT))[0])
+    return len(train), sum(len(docs[i]) for i in train), seq_length
+
+
 TRAINER_VALUES = [
     (["--lr", "nan"], lambda: rules.number("lr", math.nan, 0.0)),
     (["--lr", "inf"], lambda: rules.number("lr", math.inf, 0.0)),
@@ -270,7 +280,7 @@ TRAINER_VALUES = [
     (["--distributed-timeout-minutes", "1e-9"],
      lambda: rules.timeout_seconds("distributed_timeout_minutes", 1e-9, unit_s=60)),
     (["--hidden-dropout", "nan"], lambda: rules.probability("hidden_dropout", math.nan)),
-    (["--seq-length", "100000"], lambda: rules.seq_length_fits_corpus(100000, 72757)),
+    (["--seq-length", "100000"], lambda: rules.split_holds_a_sample(f"train (of {BUILTIN_CORPUS})", *_train_split())),
     (["--tensor-model-parallel-size", "0"], lambda: rules.integer("tensor-model-parallel-size", 0)),
     (["--model-parallel-size", "2"], lambda: rules.removed_flag("model-parallel-size", 2, "tensor-model-parallel-size")),
 ]

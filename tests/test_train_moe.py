@@ -50,6 +50,10 @@ LAYOUTS_4 = {   # name: extra flags, on 4 ranks
     "EP2 + fp16, loss scale 128": [EP, "2", "--fp16", "--loss-scale", "128", "--disable-bias-linear"],
 }
 FP16 = "EP2 + fp16, loss scale 128"
+# fp16's load-balancing loss is an fp16 number near 1, spaced 2^-10 there: one process rounds it once, the
+# ranks round their parts and average them, so the two may sit two spacings apart (measured 1.3e-3 relative on
+# the built-in corpus's GPTDataset order, 2.3e-4 on the earlier byte sampler's)
+FP16_LBL_TOL = 2 * 2.0 ** -10
 TP2_EP2 = "TP2 x EP2 + SP (DP2, expert TP2, expert DP1)"
 LAYOUT_8 = ("TP2 x PP2 x EP2, expert TP1, MoE every 2nd layer (DP2, expert DP2)",
             ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
@@ -90,17 +94,18 @@ def _reference(argv):
     return ref
 
 
-def _check_layout(name, res, ref, stats_tol=TOL):
+def _check_layout(name, res, ref, stats_tol=TOL, lbl_tol=None):
     """Loss, grad norm and load-balancing loss of every iteration equal the reference's; the printed
     iteration lines carry ``load_balancing_loss`` right after ``lm loss``, as Megatron prints it.
-    ``stats_tol``: the grad norm's and the load-balancing loss's relative tolerance (fp16's GEMMs round
-    at 2^-11 = 4.9e-4: measured 1.6e-4 and 2.3e-4 there; the loss stays at 6.7e-6)."""
+    ``stats_tol``: the grad norm's relative tolerance (fp16's GEMMs round at 2^-11 = 4.9e-4: measured 1.6e-4
+    there; the loss stays at 6.7e-6); ``lbl_tol``: the load-balancing loss's (default ``stats_tol``)."""
+    lbl_tol = stats_tol if lbl_tol is None else lbl_tol
     last = res[-1][name]
     assert _rel(last["lm_loss"], ref["lm_loss"]) < TOL, (name, last["lm_loss"], ref["lm_loss"])
     for r in res:
         assert _rel(r[name]["grad_norm"], ref["grad_norm"]) < stats_tol, (name, r[name]["grad_norm"], ref["grad_norm"])
         lbl = [m["load_balancing_loss"] for m in r[name]["moe_losses"]]
-        assert _rel(lbl, ref["load_balancing_loss"]) < stats_tol, (name, lbl, ref["load_balancing_loss"])
+        assert _rel(lbl, ref["load_balancing_loss"]) < lbl_tol, (name, lbl, ref["load_balancing_loss"])
     lines = [line for line in last["log"].splitlines() if " iteration " in line]
     assert len(lines) == 3 and all(" | lm loss: " in line and "E+00 | load_balancing_loss: " in line
                                    and line.index("load_balancing_loss") < line.index("loss scale") for line in lines)
@@ -108,7 +113,7 @@ def _check_layout(name, res, ref, stats_tol=TOL):
     expected = _megatron_logged(ref["load_balancing_loss"], 2)
     assert [it["iteration"] for it in logged] == sorted(expected) == [1, 2, 4]
     for it in logged:
-        assert it["load_balancing_loss"] == pytest.approx(expected[it["iteration"]], rel=max(1e-5, stats_tol))
+        assert it["load_balancing_loss"] == pytest.approx(expected[it["iteration"]], rel=max(1e-5, lbl_tol))
         assert it["lm_loss"] == pytest.approx(_megatron_logged(ref["lm_loss"], 2)[it["iteration"]], rel=TOL)
 
 
@@ -128,12 +133,16 @@ def test_moe_layouts_on_4_ranks_equal_one_process_and_a_skipped_expert_dp_sum_is
     runs[BROKEN] = BASE + LAYOUTS_4["EP2 (DP4, expert DP2)"]
     res = launch(_ranks, world_size=4, output="none", timeout=240, runs=runs)
     for name in LAYOUTS_4:
-        _check_layout(name, res, references[name], stats_tol=1e-3 if name == FP16 else TOL)
+        _check_layout(name, res, references[name], stats_tol=1e-3 if name == FP16 else TOL,
+                      lbl_tol=FP16_LBL_TOL if name == FP16 else None)
     ref = references["EP2 (DP4, expert DP2)"]
     # the reference is not a trivial target: the aux loss moves the router, the experts are trained
     assert ref["load_balancing_loss"][0] != pytest.approx(ref["load_balancing_loss"][-1], rel=1e-3)
-    broken = res[-1][BROKEN]      # measured: loss 1.2e-3, grad norm 1.0e-2 relative off (the others: < 3e-7)
-    assert _rel(broken["lm_loss"], ref["lm_loss"]) > 1e-3 and _rel(broken["grad_norm"], ref["grad_norm"]) > 5e-3
+    # far outside the tolerance every layout passes (measured on the built-in corpus's GPTDataset order: loss 9.4e-4,
+    # grad norm 7.0e-2 relative off; the correct layouts: < 3e-7)
+    broken = res[-1][BROKEN]
+    off = _rel(broken["lm_loss"], ref["lm_loss"]), _rel(broken["grad_norm"], ref["grad_norm"])
+    assert min(off) > 5 * TOL, off
     assert not any(res[-1][FP16]["skipped"])                                 # every fp16 step was taken
     assert "expert_dp" in res[0]["EP2 (DP4, expert DP2)"]["comm"]          # the expert-DP all-reduce ran
     assert "expert_dp" not in res[0]["EP4, allgather dispatcher (DP4, expert DP1)"]["comm"]   # group of one

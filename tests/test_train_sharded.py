@@ -122,11 +122,12 @@ def test_fp16_loss_scaling_skips_the_same_iterations_as_the_trainer_without_the_
     """The engine's step with the trainer's loss scaler: unscale, found-inf over the world, skip, back off --
     the same iterations, scales, losses and norms as the trainer's own fp16 path (no engine)."""
     plain = runs[-1]["fp16_plain"]
-    assert plain["skipped"] == [False, False, False, True]           # an overflow really happened
+    assert any(plain["skipped"]) and not all(plain["skipped"])       # an overflow really happened, and steps ran
     for r in runs:
         got = r[name]
         assert got["skipped"] == plain["skipped"] and got["loss_scale"] == plain["loss_scale"]
-        assert got["grad_norm"][:3] == pytest.approx(plain["grad_norm"][:3], rel=1e-6)
+        taken = [i for i, skipped in enumerate(plain["skipped"]) if not skipped]   # a skipped step's norm is inf
+        assert [got["grad_norm"][i] for i in taken] == pytest.approx([plain["grad_norm"][i] for i in taken], rel=1e-6)
     assert runs[-1][name]["lm_loss"] == pytest.approx(plain["lm_loss"], rel=1e-6)
 
 

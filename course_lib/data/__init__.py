@@ -7,8 +7,8 @@ context-parallel split.
 * ``corpus``     -- ``load_documents()``, ``corpus_text()``, ``export_jsonl(path)`` (input of
   Megatron's ``tools/preprocess_data.py``).
 * ``tokenizer``  -- ``ByteTokenizer`` (257 tokens: 256 bytes + eod), ``vocab_size_with_padding``.
-* ``sampler``    -- ``GPTDataset``, ``get_batch(iteration, micro_batch_index, dp_rank, dp_size,
-  micro_batch_size, seq_length, seed)``, ``get_global_batch``.
+* ``sampler``    -- Megatron's batch order: ``get_batch(iteration, micro_batch_index, dp_rank, dp_size,
+  micro_batch_size, seq_length, seed, dataset=...)``, ``get_global_batch``, ``DataPosition``.
 * ``cp_split``   -- ``get_batch_on_this_cp_rank(batch, cp_rank, cp_size)`` (from
   ``course_lib.context_parallel.zigzag``) and helpers.
 
@@ -29,14 +29,14 @@ Day 22's set-up as Megatron-LM does it (imported from their modules, not here):
 from course_lib.data.corpus import corpus_text, export_jsonl, load_documents
 from course_lib.data.cp_split import (cp_chunk_ids, cp_token_positions, gather_from_cp_ranks,
                                       get_batch_on_this_cp_rank, split_for_cp_rank)
-from course_lib.data.sampler import (DEFAULT_SEED, DataPosition, GPTDataset, corpus_tokens, get_batch,
-                                     get_global_batch, microbatch_sample_indices)
+from course_lib.data.sampler import (DEFAULT_SEED, DataPosition, get_batch, get_global_batch,
+                                     microbatch_sample_indices)
 from course_lib.data.tokenizer import EOD_TEXT, ByteTokenizer, vocab_size_with_padding
 
 __all__ = [
     "ByteTokenizer", "EOD_TEXT", "vocab_size_with_padding",
     "load_documents", "corpus_text", "export_jsonl",
-    "GPTDataset", "DataPosition", "DEFAULT_SEED", "corpus_tokens", "get_batch", "get_global_batch",
+    "DataPosition", "DEFAULT_SEED", "get_batch", "get_global_batch",
     "microbatch_sample_indices",
     "get_batch_on_this_cp_rank", "split_for_cp_rank", "gather_from_cp_ranks", "cp_chunk_ids", "cp_token_positions",
 ]

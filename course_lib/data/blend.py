@@ -154,15 +154,17 @@ def _size_per_dataset(weights, size: int, surplus: float = 0.0) -> list[int]:
 
 
 def build_datasets(data_path, split: str, sizes, seq_length: int, seed: int, eod: int,
-                   wanted=SPLITS, cache_path=None, tokenizer_identifiers=None) -> list:
+                   wanted=SPLITS, cache_path=None, tokenizer_identifiers=None, indexed=None) -> list:
     """The train/valid/test datasets of ``--data-path``/``--split`` for ``sizes`` samples each, as
     ``BlendedMegatronDatasetBuilder.build``; a split not in ``wanted`` (or empty) is None.
     ``cache_path`` (``--data-cache-path``): each ``GPTDataset``'s indices (and a blend's) are loaded from /
     written to megatron-core's files there (:mod:`course_lib.data.index_cache`), described with
-    ``tokenizer_identifiers`` (the tokenizer's ``unique_identifiers``)."""
+    ``tokenizer_identifiers`` (the tokenizer's ``unique_identifiers``). ``indexed``: the prefixes' datasets
+    already open (the built-in corpus in memory, :func:`course_lib.data.corpus.corpus_indexed_dataset`)."""
     prefixes, weights = parse_blend(data_path)
     bookends = split_matrix(parse_split(split))
-    indexed = [IndexedDataset(p) for p in prefixes]          # every prefix checked before any index is built
+    if indexed is None:
+        indexed = [IndexedDataset(p) for p in prefixes]      # every prefix checked before any index is built
     wanted_ids = [i for i, name in enumerate(SPLITS) if name in wanted and bookends[i] is not None]
 
     def mid_level(k, i, num_samples):

@@ -16,10 +16,11 @@ memorise one batch.
 
 ``export_jsonl(path)`` writes the documents as JSON lines ``{"text": ...}``, the
 input format of Megatron-LM's ``tools/preprocess_data.py`` (``--json-keys text``),
-so GPU users can train Megatron on the same text. ``write_corpus_dataset(prefix)`` writes the
-documents as the byte tokenizer's ids (eod after each) into Megatron's ``PREFIX.bin/.idx``: the
-trainer's default text, read through ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256``
-and megatron-core's ``GPTDataset`` order instead of the byte sampler's.
+so GPU users can train Megatron on the same text. Without ``--data-path`` the trainer reads the
+documents as byte tokens (eod after each) from :func:`corpus_indexed_dataset`, Megatron's indexed dataset
+held in memory, through the same ``GPTDataset``/``--split`` path as a ``--data-path``;
+``write_corpus_dataset(prefix)`` writes those bytes to ``PREFIX.bin/.idx``, and ``--data-path PREFIX
+--tokenizer-type NullTokenizer --vocab-size 256`` then trains on exactly the default's batches.
 """
 
 from __future__ import annotations
@@ -203,13 +204,33 @@ def export_jsonl(path, key: str = "text") -> Path:
     return write_atomic(path, "".join(json.dumps({key: doc}, ensure_ascii=False) + "\n" for doc in _documents()))
 
 
-def write_corpus_dataset(prefix, force: bool = False):
-    """The built-in corpus as byte tokens + eod (:class:`~course_lib.data.tokenizer.ByteTokenizer`) in
-    ``prefix.bin``/``prefix.idx`` (uint16, one sequence per document; atomic, never over a file without
-    ``force``). The token stream is :func:`course_lib.data.sampler.corpus_tokens`'s. Returns the two paths."""
-    from course_lib.data.indexed import write_indexed_dataset
+BUILTIN_CORPUS = "built-in corpus"   # what stands for a --data-path prefix when none is given
+
+
+def corpus_token_documents() -> list[list[int]]:
+    """The documents as byte tokens, eod after each (:class:`~course_lib.data.tokenizer.ByteTokenizer`,
+    ``preprocess_data.py --append-eod``): what the trainer reads without ``--data-path``."""
     from course_lib.data.tokenizer import ByteTokenizer
 
     tok = ByteTokenizer()
-    return write_indexed_dataset(prefix, (tok.encode(d, append_eod=True) for d in load_documents()),
-                                 tok.vocab_size, force=force)
+    return [tok.encode(d, append_eod=True) for d in _documents()]
+
+
+@functools.lru_cache(maxsize=1)
+def corpus_indexed_dataset():
+    """The trainer's default data: :func:`corpus_token_documents` as Megatron's indexed dataset, the bytes
+    :func:`write_corpus_dataset` writes, held in memory (nothing written; uint16, one sequence per document)."""
+    from course_lib.data.indexed import IndexedDataset
+    from course_lib.data.tokenizer import ByteTokenizer
+
+    return IndexedDataset.in_memory(BUILTIN_CORPUS, corpus_token_documents(), ByteTokenizer.vocab_size)
+
+
+def write_corpus_dataset(prefix, force: bool = False):
+    """:func:`corpus_indexed_dataset` written to ``prefix.bin``/``prefix.idx`` (atomic, never over a file
+    without ``force``), for ``--data-path prefix --tokenizer-type NullTokenizer --vocab-size 256`` or
+    Megatron-LM. Returns the two paths."""
+    from course_lib.data.indexed import write_indexed_dataset
+    from course_lib.data.tokenizer import ByteTokenizer
+
+    return write_indexed_dataset(prefix, corpus_token_documents(), ByteTokenizer.vocab_size, force=force)

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from course_lib import rules
-from course_lib.rules import UsageError
 
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80   # gpt_dataset.py: `threshold = 0.80`
 
@@ -120,10 +119,7 @@ class MegatronGPTDataset:
         self.num_samples = num_samples
         sizes = np.asarray(indexed.sequence_lengths, dtype=np.int32)
         tokens_per_epoch = int(sizes[self.indices].astype(np.int64).sum())
-        if tokens_per_epoch <= self.seq_length:
-            raise UsageError(f"the {name} split has {len(self.indices)} documents, {tokens_per_epoch} tokens: "
-                             f"not one sample of seq_length {self.seq_length} + 1; give it more of the data with "
-                             f"--split (e.g. 90,8,2) or a shorter --seq-length")
+        rules.split_holds_a_sample(name, len(self.indices), tokens_per_epoch, self.seq_length)
         self.num_epochs = num_epochs_for(num_samples, tokens_per_epoch, self.seq_length)
         self.cache = cache
         build = functools.partial(self._build_indices, sizes, tokens_per_epoch)

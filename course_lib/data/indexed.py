@@ -17,7 +17,8 @@ With ``preprocess_data.py``'s document level a non-empty document is one sequenc
 a document and no sequence. :func:`write_indexed_dataset` writes the same bytes as megatron-core's
 ``IndexedDatasetBuilder`` (``tests/data/test_indexed.py`` compares them live);
 :class:`IndexedDataset` reads them (``len``, ``[i]`` -> the tokens of sequence ``i``,
-``sequence_lengths``, ``document_indices``) and refuses a file that is not one, in one line.
+``sequence_lengths``, ``document_indices``) and refuses a file that is not one, in one line;
+``IndexedDataset.in_memory`` reads the same bytes without writing them (the built-in corpus).
 """
 
 from __future__ import annotations
@@ -104,7 +105,28 @@ class IndexedDataset:
                 raise IndexedDatasetError(f"--data-path {prefix}: {path} is missing; make both files with "
                                           f"`python -m course_lib preprocess --output-prefix ...` (the prefix is "
                                           f"the file name without .bin/.idx)")
-        raw = idx_path.read_bytes()
+        self._read_index(idx_path.read_bytes(), idx_path)
+        need = int(self.sequence_lengths.astype(np.int64).sum()) * np.dtype(self.dtype).itemsize
+        have = bin_path.stat().st_size
+        if have != need:
+            raise IndexedDatasetError(f"{bin_path}: {have} bytes, but {idx_path} indexes {need} "
+                                      f"({'truncated' if have < need else 'longer than its index'}); "
+                                      f"run preprocess again with --force")
+        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if need else np.zeros(0, self.dtype)
+
+    @classmethod
+    def in_memory(cls, name: str, documents: Iterable[Sequence[int]], vocab_size: int) -> "IndexedDataset":
+        """The dataset :func:`write_indexed_dataset` would write for ``documents``, read from the same bytes
+        held in memory (nothing written); ``name`` stands for the prefix in messages and cache descriptions."""
+        self = cls.__new__(cls)
+        self.prefix = name
+        data, index = encode_documents(documents, optimal_dtype(vocab_size))
+        self._read_index(index, name)
+        self._bin = np.frombuffer(data, dtype=self.dtype)
+        return self
+
+    def _read_index(self, raw: bytes, idx_path) -> None:
+        """``sequence_lengths``, ``sequence_pointers``, ``document_indices`` and ``dtype`` from ``.idx`` bytes."""
         if len(raw) < _FIXED or raw[:len(INDEX_HEADER)] != INDEX_HEADER:
             raise IndexedDatasetError(f"{idx_path}: not a Megatron .idx file (no MMIDIDX header)")
         version, code = struct.unpack_from("<QB", raw, len(INDEX_HEADER))
@@ -119,14 +141,6 @@ class IndexedDataset:
         self.sequence_lengths = np.frombuffer(raw, np.int32, seqs, _FIXED)
         self.sequence_pointers = np.frombuffer(raw, np.int64, seqs, _FIXED + 4 * seqs)
         self.document_indices = np.frombuffer(raw, np.int64, docs, _FIXED + 12 * seqs)
-        itemsize = np.dtype(self.dtype).itemsize
-        need = int(self.sequence_lengths.astype(np.int64).sum()) * itemsize
-        have = bin_path.stat().st_size
-        if have != need:
-            raise IndexedDatasetError(f"{bin_path}: {have} bytes, but {idx_path} indexes {need} "
-                                      f"({'truncated' if have < need else 'longer than its index'}); "
-                                      f"run preprocess again with --force")
-        self._bin = np.memmap(bin_path, dtype=self.dtype, mode="r") if need else np.zeros(0, self.dtype)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)

@@ -6,16 +6,17 @@ samples with :func:`course_lib.data.blend.build_datasets` (megatron-core's ``GPT
 in Megatron's batch order (:func:`course_lib.data.microbatch_sample_indices`: iteration ``it`` takes
 samples ``[it * G, (it + 1) * G)``), and the model's vocabulary is the tokenizer's.
 
-Without ``--data-path`` the trainer reads the built-in corpus through the byte tokenizer
-(:mod:`course_lib.data.sampler`), as before: the labs' printed losses were measured on that order
-and nbval compares them, so it stays the default. The same documents go through Megatron's path when
-asked: :func:`course_lib.data.corpus.write_corpus_dataset` writes them as byte ids into ``.bin/.idx``
-and ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256`` trains on them (same
-vocabulary, megatron-core's ``GPTDataset`` order).
+Without ``--data-path`` the same path reads the built-in corpus: its documents as byte tokens (eod
+after each) in Megatron's indexed dataset held in memory
+(:func:`course_lib.data.corpus.corpus_indexed_dataset`, nothing written), cut by ``--split``, in
+``GPTDataset``'s order for ``--seed``; so ``--eval-interval`` works there too. The batches are those of
+``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256`` on the files
+:func:`course_lib.data.corpus.write_corpus_dataset` writes (``tests/data/test_megatron_data.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from course_lib.data.tokenizer import ByteTokenizer, NullTokenizer
@@ -41,8 +42,8 @@ def add_data_arguments(parser) -> None:
                    help="folder of megatron-core's GPTDataset index files (HASH-GPTDataset-SPLIT-*.npy): loaded when "
                         "there, else built and written by rank 0; default: built in memory, nothing written")
     g.add_argument("--eval-interval", type=int, default=None,
-                   help="validation loss every N iterations and after the last (needs --data-path; Megatron's "
-                        "default 1000, the course's: no evaluation)")
+                   help="validation loss every N iterations and after the last, on the --split's valid part "
+                        "(Megatron's default 1000, the course's: no evaluation)")
     g.add_argument("--eval-iters", type=int, default=100, help="global batches per evaluation (Megatron's default 100)")
 
 
@@ -58,16 +59,20 @@ def load_tokenizer(data):
     return BPETokenizer.from_files(data.vocab_file, data.merge_file)
 
 
-def check_data_args(data, *, eval_interval=None, deepspeed: bool = False) -> None:
-    """One line for data flags that do not go together (``data``: a ``DataConfig``; ``eval_interval``:
-    ``--eval-interval``, its value already checked; ``deepspeed``: a ``--deepspeed-config`` is given);
-    opens the tokenizer and every ``--data-path`` prefix, so a bad one fails before any rank starts.
-    The splits' sizes: :func:`check_datasets`, once the batch is derived."""
-    if eval_interval is not None and data.data_path is None:
-        raise UsageError("--eval-interval needs a valid split: give --data-path PREFIX --split 90,9,1 (the "
-                         "built-in corpus has none)")
+def check_data_args(data, *, deepspeed: bool = False) -> None:
+    """One line for data flags that do not go together (``data``: a ``DataConfig``; ``deepspeed``: a
+    ``--deepspeed-config`` is given); opens the tokenizer and every ``--data-path`` prefix, so a bad one
+    fails before any rank starts. The splits' sizes: :func:`check_datasets`, once the batch is derived."""
     if data.tokenizer_type is None and (data.vocab_file or data.merge_file):
         raise UsageError("--vocab-file/--merge-file need --tokenizer-type GPT2BPETokenizer")
+    from course_lib.data.blend import parse_blend, parse_split
+    from course_lib.data.indexed import IndexedDataset
+
+    parse_split(data.split)
+    cache = data.data_cache_path
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        raise UsageError(f"--data-cache-path {cache} is a file; give a folder (megatron-core keeps its index "
+                         f"files there), e.g. --data-cache-path data/cache")
     if data.data_path is None:
         if data.tokenizer_type is not None:
             raise UsageError("--tokenizer-type without --data-path: the built-in corpus is byte tokens; give "
@@ -76,18 +81,10 @@ def check_data_args(data, *, eval_interval=None, deepspeed: bool = False) -> Non
     if data.tokenizer_type is None:
         raise UsageError("--data-path needs the tokenizer that made it: --tokenizer-type GPT2BPETokenizer "
                          "--vocab-file vocab.json --merge-file merges.txt")
-    from course_lib.data.blend import parse_blend, parse_split
-    from course_lib.data.indexed import IndexedDataset
-
     if deepspeed:
         raise UsageError("--data-path with --deepspeed-config: the DeepSpeed path reads the built-in corpus only; "
                          "drop one of them")
     load_tokenizer(data)
-    parse_split(data.split)
-    cache = data.data_cache_path
-    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
-        raise UsageError(f"--data-cache-path {cache} is a file; give a folder (megatron-core keeps its index "
-                         f"files there), e.g. --data-cache-path data/cache")
     for prefix in parse_blend(list(data.data_path))[0]:
         IndexedDataset(prefix)
 
@@ -95,9 +92,8 @@ def check_data_args(data, *, eval_interval=None, deepspeed: bool = False) -> Non
 def check_datasets(run) -> None:
     """Builds the splits ``run`` (a ``RunConfig``) reads (milliseconds for the course's data): a split too
     small for one sample fails in one line, here, before any rank starts."""
-    if run.data.data_path is not None:
-        build_train_dataset(run, run.parallel.effective_global_batch_size)
-        build_valid_dataset(run, run.parallel.effective_global_batch_size)
+    build_train_dataset(run, run.parallel.effective_global_batch_size)
+    build_valid_dataset(run, run.parallel.effective_global_batch_size)
 
 
 def vocab_size(data) -> int:
@@ -118,17 +114,45 @@ def build_valid_dataset(run, global_batch_size: int):
 
 
 def build_train_dataset(run, global_batch_size: int):
-    """The train split for ``--train-iters * global_batch_size`` samples, or None (built-in corpus)."""
-    if run.data.data_path is None:
-        return None
+    """The train split for ``--train-iters * global_batch_size`` samples (``--data-path``'s, else the
+    built-in corpus's)."""
     return _build(run, [run.schedule.train_iters * global_batch_size, 0, 0], "train")
+
+
+def corpus_dataset(seq_length: int, seed: int, num_samples: int | None = None, split: str = DEFAULT_SPLIT):
+    """The built-in corpus's train split as the trainer draws it without ``--data-path`` for a run of
+    ``num_samples`` samples (``--train-iters * --global-batch-size``; None: one epoch, the same samples in
+    the same order whenever the run fits in one)."""
+    from course_lib.data.blend import SPLITS
+
+    return _build_builtin(str(split), (num_samples, 0, 0), int(seq_length), int(seed), None)[SPLITS.index("train")]
 
 
 def _build(run, sizes, split_name: str):
     from course_lib.data.blend import SPLITS, build_datasets
 
     data = run.data
+    if data.data_path is None:
+        wanted = tuple(n if name == split_name else 0 for name, n in zip(SPLITS, sizes))
+        build = _build_builtin if data.data_cache_path is None else _build_builtin.__wrapped__   # files may go
+        return build(data.split, wanted, run.model.seq_length, run.schedule.seed,
+                     data.data_cache_path)[SPLITS.index(split_name)]
     tok = load_tokenizer(data)
     return build_datasets(list(data.data_path), data.split, sizes, run.model.seq_length, run.schedule.seed, tok.eod,
                           wanted=(split_name,), cache_path=data.data_cache_path,
                           tokenizer_identifiers=tok.unique_identifiers)[SPLITS.index(split_name)]
+
+
+@functools.lru_cache(maxsize=16)
+def _build_builtin(split: str, sizes: tuple, seq_length: int, seed: int, cache_path):
+    """The built-in corpus's splits of ``sizes`` samples each (a 0 size: not built), through the same
+    :func:`course_lib.data.blend.build_datasets` as a ``--data-path``; kept, as every rank and check of a
+    process asks for the same ones."""
+    from course_lib.data.blend import SPLITS, build_datasets
+    from course_lib.data.corpus import BUILTIN_CORPUS, corpus_indexed_dataset
+
+    tok = ByteTokenizer()
+    wanted = tuple(name for name, n in zip(SPLITS, sizes) if n != 0)
+    return tuple(build_datasets([BUILTIN_CORPUS], split, list(sizes), seq_length, seed, tok.eod, wanted=wanted,
+                                cache_path=cache_path, tokenizer_identifiers=tok.unique_identifiers,
+                                indexed=[corpus_indexed_dataset()]))

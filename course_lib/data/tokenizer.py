@@ -42,6 +42,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eod = 256
+    unique_identifiers = {"class": "ByteTokenizer", "vocab_size": "257"}   # described in --data-cache-path files
 
     def encode(self, text: str, append_eod: bool = False) -> list[int]:
         if not isinstance(text, str):

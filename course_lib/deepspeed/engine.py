@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from course_lib import rules
 from course_lib.data import get_batch
+from course_lib.data.source import build_train_dataset
 from course_lib.deepspeed import schema as ds_schema
 from course_lib.deepspeed.schema import import_deepspeed
 from course_lib.training.logs import arguments_lines, memory_line, parameters_line, print_line, world_size_line
@@ -356,13 +357,14 @@ def pretrain(run: RunConfig, *, print_args: bool = True) -> dict:
     dist.barrier()
     log = TrainingLog(record, train_iters=run.schedule.train_iters, log_interval=run.logging.log_interval,
                       global_batch_size=global_batch_size, prints=rank == world - 1)
+    dataset = build_train_dataset(run, global_batch_size)       # the trainer's samples, in its order
     for iteration in range(1, run.schedule.train_iters + 1):
         it_start = time.perf_counter()
         skipped_before, own_norm = engine.skipped_steps, float("nan")
         loss_sum = torch.zeros((), dtype=torch.float64)
         for j in range(ga):
             b = get_batch(iteration - 1, j, rank, world, micro, run.model.seq_length, seed,
-                          global_batch_size=global_batch_size)
+                          global_batch_size=global_batch_size, dataset=dataset)
             marks = [time.perf_counter()]
             logits = engine(b["tokens"].to(engine.device))                               # [s, micro, V]
             loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),

@@ -222,6 +222,7 @@ def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: 
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from course_lib.data import get_batch
+    from course_lib.data.source import corpus_dataset
 
     g = run.gpt_config(**(moe or {}))
     model, master, cfg = megatron_core_gpt(g, tp, pp, sp)
@@ -250,11 +251,12 @@ def train_megatron_core(run: ReferenceRun, tp: int, pp: int, sp: bool, distopt: 
 
         return chunk(b["tokens"], positions, None, labels=b["labels"]), loss_func
 
+    dataset = corpus_dataset(g.seq_length, run.seed, samples)         # the course trainer's samples, in its order
     for it in range(run.train_iters):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         data = iter([get_batch(it, j, dp_rank, dp, micro, g.seq_length, run.seed,
-                               global_batch_size=run.global_batch_size) for j in range(m)])
+                               global_batch_size=run.global_batch_size, dataset=dataset) for j in range(m)])
         reported = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data, model=[ddp],
                                                num_microbatches=m, seq_length=g.seq_length,
                                                micro_batch_size=micro, forward_only=False)

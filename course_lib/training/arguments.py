@@ -28,7 +28,6 @@ from dataclasses import fields
 from typing import Optional, Sequence
 
 from course_lib import rules, sizing
-from course_lib.data import corpus_tokens
 from course_lib.data.source import add_data_arguments, check_data_args, check_datasets
 from course_lib.data.source import vocab_size as data_vocab_size
 from course_lib.model import GPTConfig
@@ -322,7 +321,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     a.num_layers_per_virtual_pipeline_stage = a.num_virtual_stages_per_pipeline_rank = None
 
     data = _data(a)
-    check_data_args(data, eval_interval=a.eval_interval, deepspeed=bool(a.deepspeed_config))   # files, tokenizer
+    check_data_args(data, deepspeed=bool(a.deepspeed_config))   # files, tokenizer
     if a.eval_interval and (_sharding(a).uses_engine or a.deepspeed_config or a.num_experts):
         raise rules.UsageError("--eval-interval runs on the plain trainer only (not with the sharding flags, DeepSpeed or "
                                "--num-experts); drop it or them")
@@ -340,15 +339,13 @@ def validate_args(args: argparse.Namespace, world_size: int, *, check_memory: bo
     if a.lr_warmup_iters >= a.lr_decay_iters and a.lr_decay_style != "constant":
         raise rules.UsageError(f"lr_warmup_iters={a.lr_warmup_iters} is not below lr_decay_iters={a.lr_decay_iters}: "
                                f"the decay would never start; use fewer warm-up iterations or --lr-decay-style constant")
-    if a.data_path is None:                              # --data-path: its split says (data.gpt_dataset)
-        rules.seq_length_fits_corpus(a.seq_length, len(corpus_tokens()))
     _check_sharding(a, cfg)
     _check_checkpointing(a)
+    run = _run_config(a, cfg, gpt_config_from_args(a, padding_tp), data)
+    check_datasets(run)                                         # a split too small for one sample
     if check_memory:
         local = ranks_on_this_machine or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         _check_memory(a, cfg, local)
-    run = _run_config(a, cfg, gpt_config_from_args(a, padding_tp), data)
-    check_datasets(run)                                         # a split too small for one sample
     return run
 
 

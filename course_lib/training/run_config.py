@@ -128,7 +128,7 @@ class CheckpointConfig:
 @dataclass(frozen=True)
 class DataConfig:
     """Megatron's ``_add_data_args``/``_add_tokenizer_args`` (:mod:`course_lib.data.source`);
-    ``data_path`` None: the built-in corpus, byte tokens."""
+    ``data_path`` None: the built-in corpus as byte tokens, through the same ``GPTDataset`` path."""
 
     data_path: Optional[tuple] = None
     split: str = "969,30,1"

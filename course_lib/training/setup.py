@@ -54,7 +54,7 @@ class TrainingSetup:
     finalizer: Optional[ShardedGradFinalizer] = None    # the engine's gradient finaliser, else None
     num_parameters: int = 0                             # this rank's parameters (counted before any ZeRO-3 sharding)
     moe_groups: Optional[MoEGroups] = None              # --num-experts: the expert grid's groups, else None
-    dataset: object = None              # --data-path: its train split (course_lib.data.source), else None
+    dataset: object = None              # the train split: --data-path's or the built-in corpus's (data.source)
     valid_dataset: object = None        # --eval-interval: the valid split, else None
 
     @property

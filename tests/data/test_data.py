@@ -3,14 +3,18 @@
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
-from course_lib.data import (ByteTokenizer, GPTDataset, corpus_text, corpus_tokens, cp_chunk_ids,
+from course_lib.data import (ByteTokenizer, corpus_text, cp_chunk_ids,
                              cp_token_positions, export_jsonl, gather_from_cp_ranks, get_batch,
                              get_batch_on_this_cp_rank, get_global_batch, load_documents,
                              microbatch_sample_indices, split_for_cp_rank, vocab_size_with_padding)
 from course_lib.data import corpus as corpus_mod
+from course_lib.data.blend import parse_split, split_indices, split_matrix
+from course_lib.data.corpus import corpus_indexed_dataset, corpus_token_documents
+from course_lib.data.source import DEFAULT_SPLIT, corpus_dataset
 from course_lib.launch import launch
 from course_lib.topology import RankGrid
 
@@ -66,9 +70,12 @@ def test_corpus_size_documents_and_determinism():
     assert corpus_text() == text and load_documents() == docs
     assert corpus_mod.generated_documents() == corpus_mod.generated_documents()
     assert any("张量并行" in d for d in docs)                 # the seed's terms survive as UTF-8 bytes
-    toks = corpus_tokens()
-    assert toks.dtype.name == "int64" and (toks == 256).sum() == len(docs)  # one eod per document
-    assert toks.max() == 256 and toks.min() >= 0
+    indexed = corpus_indexed_dataset()                       # one sequence per document, eod last
+    assert len(indexed) == len(docs) and list(indexed.document_indices) == list(range(len(docs) + 1))
+    for i in (0, len(docs) // 2, len(docs) - 1):
+        assert indexed[i].tolist() == ByteTokenizer().encode(docs[i], append_eod=True)
+    toks = torch.from_numpy(np.concatenate([indexed[i] for i in range(len(indexed))]).astype(np.int64))
+    assert (toks == 256).sum() == len(docs) and toks.max() == 256 and toks.min() >= 0
 
 
 def test_generated_rank_facts_agree_with_topology_grid():
@@ -117,27 +124,31 @@ def test_export_jsonl_for_megatron_preprocess(tmp_path):
     assert [json.loads(x)["text"] for x in lines] == load_documents()
 
 
-# ---- GPTDataset and the DP sampler -----------------------------------------------------------
+# ---- the default samples (GPTDataset on the built-in corpus) and the DP sampler -------------------
 
-def test_dataset_windows_overlap_by_one_token_and_labels_shift():
+def test_default_samples_are_the_train_split_laid_end_to_end_in_document_index_order():
+    """Without --data-path: the --split's train documents, shuffled (document index), laid end to end and cut
+    every s tokens into s + 1 (neighbours share one), drawn in the shuffle index's order."""
     s = 32
-    ds = GPTDataset(s, seed=7)
-    stream = torch.from_numpy(corpus_tokens().copy())
+    ds = corpus_dataset(s, 7)
+    docs = corpus_token_documents()
+    train = split_indices(len(docs), split_matrix(parse_split(DEFAULT_SPLIT))[0])
+    assert 0 < len(train) < len(docs) and ds.indices.tolist() == train.tolist()
+    assert sorted(ds.document_index.tolist()) == train.tolist() and ds.document_index.tolist() != train.tolist()
+    stream = torch.tensor([t for d in ds.document_index for t in docs[d]])
     assert len(ds) == (len(stream) - 1) // s
-    perm = ds.shuffle_index(0)
-    assert sorted(perm.tolist()) == list(range(len(ds)))
+    assert sorted(ds.shuffle_index.tolist()) == list(range(len(ds)))
     b = ds.batch(range(5))
     for i in range(5):
-        w = int(perm[i])
+        w = int(ds.shuffle_index[i])
         assert torch.equal(b["tokens"][i], stream[w * s:w * s + s])
         assert torch.equal(b["labels"][i], stream[w * s + 1:w * s + s + 1])
     assert torch.equal(b["labels"][:, :-1], b["tokens"][:, 1:])
     assert torch.equal(b["position_ids"][3], torch.arange(s))
     assert b["loss_mask"].dtype == torch.float32 and bool((b["loss_mask"] == 1).all())
-    # epoch 1 reuses the same windows in another order
-    assert sorted(ds.shuffle_index(1).tolist()) == sorted(perm.tolist())
-    assert ds.shuffle_index(1).tolist() != perm.tolist()
-    assert ds.window_of(len(ds)) == int(ds.shuffle_index(1)[0])
+    # more samples than one epoch: two epochs of documents, every sample still drawn
+    two = corpus_dataset(s, 7, num_samples=len(ds) + 1)
+    assert two.num_epochs == 2 and len(two) > len(ds) and sorted(two.shuffle_index.tolist()) == list(range(len(two)))
 
 
 def test_seed_determinism():
@@ -191,10 +202,12 @@ def test_sampler_bad_input_is_one_line(kwargs, msg):
 
 
 def test_dataset_bad_input():
-    with pytest.raises(ValueError, match="needs at least seq_length"):
-        GPTDataset(10, tokens=list(range(5)))
+    with pytest.raises(ValueError, match="not one sample of seq_length 100000"):
+        corpus_dataset(100000, 1)
     with pytest.raises(ValueError, match="differs from seq_length"):
-        get_batch(0, 0, 0, 1, 1, 16, dataset=GPTDataset(8))
+        get_batch(0, 0, 0, 1, 1, 16, dataset=corpus_dataset(8, 1))
+    with pytest.raises(ValueError, match="past the dataset"):
+        get_global_batch(len(corpus_dataset(8, 1)), 1, 8, 1)
 
 
 def test_eod_mask_loss():

@@ -328,7 +328,6 @@ def test_trainer_reads_megatron_data_in_megatron_core_order(tiny, tmp_path):
     (["--data-path", "nowhere/x_text_document"], "needs the tokenizer that made it"),
     (["--tokenizer-type", "GPT2BPETokenizer"], "without --data-path"),
     (["--vocab-file", "v.json"], "need --tokenizer-type"),
-    (["--eval-interval", "2"], "needs a valid split"),
     (["--seq-length", "64", "--split", "1,0,99"], "not one sample"),
     (["--data-cache-path", "VOCAB"], "is a file; give a folder"),
 ])
@@ -343,16 +342,20 @@ def test_trainer_data_flags_refused_in_one_line(tiny, extra, message):
         validate_args(parse_args(extra), 1)
 
 
-def test_builtin_corpus_through_megatron_path(megatron_core_world, tmp_path):
-    """The trainer's default text through Megatron's path when asked: ``write_corpus_dataset`` holds the byte
-    sampler's token stream document by document; ``--tokenizer-type NullTokenizer --vocab-size 256`` is the byte
-    vocabulary (eod 256, 257 ids, as megatron-core's NullTokenizer); the trainer's samples are megatron-core's
-    GPTDataset's on those files; the model is the default's (257 ids padded to 384) and starts at ln 384."""
+def test_builtin_corpus_is_the_default_through_megatron_path(megatron_core_world, tmp_path):
+    """Without data flags the trainer reads the built-in corpus through ``--data-path``'s path: its in-memory
+    indexed dataset is the bytes ``write_corpus_dataset`` writes; the default's train and valid batches are those
+    of ``--data-path PREFIX --tokenizer-type NullTokenizer --vocab-size 256`` over those files and megatron-core's
+    ``GPTDataset``'s on them (Megatron's ``--split`` 969,30,1, ``--seed``); the one-process losses are equal, and
+    ``--eval-interval`` evaluates on the valid split. ``--tokenizer-type NullTokenizer --vocab-size 256`` is the
+    byte vocabulary (eod 256, 257 ids, as megatron-core's NullTokenizer): the same model, starting at ln 384."""
     import warnings
+    from pathlib import Path
 
-    from course_lib.data import ByteTokenizer, corpus_tokens, get_global_batch
-    from course_lib.data.corpus import write_corpus_dataset
-    from course_lib.data.source import build_train_dataset, load_tokenizer
+    from course_lib.data import ByteTokenizer, get_global_batch
+    from course_lib.data.blend import num_samples_per_split
+    from course_lib.data.corpus import corpus_indexed_dataset, write_corpus_dataset
+    from course_lib.data.source import DEFAULT_SPLIT, build_train_dataset, build_valid_dataset, load_tokenizer
     from course_lib.train import parse_args, train_single_process, validate_args
 
     with warnings.catch_warnings():
@@ -360,25 +363,79 @@ def test_builtin_corpus_through_megatron_path(megatron_core_world, tmp_path):
         from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer as McoreNull
     prefix = str(tmp_path / "builtin_text_document")
     write_corpus_dataset(prefix)
-    ds = IndexedDataset(prefix)
-    assert np.array_equal(np.concatenate([ds[i] for i in range(len(ds))]), corpus_tokens())
-    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "2", "--lr", "3e-3",
-            "--data-path", prefix, "--split", "98,2,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
-    run = validate_args(parse_args(argv), 1)
-    args = run.namespace()
-    tok, theirs_tok = load_tokenizer(run.data), McoreNull(256)
+    ds, memory = IndexedDataset(prefix), corpus_indexed_dataset()
+    assert Path(prefix + ".bin").read_bytes() == memory._bin.tobytes()
+    for name in ("sequence_lengths", "sequence_pointers", "document_indices"):
+        assert np.array_equal(getattr(ds, name), getattr(memory, name)), name
+    iters, gbs, seq = 3, 4, 64
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", str(seq),
+             "--micro-batch-size", "4", "--global-batch-size", str(gbs), "--train-iters", str(iters), "--lr", "3e-3",
+             "--eval-interval", "2", "--eval-iters", "2"]
+    files = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+    default, on_files = validate_args(parse_args(model), 1), validate_args(parse_args(model + files), 1)
+    assert default.data.split == on_files.data.split == DEFAULT_SPLIT == "969,30,1"          # Megatron's default
+    tok, theirs_tok = load_tokenizer(on_files.data), McoreNull(256)
     assert (tok.vocab_size, tok.eod) == (theirs_tok.vocab_size, theirs_tok._eod_id) == (257, ByteTokenizer.eod)
-    theirs = _megatron_core_datasets([prefix], "98,2,0", [8, 4, 0], 64, 1234, tok, tmp_path / "cache")[0]
-    ours = build_train_dataset(run, 4)
-    for it in range(2):
-        want = np.stack([theirs[i]["tokens"].numpy() for i in range(it * 4, it * 4 + 4)])
-        assert np.array_equal(get_global_batch(it, 4, 64, 1234, dataset=ours)["tokens"].numpy(), want)
-    default = validate_args(parse_args(argv[:-8]), 1).namespace()                     # no data flags: the byte sampler
-    assert args.padded_vocab_size == default.padded_vocab_size == 384       # the same model as the default's
-    assert train_single_process(parse_args(argv))["lm_loss"][0] == pytest.approx(np.log(384), rel=0.02)
+    sizes = num_samples_per_split(iters, gbs, 2, 2)
+    theirs = _megatron_core_datasets([prefix], DEFAULT_SPLIT, sizes[:2] + [None], seq, 1234, tok, tmp_path / "cache")
+    ours = [build_train_dataset(default, gbs), build_valid_dataset(default, gbs)]
+    files_ds = [build_train_dataset(on_files, gbs), build_valid_dataset(on_files, gbs)]
+    for split in range(2):
+        assert len(ours[split]) == len(files_ds[split]) == len(theirs[split])
+        for it in range(sizes[split] // gbs):
+            want = np.stack([theirs[split][i]["tokens"].numpy() for i in range(it * gbs, it * gbs + gbs)])
+            for ds_ in (ours[split], files_ds[split]):
+                assert np.array_equal(get_global_batch(it, gbs, seq, 1234, dataset=ds_)["tokens"].numpy(), want)
+    assert default.namespace().padded_vocab_size == on_files.namespace().padded_vocab_size == 384
+    losses = train_single_process(parse_args(model))["lm_loss"]
+    assert losses == train_single_process(parse_args(model + files))["lm_loss"]              # bit for bit
+    assert losses[0] == pytest.approx(np.log(384), rel=0.02)
     with pytest.raises(ValueError, match="needs --vocab-size"):
-        validate_args(parse_args(argv[:-2]), 1)
+        validate_args(parse_args(model + files[:-2]), 1)
+
+
+def test_eval_interval_without_data_path_is_the_files_valid_split(tmp_path):
+    """``--eval-interval`` on the built-in corpus: Megatron's validation lines on the default ``--split``'s valid
+    documents, the same losses as on ``write_corpus_dataset``'s files with the NullTokenizer."""
+    from course_lib.data.corpus import write_corpus_dataset
+    from course_lib.launch import launch
+
+    prefix = str(tmp_path / "builtin_text_document")
+    write_corpus_dataset(prefix)
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3", "--lr", "3e-3",
+             "--eval-interval", "2", "--eval-iters", "2"]
+    files = ["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
+    evaluated = [launch(_train_rank, world_size=1, output="none", timeout=120, argv=argv)[0]
+                 for argv in (model, model + files)]
+    assert [v["prefix"] for v in evaluated[0]["validation"]] == ["iteration 2", "iteration 3 on validation set"]
+    assert evaluated[0]["validation"] == evaluated[1]["validation"]
+    assert evaluated[0]["lm_loss"] == evaluated[1]["lm_loss"]
+
+
+def test_data_cache_path_without_data_path_writes_then_loads_the_same_indices(tmp_path):
+    """``--data-cache-path`` on the built-in corpus: the first build (validate_args's check) writes megatron-core's
+    index files (train), later builds load them untouched; all draw the samples of the in-memory build."""
+    import torch
+
+    from course_lib.data import get_global_batch
+    from course_lib.data.source import build_train_dataset, corpus_dataset
+    from course_lib.train import parse_args, validate_args
+
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "3",
+            "--data-cache-path", str(tmp_path / "cache")]
+    run = validate_args(parse_args(argv), 1)
+    first = build_train_dataset(run, 4)
+    written = sorted(p.name for p in (tmp_path / "cache").glob("*-GPTDataset-train-*"))
+    assert len(written) == 4
+    stamps = [p.stat().st_mtime_ns for p in sorted((tmp_path / "cache").glob("*-GPTDataset-train-*"))]
+    second = build_train_dataset(run, 4)
+    assert [p.stat().st_mtime_ns for p in sorted((tmp_path / "cache").glob("*-GPTDataset-train-*"))] == stamps
+    plain = corpus_dataset(32, 1234, 12)
+    for it in range(3):
+        want = get_global_batch(it, 4, 32, 1234, dataset=plain)["tokens"]
+        assert all(torch.equal(get_global_batch(it, 4, 32, 1234, dataset=d)["tokens"], want) for d in (first, second))
 
 
 def _megatron_lm_gpt2_tokenization():
