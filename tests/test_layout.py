@@ -171,6 +171,35 @@ def test_the_top_level_holds_only_the_library():
     assert not machinery & set(top), f"course machinery at the top level: {sorted(machinery & set(top))}"
 
 
+def readme_layers() -> dict[str, list[str]]:
+    """The README's "where the code lives" picture, read back: layer -> the rooms its module column names.
+
+    A layer's line is ``  N name  rooms  description``; continuation lines are indented to the rooms column,
+    and a column ends at its first run of two spaces.
+    """
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = readme.split("```\ncourse_lib/\n", 1)[1].split("```", 1)[0]
+    layers: dict[str, list[str]] = {}
+    current = None
+    for line in block.splitlines():
+        head = line[:17].split()
+        if len(head) == 2 and head[0].isdigit():
+            current = layers.setdefault(head[1], [])
+        rooms = line[17:].split("  ", 1)[0]
+        for room in rooms.split(","):
+            if room.strip():
+                current.append(room.strip().removesuffix("/").removesuffix(".py"))
+    return layers
+
+
+def test_the_readme_draws_these_layers():
+    """The README's layer picture names the layers in this order, each with exactly its rooms."""
+    drawn = readme_layers()
+    assert list(drawn) == list(LAYERS), f"README layers {list(drawn)} != {list(LAYERS)}"
+    for room, heads in LAYERS.items():
+        assert sorted(drawn[room]) == sorted(heads), f"README layer {room}: {drawn[room]} != {heads}"
+
+
 if __name__ == "__main__":
     graph = imports(modules())
     for room in LAYERS:
