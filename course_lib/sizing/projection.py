@@ -82,6 +82,13 @@ class Assumptions:
     tp_overlap: float = field(default=0.0, metadata={"help": (
         "fraction of TP communication hidden behind GEMMs (0 in Megatron 2021; Megatron-core's "
         '--tp-comm-overlap with Transformer Engine userbuffers hides much of it on Hopper).')})
+    async_tensor_model_parallel_allreduce: bool = field(default=False, metadata={"help": (
+        "the backward TP collective of each column-parallel linear (QKV, MLP up) runs beside one of its GEMMs and is "
+        "hidden up to that GEMM's time: the input-gradient all-reduce beside the weight-gradient GEMM; with SP, the "
+        "input all-gather beside the input-gradient GEMM and the reduce-scatter beside the weight-gradient GEMM. "
+        "Off in the 2021 code of Narayanan Tables 1-2 (Megatron-LM 6985e58; the flag came in 16c90445e7, 2021-09); "
+        "on by default in the 2022 code of Korthikanti (--no-async-tensor-model-parallel-allreduce) and always in "
+        'megatron-core 0.16.1 (tensor_parallel/layers.py, allreduce_dgrad; the flag is deprecated there).')})
     cp_overlap: float = field(default=0.0, metadata={"help": (
         'fraction of the CP ring hidden behind attention blocks (Transformer Engine overlaps the next K/V '
         "exchange with the current block's attention; 0 = none hidden, an upper bound).")})
@@ -396,9 +403,34 @@ def _tp_comm(run: _Run, groups: dict) -> tuple[float, float]:
     bytes_b = 2.0 * (d["backward"] + d["sp_backward_all_gather"] + d["recompute_forward"]) * layers
     tp_f, tp_b = bytes_f / bw + n_f * alpha, bytes_b / bw + n_b * alpha
     total = (tp_f + tp_b) * run.m
-    groups["tp"] = GroupComm("tp", tp, name, (bytes_f + bytes_b) * run.m, total, total * (1 - a.tp_overlap),
-                             f"{a.tp_overlap:.0%} hidden (tp_overlap)", run.nics("tp"))
-    return tp_f * (1 - a.tp_overlap), tp_b * (1 - a.tp_overlap)
+    hidden = _async_tp_hidden(run, d, bw, alpha) * layers if a.async_tensor_model_parallel_allreduce else 0.0
+    exposed_b = (tp_b - hidden) * (1 - a.tp_overlap)
+    overlap = f"{a.tp_overlap:.0%} hidden (tp_overlap)"
+    if hidden:
+        overlap = f"backward's column-parallel collectives beside their GEMMs (async), then {overlap}"
+    groups["tp"] = GroupComm("tp", tp, name, (bytes_f + bytes_b) * run.m, total,
+                             (tp_f * (1 - a.tp_overlap) + exposed_b) * run.m, overlap, run.nics("tp"))
+    return tp_f * (1 - a.tp_overlap), exposed_b
+
+
+def _async_tp_hidden(run: _Run, d: dict, bw: float, alpha: float) -> float:
+    """Seconds of one layer's backward TP communication that Megatron's asynchronous column-parallel backward
+    hides (``LinearWithGradAccumulationAndAsyncCommunication`` in ``tensor_parallel/layers.py``): for QKV and
+    MLP up, the input-gradient all-reduce runs beside the weight-gradient GEMM; with SP, the input all-gather
+    beside the input-gradient GEMM and the input-gradient reduce-scatter beside the weight-gradient GEMM. Each
+    collective is hidden up to the time of the GEMM beside it (both gradient GEMMs have the forward GEMM's FLOPs).
+    The row-parallel linears' backward collectives (SP's all-gather of the output gradient) and the recomputed
+    forward's stay exposed. The GEMM is taken to run at its own speed beside NCCL (the SMs NCCL takes are not
+    priced)."""
+    model = run.model
+    times = {g.name: _gemm_time(run, g) for g in layer_gemms(model.seq_length, run.b, model.hidden_size,
+                                                              model.num_heads, run.tp, run.cp,
+                                                              run.assumptions.flash_attention)}
+    if run.sp:   # one all-gather or reduce-scatter of [s, b, h]: (t-1)/t bsh elements of 2 bytes
+        one, per_linear = 2.0 * d["sp_backward_all_gather"] / 2 / bw + alpha, 2
+    else:        # one all-reduce: 2 (t-1)/t bsh elements
+        one, per_linear = 2.0 * d["backward"] / 2 / bw + alpha, 1
+    return sum(per_linear * min(one, times[n]) for n in ("qkv", "mlp_up"))
 
 
 def _cp_comm(run: _Run, groups: dict) -> tuple[float, float]:
@@ -548,7 +580,8 @@ def project_published(run: PublishedRun, **overrides) -> Projection:
     model = ModelSpec(run.name, run.layers, run.hidden, run.heads, VOCAB, SEQ)
     return project(model, tp=run.tp, pp=run.pp, dp=run.dp, vp=run.vp, sequence_parallel=run.sequence_parallel,
                    recompute=run.recompute, micro_batch_size=run.micro_batch, global_batch_size=run.batch,
-                   hardware="A100", **overrides)
+                   hardware="A100", **{"async_tensor_model_parallel_allreduce":
+                                       run.async_tensor_model_parallel_allreduce, **overrides})
 
 
 def published_error(run: PublishedRun, proj: Projection) -> float:

@@ -97,10 +97,11 @@ def test_out_of_sample_runs_within_10_percent(capsys):
     korthikanti = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Korthikanti")]
     narayanan = [e for r, e in zip(OUT_OF_SAMPLE, errors) if r.source.startswith("Narayanan")]
     assert max(abs(e) for e in narayanan) <= 0.10, report
-    # Korthikanti's 1T runs are Table 1's last pipeline a year later, 8.7% faster per GPU: a fit to the 2021
-    # code projects them -12% (test_korthikanti_residual_is_the_2022_code_on_table1_pipelines says why)
-    assert max(abs(e) for e in korthikanti) <= 0.125, report
-    assert [r.name for r, e in zip(OUT_OF_SAMPLE, errors) if abs(e) > 0.10] == ["1T", "1T"], report
+    # Korthikanti's 1T runs are Table 1's last pipeline a year later, 8.7% faster per GPU; the projection prices
+    # the 2022 code's asynchronous column-parallel backward (2.0% of it) and no more: its full-recompute row stays
+    # just past 10% (test_korthikanti_residual_is_the_2022_code_on_table1_pipelines says what is left and why)
+    assert max(abs(e) for e in korthikanti) <= 0.105, report
+    assert [(r.name, r.recompute) for r, e in zip(OUT_OF_SAMPLE, errors) if abs(e) > 0.10] == [("1T", "full")], report
     # the one line the projection prints says these numbers and the fit's
     assert FIT_SUMMARY.endswith(f"Table 1 (10 runs): {_span(_table1_errors())}; out of sample, Korthikanti "
                                 f"2022 Tables 3-5 + §6.3 ({len(korthikanti)} runs): {_span(korthikanti)}, "
@@ -108,14 +109,20 @@ def test_out_of_sample_runs_within_10_percent(capsys):
 
 
 def test_korthikanti_residual_is_the_2022_code_on_table1_pipelines(capsys):
-    """Why both 1T rows of Korthikanti Table 5 project 12% slow, from the papers' settings: Korthikanti's 530B
-    and 1T full-recompute runs are Narayanan Table 1's 530B and 1T pipelines again -- the same model, TP 8, PP,
+    """Why Korthikanti's 1T rows project slow, from the papers' settings. Korthikanti's 530B and 1T
+    full-recompute runs are Narayanan Table 1's 530B and 1T pipelines again -- the same model, TP 8, PP,
     micro-batch 1, m = 280 / 512 micro-batches per pipeline, the same interleaving (3 chunks for 530B in both,
-    Table 1's script; none for 1T), full recomputation, seq 2048 -- and differ only in data parallelism (DP 9 / 6
-    in 2021, 1 in 2022), which the projection prices (its 2022/2021 ratio, under 0.6%). Measured with Narayanan's
-    own FLOP count, the 2022 code runs these identical pipelines 10.3% and 8.7% faster per GPU. So a projection
-    fitted to the 2021 runs is off by its in-sample error there (530B +0.8%, 1T -4.6%) over that speed-up:
-    530B -8.1%, 1T -12.0% -- no setting of either paper closes it; the 1T row adds its in-sample -4.6%."""
+    Table 1's script; none for 1T), full recomputation, seq 2048, vocabulary 51,200 -- and differ in data
+    parallelism (DP 9 / 6 in 2021, 1 in 2022) and in the code. Measured with Narayanan's own FLOP count (Eq. 3,
+    recompute included: for full recomputation that is Korthikanti's HFU), the 2022 code runs these identical
+    pipelines 10.3% and 8.7% faster per GPU. Of the code's changes between Megatron-LM 6985e58 (Table 1's, per
+    its script's README) and 2022, the projection prices the asynchronous column-parallel backward
+    (async_tensor_model_parallel_allreduce, 16c90445e7, 2021-09-02, on by default): with DP it projects the 2022
+    run 2.7% / 2.0% faster. Left unexplained: x1.073 / x1.065, which the 1T row meets with its in-sample -4.6%:
+    -10.4% out of sample. Not priced, as no source reachable here settles them: gradient-accumulation fusion
+    (83b1e42f30, 2022-02, on only when gradients accumulate in fp32, i.e. bf16 -- the precision of Korthikanti's
+    runs is not in their paper's abstract nor in Megatron-LM's scripts of 2022, which all use --fp16), the
+    persistent LayerNorm kernel (a2fdcdf061) and library versions."""
     t1 = {r.name: r for r in TABLE1}
     lines = []
     for k in (r for r in OUT_OF_SAMPLE if r.source.startswith("Korthikanti 2022 Table 3") and r.recompute == "full"
@@ -124,29 +131,87 @@ def test_korthikanti_residual_is_the_2022_code_on_table1_pipelines(capsys):
         for a in ("heads", "hidden", "layers", "tp", "pp", "micro_batch", "vp", "recompute", "sequence_parallel"):
             assert getattr(k, a) == getattr(n, a), (k.name, a)
         assert k.batch // (k.dp * k.micro_batch) == n.batch // (n.dp * n.micro_batch)     # micro-batches per pipeline
+        assert k.async_tensor_model_parallel_allreduce and not n.async_tensor_model_parallel_allreduce
         pk, pn = project_published(k), project_published(n)
+        same_code = project_published(k, async_tensor_model_parallel_allreduce=False)
         measured_2022 = pk.plan.hardware_flops / (k.seconds * k.gpus) / 1e12               # Narayanan's Eq. 3 per GPU
         speedup = measured_2022 / n.tflops
-        projected_ratio = pk.achieved_flops_per_gpu / pn.achieved_flops_per_gpu           # DP 1 against DP 9 / 6
+        projected_ratio = pk.achieved_flops_per_gpu / pn.achieved_flops_per_gpu           # DP 1 + async, vs 2021
+        dp_only = same_code.achieved_flops_per_gpu / pn.achieved_flops_per_gpu
         e_in, e_out = published_error(n, pn), published_error(k, pk)
-        assert 1.0 < projected_ratio < 1.006 and speedup > 1.08, (k.name, projected_ratio, speedup)
+        assert 1.0 < dp_only < 1.006 and 1.015 < projected_ratio < 1.03 and speedup > 1.08, (k.name, projected_ratio)
+        assert 1.06 < speedup / projected_ratio < 1.08, (k.name, speedup / projected_ratio)
         lines.append(f"  {k.name}: 2022 {measured_2022:.1f} vs 2021 {n.tflops} TFLOP/s per GPU on the same pipeline "
-                     f"(x{speedup:.3f}); projection in sample {e_in:+.1%}, out of sample {e_out:+.1%}")
+                     f"(x{speedup:.3f}); projected x{projected_ratio:.3f} (DP alone x{dp_only:.3f}), unexplained "
+                     f"x{speedup / projected_ratio:.3f}; projection in sample {e_in:+.1%}, out of sample {e_out:+.1%}")
     assert len(lines) == 2
     with capsys.disabled():
         print("\nKorthikanti 2022 on Narayanan Table 1's pipelines (full recompute):\n" + "\n".join(lines))
 
 
+def test_korthikanti_table5_is_the_authors_utilisation_table():
+    # Megatron-LM's README (commit 32132c6e84, 2022-05-20, by the authors) prints Table 5's present-work runs as
+    # MFU / HFU: 22B 41.5 / 43.7, 175B 51.4 / 52.8, 530B 56.0 / 57.0, 1T 56.3 / 57.0 (%); the paper's abstract the
+    # §6.3 run (530B on 2240 GPUs) as 54.2% MFU. Our copies of those iteration times give them back, with
+    # Korthikanti's Eq. 7 for the model FLOPs and Eq. 8 for the hardware FLOPs (selective recompute counted as
+    # 72bsh^2L s/(6h) more: Eq. 7 with s/(3h)), to the rounding of the printed seconds
+    readme = {"22B": (41.5, 43.7), "175B": (51.4, 52.8), "530B": (56.0, 57.0), "1T": (56.3, 57.0)}
+    runs = [r for r in OUT_OF_SAMPLE if r.source.startswith("Korthikanti") and r.recompute == "selective"]
+    assert [r.name for r in runs] == ["22B", "175B", "530B", "1T", "530B"]
+    for r in runs:
+        B, s, L, h = r.batch, S, r.layers, r.hidden
+        model = 72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+        hardware = 72 * B * s * L * h * h * (1 + s / (3 * h) + V / (12 * h * L))
+        assert project_published(r).plan.model_flops == pytest.approx(model, rel=1e-12)
+        per_gpu_second = r.seconds * r.gpus * 312e12
+        rounding = 0.005 / r.seconds + 0.0005 / 0.4          # seconds printed to 0.01, percentages to 0.1
+        mfu, hfu = (54.2, None) if r.gpus == 2240 else readme[r.name]
+        assert 100 * model / per_gpu_second == pytest.approx(mfu, rel=rounding), r.name
+        if hfu is not None:
+            assert 100 * hardware / per_gpu_second == pytest.approx(hfu, rel=rounding), r.name
+
+
 def test_korthikanti_table4_layer_times():
-    # one 22B layer (TP 8, micro-batch 4), Korthikanti's 2022 code: the forward within 2% in all five
-    # settings; forward + backward within 11%, the projection slower (the 2021-fitted element-wise passes,
-    # twice as many backward, and no overlap of the backward all-reduces with weight gradients)
+    # one 22B layer (TP 8, micro-batch 4), Korthikanti's 2022 code, whose column-parallel backward runs its
+    # collective beside a GEMM (async_tensor_model_parallel_allreduce, on by default there): the forward within
+    # 2% and the backward within 3% in all five settings; without that setting (the 2021 code the fit is of) the
+    # backward projects 10-16% slow
     model = ModelSpec("22B", 48, 6144, 64, V, S)
     for name, recompute, sp, fwd_ms, bwd_ms in KORTHIKANTI_TABLE4:
-        layer = project(model, tp=8, sequence_parallel=sp, recompute=recompute, micro_batch_size=4,
-                        global_batch_size=4, hardware="A100").layer
-        assert 1.0 < (layer["forward"] + layer["backward"]) / ((fwd_ms + bwd_ms) / 1e3) < 1.11, name
+        kw = dict(tp=8, sequence_parallel=sp, recompute=recompute, micro_batch_size=4, global_batch_size=4,
+                  hardware="A100")
+        layer = project(model, async_tensor_model_parallel_allreduce=True, **kw).layer
         assert fwd_ms / 1e3 == pytest.approx(layer["forward"], rel=0.02), name
+        assert bwd_ms / 1e3 == pytest.approx(layer["backward"], rel=0.03), name
+        blocking = project(model, **kw).layer
+        assert 1.09 < blocking["backward"] / (bwd_ms / 1e3) < 1.17, name
+        assert blocking["forward"] == layer["forward"], name
+
+
+def test_async_column_parallel_backward_hides_each_collective_up_to_its_gemm():
+    # Megatron's column-parallel backward (tensor_parallel/layers.py, LinearWithGradAccumulationAndAsync-
+    # Communication): the input-gradient all-reduce runs beside the weight-gradient GEMM; with SP the input
+    # all-gather beside the input-gradient GEMM and the reduce-scatter beside the weight-gradient GEMM. QKV and
+    # MLP up are the column-parallel linears; each collective is hidden up to its GEMM's time
+    a100, eta, t, s, b, h, a = get_hardware("A100"), GEMM_PEAK_EFFICIENCY, 8, 2048, 1, 8192, 64
+    model = ModelSpec("m", 4, h, a, V, s)
+    qkv = 2 * b * s * h * 3 * h / t / (eta * 312e12)           # both large, compute-bound on an A100
+    up = 2 * b * s * h * 4 * h / t / (eta * 312e12)
+    all_reduce = 2 * (t - 1) / t * b * s * h * 2 / 230e9 + 10e-6   # NCCL's 230 GB/s on A100 NVLink, 10 us
+    gather = (t - 1) / t * b * s * h * 2 / 230e9 + 10e-6            # one all-gather = one reduce-scatter
+    assert all_reduce < qkv < up and gather < qkv
+    for sp, hidden_per_layer in ((False, 2 * all_reduce), (True, 4 * gather)):
+        kw = dict(tp=t, sequence_parallel=sp, global_batch_size=1, hardware="A100")
+        off, on = project(model, **kw), project(model, async_tensor_model_parallel_allreduce=True, **kw)
+        assert off.layer["backward"] - on.layer["backward"] == pytest.approx(hidden_per_layer, rel=1e-9), sp
+        assert off.layer["forward"] == on.layer["forward"]
+        assert off.groups["tp"].exposed - on.groups["tp"].exposed == pytest.approx(4 * hidden_per_layer, rel=1e-9)
+        assert off.groups["tp"].seconds == on.groups["tp"].seconds       # the same bytes, sent; fewer waited for
+    # a collective longer than its GEMM is hidden only for the GEMM's time (links at 1% of their bandwidth)
+    slow = dict(tp=t, global_batch_size=1, hardware="A100", link_efficiency=0.01)
+    off, on = project(model, **slow), project(model, async_tensor_model_parallel_allreduce=True, **slow)
+    assert 100 * (all_reduce - 10e-6) + 10e-6 > up
+    assert off.layer["backward"] - on.layer["backward"] == pytest.approx(qkv + up, rel=1e-9)
 
 
 def test_layer_gemms_add_up_to_the_papers_flops():
