@@ -86,8 +86,8 @@ class Assumptions:
         "the backward TP collective of each column-parallel linear (QKV, MLP up) runs beside one of its GEMMs and is "
         "hidden up to that GEMM's time: the input-gradient all-reduce beside the weight-gradient GEMM; with SP, the "
         "input all-gather beside the input-gradient GEMM and the reduce-scatter beside the weight-gradient GEMM. "
-        "Off in the 2021 code of Narayanan Tables 1-2 (Megatron-LM 6985e58; the flag came in 16c90445e7, 2021-09); "
-        "on by default in the 2022 code of Korthikanti (--no-async-tensor-model-parallel-allreduce) and always in "
+        "Off in the 2021 code of Narayanan Tables 1-2 (Megatron-LM 6985e58); on by default from 3f65246911 (merged "
+        "2021-09-02), so in the 2022 code of Korthikanti (--no-async-tensor-model-parallel-allreduce), and always in "
         'megatron-core 0.16.1 (tensor_parallel/layers.py, allreduce_dgrad; the flag is deprecated there).')})
     cp_overlap: float = field(default=0.0, metadata={"help": (
         'fraction of the CP ring hidden behind attention blocks (Transformer Engine overlaps the next K/V '

@@ -32,8 +32,8 @@ DGX A100 80 GB nodes (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per
     1T pipelines (same TP, PP, micro-batch, micro-batches per pipeline, interleaving) at DP 1, and run
     10.3% and 8.7% faster per GPU than Table 1 reports. Of that, the projection prices the 2022 code's
     asynchronous column-parallel backward (``async_tensor_model_parallel_allreduce``, on by default since
-    Megatron-LM 16c90445e7, 2021-09; Table 1's code, 6985e58, predates it), set on these rows: about 2 points;
-    the rest it misses (tests/sizing/test_projection.py
+    Megatron-LM 3f65246911, merged 2021-09-02; Table 1's code, 6985e58, predates it), set on these rows:
+    about 2 points; the rest it misses (tests/sizing/test_projection.py
     ``test_korthikanti_residual_is_the_2022_code_on_table1_pipelines``).
   - Narayanan et al. 2021, Table 2, its six PTD-P rows (model-parallel size 96 = TP 8 x PP 12 for
     GPT-3 175B, 280 = 8 x 35 for 530B; micro-batch 1; batch 1536 and 2240): the same paper and
@@ -101,7 +101,7 @@ class PublishedRun:
     seconds: float | None = None
     tflops: float | None = None
     # the code's asynchronous column-parallel backward (projection.Assumptions): False for Megatron-LM 6985e58, the
-    # 2021 runs' code (its README), before 16c90445e7 (2021-09-02) added it; True, its default, in the 2022 code
+    # 2021 runs' code (its README), before 3f65246911 (merged 2021-09-02) made it the default; True in the 2022 code
     async_tensor_model_parallel_allreduce: bool = False
 
     @property

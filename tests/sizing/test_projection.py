@@ -118,9 +118,10 @@ def test_korthikanti_residual_is_the_2022_code_on_table1_pipelines(capsys):
     recompute included: for full recomputation that is Korthikanti's HFU), the 2022 code runs these identical
     pipelines 10.3% and 8.7% faster per GPU. Of the code's changes between Megatron-LM 6985e58 (Table 1's, per
     its script's README) and 2022, the projection prices the asynchronous column-parallel backward
-    (async_tensor_model_parallel_allreduce, 16c90445e7, 2021-09-02, on by default): with DP it projects the 2022
-    run 2.7% / 2.0% faster. Left unexplained: x1.073 / x1.065, which the 1T row meets with its in-sample -4.6%:
-    -10.4% out of sample. Not priced, as no source reachable here settles them: gradient-accumulation fusion
+    (async_tensor_model_parallel_allreduce, on by default from 3f65246911, merged 2021-09-02): with DP it
+    projects the 2022 run 2.7% / 2.0% faster. Left unexplained: x1.073 / x1.065, which the 1T row meets with
+    its in-sample -4.6%: -10.4% out of sample. Not priced, as no source reachable here settles them:
+    gradient-accumulation fusion
     (83b1e42f30, 2022-02, on only when gradients accumulate in fp32, i.e. bf16 -- the precision of Korthikanti's
     runs is not in their paper's abstract nor in Megatron-LM's scripts of 2022, which all use --fp16), the
     persistent LayerNorm kernel (a2fdcdf061) and library versions."""
