@@ -257,7 +257,7 @@ def _overlap(t: Translation) -> None:
     t.add("zero_optimization.overlap_comm", flags,
           ("" if given else "DeepSpeed's default at stage 3 (absent from the file): ")
           + "grad reduction in backward as buckets fill"
-          + (", param all-gathers (fetch and prefetch) on the same side stream" if t.stage == 3 else
+          + (", param all-gathers (fetch and prefetch) on a side stream of their own" if t.stage == 3 else
              "; DeepSpeed's ZeRO-1/2 all-gathers params after the step, overlapped with nothing"))
 
 
@@ -399,7 +399,7 @@ def _semantics(t: Translation) -> None:
     t.semantics.append((
         "overlap_comm", f"{'true' if zero['overlap_comm'] else 'false'} here"
         + ("" if t.given("zero_optimization.overlap_comm") else " (DeepSpeed's default: true at stage 3 only)")
-        + ": a side stream for the grad reduction (and at stage 3 for the param all-gathers); Megatron's "
+        + ": a side stream for the grad reduction (and at stage 3 another for the param all-gathers); Megatron's "
           "--overlap-grad-reduce / --overlap-param-gather are two flags; DeepSpeed's CPU accelerator has no "
           "side streams, so on CPU nothing overlaps"))
     if t.stage == 3:

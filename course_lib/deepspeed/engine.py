@@ -159,10 +159,10 @@ def apply_config(a: argparse.Namespace, world: int, defaults: argparse.Namespace
                          "FusedAdam / DeepSpeedCPUAdam are C++ ops built with g++ on first use)")
     zero = config.get("zero_optimization") or {}
     offloaded = any((zero.get(k) or {}).get("device") in ("cpu", "nvme") for k in ("offload_optimizer",))
-    if offloaded and "zero_force_ds_cpu_optimizer" not in config and (opt is None or opt["params"]["torch_adam"]):
-        config["zero_force_ds_cpu_optimizer"] = False
-        notes.append("deepspeed-config: zero_force_ds_cpu_optimizer=false added (optimizer offload with "
-                     "torch.optim.AdamW instead of the g++-built DeepSpeedCPUAdam)")
+    if offloaded and "zero_force_ds_cpu_optimizer" not in config and opt is None:
+        config["zero_force_ds_cpu_optimizer"] = False     # engine.py _configure_optimizer checks client optimizers only
+        notes.append("deepspeed-config: zero_force_ds_cpu_optimizer=false added (optimizer offload with the client "
+                     "optimizer of the flags: DeepSpeed refuses any client optimizer but its CPU Adam/Lion otherwise)")
     _check_nvme(zero)
     refused = ds_schema.deepspeed_verdict(config, world)           # and on every key it does not read
     if refused:

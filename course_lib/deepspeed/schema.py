@@ -8,8 +8,8 @@ a generated set of configs and compares the verdicts, and checks every table bel
 pydantic models it mirrors. Read in the 0.19.8 sources:
 
 * the top level (``deepspeed/runtime/config.py``) is a plain dict reader: a key DeepSpeed does not
-  read is **ignored**, silently (a typo such as ``"zero_optimisation"`` runs ZeRO-0); blocks 0.19
-  removed are refused (``_REMOVED_TOP_LEVEL_CONFIG_KEYS``: ``elasticity``, ``amp``,
+  read is **ignored**, silently (a typo such as ``"zero_optimisation"`` runs ZeRO-0); blocks removed
+  after 0.19.5 (which still read ``amp``) are refused (``_REMOVED_TOP_LEVEL_CONFIG_KEYS``: ``elasticity``, ``amp``,
   ``sparse_gradients``, ...); the batch rule is :func:`deepspeed_batch`;
 * each section is a pydantic model (``DeepSpeedConfigModel``: unknown keys refused, pydantic's lax
   coercion -- ``"yes"`` and ``1`` are true, ``"3"`` and ``3.0`` are 3 -- and a value ``"auto"``

@@ -303,7 +303,8 @@ def _rng_object(setup) -> tuple[str, int, bool]:
     """megatron-core's ``rng_state`` ``ShardedObject`` of this rank (Megatron-LM's ``get_rng_state`` for
     torch_dist): ``(key, index of this rank's state in its list, one object per rank)``. One object per
     (PP, TP) rank, ``rng_state/shard_<pp>.<tp>_<PP>.<TP>``, holding the list of its DP x CP replicas' states
-    (Megatron's ``--data-parallel-random-init`` list; replica 0 writes it); with EP > 1 one per rank,
+    (Megatron's list: one state, or under ``--data-parallel-random-init`` one per DP replica, gathered over DP
+    without CP; DP x CP replica 0 writes it); with EP > 1 one per rank,
     ``rng_state/shard_<pp>.<tp>.<dp>_<PP>.<TP>.<DP>`` (DP with CP)."""
     g, c = setup.groups, setup.config
     pp, tp, dp, n = g.coords["pp"], g.coords["tp"], comm.group_rank(g.dp_cp), comm.group_size(g.dp_cp)
@@ -383,7 +384,8 @@ def save_checkpoint(setup: TrainingSetup, iteration: int) -> Path:
     root, rank, g = Path(flags.save), dist.get_rank(), setup.groups
     final = checkpoint_dir(root, iteration)
     tmp = final.with_name(f".{final.name}.incomplete")
-    _print0(f"saving checkpoint at iteration {iteration:7d} to {root} in {flags.ckpt_format} format")
+    _print0(f"[{datetime.now():%Y-%m-%d %H:%M:%S.%f}] saving checkpoint at iteration {iteration:7d} to {root} in "
+            f"{flags.ckpt_format} format")
     params = _local_params(setup)
     optim = _optimizer_state(setup)
     common = _common_state(setup, iteration)
@@ -434,7 +436,8 @@ def checkpoint_and_decide_exit(setup: TrainingSetup, iteration: int) -> bool:
     if flags.exit_interval and iteration % flags.exit_interval == 0:
         if flags.save and not saved:
             save_checkpoint(setup, iteration)
-        _print0(f"exiting program at iteration {iteration}")
+        _print0(f"[exiting program at iteration {iteration}] datetime: "      # Megatron's print_datetime
+                f"{datetime.now():%Y-%m-%d %H:%M:%S.%f} ")
         return True
     if flags.save and not saved and iteration == setup.run.schedule.train_iters:
         save_checkpoint(setup, iteration)

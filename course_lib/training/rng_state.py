@@ -1,11 +1,12 @@
 """The random number generators of one rank: the seed set-up, and the state that saves itself.
 
-:func:`set_random_seed` seeds a rank as Megatron-LM's ``_set_random_seed`` (``megatron/training/
-initialize.py``) does. :class:`RNGState` (torchtitan's ``Stateful`` shape) captures and restores Python's,
+:func:`set_random_seed` seeds a rank's torch generator with Megatron-LM's ``_set_random_seed`` offset
+(``megatron/training/initialize.py``: seed + 100 x PP rank). :class:`RNGState` (torchtitan's ``Stateful`` shape) captures and restores Python's,
 NumPy's, torch's CPU (and, when initialised, CUDA's) generators under Megatron-LM's key names
 (``megatron/training/checkpointing.py`` ``get_rng_state``: ``random_rng_state``, ``np_rng_state``,
-``torch_rng_state``, ``cuda_rng_state``); checkpointing stores them as Megatron does (``rng_state``: one
-entry per DP x CP replica).
+``torch_rng_state``, ``cuda_rng_state``); checkpointing stores them as Megatron does, one ``rng_state`` list per
+(PP, TP) rank -- the course's with an entry per DP x CP replica, Megatron's with one entry, or one per DP
+replica (gathered over DP, not CP) under ``--data-parallel-random-init``.
 """
 
 from __future__ import annotations
