@@ -154,7 +154,7 @@ def _joining(rank: int, timeout: float):
     except (dist.DistNetworkError, dist.DistStoreError) as exc:
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no detail"
         raise RendezvousError(
-            f"rank {rank} could not join the process group within timeout={timeout:g}s "
+            f"rank {rank} could not join the process group within {timeout:g} s "
             f"({type(exc).__name__}: {detail}); every rank must reach the rendezvous in time: give a longer "
             f"timeout (a busy machine starts ranks slowly), check that every rank starts, and that nothing else "
             f"holds or blocks the rendezvous port") from None
@@ -180,11 +180,13 @@ def loopback_interface() -> str | None:
 
 
 def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=None,
-              master: tuple[str, int] | None = None) -> None:
+              master: tuple[str, int] | None = None, join_timeout: float | None = None) -> None:
     """Initialise ``torch.distributed`` in this process (one rank) with ``timeout``
     on the default group. The rendezvous: ``store``, or the TCPStore served at
     ``master`` (host, port), else torchrun's environment (``env://``). A rendezvous
-    that fails is a one-line :class:`RendezvousError`.
+    that fails is a one-line :class:`RendezvousError`. ``join_timeout`` (default
+    ``timeout``) bounds the rendezvous alone: a launcher that allows its ranks longer
+    to start than to run passes its start-up allowance, and the group then gets ``timeout``.
 
     With NCCL the rank gets its own GPU and the group is ``"cpu:gloo,cuda:nccl"``:
     CUDA tensors travel over NCCL while the labs' CPU tensors still work (gloo).
@@ -199,14 +201,17 @@ def init_rank(rank: int, world_size: int, backend: str, timeout: float, store=No
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         backend = "cpu:gloo,cuda:nccl"
+    join = timeout if join_timeout is None else join_timeout
     kwargs = dict(backend=backend, rank=rank, world_size=world_size,
-                  timeout=datetime.timedelta(seconds=timeout))
-    with _joining(rank, timeout):
+                  timeout=datetime.timedelta(seconds=join))
+    with _joining(rank, join):
         if master is not None:
             store = dist.TCPStore(*master, world_size, is_master=False, timeout=kwargs["timeout"])
         if store is not None:
             kwargs["store"] = store
         dist.init_process_group(**kwargs)
+    if join != timeout:  # gloo connects its mesh under the group's timeout: the run's own applies from here
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
     if JOB_ENV in os.environ:  # for the launcher: this rank is past start-up
         open(os.path.join(os.environ[JOB_ENV], f"rank{rank}.joined"), "w").close()
 

@@ -29,9 +29,12 @@ from course_lib.launch.process_tree import (POLL_S, adopt_orphans, death_report,
 # After the first rank fails, the others get this long to report their own
 # failure (often a broken collective) before they are killed.
 _GRACE_AFTER_FAILURE_S = 0.3
-# How long the ranks may take to start, on top of ``timeout``, before all have joined the group (a
-# rank's own rendezvous timeout, counted from its start, says which rank could not join, and why).
+# How long the ranks may take to start, on top of ``timeout``: a rank's own rendezvous timeout is ``timeout`` +
+# this, counted from its start (a busy machine starts ranks slowly; the group gets ``timeout`` once joined), and
+# its error says which rank could not join, and why. The launcher's own start-up deadline is later by
+# _JOIN_REPORT_S, so that a rank's error, not the launcher's "start-up ran out", is what is reported.
 _FORK_STARTUP_S = 10
+_JOIN_REPORT_S = 3
 # The message a rank sends once it has joined the process group, before its report.
 _JOINED = ("joined", b"")
 
@@ -51,7 +54,7 @@ def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn
                           LOCAL_WORLD_SIZE=str(world_size))
         os.environ[RANK_ENV] = str(rank)
 
-        init_rank(rank, world_size, backend, timeout, master=(host, port))
+        init_rank(rank, world_size, backend, timeout, master=(host, port), join_timeout=timeout + _FORK_STARTUP_S)
         conn.send_bytes(pickle.dumps(_JOINED))
         value = fn(**kwargs)
         try:
@@ -142,7 +145,7 @@ def _fork_ranks(ctx, procs, conns, world_size, backend, timeout, listener, fn, k
 
 def _collect_reports(procs, conns, timeout):
     """Read each rank's report (or note its death) until all have reported, ``timeout`` passes
-    once every rank has joined the group (``timeout`` + ``_FORK_STARTUP_S`` until then), or
+    once every rank has joined the group (``timeout`` + ``_FORK_STARTUP_S`` + ``_JOIN_REPORT_S`` until then), or
     ``_GRACE_AFTER_FAILURE_S`` after the first failure. Returns
     ``({rank: pickled result}, {rank: (exception name, traceback, time)}, {ranks that joined the group})``."""
     payloads, failures, deaths, joined = {}, {}, {}, set()
@@ -152,7 +155,7 @@ def _collect_reports(procs, conns, timeout):
         w.start()
     pending = dict(conns)
     first_failure_at = None
-    deadline = time.monotonic() + timeout + _FORK_STARTUP_S
+    deadline = time.monotonic() + timeout + _FORK_STARTUP_S + _JOIN_REPORT_S
     while pending:
         now = time.monotonic()
         limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_AFTER_FAILURE_S)
@@ -220,9 +223,9 @@ def launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
         listener.close()  # a no-op once detached
     if failures:
         raise first_failure(failures, outputs)
-    if len(joined) < world_size:  # start-up (fork, import, rendezvous) ran past timeout + _FORK_STARTUP_S
+    if len(joined) < world_size:  # start-up (fork, import, rendezvous) ran past its deadline
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - joined), outputs, stopped, phase="start-up",
-                            waited=timeout + _FORK_STARTUP_S)
+                            waited=timeout + _FORK_STARTUP_S + _JOIN_REPORT_S)
     if len(payloads) < world_size:
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
     return load_results(payloads, outputs)
