@@ -245,18 +245,31 @@ BOMB_IS_CAPPED = _bomb_is_capped()
 
 
 def _memory_hog() -> str:
-    """A derive_dp cell that starts 8 processes each touching a quarter of the run's memory cap (each far below the
+    """A derive_dp cell that starts 8 processes each holding a quarter of the run's memory cap (each far below the
     per-process address-space limit, twice the cap together) and waits for them; derive_dp is right only when the
-    run's memory cap (the whole group's, not a process's) killed one."""
+    run's memory cap (the whole group's, not a process's) killed one.
+
+    The processes fill their blocks one after another, each holding its block until the cell lets go, so that when
+    the cap is reached the holders are the run's largest processes (a forked child's RSS also counts the kernel's
+    pages it shares): the OOM killer takes one of them, never the kernel. Filled all at once, as they were, a busy
+    machine could leave every block partly filled at that moment and the kernel the largest process."""
     quarter = int(MEMORY_GIB * 2 ** 30) // 4
     return (
-        "import os, time\nkids = []\n"
-        "for _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n        try:\n"
-        f"            block = b'x' * {quarter}  # the largest processes of the run: the OOM killer's first\n"
-        "            time.sleep(1.5)\n        finally:\n            os._exit(0)\n"
-        "    kids.append(pid)\n"
-        "killed = [os.waitpid(pid, 0)[1] for pid in kids]\n"
-        "contained = any(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in killed)\n\n"
+        "import os\nlet_go_r, let_go_w = os.pipe()\nkids, statuses = [], []\n"
+        "for _ in range(8):\n    filled_r, filled_w = os.pipe()\n    pid = os.fork()\n    if pid == 0:\n        try:\n"
+        "            os.close(let_go_w)\n"
+        f"            block = b'x' * {quarter}\n"
+        "            os.write(filled_w, b'.')\n            os.read(let_go_r, 1)  # hold the block\n"
+        "        finally:\n            os._exit(0)\n"
+        "    os.close(filled_w)\n    kids.append(pid)\n"
+        "    filled = os.read(filled_r, 1)\n    os.close(filled_r)\n"
+        "    if not filled:  # it died filling its block\n        statuses.append(os.waitpid(pid, 0)[1])\n"
+        "        kids.remove(pid)\n"
+        "    for other in list(kids):  # or a holder died\n        done, status = os.waitpid(other, os.WNOHANG)\n"
+        "        if done:\n            statuses.append(status)\n            kids.remove(other)\n"
+        "    if statuses:\n        break\n"
+        "os.close(let_go_w)\nstatuses += [os.waitpid(pid, 0)[1] for pid in kids]\n"
+        "contained = any(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in statuses)\n\n"
         "def derive_dp(world_size, tp, pp, cp=1):\n"
         "    if not contained or world_size % (tp * pp * cp):\n        raise ValueError('8 processes held twice "
         "the cap')\n"
