@@ -14,23 +14,18 @@ DGX A100 80 GB nodes (8 GPUs on NVLink/NVSwitch, 8 x 200 Gb/s HDR InfiniBand per
   size, layers, parameters, model-parallel size (= TP x PP here), GPUs, batch, TFLOP/s per GPU, % of
   peak and aggregate PFLOP/s all agree; the heads (not in that table) agree with the script above,
   which also gives the micro-batch sizes and interleaving.
-* Korthikanti's present-work iteration times (Table 5 and §6.3) are checked against the authors' own
-  utilisation table in Megatron-LM's README (commit ``32132c6e84``, 2022-05-20: MFU / HFU of 22B 41.5 / 43.7,
-  175B 51.4 / 52.8, 530B 56.0 / 57.0, 1T 56.3 / 57.0 %) and the abstract (§6.3: 54.2% MFU), which
-  they reproduce to the printed rounding (tests/sizing/test_projection.py). Not checked against a
-  primary source here (no copy of the papers is reachable from this machine): the other numbers of
-  :data:`OUT_OF_SAMPLE` and :data:`KORTHIKANTI_TABLE4` beyond what the abstracts say (Korthikanti:
-  the 530B run is "29% faster", = 49.05 / 37.83 s; Narayanan: the 1T run reaches 502 PFLOP/s, 52% of
-  peak).
+* Korthikanti's present-work times (Table 5, §6.3) reproduce, to the printed rounding, the authors'
+  MFU / HFU table in Megatron-LM's README (``32132c6e84``) and the abstract's 54.2% MFU
+  (tests/sizing/test_projection.py). The other numbers of :data:`OUT_OF_SAMPLE` and
+  :data:`KORTHIKANTI_TABLE4` are checked only against what the abstracts say (no copy of the papers
+  is reachable from this machine).
 * :data:`OUT_OF_SAMPLE` -- runs nothing was fitted to:
 
   - Korthikanti et al. 2022 (MLSys 2023, arXiv:2205.05198), Table 3 (layouts, micro-batch) and
     Table 5 (iteration time of the "full recompute" baseline and of "present work" = sequence
     parallelism + selective recomputation); §6: three interleaved stages for the 175B and 530B
-    models; §6.3: the 530B run with 8-way data parallelism on 2240 GPUs. Megatron-LM of 2022, a
-    different run and code base from Table 1's: its 530B and 1T full-recompute runs are Table 1's 530B and
-    1T pipelines (same TP, PP, micro-batch, micro-batches per pipeline, interleaving) at DP 1, and run
-    10.3% and 8.7% faster per GPU than Table 1 reports. Of that, the projection prices the 2022 code's
+    models; §6.3: the 530B run with 8-way data parallelism on 2240 GPUs. Megatron-LM of 2022: its 530B
+    and 1T full-recompute runs are Table 1's pipelines at DP 1, 10.3% and 8.7% faster per GPU. Of that, the projection prices the 2022 code's
     asynchronous column-parallel backward (``async_tensor_model_parallel_allreduce``, on by default since
     Megatron-LM 3f65246911, merged 2021-09-02; Table 1's code, 6985e58, predates it), set on these rows:
     about 2 points; the rest it misses (tests/sizing/test_projection.py
