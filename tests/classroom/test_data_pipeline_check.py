@@ -42,6 +42,7 @@ def test_mistakes_are_named(mistake, hint, capsys):
     assert not check_sample_index(lambda *a: _index(*a, **mistake), seed=3)
     out = capsys.readouterr().out
     assert out.startswith("✗ build_sample_index(sizes=[10, 7, 16]") and hint in out, out
+    assert "gives [" not in out and ", not what " in out, out   # the student's row, not the expected one
 
 
 def test_stub_is_not_attempted(capsys):
@@ -83,6 +84,7 @@ def test_blending_mistakes_are_named(mistake, hint, capsys):
     assert not check_blending_indices(lambda w, n: _blend(w, n, **mistake), seed=5)
     out = capsys.readouterr().out
     assert out.startswith("✗ build_blending_indices(") and hint in out, out
+    assert "gives (dataset" not in out and ", not what " in out, out   # the student's pair, not the expected one
 
 
 def test_blending_reference_is_refused_and_stub_not_attempted(capsys):

@@ -139,6 +139,23 @@ def what_it_shards(config):
     zero = DeepSpeedZeroConfig(**config.get("zero_optimization", {}))
     return {"sharded": set(), "offloaded": set()}
 ''', "deepspeed"),
+    "megatron-core's compiled build_sample_idx, imported at the top of the cell": (
+        "course_lib.classroom.checks.data_pipeline:check_sample_index", '''
+from megatron.core.datasets import helpers
+
+def build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch):
+    return helpers.build_sample_idx(sizes, document_index, seq_length, num_epochs, tokens_per_epoch, True, True)
+''', "megatron"),
+    "megatron-core's compiled build_blending_indices, imported at the top of the cell": (
+        "course_lib.classroom.checks.data_pipeline:check_blending_indices", '''
+import numpy as np
+from megatron.core.datasets.helpers import build_blending_indices as blend
+
+def build_blending_indices(weights, size):
+    dataset_index, sample_index = np.zeros(size, np.int16), np.zeros(size, np.int64)
+    blend(dataset_index, sample_index, np.asarray(weights, np.float64), len(weights), size, False)
+    return dataset_index, sample_index
+''', "megatron"),
     "setprofile(None), then the course's ring on the ranks": (
         "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
 import sys
@@ -162,6 +179,51 @@ def my_ring_all_reduce(x):
     return x
 ''', "replaced"),
 }
+
+
+F_AND_G_FROM_MEGATRON = {
+    "megatron-core's mappings called": '''
+import torch
+from megatron.core.tensor_parallel.mappings import _CopyToModelParallelRegion, _ReduceFromModelParallelRegion
+
+class CopyToTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _CopyToModelParallelRegion.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _CopyToModelParallelRegion.backward(ctx, grad)
+
+class ReduceFromTensorParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _ReduceFromModelParallelRegion.forward(ctx, x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _ReduceFromModelParallelRegion.backward(ctx, grad)
+''',
+    "megatron-core's mappings subclassed": '''
+from megatron.core.tensor_parallel import mappings
+
+class CopyToTensorParallelRegion(mappings._CopyToModelParallelRegion):
+    pass
+
+class ReduceFromTensorParallelRegion(mappings._ReduceFromModelParallelRegion):
+    pass
+''',
+}
+
+
+@pytest.mark.parametrize("what", list(F_AND_G_FROM_MEGATRON))
+def test_f_and_g_from_megatron_core_are_refused(what):
+    from course_lib.classroom.checks.tp_communication import check_f_g
+
+    space = cell(F_AND_G_FROM_MEGATRON[what])
+    verdict = check_f_g(space["CopyToTensorParallelRegion"], space["ReduceFromTensorParallelRegion"])
+    assert not verdict.ok, what
+    assert "megatron" in verdict.hint, (what, verdict.hint)
 
 
 @pytest.mark.parametrize("what", list(LIBRARY_CHEATS))

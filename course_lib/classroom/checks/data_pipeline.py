@@ -7,7 +7,8 @@ draws random document sizes, epochs and sequence lengths (sizes of 1 token, samp
 document, several epochs) and compares every row with megatron-core's own compiled helper (the
 course's :func:`course_lib.data.gpt_dataset.build_sample_index` where megatron-core is not installed).
 A wrong row is explained by the mistake it shows: no shared token between neighbours, a sample
-that never crosses into the next document, the wrong number of rows. Never raises.
+that never crosses into the next document, the wrong number of rows; the hint shows the student's row and
+the rule, never the expected row. Never raises.
 
 ``check_blending_indices(fn)``: ``fn(weights, size)`` returns ``(dataset_index, dataset_sample_index)``
 of a ``--data-path`` blend, as megatron-core's ``helpers.build_blending_indices`` (``BlendedDataset``):
@@ -63,8 +64,8 @@ def _cases(seed: int):
 def _mistake(got: np.ndarray, want: np.ndarray, bad: int, sizes, doc_index) -> str:
     """The likeliest mistake behind the first wrong row ``bad``."""
     if len(got) != len(want):
-        return (f"{len(got)} rows, not {len(want)}: N = (num_epochs * tokens_per_epoch - 1) // seq_length samples, "
-                f"plus one row for where the last one ends")
+        return (f"{len(got)} rows: N = (num_epochs * tokens_per_epoch - 1) // seq_length samples, plus one row for "
+                f"where the last one ends")
     (pos, off), (want_pos, want_off) = got[bad], want[bad]
     if pos == want_pos and off == want_off + 1:
         return ("one token too far: a sample is seq_length + 1 tokens and the next one starts on its last token "
@@ -104,7 +105,7 @@ def check_sample_index(fn, seed: int | None = None) -> bool:
             rows = min(len(arr), len(want))
             bad = next((j for j in range(rows) if not np.array_equal(arr[j], want[j])), rows)
             print(f"✗ build_sample_index({case}): row {bad} is {arr[bad].tolist() if bad < len(arr) else 'missing'}, "
-                  f"{source} gives {want[bad].tolist() if bad < len(want) else 'no such row'}\n"
+                  f"not what {source} gives\n"
                   f"  hint: {_mistake(arr, want, bad, sizes, doc_index)}")
             return False
     print(f"✓ build_sample_index: {CASES} random datasets (document sizes, epochs, seq_length) give "
@@ -142,8 +143,8 @@ def _blend_cases(seed: int):
 def _blend_mistake(weights, got_d, got_s, want_d, want_s, bad: int) -> str:
     """The likeliest mistake behind the first wrong blended sample ``bad``."""
     if got_d[bad] == want_d[bad]:
-        return (f"dataset {want_d[bad]} is right but its sample is {got_s[bad]}, not {want_s[bad]}: a dataset's "
-                f"samples are taken in order, so dataset_sample_index[i] is how many it gave before i")
+        return (f"the dataset is right but sample {got_s[bad]} is not its next one: a dataset's samples are taken in "
+                f"order, so dataset_sample_index[i] is how many it gave before i")
     errors = [w * max(bad, 1) - int(np.sum(np.asarray(want_d[:bad]) == k)) for k, w in enumerate(weights)]
     if errors[int(got_d[bad])] == errors[int(want_d[bad])]:
         return "a tie: the first dataset with the largest error wins (compare with >, not >=)"
@@ -183,7 +184,7 @@ def check_blending_indices(fn, seed: int | None = None) -> bool:
         if not (np.array_equal(got_d, want_d) and np.array_equal(got_s, want_s)):
             bad = int(np.flatnonzero((got_d != want_d) | (got_s != want_s))[0])
             print(f"✗ build_blending_indices({case}): blended sample {bad} is (dataset {got_d[bad]}, sample "
-                  f"{got_s[bad]}), {source} gives (dataset {want_d[bad]}, sample {want_s[bad]})\n"
+                  f"{got_s[bad]}), not what {source} gives\n"
                   f"  hint: {_blend_mistake(weights, got_d, got_s, want_d, want_s, bad)}")
             return False
     print(f"✓ build_blending_indices: {CASES} drawn blends (1 to 5 datasets, weights, sizes, a tie) give every "

@@ -140,9 +140,11 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "mlp_sharded_state_dict": _MCORE, "read_plan": (*_MCORE, *_DCP_PLANNERS),
     "zero_bytes_per_rank": ("deepspeed",), "what_it_shards": ("deepspeed",), "zero3_wire": ("deepspeed",),
     "reduce_buckets": ("deepspeed",), "fitting_config": ("deepspeed",),
+    "f_and_g": _MCORE, "build_sample_index": _MCORE, "build_blending_indices": _MCORE,
 }
 """exercise -> the real libraries (module names, with their submodules) that compute its answer: megatron-core's
-``parallel_state``/``RankGenerator`` and MoE utilities (``switch_load_balancing_loss_func``), DeepSpeed's
+``parallel_state``/``RankGenerator``, its tensor-parallel mappings (``_CopyToModelParallelRegion``), MoE utilities
+(``switch_load_balancing_loss_func``) and compiled dataset helpers (``helpers.build_sample_idx``), DeepSpeed's
 ``DeepSpeedZeroConfig`` and bucketing, torch's DCP planner helpers. The judge refuses them inside the
 student's function (:mod:`course_lib.classroom.checks.refusals`)."""
 

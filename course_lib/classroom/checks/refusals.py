@@ -231,6 +231,17 @@ class Refusals:
                 setattr(parent, attr, module)
             sys.modules.update(removed)
 
+    @contextlib.contextmanager
+    def as_student(self):
+        """The refusals in place for the block, every import in it counted as the student's: the modules and names
+        the student's cell imported are looked up while their code is rebuilt on a rank, before any of it runs."""
+        with self.around():
+            always, self.always = self.always, True
+            try:
+                yield self
+            finally:
+                self.always = always
+
     def apply(self, handed_over: tuple = ()) -> None:
         """The refusals for good (a worker that runs nothing but the student's code): also the code of every
         reference and checker function this process inherited is replaced, so one found through

@@ -94,14 +94,22 @@ def _names_used(source: str) -> list[str]:
 
 def _importable(obj) -> str | None:
     """``"module:qualname"`` when importing it gives ``obj`` back (a library or course function or class)."""
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not module or not qualname or module == "__main__" or "<locals>" in qualname:
+    module = getattr(obj, "__module__", None)
+    if not isinstance(module, str) or module == "__main__":
         return None
-    try:
-        found = resolve(f"{module}:{qualname}")
-    except (ImportError, AttributeError):
-        return None
-    return f"{module}:{qualname}" if found is obj else None
+    for qualname in dict.fromkeys((getattr(obj, "__qualname__", None), getattr(obj, "__name__", None))):
+        if not isinstance(qualname, str) or "<locals>" in qualname:  # a compiled function's __qualname__ can be
+            continue                                                  # its binder's record: its __name__ is tried too
+        try:
+            if resolve(f"{module}:{qualname}") is obj:
+                return f"{module}:{qualname}"
+        except (ImportError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def _has_own_code(cls: type) -> bool:
+    return any(getattr(getattr(attr, "__func__", attr), "__code__", None) is not None for attr in vars(cls).values())
 
 
 def _is_notebook_code(obj) -> bool:
@@ -111,6 +119,8 @@ def _is_notebook_code(obj) -> bool:
 def capture(fn, name: str | None = None) -> dict:
     """The plain description of the student's ``fn`` (see the module docstring)."""
     name = name or getattr(fn, "__name__", "your function")
+    if isinstance(fn, type) and _is_notebook_code(fn) and not _has_own_code(fn):
+        fn = fn.__mro__[1]  # `class F(Base): pass` is Base: judged (and refused) as Base
     if not _is_notebook_code(fn):
         where = _importable(fn)
         if where is None:

@@ -239,6 +239,17 @@ def _fmt(counts: dict) -> str:
     return ", ".join(f"{d} {op} x{n}" for (d, op), n in sorted(counts.items())) or "nothing"
 
 
+def _prediction_errors(guess: dict, counts: dict) -> str:
+    """Which of the student's entries the recorded layer contradicts, and in which pass a collective they did not
+    predict ran -- never the recorded counts themselves (a second try would copy them)."""
+    wrong = [f"{d} {op} x{n}" for (d, op), n in sorted(guess.items()) if counts.get((d, op)) != n]
+    unpredicted = sorted({d for (d, op) in counts if (d, op) not in guess})
+    parts = [f"the recorded layer does not run {', '.join(wrong)}"] if wrong else []
+    if unpredicted:
+        parts.append(f"it runs a collective you did not predict in {' and '.join(unpredicted)}")
+    return "; ".join(parts)
+
+
 def _as_counts(guess) -> dict | None:
     """The prediction as ``{(direction, op): int}`` without zero entries, or None when it is not one."""
     if not isinstance(guess, dict):
@@ -272,7 +283,7 @@ def check_collective_prediction(predict_collectives, predict_elements_sent) -> b
                   f"{{(direction, op): count}}, e.g. {{('fwd', 'all_reduce'): 2}}")
             return False
         if guess != counts:
-            print(f"✗ sequence_parallel={sp}: you predicted {_fmt(guess)}; measured {_fmt(counts)}")
+            print(f"✗ sequence_parallel={sp}: you predicted {_fmt(guess)}; {_prediction_errors(guess, counts)}")
             if not any(d == "bwd" for d, _ in guess):
                 print("  hint: the backward pass runs the conjugate of every forward collective (f's all-reduce "
                       "for each column-parallel GEMM)")

@@ -89,7 +89,7 @@ class StudentFunction:
         if self._local is None:
             values = values_of(self.captured)
             try:
-                with self.refusals.around():
+                with self.refusals.as_student():
                     self._local = rebuild(self.captured, values)
             finally:
                 self.refused = list(self.refusals.refused)

@@ -416,6 +416,13 @@ def test_collective_prediction(capsys, counts, elements, ok, text):
     assert got is ok and text in out, out
 
 
+def test_a_wrong_prediction_is_named_without_the_recorded_counts(capsys):
+    got, out = _verdict(capsys, check_collective_prediction, lambda sp: {("fwd", "all_reduce"): 1}, elements_ok)
+    assert got is False
+    assert "does not run fwd all_reduce x1" in out and "you did not predict in bwd" in out, out
+    assert "x2" not in out, out   # the recorded counts (two all-reduces each way) are not shown
+
+
 # ---------------------------------------------------------------- Exercise 5: vocab-parallel cross-entropy
 
 def ce_ok(logits, target, group):

@@ -17,6 +17,10 @@ RIGHT_07 = {"zero3_over_zero1_traffic": 1.5, "dp_that_halves_bf16_states": 4,
 RIGHT_08 = {"dense_dp": 2, "expert_dp": 2, "experts_on_rank_13": list(range(16, 32)),
             "expert_share_ep4": 2048 / 2176, "router_grads_summed_over": "dense DP",
             "expert_grads_summed_over": "expert DP", "top2_over_top1_traffic": 2}
+RIGHT_11 = {"samples_in_one_epoch": 4, "epochs_for_100_samples": 25, "split_cuts": "documents",
+            "why_append_eod": "Samples run across document boundaries, so the end-of-document token tells the model "
+                              "where one text ends and an unrelated one begins."}
+RIGHT = {"07": RIGHT_07, "08": RIGHT_08, "11": RIGHT_11}
 
 
 @pytest.mark.parametrize("lab, change, ok, words", [
@@ -42,15 +46,23 @@ RIGHT_08 = {"dense_dp": 2, "expert_dp": 2, "experts_on_rank_13": list(range(16, 
     ("08", {"expert_grads_summed_over": 1}, False, ["names an option by its position"]),
     ("08", {"router_grads_summed_over": "(B)"}, False, ["names an option by its position"]),
     ("08", {"router_grads_summed_over": "option 1"}, False, ["names an option by its position"]),
+    # Lab 11: right written differently, then wrong (the rule, never the value)
+    ("11", {}, True, ["✓ your 4 answers"]),
+    ("11", {"samples_in_one_epoch": np.int32(4), "epochs_for_100_samples": 25.0, "split_cuts": "Docs"}, True,
+     ["✓"]),
+    ("11", {"samples_in_one_epoch": 5}, False, ["'samples_in_one_epoch' = 5 is not it", "neighbours share one"]),
+    ("11", {"epochs_for_100_samples": 24}, False, ["'epochs_for_100_samples' = 24 is not it", "fewest epochs"]),
+    ("11", {"split_cuts": "samples"}, False, ["'split_cuts' = 'samples'", "split_indices"]),
+    ("11", {"split_cuts": "b"}, False, ["names an option by its position"]),
 ])
 def test_review_answers(lab, change, ok, words, capsys):
-    right = RIGHT_07 if lab == "07" else RIGHT_08
+    right = RIGHT[lab]
     assert check_review_answers(lambda: {**right, **change}, lab).ok is ok
     out = capsys.readouterr().out
     for word in words:
         assert word in out, out
     if not ok:  # the hint names the rule, never the right value
-        assert "1.5" not in out and "16, 17" not in out and "expected" not in out, out
+        assert "1.5" not in out and "16, 17" not in out and "expected" not in out and "25" not in out, out
 
 
 def test_prose_has_no_word_list():
