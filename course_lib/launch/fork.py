@@ -35,6 +35,13 @@ _GRACE_AFTER_FAILURE_S = 0.3
 # _JOIN_REPORT_S, so that a rank's error, not the launcher's "start-up ran out", is what is reported.
 _FORK_STARTUP_S = 10
 _JOIN_REPORT_S = 3
+
+
+def _startup_deadline_s(timeout: float) -> float:
+    """Seconds the launcher waits for every rank to join the group before it names those that did not."""
+    return timeout + _FORK_STARTUP_S + _JOIN_REPORT_S
+
+
 # The message a rank sends once it has joined the process group, before its report.
 _JOINED = ("joined", b"")
 
@@ -155,7 +162,7 @@ def _collect_reports(procs, conns, timeout):
         w.start()
     pending = dict(conns)
     first_failure_at = None
-    deadline = time.monotonic() + timeout + _FORK_STARTUP_S + _JOIN_REPORT_S
+    deadline = time.monotonic() + _startup_deadline_s(timeout)
     while pending:
         now = time.monotonic()
         limit = deadline if first_failure_at is None else min(deadline, first_failure_at + _GRACE_AFTER_FAILURE_S)
@@ -225,7 +232,7 @@ def launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
         raise first_failure(failures, outputs)
     if len(joined) < world_size:  # start-up (fork, import, rendezvous) ran past its deadline
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - joined), outputs, stopped, phase="start-up",
-                            waited=timeout + _FORK_STARTUP_S + _JOIN_REPORT_S)
+                            waited=_startup_deadline_s(timeout))
     if len(payloads) < world_size:
         raise LaunchTimeout(timeout, sorted(set(range(world_size)) - set(payloads)), outputs, stopped)
     return load_results(payloads, outputs)
