@@ -356,6 +356,16 @@ def mlp_wrong_rank(dense, group):
     return par
 
 
+def mlp_from_the_old_fixed_seed(dense, group):
+    """A table of the dense MLP the checker once always handed out (seed 11): it ignores the one it is given."""
+    torch.manual_seed(11)
+    fixed = type(dense)(dense.config)
+    with torch.no_grad():
+        for p in (fixed.linear_fc1.bias, fixed.linear_fc2.bias):
+            p.normal_()
+    return mlp_ok(fixed, group)
+
+
 def mlp_course_copy(dense, group):
     return copy_dense_to_parallel(dense, ParallelMLP(dense.config, group), group)
 
@@ -368,6 +378,7 @@ def mlp_course_copy(dense, group):
     (mlp_wrong_rank, False, "linear_fc1.weight does not hold"),
     (lambda dense, group: dense, False, "returned a DenseMLP"),
     (mlp_course_copy, False, "the course's own course_lib.tensor_parallel.sharding.copy_dense_to_parallel"),
+    (mlp_from_the_old_fixed_seed, False, "linear_fc1.weight does not hold"),
 ])
 def test_tp_mlp_from_dense(capsys, answer, ok, text):
     got, out = _verdict(capsys, check_tp_mlp_from_dense, answer)
