@@ -151,7 +151,7 @@ def traffic_table(runs: dict, names, iterations=(None,)) -> str:
 WIRE_KEYS = ("forward_all_gather", "backward_all_gather", "reduce_scatter", "step_all_gather")
 DRAWN_CASES = 3
 _DRAWN: dict = {}   # this process's drawn cases and their runs (under the judge: the judge's, see kept_for_the_run)
-_KEPT = ("cases", "runs")
+_KEPT = ("cases", "runs", "world")
 
 
 def gradient_order(model) -> list[int]:
@@ -217,13 +217,15 @@ def drawn_wire_runs(world: int = 4, timeout: float = 240) -> list:
     from course_lib.classroom.checks.wire import launch_checked
     from course_lib.deepspeed.engine import preload
 
-    if "runs" not in _DRAWN:
+    # the world is the request's (the kernel writes it): runs launched on another world are no truth for this one
+    if "runs" not in _DRAWN or _DRAWN.get("world") != world:
         cases = _drawn_cases()
         names = [f"case{i}" for i in range(len(cases))]
         preload()
         _DRAWN["runs"] = launch_checked(train_on_ranks, world, timeout=timeout, model=MODEL_FLAGS,
                                         configs=write_configs({n: c["config"] for n, c in zip(names, cases)}),
                                         models={n: c["flags"] for n, c in zip(names, cases)})
+        _DRAWN["world"] = world
     return _DRAWN["runs"]
 
 
@@ -237,7 +239,10 @@ def keep_for_the_run(kept: dict) -> None:
     """In the judge: take what a check process drew and launched (:func:`kept_for_the_run`), so that the check
     processes it forks next find it -- one launch serves both exercises, as in a process without a judge. Only
     the checker's own data comes here: no student code runs in a check process, and none on these ranks."""
-    _DRAWN.update({k: kept[k] for k in _KEPT if k in kept and k not in _DRAWN})
+    if "cases" in kept and "cases" not in _DRAWN:
+        _DRAWN["cases"] = kept["cases"]
+    if "runs" in kept and "world" in kept:   # the latest launch: drawn_wire_runs relaunches for another world
+        _DRAWN.update(runs=kept["runs"], world=kept["world"])
 
 
 def _runs_or_problem(world: int):
