@@ -3,11 +3,10 @@ notebooks gets every exercise in grades.csv, passed, inside the sandbox (Lab 10'
 
 The exercises are read from the solution notebooks themselves (the registered functions their ``### BEGIN
 SOLUTION`` cells define), not from what the grader found: an exercise whose checker cell the grader cannot match (two checkers
-of one name, once) is then a missing row, and a lab that cannot run in the sandbox a failed one. One grading of
-the whole course, in two gradings of about the same CPU (:data:`GROUPS`): this file's and
-``test_grade_every_lab_more.py``'s, which ``make test``'s two workers (``--dist loadfile``: one file each) run at
-once; together the most expensive tests of the suite after the notebooks themselves, which is why each checks
-everything of its labs in one run.
+of one name, once) is then a missing row, and a lab that cannot run in the sandbox a failed one. The whole course
+is graded in two gradings of about the same CPU (:data:`GROUPS`), this file's and ``test_grade_every_lab_more.py``'s,
+which ``make test``'s two workers (``--dist loadfile``: one file each) can run at once; together the most expensive
+tests of the suite after the notebooks themselves, which is why each checks everything of its labs in one run.
 """
 
 from __future__ import annotations
