@@ -360,3 +360,34 @@ def test_review_answers_in_prose_travel_with_the_verdict_for_the_instructor():
     row = written["grades.csv"].splitlines()[1]
     assert row.startswith("ann,07,my_answers_07,false,") and f"{prose_keys[0]}: {text}" in row, row
     assert f"> {text}" in written["feedback/ann.md"] and "for your instructor to read" in written["feedback/ann.md"]
+
+
+def test_lab10s_drawn_cases_are_the_judges_and_never_reach_the_kernel(capsys):
+    """Lab 10's two wire exercises are judged on one launch of the drawn cases (docs/verdicts.md): a check process
+    hands what it drew and launched back to the judge (``deepspeed.kept_for_the_run``), and the next check process
+    finds it -- here the cases a function that prints its arguments sees are the same in two checks (drawn per
+    check, they would differ). The judge keeps them to itself: the reply to the kernel carries none of them. (That
+    the runs are kept too, so that reduce_buckets launches nothing, is in ``test_grade_every_lab.py``.)"""
+    import json
+
+    from course_lib.classroom.checks import judge_client
+    from course_lib.classroom.checks.judge_client import _encode_arg
+
+    shows = cell('''
+def zero3_wire(numels, world, persistence_threshold):
+    print("case", sorted(numels.values()), persistence_threshold)
+    return [1, 2]   # not a dict: the checker stops before any launch
+''')["zero3_wire"]
+    judge_client._CLIENT.stop()  # a judge of this test's own
+    try:
+        seen, replies = [], []
+        for _ in range(2):
+            reply = judge_client._CLIENT.ask({"checker": "course_lib.classroom.checks.deepspeed:check_zero3_wire",
+                                              "args": [_encode_arg(shows)], "kwargs": {}, "cell": 1}, 120)
+            replies.append(json.dumps(reply))
+            assert not reply["verdict"]["ok"] and "return a dict with the keys" in reply["verdict"]["hint"], reply
+            seen.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("case ")])
+    finally:
+        judge_client._CLIENT.stop()
+    assert len(seen[0]) == 3 and seen[0] == seen[1], seen
+    assert all("keep" not in r and "threshold" not in r and "numels" not in r for r in replies), replies

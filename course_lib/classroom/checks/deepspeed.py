@@ -150,7 +150,8 @@ def traffic_table(runs: dict, names, iterations=(None,)) -> str:
 
 WIRE_KEYS = ("forward_all_gather", "backward_all_gather", "reduce_scatter", "step_all_gather")
 DRAWN_CASES = 3
-_DRAWN: dict = {}   # this process's drawn cases and their runs (a check process of the judge draws its own)
+_DRAWN: dict = {}   # this process's drawn cases and their runs (under the judge: the judge's, see kept_for_the_run)
+_KEPT = ("cases", "runs", "world")
 
 
 def gradient_order(model) -> list[int]:
@@ -211,18 +212,37 @@ def _drawn_cases() -> list[dict]:
 
 def drawn_wire_runs(world: int = 4, timeout: float = 240) -> list:
     """The drawn cases trained by DeepSpeed in one launch of ``world`` checked ranks (:func:`train_on_ranks`):
-    ``runs[rank]["case<i>"]``; launched once per process, whichever exercise asks first."""
+    ``runs[rank]["case<i>"]``; launched once per process, whichever exercise asks first (under the judge once per
+    judge: :func:`keep_for_the_run`)."""
     from course_lib.classroom.checks.wire import launch_checked
     from course_lib.deepspeed.engine import preload
 
-    if "runs" not in _DRAWN:
+    # the world is the request's (the kernel writes it): runs launched on another world are no truth for this one
+    if "runs" not in _DRAWN or _DRAWN.get("world") != world:
         cases = _drawn_cases()
         names = [f"case{i}" for i in range(len(cases))]
         preload()
         _DRAWN["runs"] = launch_checked(train_on_ranks, world, timeout=timeout, model=MODEL_FLAGS,
                                         configs=write_configs({n: c["config"] for n, c in zip(names, cases)}),
                                         models={n: c["flags"] for n, c in zip(names, cases)})
+        _DRAWN["world"] = world
     return _DRAWN["runs"]
+
+
+def kept_for_the_run() -> dict:
+    """In a check process of the judge, after its checker: the drawn cases and their runs (plain data: dicts,
+    lists, numbers, strings), which the judge keeps for the run's next checks (:func:`keep_for_the_run`)."""
+    return {k: _DRAWN[k] for k in _KEPT if k in _DRAWN}
+
+
+def keep_for_the_run(kept: dict) -> None:
+    """In the judge: take what a check process drew and launched (:func:`kept_for_the_run`), so that the check
+    processes it forks next find it -- one launch serves both exercises, as in a process without a judge. Only
+    the checker's own data comes here: no student code runs in a check process, and none on these ranks."""
+    if "cases" in kept and "cases" not in _DRAWN:
+        _DRAWN["cases"] = kept["cases"]
+    if "runs" in kept and "world" in kept:   # the latest launch: drawn_wire_runs relaunches for another world
+        _DRAWN.update(runs=kept["runs"], world=kept["world"])
 
 
 def _runs_or_problem(world: int):

@@ -15,7 +15,8 @@ The checker computes the truth and the verdict in the check process, on inputs i
 text and the student's ``print`` output stream back to the notebook as they come; the verdict comes back as
 JSON on a pipe of its own, and the judge itself writes the grading record
 (:mod:`~course_lib.classroom.checks.records`; no check process holds the record file), with the answers in
-prose of a review exercise for the instructor (:func:`_prose`). A request comes from the kernel, where the
+prose of a review exercise for the instructor (:func:`_prose`). What a check process of Lab 10 drew and launched
+comes back with it and stays in the judge for the next checks (:data:`_KEEPS`), never sent to the kernel. A request comes from the kernel, where the
 student's code runs: it can name only a checker, and the judge works out the exercise -- and so what the
 student's function is refused -- from the checker's own arguments. Under ``grade`` the judge is not started
 by the kernel but forked by the sandbox (:mod:`course_lib.classroom.grading.sandbox`). Nothing the exercise cell does in the kernel (patching
@@ -144,6 +145,26 @@ def _load(request: dict) -> None:
             pass
 
 
+_KEEPS = ("course_lib.classroom.checks.deepspeed",)
+"""Checker modules whose check processes hand the judge what they drew and launched (``kept_for_the_run``), for the
+run's next checks (``keep_for_the_run``): Lab 10's two wire exercises are judged on one launch."""
+
+
+def _kept(request: dict) -> dict:
+    """In a check process, after its checker: ``{module: data}`` its module keeps for the judge (plain data)."""
+    module = sys.modules.get(getattr(_checker(request["checker"]), "__module__", ""))
+    if module is None or module.__name__ not in _KEEPS:
+        return {}
+    return {module.__name__: module.kept_for_the_run()}
+
+
+def _keep(kept) -> None:
+    """In the judge: hand each module of :data:`_KEEPS` what its check process kept (never sent to the kernel)."""
+    for name, data in (kept.items() if isinstance(kept, dict) else ()):
+        if name in _KEEPS and name in sys.modules and isinstance(data, dict):
+            sys.modules[name].keep_for_the_run(data)
+
+
 def _record(request: dict, result: dict) -> None:
     """The grading record of one check, written by the judge itself, with the cell the kernel said it ran in."""
     if "verdict" in result:
@@ -188,7 +209,7 @@ def serve(reply_fd: int, requests=None) -> None:
             os.dup2(null, 0)
             os.close(null)
             try:
-                result = {"verdict": _run_check(request)}
+                result = {"verdict": _run_check(request), "keep": _kept(request)}
             except BaseException:  # noqa: BLE001 - a checker that raised: said, never a hang
                 result = {"crash": traceback.format_exc()[-3000:]}
             sys.stdout.flush()
@@ -204,6 +225,7 @@ def serve(reply_fd: int, requests=None) -> None:
             result = {"crash": "the check process wrote an unreadable verdict"}
         if not isinstance(result, dict) or not isinstance(result.get("verdict", {}), dict):
             result = {"crash": "the check process wrote an unreadable verdict"}
+        _keep(result.pop("keep", None))  # the checker's data: kept here, never sent to the kernel
         _record(request, result)
         sys.stdout.flush()
         reply.write(json.dumps({"id": request_id, **result}) + "\n")

@@ -37,6 +37,7 @@ LAX_FOLDER = "labs"
 LONGEST_FIRST = (
     "tests/test_train_moe.py",
     "tests/classroom/test_grade_every_lab.py",
+    "tests/classroom/test_grade_every_lab_more.py",
     "solutions/05_3d_parallel_in_practice.ipynb",
     "tests/classroom/checks/test_lab00_checks.py",
     "tests/classroom/test_grade.py",

@@ -218,3 +218,25 @@ def test_a_wrapped_registered_reference_is_refused(capsys, lab):
 
     ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(via_course_buckets))
     assert not ok and "the course's own" in out and "size_buckets" in out and "✓" not in out, out
+
+
+def test_the_kept_runs_serve_only_their_own_world(lab, monkeypatch):
+    """The judge keeps the latest launch of the drawn cases (``keep_for_the_run``); a request the kernel writes
+    names its own ``world``, so runs launched on another world (a forged request's) are never the truth of a
+    check on 4 ranks: it launches its own, once, and that is what the judge keeps next."""
+    from course_lib.classroom.checks import wire
+    from course_lib.deepspeed import engine
+
+    launched = []
+    monkeypatch.setattr(wire, "launch_checked", lambda fn, world, **kwargs: launched.append(world) or [world] * world)
+    monkeypatch.setattr(engine, "preload", lambda: None)
+    saved = dict(lab._DRAWN)
+    try:
+        lab._DRAWN.clear()
+        lab.keep_for_the_run({"cases": [], "runs": ["forged on 1 rank"], "world": 1})
+        assert lab.drawn_wire_runs(4) == [4, 4, 4, 4] and launched == [4]
+        assert lab.drawn_wire_runs(4) == [4, 4, 4, 4] and launched == [4]   # kept: no second launch
+        assert lab.kept_for_the_run() == {"cases": [], "runs": [4, 4, 4, 4], "world": 4}
+    finally:
+        lab._DRAWN.clear()
+        lab._DRAWN.update(saved)
