@@ -134,6 +134,16 @@ def test_the_oracle_is_megatrons_loop():
                     megatron_masked_groups(world, list(sizes), list(mask)), (sizes, mask)
                 n += 1
     assert n == 2 * 3 + 4 * 9 + 8 * 27 + 16 * 81
+    # and on every 16th grid of the exhaustive tests below (worlds to 128, axis sizes to 128), Megatron's
+    # default order, each plain token of theirs (RankGrid's enumeration is the oracle's: this keeps a
+    # per-member reference on large axes too)
+    order = ["tp", "cp", "ep", "dp", "pp"]
+    for world, tp, pp, cp, dp in itertools.islice(all_configs(), 0, None, 16):
+        sizes = [tp, cp, 1, dp, pp]
+        for token in ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp"):
+            mask = [a in token.split("-") for a in order]
+            assert oracle_masked_groups(world, sizes, mask) == megatron_masked_groups(world, sizes, mask), \
+                (world, tp, pp, cp, token)
 
 
 # --- RankGrid == the seeds and Megatron's docstrings ------------------------------------
