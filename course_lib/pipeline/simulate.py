@@ -26,6 +26,8 @@ measured times -- with the makespan, bubble and peak live activations per rank.
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
+from operator import add
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence, Union
 
@@ -97,7 +99,7 @@ class Timeline:
         return max(ev[-1].end for ev in self.events if ev) - self.start
 
     def busy(self, rank: int) -> float:
-        return sum(e.duration for e in self.events[rank])
+        return sum(e.end - e.start for e in self.events[rank])  # Event.duration, without a call per event
 
     def idle(self, rank: int) -> float:
         """Time rank ``rank`` waits within the makespan (its share of the bubble)."""
@@ -178,35 +180,13 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
     tf, tb, tw = (_per_stage(n, t, p, v) for n, t in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)))
     if p2p_latency < 0:
         raise UsageError(f"p2p_latency={p2p_latency} must be >= 0")
-    # Each action has a key (kind, stage, micro-batch) -> a flat index; per rank, the
-    # key, the key it waits for (-1: none), its duration and the latency added to the wait.
-    programs = []
-    for r, actions in enumerate(schedule.ranks):
-        split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
-        keys, deps, durs, lats = [], [], [], []
-        for a in actions:
-            mb, c = a.microbatch, a.chunk_id
-            s = c * p + r
-            if not (0 <= mb < m and 0 <= s < S):
-                raise UsageError(f"rank {r} has action {a} outside the schedule (m={m}, stages={S})")
-            lat = p2p_latency
-            if a.kind == "F":
-                k, dur, dep = s * m + mb, tf[s], ((s - 1) * m + mb if s > 0 else -1)
-            elif a.kind == "B":
-                k = (S + s) * m + mb
-                dur = tb[s] + (0.0 if (mb, a.chunk) in split else tw[s])
-                if s < S - 1:
-                    dep = (S + s + 1) * m + mb
-                else:
-                    dep, lat = s * m + mb, 0.0  # the loss is part of the last stage's forward
-            else:
-                k, dur, dep, lat = (2 * S + s) * m + mb, tw[s], (S + s) * m + mb, 0.0
-            keys.append(k)
-            deps.append(dep)
-            durs.append(dur)
-            lats.append(lat)
-        programs.append((keys, deps, durs, lats))
-
+    programs = _programs(schedule)
+    # one duration table: F of stage s at s, B with its W at S + s, B alone at 2S + s, W at 3S + s
+    table = tf + [b + w for b, w in zip(tb, tw)] + tb + tw
+    latency = (0.0, p2p_latency)
+    durations = [[table[i] for i in prog[2]] for prog in programs]
+    lats_of = [[latency[f] for f in prog[3]] for prog in programs]
+    peaks = [prog[5] for prog in programs]
     done: list = [None] * (3 * S * m)  # end time of each finished action, by key
     waiting: dict[int, list[int]] = {}
     ptr, free = [0] * p, [0.0] * p
@@ -214,7 +194,7 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
     ready = deque(range(p))
     while ready:
         r = ready.popleft()
-        keys, deps, durs, lats = programs[r]
+        keys, deps, durs, lats = programs[r][0], programs[r][1], durations[r], lats_of[r]
         out = starts[r]
         i, t, n = ptr[r], free[r], len(keys)
         while i < n:
@@ -240,8 +220,62 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
         what = ", ".join(f"rank {r} at {schedule.ranks[r][ptr[r]]}" for r in stuck[:4])
         raise UsageError(f"schedule {schedule.name!r} cannot finish: {what} wait for inputs that are "
                          f"never produced (check_schedule explains why)")
-    events = [[Event(r, a, a.chunk_id * p + r, t0, t0 + d)
-               for a, t0, d in zip(schedule.ranks[r], starts[r], programs[r][2])] for r in range(p)]
-    peaks = [max(live_activations(actions), default=0) for actions in schedule.ranks]
+    # Event(r, action, stage, start, end) per action, built by tuple.__new__ as Event._make does, without a
+    # Python call per event (a 64-stage pipeline has ~65k of them, and the projection simulates it often)
+    events = [list(map(tuple.__new__, repeat(Event),
+                       zip(repeat(r), schedule.ranks[r], programs[r][4], starts[r], map(add, starts[r], durations[r]))))
+              for r in range(p)]
     info = dict(t_f=t_f, t_b=t_b, t_w=t_w, p2p_latency=p2p_latency)
     return Timeline(schedule, events, peaks, "simulated", info)
+
+
+_PROGRAMS: dict = {}  # id(schedule) -> (schedule, programs), least recently used first
+_PROGRAMS_KEPT = 32   # more than the projection cycles through (Table 1's 10 pipelines, 25 published runs)
+
+
+def _programs(schedule: PipelineSchedule) -> list:
+    """Per rank, what the simulation needs of the order, independent of the times: ``(keys, deps, slots,
+    waits_for_a_send, stages, peak)``. Each action has a key (kind, stage, micro-batch) -> a flat index;
+    ``deps`` the key it waits for (-1: none); ``slots`` where its duration sits in :func:`simulate`'s table;
+    ``waits_for_a_send`` 1 when the wait crosses a rank boundary (the p2p latency is added), else 0;
+    ``stages`` its virtual stage; ``peak`` the rank's peak live activations. Kept for the last few
+    schedules whose orders are tuples (immutable), so simulating one schedule under many times builds
+    this once."""
+    cached = _PROGRAMS.pop(id(schedule), None)
+    if cached is not None and cached[0] is schedule:
+        _PROGRAMS[id(schedule)] = cached  # now the most recently used
+        return cached[1]
+    p, v, m = schedule.pp_size, schedule.vp_size, schedule.num_microbatches
+    S = p * v
+    programs = []
+    for r, actions in enumerate(schedule.ranks):
+        split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
+        keys, deps, slots, sends, stages = [], [], [], [], []
+        for a in actions:
+            mb, c = a.microbatch, a.chunk_id
+            s = c * p + r
+            if not (0 <= mb < m and 0 <= s < S):
+                raise UsageError(f"rank {r} has action {a} outside the schedule (m={m}, stages={S})")
+            send = 1
+            if a.kind == "F":
+                k, slot, dep = s * m + mb, s, ((s - 1) * m + mb if s > 0 else -1)
+            elif a.kind == "B":
+                k = (S + s) * m + mb
+                slot = (2 * S + s) if (mb, a.chunk) in split else (S + s)
+                if s < S - 1:
+                    dep = (S + s + 1) * m + mb
+                else:
+                    dep, send = s * m + mb, 0  # the loss is part of the last stage's forward
+            else:
+                k, slot, dep, send = (2 * S + s) * m + mb, 3 * S + s, (S + s) * m + mb, 0
+            keys.append(k)
+            deps.append(dep)
+            slots.append(slot)
+            sends.append(send)
+            stages.append(s)
+        programs.append((keys, deps, slots, sends, stages, max(live_activations(actions), default=0)))
+    if all(isinstance(actions, tuple) for actions in schedule.ranks) and isinstance(schedule.ranks, tuple):
+        if len(_PROGRAMS) >= _PROGRAMS_KEPT:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[id(schedule)] = (schedule, programs)
+    return programs

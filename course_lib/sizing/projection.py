@@ -44,6 +44,7 @@ paper's formula.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, fields, replace
 
@@ -466,11 +467,19 @@ def _pp_message(run: _Run, notes: list) -> tuple[str, float, float]:
     return name, x, x / bw + alpha + gather
 
 
+@functools.lru_cache(maxsize=32)
+def _schedule(name: str, pp: int, m: int, vp: int):
+    """:func:`course_lib.pipeline.schedules.build_schedule`, built once per layout (immutable: tuples of frozen
+    actions), so projecting one layout under other assumptions simulates the same object again."""
+    from course_lib.pipeline.schedules import build_schedule
+
+    return build_schedule(name, pp, m, vp)
+
+
 def _pipeline(run: _Run, t_f: list, t_b: list, message: tuple[str, float, float], groups: dict):
     """The simulated schedule (1F1B, or interleaved with ``vp > 1``) of the per-rank times; adds the ``pp``
     group, whose exposed time is what the messages add to the makespan (a second simulation, when asked)."""
     from course_lib.pipeline.cli import MAX_PASSES
-    from course_lib.pipeline.schedules import build_schedule
     from course_lib.pipeline.simulate import simulate
 
     pp, vp, m, a = run.pp, run.vp, run.m, run.assumptions
@@ -478,7 +487,7 @@ def _pipeline(run: _Run, t_f: list, t_b: list, message: tuple[str, float, float]
     if pp * vp * m > MAX_PASSES:
         raise rules.UsageError(f"pp {pp} x vp {vp} x {m} micro-batches = {pp * vp * m} passes; the schedule simulator "
                                f"handles at most {MAX_PASSES}: raise micro_batch_size or lower global_batch_size")
-    schedule = build_schedule("interleaved" if vp > 1 else "1f1b", pp, m, vp)
+    schedule = _schedule("interleaved" if vp > 1 else "1f1b", pp, m, vp)
     # the messages sit on the dependency path of the schedule (a stage waits for its input), so their
     # cost is what they add to the simulated makespan: the bubble includes the waits, as a measured one does
     timeline = simulate(schedule, t_f, t_b, p2p_latency=pp_raw * (1 - a.pp_overlap))

@@ -577,6 +577,11 @@ def _step_argv(flags, layers):
             "--log-interval", "1", "--uniform-vocab-padding"]
 
 
+def _step_ranks(argvs):
+    """:func:`_step_rank` of each argv in turn, in one launch (a launch of 8 ranks costs more than a step)."""
+    return [_step_rank(argv) for argv in argvs]
+
+
 def _step_rank(argv):
     """One iteration of course_lib.train.pretrain, every collective recorded; pipeline sends counted on
     the wire (P2P ops on this rank's pipeline group, through torch.distributed)."""
@@ -631,9 +636,10 @@ def test_real_training_step_comm_equals_the_formulas(capsys):
     """
     V = GPT.padded_vocab_size
     lines = [f"[sizing vs measured] course_lib.train, 1 iteration, 8 ranks, h={H} s={STEP_S} b={STEP_MBS} V={V}:"]
-    for name, (flags, tp, pp, cp, sp) in STEP_RUNS.items():
-        runs = {L: launch(_step_rank, world_size=8, output="none", timeout=120, argv=_step_argv(flags, L))
-                for L in STEP_LAYERS}
+    argvs = [_step_argv(flags, L) for flags, *_ in STEP_RUNS.values() for L in STEP_LAYERS]
+    launched = launch(_step_ranks, world_size=8, output="none", timeout=240, argvs=argvs)
+    for i, (name, (flags, tp, pp, cp, sp)) in enumerate(STEP_RUNS.items()):
+        runs = {L: [ranks[i * len(STEP_LAYERS) + j] for ranks in launched] for j, L in enumerate(STEP_LAYERS)}
         per_layer = sizing.tp_comm_per_layer(STEP_S, STEP_MBS, H, tp, sequence_parallel=sp, cp=cp)
         cp_layer = sizing.cp_comm_per_layer(STEP_S, STEP_MBS, H, HEADS, cp, tp=tp)
         x = sizing.pp_send_elements(STEP_S, STEP_MBS, H, tp=tp, cp=cp, sequence_parallel=sp)

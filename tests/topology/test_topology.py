@@ -21,10 +21,12 @@ from course_lib.topology import ParallelConfig, RankGrid, divisors
 # --------------------------------------------------------------------------
 
 
-def oracle_masked_groups(world_size, parallel_size, mask):
-    """generate_masked_orthogonal_rank_groups: for every combination of the
-    unmasked indices (first fastest) one group, whose members enumerate the masked
-    indices (first fastest); rank = sum(index[i] * prod(parallel_size[:i]))."""
+def megatron_masked_groups(world_size, parallel_size, mask):
+    """generate_masked_orthogonal_rank_groups as Megatron writes it: for every combination
+    of the unmasked indices (first fastest) one group, whose members enumerate the masked
+    indices (first fastest); rank = sum(index[i] * prod(parallel_size[:i])), each index
+    decomposed from its position. Too slow for the exhaustive tests (one decomposition per
+    member): it checks :func:`oracle_masked_groups` below."""
     stride = [1]
     for s in parallel_size:
         stride.append(stride[-1] * s)
@@ -43,18 +45,38 @@ def oracle_masked_groups(world_size, parallel_size, mask):
             step *= s
         return idx
 
-    # the masked part of a member's rank depends only on its rank in the group
-    # (Megatron recomputes it inside the group loop; hoisting it changes nothing)
-    offsets = []
-    for rank_in_group in range(group_size):
-        inner = decompose(rank_in_group, masked_shape)
-        offsets.append(sum(i * d for i, d in zip(inner, masked_stride)))
     groups = []
     for group_index in range(world_size // group_size):
         outer = decompose(group_index, unmasked_shape)
         base = sum(i * d for i, d in zip(outer, unmasked_stride))
-        groups.append([base + offset for offset in offsets])
+        group = []
+        for rank_in_group in range(group_size):
+            inner = decompose(rank_in_group, masked_shape)
+            group.append(base + sum(i * d for i, d in zip(inner, masked_stride)))
+        groups.append(group)
     return groups
+
+
+def _first_index_fastest(shape, strides):
+    """Every sum(idx[i] * strides[i]) over idx in shape, idx[0] varying fastest."""
+    out = [0]
+    for s, d in zip(shape, strides):
+        out = [o + i * d for i in range(s) for o in out]
+    return out
+
+
+def oracle_masked_groups(world_size, parallel_size, mask):
+    """:func:`megatron_masked_groups`, enumerating each index set once instead of decomposing
+    every position (the same groups in the same order: test_the_oracle_is_megatrons_loop)."""
+    stride = [1]
+    for s in parallel_size:
+        stride.append(stride[-1] * s)
+    masked = [(s, d) for s, d, m in zip(parallel_size, stride, mask) if m]
+    unmasked = [(s, d) for s, d, m in zip(parallel_size, stride, mask) if not m]
+    offsets = _first_index_fastest(*zip(*masked)) if masked else [0]
+    bases = _first_index_fastest(*zip(*unmasked)) if unmasked else [0]
+    assert len(offsets) * len(bases) == world_size
+    return [[base + offset for offset in offsets] for base in bases]
 
 
 @functools.lru_cache(maxsize=16)  # embedding groups reuse the pp groups just computed
@@ -99,6 +121,29 @@ def test_oracle_matches_megatron_docstrings():
         [0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     # context_parallel_size docstring: 8 GPUs, tp=4, cp=2
     assert oracle_get_ranks(4, 1, 1, 1, 2, "tp-cp-ep-dp-pp", "cp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_the_oracle_is_megatrons_loop():
+    # every shape of 1-4 axes with sizes 1-3 (worlds up to 81), every mask: the same groups in the same order
+    n = 0
+    for k in range(1, 5):
+        for sizes in itertools.product(range(1, 4), repeat=k):
+            world = functools.reduce(lambda a, b: a * b, sizes)
+            for mask in itertools.product((False, True), repeat=k):
+                assert oracle_masked_groups(world, list(sizes), list(mask)) == \
+                    megatron_masked_groups(world, list(sizes), list(mask)), (sizes, mask)
+                n += 1
+    assert n == 2 * 3 + 4 * 9 + 8 * 27 + 16 * 81
+    # and on every 16th grid of the exhaustive tests below (worlds to 128, axis sizes to 128), Megatron's
+    # default order, each plain token of theirs (RankGrid's enumeration is the oracle's: this keeps a
+    # per-member reference on large axes too)
+    order = ["tp", "cp", "ep", "dp", "pp"]
+    for world, tp, pp, cp, dp in itertools.islice(all_configs(), 0, None, 16):
+        sizes = [tp, cp, 1, dp, pp]
+        for token in ("tp", "cp", "dp", "pp", "dp-cp", "tp-pp"):
+            mask = [a in token.split("-") for a in order]
+            assert oracle_masked_groups(world, sizes, mask) == megatron_masked_groups(world, sizes, mask), \
+                (world, tp, pp, cp, token)
 
 
 # --- RankGrid == the seeds and Megatron's docstrings ------------------------------------

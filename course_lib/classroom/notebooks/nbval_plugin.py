@@ -20,6 +20,7 @@ it is skipped in the ``labs/`` pass when :mod:`.independent_cells` proves it ind
 
 from __future__ import annotations
 
+import course_lib.classroom.notebooks.fast_start  # noqa: F401  -- first: before nbval's entry point imports nbformat
 import time
 from pathlib import Path
 
