@@ -97,7 +97,7 @@ class Timeline:
         return max(ev[-1].end for ev in self.events if ev) - self.start
 
     def busy(self, rank: int) -> float:
-        return sum(e.duration for e in self.events[rank])
+        return sum([e.end - e.start for e in self.events[rank]])
 
     def idle(self, rank: int) -> float:
         """Time rank ``rank`` waits within the makespan (its share of the bubble)."""
@@ -180,13 +180,14 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
         raise UsageError(f"p2p_latency={p2p_latency} must be >= 0")
     # Each action has a key (kind, stage, micro-batch) -> a flat index; per rank, the
     # key, the key it waits for (-1: none), its duration and the latency added to the wait.
-    programs = []
+    programs, stages = [], []
     for r, actions in enumerate(schedule.ranks):
         split = {(a.microbatch, a.chunk) for a in actions if a.kind == "W"}
-        keys, deps, durs, lats = [], [], [], []
+        keys, deps, durs, lats, where = [], [], [], [], []
         for a in actions:
-            mb, c = a.microbatch, a.chunk_id
-            s = c * p + r
+            mb, c = a.microbatch, a.chunk
+            s = (c or 0) * p + r
+            where.append(s)
             if not (0 <= mb < m and 0 <= s < S):
                 raise UsageError(f"rank {r} has action {a} outside the schedule (m={m}, stages={S})")
             lat = p2p_latency
@@ -206,6 +207,7 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
             durs.append(dur)
             lats.append(lat)
         programs.append((keys, deps, durs, lats))
+        stages.append(where)
 
     done: list = [None] * (3 * S * m)  # end time of each finished action, by key
     waiting: dict[int, list[int]] = {}
@@ -240,8 +242,9 @@ def simulate(schedule: PipelineSchedule, t_f: Times = 1.0, t_b: Times = 2.0, t_w
         what = ", ".join(f"rank {r} at {schedule.ranks[r][ptr[r]]}" for r in stuck[:4])
         raise UsageError(f"schedule {schedule.name!r} cannot finish: {what} wait for inputs that are "
                          f"never produced (check_schedule explains why)")
-    events = [[Event(r, a, a.chunk_id * p + r, t0, t0 + d)
-               for a, t0, d in zip(schedule.ranks[r], starts[r], programs[r][2])] for r in range(p)]
+    new = tuple.__new__      # Event(...) with its argument parsing skipped: hundreds of thousands per projection
+    events = [[new(Event, (r, a, s, t0, t0 + d))
+               for a, s, t0, d in zip(schedule.ranks[r], stages[r], starts[r], programs[r][2])] for r in range(p)]
     peaks = [max(live_activations(actions), default=0) for actions in schedule.ranks]
     info = dict(t_f=t_f, t_b=t_b, t_w=t_w, p2p_latency=p2p_latency)
     return Timeline(schedule, events, peaks, "simulated", info)
