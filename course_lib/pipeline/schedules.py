@@ -29,6 +29,7 @@ Micro-batch ids count from 0, like Megatron's ``microbatch_id``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -147,12 +148,23 @@ def schedule_1f1b(pp_size: int, num_microbatches: int, pp_rank: int) -> list[Act
     """
     w = num_warmup_microbatches(pp_size, num_microbatches, pp_rank)
     m = num_microbatches
-    forwards = [Action("F", i) for i in range(m)]
-    backwards = [Action("B", i) for i in range(m)]
-    order = forwards[:w]
+    forwards, backwards = _passes(m, 1, m)
+    order = list(forwards[:w])
     for i in range(m - w):  # steady state: one forward, one backward
         order += [forwards[w + i], backwards[i]]
-    return order + backwards[m - w:]
+    return order + list(backwards[m - w:])
+
+
+@functools.lru_cache(maxsize=8)
+def _passes(num_microbatches: int, vp_size: int, group: int) -> tuple[tuple[Action, ...], tuple[Action, ...]]:
+    """The forwards in :func:`get_schedule_table`'s order and their backwards (each on the mirrored chunk, ``None``
+    without interleaving): the same on every rank, so made once per schedule (the simulator times schedules of
+    thousands of micro-batches on up to 64 ranks, and an :class:`Action` costs microseconds to make)."""
+    if vp_size == 1:
+        return tuple(Action("F", i) for i in range(num_microbatches)), tuple(Action("B", i) for i in range(num_microbatches))
+    table = get_schedule_table(num_microbatches, vp_size, group)
+    return (tuple(Action("F", mb, chunk) for mb, chunk in table),
+            tuple(Action("B", mb, vp_size - 1 - chunk) for mb, chunk in table))
 
 
 def get_schedule_table(num_microbatches: int, vp_size: int, microbatch_group_size: int) -> list[tuple[int, int]]:
@@ -198,14 +210,12 @@ def schedule_interleaved_1f1b(pp_size: int, num_microbatches: int, pp_rank: int,
     """
     group = check_interleaved_config(pp_size, num_microbatches, vp_size, microbatch_group_size)
     w = interleaved_num_warmup(pp_size, num_microbatches, pp_rank, vp_size, group)
-    table = get_schedule_table(num_microbatches, vp_size, group)
-    forwards = [Action("F", mb, chunk) for mb, chunk in table]
-    backwards = [Action("B", mb, vp_size - 1 - chunk) for mb, chunk in table]
-    total = len(table)
-    order = forwards[:w]
+    forwards, backwards = _passes(num_microbatches, vp_size, group)
+    total = len(forwards)
+    order = list(forwards[:w])
     for k in range(total - w):
         order += [forwards[w + k], backwards[k]]
-    return order + backwards[total - w:]
+    return order + list(backwards[total - w:])
 
 
 def _zero_bubble(num_microbatches: int, warmup: int, w_lag: int) -> list[Action]:
