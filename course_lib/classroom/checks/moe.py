@@ -230,6 +230,11 @@ def _true_exchange(rows, probs, tpe, group, ep):
     return received, received_probs, counts, sends
 
 
+_EXCHANGE_COUNTS_HINT = ("all-gather every rank's tokens_per_expert first, so that every rank knows output_split_sizes "
+                         "(what each source sends to your experts), then all_to_all_single the rows with "
+                         "input_split_sizes = rows per destination rank")
+
+
 def _received_hint(got, want, every_row: int) -> str:
     if got.shape[0] == every_row:
         return ("you received every row of every rank: send each rank only the rows routed to *its* experts "
@@ -237,9 +242,7 @@ def _received_hint(got, want, every_row: int) -> str:
     if got.shape[0] == want.shape[0]:
         return ("the right number of rows in the wrong order or from the wrong rank: rows routed to experts "
                 "j·L .. j·L+L-1 go to group rank j, and what arrives is grouped by source rank")
-    return ("all-gather every rank's tokens_per_expert first, so that every rank knows output_split_sizes "
-            "(what each source sends to your experts), then all_to_all_single the rows with "
-            "input_split_sizes = rows per destination rank")
+    return _EXCHANGE_COUNTS_HINT
 
 
 def _flat_counts(counts):
@@ -302,13 +305,16 @@ def _dispatch_rank(fn):
             if not isinstance(received, torch.Tensor) or received.dim() != 2 or received.shape[1] != HIDDEN:
                 problem = f"received must be a tensor [rows, {HIDDEN}], got {safe_repr(received)}"
             elif received.shape != want.shape or not torch.equal(received, want):
-                problem = (f"group rank {my_index} of EP{ep} received {received.shape[0]} rows, expected "
-                           f"{want.shape[0]} (its experts' rows from ranks {members}, in rank order)\n  hint: "
+                problem = (f"group rank {my_index} of EP{ep} received {received.shape[0]} rows, not the rows "
+                           f"routed to its experts from ranks {members}, in rank order\n  hint: "
                            + _received_hint(received, want, every_row))
             elif counts != counts_want.flatten().tolist():
-                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[2])}, expected {counts_want.tolist()}"
-                           f"\n  hint: counts[s][l] = rows that source rank s sent for my local expert l: the "
-                           f"columns of your experts in every rank's gathered tokens_per_expert")
+                # no all-gather carried the counts: the rows matched only because the splits happened to agree
+                unexchanged = not _counts_carried(result, tpe)
+                problem = (f"counts on rank {rank} (EP{ep}) = {safe_repr(got[2])} are not what the sources sent to "
+                           f"this rank's experts\n  hint: " + (_EXCHANGE_COUNTS_HINT if unexchanged else
+                           "counts[s][l] = rows that source rank s sent for my local expert l: the columns of your "
+                           "experts in every rank's gathered tokens_per_expert"))
             elif not (isinstance(received_probs, torch.Tensor) and received_probs.numel() == want_probs.numel()
                       and torch.equal(received_probs.reshape(-1).to(want_probs.dtype), want_probs)):
                 problem = (f"the rows are right, but received_probs on rank {rank} (EP{ep}) = "
