@@ -63,11 +63,7 @@ def _statement(obj, name: str) -> str:
     """The source of the top-level ``def``/``class`` that made ``obj``."""
     code = getattr(obj, "__code__", None)
     if code is None and isinstance(obj, type):
-        for attr in vars(obj).values():
-            attr = getattr(attr, "__func__", attr)
-            if getattr(attr, "__code__", None) is not None:
-                code = attr.__code__
-                break
+        code = _class_code(obj)
     if code is None:
         raise CaptureError(f"`{name}` has no source the judge can read: define it with `def` or `class` in a cell")
     lines = linecache.getlines(code.co_filename)
@@ -108,8 +104,13 @@ def _importable(obj) -> str | None:
     return None
 
 
-def _has_own_code(cls: type) -> bool:
-    return any(getattr(getattr(attr, "__func__", attr), "__code__", None) is not None for attr in vars(cls).values())
+def _class_code(cls: type):
+    """The code object of the first method ``cls`` defines itself (None for ``class F(Base): pass``)."""
+    for attr in vars(cls).values():
+        code = getattr(getattr(attr, "__func__", attr), "__code__", None)
+        if code is not None:
+            return code
+    return None
 
 
 def _is_notebook_code(obj) -> bool:
@@ -119,7 +120,7 @@ def _is_notebook_code(obj) -> bool:
 def capture(fn, name: str | None = None) -> dict:
     """The plain description of the student's ``fn`` (see the module docstring)."""
     name = name or getattr(fn, "__name__", "your function")
-    if isinstance(fn, type) and _is_notebook_code(fn) and not _has_own_code(fn):
+    if isinstance(fn, type) and _is_notebook_code(fn) and _class_code(fn) is None:
         fn = fn.__mro__[1]  # `class F(Base): pass` is Base: judged (and refused) as Base
     if not _is_notebook_code(fn):
         where = _importable(fn)
