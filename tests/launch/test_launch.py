@@ -82,13 +82,15 @@ def rank_holds_the_gil(pid_dir, hung_rank=1):
 
 def rank_starts_processes(pid_dir, failing_rank=None):
     """Start ``sleep 300`` twice -- a child, and a grandchild whose parent exits at once (a daemon,
-    re-parented when its shell ends) -- record both pids, then return (or raise on ``failing_rank``)."""
+    re-parented when its shell ends) -- record both pids, wait until every rank has, then return (or raise on
+    ``failing_rank``)."""
     rank = dist.get_rank()
     child = subprocess.Popen(["sleep", "300"])
     daemon = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
                             check=True).stdout.strip()
     with open(os.path.join(pid_dir, f"{rank}.pids"), "w") as f:
         f.write(f"{child.pid} {daemon}")
+    dist.barrier()      # every rank has recorded its pids before one fails (else the launcher may stop a rank first)
     if rank == failing_rank:
         raise RuntimeError(f"rank {rank} fails after starting processes")
     return rank
