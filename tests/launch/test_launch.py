@@ -82,8 +82,8 @@ def rank_holds_the_gil(pid_dir, hung_rank=1):
 
 def rank_starts_processes(pid_dir, failing_rank=None):
     """Start ``sleep 300`` twice -- a child, and a grandchild whose parent exits at once (a daemon,
-    re-parented when its shell ends) -- record both pids, wait until every rank has, then return (or raise on
-    ``failing_rank``)."""
+    re-parented when its shell ends) -- record both pids, wait until every rank has, then return (or raise
+    :func:`rank_crash`'s ZeroDivisionError on ``failing_rank``: the torchrun crash test reads that launch too)."""
     rank = dist.get_rank()
     child = subprocess.Popen(["sleep", "300"])
     daemon = subprocess.run(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True,
@@ -92,7 +92,7 @@ def rank_starts_processes(pid_dir, failing_rank=None):
         f.write(f"{child.pid} {daemon}")
     dist.barrier()      # every rank has recorded its pids before one fails (else the launcher may stop a rank first)
     if rank == failing_rank:
-        raise RuntimeError(f"rank {rank} fails after starting processes")
+        raise ZeroDivisionError(f"deliberate failure on rank {rank} after starting processes")
     return rank
 
 
@@ -253,7 +253,7 @@ def test_fork_leaves_no_process_a_rank_started(tmp_path, failing_rank):
     if failing_rank is None:
         assert launch(rank_starts_processes, world_size=2, output="none", pid_dir=str(tmp_path)) == [0, 1]
     else:
-        with pytest.raises(RankError, match="rank 1 fails after starting processes"):
+        with pytest.raises(RankError, match="deliberate failure on rank 1 after starting processes"):
             launch(rank_starts_processes, world_size=2, output="none", pid_dir=str(tmp_path), failing_rank=1)
     assert left_running(tmp_path) == ([], 4)
 
@@ -323,7 +323,7 @@ def test_torchrun_needs_an_importable_function():
 # ---- torchrun: every launch of this file's torchrun tests runs at once (a module fixture) ------------
 #
 # A torchrun launch costs seconds of start-up, most of it waiting (imports, rendezvous, timeouts), so
-# the six launches below run concurrently, each in a thread of its own, and each test reads its
+# the five launches below run concurrently, each in a thread of its own, and each test reads its
 # launch's outcome. They share one temporary folder ($TMPDIR and tempfile's), checked empty once
 # every launch has ended: no launch, clean, crashed, dead, hung or stopped by the backstop, leaves a
 # job folder or a torchelastic_* file behind.
@@ -360,12 +360,13 @@ def torchrun_runs(tmp_path_factory):
     watcher = threading.Thread(target=_when_all_started, args=(pid_dirs["gil"], 2, started), daemon=True)
     watcher.start()
     jobs = {
-        "crash": (rank_crash, dict(timeout=60, bad_rank=1)),
         "sigsegv": (rank_dies_first, dict(timeout=60, how="sigsegv")),
         "gil": (rank_holds_the_gil, dict(timeout=2, pid_dir=str(pid_dirs["gil"]), hung_rank=1)),
         "hang": (rank_hang, dict(timeout=3, pid_dir=str(pid_dirs["hang"]), hung_rank=0)),
         # the clean launch: the sum test's and the spawn test's (a torchrun launch is ~6 s of CPU)
         "spawn": (rank_sum_after_starting_processes, dict(timeout=60, pid_dir=str(pid_dirs["spawn"]))),
+        # the crash test's and the failing spawn test's: rank 1 raises, rank 0 has returned (a healthy peer
+        # blocked in a collective while another rank dies is the sigsegv launch)
         "spawn-crash": (rank_starts_processes, dict(timeout=60, pid_dir=str(pid_dirs["spawn-crash"]),
                                                     failing_rank=1)),
     }
@@ -394,9 +395,10 @@ def test_torchrun_returns_results_and_leaves_no_file(torchrun_runs):
 
 
 def test_torchrun_reports_crashes_with_the_traceback(torchrun_runs):
-    err, _ = torchrun_runs["crash"]
+    err, _ = torchrun_runs["spawn-crash"]
     assert isinstance(err, RankError), err
-    assert err.rank == 1 and "deliberate failure on rank 1" in err.traceback
+    assert err.rank == 1 and err.exc_type == "ZeroDivisionError"
+    assert "deliberate failure on rank 1" in err.traceback and "rank_starts_processes" in err.traceback
 
 
 def test_torchrun_names_the_rank_that_died_not_the_peer_it_broke(torchrun_runs):
