@@ -1,7 +1,7 @@
 """No rank outlives its launch, however the launching process ends.
 
 Each case starts a stand-in kernel (tests/fixtures/launch_kernel.py) whose 2
-ranks (per launch: the SIGKILL case runs a fork, a torchrun and a ``train`` launch in one kernel)
+ranks (per launch: the SIGKILL case runs a fork, a polling fork, a torchrun and a ``train`` launch in one kernel)
 record their pids and sleep, then kills it (SIGKILL: a killed kernel),
 interrupts it (SIGINT: Ctrl-C or a Jupyter interrupt), terminates it (SIGTERM)
 or makes it raise (SIGUSR1), and checks that every process it started -- ranks,
@@ -30,12 +30,12 @@ pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads proces
 
 # (kernel kind, signal, processes in its tree besides itself, what it must say on its way out)
 CASES = [
-    # one SIGKILLed kernel running three launches at once: a fork launch (2 ranks), a torchrun
-    # launch and `python -m course_lib train` (torchrun and its 2 ranks each, at least)
-    ("fork+torchrun+train", signal.SIGKILL, 2 + 3 + 3, None),
+    # one SIGKILLed kernel running four launches at once: a fork launch and one whose ranks poll for their
+    # parent, as where there is no parent-death signal (macOS) (2 ranks each), a torchrun launch and
+    # `python -m course_lib train` (torchrun and its 2 ranks each, at least)
+    ("fork+fork-polling+torchrun+train", signal.SIGKILL, 2 + 2 + 3 + 3, None),
     ("fork", signal.SIGINT, 2, "KeyboardInterrupt: interrupted: all 2 rank processes were stopped"),
     ("fork", signal.SIGUSR1, 2, "RuntimeError: an error in the launching process"),
-    ("fork-polling", signal.SIGKILL, 2, None),  # where there is no parent-death signal (macOS)
     ("cell", signal.SIGINT, 3, "KeyboardInterrupt: interrupted: torchrun and all its rank processes were stopped"),
     ("train", signal.SIGTERM, 3, "terminated: torchrun and all its rank processes were stopped"),
 ]
