@@ -8,8 +8,8 @@ or makes it raise (SIGUSR1), and checks that every process it started -- ranks,
 torchrun, its helpers: the kernel's own process tree, read from /proc, never
 processes found by name -- is gone within 10 s, and that no file is left in its
 temporary folder (each kernel has its own $TMPDIR): no job folder, no output
-file, no torch elastic ``torchelastic_*``. The interrupt and error cases run one after another in one
-kernel that, like Jupyter's, shows each error and lives on (one fresh interpreter instead of three).
+file, no torch elastic ``torchelastic_*``. The interrupt, error and ``train`` cases run one after another in
+one kernel that, like Jupyter's, shows each error and lives on (one fresh interpreter instead of four).
 The kernels start together (a module fixture), so the torchrun start-ups overlap. A stopped ``train``
 says so in one line, with no traceback from any of its processes.
 """
@@ -40,7 +40,7 @@ CASES = [
     ("cell", signal.SIGINT, 3, "KeyboardInterrupt: interrupted: torchrun and all its rank processes were stopped"),
     ("train", signal.SIGTERM, 3, "terminated: torchrun and all its rank processes were stopped"),
 ]
-IN_ONE_KERNEL = [CASES[i][:2] for i in (1, 2, 3)]   # one after another, the kernel living on after each
+IN_ONE_KERNEL = [CASES[i][:2] for i in (1, 2, 3, 4)]   # one after another, the kernel living on after each
 START_TIMEOUT_S = 240   # every kernel starts at once on a 2-core machine
 GONE_WITHIN_S = 10
 
@@ -161,6 +161,7 @@ def test_no_process_outlives_the_launching_process(kernels, kind, sig, tree_size
         assert message in said, kernel.log.read_text()
     if kind == "train":
         assert "Traceback" not in said and "Error" not in said, said
+        assert f"ended: returned {128 + sig}" in said, said       # python -m course_lib train's exit code
     if step < len(kernel.steps) - 1:
         assert kernel.proc.poll() is None, kernel.log.read_text()     # the kernel lives on, like Jupyter's
     kernel.go_on(step)
