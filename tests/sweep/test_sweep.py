@@ -11,10 +11,7 @@ import argparse
 import io
 import json
 import os
-import pickle
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ import pytest
 
 from course_lib import sweep as S
 from course_lib.__main__ import main as course_main
+from course_lib.launch import launch
 from course_lib.megatron import COLUMNS
 from course_lib.topology.seed import SEED_SWEEP
 from course_lib.training.logs import parse_log
@@ -374,40 +372,43 @@ def test_every_way_a_run_stops_is_recorded_in_its_summary(runs, tmp_path, stop, 
         assert err.value.code == 128 + signal.SIGTERM                      # exits as SIGTERM would
 
 
-KILLED_SWEEP = """
-import os, pickle, sys, time
-from pathlib import Path
-from course_lib import sweep as S
-from course_lib.launch import launch
-out, finished, in_flight = map(Path, sys.argv[1:])
-done = pickle.loads(finished.read_bytes())
-def sleeping_rank():
+def _sleeping_rank(in_flight):
     if os.environ["RANK"] == "0":
         in_flight.with_suffix(".tmp").write_text(str(os.getpid()))
         in_flight.with_suffix(".tmp").replace(in_flight)
     time.sleep(120)
-def runner(name, **kwargs):
-    if name == done.name:
-        return done
-    launch(sleeping_rank, world_size=2, timeout=300, output="none")     # killed while its ranks run
-S.run_sweep([done.name, "E"], out=out, run_name="killed", runner=runner, progress=False)
-"""
+
+
+def _sweep_killed_in_config_e(out, done, in_flight, tmp):
+    """A forked copy of this process (no fresh interpreter to pay for): its own $TMPDIR, the sweep of ``done``
+    (returned as it is) then E, killed while E's ranks run."""
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = None
+
+    def runner(name, **kwargs):
+        if name == done.name:
+            return done
+        launch(_sleeping_rank, world_size=2, timeout=300, output="none", in_flight=in_flight)   # killed meanwhile
+
+    S.run_sweep([done.name, "E"], out=out, run_name="killed", runner=runner, progress=False)
 
 
 def test_a_killed_sweep_keeps_what_finished_leaves_no_temp_files_and_is_marked_by_the_next(runs, tmp_path):
+    import multiprocessing
+
     out, in_flight, tmp = tmp_path / "out", tmp_path / "in_flight", tmp_path / "tmp"
     tmp.mkdir()
-    (tmp_path / "A.pkl").write_bytes(pickle.dumps(runs["A"]))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_SWEEP, str(out), str(tmp_path / "A.pkl"), str(in_flight)],
-                            env=dict(os.environ, TMPDIR=str(tmp)))
+    proc = multiprocessing.get_context("fork").Process(target=_sweep_killed_in_config_e,
+                                                       args=(out, runs["A"], in_flight, tmp))
+    proc.start()
     try:
         deadline = time.monotonic() + 60
-        while not in_flight.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not in_flight.exists() and proc.exitcode is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert in_flight.exists(), f"the sweep never reached config E (exit code {proc.poll()})"
+        assert in_flight.exists(), f"the sweep never reached config E (exit code {proc.exitcode})"
     finally:
         proc.kill()                                     # SIGKILL: the sweep cannot write anything more
-        proc.wait()
+        proc.join()
     run_dir = out / "runs" / "killed"
     deadline = time.monotonic() + 10
     while any(tmp.iterdir()) and time.monotonic() < deadline:
