@@ -112,12 +112,15 @@ class Kernel:
         os.kill(self.proc.pid, self.steps[step][1])
         if step == len(self.steps) - 1:
             self.proc.wait(timeout=30)
+        else:           # the kernel lives on: as long for its report of the launch as for a kernel's end
+            ended = f"launch {step} ended".encode()
+            deadline = time.monotonic() + 30
+            while ended not in self.log.read_bytes()[said:] and time.monotonic() < deadline:
+                assert self.proc.poll() is None, f"the {self.kind} kernel ended:\n{self.log.read_text()}"
+                time.sleep(0.05)
         deadline = time.monotonic() + GONE_WITHIN_S
         while (any(map(_running, tree)) or any(self.tmp.iterdir())) and time.monotonic() < deadline:
             time.sleep(0.05)
-        while (self.proc.poll() is None and f"launch {step} ended".encode() not in self.log.read_bytes()[said:]
-               and time.monotonic() < deadline):
-            time.sleep(0.05)        # the kernel lives on: its report of the launch is on its way
         return tree, ranks, self.log.read_bytes()[said:].decode(errors="replace")
 
     def go_on(self, step):
