@@ -374,7 +374,8 @@ def test_inspect_draws_the_slice_map_of_what_each_rank_holds_and_writes(runs, tm
     assert cli(argv) == 0 and Image.open(out).size[0] > 500
     assert "wrote" in capsys.readouterr().err
     assert cli(argv) == 2 and "already exists; pass --force" in capsys.readouterr().err
-    assert cli(argv + ["--force"]) == 0 and cli(argv[:-2] + ["--force", "--out", str(tmp_path / "m.svg")]) == 0
+    (tmp_path / "m.svg").write_text("an older map")       # --force replaces it (one render proves both)
+    assert cli(argv[:-2] + ["--force", "--out", str(tmp_path / "m.svg")]) == 0
     assert (tmp_path / "m.svg").read_bytes().startswith(b"<?xml")
     capsys.readouterr()
     monkeypatch.setattr(checkpoint_inspect, "MAP_MAX_TENSORS", 40)     # the 48 tensors (16 keys x model, Adam)
