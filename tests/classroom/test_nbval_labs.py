@@ -1,7 +1,11 @@
 """course_lib.classroom.notebooks.nbval_plugin: in one ``pytest --nbval`` session, labs/ is compared laxly and solutions/ strictly."""
 
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import nbformat
 
@@ -16,7 +20,10 @@ def _notebook(path, checked_output):
     independent.metadata["tags"] = ["labs-pass-skip"]
     # What a kernel makes and removes at exit (a lab's temporary folder): nbval's SIGKILL would leave it behind.
     folder = f"{path.parent.name}-{path.stem}.tmp"
-    cleanup = nbformat.v4.new_code_cell(f"import atexit, os, shutil\nos.mkdir({folder!r})\nopen({folder!r} + '.made', 'w').close()\n"
+    # The .made file records the transport the kernel's connection uses.
+    cleanup = nbformat.v4.new_code_cell(f"import atexit, json, os, shutil\nfrom ipykernel.connect import get_connection_info\n"
+                                        f"os.mkdir({folder!r})\n"
+                                        f"_ = open({folder!r} + '.made', 'w').write(json.loads(get_connection_info())['transport'])\n"
                                         f"_ = atexit.register(shutil.rmtree, {folder!r})", execution_count=4)
     nb = nbformat.v4.new_notebook()
     nb.cells = [stale, marked, independent, cleanup]
@@ -28,9 +35,12 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     _notebook(tmp_path / "labs" / "good.ipynb", "3\n")
     _notebook(tmp_path / "labs" / "marked_wrong.ipynb", "4\n")   # NBVAL_CHECK_OUTPUT is still compared
     _notebook(tmp_path / "solutions" / "strict.ipynb", "3\n")
+    # Where jupyter_client writes connection files and the plugin socket files: short enough for a socket's path.
+    kernel_files = Path(tempfile.mkdtemp(prefix="nbk"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "course_lib.classroom.notebooks.nbval_plugin", "labs", "solutions",
                            "--nbval", "-q", "-p", "no:cacheprovider", "-rf"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TMPDIR": str(kernel_files)})
     failed = sorted(line[len("FAILED "):].split(" - ")[0] for line in done.stdout.splitlines()
                     if line.startswith("FAILED"))
     assert failed == ["labs/marked_wrong.ipynb::Cell 1", "solutions/strict.ipynb::Cell 0"], done.stdout
@@ -38,6 +48,11 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     made = sorted(p.name for p in tmp_path.glob("**/*.made"))
     assert made == ["labs-good.tmp.made", "labs-marked_wrong.tmp.made", "solutions-strict.tmp.made"], made
     assert not list(tmp_path.glob("**/*.tmp")), "a kernel's atexit handlers did not run (nbval killed it)"
+    # Unix socket files, not TCP ports another process can take between jupyter_client's pick and the kernel's bind.
+    assert {p.read_text() for p in tmp_path.glob("**/*.made")} == {"ipc"}
+    left = list(kernel_files.iterdir())
+    shutil.rmtree(kernel_files)
+    assert not left, f"a kernel's connection or socket files were left behind: {left}"
 
 
 def _cells(*sources, tagged=()):

@@ -21,7 +21,9 @@ it is skipped in the ``labs/`` pass when :mod:`.independent_cells` proves it ind
 from __future__ import annotations
 
 import course_lib.classroom.notebooks.fast_start  # noqa: F401  -- first: before nbval's entry point imports nbformat
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,29 @@ def pytest_configure(config):
         return
     if not getattr(IPyNbFile.teardown, "graceful", False):
         IPyNbFile.teardown = _graceful_teardown(IPyNbFile.teardown)
+    import nbval.kernel
+    if not issubclass(nbval.kernel.KernelManager, _SocketFileKernelManager):
+        nbval.kernel.KernelManager = type("SocketFileKernelManager", (_SocketFileKernelManager,
+                                                                     nbval.kernel.KernelManager), {})
+
+
+class _SocketFileKernelManager:
+    """A notebook's kernel talks to pytest over Unix socket files (ZeroMQ's ``ipc`` transport), not TCP ports.
+
+    jupyter_client picks a TCP kernel's five ports by binding port 0 and closing it, and the kernel binds them
+    again a second later. Under ``make test`` the other worker is meanwhile launching ranks whose gloo and
+    torchrun sockets take ephemeral ports too; a kernel that lost one of its ports died at start ("Kernel
+    died before replying to kernel_info", every cell of solutions/09 in one CI run). Socket files named
+    after a fresh UUID cannot be taken by anyone else, and jupyter_client removes them when the kernel is
+    shut down (``cleanup_ipc_files``). A socket's path must fit in ``sockaddr_un`` (108 bytes on Linux,
+    104 on macOS): where the temporary folder's path is too long for that, the kernel keeps TCP."""
+
+    def __init__(self, **kwargs):
+        prefix = str(Path(tempfile.gettempdir()) / f"nbk-{uuid.uuid4().hex[:16]}")
+        if len(prefix.encode()) + len("-65535") < 100:
+            kwargs.setdefault("transport", "ipc")
+            kwargs.setdefault("ip", prefix)
+        super().__init__(**kwargs)
 
 
 def _graceful_teardown(teardown):
@@ -94,8 +119,8 @@ def _graceful_teardown(teardown):
     ``ds_configs_*``, Lab 11's ``lab11-*`` temporary folders, the checkers' judge) stays behind. So the kernel
     is asked to run its ``atexit`` handlers and leave: what a kernel's end does for the lab, without the
     seconds an interpreter holding torch spends tearing itself down (a ``shutdown_request`` took 1.5-2.6 s
-    per notebook, x 24 notebooks). nbval's own teardown then finds it ended (or kills it after
-    :data:`EXIT_WAIT_S`, as before)."""
+    per notebook, x 24 notebooks). A kernel that left is then stopped here, which only removes its files;
+    nbval's own teardown kills one still running after :data:`EXIT_WAIT_S`, as before."""
     def graceful(self):
         kernel = self.kernel
         if kernel is not None and kernel.is_alive() and not getattr(self.config.option, "cov_source", None):
@@ -103,6 +128,8 @@ def _graceful_teardown(teardown):
             deadline = time.monotonic() + EXIT_WAIT_S
             while kernel.km.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.02)
+        if kernel is not None and hasattr(kernel, "km") and not kernel.is_alive():
+            kernel.stop()       # nbval stops only a live kernel: this removes the connection and socket files
         teardown(self)
 
     graceful.graceful = True
