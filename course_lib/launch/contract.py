@@ -75,6 +75,17 @@ class RankError(LaunchError):
         super().__init__(msg)
 
 
+def _rendezvous_advice() -> str:
+    """torchrun --standalone's rendezvous store listens at ``localhost`` (torch/distributed/run.py sets
+    ``rdzv_endpoint="localhost:0"``), whatever ``--local-addr`` says, so a machine where that name does not
+    resolve (a bare container or chroot without /etc/hosts) never starts a rank."""
+    try:
+        socket.getaddrinfo("localhost", None)
+    except OSError:
+        return "torchrun --standalone meets at 'localhost', which does not resolve here: add '127.0.0.1 localhost' to /etc/hosts"
+    return "torchrun --standalone meets at localhost: check that nothing blocks local TCP connections"
+
+
 class LaunchTimeout(LaunchError):
     """The launch passed its deadline. ``phase`` names where it hung: ``"rendezvous"`` (torchrun's own:
     it started no rank), ``"start-up"`` (ranks ``unfinished`` never joined the process group) or
@@ -89,8 +100,7 @@ class LaunchTimeout(LaunchError):
             f"\n--- last output of rank {r} ---\n{tail(outputs[r])}" for r in unfinished if outputs[r].strip())
         waited = f"{waited:.0f}s" if waited is not None else f"timeout={timeout:g}s and start-up"
         if phase == "rendezvous":
-            what = (f"torchrun's rendezvous did not complete within {waited}: it started no rank (a --standalone "
-                    f"run meets on {LOOPBACK_ADDR}: check that nothing blocks local TCP connections)")
+            what = f"torchrun's rendezvous did not complete within {waited}: it started no rank ({_rendezvous_advice()})"
         elif phase == "start-up":
             what = (f"ranks {unfinished} did not join the process group within {waited} (start-up: imports, "
                     f"then the rendezvous; a busy machine starts ranks slowly: give a longer timeout)")

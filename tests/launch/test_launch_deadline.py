@@ -6,6 +6,7 @@ torchrun's traceback goes to the log (course_lib/launch/contract.py, course_lib/
 import re
 
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +44,18 @@ def test_the_phase_is_named_in_the_timeout_line():
     assert str(start_up).startswith("ranks [1, 3] did not join the process group within 15s (start-up")
     run = LaunchTimeout(5, [0], [""] * 2)
     assert str(run).startswith("ranks [0] did not finish within timeout=5s (a hang or deadlock")
+
+
+def test_a_rendezvous_timeout_says_when_localhost_does_not_resolve(monkeypatch):
+    line = str(LaunchTimeout(5, [], [], phase="rendezvous", waited=65))
+    assert line.startswith("torchrun's rendezvous did not complete within 65s: it started no rank (torchrun "
+                           "--standalone meets at localhost: check that nothing blocks local TCP connections)"), line
+
+    def unresolvable(host, *args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
+    line = str(LaunchTimeout(5, [], [], phase="rendezvous", waited=65))
+    assert "meets at 'localhost', which does not resolve here: add '127.0.0.1 localhost' to /etc/hosts)" in line, line
 
 
 def test_a_torchrun_rendezvous_that_never_completes_is_stopped_at_its_deadline(monkeypatch, capfd, tmp_path):
