@@ -245,17 +245,24 @@ BOMB_IS_CAPPED = _bomb_is_capped()
 
 
 def _memory_hog() -> str:
-    """A derive_dp cell that starts 8 processes each holding a quarter of the run's memory cap (each far below the
-    per-process address-space limit, twice the cap together) and waits for them; derive_dp is right only when the
-    run's memory cap (the whole group's, not a process's) killed one.
+    """A derive_dp cell that first checks the per-process limit (70% of the cap fits in one process, 110% does not),
+    then starts 8 processes each holding a quarter of the run's memory cap (each far below the per-process
+    address-space limit, twice the cap together) and waits for them; derive_dp is right only when the per-process
+    limit held as said and the run's memory cap (the whole group's, not a process's) killed one.
 
     The processes fill their blocks one after another, each holding its block until the cell lets go, so that when
     the cap is reached the holders are the run's largest processes (a forked child's RSS also counts the kernel's
     pages it shares): the OOM killer takes one of them, never the kernel. Filled all at once, as they were, a busy
     machine could leave every block partly filled at that moment and the kernel the largest process."""
-    quarter = int(MEMORY_GIB * 2 ** 30) // 4
+    cap = int(MEMORY_GIB * 2 ** 30)
+    quarter = cap // 4
     return (
-        "import os\nlet_go_r, let_go_w = os.pipe()\nkids, statuses = [], []\n"
+        # One process: 70% of the cap in one block fits (the budget comes on top of what the imports map: torch's CPU
+        # build ~0.6 GiB, its CUDA build ~3.1 GiB), 110% is refused at once (RLIMIT_AS, before a page is touched).
+        "import os\n"
+        f"try:\n    block = b'x' * {int(cap * 0.7)}\n    fits = True\n    del block\nexcept MemoryError:\n    fits = False\n"
+        f"try:\n    bytearray({int(cap * 1.1)})\n    over = True\nexcept MemoryError:\n    over = False\n"
+        "let_go_r, let_go_w = os.pipe()\nkids, statuses = [], []\n"
         "for _ in range(8):\n    filled_r, filled_w = os.pipe()\n    pid = os.fork()\n    if pid == 0:\n        try:\n"
         "            os.close(let_go_w)\n"
         f"            block = b'x' * {quarter}\n"
@@ -271,8 +278,8 @@ def _memory_hog() -> str:
         "os.close(let_go_w)\nstatuses += [os.waitpid(pid, 0)[1] for pid in kids]\n"
         "contained = any(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in statuses)\n\n"
         "def derive_dp(world_size, tp, pp, cp=1):\n"
-        "    if not contained or world_size % (tp * pp * cp):\n        raise ValueError('8 processes held twice "
-        "the cap')\n"
+        "    if not (fits and contained) or over or world_size % (tp * pp * cp):\n"
+        "        raise ValueError(f'fits={fits}, over={over}, contained={contained}: 8 processes held twice the cap')\n"
         "    return world_size // (tp * pp * cp)\n")
 
 

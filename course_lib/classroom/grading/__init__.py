@@ -170,7 +170,9 @@ def add_arguments(parser) -> None:
                         help=f"seconds one exercise (its cells and its checker) or one other cell may take "
                              f"(default {DEFAULT_TIMEOUT_S:g})")
     parser.add_argument("--memory", type=float, default=DEFAULT_MEMORY_GIB,
-                        help=f"GiB of address space per process of a student's run (default {DEFAULT_MEMORY_GIB:g})")
+                        help=f"GiB of address space per process of a student's run, beyond what the course's "
+                             f"imports map, and as root of memory for the run's processes together "
+                             f"(default {DEFAULT_MEMORY_GIB:g})")
     parser.add_argument("--solutions", type=Path, default=Path("solutions"),
                         help="the solution notebooks the official labs are generated from (default: solutions)")
 

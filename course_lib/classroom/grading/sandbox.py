@@ -10,7 +10,7 @@ A run's kernel, before it executes the first cell (:func:`_child`):
 
 * leaves the zygote's session (``setsid``) and keeps every process started under it in its tree
   (:func:`course_lib.launch.process_tree.adopt_orphans`), and dies with the zygote;
-* gets its limits: address space (``RLIMIT_AS``, per process), the size of any file it writes
+* gets its limits: address space (``RLIMIT_AS``, per process: what the zygote mapped plus the run's budget), the size of any file it writes
   (``RLIMIT_FSIZE``, so a print loop fills no disk), no core dumps, and, when the grader is not
   root (the kernel exempts root from it), a cap on new processes (``RLIMIT_NPROC``: a fork bomb
   stops at it);
@@ -186,6 +186,22 @@ def _limit(which: int, value: int) -> None:
     resource.setrlimit(which, (value, value))
 
 
+def _mapped_bytes() -> int:
+    """The address space this process maps now (``VmSize``; 0 where there is no ``/proc``): in a run's kernel, just
+    forked, what the zygote's imports mapped. A run's ``memory_bytes`` of address space come on top of it, so the
+    student's budget does not depend on the torch build: PyTorch's CPU wheel maps ~0.6 GiB once imported, its
+    CUDA wheel (what pip installs where PyTorch's CPU index is out of reach) ~3.1 GiB -- more than the 2 GiB the
+    tests give a run, where every new thread's stack failed and the kernel hung (measured, Python 3.13)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _child(spec: dict, zygote: int, group) -> None:
     """The kernel of one run, in the forked child: isolate, limit, fence, run the cells; never returns."""
     from course_lib.classroom.checks import exercise
@@ -250,7 +266,7 @@ def _limits(spec: dict) -> None:
     the number of processes: ``tasks_max`` more than the grader's user already runs (the pids group's cap, for the
     same reason: threads count)."""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an oversized write fails (EFBIG) instead of killing
-    _limit(resource.RLIMIT_AS, spec["memory_bytes"])
+    _limit(resource.RLIMIT_AS, _mapped_bytes() + spec["memory_bytes"])
     _limit(resource.RLIMIT_FSIZE, FILE_LIMIT_BYTES)
     _limit(resource.RLIMIT_CORE, 0)
     if os.geteuid() != 0:
