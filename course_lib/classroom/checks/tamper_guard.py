@@ -160,7 +160,7 @@ def _code_objects(fn) -> dict:
 
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
 _MACHINERY = {"wire.py", "verdicts.py", "tamper_guard.py", "__init__.py", "exercise.py", "judge.py",
-              "judge_client.py", "workers.py", "plain.py", "student_code.py", "refusals.py"}
+              "judge_client.py", "workers.py", "plain.py", "student_code.py", "refusals.py", "student_process.py"}
 """Files of the checks package whose code may run inside a student's call: the checked process group
 (every collective passes through it), the verdict helpers and the verdict record (what the student's code
 prints passes through it)."""

@@ -1,0 +1,143 @@
+"""The student's call on a checked rank runs in a student process of its own
+(course_lib/classroom/checks/student_process.py): what it does to the rank's recorders, the refusal policy or the
+checked group's code stays in its own process, the verdict reads what crossed the pipe, and the student process
+never outlives its rank.
+
+The forgeries below pass the ring checker when the student's function runs in the rank's own interpreter (they
+did before the student process: each gets the sum from one all-reduce and writes ring-shaped sends into the
+rank's recorders); with the student process the all-reduce is refused by the rank and the forged record is the
+student process's own.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from course_lib.classroom.checks.collectives import check_ring_all_reduce
+from course_lib.launch.process_tree import is_running
+
+
+def _forge_ring_sends(n: int) -> None:
+    """Append to every active wire recorder the sends a ring all-reduce of ``n`` elements makes on this rank."""
+    from course_lib.classroom.checks import wire
+    from course_lib.comm import CommEvent
+
+    w, r = dist.get_world_size(), dist.get_rank()
+    sizes = [c.numel() for c in torch.tensor_split(torch.empty(n), w)]
+    for rec in wire._RECORDERS:
+        for chunk in [(r - s) % w for s in range(w - 1)] + [(r + 1 - s) % w for s in range(w - 1)]:
+            rec.events.append(CommEvent(op="send", kind="world", group_size=w, numel=sizes[chunk],
+                                        bytes=4 * sizes[chunk], direction="fwd", source="process_group",
+                                        peer=(r + 1) % w, rank=r))
+            rec.carried.append(None)
+
+
+def policy_off_and_record_patched(x):
+    """The refusal policy switched off and CheckedProcessGroup._record made a no-op around one all_reduce, then
+    ring-shaped sends written into the recorders."""
+    from course_lib.classroom.checks import wire
+
+    rule, wire._POLICY["p2p_only"] = wire._POLICY["p2p_only"], None
+    record = wire.CheckedProcessGroup._record
+    wire.CheckedProcessGroup._record = lambda *args, **kwargs: None
+    try:
+        y = x.clone()
+        dist.all_reduce(y)
+    finally:
+        wire.CheckedProcessGroup._record = record
+        wire._POLICY["p2p_only"] = rule
+    _forge_ring_sends(x.numel())
+    return y
+
+
+def gloo_under_the_checked_group(x):
+    """The all-reduce on the gloo group the checked group wraps (its ``_inner``), then ring-shaped sends written
+    into the recorders."""
+    y = x.clone()
+    inner = dist.distributed_c10d._get_default_group()._inner
+    inner.allreduce([y], dist.AllreduceOptions()).wait()
+    _forge_ring_sends(x.numel())
+    return y
+
+
+def recorders_replaced(x):
+    """The recorders taken away during an all-reduce (``wire._RECORDERS`` emptied, the policy off), then
+    ring-shaped sends written into them."""
+    from course_lib.classroom.checks import wire
+
+    saved = list(wire._RECORDERS)
+    wire._RECORDERS.clear()
+    rule, wire._POLICY["p2p_only"] = wire._POLICY["p2p_only"], None
+    try:
+        y = x.clone()
+        dist.all_reduce(y)
+    finally:
+        wire._RECORDERS.extend(saved)
+        wire._POLICY["p2p_only"] = rule
+    _forge_ring_sends(x.numel())
+    return y
+
+
+FORGERIES = [policy_off_and_record_patched, gloo_under_the_checked_group, recorders_replaced]
+
+
+@pytest.mark.parametrize("forgery", FORGERIES, ids=[f.__name__ for f in FORGERIES])
+def test_a_function_that_forges_the_rank_s_wire_record_is_judged_by_what_crossed(forgery, capsys):
+    verdict = check_ring_all_reduce(forgery)
+    out = capsys.readouterr().out
+    assert not verdict.ok, out
+    assert "✓" not in out and "✗ with 2 ranks, rank" in out, out
+
+
+def _rank_sleeper(path):
+    from course_lib.classroom.checks.student_process import run_on_rank
+
+    return run_on_rank(_writes_its_pids_and_sleeps, path).value
+
+
+def _writes_its_pids_and_sleeps(path):
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    os.replace(path + ".tmp", path)
+    time.sleep(120)
+
+
+def _wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from /proc")
+def test_the_student_process_does_not_outlive_a_killed_rank(tmp_path):
+    from course_lib.classroom.checks.wire import launch_checked
+    from course_lib.launch import RankError
+
+    path = str(tmp_path / "pids")
+    failure: list = []
+
+    def launch():
+        try:
+            launch_checked(_rank_sleeper, 1, timeout=60, path=path)
+        except RankError as err:
+            failure.append(err)
+
+    thread = threading.Thread(target=launch, daemon=True)
+    thread.start()
+    assert _wait_for(lambda: os.path.exists(path), 60), "the student process never started"
+    student, rank = map(int, open(path).read().split())
+    assert student != rank and is_running(student) and is_running(rank)
+    os.kill(rank, signal.SIGKILL)
+    assert _wait_for(lambda: not is_running(student), 10), "the student process outlived its rank"
+    thread.join(30)
+    assert not thread.is_alive() and failure and "SIGKILL" in str(failure[0]), failure
