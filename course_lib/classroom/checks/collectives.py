@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks import not_attempted, plain
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.student_process import run_on_rank
@@ -60,7 +60,7 @@ def _as_picklable(value):
     """A tensor as it is; anything else as its type and repr (it travels back from a rank)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    return {"type": getattr(value, "_type_name", type(value).__name__), "repr": safe_repr(value)}
+    return {"type": plain.type_name(value), "repr": safe_repr(value)}
 
 
 def student_trial(fn, *args, references=()) -> dict:

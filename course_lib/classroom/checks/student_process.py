@@ -39,6 +39,7 @@ Megatron has no counterpart: this is the course's checker machinery (torch's Pyt
 from __future__ import annotations
 
 import builtins
+import contextlib
 import datetime
 import os
 import selectors
@@ -52,15 +53,17 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d_classes
 from torch.distributed import distributed_c10d as c10d
+from torch.utils._python_dispatch import _disable_current_modes
 
 from course_lib.classroom.checks import plain, wire
 from course_lib.classroom.checks.refusals import Refused
-from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun, run_student
-from course_lib.classroom.checks.wire import CheckedProcessGroup, CollectiveRefused, SplitMismatch, student_running
+from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun, on_rank_result, run_student
+from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRefused, SplitMismatch, largest_tensor,
+                                             student_running, wire_recorder)
 from course_lib.classroom.checks.workers import _tensor_leaves, _write_all
 from course_lib.launch.process_tree import die_with_parent
 
-__all__ = ["run_on_rank", "OPS"]
+__all__ = ["run_on_rank", "student_on_rank", "OPS"]
 
 OPS = ("send", "recv", "recv_anysource", "barrier", "monitored_barrier", "allreduce", "allreduce_coalesced",
        "allgather", "_allgather_base", "all_gather_single", "allgather_coalesced", "allgather_into_tensor_coalesced",
@@ -196,11 +199,12 @@ class _PipeWork(dist.Work):
         self._id, self._outputs, self._done, self._source = work_id, outputs, False, -1
 
     def wait(self, timeout=None):  # noqa: ARG002 - the rank's group timeout bounds it
-        reply = _ask({"wait": self._id})
-        if "error" in reply:
-            raise _exception(reply["error"])
-        if self._outputs is not None and reply.get("outputs") is not None:
-            _fill(self._outputs, reply["outputs"])
+        with _disable_current_modes():  # the transfer is not the student's computation (largest_tensor)
+            reply = _ask({"wait": self._id})
+            if "error" in reply:
+                raise _exception(reply["error"])
+            if self._outputs is not None and reply.get("outputs") is not None:
+                _fill(self._outputs, reply["outputs"])
         self._done, self._source = True, int(reply.get("source", -1))
         return True
 
@@ -216,7 +220,8 @@ class _PipeWork(dist.Work):
 
 def _forwarded(name: str):
     def op(self, *args):
-        reply = _ask({"op": name, "group": self._gid, "args": [_pack(a) for a in args]})
+        with _disable_current_modes():  # the transfer is not the student's computation (largest_tensor)
+            reply = _ask({"op": name, "group": self._gid, "args": [_pack(a) for a in args]})
         if "error" in reply:
             raise _exception(reply["error"])
         return _PipeWork(int(reply["work"]), None if name in _NO_OUTPUT else args[0])
@@ -272,7 +277,8 @@ def _state(args) -> list:
     return out
 
 
-def _student_process(fn, args, kwargs, references, to_rank: int, from_rank: int, keep: set, rank_pid: int) -> None:
+def _student_process(fn, args, kwargs, references, measure: bool, to_rank: int, from_rank: int, keep: set,
+                     rank_pid: int) -> None:
     """The student process: its descriptors closed, the groups forwarding, one call, the reply; never returns."""
     try:
         die_with_parent(rank_pid)
@@ -286,8 +292,11 @@ def _student_process(fn, args, kwargs, references, to_rank: int, from_rank: int,
                 _CHANNEL.setdefault("gloo", []).append(group._inner)  # held: never torn down in this process
                 group.__class__ = _Forwarding
                 group._gid, group._inner = gid, _RanksOnly()
-        run = run_student(fn, *args, references=references, **kwargs)
+        with largest_tensor() if measure else contextlib.nullcontext() as seen:
+            run = run_student(fn, *args, references=references, **kwargs)
         done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
+        if measure:
+            done["largest"] = [int(seen.largest), seen.op]
         try:
             if run.error is not None:
                 done["error"] = _error_of(run.error, with_traceback=False)
@@ -423,7 +432,7 @@ def _kept_fds(fn) -> set:
     return {ruleset()} if callable(ruleset) else set()
 
 
-def run_on_rank(fn, *args, references=(), **kwargs) -> StudentRun:
+def run_on_rank(fn, *args, references=(), measure: bool = False, **kwargs) -> StudentRun:
     """On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked`: call ``fn(*args, **kwargs)`` in a
     student process of its own (see the module docstring) and return what the call did, as
     :func:`~course_lib.classroom.checks.tamper_guard.run_student` does (``value`` decoded from plain data,
@@ -431,7 +440,9 @@ def run_on_rank(fn, *args, references=(), **kwargs) -> StudentRun:
     (and a module's parameters, gradients and buffers) are updated with what the function left in them.
     Every op the function issued ran on this rank's groups, so this rank's recorders have it; a refused
     collective or a :class:`~course_lib.classroom.checks.wire.SplitMismatch` raised here comes back as the
-    ``error``, even when the student's code caught it."""
+    ``error``, even when the student's code caught it. With ``measure``, ``largest`` is
+    ``(elements, op)`` of the largest tensor the call computed
+    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process)."""
     groups = list(c10d._world.pg_map)
     timeout = wire.group_timeout()
     keep = _kept_fds(fn)
@@ -444,7 +455,7 @@ def run_on_rank(fn, *args, references=(), **kwargs) -> StudentRun:
     if pid == 0:
         os.close(from_student)
         os.close(to_student)
-        _student_process(fn, args, kwargs, references, to_rank, from_rank, keep, rank_pid)
+        _student_process(fn, args, kwargs, references, measure, to_rank, from_rank, keep, rank_pid)
     os.close(to_rank)
     os.close(from_rank)
     rank, lines, reaped = _Rank(groups), _Lines(from_student), False
@@ -479,6 +490,9 @@ def run_on_rank(fn, *args, references=(), **kwargs) -> StudentRun:
 def _result(done: dict, rank: _Rank, args, kwargs) -> StudentRun:
     run = StudentRun(patched=[str(p) for p in done.get("patched", [])][:20],
                      course_code=[str(c) for c in done.get("course_code", [])][:20])
+    largest = done.get("largest")
+    if isinstance(largest, list) and len(largest) == 2:
+        run.largest = (int(largest[0]), None if largest[1] is None else str(largest[1]))
     if rank.wire_error is not None:
         run.error = rank.wire_error
     elif isinstance(done.get("error"), dict):
@@ -503,3 +517,11 @@ def _stop(pid: int) -> None:
     except ChildProcessError:
         pass
 
+
+def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False) -> dict:
+    """:func:`course_lib.classroom.checks.tamper_guard.student_on_rank` with the call in a student process of its
+    own (:func:`run_on_rank`): the same dict, the ops recorded here; the tensors of ``args`` come back, ``raw``
+    is the value as plain data, ``largest`` is measured in the student process."""
+    with wire_recorder() as rec:
+        run = run_on_rank(fn, *args, references=references, measure=measure)
+    return on_rank_result(run, rec, measure, raw)

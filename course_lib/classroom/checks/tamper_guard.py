@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.verdicts import safe_repr
 from course_lib.classroom.checks.wire import largest_tensor, student_running, wire_recorder
 
@@ -52,6 +53,7 @@ class StudentRun:
     error: BaseException | None = None
     patched: list[str] = field(default_factory=list)
     course_code: list[str] = field(default_factory=list)
+    largest: tuple | None = None  # (elements, op) of the largest tensor, where a student process measured it
 
     @property
     def todo(self) -> bool:
@@ -276,11 +278,14 @@ def portable(value):
 
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    return f"a {type(value).__name__} ({safe_repr(value, 50)})"
+    return f"a {plain.type_name(value)} ({safe_repr(value, 50)})"
 
 
 def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
-    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
+    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded, in this
+    rank's interpreter (for a check whose truth lives in what the call changes besides its arguments: a
+    closure's tensors, autograd graphs; :func:`course_lib.classroom.checks.student_process.student_on_rank`
+    runs it in a student process of its own).
 
     Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
     returns ``value`` (:func:`portable` of what came back), ``events`` (the rank's
@@ -292,12 +297,20 @@ def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False,
     the dict from the rank: it may not pickle)."""
     with wire_recorder() as rec, (largest_tensor() if measure else contextlib.nullcontext()) as seen:
         run = run_student(fn, *args, references=references)
+    if measure:
+        run.largest = (seen.largest, seen.op)
+    return on_rank_result(run, rec, measure, raw)
+
+
+def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
+    """:func:`student_on_rank`'s dict for a call ``run`` whose ops ``rec`` recorded (raises its error)."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
                course_code=run.course_code)
     if measure:
-        out.update(largest=seen.largest, largest_op=seen.op)
+        largest, op = run.largest or (0, None)
+        out.update(largest=largest, largest_op=op)
     if raw:
         out["raw"] = run.value
     return out

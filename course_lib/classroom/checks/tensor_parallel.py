@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import call_problem, run_student, student_on_rank
+from course_lib.classroom.checks.student_process import student_on_rank
+from course_lib.classroom.checks.tamper_guard import call_problem, run_student
 from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, drawn_rng, launch_checked,
                                                   same_payload, secret_generator, tensors_close)
 from course_lib.launch import LaunchTimeout, RankError
