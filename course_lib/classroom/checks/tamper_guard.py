@@ -18,7 +18,8 @@ its input generators), except what the checker handed over. :func:`course_functi
 Where it matters: the judge runs the student's function in worker processes
 (:mod:`~course_lib.classroom.checks.workers`, where :mod:`~course_lib.classroom.checks.refusals` refuses the
 answer's modules), so in the judge's check process this guard only reports what the worker saw; on the ranks of a
-launch the student's call runs beside the checker's rank code, and this guard is what holds there.
+launch it runs in the student process (:mod:`~course_lib.classroom.checks.student_process`) or, for the checkers
+that still call the student on the rank, beside the checker's rank code, where this guard is what holds.
 """
 
 from __future__ import annotations
