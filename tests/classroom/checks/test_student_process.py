@@ -141,3 +141,45 @@ def test_the_student_process_does_not_outlive_a_killed_rank(tmp_path):
     assert _wait_for(lambda: not is_running(student), 10), "the student process outlived its rank"
     thread.join(30)
     assert not thread.is_alive() and failure and "SIGKILL" in str(failure[0]), failure
+
+
+FORGED_THROUGH_THE_JUDGE = '''
+import torch
+import torch.distributed as dist
+
+def my_ring_all_reduce(x):
+    group = dist.distributed_c10d._get_default_group()
+    checked = next(c for c in type(group).__mro__ if c.__name__ == "CheckedProcessGroup")
+    wire = checked._record.__globals__             # the recorder's module, reached without an import
+    w, r = dist.get_world_size(), dist.get_rank()
+    saved, rule = list(wire["_RECORDERS"]), wire["_POLICY"]["p2p_only"]
+    wire["_RECORDERS"].clear()
+    wire["_POLICY"]["p2p_only"] = None
+    try:
+        y = x.clone()
+        dist.all_reduce(y)
+    finally:
+        wire["_RECORDERS"].extend(saved)
+        wire["_POLICY"]["p2p_only"] = rule
+    sizes = [c.numel() for c in torch.tensor_split(x, w)]
+    for rec in wire["_RECORDERS"]:
+        for chunk in [(r - s) % w for s in range(w - 1)] + [(r + 1 - s) % w for s in range(w - 1)]:
+            rec.events.append(wire["CommEvent"](op="send", kind="world", group_size=w, numel=sizes[chunk],
+                                                bytes=4 * sizes[chunk], direction="fwd", peer=(r + 1) % w, rank=r))
+            rec.carried.append(None)
+    return y
+'''
+
+
+def test_through_the_judge_a_forged_wire_record_fails_too(monkeypatch):
+    """The same forgery from a notebook cell, checked by the judge (the student's refusals in place): the
+    recorder's module reached through a method's ``__globals__`` is the student process's copy."""
+    import linecache
+
+    monkeypatch.setenv("COURSE_JUDGE", "1")  # as in a notebook's kernel
+    filename = "/tmp/ipykernel_0/forged_wire.py"  # a cell's text is read from linecache, as in a kernel
+    linecache.cache[filename] = (0, None, FORGED_THROUGH_THE_JUDGE.splitlines(True), filename)
+    space = {"__name__": "__main__"}
+    exec(compile(FORGED_THROUGH_THE_JUDGE, filename, "exec"), space)  # noqa: S102 - the test's own cell
+    verdict = check_ring_all_reduce(space["my_ring_all_reduce"])
+    assert not verdict.ok and "ran a collective" in verdict.hint, verdict
