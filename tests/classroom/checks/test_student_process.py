@@ -183,3 +183,61 @@ def test_through_the_judge_a_forged_wire_record_fails_too(monkeypatch):
     exec(compile(FORGED_THROUGH_THE_JUDGE, filename, "exec"), space)  # noqa: S102 - the test's own cell
     verdict = check_ring_all_reduce(space["my_ring_all_reduce"])
     assert not verdict.ok and "ran a collective" in verdict.hint, verdict
+
+
+def _pair_group_and_ring_step(x):
+    """A new group of ranks 0 and 1 (rank 2 is not in it), an all-reduce on it, then one isend/irecv step
+    around the world ring: ops the student process forwards, each recorded by its rank."""
+    w, r = dist.get_world_size(), dist.get_rank()
+    pair = dist.new_group([0, 1])
+    y = x.clone()
+    if r in (0, 1):
+        dist.all_reduce(y, group=pair)
+    incoming = torch.empty_like(x)
+    reqs = [dist.isend(x, (r + 1) % w), dist.irecv(incoming, (r - 1) % w)]
+    for req in reqs:
+        req.wait()
+    return y, incoming
+
+
+def _catches_the_refusal(x):
+    try:
+        dist.all_reduce(x)
+    except Exception:  # noqa: BLE001 - a student who hides the refusal
+        pass
+    return x
+
+
+def _raises(x):
+    raise ValueError(f"my own message for {x.numel()} elements")
+
+
+def _rank_mechanics():
+    from course_lib.classroom.checks.student_process import run_on_rank
+    from course_lib.classroom.checks.wire import point_to_point_only, wire_recorder
+
+    r = dist.get_rank()
+    x = torch.full((3,), float(2 * r + 1))  # 1, 3, 5
+    with wire_recorder() as rec:
+        run = run_on_rank(_pair_group_and_ring_step, x)
+    ops = [(e.op, e.kind, e.peer) for e in rec.events]
+    with point_to_point_only("send/recv only"):
+        caught = run_on_rank(_catches_the_refusal, x.clone())
+    raised = run_on_rank(_raises, x)
+    return dict(value=run.value, error=run.error, ops=ops, caught=(type(caught.error).__name__, str(caught.error)),
+                raised=(type(raised.error).__name__, str(raised.error)))
+
+
+def test_the_rank_runs_what_the_student_process_asks_for():
+    from course_lib.classroom.checks.wire import REFUSED_MARK, launch_checked
+
+    for r, got in enumerate(launch_checked(_rank_mechanics, 3, timeout=30)):
+        assert got["error"] is None, got["error"]
+        summed, incoming = got["value"]
+        assert torch.equal(summed, torch.full((3,), 4.0 if r < 2 else 5.0)), (r, summed)  # 1 + 3 on the pair
+        assert torch.equal(incoming, torch.full((3,), float(2 * ((r - 1) % 3) + 1))), (r, incoming)
+        expected = ([("all_reduce", "ranks 0,1", None)] if r < 2 else []) + [("send", "world", (r + 1) % 3),
+                                                                               ("recv", "world", (r - 1) % 3)]
+        assert got["ops"] == expected, (r, got["ops"])
+        assert got["caught"][0] == "CollectiveRefused" and REFUSED_MARK in got["caught"][1], got["caught"]
+        assert got["raised"] == ("ValueError", "my own message for 3 elements"), got["raised"]
