@@ -54,7 +54,10 @@ sent. The list form of ``all_to_all`` moves equal-sized tensors only on gloo; un
 
 The limit: code that builds a raw ``ProcessGroupGloo`` from the private store
 object, edits this module's state, reads the checker's frames, or computes outside torch (numpy)
-is not stopped. Nothing reachable through public names is.
+is not stopped. Nothing reachable through public names is. Where a checker calls the student in a
+student process (:mod:`~course_lib.classroom.checks.student_process`), that code runs in the student's
+own process: the store's and gloo's sockets are closed there, this module's state there is a copy, and
+the record and the refusals that count are the rank's.
 """
 
 from __future__ import annotations
