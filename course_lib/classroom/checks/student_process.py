@@ -277,8 +277,8 @@ def _state(args) -> list:
     return out
 
 
-def _student_process(fn, args, kwargs, references, measure: bool, to_rank: int, from_rank: int, keep: set,
-                     rank_pid: int) -> None:
+def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_rank: int, from_rank: int,
+                     keep: set, rank_pid: int) -> None:
     """The student process: its descriptors closed, the groups forwarding, one call, the reply; never returns."""
     try:
         die_with_parent(rank_pid)
@@ -302,7 +302,7 @@ def _student_process(fn, args, kwargs, references, measure: bool, to_rank: int, 
                 done["error"] = _error_of(run.error, with_traceback=False)
                 done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
             else:
-                done["value"] = plain.encode(run.value)
+                done["value"] = plain.encode(run.value if summarize is None else summarize(run.value))
             done["state"] = plain.encode(_state(list(args) + list(kwargs.values())))
             data = plain.dumps({"done": done})
         except Exception as exc:  # noqa: BLE001 - a value that does not encode
@@ -432,7 +432,7 @@ def _kept_fds(fn) -> set:
     return {ruleset()} if callable(ruleset) else set()
 
 
-def run_on_rank(fn, *args, references=(), measure: bool = False, **kwargs) -> StudentRun:
+def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None, **kwargs) -> StudentRun:
     """On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked`: call ``fn(*args, **kwargs)`` in a
     student process of its own (see the module docstring) and return what the call did, as
     :func:`~course_lib.classroom.checks.tamper_guard.run_student` does (``value`` decoded from plain data,
@@ -442,7 +442,10 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, **kwargs) -> St
     collective or a :class:`~course_lib.classroom.checks.wire.SplitMismatch` raised here comes back as the
     ``error``, even when the student's code caught it. With ``measure``, ``largest`` is
     ``(elements, op)`` of the largest tensor the call computed
-    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process)."""
+    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With
+    ``summarize``, the value is ``summarize(what the function returned)``, computed in the student process after
+    the call (its patches undone): for a check that needs some plain data of an object that does not travel
+    (an optimizer's state)."""
     groups = list(c10d._world.pg_map)
     timeout = wire.group_timeout()
     keep = _kept_fds(fn)
@@ -455,7 +458,7 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, **kwargs) -> St
     if pid == 0:
         os.close(from_student)
         os.close(to_student)
-        _student_process(fn, args, kwargs, references, measure, to_rank, from_rank, keep, rank_pid)
+        _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
     os.close(to_rank)
     os.close(from_rank)
     rank, lines, reaped = _Rank(groups), _Lines(from_student), False
