@@ -29,8 +29,13 @@ there again after the call, even when the student's code caught it. The student 
 group's timeout while the rank waits for its next message.
 
 What remains in the student's room: the refusals of references and libraries (they run there: code that
-undoes them there gets past them, as in the student's own kernel), and its own sockets (a student process
-could open a connection of its own to its peers; nothing the checker records would see it).
+undoes them there gets past them, as in the student's own kernel), what a checker asks to be measured or read
+there (``measure``, ``summarize``), and its own sockets (a student process could open a connection of its own
+to its peers; nothing the checker records would see it). The gloo groups it inherited are held, never used:
+their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
+
+Cost: one fork a call, about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
+module dicts -- the patch snapshot -- is most of it), and about 1 ms a forwarded op.
 
 Megatron has no counterpart: this is the course's checker machinery (torch's Python ``ProcessGroup`` and
 ``Work`` subclasses, as :class:`~course_lib.classroom.checks.wire.CheckedProcessGroup` uses them).
