@@ -65,7 +65,7 @@ from course_lib.classroom.checks.refusals import Refused
 from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun, on_rank_result, run_student
 from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRefused, SplitMismatch, largest_tensor,
                                              student_running, wire_recorder)
-from course_lib.classroom.checks.workers import _tensor_leaves, _write_all
+from course_lib.classroom.checks.workers import _tensor_leaves, _travels, _write_all
 from course_lib.launch.process_tree import die_with_parent
 
 __all__ = ["run_on_rank", "student_on_rank", "OPS"]
@@ -267,6 +267,19 @@ for _name in OPS:
     setattr(_Forwarding, _name, _forwarded(_name))
 
 
+def _with_groups(value, groups: list):
+    """``value`` (decoded plain data) with each ``{"$group": gid}`` replaced by that process group."""
+    if isinstance(value, list):
+        return [_with_groups(v, groups) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_with_groups(v, groups) for v in value)
+    if isinstance(value, dict):
+        if set(value) == {"$group"}:
+            return groups[int(value["$group"])]
+        return {k: _with_groups(v, groups) for k, v in value.items()}
+    return value
+
+
 def _state(args) -> list:
     """What the function may have changed in its arguments, in order: each tensor, and each module's
     parameters (value and gradient) and buffers."""
@@ -284,7 +297,8 @@ def _state(args) -> list:
 
 def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_rank: int, from_rank: int,
                      keep: set, rank_pid: int) -> None:
-    """The student process: its descriptors closed, the groups forwarding, one call, the reply; never returns."""
+    """The student process: its descriptors closed, the groups forwarding, the first call and its reply, then
+    the rank's next calls of the same function (plain arguments) until the rank closes the pipe; never returns."""
     try:
         die_with_parent(rank_pid)
         keep = sorted({0, 1, 2, to_rank, from_rank} | {fd for fd in keep if fd >= 0})
@@ -297,27 +311,40 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
                 _CHANNEL.setdefault("gloo", []).append(group._inner)  # held: never torn down in this process
                 group.__class__ = _Forwarding
                 group._gid, group._inner = gid, _RanksOnly()
-        with largest_tensor() if measure else contextlib.nullcontext() as seen:
-            run = run_student(fn, *args, references=references, **kwargs)
-        done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
-        if measure:
-            done["largest"] = [int(seen.largest), seen.op]
-        try:
-            if run.error is not None:
-                done["error"] = _error_of(run.error, with_traceback=False)
-                done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
-            else:
-                done["value"] = plain.encode(run.value if summarize is None else summarize(run.value))
-            done["state"] = plain.encode(_state(list(args) + list(kwargs.values())))
-            data = plain.dumps({"done": done})
-        except Exception as exc:  # noqa: BLE001 - a value that does not encode
-            data = plain.dumps({"done": {**done, "error": {"type": "TypeError", "message":
-                                f"what your function returned could not be sent back: {exc}"}}})
-        sys.stdout.flush()
-        sys.stderr.flush()
-        _write_all(to_rank, (data + "\n").encode("utf-8"))
+        _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
+        while True:
+            with _CHANNEL["lock"]:  # a thread the function left running waits for the next call
+                line = _CHANNEL["replies"].readline()
+            if not line:
+                break
+            request = plain.loads(line.decode("utf-8"))
+            args, kwargs = (_with_groups(v, _CHANNEL["groups"]) for v in plain.decode(request["call"]))
+            _one_call(fn, args, kwargs, references, bool(request.get("measure")), None, to_rank)
     finally:
         os._exit(0)
+
+
+def _one_call(fn, args, kwargs, references, measure: bool, summarize, to_rank: int) -> None:
+    """One call of the student's function in the student process, and its reply to the rank."""
+    with largest_tensor() if measure else contextlib.nullcontext() as seen:
+        run = run_student(fn, *args, references=references, **kwargs)
+    done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
+    if measure:
+        done["largest"] = [int(seen.largest), seen.op]
+    try:
+        if run.error is not None:
+            done["error"] = _error_of(run.error, with_traceback=False)
+            done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
+        else:
+            done["value"] = plain.encode(run.value if summarize is None else summarize(run.value))
+        done["state"] = plain.encode(_state(list(args) + list(kwargs.values())))
+        data = plain.dumps({"done": done})
+    except Exception as exc:  # noqa: BLE001 - a value that does not encode
+        data = plain.dumps({"done": {**done, "error": {"type": "TypeError", "message":
+                            f"what your function returned could not be sent back: {exc}"}}})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _write_all(to_rank, (data + "\n").encode("utf-8"))
 
 
 # ------------------------------------------------------------------ the rank's side
@@ -450,49 +477,116 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With
     ``summarize``, the value is ``summarize(what the function returned)``, computed in the student process after
     the call (its patches undone): for a check that needs some plain data of an object that does not travel
-    (an optimizer's state)."""
-    groups = list(c10d._world.pg_map)
-    timeout = wire.group_timeout()
-    keep = _kept_fds(fn)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    from_student, to_rank = os.pipe()
-    from_rank, to_student = os.pipe()
-    rank_pid = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        os.close(from_student)
-        os.close(to_student)
-        _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
-    os.close(to_rank)
-    os.close(from_rank)
-    rank, lines, reaped = _Rank(groups), _Lines(from_student), False
+    (an optimizer's state).
+
+    The student process stays for the rank's next call of the same function (same references, the same
+    process groups on the rank, no ``summarize``) whose arguments travel as plain data (tensors, numbers,
+    lists, dicts, the rank's process groups): it runs there, without a new fork. Otherwise a new student
+    process is forked (the kept one is stopped)."""
+    session = _KEPT.get("session")
+    request = None
+    if session is not None and summarize is None and session.fits(fn, references):
+        request = _call_request(args, kwargs, session.groups, measure)
+    if request is None:
+        if session is not None:
+            session.close()
+        session = _KEPT["session"] = _Session.fork(fn, args, kwargs, references, measure, summarize)
     try:
+        if request is not None:
+            _write_all(session.to_student, (plain.dumps(request) + "\n").encode("utf-8"))
+        rank = _Rank(session.groups)
         with student_running():
-            while True:
-                line = lines.next(timeout)
-                if line is None:
-                    raise TimeoutError(f"your function neither returned nor sent anything for {timeout:g} s (the "
-                                       f"group's timeout): is there a loop that never ends?")
-                if not line:
-                    raise StudentProcessError("your function ended its process (os._exit, sys.exit, a crash or a "
-                                              "signal) before it returned")
-                request = plain.loads(line.decode("utf-8"))
-                if not isinstance(request, dict):
-                    raise StudentProcessError("your function's process sent something unreadable")
-                if "done" in request:
-                    done = request["done"]
-                    break
-                _write_all(to_student, (plain.dumps(rank.answer(request)) + "\n").encode("utf-8"))
-        os.waitpid(pid, 0)
-        reaped = True
-    finally:
-        if not reaped:
-            _stop(pid)
-        lines.selector.close()
-        os.close(from_student)
-        os.close(to_student)
+            done = session.serve(rank)
+    except BaseException:
+        session.close()
+        raise
+    session.pg_keys = [id(g) for g in c10d._world.pg_map]
     return _result(done if isinstance(done, dict) else {}, rank, args, kwargs)
+
+
+_KEPT: dict = {}
+"""On a rank: the student process kept for the next call (``"session"``), if any."""
+
+
+def _call_request(args, kwargs, groups: list, measure: bool):
+    """A call for the kept student process: the arguments as plain data, each of the rank's process groups as
+    ``{"$group": gid}``; None when an argument does not travel (a module, a callback)."""
+    def marked(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(marked(v) for v in value) if type(value) in (list, tuple) else value
+        if isinstance(value, dict):
+            return {k: marked(v) for k, v in value.items()}
+        for gid, group in enumerate(groups):
+            if value is group:
+                return {"$group": gid}
+        return value
+
+    encoded = plain.encode([marked(list(args)), marked(dict(kwargs))])
+    return {"call": encoded, "measure": measure} if _travels(encoded) else None
+
+
+class _Session:
+    """The rank's end of a student process: its pid, its pipes, the groups it knows, what it was forked for."""
+
+    def __init__(self, pid: int, to_student: int, from_student: int, fn, references, groups: list):
+        self.pid, self.to_student, self.lines = pid, to_student, _Lines(from_student)
+        self.fn, self.references, self.groups = fn, [id(r) for r in references], groups
+        self.pg_keys = [id(g) for g in c10d._world.pg_map]
+        self.closed = False
+
+    @classmethod
+    def fork(cls, fn, args, kwargs, references, measure: bool, summarize) -> "_Session":
+        """Fork a student process that makes the first call at once (its arguments inherited, not sent)."""
+        groups = list(c10d._world.pg_map)
+        keep = _kept_fds(fn)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from_student, to_rank = os.pipe()
+        from_rank, to_student = os.pipe()
+        rank_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(from_student)
+            os.close(to_student)
+            _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
+        os.close(to_rank)
+        os.close(from_rank)
+        return cls(pid, to_student, from_student, fn, references, groups)
+
+    def fits(self, fn, references) -> bool:
+        """Whether a call of ``fn`` with ``references`` can run here (the rank's groups unchanged since)."""
+        return (not self.closed and self.fn is fn and self.references == [id(r) for r in references]
+                and self.pg_keys == [id(g) for g in c10d._world.pg_map])
+
+    def serve(self, rank: "_Rank") -> dict:
+        """Run the ops the student process asks for until its call is done; its reply."""
+        timeout = wire.group_timeout()
+        while True:
+            line = self.lines.next(timeout)
+            if line is None:
+                raise TimeoutError(f"your function neither returned nor sent anything for {timeout:g} s (the "
+                                   f"group's timeout): is there a loop that never ends?")
+            if not line:
+                raise StudentProcessError("your function ended its process (os._exit, sys.exit, a crash or a "
+                                          "signal) before it returned")
+            request = plain.loads(line.decode("utf-8"))
+            if not isinstance(request, dict):
+                raise StudentProcessError("your function's process sent something unreadable")
+            if "done" in request:
+                return request["done"]
+            _write_all(self.to_student, (plain.dumps(rank.answer(request)) + "\n").encode("utf-8"))
+
+    def close(self) -> None:
+        """Stop the student process and close the pipes (it is not kept)."""
+        if self.closed:
+            return
+        self.closed = True
+        _stop(self.pid)
+        self.lines.selector.close()
+        os.close(self.lines.fd)
+        os.close(self.to_student)
+        if _KEPT.get("session") is self:
+            _KEPT.clear()
 
 
 def _result(done: dict, rank: _Rank, args, kwargs) -> StudentRun:
