@@ -4,7 +4,8 @@ cannot reach it.
 On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked` the checker's rank code, its recorders
 (:func:`~course_lib.classroom.checks.wire.wire_recorder`), the refusal policy
 (:func:`~course_lib.classroom.checks.wire.point_to_point_only`) and the real gloo connections live in the rank
-process. :func:`run_on_rank` forks a *student process* from it for one call of the student's function:
+process. :func:`run_on_rank` forks a *student process* from it for the student's function (kept for the rank's
+next calls of it whose arguments are plain data, see :func:`run_on_rank`):
 
 * the student process keeps stdin/stdout/stderr, two pipes to the rank and the judge's file rule (Landlock)
   and closes every other inherited descriptor: the gloo sockets, the store's, the launcher's pipe. It dies
@@ -34,8 +35,8 @@ there (``measure``, ``summarize``), and its own sockets (a student process could
 to its peers; nothing the checker records would see it). The gloo groups it inherited are held, never used:
 their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
-Cost: one fork a call, about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
-module dicts -- the patch snapshot -- is most of it), and about 1 ms a forwarded op.
+Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
+module dicts -- the patch snapshot -- is most of it), hence the kept process; a forwarded op about 1 ms.
 
 Megatron has no counterpart: this is the course's checker machinery (torch's Python ``ProcessGroup`` and
 ``Work`` subclasses, as :class:`~course_lib.classroom.checks.wire.CheckedProcessGroup` uses them).

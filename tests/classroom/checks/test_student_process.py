@@ -241,3 +241,26 @@ def test_the_rank_runs_what_the_student_process_asks_for():
         assert got["ops"] == expected, (r, got["ops"])
         assert got["caught"][0] == "CollectiveRefused" and REFUSED_MARK in got["caught"][1], got["caught"]
         assert got["raised"] == ("ValueError", "my own message for 3 elements"), got["raised"]
+
+
+def _pid_of(_arg):
+    return os.getpid()
+
+
+def _rank_pids():
+    from course_lib.classroom.checks.student_process import run_on_rank
+
+    x = torch.zeros(2)
+    pids = [run_on_rank(_pid_of, x).value, run_on_rank(_pid_of, [x, 1.5, {"k": x}]).value]
+    pids.append(run_on_rank(_pid_of, torch.nn.Linear(1, 1)).value)   # a module does not travel: a new fork
+    dist.new_group([0, 1])                                            # a group the student process does not know
+    pids.append(run_on_rank(_pid_of, x).value)
+    return os.getpid(), pids
+
+
+def test_the_student_process_is_kept_for_calls_whose_arguments_are_plain_data():
+    from course_lib.classroom.checks.wire import launch_checked
+
+    for rank_pid, (first, again, module, after_new_group) in launch_checked(_rank_pids, 2, timeout=30):
+        assert rank_pid not in (first, again, module, after_new_group)
+        assert first == again and len({first, module, after_new_group}) == 3, (first, again, module, after_new_group)
