@@ -34,6 +34,7 @@ Every checker prints one verdict and never raises; the stub prints "not attempte
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from course_lib.classroom.checks import checked_call, is_course_answer, not_atte
 from course_lib.classroom.checks.conclusions import cited_numbers, measured_numbers
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.student_process import run_on_rank
 from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
 from course_lib.classroom.checks.verdicts import drawn_rng, safe_repr, whole_numbers
 from course_lib.training.dcp_io import RecordingReader, SafeFileSystemReader, load_pieces, save_pieces, written_chunks
@@ -121,6 +123,30 @@ def _entries(value, mlp) -> tuple[dict | None, str | None]:
     return out, None
 
 
+def _pieces_as_data(mlp, value) -> dict:
+    """In the student process, after the call: the returned dict as plain data (``value``) and, per parameter
+    name, whether its entry's tensor *is* that parameter (``own``: the same storage, offset and strides), which
+    a copy that travels back could not show."""
+    params, own = dict(mlp.named_parameters()), {}
+    if isinstance(value, dict):
+        for name, entry in value.items():
+            local = entry[0] if isinstance(entry, (tuple, list)) and entry else None
+            p = params.get(name) if isinstance(name, str) else None
+            own[name] = bool(isinstance(local, torch.Tensor) and p is not None and local.shape == p.shape
+                             and local.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+                             and local.storage_offset() == p.storage_offset() and local.stride() == p.stride())
+    return {"value": value, "own": own}
+
+
+def _own_parameters(returned: dict, mlp):
+    """The student's dict with each tensor that was the parameter itself in the student process replaced by this
+    rank's parameter (what DCP then fills in place)."""
+    value, params = returned.get("value"), dict(mlp.named_parameters())
+    if not isinstance(value, dict):
+        return value
+    return {name: (params[name], *entry[1:]) if returned["own"].get(name) else entry for name, entry in value.items()}
+
+
 def _anyone(flag: bool) -> bool:
     t = torch.tensor([1.0 if flag else 0.0])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -136,11 +162,12 @@ def _stage(fn, mlp, tp: int, tp_rank: int, action, report: dict) -> bool:
     report["tp_rank"] = tp_rank
     report["want"] = {n: global_spec(p, p, tp, tp_rank) for n, p in mlp.named_parameters()}
     report["local"] = {n: tuple(p.shape) for n, p in mlp.named_parameters()}
-    run = run_student(fn, mlp, tp_rank, tp, references=references_for("mlp_sharded_state_dict"))
+    run = run_on_rank(fn, mlp, tp_rank, tp, references=references_for("mlp_sharded_state_dict"),
+                      summarize=functools.partial(_pieces_as_data, mlp))
     pieces, problem = (None, "todo") if run.todo else (None, run.problem())
     report["course_code"] = run.course_code
     if problem is None:
-        pieces, problem = _entries(run.value, mlp)
+        pieces, problem = _entries(_own_parameters(run.value, mlp), mlp)
     report["problem"] = problem
     if pieces is not None:
         report["specs"] = {n: (shape, offsets) for n, (_, shape, offsets) in pieces.items()}

@@ -30,10 +30,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from course_lib.classroom.checks import not_attempted
+from course_lib.classroom.checks import not_attempted, plain
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import LibraryPatched, course_code_hint, run_student
+from course_lib.classroom.checks.student_process import run_on_rank
+from course_lib.classroom.checks.tamper_guard import LibraryPatched, course_code_hint
 from course_lib.classroom.checks.verdicts import (collectives as collective_events, describe_ops, drawn_rng,
                                                   launch_checked, point_to_point_only, refused_collective, safe_repr,
                                                   secret_generator, wire_recorder)
@@ -59,14 +60,16 @@ def _as_picklable(value):
     """A tensor as it is; anything else as its type and repr (it travels back from a rank)."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    return {"type": type(value).__name__, "repr": safe_repr(value)}
+    return {"type": plain.type_name(value), "repr": safe_repr(value)}
 
 
 def student_trial(fn, *args, references=()) -> dict:
-    """Run the student's code on this rank, recording every op and what it carried. An exception (a refused
-    collective too) is raised again, so that the launch fails at once and names the first rank that failed."""
+    """Run the student's code for this rank in a student process of its own
+    (:func:`~course_lib.classroom.checks.student_process.run_on_rank`), recording here every op it put on
+    the wire and what it carried. An exception (a refused collective too) is raised again, so that the launch
+    fails at once and names the first rank that failed."""
     with wire_recorder() as rec:
-        run = run_student(fn, *args, references=references)
+        run = run_on_rank(fn, *args, references=references)
     if run.error is not None:
         raise run.error
     if run.patched:

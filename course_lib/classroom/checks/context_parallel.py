@@ -28,7 +28,8 @@ import torch.distributed as dist
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import course_code_hint, student_on_rank
+from course_lib.classroom.checks.student_process import student_on_rank
+from course_lib.classroom.checks.tamper_guard import course_code_hint
 from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, largest_tensor,
                                                   point_to_point_only, refused_collective, safe_repr, secret_generator)
 from course_lib.context_parallel.ring import attention_block

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.student_process import run_on_rank
 from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
 from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, launch_checked, safe_repr, same_payload,
                                                   secret_generator, tensors_close, wire_recorder)
@@ -126,6 +127,18 @@ def _one_step(make, params, grad):
     return p.detach(), [v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
+def _returned_pair(value) -> dict:
+    """In the student process, after the call: what the check needs of the pair ``(new_params, optimizer)`` as
+    plain data -- ``returned`` (its repr), and for a pair ``new`` (a tensor or None), ``state`` (the optimizer's
+    state elements, :func:`_optimizer_state_elements`) and ``tensors`` (every tensor the optimizer holds)."""
+    out = {"returned": safe_repr(value)}
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        new, optimizer = value
+        out.update(new=new.detach().clone() if isinstance(new, torch.Tensor) else None,
+                   state=_optimizer_state_elements(optimizer), tensors=[t.detach() for t in _tensors_in(optimizer)])
+    return out
+
+
 def _rank_dist_opt(fn):
     g, d, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     params = torch.randn(OPT_N, generator=torch.Generator().manual_seed(17), dtype=torch.float64)
@@ -133,8 +146,8 @@ def _rank_dist_opt(fn):
     out = []
     for name, (make, per_element) in OPTIMIZERS.items():
         with wire_recorder() as rec:
-            run = run_student(fn, params.clone(), mine.clone(), g, make,
-                              references=references_for("distributed_optimizer_step"))
+            run = run_on_rank(fn, params.clone(), mine.clone(), g, make,
+                              references=references_for("distributed_optimizer_step"), summarize=_returned_pair)
         if run.error is not None:
             raise run.error
         grads = _gathered(mine)                              # the truth, from what the ranks really hold
@@ -143,13 +156,12 @@ def _rank_dist_opt(fn):
         info = dict(optimizer=name, events=list(rec.events), carried=list(rec.carried), patched=run.patched,
                     course_code=run.course_code, want=want, summed=_one_step(make, params, sum(grads))[0], rank=r,
                     d=d, full_state=per_element * OPT_N, want_state=per_element * OPT_N // d, new=None, state=None,
-                    returned=safe_repr(run.value), grad=mine, mean_shard=(sum(grads) / d)[shard],
+                    returned=str(run.value.get("returned")), grad=mine, mean_shard=(sum(grads) / d)[shard],
                     moments=[m[shard] for m in moments], held_moments=None)
-        if isinstance(run.value, (tuple, list)) and len(run.value) == 2:
-            new, optimizer = run.value
-            info.update(new=new.detach().clone() if isinstance(new, torch.Tensor) else None,
-                        state=_optimizer_state_elements(optimizer),
-                        held_moments=[_holds(optimizer, m, OPT_N // d) for m in info["moments"]])
+        if "tensors" in run.value:
+            new = run.value["new"]
+            info.update(new=new if isinstance(new, torch.Tensor) else None, state=run.value["state"],
+                        held_moments=[_holds(run.value["tensors"], m, OPT_N // d) for m in info["moments"]])
         out.append(info)
     return out
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student, student_on_rank
+from course_lib.classroom.checks.student_process import student_on_rank
+from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
 from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, drawn_rng, launch_checked, safe_repr,
                                                   same_payload, secret_generator, split_problem)
 from course_lib.launch import LaunchTimeout, RankError

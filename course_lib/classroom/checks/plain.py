@@ -36,6 +36,14 @@ class Opaque:
         return self._text
 
 
+def type_name(value) -> str:
+    """The name of ``value``'s type, or of the type an :class:`Opaque` stand-in (or a namedtuple that
+    travelled) stands for."""
+    if isinstance(value, (Opaque, _OpaqueTuple)):
+        return value._type_name
+    return type(value).__name__
+
+
 def _class_path(cls) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 

@@ -260,7 +260,7 @@ class Refusals:
 
 
 _MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
-              "verdicts", "tamper_guard", "exercise", "checks"}
+              "verdicts", "tamper_guard", "exercise", "checks", "student_process"}
 """Modules of the checks package whose code the worker itself runs (reading requests, encoding replies)."""
 
 

@@ -18,7 +18,8 @@ its input generators), except what the checker handed over. :func:`course_functi
 Where it matters: the judge runs the student's function in worker processes
 (:mod:`~course_lib.classroom.checks.workers`, where :mod:`~course_lib.classroom.checks.refusals` refuses the
 answer's modules), so in the judge's check process this guard only reports what the worker saw; on the ranks of a
-launch the student's call runs beside the checker's rank code, and this guard is what holds there.
+launch it runs in the student process (:mod:`~course_lib.classroom.checks.student_process`) or, for the checkers
+that still call the student on the rank, beside the checker's rank code, where this guard is what holds.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.verdicts import safe_repr
 from course_lib.classroom.checks.wire import largest_tensor, student_running, wire_recorder
 
@@ -52,6 +54,7 @@ class StudentRun:
     error: BaseException | None = None
     patched: list[str] = field(default_factory=list)
     course_code: list[str] = field(default_factory=list)
+    largest: tuple | None = None  # (elements, op) of the largest tensor, where a student process measured it
 
     @property
     def todo(self) -> bool:
@@ -160,7 +163,7 @@ def _code_objects(fn) -> dict:
 
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
 _MACHINERY = {"wire.py", "verdicts.py", "tamper_guard.py", "__init__.py", "exercise.py", "judge.py",
-              "judge_client.py", "workers.py", "plain.py", "student_code.py", "refusals.py"}
+              "judge_client.py", "workers.py", "plain.py", "student_code.py", "refusals.py", "student_process.py"}
 """Files of the checks package whose code may run inside a student's call: the checked process group
 (every collective passes through it), the verdict helpers and the verdict record (what the student's code
 prints passes through it)."""
@@ -276,11 +279,14 @@ def portable(value):
 
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
-    return f"a {type(value).__name__} ({safe_repr(value, 50)})"
+    return f"a {plain.type_name(value)} ({safe_repr(value, 50)})"
 
 
 def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
-    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded.
+    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded, in this
+    rank's interpreter (for a check whose truth lives in what the call changes besides its arguments: a
+    closure's tensors, autograd graphs; :func:`course_lib.classroom.checks.student_process.student_on_rank`
+    runs it in a student process of its own).
 
     Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
     returns ``value`` (:func:`portable` of what came back), ``events`` (the rank's
@@ -292,12 +298,20 @@ def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False,
     the dict from the rank: it may not pickle)."""
     with wire_recorder() as rec, (largest_tensor() if measure else contextlib.nullcontext()) as seen:
         run = run_student(fn, *args, references=references)
+    if measure:
+        run.largest = (seen.largest, seen.op)
+    return on_rank_result(run, rec, measure, raw)
+
+
+def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
+    """:func:`student_on_rank`'s dict for a call ``run`` whose ops ``rec`` recorded (raises its error)."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
                course_code=run.course_code)
     if measure:
-        out.update(largest=seen.largest, largest_op=seen.op)
+        largest, op = run.largest or (0, None)
+        out.update(largest=largest, largest_op=op)
     if raw:
         out["raw"] = run.value
     return out

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import call_problem, run_student, student_on_rank
+from course_lib.classroom.checks.student_process import run_on_rank, student_on_rank
+from course_lib.classroom.checks.tamper_guard import call_problem, run_student
 from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, drawn_rng, launch_checked,
                                                   same_payload, secret_generator, tensors_close)
 from course_lib.launch import LaunchTimeout, RankError
@@ -222,6 +223,15 @@ def check_row_parallel_forward(fn) -> bool:
 # ---------------------------------------------------------------------- TP MLP
 
 
+def _mlp_parameters(value) -> dict:
+    """In the student process, after the call: the returned layer's type name and, for a ParallelMLP, its
+    parameters by name (plain tensors)."""
+    out = {"type": type(value).__name__}
+    if isinstance(value, ParallelMLP):
+        out["parameters"] = {n: p.detach().clone() for n, p in value.named_parameters()}
+    return out
+
+
 def _rank_mlp_from_dense(fn, seed: int):
     g, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     cfg = TransformerConfig(hidden_size=8, num_attention_heads=2, ffn_hidden_size=16)
@@ -234,18 +244,22 @@ def _rank_mlp_from_dense(fn, seed: int):
             "linear_fc1.bias": dense.linear_fc1.bias.detach().chunk(t, 0)[r].clone(),
             "linear_fc2.weight": dense.linear_fc2.weight.detach().chunk(t, 1)[r].clone(),
             "linear_fc2.bias": dense.linear_fc2.bias.detach().clone()}
-    run = run_student(fn, dense, g, references=references_for("tp_mlp_from_dense"))
+    run = run_on_rank(fn, dense, g, references=references_for("tp_mlp_from_dense"), summarize=_mlp_parameters)
     if run.error is not None:
         raise run.error
-    par = run.value
-    info = dict(type=type(par).__name__, patched=run.patched, course_code=run.course_code)
-    if not isinstance(par, ParallelMLP) or call_problem(info):
+    info = dict(type=run.value["type"], patched=run.patched, course_code=run.course_code)
+    if "parameters" not in run.value or call_problem(info):
         return info
-    info["shapes"] = {n: tuple(p.shape) for n, p in par.named_parameters()}
+    params = run.value["parameters"]
+    info["shapes"] = {n: tuple(p.shape) for n, p in params.items()}
     info["want_shapes"] = {n: tuple(v.shape) for n, v in want.items()}
     if info["shapes"] != info["want_shapes"]:
         return info
-    info["wrong"] = [n for n, p in par.named_parameters() if not torch.equal(p.detach(), want[n])]
+    info["wrong"] = [n for n, p in params.items() if not torch.equal(p, want[n])]
+    par = ParallelMLP(cfg, g)  # the course's layer with the student's slices: the exercise is what it holds
+    with torch.no_grad():
+        for n, p in par.named_parameters():
+            p.copy_(params[n])
     x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(seed + 1))
     xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
     yd, yp = dense(xd), par(xp)

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import call_problem, student_on_rank
+from course_lib.classroom.checks.student_process import student_on_rank
+from course_lib.classroom.checks.tamper_guard import call_problem
 from course_lib.classroom.checks.verdicts import describe_ops, launch_checked, secret_generator, tensors_close
 from course_lib.launch import LaunchTimeout, RankError
 

@@ -54,7 +54,10 @@ sent. The list form of ``all_to_all`` moves equal-sized tensors only on gloo; un
 
 The limit: code that builds a raw ``ProcessGroupGloo`` from the private store
 object, edits this module's state, reads the checker's frames, or computes outside torch (numpy)
-is not stopped. Nothing reachable through public names is.
+is not stopped. Nothing reachable through public names is. Where a checker calls the student in a
+student process (:mod:`~course_lib.classroom.checks.student_process`), that code runs in the student's
+own process: the store's and gloo's sockets are closed there, this module's state there is a copy, and
+the record and the refusals that count are the rank's.
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ CARRY_LIMIT = 1 << 20
 _RECORDERS: list["WireRecorder"] = []
 _TRACES: list["StudentTrace"] = []  # innermost last: one per checker running in this process
 _POLICY = {"p2p_only": None}  # None, or the text that names the exercise's rule
+_GROUP_TIMEOUT = {"s": 20.0}  # the checked world's timeout on this rank (install_checked_world)
 
 
 def _article(word: str) -> str:
@@ -403,6 +407,7 @@ if BACKEND.upper() not in dist.Backend._plugins:  # once per process
 
 def install_checked_world(timeout: float = 20) -> None:
     """On a rank: replace the default process group with a checked one over the same ranks."""
+    _GROUP_TIMEOUT["s"] = float(timeout)
     if isinstance(c10d._get_default_group(), CheckedProcessGroup):
         return
     store, rank, world = c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
@@ -410,6 +415,11 @@ def install_checked_world(timeout: float = 20) -> None:
     dist.destroy_process_group()
     dist.init_process_group(BACKEND, store=dist.PrefixStore(f"{BACKEND}/", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout))
+
+
+def group_timeout() -> float:
+    """Seconds an op of the checked world may wait on this rank (what :func:`install_checked_world` was given)."""
+    return _GROUP_TIMEOUT["s"]
 
 
 def foreign_groups() -> list:

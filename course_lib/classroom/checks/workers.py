@@ -13,8 +13,10 @@ In a check process (:mod:`~course_lib.classroom.checks.judge`) the checker calls
   backward in the checker asks the worker (:class:`_RemoteGrad`). Arguments that are not plain data
   (a module, a callback) go to a worker forked for that one call instead -- that worker inherits the
   check process's stack, the checker's frames included (the one place off the ranks where it does);
-* on a rank of the checker's launch, where the code must talk on that rank's process group, it runs on the
-  rank, with the refusals in place around the call (and around each method of a student's class).
+* on a rank of the checker's launch, where the code must talk on that rank's process group, it runs where the
+  rank calls it -- in a student process forked from the rank
+  (:mod:`~course_lib.classroom.checks.student_process`), or on the rank itself for the checkers that still
+  call it there -- with the refusals in place around the call (and around each method of a student's class).
 
 What the code refused is kept in ``refused``; :func:`~course_lib.classroom.checks.tamper_guard.run_student`
 reports it even when the student's code caught the exception.

@@ -1,0 +1,630 @@
+"""The student's call on a checked rank, in a process of its own: the wire is recorded where the student's code
+cannot reach it.
+
+On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked` the checker's rank code, its recorders
+(:func:`~course_lib.classroom.checks.wire.wire_recorder`), the refusal policy
+(:func:`~course_lib.classroom.checks.wire.point_to_point_only`) and the real gloo connections live in the rank
+process. :func:`run_on_rank` forks a *student process* from it for the student's function (kept for the rank's
+next calls of it whose arguments are plain data, see :func:`run_on_rank`):
+
+* the student process keeps stdin/stdout/stderr, two pipes to the rank and the judge's file rule (Landlock)
+  and closes every other inherited descriptor: the gloo sockets, the store's, the launcher's pipe. It dies
+  with the rank (``PR_SET_PDEATHSIG``, :func:`course_lib.launch.process_tree.die_with_parent`);
+* there every checked process group (the default one, and any the checker handed over) becomes a
+  :class:`_Forwarding` group: each op -- its name, its tensors as plain tensors, peer, reduce op, split sizes,
+  options -- goes over the pipe to the rank, which runs it on the real
+  :class:`~course_lib.classroom.checks.wire.CheckedProcessGroup` (recorded and refused there) and sends back
+  what it received (the op's output tensors) when the student's ``Work.wait()`` asks for them. Groups the
+  student makes with ``dist.new_group`` are made by the rank too (torch asks a Python default group's
+  ``new_group``: ``_new_group_with_tag`` in torch/distributed/distributed_c10d.py), so checked as well;
+* the function is called as before (:func:`~course_lib.classroom.checks.tamper_guard.run_student`: the
+  references watched, patches undone and reported, the judge's refusals around the call), and what comes
+  back is plain data (:mod:`~course_lib.classroom.checks.plain`, never pickle): the value, the error (type
+  name and message), what it patched or refused, and the tensors of its arguments (with a module's
+  parameters and gradients), which the rank copies into its own arguments.
+
+So a function that patches ``wire._RECORDERS``, ``wire._POLICY`` or ``CheckedProcessGroup._record`` patches
+its own process: the record and the refusals the verdict reads are the rank's, made from what crossed the
+pipe. A wire exception (a refused collective, mismatched all-to-all splits) raised in the rank is raised
+there again after the call, even when the student's code caught it. The student process is bounded by the
+group's timeout while the rank waits for its next message.
+
+What remains in the student's room: the refusals of references and libraries (they run there: code that
+undoes them there gets past them, as in the student's own kernel), what a checker asks to be measured or read
+there (``measure``, ``summarize``), and its own sockets (a student process could open a connection of its own
+to its peers; nothing the checker records would see it). The gloo groups it inherited are held, never used:
+their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
+
+Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
+module dicts -- the patch snapshot -- is most of it), hence the kept process; a forwarded op about 1 ms.
+
+Megatron has no counterpart: this is the course's checker machinery (torch's Python ``ProcessGroup`` and
+``Work`` subclasses, as :class:`~course_lib.classroom.checks.wire.CheckedProcessGroup` uses them).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import datetime
+import os
+import selectors
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d_classes
+from torch.distributed import distributed_c10d as c10d
+from torch.utils._python_dispatch import _disable_current_modes
+
+from course_lib.classroom.checks import plain, wire
+from course_lib.classroom.checks.refusals import Refused
+from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun, on_rank_result, run_student
+from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRefused, SplitMismatch, largest_tensor,
+                                             student_running, wire_recorder)
+from course_lib.classroom.checks.workers import _tensor_leaves, _travels, _write_all
+from course_lib.launch.process_tree import die_with_parent
+
+__all__ = ["run_on_rank", "student_on_rank", "OPS"]
+
+OPS = ("send", "recv", "recv_anysource", "barrier", "monitored_barrier", "allreduce", "allreduce_coalesced",
+       "allgather", "_allgather_base", "all_gather_single", "allgather_coalesced", "allgather_into_tensor_coalesced",
+       "all_gather_single_coalesced", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+       "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "broadcast", "reduce", "gather",
+       "scatter", "alltoall", "alltoall_base", "all_to_all_single")
+"""The methods of :class:`~course_lib.classroom.checks.wire.CheckedProcessGroup` a student process forwards."""
+_NO_OUTPUT = frozenset({"send", "barrier", "monitored_barrier"})
+"""Ops that fill no tensor; every other op fills the tensors of its first argument."""
+_OPTIONS = ("AllreduceOptions", "AllreduceCoalescedOptions", "AllgatherOptions", "BroadcastOptions", "ReduceOptions",
+            "GatherOptions", "ScatterOptions", "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions")
+_OPTION_FIELDS = ("asyncOp", "reduceOp", "rootRank", "rootTensor", "timeout", "device_ids")
+_WIRE_ERRORS = (CollectiveRefused, SplitMismatch)
+_KNOWN_ERRORS = {cls.__name__: cls for cls in (CollectiveRefused, SplitMismatch, LibraryPatched, Refused)}
+
+
+class StudentProcessError(RuntimeError):
+    """The student process ended, or stopped talking, before the function returned."""
+
+
+# ------------------------------------------------------------------ plain messages
+
+
+def _pack(value):
+    """An op's argument as plain data: tensors, numbers, lists, and an options object as a tagged dict."""
+    if isinstance(value, torch.Tensor) or value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_pack(v) for v in value]
+    if isinstance(value, datetime.timedelta):
+        return {"$seconds": value.total_seconds()}
+    name = type(value).__name__
+    if name in _OPTIONS and isinstance(value, getattr(_c10d_classes, name)):
+        out = {"$options": name}
+        for field in _OPTION_FIELDS:
+            if hasattr(value, field):
+                got = getattr(value, field)
+                if field == "reduceOp":
+                    got = str(getattr(got, "op", got)).split(".")[-1]
+                out[field] = _pack(got)
+        return out
+    raise TypeError(f"a {name} cannot be passed to a process group op here: pass tensors, numbers and lists")
+
+
+def _unpack(value):
+    """What :func:`_pack` described, built in the rank: only tensors, numbers, lists and the options classes."""
+    if isinstance(value, list):
+        return [_unpack(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "$seconds" in value:
+        return datetime.timedelta(seconds=float(value["$seconds"]))
+    name = value.get("$options")
+    if name not in _OPTIONS:
+        raise TypeError("an op's argument that is not a tensor, a number, a list or an options object")
+    opts = getattr(_c10d_classes, name)()
+    for field in _OPTION_FIELDS:
+        if field not in value or not hasattr(opts, field):
+            continue
+        got = value[field]
+        if field == "reduceOp":
+            if got not in dist.ReduceOp.RedOpType.__members__:
+                raise ValueError(f"unknown reduce op {str(got)[:40]!r}")
+            got = dist.ReduceOp(getattr(dist.ReduceOp.RedOpType, got))
+        elif field == "timeout":
+            got = _unpack(got)
+        elif field == "device_ids":
+            got = [int(i) for i in got]
+        elif field == "asyncOp":
+            got = bool(got)
+        else:
+            got = int(got)
+        setattr(opts, field, got)
+    return opts
+
+
+def _fill(mine, theirs) -> None:
+    """Copy the received tensors ``theirs`` into the op's own output tensors ``mine`` (same order)."""
+    with torch.no_grad():
+        for t, got in zip(_tensor_leaves(mine), _tensor_leaves(theirs)):
+            if got.shape == t.shape:
+                t.copy_(got.to(t.dtype))
+
+
+def _error_of(exc: BaseException, with_traceback: bool = True) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc)[:4000],
+            "traceback": traceback.format_exc()[-4000:] if with_traceback else ""}
+
+
+class _StudentTraceback(Exception):
+    """Where the student's code raised, in the student process (chained under the exception raised again)."""
+
+
+def _exception(error: dict) -> BaseException:
+    """An exception of the type named in ``error`` (the wire's and the refusals' own classes, a builtin
+    exception, else a RuntimeError subclass of that name), with its message and, chained, the student's
+    traceback."""
+    name, message = str(error.get("type", "RuntimeError"))[:100], str(error.get("message", ""))
+    cls = _KNOWN_ERRORS.get(name) or getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = type(name if name.isidentifier() else "StudentError", (RuntimeError,), {"__module__": "student"})
+    try:
+        exc = cls(message)
+    except Exception:  # noqa: BLE001 - a builtin that wants other arguments
+        exc = type(name, (RuntimeError,), {"__module__": "student"})(message)
+    if error.get("traceback"):
+        exc.__cause__ = _StudentTraceback("in your function (its own process):\n" + str(error["traceback"]))
+    return exc
+
+
+# ------------------------------------------------------------------ the student process's side
+
+_CHANNEL: dict = {}
+"""In a student process: ``requests`` (fd to the rank), ``replies`` (a binary reader), ``lock``, ``groups``."""
+
+
+def _ask(message: dict) -> dict:
+    """Send one request to the rank and return its reply (one line each way; one at a time across threads)."""
+    with _CHANNEL["lock"]:
+        _write_all(_CHANNEL["requests"], (plain.dumps(message) + "\n").encode("utf-8"))
+        line = _CHANNEL["replies"].readline()
+    if not line:
+        os._exit(0)  # the rank has gone: nothing left to answer to
+    return plain.loads(line.decode("utf-8"))
+
+
+class _PipeWork(dist.Work):
+    """The student process's handle of an op the rank runs: ``wait()`` asks the rank to finish it and copies
+    what it received into the op's output tensors."""
+
+    def __init__(self, work_id: int, outputs):
+        super().__init__()
+        self._id, self._outputs, self._done, self._source = work_id, outputs, False, -1
+
+    def wait(self, timeout=None):  # noqa: ARG002 - the rank's group timeout bounds it
+        with _disable_current_modes():  # the transfer is not the student's computation (largest_tensor)
+            reply = _ask({"wait": self._id})
+            if "error" in reply:
+                raise _exception(reply["error"])
+            if self._outputs is not None and reply.get("outputs") is not None:
+                _fill(self._outputs, reply["outputs"])
+        self._done, self._source = True, int(reply.get("source", -1))
+        return True
+
+    def is_completed(self):
+        return self._done
+
+    def is_success(self):
+        return self._done
+
+    def _source_rank(self):
+        return self._source
+
+
+def _forwarded(name: str):
+    def op(self, *args):
+        with _disable_current_modes():  # the transfer is not the student's computation (largest_tensor)
+            reply = _ask({"op": name, "group": self._gid, "args": [_pack(a) for a in args]})
+        if "error" in reply:
+            raise _exception(reply["error"])
+        return _PipeWork(int(reply["work"]), None if name in _NO_OUTPUT else args[0])
+
+    op.__name__ = op.__qualname__ = name
+    return op
+
+
+class _RanksOnly:
+    """What a forwarded group holds in place of its gloo group: the connections are the rank's."""
+
+    def __getattr__(self, attr):
+        raise RuntimeError("the gloo group under a checked group belongs to the rank: in your function's process "
+                           "every op goes through torch.distributed (dist.send, dist.recv, ...)")
+
+
+class _Forwarding(CheckedProcessGroup):
+    """A checked group as seen from the student process: every op is run by the rank (see the module
+    docstring). Inherited groups get this class in place; new groups are made by the rank."""
+
+    _gid = -1
+
+    def new_group(self, ranks, timeout=None, pg_options=None, group_name=None, group_desc=None):  # noqa: ARG002
+        """Called by ``dist.new_group`` on a Python default group: the rank makes the group (checked)."""
+        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else None
+        reply = _ask({"new_group": [int(r) for r in ranks] if ranks is not None else None, "timeout": seconds})
+        if "error" in reply:
+            raise _exception(reply["error"])
+        if reply.get("group") is None:
+            return None
+        group = _Forwarding(_RanksOnly(), int(reply["rank"]), int(reply["size"]), [int(r) for r in reply["ranks"]])
+        group._gid = int(reply["group"])
+        _CHANNEL["groups"].append(group)  # held here: a group is never destroyed in the student process
+        return group
+
+
+for _name in OPS:
+    setattr(_Forwarding, _name, _forwarded(_name))
+
+
+def _with_groups(value, groups: list):
+    """``value`` (decoded plain data) with each ``{"$group": gid}`` replaced by that process group."""
+    if isinstance(value, list):
+        return [_with_groups(v, groups) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_with_groups(v, groups) for v in value)
+    if isinstance(value, dict):
+        if set(value) == {"$group"}:
+            return groups[int(value["$group"])]
+        return {k: _with_groups(v, groups) for k, v in value.items()}
+    return value
+
+
+def _state(args) -> list:
+    """What the function may have changed in its arguments, in order: each tensor, and each module's
+    parameters (value and gradient) and buffers."""
+    out: list = []
+    for arg in args:
+        if isinstance(arg, torch.nn.Module):
+            out.append({"params": [[p.detach(), p.grad] for p in arg.parameters()],
+                        "buffers": [b.detach() for b in arg.buffers()]})
+        elif isinstance(arg, (torch.Tensor, list, tuple)):
+            out.append([t.detach() for t in _tensor_leaves(arg)])
+        else:
+            out.append(None)
+    return out
+
+
+def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_rank: int, from_rank: int,
+                     keep: set, rank_pid: int) -> None:
+    """The student process: its descriptors closed, the groups forwarding, the first call and its reply, then
+    the rank's next calls of the same function (plain arguments) until the rank closes the pipe; never returns."""
+    try:
+        die_with_parent(rank_pid)
+        keep = sorted({0, 1, 2, to_rank, from_rank} | {fd for fd in keep if fd >= 0})
+        for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
+            os.closerange(low + 1, high)
+        groups = list(c10d._world.pg_map)
+        _CHANNEL.update(requests=to_rank, replies=os.fdopen(from_rank, "rb"), lock=threading.Lock(), groups=groups)
+        for gid, group in enumerate(groups):
+            if isinstance(group, CheckedProcessGroup):
+                _CHANNEL.setdefault("gloo", []).append(group._inner)  # held: never torn down in this process
+                group.__class__ = _Forwarding
+                group._gid, group._inner = gid, _RanksOnly()
+        _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
+        while True:
+            with _CHANNEL["lock"]:  # a thread the function left running waits for the next call
+                line = _CHANNEL["replies"].readline()
+            if not line:
+                break
+            request = plain.loads(line.decode("utf-8"))
+            args, kwargs = (_with_groups(v, _CHANNEL["groups"]) for v in plain.decode(request["call"]))
+            _one_call(fn, args, kwargs, references, bool(request.get("measure")), None, to_rank)
+    finally:
+        os._exit(0)
+
+
+def _one_call(fn, args, kwargs, references, measure: bool, summarize, to_rank: int) -> None:
+    """One call of the student's function in the student process, and its reply to the rank."""
+    with largest_tensor() if measure else contextlib.nullcontext() as seen:
+        run = run_student(fn, *args, references=references, **kwargs)
+    done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
+    if measure:
+        done["largest"] = [int(seen.largest), seen.op]
+    try:
+        if run.error is not None:
+            done["error"] = _error_of(run.error, with_traceback=False)
+            done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
+        else:
+            done["value"] = plain.encode(run.value if summarize is None else summarize(run.value))
+        done["state"] = plain.encode(_state(list(args) + list(kwargs.values())))
+        data = plain.dumps({"done": done})
+    except Exception as exc:  # noqa: BLE001 - a value that does not encode
+        data = plain.dumps({"done": {**done, "error": {"type": "TypeError", "message":
+                            f"what your function returned could not be sent back: {exc}"}}})
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _write_all(to_rank, (data + "\n").encode("utf-8"))
+
+
+# ------------------------------------------------------------------ the rank's side
+
+
+class _Lines:
+    """Lines from the student process's pipe, each waited for at most ``timeout`` seconds."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer = fd, b""
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(fd, selectors.EVENT_READ)
+
+    def next(self, timeout: float):
+        """The next line; b"" when the pipe closed first; None past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.selector.select(left):
+                return None
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                return b""
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+
+class _Rank:
+    """The rank's side of one call: runs the student process's ops on the real groups and keeps their work."""
+
+    def __init__(self, groups: list):
+        self.groups = groups
+        self.works: dict = {}
+        self.wire_error: BaseException | None = None
+
+    def answer(self, request: dict) -> dict:
+        try:
+            if "op" in request:
+                return self._op(request)
+            if "wait" in request:
+                return self._wait(int(request["wait"]))
+            if "new_group" in request:
+                return self._new_group(request)
+            raise ValueError("an unknown request")
+        except Exception as exc:  # noqa: BLE001 - the op's error goes to the student's code
+            if isinstance(exc, _WIRE_ERRORS) and self.wire_error is None:
+                self.wire_error = exc
+            return {"error": _error_of(exc, with_traceback=False)}
+
+    def _group(self, gid) -> CheckedProcessGroup:
+        group = self.groups[int(gid)] if 0 <= int(gid) < len(self.groups) else None
+        if not isinstance(group, CheckedProcessGroup):
+            raise RuntimeError("this process group cannot be used in your function (it is not a checked group)")
+        return group
+
+    def _op(self, request: dict) -> dict:
+        name = request["op"]
+        if name not in OPS:
+            raise ValueError(f"an unknown process group op {str(name)[:40]!r}")
+        args = _unpack(request["args"])
+        work = getattr(self._group(request["group"]), name)(*args)
+        self.works[len(self.works)] = (work, name, None if name in _NO_OUTPUT else args[0])
+        return {"work": len(self.works) - 1}
+
+    def _wait(self, work_id: int) -> dict:
+        work, name, outputs = self.works[work_id]
+        work.wait()
+        reply: dict = {"outputs": [t.detach() for t in _tensor_leaves(outputs)] if outputs is not None else None}
+        if name == "recv_anysource":
+            reply["source"] = int(work._source_rank())
+        return reply
+
+    def _new_group(self, request: dict) -> dict:
+        ranks, seconds = request["new_group"], request.get("timeout")
+        kwargs = {"timeout": datetime.timedelta(seconds=float(seconds))} if seconds is not None else {}
+        group = dist.new_group([int(r) for r in ranks] if ranks is not None else None, **kwargs)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            return {"group": None}
+        self.groups.append(group)
+        return {"group": len(self.groups) - 1, "rank": group.rank(), "size": group.size(),
+                "ranks": dist.get_process_group_ranks(group)}
+
+
+def _apply_state(args, state) -> None:
+    """Copy what the student process's arguments hold now into the rank's (see :func:`_state`)."""
+    if not isinstance(state, list):
+        return
+    with torch.no_grad():
+        for arg, theirs in zip(args, state):
+            if isinstance(arg, torch.nn.Module) and isinstance(theirs, dict):
+                for p, pair in zip(arg.parameters(), theirs.get("params", [])):
+                    value, grad = (list(pair) + [None, None])[:2]
+                    _copy_into(p, value)
+                    if grad is None:
+                        p.grad = None
+                    elif isinstance(grad, torch.Tensor) and grad.shape == p.shape:
+                        p.grad = grad.to(p.dtype)
+                    else:
+                        raise RuntimeError(f"your function left a gradient of shape {tuple(getattr(grad, 'shape', ()))} "
+                                           f"on a parameter of shape {tuple(p.shape)}")
+                for b, value in zip(arg.buffers(), theirs.get("buffers", [])):
+                    _copy_into(b, value)
+            elif isinstance(arg, (torch.Tensor, list, tuple)) and isinstance(theirs, list):
+                for t, value in zip(_tensor_leaves(arg), theirs):
+                    _copy_into(t, value)
+
+
+def _copy_into(mine: torch.Tensor, theirs) -> None:
+    if isinstance(theirs, torch.Tensor) and theirs.shape == mine.shape and theirs.dtype == mine.dtype:
+        mine.copy_(theirs)
+
+
+def _kept_fds(fn) -> set:
+    """The judge's file rule (a Landlock ruleset) the student's function applies in its process, if any."""
+    ruleset = getattr(getattr(fn, "refusals", None), "ruleset_fd", None)
+    return {ruleset()} if callable(ruleset) else set()
+
+
+def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None, **kwargs) -> StudentRun:
+    """On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked`: call ``fn(*args, **kwargs)`` in a
+    student process of its own (see the module docstring) and return what the call did, as
+    :func:`~course_lib.classroom.checks.tamper_guard.run_student` does (``value`` decoded from plain data,
+    ``error`` rebuilt with its type name and message, ``patched``, ``course_code``). The tensors in ``args``
+    (and a module's parameters, gradients and buffers) are updated with what the function left in them.
+    Every op the function issued ran on this rank's groups, so this rank's recorders have it; a refused
+    collective or a :class:`~course_lib.classroom.checks.wire.SplitMismatch` raised here comes back as the
+    ``error``, even when the student's code caught it. With ``measure``, ``largest`` is
+    ``(elements, op)`` of the largest tensor the call computed
+    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With
+    ``summarize``, the value is ``summarize(what the function returned)``, computed in the student process after
+    the call (its patches undone): for a check that needs some plain data of an object that does not travel
+    (an optimizer's state).
+
+    The student process stays for the rank's next call of the same function (same references, the same
+    process groups on the rank, no ``summarize``) whose arguments travel as plain data (tensors, numbers,
+    lists, dicts, the rank's process groups): it runs there, without a new fork. Otherwise a new student
+    process is forked (the kept one is stopped)."""
+    session = _KEPT.get("session")
+    request = None
+    if session is not None and summarize is None and session.fits(fn, references):
+        request = _call_request(args, kwargs, session.groups, measure)
+    if request is None:
+        if session is not None:
+            session.close()
+        session = _KEPT["session"] = _Session.fork(fn, args, kwargs, references, measure, summarize)
+    try:
+        if request is not None:
+            _write_all(session.to_student, (plain.dumps(request) + "\n").encode("utf-8"))
+        rank = _Rank(session.groups)
+        with student_running():
+            done = session.serve(rank)
+    except BaseException:
+        session.close()
+        raise
+    session.pg_keys = [id(g) for g in c10d._world.pg_map]
+    return _result(done if isinstance(done, dict) else {}, rank, args, kwargs)
+
+
+_KEPT: dict = {}
+"""On a rank: the student process kept for the next call (``"session"``), if any."""
+
+
+def _call_request(args, kwargs, groups: list, measure: bool):
+    """A call for the kept student process: the arguments as plain data, each of the rank's process groups as
+    ``{"$group": gid}``; None when an argument does not travel (a module, a callback)."""
+    def marked(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(marked(v) for v in value) if type(value) in (list, tuple) else value
+        if isinstance(value, dict):
+            return {k: marked(v) for k, v in value.items()}
+        for gid, group in enumerate(groups):
+            if value is group:
+                return {"$group": gid}
+        return value
+
+    encoded = plain.encode([marked(list(args)), marked(dict(kwargs))])
+    return {"call": encoded, "measure": measure} if _travels(encoded) else None
+
+
+class _Session:
+    """The rank's end of a student process: its pid, its pipes, the groups it knows, what it was forked for."""
+
+    def __init__(self, pid: int, to_student: int, from_student: int, fn, references, groups: list):
+        self.pid, self.to_student, self.lines = pid, to_student, _Lines(from_student)
+        self.fn, self.references, self.groups = fn, [id(r) for r in references], groups
+        self.pg_keys = [id(g) for g in c10d._world.pg_map]
+        self.closed = False
+
+    @classmethod
+    def fork(cls, fn, args, kwargs, references, measure: bool, summarize) -> "_Session":
+        """Fork a student process that makes the first call at once (its arguments inherited, not sent)."""
+        groups = list(c10d._world.pg_map)
+        keep = _kept_fds(fn)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from_student, to_rank = os.pipe()
+        from_rank, to_student = os.pipe()
+        rank_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            os.close(from_student)
+            os.close(to_student)
+            _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
+        os.close(to_rank)
+        os.close(from_rank)
+        return cls(pid, to_student, from_student, fn, references, groups)
+
+    def fits(self, fn, references) -> bool:
+        """Whether a call of ``fn`` with ``references`` can run here (the rank's groups unchanged since)."""
+        return (not self.closed and self.fn is fn and self.references == [id(r) for r in references]
+                and self.pg_keys == [id(g) for g in c10d._world.pg_map])
+
+    def serve(self, rank: "_Rank") -> dict:
+        """Run the ops the student process asks for until its call is done; its reply."""
+        timeout = wire.group_timeout()
+        while True:
+            line = self.lines.next(timeout)
+            if line is None:
+                raise TimeoutError(f"your function neither returned nor sent anything for {timeout:g} s (the "
+                                   f"group's timeout): is there a loop that never ends?")
+            if not line:
+                raise StudentProcessError("your function ended its process (os._exit, sys.exit, a crash or a "
+                                          "signal) before it returned")
+            request = plain.loads(line.decode("utf-8"))
+            if not isinstance(request, dict):
+                raise StudentProcessError("your function's process sent something unreadable")
+            if "done" in request:
+                return request["done"]
+            _write_all(self.to_student, (plain.dumps(rank.answer(request)) + "\n").encode("utf-8"))
+
+    def close(self) -> None:
+        """Stop the student process and close the pipes (it is not kept)."""
+        if self.closed:
+            return
+        self.closed = True
+        _stop(self.pid)
+        self.lines.selector.close()
+        os.close(self.lines.fd)
+        os.close(self.to_student)
+        if _KEPT.get("session") is self:
+            _KEPT.clear()
+
+
+def _result(done: dict, rank: _Rank, args, kwargs) -> StudentRun:
+    run = StudentRun(patched=[str(p) for p in done.get("patched", [])][:20],
+                     course_code=[str(c) for c in done.get("course_code", [])][:20])
+    largest = done.get("largest")
+    if isinstance(largest, list) and len(largest) == 2:
+        run.largest = (int(largest[0]), None if largest[1] is None else str(largest[1]))
+    if rank.wire_error is not None:
+        run.error = rank.wire_error
+    elif isinstance(done.get("error"), dict):
+        run.error = _exception(done["error"])
+    else:
+        run.value = plain.decode(done.get("value"))
+    try:
+        _apply_state(list(args) + list(kwargs.values()), plain.decode(done.get("state")))
+    except Exception as exc:  # noqa: BLE001 - what the function left in its arguments does not fit them
+        if run.error is None:
+            run.error = exc
+    return run
+
+
+def _stop(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False) -> dict:
+    """:func:`course_lib.classroom.checks.tamper_guard.student_on_rank` with the call in a student process of its
+    own (:func:`run_on_rank`): the same dict, the ops recorded here; the tensors of ``args`` come back, ``raw``
+    is the value as plain data, ``largest`` is measured in the student process."""
+    with wire_recorder() as rec:
+        run = run_on_rank(fn, *args, references=references, measure=measure)
+    return on_rank_result(run, rec, measure, raw)
