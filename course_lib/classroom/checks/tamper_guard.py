@@ -11,7 +11,7 @@ wrappers, partials do not hide them, nor does an ``exec`` of their source: a cop
 and names used), and -- always -- any function of a checker module the student's code called (its truth tables,
 its input generators), except what the checker handed over. :func:`course_function` recognises a function that
 *is* (or wraps, or partially applies) one from ``course_lib``; :func:`course_code_hint` words the verdict.
-:func:`student_on_rank` is :func:`run_student` inside a rank of
+:func:`student_beside_checker` is :func:`run_student` inside a rank of
 :func:`~course_lib.classroom.checks.wire.launch_checked`, with the rank's wire recorded and the value made
 :func:`portable`; :func:`call_problem` words what its patches or course code were.
 
@@ -36,8 +36,8 @@ from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.verdicts import safe_repr
 from course_lib.classroom.checks.wire import largest_tensor, student_running, wire_recorder
 
-__all__ = ["LibraryPatched", "StudentRun", "run_student", "portable", "student_on_rank", "call_problem",
-           "undo_patches", "course_function", "course_code_hint"]
+__all__ = ["LibraryPatched", "StudentRun", "run_student", "portable", "student_beside_checker",
+           "call_problem", "undo_patches", "course_function", "course_code_hint"]
 
 
 class LibraryPatched(RuntimeError):
@@ -282,7 +282,7 @@ def portable(value):
     return f"a {plain.type_name(value)} ({safe_repr(value, 50)})"
 
 
-def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
+def student_beside_checker(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
     """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded, in this
     rank's interpreter (for a check whose truth lives in what the call changes besides its arguments: a
     closure's tensors, autograd graphs; :func:`course_lib.classroom.checks.student_process.student_on_rank`
@@ -304,7 +304,7 @@ def student_on_rank(fn, *args, references: Sequence = (), measure: bool = False,
 
 
 def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
-    """:func:`student_on_rank`'s dict for a call ``run`` whose ops ``rec`` recorded (raises its error)."""
+    """:func:`student_beside_checker`'s dict for a call ``run`` whose ops ``rec`` recorded (raises its error)."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
@@ -318,8 +318,8 @@ def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
 
 
 def call_problem(result: dict) -> str | None:
-    """The line for a :func:`student_on_rank` ``result`` whose call patched the library or ran the course's
-    own code (as :meth:`StudentRun.problem` words it), else None."""
+    """The line for a :func:`student_beside_checker` (or ``student_process.student_on_rank``) ``result`` whose
+    call patched the library or ran the course's own code (as :meth:`StudentRun.problem` words it), else None."""
     return StudentRun(patched=result["patched"], course_code=result["course_code"]).problem()
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import call_problem, portable, run_student, student_on_rank
+from course_lib.classroom.checks.tamper_guard import call_problem, portable, run_student, student_beside_checker
 from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, safe_repr,
                                                   same_number, secret_generator, tensors_close, wire_recorder)
 from course_lib.comm import CommRecorder
@@ -109,7 +109,7 @@ def _rank_f_g(f_cls, g_cls):
         yp.sum().backward()
         return yp
 
-    yp = student_on_rank(mlp)["value"]
+    yp = student_beside_checker(mlp)["value"]
     out["mlp"] = dict(y=(yp - yd).abs().max().item(), dx=(xp.grad - xd.grad).abs().max().item(),
                       dw=max((w1.grad - dense.linear_fc1.weight.grad.chunk(t, 0)[r]).abs().max().item(),
                              (w2.grad - dense.linear_fc2.weight.grad.chunk(t, 1)[r]).abs().max().item()))
