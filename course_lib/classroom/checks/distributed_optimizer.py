@@ -23,6 +23,8 @@ prints one verdict line (and a hint when wrong), returns True/False and never ra
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -30,7 +32,7 @@ from course_lib.classroom.checks import is_course_answer, not_attempted, raised_
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.student_process import run_on_rank
-from course_lib.classroom.checks.tamper_guard import course_code_hint, run_student
+from course_lib.classroom.checks.tamper_guard import course_code_hint
 from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, launch_checked, safe_repr, same_payload,
                                                   secret_generator, tensors_close, wire_recorder)
 from course_lib.launch import LaunchTimeout, RankError
@@ -307,6 +309,14 @@ def _state_elements(obj, seen=None) -> int:
     return 0
 
 
+def _state_summary(state: dict, value) -> dict:
+    """In the student process, after a call: what the check needs as plain data -- the returned ``value`` (its
+    tensors travel), ``returned`` (its repr), ``elements`` (:func:`_state_elements` of ``state``) and ``held``
+    (every tensor ``state`` holds, for :func:`_holds`)."""
+    return {"value": value, "returned": safe_repr(value), "elements": _state_elements(state),
+            "held": [t.detach() for t in _tensors_in(state)]}
+
+
 def _flat_padded(tensors, d: int) -> torch.Tensor:
     flat = torch.cat([t.reshape(-1) for t in tensors])
     return torch.nn.functional.pad(flat, (0, padded(flat.numel(), d) - flat.numel()))
@@ -319,19 +329,22 @@ def _rank_zero1(fn):
     mine = [[1e-3 * torch.randn(s, generator=secret, dtype=torch.float64) for s in SHAPES] for _ in range(STEPS)]
     info = dict(rank=r, d=d, events=[], carried=[], new=None, returned=None, state=None, patched=[],
                 course_code=[], mine=[_flat_padded(g, d) for g in mine])
+    # ``state`` is the student process's own between the calls (passed again as the same object); after each
+    # call that process reports what it holds (_state_summary)
     state, current, ok = {}, [p.clone() for p in params], True
+    summary = functools.partial(_state_summary, state)
     for step in range(STEPS):
         with wire_recorder() as rec:
-            run = run_student(fn, [p.clone() for p in current], [g.clone() for g in mine[step]],
-                              dist.group.WORLD, state, references=references_for("zero1_step"))
+            run = run_on_rank(fn, [p.clone() for p in current], [g.clone() for g in mine[step]],
+                              dist.group.WORLD, state, references=references_for("zero1_step"), summarize=summary)
         if run.error is not None:
             raise run.error
         info["events"].append(list(rec.events))
         info["carried"].append(list(rec.carried))
         info["patched"] += list(run.patched)
         info["course_code"] += list(run.course_code)
-        value = run.value
-        info["returned"] = safe_repr(value)
+        value, held = run.value["value"], run.value["held"]
+        info["returned"] = str(run.value["returned"])
         ok = (isinstance(value, (list, tuple)) and len(value) == len(SHAPES)
               and all(isinstance(v, torch.Tensor) and tuple(v.shape) == s for v, s in zip(value, SHAPES)))
         if not _all_agree(ok):
@@ -342,7 +355,7 @@ def _rank_zero1(fn):
     flat = [sum(_gathered(torch.cat([t.reshape(-1) for t in g]))) for g in mine]   # per step, summed over ranks
     mean = [[f / d] for f in flat]
     summed = [[f] for f in flat]
-    info.update(new=torch.cat([t.reshape(-1).double() for t in current]), state=_state_elements(state),
+    info.update(new=torch.cat([t.reshape(-1).double() for t in current]), state=run.value["elements"],
                 want=_adam_steps(params, mean), summed=_adam_steps(params, summed)[-1][0],
                 fresh=_adam_steps(params, mean, fresh=True)[-1][0])
     size = padded(NUMEL, d) // d
@@ -351,7 +364,7 @@ def _rank_zero1(fn):
     pad = padded(NUMEL, d) - NUMEL
     info["shards"] = [torch.nn.functional.pad(p, (0, pad))[shard] for p, _, _ in info["want"]]
     info["mean_shards"] = [torch.nn.functional.pad(m[0], (0, pad))[shard] for m in mean]
-    info["moments_held"] = [_holds(state, torch.nn.functional.pad(m, (0, pad))[shard], real)
+    info["moments_held"] = [_holds(held, torch.nn.functional.pad(m, (0, pad))[shard], real)
                             for m in info["want"][-1][1:]]
     info["want"] = info["want"][-1][0]
     return info

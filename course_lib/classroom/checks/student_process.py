@@ -47,6 +47,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime
+import inspect
 import os
 import selectors
 import signal
@@ -69,7 +70,7 @@ from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRef
 from course_lib.classroom.checks.workers import _tensor_leaves, _travels, _write_all
 from course_lib.launch.process_tree import die_with_parent
 
-__all__ = ["run_on_rank", "student_on_rank", "OPS"]
+__all__ = ["run_on_rank", "student_on_rank", "backward_on_rank", "OPS"]
 
 OPS = ("send", "recv", "recv_anysource", "barrier", "monitored_barrier", "allreduce", "allreduce_coalesced",
        "allgather", "_allgather_base", "all_gather_single", "allgather_coalesced", "allgather_into_tensor_coalesced",
@@ -269,7 +270,8 @@ for _name in OPS:
 
 
 def _with_groups(value, groups: list):
-    """``value`` (decoded plain data) with each ``{"$group": gid}`` replaced by that process group."""
+    """``value`` (decoded plain data) with each ``{"$group": gid}`` replaced by that process group, and each
+    ``{"$kept": i}`` by this process's own ``i``-th argument of the first call (a ``state`` the function keeps)."""
     if isinstance(value, list):
         return [_with_groups(v, groups) for v in value]
     if isinstance(value, tuple):
@@ -277,6 +279,8 @@ def _with_groups(value, groups: list):
     if isinstance(value, dict):
         if set(value) == {"$group"}:
             return groups[int(value["$group"])]
+        if set(value) == {"$kept"}:
+            return _CHANNEL["first"][int(value["$kept"])]
         return {k: _with_groups(v, groups) for k, v in value.items()}
     return value
 
@@ -312,6 +316,7 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
                 _CHANNEL.setdefault("gloo", []).append(group._inner)  # held: never torn down in this process
                 group.__class__ = _Forwarding
                 group._gid, group._inner = gid, _RanksOnly()
+        _CHANNEL["first"] = list(args) + list(kwargs.values())
         _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
         while True:
             with _CHANNEL["lock"]:  # a thread the function left running waits for the next call
@@ -319,33 +324,84 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
             if not line:
                 break
             request = plain.loads(line.decode("utf-8"))
+            if "backward" in request:
+                _one_backward(request, references, to_rank)
+                continue
             args, kwargs = (_with_groups(v, _CHANNEL["groups"]) for v in plain.decode(request["call"]))
-            _one_call(fn, args, kwargs, references, bool(request.get("measure")), None, to_rank)
+            _one_call(fn, args, kwargs, references, bool(request.get("measure")), summarize, to_rank)
     finally:
         os._exit(0)
+
+
+_GRAPHS: dict = {}
+"""In a student process: ``{id: (tensor returned, the argument tensors it has a gradient for)}``, kept for the
+rank's backward through it (:class:`_RemoteGrad`)."""
 
 
 def _one_call(fn, args, kwargs, references, measure: bool, summarize, to_rank: int) -> None:
     """One call of the student's function in the student process, and its reply to the rank."""
     with largest_tensor() if measure else contextlib.nullcontext() as seen:
         run = run_student(fn, *args, references=references, **kwargs)
-    done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
+    done = _report(run)
     if measure:
         done["largest"] = [int(seen.largest), seen.op]
     try:
-        if run.error is not None:
-            done["error"] = _error_of(run.error, with_traceback=False)
-            done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
-        else:
+        if run.error is None:
             done["value"] = plain.encode(run.value if summarize is None else summarize(run.value))
+            leaves = _tensor_leaves(list(args) + list(kwargs.values()))
+            inputs = [i for i, t in enumerate(leaves) if t.requires_grad]
+            if summarize is None and inputs and getattr(run.value, "grad_fn", None) is not None:
+                _GRAPHS[len(_GRAPHS)] = (run.value, [leaves[i] for i in inputs])
+                done["graph"] = {"id": len(_GRAPHS) - 1, "inputs": inputs}
         done["state"] = plain.encode(_state(list(args) + list(kwargs.values())))
         data = plain.dumps({"done": done})
     except Exception as exc:  # noqa: BLE001 - a value that does not encode
-        data = plain.dumps({"done": {**done, "error": {"type": "TypeError", "message":
-                            f"what your function returned could not be sent back: {exc}"}}})
+        data = _unsendable(done, "what your function returned", exc)
+    _reply(to_rank, data)
+
+
+def _unsendable(done: dict, what: str, exc: Exception) -> str:
+    return plain.dumps({"done": {**done, "error": {"type": "TypeError",
+                                                   "message": f"{what} could not be sent back: {exc}"}}})
+
+
+def _reply(to_rank: int, data: str) -> None:
+    """The call's reply line to the rank, after what the student printed."""
     sys.stdout.flush()
     sys.stderr.flush()
     _write_all(to_rank, (data + "\n").encode("utf-8"))
+
+
+def _report(run: StudentRun) -> dict:
+    """What the rank is told of a call (or a backward) besides its value: patches, course code, the error."""
+    done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
+    if run.error is not None:
+        done["error"] = _error_of(run.error, with_traceback=False)
+        done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
+    return done
+
+
+def _gradients(value, inputs: list, grad) -> list:
+    """The gradients of ``value`` with respect to ``inputs`` for the incoming ``grad`` (None where unused); the
+    student's backward code runs here."""
+    return list(torch.autograd.grad(value, inputs, grad, allow_unused=True, retain_graph=True))
+
+
+def _one_backward(request: dict, references, to_rank: int) -> None:
+    """The rank's backward through a value this process returned: the gradients for its inputs, as plain data."""
+    graph = _GRAPHS.get(int(request["backward"]))
+    if graph is None:
+        run = StudentRun(error=RuntimeError("no value of this process has that gradient graph"))
+    else:
+        run = run_student(_gradients, graph[0], graph[1], plain.decode(request["grad"]), references=references)
+    done = _report(run)
+    try:
+        if run.error is None:
+            done["grads"] = plain.encode([None if g is None else g.detach() for g in run.value])
+        data = plain.dumps({"done": done})
+    except Exception as exc:  # noqa: BLE001 - a gradient that does not encode
+        data = _unsendable(done, "your backward's gradients", exc)
+    _reply(to_rank, data)
 
 
 # ------------------------------------------------------------------ the rank's side
@@ -481,57 +537,67 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     (an optimizer's state).
 
     The student process stays for the rank's next call of the same function (same references, the same
-    process groups on the rank, no ``summarize``) whose arguments travel as plain data (tensors, numbers,
-    lists, dicts, the rank's process groups): it runs there, without a new fork. Otherwise a new student
-    process is forked (the kept one is stopped)."""
-    session = _KEPT.get("session")
-    request = None
-    if session is not None and summarize is None and session.fits(fn, references):
-        request = _call_request(args, kwargs, session.groups, measure)
+    ``summarize``, the same process groups on the rank) whose arguments travel as plain data (tensors, numbers,
+    lists, dicts, the rank's process groups, and any argument that is the very object of the first call: a
+    ``state`` dict the function keeps is the student process's own, passed again): it runs there, without a new
+    fork. Otherwise a new student process is forked (that function's kept one is stopped). A rank keeps up to
+    :data:`KEPT_PROCESSES`, one per function, so that values of several (Lab 02's f and g) can still be
+    differentiated: a returned tensor that has a gradient with respect to tensors of ``args`` is a
+    :class:`_RemoteGrad` here, whose backward runs the student's backward in its process
+    (:func:`backward_on_rank`)."""
+    session = next((s for s in _KEPT if s.fits(fn, references, summarize)), None)
+    request = None if session is None else _call_request(args, kwargs, session, measure)
     if request is None:
         if session is not None:
             session.close()
-        session = _KEPT["session"] = _Session.fork(fn, args, kwargs, references, measure, summarize)
-    try:
-        if request is not None:
-            _write_all(session.to_student, (plain.dumps(request) + "\n").encode("utf-8"))
-        rank = _Rank(session.groups)
-        with student_running():
-            done = session.serve(rank)
-    except BaseException:
-        session.close()
-        raise
+        session = _Session.fork(fn, args, kwargs, references, measure, summarize)
+        _KEPT.append(session)
+        while len(_KEPT) > KEPT_PROCESSES:
+            _KEPT[0].close()
+    done, rank = session.exchange(request)
     session.pg_keys = [id(g) for g in c10d._world.pg_map]
-    return _result(done if isinstance(done, dict) else {}, rank, args, kwargs)
+    return _result(done, rank, args, kwargs, session)
 
 
-_KEPT: dict = {}
-"""On a rank: the student process kept for the next call (``"session"``), if any."""
+KEPT_PROCESSES = 4
+"""Student processes a rank keeps at most (the oldest is stopped): one per function the checker calls in turn,
+e.g. Lab 02's f and g, whose values the rank's backward still goes through."""
+_KEPT: list = []
+"""On a rank: the student processes kept for the next calls (:class:`_Session`), oldest first."""
 
 
-def _call_request(args, kwargs, groups: list, measure: bool):
+def _call_request(args, kwargs, session: "_Session", measure: bool):
     """A call for the kept student process: the arguments as plain data, each of the rank's process groups as
-    ``{"$group": gid}``; None when an argument does not travel (a module, a callback)."""
+    ``{"$group": gid}``, an argument that is the very object of the first call (a ``state`` dict the function
+    keeps between calls) as ``{"$kept": i}``; None when an argument does not travel (a module, a callback)."""
     def marked(value):
         if isinstance(value, (list, tuple)):
             return type(value)(marked(v) for v in value) if type(value) in (list, tuple) else value
         if isinstance(value, dict):
             return {k: marked(v) for k, v in value.items()}
-        for gid, group in enumerate(groups):
+        for gid, group in enumerate(session.groups):
             if value is group:
                 return {"$group": gid}
         return value
 
-    encoded = plain.encode([marked(list(args)), marked(dict(kwargs))])
+    def top(value):
+        for i, first in enumerate(session.first):
+            if value is first and not isinstance(value, (torch.Tensor, int, float, str, bool)):
+                return {"$kept": i}
+        return marked(value)
+
+    encoded = plain.encode([[top(a) for a in args], {k: top(v) for k, v in kwargs.items()}])
     return {"call": encoded, "measure": measure} if _travels(encoded) else None
 
 
 class _Session:
     """The rank's end of a student process: its pid, its pipes, the groups it knows, what it was forked for."""
 
-    def __init__(self, pid: int, to_student: int, from_student: int, fn, references, groups: list):
+    def __init__(self, pid: int, to_student: int, from_student: int, fn, references, groups: list, first: list,
+                 summarize):
         self.pid, self.to_student, self.lines = pid, to_student, _Lines(from_student)
         self.fn, self.references, self.groups = fn, [id(r) for r in references], groups
+        self.first, self.summarize = first, summarize  # the first call's arguments (held: their ids stay theirs)
         self.pg_keys = [id(g) for g in c10d._world.pg_map]
         self.closed = False
 
@@ -552,12 +618,44 @@ class _Session:
             _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
         os.close(to_rank)
         os.close(from_rank)
-        return cls(pid, to_student, from_student, fn, references, groups)
+        return cls(pid, to_student, from_student, fn, references, groups, list(args) + list(kwargs.values()),
+                   summarize)
 
-    def fits(self, fn, references) -> bool:
-        """Whether a call of ``fn`` with ``references`` can run here (the rank's groups unchanged since)."""
-        return (not self.closed and self.fn is fn and self.references == [id(r) for r in references]
-                and self.pg_keys == [id(g) for g in c10d._world.pg_map])
+    def fits(self, fn, references, summarize) -> bool:
+        """Whether a call of ``fn`` with ``references`` and ``summarize`` can run here (the rank's groups
+        unchanged since). A bound method fits when it binds the same function to the same object
+        (``cls.apply`` is a new bound method at each lookup)."""
+        same = self.fn is fn or (inspect.ismethod(fn) and inspect.ismethod(self.fn) and self.fn == fn)
+        return (not self.closed and same and self.summarize is summarize
+                and self.references == [id(r) for r in references] and self.pg_keys == [id(g) for g in c10d._world.pg_map])
+
+    def backward(self, graph: int, grad) -> list:
+        """The gradients, for the inputs it recorded, of the value ``graph`` this student process returned
+        (:class:`_RemoteGrad`): its backward runs there, its ops on this rank's groups (recorded here)."""
+        if self.closed:
+            raise StudentProcessError("the student process that computed this value has ended (the checker "
+                                      "called other functions since)")
+        done, rank = self.exchange({"backward": graph, "grad": grad})
+        _BACKWARDS.append(done)
+        if rank.wire_error is not None:
+            raise rank.wire_error
+        if isinstance(done.get("error"), dict):
+            raise _exception(done["error"])
+        return plain.decode(done.get("grads"))
+
+    def exchange(self, request) -> tuple:
+        """Send ``request`` (None: the forked call already runs), run the ops the student process asks for until
+        it is done: ``(its reply, the _Rank that ran the ops)``. Any failure stops the student process."""
+        try:
+            if request is not None:
+                _write_all(self.to_student, (plain.dumps(request) + "\n").encode("utf-8"))
+            rank = _Rank(self.groups)
+            with student_running():
+                done = self.serve(rank)
+        except BaseException:
+            self.close()
+            raise
+        return (done if isinstance(done, dict) else {}), rank
 
     def serve(self, rank: "_Rank") -> dict:
         """Run the ops the student process asks for until its call is done; its reply."""
@@ -586,11 +684,57 @@ class _Session:
         self.lines.selector.close()
         os.close(self.lines.fd)
         os.close(self.to_student)
-        if _KEPT.get("session") is self:
-            _KEPT.clear()
+        if self in _KEPT:
+            _KEPT.remove(self)
 
 
-def _result(done: dict, rank: _Rank, args, kwargs) -> StudentRun:
+class _RemoteGrad(torch.autograd.Function):
+    """A value a student process returned, on the rank: its backward runs in that process
+    (:meth:`_Session.backward`), so the rank's wire recorders see the ops of the student's backward apart from
+    those of its forward. Inputs: the session, the graph's id, the value, then the rank's argument tensors it has
+    a gradient for."""
+
+    @staticmethod
+    def forward(ctx, session, graph, value, *inputs):
+        ctx.session, ctx.graph, ctx.shapes = session, graph, [(t.shape, t.dtype) for t in inputs]
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grads = ctx.session.backward(ctx.graph, grad)
+        if not isinstance(grads, list) or len(grads) != len(ctx.shapes):
+            raise StudentProcessError("your backward did not return one gradient per input")
+        out = []
+        for got, (shape, dtype) in zip(grads, ctx.shapes):
+            if got is not None and not (isinstance(got, torch.Tensor) and got.shape == shape):
+                raise RuntimeError(f"your backward returned a gradient of shape {tuple(getattr(got, 'shape', ()))} "
+                                   f"for an input of shape {tuple(shape)}")
+            out.append(None if got is None else got.detach().to(dtype))
+        return (None, None, None, *out)
+
+
+_BACKWARDS: list = []
+"""On a rank: what each student process reported of the backwards it ran (see :func:`backward_on_rank`)."""
+
+
+def backward_on_rank(value: torch.Tensor, grad: torch.Tensor) -> StudentRun:
+    """``value.backward(grad)`` on the rank, where ``value`` came (through the rank's own operations) from
+    values of :func:`run_on_rank`: each student process runs its part of the backward, so the rank's recorders
+    see those ops. Returns the :class:`~course_lib.classroom.checks.tamper_guard.StudentRun` of the backward:
+    ``error`` (never raised), ``patched`` and ``course_code`` as the student processes reported them."""
+    del _BACKWARDS[:]
+    run = StudentRun()
+    try:
+        value.backward(grad)
+    except Exception as exc:  # noqa: BLE001 - the student's backward raised: reported to the checker
+        run.error = exc
+    for done in _BACKWARDS:
+        run.patched += [str(p) for p in done.get("patched", [])][:20]
+        run.course_code += [str(c) for c in done.get("course_code", [])][:20]
+    return run
+
+
+def _result(done: dict, rank: _Rank, args, kwargs, session: _Session) -> StudentRun:
     run = StudentRun(patched=[str(p) for p in done.get("patched", [])][:20],
                      course_code=[str(c) for c in done.get("course_code", [])][:20])
     largest = done.get("largest")
@@ -602,6 +746,11 @@ def _result(done: dict, rank: _Rank, args, kwargs) -> StudentRun:
         run.error = _exception(done["error"])
     else:
         run.value = plain.decode(done.get("value"))
+        graph = done.get("graph")
+        if isinstance(graph, dict) and isinstance(run.value, torch.Tensor):
+            leaves = _tensor_leaves(list(args) + list(kwargs.values()))
+            inputs = [leaves[int(i)] for i in graph.get("inputs", []) if 0 <= int(i) < len(leaves)]
+            run.value = _RemoteGrad.apply(session, int(graph["id"]), run.value.detach(), *inputs)
     try:
         _apply_state(list(args) + list(kwargs.values()), plain.decode(done.get("state")))
     except Exception as exc:  # noqa: BLE001 - what the function left in its arguments does not fit them

@@ -11,15 +11,14 @@ wrappers, partials do not hide them, nor does an ``exec`` of their source: a cop
 and names used), and -- always -- any function of a checker module the student's code called (its truth tables,
 its input generators), except what the checker handed over. :func:`course_function` recognises a function that
 *is* (or wraps, or partially applies) one from ``course_lib``; :func:`course_code_hint` words the verdict.
-:func:`student_beside_checker` is :func:`run_student` inside a rank of
-:func:`~course_lib.classroom.checks.wire.launch_checked`, with the rank's wire recorded and the value made
-:func:`portable`; :func:`call_problem` words what its patches or course code were.
+:func:`on_rank_result` is what a rank check reads of a call (the rank's wire recorded, the value made
+:func:`portable`); :func:`call_problem` words what its patches or course code were.
 
 Where it matters: the judge runs the student's function in worker processes
 (:mod:`~course_lib.classroom.checks.workers`, where :mod:`~course_lib.classroom.checks.refusals` refuses the
 answer's modules), so in the judge's check process this guard only reports what the worker saw; on the ranks of a
-launch it runs in the student process (:mod:`~course_lib.classroom.checks.student_process`) or, for the checkers
-that still call the student on the rank, beside the checker's rank code, where this guard is what holds.
+launch it runs in the student process (:mod:`~course_lib.classroom.checks.student_process`), never beside the
+checker's rank code.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.verdicts import safe_repr
 from course_lib.classroom.checks.wire import largest_tensor, student_running, wire_recorder
 
-__all__ = ["LibraryPatched", "StudentRun", "run_student", "portable", "student_beside_checker",
-           "call_problem", "undo_patches", "course_function", "course_code_hint"]
+__all__ = ["LibraryPatched", "StudentRun", "run_student", "portable", "on_rank_result", "call_problem",
+           "undo_patches", "course_function", "course_code_hint"]
 
 
 class LibraryPatched(RuntimeError):
@@ -282,29 +281,13 @@ def portable(value):
     return f"a {plain.type_name(value)} ({safe_repr(value, 50)})"
 
 
-def student_beside_checker(fn, *args, references: Sequence = (), measure: bool = False, raw: bool = False) -> dict:
-    """Inside a rank of :func:`launch_checked`: run ``fn(*args)`` with every op on the wire recorded, in this
-    rank's interpreter (for a check whose truth lives in what the call changes besides its arguments: a
-    closure's tensors, autograd graphs; :func:`course_lib.classroom.checks.student_process.student_on_rank`
-    runs it in a student process of its own).
-
-    Re-raises the student's exception (so the launcher stops the other ranks at once); otherwise
-    returns ``value`` (:func:`portable` of what came back), ``events`` (the rank's
-    :class:`~course_lib.comm.CommEvent` list), ``carried`` (what each event sent, see
-    :class:`~course_lib.classroom.checks.wire.WireRecorder`), ``patched`` (library names it replaced,
-    undone) and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also
-    ``largest`` and ``largest_op``: the largest tensor the call computed (:func:`largest_tensor`); with
-    ``raw``, also ``raw``: the returned object itself, for checks on the rank (pop it before returning
-    the dict from the rank: it may not pickle)."""
-    with wire_recorder() as rec, (largest_tensor() if measure else contextlib.nullcontext()) as seen:
-        run = run_student(fn, *args, references=references)
-    if measure:
-        run.largest = (seen.largest, seen.op)
-    return on_rank_result(run, rec, measure, raw)
-
-
 def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
-    """:func:`student_beside_checker`'s dict for a call ``run`` whose ops ``rec`` recorded (raises its error)."""
+    """The dict of :func:`course_lib.classroom.checks.student_process.student_on_rank` for a call ``run`` whose
+    ops ``rec`` recorded (raises its error): ``value`` (:func:`portable` of what came back), ``events`` (the
+    rank's :class:`~course_lib.comm.CommEvent` list), ``carried`` (what each event sent, see
+    :class:`~course_lib.classroom.checks.wire.WireRecorder`), ``patched`` (library names it replaced, undone)
+    and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also ``largest`` and
+    ``largest_op`` (the largest tensor the call computed); with ``raw``, also ``raw``: the returned value."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
@@ -318,7 +301,7 @@ def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
 
 
 def call_problem(result: dict) -> str | None:
-    """The line for a :func:`student_beside_checker` (or ``student_process.student_on_rank``) ``result`` whose
+    """The line for a ``student_process.student_on_rank`` (or a rank check's) ``result`` whose
     call patched the library or ran the course's own code (as :meth:`StudentRun.problem` words it), else None."""
     return StudentRun(patched=result["patched"], course_code=result["course_code"]).problem()
 

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from course_lib.classroom.checks import is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
-from course_lib.classroom.checks.tamper_guard import call_problem, portable, run_student, student_beside_checker
+from course_lib.classroom.checks.student_process import backward_on_rank, run_on_rank
+from course_lib.classroom.checks.tamper_guard import call_problem, portable, run_student
 from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, safe_repr,
                                                   same_number, secret_generator, tensors_close, wire_recorder)
 from course_lib.comm import CommRecorder
@@ -68,10 +69,10 @@ def _rank_f_g(f_cls, g_cls):
 
     def phases(cls, x, dy):
         """What cls.apply(x, group) does in each pass: y, dx and the ops of each pass (and what they
-        carried), recorded apart."""
+        carried), recorded apart (the forward is one call in the student process, the backward another)."""
         x = x.clone().requires_grad_()
         with wire_recorder() as fwd:
-            run = run_student(cls.apply, x, g, references=refs)
+            run = run_on_rank(cls.apply, x, g, references=refs)
         if run.error is not None:
             raise run.error
         y = run.value
@@ -79,7 +80,7 @@ def _rank_f_g(f_cls, g_cls):
                     carried=list(fwd.carried), bwd_events=[], bwd_carried=[], dx=None, y=portable(y))
         if isinstance(y, torch.Tensor) and y.requires_grad:
             with wire_recorder() as bwd:
-                back = run_student(y.backward, dy.clone(), references=refs)
+                back = backward_on_rank(y, dy.clone())
             if back.error is not None:
                 raise back.error
             info.update(patched=run.patched + back.patched, course_code=run.course_code + back.course_code,
@@ -103,13 +104,17 @@ def _rank_f_g(f_cls, g_cls):
     yd = F.linear(F.gelu(F.linear(xd, dense.linear_fc1.weight)), dense.linear_fc2.weight)
     yd.sum().backward()
     xp = xin.clone().requires_grad_()
-
-    def mlp():
-        yp = g_cls.apply(F.linear(F.gelu(F.linear(f_cls.apply(xp, g), w1)), w2), g)
-        yp.sum().backward()
-        return yp
-
-    yp = student_beside_checker(mlp)["value"]
+    # f and g in their student processes, the layers between them the checker's own, here on the rank
+    entered = run_on_rank(f_cls.apply, xp, g, references=refs)
+    if entered.error is not None:
+        raise entered.error
+    left = run_on_rank(g_cls.apply, F.linear(F.gelu(F.linear(entered.value, w1)), w2), g, references=refs)
+    if left.error is not None:
+        raise left.error
+    yp = left.value
+    back = backward_on_rank(yp, torch.ones_like(yp))
+    if back.error is not None:
+        raise back.error
     out["mlp"] = dict(y=(yp - yd).abs().max().item(), dx=(xp.grad - xd.grad).abs().max().item(),
                       dw=max((w1.grad - dense.linear_fc1.weight.grad.chunk(t, 0)[r]).abs().max().item(),
                              (w2.grad - dense.linear_fc2.weight.grad.chunk(t, 1)[r]).abs().max().item()))

@@ -74,6 +74,9 @@ class StudentFunction:
         rebuilt there, and a method runs with the refusals in place."""
         if attr.startswith("__") or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise AttributeError(attr)
+        methods = self.__dict__.setdefault("_methods", {})
+        if attr in methods:  # the same object at each lookup: a rank keeps one student process per function
+            return methods[attr]
         value = getattr(self._rebuilt(), attr)
         if not callable(value):
             return value
@@ -83,8 +86,10 @@ class StudentFunction:
                 with self.refusals.around():
                     return value(*args, **kwargs)
             finally:
-                self.refused = list(self.refusals.refused)
+                self.refused = method.refused = list(self.refusals.refused)
 
+        method.refusals, method.refused = self.refusals, []  # what run_student and a student process read
+        methods[attr] = method
         return method
 
     def _rebuilt(self):

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks.collectives import check_ring_all_reduce
+from course_lib.classroom.checks.distributed_optimizer import ADAM as _ADAM
 from course_lib.launch.process_tree import is_running
+from test_lab02_checks import F_ok  # this folder is on sys.path (no __init__.py): Lab 02's right f
 
 
 def _forge_ring_sends(n: int) -> None:
@@ -264,3 +266,90 @@ def test_the_student_process_is_kept_for_calls_whose_arguments_are_plain_data():
     for rank_pid, (first, again, module, after_new_group) in launch_checked(_rank_pids, 2, timeout=30):
         assert rank_pid not in (first, again, module, after_new_group)
         assert first == again and len({first, module, after_new_group}) == 3, (first, again, module, after_new_group)
+
+
+class _GGathersAndForgesAnAllReduce(torch.autograd.Function):
+    """Lab 02's g with the wrong wire (an all-gather and a sum by hand: t times the traffic), whose forward then
+    rewrites the rank's recorders to show the one all-reduce of its input that g should have run."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        from course_lib.classroom.checks import wire
+        from course_lib.comm import CommEvent
+
+        pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, x.contiguous(), group=group)
+        w = dist.get_world_size(group)
+        for rec in wire._RECORDERS:
+            del rec.events[-1:], rec.carried[-1:]
+            rec.events.append(CommEvent(op="all_reduce", kind="world", group_size=w, numel=x.numel(),
+                                        bytes=4 * x.numel(), direction="fwd", reduce_op="sum",
+                                        source="process_group", rank=dist.get_rank()))
+            rec.carried.append(x.detach().clone())
+        return sum(pieces)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def test_lab02_f_and_g_run_in_their_own_process_so_a_forged_forward_record_fails(capsys):
+    """f and g's forward and backward run in student processes (the backward through the rank's
+    ``backward_on_rank``): a g that all-gathers and then writes an all-reduce into the recorders passed when g
+    ran in the rank's interpreter; now the rank records the all-gather it really forwarded."""
+    from course_lib.classroom.checks.tp_communication import check_f_g
+
+    verdict = check_f_g(F_ok, _GGathersAndForgesAnAllReduce)
+    out = capsys.readouterr().out
+    assert not verdict.ok and "g's forward pass is exactly one all-reduce" in out, out
+
+
+def _zero1_all_reduce_then_forged(params, grads, dp_group, state):
+    """Lab 07's zero1_step with plain data parallelism's wire (an all-reduce of the whole gradient, hidden from
+    the rank's recorders), then Adam on this rank's shard only, a real all-gather of it, and a reduce-scatter
+    of the padded gradients written into the recorders."""
+    from course_lib.classroom.checks import wire
+    from course_lib.comm import CommEvent
+
+    d, r = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    flat_g = torch.cat([g.reshape(-1) for g in grads])
+    n = flat_g.numel()
+    size = -(-n // d)
+    saved = list(wire._RECORDERS)
+    wire._RECORDERS.clear()
+    try:
+        summed = flat_g.clone()
+        dist.all_reduce(summed, group=dp_group)
+    finally:
+        wire._RECORDERS.extend(saved)
+    padded_g = torch.nn.functional.pad(flat_g, (0, size * d - n))
+    for rec in wire._RECORDERS:
+        rec.events.append(CommEvent(op="reduce_scatter", kind="world", group_size=d, numel=size * d,
+                                    bytes=8 * size * d, direction="fwd", dtype="float64", reduce_op="sum",
+                                    source="process_group", rank=r))
+        rec.carried.append(padded_g.clone())
+    if "shard" not in state:
+        flat_p = torch.nn.functional.pad(torch.cat([p.reshape(-1) for p in params]), (0, size * d - n))
+        state["shard"] = flat_p[r * size:(r + 1) * size].clone().requires_grad_()
+        state["adam"] = torch.optim.Adam([state["shard"]], **_ADAM)
+    state["shard"].grad = torch.nn.functional.pad(summed / d, (0, size * d - n))[r * size:(r + 1) * size].clone()
+    state["adam"].step()
+    pieces = [torch.empty(size, dtype=flat_g.dtype) for _ in range(d)]
+    dist.all_gather(pieces, state["shard"].detach().clone(), group=dp_group)
+    flat = torch.cat(pieces)[:n]
+    out, at = [], 0
+    for p in params:
+        out.append(flat[at:at + p.numel()].reshape(p.shape))
+        at += p.numel()
+    return out
+
+
+def test_lab07_zero1_step_runs_in_its_own_process_so_a_hidden_all_reduce_is_seen(capsys):
+    """zero1_step runs in a student process kept for its two calls (``state`` stays there): an all-reduce hidden
+    by emptying the recorders, and a reduce-scatter written into them, passed when the function ran in the rank's
+    interpreter; now the rank records the all-reduce it forwarded."""
+    from course_lib.classroom.checks.distributed_optimizer import check_zero1_step
+
+    verdict = check_zero1_step(_zero1_all_reduce_then_forged)
+    out = capsys.readouterr().out
+    assert not verdict.ok and "an all-reduce gives every rank the whole gradient" in out, out

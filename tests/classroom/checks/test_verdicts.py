@@ -171,10 +171,10 @@ def _rank_every_way_to_a_collective():
 
 
 def _student_on_rank_results(rank):
-    """On a rank: student_beside_checker's value, wire, patches and course code for three student functions."""
+    """On a rank: student_on_rank's value, wire, patches and course code for three student functions."""
     import torch.distributed as dist
 
-    from course_lib.classroom.checks.tamper_guard import student_beside_checker
+    from course_lib.classroom.checks.student_process import student_on_rank
 
     def summed(t):
         dist.all_reduce(t)
@@ -184,15 +184,15 @@ def _student_on_rank_results(rank):
         F.linear = lambda *a, **k: None  # a monkeypatch the checker must undo
         return [t.sum().item()]
 
-    tensor_run = student_beside_checker(summed, torch.ones(2) * rank)
-    list_run = student_beside_checker(patching, torch.ones(2))
+    tensor_run = student_on_rank(summed, torch.ones(2) * rank)
+    list_run = student_on_rank(patching, torch.ones(2))
     try:
-        student_beside_checker(lambda: 1 / 0)
+        student_on_rank(lambda: 1 / 0)
         raised = None
     except ZeroDivisionError as exc:
         raised = type(exc).__name__
     ring = communication_patterns.ring_all_reduce
-    course_run = student_beside_checker(ring, torch.ones(3), references=(ring,))
+    course_run = student_on_rank(ring, torch.ones(3), references=(ring,))
     return dict(value=tensor_run["value"].tolist(), ops=describe_ops(tensor_run["events"]),
                 listed=list_run["value"], patched=list_run["patched"], restored=F.linear is torch._C._nn.linear,
                 raised=raised, course_code=course_run["course_code"])
@@ -202,7 +202,7 @@ def test_collectives_are_refused_at_the_process_group_level_however_they_are_rea
     from course_lib.classroom.checks.verdicts import launch_checked
 
     for total, events, verdicts, on_rank in launch_checked(_rank_every_way_to_a_collective, 3, timeout=30):
-        # student_beside_checker: the value comes back (a tensor as is, anything else described), with the wire seen,
+        # student_on_rank: the value comes back (a tensor as is, anything else described), with the wire seen,
         # a patch undone and named, the student's exception raised again and the course's own code named
         assert on_rank["value"] == [3.0, 3.0] and on_rank["ops"] == "1 all_reduce on world (2 elements)"
         assert on_rank["listed"] == "a list ([2.0])" and on_rank["restored"]
