@@ -29,10 +29,11 @@ pipe. A wire exception (a refused collective, mismatched all-to-all splits) rais
 there again after the call, even when the student's code caught it. The student process is bounded by the
 group's timeout while the rank waits for its next message.
 
-What remains in the student's room: the refusals of references and libraries (they run there: code that
-undoes them there gets past them, as in the student's own kernel), what a checker asks to be measured or read
-there (``measure``, ``summarize``), and its own sockets (a student process could open a connection of its own
-to its peers; nothing the checker records would see it). The gloo groups it inherited are held, never used:
+Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket (seccomp), writes
+no file and signals no process outside its own (Landlock), so it reaches another rank's student process only
+through its rank. What remains in the student's room: the refusals of references and libraries (they run there:
+code that undoes them there gets past them, as in the student's own kernel) and what a checker asks to be
+measured or read there (``measure``, ``summarize``). The gloo groups it inherited are held, never used:
 their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
 Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
@@ -68,6 +69,7 @@ from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun,
 from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRefused, SplitMismatch, largest_tensor,
                                              student_running, wire_recorder)
 from course_lib.classroom.checks.workers import _tensor_leaves, _travels, _write_all
+from course_lib.classroom.grading import landlock, seccomp
 from course_lib.launch.process_tree import die_with_parent
 
 __all__ = ["run_on_rank", "student_on_rank", "backward_on_rank", "OPS"]
@@ -309,6 +311,7 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
         keep = sorted({0, 1, 2, to_rank, from_rank} | {fd for fd in keep if fd >= 0})
         for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)
+        seal()
         groups = list(c10d._world.pg_map)
         _CHANNEL.update(requests=to_rank, replies=os.fdopen(from_rank, "rb"), lock=threading.Lock(), groups=groups)
         for gid, group in enumerate(groups):
@@ -336,6 +339,18 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
 _GRAPHS: dict = {}
 """In a student process: ``{id: (tensor returned, the argument tensors it has a gradient for)}``, kept for the
 rank's backward through it (:class:`_RemoteGrad`)."""
+
+
+def seal() -> list[str]:
+    """In a student process, before the student's code: no new socket (seccomp), no file written, no signal out
+    (Landlock), so its only way to the other ranks is the pipe to its rank, whose ops are recorded. What was
+    sealed, in words (empty where the kernel has neither)."""
+    sealed = ["no new socket"] if seccomp.deny_new_sockets() else []
+    try:
+        sealed += landlock.deny_writes_and_signals()
+    except OSError:  # Landlock there but refusing: the sockets are still sealed
+        pass
+    return sealed
 
 
 def _one_call(fn, args, kwargs, references, measure: bool, summarize, to_rank: int) -> None:

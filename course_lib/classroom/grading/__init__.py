@@ -14,6 +14,7 @@ removed at the end.
 :mod:`.official`        the official lab (today's, or the release a stamp names), its units, the run
 :mod:`.sandbox`         the zygote and the fenced, limited kernel each run gets
 :mod:`.landlock`        Linux Landlock: what a run may read, write and signal
+:mod:`.seccomp`         Linux seccomp: a checked rank's student process opens no socket
 :mod:`.cgroups`         as root, a run's control group: its processes and their memory capped, killed whole
 :mod:`.driver`          the cells run in an IPython shell, each one's events written
 :mod:`.grader`          one student's lab: timed per exercise, re-run past a hang, verdicts collected

@@ -181,6 +181,32 @@ def _ruleset_reading(paths: list) -> int:
     return ruleset
 
 
+_SCOPE_ABSTRACT_UNIX = 1 << 0
+
+
+def deny_writes_and_signals() -> list[str]:
+    """Restrict this process (and what it starts from now on) to writing no file anywhere (files already open
+    stay writable: stdout, pipes) and, with ABI >= 6, to signalling and reaching abstract unix sockets only
+    inside its own new domain. What was denied, in words (empty without Landlock). A checked rank's student
+    process uses it: a file shared with another rank's student process would be a channel off the recorded wire."""
+    abi = abi_version()
+    if abi == 0:
+        return []
+    libc = _libc()
+    writes = _handled(abi) & ~READ
+    scoped = _SCOPE_SIGNAL | _SCOPE_ABSTRACT_UNIX if abi >= 6 else 0
+    attr = _RulesetAttr(writes, 0, scoped)
+    ruleset = libc.syscall(_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+                           ctypes.c_uint32(0))
+    if ruleset < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        restrict_self(ruleset)
+    finally:
+        os.close(ruleset)
+    return ["no file written"] + (["no signal or abstract unix socket outside it"] if scoped else [])
+
+
 def restrict_self(ruleset: int) -> bool:
     """Restrict this process (and what it starts from now on) by ``ruleset``; False without Landlock."""
     if ruleset < 0:

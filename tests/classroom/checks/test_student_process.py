@@ -12,7 +12,9 @@ student process's own.
 from __future__ import annotations
 
 import os
+import platform
 import signal
+import sys
 import threading
 import time
 
@@ -22,6 +24,7 @@ import torch.distributed as dist
 
 from course_lib.classroom.checks.collectives import check_ring_all_reduce
 from course_lib.classroom.checks.distributed_optimizer import ADAM as _ADAM
+from course_lib.classroom.grading import landlock
 from course_lib.launch.process_tree import is_running
 from test_lab02_checks import F_ok  # this folder is on sys.path (no __init__.py): Lab 02's right f
 
@@ -101,14 +104,24 @@ def test_a_function_that_forges_the_rank_s_wire_record_is_judged_by_what_crossed
 def _rank_sleeper(path):
     from course_lib.classroom.checks.student_process import run_on_rank
 
-    return run_on_rank(_writes_its_pids_and_sleeps, path).value
-
-
-def _writes_its_pids_and_sleeps(path):
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{os.getpid()} {os.getppid()}")
+    with open(path + ".tmp", "w") as f:  # the rank writes its pid: a student process writes no file
+        f.write(str(os.getpid()))
     os.replace(path + ".tmp", path)
-    time.sleep(120)
+    return run_on_rank(time.sleep, 120).value
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                ppid = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+        except (OSError, ValueError, StopIteration):
+            continue
+        if ppid == pid:
+            found.append(int(entry))
+    return found
 
 
 def _wait_for(condition, seconds: float) -> bool:
@@ -136,9 +149,11 @@ def test_the_student_process_does_not_outlive_a_killed_rank(tmp_path):
 
     thread = threading.Thread(target=launch, daemon=True)
     thread.start()
-    assert _wait_for(lambda: os.path.exists(path), 60), "the student process never started"
-    student, rank = map(int, open(path).read().split())
-    assert student != rank and is_running(student) and is_running(rank)
+    assert _wait_for(lambda: os.path.exists(path), 60), "the rank never started"
+    rank = int(open(path).read())
+    assert _wait_for(lambda: _children(rank), 30), "the student process never started"
+    student = _children(rank)[0]
+    assert is_running(student) and is_running(rank)
     os.kill(rank, signal.SIGKILL)
     assert _wait_for(lambda: not is_running(student), 10), "the student process outlived its rank"
     thread.join(30)
@@ -353,3 +368,42 @@ def test_lab07_zero1_step_runs_in_its_own_process_so_a_hidden_all_reduce_is_seen
     verdict = check_zero1_step(_zero1_all_reduce_then_forged)
     out = capsys.readouterr().out
     assert not verdict.ok and "an all-reduce gives every rank the whole gradient" in out, out
+
+
+def _ways_out(path):
+    """In the student process: a socket of each kind, a file written, a signal to the rank; what each gave."""
+    import socket
+
+    tries = {"tcp": lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM),
+             "udp": lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM),
+             "unix pair": socket.socketpair,
+             "file": lambda: open(path, "w"),
+             "signal to the rank": lambda: os.kill(os.getppid(), 0)}
+    got = {}
+    for name, attempt in tries.items():
+        try:
+            attempt()
+            got[name] = "allowed"
+        except OSError as exc:
+            got[name] = type(exc).__name__
+    return got
+
+
+def _rank_ways_out(path):
+    from course_lib.classroom.checks.student_process import run_on_rank
+
+    return run_on_rank(_ways_out, path).value, _ways_out(path + ".rank")
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+                         and landlock.abi_version() >= 6), reason="seccomp and Landlock (ABI >= 6) on Linux")
+def test_a_student_process_opens_no_socket_writes_no_file_and_signals_no_one(tmp_path):
+    """Its only way to another rank's student process is the pipe to its rank: a socket, a file both could read or
+    a signal would be a channel the rank never records. The rank itself keeps them all."""
+    from course_lib.classroom.checks.wire import launch_checked
+
+    [(student, rank)] = launch_checked(_rank_ways_out, 1, timeout=30, path=str(tmp_path / "channel"))
+    assert student == {"tcp": "PermissionError", "udp": "PermissionError", "unix pair": "PermissionError",
+                       "file": "PermissionError", "signal to the rank": "PermissionError"}, student
+    assert set(rank.values()) == {"allowed"}, rank
+    assert not (tmp_path / "channel").exists()
