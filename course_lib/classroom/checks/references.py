@@ -32,9 +32,18 @@ _LAYOUT = ("course_lib.rules:data_parallel_size", "course_lib.rules:num_microbat
 _ENGINE = ("course_lib.distributed.engine:ShardedDataParallel", "course_lib.distributed.engine:wrap",
            "course_lib.distributed.engine:OptimizerPiece", "course_lib.distributed.buffer:size_buckets")
 _ZERO_BYTES = ("course_lib.sizing.memory:model_state_bytes", "course_lib.sizing.memory:megatron_optimizer_bytes_per_param",
-               "course_lib.deepspeed.config:state_bytes")
+               "course_lib.sizing.memory:megatron_state_bytes", "course_lib.deepspeed.config:state_bytes",
+               "course_lib.deepspeed.memory:paper_bytes", "course_lib.deepspeed.memory:megatron_bytes",
+               "course_lib.deepspeed.memory:deepspeed_estimate")
 _SCHEDULES = ("course_lib.pipeline.schedules:schedule_1f1b", "course_lib.pipeline.schedules:build_schedule",
-              "course_lib.pipeline.schedules:schedule_interleaved_1f1b", "course_lib.pipeline.schedules:PipelineSchedule")
+              "course_lib.pipeline.schedules:schedule_interleaved_1f1b", "course_lib.pipeline.schedules:PipelineSchedule",
+              "course_lib.pipeline.schedules:schedule_gpipe", "course_lib.pipeline.schedules:_zero_bubble",
+              "course_lib.pipeline.schedules:schedule_zero_bubble_h1",
+              "course_lib.pipeline.schedules:schedule_zero_bubble_h2", "course_lib.pipeline.schedules:_passes",
+              "course_lib.pipeline.schedules:from_orders")
+_MODELS = ("course_lib.model:GPTModel", "course_lib.model:GPTChunk", "course_lib.model:TransformerBlock",
+           "course_lib.model:LanguageModelEmbedding", "course_lib.model:ParallelLanguageModelEmbedding")
+"""The course's models: built at small sizes, their parameters counted, they give the parameter formula away."""
 _BUBBLES = ("course_lib.pipeline.bubbles:bubble_fraction", "course_lib.pipeline.bubbles:bubble_share",
             "course_lib.pipeline.bubbles:pipeline_bubble_time", "course_lib.sizing.planner:plan")
 
@@ -93,7 +102,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     # Lab 06
     "gpt_parameters": ("course_lib.sizing.flops:num_parameters", "course_lib.sizing.flops:parameter_breakdown",
                        "course_lib.sizing.flops:parameters_per_stage", "course_lib.sizing.flops:parameters_per_rank",
-                       "course_lib.sizing.moe:moe_parameter_counts"),
+                       "course_lib.sizing.moe:moe_parameter_counts", *_MODELS),
     "model_state_bytes_per_gpu": _ZERO_BYTES,
     # Lab 07
     "zero_bytes_per_rank": _ZERO_BYTES,
@@ -133,9 +142,10 @@ that computes its answer."""
 _MCORE = ("megatron",)
 _DCP_PLANNERS = ("torch.distributed.checkpoint.planner_helpers", "torch.distributed.checkpoint.resharding",
                  "torch.distributed.checkpoint.default_planner", "torch.distributed.checkpoint._dedup_save_plans")
+_RANK_GRIDS = (*_MCORE, "deepspeed")  # DeepSpeed's pipe.topology.ProcessTopology orders ranks for any axis order
 LIBRARIES: dict[str, tuple[str, ...]] = {
-    "derive_dp": _MCORE, "groups_of": _MCORE, "rank_of": _MCORE, "derive_layout": _MCORE,
-    "expert_groups_of": _MCORE, "dispatch": _MCORE, "aux_loss": _MCORE,
+    "derive_dp": _RANK_GRIDS, "groups_of": _RANK_GRIDS, "rank_of": _RANK_GRIDS, "derive_layout": _RANK_GRIDS,
+    "expert_groups_of": _RANK_GRIDS, "dispatch": _MCORE, "aux_loss": _MCORE,
     "distributed_optimizer_step": (*_MCORE, "deepspeed"), "zero1_step": (*_MCORE, "deepspeed"),
     "mlp_sharded_state_dict": _MCORE, "read_plan": (*_MCORE, *_DCP_PLANNERS),
     "zero_bytes_per_rank": ("deepspeed",), "what_it_shards": ("deepspeed",), "zero3_wire": ("deepspeed",),
@@ -145,7 +155,7 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
 """exercise -> the real libraries (module names, with their submodules) that compute its answer: megatron-core's
 ``parallel_state``/``RankGenerator``, its tensor-parallel mappings (``_CopyToModelParallelRegion``), MoE utilities
 (``switch_load_balancing_loss_func``) and compiled dataset helpers (``helpers.build_sample_idx``), DeepSpeed's
-``DeepSpeedZeroConfig`` and bucketing, torch's DCP planner helpers. The judge refuses them inside the
+``DeepSpeedZeroConfig``, bucketing and ``ProcessTopology`` (its rank grid), torch's DCP planner helpers. The judge refuses them inside the
 student's function (:mod:`course_lib.classroom.checks.refusals`)."""
 
 _RESOLVED: dict[str, tuple] = {}

@@ -120,7 +120,23 @@ def check_column_parallel_forward(fn) -> bool:
 # ---------------------------------------------------------------------------- row
 
 ROW_ALGORITHM = ("row-parallel rank i multiplies only its own slice x_shard by its rows of the weight "
-                 "(weight.chunk(t, dim=1)[rank]) and the partial sums are added by exactly one all-reduce")
+                 "(weight.chunk(t, dim=1)[rank]) and the partial sums are added by exactly one all-reduce "
+                 "(or the reduce-scatter and all-gather it is made of)")
+
+
+def _all_reduce_in_two_steps(events) -> bool:
+    """A reduce-scatter (sum) then an all-gather: an all-reduce written as its two halves, the same wire."""
+    return [e.op for e in events] == ["reduce_scatter", "all_gather"] and events[0].reduce_op in (None, "sum")
+
+
+def _same_elements(carried, want: torch.Tensor, tol: float = 1e-5) -> bool:
+    """Did an op carry exactly the elements of ``want``, in any order and layout (a reduce-scatter's input may be
+    cut along any dimension)?"""
+    if isinstance(carried, list):
+        carried = torch.cat([c.reshape(-1) for c in carried]) if carried else None
+    if not isinstance(carried, torch.Tensor) or carried.numel() != want.numel():
+        return False
+    return tensors_close(carried.reshape(-1).double().sort().values, want.reshape(-1).double().sort().values, tol=tol)
 
 
 def _rank_row(fn):
@@ -158,7 +174,10 @@ def diagnose_row(got, x, w, rank, t) -> str | None:
 
 
 def diagnose_row_traffic(events) -> str | None:
-    """The hint when the row-parallel forward did not communicate as one all-reduce (sum), else None."""
+    """The hint when the row-parallel forward did not communicate as one all-reduce (sum) or its two halves,
+    else None."""
+    if _all_reduce_in_two_steps(events):
+        return None
     others = [e for e in events if e.op != "all_reduce"]
     if any(e.op == "all_gather" for e in others):
         return ("you all-gathered (ran " + describe_ops(events) + "): gathering x and running the dense GEMM "
@@ -191,6 +210,9 @@ def _row_hint(r: dict) -> str | None:
     if not all(same_payload(c, partial, tol=1e-5) for c in carried_by(r, "all_reduce") if c is not None):
         return ("your all-reduce did not carry your partial sum X_i A_i: the numbers are right, but the only thing "
                 "row-parallel ranks exchange is each rank's partial product -- " + ROW_ALGORITHM)
+    if not all(_same_elements(c, partial) for c in carried_by(r, "reduce_scatter") if c is not None):
+        return ("your reduce-scatter did not carry your partial sum X_i A_i: the numbers are right, but the only "
+                "thing row-parallel ranks exchange is each rank's partial product -- " + ROW_ALGORITHM)
     return None
 
 
@@ -216,7 +238,8 @@ def check_row_parallel_forward(fn) -> bool:
                 print(f"✗ rank {r['rank']} of {t}\n  hint: {hint}")
                 return False
     print("✓ row_parallel_forward: every rank ends with the dense output X A for t = 2 and 4, "
-          "after exactly one all-reduce of the partial sums and no other communication")
+          "after exactly one all-reduce of the partial sums (or its reduce-scatter and all-gather) and no other "
+          "communication")
     return True
 
 

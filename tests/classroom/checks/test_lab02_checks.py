@@ -146,6 +146,38 @@ def row_gather_objects(x_shard, weight, group):     # the same, through object c
     return F.linear(torch.cat(pieces, -1), weight)
 
 
+def row_reduce_scatter_all_gather(x_shard, weight, group):  # an all-reduce as its two halves: the same wire
+    t, r = _t_r(group)
+    y = F.linear(x_shard, weight.chunk(t, 1)[r]).contiguous()
+    mine = torch.empty(y.shape[0] // t, *y.shape[1:])
+    dist.reduce_scatter_tensor(mine, y, group=group)
+    out = torch.empty_like(y)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return out
+
+
+def row_halves_along_features(x_shard, weight, group):     # the same, cut along the output features, as lists
+    t, r = _t_r(group)
+    y = F.linear(x_shard, weight.chunk(t, 1)[r])
+    chunks = [c.contiguous() for c in y.chunk(t, -1)]
+    mine = torch.empty_like(chunks[r])
+    dist.reduce_scatter(mine, chunks, group=group)
+    gathered = [torch.empty_like(c) for c in chunks]
+    dist.all_gather(gathered, mine, group=group)
+    return torch.cat(gathered, -1)
+
+
+def row_reduce_scatter_of_x(x_shard, weight, group):        # the two halves, carrying the input, not X_i A_i
+    t, r = _t_r(group)
+    x_all = torch.zeros(*x_shard.shape[:-1], x_shard.shape[-1] * t)
+    x_all[..., r * x_shard.shape[-1]:(r + 1) * x_shard.shape[-1]] = x_shard
+    mine = torch.empty(x_all.shape[0] // t, *x_all.shape[1:])
+    dist.reduce_scatter_tensor(mine, x_all.contiguous(), group=group)
+    out = torch.empty_like(x_all)
+    dist.all_gather_into_tensor(out, mine, group=group)
+    return F.linear(out, weight)
+
+
 def row_reduce_broadcast(x_shard, weight, group):   # right numbers, two collectives
     t, r = _t_r(group)
     y = F.linear(x_shard, weight.chunk(t, 1)[r]).contiguous()
@@ -196,6 +228,9 @@ def row_via_course_layer(x_shard, weight, group):
     (row_c10d, True, "✓ row_parallel_forward"),
     (row_bound_name_async, True, "✓ row_parallel_forward"),
     (row_course_wrapper, True, "✓ row_parallel_forward"),
+    (row_reduce_scatter_all_gather, True, "✓ row_parallel_forward"),
+    (row_halves_along_features, True, "✓ row_parallel_forward"),
+    (row_reduce_scatter_of_x, False, "your reduce-scatter did not carry your partial sum X_i A_i"),
     (not_yet, False, "not attempted yet: write row_parallel_forward"),
     (row_no_reduce, False, "all-reduce it"),
     (row_wrong_dim, False, "weight.chunk(t, dim=1)"),
