@@ -273,6 +273,24 @@ def test_patching_the_checker_in_the_kernel_changes_nothing(monkeypatch):
     assert not check_rank_of(wrong["rank_of"]).ok
 
 
+def test_a_kernel_that_says_it_is_the_judge_still_asks_the_judge(monkeypatch):
+    """The judge's flag set from a notebook cell (``judge_client._INSIDE``) would make the checker run in the
+    kernel, where the cell has patched it; in a kernel the checker asks the judge whatever the flag says."""
+    from course_lib.classroom.checks import judge_client
+
+    monkeypatch.setattr(judge_client, "_in_a_kernel", lambda: True)
+    monkeypatch.setitem(judge_client._INSIDE, "judge", True)
+    assert judge_client.wanted() and not judge_client.inside()
+
+    def always(*_args, **_kwargs):
+        print("✓ passed")
+        return True
+
+    monkeypatch.setattr(check_rank_of.__wrapped__, "__code__", always.__code__)
+    wrong = cell("def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):\n    return tp_rank\n")
+    assert not check_rank_of(wrong["rank_of"]).ok
+
+
 def test_right_answers_written_differently_pass(capsys):
     assert check_rank_of(cell(RIGHT)["rank_of"]).ok
     helpers = cell('''

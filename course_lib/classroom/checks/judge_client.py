@@ -30,8 +30,9 @@ _IN_JUDGE = "COURSE_IN_JUDGE"
 
 
 def inside() -> bool:
-    """True in the judge and the processes it forks (where checkers run as written)."""
-    return _INSIDE["judge"]
+    """True in the judge and the processes it forks (where checkers run as written). Never in a notebook's kernel:
+    a cell that sets the judge's flag there still has its checkers asked of the judge."""
+    return _INSIDE["judge"] and not _in_a_kernel()
 
 
 USE_ENV = "COURSE_JUDGE"
