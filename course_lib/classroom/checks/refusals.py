@@ -157,7 +157,7 @@ class Refusals:
         return None
 
     def _denied_files(self, references) -> list:
-        files = {Path(__file__).resolve().parent, _REPO / "solutions", _REPO / "tests"}
+        files = {Path(__file__).resolve().parent, _REPO / "solutions", _REPO / "tests", *_git_dirs(_REPO)}
         for ref in references:
             module = sys.modules.get(getattr(ref, "__module__", ""))
             path = getattr(module, "__file__", None)
@@ -170,9 +170,11 @@ class Refusals:
                 spec = importlib.util.find_spec(lib)
             except (ImportError, ValueError):
                 spec = None
-            if spec is not None and spec.origin:
+            if spec is not None and spec.origin and spec.has_location:
                 origin = Path(spec.origin)
                 files.add(origin.parent if origin.name == "__init__.py" else origin)
+            elif spec is not None:  # a namespace package (megatron): every folder it is made of
+                files.update(Path(p) for p in spec.submodule_search_locations or ())
         return sorted(files)
 
     # ------------------------------------------------------------------ applying them
@@ -262,6 +264,24 @@ class Refusals:
 _MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
               "verdicts", "tamper_guard", "exercise", "checks", "student_process"}
 """Modules of the checks package whose code the worker itself runs (reading requests, encoding replies)."""
+
+
+def _git_dirs(repo: Path) -> list:
+    """The repository's git folders (its ``.git``; for a worktree, the folder its ``.git`` file names and the
+    common one): their objects hold every file of the course, solutions included (``git show HEAD:...``)."""
+    dot = repo / ".git"
+    if not dot.is_file():
+        return [dot]
+    try:
+        gitdir = Path(dot.read_text().split("gitdir:", 1)[1].strip())
+    except (OSError, IndexError):
+        return [dot]
+    gitdir = gitdir if gitdir.is_absolute() else (repo / gitdir).resolve()
+    common = gitdir / "commondir"
+    found = [dot, gitdir]
+    if common.is_file():
+        found.append((gitdir / common.read_text().strip()).resolve())
+    return found
 
 
 def _disarm(obj, name: str) -> None:
