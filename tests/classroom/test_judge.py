@@ -318,8 +318,9 @@ def test_plain_data_round_trip():
     import numpy as np
 
     value = {"t": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "n": np.arange(3.0), "f": Fraction(1, 3),
-             (1, 2): {3, 4}, "x": [None, True, 2.5, "s"], "np": np.int64(7)}
+             (1, 2): {3, 4}, "x": [None, True, 2.5, "s"], "np": np.int64(7), "r": range(16, 32, 2)}
     back = plain.loads(plain.dumps(value))
+    assert back["r"] == range(16, 32, 2)  # a review answer "the ranks 16..31" written as a range
     assert torch.equal(back["t"], value["t"]) and back["t"].dtype == torch.bfloat16
     assert back["n"].tolist() == [0.0, 1.0, 2.0] and back["f"] == Fraction(1, 3) and back[(1, 2)] == {3, 4}
     assert back["x"] == [None, True, 2.5, "s"] and back["np"] == 7

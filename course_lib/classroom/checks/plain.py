@@ -2,7 +2,7 @@
 
 What a student's function returns, and what a checker cell hands the judge, travels as JSON text
 (:func:`dumps` / :func:`loads`). Decoding builds only values -- numbers, strings, lists, tuples, dicts,
-sets, tensors and numpy arrays from their raw bytes, ``Fraction``, ``Decimal`` -- and dataclasses of
+sets, ranges, tensors and numpy arrays from their raw bytes, ``Fraction``, ``Decimal`` -- and dataclasses of
 ``course_lib`` itself (their own constructors run, nothing else). Anything else arrives as an
 :class:`Opaque` stand-in that keeps the type's name, its ``repr`` and its attributes (themselves
 plain), so a checker's "returned a Foo" still reads right and nothing of the sender runs in the
@@ -90,6 +90,8 @@ def encode(value, depth: int = 0):
         return {"$": "dict", "v": [[encode(k, nested), encode(v, nested)] for k, v in value.items()]}
     if isinstance(value, (set, frozenset)):
         return {"$": type(value).__name__, "v": [encode(v, nested) for v in value]}
+    if isinstance(value, range):
+        return {"$": "range", "v": [value.start, value.stop, value.step]}
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         return {"$": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
@@ -157,6 +159,8 @@ def decode(data):
         return np.frombuffer(base64.b64decode(data["data"]), dtype=np.dtype(data["dtype"])).reshape(data["shape"]).copy()
     if tag == "npscalar":
         return np.frombuffer(base64.b64decode(data["data"]), dtype=np.dtype(data["dtype"]))[0]
+    if tag == "range":
+        return range(*(int(x) for x in v))
     if tag == "fraction":
         return fractions.Fraction(*v)
     if tag == "decimal":

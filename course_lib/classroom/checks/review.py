@@ -153,8 +153,10 @@ def _problem(key: str, spec, answer, rng) -> str | None:
         return None
     if isinstance(spec, Ranks):
         got = whole_numbers(answer)
-        if got is None or sorted(got) != sorted(spec.value):
-            return f"{key!r} = {safe_repr(answer)} is not it (a list of whole numbers)\n  hint: {spec.hint}"
+        if got is None:
+            return f"{key!r} = {safe_repr(answer)}: give the ranks as a list of whole numbers\n  hint: {spec.hint}"
+        if sorted(got) != sorted(spec.value):
+            return f"{key!r} = {safe_repr(answer)} is not it\n  hint: {spec.hint}"
         return None
     if isinstance(spec, Choice):
         return _choice_problem(key, spec, answer, rng)

@@ -38,7 +38,9 @@ RIGHT = {"07": RIGHT_07, "08": RIGHT_08, "11": RIGHT_11}
     ("07", {"zero3_over_zero1_traffic": 2}, False, ["'zero3_over_zero1_traffic' = 2 is not it", "count the "
                                                                                                  "collectives"]),
     ("07", {"why_bf16_needs_no_loss_scaler": "TODO"}, False, ["write a few sentences", "compare the exponent"]),
-    ("08", {"experts_on_rank_13": [0, 1, 2]}, False, ["not it (a list of whole numbers)", "EP coordinate"]),
+    ("08", {"experts_on_rank_13": [0, 1, 2]}, False, ["[0, 1, 2] is not it", "EP coordinate"]),
+    ("08", {"experts_on_rank_13": range(16, 32)}, True, ["✓ your 7 answers"]),
+    ("08", {"experts_on_rank_13": "16 to 31"}, False, ["give the ranks as a list of whole numbers"]),
     ("08", {"router_grads_summed_over": "expert DP"}, False, ["'router_grads_summed_over' = 'expert DP': answer '",
                                                               "replicated"]),
     # an option named by its position, not its words: refused, whichever position would be right
