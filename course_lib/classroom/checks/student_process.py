@@ -17,11 +17,14 @@ next calls of it whose arguments are plain data, see :func:`run_on_rank`):
   what it received (the op's output tensors) when the student's ``Work.wait()`` asks for them. Groups the
   student makes with ``dist.new_group`` are made by the rank too (torch asks a Python default group's
   ``new_group``: ``_new_group_with_tag`` in torch/distributed/distributed_c10d.py), so checked as well;
-* the function is called as before (:func:`~course_lib.classroom.checks.tamper_guard.run_student`: the
-  references watched, patches undone and reported, the judge's refusals around the call), and what comes
-  back is plain data (:mod:`~course_lib.classroom.checks.plain`, never pickle): the value, the error (type
-  name and message), what it patched or refused, and the tensors of its arguments (with a module's
-  parameters and gradients), which the rank copies into its own arguments.
+* before its first call the judge's refusals are put in place for good
+  (:meth:`~course_lib.classroom.checks.workers.StudentFunction.for_good`, as in the judge's workers: the
+  references' and the checkers' code disarmed, the import hook always on; what the checker hands the call or
+  runs after it, ``summarize``, spared); the function is called as before
+  (:func:`~course_lib.classroom.checks.tamper_guard.run_student`: the references watched, patches undone and
+  reported), and what comes back is plain data (:mod:`~course_lib.classroom.checks.plain`, never pickle): the
+  value, the error (type name and message), what it patched or refused, and the tensors of its arguments (with
+  a module's parameters and gradients), which the rank copies into its own arguments.
 
 So a function that patches ``wire._RECORDERS``, ``wire._POLICY`` or ``CheckedProcessGroup._record`` patches
 its own process: the record and the refusals the verdict reads are the rank's, made from what crossed the
@@ -29,11 +32,14 @@ pipe. A wire exception (a refused collective, mismatched all-to-all splits) rais
 there again after the call, even when the student's code caught it. The student process is bounded by the
 group's timeout while the rank waits for its next message.
 
-What remains in the student's room: the refusals of references and libraries (they run there: code that
-undoes them there gets past them, as in the student's own kernel), what a checker asks to be measured or read
-there (``measure``, ``summarize``), and its own sockets (a student process could open a connection of its own
-to its peers; nothing the checker records would see it). The gloo groups it inherited are held, never used:
-their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
+Code in the function that undoes a refusal there -- puts a reference back, removes the import hook, finds the
+reference or a checker function through ``gc`` or a frame -- finds code that refuses
+(``tests/classroom/checks/test_student_process.py::test_a_refusal_undone_in_the_student_process_still_refuses``).
+What remains in the student's room: what a checker asks to be measured or read there (``measure``,
+``summarize``), a refused library imported from disk after removing the import hook where Landlock is missing
+(the hook is in the student's own process), and its own sockets (a student process could open a connection of
+its own to its peers; nothing the checker records would see it). The gloo groups it inherited are held, never
+used: their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
 Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
 module dicts -- the patch snapshot -- is most of it), hence the kept process; a forwarded op about 1 ms.
@@ -312,6 +318,8 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
                 _CHANNEL.setdefault("gloo", []).append(group._inner)  # held: never torn down in this process
                 group.__class__ = _Forwarding
                 group._gid, group._inner = gid, _RanksOnly()
+        if callable(getattr(fn, "for_good", None)):  # the judge's StudentFunction: the refusals for good
+            fn.for_good(handed_over=(*args, *kwargs.values(), summarize))
         _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
         while True:
             with _CHANNEL["lock"]:  # a thread the function left running waits for the next call

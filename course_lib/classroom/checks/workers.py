@@ -15,8 +15,9 @@ In a check process (:mod:`~course_lib.classroom.checks.judge`) the checker calls
   check process's stack, the checker's frames included (the one place off the ranks where it does);
 * on a rank of the checker's launch, where the code must talk on that rank's process group, it runs where the
   rank calls it -- in a student process forked from the rank
-  (:mod:`~course_lib.classroom.checks.student_process`), or on the rank itself for the checkers that still
-  call it there -- with the refusals in place around the call (and around each method of a student's class).
+  (:mod:`~course_lib.classroom.checks.student_process`), which applies the refusals for good first
+  (:meth:`StudentFunction.for_good`), or on the rank itself for the checkers that still call it there -- with
+  the refusals in place around the call (and around each method of a student's class).
 
 What the code refused is kept in ``refused``; :func:`~course_lib.classroom.checks.tamper_guard.run_student`
 reports it even when the student's code caught the exception.
@@ -86,6 +87,18 @@ class StudentFunction:
                 self.refused = list(self.refusals.refused)
 
         return method
+
+    def for_good(self, handed_over: tuple = ()) -> None:
+        """In a process that runs nothing but this function's calls from now on (the student process forked from a
+        rank): the function rebuilt (its cell's imports looked up as the student's, :meth:`_rebuilt`), then the
+        refusals applied for good (:meth:`~course_lib.classroom.checks.refusals.Refusals.apply`; ``handed_over``:
+        what the checker gives the call or runs after it there). Code in the function that undoes a refusal in
+        its process finds the references' and the checkers' code disarmed, as in a worker."""
+        try:
+            self._rebuilt()
+        except Exception:  # noqa: BLE001 - the first call rebuilds it again and reports the error
+            pass
+        self.refusals.apply(handed_over=handed_over)
 
     def _rebuilt(self):
         if self._local is None:
@@ -273,7 +286,7 @@ def _worker(captured, refusals, args, kwargs, write_end) -> None:
     """A worker for one call: refusals, the function rebuilt, the call, the reply; never returns."""
     try:
         values = values_of(captured)
-        refusals.apply(handed_over=tuple({type(a) for a in (*args, *kwargs.values())}))
+        refusals.apply(handed_over=(*args, *kwargs.values()))
         _write_all(write_end, _one_call(_Rebuild(captured, values), refusals, args, kwargs)[1])
     finally:
         os._exit(0)
