@@ -50,16 +50,12 @@ Megatron has no counterpart: this is the course's checker machinery (torch's Pyt
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import datetime
 import os
-import selectors
 import signal
 import sys
 import threading
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -72,7 +68,7 @@ from course_lib.classroom.checks.refusals import Refused
 from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun, on_rank_result, run_student
 from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRefused, SplitMismatch, largest_tensor,
                                              student_running, wire_recorder)
-from course_lib.classroom.checks.workers import _tensor_leaves, _travels, _write_all
+from course_lib.classroom.checks.workers import _Lines, _tensor_leaves, _travels, _write_all
 from course_lib.launch.process_tree import die_with_parent
 
 __all__ = ["run_on_rank", "student_on_rank", "OPS"]
@@ -89,7 +85,7 @@ _OPTIONS = ("AllreduceOptions", "AllreduceCoalescedOptions", "AllgatherOptions",
             "GatherOptions", "ScatterOptions", "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions")
 _OPTION_FIELDS = ("asyncOp", "reduceOp", "rootRank", "rootTensor", "timeout", "device_ids")
 _WIRE_ERRORS = (CollectiveRefused, SplitMismatch)
-_KNOWN_ERRORS = {cls.__name__: cls for cls in (CollectiveRefused, SplitMismatch, LibraryPatched, Refused)}
+_KNOWN_ERRORS = (CollectiveRefused, SplitMismatch, LibraryPatched, Refused)
 
 
 class StudentProcessError(RuntimeError):
@@ -160,30 +156,10 @@ def _fill(mine, theirs) -> None:
                 t.copy_(got.to(t.dtype))
 
 
-def _error_of(exc: BaseException, with_traceback: bool = True) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)[:4000],
-            "traceback": traceback.format_exc()[-4000:] if with_traceback else ""}
-
-
-class _StudentTraceback(Exception):
-    """Where the student's code raised, in the student process (chained under the exception raised again)."""
-
-
 def _exception(error: dict) -> BaseException:
-    """An exception of the type named in ``error`` (the wire's and the refusals' own classes, a builtin
-    exception, else a RuntimeError subclass of that name), with its message and, chained, the student's
-    traceback."""
-    name, message = str(error.get("type", "RuntimeError"))[:100], str(error.get("message", ""))
-    cls = _KNOWN_ERRORS.get(name) or getattr(builtins, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = type(name if name.isidentifier() else "StudentError", (RuntimeError,), {"__module__": "student"})
-    try:
-        exc = cls(message)
-    except Exception:  # noqa: BLE001 - a builtin that wants other arguments
-        exc = type(name, (RuntimeError,), {"__module__": "student"})(message)
-    if error.get("traceback"):
-        exc.__cause__ = _StudentTraceback("in your function (its own process):\n" + str(error["traceback"]))
-    return exc
+    """The error the rank or the student process sent (:func:`~course_lib.classroom.checks.plain.error_data`),
+    raised again: the wire's, the guard's and the refusals' own classes are kept."""
+    return plain.error_from_data(error, known=_KNOWN_ERRORS)
 
 
 # ------------------------------------------------------------------ the student process's side
@@ -342,44 +318,20 @@ def _one_call(fn, args, kwargs, references, measure: bool, summarize, to_rank: i
         done["largest"] = [int(seen.largest), seen.op]
     try:
         if run.error is not None:
-            done["error"] = _error_of(run.error, with_traceback=False)
-            done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
+            done["error"] = plain.error_data(run.error)
         else:
             done["value"] = plain.encode(run.value if summarize is None else summarize(run.value))
         done["state"] = plain.encode(_state(list(args) + list(kwargs.values())))
         data = plain.dumps({"done": done})
     except Exception as exc:  # noqa: BLE001 - a value that does not encode
-        data = plain.dumps({"done": {**done, "error": {"type": "TypeError", "message":
-                            f"what your function returned could not be sent back: {exc}"}}})
+        data = plain.dumps({"done": {**done, "error": plain.error_data(TypeError(
+            f"what your function returned could not be sent back: {exc}"), with_traceback=False)}})
     sys.stdout.flush()
     sys.stderr.flush()
     _write_all(to_rank, (data + "\n").encode("utf-8"))
 
 
 # ------------------------------------------------------------------ the rank's side
-
-
-class _Lines:
-    """Lines from the student process's pipe, each waited for at most ``timeout`` seconds."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buffer = fd, b""
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(fd, selectors.EVENT_READ)
-
-    def next(self, timeout: float):
-        """The next line; b"" when the pipe closed first; None past ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.selector.select(left):
-                return None
-            chunk = os.read(self.fd, 1 << 20)
-            if not chunk:
-                return b""
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line
 
 
 class _Rank:
@@ -402,7 +354,7 @@ class _Rank:
         except Exception as exc:  # noqa: BLE001 - the op's error goes to the student's code
             if isinstance(exc, _WIRE_ERRORS) and self.wire_error is None:
                 self.wire_error = exc
-            return {"error": _error_of(exc, with_traceback=False)}
+            return {"error": plain.error_data(exc, with_traceback=False)}
 
     def _group(self, gid) -> CheckedProcessGroup:
         group = self.groups[int(gid)] if 0 <= int(gid) < len(self.groups) else None
