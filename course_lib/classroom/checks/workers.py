@@ -53,7 +53,7 @@ class StudentFunction:
         self.refused: list[str] = []
         self.patched: list[str] = []  # what the last call in a worker replaced in the course or torch (undone)
         self.returned = None  # what the last call in a worker returned (a review's answers go to the instructor)
-        self._local = None
+        self._local = self._values = None
         self._kept = None
         self.refusals = prepare(exercise)  # here, before the checker runs (and watches what runs in a call)
         self.refusals.prepare_files()
@@ -88,19 +88,20 @@ class StudentFunction:
 
     def for_good(self, handed_over: tuple = ()) -> None:
         """In a process that runs nothing but this function's calls from now on (the student process forked from a
-        rank): the function rebuilt (its cell's imports looked up as the student's, :meth:`_rebuilt`), then the
-        refusals applied for good (:meth:`~course_lib.classroom.checks.refusals.Refusals.apply`; ``handed_over``:
-        what the checker gives the call or runs after it there). Code in the function that undoes a refusal in
-        its process finds the references' and the checkers' code disarmed, as in a worker."""
-        try:
-            self._rebuilt()
-        except Exception:  # noqa: BLE001 - the first call rebuilds it again and reports the error
-            pass
+        rank): the refusals applied for good (:meth:`~course_lib.classroom.checks.refusals.Refusals.apply`;
+        ``handed_over``: what the checker gives the call or runs after it there), the plain values the function
+        uses decoded before them, as in a worker; the first call rebuilds the function under them. Code in the
+        function that undoes a refusal in its process finds the references' and the checkers' code disarmed."""
+        if self._local is None and self._values is None:
+            try:
+                self._values = values_of(self.captured)
+            except Exception:  # noqa: BLE001 - decoded again by the first call, which reports the error
+                pass
         self.refusals.apply(handed_over=handed_over)
 
     def _rebuilt(self):
         if self._local is None:
-            values = values_of(self.captured)
+            values = values_of(self.captured) if self._values is None else self._values
             try:
                 with self.refusals.as_student():
                     self._local = rebuild(self.captured, values)
