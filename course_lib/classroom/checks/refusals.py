@@ -109,7 +109,7 @@ class Refusals:
         self.libraries = libraries
         self.modules = (*libraries, _CHECKS)
         self.refused: list[str] = []
-        self.active = self.always = self.for_good = False
+        self.active = self.always = self.applied = False
         self._stubs = self._find_bindings(references)
         self._ruleset = None
         self._removed: dict = {}
@@ -208,7 +208,7 @@ class Refusals:
         """The refusals in place for the block (the file rule for good); names restored afterwards. In a process
         where :meth:`apply` ran, nothing: they are in place already, and its exit must not put the originals back
         nor switch the import hook off."""
-        if self.for_good:
+        if self.applied:
             yield self
             return
         self._fence_files()
@@ -258,12 +258,12 @@ class Refusals:
         ``gc.get_objects()``, a frame or a module's dict refuses too. ``handed_over`` is what the checker gives
         the student's code or runs after it there (see :func:`_spared`): it keeps its code. Once applied,
         :meth:`around` and :meth:`apply` do nothing."""
-        if self.for_good:
+        if self.applied:
             return
         self.always = True
         self._for_good = self.around()  # kept: a context manager collected as garbage would run its exit
         self._for_good.__enter__()
-        self.for_good = True
+        self.applied = True
         keep_guarding(self._removed)  # a patch of a checker module is still undone and named
         found = [original for _, _, original, _ in self._stubs]
         for name, module in self._removed.items():
@@ -278,7 +278,8 @@ class Refusals:
 
 _MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
               "verdicts", "tamper_guard", "exercise", "checks", "student_process"}
-"""Modules of the checks package whose code the worker itself runs (reading requests, encoding replies)."""
+"""Modules of the checks package whose code a worker or a student process runs itself (reading requests,
+forwarding ops, encoding replies): never disarmed."""
 
 
 def _spared(handed_over) -> tuple[set, tuple]:

@@ -68,7 +68,8 @@ def _around_after_apply() -> dict:
     with refusals.as_student():
         pass
     refusals.apply()  # again: nothing
-    return dict(bound=repr(patterns.ring_all_reduce), active=refusals.active, always=refusals.always,
+    return dict(bound=repr(patterns.ring_all_reduce), active=refusals.active and refusals.applied,
+                always=refusals.always,
                 hooks=[type(f).__name__ for f in sys.meta_path], hooks_before=hooks_before,
                 original=_raises(original, torch.ones(2)),
                 checker_module=_raises(__import__, "course_lib.classroom.checks.collectives"))
