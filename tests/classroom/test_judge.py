@@ -328,6 +328,33 @@ def test_plain_data_round_trip():
     assert type(odd).__name__ == "Opaque"
 
 
+def test_an_error_travels_with_its_type_message_and_traceback():
+    """One copy of the error plumbing (plain.error_data / error_from_data) for the workers and the student process:
+    a builtin comes back as the builtin, a class of the student's that shares a builtin's name does not, the
+    checker's own classes named by the receiver come back as themselves, and where it was raised is chained."""
+    from course_lib.classroom.checks.refusals import Refused
+    from course_lib.classroom.checks.wire import CollectiveRefused
+
+    class ValueError(Exception):  # noqa: A001 - a student's class with a builtin's name
+        pass
+
+    def raised(exc):
+        try:
+            raise exc
+        except Exception as caught:  # noqa: BLE001 - the test's own
+            return plain.error_data(caught)
+
+    builtin = plain.error_from_data(raised(KeyError("k")))
+    assert type(builtin) is KeyError and "raise exc" in str(builtin.__cause__), builtin.__cause__
+    own = plain.error_from_data(raised(ValueError("mine")))
+    assert type(own).__name__ == "ValueError" and isinstance(own, RuntimeError) and str(own) == "mine"
+    data = raised(CollectiveRefused("[refused] all_reduce"))
+    assert type(plain.error_from_data(data, known=(CollectiveRefused, Refused))) is CollectiveRefused
+    assert type(plain.error_from_data(data)).__name__ == "CollectiveRefused"
+    quiet = plain.error_from_data(plain.error_data(TypeError("no traceback"), with_traceback=False))
+    assert type(quiet) is TypeError and quiet.__cause__ is None
+
+
 def test_a_request_written_by_the_kernel_runs_only_a_checker_and_its_exercise_is_the_judges(tmp_path, monkeypatch):
     """The kernel writes the judge's requests, and the student's code runs in the kernel: a request that names
     any other function (the record writer, to forge a verdict) is refused, and one that names another exercise

@@ -21,12 +21,10 @@ student's code runs: it can name only a checker, and the judge works out the exe
 student's function is refused -- from the checker's own arguments. Under ``grade`` the judge is not started
 by the kernel but forked by the sandbox (:mod:`course_lib.classroom.grading.sandbox`). Nothing the exercise cell does in the kernel (patching
 checker modules, ``sys.setprofile``, threads, frames, ``__code__``) reaches the judge, and the checker's
-frames and truth are in no process the student's code runs in. On the ranks of a launch most checkers call the
+frames and truth are in no process the student's code runs in. On the ranks of a launch the checkers call the
 student in a student process forked from the rank (:mod:`~course_lib.classroom.checks.student_process`: its ops
-are run and recorded by the rank); where a checker still calls the student on the rank itself (docs/grading.md
-names those exercises), the student's call runs beside the checker's rank code: there the refusals hold around
-the call, a patch is undone (:func:`~course_lib.classroom.checks.tamper_guard.run_student`), and the checker
-compares with truth it computes after the call.
+are run and recorded by the rank, the refusals hold there for good), and compare with truth they compute after
+the call.
 """
 
 from __future__ import annotations
@@ -184,7 +182,7 @@ def _record(request: dict, result: dict) -> None:
 def serve(reply_fd: int, requests=None) -> None:
     """The judge's loop: one JSON request a line on ``requests`` (default stdin), one reply a line on
     ``reply_fd``. The grading record of each check is written here (:func:`_record`): a check process, where
-    the student's code runs (on ranks beside the checker), holds no record file."""
+    the student's code runs (on ranks, in the student processes of the checker's ranks), holds no record file."""
     _INSIDE["judge"] = True
     _preload()
     records.verdict_file()  # opened here, before any check process (each drops it)

@@ -10,16 +10,22 @@ receiver (the rule :mod:`pickle` cannot keep: unpickling calls what the bytes na
 
 A tensor keeps dtype, shape, values and ``requires_grad``; its ``grad`` and its autograd history do not
 travel (tensors are sent by value).
+
+An exception travels as :func:`error_data` and is raised again from :func:`error_from_data`: its type (the
+builtin one only when it was the builtin, the checker's own classes the receiver names), its message and, chained,
+where it was raised.
 """
 
 from __future__ import annotations
 
 import base64
+import builtins
 import dataclasses
 import decimal
 import fractions
 import importlib
 import json
+import traceback
 
 DEPTH_LIMIT = 32
 """Nesting levels encoded; deeper values arrive as :class:`Opaque`."""
@@ -218,3 +224,38 @@ def dumps(value) -> str:
 def loads(text: str):
     """The value of a :func:`dumps` line."""
     return decode(json.loads(text))
+
+
+class StudentTraceback(Exception):
+    """Where the student's code raised, in the process it ran in (chained under the exception raised again)."""
+
+
+def error_data(exc: BaseException, with_traceback: bool = True) -> dict:
+    """``exc`` as plain data: its type's name, whether that type is the builtin of that name, its message and
+    (with ``with_traceback``) where it was raised (:func:`error_from_data` raises it again)."""
+    name = type(exc).__name__
+    return {"type": name, "builtin": getattr(builtins, name, None) is type(exc), "message": str(exc)[:4000],
+            "traceback": "".join(traceback.format_exception(exc))[-4000:] if with_traceback else ""}
+
+
+def error_from_data(error: dict, known: tuple = ()) -> BaseException:
+    """The exception :func:`error_data` described: of the class of its name in ``known`` (a checker's own: the
+    wire's refusals, the judge's), else the builtin when it was one, else a ``RuntimeError`` subclass of that
+    name; with its message and, chained as its cause, the traceback it came with."""
+    name, message = str(error.get("type", "RuntimeError"))[:100], str(error.get("message", ""))
+    cls = next((k for k in known if k.__name__ == name), None)
+    if cls is None and error.get("builtin"):
+        cls = getattr(builtins, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Exception)):
+        cls = _named_error(name)
+    try:
+        exc = cls(message)
+    except Exception:  # noqa: BLE001 - a builtin that wants other arguments
+        exc = _named_error(name)(message)
+    if error.get("traceback"):
+        exc.__cause__ = StudentTraceback("in your function (its own process):\n" + str(error["traceback"]))
+    return exc
+
+
+def _named_error(name: str) -> type:
+    return type(name if name.isidentifier() else "StudentError", (RuntimeError,), {"__module__": "student"})

@@ -15,8 +15,11 @@ For an exercise, :func:`prepare` (in the judge, before any student code runs) co
   :func:`course_lib.classroom.grading.landlock.reading_denied_ruleset`), so ``exec(open(...).read())``
   or ``importlib.reload`` finds nothing either.
 
-A worker that only runs student code applies them for good (:meth:`Refusals.apply`); a rank of a checker
-launch, where the checker's own code runs after the student's function, applies them around each call
+A process that runs nothing but the student's code from then on -- the judge's workers, and the student process
+forked from a rank of a checker launch (:mod:`~course_lib.classroom.checks.student_process`) -- applies them for
+good (:meth:`Refusals.apply`): code there that undoes a refusal (puts a name back, removes the import hook) finds
+the references' and checkers' code disarmed. Where the checker's own code runs after the student's function in
+the same process (a rank that calls the student beside its rank code), they are applied around each call
 (:meth:`Refusals.around`): the file rule stays, the names come back. Every refusal is recorded
 (:attr:`Refusals.refused`), so the verdict names it even when the student's code caught the exception.
 """
@@ -26,12 +29,14 @@ from __future__ import annotations
 import os
 
 import contextlib
+import functools
 import importlib.util
 import sys
 import threading
 from pathlib import Path
 
 from course_lib.classroom.checks.student_code import STUDENT_FILE
+from course_lib.classroom.checks.tamper_guard import ORIGINAL_SIGNATURE, code_signature, keep_guarding
 
 REFUSED_MARK = "[refused]"
 _CHECKS = "course_lib.classroom"
@@ -104,7 +109,7 @@ class Refusals:
         self.libraries = libraries
         self.modules = (*libraries, _CHECKS)
         self.refused: list[str] = []
-        self.active = self.always = False
+        self.active = self.always = self.applied = False
         self._stubs = self._find_bindings(references)
         self._ruleset = None
         self._removed: dict = {}
@@ -202,7 +207,12 @@ class Refusals:
 
     @contextlib.contextmanager
     def around(self):
-        """The refusals in place for the block (the file rule for good); names restored afterwards."""
+        """The refusals in place for the block (the file rule for good); names restored afterwards. In a process
+        where :meth:`apply` ran, nothing: they are in place already, and its exit must not put the originals back
+        nor switch the import hook off."""
+        if self.applied:
+            yield self
+            return
         self._fence_files()
         removed = {name: module for name, module in sys.modules.items() if module is not None
                    and _matches(name, self.modules)}
@@ -245,25 +255,81 @@ class Refusals:
                 self.always = always
 
     def apply(self, handed_over: tuple = ()) -> None:
-        """The refusals for good (a worker that runs nothing but the student's code): also the code of every
-        reference and checker function this process inherited is replaced, so one found through
-        ``gc.get_objects()`` refuses too (the methods of the classes in ``handed_over`` excepted: the checker
-        gave the student instances of them)."""
+        """The refusals for good (a process that runs nothing but the student's code from now on): also the code of
+        every reference and checker function this process inherited is replaced, so one found through
+        ``gc.get_objects()``, a frame or a module's dict refuses too. ``handed_over`` is what the checker gives
+        the student's code or runs after it there (see :func:`_spared`): it keeps its code. Once applied,
+        :meth:`around` and :meth:`apply` do nothing."""
+        if self.applied:
+            return
         self.always = True
         self._for_good = self.around()  # kept: a context manager collected as garbage would run its exit
         self._for_good.__enter__()
+        self.applied = True
+        keep_guarding(self._removed)  # a patch of a checker module is still undone and named
         found = [original for _, _, original, _ in self._stubs]
         for name, module in self._removed.items():
             if _matches(name, (_CHECKS + ".checks",)) and name.rpartition(".")[2] not in _MACHINERY:
                 found += [v for v in list(vars(module).values()) if getattr(v, "__module__", None) == name]
+        functions, classes = _spared(handed_over)
         for obj in found:
-            if not (isinstance(obj, type) and any(issubclass(kept, obj) for kept in handed_over)):
-                _disarm(obj, f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
+            if id(obj) in functions or (isinstance(obj, type) and any(issubclass(kept, obj) for kept in classes)):
+                continue
+            _disarm(obj, f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
 
 
 _MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
               "verdicts", "tamper_guard", "exercise", "checks", "student_process"}
-"""Modules of the checks package whose code the worker itself runs (reading requests, encoding replies)."""
+"""Modules of the checks package whose code a worker or a student process runs itself (reading requests,
+forwarding ops, encoding replies): never disarmed."""
+
+
+def _spared(handed_over) -> tuple[set, tuple]:
+    """What :meth:`Refusals.apply` leaves armed: ``(ids of functions, classes)``. The checker hands the student's
+    code objects (an argument, nested in lists, tuples and dicts) and may run a hook of its own after the call
+    (a ``summarize``): the classes of the objects and the classes themselves keep their methods; a function (a
+    ``functools.partial``'s too) keeps its code, and so do the checker functions and classes its code names
+    (the helpers a hook calls), and theirs."""
+    functions: dict = {}
+    classes: set = set()
+    todo, seen = list(handed_over), set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, _RefusedName):  # a stand-in: nothing to spare, and reading it would refuse
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, functools.partial):
+            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
+        elif isinstance(obj, type):
+            classes.add(obj)
+        elif hasattr(getattr(obj, "__func__", obj), "__code__"):
+            fn = getattr(obj, "__func__", obj)
+            functions[id(fn)] = fn
+            todo.extend(_checker_code_named_by(fn))
+        else:
+            classes.add(type(obj))
+    return set(functions), tuple(classes)
+
+
+def _checker_code_named_by(fn) -> list:
+    """The functions and classes of checker modules that ``fn``'s code (and the code nested in it) names as
+    globals, and the checker functions its closure holds."""
+    codes, named = [fn.__code__], []
+    for code in codes:
+        codes.extend(c for c in code.co_consts if isinstance(c, type(code)))
+        named += [fn.__globals__.get(name) for name in code.co_names]
+    for cell in fn.__closure__ or ():
+        try:
+            named.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return [v for v in named if callable(v) and _matches(getattr(v, "__module__", None) or "", (_CHECKS + ".checks",))]
 
 
 def _git_dirs(repo: Path) -> list:
@@ -301,10 +367,12 @@ def _disarm(obj, name: str) -> None:
     exec(refused, space)  # noqa: S102 - our own two lines
     for fn in functions:
         if not fn.__closure__:
+            original = fn.__code__
             try:
                 fn.__code__ = space["refused"].__code__
             except (ValueError, TypeError):
-                pass
+                continue
+            setattr(fn, ORIGINAL_SIGNATURE, code_signature(original))  # a copy of it is still named as one
 
 
 def prepare(exercise: str) -> Refusals:

@@ -17,11 +17,14 @@ next calls of it whose arguments are plain data, see :func:`run_on_rank`):
   what it received (the op's output tensors) when the student's ``Work.wait()`` asks for them. Groups the
   student makes with ``dist.new_group`` are made by the rank too (torch asks a Python default group's
   ``new_group``: ``_new_group_with_tag`` in torch/distributed/distributed_c10d.py), so checked as well;
-* the function is called as before (:func:`~course_lib.classroom.checks.tamper_guard.run_student`: the
-  references watched, patches undone and reported, the judge's refusals around the call), and what comes
-  back is plain data (:mod:`~course_lib.classroom.checks.plain`, never pickle): the value, the error (type
-  name and message), what it patched or refused, and the tensors of its arguments (with a module's
-  parameters and gradients), which the rank copies into its own arguments.
+* before its first call the judge's refusals are put in place for good
+  (:meth:`~course_lib.classroom.checks.workers.StudentFunction.for_good`, as in the judge's workers: the
+  references' and the checkers' code disarmed, the import hook always on; what the checker hands the call or
+  runs after it, ``summarize``, spared); the function is called as before
+  (:func:`~course_lib.classroom.checks.tamper_guard.run_student`: the references watched, patches undone and
+  reported), and what comes back is plain data (:mod:`~course_lib.classroom.checks.plain`, never pickle): the
+  value, the error (type name and message), what it patched or refused, and the tensors of its arguments (with
+  a module's parameters and gradients), which the rank copies into its own arguments.
 
 So a function that patches ``wire._RECORDERS``, ``wire._POLICY`` or ``CheckedProcessGroup._record`` patches
 its own process: the record and the refusals the verdict reads are the rank's, made from what crossed the
@@ -29,12 +32,15 @@ pipe. A wire exception (a refused collective, mismatched all-to-all splits) rais
 there again after the call, even when the student's code caught it. The student process is bounded by the
 group's timeout while the rank waits for its next message.
 
+Code in the function that undoes a refusal there -- puts a reference back, removes the import hook, finds the
+reference or a checker function through ``gc`` or a frame -- finds code that refuses
+(``tests/classroom/checks/test_student_process.py::test_a_refusal_undone_in_the_student_process_still_refuses``).
 Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket (seccomp), writes
 no file and signals no process outside its own (Landlock), so it reaches another rank's student process only
-through its rank. What remains in the student's room: the refusals of references and libraries (they run there:
-code that undoes them there gets past them, as in the student's own kernel) and what a checker asks to be
-measured or read there (``measure``, ``summarize``). The gloo groups it inherited are held, never used:
-their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
+through its rank. What remains in the student's room: what a checker asks to be measured or read there
+(``measure``, ``summarize``), and a refused library imported from disk after removing the import hook where
+Landlock is missing (the hook is in the student's own process). The gloo groups it inherited are held, never
+used: their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
 Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
 module dicts -- the patch snapshot -- is most of it), hence the kept process; a forwarded op about 1 ms.
@@ -45,17 +51,13 @@ Megatron has no counterpart: this is the course's checker machinery (torch's Pyt
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import datetime
 import inspect
 import os
-import selectors
 import signal
 import sys
 import threading
-import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -68,7 +70,7 @@ from course_lib.classroom.checks.refusals import Refused
 from course_lib.classroom.checks.tamper_guard import LibraryPatched, StudentRun, on_rank_result, run_student
 from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRefused, SplitMismatch, largest_tensor,
                                              student_running, wire_recorder)
-from course_lib.classroom.checks.workers import _tensor_leaves, _travels, _write_all
+from course_lib.classroom.checks.workers import _Lines, _tensor_leaves, _travels, _write_all
 from course_lib.classroom.grading import landlock, seccomp
 from course_lib.launch.process_tree import die_with_parent
 
@@ -86,7 +88,7 @@ _OPTIONS = ("AllreduceOptions", "AllreduceCoalescedOptions", "AllgatherOptions",
             "GatherOptions", "ScatterOptions", "ReduceScatterOptions", "AllToAllOptions", "BarrierOptions")
 _OPTION_FIELDS = ("asyncOp", "reduceOp", "rootRank", "rootTensor", "timeout", "device_ids")
 _WIRE_ERRORS = (CollectiveRefused, SplitMismatch)
-_KNOWN_ERRORS = {cls.__name__: cls for cls in (CollectiveRefused, SplitMismatch, LibraryPatched, Refused)}
+_KNOWN_ERRORS = (CollectiveRefused, SplitMismatch, LibraryPatched, Refused)
 
 
 class StudentProcessError(RuntimeError):
@@ -157,30 +159,10 @@ def _fill(mine, theirs) -> None:
                 t.copy_(got.to(t.dtype))
 
 
-def _error_of(exc: BaseException, with_traceback: bool = True) -> dict:
-    return {"type": type(exc).__name__, "message": str(exc)[:4000],
-            "traceback": traceback.format_exc()[-4000:] if with_traceback else ""}
-
-
-class _StudentTraceback(Exception):
-    """Where the student's code raised, in the student process (chained under the exception raised again)."""
-
-
 def _exception(error: dict) -> BaseException:
-    """An exception of the type named in ``error`` (the wire's and the refusals' own classes, a builtin
-    exception, else a RuntimeError subclass of that name), with its message and, chained, the student's
-    traceback."""
-    name, message = str(error.get("type", "RuntimeError"))[:100], str(error.get("message", ""))
-    cls = _KNOWN_ERRORS.get(name) or getattr(builtins, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = type(name if name.isidentifier() else "StudentError", (RuntimeError,), {"__module__": "student"})
-    try:
-        exc = cls(message)
-    except Exception:  # noqa: BLE001 - a builtin that wants other arguments
-        exc = type(name, (RuntimeError,), {"__module__": "student"})(message)
-    if error.get("traceback"):
-        exc.__cause__ = _StudentTraceback("in your function (its own process):\n" + str(error["traceback"]))
-    return exc
+    """The error the rank or the student process sent (:func:`~course_lib.classroom.checks.plain.error_data`),
+    raised again: the wire's, the guard's and the refusals' own classes are kept."""
+    return plain.error_from_data(error, known=_KNOWN_ERRORS)
 
 
 # ------------------------------------------------------------------ the student process's side
@@ -320,6 +302,8 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
                 group.__class__ = _Forwarding
                 group._gid, group._inner = gid, _RanksOnly()
         _CHANNEL["first"] = list(args) + list(kwargs.values())
+        if callable(getattr(fn, "for_good", None)):  # the judge's StudentFunction: the refusals for good
+            fn.for_good(handed_over=(*args, *kwargs.values(), summarize))
         _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
         while True:
             with _CHANNEL["lock"]:  # a thread the function left running waits for the next call
@@ -376,8 +360,8 @@ def _one_call(fn, args, kwargs, references, measure: bool, summarize, to_rank: i
 
 
 def _unsendable(done: dict, what: str, exc: Exception) -> str:
-    return plain.dumps({"done": {**done, "error": {"type": "TypeError",
-                                                   "message": f"{what} could not be sent back: {exc}"}}})
+    return plain.dumps({"done": {**done, "error": plain.error_data(TypeError(f"{what} could not be sent back: {exc}"),
+                                                                   with_traceback=False)}})
 
 
 def _reply(to_rank: int, data: str) -> None:
@@ -391,8 +375,7 @@ def _report(run: StudentRun) -> dict:
     """What the rank is told of a call (or a backward) besides its value: patches, course code, the error."""
     done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
     if run.error is not None:
-        done["error"] = _error_of(run.error, with_traceback=False)
-        done["error"]["traceback"] = "".join(traceback.format_exception(run.error))[-4000:]
+        done["error"] = plain.error_data(run.error)
     return done
 
 
@@ -422,29 +405,6 @@ def _one_backward(request: dict, references, to_rank: int) -> None:
 # ------------------------------------------------------------------ the rank's side
 
 
-class _Lines:
-    """Lines from the student process's pipe, each waited for at most ``timeout`` seconds."""
-
-    def __init__(self, fd: int):
-        self.fd, self.buffer = fd, b""
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(fd, selectors.EVENT_READ)
-
-    def next(self, timeout: float):
-        """The next line; b"" when the pipe closed first; None past ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.selector.select(left):
-                return None
-            chunk = os.read(self.fd, 1 << 20)
-            if not chunk:
-                return b""
-            self.buffer += chunk
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line
-
-
 class _Rank:
     """The rank's side of one call: runs the student process's ops on the real groups and keeps their work."""
 
@@ -465,7 +425,7 @@ class _Rank:
         except Exception as exc:  # noqa: BLE001 - the op's error goes to the student's code
             if isinstance(exc, _WIRE_ERRORS) and self.wire_error is None:
                 self.wire_error = exc
-            return {"error": _error_of(exc, with_traceback=False)}
+            return {"error": plain.error_data(exc, with_traceback=False)}
 
     def _group(self, gid) -> CheckedProcessGroup:
         group = self.groups[int(gid)] if 0 <= int(gid) < len(self.groups) else None

@@ -74,6 +74,15 @@ class StudentRun:
 
 
 _OWNERS_CACHE: dict = {}
+_TAKEN_OUT: dict = {}
+"""Modules the judge's refusals took out of ``sys.modules`` for good in this process (the checkers, see
+:func:`keep_guarding`): a patch of them is still undone and reported."""
+
+
+def keep_guarding(modules: dict) -> None:
+    """Go on guarding ``modules`` (``{name: module}``) once they are no longer in ``sys.modules``."""
+    _TAKEN_OUT.update(modules)
+    _OWNERS_CACHE.clear()
 
 
 def _guarded_owners():
@@ -99,7 +108,7 @@ def _scan_owners():
         from torch.distributed import distributed_c10d
 
         owners += [("torch.distributed", dist), ("torch.distributed.distributed_c10d", distributed_c10d)]
-    for name, module in list(sys.modules.items()):
+    for name, module in list({**_TAKEN_OUT, **sys.modules}.items()):
         if module is None or not (name == "course_lib" or name.startswith("course_lib.")):
             continue
         owners.append((name, module))
@@ -143,21 +152,26 @@ def undo_patches():
 _MISSING = object()
 
 
-def _code_objects(fn) -> dict:
-    """``{code object: name}`` of a reference implementation (a function; for a class, every method,
-    each named after the class)."""
+ORIGINAL_SIGNATURE = "__course_original_signature__"
+"""The attribute where a function whose code the judge disarmed (:func:`course_lib.classroom.checks.refusals.apply`)
+keeps its original code's :func:`code_signature` (plain data, nothing to run): a copy of that code is still named."""
+
+
+def _code_objects(fn) -> list:
+    """``[(code object, name, signature)]`` of a reference implementation (a function; for a class, every method,
+    each named after the class); the signature is the original code's (:func:`code_signature`) where the judge
+    disarmed it."""
     fn = _unwrap(fn)
+    functions = [fn]
     if isinstance(fn, type):
-        found = {}
+        functions = []
         for attr in vars(fn).values():
             attr = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
             attr = attr.fget if isinstance(attr, property) else attr
-            code = getattr(_unwrap(attr), "__code__", None) if callable(attr) else None
-            if code is not None:
-                found[code] = _qualified(fn)
-        return found
-    code = getattr(fn, "__code__", None)
-    return {code: _qualified(fn)} if code is not None else {}
+            if callable(attr):
+                functions.append(_unwrap(attr))
+    return [(f.__code__, _qualified(fn), getattr(f, ORIGINAL_SIGNATURE, None) or code_signature(f.__code__))
+            for f in functions if getattr(f, "__code__", None) is not None]
 
 
 _CHECKS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -174,7 +188,7 @@ def _is_checker_code(code) -> bool:
     return os.path.dirname(path) == _CHECKS_DIR and os.path.basename(path) not in _MACHINERY
 
 
-def _signature(code) -> tuple:
+def code_signature(code) -> tuple:
     """What a copy of a function keeps (``exec`` of its source, a reloaded module): its name, arguments,
     local variables and the global and attribute names it uses (the bytecode itself can differ: an ``exec``
     without the module's ``from __future__ import annotations`` compiles other instructions)."""
@@ -209,14 +223,13 @@ def _handed_over(args) -> set:
 def _watch_code(references, handed_over=frozenset()) -> Iterable[list]:
     """Yields a list that receives the name of each reference whose code runs inside the block, and of each
     checker function (:func:`_is_checker_code`) not in ``handed_over``. A reference is recognised by its
-    code object or by a copy of it (:func:`_signature`)."""
-    watched = {}
-    for ref in references:
-        watched.update(_code_objects(ref))
+    code object or by a copy of it (:func:`code_signature`)."""
+    found = [triple for ref in references for triple in _code_objects(ref)]
+    watched = {code: name for code, name, _ in found}
     # Copies are recognised only for code that says something: a one-line ``return grad, None`` written
     # by a student is the same code as the course's, and no copy.
-    copies = {_signature(code): name for code, name in watched.items() if len(set(code.co_names)) >= 4}
-    names = {code.co_name for code in watched}
+    copies = {signature: name for _, name, signature in found if len(set(signature[3])) >= 4}
+    names = {signature[0] for signature in copies}
     verdicts: dict = {}
     seen: list[str] = []
 
@@ -224,8 +237,8 @@ def _watch_code(references, handed_over=frozenset()) -> Iterable[list]:
         code = frame.f_code
         if code in watched:
             return watched[code]
-        if code.co_name in names and _signature(code) in copies:
-            return copies[_signature(code)]
+        if code.co_name in names and code_signature(code) in copies:
+            return copies[code_signature(code)]
         if code not in handed_over and _is_checker_code(code):
             return f"{frame.f_globals.get('__name__', '?')}.{code.co_qualname}"
         return ""

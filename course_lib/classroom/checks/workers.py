@@ -15,8 +15,9 @@ In a check process (:mod:`~course_lib.classroom.checks.judge`) the checker calls
   check process's stack, the checker's frames included (the one place off the ranks where it does);
 * on a rank of the checker's launch, where the code must talk on that rank's process group, it runs where the
   rank calls it -- in a student process forked from the rank
-  (:mod:`~course_lib.classroom.checks.student_process`), or on the rank itself for the checkers that still
-  call it there -- with the refusals in place around the call (and around each method of a student's class).
+  (:mod:`~course_lib.classroom.checks.student_process`), which applies the refusals for good first
+  (:meth:`StudentFunction.for_good`), or on the rank itself for the checkers that still call it there -- with
+  the refusals in place around the call (and around each method of a student's class).
 
 What the code refused is kept in ``refused``; :func:`~course_lib.classroom.checks.tamper_guard.run_student`
 reports it even when the student's code caught the exception.
@@ -24,14 +25,12 @@ reports it even when the student's code caught the exception.
 
 from __future__ import annotations
 
-import builtins
 import json
 import os
 import selectors
 import signal
 import sys
 import time
-import traceback
 
 import torch
 
@@ -54,7 +53,7 @@ class StudentFunction:
         self.refused: list[str] = []
         self.patched: list[str] = []  # what the last call in a worker replaced in the course or torch (undone)
         self.returned = None  # what the last call in a worker returned (a review's answers go to the instructor)
-        self._local = None
+        self._local = self._values = None
         self._kept = None
         self.refusals = prepare(exercise)  # here, before the checker runs (and watches what runs in a call)
         self.refusals.prepare_files()
@@ -89,12 +88,26 @@ class StudentFunction:
                 self.refused = method.refused = list(self.refusals.refused)
 
         method.refusals, method.refused = self.refusals, []  # what run_student and a student process read
+        method.for_good = self.for_good
         methods[attr] = method
         return method
 
+    def for_good(self, handed_over: tuple = ()) -> None:
+        """In a process that runs nothing but this function's calls from now on (the student process forked from a
+        rank): the refusals applied for good (:meth:`~course_lib.classroom.checks.refusals.Refusals.apply`;
+        ``handed_over``: what the checker gives the call or runs after it there), the plain values the function
+        uses decoded before them, as in a worker; the first call rebuilds the function under them. Code in the
+        function that undoes a refusal in its process finds the references' and the checkers' code disarmed."""
+        if self._local is None and self._values is None:
+            try:
+                self._values = values_of(self.captured)
+            except Exception:  # noqa: BLE001 - decoded again by the first call, which reports the error
+                pass
+        self.refusals.apply(handed_over=handed_over)
+
     def _rebuilt(self):
         if self._local is None:
-            values = values_of(self.captured)
+            values = values_of(self.captured) if self._values is None else self._values
             try:
                 with self.refusals.as_student():
                     self._local = rebuild(self.captured, values)
@@ -131,7 +144,7 @@ class StudentFunction:
             _kept_worker(self.captured, self.refusals, from_judge, to_judge)
         os.close(from_judge)
         os.close(to_judge)
-        self._kept = (pid, os.fdopen(to_worker, "w", encoding="utf-8"), from_worker)
+        self._kept = (pid, os.fdopen(to_worker, "w", encoding="utf-8"), _Lines(from_worker))
 
     def _in_kept_worker(self, encoded, args):
         """One call in the check's kept worker (its arguments sent as plain data)."""
@@ -144,7 +157,7 @@ class StudentFunction:
         except BrokenPipeError:
             self._kept = None
             raise RuntimeError("your function ended its process (os._exit, a crash or a signal)") from None
-        line = _read_from(replies, pid, CALL_TIMEOUT, line=True)
+        line = _kept_reply(pid, replies)
         if line is None:
             self._kept = None
             raise TimeoutError(f"your function did not return within {CALL_TIMEOUT:.0f} s (is there a loop "
@@ -159,7 +172,7 @@ class StudentFunction:
         self.refused, self.patched = out.get("refused", []), out.get("patched", [])
         _copy_back(args, plain.decode(out.get("args", [])))
         if "error" in out:
-            raise _rebuilt_error(out["error"])
+            raise plain.error_from_data(out["error"])
         value = self.returned = plain.decode(out["value"])
         if "graph" in out:  # a tensor with a gradient: backward asks the worker, where its graph lives
             leaves = _tensor_leaves(args)
@@ -173,13 +186,13 @@ class StudentFunction:
         pid, requests, replies = self._kept
         requests.write(json.dumps({"backward": graph, "grad": plain.encode(grad)}) + "\n")
         requests.flush()
-        line = _read_from(replies, pid, CALL_TIMEOUT, line=True)
+        line = _kept_reply(pid, replies)
         if not line:
             self._kept = None
             raise RuntimeError("your function's backward did not finish")
         out = json.loads(line)
         if "error" in out:
-            raise _rebuilt_error(out["error"])
+            raise plain.error_from_data(out["error"])
         return plain.decode(out["grads"])
 
     def _in_forked_worker(self, refusals, args, kwargs):
@@ -257,12 +270,12 @@ def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
                 graphs[len(graphs)] = (value, [leaves[i] for i in inputs])
                 out["graph"] = {"id": len(graphs) - 1, "inputs": inputs}
         except BaseException as exc:  # noqa: BLE001 - reported to the checker as the student's exception
-            out = {"error": _error_of(exc)}
+            out = {"error": plain.error_data(exc)}
         out["refused"] = list(refusals.refused)
         data = json.dumps(out)
     except BaseException as exc:  # noqa: BLE001 - a value that does not encode
-        data = json.dumps({"error": {"type": "TypeError", "builtin": True, "refused": [],
-                                     "message": f"the judge could not read what your function returned: {exc}"}})
+        data = json.dumps({"error": plain.error_data(TypeError(f"the judge could not read what your function "
+                                                               f"returned: {exc}"), with_traceback=False)})
     sys.stdout.flush()
     sys.stderr.flush()
     return fn, data.encode("utf-8")
@@ -278,7 +291,7 @@ def _worker(captured, refusals, args, kwargs, write_end) -> None:
     """A worker for one call: refusals, the function rebuilt, the call, the reply; never returns."""
     try:
         values = values_of(captured)
-        refusals.apply(handed_over=tuple({type(a) for a in (*args, *kwargs.values())}))
+        refusals.apply(handed_over=(*args, *kwargs.values()))
         _write_all(write_end, _one_call(_Rebuild(captured, values), refusals, args, kwargs)[1])
     finally:
         os._exit(0)
@@ -313,7 +326,7 @@ def _backward(graphs: dict, request: dict) -> bytes:
                                     retain_graph=True)
         out = {"grads": plain.encode(list(grads))}
     except BaseException as exc:  # noqa: BLE001 - the student's backward raised
-        out = {"error": _error_of(exc)}
+        out = {"error": plain.error_data(exc)}
     return json.dumps(out).encode("utf-8")
 
 
@@ -339,30 +352,9 @@ def _copy_back(args, returned: list) -> None:
                 mine.copy_(theirs)
 
 
-def _error_of(exc: BaseException) -> dict:
-    """The student's exception as plain data (:func:`_rebuilt_error` makes it an exception again)."""
-    return {"type": type(exc).__name__, "builtin": getattr(builtins, type(exc).__name__, None) is type(exc),
-            "message": str(exc)[:2000], "traceback": traceback.format_exc()[-4000:]}
-
-
-def _rebuilt_error(error: dict) -> BaseException:
-    """The student's exception, as an exception of the same name (a builtin type when it was one)."""
-    name, message = error.get("type", "Exception"), error.get("message", "")
-    cls = getattr(builtins, name, None) if error.get("builtin") else None
-    if not (isinstance(cls, type) and issubclass(cls, Exception)):
-        cls = type(name, (RuntimeError,), {"__module__": "student"})
-    try:
-        exc = cls(message)
-    except Exception:  # noqa: BLE001 - a builtin that wants other arguments
-        exc = type(name, (RuntimeError,), {"__module__": "student"})(message)
-    exc.student_traceback = error.get("traceback", "")
-    return exc
-
-
-def _read_from(fd: int, pid: int, timeout: float, *, line: bool = False) -> bytes | None:
-    """What child ``pid`` writes to ``fd``: everything until it closes it (then ``fd`` is closed and the child
-    reaped), or with ``line`` one line (b"" when the child ended first); None -- the child killed -- past
-    ``timeout``."""
+def _read_from(fd: int, pid: int, timeout: float) -> bytes | None:
+    """What child ``pid`` writes to ``fd`` until it closes it (then ``fd`` is closed and the child reaped); None
+    -- the child killed -- past ``timeout``."""
     chunks, deadline = [], time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
@@ -371,16 +363,52 @@ def _read_from(fd: int, pid: int, timeout: float, *, line: bool = False) -> byte
             if left <= 0 or not sel.select(left):
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                if not line:
-                    os.close(fd)
+                os.close(fd)
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 break
             chunks.append(chunk)
-            if line and chunk.endswith(b"\n"):
-                return b"".join(chunks)
-    if not line:
-        os.close(fd)
+    os.close(fd)
     os.waitpid(pid, 0)
-    return b"" if line else b"".join(chunks)
+    return b"".join(chunks)
+
+
+class _Lines:
+    """Lines from a child's pipe (the kept worker's replies, a student process's requests), each waited for at
+    most ``timeout`` seconds."""
+
+    def __init__(self, fd: int):
+        self.fd, self.buffer = fd, b""
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(fd, selectors.EVENT_READ)
+
+    def next(self, timeout: float):
+        """The next line; b"" when the pipe closed first; None past ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.selector.select(left):
+                return None
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                return b""
+            self.buffer += chunk
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line
+
+    def close(self) -> None:
+        self.selector.close()
+        os.close(self.fd)
+
+
+def _kept_reply(pid: int, replies: _Lines):
+    """The kept worker's next reply line; None past :data:`CALL_TIMEOUT` (the worker killed), b"" when it ended
+    first (reaped, its pipe closed)."""
+    line = replies.next(CALL_TIMEOUT)
+    if line is None:
+        os.kill(pid, signal.SIGKILL)
+    if not line:
+        os.waitpid(pid, 0)
+        replies.close()
+    return line

@@ -407,3 +407,48 @@ def test_a_student_process_opens_no_socket_writes_no_file_and_signals_no_one(tmp
                        "file": "PermissionError", "signal to the rank": "PermissionError"}, student
     assert set(rank.values()) == {"allowed"}, rank
     assert not (tmp_path / "channel").exists()
+
+
+UNDONE_IN_ITS_OWN_PROCESS = {
+    "the original found with gc, the profile off": ('''
+import gc
+import sys
+
+def my_ring_all_reduce(x):
+    sys.setprofile(None)                                  # the course-code watcher of its own process
+    ring = next(o for o in gc.get_objects() if callable(o) and getattr(o, "__qualname__", "") == "ring_all_reduce"
+                and getattr(o, "__module__", "") == "course_lib.communication_patterns")
+    return ring(x)
+''', "ring_all_reduce"),
+    "the refusals undone: bindings put back, the import hook removed": ('''
+import gc
+import sys
+
+def my_ring_all_reduce(x):
+    sys.setprofile(None)
+    refusals = next(o for o in gc.get_objects() if type(o).__name__ == "Refusals")
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_Finder"]
+    for owner, attr, original, _ in refusals._stubs:
+        setattr(owner, attr, original)
+    from course_lib.communication_patterns import ring_all_reduce
+    return ring_all_reduce(x)
+''', "ring_all_reduce"),
+}
+
+
+@pytest.mark.parametrize("what", list(UNDONE_IN_ITS_OWN_PROCESS))
+def test_a_refusal_undone_in_the_student_process_still_refuses(what, monkeypatch):
+    """Through the judge, a function that undoes the refusals in its own process (the student process applies
+    them for good, as the off-rank worker does: the references' code is disarmed there) gets no answer from the
+    course's ring: it is refused, and the verdict names it."""
+    import linecache
+
+    monkeypatch.setenv("COURSE_JUDGE", "1")
+    source, named = UNDONE_IN_ITS_OWN_PROCESS[what]
+    filename = f"/tmp/ipykernel_0/undone_{list(UNDONE_IN_ITS_OWN_PROCESS).index(what)}.py"
+    linecache.cache[filename] = (0, None, source.splitlines(True), filename)
+    space = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), space)  # noqa: S102 - the test's own cell
+    verdict = check_ring_all_reduce(space["my_ring_all_reduce"])
+    assert not verdict.ok, (what, verdict.hint)
+    assert named in verdict.hint and "[refused]" in verdict.hint, (what, verdict.hint)
