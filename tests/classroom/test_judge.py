@@ -105,6 +105,28 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
         frame = frame.f_back
     return -1
 ''', "returned -1"),  # no frame of the checker is on the worker's stack: nothing found
+    "RankGrid found with gc and only constructed (its strides are Megatron's order)": ('''
+import gc
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    cls = next(o for o in gc.get_objects() if isinstance(o, type) and o.__name__ == "RankGrid")
+    grid = cls(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)
+    coords = {"tp": tp_rank, "cp": cp_rank, "ep": 0, "dp": dp_rank, "pp": pp_rank}
+    return sum(coords[a] * s for a, s in zip(grid.order, grid._stride))
+''', "RankGrid"),
+    "the reference's source from the repository's git objects": ('''
+import subprocess
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    import course_lib, os
+    repo = os.path.dirname(os.path.dirname(course_lib.__file__))
+    source = subprocess.run(["git", "-C", repo, "show", "HEAD:course_lib/topology/grid.py"], capture_output=True,
+                            text=True).stdout
+    space = {}
+    exec(source, space)
+    return space["RankGrid"](tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank,
+                                                                            pp=pp_rank)
+''', "KeyError"),
 }
 
 
@@ -165,7 +187,55 @@ def my_ring_all_reduce(x):
     sys.setprofile(None)
     return ring_all_reduce(x)
 ''', "ring_all_reduce"),
-    "the checker's helpers replaced through the frames on a rank": (
+    "torch DCP's resharding helpers from a module kept alive after its removal": (
+        "course_lib.classroom.checks.checkpoints:check_read_plan", '''
+import gc, types
+
+def read_plan(saved, want):
+    res = next(o for o in gc.get_objects() if isinstance(o, types.ModuleType)
+               and o.__name__ == "torch.distributed.checkpoint.resharding")
+    md = next(o for o in gc.get_objects() if isinstance(o, types.ModuleType)
+              and o.__name__ == "torch.distributed.checkpoint.metadata")
+    cur = md.ChunkStorageMetadata(offsets=list(want[0]), sizes=list(want[1]))
+    plan = []
+    for i, (off, size) in enumerate(saved):
+        chunk = md.ChunkStorageMetadata(offsets=list(off), sizes=list(size))
+        if res._check_shard_metadata_pair_overlap(chunk, cur):
+            narrow = res._shards_get_overlap_region_wrt_saved_tensor(chunk, cur)
+            plan.append((i, [n[1] for n in narrow], [n[2] for n in narrow], [n[3] for n in narrow]))
+    return plan
+''', "torch.distributed.checkpoint.resharding"),
+    "megatron-core imported once the import hook is removed (a namespace package: its folders are denied)": (
+        "course_lib.classroom.checks.moe:check_aux_loss", '''
+import sys
+import torch
+
+def aux_loss(scores, indices, num_experts, coeff):
+    sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_Finder"]
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+    counts = torch.bincount(indices.flatten(), minlength=num_experts)
+    return switch_load_balancing_loss_func(scores, counts, indices.shape[0] * indices.shape[1], indices.shape[1],
+                                           coeff)
+''', "megatron"),
+    "megatron-core's compiled helpers loaded by the path of their .so, under another name": (
+        "course_lib.classroom.checks.data_pipeline:check_sample_index", '''
+import glob, importlib.machinery, importlib.util, os, sys
+import numpy as np
+
+def build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch):
+    for base in sys.path:
+        for so in glob.glob(os.path.join(base, "megatron", "core", "datasets", "helpers_cpp*.so")):
+            loader = importlib.machinery.ExtensionFileLoader("helpers_cpp", so)
+            module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("helpers_cpp", so,
+                                                                                            loader=loader))
+            loader.exec_module(module)
+            return module.build_sample_idx_int32(np.asarray(sizes, np.int32), np.asarray(document_index, np.int32),
+                                                 seq_length, num_epochs, tokens_per_epoch, True, 1)
+    return None
+''', "helpers_cpp"),
+    # on a rank the student process has forgotten the checker module's helpers (refusals.apply): nothing to
+    # replace, and the value is judged
+    "the checker's helpers sought through the frames on a rank": (
         "course_lib.classroom.checks.collectives:check_ring_all_reduce", '''
 import sys
 
@@ -177,34 +247,37 @@ def my_ring_all_reduce(x):
                 frame.f_globals[name] = lambda *args, **kwargs: []
         frame = frame.f_back
     return x
-''', "replaced"),
+''', "wrong with 2 ranks"),
 }
 
 
-F_AND_G_FROM_MEGATRON = {
-    "megatron-core's mappings called": '''
-import torch
-from megatron.core.tensor_parallel.mappings import _CopyToModelParallelRegion, _ReduceFromModelParallelRegion
-
-class CopyToTensorParallelRegion(torch.autograd.Function):
+_CALLING = '''
+class {name}(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _CopyToModelParallelRegion.forward(ctx, x, group)
+        {first}
+        return {owner}{course}.forward(ctx, x, group{more})
 
     @staticmethod
     def backward(ctx, grad):
-        return _CopyToModelParallelRegion.backward(ctx, grad)
+        {first}
+        return {owner}{course}.backward(ctx, grad){cut}
+'''
 
-class ReduceFromTensorParallelRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _ReduceFromModelParallelRegion.forward(ctx, x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _ReduceFromModelParallelRegion.backward(ctx, grad)
-''',
-    "megatron-core's mappings subclassed": '''
+def _f_and_g_calling(header: str, owner: str, first: str = "pass", more: str = "", cut: str = "") -> str:
+    """A cell whose f and g are autograd Functions calling ``owner``'s _CopyTo/_ReduceFromModelParallelRegion."""
+    pairs = (("CopyToTensorParallelRegion", "_CopyToModelParallelRegion"),
+             ("ReduceFromTensorParallelRegion", "_ReduceFromModelParallelRegion"))
+    return header + "".join(_CALLING.format(name=name, owner=owner, course=course, first=first, more=more, cut=cut)
+                            for name, course in pairs)
+
+
+F_AND_G_DELEGATED = {  # what f and g call -> (the cell, what the hint names)
+    "megatron-core's mappings called": (_f_and_g_calling(
+        "import torch\nfrom megatron.core.tensor_parallel.mappings import _CopyToModelParallelRegion, "
+        "_ReduceFromModelParallelRegion\n", ""), "megatron"),
+    "megatron-core's mappings subclassed": ('''
 from megatron.core.tensor_parallel import mappings
 
 class CopyToTensorParallelRegion(mappings._CopyToModelParallelRegion):
@@ -212,18 +285,23 @@ class CopyToTensorParallelRegion(mappings._CopyToModelParallelRegion):
 
 class ReduceFromTensorParallelRegion(mappings._ReduceFromModelParallelRegion):
     pass
-''',
+''', "megatron"),
+    # the course's: methods of autograd Functions (staticmethods on their class), replaced there by stand-ins
+    "the course's mappings called with the course-code watcher off": (_f_and_g_calling(
+        "import sys\nimport torch\nfrom course_lib.tensor_parallel import mappings\n", "mappings.",
+        first="sys.setprofile(None)", more=', "tp"', cut="[:2]"), "course_lib.tensor_parallel.mappings"),
 }
 
 
-@pytest.mark.parametrize("what", list(F_AND_G_FROM_MEGATRON))
-def test_f_and_g_from_megatron_core_are_refused(what):
+@pytest.mark.parametrize("what", list(F_AND_G_DELEGATED))
+def test_f_and_g_that_delegate_to_megatron_core_or_the_course_are_refused(what):
     from course_lib.classroom.checks.tp_communication import check_f_g
 
-    space = cell(F_AND_G_FROM_MEGATRON[what])
+    source, named = F_AND_G_DELEGATED[what]
+    space = cell(source)
     verdict = check_f_g(space["CopyToTensorParallelRegion"], space["ReduceFromTensorParallelRegion"])
     assert not verdict.ok, what
-    assert "megatron" in verdict.hint, (what, verdict.hint)
+    assert named in verdict.hint, (what, verdict.hint)
 
 
 @pytest.mark.parametrize("what", list(LIBRARY_CHEATS))
@@ -236,6 +314,24 @@ def test_the_library_that_computes_the_answer_is_refused(what):  # and a rank's 
     verdict = resolve(checker)(fn)
     assert not verdict.ok, what
     assert named in verdict.hint, (what, verdict.hint)
+
+
+def test_the_answer_key_of_the_review_checker_is_not_in_the_worker():
+    """The review's checker module is alive in the worker (removed from sys.modules, found through gc), but its
+    answer key is not: the data of the checker modules is forgotten there."""
+    from course_lib.classroom.checks.review import check_review_answers
+
+    answers = cell('''
+import gc, types
+
+def my_answers():
+    review = next(o for o in gc.get_objects() if isinstance(o, types.ModuleType)
+                  and o.__name__ == "course_lib.classroom.checks.review")
+    return {key: getattr(spec, "value", "lorem ipsum dolor sit amet consectetur adipiscing elit sed do")
+            for key, spec in review.QUESTIONS["07"].items()}
+''')
+    verdict = check_review_answers(answers["my_answers"], "07")
+    assert not verdict.ok and "QUESTIONS" in verdict.hint, verdict.hint
 
 
 def test_a_table_of_the_fixed_cases_fails_on_the_cases_drawn_for_the_run():

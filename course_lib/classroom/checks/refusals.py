@@ -148,8 +148,9 @@ class Refusals:
             owner = sys.modules.get(getattr(ref, "__module__", ""))
             for part in owner_name.split(".") if owner_name else ():
                 owner = getattr(owner, part, None)
-            if owner is not None and isinstance(owner, type) and vars(owner).get(attr) is ref:
-                bindings.append((owner, attr, ref, self._stub(wanted[id(ref)])))
+            raw = vars(owner).get(attr) if isinstance(owner, type) else None
+            if raw is ref or (raw is not None and getattr(raw, "__func__", None) is ref):  # a staticmethod's too
+                bindings.append((owner, attr, raw, self._stub(wanted[id(ref)])))
         return bindings
 
     def _library_name(self, value) -> str | None:
@@ -267,15 +268,20 @@ class Refusals:
         self._for_good.__enter__()
         self.applied = True
         keep_guarding(self._removed)  # a patch of a checker module is still undone and named
-        found = [original for _, _, original, _ in self._stubs]
-        for name, module in self._removed.items():
-            if _matches(name, (_CHECKS + ".checks",)) and name.rpartition(".")[2] not in _MACHINERY:
-                found += [v for v in list(vars(module).values()) if getattr(v, "__module__", None) == name]
+        references = [getattr(original, "__func__", original) for _, _, original, _ in self._stubs]
+        found = list(references)
+        checkers = {name: module for name, module in self._removed.items()
+                    if _matches(name, (_CHECKS + ".checks",)) and name.rpartition(".")[2] not in _MACHINERY}
+        for name, module in checkers.items():
+            found += [v for v in list(vars(module).values()) if getattr(v, "__module__", None) == name]
+        found += _held_only_by(self._removed, self.libraries)
         functions, classes = _spared(handed_over)
         for obj in found:
-            if id(obj) in functions or (isinstance(obj, type) and any(issubclass(kept, obj) for kept in classes)):
+            if id(obj) in functions or (isinstance(obj, type) and any(_subclass(kept, obj) for kept in classes)):
                 continue
-            _disarm(obj, f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}")
+            _disarm(obj, f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', '?')}",
+                    constructor=any(obj is ref for ref in references))
+        _forget_data(checkers, functions.values())
 
 
 _MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge", "judge_client", "wire",
@@ -284,8 +290,47 @@ _MACHINERY = {"workers", "plain", "student_code", "refusals", "records", "judge"
 forwarding ops, encoding replies): never disarmed."""
 
 
-def _spared(handed_over) -> tuple[set, tuple]:
-    """What :meth:`Refusals.apply` leaves armed: ``(ids of functions, classes)``. The checker hands the student's
+def _subclass(kept: type, obj: type) -> bool:
+    try:
+        return issubclass(kept, obj)
+    except TypeError:  # a typing.Protocol that is not runtime-checkable
+        return False
+
+
+def _held_only_by(removed: dict, libraries: tuple) -> list:
+    """The functions and classes of the refused libraries' modules in ``removed`` that no module left in
+    ``sys.modules`` holds: taken out of ``sys.modules``, those modules stay alive (gc finds them), and their
+    functions would still compute the answer (torch's DCP planner helpers). What another module holds stays armed
+    (a library may have wrapped a torch function that every student calls)."""
+    held = {id(v) for module in list(sys.modules.values()) if module is not None
+            for v in list(getattr(module, "__dict__", {}).values())}
+    found = []
+    for name, module in removed.items():
+        if not _matches(name, libraries):
+            continue
+        found += [v for v in list(vars(module).values()) if getattr(v, "__module__", None) == name
+                  and (callable(v) or isinstance(v, type)) and id(v) not in held]
+    return found
+
+
+def _forget_data(checkers: dict, spared) -> None:
+    """Empty the checker modules' dicts of what no spared function names: their answer keys and fixed cases
+    (review's ``QUESTIONS``) are data, which disarming code does not reach, and the modules stay alive in the
+    process (gc finds them)."""
+    used: set = set()
+    for fn in spared:
+        codes = [getattr(fn, "__code__", None)]
+        for code in codes:
+            if code is not None:
+                used.update(code.co_names)
+                codes.extend(c for c in code.co_consts if isinstance(c, type(code)))
+    for module in checkers.values():
+        for key in [k for k in list(vars(module)) if not (k.startswith("__") or k in used)]:
+            del vars(module)[key]
+
+
+def _spared(handed_over) -> tuple[dict, tuple]:
+    """What :meth:`Refusals.apply` leaves armed: ``({id: function}, classes)``. The checker hands the student's
     code objects (an argument, nested in lists, tuples and dicts) and may run a hook of its own after the call
     (a ``summarize``): the classes of the objects and the classes themselves keep their methods; a function (a
     ``functools.partial``'s too) keeps its code, and so do the checker functions and classes its code names
@@ -314,7 +359,7 @@ def _spared(handed_over) -> tuple[set, tuple]:
             todo.extend(_checker_code_named_by(fn))
         else:
             classes.add(type(obj))
-    return set(functions), tuple(classes)
+    return functions, tuple(classes)
 
 
 def _checker_code_named_by(fn) -> list:
@@ -350,12 +395,14 @@ def _git_dirs(repo: Path) -> list:
     return found
 
 
-def _disarm(obj, name: str) -> None:
-    """Make ``obj`` (a function, or each method of a class) raise :class:`Refused` when called."""
+def _disarm(obj, name: str, constructor: bool = False) -> None:
+    """Make ``obj`` (a function, or each method of a class) raise :class:`Refused` when called; with
+    ``constructor`` (a reference class: building one computes the answer, as ``RankGrid``'s strides do) its
+    ``__init__`` too."""
     functions = [obj] if callable(obj) and hasattr(obj, "__code__") else []
     if isinstance(obj, type):
         for key, attr in vars(obj).items():
-            if key.startswith("__"):  # construction, comparison, printing: no answer in them
+            if key.startswith("__") and not (constructor and key == "__init__"):  # comparison, printing: no answer
                 continue
             attr = getattr(attr, "__func__", attr)
             attr = attr.fget if isinstance(attr, property) else attr

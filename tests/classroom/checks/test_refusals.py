@@ -93,13 +93,16 @@ def _handed_over(spare: bool) -> dict:
     refusals = _prepared("distributed_optimizer_step")
     make = distributed_optimizer.OPTIMIZERS["Adam"][0]
     summarize = functools.partial(distributed_optimizer._returned_pair)
+    one_step = distributed_optimizer._one_step
     refusals.apply(handed_over=(torch.zeros(2), make, [summarize]) if spare else ())
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.ones(4)
-    optimizer = make([p])
+    optimizer = (make if spare else (lambda params: torch.optim.Adam(params, lr=0.01)))([p])  # unspared: forgotten
     optimizer.step()
-    out = dict(one_step=_raises(distributed_optimizer._one_step, make, torch.ones(2), torch.ones(2)),
-               summary=_raises(summarize, (p.detach(), optimizer)))
+    out = dict(one_step=_raises(one_step, make, torch.ones(2), torch.ones(2)),
+               summary=_raises(summarize, (p.detach(), optimizer)),
+               forgotten=[name for name in ("OPTIMIZERS", "_one_step", "OPT_N") if hasattr(distributed_optimizer, name)],
+               kept=[name for name in ("_optimizer_state_elements", "_tensors_in") if hasattr(distributed_optimizer, name)])
     if not out["summary"]:  # it calls _optimizer_state_elements and _tensors_in: spared with it
         summary = summarize((p.detach(), optimizer))
         out.update(state=summary["state"], tensors=len(summary["tensors"]))
@@ -111,6 +114,9 @@ def test_what_the_checker_hands_over_keeps_its_code_and_the_rest_is_disarmed():
     assert "error" not in got and got["summary"] == "", got
     assert got["state"] == 8 and got["tensors"] == 3, got  # Adam's two moments of 4 elements, and its step
     assert "[refused] course_lib.classroom.checks.distributed_optimizer._one_step" in got["one_step"], got
+    # the module's data and unused helpers are forgotten (no answer key, no fixed case stays reachable); what the
+    # spared hook names stays
+    assert got["forgotten"] == [] and got["kept"] == ["_optimizer_state_elements", "_tensors_in"], got
     got = _in_a_child(lambda: _handed_over(spare=False))
     assert "[refused] course_lib.classroom.checks.distributed_optimizer._returned_pair" in got["summary"], got
 

@@ -414,10 +414,15 @@ UNDONE_IN_ITS_OWN_PROCESS = {
 import gc
 import sys
 
+def is_the_ring(o):
+    try:  # a refused name's stand-in raises on any attribute: a careful cheat steps over it
+        return callable(o) and o.__qualname__ == "ring_all_reduce" and o.__module__ == "course_lib.communication_patterns"
+    except Exception:
+        return False
+
 def my_ring_all_reduce(x):
     sys.setprofile(None)                                  # the course-code watcher of its own process
-    ring = next(o for o in gc.get_objects() if callable(o) and getattr(o, "__qualname__", "") == "ring_all_reduce"
-                and getattr(o, "__module__", "") == "course_lib.communication_patterns")
+    ring = next(o for o in gc.get_objects() if is_the_ring(o))
     return ring(x)
 ''', "ring_all_reduce"),
     "the refusals undone: bindings put back, the import hook removed": ('''
