@@ -18,9 +18,10 @@ For an exercise, :func:`prepare` (in the judge, before any student code runs) co
 A process that runs nothing but the student's code from then on -- the judge's workers, and the student process
 forked from a rank of a checker launch (:mod:`~course_lib.classroom.checks.student_process`) -- applies them for
 good (:meth:`Refusals.apply`): code there that undoes a refusal (puts a name back, removes the import hook) finds
-the references' and checkers' code disarmed. Where the checker's own code runs after the student's function in
-the same process (a rank that calls the student beside its rank code), they are applied around each call
-(:meth:`Refusals.around`): the file rule stays, the names come back. Every refusal is recorded
+the references' and checkers' code disarmed, the checker modules' data forgotten. Where the checker's own code
+runs after the student's code in the same process (a rank rebuilding the student's function before it forks the
+student process, :meth:`Refusals.as_student`), they are applied around that block (:meth:`Refusals.around`):
+the file rule stays, the names come back. Every refusal is recorded
 (:attr:`Refusals.refused`), so the verdict names it even when the student's code caught the exception.
 """
 
