@@ -232,7 +232,7 @@ def build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per
             return module.build_sample_idx_int32(np.asarray(sizes, np.int32), np.asarray(document_index, np.int32),
                                                  seq_length, num_epochs, tokens_per_epoch, True, 1)
     return None
-''', "helpers_cpp"),
+''', "reading megatron"),
     # on a rank the student process has forgotten the checker module's helpers (refusals.apply): nothing to
     # replace, and the value is judged
     "the checker's helpers sought through the frames on a rank": (

@@ -61,12 +61,14 @@ def _call(fn, *args, exercise: str):
     """``(value, exception)`` of the student's call; a patch or the course's grid (the exercise's
     :func:`~course_lib.classroom.checks.references.references_for`) becomes the exception."""
     run = run_student(fn, *args, references=references_for(exercise))
-    if run.error is not None:
-        return None, run.error
     if run.patched:
         return None, LibraryPatched(run.problem())
-    if run.course_code:
+    if run.error is not None and "[refused]" in str(run.error):  # the refusal it raised names itself
+        return None, run.error
+    if run.course_code:  # before another error: a refused file is why it raised
         return None, _CourseCode(course_code_hint(run.course_code[0]))
+    if run.error is not None:
+        return None, run.error
     return run.value, None
 
 

@@ -164,14 +164,21 @@ class Refusals:
         return None
 
     def _denied_files(self, references) -> list:
-        files = {Path(__file__).resolve().parent, _REPO / "solutions", _REPO / "tests", *_git_dirs(_REPO)}
+        """The paths the file rule denies; :attr:`_file_names` says what each one is, for the hint."""
+        named = {Path(__file__).resolve().parent: "course_lib.classroom.checks",
+                 _REPO / "solutions": "a copy of the course's solutions (solutions/)",
+                 _REPO / "tests": "a copy of the course's tests (tests/)"}
+        named.update((path, "git's copy of the course (.git)") for path in _git_dirs(_REPO))
         for ref in references:
             module = sys.modules.get(getattr(ref, "__module__", ""))
             path = getattr(module, "__file__", None)
             if path:
                 path = Path(path)
-                files.add(path)
-                files.update(path.parent.glob(f"__pycache__/{path.stem}.*.pyc"))
+                parts = path.parts
+                shown = "/".join(parts[len(parts) - 1 - parts[::-1].index("course_lib"):]) if "course_lib" in parts \
+                    else module.__name__
+                named[path] = shown
+                named.update((pyc, shown) for pyc in path.parent.glob(f"__pycache__/{path.stem}.*.pyc"))
         for lib in self.libraries:
             try:
                 spec = importlib.util.find_spec(lib)
@@ -179,10 +186,23 @@ class Refusals:
                 spec = None
             if spec is not None and spec.origin and spec.has_location:
                 origin = Path(spec.origin)
-                files.add(origin.parent if origin.name == "__init__.py" else origin)
+                named[origin.parent if origin.name == "__init__.py" else origin] = lib
             elif spec is not None:  # a namespace package (megatron): every folder it is made of
-                files.update(Path(p) for p in spec.submodule_search_locations or ())
-        return sorted(files)
+                named.update((Path(p), lib) for p in spec.submodule_search_locations or ())
+        self._file_names = {str(path): name for path, name in named.items()}
+        return sorted(named)
+
+    def note_denied(self, exc: BaseException) -> None:
+        """Record, as a refusal, a denied file the student's code tried to read: ``exc`` (or an exception it was
+        raised from) names one (a ``PermissionError``'s file, an ``ImportError``'s path or message)."""
+        seen = 0
+        while exc is not None and seen < 8:
+            texts = [str(getattr(exc, attr, None) or "") for attr in ("filename", "path")] + [str(exc)]
+            for path, name in getattr(self, "_file_names", {}).items():
+                if any(path in text for text in texts) and isinstance(exc, (OSError, ImportError)):
+                    self.note(f"reading {name}")
+                    return
+            exc, seen = exc.__cause__ or exc.__context__, seen + 1
 
     # ------------------------------------------------------------------ applying them
     def _fence_files(self) -> None:

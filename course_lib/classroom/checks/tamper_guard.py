@@ -349,6 +349,9 @@ def course_function(fn) -> str | None:
 def course_code_hint(name: str) -> str:
     """The verdict line for an answer that is (or calls) the course's own implementation ``name`` (or, refused
     by the judge, a library that computes the answer)."""
+    if name.startswith("reading "):  # a file the judge's rule refused (refusals.Refusals.note_denied)
+        return (f"your function tried {name} (Permission denied where your function runs): it computes this "
+                f"exercise's answer, or is the checker's own, and the exercise is to write it yourself")
     if not name.startswith("course_lib"):
         return (f"your function used {name}, which computes this exercise's answer: the exercise is to write it "
                 f"yourself (the judge refuses it where your function runs)")

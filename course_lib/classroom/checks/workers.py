@@ -120,6 +120,9 @@ class StudentFunction:
         try:
             with refusals.around():
                 return fn(*args, **kwargs)
+        except BaseException as exc:
+            refusals.note_denied(exc)
+            raise
         finally:
             self.refused = list(refusals.refused)
 
@@ -270,6 +273,7 @@ def _one_call(fn_or_captured, refusals, args, kwargs, graphs=None) -> tuple:
                 graphs[len(graphs)] = (value, [leaves[i] for i in inputs])
                 out["graph"] = {"id": len(graphs) - 1, "inputs": inputs}
         except BaseException as exc:  # noqa: BLE001 - reported to the checker as the student's exception
+            refusals.note_denied(exc)
             out = {"error": plain.error_data(exc)}
         out["refused"] = list(refusals.refused)
         data = json.dumps(out)
