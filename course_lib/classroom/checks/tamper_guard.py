@@ -33,7 +33,7 @@ from typing import Any, Iterable, Sequence
 
 from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.verdicts import safe_repr
-from course_lib.classroom.checks.wire import largest_tensor, student_running, wire_recorder
+from course_lib.classroom.checks.wire import student_running
 
 __all__ = ["LibraryPatched", "StudentRun", "run_student", "portable", "on_rank_result", "call_problem",
            "undo_patches", "course_function", "course_code_hint"]
