@@ -29,8 +29,9 @@ next calls of it whose arguments are plain data, see :func:`run_on_rank`):
 So a function that patches ``wire._RECORDERS``, ``wire._POLICY`` or ``CheckedProcessGroup._record`` patches
 its own process: the record and the refusals the verdict reads are the rank's, made from what crossed the
 pipe. A wire exception (a refused collective, mismatched all-to-all splits) raised in the rank is raised
-there again after the call, even when the student's code caught it. The student process is bounded by the
-group's timeout while the rank waits for its next message.
+there again after the call, even when the student's code caught it. The student process is bounded by half the
+group's timeout while the rank waits for its next message (a loop that never ends is named as one, before the
+launch's deadline would read it as a deadlock).
 
 Code in the function that undoes a refusal there -- puts a reference back, removes the import hook, finds the
 reference or a checker function through ``gc`` or a frame -- finds code that refuses
@@ -634,12 +635,14 @@ class _Session:
 
     def serve(self, rank: "_Rank") -> dict:
         """Run the ops the student process asks for until its call is done; its reply."""
-        timeout = wire.group_timeout()
+        # Half the group's timeout, so that a function that loops says so before the launch's deadline (which
+        # counts from the start, and would be read as the ranks waiting for each other: a deadlock).
+        timeout = max(2.0, wire.group_timeout() / 2)
         while True:
             line = self.lines.next(timeout)
             if line is None:
-                raise TimeoutError(f"your function neither returned nor sent anything for {timeout:g} s (the "
-                                   f"group's timeout): is there a loop that never ends?")
+                raise TimeoutError(f"your function neither returned nor sent anything for {timeout:g} s: is there "
+                                   f"a loop that never ends?")
             if not line:
                 raise StudentProcessError("your function ended its process (os._exit, sys.exit, a crash or a "
                                           "signal) before it returned")

@@ -457,3 +457,16 @@ def test_a_refusal_undone_in_the_student_process_still_refuses(what, monkeypatch
     verdict = check_ring_all_reduce(space["my_ring_all_reduce"])
     assert not verdict.ok, (what, verdict.hint)
     assert named in verdict.hint and "[refused]" in verdict.hint, (what, verdict.hint)
+
+
+def _loops_forever(x):
+    while True:
+        time.sleep(0.5)
+
+
+def test_a_function_that_loops_is_named_as_one_not_as_a_deadlock(capsys):
+    """A student process silent for half the group's timeout: the rank says the function never returned, before
+    the launch's deadline would call it the ranks waiting for each other."""
+    verdict = check_ring_all_reduce(_loops_forever, timeout=8)
+    out = capsys.readouterr().out
+    assert not verdict.ok and "is there a loop that never ends?" in out, out
