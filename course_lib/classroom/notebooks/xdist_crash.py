@@ -53,9 +53,14 @@ class CrashSafeLoadFile(LoadFileScheduling):
         return crashitem
 
     def _reschedule(self, node) -> None:
-        super()._reschedule(node)
-        while not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
-            self._assign_work_unit(node)               # one pending test would wait for a next one (#1327)
+        try:
+            super()._reschedule(node)
+            while not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
+                self._assign_work_unit(node)           # one pending test would wait for a next one (#1327)
+        except OSError:
+            # The worker died after its last report and before its "node down" reached us: execnet cannot send
+            # to it. The unit it was just given is pending in its workload, so remove_node puts it back in line.
+            pass
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)        # before xdist's own
