@@ -129,16 +129,6 @@ def _all_reduce_in_two_steps(events) -> bool:
     return [e.op for e in events] == ["reduce_scatter", "all_gather"] and events[0].reduce_op in (None, "sum")
 
 
-def _same_elements(carried, want: torch.Tensor, tol: float = 1e-5) -> bool:
-    """Did an op carry exactly the elements of ``want``, in any order and layout (a reduce-scatter's input may be
-    cut along any dimension)?"""
-    if isinstance(carried, list):
-        carried = torch.cat([c.reshape(-1) for c in carried]) if carried else None
-    if not isinstance(carried, torch.Tensor) or carried.numel() != want.numel():
-        return False
-    return tensors_close(carried.reshape(-1).double().sort().values, want.reshape(-1).double().sort().values, tol=tol)
-
-
 def _rank_row(fn):
     t, r = dist.get_world_size(), dist.get_rank()
     _, w = _data(1)
@@ -210,7 +200,8 @@ def _row_hint(r: dict) -> str | None:
     if not all(same_payload(c, partial, tol=1e-5) for c in carried_by(r, "all_reduce") if c is not None):
         return ("your all-reduce did not carry your partial sum X_i A_i: the numbers are right, but the only thing "
                 "row-parallel ranks exchange is each rank's partial product -- " + ROW_ALGORITHM)
-    if not all(_same_elements(c, partial) for c in carried_by(r, "reduce_scatter") if c is not None):
+    if not all(same_payload(c, partial, tol=1e-5, any_order=True) for c in carried_by(r, "reduce_scatter")
+               if c is not None):
         return ("your reduce-scatter did not carry your partial sum X_i A_i: the numbers are right, but the only "
                 "thing row-parallel ranks exchange is each rank's partial product -- " + ROW_ALGORITHM)
     return None

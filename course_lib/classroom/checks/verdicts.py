@@ -287,12 +287,16 @@ def carried_by(result: dict, op: str) -> list:
     return [c for e, c in zip(result["events"], result["carried"]) if e.op == op]
 
 
-def same_payload(carried, want, tol: float = 1e-9) -> bool:
-    """Did an op carry ``want`` (a tensor; its elements in order, any shape or real dtype)? Never raises."""
+def same_payload(carried, want, tol: float = 1e-9, any_order: bool = False) -> bool:
+    """Did an op carry ``want`` (a tensor; its elements in order, any shape or real dtype; with ``any_order``, in any
+    order: a reduce-scatter's input may be cut along any dimension)? Never raises."""
     import torch
 
     if isinstance(carried, list):
         carried = torch.cat([t.reshape(-1) for t in carried]) if carried else None
     if not isinstance(carried, torch.Tensor) or carried.numel() != want.numel():
         return False
-    return tensors_close(carried.reshape(-1), want.reshape(-1), tol=tol)
+    got, expected = carried.reshape(-1), want.reshape(-1)
+    if any_order:
+        got, expected = got.double().sort().values, expected.double().sort().values
+    return tensors_close(got, expected, tol=tol)
