@@ -53,12 +53,16 @@ Megatron has no counterpart: this is the course's checker machinery (torch's Pyt
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import errno
 import inspect
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -305,6 +309,14 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
         _CHANNEL["first"] = list(args) + list(kwargs.values())
         if callable(getattr(fn, "for_good", None)):  # the judge's StudentFunction: the refusals for good
             fn.for_good(handed_over=(*args, *kwargs.values(), summarize))
+        if measure:  # the rank reads the memory before the call (_Session.fork), then says go
+            _exact_frees()
+            with largest_tensor():  # its one-time import (torch._dynamo), if the rank has not made it, before that
+                pass
+            _reply(to_rank, plain.dumps({"ready": True}))
+            with _CHANNEL["lock"]:
+                if not _CHANNEL["replies"].readline():
+                    return
         _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
         while True:
             with _CHANNEL["lock"]:  # a thread the function left running waits for the next call
@@ -327,10 +339,13 @@ rank's backward through it (:class:`_RemoteGrad`)."""
 
 
 def seal() -> list[str]:
-    """In a student process, before the student's code: no new socket (seccomp), no file written, no signal out
-    (Landlock), so its only way to the other ranks is the pipe to its rank, whose ops are recorded. What was
-    sealed, in words (empty where the kernel has neither)."""
+    """In a student process, before the student's code: no new socket and no new process (seccomp; threads still
+    start), no file written, no signal out (Landlock), so its only way to the other ranks is the pipe to its rank,
+    whose ops are recorded, and what it computes is in its own memory, whose peak its rank reads
+    (:func:`_peak_start`; a child's would not count, and ``/proc/self/clear_refs``, which would reset it, is a file
+    it cannot write). What was sealed, in words (empty where the kernel has neither)."""
     sealed = ["no new socket"] if seccomp.deny_new_sockets() else []
+    sealed += ["no new process"] if seccomp.deny_new_processes() else []
     try:
         sealed += landlock.deny_writes_and_signals()
     except OSError:  # Landlock there but refusing: the sockets are still sealed
@@ -372,12 +387,29 @@ def _reply(to_rank: int, data: str) -> None:
     _write_all(to_rank, (data + "\n").encode("utf-8"))
 
 
+_NEW_PROCESS = re.compile(r"\b(fork|forkpty|posix_spawnp?|spawn\w*|Popen|Process|Pool|system|popen|exec\w*)\b")
+
+
 def _report(run: StudentRun) -> dict:
     """What the rank is told of a call (or a backward) besides its value: patches, course code, the error."""
     done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
     if run.error is not None:
-        done["error"] = plain.error_data(run.error)
+        done["error"] = plain.error_data(_named(run.error))
     return done
+
+
+def _named(error: BaseException) -> BaseException:
+    """``error``, or -- for the seal's refusal of a new process (:func:`seal`), a bare ``EPERM`` raised where the
+    code starts one -- the same error saying so."""
+    if not (isinstance(error, PermissionError) and error.errno == errno.EPERM and error.filename is None):
+        return error
+    frames = traceback.extract_tb(error.__traceback__)
+    if not any(_NEW_PROCESS.search(f"{frame.name} {frame.line or ''}") for frame in frames[-3:]):
+        return error
+    named = PermissionError(errno.EPERM, "a new process cannot be started where your function runs (its memory "
+                                         "would not be your function's): compute in the function's own process")
+    named.__traceback__ = error.__traceback__
+    return named
 
 
 def _gradients(value, inputs: list, grad) -> list:
@@ -530,9 +562,56 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
         _KEPT.append(session)
         while len(_KEPT) > KEPT_PROCESSES:
             _KEPT[0].close()
+    elif measure:
+        session.baseline = _peak_start(session.pid)
     done, rank = session.exchange(request)
     session.pg_keys = [id(g) for g in c10d._world.pg_map]
-    return _result(done, rank, args, kwargs, session)
+    run = _result(done, rank, args, kwargs, session)
+    if measure and session.baseline is not None and not session.closed:
+        after = _memory(session.pid, "VmHWM")
+        run.peak = None if after is None else max(0, after - session.baseline)
+    return run
+
+
+def _memory(pid: int, field: str) -> int | None:
+    """``field`` (``VmHWM``: the peak resident memory, ``VmRSS``) of process ``pid`` in bytes, from
+    ``/proc/<pid>/status``; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def _exact_frees() -> None:
+    """In a student process whose memory is measured: each allocation of 256 KiB or more gets pages of its own
+    (glibc's threshold fixed, no longer raised by every free), returned when freed, so that its resident memory
+    follows the tensors alive rather than what glibc's heap keeps. The student's code may change it back: glibc
+    keeping more only makes it look bigger."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 256 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024)
+
+
+def _peak_start(pid: int) -> int | None:
+    """Before a measured call of the student process ``pid`` (idle, waiting for the rank): reset its peak resident
+    memory to what it holds now (``/proc/<pid>/clear_refs``, "5") and return that (bytes). Where the reset is
+    refused the peak so far stands in: a later call is then measured from its predecessors' peak. The kernel keeps
+    the peak through ``munmap``, ``madvise(MADV_DONTNEED)`` and a heap trimmed by ``brk``, so memory the call
+    freed still counts; a thread's memory is the process's."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")
+    except OSError:
+        pass
+    return _memory(pid, "VmHWM")
 
 
 KEPT_PROCESSES = 4
@@ -576,6 +655,7 @@ class _Session:
         self.first, self.summarize = first, summarize  # the first call's arguments (held: their ids stay theirs)
         self.pg_keys = [id(g) for g in c10d._world.pg_map]
         self.closed = False
+        self.baseline: int | None = None  # the memory before a measured call (_peak_start)
 
     @classmethod
     def fork(cls, fn, args, kwargs, references, measure: bool, summarize) -> "_Session":
@@ -594,8 +674,23 @@ class _Session:
             _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
         os.close(to_rank)
         os.close(from_rank)
-        return cls(pid, to_student, from_student, fn, references, groups, list(args) + list(kwargs.values()),
-                   summarize)
+        session = cls(pid, to_student, from_student, fn, references, groups, list(args) + list(kwargs.values()),
+                      summarize)
+        if measure:
+            session.measure_first_call()
+        return session
+
+    def measure_first_call(self) -> None:
+        """The forked student process has set itself up and waits: its memory now is the first call's baseline."""
+        try:
+            line = self.lines.next(max(2.0, wire.group_timeout() / 2))
+            if not line or "ready" not in plain.loads(line.decode("utf-8")):
+                raise StudentProcessError("the student process ended before its first call")
+            self.baseline = _peak_start(self.pid)
+            _write_all(self.to_student, b"{}\n")
+        except BaseException:
+            self.close()
+            raise
 
     def fits(self, fn, references, summarize) -> bool:
         """Whether a call of ``fn`` with ``references`` and ``summarize`` can run here (the rank's groups

@@ -196,6 +196,83 @@ def test_check_ring_attention(capsys, answer, ok, text):
     assert text in out, out
 
 
+def _dense_over_every_block(q, k, v, group):
+    """softmax(q Kᵀ/√d) V over K and V concatenated from what the ring brought: right numbers, the ring's sends."""
+    keys, values = _every_block(k, v, group)
+    return torch.softmax(q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ values
+
+
+def ring_then_dense_unmeasured(q, k, v, group):  # the dispatch modes of its process switched off around the dense part
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _dense_over_every_block(q, k, v, group)
+
+
+def ring_then_dense_in_a_thread(q, k, v, group):  # dispatch modes are per thread: a new one starts without them
+    import threading
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(_dense_over_every_block(q, k, v, group)))
+    worker.start()
+    worker.join()
+    return got[0]
+
+
+def ring_then_dense_python_key_excluded(q, k, v, group):  # torch's Python dispatch key off: no mode sees an op
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        return _dense_over_every_block(q, k, v, group)
+
+
+def ring_then_dense_in_a_child(q, k, v, group):  # the dense part in a forked process, whose memory is its own
+    import os
+
+    keys, values = _every_block(k, v, group)
+    read, write = os.pipe()
+    if os.fork() == 0:
+        out = torch.softmax(q @ keys.transpose(-1, -2), -1) @ values
+        os.write(write, out.numpy().tobytes())
+        os._exit(0)
+    data = b""
+    while len(data) < q.numel() * 8:
+        data += os.read(read, 1 << 20)
+    return torch.frombuffer(bytearray(data), dtype=torch.float64).reshape(q.shape)
+
+
+def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: last step's block and probabilities kept
+    cp, r, to, frm = _neighbours(group)
+    out, lse = attention_block(q, k, v)
+    kept = None
+    for _ in range(cp - 1):
+        incoming = _exchange(k, v, to, frm, group)
+        kept = (k, v, torch.softmax(q @ k.transpose(-1, -2), -1))
+        k, v = incoming
+        o, l_ = attention_block(q, k, v)
+        out, lse = merge(out, lse, o, l_)
+    assert kept is not None or cp == 1
+    return out
+
+
+@pytest.mark.parametrize("answer, ok, text", [
+    (ring_keeping_the_previous_step, True, "✓ ring_attention_forward"),
+    (ring_then_dense_unmeasured, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_in_a_thread, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_python_key_excluded, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_in_a_child, False, "a new process cannot be started where your function runs"),
+])
+def test_a_dense_attention_hidden_from_the_student_process_is_refused_by_its_memory(capsys, answer, ok, text):
+    """The largest tensor is counted in the student's own process (a dispatch mode): switched off there, the dense
+    attention still shows in how far that process's memory grew, which its rank reads from /proc on 4 ranks and
+    1024 rows per rank (``MEMORY_ROWS``). A ring that keeps more than it needs still passes; a new process, whose
+    memory would not count, cannot be started (the student process is sealed)."""
+    verdict = cp_checks.check_ring_attention(answer)
+    out = capsys.readouterr().out
+    assert verdict.ok is ok, out
+    assert text in out, out
+    if not ok and "new process" not in text:
+        assert "grew its memory" in out and "with 4 ranks" in out, out
+
+
 @pytest.mark.parametrize("fn, ok, expect", [
     (lambda r, cp: (np.int64(r), torch.tensor(2 * cp - 1 - r)), True, "✓ chunks_for_rank matches"),
     (lambda r, cp: [float(r), 2.0 * cp - 1 - r], True, "✓ chunks_for_rank matches"),

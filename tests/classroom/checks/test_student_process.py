@@ -409,6 +409,50 @@ def test_a_student_process_opens_no_socket_writes_no_file_and_signals_no_one(tmp
     assert not (tmp_path / "channel").exists()
 
 
+def _hides_its_memory():
+    """Allocates 64 MiB and frees it, then tries the ways a peak could leave the process's count."""
+    big = torch.ones(8 << 20, dtype=torch.float64)
+    del big
+    got = {}
+    for name, attempt in {"new process": os.fork, "peak reset": lambda: open("/proc/self/clear_refs", "w").write("5")
+                          }.items():
+        try:
+            if attempt() == 0:
+                os._exit(0)
+            got[name] = "allowed"
+        except OSError as exc:
+            got[name] = type(exc).__name__
+    ran = []
+    worker = threading.Thread(target=lambda: ran.append(torch.zeros(4).sum()))
+    worker.start()
+    worker.join()
+    got["thread"] = "allowed" if ran else "refused"
+    return got
+
+
+def _rank_measures_its_student():
+    from course_lib.classroom.checks.student_process import run_on_rank
+
+    first = run_on_rank(_hides_its_memory, measure=True)
+    again = run_on_rank(_hides_its_memory, measure=True)  # the kept process: its peak is reset by the rank first
+    return first.value, first.peak, again.peak
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+                         and landlock.abi_version() >= 6), reason="seccomp and Landlock (ABI >= 6) on Linux")
+def test_the_rank_reads_the_student_process_peak_memory_which_it_cannot_hide():
+    """With ``measure`` the rank reads how far the student process's resident memory grew during the call
+    (/proc/<pid>/status VmHWM, reset through clear_refs before each call): memory freed before returning still
+    counts, the process can start threads but no new process (whose memory would be its own) and cannot reset its
+    own peak (clear_refs is a file it cannot write)."""
+    from course_lib.classroom.checks.wire import launch_checked
+
+    [(tried, first, again)] = launch_checked(_rank_measures_its_student, 1, timeout=30)
+    assert tried == {"new process": "PermissionError", "peak reset": "PermissionError", "thread": "allowed"}, tried
+    assert 60 << 20 <= first < 72 << 20, first  # 64 MiB, give or take the pages the call's own code touched
+    assert 60 << 20 <= again < 72 << 20, again
+
+
 UNDONE_IN_ITS_OWN_PROCESS = {
     "the original found with gc, the profile off": ('''
 import gc
