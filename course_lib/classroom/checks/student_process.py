@@ -36,11 +36,13 @@ launch's deadline would read it as a deadlock).
 Code in the function that undoes a refusal there -- puts a reference back, removes the import hook, finds the
 reference or a checker function through ``gc`` or a frame -- finds code that refuses
 (``tests/classroom/checks/test_student_process.py::test_a_refusal_undone_in_the_student_process_still_refuses``).
-Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket (seccomp), writes
-no file and signals no process outside its own (Landlock), so it reaches another rank's student process only
-through its rank. What remains in the student's room: what a checker asks to be measured or read there
-(``measure``, ``summarize``), and a refused library imported from disk after removing the import hook where
-Landlock is missing (the hook is in the student's own process). The gloo groups it inherited are held, never
+Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket and starts no
+process (seccomp), writes no file and signals no process outside its own (Landlock), so it reaches another rank's
+student process only through its rank, and what it computes is in its own memory. With ``measure`` the rank reads
+how far that memory grew during the call (``peak``: ``VmHWM`` of ``/proc/<pid>/status``, reset through
+``clear_refs`` before the call), out of the student's reach. What remains in the student's room: what a checker
+asks to be measured or read there (``measure``'s largest tensor, ``summarize``), and a refused library imported
+from disk after removing the import hook where Landlock is missing (the hook is in the student's own process). The gloo groups it inherited are held, never
 used: their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
 Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
@@ -539,7 +541,9 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     collective or a :class:`~course_lib.classroom.checks.wire.SplitMismatch` raised here comes back as the
     ``error``, even when the student's code caught it. With ``measure``, ``largest`` is
     ``(elements, op)`` of the largest tensor the call computed
-    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With
+    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process) and ``peak`` the
+    bytes its resident memory grew by at most during the call, read here from ``/proc`` (:func:`_peak_start`; None
+    where ``/proc`` cannot be read). With
     ``summarize``, the value is ``summarize(what the function returned)``, computed in the student process after
     the call (its patches undone): for a check that needs some plain data of an object that does not travel
     (an optimizer's state).
