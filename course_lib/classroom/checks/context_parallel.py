@@ -16,10 +16,11 @@ but the receiver's own, once), and -- on 4 ranks -- no torch op may build a tens
 blocks: passing every block around, concatenating and running one dense attention gives the right
 numbers with the same traffic, and is refused by what it computed. That count is made by a dispatch mode in
 the student's own process, which its code can switch off (``_disable_current_modes``, a thread, the Python key
-excluded); so on 4 ranks the same function is called again with ``MEMORY_ROWS`` rows per rank and its rank reads,
-from ``/proc``, how far the student process's resident memory grew (:func:`_rank_ring_memory`): more than
-``MEMORY_STEPS`` of one step's score matrices is refused (a ring: 3.3, one keeping the previous block and its
-probabilities: 4.2; ``softmax(q Kᵀ) V`` over the gathered blocks, however hidden: 8.2, measured).
+excluded); so on 4 ranks the same function is called again with ``MEMORY_ROWS`` rows per rank, in a student process
+forked for that call, and its rank reads, from ``/proc``, how far that process's memory grew
+(:func:`_rank_ring_memory`): more than ``MEMORY_STEPS`` of one step's score matrices is refused (a ring: 3.3, one
+keeping the previous block and its probabilities: 4.3; ``softmax(q Kᵀ) V`` over the gathered blocks, however
+hidden: 8.2 or more, measured).
 """
 
 from __future__ import annotations
@@ -182,9 +183,10 @@ float64. One step's score matrix is ``MEMORY_ROWS²`` x 8 bytes = 8 MiB; the who
 V blocks are 64 KiB: the scores are what a dense attention cannot help holding)."""
 MEMORY_STEPS = 6
 """How many of one step's score matrices the student process may grow by, at its peak, in the memory case. A ring
-holds about 3 (measured, the rank reading ``/proc``: 3.2 for scores, their shifted copy and their exponential);
-a dense attention over the whole sequence holds at least two full score matrices, 2 x cp = 8 on 4 ranks (12 with
-``attention_block``'s temporaries)."""
+holds about 3 (measured, the rank reading ``/proc``: 3.3 for scores, their shifted copy and their exponential; 4.3
+keeping the previous step's block and probabilities); a dense attention over the whole sequence holds two full
+score matrices, 2 x cp = 8 on 4 ranks (measured 8.2; 12 with ``attention_block``'s temporaries), one if it
+computes the softmax in place (4.3: not refused)."""
 MEMORY_ROWS_CHECKED = 64
 """Rows of the memory case's output compared with the truth: drawn for this run, so every row has to be right."""
 RING_RULE = ("ring attention passes K/V blocks from rank to rank with send/recv; all-gathering K and V is "
@@ -223,7 +225,7 @@ def _rank_ring_memory(fn, g, secret) -> dict:
     q, k, v = (torch.randn(1, 1, MEMORY_ROWS, MEMORY_D, generator=secret, dtype=torch.float64) for _ in range(3))
     with point_to_point_only(RING_RULE):
         result = student_on_rank(fn, q.clone(), k.clone(), v.clone(), g,
-                                 references=references_for("ring_attention_forward"), measure=True)
+                                 references=references_for("ring_attention_forward"), measure=True, peak=True)
     blocks = _gathered(k, v)
     rows = torch.randperm(MEMORY_ROWS, generator=secret)[:MEMORY_ROWS_CHECKED]
     want, lse = attention_block(q[:, :, rows], *blocks[0])

@@ -38,9 +38,10 @@ reference or a checker function through ``gc`` or a frame -- finds code that ref
 (``tests/classroom/checks/test_student_process.py::test_a_refusal_undone_in_the_student_process_still_refuses``).
 Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket and starts no
 process (seccomp), writes no file and signals no process outside its own (Landlock), so it reaches another rank's
-student process only through its rank, and what it computes is in its own memory. With ``measure`` the rank reads
+student process only through its rank, and what it computes is in its own memory. With ``peak`` the rank reads
 how far that memory grew during the call (``peak``: ``VmHWM`` of ``/proc/<pid>/status``, reset through
-``clear_refs`` before the call), out of the student's reach. What remains in the student's room: what a checker
+``clear_refs`` before the call, and the pages it wrote, ``Private_Dirty`` of ``smaps_rollup``), out of the student's
+reach. What remains in the student's room: what a checker
 asks to be measured or read there (``measure``'s largest tensor, ``summarize``), and a refused library imported
 from disk after removing the import hook where Landlock is missing (the hook is in the student's own process). The gloo groups it inherited are held, never
 used: their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
@@ -291,7 +292,7 @@ def _state(args) -> list:
     return out
 
 
-def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_rank: int, from_rank: int,
+def _student_process(fn, args, kwargs, references, measure: bool, peak: bool, summarize, to_rank: int, from_rank: int,
                      keep: set, rank_pid: int) -> None:
     """The student process: its descriptors closed, the groups forwarding, the first call and its reply, then
     the rank's next calls of the same function (plain arguments) until the rank closes the pipe; never returns."""
@@ -311,10 +312,9 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
         _CHANNEL["first"] = list(args) + list(kwargs.values())
         if callable(getattr(fn, "for_good", None)):  # the judge's StudentFunction: the refusals for good
             fn.for_good(handed_over=(*args, *kwargs.values(), summarize))
-        if measure:  # the rank reads the memory before the call (_Session.fork), then says go
+        if peak:  # the rank reads the memory before the call (_Session.fork), then says go
             _exact_frees()
-            with largest_tensor():  # its one-time import (torch._dynamo), if the rank has not made it, before that
-                pass
+            _warm(references, measure)
             _reply(to_rank, plain.dumps({"ready": True}))
             with _CHANNEL["lock"]:
                 if not _CHANNEL["replies"].readline():
@@ -531,7 +531,8 @@ def _kept_fds(fn) -> set:
     return {ruleset()} if callable(ruleset) else set()
 
 
-def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None, **kwargs) -> StudentRun:
+def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None, peak: bool = False,
+                **kwargs) -> StudentRun:
     """On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked`: call ``fn(*args, **kwargs)`` in a
     student process of its own (see the module docstring) and return what the call did, as
     :func:`~course_lib.classroom.checks.tamper_guard.run_student` does (``value`` decoded from plain data,
@@ -541,9 +542,11 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     collective or a :class:`~course_lib.classroom.checks.wire.SplitMismatch` raised here comes back as the
     ``error``, even when the student's code caught it. With ``measure``, ``largest`` is
     ``(elements, op)`` of the largest tensor the call computed
-    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process) and ``peak`` the
-    bytes its resident memory grew by at most during the call, read here from ``/proc`` (:func:`_peak_start`; None
-    where ``/proc`` cannot be read). With
+    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With ``peak``, the
+    call runs in a student process forked for it (nothing an earlier call left there serves it), which runs the
+    machinery's first-call costs (:func:`_warm`) before the rank reads its memory, and ``peak`` is the bytes that
+    memory grew by during the call, read here from ``/proc`` (:func:`_peak_end`; None where ``/proc`` cannot be
+    read). With
     ``summarize``, the value is ``summarize(what the function returned)``, computed in the student process after
     the call (its patches undone): for a check that needs some plain data of an object that does not travel
     (an optimizer's state).
@@ -558,30 +561,27 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     :class:`_RemoteGrad` here, whose backward runs the student's backward in its process
     (:func:`backward_on_rank`)."""
     session = next((s for s in _KEPT if s.fits(fn, references, summarize)), None)
-    request = None if session is None else _call_request(args, kwargs, session, measure)
+    request = None if session is None or peak else _call_request(args, kwargs, session, measure)
     if request is None:
         if session is not None:
             session.close()
-        session = _Session.fork(fn, args, kwargs, references, measure, summarize)
+        session = _Session.fork(fn, args, kwargs, references, measure, summarize, peak)
         _KEPT.append(session)
         while len(_KEPT) > KEPT_PROCESSES:
             _KEPT[0].close()
-    elif measure:
-        session.baseline = _peak_start(session.pid)
     done, rank = session.exchange(request)
     session.pg_keys = [id(g) for g in c10d._world.pg_map]
     run = _result(done, rank, args, kwargs, session)
-    if measure and session.baseline is not None and not session.closed:
-        after = _memory(session.pid, "VmHWM")
-        run.peak = None if after is None else max(0, after - session.baseline)
+    if peak and session.baseline is not None and not session.closed:
+        run.peak = _peak_end(session.pid, session.baseline)
     return run
 
 
-def _memory(pid: int, field: str) -> int | None:
-    """``field`` (``VmHWM``: the peak resident memory, ``VmRSS``) of process ``pid`` in bytes, from
-    ``/proc/<pid>/status``; None where it cannot be read."""
+def _memory(pid: int, field: str, where: str = "status") -> int | None:
+    """``field`` of process ``pid`` in bytes, from ``/proc/<pid>/<where>`` (``status``: ``VmHWM``, the peak resident
+    memory; ``smaps_rollup``: ``Private_Dirty``, the pages written by it alone); None where it cannot be read."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+        with open(f"/proc/{pid}/{where}", encoding="ascii", errors="replace") as status:
             for line in status:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -590,11 +590,28 @@ def _memory(pid: int, field: str) -> int | None:
     return None
 
 
+def _warm(references, measure: bool) -> None:
+    """Before the baseline of a ``peak`` call: what every call costs a fresh student process once -- the
+    guard's first look at the inherited modules (copies of the pages it touches), the dispatch mode's import,
+    the code of torch's common ops, an encoded reply -- so that the call's growth is the student's computation."""
+    with largest_tensor() if measure else contextlib.nullcontext():
+        run_student(_warm_ops, references=references)
+    plain.dumps({"done": {"value": plain.encode(torch.zeros(4))}})
+
+
+def _warm_ops() -> None:
+    a = torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    s = torch.matmul(a, torch.cat([a, a], 2).transpose(-1, -2)) * 0.5
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)) + torch.softmax(s, -1) / s.amax(-1, keepdim=True).clamp_min(1)
+    torch.logaddexp(lse, lse).sum() + (torch.matmul(p, torch.cat([a, a], 2)) * 2 - 1).mean()
+
+
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def _exact_frees() -> None:
-    """In a student process whose memory is measured: each allocation of 256 KiB or more gets pages of its own
+    """In a student process whose peak is read: each allocation of 256 KiB or more gets pages of its own
     (glibc's threshold fixed, no longer raised by every free), returned when freed, so that its resident memory
     follows the tensors alive rather than what glibc's heap keeps. The student's code may change it back: glibc
     keeping more only makes it look bigger."""
@@ -604,18 +621,32 @@ def _exact_frees() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024)
 
 
-def _peak_start(pid: int) -> int | None:
+def _peak_start(pid: int) -> tuple | None:
     """Before a measured call of the student process ``pid`` (idle, waiting for the rank): reset its peak resident
-    memory to what it holds now (``/proc/<pid>/clear_refs``, "5") and return that (bytes). Where the reset is
-    refused the peak so far stands in: a later call is then measured from its predecessors' peak. The kernel keeps
-    the peak through ``munmap``, ``madvise(MADV_DONTNEED)`` and a heap trimmed by ``brk``, so memory the call
-    freed still counts; a thread's memory is the process's."""
+    memory to what it holds now (``/proc/<pid>/clear_refs``, "5"); ``(that peak, its private dirty memory)`` in
+    bytes. Where the reset is refused the peak so far stands in: a later call is then measured from its
+    predecessors' peak. The kernel keeps the peak through ``munmap``, ``madvise(MADV_DONTNEED)`` and a heap trimmed
+    by ``brk``, so memory the call freed still counts; a thread's memory is the process's."""
     try:
         with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
             clear.write("5")
     except OSError:
         pass
-    return _memory(pid, "VmHWM")
+    peak = _memory(pid, "VmHWM")
+    return None if peak is None else (peak, _memory(pid, "Private_Dirty", "smaps_rollup"))
+
+
+def _peak_end(pid: int, baseline: tuple) -> int | None:
+    """After the measured call: how far the memory grew (bytes), the larger of the growth of the peak and of the
+    pages the process alone has written. The second counts memory the process held before the call and wrote
+    during it: the pages a fork shares with its rank (a buffer the cell allocated) are counted in the peak
+    already, and a write copies them without raising it."""
+    peak = _memory(pid, "VmHWM")
+    if peak is None:
+        return None
+    dirty = _memory(pid, "Private_Dirty", "smaps_rollup")
+    written = dirty - baseline[1] if dirty is not None and baseline[1] is not None else 0
+    return max(0, peak - baseline[0], written)
 
 
 KEPT_PROCESSES = 4
@@ -659,10 +690,10 @@ class _Session:
         self.first, self.summarize = first, summarize  # the first call's arguments (held: their ids stay theirs)
         self.pg_keys = [id(g) for g in c10d._world.pg_map]
         self.closed = False
-        self.baseline: int | None = None  # the memory before a measured call (_peak_start)
+        self.baseline: tuple | None = None  # the memory before a measured call (_peak_start)
 
     @classmethod
-    def fork(cls, fn, args, kwargs, references, measure: bool, summarize) -> "_Session":
+    def fork(cls, fn, args, kwargs, references, measure: bool, summarize, peak: bool = False) -> "_Session":
         """Fork a student process that makes the first call at once (its arguments inherited, not sent)."""
         groups = list(c10d._world.pg_map)
         keep = _kept_fds(fn)
@@ -675,12 +706,13 @@ class _Session:
         if pid == 0:
             os.close(from_student)
             os.close(to_student)
-            _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
+            _student_process(fn, args, kwargs, references, measure, peak, summarize, to_rank, from_rank, keep,
+                             rank_pid)
         os.close(to_rank)
         os.close(from_rank)
         session = cls(pid, to_student, from_student, fn, references, groups, list(args) + list(kwargs.values()),
                       summarize)
-        if measure:
+        if peak:
             session.measure_first_call()
         return session
 
@@ -847,10 +879,11 @@ def _stop(pid: int) -> None:
         pass
 
 
-def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False) -> dict:
+def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False, peak: bool = False) -> dict:
     """:func:`course_lib.classroom.checks.tamper_guard.student_beside_checker` with the call in a student process of its
     own (:func:`run_on_rank`): the same dict, the ops recorded here; the tensors of ``args`` come back, ``raw``
-    is the value as plain data, ``largest`` is measured in the student process."""
+    is the value as plain data, ``largest`` is measured in the student process; with ``peak``, ``peak`` is read
+    by the rank (see :func:`run_on_rank`)."""
     with wire_recorder() as rec:
-        run = run_on_rank(fn, *args, references=references, measure=measure)
+        run = run_on_rank(fn, *args, references=references, measure=measure, peak=peak)
     return on_rank_result(run, rec, measure, raw)

@@ -302,8 +302,8 @@ def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
     :class:`~course_lib.classroom.checks.wire.WireRecorder`), ``patched`` (library names it replaced, undone)
     and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also ``largest`` and
     ``largest_op`` (the largest tensor the call computed, measured in the student process) and ``peak`` (the bytes
-    its resident memory grew by at most during the call, read by the rank from ``/proc``; None off a rank's student
-    process); with ``raw``, also ``raw``: the returned value."""
+    its resident memory grew by during the call, read by the rank from ``/proc``; None unless the rank asked for
+    it); with ``raw``, also ``raw``: the returned value."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
