@@ -315,7 +315,8 @@ def _student_process(fn, args, kwargs, references, measure: bool, peak: bool, su
         if peak:  # the rank reads the memory before the call (_Session.fork), then says go
             _exact_frees()
             _warm(references, measure)
-            _reply(to_rank, plain.dumps({"ready": True}))
+            held = fn.values_nbytes() if callable(getattr(fn, "values_nbytes", None)) else 0
+            _reply(to_rank, plain.dumps({"ready": True, "held": held}))
             with _CHANNEL["lock"]:
                 if not _CHANNEL["replies"].readline():
                     return
@@ -638,15 +639,16 @@ def _peak_start(pid: int) -> tuple | None:
 
 def _peak_end(pid: int, baseline: tuple) -> int | None:
     """After the measured call: how far the memory grew (bytes), the larger of the growth of the peak and of the
-    pages the process alone has written. The second counts memory the process held before the call and wrote
-    during it: the pages a fork shares with its rank (a buffer the cell allocated) are counted in the peak
-    already, and a write copies them without raising it."""
+    pages the process alone has written, plus the bytes of the student's values the judge decoded there before
+    the call (``baseline``: ``(peak, private dirty, values)``). The second counts memory the process held before
+    the call and wrote during it: the pages a fork shares with its rank (a buffer the cell allocated) are counted
+    in the peak already, and a write copies them without raising it; the values, a buffer the cell hands over."""
     peak = _memory(pid, "VmHWM")
     if peak is None:
         return None
     dirty = _memory(pid, "Private_Dirty", "smaps_rollup")
     written = dirty - baseline[1] if dirty is not None and baseline[1] is not None else 0
-    return max(0, peak - baseline[0], written)
+    return max(0, peak - baseline[0], written) + baseline[2]
 
 
 KEPT_PROCESSES = 4
@@ -690,7 +692,7 @@ class _Session:
         self.first, self.summarize = first, summarize  # the first call's arguments (held: their ids stay theirs)
         self.pg_keys = [id(g) for g in c10d._world.pg_map]
         self.closed = False
-        self.baseline: tuple | None = None  # the memory before a measured call (_peak_start)
+        self.baseline: tuple | None = None  # the memory before a peak call: _peak_start's and the values' bytes
 
     @classmethod
     def fork(cls, fn, args, kwargs, references, measure: bool, summarize, peak: bool = False) -> "_Session":
@@ -720,9 +722,11 @@ class _Session:
         """The forked student process has set itself up and waits: its memory now is the first call's baseline."""
         try:
             line = self.lines.next(max(2.0, wire.group_timeout() / 2))
-            if not line or "ready" not in plain.loads(line.decode("utf-8")):
+            ready = plain.loads(line.decode("utf-8")) if line else None
+            if not isinstance(ready, dict) or "ready" not in ready:
                 raise StudentProcessError("the student process ended before its first call")
-            self.baseline = _peak_start(self.pid)
+            start = _peak_start(self.pid)
+            self.baseline = None if start is None else (*start, int(ready.get("held") or 0))
             _write_all(self.to_student, b"{}\n")
         except BaseException:
             self.close()
