@@ -5,6 +5,8 @@ differently, and the robust verdicts of the merge and zigzag checkers (odd numbe
 from __future__ import annotations
 
 import math
+import platform
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import context_parallel as cp_checks
+from course_lib.classroom.grading import landlock
 from course_lib.context_parallel import merge_partials, ring_attention
 from course_lib.context_parallel.ring import attention_block, reference_attention
 from course_lib.context_parallel.zigzag import chunks_for_rank
@@ -287,6 +290,8 @@ def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: l
     return out
 
 
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+                         and landlock.abi_version() >= 6), reason="/proc, seccomp and Landlock (ABI >= 6) on Linux")
 @pytest.mark.parametrize("answer, ok, text", [
     (ring_keeping_the_previous_step, True, "✓ ring_attention_forward"),
     (ring_then_dense_in_the_cells_buffer, False, "ring attention never holds the whole sequence"),
