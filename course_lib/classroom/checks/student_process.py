@@ -38,12 +38,12 @@ reference or a checker function through ``gc`` or a frame -- finds code that ref
 (``tests/classroom/checks/test_student_process.py::test_a_refusal_undone_in_the_student_process_still_refuses``).
 Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket and starts no
 process (seccomp), writes no file and signals no process outside its own (Landlock), so it reaches another rank's
-student process only through its rank, and what it computes is in its own memory. With ``peak`` the rank reads
-how far that memory grew during the call (``peak``: ``VmHWM`` of ``/proc/<pid>/status``, reset through
-``clear_refs`` before the call, and the pages it wrote, ``Private_Dirty`` of ``smaps_rollup``), out of the student's
-reach. What remains in the student's room: what a checker
-asks to be measured or read there (``measure``'s largest tensor, ``summarize``), and a refused library imported
-from disk after removing the import hook where Landlock is missing (the hook is in the student's own process). The gloo groups it inherited are held, never
+student process only through its rank, and what it computes is in its own memory. With ``peak`` the rank reads how
+far that memory grew during the call (``VmHWM`` of ``/proc/<pid>/status``, reset through ``clear_refs`` before the
+call, and the pages it wrote, ``Private_Dirty`` of ``smaps_rollup``), out of the student's reach. What remains in
+the student's room: what a checker asks to be measured or read there (``measure``'s largest tensor,
+``summarize``), and a refused library imported from disk after removing the import hook where Landlock is missing
+(the hook is in the student's own process). The gloo groups it inherited are held, never
 used: their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
 Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
@@ -601,6 +601,7 @@ def _warm(references, measure: bool) -> None:
 
 
 def _warm_ops() -> None:
+    """Small versions of the ops an attention runs (matmul, cat, logsumexp, softmax, exp...): their code paged in."""
     a = torch.randn(2, 2, 8, 4, dtype=torch.float64)
     s = torch.matmul(a, torch.cat([a, a], 2).transpose(-1, -2)) * 0.5
     lse = torch.logsumexp(s, -1)
@@ -623,11 +624,12 @@ def _exact_frees() -> None:
 
 
 def _peak_start(pid: int) -> tuple | None:
-    """Before a measured call of the student process ``pid`` (idle, waiting for the rank): reset its peak resident
-    memory to what it holds now (``/proc/<pid>/clear_refs``, "5"); ``(that peak, its private dirty memory)`` in
-    bytes. Where the reset is refused the peak so far stands in: a later call is then measured from its
-    predecessors' peak. The kernel keeps the peak through ``munmap``, ``madvise(MADV_DONTNEED)`` and a heap trimmed
-    by ``brk``, so memory the call freed still counts; a thread's memory is the process's."""
+    """Before a ``peak`` call of the student process ``pid`` (set up, waiting for the rank's go): reset its peak
+    resident memory to what it holds now (``/proc/<pid>/clear_refs``, "5"); ``(that peak, its private dirty
+    memory)`` in bytes. Where the reset is refused (the rank under the grader's Landlock) the peak since the fork
+    stands in: its setup's, a little above what it holds. The kernel keeps the peak through ``munmap``,
+    ``madvise(MADV_DONTNEED)`` and a heap trimmed by ``brk``, so memory the call freed still counts; a thread's
+    memory is the process's."""
     try:
         with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
             clear.write("5")
