@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import linecache
+import sys
 
 import pytest
 import torch
@@ -249,6 +250,49 @@ def my_ring_all_reduce(x):
     return x
 ''', "wrong with 2 ranks"),
 }
+
+
+RING_INTO_ITS_CELLS_BUFFER = '''
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
+
+SCRATCH = torch.zeros(8 << 20, dtype=torch.float64)  # 64 MiB made by the cell: it travels to the judge as a value
+
+def ring_attention_forward(q, k, v, group):
+    cp, me = dist.get_world_size(group), dist.get_rank(group)
+    after, before = dist.get_global_rank(group, (me + 1) % cp), dist.get_global_rank(group, (me - 1) % cp)
+    keys, values = [k], [v]
+    for _ in range(cp - 1):
+        k, v = torch.empty_like(k), torch.empty_like(v)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, keys[-1], after, group),
+                                            dist.P2POp(dist.isend, values[-1], after, group),
+                                            dist.P2POp(dist.irecv, k, before, group),
+                                            dist.P2POp(dist.irecv, v, before, group)]):
+            work.wait()
+        keys.append(k)
+        values.append(v)
+    with _disable_current_modes():
+        keys, values = torch.cat(keys, 2), torch.cat(values, 2)
+        shape = (*q.shape[:3], keys.shape[2])
+        n = shape[0] * shape[1] * shape[2] * shape[3]
+        scores, probs = SCRATCH[:n].view(shape), SCRATCH[n:2 * n].view(shape)
+        torch.matmul(q, keys.transpose(-1, -2) / q.shape[-1] ** 0.5, out=scores)
+        torch._softmax(scores, -1, False, out=probs)
+        return probs @ values
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the rank reads the memory from /proc")
+def test_a_dense_ring_written_into_a_buffer_of_its_cell_is_refused_by_its_memory():
+    """Lab 04's memory case through the judge: the cell's buffer is decoded in the student process before the call
+    (no growth when the dense scores are written into it), and counts: the rank adds the bytes of the values the
+    function uses to how far the call grew."""
+    from course_lib.classroom.checks.context_parallel import check_ring_attention
+
+    verdict = check_ring_attention(cell(RING_INTO_ITS_CELLS_BUFFER)["ring_attention_forward"])
+    assert not verdict.ok
+    assert "grew its memory" in verdict.hint and "never holds the whole sequence" in verdict.hint, verdict.hint
 
 
 _CALLING = '''

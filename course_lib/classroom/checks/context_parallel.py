@@ -14,7 +14,13 @@ every collective (:func:`~course_lib.classroom.checks.verdicts.point_to_point_on
 send exactly ``2(cp - 1)`` K or V blocks, to one neighbour, every send carrying a block (each block
 but the receiver's own, once), and -- on 4 ranks -- no torch op may build a tensor larger than two
 blocks: passing every block around, concatenating and running one dense attention gives the right
-numbers with the same traffic, and is refused by what it computed.
+numbers with the same traffic, and is refused by what it computed. That count is made by a dispatch mode in
+the student's own process, which its code can switch off (``_disable_current_modes``, a thread, the Python key
+excluded); so on 4 ranks the same function is called again with ``MEMORY_ROWS`` rows per rank, in a student process
+forked for that call, and its rank reads, from ``/proc``, how far that process's memory grew
+(:func:`_rank_ring_memory`): more than ``MEMORY_STEPS`` of one step's score matrices is refused (a ring: 3.3, one
+keeping the previous block and its probabilities: 4.3; ``softmax(q Kᵀ) V`` over the gathered blocks, however
+hidden: 8.2 or more, measured).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from course_lib.classroom.checks.student_process import student_on_rank
 from course_lib.classroom.checks.tamper_guard import course_code_hint
 from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, largest_tensor,
                                                   point_to_point_only, refused_collective, safe_repr, secret_generator)
-from course_lib.context_parallel.ring import attention_block
+from course_lib.context_parallel.ring import attention_block, merge_partials
 from course_lib.context_parallel.work import score_elements
 from course_lib.launch import LaunchTimeout, RankError
 
@@ -171,6 +177,18 @@ def check_merge(fn) -> bool:
 # ------------------------------------------------------------------ (b) one ring
 
 RING_B, RING_H, RING_S, RING_D = 1, 2, 16, 4
+MEMORY_CP, MEMORY_ROWS, MEMORY_D = 4, 1024, 8
+"""The memory case (on ``MEMORY_CP`` ranks or more): each rank's q, k, v chunk ``[1, 1, MEMORY_ROWS, MEMORY_D]``
+float64. One step's score matrix is ``MEMORY_ROWS²`` x 8 bytes = 8 MiB; the whole sequence's, cp times that (K and
+V blocks are 64 KiB: the scores are what a dense attention cannot help holding)."""
+MEMORY_STEPS = 6
+"""How many of one step's score matrices the student process may grow by, at its peak, in the memory case. A ring
+holds about 3 (measured, the rank reading ``/proc``: 3.3 for scores, their shifted copy and their exponential; 4.3
+keeping the previous step's block and probabilities); a dense attention over the whole sequence holds two full
+score matrices, 2 x cp = 8 on 4 ranks (measured 8.2; 12 with ``attention_block``'s temporaries), one if it
+computes the softmax in place (4.3: not refused)."""
+MEMORY_ROWS_CHECKED = 64
+"""Rows of the memory case's output compared with the truth: drawn for this run, so every row has to be right."""
 RING_RULE = ("ring attention passes K/V blocks from rank to rank with send/recv; all-gathering K and V is "
              "Megatron's --cp-comm-type all_gather, not a ring")
 
@@ -183,10 +201,39 @@ def _rank_ring(fn):
     with point_to_point_only(RING_RULE):
         result = student_on_rank(fn, q.clone(), k.clone(), v.clone(), g,
                                  references=references_for("ring_attention_forward"), measure=True)
+    out = dict(result, q=q, blocks=_gathered(k, v), rank=r, cp=cp)
+    if cp >= MEMORY_CP:
+        out["memory"] = _rank_ring_memory(fn, g, secret)
+    return out
+
+
+def _gathered(k, v) -> list:
+    """[(k, v)] of every rank, in rank order: the truth, from what the ranks really hold."""
+    cp = dist.get_world_size()
     ks, vs = [torch.empty_like(k) for _ in range(cp)], [torch.empty_like(v) for _ in range(cp)]
-    dist.all_gather(ks, k)                           # the truth, from what the ranks really hold
+    dist.all_gather(ks, k)
     dist.all_gather(vs, v)
-    return dict(result, q=q, blocks=list(zip(ks, vs)), rank=r, cp=cp)
+    return list(zip(ks, vs))
+
+
+def _rank_ring_memory(fn, g, secret) -> dict:
+    """The memory case: the same function (its kept student process) on ``MEMORY_ROWS`` rows per rank, where the
+    score matrix of the whole sequence (``rows x cp·rows``) outweighs one step's (``rows x rows``) by cp; the rank
+    reads how far the student process's resident memory grew (``peak``, from ``/proc``, out of the student's
+    reach). The value is compared on ``MEMORY_ROWS_CHECKED`` rows drawn for this run, whose truth the rank computes
+    block by block."""
+    q, k, v = (torch.randn(1, 1, MEMORY_ROWS, MEMORY_D, generator=secret, dtype=torch.float64) for _ in range(3))
+    with point_to_point_only(RING_RULE):
+        result = student_on_rank(fn, q.clone(), k.clone(), v.clone(), g,
+                                 references=references_for("ring_attention_forward"), measure=True, peak=True)
+    blocks = _gathered(k, v)
+    rows = torch.randperm(MEMORY_ROWS, generator=secret)[:MEMORY_ROWS_CHECKED]
+    want, lse = attention_block(q[:, :, rows], *blocks[0])
+    for kb, vb in blocks[1:]:
+        want, lse = merge_partials(want, lse, *attention_block(q[:, :, rows], kb, vb))
+    value = result["value"]
+    right = isinstance(value, torch.Tensor) and value.shape == q.shape and _close(value[:, :, rows], want)
+    return dict(result, q=q, blocks=blocks, right=right, step_bytes=MEMORY_ROWS * MEMORY_ROWS * 8)
 
 
 def _attention_over(q, blocks):
@@ -257,6 +304,29 @@ def _ring_carried_hint(r: dict) -> str | None:
             "then each block you received -- so that every block but your neighbour's own reaches it once")
 
 
+def _ring_memory_hint(r: dict) -> str | None:
+    """The hint for the memory case (:func:`_rank_ring_memory`), or None when its call was a ring's: the call, its
+    value, its sends, then its memory -- the largest tensor where the student process measured one, else the growth
+    of its resident memory, which its rank reads (the student's code cannot switch that off)."""
+    m, rank = r["memory"], r["rank"]
+    if m["patched"]:
+        return f"it replaced {', '.join(m['patched'][:3])} (undone by the checker)"
+    if m["course_code"]:
+        return course_code_hint(m["course_code"][0])
+    if not m["right"]:
+        return (f"with {MEMORY_ROWS} rows per rank (a longer sequence than the first cases) the output differs from "
+                f"full attention: a ring's steps do not depend on the length")
+    hint = (_ring_traffic_hint(m["events"], rank, r["cp"], m["blocks"][0][0].numel())
+            or _ring_carried_hint(m) or _ring_size_hint(dict(m, rank=rank, cp=r["cp"])))
+    if hint or m["peak"] is None or m["peak"] <= MEMORY_STEPS * m["step_bytes"]:
+        return hint
+    return (f"rank {rank}'s function grew its memory by {m['peak'] / 2**20:.0f} MiB with {MEMORY_ROWS} rows per "
+            f"rank: {m['peak'] / m['step_bytes']:.1f}× one step's score matrix ({m['step_bytes'] / 2**20:.0f} MiB; "
+            f"a ring holds about 3 of them at once). Gathering the blocks and running one dense attention gives the "
+            f"right numbers, but ring attention never holds the whole sequence -- attend to each block as it "
+            f"arrives (attention_block) and merge it into the running (out, lse) by log-sum-exp")
+
+
 def _ring_size_hint(r: dict) -> str | None:
     """The hint when a rank computed on more than two blocks at once (e.g. every block concatenated, then one
     dense attention): a ring attends to one block per step and merges as blocks arrive."""
@@ -273,7 +343,9 @@ def _ring_size_hint(r: dict) -> str | None:
 @exercise("ring_attention_forward")
 def check_ring_attention(fn, timeout: float = 15) -> bool:
     """``fn(q, k, v, group) -> out``: this rank's rows of (unmasked) attention over the whole sequence, each
-    rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only."""
+    rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only. On 4 ranks
+    a second call, ``MEMORY_ROWS`` rows per rank, is judged by its value on drawn rows, its sends and how far its
+    process's memory grew (read by the rank)."""
     if is_course_answer(fn):
         return False
     with largest_tensor():  # its one-time import happens here, not in every rank
@@ -304,12 +376,13 @@ def check_ring_attention(fn, timeout: float = 15) -> bool:
             kv_numel = r["blocks"][0][0].numel()
             hint = (problem or _ring_value_hint(r["value"], r["q"], r["blocks"], r["rank"], cp)
                     or _ring_traffic_hint(r["events"], r["rank"], cp, kv_numel) or _ring_carried_hint(r)
-                    or _ring_size_hint(r))
+                    or _ring_size_hint(r) or ("memory" in r and _ring_memory_hint(r)) or None)
             if hint:
                 print(f"✗ with {cp} ranks, rank {r['rank']}\n  hint: {hint}")
                 return False
     # Each claim is checked above: the values, the sends (2(cp − 1) K/V blocks to one neighbour, carrying the
-    # blocks) and, on 4 ranks, no tensor larger than two blocks -- so what arrived was merged block by block.
+    # blocks) and, on 4 ranks, no tensor larger than two blocks and a memory peak below MEMORY_STEPS score
+    # matrices of one step -- so what arrived was merged block by block.
     print("✓ ring_attention_forward equals full attention on 2 and 4 ranks, using only send/recv: each rank "
           "passed 2(cp − 1) K/V blocks to its neighbour and merged what arrived with log-sum-exp")
     return True

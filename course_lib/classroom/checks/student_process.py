@@ -36,11 +36,14 @@ launch's deadline would read it as a deadlock).
 Code in the function that undoes a refusal there -- puts a reference back, removes the import hook, finds the
 reference or a checker function through ``gc`` or a frame -- finds code that refuses
 (``tests/classroom/checks/test_student_process.py::test_a_refusal_undone_in_the_student_process_still_refuses``).
-Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket (seccomp), writes
-no file and signals no process outside its own (Landlock), so it reaches another rank's student process only
-through its rank. What remains in the student's room: what a checker asks to be measured or read there
-(``measure``, ``summarize``), and a refused library imported from disk after removing the import hook where
-Landlock is missing (the hook is in the student's own process). The gloo groups it inherited are held, never
+Its other ways out are sealed before the student's code runs (:func:`seal`): it opens no socket and starts no
+process (seccomp), writes no file and signals no process outside its own (Landlock), so it reaches another rank's
+student process only through its rank, and what it computes is in its own memory. With ``peak`` the rank reads how
+far that memory grew during the call (``VmHWM`` of ``/proc/<pid>/status``, reset through ``clear_refs`` before the
+call, and the pages it wrote, ``Private_Dirty`` of ``smaps_rollup``), out of the student's reach. What remains in
+the student's room: what a checker asks to be measured or read there (``measure``'s largest tensor,
+``summarize``), and a refused library imported from disk after removing the import hook where Landlock is missing
+(the hook is in the student's own process). The gloo groups it inherited are held, never
 used: their sockets are closed there, so an op on one found through ``gc`` waits until the rank's timeout.
 
 Cost: a fork costs about 10 ms of CPU on a rank that has torch loaded (the first touch of the inherited
@@ -53,12 +56,16 @@ Megatron has no counterpart: this is the course's checker machinery (torch's Pyt
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
+import errno
 import inspect
 import os
+import re
 import signal
 import sys
 import threading
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -285,7 +292,7 @@ def _state(args) -> list:
     return out
 
 
-def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_rank: int, from_rank: int,
+def _student_process(fn, args, kwargs, references, measure: bool, peak: bool, summarize, to_rank: int, from_rank: int,
                      keep: set, rank_pid: int) -> None:
     """The student process: its descriptors closed, the groups forwarding, the first call and its reply, then
     the rank's next calls of the same function (plain arguments) until the rank closes the pipe; never returns."""
@@ -305,6 +312,14 @@ def _student_process(fn, args, kwargs, references, measure: bool, summarize, to_
         _CHANNEL["first"] = list(args) + list(kwargs.values())
         if callable(getattr(fn, "for_good", None)):  # the judge's StudentFunction: the refusals for good
             fn.for_good(handed_over=(*args, *kwargs.values(), summarize))
+        if peak:  # the rank reads the memory before the call (_Session.fork), then says go
+            _exact_frees()
+            _warm(references, measure)
+            held = fn.values_nbytes() if callable(getattr(fn, "values_nbytes", None)) else 0
+            _reply(to_rank, plain.dumps({"ready": True, "held": held}))
+            with _CHANNEL["lock"]:
+                if not _CHANNEL["replies"].readline():
+                    return
         _one_call(fn, args, kwargs, references, measure, summarize, to_rank)
         while True:
             with _CHANNEL["lock"]:  # a thread the function left running waits for the next call
@@ -327,10 +342,13 @@ rank's backward through it (:class:`_RemoteGrad`)."""
 
 
 def seal() -> list[str]:
-    """In a student process, before the student's code: no new socket (seccomp), no file written, no signal out
-    (Landlock), so its only way to the other ranks is the pipe to its rank, whose ops are recorded. What was
-    sealed, in words (empty where the kernel has neither)."""
+    """In a student process, before the student's code: no new socket and no new process (seccomp; threads still
+    start), no file written, no signal out (Landlock), so its only way to the other ranks is the pipe to its rank,
+    whose ops are recorded, and what it computes is in its own memory, whose peak its rank reads
+    (:func:`_peak_start`; a child's would not count, and ``/proc/self/clear_refs``, which would reset it, is a file
+    it cannot write). What was sealed, in words (empty where the kernel has neither)."""
     sealed = ["no new socket"] if seccomp.deny_new_sockets() else []
+    sealed += ["no new process"] if seccomp.deny_new_processes() else []
     try:
         sealed += landlock.deny_writes_and_signals()
     except OSError:  # Landlock there but refusing: the sockets are still sealed
@@ -372,12 +390,29 @@ def _reply(to_rank: int, data: str) -> None:
     _write_all(to_rank, (data + "\n").encode("utf-8"))
 
 
+_NEW_PROCESS = re.compile(r"\b(fork|forkpty|posix_spawnp?|spawn\w*|Popen|Process|Pool|system|popen|exec\w*)\b")
+
+
 def _report(run: StudentRun) -> dict:
     """What the rank is told of a call (or a backward) besides its value: patches, course code, the error."""
     done = {"patched": [str(p) for p in run.patched], "course_code": [str(c) for c in run.course_code]}
     if run.error is not None:
-        done["error"] = plain.error_data(run.error)
+        done["error"] = plain.error_data(_named(run.error))
     return done
+
+
+def _named(error: BaseException) -> BaseException:
+    """``error``, or -- for the seal's refusal of a new process (:func:`seal`), a bare ``EPERM`` raised where the
+    code starts one -- the same error saying so."""
+    if not (isinstance(error, PermissionError) and error.errno == errno.EPERM and error.filename is None):
+        return error
+    frames = traceback.extract_tb(error.__traceback__)
+    if not any(_NEW_PROCESS.search(f"{frame.name} {frame.line or ''}") for frame in frames[-3:]):
+        return error
+    named = PermissionError(errno.EPERM, "a new process cannot be started where your function runs (its memory "
+                                         "would not be your function's): compute in the function's own process")
+    named.__traceback__ = error.__traceback__
+    return named
 
 
 def _gradients(value, inputs: list, grad) -> list:
@@ -497,7 +532,8 @@ def _kept_fds(fn) -> set:
     return {ruleset()} if callable(ruleset) else set()
 
 
-def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None, **kwargs) -> StudentRun:
+def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None, peak: bool = False,
+                **kwargs) -> StudentRun:
     """On a rank of :func:`~course_lib.classroom.checks.wire.launch_checked`: call ``fn(*args, **kwargs)`` in a
     student process of its own (see the module docstring) and return what the call did, as
     :func:`~course_lib.classroom.checks.tamper_guard.run_student` does (``value`` decoded from plain data,
@@ -507,7 +543,11 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     collective or a :class:`~course_lib.classroom.checks.wire.SplitMismatch` raised here comes back as the
     ``error``, even when the student's code caught it. With ``measure``, ``largest`` is
     ``(elements, op)`` of the largest tensor the call computed
-    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With
+    (:func:`~course_lib.classroom.checks.wire.largest_tensor`, measured in the student process). With ``peak``, the
+    call runs in a student process forked for it (nothing an earlier call left there serves it), which runs the
+    machinery's first-call costs (:func:`_warm`) before the rank reads its memory, and ``peak`` is the bytes that
+    memory grew by during the call, read here from ``/proc`` (:func:`_peak_end`; None where ``/proc`` cannot be
+    read). With
     ``summarize``, the value is ``summarize(what the function returned)``, computed in the student process after
     the call (its patches undone): for a check that needs some plain data of an object that does not travel
     (an optimizer's state).
@@ -522,17 +562,95 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     :class:`_RemoteGrad` here, whose backward runs the student's backward in its process
     (:func:`backward_on_rank`)."""
     session = next((s for s in _KEPT if s.fits(fn, references, summarize)), None)
-    request = None if session is None else _call_request(args, kwargs, session, measure)
+    request = None if session is None or peak else _call_request(args, kwargs, session, measure)
     if request is None:
         if session is not None:
             session.close()
-        session = _Session.fork(fn, args, kwargs, references, measure, summarize)
+        session = _Session.fork(fn, args, kwargs, references, measure, summarize, peak)
         _KEPT.append(session)
         while len(_KEPT) > KEPT_PROCESSES:
             _KEPT[0].close()
     done, rank = session.exchange(request)
     session.pg_keys = [id(g) for g in c10d._world.pg_map]
-    return _result(done, rank, args, kwargs, session)
+    run = _result(done, rank, args, kwargs, session)
+    if peak and session.baseline is not None and not session.closed:
+        run.peak = _peak_end(session.pid, session.baseline)
+    return run
+
+
+def _memory(pid: int, field: str, where: str = "status") -> int | None:
+    """``field`` of process ``pid`` in bytes, from ``/proc/<pid>/<where>`` (``status``: ``VmHWM``, the peak resident
+    memory; ``smaps_rollup``: ``Private_Dirty``, the pages written by it alone); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/{where}", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _warm(references, measure: bool) -> None:
+    """Before the baseline of a ``peak`` call: what every call costs a fresh student process once -- the
+    guard's first look at the inherited modules (copies of the pages it touches), the dispatch mode's import,
+    the code of torch's common ops, an encoded reply -- so that the call's growth is the student's computation."""
+    with largest_tensor() if measure else contextlib.nullcontext():
+        run_student(_warm_ops, references=references)
+    plain.dumps({"done": {"value": plain.encode(torch.zeros(4))}})
+
+
+def _warm_ops() -> None:
+    """Small versions of the ops an attention runs (matmul, cat, logsumexp, softmax, exp...): their code paged in."""
+    a = torch.randn(2, 2, 8, 4, dtype=torch.float64)
+    s = torch.matmul(a, torch.cat([a, a], 2).transpose(-1, -2)) * 0.5
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.unsqueeze(-1)) + torch.softmax(s, -1) / s.amax(-1, keepdim=True).clamp_min(1)
+    torch.logaddexp(lse, lse).sum() + (torch.matmul(p, torch.cat([a, a], 2)) * 2 - 1).mean()
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def _exact_frees() -> None:
+    """In a student process whose peak is read: each allocation of 256 KiB or more gets pages of its own
+    (glibc's threshold fixed, no longer raised by every free), returned when freed, so that its resident memory
+    follows the tensors alive rather than what glibc's heap keeps. The student's code may change it back: glibc
+    keeping more only makes it look bigger."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, 256 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024)
+
+
+def _peak_start(pid: int) -> tuple | None:
+    """Before a ``peak`` call of the student process ``pid`` (set up, waiting for the rank's go): reset its peak
+    resident memory to what it holds now (``/proc/<pid>/clear_refs``, "5"); ``(that peak, its private dirty
+    memory)`` in bytes. Where the reset is refused (the rank under the grader's Landlock) the peak since the fork
+    stands in: its setup's, a little above what it holds. The kernel keeps the peak through ``munmap``,
+    ``madvise(MADV_DONTNEED)`` and a heap trimmed by ``brk``, so memory the call freed still counts; a thread's
+    memory is the process's."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
+            clear.write("5")
+    except OSError:
+        pass
+    peak = _memory(pid, "VmHWM")
+    return None if peak is None else (peak, _memory(pid, "Private_Dirty", "smaps_rollup"))
+
+
+def _peak_end(pid: int, baseline: tuple) -> int | None:
+    """After the measured call: how far the memory grew (bytes), the larger of the growth of the peak and of the
+    pages the process alone has written, plus the bytes of the student's values the judge decoded there before
+    the call (``baseline``: ``(peak, private dirty, values)``). The second counts memory the process held before
+    the call and wrote during it: the pages a fork shares with its rank (a buffer the cell allocated) are counted
+    in the peak already, and a write copies them without raising it; the values, a buffer the cell hands over."""
+    peak = _memory(pid, "VmHWM")
+    if peak is None:
+        return None
+    dirty = _memory(pid, "Private_Dirty", "smaps_rollup")
+    written = dirty - baseline[1] if dirty is not None and baseline[1] is not None else 0
+    return max(0, peak - baseline[0], written) + baseline[2]
 
 
 KEPT_PROCESSES = 4
@@ -576,9 +694,10 @@ class _Session:
         self.first, self.summarize = first, summarize  # the first call's arguments (held: their ids stay theirs)
         self.pg_keys = [id(g) for g in c10d._world.pg_map]
         self.closed = False
+        self.baseline: tuple | None = None  # the memory before a peak call: _peak_start's and the values' bytes
 
     @classmethod
-    def fork(cls, fn, args, kwargs, references, measure: bool, summarize) -> "_Session":
+    def fork(cls, fn, args, kwargs, references, measure: bool, summarize, peak: bool = False) -> "_Session":
         """Fork a student process that makes the first call at once (its arguments inherited, not sent)."""
         groups = list(c10d._world.pg_map)
         keep = _kept_fds(fn)
@@ -591,11 +710,29 @@ class _Session:
         if pid == 0:
             os.close(from_student)
             os.close(to_student)
-            _student_process(fn, args, kwargs, references, measure, summarize, to_rank, from_rank, keep, rank_pid)
+            _student_process(fn, args, kwargs, references, measure, peak, summarize, to_rank, from_rank, keep,
+                             rank_pid)
         os.close(to_rank)
         os.close(from_rank)
-        return cls(pid, to_student, from_student, fn, references, groups, list(args) + list(kwargs.values()),
-                   summarize)
+        session = cls(pid, to_student, from_student, fn, references, groups, list(args) + list(kwargs.values()),
+                      summarize)
+        if peak:
+            session.measure_first_call()
+        return session
+
+    def measure_first_call(self) -> None:
+        """The forked student process has set itself up and waits: its memory now is the first call's baseline."""
+        try:
+            line = self.lines.next(max(2.0, wire.group_timeout() / 2))
+            ready = plain.loads(line.decode("utf-8")) if line else None
+            if not isinstance(ready, dict) or "ready" not in ready:
+                raise StudentProcessError("the student process ended before its first call")
+            start = _peak_start(self.pid)
+            self.baseline = None if start is None else (*start, int(ready.get("held") or 0))
+            _write_all(self.to_student, b"{}\n")
+        except BaseException:
+            self.close()
+            raise
 
     def fits(self, fn, references, summarize) -> bool:
         """Whether a call of ``fn`` with ``references`` and ``summarize`` can run here (the rank's groups
@@ -748,10 +885,11 @@ def _stop(pid: int) -> None:
         pass
 
 
-def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False) -> dict:
+def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False, peak: bool = False) -> dict:
     """:func:`course_lib.classroom.checks.tamper_guard.student_beside_checker` with the call in a student process of its
     own (:func:`run_on_rank`): the same dict, the ops recorded here; the tensors of ``args`` come back, ``raw``
-    is the value as plain data, ``largest`` is measured in the student process."""
+    is the value as plain data, ``largest`` is measured in the student process; with ``peak``, ``peak`` is read
+    by the rank (see :func:`run_on_rank`)."""
     with wire_recorder() as rec:
-        run = run_on_rank(fn, *args, references=references, measure=measure)
+        run = run_on_rank(fn, *args, references=references, measure=measure, peak=peak)
     return on_rank_result(run, rec, measure, raw)

@@ -105,6 +105,22 @@ class StudentFunction:
                 pass
         self.refusals.apply(handed_over=handed_over)
 
+    def values_nbytes(self) -> int:
+        """Bytes of the tensors and arrays among the plain values the function uses, as :meth:`for_good` decoded
+        them here (0 before): memory the call holds from the start, which a rank reading the call's growth adds."""
+        total, stack = 0, [self._values]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, torch.Tensor):
+                total += value.untyped_storage().nbytes()
+            elif isinstance(value, (bytes, bytearray, str)) or type(value).__name__ == "ndarray":
+                total += getattr(value, "nbytes", len(value))
+            elif isinstance(value, dict):
+                stack += list(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack += list(value)
+        return total
+
     def _rebuilt(self):
         if self._local is None:
             values = values_of(self.captured) if self._values is None else self._values

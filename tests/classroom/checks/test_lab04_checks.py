@@ -4,12 +4,17 @@ differently, and the robust verdicts of the merge and zigzag checkers (odd numbe
 
 from __future__ import annotations
 
+import math
+import platform
+import sys
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from course_lib.classroom.checks import context_parallel as cp_checks
+from course_lib.classroom.grading import landlock
 from course_lib.context_parallel import merge_partials, ring_attention
 from course_lib.context_parallel.ring import attention_block, reference_attention
 from course_lib.context_parallel.zigzag import chunks_for_rank
@@ -194,6 +199,127 @@ def test_check_ring_attention(capsys, answer, ok, text):
     assert cp_checks.check_ring_attention(answer).ok is ok
     out = capsys.readouterr().out
     assert text in out, out
+
+
+def _dense_over_every_block(q, k, v, group):
+    """softmax(q Kᵀ/√d) V over K and V concatenated from what the ring brought: right numbers, the ring's sends."""
+    keys, values = _every_block(k, v, group)
+    return torch.softmax(q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ values
+
+
+def ring_then_dense_unmeasured(q, k, v, group):  # the dispatch modes of its process switched off around the dense part
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return _dense_over_every_block(q, k, v, group)
+
+
+def ring_then_dense_in_a_thread(q, k, v, group):  # dispatch modes are per thread: a new one starts without them
+    import threading
+
+    got = []
+    worker = threading.Thread(target=lambda: got.append(_dense_over_every_block(q, k, v, group)))
+    worker.start()
+    worker.join()
+    return got[0]
+
+
+def ring_then_dense_python_key_excluded(q, k, v, group):  # torch's Python dispatch key off: no mode sees an op
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Python)):
+        return _dense_over_every_block(q, k, v, group)
+
+
+def ring_then_dense_in_a_child(q, k, v, group):  # the dense part in a forked process, whose memory is its own
+    import os
+
+    keys, values = _every_block(k, v, group)
+    read, write = os.pipe()
+    if os.fork() == 0:
+        out = torch.softmax(q @ keys.transpose(-1, -2), -1) @ values
+        os.write(write, out.numpy().tobytes())
+        os._exit(0)
+    data = b""
+    while len(data) < q.numel() * 8:
+        data += os.read(read, 1 << 20)
+    return torch.frombuffer(bytearray(data), dtype=torch.float64).reshape(q.shape)
+
+
+_SPARE: list = []
+"""Memory touched before the ring runs: by the 'cell' (the test fills it before the check: every fork inherits it)
+or by the function's first call (kept for its later calls)."""
+
+
+def _dense_into(spare, q, k, v, group):
+    """softmax(q Kᵀ/√d) V written into ``spare`` (out= and in place), the dispatch modes switched off throughout."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        keys, values = _every_block(k, v, group)
+        shape = (*q.shape[:3], keys.shape[2])
+        scores = spare[: math.prod(shape)].view(shape)
+        probs = spare[math.prod(shape): 2 * math.prod(shape)].view(shape)
+        torch.matmul(q / q.shape[-1] ** 0.5, keys.transpose(-1, -2), out=scores)
+        torch._softmax(scores, -1, False, out=probs)
+        return probs @ values
+
+
+def ring_then_dense_in_the_cells_buffer(q, k, v, group):
+    return _dense_into(_SPARE[0], q, k, v, group)
+
+
+def ring_then_dense_in_its_first_calls_buffer(q, k, v, group):
+    if not _SPARE:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            _SPARE.append(torch.zeros(12 << 20, dtype=torch.float64))
+    return _dense_into(_SPARE[0], q, k, v, group)
+
+
+def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: last step's block and probabilities kept
+    cp, r, to, frm = _neighbours(group)
+    out, lse = attention_block(q, k, v)
+    kept = None
+    for _ in range(cp - 1):
+        incoming = _exchange(k, v, to, frm, group)
+        kept = (k, v, torch.softmax(q @ k.transpose(-1, -2), -1))
+        k, v = incoming
+        o, l_ = attention_block(q, k, v)
+        out, lse = merge(out, lse, o, l_)
+    assert kept is not None or cp == 1
+    return out
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+                         and landlock.abi_version() >= 6), reason="/proc, seccomp and Landlock (ABI >= 6) on Linux")
+@pytest.mark.parametrize("answer, ok, text", [
+    (ring_keeping_the_previous_step, True, "✓ ring_attention_forward"),
+    (ring_then_dense_in_the_cells_buffer, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_in_its_first_calls_buffer, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_unmeasured, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_in_a_thread, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_python_key_excluded, False, "ring attention never holds the whole sequence"),
+    (ring_then_dense_in_a_child, False, "a new process cannot be started where your function runs"),
+])
+def test_a_dense_attention_hidden_from_the_student_process_is_refused_by_its_memory(capsys, answer, ok, text):
+    """The largest tensor is counted in the student's own process (a dispatch mode): switched off there, the dense
+    attention still shows in how far that process's memory grew, which its rank reads from /proc on 4 ranks and
+    1024 rows per rank (``MEMORY_ROWS``), in a process forked for that call; memory the cell touched before (which
+    a write copies without raising the peak) or the first call kept does not hide it. A ring that keeps more than
+    it needs still passes; a new process, whose memory would not count, cannot be started (the student process is
+    sealed)."""
+    _SPARE.clear()
+    if answer is ring_then_dense_in_the_cells_buffer:
+        _SPARE.append(torch.zeros(12 << 20, dtype=torch.float64))  # 96 MiB the cell touched: inherited by the forks
+    try:
+        verdict = cp_checks.check_ring_attention(answer)
+    finally:
+        _SPARE.clear()
+    out = capsys.readouterr().out
+    assert verdict.ok is ok, out
+    assert text in out, out
+    if not ok and "new process" not in text:
+        assert "grew its memory" in out and "with 4 ranks" in out, out
 
 
 @pytest.mark.parametrize("fn, ok, expect", [

@@ -409,6 +409,74 @@ def test_a_student_process_opens_no_socket_writes_no_file_and_signals_no_one(tmp
     assert not (tmp_path / "channel").exists()
 
 
+_CELL_BUFFER: list = []
+"""Memory the 'cell' touched before the check (filled by the test): inherited by the rank and its student process."""
+_KEPT_BUFFER: list = []
+"""Memory a call keeps for the next call of the same function, where that call runs in the same process."""
+
+
+def _hides_its_memory():
+    """Allocates 64 MiB and frees it, then tries the ways a peak could leave the process's count."""
+    big = torch.ones(8 << 20, dtype=torch.float64)
+    del big
+    got = {}
+    for name, attempt in {"new process": os.fork, "peak reset": lambda: open("/proc/self/clear_refs", "w").write("5")
+                          }.items():
+        try:
+            if attempt() == 0:
+                os._exit(0)
+            got[name] = "allowed"
+        except OSError as exc:
+            got[name] = type(exc).__name__
+    ran = []
+    worker = threading.Thread(target=lambda: ran.append(torch.zeros(4).sum()))
+    worker.start()
+    worker.join()
+    got["thread"] = "allowed" if ran else "refused"
+    return got
+
+
+def _writes_what_it_inherited():
+    _CELL_BUFFER[0].fill_(3.0)
+
+
+def _writes_what_it_kept():
+    if not _KEPT_BUFFER:
+        _KEPT_BUFFER.append(torch.empty(8 << 20, dtype=torch.float64))
+    _KEPT_BUFFER[0].fill_(4.0)
+
+
+def _rank_measures_its_student():
+    from course_lib.classroom.checks.student_process import run_on_rank
+
+    freed = run_on_rank(_hides_its_memory, peak=True)
+    inherited = run_on_rank(_writes_what_it_inherited, peak=True)
+    run_on_rank(_writes_what_it_kept)
+    kept = run_on_rank(_writes_what_it_kept, peak=True)  # a process of its own: the first call's buffer is not there
+    return freed.value, freed.peak, inherited.peak, kept.peak
+
+
+@pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
+                         and landlock.abi_version() >= 6), reason="seccomp and Landlock (ABI >= 6) on Linux")
+def test_the_rank_reads_the_student_process_peak_memory_which_it_cannot_hide():
+    """With ``peak`` the rank reads how far the student process's memory grew during the call (/proc/<pid>/status
+    VmHWM, reset through clear_refs before the call, and the pages it wrote, smaps_rollup's Private_Dirty), in a
+    process forked for the call: memory freed before returning counts, inherited memory it wrote counts (a buffer
+    the cell touched: a write copies it without raising the peak), and a buffer an earlier call kept is not there.
+    The process can start threads but no new process (whose memory would be its own) and cannot reset its own peak
+    (clear_refs is a file it cannot write)."""
+    from course_lib.classroom.checks.wire import launch_checked
+
+    _CELL_BUFFER.append(torch.ones(8 << 20, dtype=torch.float64))  # 64 MiB, touched before the fork
+    try:
+        [(tried, freed, inherited, kept)] = launch_checked(_rank_measures_its_student, 1, timeout=30)
+    finally:
+        _CELL_BUFFER.clear()
+    assert tried == {"new process": "PermissionError", "peak reset": "PermissionError", "thread": "allowed"}, tried
+    for name, grew in {"freed": freed, "inherited": inherited, "kept": kept}.items():
+        assert 62 << 20 <= grew < 70 << 20, (name, grew)  # 64 MiB each, give or take the call's own pages
+
+
 UNDONE_IN_ITS_OWN_PROCESS = {
     "the original found with gc, the profile off": ('''
 import gc
