@@ -5,11 +5,12 @@ The solved student is ``test_grade_every_lab.py``'s, on the full labs.
 To stay cheap each lab is a *mini lab* (:func:`mini_labs.mini_solution`): its units (exercise and checker cells, as
 they are) and the cells they need. Left out are the three review exercises whose answers are checked against the
 lab's own training runs -- :data:`MEASURED` -- whose runs would cost every student ~11 s (Lab 05's sweep, Lab 09's
-eight ranks, Lab 10's ZeRO runs). The class is graded twice, at the same time: the unsolved, half-done, crashing and
-cheating students with a time limit their solved exercises' ranks fit in (:data:`TIMEOUT_S`), and, in a thread beside
-them, the student who hangs, whose other exercises are stubs, with a small one (:data:`HANG_TIMEOUT_S`): each hang
-costs that limit in wall time (it sleeps), not CPU -- and, being in the lab's last unit, leaves every exercise with
-its verdict, so the lab is not run again.
+eight ranks, Lab 10's ZeRO runs). The class is graded twice, at the same time: the half-done, crashing and cheating
+students with a time limit their solved exercises' ranks fit in (:data:`TIMEOUT_S`), and, in a thread beside them,
+the unsolved student and the one who hangs (their exercises stubs but the hanging one) with a small one
+(:data:`HANG_TIMEOUT_S`): each hang costs that limit in wall time (it sleeps), not CPU -- and, being in the lab's last
+unit, leaves every exercise with its verdict, so the lab is not run again. A loop on a rank, which the checker names
+after half its group's time limit (10 s), is graded once, on Lab 00, with the first grading's time limit.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.ipynb"))
 MEASURED = ("my_conclusions", "my_answers_09", "my_answers_10")
 """Review exercises checked against the lab's own training runs: left out of the mini labs (see the module's doc)."""
-TIMEOUT_S = 60.0   # the students whose solved exercises launch ranks (Lab 10's: ~4 s alone, on a shared machine more)
+TIMEOUT_S = 60.0   # solved exercises launch ranks (Lab 10's: ~4 s alone, on a shared machine more); a loop on a rank
+                   # is named by its checker after half the group's time limit (Lab 00's: 20 s)
 HANG_TIMEOUT_S = 4.0   # stubs only: Lab 10's slowest cell (its imports) takes ~1 s alone
 
 NEEDS_THE_FIRST = {"ring_attention_forward": "not attempted yet: write merge (Exercise 1), which ring_attention_forward "
@@ -223,7 +225,7 @@ def _class(tmp: Path) -> tuple[Path, Path, Path, dict]:
         lab = json.loads(lab_text(path))
         units[number] = [u.exercises for u in current_lab(path).units]
         first, last = units[number][0][0], units[number][-1][0]
-        mini_labs.write(others / "uno" / name, lab)   # unsolved: the generated lab as it is
+        mini_labs.write(hanging / "uno" / name, lab)   # unsolved: the generated lab as it is
         mini_labs.write(others / "hal" / name, mini_labs.student(lab, solution, {  # half-done: every other unit
             exercises[0]: mini_labs.STUB for exercises in units[number][1::2]}))
         crash = CRASH + _stub(lab, first) if int(number) % 2 == 0 else \
@@ -234,6 +236,10 @@ def _class(tmp: Path) -> tuple[Path, Path, Path, dict]:
         mini_labs.write(hanging / "fay" / name, mini_labs.student(lab, solution, {
             last: "import time\n\n" + _with_body(_stub(lab, last), "    while True:\n        time.sleep(0.2)")},
             solved=False))
+        if number == "00":  # a loop on a rank, under the checker's own watch: the checker names it
+            mini_labs.write(others / "ray" / name, mini_labs.student(lab, solution, {
+                last: "import time\n\n" + _with_body(_stub(lab, last), "    while True:\n        time.sleep(0.2)")},
+                solved=False))
     return solutions, others, hanging, units
 
 
@@ -354,6 +360,18 @@ def test_every_cheat_fails_naming_what_it_called(graded):
     _check(graded, "cy", want)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(landlock.abi_version() == 0, reason="Landlock is not available on this machine")
+def test_a_loop_on_a_rank_is_named_by_its_checker_through_grade(graded):
+    rows = _rows(graded, "ray")
+    assert {e for lab, e in rows if lab == "00"} == set(sum(graded["units"]["00"], ()))
+    *before, last = [unit[0] for unit in graded["units"]["00"]]
+    assert all(_not_attempted(rows[("00", e)]) is True for e in before), rows
+    assert rows[("00", last)]["passed"] == "false" and rows[("00", last)]["hint"].endswith(
+        "TimeoutError: your function neither returned nor sent anything for 10 s: is there a loop that never ends?"), \
+        rows[("00", last)]
+
+
 class _ScriptedSandbox:
     """A sandbox whose runs follow their cells.json without a kernel: each cell starts and ends, a checker cell's
     verdict is the judge's (passed), and a cell whose source is ``"hang"`` never ends."""
@@ -405,3 +423,4 @@ def test_a_lab_is_run_again_only_when_an_exercise_still_lacks_its_verdict(tmp_pa
     assert {o.exercise: (o.passed, o.hint) for o in outcomes} == {
         "a": (hangs != "a", "timed out: its cells and its checker ran over 0.2 s" if hangs == "a" else ""),
         "b": (hangs != "b", "timed out: its cells and its checker ran over 0.2 s" if hangs == "b" else "")}
+
