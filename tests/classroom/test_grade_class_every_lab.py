@@ -39,8 +39,8 @@ TIMEOUT_S = 60.0   # solved exercises launch ranks (Lab 10's: ~4 s alone, on a s
                    # is named by its checker after half the group's time limit (Lab 00's: 20 s)
 HANG_TIMEOUT_S = 4.0   # stubs only: Lab 10's slowest cell (its imports) takes ~1 s alone
 
-NEEDS_THE_FIRST = {"ring_attention_forward": "not attempted yet: write merge (Exercise 1), which ring_attention_forward "
-                                             "calls, above"}
+NEEDS_THE_FIRST = {"ring_attention_forward": "graded with the stub of merge, which crashed: not attempted yet: write "
+                                             "merge (Exercise 1), which ring_attention_forward calls, above"}
 """The exercises that call their lab's first exercise, and the start of their hint when that one crashed the kernel."""
 CRASH = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)  # the kernel itself crashes\n\n"
 RAISES = "my own bug"
@@ -389,7 +389,9 @@ class _ScriptedSandbox:
             if source == "hang":
                 break
             if source.startswith("check "):
-                records.append({"cell": index, "verdict": {"ok": True, "exercise": source.split()[1], "hint": ""}})
+                exercise, stubbed = source.split()[1], dict(json.loads(cells.read_text())).get(0) == "stub a"
+                hint = f"not attempted yet: write a (Exercise 1), which {exercise} calls" if stubbed else ""
+                records.append({"cell": index, "verdict": {"ok": not hint, "exercise": exercise, "hint": hint}})
             events.append({"cell": index, "phase": "end"})
         else:
             events.append({"done": True})
@@ -407,7 +409,8 @@ class _ScriptedSandbox:
 @pytest.mark.parametrize("hangs, runs", [("b", 1), ("a", 2)])
 def test_a_lab_is_run_again_only_when_an_exercise_still_lacks_its_verdict(tmp_path, hangs, runs):
     """A hang in the last unit leaves every exercise with its verdict: the lab is not run again (a hang in the first
-    is: the later exercise is graded in the run again, with the hanging cell put back as its stub)."""
+    is: the later exercise is graded in the run again, with the hanging cell put back as its stub, and when it needs
+    the first its hint says it was graded with that stub)."""
     from types import SimpleNamespace
 
     from course_lib.classroom.grading.grader import grade_lab
@@ -420,7 +423,9 @@ def test_a_lab_is_run_again_only_when_an_exercise_still_lacks_its_verdict(tmp_pa
     sandbox = _ScriptedSandbox()
     outcomes, _ = grade_lab(sandbox, lab, cells, {0: "stub a", 2: "stub b"}, tmp_path, timeout=0.2)
     assert sandbox.starts == runs
+    timed_out = "timed out: its cells and its checker ran over 0.2 s"
     assert {o.exercise: (o.passed, o.hint) for o in outcomes} == {
-        "a": (hangs != "a", "timed out: its cells and its checker ran over 0.2 s" if hangs == "a" else ""),
-        "b": (hangs != "b", "timed out: its cells and its checker ran over 0.2 s" if hangs == "b" else "")}
+        "a": (hangs != "a", timed_out if hangs == "a" else ""),
+        "b": (False, timed_out) if hangs == "b" else
+             (False, "graded with the stub of a, which timed out: not attempted yet: write a (Exercise 1), which b calls")}
 

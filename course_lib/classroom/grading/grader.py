@@ -199,7 +199,8 @@ class _Progress:
         return all(e in self.found for e in self.lab.exercises)
 
     def outcomes(self) -> list[Outcome]:
-        return [self.found.get(e) or Outcome(e, False, _no_verdict(e, self.checker_errors)) for e in self.lab.exercises]
+        found = [self.found.get(e) or Outcome(e, False, _no_verdict(e, self.checker_errors)) for e in self.lab.exercises]
+        return [_after_put_back(o, self.found) for o in found]
 
 
 def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: dict[int, str], run_dir: Path,
@@ -217,6 +218,18 @@ def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: di
         if run.ended == "done" or not progress.blame(run, timeout, run_dir / "output.txt") or progress.complete():
             break
     return progress.outcomes(), progress.notes
+
+
+def _after_put_back(outcome: Outcome, found: dict) -> Outcome:
+    """An exercise that calls one put back as its stub (it crashed or timed out) says so: its checker saw the stub
+    ("not attempted yet: write merge (Exercise 1), which ring_attention_forward calls"), not the student's cell."""
+    for name, other in found.items():
+        why = other.hint.split(":")[0]
+        if (name != outcome.exercise and why in ("crashed", "timed out") and not outcome.passed
+                and outcome.hint.startswith(f"not attempted yet: write {name} ")):
+            return Outcome(outcome.exercise, False, f"graded with the stub of {name}, which {why}: {outcome.hint}",
+                           outcome.evidence, outcome.prose)
+    return outcome
 
 
 def _ended(status: int | None) -> str:
