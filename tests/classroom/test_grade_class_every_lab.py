@@ -5,12 +5,12 @@ The solved student is ``test_grade_every_lab.py``'s, on the full labs.
 To stay cheap each lab is a *mini lab* (:func:`mini_labs.mini_solution`): its units (exercise and checker cells, as
 they are) and the cells they need. Left out are the three review exercises whose answers are checked against the
 lab's own training runs -- :data:`MEASURED` -- whose runs would cost every student ~11 s (Lab 05's sweep, Lab 09's
-eight ranks, Lab 10's ZeRO runs). The class is graded twice, at the same time: the unsolved, half-done, crashing and
-cheating students with a time limit their solved exercises' ranks fit in (:data:`TIMEOUT_S`), and, in a thread beside
-them, the student who hangs (the other exercises stubs) with a small one (:data:`HANG_TIMEOUT_S`): each hang costs
-that limit in wall time (it sleeps), not CPU -- and, being in the lab's last unit, leaves every exercise with its
-verdict, so the lab is not run again. A loop on a rank, which the checker names
-after half its group's time limit (10 s), is graded once, on Lab 00, with the first grading's time limit.
+eight ranks, Lab 10's ZeRO runs). The class is graded in five gradings at the same time (:data:`GRADINGS`):
+the unsolved, half-done, crashing and cheating students with a time limit their solved exercises' ranks fit in
+(:data:`TIMEOUT_S`); the student who hangs (the other exercises stubs) with a small one (:data:`HANG_TIMEOUT_S`): each
+hang costs that limit in wall time (it sleeps), not CPU -- and, being in the lab's last unit, leaves every exercise
+with its verdict, so the lab is not run again; and a loop on a rank, which the checker names after half its group's
+time limit (10 s), on Lab 00 alone with the first time limit.
 """
 
 from __future__ import annotations
@@ -215,9 +215,10 @@ ALSO_NAMED = {"row_parallel_forward": "RowParallelLinear"}
 
 
 def _class(tmp: Path) -> tuple[Path, Path, Path, dict]:
-    """The mini labs (their solutions folder), the two gradings' submissions, and each lab's units' exercises."""
-    solutions = tmp / "course" / "solutions"
-    others, hanging = tmp / "others", tmp / "hanging"
+    """The mini labs (their solutions folder), each grading's submissions (:data:`GRADINGS`), and each lab's units'
+    exercises."""
+    solutions, subs = tmp / "course" / "solutions", tmp / "submissions"
+    hang = "import time\n\n", "    while True:\n        time.sleep(0.2)"
     units = {}
     for official in SOLUTIONS:
         path = mini_labs.mini_solution(official, tmp / "course", leave_out=MEASURED)
@@ -226,56 +227,68 @@ def _class(tmp: Path) -> tuple[Path, Path, Path, dict]:
         lab = json.loads(lab_text(path))
         units[number] = [u.exercises for u in current_lab(path).units]
         first, last = units[number][0][0], units[number][-1][0]
-        mini_labs.write(others / "uno" / name, lab)   # unsolved: the generated lab as it is
-        mini_labs.write(others / "hal" / name, mini_labs.student(lab, solution, {  # half-done: every other unit
-            exercises[0]: mini_labs.STUB for exercises in units[number][1::2]}))
+        mini_labs.write(subs / "unsolved-cheating" / "uno" / name, lab)   # unsolved: the generated lab as it is
+        mini_labs.write(subs / "unsolved-cheating" / "cy" / name, mini_labs.student(lab, solution, {
+            exercise: source for exercise, (source, _) in CHEATS.items()}))
+        mini_labs.write(subs / "half-done-crashing" / "hal" / name, mini_labs.student(lab, solution, {
+            exercises[0]: mini_labs.STUB for exercises in units[number][1::2]}))   # every other unit solved
         crash = CRASH + _stub(lab, first) if int(number) % 2 == 0 else \
             _with_body(_stub(lab, first), f"    raise RuntimeError({RAISES!r})")
-        mini_labs.write(others / "kai" / name, mini_labs.student(lab, solution, {first: crash}))
-        mini_labs.write(others / "cy" / name, mini_labs.student(lab, solution, {
-            exercise: source for exercise, (source, _) in CHEATS.items()}))
-        mini_labs.write(hanging / "fay" / name, mini_labs.student(lab, solution, {
-            last: "import time\n\n" + _with_body(_stub(lab, last), "    while True:\n        time.sleep(0.2)")},
-            solved=False))
+        mini_labs.write(subs / "half-done-crashing" / "kai" / name, mini_labs.student(lab, solution, {first: crash}))
+        mini_labs.write(subs / "hanging" / "fay" / name, mini_labs.student(
+            lab, solution, {last: hang[0] + _with_body(_stub(lab, last), hang[1])}, solved=False))
         if number == "00":  # a loop on a rank, under the checker's own watch: the checker names it
-            mini_labs.write(others / "ray" / name, mini_labs.student(lab, solution, {
-                last: "import time\n\n" + _with_body(_stub(lab, last), "    while True:\n        time.sleep(0.2)")},
-                solved=False))
-    return solutions, others, hanging, units
+            mini_labs.write(subs / "loop-on-a-rank" / "ray" / name, mini_labs.student(
+                lab, solution, {last: hang[0] + _with_body(_stub(lab, last), hang[1])}, solved=False))
+    return solutions, subs, units
 
 
-def _grade(submissions: Path, out: Path, solutions: Path, timeout: float, box: dict) -> None:
+def _grade(submissions: Path, out: Path, solutions: Path, labs, timeout: float, box: dict) -> None:
     started = time.monotonic()
     lines: list[str] = []
     try:
-        grade_class(submissions, out, timeout=timeout, solutions=solutions, log=lines.append)
+        grade_class(submissions, out, labs, timeout=timeout, solutions=solutions, log=lines.append)
     except BaseException as err:  # raised again in the test's thread
         box["error"] = err
     box.update(lines=lines, wall=time.monotonic() - started)
 
 
+GRADINGS = {  # name: its submissions' folder, the labs, the time limit
+    "unsolved-cheating": ("unsolved-cheating", None, TIMEOUT_S),
+    "half-done-crashing": ("half-done-crashing", None, TIMEOUT_S),
+    "hanging-00-05": ("hanging", ["00", "01", "02", "03", "04", "05"], HANG_TIMEOUT_S),
+    "hanging-06-11": ("hanging", ["06", "07", "08", "09", "10", "11"], HANG_TIMEOUT_S),
+    "loop-on-a-rank": ("loop-on-a-rank", ["00"], TIMEOUT_S),
+}
+"""The class's gradings, run at the same time (in threads: each waits on its zygote and its runs): the hangs sleep
+(the hanging student's 12 labs cost ~12 x :data:`HANG_TIMEOUT_S` of wall time, hence two gradings), the others
+take the CPU."""
+
+
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("class")
-    solutions, others, hanging, units = _class(tmp)
+    solutions, subs, units = _class(tmp)
     started, cpu = time.monotonic(), os.times()
-    beside: dict = {}
-    thread = threading.Thread(target=_grade, args=(hanging, tmp / "hanging-grades", solutions, HANG_TIMEOUT_S, beside))
-    thread.start()
-    main: dict = {}
-    _grade(others, tmp / "others-grades", solutions, TIMEOUT_S, main)
-    thread.join()
-    for box in (main, beside):
+    boxes = {name: {} for name in GRADINGS}
+    out = {name: tmp / "grades" / name for name in GRADINGS}
+    threads = [threading.Thread(target=_grade, args=(subs / folder, out[name], solutions, labs, timeout, boxes[name]))
+               for name, (folder, labs, timeout) in GRADINGS.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for box in boxes.values():
         if "error" in box:
             raise box["error"]
     after = os.times()
     cpu_s = sum(getattr(after, k) - getattr(cpu, k) for k in ("user", "system", "children_user", "children_system"))
-    print(f"\nwall {time.monotonic() - started:.1f} s (the others {main['wall']:.1f} s, hanging {beside['wall']:.1f} s), "
-          f"CPU {cpu_s:.1f} s")
-    print("\n".join(line for line in main["lines"] + beside["lines"] if " passed (" in line))
+    print(f"\nwall {time.monotonic() - started:.1f} s (" + ", ".join(f"{name} {box['wall']:.1f} s"
+                                                             for name, box in boxes.items()) + f"), CPU {cpu_s:.1f} s")
+    print("\n".join(line for box in boxes.values() for line in box["lines"] if " passed (" in line))
     rows = {}
-    for out in ("others-grades", "hanging-grades"):
-        for row in csv.DictReader(io.StringIO((tmp / out / "grades.csv").read_text(encoding="utf-8"))):
+    for name in GRADINGS:
+        for row in csv.DictReader(io.StringIO((out[name] / "grades.csv").read_text(encoding="utf-8"))):
             rows[(row["student"], row["lab"], row["exercise"])] = row
     return dict(rows=rows, units=units)
 
