@@ -31,12 +31,13 @@ import subprocess
 import zipfile
 from pathlib import Path
 
+import mini_labs  # this folder is on sys.path (no __init__.py): rootdir-relative import mode
 import pytest
 
 from course_lib.classroom.grading import grade_class, landlock
 from course_lib.classroom.grading.cgroups import RunGroup
 from course_lib.classroom.grading.grader import FORGED
-from course_lib.classroom.grading.official import current_lab, defined_names, source_of
+from course_lib.classroom.grading.official import source_of
 from course_lib.classroom.grading.sandbox import namespaces_available
 from course_lib.classroom.notebooks.generator import lab_text
 
@@ -134,36 +135,16 @@ JUDGE_CHEATS = {  # the cheats that pass a checker running in the student's kern
 
 
 def _mini_solution(folder: Path) -> Path:
-    """Lab 01's solution cut to its graded cells (exercises and checkers, as they are)."""
-    solution = json.loads(OFFICIAL.read_text(encoding="utf-8"))
-    keep = sorted(i for unit in current_lab(OFFICIAL).units for i in unit.cells)
-    solution["cells"] = [solution["cells"][i] for i in keep]
-    path = folder / "solutions" / OFFICIAL.name
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(solution, indent=1), encoding="utf-8")
-    return path
+    """Lab 01's solution cut to its graded cells (exercises and checkers, as they are: they need no other cell)."""
+    return mini_labs.mini_solution(OFFICIAL, folder)
 
 
-def _student(lab: dict, solution: dict, sources: dict | None = None, *, solved: bool = True) -> dict:
-    """A student's copy of the lab: each exercise cell the solution's (``solved``), else the stub, with
-    ``sources`` (by the function the cell defines) in their place."""
-    notebook = json.loads(json.dumps(lab))
-    for cell, solved_cell in zip(notebook["cells"], solution["cells"]):
-        if "exercise" not in cell.get("metadata", {}).get("tags", []):
-            continue
-        name = next(iter(defined_names(source_of(cell))))
-        cell["source"] = (sources or {}).get(name) or (source_of(solved_cell) if solved else source_of(cell))
-    return notebook
+_student, _write = mini_labs.student, mini_labs.write
 
 
 def _checker_cells(notebook: dict) -> list[dict]:
     return [c for c in notebook["cells"] if c["cell_type"] == "code" and "check_" in source_of(c)
             and "exercise" not in c.get("metadata", {}).get("tags", [])]
-
-
-def _write(path: Path, notebook) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(notebook if isinstance(notebook, str) else json.dumps(notebook, indent=1), encoding="utf-8")
 
 
 def _snapshot(folder: Path, skip: Path) -> dict:

@@ -6,7 +6,8 @@ student's own notebook would. Every unit (an exercise's cells and its checker ce
 from the moment it starts. One that runs over, or during which the kernel dies, costs only itself:
 the kernel is killed whole, that unit's exercises are graded "timed out" (or "crashed: ..."), and the
 lab runs again from the top with that unit's exercise cells put back to the official stubs (another
-cell that hangs is left out), so the later exercises are still graded. Each run resolves one unit,
+cell that hangs is left out), so the later exercises are still graded -- unless every exercise already
+has its verdict (a hang in the last unit): then nothing is run again. Each run resolves one unit,
 so a lab runs at most once more than it has units.
 
 A verdict counts only when the run's judge wrote it (:mod:`course_lib.classroom.grading.sandbox`: a file
@@ -193,8 +194,13 @@ class _Progress:
         self.put_back.update(unit.exercise_cells)
         return True
 
+    def complete(self) -> bool:
+        """Whether every exercise of the lab has its verdict: another run could change none (the first counts)."""
+        return all(e in self.found for e in self.lab.exercises)
+
     def outcomes(self) -> list[Outcome]:
-        return [self.found.get(e) or Outcome(e, False, _no_verdict(e, self.checker_errors)) for e in self.lab.exercises]
+        found = [self.found.get(e) or Outcome(e, False, _no_verdict(e, self.checker_errors)) for e in self.lab.exercises]
+        return [_after_put_back(o, self.found) for o in found]
 
 
 def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: dict[int, str], run_dir: Path,
@@ -209,9 +215,21 @@ def grade_lab(sandbox, lab: OfficialLab, cells: list[tuple[int, str]], stubs: di
         pid = sandbox.start(run_dir / "cells.json", run_dir)
         run = _watch(sandbox, pid, _Events(run_dir / "events.jsonl"), lambda i: progress.unit_of.get(i, i), timeout)
         progress.collect(run.events, _Events(run_dir / JUDGE_RECORDS).new(), dict(todo))
-        if run.ended == "done" or not progress.blame(run, timeout, run_dir / "output.txt"):
+        if run.ended == "done" or not progress.blame(run, timeout, run_dir / "output.txt") or progress.complete():
             break
     return progress.outcomes(), progress.notes
+
+
+def _after_put_back(outcome: Outcome, found: dict) -> Outcome:
+    """An exercise that calls one put back as its stub (it crashed or timed out) says so: its checker saw the stub
+    ("not attempted yet: write merge (Exercise 1), which ring_attention_forward calls"), not the student's cell."""
+    for name, other in found.items():
+        why = other.hint.split(":")[0]
+        if (name != outcome.exercise and why in ("crashed", "timed out") and not outcome.passed
+                and outcome.hint.startswith(f"not attempted yet: write {name} ")):
+            return Outcome(outcome.exercise, False, f"graded with the stub of {name}, which {why}: {outcome.hint}",
+                           outcome.evidence, outcome.prose)
+    return outcome
 
 
 def _ended(status: int | None) -> str:

@@ -237,6 +237,24 @@ def test_every_checker_is_declared_with_an_exercise_of_the_registry():
     assert names <= set(references.REFERENCES), names - set(references.REFERENCES)
 
 
+def test_checkers_in_reads_each_module_once_per_version_and_refuses_two_of_one_name(tmp_path):
+    import os
+
+    import pytest
+
+    from course_lib.classroom.checks.exercise import checkers_in
+
+    module = tmp_path / "mine.py"
+    module.write_text('@exercise("a")\ndef check_a(fn):\n    pass\n')
+    assert set(checkers_in(tmp_path)) == {"check_a"}
+    module.write_text('@exercise("b")\ndef check_b(fn, n):\n    pass\n')  # edited: its new checker is seen
+    os.utime(module, ns=(1, 1))
+    assert {k: (v.name, v.params) for k, v in checkers_in(tmp_path).items()} == {"check_b": ("b", ("fn", "n"))}
+    (tmp_path / "other.py").write_text('@exercise("c")\ndef check_b(fn):\n    pass\n')
+    with pytest.raises(ValueError, match="two checkers are named check_b"):
+        checkers_in(tmp_path)
+
+
 def test_a_checker_prints_as_before_returns_a_verdict_and_writes_it_only_when_asked(tmp_path, monkeypatch, capsys):
     import json
 
