@@ -39,6 +39,7 @@ LAX_FOLDER = "labs"
 # order in which xdist hands out files depends on it: a stale list costs minutes, never a result.
 LONGEST_FIRST = (
     "tests/test_train_moe.py",
+    "tests/classroom/test_grade_class_every_lab.py",
     "tests/classroom/test_grade_every_lab.py",
     "tests/classroom/test_grade_every_lab_more.py",
     "solutions/05_3d_parallel_in_practice.ipynb",
