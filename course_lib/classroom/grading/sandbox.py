@@ -466,7 +466,10 @@ class Sandbox:
         line = self.proc.stdout.readline() if ready else ""
         if not line:
             self.close()
-            raise RuntimeError("the grading sandbox stopped answering (its process ended)")
+            # a zygote loading DeepSpeed's ops may build them first (minutes, seen in a copied venv): a time limit
+            # reached is not a process that ended
+            raise RuntimeError("the grading sandbox stopped answering (its process ended)" if ready else
+                               f"the grading sandbox did not answer within {timeout:g} s")
         return json.loads(line)
 
     def _ask(self, request: dict) -> dict:
