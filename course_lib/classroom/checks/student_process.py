@@ -886,8 +886,8 @@ def _stop(pid: int) -> None:
 
 
 def student_on_rank(fn, *args, references=(), measure: bool = False, raw: bool = False, peak: bool = False) -> dict:
-    """:func:`course_lib.classroom.checks.tamper_guard.student_beside_checker` with the call in a student process of its
-    own (:func:`run_on_rank`): the same dict, the ops recorded here; the tensors of ``args`` come back, ``raw``
+    """``fn(*args)`` called in a student process of its own (:func:`run_on_rank`), the ops recorded here: the dict of
+    :func:`course_lib.classroom.checks.tamper_guard.on_rank_result`; the tensors of ``args`` come back, ``raw``
     is the value as plain data, ``largest`` is measured in the student process; with ``peak``, ``peak`` is read
     by the rank (see :func:`run_on_rank`)."""
     with wire_recorder() as rec:
