@@ -37,3 +37,54 @@ def test_a_dead_worker_fails_its_file_and_the_session_ends(tmp_path):
     ran = log.read_text().split()
     assert len(ran) == len(set(ran)) == 20, ran            # no test ran twice: a crashed test is not retried
     assert not {"test_f2.py::test_2", "test_f2.py::test_3"} & set(ran)
+
+
+class _Node:
+    """A stand-in for xdist's WorkerController: what the scheduler sends it is recorded."""
+
+    def __init__(self, name):
+        self.name, self.shutting_down, self.sent = name, False, []
+        self.gateway = type("Gateway", (), {"id": name})()
+
+    def send_runtest_some(self, indexes):
+        self.sent.extend(indexes)
+
+    def shutdown(self):
+        self.shutting_down = True
+
+    def __repr__(self):
+        return self.name
+
+
+def test_a_replacement_still_collecting_is_given_work_only_when_its_collection_is_in():
+    """Two workers die; the replacement whose collection comes in first must not make ``schedule`` hand work to the
+    other, still collecting (xdist 3.8.0: KeyError in ``_assign_work_unit``, INTERNALERROR; a CI run saw it)."""
+    xdist_crash = pytest.importorskip("course_lib.classroom.notebooks.xdist_crash")
+    pytest.importorskip("xdist")
+
+    class Config:
+        option = type("Option", (), {"loadscopereorder": False})()
+
+        def getvalue(self, name):
+            return ["2*popen"] if name == "tx" else None
+
+    collection = [f"test_f{f}.py::test_{t}" for f in range(4) for t in range(3)]
+    sched = xdist_crash.CrashSafeLoadFile(Config())
+    gw0, gw1 = _Node("gw0"), _Node("gw1")
+    for node in (gw0, gw1):
+        sched.add_node(node)
+    for node in (gw0, gw1):
+        sched.add_node_collection(node, collection)
+    sched.schedule()
+    assert gw0.sent and gw1.sent                      # each holds work
+    gw2, gw3 = _Node("gw2"), _Node("gw3")
+    sched.add_node(gw2)
+    assert sched.remove_node(gw0) == "test_f0.py::test_0"       # gw0 died on its first test
+    sched.add_node(gw3)
+    assert sched.remove_node(gw1) == "test_f1.py::test_0"
+    sched.add_node_collection(gw3, collection)
+    sched.schedule()                                  # gw2 is still collecting: it is left alone
+    assert gw3.sent and not gw2.sent
+    sched.add_node_collection(gw2, collection)
+    sched.schedule()
+    assert gw2.sent                                   # and served once its collection is in

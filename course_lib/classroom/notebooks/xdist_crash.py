@@ -9,12 +9,16 @@ puts the dead worker's whole workload back on the queue:
 - the file it died in, from the test it died on: the replacement runs that test again, dies again, until
   ``--max-worker-restart`` is spent (#1371); for a notebook the rerun starts mid-notebook in a fresh kernel,
   which proves nothing;
-- and a replacement is given one file at a time, while a worker runs a test only once it holds the next one
-  (or is told to stop): a file of one test waits forever (#1327).
+- a replacement is given one file at a time, while a worker runs a test only once it holds the next one
+  (or is told to stop): a file of one test waits forever (#1327);
+- and when two workers die, the replacement whose collection comes in first makes ``schedule`` hand work to the
+  other, whose collection is not in yet: ``KeyError`` in ``_assign_work_unit``, an INTERNALERROR that ends the
+  session.
 
-:class:`CrashSafeLoadFile` keeps ``loadfile`` and mends the three: a dead worker's finished files are dropped,
+:class:`CrashSafeLoadFile` keeps ``loadfile`` and mends the four: a dead worker's finished files are dropped,
 its crash fails the test it died on (xdist's report), the rest of that file is not run and the report says
-which, and a worker is topped up to two pending tests whenever more work waits. Loaded by
+which, a worker is topped up to two pending tests whenever more work waits, and a worker still collecting is
+given work only once its collection is in (``worker_collectionfinish`` calls ``schedule`` for it then). Loaded by
 ``course_lib.classroom.notebooks.nbval_plugin``.
 """
 
@@ -53,6 +57,8 @@ class CrashSafeLoadFile(LoadFileScheduling):
         return crashitem
 
     def _reschedule(self, node) -> None:
+        if node not in self.registered_collections:
+            return                                     # still collecting: its own collection's schedule() serves it
         try:
             super()._reschedule(node)
             while not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) < 2:
