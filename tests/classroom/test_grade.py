@@ -35,7 +35,7 @@ import mini_labs  # this folder is on sys.path (no __init__.py): rootdir-relativ
 import pytest
 
 from course_lib.classroom.grading import grade_class, landlock
-from course_lib.classroom.grading.cgroups import RunGroup
+from course_lib.classroom.grading.cgroups import RunGroup, remove_groups_of_ended
 from course_lib.classroom.grading.grader import FORGED
 from course_lib.classroom.grading.official import source_of
 from course_lib.classroom.grading.sandbox import namespaces_available
@@ -475,6 +475,27 @@ def test_a_fork_bomb_is_capped_by_its_group_and_killed_whole(graded):
     assert graded["rows"][("bo", "derive_dp")]["hint"] == f"timed out: its cells and its checker ran over {TIMEOUT_S:g} s"
     assert not any(line.startswith("warning: grading as root") for line in graded["lines"]), graded["lines"]
     assert not _orphaned_run_groups()
+
+
+@pytest.mark.skipif(not BOMB_IS_CAPPED, reason="no writable pids cgroup")
+def test_the_groups_of_a_killed_grader_are_removed_when_the_next_zygote_starts():
+    # a grader killed with SIGKILL leaves its runs' groups (a CI run of `make test` interrupted by hand left one,
+    # and the fork bomb's test then found it); the next zygote removes those whose maker has ended, and no other
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    left, alive = RunGroup(f"course-grade-{ended.pid}-1", 2 ** 30), RunGroup(f"course-grade-{os.getpid()}-1", 2 ** 30)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        for folder in left.folders.values():
+            (folder / "cgroup.procs").write_text(str(sleeper.pid))
+        remove_groups_of_ended("course-grade-")
+        assert sleeper.wait(timeout=10) == -9
+        assert not any(folder.exists() for folder in left.folders.values())
+        assert all(folder.exists() for folder in alive.folders.values())
+    finally:
+        sleeper.kill()
+        alive.kill()
+        left.kill()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="as an ordinary user memory is limited per process only")

@@ -6,7 +6,8 @@ each run a group of its own in the ``pids`` and ``memory`` controllers (cgroup v
 v1's per-controller ones), beneath the grader's own groups: ``pids.max`` stops a fork bomb at
 ``tasks`` tasks (:data:`PIDS_MAX` by default; a test lowers it); ``memory.max`` (v1: ``memory.limit_in_bytes``) bounds the sum, and the kernel's OOM
 killer acts inside the group only. :meth:`RunGroup.kill` sends SIGKILL to every member until the group is
-empty, then removes it. Where the hierarchy is not writable (not root, a read-only cgroup mount), nothing is
+empty, then removes it; :func:`remove_groups_of_ended` removes the groups a grader that was killed (SIGKILL
+leaves it no time to) left behind. Where the hierarchy is not writable (not root, a read-only cgroup mount), nothing is
 created and :attr:`RunGroup.controllers` is empty: the caller says so.
 """
 
@@ -83,29 +84,49 @@ class RunGroup:
                 print(f"the run is not in its {controller} group: {err}")
 
     def members(self) -> set[int]:
-        pids = set()
-        for folder in self.folders.values():
-            try:
-                pids |= {int(p) for p in (folder / "cgroup.procs").read_text().split()}
-            except OSError:
-                pass
-        return pids
+        return _members(self.folders.values())
 
     def kill(self, timeout: float = 10.0) -> None:
         """SIGKILL every member until none is left (a process forking as it is killed lands in the group too),
         then remove the group."""
-        deadline = time.monotonic() + timeout
-        while self.members() and time.monotonic() < deadline:
-            for pid in self.members():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
-        for folder in self.folders.values():
-            for _ in range(50):  # the last members may take a moment to leave after they died
-                try:
-                    folder.rmdir()
-                    break
-                except OSError:
-                    time.sleep(0.02)
+        _kill_and_remove(list(self.folders.values()), timeout)
+
+
+def _members(folders) -> set[int]:
+    pids = set()
+    for folder in folders:
+        try:
+            pids |= {int(p) for p in (folder / "cgroup.procs").read_text().split()}
+        except OSError:
+            pass
+    return pids
+
+
+def _kill_and_remove(folders: list[Path], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _members(folders) and time.monotonic() < deadline:
+        for pid in _members(folders):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+    for folder in folders:
+        for _ in range(50):  # the last members may take a moment to leave after they died
+            try:
+                folder.rmdir()
+                break
+            except OSError:
+                time.sleep(0.02)
+
+
+def remove_groups_of_ended(prefix: str) -> None:
+    """Kill and remove the groups ``<prefix><pid>-<n>`` beneath this process's own whose ``<pid>`` (the process that
+    made them) has ended: a grader killed with SIGKILL could not remove its runs' groups."""
+    if os.geteuid() != 0:
+        return
+    for controller, parent in _own_groups().items():
+        for folder in parent.glob(f"{prefix}*-*"):
+            owner = folder.name[len(prefix):].split("-", 1)[0]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                _kill_and_remove([folder])

@@ -57,7 +57,7 @@ import traceback
 from pathlib import Path
 
 from course_lib.classroom.grading import landlock
-from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup
+from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup, remove_groups_of_ended
 from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
 
 FILE_LIMIT_BYTES = 64 << 20
@@ -379,6 +379,7 @@ def serve() -> None:
     exited: dict[int, int | None] = {}
     groups: dict = {}  # pid -> its RunGroup
     started = 0
+    remove_groups_of_ended("course-grade-")
 
     def reply(obj) -> None:
         replies.write(json.dumps(obj) + "\n")
