@@ -35,13 +35,27 @@ def set_environment() -> None:
     """Before ``import deepspeed``: its CPU accelerator unless CUDA is here (``DS_ACCELERATOR``, read at
     import), and its JIT-built ops cached per Python environment (``TORCH_EXTENSIONS_DIR`` =
     ``<venv>/torch_extensions`` unless set: torch keys the cache by op name only, so two clones'
-    environments sharing ``~/.cache`` would rebuild each other's ops)."""
+    environments sharing ``~/.cache`` would rebuild each other's ops), built and loaded by this environment's own
+    ``ninja`` where it has one (:func:`_own_ninja_first`)."""
     if "DS_ACCELERATOR" not in os.environ:
         import torch
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    _own_ninja_first()
+
+
+def _own_ninja_first() -> None:
+    """Put this environment's scripts folder first on ``PATH`` when pip put a ``ninja`` there: torch runs the
+    ``ninja`` it finds on ``PATH`` to build an op and again at every load, and a ninja of another version does
+    not accept the build log the other wrote, so it rebuilds every op (minutes on 2 cores). Debian 13 has
+    /usr/bin/ninja 1.11 beside pip's 1.13: ``make`` puts the venv's first, a pytest run without ``make`` did not,
+    and each switch rebuilt all three ops."""
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    if os.access(os.path.join(scripts, "ninja"), os.X_OK) and path[:1] != [scripts]:
+        os.environ["PATH"] = os.pathsep.join([scripts, *(p for p in path if p != scripts)])
 
 
 def _extensions_dir() -> str:

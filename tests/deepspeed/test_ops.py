@@ -2,6 +2,8 @@
 
 import multiprocessing
 import os
+import shutil
+import sysconfig
 
 import pytest
 
@@ -104,3 +106,17 @@ def test_a_killed_build_leaves_no_lock_that_blocks_the_next(tmp_path, monkeypatc
     lock.write_text("")                                  # killed while loading the built ops: the next import clears it
     ds_ops.ensure_built()
     assert not lock.exists() and f"note: removed {lock}" in capfd.readouterr().err
+
+
+def test_the_ops_are_built_and_loaded_by_the_environments_own_ninja(monkeypatch):
+    # torch runs the ninja on PATH; another version rejects the build log and rebuilds every op: Debian 13's
+    # /usr/bin/ninja 1.11 beside pip's 1.13 rebuilt the venv's ops whenever pytest ran without make's PATH
+    scripts = sysconfig.get_path("scripts")
+    if not os.access(os.path.join(scripts, "ninja"), os.X_OK):
+        pytest.skip("this environment has no ninja of its own")
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", scripts, "/bin"]))
+    ds_ops.set_environment()
+    assert os.environ["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"]
+    assert shutil.which("ninja") == os.path.join(scripts, "ninja")
+    ds_ops.set_environment()                              # once is enough: nothing added twice
+    assert os.environ["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"]
