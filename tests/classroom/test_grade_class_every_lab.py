@@ -5,11 +5,12 @@ The solved student is ``test_grade_every_lab.py``'s, on the full labs.
 To stay cheap each lab is a *mini lab* (:func:`mini_labs.mini_solution`): its units (exercise and checker cells, as
 they are) and the cells they need. Left out are the three review exercises whose answers are checked against the
 lab's own training runs -- :data:`MEASURED` -- whose runs would cost every student ~11 s (Lab 05's sweep, Lab 09's
-eight ranks, Lab 10's ZeRO runs). The class is graded in three gradings at the same time (:data:`GRADINGS`), so that
-together they keep about one core busy: the half-done, crashing (its other exercises stubs), cheating students and
-a loop on a rank (Lab 00 alone: the checker names it after half its group's time limit, 10 s) with a time limit the
-solved exercises' ranks fit in (:data:`TIMEOUT_S`); and the student who hangs (the other exercises stubs, two gradings of six labs) with a
-small one (:data:`HANG_TIMEOUT_S`): each hang costs that limit in wall time (it sleeps), not CPU -- and, being in the
+eight ranks, Lab 10's ZeRO runs). The class is graded in four gradings at the same time (:data:`GRADINGS`), so that
+together they keep about one core busy: the half-done, crashing (its other exercises stubs) and cheating students
+with a time limit the solved exercises' ranks fit in (:data:`TIMEOUT_S`); a loop on a rank (Lab 00 alone, the same
+limit: the checker names it after half its group's time limit, 10 s, asleep); and the student who hangs (the other
+exercises stubs, two gradings of six labs) with a small one (:data:`HANG_TIMEOUT_S`): each hang costs that limit in
+wall time (it sleeps), not CPU -- and, being in the
 lab's last unit, leaves every exercise with its verdict, so the lab is not run again. The unsolved lab is the
 crashing and the hanging students' stubs, exercise by exercise (a third student's 12 labs cost ~9 s of CPU).
 """
@@ -236,7 +237,7 @@ def _class(tmp: Path) -> tuple[Path, Path, Path, dict]:
         mini_labs.write(subs / "hanging" / "fay" / name, mini_labs.student(
             lab, solution, {last: hang[0] + _with_body(_stub(lab, last), hang[1])}, solved=False))
         if number == "00":  # a loop on a rank, under the checker's own watch: the checker names it
-            mini_labs.write(subs / "class" / "ray" / name, mini_labs.student(
+            mini_labs.write(subs / "looping" / "ray" / name, mini_labs.student(
                 lab, solution, {last: hang[0] + _with_body(_stub(lab, last), hang[1])}, solved=False))
     return solutions, subs, units
 
@@ -253,12 +254,13 @@ def _grade(submissions: Path, out: Path, solutions: Path, labs, timeout: float, 
 
 GRADINGS = {  # name: its submissions' folder, the labs, the time limit
     "class": ("class", None, TIMEOUT_S),
+    "looping": ("looping", ["00"], TIMEOUT_S),
     "hanging-00-05": ("hanging", ["00", "01", "02", "03", "04", "05"], HANG_TIMEOUT_S),
     "hanging-06-11": ("hanging", ["06", "07", "08", "09", "10", "11"], HANG_TIMEOUT_S),
 }
 """The class's gradings, run at the same time (in threads: each waits on its zygote and its runs): the first takes
-the CPU, the others mostly sleep (6 x :data:`HANG_TIMEOUT_S` each: in one grading the hangs alone would outlast the
-first; the first half loads no DeepSpeed, having no Lab 10)."""
+the CPU, the others mostly sleep: the loop on a rank waits for its checker's 10 s, the hangs 6 x :data:`HANG_TIMEOUT_S`
+in each half (in one grading they would outlast the first); only the gradings with Lab 10 load DeepSpeed."""
 
 
 @pytest.fixture(scope="module")
