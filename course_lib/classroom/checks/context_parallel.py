@@ -194,10 +194,10 @@ member's q, k, v ``[1, 1, MEMORY_ROWS, MEMORY_D]`` float64. One step's score mat
 attention cannot help holding)."""
 MEMORY_STEPS = 12
 """How many of one step's score matrices the student process may grow by, at its peak, in the memory case. A ring
-holds about 4 (measured, the rank reading ``/proc``, 3 runs: 2.9-5.7 for six right rings, 5.0 keeping the previous
-step's block and probabilities); a dense attention over the whole sequence holds at least one full score matrix,
-``VIRTUAL_CP`` = 32 of them (30-33 measured, with its softmax computed in place; 65-69 with two, or torch's math
-attention). The limit sits between, about twice away from each."""
+holds about 4 (measured, the rank reading ``/proc``, 6 runs: 2.9-5.7 for the right rings of the tests, 3.9-5.0 for
+one keeping the previous step's block and probabilities); a dense attention over the whole sequence holds at least
+one full score matrix, ``VIRTUAL_CP`` = 32 of them (30-33 measured, with its softmax computed in place; 61-69 with
+two, or torch's math attention). The limit sits between, about twice away from each."""
 MEMORY_ROWS_CHECKED = 64
 """Rows of the memory case's output compared with the truth: drawn for this run, so every row has to be right."""
 RING_RULE = ("ring attention passes K/V blocks from rank to rank with send/recv; all-gathering K and V is "

@@ -54,8 +54,19 @@ def ring_ok(q, k, v, group, step=1, steps=None, merge_fn=merge, forward_received
     return out
 
 
-def ring_backwards(q, k, v, group):              # the other direction is a ring too
-    return ring_ok(q, k, v, group, step=-1)
+def ring_backwards(q, k, v, group):              # the other direction is a ring too: here with separate isend/irecv,
+    group = dist.new_group(list(range(dist.get_world_size(group))))  # receives posted first, on a group of its own
+    cp, r, to, frm = _neighbours(group, step=-1)
+    out, lse = attention_block(q, k, v)
+    for _ in range(cp - 1):
+        k_in, v_in = torch.empty_like(k), torch.empty_like(v)
+        works = [dist.irecv(k_in, frm, group=group), dist.irecv(v_in, frm, group=group),
+                 dist.isend(k, to, group=group), dist.isend(v, to, group=group)]
+        for work in works:
+            work.wait()
+        k, v = k_in, v_in
+        out, lse = merge(out, lse, *attention_block(q, k, v))
+    return out
 
 
 def ring_blocking_even_odd(q, k, v, group):
@@ -73,21 +84,6 @@ def ring_blocking_even_odd(q, k, v, group):
         kv = incoming
         o, l_ = attention_block(q, *kv.split(k.shape[-1], -1))
         out, lse = merge(out, lse, o, l_)
-    return out
-
-
-def ring_isend_irecv(q, k, v, group):            # separate isend/irecv, waited one by one, receives posted first,
-    group = dist.new_group(list(range(dist.get_world_size(group))))  # on a group of its own over the same ranks
-    cp, r, to, frm = _neighbours(group)
-    out, lse = attention_block(q, k, v)
-    for _ in range(cp - 1):
-        k_in, v_in = torch.empty_like(k), torch.empty_like(v)
-        works = [dist.irecv(k_in, frm, group=group), dist.irecv(v_in, frm, group=group),
-                 dist.isend(k, to, group=group), dist.isend(v, to, group=group)]
-        for work in works:
-            work.wait()
-        k, v = k_in, v_in
-        out, lse = merge(out, lse, *attention_block(q, k, v))
     return out
 
 
@@ -223,7 +219,6 @@ def ring_rebuilt_from_seed(q, k, v, group):      # every block rebuilt from the 
     (ring_backwards, True, "✓ ring_attention_forward"),
     (ring_blocking_even_odd, True, "✓ ring_attention_forward"),
     (ring_course_merge, True, "✓ ring_attention_forward"),
-    (ring_isend_irecv, True, "✓ ring_attention_forward"),
     (ring_default_group_odd_first, True, "✓ ring_attention_forward"),
     (not_yet, False, "not attempted yet: write ring_attention_forward"),
     (ring_calls_unwritten_merge, False, "not attempted yet: write merge (Exercise 1)"),
@@ -252,13 +247,6 @@ def _dense_over_every_block(q, k, v, group):
     """softmax(q Kᵀ/√d) V over K and V concatenated from what the ring brought: right numbers, the ring's sends."""
     keys, values = _every_block(k, v, group)
     return torch.softmax(q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ values
-
-
-def ring_then_dense_unmeasured(q, k, v, group):  # the dispatch modes of its process switched off around the dense part
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        return _dense_over_every_block(q, k, v, group)
 
 
 def ring_then_dense_in_a_thread(q, k, v, group):  # dispatch modes are per thread: a new one starts without them
@@ -363,7 +351,6 @@ def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: l
     (ring_keeping_the_previous_step, True, "✓ ring_attention_forward"),
     (ring_then_dense_in_the_cells_buffer, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_its_first_calls_buffer, False, "ring attention never holds the whole sequence"),
-    (ring_then_dense_unmeasured, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_a_thread, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_python_key_excluded, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_a_child, False, "a new process cannot be started where your function runs"),
