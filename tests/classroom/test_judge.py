@@ -276,10 +276,11 @@ def ring_attention_forward(q, k, v, group):
         keys, values = torch.cat(keys, 2), torch.cat(values, 2)
         shape = (*q.shape[:3], keys.shape[2])
         n = shape[0] * shape[1] * shape[2] * shape[3]
-        scores, probs = SCRATCH[:n].view(shape), SCRATCH[n:2 * n].view(shape)
+        scores = SCRATCH[:n].view(shape)
         torch.matmul(q, keys.transpose(-1, -2) / q.shape[-1] ** 0.5, out=scores)
-        torch._softmax(scores, -1, False, out=probs)
-        return probs @ values
+        scores.sub_(scores.amax(-1, keepdim=True)).exp_()   # the softmax in place: one score matrix in all
+        scores.div_(scores.sum(-1, keepdim=True))
+        return scores @ values
 '''
 
 

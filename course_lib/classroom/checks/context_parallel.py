@@ -16,16 +16,23 @@ but the receiver's own, once), and -- on 4 ranks -- no torch op may build a tens
 blocks: passing every block around, concatenating and running one dense attention gives the right
 numbers with the same traffic, and is refused by what it computed. That count is made by a dispatch mode in
 the student's own process, which its code can switch off (``_disable_current_modes``, a thread, the Python key
-excluded); so on 4 ranks the same function is called again with ``MEMORY_ROWS`` rows per rank, in a student process
-forked for that call, and its rank reads, from ``/proc``, how far that process's memory grew
-(:func:`_rank_ring_memory`): more than ``MEMORY_STEPS`` of one step's score matrices is refused (a ring: 3.3, one
-keeping the previous block and its probabilities: 4.3; ``softmax(q Kᵀ) V`` over the gathered blocks, however
-hidden: 8.2 or more, measured).
+excluded); so the same function is called once more as one member of a ring of ``VIRTUAL_CP`` = 32 with
+``MEMORY_ROWS`` = 512 rows each, whose other members rank 0 of the 4-rank launch plays itself
+(:mod:`~course_lib.classroom.checks.virtual_ring`), in a student process forked for that call, and the rank reads,
+from ``/proc``, how far that process's memory grew (:func:`_rank_ring_memory`): more than ``MEMORY_STEPS`` = 12 of
+one step's score matrices is refused (right rings: 2.9-5.7; ``softmax(q Kᵀ) V`` over the gathered blocks, however
+hidden, even with its softmax in place: 30 or more, measured). torch's fused attention kernel
+(``F.scaled_dot_product_attention``: a blockwise softmax over every key it is given, the merge done for the
+student) is refused where the student's function runs (:data:`FUSED_ATTENTION`). What no check here sees: the
+blocks gathered first (they are small) and then merged one by one by the student's own code, after the last one
+arrived -- the same arithmetic as a ring's, in another order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 
 import torch
 
@@ -34,8 +41,10 @@ import torch.distributed as dist
 from course_lib.classroom.checks import checked_call, is_course_answer, not_attempted, raised_line
 from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
+from course_lib.classroom.checks.refusals import Refused
 from course_lib.classroom.checks.student_process import student_on_rank
 from course_lib.classroom.checks.tamper_guard import course_code_hint
+from course_lib.classroom.checks.virtual_ring import VirtualRing, virtual_world
 from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, largest_tensor,
                                                   point_to_point_only, refused_collective, safe_repr, secret_generator)
 from course_lib.context_parallel.ring import attention_block, merge_partials
@@ -177,23 +186,60 @@ def check_merge(fn) -> bool:
 # ------------------------------------------------------------------ (b) one ring
 
 RING_B, RING_H, RING_S, RING_D = 1, 2, 16, 4
-MEMORY_CP, MEMORY_ROWS, MEMORY_D = 4, 1024, 8
-"""The memory case (on ``MEMORY_CP`` ranks or more): each rank's q, k, v chunk ``[1, 1, MEMORY_ROWS, MEMORY_D]``
-float64. One step's score matrix is ``MEMORY_ROWS²`` x 8 bytes = 8 MiB; the whole sequence's, cp times that (K and
-V blocks are 64 KiB: the scores are what a dense attention cannot help holding)."""
-MEMORY_STEPS = 6
+VIRTUAL_CP, MEMORY_ROWS, MEMORY_D = 32, 512, 8
+"""The memory case: a ring of ``VIRTUAL_CP`` members, one of them the student's function on a rank of the 4-rank
+launch, the others played by that rank (:class:`~course_lib.classroom.checks.virtual_ring.VirtualRing`); each
+member's q, k, v ``[1, 1, MEMORY_ROWS, MEMORY_D]`` float64. One step's score matrix is ``MEMORY_ROWS²`` x 8 bytes =
+2 MiB; the whole sequence's, ``VIRTUAL_CP`` = 32 times that (K and V blocks are 32 KiB: the scores are what a dense
+attention cannot help holding)."""
+MEMORY_STEPS = 12
 """How many of one step's score matrices the student process may grow by, at its peak, in the memory case. A ring
-holds about 3 (measured, the rank reading ``/proc``: 3.3 for scores, their shifted copy and their exponential; 4.3
-keeping the previous step's block and probabilities); a dense attention over the whole sequence holds two full
-score matrices, 2 x cp = 8 on 4 ranks (measured 8.2; 12 with ``attention_block``'s temporaries), one if it
-computes the softmax in place (4.3: not refused)."""
+holds about 4 (measured, the rank reading ``/proc``, 6 runs: 2.9-5.7 for the right rings of the tests, 3.9-5.0 for
+one keeping the previous step's block and probabilities); a dense attention over the whole sequence holds at least
+one full score matrix, ``VIRTUAL_CP`` = 32 of them (30-33 measured, with its softmax computed in place; 61-69 with
+two, or torch's math attention). The limit sits between, about twice away from each."""
 MEMORY_ROWS_CHECKED = 64
 """Rows of the memory case's output compared with the truth: drawn for this run, so every row has to be right."""
 RING_RULE = ("ring attention passes K/V blocks from rank to rank with send/recv; all-gathering K and V is "
              "Megatron's --cp-comm-type all_gather, not a ring")
 
 
+FUSED_ATTENTION = ("_scaled_dot_product_flash_attention_for_cpu",)
+"""torch's fused attention kernels on the CPU (what ``F.scaled_dot_product_attention`` runs there): a blockwise
+softmax over all the keys it is given, that is the log-sum-exp merge this exercise asks for, done inside torch.
+Refused where the student's function runs (:func:`_fused_attention_refused`); its math fallback
+(``sdpa_kernel(SDPBackend.MATH)``) builds the whole score matrix, which the memory case refuses."""
+_FUSED_REFUSAL = ("[refused] torch's fused attention kernel (scaled_dot_product_attention) computes the blockwise "
+                  "softmax this exercise asks you to write: attend to each block with attention_block and merge the "
+                  "steps with your log-sum-exp merge")
+
+
+@contextlib.contextmanager
+def _fused_attention_refused():
+    """On a rank, around the forks of its student processes: :data:`FUSED_ATTENTION` raise (``Refused``) in every
+    process forked inside the block -- a registration in torch's dispatcher, beneath the Python dispatch modes, so
+    neither ``torch.ops.aten`` nor switching the modes off nor ``inference_mode`` gets past it. The function that
+    raises is compiled outside the checker's files (the guard would read a call of checker code as the course's)."""
+    scope = {"Refused": Refused}
+    exec(compile(f"def refused(*args, **kwargs):\n    raise Refused({_FUSED_REFUSAL!r})\n", "<refused>", "exec"),
+         scope)
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # torch warns that it overrides the CPU kernel: that is the point
+        warnings.simplefilter("ignore")
+        for op in FUSED_ATTENTION:
+            lib.impl(op, scope["refused"], "CPU")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
 def _rank_ring(fn):
+    with _fused_attention_refused():
+        return _rank_ring_calls(fn)
+
+
+def _rank_ring_calls(fn):
     g, cp, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     secret = secret_generator()                      # this rank's chunk: no other rank can rebuild it
     q, k, v = (torch.randn(RING_B, RING_H, RING_S // cp, RING_D, generator=secret, dtype=torch.float64)
@@ -202,8 +248,8 @@ def _rank_ring(fn):
         result = student_on_rank(fn, q.clone(), k.clone(), v.clone(), g,
                                  references=references_for("ring_attention_forward"), measure=True)
     out = dict(result, q=q, blocks=_gathered(k, v), rank=r, cp=cp)
-    if cp >= MEMORY_CP:
-        out["memory"] = _rank_ring_memory(fn, g, secret)
+    if cp >= 4 and r == 0:
+        out["memory"] = _rank_ring_memory(fn, secret)
     return out
 
 
@@ -216,24 +262,30 @@ def _gathered(k, v) -> list:
     return list(zip(ks, vs))
 
 
-def _rank_ring_memory(fn, g, secret) -> dict:
-    """The memory case: the same function (its kept student process) on ``MEMORY_ROWS`` rows per rank, where the
-    score matrix of the whole sequence (``rows x cp·rows``) outweighs one step's (``rows x rows``) by cp; the rank
-    reads how far the student process's resident memory grew (``peak``, from ``/proc``, out of the student's
-    reach). The value is compared on ``MEMORY_ROWS_CHECKED`` rows drawn for this run, whose truth the rank computes
-    block by block."""
-    q, k, v = (torch.randn(1, 1, MEMORY_ROWS, MEMORY_D, generator=secret, dtype=torch.float64) for _ in range(3))
-    with point_to_point_only(RING_RULE):
-        result = student_on_rank(fn, q.clone(), k.clone(), v.clone(), g,
+def _rank_ring_memory(fn, secret) -> dict:
+    """The memory case: the same function on a ring of ``VIRTUAL_CP`` members with ``MEMORY_ROWS`` rows each, where
+    the score matrix of the whole sequence (``rows x cp·rows``) outweighs one step's (``rows x rows``) by cp. The
+    student process is one member, drawn for this run; this rank plays the others
+    (:class:`~course_lib.classroom.checks.virtual_ring.VirtualRing`: every K/V block is drawn here) and reads how far
+    the student process's resident memory grew (``peak``, from ``/proc``, out of the student's reach). The value is
+    compared on ``MEMORY_ROWS_CHECKED`` rows drawn for this run, whose truth the rank computes block by block.
+
+    Measured: see :data:`MEMORY_STEPS`."""
+    member = 2 * int(torch.randint(VIRTUAL_CP // 2, (1,), generator=secret))  # even: an even/odd ring sends first
+    q = torch.randn(1, 1, MEMORY_ROWS, MEMORY_D, generator=secret, dtype=torch.float64)
+    blocks = [tuple(torch.randn(1, 1, MEMORY_ROWS, MEMORY_D, generator=secret, dtype=torch.float64) for _ in range(2))
+              for _ in range(VIRTUAL_CP)]
+    ring = VirtualRing(member, blocks)
+    with virtual_world(ring), point_to_point_only(RING_RULE):
+        result = student_on_rank(fn, q.clone(), blocks[member][0].clone(), blocks[member][1].clone(), ring,
                                  references=references_for("ring_attention_forward"), measure=True, peak=True)
-    blocks = _gathered(k, v)
     rows = torch.randperm(MEMORY_ROWS, generator=secret)[:MEMORY_ROWS_CHECKED]
     want, lse = attention_block(q[:, :, rows], *blocks[0])
     for kb, vb in blocks[1:]:
         want, lse = merge_partials(want, lse, *attention_block(q[:, :, rows], kb, vb))
     value = result["value"]
     right = isinstance(value, torch.Tensor) and value.shape == q.shape and _close(value[:, :, rows], want)
-    return dict(result, q=q, blocks=blocks, right=right, step_bytes=MEMORY_ROWS * MEMORY_ROWS * 8)
+    return dict(result, q=q, blocks=blocks, right=right, rank=member, step_bytes=MEMORY_ROWS * MEMORY_ROWS * 8)
 
 
 def _attention_over(q, blocks):
@@ -306,25 +358,29 @@ def _ring_carried_hint(r: dict) -> str | None:
 
 def _ring_memory_hint(r: dict) -> str | None:
     """The hint for the memory case (:func:`_rank_ring_memory`), or None when its call was a ring's: the call, its
-    value, its sends, then its memory -- the largest tensor where the student process measured one, else the growth
+    sends, its value, then its memory -- the largest tensor where the student process measured one, else the growth
     of its resident memory, which its rank reads (the student's code cannot switch that off)."""
-    m, rank = r["memory"], r["rank"]
+    m = r["memory"]
+    rank, cp = m["rank"], VIRTUAL_CP
     if m["patched"]:
         return f"it replaced {', '.join(m['patched'][:3])} (undone by the checker)"
     if m["course_code"]:
         return course_code_hint(m["course_code"][0])
+    hint = _ring_traffic_hint(m["events"], rank, cp, m["blocks"][0][0].numel()) or _ring_carried_hint(m)
+    if hint:
+        return f"on a ring of {cp} members (the others played by the checker), {hint}"
     if not m["right"]:
-        return (f"with {MEMORY_ROWS} rows per rank (a longer sequence than the first cases) the output differs from "
-                f"full attention: a ring's steps do not depend on the length")
-    hint = (_ring_traffic_hint(m["events"], rank, r["cp"], m["blocks"][0][0].numel())
-            or _ring_carried_hint(m) or _ring_size_hint(dict(m, rank=rank, cp=r["cp"])))
+        return (f"on a ring of {cp} members (the others played by the checker), {MEMORY_ROWS} rows each, the output "
+                f"differs from full attention: a ring's steps depend on neither the number of members nor the length")
+    hint = _ring_size_hint(dict(m, cp=cp))
     if hint or m["peak"] is None or m["peak"] <= MEMORY_STEPS * m["step_bytes"]:
         return hint
-    return (f"rank {rank}'s function grew its memory by {m['peak'] / 2**20:.0f} MiB with {MEMORY_ROWS} rows per "
-            f"rank: {m['peak'] / m['step_bytes']:.1f}× one step's score matrix ({m['step_bytes'] / 2**20:.0f} MiB; "
-            f"a ring holds about 3 of them at once). Gathering the blocks and running one dense attention gives the "
-            f"right numbers, but ring attention never holds the whole sequence -- attend to each block as it "
-            f"arrives (attention_block) and merge it into the running (out, lse) by log-sum-exp")
+    return (f"on a ring of {cp} members, {MEMORY_ROWS} rows each, rank {rank}'s function grew its memory by "
+            f"{m['peak'] / 2**20:.0f} MiB: {m['peak'] / m['step_bytes']:.1f}× one step's score matrix "
+            f"({m['step_bytes'] / 2**20:.0f} MiB; a ring holds about 4 of them at once). Gathering the blocks and "
+            f"running one dense attention gives the right numbers, but ring attention never holds the whole "
+            f"sequence -- attend to each block as it arrives (attention_block) and merge it into the running "
+            f"(out, lse) by log-sum-exp")
 
 
 def _ring_size_hint(r: dict) -> str | None:
@@ -343,9 +399,10 @@ def _ring_size_hint(r: dict) -> str | None:
 @exercise("ring_attention_forward")
 def check_ring_attention(fn, timeout: float = 15) -> bool:
     """``fn(q, k, v, group) -> out``: this rank's rows of (unmasked) attention over the whole sequence, each
-    rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only. On 4 ranks
-    a second call, ``MEMORY_ROWS`` rows per rank, is judged by its value on drawn rows, its sends and how far its
-    process's memory grew (read by the rank)."""
+    rank holding a contiguous chunk ``[b, h, s/cp, d]``; K/V travel by point-to-point messages only. A last
+    call, as one member of a ring of ``VIRTUAL_CP`` whose others the rank plays, ``MEMORY_ROWS`` rows each, is judged
+    by its sends, its value on drawn rows and how far its process's memory grew (read by the rank); torch's fused
+    attention kernel is refused throughout."""
     if is_course_answer(fn):
         return False
     with largest_tensor():  # its one-time import happens here, not in every rank
@@ -381,8 +438,8 @@ def check_ring_attention(fn, timeout: float = 15) -> bool:
                 print(f"✗ with {cp} ranks, rank {r['rank']}\n  hint: {hint}")
                 return False
     # Each claim is checked above: the values, the sends (2(cp − 1) K/V blocks to one neighbour, carrying the
-    # blocks) and, on 4 ranks, no tensor larger than two blocks and a memory peak below MEMORY_STEPS score
-    # matrices of one step -- so what arrived was merged block by block.
+    # blocks) and, on 4 ranks, no tensor larger than two blocks; on the ring of VIRTUAL_CP, the same sends and a memory
+    # peak below MEMORY_STEPS score matrices of one step -- so what arrived was merged block by block.
     print("✓ ring_attention_forward equals full attention on 2 and 4 ranks, using only send/recv: each rank "
           "passed 2(cp − 1) K/V blocks to its neighbour and merged what arrived with log-sum-exp")
     return True

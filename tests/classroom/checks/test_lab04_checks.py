@@ -54,8 +54,19 @@ def ring_ok(q, k, v, group, step=1, steps=None, merge_fn=merge, forward_received
     return out
 
 
-def ring_backwards(q, k, v, group):              # the other direction is a ring too
-    return ring_ok(q, k, v, group, step=-1)
+def ring_backwards(q, k, v, group):              # the other direction is a ring too: here with separate isend/irecv,
+    group = dist.new_group(list(range(dist.get_world_size(group))))  # receives posted first, on a group of its own
+    cp, r, to, frm = _neighbours(group, step=-1)
+    out, lse = attention_block(q, k, v)
+    for _ in range(cp - 1):
+        k_in, v_in = torch.empty_like(k), torch.empty_like(v)
+        works = [dist.irecv(k_in, frm, group=group), dist.irecv(v_in, frm, group=group),
+                 dist.isend(k, to, group=group), dist.isend(v, to, group=group)]
+        for work in works:
+            work.wait()
+        k, v = k_in, v_in
+        out, lse = merge(out, lse, *attention_block(q, k, v))
+    return out
 
 
 def ring_blocking_even_odd(q, k, v, group):
@@ -73,6 +84,23 @@ def ring_blocking_even_odd(q, k, v, group):
         kv = incoming
         o, l_ = attention_block(q, *kv.split(k.shape[-1], -1))
         out, lse = merge(out, lse, o, l_)
+    return out
+
+
+def ring_default_group_odd_first(q, k, v, group):  # the default group, not the one passed; odd ranks send first
+    cp, r = dist.get_world_size(), dist.get_rank()   # K and V side by side in one message
+    out, lse = attention_block(q, k, v)
+    kv = torch.cat([k, v], -1)
+    for _ in range(cp - 1):
+        incoming = torch.empty_like(kv)
+        if r % 2:
+            dist.send(kv, (r + 1) % cp)
+            dist.recv(incoming, (r - 1) % cp)
+        else:
+            dist.recv(incoming, (r - 1) % cp)
+            dist.send(kv, (r + 1) % cp)
+        kv = incoming
+        out, lse = merge(out, lse, *attention_block(q, *kv.split(k.shape[-1], -1)))
     return out
 
 
@@ -166,6 +194,17 @@ def ring_then_course_reference(q, k, v, group):  # the course's dense reference 
     return reference_attention(q, *_every_block(k, v, group))
 
 
+def ring_then_sdpa(q, k, v, group):            # right numbers, the ring's sends, torch's fused attention on all of it
+    return torch.nn.functional.scaled_dot_product_attention(q, *_every_block(k, v, group))
+
+
+def ring_then_fused_kernel_unmeasured(q, k, v, group):  # the kernel itself, through torch.ops, the modes off
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.inference_mode():
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, *_every_block(k, v, group))[0].clone()
+
+
 def ring_rebuilt_from_seed(q, k, v, group):      # every block rebuilt from the seed the checker once used
     cp, r, to, frm = _neighbours(group)
     gen = torch.Generator().manual_seed(21)
@@ -180,6 +219,7 @@ def ring_rebuilt_from_seed(q, k, v, group):      # every block rebuilt from the 
     (ring_backwards, True, "✓ ring_attention_forward"),
     (ring_blocking_even_odd, True, "✓ ring_attention_forward"),
     (ring_course_merge, True, "✓ ring_attention_forward"),
+    (ring_default_group_odd_first, True, "✓ ring_attention_forward"),
     (not_yet, False, "not attempted yet: write ring_attention_forward"),
     (ring_calls_unwritten_merge, False, "not attempted yet: write merge (Exercise 1)"),
     (ring_all_gather, False, "--cp-comm-type all_gather, not a ring"),
@@ -194,6 +234,8 @@ def ring_rebuilt_from_seed(q, k, v, group):      # every block rebuilt from the 
     (ring_gather_then_dense, False, "ring attention never holds the whole sequence"),
     (ring_then_course_reference, False, "the course's own course_lib.context_parallel.ring.reference_attention"),
     (ring_rebuilt_from_seed, False, "the output differs from full attention"),
+    (ring_then_sdpa, False, "[refused] torch's fused attention kernel (scaled_dot_product_attention)"),
+    (ring_then_fused_kernel_unmeasured, False, "[refused] torch's fused attention kernel"),
 ])
 def test_check_ring_attention(capsys, answer, ok, text):
     assert cp_checks.check_ring_attention(answer).ok is ok
@@ -205,13 +247,6 @@ def _dense_over_every_block(q, k, v, group):
     """softmax(q Kᵀ/√d) V over K and V concatenated from what the ring brought: right numbers, the ring's sends."""
     keys, values = _every_block(k, v, group)
     return torch.softmax(q @ keys.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ values
-
-
-def ring_then_dense_unmeasured(q, k, v, group):  # the dispatch modes of its process switched off around the dense part
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        return _dense_over_every_block(q, k, v, group)
 
 
 def ring_then_dense_in_a_thread(q, k, v, group):  # dispatch modes are per thread: a new one starts without them
@@ -272,8 +307,28 @@ def ring_then_dense_in_its_first_calls_buffer(q, k, v, group):
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            _SPARE.append(torch.zeros(12 << 20, dtype=torch.float64))
+            _SPARE.append(torch.zeros(20 << 20, dtype=torch.float64))
     return _dense_into(_SPARE[0], q, k, v, group)
+
+
+def ring_then_dense_softmax_in_place(q, k, v, group):  # one score matrix of the whole sequence, nothing more
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        keys, values = _every_block(k, v, group)
+        scores = q @ keys.transpose(-1, -2)
+        scores.div_(q.shape[-1] ** 0.5)
+        scores.sub_(scores.amax(-1, keepdim=True)).exp_()
+        scores.div_(scores.sum(-1, keepdim=True))
+        return scores @ values
+
+
+def ring_then_sdpa_math(q, k, v, group):          # the fused kernel refused, torch's math fallback: the whole scores
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, *_every_block(k, v, group))
 
 
 def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: last step's block and probabilities kept
@@ -296,21 +351,24 @@ def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: l
     (ring_keeping_the_previous_step, True, "✓ ring_attention_forward"),
     (ring_then_dense_in_the_cells_buffer, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_its_first_calls_buffer, False, "ring attention never holds the whole sequence"),
-    (ring_then_dense_unmeasured, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_a_thread, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_python_key_excluded, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_a_child, False, "a new process cannot be started where your function runs"),
+    (ring_then_dense_softmax_in_place, False, "ring attention never holds the whole sequence"),
+    (ring_then_sdpa_math, False, "ring attention never holds the whole sequence"),
 ])
 def test_a_dense_attention_hidden_from_the_student_process_is_refused_by_its_memory(capsys, answer, ok, text):
     """The largest tensor is counted in the student's own process (a dispatch mode): switched off there, the dense
-    attention still shows in how far that process's memory grew, which its rank reads from /proc on 4 ranks and
-    1024 rows per rank (``MEMORY_ROWS``), in a process forked for that call; memory the cell touched before (which
-    a write copies without raising the peak) or the first call kept does not hide it. A ring that keeps more than
-    it needs still passes; a new process, whose memory would not count, cannot be started (the student process is
+    attention still shows in how far that process's memory grew, which its rank reads from /proc with the function
+    as one member of a ring of 32 (``VIRTUAL_CP``) whose other members the rank plays, 512 rows each
+    (``MEMORY_ROWS``), in a process forked for that call; memory the cell touched before (which a write copies
+    without raising the peak) or the first call kept does not hide it, nor does a softmax computed in place (one
+    score matrix of the whole sequence: 32 of one step's) or torch's math attention. A ring that keeps more than it
+    needs still passes; a new process, whose memory would not count, cannot be started (the student process is
     sealed)."""
     _SPARE.clear()
     if answer is ring_then_dense_in_the_cells_buffer:
-        _SPARE.append(torch.zeros(12 << 20, dtype=torch.float64))  # 96 MiB the cell touched: inherited by the forks
+        _SPARE.append(torch.zeros(20 << 20, dtype=torch.float64))  # 160 MiB the cell touched: inherited by the forks
     try:
         verdict = cp_checks.check_ring_attention(answer)
     finally:
@@ -367,3 +425,34 @@ def test_check_merge_robust(capsys, fn, ok, expect):
     assert cp_checks.check_merge(fn).ok is ok
     assert expect in capsys.readouterr().out
     assert torch.logaddexp is logaddexp
+
+
+@pytest.mark.parametrize("layout", ["apart", "side by side", "side by side, received first", "stacked"])
+@pytest.mark.parametrize("direction", [1, -1])
+def test_a_virtual_ring_answers_each_receive_with_the_block_a_right_ring_brings(layout, direction):
+    """The members the rank plays in the memory case: the block a neighbour holds at each step, laid out as the
+    student's own sends of the first step lay out its own block (or K-then-V / side by side when it receives first)."""
+    from course_lib.classroom.checks.virtual_ring import VirtualRing
+
+    size, me = 6, 2
+    blocks = [(torch.randn(1, 1, 3, 2, dtype=torch.float64), torch.randn(1, 1, 3, 2, dtype=torch.float64))
+              for _ in range(size)]
+    ring = VirtualRing(me, blocks)
+    to, frm = (me + direction) % size, (me - direction) % size
+    pack = {"apart": lambda k, v: [k, v], "side by side": lambda k, v: [torch.cat([k, v], -1)],
+            "side by side, received first": lambda k, v: [torch.cat([k, v], -1)],
+            "stacked": lambda k, v: [torch.stack([v, k])]}[layout]
+    held = blocks[me]
+    for step in range(1, size):
+        sent = pack(*held)
+        incoming = [torch.empty_like(t) for t in sent]
+        works = [ring.recv([t], frm, 0) for t in incoming]
+        if layout.endswith("received first") and step == 1:
+            for work in works:
+                work.wait()
+        for t in sent:
+            ring.send([t], to, 0).wait()
+        for work in works:
+            work.wait()
+        assert all(torch.equal(got, want) for got, want in zip(incoming, pack(*blocks[(me - direction * step) % size])))
+        held = blocks[(me - direction * step) % size]
