@@ -23,7 +23,8 @@ SEED4 = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_a
          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                                "overlap_comm": True, "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                               "stage3_param_persistence_threshold": 1e6}}
+                               "stage3_param_persistence_threshold": 1e6},
+         "steps_per_print": 10, "wall_clock_breakdown": False}
 # the lab's two runs (thresholds 1e6 and 100, buckets 5e8 and 3000): the checkers' fixed cases until they drew theirs
 OLD_WIRE = {10 ** 6: {"forward_all_gather": 0, "backward_all_gather": 0, "reduce_scatter": 38272,
                       "step_all_gather": 38272},
@@ -209,7 +210,7 @@ def fits_as_the_notebook(budget):
 
 def fits_another_way(budget):
     """Right, written another way: tensor by tensor, a threshold just below the first size left out, a float bucket
-    that leaves half a percent unused, other prefetch and contiguous_gradients said out loud."""
+    rounded down to 20 elements, other prefetch and contiguous_gradients said out loud."""
     sizes = sorted(_numels())
     room, whole, i = budget // 2 - sizes[-1], 0, 0      # elements left beside a bucket of the largest gradient
     while i < len(sizes) and sizes[i] < sizes[-1]:
@@ -219,7 +220,7 @@ def fits_another_way(budget):
         whole, i = whole + sum(group), i + len(group)
     config = copy.deepcopy(SEED4)
     config["zero_optimization"].update(stage3_param_persistence_threshold=sizes[i] - 1, contiguous_gradients=True,
-                                       reduce_bucket_size=float(max(sizes[-1], int(0.995 * budget / 2) - whole)),
+                                       reduce_bucket_size=float(max(sizes[-1], (budget // 2 - whole) // 20 * 20)),
                                        stage3_prefetch_bucket_size=777)
     return config
 
@@ -307,7 +308,7 @@ def test_the_budget_is_drawn_so_that_every_budget_has_its_own_answer(lab):
         assert lab.fit_problem(*_predicted(numels, fits_another_way(budget)), budget, numels, {}) is None
         for name, config in (("fixed", FIXED), ("copied", copied)):
             passed[name] += lab.fit_problem(*_predicted(numels, config), budget, numels, config) is None
-    assert passed["fixed"] == 0 and passed["copied"] <= 12, passed   # a copied config fits a 1 % window (~1.3 %)
+    assert passed["fixed"] == 0 and passed["copied"] <= 16, passed   # a copied config: at most ~2.3 % of the draws
     with pytest.raises(UsageError, match="cannot hold a reduce bucket of the largest gradient"):
         memory.spend_device_budget(numels, 2 * largest - 1)
     held, gathered = _predicted(numels, FIXED)
@@ -345,7 +346,7 @@ def test_fits_on_ranks(capsys, lab, fit_cases, monkeypatch):
         ok, out = _verdict(capsys, lambda: lab.check_fits(fits_as_the_notebook))
         assert ok and launched == [f"notebook{i}"], out
         assert out.startswith("✓ DeepSpeed trained your config on 4 ranks within the device budget drawn for this "
-                              "run") and re.findall(r"\d[\d,]*", out) == ["4", "1"], out   # no drawn value (nbval)
+                              "run") and re.findall(r"\d[\d,]*", out) == ["4", "0", "25"], out   # no drawn value (nbval)
     _serve(monkeypatch, lab, fit_cases, budgets[3])
     ok, out = _verdict(capsys, lambda: lab.check_fits(fits_another_way))
     assert ok, out
@@ -363,8 +364,12 @@ def test_fits_on_ranks(capsys, lab, fit_cases, monkeypatch):
     launched = _serve(monkeypatch, lab, fit_cases, budgets[0])
     for answer, said in ((lambda budget: dict(copy.deepcopy(SEED4), train_micro_batch_size_per_gpu=1,
                                               gradient_accumulation_steps=2),
-                          "train_micro_batch_size_per_gpu differs from the seed's"),
+                          "gradient_accumulation_steps differs from the seed's (2 vs 1)"),
                          (stub, "not attempted yet: write fitting_config"),
+                         (lambda budget: dict(copy.deepcopy(SEED4), communication_data_type="fp32"),
+                          "communication_data_type differs from the seed's ('fp32' vs '(none)')"),
+                         (lambda budget: dict(copy.deepcopy(SEED4), steps_per_print=range(3)),
+                          "is not JSON"),
                          (lambda: FIXED, "fitting_config(" + f"{budgets[0]:,}" + ") raised TypeError"),
                          (lambda budget: [FIXED], "return a ds_config dict")):
         ok, out = _verdict(capsys, lambda: lab.check_fits(answer))
