@@ -16,8 +16,8 @@ and what it put on the wire, each op placed in DeepSpeed's phase of the step (fo
   persistence threshold and a bucket size), which DeepSpeed trains in one launch of 4 ranks with the wire
   recorded (:func:`drawn_wire_runs`); the student's function is called on every case first, so a stub, a
   crash or a malformed answer costs no launch;
-* :func:`check_fits` -- ``fitting_config(budget)``: a ds_config that keeps the seed's batch, precision and
-  optimizer and spends a per-rank device budget drawn for the run (:func:`drawn_fit_budget`) as a practitioner
+* :func:`check_fits` -- ``fitting_config(budget)``: a ds_config that changes only the seed's ``zero_optimization``
+  and spends a per-rank device budget drawn for the run (:func:`drawn_fit_budget`) as a practitioner
   would (:func:`course_lib.deepspeed.memory.spend_device_budget`, judged by :func:`fit_problem`); the checker
   trains it on 4 ranks (one launch) and reads what each rank holds on the device and on the host, and what
   crossed the wire (it must still be ZeRO-3: parameters gathered);
@@ -508,8 +508,8 @@ def fit_problem(held: dict, gathered: int, budget: int, numels: list, config: di
 
 @exercise("fitting_config")
 def check_fits(fn, world: int = 4, timeout: float = 120) -> bool:
-    """``fn(budget)`` -> a ds_config that keeps the lab seed's batch sizes, precision, optimizer and clipping
-    (:data:`SEED_KEPT`) and spends a device budget drawn for this run (bytes of model states per rank at rest,
+    """``fn(budget)`` -> a ds_config that changes nothing of the lab's seed but ``zero_optimization``
+    (:data:`SEED_KEPT`: batch, precision, optimizer, clipping, logging) and spends a device budget drawn for this run (bytes of model states per rank at rest,
     :func:`drawn_fit_budget`) as :func:`fit_problem` asks; trained on ``world`` ranks (with the wire recorded)
     to read what each rank holds and what it sends -- one launch."""
     import json as _json
