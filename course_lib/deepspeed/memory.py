@@ -31,6 +31,10 @@ trainer does) each process also needs its fp32 copy, ``4Ψ`` per GPU of the node
 (``max(4·gpus_per_node, ...)``). ZeRO-0 and ZeRO-1 have no estimator in DeepSpeed. DeepSpeed's
 ``offload_param`` only acts at stage 3 (it partitions parameters only there); the estimators model
 CPU offload only (NVMe holds what the host would).
+
+:func:`spend_device_budget` goes the other way: given a rank's device budget under ZeRO-3 with both offloads,
+it spends it on what stays on the device at rest (:func:`zero3_device_at_rest`: the persistent parameters and
+the reduce bucket) as a practitioner would (Lab 10's Exercise 3).
 """
 
 from __future__ import annotations
@@ -126,6 +130,60 @@ def deepspeed_estimate(stage: int, num_params: float, dp: int, largest: float = 
         whole,
         Item(("the largest layer" if zero_init else "the model") + f" in fp32 per process on the node (4 × {per_node})"
              " × 1.5", "host", host, True)))
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """How :func:`spend_device_budget` spends a rank's device budget under ZeRO-3 with both offloads:
+    ``persistent`` elements kept whole on every rank (every tensor of at most ``threshold`` elements:
+    any threshold from ``threshold`` up to the next tensor size keeps the same ones), a reduce bucket of
+    ``bucket`` elements, ``largest`` the largest gradient (the bucket's floor), and ``device`` the bytes
+    that leaves on the device at rest."""
+
+    persistent: int
+    threshold: int
+    bucket: int
+    largest: int
+    device: int
+
+
+def zero3_device_at_rest(numels, persistence_threshold: float, reduce_bucket_size: float,
+                         element_bytes: int = 2) -> int:
+    """A rank's device bytes between steps under ZeRO-3 with ``offload_optimizer`` and ``offload_param``
+    (``contiguous_gradients``, DeepSpeed's default): the parameters of at most ``persistence_threshold``
+    elements, whole (``parameter_offload.py`` ``mark_persistent_parameters``; the model threshold at its
+    default), and the reduce bucket, ``reduce_bucket_size`` elements allocated whole (``stage3.py``:
+    ``torch.empty(self.reduce_bucket_size)``), both 16-bit; every partition and the optimizer are on the host."""
+    kept = sum(n for n in numels if n <= persistence_threshold)
+    return element_bytes * (kept + int(reduce_bucket_size))
+
+
+def spend_device_budget(numels, budget: int, element_bytes: int = 2) -> BudgetPlan:
+    """A device budget (bytes per rank at rest) spent on what ZeRO-3 with both offloads keeps there
+    (:func:`zero3_device_at_rest`), as a practitioner would: (1) a reduce bucket that holds the largest
+    gradient -- DeepSpeed copies a gradient into its contiguous bucket only when it fits
+    (``stage3.py`` ``__add_grad_to_ipg_bucket``); (2) then as many tensors kept whole as fit, by size,
+    smallest first -- each one kept is a forward all-gather fewer (DeepSpeed's reason for the threshold:
+    small gathers are latency-bound) -- but never the largest size, or forward gathers nothing and it is
+    no longer ZeRO-3; (3) the rest to the bucket: fewer reduce-scatters in backward. ``numels``: the
+    parameters' element counts (each gradient has its parameter's)."""
+    sizes = [rules.integer("a parameter's elements", n) for n in numels]
+    if len(set(sizes)) < 2:
+        raise rules.UsageError("spend_device_budget needs tensors of at least two sizes (the largest stay "
+                               "partitioned); pass every parameter's element count")
+    largest = max(sizes)
+    budget = rules.integer("budget", budget, minimum=0)
+    if budget < element_bytes * largest:
+        raise rules.UsageError(f"a device budget of {budget:,} B cannot hold a reduce bucket of the largest gradient "
+                               f"({largest:,} elements, {element_bytes * largest:,} B): give at least that")
+    persistent, threshold = 0, 0
+    for size in sorted(set(sizes))[:-1]:
+        kept = sum(n for n in sizes if n <= size)
+        if element_bytes * (kept + largest) > budget:
+            break
+        persistent, threshold = kept, size
+    bucket = budget // element_bytes - persistent
+    return BudgetPlan(persistent, threshold, bucket, largest, element_bytes * (persistent + bucket))
 
 
 def paper_bytes(stage: int, num_params: float, dp: int, precision: str, *, offload_optimizer: bool = False,

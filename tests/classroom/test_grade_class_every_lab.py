@@ -195,7 +195,7 @@ CHEATS = {
                        "def reduce_buckets(grad_numels, reduce_bucket_size):\n"
                        "    return DeepSpeedZeroConfig(reduce_bucket_size=reduce_bucket_size)\n", "deepspeed"),
     "fitting_config": ("from course_lib.deepspeed.memory import deepspeed_estimate\n\n"
-                       "def fitting_config():\n    return deepspeed_estimate(3, 1e6, 4)\n", "deepspeed_estimate"),
+                       "def fitting_config(budget):\n    return deepspeed_estimate(3, 1e6, 4)\n", "deepspeed_estimate"),
     "build_sample_index": ("from megatron.core.datasets import helpers\n\n"
                            "def build_sample_index(sizes, document_index, seq_length, num_epochs, tokens_per_epoch):\n"
                            "    return helpers.build_sample_idx(sizes, document_index, seq_length, num_epochs,\n"

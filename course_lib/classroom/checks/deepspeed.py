@@ -16,9 +16,11 @@ and what it put on the wire, each op placed in DeepSpeed's phase of the step (fo
   persistence threshold and a bucket size), which DeepSpeed trains in one launch of 4 ranks with the wire
   recorded (:func:`drawn_wire_runs`); the student's function is called on every case first, so a stub, a
   crash or a malformed answer costs no launch;
-* :func:`check_fits` -- a ds_config that keeps the seed's batch, precision and optimizer and fits a
-  per-rank device budget; the checker trains it on 4 ranks and reads what each rank holds on the device
-  and on the host, and what crossed the wire (it must still be ZeRO-3: parameters gathered);
+* :func:`check_fits` -- ``fitting_config(budget)``: a ds_config that changes only the seed's ``zero_optimization``
+  and spends a per-rank device budget drawn for the run (:func:`drawn_fit_budget`) as a practitioner
+  would (:func:`course_lib.deepspeed.memory.spend_device_budget`, judged by :func:`fit_problem`); the checker
+  trains it on 4 ranks (one launch) and reads what each rank holds on the device and on the host, and what
+  crossed the wire (it must still be ZeRO-3: parameters gathered);
 * :func:`check_answers` -- the review questions, answered by the student, each citing a number measured here.
 
 None of them raises; the stub prints "not attempted yet".
@@ -424,23 +426,121 @@ def _device_bytes(held: dict) -> int:
     return held["params"] + held["grads"] + held["optimizer"]
 
 
+# what a fitting config keeps of the lab's seed: all of SEED4 (the seed's file with the batch scaled to 4 ranks) but
+# zero_optimization -- the batch, the precision (2 bytes an element on the device), the optimizer, the logging
+SEED_KEPT = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+             "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                       "weight_decay": 0.1}},
+             "steps_per_print": 10, "wall_clock_breakdown": False}
+FIT_TOLERANCE = 0.0025
+"""The share of the budget a fitting config may leave unused (the bucket takes the rest; it may be rounded to some
+tens of elements). A config right for another budget of the same size class passes only where the budget is at most
+this much above its bytes: ~0.7 % of the draws on average, ~2.3 % at most (narrow size classes)."""
+
+
+def lab_numels(flags: list | None = None) -> list[int]:
+    """The element count of each parameter of the course GPT of ``flags`` (:data:`MODEL_FLAGS`: the lab's)."""
+    from course_lib.model import GPTModel
+    from course_lib.train import parse_args, validate_args
+
+    model = GPTModel(validate_args(parse_args(flags or MODEL_FLAGS), 4, check_memory=False).model)
+    return [p.numel() for p in model.parameters()]
+
+
+def drawn_fit_budget(rng, numels: list, level: int | None = None) -> int:
+    """A device budget (bytes per rank at rest) for this run: a number of size classes kept whole (``level``,
+    by default drawn: 0 to all but the largest, each as likely), then a budget from the least that keeps them whole
+    beside a bucket of the largest gradient to one byte short of the next class -- every budget has a right answer
+    (:func:`course_lib.deepspeed.memory.spend_device_budget`), and the bucket it leaves differs with the budget."""
+    sizes, largest = sorted(set(numels)), max(numels)
+    levels = [0] + [sum(n for n in numels if n <= s) for s in sizes[:-1]] + [sum(numels)]
+    k = rng.randrange(len(levels) - 1) if level is None else level
+    return rng.randint(2 * (levels[k] + largest), 2 * (levels[k + 1] + largest) - 1)
+
+
+def _fit_budget() -> int:
+    """The budget of this check: drawn in the checker's process (under the judge, the check process)."""
+    return drawn_fit_budget(drawn_rng(), lab_numels())
+
+
+def fit_problem(held: dict, gathered: int, budget: int, numels: list, config: dict) -> str | None:
+    """What is wrong with a config that DeepSpeed trained (``held``: the worst rank's
+    :func:`~course_lib.deepspeed.engine.held_bytes`; ``gathered``: the elements forward all-gathered) for a device
+    ``budget`` on the model of ``numels``, as one line (the rule it breaks, never the right config); None when it
+    spends the budget as :func:`~course_lib.deepspeed.memory.spend_device_budget` does: within it, a bucket that
+    holds the largest gradient, no fewer tensors whole than fit beside that bucket, the rest (all but
+    :data:`FIT_TOLERANCE`) in the bucket."""
+    from course_lib.deepspeed.memory import spend_device_budget
+
+    plan, device = spend_device_budget(numels, budget), _device_bytes(held)
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    if held["optimizer"]:
+        return ("the optimizer state is on the device: keep the seed's offload_optimizer (the budget is for what "
+                "ZeRO-3 keeps on the device at rest: the whole small tensors and the reduce bucket)")
+    if held["params_host"] == 0:
+        return ("the parameters' partitions are on the device: keep the seed's offload_param (the budget is for the "
+                "whole small tensors and the reduce bucket)")
+    if device > budget:
+        part = max(("params", "grads", "optimizer"), key=lambda k: held[k])
+        return (f"{device:,} B on the device > the budget {budget:,} B; the largest part is {part} "
+                f"({held[part]:,} B). " + _fit_hint(part, config))
+    if gathered == 0:
+        return ("forward gathers no parameter: every rank holds every parameter whole, so this is not ZeRO-3's "
+                "partitioning any more; keep stage 3 with a persistence threshold below the large weights")
+    bucket, whole = held["grads"] // 2, held["params"] // 2
+    if bucket < plan.largest:
+        return (f"your reduce bucket holds {bucket:,} elements, fewer than the largest gradient ({plan.largest:,}): "
+                "DeepSpeed copies a gradient into its contiguous bucket only when it fits (stage3.py "
+                "__add_grad_to_ipg_bucket), so the bucket comes first, large enough for every gradient"
+                + ("; keep contiguous_gradients on (its default): without it there is no bucket"
+                   if zero.get("contiguous_gradients") is False else ""))
+    if whole < plan.persistent:
+        return (f"you keep {whole:,} elements whole on every rank; beside a bucket that holds the largest gradient "
+                f"the budget has room for more: keep whole every size of tensor that still fits, smallest first "
+                f"(stage3_param_persistence_threshold; each tensor kept whole is an all-gather fewer in every forward)")
+    if device < budget * (1 - FIT_TOLERANCE):
+        return (f"{device:,} B of the {budget:,} B budget used: once the tensors that fit are whole, what is left "
+                f"belongs to the reduce bucket (a larger reduce_bucket_size: fewer reduce-scatters in backward); "
+                f"leave at most {FIT_TOLERANCE:.2%} of the budget unused")
+    return None
+
+
 @exercise("fitting_config")
-def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120) -> bool:
-    """``fn()`` -> a ds_config that keeps ``seed``'s batch sizes, precision and optimizer and whose model states
-    fit ``budget`` bytes per rank on the device; trained on ``world`` ranks (with the wire recorded) to read
-    what each rank holds and what it sends."""
+def check_fits(fn, world: int = 4, timeout: float = 120) -> bool:
+    """``fn(budget)`` -> a ds_config that changes nothing of the lab's seed but ``zero_optimization``
+    (:data:`SEED_KEPT`: batch, precision, optimizer, clipping, logging) and spends a device budget drawn for this run (bytes of model states per rank at rest,
+    :func:`drawn_fit_budget`) as :func:`fit_problem` asks; trained on ``world`` ranks (with the wire recorded)
+    to read what each rank holds and what it sends -- one launch."""
+    import json as _json
+
     from course_lib.classroom.checks.wire import launch_checked
     from course_lib.launch import LaunchError, RankError
     from course_lib.deepspeed.engine import preload
 
-    config = _returned_dict(fn, "fitting_config", "a ds_config dict", "fitting_config")
-    if config is None:
+    if is_course_answer(fn):
         return False
-    kept = [k for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "bf16",
-                        "optimizer", "gradient_clipping") if config.get(k) != seed.get(k)]
-    if kept:
-        print(f"✗ {kept[0]} differs from the seed's ({safe_repr(config.get(kept[0]))} vs "
-              f"{safe_repr(seed.get(kept[0]))}): change only zero_optimization, the run must train the same model")
+    budget = _fit_budget()
+    config, problem = checked_call(fn, budget, references=references_for("fitting_config"))
+    if problem == "todo":
+        not_attempted("fitting_config")
+        return False
+    if problem or not isinstance(config, dict):
+        print(f"✗ fitting_config({budget:,}) {problem or 'returned ' + safe_repr(config) + '; return a ds_config dict'}")
+        return False
+    try:
+        config = _json.loads(_json.dumps(config))            # what DeepSpeed reads: the file written below
+    except (TypeError, ValueError) as err:
+        print(f"✗ fitting_config({budget:,}) returned a dict that is not JSON ({err}); a ds_config is a JSON file: "
+              f"use ints, floats, strings, lists and dicts")
+        return False
+    changed = [k for k in sorted(set(config) | set(SEED_KEPT)) if k != "zero_optimization"
+               and config.get(k, "(none)") != SEED_KEPT.get(k, "(none)")]
+    if changed:
+        k = changed[0]
+        print(f"✗ fitting_config({budget:,}): {k} differs from the seed's ({safe_repr(config.get(k, '(none)'))} vs "
+              f"{safe_repr(SEED_KEPT.get(k, '(none)'))}): change only zero_optimization, the run must train the same "
+              f"model in the same precision")
         return False
     paths = write_configs({"yours": config})
     preload()
@@ -448,29 +548,27 @@ def check_fits(fn, seed: dict, budget: int, world: int = 4, timeout: float = 120
         runs = launch_checked(train_on_ranks, world, timeout=timeout, configs=paths, model=MODEL_FLAGS)
     except (RankError, LaunchError) as err:
         line = raised_line(err) if isinstance(err, RankError) else str(err)
-        print(f"✗ DeepSpeed did not train it: {line}")
+        print(f"✗ fitting_config({budget:,}): DeepSpeed did not train it: {line}")
         return False
     except ValueError as err:
-        print(f"✗ DeepSpeed refuses it: {err}")
+        print(f"✗ fitting_config({budget:,}): DeepSpeed refuses it: {err}")
         return False
     held = [r["yours"]["state_bytes"] for r in runs]
     worst = max(range(world), key=lambda r: _device_bytes(held[r]))
     h = held[worst]
     gathered = measured_wire(runs[0]["yours"])["forward_all_gather"]
-    print(f"  measured on {world} ranks, rank {worst}: device params {h['params']:,} + grads {h['grads']:,} + "
-          f"optimizer {h['optimizer']:,} = {_device_bytes(h):,} B; host {h['params_host'] + h['grads_host'] + h['optimizer_host']:,} B; "
-          f"forward all-gathers {gathered:,} elements per micro-batch")
-    if _device_bytes(h) > budget:
-        part = max(("params", "grads", "optimizer"), key=lambda k: h[k])
-        print(f"✗ {_device_bytes(h):,} B on the device > the budget {budget:,} B; the largest part is {part} "
-              f"({h[part]:,} B). " + _fit_hint(part, config))
+    problem = fit_problem(h, gathered, budget, lab_numels(), config)
+    if problem:
+        print(f"✗ fitting_config({budget:,}): {problem}")
+        print(f"  measured on {world} ranks, rank {worst}: device params {h['params']:,} + grads {h['grads']:,} + "
+              f"optimizer {h['optimizer']:,} = {_device_bytes(h):,} B; host "
+              f"{h['params_host'] + h['grads_host'] + h['optimizer_host']:,} B; forward all-gathers {gathered:,} "
+              f"elements per micro-batch")
         return False
-    if gathered == 0:
-        print("✗ it fits, but forward gathers no parameter: every rank holds every parameter whole, so this is not "
-              "ZeRO-3's partitioning any more; keep stage 3 with a persistence threshold below the large weights")
-        return False
-    print(f"✓ {_device_bytes(h):,} B per rank on the device at rest (budget {budget:,}); the price is on the wire: "
-          f"{gathered:,} elements all-gathered in every forward, and the host holds the rest")
+    print(f"✓ DeepSpeed trained your config on {world} ranks within the device budget drawn for this run, spent as a "
+          f"practitioner would: a reduce bucket that holds the largest gradient, as many of the smallest tensors "
+          f"whole as fit beside it, the rest in the bucket (at most {FIT_TOLERANCE:.2%} unused); the offloads kept, "
+          f"the large weights still gathered in every forward")
     return True
 
 

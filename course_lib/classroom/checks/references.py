@@ -127,7 +127,9 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     # Lab 10
     "zero3_wire": ("course_lib.deepspeed.engine:held_bytes",),
     "reduce_buckets": ("course_lib.distributed.buffer:size_buckets",),
-    "fitting_config": ("course_lib.deepspeed.config:translate", "course_lib.deepspeed.memory:deepspeed_estimate"),
+    "fitting_config": ("course_lib.deepspeed.config:translate", "course_lib.deepspeed.memory:deepspeed_estimate",
+                       "course_lib.deepspeed.memory:spend_device_budget",
+                       "course_lib.deepspeed.memory:zero3_device_at_rest"),
     "my_answers_10": (),
     # Lab 11
     "build_sample_index": ("course_lib.data.gpt_dataset:build_sample_index", "course_lib.data.gpt_dataset:MegatronGPTDataset",

@@ -3,7 +3,8 @@ differently from the notebook's pass, wrong ones fail with the hint that names t
 a lookup table of the lab's runs (the checkers' old fixed cases) fails on the drawn ones, the stub says "not
 attempted yet" without a launch, the course's own functions are refused. Exercises 1 and 2 draw their cases once
 per process and DeepSpeed trains them in one launch of 4 ranks that both checkers use; Exercise 3's checker
-launches its own (a config that does not fit, and one that does)."""
+draws a device budget per run and launches once per check; here one launch of its configs serves every check of
+it, and the rule it judges by (``memory.spend_device_budget``) is checked against those real runs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ SEED4 = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_a
          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
                                "overlap_comm": True, "reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                               "stage3_param_persistence_threshold": 1e6}}
+                               "stage3_param_persistence_threshold": 1e6},
+         "steps_per_print": 10, "wall_clock_breakdown": False}
 # the lab's two runs (thresholds 1e6 and 100, buckets 5e8 and 3000): the checkers' fixed cases until they drew theirs
 OLD_WIRE = {10 ** 6: {"forward_all_gather": 0, "backward_all_gather": 0, "reduce_scatter": 38272,
                       "step_all_gather": 38272},
@@ -36,6 +38,7 @@ def lab():
     from course_lib.classroom.checks import deepspeed
 
     deepspeed._DRAWN.clear()           # this module's cases are drawn afresh
+    _numels()
     return deepspeed
 
 
@@ -172,26 +175,206 @@ def test_reduce_buckets_right_wrong_lookup_stub(capsys, lab, runs):
 # ------------------------------------------------------------------ exercise 3 and the review questions
 
 
-def test_fits_reads_the_ranks(capsys, lab):
-    def unchanged():
-        return copy.deepcopy(SEED4)
+FIXED = copy.deepcopy(SEED4)          # the lab's old answer for its old fixed budget of 4,000 B
+FIXED["zero_optimization"].update(stage3_param_persistence_threshold=100, reduce_bucket_size=1000)
 
-    def fits():          # right, and not the notebook's numbers
-        config = copy.deepcopy(SEED4)
-        config["zero_optimization"].update(stage3_param_persistence_threshold=0, reduce_bucket_size=1000)
-        return config
 
-    def other_batch():
-        return dict(copy.deepcopy(SEED4), train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=2)
+_NUMELS: list = []
 
-    ok, out = _verdict(capsys, lambda: lab.check_fits(unchanged, SEED4, budget=20_000))
-    assert not ok and "the largest part is grads (1,000,000,000 B)" in out and "reduce_bucket_size" in out
-    ok, out = _verdict(capsys, lambda: lab.check_fits(fits, SEED4, budget=20_000))
-    assert ok and "2,000 B per rank on the device" in out and "38,272 elements all-gathered in every forward" in out
-    ok, out = _verdict(capsys, lambda: lab.check_fits(other_batch, SEED4, budget=20_000))
-    assert not ok and "train_micro_batch_size_per_gpu differs from the seed's" in out
-    ok, out = _verdict(capsys, lambda: lab.check_fits(stub, SEED4, budget=20_000))
-    assert not ok and "not attempted yet: write fitting_config" in out
+
+def _numels() -> list:
+    """The lab GPT's parameter sizes, computed once outside any checked call (a student's function that called
+    the checker's ``lab_numels`` would be refused)."""
+    if not _NUMELS:
+        from course_lib.classroom.checks.deepspeed import lab_numels
+
+        _NUMELS.extend(lab_numels())
+    return list(_NUMELS)
+
+
+def fits_as_the_notebook(budget):
+    """The notebook's solution, as written there."""
+    numels = dict(enumerate(_numels()))
+    config = json.loads(json.dumps(SEED4))
+    largest = max(numels.values())
+    whole, threshold = 0, 0
+    for size in sorted(set(numels.values()))[:-1]:
+        kept = sum(n for n in numels.values() if n <= size)
+        if 2 * (kept + largest) > budget:
+            break
+        whole, threshold = kept, size
+    config["zero_optimization"].update(stage3_param_persistence_threshold=threshold,
+                                       reduce_bucket_size=budget // 2 - whole)
+    return config
+
+
+def fits_another_way(budget):
+    """Right, written another way: tensor by tensor, a threshold just below the first size left out, a float bucket
+    rounded down to 20 elements, other prefetch and contiguous_gradients said out loud."""
+    sizes = sorted(_numels())
+    room, whole, i = budget // 2 - sizes[-1], 0, 0      # elements left beside a bucket of the largest gradient
+    while i < len(sizes) and sizes[i] < sizes[-1]:
+        group = [n for n in sizes if n == sizes[i]]
+        if whole + sum(group) > room:
+            break
+        whole, i = whole + sum(group), i + len(group)
+    config = copy.deepcopy(SEED4)
+    config["zero_optimization"].update(stage3_param_persistence_threshold=sizes[i] - 1, contiguous_gradients=True,
+                                       reduce_bucket_size=float(max(sizes[-1], (budget // 2 - whole) // 20 * 20)),
+                                       stage3_prefetch_bucket_size=777)
+    return config
+
+
+@pytest.fixture(scope="module")
+def fit_cases(lab):
+    """Budgets of four different size classes, the first three in increasing order (drawn as the checker draws
+    them); the configs of the notebook's answer for the first three and of another right answer for the fourth; and
+    DeepSpeed's runs of the four in ONE launch of 4 ranks -- the launch ``check_fits`` makes, with more configs --
+    which serves the checks below (:func:`_serve`)."""
+    from course_lib.classroom.checks.wire import launch_checked
+    from course_lib.deepspeed.engine import preload
+
+    rng, numels = lab.drawn_rng(), _numels()
+    levels = rng.sample(range(len(set(numels)) - 1), 4)
+    budgets = [lab.drawn_fit_budget(rng, numels, level=k) for k in sorted(levels[:3]) + levels[3:]]
+    configs = {f"notebook{i}": fits_as_the_notebook(b) for i, b in enumerate(budgets[:3])}
+    configs["another"] = fits_another_way(budgets[3])
+    preload()
+    runs = launch_checked(lab.train_on_ranks, 4, timeout=240, configs=lab.write_configs(configs),
+                          model=lab.MODEL_FLAGS)
+    return {"budgets": budgets, "configs": configs, "runs": runs}
+
+
+def _serve(monkeypatch, lab, fit_cases, budget) -> list:
+    """``check_fits`` draws ``budget``, and its launch is answered from ``fit_cases``'s runs (the config it wrote
+    must be one of them); returns the list of the configs it launched."""
+    from course_lib.classroom.checks import wire
+
+    launched = []
+
+    def launch(fn, world, *, configs, **kwargs):
+        assert fn is lab.train_on_ranks and world == 4 and kwargs["model"] == lab.MODEL_FLAGS
+        with open(configs["yours"]) as f:
+            mine = json.load(f)
+        names = [n for n, c in fit_cases["configs"].items() if json.loads(json.dumps(c)) == mine]
+        assert names, mine
+        launched.append(names[0])
+        return [{"yours": r[names[0]]} for r in fit_cases["runs"]]
+
+    monkeypatch.setattr(wire, "launch_checked", launch)
+    monkeypatch.setattr(lab, "_fit_budget", lambda: budget)
+    return launched
+
+
+def _predicted(numels, config) -> tuple[dict, int]:
+    """What a rank holds (as ``held_bytes``) and forward gathers under ``config``, by DeepSpeed's rules
+    (``memory.zero3_device_at_rest``; the test below checks them against the real runs)."""
+    zero = config["zero_optimization"]
+    whole = sum(n for n in numels if n <= zero["stage3_param_persistence_threshold"])
+    return ({"params": 2 * whole, "grads": 2 * int(zero["reduce_bucket_size"]), "optimizer": 0,
+             "params_host": 2 * sum(numels) // 4, "grads_host": 6 * sum(numels) // 4,
+             "optimizer_host": 12 * sum(numels) // 4}, sum(numels) - whole)
+
+
+def test_the_budget_is_drawn_so_that_every_budget_has_its_own_answer(lab):
+    """No launch: each size class's budgets are spent by ``spend_device_budget`` as the rule says, every drawn budget
+    has a right answer, and one config (the lab's old answer, or the right one for another budget) is refused for
+    nearly every budget drawn."""
+    from course_lib.deepspeed import memory
+    from course_lib.rules import UsageError
+
+    numels, rng = _numels(), lab.drawn_rng()
+    largest, sizes = max(numels), sorted(set(numels))
+    levels = [0] + [sum(n for n in numels if n <= s) for s in sizes[:-1]]
+    lows = [lab.drawn_fit_budget(_Ends(low=True), numels, level=k) for k in range(len(levels))]
+    highs = [lab.drawn_fit_budget(_Ends(low=False), numels, level=k) for k in range(len(levels))]
+    assert (lows[0], highs[-1]) == (24_576, 101_119)            # the notebook's words: 24,576 B to about 100 KB
+    for k, (low, high) in enumerate(zip(lows, highs)):
+        for budget in (low, high):
+            plan = memory.spend_device_budget(numels, budget)
+            assert plan.persistent == levels[k] and plan.bucket >= largest and budget - 1 <= plan.device <= budget
+            assert memory.zero3_device_at_rest(numels, plan.threshold, plan.bucket) == plan.device
+            assert fits_as_the_notebook(budget)["zero_optimization"]["reduce_bucket_size"] == plan.bucket
+            if k + 1 < len(levels):   # one size class more, beside a bucket of the largest gradient, does not fit
+                over = {"zero_optimization": {"stage3_param_persistence_threshold": sizes[k],
+                                              "reduce_bucket_size": largest}}
+                assert memory.zero3_device_at_rest(numels, sizes[k], largest) > budget
+                assert "on the device > the budget" in lab.fit_problem(*_predicted(numels, over), budget, numels, over)
+    copied = fits_as_the_notebook(lab.drawn_fit_budget(rng, numels))
+    passed = {"fixed": 0, "copied": 0}
+    for _ in range(200):
+        budget = lab.drawn_fit_budget(rng, numels)
+        assert lab.fit_problem(*_predicted(numels, fits_as_the_notebook(budget)), budget, numels, {}) is None
+        assert lab.fit_problem(*_predicted(numels, fits_another_way(budget)), budget, numels, {}) is None
+        for name, config in (("fixed", FIXED), ("copied", copied)):
+            passed[name] += lab.fit_problem(*_predicted(numels, config), budget, numels, config) is None
+    assert passed["fixed"] == 0 and passed["copied"] <= 16, passed   # a copied config: at most ~2.3 % of the draws
+    with pytest.raises(UsageError, match="cannot hold a reduce bucket of the largest gradient"):
+        memory.spend_device_budget(numels, 2 * largest - 1)
+    held, gathered = _predicted(numels, FIXED)
+    assert "fewer than the largest gradient (12,288)" in lab.fit_problem(held, gathered, 50_000, numels, FIXED)
+    assert "keep the seed's offload_optimizer" in lab.fit_problem(dict(held, optimizer=8), gathered, 50_000, numels, {})
+    assert "keep the seed's offload_param" in lab.fit_problem(dict(held, params_host=0), gathered, 50_000, numels, {})
+    assert "not ZeRO-3" in lab.fit_problem(held, 0, 50_000, numels, {})
+    assert "keep contiguous_gradients on" in lab.fit_problem(
+        dict(held, grads=0), gathered, 50_000, numels, {"zero_optimization": {"contiguous_gradients": False}})
+
+
+class _Ends:
+    """A stand-in for the checker's random draw: the least or the largest budget of a size class."""
+
+    def __init__(self, low: bool):
+        self.low = low
+
+    def randint(self, a, b):
+        return a if self.low else b
+
+
+def test_fits_on_ranks(capsys, lab, fit_cases, monkeypatch):
+    from course_lib.deepspeed.memory import spend_device_budget, zero3_device_at_rest
+
+    numels, budgets, runs = _numels(), fit_cases["budgets"], fit_cases["runs"]
+    for name, config in fit_cases["configs"].items():     # DeepSpeed's rules, as the checker counts them, on real runs
+        zero = config["zero_optimization"]
+        want = zero3_device_at_rest(numels, zero["stage3_param_persistence_threshold"], zero["reduce_bucket_size"])
+        for r in runs:
+            assert r[name]["state_bytes"]["params"] + r[name]["state_bytes"]["grads"] == want, name
+            assert r[name]["state_bytes"]["optimizer"] == 0, name
+
+    for i in range(3):     # the solution, for budgets of three different size classes
+        launched = _serve(monkeypatch, lab, fit_cases, budgets[i])
+        ok, out = _verdict(capsys, lambda: lab.check_fits(fits_as_the_notebook))
+        assert ok and launched == [f"notebook{i}"], out
+        assert out.startswith("✓ DeepSpeed trained your config on 4 ranks within the device budget drawn for this "
+                              "run") and re.findall(r"\d[\d,]*", out) == ["4", "0", "25"], out   # no drawn value (nbval)
+    _serve(monkeypatch, lab, fit_cases, budgets[3])
+    ok, out = _verdict(capsys, lambda: lab.check_fits(fits_another_way))
+    assert ok, out
+
+    # a config that was right for a classmate's budget (another size class), copied: one larger does not fit, one
+    # smaller leaves out tensors that fit
+    for mine, theirs, hint in ((0, 2, "on the device > the budget"), (2, 0, "the budget has room for more")):
+        plan = spend_device_budget(numels, budgets[mine])
+        launched = _serve(monkeypatch, lab, fit_cases, budgets[mine])
+        ok, out = _verdict(capsys, lambda: lab.check_fits(lambda budget: fits_as_the_notebook(budgets[theirs])))
+        assert not ok and launched == [f"notebook{theirs}"] and hint in out and "✓" not in out, out
+        assert f"fitting_config({budgets[mine]:,})" in out and "measured on 4 ranks" in out, out
+        assert f"{plan.bucket:,}" not in _failing(out), out            # the right bucket is never shown
+
+    launched = _serve(monkeypatch, lab, fit_cases, budgets[0])
+    for answer, said in ((lambda budget: dict(copy.deepcopy(SEED4), train_micro_batch_size_per_gpu=1,
+                                              gradient_accumulation_steps=2),
+                          "gradient_accumulation_steps differs from the seed's (2 vs 1)"),
+                         (stub, "not attempted yet: write fitting_config"),
+                         (lambda budget: dict(copy.deepcopy(SEED4), communication_data_type="fp32"),
+                          "communication_data_type differs from the seed's ('fp32' vs '(none)')"),
+                         (lambda budget: dict(copy.deepcopy(SEED4), steps_per_print=range(3)),
+                          "is not JSON"),
+                         (lambda: FIXED, "fitting_config(" + f"{budgets[0]:,}" + ") raised TypeError"),
+                         (lambda budget: [FIXED], "return a ds_config dict")):
+        ok, out = _verdict(capsys, lambda: lab.check_fits(answer))
+        assert not ok and said in out, out
+    assert launched == []                                              # none of them cost a launch
 
 
 def test_answers_must_be_written_and_cite_a_measurement(capsys, lab, runs):
