@@ -11,8 +11,6 @@ import importlib
 import os
 import sys
 
-from course_lib.imports_without_gc import imports_without_gc
-
 COMMANDS = {
     # name: (module, one-line help)
     "labs": ("course_lib.classroom.notebooks.generator", "generate labs/ from solutions/ (or --check that labs/ is current)"),
@@ -48,9 +46,7 @@ def main(argv=None) -> int:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if argv and argv[0] == name:  # import only the command being run
-            with imports_without_gc():
-                command = importlib.import_module(module)
-            command.add_arguments(p)
+            importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()

@@ -48,15 +48,12 @@ def preload() -> None:
     Muon module its optimizer check loads (whose ``torch.compile`` decorators pull in inductor), and the CPU
     accelerator's shared-memory comm op -- so that ranks forked from here (``course_lib.launch``) start
     with them: about 3 s less per rank on 2 cores."""
-    from course_lib.imports_without_gc import imports_without_gc
-
     import_deepspeed()
-    with imports_without_gc():
-        import deepspeed.module_inject.auto_ep_layer  # noqa: F401
-        import deepspeed.runtime.superoffload  # noqa: F401
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-        import deepspeed.runtime.zero.stage3  # noqa: F401
-        import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+    import deepspeed.module_inject.auto_ep_layer  # noqa: F401
+    import deepspeed.runtime.superoffload  # noqa: F401
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    import deepspeed.runtime.zero.stage3  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")

@@ -614,13 +614,12 @@ def import_deepspeed():
     environments sharing ``~/.cache`` would rebuild each other's ops. The first import in an
     environment builds them (:func:`course_lib.deepspeed.ops.ensure_built`, minutes on 2 cores)."""
     from course_lib.deepspeed.ops import ensure_built, set_environment
-    from course_lib.imports_without_gc import imports_without_gc
 
     if not deepspeed_installed():
         raise ImportError(f"DeepSpeed is not installed: pip install 'deepspeed=={VERSION}' (DS_BUILD_OPS=0)")
     set_environment()
-    with imports_without_gc():
-        import deepspeed
+    import deepspeed
+
     ensure_built()
     return deepspeed
 

@@ -29,7 +29,6 @@ the call.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -122,12 +121,9 @@ def _prose(exercise: str, answers) -> dict:
 
 def _preload() -> None:
     """Import what every check needs once, before any fork: torch and the checked process group."""
-    from course_lib.imports_without_gc import imports_without_gc
+    import torch.distributed  # noqa: F401
 
-    with imports_without_gc(keep_frozen=True):  # each check process thaws them (serve)
-        import torch.distributed  # noqa: F401
-
-        import course_lib.classroom.checks.wire  # noqa: F401
+    import course_lib.classroom.checks.wire  # noqa: F401
 
 
 _MEASURED = ("course_lib.classroom.checks.context_parallel",)
@@ -139,16 +135,14 @@ def _load(request: dict) -> None:
     fork: the next check of the notebook finds them imported."""
     from course_lib.classroom.checks.references import REFERENCES, references_for
     from course_lib.classroom.checks.wire import largest_tensor
-    from course_lib.imports_without_gc import imports_without_gc
 
-    with imports_without_gc(keep_frozen=True):
-        checker = _checker(request["checker"])
-        exercise = _exercise(checker, request)
-        if exercise in REFERENCES:
-            references_for(exercise)
-        if getattr(checker, "__module__", "") in _MEASURED:
-            with largest_tensor():  # its first use imports torch._dynamo: here, once, not on every rank
-                pass
+    checker = _checker(request["checker"])
+    exercise = _exercise(checker, request)
+    if exercise in REFERENCES:
+        references_for(exercise)
+    if getattr(checker, "__module__", "") in _MEASURED:
+        with largest_tensor():  # its first use imports torch._dynamo: here, once, not on every rank
+            pass
 
 
 _KEEPS = ("course_lib.classroom.checks.deepspeed",)
@@ -208,7 +202,6 @@ def serve(reply_fd: int, requests=None) -> None:
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:  # the check process: the kernel's channels and the record file closed
-            gc.unfreeze()  # what the judge imported (_preload, _load), listed by gc.get_objects() as in a kernel
             os.close(read_end)
             reply.close()
             records.forget()

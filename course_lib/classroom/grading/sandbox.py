@@ -44,7 +44,6 @@ file descriptors can write to the events file, where no verdict counts.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import resource
@@ -59,7 +58,6 @@ from pathlib import Path
 
 from course_lib.classroom.grading import landlock
 from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup, remove_groups_of_ended
-from course_lib.imports_without_gc import imports_without_gc
 from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
 
 FILE_LIMIT_BYTES = 64 << 20
@@ -211,7 +209,6 @@ def _child(spec: dict, zygote: int, group) -> None:
     from course_lib.launch.output import redirect_output
 
     status, redirected = 1, False
-    gc.unfreeze()  # the zygote's imports, frozen there (serve): listed by gc.get_objects() here, as in a kernel
     try:
         os.setsid()
         group.enter()  # as root: every process of the run counts against its caps and dies with the group
@@ -371,9 +368,8 @@ def serve() -> None:
     die_with_parent(grader)
     adopt_orphans()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's: it stops the runs, then closes us
-    with imports_without_gc(keep_frozen=True):  # each run's child thaws them (_child)
-        for module in _PRELOAD:
-            importlib.import_module(module)
+    for module in _PRELOAD:
+        importlib.import_module(module)
     if os.environ.get(_DEEPSPEED_ENV) == "1":
         _load_deepspeed_ops()
     from course_lib.classroom.grading import landlock

@@ -21,7 +21,6 @@ it is skipped in the ``labs/`` pass when :mod:`.independent_cells` proves it ind
 from __future__ import annotations
 
 import course_lib.classroom.notebooks.fast_start  # noqa: F401  -- first: before nbval's entry point imports nbformat
-import contextlib
 import tempfile
 import time
 import uuid
@@ -31,10 +30,8 @@ import pytest
 
 from course_lib.classroom.notebooks.independent_cells import SKIP_TAG, skip_problems
 from course_lib.classroom.notebooks.xdist_crash import pytest_handlecrashitem, pytest_xdist_make_scheduler  # noqa: F401
-from course_lib.imports_without_gc import imports_without_gc
 
 LAX_FOLDER = "labs"
-_COLLECTING = pytest.StashKey[contextlib.ExitStack]()
 
 
 # The files that took 25 s or more in one `make test` session (junit times summed per file, -n 2 on 2 busy
@@ -84,10 +81,6 @@ def _is_lab_cell(item) -> bool:
 
 
 def pytest_configure(config):
-    # collection imports every test module's torch, DeepSpeed, megatron-core...: without the cyclic GC, which
-    # would walk that growing heap many times over (course_lib.imports_without_gc); on again once collected
-    config.stash[_COLLECTING] = contextlib.ExitStack()
-    config.stash[_COLLECTING].enter_context(imports_without_gc())
     if hasattr(config.option, "loadscopereorder"):      # xdist: keep the order pytest_collection_modifyitems gives
         config.option.loadscopereorder = False
     try:
@@ -153,10 +146,6 @@ _RUN_EXIT_HANDLERS_AND_LEAVE = """def _leave(run=__import__("atexit")._run_exitf
         leave(0)
 
 _leave()"""
-
-
-def pytest_collection_finish(session):
-    session.config.stash[_COLLECTING].close()
 
 
 def _longest_first(items) -> None:
