@@ -512,8 +512,6 @@ def check_fits(fn, world: int = 4, timeout: float = 120) -> bool:
     (:data:`SEED_KEPT`: batch, precision, optimizer, clipping, logging) and spends a device budget drawn for this run (bytes of model states per rank at rest,
     :func:`drawn_fit_budget`) as :func:`fit_problem` asks; trained on ``world`` ranks (with the wire recorded)
     to read what each rank holds and what it sends -- one launch."""
-    import json as _json
-
     from course_lib.classroom.checks.wire import launch_checked
     from course_lib.launch import LaunchError, RankError
     from course_lib.deepspeed.engine import preload
@@ -529,7 +527,7 @@ def check_fits(fn, world: int = 4, timeout: float = 120) -> bool:
         print(f"✗ fitting_config({budget:,}) {problem or 'returned ' + safe_repr(config) + '; return a ds_config dict'}")
         return False
     try:
-        config = _json.loads(_json.dumps(config))            # what DeepSpeed reads: the file written below
+        config = json.loads(json.dumps(config))            # what DeepSpeed reads: the file written below
     except (TypeError, ValueError) as err:
         print(f"✗ fitting_config({budget:,}) returned a dict that is not JSON ({err}); a ds_config is a JSON file: "
               f"use ints, floats, strings, lists and dicts")
