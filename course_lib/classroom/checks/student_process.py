@@ -59,6 +59,7 @@ import contextlib
 import ctypes
 import datetime
 import errno
+import gc
 import inspect
 import os
 import re
@@ -315,6 +316,7 @@ def _student_process(fn, args, kwargs, references, measure: bool, peak: bool, su
         if peak:  # the rank reads the memory before the call (_Session.fork), then says go
             _exact_frees()
             _warm(references, measure)
+            gc.freeze()  # what the process inherited is left out of its collections: see _peak_end
             held = fn.values_nbytes() if callable(getattr(fn, "values_nbytes", None)) else 0
             _reply(to_rank, plain.dumps({"ready": True, "held": held}))
             with _CHANNEL["lock"]:
@@ -644,7 +646,11 @@ def _peak_end(pid: int, baseline: tuple) -> int | None:
     pages the process alone has written, plus the bytes of the student's values the judge decoded there before
     the call (``baseline``: ``(peak, private dirty, values)``). The second counts memory the process held before
     the call and wrote during it: the pages a fork shares with its rank (a buffer the cell allocated) are counted
-    in the peak already, and a write copies them without raising it; the values, a buffer the cell hands over."""
+    in the peak already, and a write copies them without raising it; the values, a buffer the cell hands over.
+    A collection of the garbage collector writes to every object it walks, which would copy every page of the
+    inherited heap (29 MiB in a pytest worker's rank, 100 MiB with megatron-core imported: a right ring refused), so
+    the student process freezes what it holds before the baseline (``gc.freeze``): its collections walk only what
+    the call made. The student's code may unfreeze it: its own memory only looks bigger."""
     peak = _memory(pid, "VmHWM")
     if peak is None:
         return None

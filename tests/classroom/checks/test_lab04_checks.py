@@ -345,10 +345,18 @@ def ring_keeping_the_previous_step(q, k, v, group):  # wasteful, still a ring: l
     return out
 
 
+def ring_collecting_garbage(q, k, v, group):  # a right ring that runs the garbage collector: walks what it inherited
+    import gc
+
+    gc.collect()
+    return ring_keeping_the_previous_step(q, k, v, group)
+
+
 @pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() in ("x86_64", "aarch64")
                          and landlock.abi_version() >= 6), reason="/proc, seccomp and Landlock (ABI >= 6) on Linux")
 @pytest.mark.parametrize("answer, ok, text", [
     (ring_keeping_the_previous_step, True, "✓ ring_attention_forward"),
+    (ring_collecting_garbage, True, "✓ ring_attention_forward"),
     (ring_then_dense_in_the_cells_buffer, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_its_first_calls_buffer, False, "ring attention never holds the whole sequence"),
     (ring_then_dense_in_a_thread, False, "ring attention never holds the whole sequence"),
