@@ -62,6 +62,8 @@ class SavedTensorRecorder:
         self._stack: list[str] = []
         self._raw: list[tuple[str, torch.Tensor, bool, int]] = []
         self._params: list[torch.Tensor] = []
+        self._params_key: list | None = None
+        self._param_ptrs: set = set()
         self._handles: list = []
         self._hooks = None
 
@@ -73,17 +75,27 @@ class SavedTensorRecorder:
     def _leave_module(self, _module, _args, _output):
         self._stack.pop()                            # a hook returning None leaves the output alone
 
+    def _param_storages(self) -> set:
+        """The storage addresses of the module's parameters now, recomputed only when a parameter's data moved
+        (ZeRO-3 gathers a layer's weights when it runs and releases them after): a pack hook runs for every saved
+        tensor, and reading each parameter's storage object is several times dearer than its data pointer."""
+        key = [(p.data_ptr(), p.numel()) for p in self._params]
+        if key != self._params_key:
+            self._params_key = key
+            self._param_ptrs = {p.untyped_storage().data_ptr() for p in self._params if p.numel() > 0}
+        return self._param_ptrs
+
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         # a parameter now, not at the block's end: ZeRO-3 releases its gathered weights by then
         # (and frees their storage, so its size is taken now too)
-        params = {p.untyped_storage().data_ptr() for p in self._params if p.numel() > 0}
         storage = t.untyped_storage()
-        is_param = t.numel() > 0 and storage.data_ptr() in params
+        is_param = t.numel() > 0 and storage.data_ptr() in self._param_storages()
         self._raw.append((self._stack[-1] if self._stack else "(outside)", t, is_param, storage.nbytes()))
         return t
 
     def __enter__(self) -> "SavedTensorRecorder":
         self._params = list(self.module.parameters())
+        self._params_key = None
         for name, sub in self.module.named_modules():
             self._handles.append(sub.register_forward_pre_hook(self._enter_module(name)))
             self._handles.append(sub.register_forward_hook(self._leave_module))
