@@ -52,6 +52,15 @@ def _table1_errors(peak_efficiency=GEMM_PEAK_EFFICIENCY, elementwise_traffic=ELE
     return tuple(published_error(r, _projected(r, **overrides)) for r in TABLE1)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _projections_dropped_after_the_module():
+    """The cached projections hold ~180 MB (their timelines): dropped when this module's tests are done, so that the
+    xdist worker does not carry them into every later test, whose forks (ranks) copy its page tables."""
+    yield
+    _projected.cache_clear()
+    _table1_errors.cache_clear()
+
+
 def _fit_objective(errors) -> float:
     """What the fit minimises: the summed squared log-error of the projected TFLOP/s per GPU."""
     return sum(math.log1p(e) ** 2 for e in errors)
