@@ -538,3 +538,38 @@ def test_a_function_that_loops_is_named_as_one_not_as_a_deadlock(capsys):
     verdict = check_ring_all_reduce(_loops_forever, timeout=8)
     out = capsys.readouterr().out
     assert not verdict.ok and "is there a loop that never ends?" in out, out
+
+
+def test_written_memory_is_the_pages_the_process_itself_copied_not_those_another_process_wrote():
+    """The memory case's count of inherited pages written (``_anonymous_frames`` before and after): a page the
+    process shares with its parent, written by the parent, is the child's alone afterwards (its private dirty
+    memory grows by all of it: full ``make test`` runs refused right rings that way) but not written by it: its
+    physical page is unchanged, so it does not count; shared pages the child writes (copies) do."""
+    import numpy as np
+
+    from course_lib.classroom.checks.student_process import _anonymous_frames, _memory, _rewritten
+
+    if _anonymous_frames(os.getpid()) is None:
+        pytest.skip("/proc/<pid>/pagemap shows no frame numbers here (CAP_SYS_ADMIN only): Private_Dirty stands in")
+    size = 32 << 20
+    parents, childs = np.ones(size // 8), np.ones(size // 8)  # written before the fork: shared by the two only
+    go_read, go_write = os.pipe()
+    done_read, done_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.read(go_read, 1)
+        childs[:] = 3.0                          # the child writes these pages: its own copies
+        os.write(done_write, b"1")
+        os.read(go_read, 1)
+        os._exit(0)
+    try:
+        frames, dirty = _anonymous_frames(pid), _memory(pid, "Private_Dirty", "smaps_rollup")
+        parents[:] = 2.0                         # the parent writes: the child is left alone with the originals
+        assert _memory(pid, "Private_Dirty", "smaps_rollup") - dirty >= 0.9 * size
+        assert _rewritten(frames, _anonymous_frames(pid)) < 0.05 * size
+        os.write(go_write, b"1")
+        os.read(done_read, 1)
+        assert 0.95 * size <= _rewritten(frames, _anonymous_frames(pid)) < 1.1 * size
+    finally:
+        os.write(go_write, b"2")
+        os.waitpid(pid, 0)
