@@ -684,7 +684,8 @@ def _peak_end(pid: int, baseline: tuple) -> int | None:
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_PRESENT, _FRAME = np.uint64(1 << 63), np.uint64((1 << 55) - 1)  # a pagemap entry's bits (Documentation/admin-guide/mm/pagemap.rst)
+# a pagemap entry's bits (the kernel's Documentation/admin-guide/mm/pagemap.rst): present, and the frame number
+_PRESENT, _FRAME = np.uint64(1 << 63), np.uint64((1 << 55) - 1)
 
 
 def _anonymous_frames(pid: int) -> dict | None:
@@ -698,7 +699,8 @@ def _anonymous_frames(pid: int) -> dict | None:
                 open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
             for line in maps:
                 fields = line.split()
-                if fields[1][1] != "w" or fields[1][3] != "p" or (len(fields) > 5 and fields[5] not in ("[heap]", "[stack]")):
+                backed = len(fields) > 5 and fields[5] not in ("[heap]", "[stack]")
+                if fields[1][1] != "w" or fields[1][3] != "p" or backed:
                     continue
                 low, high = (int(x, 16) for x in fields[0].split("-"))
                 pagemap.seek(low // _PAGE * 8)
