@@ -375,8 +375,10 @@ def _ring_memory_hint(r: dict) -> str | None:
     hint = _ring_size_hint(dict(m, cp=cp))
     if hint or m["peak"] is None or m["peak"] <= MEMORY_STEPS * m["step_bytes"]:
         return hint
+    written = (f", {m['written'] / 2**20:.0f} MiB of it written into memory it held before the call"
+               if m.get("written") and m["written"] * 2 > m["peak"] else "")
     return (f"on a ring of {cp} members, {MEMORY_ROWS} rows each, rank {rank}'s function grew its memory by "
-            f"{m['peak'] / 2**20:.0f} MiB: {m['peak'] / m['step_bytes']:.1f}× one step's score matrix "
+            f"{m['peak'] / 2**20:.0f} MiB{written}: {m['peak'] / m['step_bytes']:.1f}× one step's score matrix "
             f"({m['step_bytes'] / 2**20:.0f} MiB; a ring holds about 4 of them at once). Gathering the blocks and "
             f"running one dense attention gives the right numbers, but ring attention never holds the whole "
             f"sequence -- attend to each block as it arrives (attention_block) and merge it into the running "

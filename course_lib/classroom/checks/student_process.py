@@ -40,8 +40,9 @@ Its other ways out are sealed before the student's code runs (:func:`seal`): it 
 process (seccomp), writes no file and signals no process outside its own (Landlock), so it reaches another rank's
 student process only through its rank, and what it computes is in its own memory. With ``peak`` the rank reads how
 far that memory grew during the call (``VmHWM`` of ``/proc/<pid>/status``, reset through ``clear_refs`` before the
-call, and the inherited pages it wrote: those whose physical page changed, from ``pagemap``, or where that is
-not readable ``Private_Dirty`` of ``smaps_rollup``), out of the student's reach. What remains in
+call, and the growth of ``Private_Dirty`` of ``smaps_rollup``: the pages it held before and wrote, counted
+as its own because a twin forked at its start holds every one of them until it ends, :func:`_hold_pages`), out
+of the student's reach. What remains in
 the student's room: what a checker asks to be measured or read there (``measure``'s largest tensor,
 ``summarize``), and a refused library imported from disk after removing the import hook where Landlock is missing
 (the hook is in the student's own process). The gloo groups it inherited are held, never
@@ -69,7 +70,6 @@ import sys
 import threading
 import traceback
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d_classes
@@ -304,6 +304,8 @@ def _student_process(fn, args, kwargs, references, measure: bool, peak: bool, su
         keep = sorted({0, 1, 2, to_rank, from_rank} | {fd for fd in keep if fd >= 0})
         for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
             os.closerange(low + 1, high)
+        if peak:
+            _hold_pages()
         seal()
         groups = list(c10d._world.pg_map)
         _CHANNEL.update(requests=to_rank, replies=os.fdopen(from_rank, "rb"), lock=threading.Lock(), groups=groups)
@@ -567,27 +569,20 @@ def run_on_rank(fn, *args, references=(), measure: bool = False, summarize=None,
     (:func:`backward_on_rank`)."""
     session = next((s for s in _KEPT if s.fits(fn, references, summarize)), None)
     request = None if session is None or peak else _call_request(args, kwargs, session, measure)
-    collecting = peak and gc.isenabled()
-    if collecting:  # see _peak_end: a collection here would copy pages this rank shares with the student process
-        gc.disable()
-    try:
-        if request is None:
-            if session is not None:
-                session.close()
-            session = _Session.fork(fn, args, kwargs, references, measure, summarize, peak)
-            _KEPT.append(session)
-            while len(_KEPT) > KEPT_PROCESSES:
-                _KEPT[0].close()
-        done, rank = session.exchange(request)
-        grown = _peak_end(session.pid, session.baseline) \
-            if peak and session.baseline is not None and not session.closed else None
-    finally:
-        if collecting:
-            gc.enable()
+    if request is None:
+        if session is not None:
+            session.close()
+        session = _Session.fork(fn, args, kwargs, references, measure, summarize, peak)
+        _KEPT.append(session)
+        while len(_KEPT) > KEPT_PROCESSES:
+            _KEPT[0].close()
+    done, rank = session.exchange(request)
+    memory = _peak_end(session.pid, session.baseline) \
+        if peak and session.baseline is not None and not session.closed else None
     session.pg_keys = [id(g) for g in c10d._world.pg_map]
     run = _result(done, rank, args, kwargs, session)
-    if peak:
-        run.peak = grown
+    if memory is not None:
+        run.peak, run.written = memory
     return run
 
 
@@ -636,14 +631,39 @@ def _exact_frees() -> None:
         libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024)
 
 
+def _hold_pages() -> None:
+    """In a student process whose memory a ``peak`` call reads (before :func:`seal`, which forbids it): fork a
+    twin that holds every page this process has, untouched, until this process ends (it is killed with it). A
+    page counts in a process's ``Private_Dirty`` once no other process maps it: without the twin, a write by the
+    rank (its own copy) or the end of another process that shared the page leaves this process alone with a page
+    it never wrote (full ``make test`` runs read 15-26 MiB more than right rings wrote, and refused them). With it,
+    a page becomes this process's own only when this process writes it (the write gives the writer a copy). Returns
+    once the twin is set up, so that what it writes of its own is written before the baseline."""
+    ready_read, ready_write = os.pipe()
+    student = os.getpid()
+    if os.fork() == 0:
+        try:
+            die_with_parent(student)
+            os.closerange(0, ready_write)
+            os.closerange(ready_write + 1, os.sysconf("SC_OPEN_MAX"))
+            os.write(ready_write, b"1")
+            os.close(ready_write)
+            while True:
+                signal.pause()
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.read(ready_read, 1)
+    os.close(ready_read)
+
+
 def _peak_start(pid: int) -> tuple | None:
     """Before a ``peak`` call of the student process ``pid`` (set up, waiting for the rank's go): reset its peak
-    resident memory to what it holds now (``/proc/<pid>/clear_refs``, "5"); ``(that peak, what it has written)``:
-    the physical page of each of its anonymous pages (:func:`_anonymous_frames`) or, where those cannot be read,
-    its private dirty memory in bytes. Where the reset is refused (the rank under the grader's Landlock) the peak
-    since the fork stands in: its setup's, a little above what it holds. The kernel keeps the peak through
-    ``munmap``, ``madvise(MADV_DONTNEED)`` and a heap trimmed by ``brk``, so memory the call freed still counts; a
-    thread's memory is the process's."""
+    resident memory to what it holds now (``/proc/<pid>/clear_refs``, "5"); ``(that peak, its private dirty
+    memory)`` in bytes. Where the reset is refused (the rank under the grader's Landlock) the peak since the fork
+    stands in: its setup's, a little above what it holds. The kernel keeps the peak through ``munmap``,
+    ``madvise(MADV_DONTNEED)`` and a heap trimmed by ``brk``, so memory the call freed still counts; a thread's
+    memory is the process's."""
     try:
         with open(f"/proc/{pid}/clear_refs", "w", encoding="ascii") as clear:
             clear.write("5")
@@ -652,75 +672,24 @@ def _peak_start(pid: int) -> tuple | None:
     peak = _memory(pid, "VmHWM")
     if peak is None:
         return None
-    frames = _anonymous_frames(pid)
-    return peak, frames if frames is not None else _memory(pid, "Private_Dirty", "smaps_rollup")
+    return peak, _memory(pid, "Private_Dirty", "smaps_rollup")
 
 
-def _peak_end(pid: int, baseline: tuple) -> int | None:
-    """After the measured call: how far the memory grew (bytes), the larger of the growth of the peak and of the
-    memory the process held before the call and wrote during it, plus the bytes of the student's values the judge
-    decoded there before the call (``baseline``: ``(peak, what it had written, values)``). The second: the pages a
-    fork shares with its rank (a buffer the cell allocated) are counted in the peak already, and a write copies
-    them without raising it; the values, a buffer the cell hands over.
-
-    A written page is one whose physical page changed (:func:`_anonymous_frames`: a write to a shared page gives
-    the writer a copy), which neither the rank's writes nor the end of a process that shared it can do. Where frame
-    numbers cannot be read (not root), the growth of the private dirty memory stands in, which both can move: a
-    page counts there once no other process maps it (full ``make test`` runs read 15-26 MiB more of it than the
-    student wrote, with rings refused). Either way the student process freezes what it holds before the baseline
-    (``gc.freeze``: a collection writes to every object it walks, which would copy every inherited page; its code
-    may unfreeze it, and only looks bigger), and the rank does not collect from the fork until this reading, which
-    comes before it decodes the reply (:func:`run_on_rank`)."""
+def _peak_end(pid: int, baseline: tuple) -> tuple[int, int] | None:
+    """After the measured call: ``(grown, written)`` in bytes. ``grown``: how far the memory grew, the larger of
+    the growth of the peak and ``written``, plus the bytes of the student's values the judge decoded there before
+    the call (``baseline``: ``(peak, private dirty memory, values)``); ``written``: the memory the process held
+    before the call and wrote during it, the growth of its private dirty memory (see :func:`_hold_pages`). The
+    pages a fork shares with its rank (a buffer the cell allocated) are counted in the peak already, and a write
+    copies them without raising it; the values, a buffer the cell hands over. The student process freezes what it
+    holds before the baseline (``gc.freeze``: a collection writes to every object it walks, which would copy every
+    inherited page; its code may unfreeze it, and only looks bigger)."""
     peak = _memory(pid, "VmHWM")
     if peak is None:
         return None
-    if isinstance(baseline[1], dict):
-        after = _anonymous_frames(pid)
-        written = _rewritten(baseline[1], after) if after is not None else 0
-    else:
-        dirty = _memory(pid, "Private_Dirty", "smaps_rollup")
-        written = dirty - baseline[1] if dirty is not None and baseline[1] is not None else 0
-    return max(0, peak - baseline[0], written) + baseline[2]
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-# a pagemap entry's bits (the kernel's Documentation/admin-guide/mm/pagemap.rst): present, and the frame number
-_PRESENT, _FRAME = np.uint64(1 << 63), np.uint64((1 << 55) - 1)
-
-
-def _anonymous_frames(pid: int) -> dict | None:
-    """``{start: frame numbers}`` of each private writable mapping of process ``pid`` that no file backs (its heap,
-    stacks, every ``mmap``'d buffer): the physical page of each of its pages, 0 where none is present, from
-    ``/proc/<pid>/pagemap``; None where that cannot be read or shows no frame numbers (the kernel shows them to
-    CAP_SYS_ADMIN only)."""
-    frames = {}
-    try:
-        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as maps, \
-                open(f"/proc/{pid}/pagemap", "rb", buffering=0) as pagemap:
-            for line in maps:
-                fields = line.split()
-                backed = len(fields) > 5 and fields[5] not in ("[heap]", "[stack]")
-                if fields[1][1] != "w" or fields[1][3] != "p" or backed:
-                    continue
-                low, high = (int(x, 16) for x in fields[0].split("-"))
-                pagemap.seek(low // _PAGE * 8)
-                entries = np.frombuffer(pagemap.read((high - low) // _PAGE * 8), dtype=np.uint64)
-                frames[low] = np.where(entries & _PRESENT, entries & _FRAME, np.uint64(0))
-    except (OSError, ValueError, IndexError):
-        return None
-    return frames if any(f.any() for f in frames.values()) else None
-
-
-def _rewritten(before: dict, after: dict) -> int:
-    """Bytes of the pages present in both readings (:func:`_anonymous_frames`) whose physical page changed."""
-    pages = 0
-    for start, old in before.items():
-        new = after.get(start)
-        if new is not None:
-            n = min(len(old), len(new))
-            old, new = old[:n], new[:n]
-            pages += int(np.count_nonzero((old != 0) & (new != 0) & (old != new)))
-    return pages * _PAGE
+    dirty = _memory(pid, "Private_Dirty", "smaps_rollup")
+    written = max(0, dirty - baseline[1]) if dirty is not None and baseline[1] is not None else 0
+    return max(0, peak - baseline[0], written) + baseline[2], written
 
 
 KEPT_PROCESSES = 4

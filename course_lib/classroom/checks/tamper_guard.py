@@ -55,6 +55,7 @@ class StudentRun:
     course_code: list[str] = field(default_factory=list)
     largest: tuple | None = None  # (elements, op) of the largest tensor, where a student process measured it
     peak: int | None = None  # bytes the student process's resident memory grew by at most, read by its rank
+    written: int | None = None  # of those, the bytes it held before the call and wrote (see student_process)
 
     @property
     def todo(self) -> bool:
@@ -302,15 +303,15 @@ def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
     :class:`~course_lib.classroom.checks.wire.WireRecorder`), ``patched`` (library names it replaced, undone)
     and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also ``largest`` and
     ``largest_op`` (the largest tensor the call computed, measured in the student process) and ``peak`` (the bytes
-    its resident memory grew by during the call, read by the rank from ``/proc``; None unless the rank asked for
-    it); with ``raw``, also ``raw``: the returned value."""
+    its resident memory grew by during the call, read by the rank from ``/proc``, and ``written``: the bytes of it
+    it held before the call and wrote; None unless the rank asked for them); with ``raw``, also ``raw``: the returned value."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,
                course_code=run.course_code)
     if measure:
         largest, op = run.largest or (0, None)
-        out.update(largest=largest, largest_op=op, peak=run.peak)
+        out.update(largest=largest, largest_op=op, peak=run.peak, written=run.written)
     if raw:
         out["raw"] = run.value
     return out

@@ -541,35 +541,49 @@ def test_a_function_that_loops_is_named_as_one_not_as_a_deadlock(capsys):
 
 
 def test_written_memory_is_the_pages_the_process_itself_copied_not_those_another_process_wrote():
-    """The memory case's count of inherited pages written (``_anonymous_frames`` before and after): a page the
-    process shares with its parent, written by the parent, is the child's alone afterwards (its private dirty
-    memory grows by all of it: full ``make test`` runs refused right rings that way) but not written by it: its
-    physical page is unchanged, so it does not count; shared pages the child writes (copies) do."""
+    """The memory case's count of held pages written, the growth of ``Private_Dirty``: a page the process shares
+    with its parent, written by the parent, would be the child's alone afterwards and count (full ``make test``
+    runs refused right rings that way), but the child's twin (``_hold_pages``) still maps it; shared pages the
+    child writes (copies) count. The twin ends with the child."""
     import numpy as np
 
-    from course_lib.classroom.checks.student_process import _anonymous_frames, _memory, _rewritten
+    from course_lib.classroom.checks.student_process import _hold_pages, _memory
 
-    if _anonymous_frames(os.getpid()) is None:
-        pytest.skip("/proc/<pid>/pagemap shows no frame numbers here (CAP_SYS_ADMIN only): Private_Dirty stands in")
     size = 32 << 20
-    parents, childs = np.ones(size // 8), np.ones(size // 8)  # written before the fork: shared by the two only
+    parents, childs = np.ones(size // 8), np.ones(size // 8)  # written before the fork: shared, not the child's
     go_read, go_write = os.pipe()
     done_read, done_write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        os.read(go_read, 1)
-        childs[:] = 3.0                          # the child writes these pages: its own copies
-        os.write(done_write, b"1")
-        os.read(go_read, 1)
-        os._exit(0)
+        try:
+            os.close(go_write)
+            os.close(done_read)
+            _hold_pages()
+            os.write(done_write, str(os.getpid()).encode() + b"\n")
+            os.read(go_read, 1)
+            childs[:] = 3.0                      # the child writes these pages: its own copies
+            os.write(done_write, b"1")
+            os.read(go_read, 1)
+        finally:
+            os._exit(0)
+    os.close(go_read)
+    os.close(done_write)
     try:
-        frames, dirty = _anonymous_frames(pid), _memory(pid, "Private_Dirty", "smaps_rollup")
-        parents[:] = 2.0                         # the parent writes: the child is left alone with the originals
-        assert _memory(pid, "Private_Dirty", "smaps_rollup") - dirty >= 0.9 * size
-        assert _rewritten(frames, _anonymous_frames(pid)) < 0.05 * size
+        os.read(done_read, 64)
+        twins = [int(p) for p in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+        dirty = _memory(pid, "Private_Dirty", "smaps_rollup")
+        parents[:] = 2.0                         # the parent writes: the twin still shares the originals
+        assert _memory(pid, "Private_Dirty", "smaps_rollup") - dirty < 0.05 * size
         os.write(go_write, b"1")
         os.read(done_read, 1)
-        assert 0.95 * size <= _rewritten(frames, _anonymous_frames(pid)) < 1.1 * size
+        assert 0.95 * size <= _memory(pid, "Private_Dirty", "smaps_rollup") - dirty < 1.1 * size
     finally:
-        os.write(go_write, b"2")
+        os.close(go_write)                       # the child's reads return: it ends
         os.waitpid(pid, 0)
+        os.close(done_read)
+    assert len(twins) == 1
+    deadline = time.monotonic() + 5
+    while os.path.exists(f"/proc/{twins[0]}") and "Z" not in open(f"/proc/{twins[0]}/stat").read().split()[2] \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not os.path.exists(f"/proc/{twins[0]}") or open(f"/proc/{twins[0]}/stat").read().split()[2] == "Z"
