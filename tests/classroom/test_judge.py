@@ -257,7 +257,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
-SCRATCH = torch.zeros(8 << 20, dtype=torch.float64)  # 64 MiB made by the cell: it travels to the judge as a value
+SCRATCH = torch.zeros(64 * 512 * 512, dtype=torch.float64)  # 128 MiB made by the cell: it travels to the judge
 
 def ring_attention_forward(q, k, v, group):
     cp, me = dist.get_world_size(group), dist.get_rank(group)
@@ -289,8 +289,9 @@ def test_a_dense_ring_written_into_a_buffer_of_its_cell_is_refused_by_its_memory
     """Lab 04's memory case through the judge: the cell's buffer is decoded in the student process before the call
     (no growth when the dense scores are written into it), and counts: the rank adds the bytes of the values the
     function uses to how far the call grew."""
-    from course_lib.classroom.checks.context_parallel import check_ring_attention
+    from course_lib.classroom.checks.context_parallel import MEMORY_ROWS, VIRTUAL_CP, check_ring_attention
 
+    assert f"zeros({VIRTUAL_CP} * {MEMORY_ROWS} * {MEMORY_ROWS}," in RING_INTO_ITS_CELLS_BUFFER  # one whole score matrix
     verdict = check_ring_attention(cell(RING_INTO_ITS_CELLS_BUFFER)["ring_attention_forward"])
     assert not verdict.ok
     assert "grew its memory" in verdict.hint and "never holds the whole sequence" in verdict.hint, verdict.hint

@@ -618,17 +618,29 @@ def _warm_ops() -> None:
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _exact_frees() -> None:
-    """In a student process whose peak is read: each allocation of 256 KiB or more gets pages of its own
-    (glibc's threshold fixed, no longer raised by every free), returned when freed, so that its resident memory
-    follows the tensors alive rather than what glibc's heap keeps. The student's code may change it back: glibc
+    """In a student process whose peak is read: each allocation of a page or more that no free chunk of the heap
+    can serve gets pages of its own (glibc's threshold fixed, no longer raised by every free), returned when freed,
+    so that its resident memory follows the tensors alive rather than what glibc's heap keeps (the free chunks it
+    inherited are served first: see :func:`_trim_free_memory`). The student's code may change it back: glibc
     keeping more only makes it look bigger."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None)
-        libc.mallopt(_M_MMAP_THRESHOLD, 256 * 1024)
+        libc.mallopt(_M_MMAP_THRESHOLD, _PAGE)
         libc.mallopt(_M_TRIM_THRESHOLD, 256 * 1024)
+
+
+def _trim_free_memory() -> None:
+    """On a rank, before it forks a student process whose memory a ``peak`` call reads: give the pages its heap
+    holds free back to the system (glibc's ``malloc_trim``). Inherited, they would serve the student's small
+    allocations by writing pages it shares (counted as written, not as growth: a full ``make test`` run's pytest
+    worker, whose heap the rank inherits, made right rings write 11-21 MiB); given back, those allocations take
+    new pages, which count as what they are. Memory in use (a buffer the cell made) is not touched."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def _hold_pages() -> None:
@@ -745,6 +757,8 @@ class _Session:
         from_student, to_rank = os.pipe()
         from_rank, to_student = os.pipe()
         rank_pid = os.getpid()
+        if peak:
+            _trim_free_memory()
         pid = os.fork()
         if pid == 0:
             os.close(from_student)

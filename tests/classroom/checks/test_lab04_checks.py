@@ -280,6 +280,8 @@ def ring_then_dense_in_a_child(q, k, v, group):  # the dense part in a forked pr
 
 
 _SPARE: list = []
+_SCORES = cp_checks.VIRTUAL_CP * cp_checks.MEMORY_ROWS ** 2
+"""Elements of the memory case's whole score matrix: the spare buffers hold two (scores and probabilities)."""
 """Memory touched before the ring runs: by the 'cell' (the test fills it before the check: every fork inherits it)
 or by the function's first call (kept for its later calls)."""
 
@@ -307,7 +309,7 @@ def ring_then_dense_in_its_first_calls_buffer(q, k, v, group):
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            _SPARE.append(torch.zeros(20 << 20, dtype=torch.float64))
+            _SPARE.append(torch.zeros(2 * _SCORES, dtype=torch.float64))
     return _dense_into(_SPARE[0], q, k, v, group)
 
 
@@ -369,15 +371,15 @@ def ring_collecting_garbage(q, k, v, group):  # a right ring that runs the garba
 def test_a_dense_attention_hidden_from_the_student_process_is_refused_by_its_memory(capsys, answer, ok, text):
     """The largest tensor is counted in the student's own process (a dispatch mode): switched off there, the dense
     attention still shows in how far that process's memory grew, which its rank reads from /proc with the function
-    as one member of a ring of 32 (``VIRTUAL_CP``) whose other members the rank plays, 512 rows each
+    as one member of a ring of 64 (``VIRTUAL_CP``) whose other members the rank plays, 512 rows each
     (``MEMORY_ROWS``), in a process forked for that call; memory the cell touched before (which a write copies
     without raising the peak) or the first call kept does not hide it, nor does a softmax computed in place (one
-    score matrix of the whole sequence: 32 of one step's) or torch's math attention. A ring that keeps more than it
+    score matrix of the whole sequence: 64 of one step's) or torch's math attention. A ring that keeps more than it
     needs still passes; a new process, whose memory would not count, cannot be started (the student process is
     sealed)."""
     _SPARE.clear()
     if answer is ring_then_dense_in_the_cells_buffer:
-        _SPARE.append(torch.zeros(20 << 20, dtype=torch.float64))  # 160 MiB the cell touched: inherited by the forks
+        _SPARE.append(torch.zeros(2 * _SCORES, dtype=torch.float64))  # the cell touched it: inherited by the forks
     try:
         verdict = cp_checks.check_ring_attention(answer)
     finally:
