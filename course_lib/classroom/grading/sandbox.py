@@ -106,9 +106,21 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
+_CAP_SYS_ADMIN = 21  # linux/capability.h
+
+
 def namespaces_available() -> bool:
-    """Whether a run can get namespaces of its own (Linux, as root; unprivileged user namespaces are not used)."""
-    return sys.platform.startswith("linux") and os.geteuid() == 0
+    """Whether a run can get namespaces of its own: Linux, with ``CAP_SYS_ADMIN`` in this process's effective set
+    (``CapEff`` of ``/proc/self/status``), which root has unless its container dropped it (Docker does by default);
+    unprivileged user namespaces are not used."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            effective = next(int(line.split()[1], 16) for line in status if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    return bool(effective >> _CAP_SYS_ADMIN & 1)
 
 
 def _into_namespaces() -> bool:
