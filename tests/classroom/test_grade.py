@@ -477,7 +477,7 @@ def test_a_fork_bomb_is_capped_by_its_group_and_killed_whole(graded):
     assert not _orphaned_run_groups()
 
 
-@pytest.mark.skipif(not BOMB_IS_CAPPED, reason="no writable pids cgroup")
+@pytest.mark.skipif(os.geteuid() != 0 or not BOMB_IS_CAPPED, reason="no writable pids cgroup")
 def test_the_groups_of_a_killed_grader_are_removed_when_the_next_zygote_starts():
     # a grader killed with SIGKILL leaves its runs' groups (a CI run of `make test` interrupted by hand left one,
     # and the fork bomb's test then found it); the next zygote removes those whose maker has ended, and no other
@@ -519,6 +519,10 @@ def test_feedback_summary_and_a_rerun_that_writes_the_same_bytes(graded, tmp_pat
     assert "- ✓ `derive_dp`" in feedback
     table = next(line for line in graded["lines"] if line.startswith("lab  exercise")).splitlines()
     passes = ("11/21", "12/21", "11/21") if BOMB_IS_CAPPED else ("11/20", "11/20", "10/20")  # bo passes 2 of 3
+    # where the grader cannot contain them, zed's listeners are reachable (no network namespace: an ordinary user, or
+    # root without CAP_SYS_ADMIN) and mo's processes share no memory cap (an ordinary user): their derive_dp fails
+    uncontained = (not namespaces_available()) + (os.geteuid() != 0)
+    passes = (f"{int(passes[0].split('/')[0]) - uncontained}/{passes[0].split('/')[1]}", *passes[1:])
     assert [line.split()[:3] for line in table[1:]] == [["01", e, n] for e, n in zip(ALL, passes)]
     assert re.search(r" \(\d+\)$", table[3]), table  # the most common hint of rank_of, and how many got it
     seconds = [float(line.rsplit("(", 1)[1].split()[0]) for line in graded["lines"] if " passed (" in line]
