@@ -304,7 +304,8 @@ def on_rank_result(run: StudentRun, rec, measure: bool, raw: bool) -> dict:
     and ``course_code`` (the ``references`` that ran inside it); with ``measure``, also ``largest`` and
     ``largest_op`` (the largest tensor the call computed, measured in the student process) and ``peak`` (the bytes
     its resident memory grew by during the call, read by the rank from ``/proc``, and ``written``: the bytes of it
-    it held before the call and wrote; None unless the rank asked for them); with ``raw``, also ``raw``: the returned value."""
+    it held before the call and wrote; None unless the rank asked for them); with ``raw``, also ``raw``: the
+    returned value."""
     if run.error is not None:
         raise run.error
     out = dict(value=portable(run.value), events=list(rec.events), carried=list(rec.carried), patched=run.patched,

@@ -280,10 +280,10 @@ def ring_then_dense_in_a_child(q, k, v, group):  # the dense part in a forked pr
 
 
 _SPARE: list = []
-_SCORES = cp_checks.VIRTUAL_CP * cp_checks.MEMORY_ROWS ** 2
-"""Elements of the memory case's whole score matrix: the spare buffers hold two (scores and probabilities)."""
 """Memory touched before the ring runs: by the 'cell' (the test fills it before the check: every fork inherits it)
 or by the function's first call (kept for its later calls)."""
+_SCORES = cp_checks.VIRTUAL_CP * cp_checks.MEMORY_ROWS ** 2
+"""Elements of the memory case's whole score matrix: the spare buffers hold two (scores and probabilities)."""
 
 
 def _dense_into(spare, q, k, v, group):
