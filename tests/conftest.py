@@ -49,3 +49,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.split("::")[0] in longest:
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """What a test process holds once its tests are collected (torch, the course, the test modules) goes to the
+    garbage collector's permanent generation: its own collections, and those of every process it forks (ranks,
+    student processes), walk only what the tests allocate (:func:`course_lib.launch.process_tree.freeze_inherited_objects`)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

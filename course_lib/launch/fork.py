@@ -24,7 +24,8 @@ from course_lib.launch.contract import (RANK_ENV, LaunchTimeout, RankResults, fa
                                         load_results)
 from course_lib.launch.output import read_back, redirect_output
 from course_lib.launch.process_tree import (POLL_S, adopt_orphans, death_report, die_with_parent, first_failure,
-                                            kill_tree, libc_prctl, stop_report, supervise, wait_gone)
+                                            freeze_inherited_objects, kill_tree, libc_prctl, stop_report,
+                                            supervise, wait_gone)
 
 # After the first rank fails, the others get this long to report their own
 # failure (often a broken collective) before they are killed.
@@ -49,6 +50,7 @@ _JOINED = ("joined", b"")
 def _fork_child(rank, world_size, backend, timeout, host, port, fn, kwargs, conn, out_fd, parent_pid):
     die_with_parent(parent_pid)  # first: a killed kernel takes its ranks with it
     adopt_orphans()  # what fn starts stays under this rank, for _stop_forked to kill
+    freeze_inherited_objects()
     status, payload = "error", b""
     try:
         redirect_output(out_fd)

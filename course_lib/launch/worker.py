@@ -48,7 +48,8 @@ from pathlib import Path
 
 from course_lib.launch.contract import JOB_ENV, RANK_ENV, failure_record, init_rank
 from course_lib.launch.output import redirect_output
-from course_lib.launch.process_tree import POLL_S, adopt_orphans, death_report, die_with_parent, kill_tree
+from course_lib.launch.process_tree import (POLL_S, adopt_orphans, death_report, die_with_parent,
+                                            freeze_inherited_objects, kill_tree)
 from course_lib.launch.torchrun import TORCHRUN_SIGTERM_S
 from course_lib.safe_files import write_atomic
 
@@ -202,6 +203,7 @@ def supervise_rank(job_dir: str) -> int:
         code = 1
         try:
             die_with_parent(supervisor)
+            freeze_inherited_objects()
             code = run_rank(job_path, rank)
         finally:
             os._exit(code)

@@ -1,6 +1,9 @@
 """The judge: cheats written in the exercise cell fail with a hint that names them; right answers written
 differently pass. Each answer is a notebook cell (its text in linecache, its names in ``__main__``), checked
-through the lab's real checker, which runs in the judge (:mod:`course_lib.classroom.checks.judge`)."""
+through the lab's real checker, which runs in the judge (:mod:`course_lib.classroom.checks.judge`). The cheats
+that search ``gc.get_objects()`` call ``gc.unfreeze()`` first: the judge and the processes it forks freeze what
+they inherit (:func:`course_lib.launch.process_tree.freeze_inherited_objects`), which hides it from
+``get_objects``; a student can undo that, so the refusal must hold with everything listed."""
 
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
 import gc
 
 def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
-    grid = next(o for o in gc.get_objects() if isinstance(o, type) and o.__name__ == "RankGrid")
+    grid = next(o for o in (gc.unfreeze() or gc.get_objects()) if isinstance(o, type) and o.__name__ == "RankGrid")
     return grid(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp).rank_of(tp=tp_rank, cp=cp_rank, dp=dp_rank, pp=pp_rank)
 ''', "RankGrid"),
     "megatron-core's RankGenerator": ('''
@@ -110,7 +113,7 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
 import gc
 
 def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
-    cls = next(o for o in gc.get_objects() if isinstance(o, type) and o.__name__ == "RankGrid")
+    cls = next(o for o in (gc.unfreeze() or gc.get_objects()) if isinstance(o, type) and o.__name__ == "RankGrid")
     grid = cls(tp * cp * dp * pp, tp=tp, pp=pp, cp=cp)
     coords = {"tp": tp_rank, "cp": cp_rank, "ep": 0, "dp": dp_rank, "pp": pp_rank}
     return sum(coords[a] * s for a, s in zip(grid.order, grid._stride))
@@ -193,9 +196,9 @@ def my_ring_all_reduce(x):
 import gc, types
 
 def read_plan(saved, want):
-    res = next(o for o in gc.get_objects() if isinstance(o, types.ModuleType)
+    res = next(o for o in (gc.unfreeze() or gc.get_objects()) if isinstance(o, types.ModuleType)
                and o.__name__ == "torch.distributed.checkpoint.resharding")
-    md = next(o for o in gc.get_objects() if isinstance(o, types.ModuleType)
+    md = next(o for o in (gc.unfreeze() or gc.get_objects()) if isinstance(o, types.ModuleType)
               and o.__name__ == "torch.distributed.checkpoint.metadata")
     cur = md.ChunkStorageMetadata(offsets=list(want[0]), sizes=list(want[1]))
     plan = []
@@ -371,7 +374,7 @@ def test_the_answer_key_of_the_review_checker_is_not_in_the_worker():
 import gc, types
 
 def my_answers():
-    review = next(o for o in gc.get_objects() if isinstance(o, types.ModuleType)
+    review = next(o for o in (gc.unfreeze() or gc.get_objects()) if isinstance(o, types.ModuleType)
                   and o.__name__ == "course_lib.classroom.checks.review")
     return {key: getattr(spec, "value", "lorem ipsum dolor sit amet consectetur adipiscing elit sed do")
             for key, spec in review.QUESTIONS["07"].items()}

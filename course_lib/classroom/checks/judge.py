@@ -39,6 +39,7 @@ from course_lib.classroom.checks.judge_client import _INSIDE
 from course_lib.classroom.checks.refusals import private_tempdir
 from course_lib.classroom.checks.student_code import resolve
 from course_lib.classroom.checks.workers import StudentFunction, _read_from, _write_all
+from course_lib.launch.process_tree import freeze_inherited_objects
 
 
 def _decode_arg(data, exercise: str):
@@ -198,6 +199,7 @@ def serve(reply_fd: int, requests=None) -> None:
             _load(request)
         except Exception:  # noqa: BLE001 - the check process reports it
             pass
+        freeze_inherited_objects()  # the check process, and the ranks it forks, never walk what the judge holds
         sys.stdout.flush()
         read_end, write_end = os.pipe()
         pid = os.fork()

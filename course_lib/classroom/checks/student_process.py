@@ -83,7 +83,7 @@ from course_lib.classroom.checks.wire import (CheckedProcessGroup, CollectiveRef
                                              student_running, wire_recorder)
 from course_lib.classroom.checks.workers import _Lines, _tensor_leaves, _travels, _write_all
 from course_lib.classroom.grading import landlock, seccomp
-from course_lib.launch.process_tree import die_with_parent
+from course_lib.launch.process_tree import die_with_parent, freeze_inherited_objects
 
 __all__ = ["run_on_rank", "student_on_rank", "backward_on_rank", "OPS"]
 
@@ -761,6 +761,7 @@ class _Session:
             _trim_free_memory()
         pid = os.fork()
         if pid == 0:
+            freeze_inherited_objects()
             os.close(from_student)
             os.close(to_student)
             _student_process(fn, args, kwargs, references, measure, peak, summarize, to_rank, from_rank, keep,

@@ -38,6 +38,7 @@ from course_lib.classroom.checks import plain
 from course_lib.classroom.checks.refusals import prepare
 from course_lib.classroom.checks.student_code import rebuild, values_of
 from course_lib.classroom.checks.tamper_guard import undo_patches
+from course_lib.launch.process_tree import freeze_inherited_objects
 
 CALL_TIMEOUT = 120.0
 """Seconds a worker may take for one call of the student's function."""
@@ -157,6 +158,7 @@ class StudentFunction:
         from_worker, to_judge = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker keeps stdin/out/err, its two pipes and the file rule, nothing else
+            freeze_inherited_objects()
             keep = sorted({0, 1, 2, from_judge, to_judge, self.refusals.ruleset_fd()} - {-1})
             for low, high in zip(keep, keep[1:] + [os.sysconf("SC_OPEN_MAX")]):
                 os.closerange(low + 1, high)
@@ -220,6 +222,7 @@ class StudentFunction:
         read_end, write_end = os.pipe()
         pid = os.fork()
         if pid == 0:  # the worker
+            freeze_inherited_objects()
             os.close(read_end)
             _worker(self.captured, refusals, args, kwargs, write_end)
         os.close(write_end)

@@ -58,7 +58,8 @@ from pathlib import Path
 
 from course_lib.classroom.grading import landlock
 from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup, remove_groups_of_ended
-from course_lib.launch.process_tree import adopt_orphans, die_with_parent, kill_tree, parent_pids
+from course_lib.launch.process_tree import (adopt_orphans, die_with_parent, freeze_inherited_objects, kill_tree,
+                                            parent_pids)
 
 FILE_LIMIT_BYTES = 64 << 20
 """The largest file a run may write (its printed output included)."""
@@ -385,6 +386,8 @@ def serve() -> None:
     if os.environ.get(_DEEPSPEED_ENV) == "1":
         _load_deepspeed_ops()
     from course_lib.classroom.grading import landlock
+
+    freeze_inherited_objects()  # every run's kernel (and judge) walks only what it allocates itself
 
     replies = sys.stdout
     sys.stdout = sys.stderr

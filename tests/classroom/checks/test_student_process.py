@@ -490,7 +490,7 @@ def is_the_ring(o):
 
 def my_ring_all_reduce(x):
     sys.setprofile(None)                                  # the course-code watcher of its own process
-    ring = next(o for o in gc.get_objects() if is_the_ring(o))
+    ring = next(o for o in (gc.unfreeze() or gc.get_objects()) if is_the_ring(o))
     return ring(x)
 ''', "ring_all_reduce"),
     "the refusals undone: bindings put back, the import hook removed": ('''
@@ -499,7 +499,7 @@ import sys
 
 def my_ring_all_reduce(x):
     sys.setprofile(None)
-    refusals = next(o for o in gc.get_objects() if type(o).__name__ == "Refusals")
+    refusals = next(o for o in (gc.unfreeze() or gc.get_objects()) if type(o).__name__ == "Refusals")
     sys.meta_path[:] = [f for f in sys.meta_path if type(f).__name__ != "_Finder"]
     for owner, attr, original, _ in refusals._stubs:
         setattr(owner, attr, original)
