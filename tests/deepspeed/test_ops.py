@@ -120,3 +120,33 @@ def test_the_ops_are_built_and_loaded_by_the_environments_own_ninja(monkeypatch)
     assert shutil.which("ninja") == os.path.join(scripts, "ninja")
     ds_ops.set_environment()                              # once is enough: nothing added twice
     assert os.environ["PATH"].split(os.pathsep) == [scripts, "/usr/bin", "/bin"]
+
+
+def test_the_cpu_is_asked_once_and_its_answer_kept_beside_the_ops(tmp_path, monkeypatch):
+    """py-cpuinfo's answer (a Python subprocess, ~1.2 s of CPU, twice per op load) is asked once per CPU: kept in
+    the process and in TORCH_EXTENSIONS_DIR, asked again when /proc/cpuinfo names another CPU."""
+    import json
+
+    import cpuinfo
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(ds_ops, "_cpu_identity", lambda: "model name : the course's CPU")
+    asked = []
+
+    def install():
+        def ask():
+            asked.append(1)
+            return {"arch": "X86_64", "flags": ["avx2"]}
+        monkeypatch.setattr(cpuinfo, "get_cpu_info", ask)
+        ds_ops._remember_cpu_info()
+
+    install()
+    first = cpuinfo.get_cpu_info()
+    first["flags"].append("changed by a caller")
+    assert cpuinfo.get_cpu_info() == {"arch": "X86_64", "flags": ["avx2"]} and len(asked) == 1
+    assert json.loads((tmp_path / ".course_cpuinfo.json").read_text())["cpu"] == "model name : the course's CPU"
+    install()                                                 # another process: the file answers
+    assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and len(asked) == 1
+    monkeypatch.setattr(ds_ops, "_cpu_identity", lambda: "model name : another CPU")
+    install()                                                 # a copied environment on another CPU asks again
+    assert cpuinfo.get_cpu_info()["arch"] == "X86_64" and len(asked) == 2
