@@ -10,18 +10,24 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
+import tempfile
 
 import torch
 
 
 def _in_a_child(body) -> dict:
     """``body()``'s dict, computed in a forked child (an exception comes back as ``{"error": ...}``; a child
-    silent for 60 s is killed)."""
+    silent for 60 s is killed). The child's temp folder is made and removed here: the refusals' file fence gives
+    a process without one a folder of its own (``refusals.private_tempdir``), removed at exit, which a child that
+    ends by ``os._exit`` never reaches (each such test left one in /tmp)."""
+    folder = tempfile.mkdtemp(prefix="test-refusals-")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.environ["TMPDIR"] = os.environ["COURSE_JUDGE_TMPDIR"] = tempfile.tempdir = folder
             os.close(read_end)
             torch.set_num_threads(1)  # the parent's OpenMP pool does not survive a fork: one thread, no pool
             try:
@@ -38,6 +44,7 @@ def _in_a_child(body) -> dict:
     with os.fdopen(read_end, "rb") as f:
         data = f.read() if ready else b'{"error": "the child hung for 60 s"}'
     os.waitpid(pid, 0)
+    shutil.rmtree(folder, ignore_errors=True)
     return json.loads(data)
 
 
