@@ -45,7 +45,7 @@ def set_environment() -> None:
 
         if not torch.cuda.is_available():
             os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", _default_extensions_dir())
     _own_ninja_first()
     _remember_cpu_info()
 
@@ -78,7 +78,8 @@ def _remember_cpu_info() -> None:
     @functools.wraps(ask)
     def get_cpu_info():
         if "answer" not in memo:
-            path, identity = os.path.join(_extensions_dir(), _CPU_INFO), _cpu_identity()
+            identity = _cpu_identity()
+            path = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", _default_extensions_dir()), _CPU_INFO)
             try:
                 with open(path, encoding="utf-8") as kept:
                     saved = json.load(kept)
@@ -110,6 +111,10 @@ def _own_ninja_first() -> None:
     path = os.environ.get("PATH", "").split(os.pathsep)
     if os.access(os.path.join(scripts, "ninja"), os.X_OK) and path[:1] != [scripts]:
         os.environ["PATH"] = os.pathsep.join([scripts, *(p for p in path if p != scripts)])
+
+
+def _default_extensions_dir() -> str:
+    return os.path.join(sys.prefix, "torch_extensions")
 
 
 def _extensions_dir() -> str:
