@@ -57,5 +57,7 @@ def pytest_collection_finish(session):
     student processes), walk only what the tests allocate (:func:`course_lib.launch.process_tree.freeze_inherited_objects`)."""
     import gc
 
+    from course_lib.launch.process_tree import freeze_inherited_objects
+
     gc.collect()
-    gc.freeze()
+    freeze_inherited_objects()

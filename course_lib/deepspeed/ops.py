@@ -18,6 +18,7 @@ The ops and the stamp live in ``TORCH_EXTENSIONS_DIR`` (``<venv>/torch_extension
 
 from __future__ import annotations
 
+import copy
 import functools
 import glob
 import json
@@ -96,7 +97,7 @@ def _remember_cpu_info() -> None:
                         write_atomic(path, json.dumps({"cpu": identity, "answer": memo["answer"]}))
                     except OSError:
                         pass
-        return json.loads(json.dumps(memo["answer"]))  # a copy: a caller may change what it gets
+        return copy.deepcopy(memo["answer"])  # a caller may change what it gets
 
     cpuinfo.get_cpu_info = get_cpu_info
 

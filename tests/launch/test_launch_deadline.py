@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from course_lib.classroom.grading.sandbox import namespaces_available
 from course_lib.launch import torchrun
 from course_lib.launch.contract import LaunchTimeout, bind_gloo_to_loopback
-from course_lib.classroom.grading.sandbox import namespaces_available
 from course_lib.launch.process_tree import parent_pids
 
 ROOT = Path(__file__).resolve().parents[2]
