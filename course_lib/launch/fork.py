@@ -195,13 +195,24 @@ def _collect_reports(procs, conns, timeout):
     return payloads, failures, joined
 
 
+IMPORTED_BEFORE_THE_FORKS = ("torch.fx.experimental.symbolic_shapes",)
+"""What a launch imports before it forks its ranks, so that every rank inherits it instead of paying for it again:
+``backward(grad)`` imports sympy lazily (0.3 s of CPU here, seconds on a slow disk). A server that forks processes
+which launch (the checkers' judge, ``grade``'s zygote) imports it once, before its own forks."""
+
+
+def import_before_the_forks() -> None:
+    """Import :data:`IMPORTED_BEFORE_THE_FORKS` (at once where they are imported already)."""
+    import importlib
+
+    for module in IMPORTED_BEFORE_THE_FORKS:
+        importlib.import_module(module)
+
+
 def launch_fork(fn, world_size, backend, timeout, kwargs) -> RankResults:
     import multiprocessing as mp
 
-    # backward(grad) imports sympy lazily (~2.5 s); import it once here so that
-    # every forked rank inherits it instead of paying for it again.
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
-
+    import_before_the_forks()
     libc_prctl()  # looked up here, before the forks
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))  # the OS picks the port: no race

@@ -121,10 +121,15 @@ def _prose(exercise: str, answers) -> dict:
 
 
 def _preload() -> None:
-    """Import what every check needs once, before any fork: torch and the checked process group."""
+    """Import what every check needs once, before any fork: torch, the checked process group, and what a launch
+    of ranks imports first (:data:`course_lib.launch.fork.IMPORTED_BEFORE_THE_FORKS`: 0.3 s of CPU that every
+    check process launching ranks, a fresh fork of the judge, paid again)."""
     import torch.distributed  # noqa: F401
 
     import course_lib.classroom.checks.wire  # noqa: F401
+    from course_lib.launch.fork import import_before_the_forks
+
+    import_before_the_forks()
 
 
 _MEASURED = ("course_lib.classroom.checks.context_parallel",)

@@ -383,6 +383,9 @@ def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the grader's: it stops the runs, then closes us
     for module in _PRELOAD:
         importlib.import_module(module)
+    from course_lib.launch.fork import import_before_the_forks
+
+    import_before_the_forks()  # what every launch of a run's checkers and cells would import again
     if os.environ.get(_DEEPSPEED_ENV) == "1":
         _load_deepspeed_ops()
     from course_lib.classroom.grading import landlock
