@@ -25,8 +25,12 @@ def _notebook(path, checked_output):
                                         f"os.mkdir({folder!r})\n"
                                         f"_ = open({folder!r} + '.made', 'w').write(json.loads(get_connection_info())['transport'])\n"
                                         f"_ = atexit.register(shutil.rmtree, {folder!r})", execution_count=4)
+    # What a kernel keeps for its reader after it ends (Lab 09's checkpoints, Lab 05's runs): in the temporary folder
+    # the plugin gives the kernel, removed with the notebook.
+    kept = nbformat.v4.new_code_cell("import tempfile\n_ = open(tempfile.mkdtemp(prefix='kept_') + '/run.log', 'w').write('x')",
+                                     execution_count=5)
     nb = nbformat.v4.new_notebook()
-    nb.cells = [stale, marked, independent, cleanup]
+    nb.cells = [stale, marked, independent, cleanup, kept]
     path.parent.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, str(path))
 
@@ -44,7 +48,7 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     failed = sorted(line[len("FAILED "):].split(" - ")[0] for line in done.stdout.splitlines()
                     if line.startswith("FAILED"))
     assert failed == ["labs/marked_wrong.ipynb::Cell 1", "solutions/strict.ipynb::Cell 0"], done.stdout
-    assert "2 failed, 8 passed, 2 skipped" in done.stdout
+    assert "2 failed, 11 passed, 2 skipped" in done.stdout
     made = sorted(p.name for p in tmp_path.glob("**/*.made"))
     assert made == ["labs-good.tmp.made", "labs-marked_wrong.tmp.made", "solutions-strict.tmp.made"], made
     assert not list(tmp_path.glob("**/*.tmp")), "a kernel's atexit handlers did not run (nbval killed it)"
@@ -52,7 +56,7 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     assert {p.read_text() for p in tmp_path.glob("**/*.made")} == {"ipc"}
     left = list(kernel_files.iterdir())
     shutil.rmtree(kernel_files)
-    assert not left, f"a kernel's connection or socket files were left behind: {left}"
+    assert not left, f"a kernel's connection or socket files, or its temporary folder, were left behind: {left}"
 
 
 def _cells(*sources, tagged=()):

@@ -21,6 +21,8 @@ it is skipped in the ``labs/`` pass when :mod:`.independent_cells` proves it ind
 from __future__ import annotations
 
 import course_lib.classroom.notebooks.fast_start  # noqa: F401  -- first: before nbval's entry point imports nbformat
+import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -112,6 +114,17 @@ class _SocketFileKernelManager:
             kwargs.setdefault("transport", "ipc")
             kwargs.setdefault("ip", prefix)
         super().__init__(**kwargs)
+        self.course_tmpdirs: list[str] = []
+
+    def start_kernel(self, **kwargs):
+        """The kernel, and every process it starts, get a temporary folder of their own (``TMPDIR``), removed with
+        the notebook (:func:`_graceful_teardown`): what a lab keeps for its reader after the kernel ends -- Lab 09's
+        checkpoints (~32 MB), Lab 05's runs and report -- would otherwise stay in /tmp after every test run."""
+        if "env" not in kwargs:
+            folder = tempfile.mkdtemp(prefix="nbk-tmp-")
+            self.course_tmpdirs.append(folder)
+            kwargs["env"] = {**os.environ, "TMPDIR": folder}
+        return super().start_kernel(**kwargs)
 
 
 def _graceful_teardown(teardown):
@@ -124,6 +137,7 @@ def _graceful_teardown(teardown):
     nbval's own teardown kills one still running after :data:`EXIT_WAIT_S`, as before."""
     def graceful(self):
         kernel = self.kernel
+        folders = list(getattr(getattr(kernel, "km", None), "course_tmpdirs", ()))   # stop() deletes the manager
         if kernel is not None and kernel.is_alive() and not getattr(self.config.option, "cov_source", None):
             kernel.kc.execute(_RUN_EXIT_HANDLERS_AND_LEAVE, store_history=False, allow_stdin=False)
             deadline = time.monotonic() + EXIT_WAIT_S
@@ -132,6 +146,8 @@ def _graceful_teardown(teardown):
         if kernel is not None and hasattr(kernel, "km") and not kernel.is_alive():
             kernel.stop()       # nbval stops only a live kernel: this removes the connection and socket files
         teardown(self)
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
     graceful.graceful = True
     return graceful
