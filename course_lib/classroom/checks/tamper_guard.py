@@ -142,7 +142,7 @@ def undo_patches():
             except Exception:  # noqa: BLE001 - a changed value's __eq__ raised: walk it below
                 pass
             for key, old in before.items():
-                if now.get(key, _MISSING) is not old and _is_code(old):
+                if now.get(key, _MISSING) is not old and _is_code(old) and not _compilation_disabled(old, now.get(key)):
                     changed.append(f"{name}.{key}")
                     setattr(owner, key, old)
             if isinstance(owner, type):
@@ -152,6 +152,28 @@ def undo_patches():
 
 
 _MISSING = object()
+
+
+def _compilation_disabled(old, new) -> bool:
+    """Whether ``new`` is ``torch._disable_dynamo(old)``: the same function with compilation off, which torch puts in
+    its place itself -- importing ``torch._dynamo`` rewraps ``torch.manual_seed`` so (torch/_dynamo/__init__.py), and a
+    student's code may import it without knowing (a ``torch.optim`` step, megatron-core). A wrapper of the student's
+    own has other code, or does not hold ``old``."""
+    torch = sys.modules.get("torch")
+    disable = getattr(torch, "_disable_dynamo", None)
+    if disable is None or getattr(new, "__wrapped__", None) is not old:
+        return False
+    cells = getattr(new, "__closure__", None) or ()
+    return getattr(new, "__code__", None) is disable(old).__code__ and any(
+        c.cell_contents is old for c in cells if _filled(c))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 ORIGINAL_SIGNATURE = "__course_original_signature__"

@@ -106,6 +106,28 @@ def test_a_trivial_function_written_like_the_courses_is_no_copy():
     assert run.error is None and run.course_code == []
 
 
+def test_torchs_own_rewrap_of_manual_seed_is_no_patch_and_a_students_wrapper_is():
+    """Importing torch._dynamo (a torch.optim step, megatron-core) from a student's function rewraps
+    torch.manual_seed in torch._disable_dynamo: not the student's patch (a right answer that imported megatron-core's
+    schedules failed with "it replaced torch.manual_seed"). A wrapper the student writes is still named and undone."""
+    import functools
+
+    raw, saved = torch.random.manual_seed, torch.manual_seed
+    try:
+        torch.manual_seed = raw                   # as before torch._dynamo is first imported
+        with tamper_guard.undo_patches() as changed:
+            torch.manual_seed = torch._disable_dynamo(torch.manual_seed)  # what importing torch._dynamo does
+        assert changed == [] and torch.manual_seed is not raw
+        for theirs in (functools.wraps(raw)(lambda *a, **k: None),      # looks like it, other code
+                       functools.wraps(raw)(torch._disable_dynamo(lambda *a, **k: None))):  # torch's code, not raw
+            torch.manual_seed = raw
+            with tamper_guard.undo_patches() as changed:
+                torch.manual_seed = theirs
+            assert changed == ["torch.manual_seed"] and torch.manual_seed is raw
+    finally:
+        torch.manual_seed = saved
+
+
 # ------------------------------------------------------------------ wrapped references, exercise by exercise
 
 
