@@ -80,7 +80,7 @@ def _remember_cpu_info() -> None:
     def get_cpu_info():
         if "answer" not in memo:
             identity = _cpu_identity()
-            path = os.path.join(os.environ.get("TORCH_EXTENSIONS_DIR", _default_extensions_dir()), _CPU_INFO)
+            path = os.path.join(_extensions_dir(), _CPU_INFO)
             try:
                 with open(path, encoding="utf-8") as kept:
                     saved = json.load(kept)
@@ -119,7 +119,7 @@ def _default_extensions_dir() -> str:
 
 
 def _extensions_dir() -> str:
-    return os.environ["TORCH_EXTENSIONS_DIR"]
+    return os.environ.get("TORCH_EXTENSIONS_DIR", _default_extensions_dir())
 
 
 def built() -> bool:

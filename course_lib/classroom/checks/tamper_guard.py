@@ -163,17 +163,8 @@ def _compilation_disabled(old, new) -> bool:
     disable = getattr(torch, "_disable_dynamo", None)
     if disable is None or getattr(new, "__wrapped__", None) is not old:
         return False
-    cells = getattr(new, "__closure__", None) or ()
-    return getattr(new, "__code__", None) is disable(old).__code__ and any(
-        c.cell_contents is old for c in cells if _filled(c))
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # an empty cell
-        return False
-    return True
+    return getattr(new, "__code__", None) is disable(old).__code__ and any(  # torch's code: its cells are filled
+        c.cell_contents is old for c in new.__closure__ or ())
 
 
 ORIGINAL_SIGNATURE = "__course_original_signature__"
