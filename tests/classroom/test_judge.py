@@ -88,6 +88,16 @@ def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
     checker.same_number = lambda *args, **kwargs: True
     return 0
 ''', "checker's own code"),
+    "the checker's module imported, its refusal caught, then a right answer": ('''
+import importlib
+
+def rank_of(tp_rank, cp_rank, dp_rank, pp_rank, tp, cp, dp, pp):
+    try:
+        importlib.import_module("course_lib.classroom.checks.rank_" + "grid")
+    except ImportError:
+        pass
+    return tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+''', "reached into the checker"),
     "the reference's source read from disk": ('''
 import course_lib.topology.grid as grid
 
@@ -143,6 +153,29 @@ def test_a_cheat_fails_with_a_hint_that_names_it(what):
 
 
 LIBRARY_CHEATS = {
+    "megatron-core's zigzag split handed chunk ids": ("course_lib.classroom.checks.context_parallel:check_chunks_for_rank",
+                                                      '''
+import torch
+import torch.distributed as dist
+
+def chunks_for_rank(rank, cp):
+    from megatron.core.utils import get_batch_on_this_cp_rank
+    class Group:
+        size = lambda self: cp
+        rank = lambda self: rank
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    got = get_batch_on_this_cp_rank({"tokens": torch.arange(2 * cp).view(1, -1)}, cp_group=Group())
+    return tuple(got["tokens"][0].tolist())
+''', "megatron"),
+    "megatron-core's count of the 1F1B warm-up": ("course_lib.classroom.checks.pipeline_schedules:check_warmup", '''
+def warmup_1f1b(pp_size, num_microbatches, pp_rank):
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+    parallel_state.get_pipeline_model_parallel_world_size = lambda *a, **k: pp_size
+    parallel_state.get_pipeline_model_parallel_rank = lambda *a, **k: pp_rank
+    return get_pp_rank_microbatches(num_microbatches, 1, None)[2]
+''', "megatron"),
     "megatron-core's switch_load_balancing_loss_func": ("course_lib.classroom.checks.moe:check_aux_loss", '''
 import torch
 

@@ -286,7 +286,7 @@ def test_check_merge(capsys, fn, ok, expect):
     (lambda r, cp: (r, cp - 1 - r), False, "not cp"),
     (lambda r, cp: (r, 2 * cp - r), False, "off by one"),
     (lambda r, cp: (2 * r, 2 * r + 1), False, "contiguous split in disguise"),
-    (lambda r, cp: (r, r + cp), False, "mirror chunk"),
+    (lambda r, cp: (r, r + cp), False, "still grows with r"),
     (lambda r, cp: r, False, "return a pair"),
     (lambda r, cp: 1 / 0, False, "raised ZeroDivisionError"),
 ])

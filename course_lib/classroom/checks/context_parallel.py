@@ -102,8 +102,10 @@ def _merge_hint(out, o1, l1, o2, l2) -> str:
     for guess, hint in guesses:
         if out.shape == guess.shape and torch.allclose(out.to(guess.dtype), guess, rtol=1e-6, atol=1e-8):
             return hint
-    return ("out should be exp(lse1 - lse)*out1 + exp(lse2 - lse)*out2 with lse = log(exp(lse1) + exp(lse2)); "
-            "remember lse has shape [b, h, s]: unsqueeze(-1) before scaling out [b, h, s, d]")
+    return ("out is not the softmax over both blocks' keys: each partial output is normalised over its own block "
+            "only, so weight it by its block's share of the total softmax denominator (lse_i is the log of that "
+            "block's own denominator); remember lse has shape [b, h, s]: unsqueeze(-1) before scaling out "
+            "[b, h, s, d]")
 
 
 def _lse_hint(lse, l1, l2) -> str:
@@ -114,7 +116,8 @@ def _lse_hint(lse, l1, l2) -> str:
                         ((l1 + l2) / 2, "you averaged the log-sum-exps; use lse = torch.logaddexp(lse1, lse2)")):
         if lse.shape == guess.shape and torch.allclose(lse.to(guess.dtype), guess, rtol=1e-6, atol=1e-8):
             return hint
-    return "the merged lse is log(exp(lse1) + exp(lse2)): use torch.logaddexp(lse1, lse2)"
+    return ("the merged lse is the log of both blocks' denominators together (each lse_i is the log of one "
+            "block's): combine them without leaving log space, or exp() overflows")
 
 
 @exercise("merge")
@@ -477,14 +480,14 @@ _CHUNK_MISTAKES = [
      lambda cp: f"the sequence is cut into 2·cp = {2 * cp} chunks (ids 0..{2 * cp - 1}), not cp; rank r pairs "
                 f"chunk r with its mirror from the end"),
     (lambda r, cp: (r, 2 * cp - r),
-     lambda cp: "off by one: chunk ids run 0..2·cp−1, so the mirror of chunk r is 2·cp−1−r"),
+     lambda cp: f"off by one: chunk ids run 0..{2 * cp - 1}, and rank 0's second chunk, {2 * cp}, is past the end"),
     (lambda r, cp: (2 * r, 2 * r + 1),
      lambda cp: "that is a contiguous split in disguise: rank 0 gets the two cheapest chunks, the last rank "
                 "the two most expensive; pair an early chunk with a late one"),
     (lambda r, cp: (r, r + cp),
      lambda cp: f"chunk r with chunk r+cp still grows with r (under a causal mask chunk k costs about k+1 "
-                f"units: the ranks get {[(k + 1) + (k + cp + 1) for k in range(cp)]}); use the mirror chunk "
-                f"2·cp−1−r so every pair costs the same"),
+                f"units: the ranks get {[(k + 1) + (k + cp + 1) for k in range(cp)]}); pair each early chunk with "
+                f"a late one whose cost falls as r grows, so that every pair costs the same"),
 ]
 
 

@@ -360,8 +360,9 @@ def check_layout(fn) -> bool:
         want = _want(*case)
         args = f"derive_layout(world_size={world}, tp={tp}, pp={pp}, cp={cp}, micro={micro}, global={gbs})"
         if err:
-            print(f"✗ {args}: {err}; this layout is possible (tp·pp·cp divides the world, micro·dp the global "
-                  f"batch)")
+            possible = ("; this layout is possible (tp·pp·cp divides the world, micro·dp the global batch)"
+                        if err.startswith("raised ") else "")
+            print(f"✗ {args}: {err}{possible}")
             return False
         try:
             dp, m = got

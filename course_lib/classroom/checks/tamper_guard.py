@@ -373,5 +373,8 @@ def course_code_hint(name: str) -> str:
     if not name.startswith("course_lib"):
         return (f"your function used {name}, which computes this exercise's answer: the exercise is to write it "
                 f"yourself (the judge refuses it where your function runs)")
+    if name == "course_lib.classroom" or name.startswith("course_lib.classroom."):
+        return (f"your function reached into the checker ({name}): its code and its data are the verdict's, not "
+                f"yours, and the judge refuses them where your function runs")
     return (f"your function runs the course's own {name}: the exercise is to write it yourself "
             f"(reading it is fine; calling it proves nothing)")
