@@ -240,6 +240,81 @@ def serve(reply_fd: int, requests=None) -> None:
         _leave()            # interpreter that holds torch takes a second, which every kernel's exit would wait for
 
 
+def serve_forks(listener_fd: int, parent: int) -> None:
+    """The loop of a test session's judge server (:mod:`.judge_server`; its own interpreter, started clean by
+    pytest): import what a judge imports, then fork a judge per request, which serves a kernel as :func:`serve`."""
+    import shutil
+    import signal
+    import socket
+
+    from course_lib.launch.process_tree import die_with_parent
+
+    listener = socket.socket(fileno=listener_fd)
+    folder = os.path.dirname(listener.getsockname())
+
+    def leave(*_) -> None:  # the parent ended without stopping us (killed): remove what it made for us
+        shutil.rmtree(folder, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, leave)
+    die_with_parent(parent, signal.SIGTERM)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the judges are reaped by no one: none stays a zombie here
+    _preload()
+    freeze_inherited_objects()
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 4)
+                request = json.loads(message)
+            except (OSError, ValueError):
+                continue
+            if len(fds) != 4:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                _be_the_judge(request, fds)
+            for fd in fds:
+                os.close(fd)
+            try:
+                conn.send(json.dumps({"pid": pid}).encode())
+            except OSError:
+                pass
+
+
+def _be_the_judge(request: dict, fds: list[int]) -> None:
+    """In a child the server forked: take the kernel's pipes, directory and environment, and serve as its judge."""
+    import signal
+    import tempfile
+
+    try:
+        os.setsid()  # as Popen(start_new_session=True): the kernel's killpg reaches the judge and its checks
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        requests, out, err, reply = fds
+        for fd, target in ((requests, 0), (out, 1), (err, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        tempfile.tempdir = None  # the kernel's TMPDIR, not the server's
+        sys.stdin = open(0, encoding="utf-8", closefd=False)
+        sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+        serve(reply)
+    except BaseException:  # noqa: BLE001 - said on the kernel's stderr; its checkers then say the judge ended
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(0)
+
+
 def _leave() -> None:
     """Run this process's exit handlers (its temp folder's removal) and end, without the interpreter's teardown."""
     import atexit

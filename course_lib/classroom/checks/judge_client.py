@@ -22,7 +22,7 @@ import sys
 import time
 import types
 
-from course_lib.classroom.checks import plain
+from course_lib.classroom.checks import judge_server, plain
 from course_lib.classroom.checks.records import VERDICTS_FD_ENV, verdict_file
 
 _INSIDE = {"judge": False}
@@ -62,20 +62,28 @@ class _Client:
     def start(self) -> None:
         if os.environ.get(_IN_JUDGE):
             raise RuntimeError("a judge does not start judges: this process already runs in one")
-        read_end, write_end = os.pipe()
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         sink = verdict_file()  # the judge writes the grading records, to the file this kernel has open
         if sink is not None:
             env[VERDICTS_FD_ENV] = str(sink.fileno())
         env["PYTHONUNBUFFERED"] = "1"
         env[_IN_JUDGE] = "1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", f"from course_lib.classroom.checks.judge import serve; serve({write_end})"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            pass_fds=(write_end,) if sink is None else (write_end, sink.fileno()),
-            env=env, cwd=os.getcwd(), start_new_session=True)
-        os.close(write_end)
-        self.reply = read_end
+        self.proc = None
+        server = os.environ.get(judge_server.ADDRESS_ENV)
+        if server and sink is None:  # a kernel that pytest's nbval plugin started: a fork of its clean server
+            try:
+                self.proc, self.reply = judge_server.fork_judge(server, env, os.getcwd())
+            except OSError:
+                pass  # the server is gone: a judge of our own, as a student's kernel starts it
+        if self.proc is None:
+            read_end, write_end = os.pipe()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-c", f"from course_lib.classroom.checks.judge import serve; serve({write_end})"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(write_end,) if sink is None else (write_end, sink.fileno()),
+                env=env, cwd=os.getcwd(), start_new_session=True)
+            os.close(write_end)
+            self.reply = read_end
         self.buffer = b""
         atexit.register(self.stop)
 
