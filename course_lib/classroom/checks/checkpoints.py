@@ -416,6 +416,10 @@ def drawn_reshardings(rng, count: int = 2) -> list:
     return cases
 
 
+_RELATIVE = ("a start in the {where} is relative to the {where} (the overlap's global start - the {where}'s "
+             "offsets), and a length is the overlap's end - its start (the end itself excluded)")
+
+
 def _plan_items(plan, saved, want) -> tuple[list | None, str | None]:
     """The plan as ``[(chunk index, chunk start, piece start, lengths)]`` of ints, bounds checked."""
     if not isinstance(plan, (list, tuple)):
@@ -435,15 +439,17 @@ def _plan_items(plan, saved, want) -> tuple[list | None, str | None]:
         if any(x < 0 for x in cs + ps + n):
             return None, f"item {k} has a negative start or length: {safe_repr(item)}"
         size = saved[i][1]
-        if any(a + b > c for a, b, c in zip(cs, n, size)):
-            return None, (f"item {k} reads {_region(cs, n)} of chunk {i}, which has shape {list(size)}: the start in "
-                          f"the chunk is relative to the chunk (the overlap's global start - the chunk's offsets)")
-        if any(a + b > c for a, b, c in zip(ps, n, want[1])):
+        past = next((d for d, (a, b, c) in enumerate(zip(cs, n, size)) if a + b > c), None)
+        if past is not None:
+            return None, (f"item {k} reads {_region(cs, n)} of chunk {i}, which has shape {list(size)}: it runs past "
+                          f"the chunk's end along dimension {past} -- " + _RELATIVE.format(where="chunk"))
+        past = next((d for d, (a, b, c) in enumerate(zip(ps, n, want[1])) if a + b > c), None)
+        if past is not None:
             if tuple(n) == tuple(size):
                 return None, (f"item {k} copies all of chunk {i} ({list(size)}) into a piece of shape {list(want[1])}: "
                               f"read only the part of the chunk that overlaps the piece")
-            return None, (f"item {k} writes {_region(ps, n)} of a piece of shape {list(want[1])}: the start in the "
-                          f"piece is relative to the piece (the overlap's global start - the piece's offsets)")
+            return None, (f"item {k} writes {_region(ps, n)} of a piece of shape {list(want[1])}: it runs past the "
+                          f"piece's end along dimension {past} -- " + _RELATIVE.format(where="piece"))
         items.append((i, tuple(cs), tuple(ps), tuple(n)))
     return items, None
 

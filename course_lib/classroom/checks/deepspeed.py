@@ -450,12 +450,13 @@ def lab_numels(flags: list | None = None) -> list[int]:
 
 def drawn_fit_budget(rng, numels: list, level: int | None = None) -> int:
     """A device budget (bytes per rank at rest) for this run: a number of size classes kept whole (``level``,
-    by default drawn: 0 to all but the largest, each as likely), then a budget from the least that keeps them whole
+    by default drawn: 1 to all but the largest, each as likely), then a budget from the least that keeps them whole
     beside a bucket of the largest gradient to one byte short of the next class -- every budget has a right answer
-    (:func:`course_lib.deepspeed.memory.spend_device_budget`), and the bucket it leaves differs with the budget."""
+    (:func:`course_lib.deepspeed.memory.spend_device_budget`), and the bucket it leaves differs with the budget.
+    Level 0 (nothing whole) is never drawn: there a bucket that forgets the whole tensors is right by chance."""
     sizes, largest = sorted(set(numels)), max(numels)
     levels = [0] + [sum(n for n in numels if n <= s) for s in sizes[:-1]] + [sum(numels)]
-    k = rng.randrange(len(levels) - 1) if level is None else level
+    k = rng.randrange(1, len(levels) - 1) if level is None else level
     return rng.randint(2 * (levels[k] + largest), 2 * (levels[k + 1] + largest) - 1)
 
 

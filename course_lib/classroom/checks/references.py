@@ -68,7 +68,12 @@ REFERENCES: dict[str, tuple[str, ...]] = {
                 "course_lib.tensor_parallel.mappings:copy_to_tensor_model_parallel_region",
                 "course_lib.tensor_parallel.mappings:reduce_from_tensor_model_parallel_region"),
     "tp_mlp_from_dense": ("course_lib.tensor_parallel.sharding:copy_dense_to_parallel",),
-    "predict_collectives": ("course_lib.sizing.comm:tp_comm_per_layer", "course_lib.sizing.measured:tp_layer_volume"),
+    "predict_collectives": ("course_lib.sizing.comm:tp_comm_per_layer", "course_lib.sizing.measured:tp_layer_volume",
+                            # a prediction, not a measurement: the lab's measuring cell run inside the function
+                            "course_lib.tensor_parallel.transformer:ParallelTransformerLayer",
+                            "course_lib.tensor_parallel.transformer:ParallelMLP",
+                            "course_lib.tensor_parallel.transformer:ParallelSelfAttention",
+                            "course_lib.comm:CommRecorder", "course_lib.launch:launch"),
     "vocab_parallel_cross_entropy": ("course_lib.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy",
                                      "course_lib.tensor_parallel.cross_entropy:_VocabParallelCrossEntropy.forward",
                                      "course_lib.tensor_parallel.cross_entropy:_VocabParallelCrossEntropy.backward"),
@@ -143,7 +148,8 @@ that computes its answer."""
 
 _MCORE = ("megatron",)
 _DCP_PLANNERS = ("torch.distributed.checkpoint.planner_helpers", "torch.distributed.checkpoint.resharding",
-                 "torch.distributed.checkpoint.default_planner", "torch.distributed.checkpoint._dedup_save_plans")
+                 "torch.distributed.checkpoint.default_planner", "torch.distributed.checkpoint._dedup_save_plans",
+                 "torch.distributed._shard.sharding_spec._internals")  # its own copy of the overlap test
 _RANK_GRIDS = (*_MCORE, "deepspeed")  # DeepSpeed's pipe.topology.ProcessTopology orders ranks for any axis order
 _SCHEDULERS = (*_MCORE, "deepspeed")  # megatron-core's get_pp_rank_microbatches counts the warm-up; DeepSpeed's
                                       # pipe.schedule.TrainSchedule lists each stage's 1F1B steps

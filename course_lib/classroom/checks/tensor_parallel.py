@@ -37,8 +37,8 @@ from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.student_process import run_on_rank, student_on_rank
 from course_lib.classroom.checks.tamper_guard import call_problem, run_student
-from course_lib.classroom.checks.verdicts import (carried_by, describe_ops, drawn_rng, launch_checked,
-                                                  same_payload, secret_generator, tensors_close)
+from course_lib.classroom.checks.verdicts import (all_reduce_in_two_steps, carried_by, describe_ops, drawn_rng,
+                                                  launch_checked, same_payload, secret_generator, tensors_close)
 from course_lib.launch import LaunchTimeout, RankError
 from course_lib.tensor_parallel import DenseMLP, ParallelMLP, TransformerConfig, gather_full_grads
 
@@ -124,11 +124,6 @@ ROW_ALGORITHM = ("row-parallel rank i multiplies only its own slice x_shard by i
                  "(or the reduce-scatter and all-gather it is made of)")
 
 
-def _all_reduce_in_two_steps(events) -> bool:
-    """A reduce-scatter (sum) then an all-gather: an all-reduce written as its two halves, the same wire."""
-    return [e.op for e in events] == ["reduce_scatter", "all_gather"] and events[0].reduce_op in (None, "sum")
-
-
 def _rank_row(fn):
     t, r = dist.get_world_size(), dist.get_rank()
     _, w = _data(1)
@@ -166,7 +161,7 @@ def diagnose_row(got, x, w, rank, t) -> str | None:
 def diagnose_row_traffic(events) -> str | None:
     """The hint when the row-parallel forward did not communicate as one all-reduce (sum) or its two halves,
     else None."""
-    if _all_reduce_in_two_steps(events):
+    if all_reduce_in_two_steps(events):
         return None
     others = [e for e in events if e.op != "all_reduce"]
     if any(e.op == "all_gather" for e in others):

@@ -31,8 +31,9 @@ from course_lib.classroom.checks.exercise import exercise
 from course_lib.classroom.checks.references import references_for
 from course_lib.classroom.checks.student_process import backward_on_rank, run_on_rank
 from course_lib.classroom.checks.tamper_guard import call_problem, portable, run_student
-from course_lib.classroom.checks.verdicts import (as_real, describe_ops, drawn_rng, launch_checked, safe_repr,
-                                                  same_number, secret_generator, tensors_close, wire_recorder)
+from course_lib.classroom.checks.verdicts import (all_reduce_in_two_steps, as_real, describe_ops, drawn_rng,
+                                                  launch_checked, safe_repr, same_number, same_payload,
+                                                  secret_generator, tensors_close, wire_recorder)
 from course_lib.comm import CommRecorder
 from course_lib.launch import LaunchTimeout, RankError, launch
 from course_lib.tensor_parallel import DenseMLP, ParallelTransformerLayer, TransformerConfig
@@ -157,6 +158,20 @@ def diagnose_g(o, t) -> str | None:
     return None
 
 
+def _carried_with_padding(carried, own) -> bool:
+    """Did a reduce-scatter carry ``own`` (in any order, as the input may be cut along any dimension), padded with
+    zeros to a multiple of the group's size or not?"""
+    got = carried.reshape(-1).double() if isinstance(carried, torch.Tensor) else None
+    if got is None or got.numel() < own.numel():
+        return False
+    padding = (got == 0).nonzero().flatten()[: got.numel() - own.numel()]
+    if padding.numel() != got.numel() - own.numel():
+        return False
+    keep = torch.ones(got.numel(), dtype=torch.bool)
+    keep[padding] = False
+    return same_payload(got[keep], own, tol=1e-6, any_order=True)
+
+
 def _f_g_traffic(name: str, o: dict) -> str | None:
     """The hint when f or g communicates other than one all-reduce in the one pass that needs it, or that
     all-reduce carries anything but the pass's own tensor (g: its input; f: the incoming gradient)."""
@@ -165,13 +180,22 @@ def _f_g_traffic(name: str, o: dict) -> str | None:
     quiet_pass, busy_pass = ("forward", "backward") if name == "f" else ("backward", "forward")
     if quiet:
         return (f"{name}'s {quiet_pass} pass must not communicate; it ran {describe_ops(quiet)}")
-    if [e.op for e in busy] != ["all_reduce"]:
-        return (f"{name}'s {busy_pass} pass is exactly one all-reduce (a sum); it ran {describe_ops(busy)} -- "
-                f"gathering every rank's tensor and adding them by hand moves t times the data")
+    ops = [e.op for e in busy]
+    in_two_steps = all_reduce_in_two_steps(busy)
+    if ops != ["all_reduce"] and not in_two_steps:
+        gathered = "all_gather" in ops and "reduce_scatter" not in ops
+        return (f"{name}'s {busy_pass} pass is exactly one all-reduce (a sum), or the reduce-scatter and all-gather "
+                f"it is made of; it ran {describe_ops(busy)}"
+                + (" -- gathering every rank's tensor and adding them by hand moves t times the data" if gathered
+                   else ""))
     carried = (o["bwd_carried"] if name == "f" else o["carried"])[0]
     own = o["dy"] if name == "f" else o["x"]
-    if carried is not None and not tensors_close(carried.reshape(own.shape) if carried.numel() == own.numel()
-                                                 else carried, own):
+    if in_two_steps:
+        wrong = carried is not None and not _carried_with_padding(carried, own)
+    else:
+        wrong = carried is not None and not tensors_close(
+            carried.reshape(own.shape) if carried.numel() == own.numel() else carried, own)
+    if wrong:
         what = "the incoming gradient" if name == "f" else "its input"
         return (f"{name}'s all-reduce must carry {what} (a copy of it): the sum over the ranks of that tensor is "
                 f"the result, whatever else gives the same numbers")

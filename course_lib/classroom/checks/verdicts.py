@@ -282,6 +282,11 @@ def split_problem(traceback_text: str) -> str | None:
     return _marked_line(traceback_text, SPLIT_MARK)
 
 
+def all_reduce_in_two_steps(events) -> bool:
+    """A reduce-scatter (sum) then an all-gather: an all-reduce written as its two halves, the same wire."""
+    return [e.op for e in events] == ["reduce_scatter", "all_gather"] and events[0].reduce_op in (None, "sum")
+
+
 def carried_by(result: dict, op: str) -> list:
     """What this rank sent in each ``op`` event of a :func:`student_on_rank` ``result`` (same order)."""
     return [c for e, c in zip(result["events"], result["carried"]) if e.op == op]

@@ -149,7 +149,7 @@ def plan_stub(saved, want):
 @pytest.mark.parametrize("fn, expected", [
     (plan_with_ranges, "✓ plan_with_ranges fills every rank's piece in 6 reshardings"),
     (global_starts, "✗ global_starts (linear_fc1.weight [8, 6], TP2 -> TP4, rank 2): item 0 reads [4:6, 0:6] of chunk 1, "
-                    "which has shape [4, 6]: the start in the chunk is relative"),
+                    "which has shape [4, 6]: it runs past the chunk's end along dimension 0 -- a start in the chunk is relative"),
     (whole_chunks, "item 0 copies all of chunk 0 ([4, 6]) into a piece of shape [2, 6]: read only the part"),
     (first_chunk_only, "✗ first_chunk_only: linear_fc2.weight [6, 8], TP4 -> TP2, rank 0 (piece [0:6, 0:4]): 12 of "
                        "its elements were never read, the first at global [0, 2], which chunk 1 [0:6, 2:4] holds"),
