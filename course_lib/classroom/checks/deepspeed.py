@@ -578,9 +578,12 @@ def _fit_hint(part: str, config: dict) -> str:
                 f"(yours: {safe_repr(zero.get('stage3_param_persistence_threshold', 100000))}); below stage 3 "
                 "the whole 16-bit model is on every rank")
     if part == "grads":
-        return ("ZeRO-3 reserves a reduce bucket of reduce_bucket_size elements on the device "
-                f"(yours: {safe_repr(zero.get('reduce_bucket_size', 500000000))}); without optimizer offload the "
-                "gradient partition stays there too")
+        bucket = ("ZeRO-3 reserves a reduce bucket of reduce_bucket_size elements on the device "
+                  f"(yours: {safe_repr(zero.get('reduce_bucket_size', 500000000))})")
+        offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
+        if offload.get("device") in ("cpu", "nvme"):
+            return bucket + "; it shares the budget with the tensors kept whole: the bucket gets what they leave"
+        return bucket + "; without optimizer offload the gradient partition stays there too"
     return "the fp32 master params and Adam's moments: offload_optimizer moves them to the host"
 
 

@@ -98,7 +98,8 @@ QUESTIONS = {
     },
     "11": {
         "samples_in_one_epoch": Number(
-            4, "a sample is seq_length + 1 tokens and neighbours share one: N = (tokens_per_epoch - 1) // seq_length",
+            4, "a sample is seq_length + 1 tokens and neighbours share one token: count the samples whose last token "
+               "is still inside the epoch",
             rel=0.0),
         "epochs_for_100_samples": Number(
             25, "GPTDataset takes the fewest epochs whose tokens cover num_samples * seq_length + 1", rel=0.0),

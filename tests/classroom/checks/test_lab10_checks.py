@@ -308,7 +308,8 @@ def test_the_budget_is_drawn_so_that_every_budget_has_its_own_answer(lab):
         assert lab.fit_problem(*_predicted(numels, fits_another_way(budget)), budget, numels, {}) is None
         forgetful = fits_as_the_notebook(budget)     # its bucket forgets the tensors kept whole: never right
         forgetful["zero_optimization"]["reduce_bucket_size"] = budget // 2
-        assert lab.fit_problem(*_predicted(numels, forgetful), budget, numels, forgetful) is not None, budget
+        problem = lab.fit_problem(*_predicted(numels, forgetful), budget, numels, forgetful)
+        assert problem is not None and "shares the budget with the tensors kept whole" in problem, (budget, problem)
         for name, config in (("fixed", FIXED), ("copied", copied)):
             passed[name] += lab.fit_problem(*_predicted(numels, config), budget, numels, config) is None
     assert passed["fixed"] == 0 and passed["copied"] <= 16, passed   # a copied config: at most ~2.3 % of the draws
