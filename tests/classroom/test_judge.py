@@ -153,8 +153,8 @@ def test_a_cheat_fails_with_a_hint_that_names_it(what):
 
 
 LIBRARY_CHEATS = {
-    "megatron-core's zigzag split handed chunk ids": ("course_lib.classroom.checks.context_parallel:check_chunks_for_rank",
-                                                      '''
+    "megatron-core's zigzag split handed chunk ids": (
+        "course_lib.classroom.checks.context_parallel:check_chunks_for_rank", '''
 import torch
 import torch.distributed as dist
 

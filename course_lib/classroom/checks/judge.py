@@ -306,10 +306,10 @@ def _be_the_judge(request: dict, fds: list[int]) -> None:
         sys.stdin = open(0, encoding="utf-8", closefd=False)
         sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
         sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+        for stream in (sys.stdout, sys.stderr):  # as PYTHONUNBUFFERED=1 makes a Popen'd judge's
+            stream.reconfigure(write_through=True)
         serve(reply)
     except BaseException:  # noqa: BLE001 - said on the kernel's stderr; its checkers then say the judge ended
-        import traceback
-
         traceback.print_exc()
     finally:
         os._exit(0)

@@ -78,7 +78,8 @@ class _Client:
         if self.proc is None:
             read_end, write_end = os.pipe()
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", f"from course_lib.classroom.checks.judge import serve; serve({write_end})"],
+                [sys.executable, "-I", "-c",
+                 f"from course_lib.classroom.checks.judge import serve; serve({write_end})"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 pass_fds=(write_end,) if sink is None else (write_end, sink.fileno()),
                 env=env, cwd=os.getcwd(), start_new_session=True)

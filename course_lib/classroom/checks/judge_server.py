@@ -5,9 +5,10 @@ checked process group before its first check: ~2.5 s of CPU per notebook on a 2-
 runs 24 notebooks. Under pytest, the nbval plugin (:mod:`course_lib.classroom.notebooks.nbval_plugin`) starts
 this server once per pytest process (:func:`start`): itself a fresh interpreter, started clean by pytest -- never
 by a kernel -- which imports what a judge imports and then waits
-(:func:`~course_lib.classroom.checks.judge.serve_forks`). A kernel started by that plugin finds the server's address in its environment (:data:`ADDRESS_ENV`) and gets its judge as a fork of the server
-(:func:`fork_judge`): the same :func:`~course_lib.classroom.checks.judge.serve` loop, its own session, the kernel's
-working directory and environment, nothing of any kernel inherited, in ~0.1 s. A student's kernel has no such
+(:func:`~course_lib.classroom.checks.judge.serve_forks`). A kernel started by that plugin finds the server's
+address in its environment (:data:`ADDRESS_ENV`) and gets its judge as a fork of the server (:func:`fork_judge`):
+the same :func:`~course_lib.classroom.checks.judge.serve` loop, its own session, the kernel's working directory and
+environment, nothing of any kernel inherited, in ~0.1 s. A student's kernel has no such
 address and starts its judge as before; so do the tests of the judge (``tests/classroom/test_judge.py``), which
 run in pytest processes whose own environment never holds it.
 
