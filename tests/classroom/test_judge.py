@@ -192,6 +192,20 @@ def read_plan(saved, want):
     helpers = dcp.planner_helpers
     return helpers.create_read_items_for_chunk_list("w", want, saved)
 ''', "torch.distributed.checkpoint.planner_helpers"),
+    "torch's context-parallel merger": ("course_lib.classroom.checks.context_parallel:check_merge", '''
+def merge(out1, lse1, out2, lse2):
+    from torch.distributed.tensor.experimental._context_parallel._attention import _SDPAMerger
+    merger = _SDPAMerger(False, seq_dim=2)
+    merger.step(out1, lse1, False)
+    merger.step(out2, lse2, False)
+    return merger.results()
+''', "torch.distributed.tensor.experimental"),
+    "torch's head-tail load balancer": ("course_lib.classroom.checks.context_parallel:check_chunks_for_rank", '''
+def chunks_for_rank(rank, cp):
+    from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
+    order = _HeadTailLoadBalancer(2 * cp, cp, "cpu")._generate_indices()[0].tolist()
+    return tuple(sorted(order[2 * rank:2 * rank + 2]))
+''', "torch.distributed.tensor.experimental"),
     "DeepSpeed's DeepSpeedZeroConfig": ("course_lib.classroom.checks.zero_stages:check_what_it_shards", '''
 def what_it_shards(config):
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig

@@ -153,6 +153,9 @@ _DCP_PLANNERS = ("torch.distributed.checkpoint.planner_helpers", "torch.distribu
 _RANK_GRIDS = (*_MCORE, "deepspeed")  # DeepSpeed's pipe.topology.ProcessTopology orders ranks for any axis order
 _SCHEDULERS = (*_MCORE, "deepspeed")  # megatron-core's get_pp_rank_microbatches counts the warm-up; DeepSpeed's
                                       # pipe.schedule.TrainSchedule lists each stage's 1F1B steps
+_TORCH_CP = ("torch.distributed.tensor.experimental",)  # torch's context parallel: _SDPAMerger merges partial
+                                                        # attentions, _templated_ring_attention rings them,
+                                                        # _HeadTailLoadBalancer is the zigzag split
 LIBRARIES: dict[str, tuple[str, ...]] = {
     "derive_dp": _RANK_GRIDS, "groups_of": _RANK_GRIDS, "rank_of": _RANK_GRIDS, "derive_layout": _RANK_GRIDS,
     "expert_groups_of": _RANK_GRIDS, "dispatch": _MCORE, "aux_loss": _MCORE,
@@ -162,7 +165,8 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
     "reduce_buckets": ("deepspeed",), "fitting_config": ("deepspeed",),
     "f_and_g": _MCORE, "build_sample_index": _MCORE, "build_blending_indices": _MCORE,
     "sync_gradients": _MCORE, "column_parallel_forward": _MCORE, "row_parallel_forward": _MCORE,
-    "tp_mlp_from_dense": _MCORE, "vocab_parallel_cross_entropy": _MCORE, "chunks_for_rank": _MCORE,
+    "tp_mlp_from_dense": _MCORE, "vocab_parallel_cross_entropy": _MCORE,
+    "merge": _TORCH_CP, "ring_attention_forward": _TORCH_CP, "chunks_for_rank": (*_MCORE, *_TORCH_CP),
     "warmup_1f1b": _SCHEDULERS, "order_1f1b": _SCHEDULERS, "orders_1f1b_by_hand": _SCHEDULERS,
 }
 """exercise -> the real libraries (module names, with their submodules) that compute its answer: megatron-core's
@@ -170,8 +174,9 @@ LIBRARIES: dict[str, tuple[str, ...]] = {
 (``switch_load_balancing_loss_func``), compiled dataset helpers (``helpers.build_sample_idx``), tensor-parallel
 layers and ``vocab_parallel_cross_entropy``, ``get_batch_on_this_cp_rank`` (the zigzag split) and
 ``get_pp_rank_microbatches`` (the 1F1B warm-up), DeepSpeed's ``DeepSpeedZeroConfig``, bucketing, ``ProcessTopology``
-(its rank grid) and ``TrainSchedule`` (its 1F1B steps), torch's DCP planner helpers. The judge refuses them inside the
-student's function (:mod:`course_lib.classroom.checks.refusals`)."""
+(its rank grid) and ``TrainSchedule`` (its 1F1B steps), torch's DCP planner helpers and its context parallel
+(``torch.distributed.tensor.experimental``: the merge of partial attentions, ring attention, the head-tail split).
+The judge refuses them inside the student's function (:mod:`course_lib.classroom.checks.refusals`)."""
 
 _RESOLVED: dict[str, tuple] = {}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import course_lib.classroom.notebooks.fast_start  # noqa: F401  -- first: before nbval's entry point imports nbformat
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -83,6 +84,7 @@ def _is_lab_cell(item) -> bool:
 
 
 def pytest_configure(config):
+    _one_thread_per_process()
     if hasattr(config.option, "loadscopereorder"):      # xdist: keep the order pytest_collection_modifyitems gives
         config.option.loadscopereorder = False
     try:
@@ -95,6 +97,21 @@ def pytest_configure(config):
     if not issubclass(nbval.kernel.KernelManager, _SocketFileKernelManager):
         nbval.kernel.KernelManager = type("SocketFileKernelManager", (_SocketFileKernelManager,
                                                                      nbval.kernel.KernelManager), {})
+
+
+def _one_thread_per_process() -> None:
+    """Every process of the session -- pytest's workers, the kernels, judges and ranks they start -- runs torch on
+    one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun gives each rank), whatever the environment says.
+
+    Two reasons. Time: two workers on two cores each with a pool of two spinning OpenMP threads fight for the
+    cores; a single-process training run of tests/test_train_moe.py took 0.6 s alone and 3.4 s beside two busy
+    loops with two threads, 0.8 s with one (make test: 1595 -> 1252 CPU-s, measured). Numbers: how a reduction is
+    split over threads changes its last bits, so a printed loss can differ in its 4th decimal between thread
+    counts (solutions/07's fp32 losses did); the stored outputs are made with one thread too (``make solutions``),
+    so they do not depend on the machine's core count."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
 
 class _SocketFileKernelManager:
