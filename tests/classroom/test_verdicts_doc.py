@@ -73,5 +73,19 @@ def test_every_test_it_names_exists():
     assert missing == []
 
 
+def test_each_row_names_the_libraries_its_exercise_refuses():
+    """Every module of ``LIBRARIES[exercise]`` is named in the exercise's row (its last dotted part, in backticks:
+    `megatron`, `deepspeed`, `planner_helpers`, `torch.distributed.tensor.experimental`): a library refused in
+    the code and not in the doc, or the other way round, fails here."""
+    from course_lib.classroom.checks.references import LIBRARIES
+
+    rows = {m.group(1): line for line in DOC.read_text(encoding="utf-8").splitlines() if (m := _ROW.match(line))}
+    unnamed = [(exercise, module) for exercise, modules in LIBRARIES.items() for module in modules
+               if not re.search(rf"`[\w.]*\b{re.escape(module.rsplit('.', 1)[-1])}`", rows[exercise])]
+    assert unnamed == []
+    said = {exercise for exercise, line in rows.items() if "libs:" in line}
+    assert said == {exercise for exercise, modules in LIBRARIES.items() if modules}, said ^ set(LIBRARIES)
+
+
 def test_grading_md_links_it():
     assert "(verdicts.md)" in (ROOT / "docs" / "grading.md").read_text(encoding="utf-8")
