@@ -39,9 +39,10 @@ MEASURED = ("my_conclusions", "my_answers_09", "my_answers_10")
 """Review exercises checked against the lab's own training runs: left out of the mini labs (see the module's doc)."""
 TIMEOUT_S = 60.0   # solved exercises launch ranks (Lab 10's: ~4 s alone, on a shared machine more); a loop on a rank
                    # is named by its checker after half the group's time limit (Lab 00's: 20 s)
-HANG_TIMEOUT_S = 10.0  # the hanging student's other units are stubs (~0.3 s alone); with 4 s one timed out at a load
+HANG_TIMEOUT_S = 15.0  # the hanging student's other units are stubs (~0.3 s alone); with 4 s one timed out at a load
                        # of 23 on 2 cores, with 6 s one in a fresh clone's make test (2026-12-06: Lab 05's
-                       # distributed_optimizer_step); the hangs sleep beside the class grading, which outlasts them
+                       # distributed_optimizer_step), with 10 s two labs (02's imports, 07's stubs) in a make test
+                       # beside a 4-rank run (load 22, 2026-12-06); the hangs sleep beside the class grading
 
 CRASH = "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)  # the kernel itself crashes\n\n"
 RAISES = "my own bug"
@@ -406,6 +407,9 @@ class _ScriptedSandbox:
             events.append({"cell": index, "phase": "start"})
             if source == "hang":
                 break
+            if source.startswith("check ") and source.endswith(" after 0") and 0 not in dict(json.loads(cells.read_text())):
+                events.append({"cell": index, "phase": "end", "error": "NameError: name 'check_a' is not defined"})
+                continue   # the checker needs cell 0's names (its imports), and cell 0 did not run
             if source.startswith("check "):
                 exercise, stubbed = source.split()[1], dict(json.loads(cells.read_text())).get(0) == "stub a"
                 hint = f"not attempted yet: write a (Exercise 1), which {exercise} calls" if stubbed else ""
@@ -447,3 +451,23 @@ def test_a_lab_is_run_again_only_when_an_exercise_still_lacks_its_verdict(tmp_pa
         "b": (False, timed_out) if hangs == "b" else
              (False, "graded with the stub of a, which timed out: not attempted yet: write a (Exercise 1), which b calls")}
 
+
+
+def test_a_lab_cell_left_out_after_a_hang_is_the_cause_its_checkers_name(tmp_path):
+    """A cell of the lab's own (its imports) that hangs is left out of the run again; the checkers that then miss its
+    names raise NameError, and the exercise's feedback gives that cell as the first cause, not the NameError alone."""
+    from types import SimpleNamespace
+
+    from course_lib.classroom.grading.grader import grade_lab
+    from course_lib.classroom.grading.official import Unit
+
+    lab = SimpleNamespace(units=[Unit(range(1, 3), (1,), 2, ("a",))], exercises=["a"])
+    cells = [(0, "hang"), (1, "def a(): ..."), (2, "check a after 0")]
+    sandbox = _ScriptedSandbox()
+    outcomes, notes = grade_lab(sandbox, lab, cells, {1: "stub a"}, tmp_path, timeout=0.2)
+    assert sandbox.starts == 2
+    assert [(o.exercise, o.passed, o.hint) for o in outcomes] == [
+        ("a", False, "no verdict: cell 0 of the lab (not an exercise) ran over 0.2 s and was left out of the run "
+                     "again first, then the checker cell raised NameError: name 'check_a' is not defined")]
+    assert notes == ["timed out: cell 0 of the lab (not an exercise) ran over 0.2 s with your code in the notebook; "
+                     "the lab was run again without that cell"]

@@ -188,6 +188,10 @@ class _Progress:
         if unit is None:
             self.notes.append(f"{what} with your code in the notebook; the lab was run again without that cell")
             self.left_out.add(where)
+            if self.first_error is None:  # a checker that then misses the cell's names raises NameError: say why
+                ran = f"ran over {timeout:g} s" if run.ended == "timeout" else \
+                    f"crashed (the process {_ended(run.status)})"
+                self.first_error = f"{where} of the lab (not an exercise) {ran} and was left out of the run again"
             return True
         for exercise in unit.exercises:
             self.found.setdefault(exercise, Outcome(exercise, False, what))
