@@ -104,11 +104,12 @@ def _one_thread_per_process() -> None:
     one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun gives each rank), whatever the environment says.
 
     Two reasons. Time: two workers on two cores each with a pool of two spinning OpenMP threads fight for the
-    cores; a single-process training run of tests/test_train_moe.py took 0.6 s alone and 3.4 s beside two busy
-    loops with two threads, 0.8 s with one (make test: 1595 -> 1252 CPU-s, measured). Numbers: how a reduction is
-    split over threads changes its last bits, so a printed loss can differ in its 4th decimal between thread
-    counts (solutions/07's fp32 losses did); the stored outputs are made with one thread too (``make solutions``),
-    so they do not depend on the machine's core count."""
+    cores; a single-process training run of tests/test_train_moe.py took 0.6 s alone and 3.4 s (3.3 CPU-s) beside
+    two busy loops with two threads, 0.8 s (0.5 CPU-s) with one; that file's fixture took 78 s in a make test, 6.7 s
+    with one thread; nbval of solutions/ with four test files, run side by side with -n 1 each: 561 -> 503 CPU-s
+    (2026-12-06, measured). Numbers: how a reduction is split over threads changes its last bits, so a printed loss
+    can differ in its 4th decimal between thread counts (solutions/07's bf16 loss did); the stored outputs are made
+    with one thread too (``make solutions``), so they do not depend on the machine's core count."""
     os.environ["OMP_NUM_THREADS"] = "1"
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)
