@@ -60,6 +60,24 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(os.getpid(), sig)
 
 
+def take_std_streams(stdin: int, stdout: int, stderr: int, write_through: bool = False) -> None:
+    """In a process just forked from a Python server, to serve as a process started with these pipes would: move
+    the descriptors onto 0, 1 and 2 (closing the originals) and reopen ``sys.stdin``, ``sys.stdout`` and
+    ``sys.stderr`` on them, line-buffered text (``write_through``: unbuffered, as ``PYTHONUNBUFFERED=1`` makes
+    them). The judge server's judges, the grading sandbox's judge and the test session's kernels are forked so."""
+    for fd, target in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            if fd not in (stdin, stdout, stderr)[target + 1:]:
+                os.close(fd)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
+    if write_through:
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(write_through=True)
+
+
 def freeze_inherited_objects() -> None:
     """In a process just forked from a Python process, or in a server before it forks its children: move every
     object it holds to the garbage collector's permanent generation (``gc.freeze``), so that its collections walk

@@ -39,7 +39,7 @@ from course_lib.classroom.checks.judge_client import _INSIDE
 from course_lib.classroom.checks.refusals import private_tempdir
 from course_lib.classroom.checks.student_code import resolve
 from course_lib.classroom.checks.workers import StudentFunction, _read_from, _write_all
-from course_lib.launch.process_tree import freeze_inherited_objects
+from course_lib.launch.process_tree import freeze_inherited_objects, take_std_streams
 
 
 def _decode_arg(data, exercise: str):
@@ -296,18 +296,11 @@ def _be_the_judge(request: dict, fds: list[int]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         requests, out, err, reply = fds
-        for fd, target in ((requests, 0), (out, 1), (err, 2)):
-            os.dup2(fd, target)
-            os.close(fd)
+        take_std_streams(requests, out, err, write_through=True)  # as PYTHONUNBUFFERED=1 makes a Popen'd judge's
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # the kernel's TMPDIR, not the server's
-        sys.stdin = open(0, encoding="utf-8", closefd=False)
-        sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
-        for stream in (sys.stdout, sys.stderr):  # as PYTHONUNBUFFERED=1 makes a Popen'd judge's
-            stream.reconfigure(write_through=True)
         serve(reply)
     except BaseException:  # noqa: BLE001 - said on the kernel's stderr; its checkers then say the judge ended
         traceback.print_exc()

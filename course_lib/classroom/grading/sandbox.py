@@ -59,7 +59,7 @@ from pathlib import Path
 from course_lib.classroom.grading import landlock
 from course_lib.classroom.grading.cgroups import PIDS_MAX, RunGroup, remove_groups_of_ended
 from course_lib.launch.process_tree import (adopt_orphans, die_with_parent, freeze_inherited_objects, kill_tree,
-                                            parent_pids)
+                                            parent_pids, take_std_streams)
 
 FILE_LIMIT_BYTES = 64 << 20
 """The largest file a run may write (its printed output included)."""
@@ -307,14 +307,10 @@ def _start_judge(spec: dict) -> None:
         try:
             die_with_parent(kernel)
             record = os.open(spec["judge_records"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            for fd, target in ((requests_r, 0), (out_w, 1), (err_w, 2)):
-                os.dup2(fd, target)
+            take_std_streams(requests_r, out_w, err_w)
             keep = sorted({0, 1, 2, reply_w, record})
             for low, high in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]):
                 os.closerange(low + 1, high)
-            sys.stdin = open(0, encoding="utf-8", closefd=False)
-            sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
-            sys.stderr = open(2, "w", encoding="utf-8", buffering=1, closefd=False)
             os.environ.pop(records.VERDICTS_ENV, None)
             os.environ[records.VERDICTS_FD_ENV] = str(record)
             landlock.restrict(spec["read"], [spec["home"]], [os.devnull])
