@@ -1,5 +1,6 @@
 """course_lib.classroom.notebooks.nbval_plugin: in one ``pytest --nbval`` session, labs/ is compared laxly and solutions/ strictly."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,10 +21,13 @@ def _notebook(path, checked_output):
     independent.metadata["tags"] = ["labs-pass-skip"]
     # What a kernel makes and removes at exit (a lab's temporary folder): nbval's SIGKILL would leave it behind.
     folder = f"{path.parent.name}-{path.stem}.tmp"
-    # The .made file records the transport the kernel's connection uses.
-    cleanup = nbformat.v4.new_code_cell(f"import atexit, json, os, shutil\nfrom ipykernel.connect import get_connection_info\n"
+    # The .made file records the transport the kernel's connection uses, and what says it is a fork of the kernel
+    # zygote: torch there though no cell imported it, and a session of its own.
+    cleanup = nbformat.v4.new_code_cell(f"import atexit, json, os, shutil, sys\nfrom ipykernel.connect import get_connection_info\n"
                                         f"os.mkdir({folder!r})\n"
-                                        f"_ = open({folder!r} + '.made', 'w').write(json.loads(get_connection_info())['transport'])\n"
+                                        f"_ = open({folder!r} + '.made', 'w').write(json.dumps(dict(\n"
+                                        f"    transport=json.loads(get_connection_info())['transport'], preloaded='torch' in sys.modules,\n"
+                                        f"    session=os.getsid(0) == os.getpid(), zygote=os.getppid())))\n"
                                         f"_ = atexit.register(shutil.rmtree, {folder!r})", execution_count=4)
     # What a kernel keeps for its reader after it ends (Lab 09's checkpoints, Lab 05's runs): in the temporary folder
     # the plugin gives the kernel, removed with the notebook.
@@ -52,8 +56,12 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
     made = sorted(p.name for p in tmp_path.glob("**/*.made"))
     assert made == ["labs-good.tmp.made", "labs-marked_wrong.tmp.made", "solutions-strict.tmp.made"], made
     assert not list(tmp_path.glob("**/*.tmp")), "a kernel's atexit handlers did not run (nbval killed it)"
+    kernels = [json.loads(p.read_text()) for p in tmp_path.glob("**/*.made")]
     # Unix socket files, not TCP ports another process can take between jupyter_client's pick and the kernel's bind.
-    assert {p.read_text() for p in tmp_path.glob("**/*.made")} == {"ipc"}
+    assert {k["transport"] for k in kernels} == {"ipc"}
+    # Each kernel forked from the session's one zygote (kernel_zygote), which ended with the session.
+    assert [(k["preloaded"], k["session"]) for k in kernels] == [(True, True)] * 3, kernels
+    assert len({k["zygote"] for k in kernels}) == 1 and not Path(f"/proc/{kernels[0]['zygote']}").exists()
     left = list(kernel_files.iterdir())
     shutil.rmtree(kernel_files)
     assert not left, f"a kernel's connection or socket files, or its temporary folder, were left behind: {left}"

@@ -152,6 +152,19 @@ class _SocketFileKernelManager:
                 kwargs["env"][judge_server.ADDRESS_ENV] = server
         return super().start_kernel(**kwargs)
 
+    async def _async_launch_kernel(self, kernel_cmd, **kw):
+        """The kernel forked from this pytest process's kernel zygote (:mod:`.kernel_zygote`: torch and ipykernel
+        already imported), or started as jupyter_client starts it where the zygote cannot fork this one."""
+        from course_lib.classroom.notebooks import kernel_zygote
+
+        kernel = kernel_zygote.fork_kernel(kernel_cmd, kw)
+        if kernel is None:
+            return await super()._async_launch_kernel(kernel_cmd, **kw)
+        provisioner = self.provisioner
+        provisioner.process, provisioner.pid, provisioner.pgid = kernel, kernel.pid, kernel.pid
+        provisioner.cwd = kw.get("cwd")
+        self._reconcile_connection_info(provisioner.connection_info)
+
 
 def _graceful_teardown(teardown):
     """nbval ends a notebook's kernel with SIGKILL (``RunningKernel.stop``: ``shutdown_kernel(now=True)``), so
