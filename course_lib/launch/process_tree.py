@@ -9,6 +9,7 @@ import ctypes
 import functools
 import gc
 import os
+import select
 import signal
 import sys
 import threading
@@ -58,6 +59,37 @@ def die_with_parent(parent_pid: int, sig: int = signal.SIGKILL) -> None:
                          name="die-with-parent").start()
     if os.getppid() != parent_pid:
         os.kill(os.getpid(), sig)
+
+
+class PidfdProcess:
+    """A ``Popen`` for a process this one did not start (a server forked it on request: the test session's judges
+    and kernels): it is not this process's child, so its end is seen through a pidfd (Linux), its exit status is
+    not (0)."""
+
+    stdin = stdout = stderr = None
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+        self._pidfd = os.pidfd_open(pid)
+
+    def poll(self):
+        return self.wait(0)
+
+    def wait(self, timeout: float | None = None):
+        if self.returncode is None and select.select([self._pidfd], [], [], timeout)[0]:
+            self.returncode = 0
+            os.close(self._pidfd)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
 
 def take_std_streams(stdin: int, stdout: int, stderr: int, write_through: bool = False) -> None:

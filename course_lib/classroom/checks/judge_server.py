@@ -25,12 +25,13 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import select
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+
+from course_lib.launch.process_tree import PidfdProcess
 
 ADDRESS_ENV = "COURSE_JUDGE_SERVER"
 """Where a kernel started under pytest finds the server (a Unix socket's path); set only in those kernels' env."""
@@ -75,24 +76,14 @@ def start() -> str | None:
     return address
 
 
-class ServedJudge:
-    """A judge forked by the server, as :class:`.judge_client._Client` uses a ``Popen``: it is not this
-    process's child, so its end is seen through a pidfd (its exit status is not: 0)."""
+class ServedJudge(PidfdProcess):
+    """A judge forked by the server, as :class:`.judge_client._Client` uses a ``Popen``, with the kernel's ends of
+    its pipes."""
 
     def __init__(self, pid: int, requests: int, stdout: int, stderr: int):
-        self.pid, self.returncode = pid, None
-        self._pidfd = os.pidfd_open(pid)
+        super().__init__(pid)
         self.stdin = os.fdopen(requests, "wb")
         self.stdout, self.stderr = os.fdopen(stdout, "rb"), os.fdopen(stderr, "rb")
-
-    def poll(self):
-        return self.wait(0)
-
-    def wait(self, timeout: float | None = None):
-        if self.returncode is None and select.select([self._pidfd], [], [], timeout)[0]:
-            self.returncode = 0
-            os.close(self._pidfd)
-        return self.returncode
 
 
 def fork_judge(address: str, env: dict, cwd: str) -> tuple[ServedJudge, int]:

@@ -14,8 +14,9 @@ handlers. A module the zygote imported does not print its import-time warnings a
 zygote imports only modules that print none (torch, numpy, ipykernel), and no matplotlib (its backend is chosen
 from the kernel's environment).
 
-The kernel is not pytest's child: :class:`ForkedKernel` is the ``Popen`` jupyter_client's provisioner holds,
-watching the kernel through a pidfd (its exit status is not seen: 0). It ends as a ``Popen``'d kernel does (nbval
+The kernel is not pytest's child: the ``Popen`` jupyter_client's provisioner holds is a
+:class:`~course_lib.launch.process_tree.PidfdProcess`, watching the kernel through a pidfd (its exit status is not
+seen: 0). It ends as a ``Popen``'d kernel does (nbval
 kills its process group; ipykernel's parent poller, told the zygote is its parent, ends it when the zygote is
 gone), and the zygote ends with the pytest process that started it. Where the command is not a plain ipykernel of
 this interpreter, or the zygote cannot be had (no pidfds: not Linux), the kernel is started as before.
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
 import sys
 import threading
+
+from course_lib.launch.process_tree import PidfdProcess
 
 PRELOAD = ("torch", "numpy", "ipykernel.kernelapp")
 """What the zygote imports before it forks: what every lab's kernel imports, none printing at import."""
@@ -42,36 +44,7 @@ _ZYGOTE: dict = {}
 _LOCK = threading.Lock()
 
 
-class ForkedKernel:
-    """The ``Popen`` a provisioner holds for a kernel the zygote forked (not this process's child)."""
-
-    stdin = stdout = stderr = None
-
-    def __init__(self, pid: int):
-        self.pid, self.returncode = pid, None
-        self._pidfd = os.pidfd_open(pid)
-
-    def poll(self):
-        return self.wait(0)
-
-    def wait(self, timeout: float | None = None):
-        if self.returncode is None and select.select([self._pidfd], [], [], timeout)[0]:
-            self.returncode = 0
-            os.close(self._pidfd)
-        return self.returncode
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-
-def fork_kernel(cmd: list[str], kwargs: dict) -> ForkedKernel | None:
+def fork_kernel(cmd: list[str], kwargs: dict) -> PidfdProcess | None:
     """The kernel ``cmd`` (jupyter_client's command line) with the launch's ``kwargs`` (``env``, ``cwd``) would
     start, forked from this process's zygote; None where the command is not a plain ipykernel of this interpreter
     or the zygote cannot be had -- the caller then starts the kernel as before."""
@@ -89,7 +62,7 @@ def fork_kernel(cmd: list[str], kwargs: dict) -> ForkedKernel | None:
         try:
             socket.send_fds(conn, [request], outputs)
             answer = json.loads(conn.recv(4096) or b"{}")
-            return ForkedKernel(answer["pid"])
+            return PidfdProcess(answer["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             _ZYGOTE.pop("conn", None)  # gone or broken: this kernel and the next are started as before
             conn.close()
