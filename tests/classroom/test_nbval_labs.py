@@ -143,3 +143,21 @@ def test_grade_runs_no_cell_that_no_exercise_depends_on():
     assert run_of("def f(x):\n    return x") == [0, 3, 4]
     assert run_of("def f(x):\n    return heavy * x") == [0, 1, 3, 4]   # this exercise reads heavy: cell 1 runs
     assert run_of("def f(x:\n    return x") == [0, 1, 2, 3, 4]          # does not parse: nothing is proved
+
+
+def test_a_kernel_the_zygote_cannot_fork_as_asked_is_started_as_before():
+    """Another interpreter's kernel (even one linked to the same binary), another module, a pipe for its output or
+    its input: no fork (None), and jupyter_client starts the kernel itself."""
+    from course_lib.classroom.notebooks import kernel_zygote
+
+    kernel = [sys.executable, "-m", "ipykernel_launcher", "-f", "kernel.json"]
+    elsewhere = os.path.join(tempfile.mkdtemp(prefix="nbk"), "python")
+    os.symlink(sys.executable, elsewhere)
+    try:
+        assert kernel_zygote.fork_kernel([elsewhere, *kernel[1:]], {}) is None
+    finally:
+        shutil.rmtree(os.path.dirname(elsewhere))
+    assert kernel_zygote.fork_kernel([sys.executable, "-m", "other_kernel", "-f", "kernel.json"], {}) is None
+    assert kernel_zygote.fork_kernel(kernel, {"stdout": subprocess.PIPE}) is None
+    assert kernel_zygote.fork_kernel(kernel, {"stdin": subprocess.PIPE}) is None
+    assert kernel_zygote.fork_kernel(kernel, {"independent": True}) is None

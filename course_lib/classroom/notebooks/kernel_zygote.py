@@ -16,14 +16,16 @@ from the kernel's environment).
 
 The kernel is not pytest's child: the ``Popen`` jupyter_client's provisioner holds is a
 :class:`~course_lib.launch.process_tree.PidfdProcess`, watching the kernel through a pidfd (its exit status is not
-seen: 0). It ends as a ``Popen``'d kernel does (nbval
-kills its process group; ipykernel's parent poller, told the zygote is its parent, ends it when the zygote is
-gone), and the zygote ends with the pytest process that started it. Where the command is not a plain ipykernel of
-this interpreter, or the zygote cannot be had (no pidfds: not Linux), the kernel is started as before.
+seen: 0). It ends as a ``Popen``'d kernel does (nbval kills its process group; ipykernel's parent poller, told the
+zygote is its parent, ends it when the zygote is gone), and the zygote ends with the pytest process that started it.
+Where the command is not a plain ipykernel of this interpreter (another kernel spec's Python is not this one, even
+where it links to the same binary), or the zygote cannot be had (no pidfds: not Linux), the kernel is started as
+before.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -49,8 +51,8 @@ def fork_kernel(cmd: list[str], kwargs: dict) -> PidfdProcess | None:
     start, forked from this process's zygote; None where the command is not a plain ipykernel of this interpreter
     or the zygote cannot be had -- the caller then starts the kernel as before."""
     outputs = [_fd(kwargs.get("stdout"), 1), _fd(kwargs.get("stderr"), 2)]  # where a Popen'd kernel's would go
-    if cmd[1:3] != ["-m", "ipykernel_launcher"] or not os.path.exists(cmd[0]) \
-            or not os.path.samefile(cmd[0], sys.executable) or None in outputs or kwargs.get("stdin") is not None \
+    if cmd[1:3] != ["-m", "ipykernel_launcher"] or os.path.abspath(cmd[0]) != os.path.abspath(sys.executable) \
+            or None in outputs or kwargs.get("stdin") is not None \
             or set(kwargs) - {"env", "cwd", "stdin", "stdout", "stderr"}:
         return None
     request = json.dumps({"argv": cmd[3:], "env": dict(kwargs.get("env") or os.environ),
@@ -101,8 +103,6 @@ def _start() -> socket.socket | None:
         proc.kill()
         proc.wait()
 
-    import atexit
-
     atexit.register(stop)
     _ZYGOTE["conn"] = mine
     return mine
@@ -150,7 +150,6 @@ def serve(fd: int, parent: int) -> None:
 def _be_the_kernel(request: dict, fds: list[int]) -> None:
     """In a child the zygote forked: become the kernel ``python -m ipykernel_launcher ARGV`` would start, with the
     request's environment, working directory and output, and leave as its interpreter would."""
-    import atexit
     import importlib.util
     import random
     import tempfile
