@@ -36,11 +36,6 @@ from course_lib.launch.process_tree import PidfdProcess
 ADDRESS_ENV = "COURSE_JUDGE_SERVER"
 """Where a kernel started under pytest finds the server (a Unix socket's path); set only in those kernels' env."""
 
-SERVER_WAIT_S = 120.0
-"""How long a kernel waits for the server's answer. A server asked right after it started is still importing
-torch (~3 s of CPU: over 30 s at a load of 30 on 2 cores, seen in `make test`); a judge of the kernel's own would
-import the same, so waiting is never slower than giving up."""
-
 _SERVER: dict = {}
 
 
@@ -94,7 +89,7 @@ def fork_judge(address: str, env: dict, cwd: str) -> tuple[ServedJudge, int]:
     mine = [pipes[0][1], pipes[1][0], pipes[2][0], pipes[3][0]]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
-            conn.settimeout(SERVER_WAIT_S)
+            conn.settimeout(30)
             conn.connect(address)
             socket.send_fds(conn, [json.dumps({"cwd": cwd, "env": env}).encode()], theirs)
             answer = conn.recv(4096)
