@@ -258,10 +258,12 @@ def test_checkers_in_reads_each_module_once_per_version_and_refuses_two_of_one_n
 def test_a_checker_prints_as_before_returns_a_verdict_and_writes_it_only_when_asked(tmp_path, monkeypatch, capsys):
     import json
 
+    from course_lib.classroom.checks import records
     from course_lib.classroom.checks.exercise import VERDICTS_ENV, one_line
     from course_lib.classroom.checks.rank_grid import check_derive_dp
 
     monkeypatch.delenv(VERDICTS_ENV, raising=False)
+    monkeypatch.setattr(records, "_SINK", {})  # the record file it opens is this test's only, not the worker's for good
     wrong = check_derive_dp(lambda w, tp, pp, cp=1: w // (tp * pp))
     printed = capsys.readouterr().out
     assert printed.startswith("✗ ") and "context parallelism is a factor" in printed
