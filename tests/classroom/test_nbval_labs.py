@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -161,3 +162,15 @@ def test_a_kernel_the_zygote_cannot_fork_as_asked_is_started_as_before():
     assert kernel_zygote.fork_kernel(kernel, {"stdout": subprocess.PIPE}) is None
     assert kernel_zygote.fork_kernel(kernel, {"stdin": subprocess.PIPE}) is None
     assert kernel_zygote.fork_kernel(kernel, {"independent": True}) is None
+
+
+def test_a_zygote_that_does_not_answer_in_time_is_stopped_and_the_kernel_started_as_before():
+    """A request the zygote answers too late is given up (None: jupyter_client starts the kernel) and the zygote is
+    killed, so that no fork of that request comes later, a second kernel on the same connection file's sockets."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import sys\nfrom course_lib.classroom.notebooks import kernel_zygote as z\n"
+        "z.WAIT_S = 0.01  # the zygote is still importing torch\n"
+        "cmd = [sys.executable, '-m', 'ipykernel_launcher', '-f', 'kernel.json']\n"
+        "print(z.fork_kernel(cmd, {}), z.fork_kernel(cmd, {}), z._ZYGOTE['proc'].wait(timeout=30))\n")],
+        capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["None", "None", str(-signal.SIGKILL)], (done.stdout, done.stderr)

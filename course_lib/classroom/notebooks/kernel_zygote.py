@@ -66,8 +66,11 @@ def fork_kernel(cmd: list[str], kwargs: dict) -> PidfdProcess | None:
             answer = json.loads(conn.recv(4096) or b"{}")
             return PidfdProcess(answer["pid"])
         except (OSError, ValueError, KeyError, TypeError):
-            _ZYGOTE.pop("conn", None)  # gone or broken: this kernel and the next are started as before
+            # gone, broken or too slow: this kernel and the next are started as before, and the zygote is stopped,
+            # so that no fork of this request comes later (a second kernel on this connection file's sockets)
+            _ZYGOTE.pop("conn", None)
             conn.close()
+            _ZYGOTE["proc"].kill()
             return None
 
 
@@ -104,7 +107,7 @@ def _start() -> socket.socket | None:
         proc.wait()
 
     atexit.register(stop)
-    _ZYGOTE["conn"] = mine
+    _ZYGOTE.update(conn=mine, proc=proc)
     return mine
 
 
