@@ -54,6 +54,7 @@ def test_labs_cells_are_lax_solutions_cells_strict_in_one_session(tmp_path):
                     if line.startswith("FAILED"))
     assert failed == ["labs/marked_wrong.ipynb::Cell 1", "solutions/strict.ipynb::Cell 0"], done.stdout
     assert "2 failed, 11 passed, 2 skipped" in done.stdout
+    assert "test time by area, summed over 1 worker(s): " in done.stdout and "  notebooks: labs/ (lax)" in done.stdout
     made = sorted(p.name for p in tmp_path.glob("**/*.made"))
     assert made == ["labs-good.tmp.made", "labs-marked_wrong.tmp.made", "solutions-strict.tmp.made"], made
     assert not list(tmp_path.glob("**/*.tmp")), "a kernel's atexit handlers did not run (nbval killed it)"
@@ -174,3 +175,20 @@ def test_a_zygote_that_does_not_answer_in_time_is_stopped_and_the_kernel_started
         "print(z.fork_kernel(cmd, {}), z.fork_kernel(cmd, {}), z._ZYGOTE['proc'].wait(timeout=30))\n")],
         capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["None", "None", str(-signal.SIGKILL)], (done.stdout, done.stderr)
+
+
+def test_the_session_ends_with_its_time_by_area():
+    from types import SimpleNamespace
+
+    from course_lib.classroom.notebooks.nbval_plugin import time_by_area
+
+    reports = [SimpleNamespace(nodeid=n, duration=d) for n, d in (
+        ("solutions/05_x.ipynb::Cell 14", 20.0), ("labs/05_x.ipynb::Cell 3", 1.5), ("solutions/00_y.ipynb::Cell 0", 2.0),
+        ("tests/classroom/test_grade_every_lab.py::test_all", 40.0), ("tests/classroom/checks/test_lab00_checks.py::t", 3.0),
+        ("tests/classroom/test_judge.py::t", 1.0), ("tests/test_two_nodes.py::t[static]", 5.0), ("tests/test_rules.py::t", 0.5),
+        ("tests/test_train_moe.py::t", 4.0))]
+    assert time_by_area(reports) == [("grade, in the sandbox", 40.0), ("notebooks: solutions/ (strict)", 22.0),
+                                     ("launch, torchrun, two nodes", 5.0),
+                                     ("training, MoE, DeepSpeed, megatron-core", 4.0), ("checkers' tables", 3.0),
+                                     ("notebooks: labs/ (lax)", 1.5), ("judge, sandbox, site, widgets", 1.0),
+                                     ("the other tests", 0.5)]

@@ -203,6 +203,49 @@ _RUN_EXIT_HANDLERS_AND_LEAVE = """def _leave(run=__import__("atexit")._run_exitf
 _leave()"""
 
 
+AREAS = (
+    ("notebooks: solutions/ (strict)", ("solutions/",)),
+    ("notebooks: labs/ (lax)", ("labs/",)),
+    ("grade, in the sandbox", ("tests/classroom/test_grade",)),
+    ("checkers' tables", ("tests/classroom/checks/",)),
+    ("judge, sandbox, site, widgets", ("tests/classroom/",)),
+    ("launch, torchrun, two nodes", ("tests/launch/", "tests/test_two_nodes.py")),
+    ("training, MoE, DeepSpeed, megatron-core", ("tests/test_train", "tests/training/", "tests/moe/",
+                                                 "tests/deepspeed/", "tests/mcore/", "tests/sweep/")),
+)
+"""Where ``make test``'s time goes, by the first of these whose path prefix a test's file has (the rest: "the other
+tests"), printed at the end of the session (:func:`pytest_terminal_summary`): what the budget is spent on."""
+
+
+def time_by_area(reports) -> list[tuple[str, float]]:
+    """``[(area, seconds)]``, largest first: the setup, call and teardown durations of ``reports`` (pytest's test
+    reports: ``nodeid``, ``duration``) summed per :data:`AREAS` entry."""
+    totals: dict[str, float] = {}
+    for report in reports:
+        path = report.nodeid.split("::")[0]
+        area = next((name for name, prefixes in AREAS if path.startswith(prefixes)), "the other tests")
+        totals[area] = totals.get(area, 0.0) + report.duration
+    return sorted(totals.items(), key=lambda item: -item[1])
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The session's test time by area (:func:`time_by_area`), summed over the workers: with ``-n N`` the wall time
+    is about the sum over N, so this says which part of the suite a time budget pays for."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller sums every worker's reports
+        return
+    reports = [r for kind in terminalreporter.stats.values() for r in kind
+               if hasattr(r, "duration") and hasattr(r, "nodeid") and getattr(r, "when", None)]
+    areas = time_by_area(reports)
+    total = sum(seconds for _, seconds in areas)
+    if total <= 0:
+        return
+    workers = getattr(config.option, "numprocesses", None)
+    workers = workers if isinstance(workers, int) and workers > 0 else 1
+    terminalreporter.write_sep("=", f"test time by area, summed over {workers} worker(s): {total:.1f} s")
+    for name, seconds in areas:
+        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:4.0f} %  {name}")
+
+
 def _longest_first(items) -> None:
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))     # stable: files stay whole
