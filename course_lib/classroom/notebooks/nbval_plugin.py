@@ -11,7 +11,8 @@ busy across all three instead of idling at the end of each. Load it with
 count is not time: a file of one long test (grading every lab) handed out last leaves the other core idle for
 its length. So this plugin hands out the files of :data:`LONGEST_FIRST` (measured) first, longest first, and
 the others after them in collection order; and a worker that dies fails its file instead of hanging the
-session (:mod:`.xdist_crash`, whose scheduler this plugin installs).
+session (:mod:`.xdist_crash`, whose scheduler this plugin installs). The session ends with its test time by
+area (:func:`time_by_area`): which part of the suite its wall time pays for.
 
 A heavy cell tagged ``labs-pass-skip`` that no exercise depends on (Lab 05's megatron-core
 side-by-side) computes in a lab exactly what the strict pass has already run and compared in the solution:
