@@ -29,6 +29,7 @@ None of them raises; the stub prints "not attempted yet".
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import os
 import shutil
@@ -172,28 +173,41 @@ def model_flags(num_layers: int, hidden_size: int) -> list:
     return flags
 
 
-def _drawn_threshold(rng, numels: list) -> int:
-    """A persistence threshold that splits the tensors somewhere (at, just above or between two sizes)."""
+def _drawn_threshold(rng, numels: list, at_a_size: bool) -> int:
+    """A persistence threshold that splits the tensors somewhere: at one of their sizes (a tensor of exactly the
+    threshold is persistent: ``<=``), or anywhere from there to just below the next size."""
     sizes = sorted(set(numels))
     k = rng.randrange(1, len(sizes))                  # tensors of sizes[:k] persistent, the rest gathered
-    return rng.choice((sizes[k - 1], rng.randint(sizes[k - 1], sizes[k] - 1)))
+    return sizes[k - 1] if at_a_size else rng.randint(sizes[k - 1], sizes[k] - 1)
+
+
+def _drawn_bucket(rng, grads: list, at_a_boundary: bool) -> int:
+    """A reduce bucket size between the smallest gradient and the whole gradient: exactly what the first gradients
+    in backward's order add up to (the one that fills the bucket to the size still fits: a bucket is reduced when
+    the next gradient would *exceed* it), or any size in that range."""
+    if at_a_boundary:
+        return sum(grads[:rng.randrange(1, len(grads))])
+    return rng.randint(min(grads), sum(grads))
 
 
 def drawn_wire_cases(rng, count: int = DRAWN_CASES) -> list[dict]:
     """``count`` cases for this run: ``{"flags", "numels", "grad_numels", "threshold", "bucket", "config"}`` -- the
     course GPT of a drawn depth and width (``numels``: name -> elements; ``grad_numels`` in backward's order), a
     persistence threshold that splits its tensors, and a reduce bucket between its smallest and its whole
-    gradient; ``config`` the lab's ds_config on 4 ranks with those two set."""
+    gradient; ``config`` the lab's ds_config on 4 ranks with those two set. The first case puts both on a boundary
+    (a tensor of exactly the threshold, gradients that fill the bucket exactly), so that an answer off by one there
+    (``<`` for ``<=``) fails every run; the others are on one with odds 1/2."""
     from course_lib.model import GPTModel
     from course_lib.train import parse_args, validate_args
 
     cases = []
-    for _ in range(count):
+    for i in range(count):
         flags = model_flags(rng.randint(1, 3), 4 * rng.randint(3, 12))
         model = GPTModel(validate_args(parse_args(flags), 4, check_memory=False).model)
         numels = {n: p.numel() for n, p in model.named_parameters()}
         grads = gradient_order(model)
-        threshold, bucket = _drawn_threshold(rng, list(numels.values())), rng.randint(min(grads), sum(grads))
+        threshold = _drawn_threshold(rng, list(numels.values()), at_a_size=i == 0 or rng.random() < 0.5)
+        bucket = _drawn_bucket(rng, grads, at_a_boundary=i == 0 or rng.random() < 0.5)
         config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                   "bf16": {"enabled": True}, "gradient_clipping": 1.0,
                   "optimizer": {"type": "AdamW", "params": {"lr": 3e-4}},
@@ -399,9 +413,17 @@ def _bucket_hint(got, want, grad_numels, size) -> str:
     if first < len(got) and got[first] > size and got[first] not in grad_numels:
         return (f"Your bucket {first} holds {got[first]:,} elements, more than {size:,}: the bucket is reduced "
                 f"*before* a gradient that would make it exceed the size is added.")
+    if first >= len(got):
+        return "You stop early: what is left in the bucket is reduced when backward ends."
+    ends = list(itertools.accumulate(grad_numels))     # where a bucket can end: after each gradient
+    held = sum(got[:first + 1])
+    after = ends.index(held) + 1 if held in ends else len(grad_numels)   # the gradient after your bucket
+    if after < len(grad_numels) and got[first] + grad_numels[after] == size:
+        return (f"Your bucket {first} ({got[first]:,} elements) is reduced before a gradient of "
+                f"{grad_numels[after]:,} that fills it to exactly {size:,}: that gradient still fits -- a bucket "
+                f"is reduced only when the next gradient would *exceed* reduce_bucket_size.")
     return (f"Your bucket {first} ({got[first]:,} elements) is where you part from the wire: a bucket is reduced "
-            f"only when the next gradient would not fit, and a gradient larger than the bucket goes alone."
-            if first < len(got) else "You stop early: what is left in the bucket is reduced when backward ends.")
+            f"only when the next gradient would not fit, and a gradient larger than the bucket goes alone.")
 
 
 # ------------------------------------------------------------------ exercise 3: a config that fits

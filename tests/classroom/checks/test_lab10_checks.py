@@ -84,6 +84,12 @@ def wire_skips_persistent_grads(numels, world, persistence_threshold):
     return dict(out, reduce_scatter=out["forward_all_gather"])
 
 
+def wire_strict_threshold(numels, world, persistence_threshold):
+    """Off by one: a tensor of exactly the threshold counted as gathered (``<``, not ``<=``)."""
+    out = wire_by_loop(numels, world, persistence_threshold - 1)
+    return out
+
+
 def stub(*args):
     raise NotImplementedError("write it")
 
@@ -116,7 +122,8 @@ def test_zero3_wire_right_wrong_lookup(capsys, lab, runs):
                              (wire_regathers_in_backward, "stage3_max_reuse_distance (1e9) spans the whole model",
                               "backward_all_gather"),
                              (wire_skips_persistent_grads, "Every gradient is reduced, the persistent parameters' too",
-                              "reduce_scatter")):
+                              "reduce_scatter"),
+                             (wire_strict_threshold, "are persistent: every rank keeps them whole", "forward_all_gather")):
         ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wrong))
         assert not ok and hint in out, (wrong.__name__, out)
         failing = _failing(out)   # the student's value and the rule, not the wire's
@@ -124,6 +131,21 @@ def test_zero3_wire_right_wrong_lookup(capsys, lab, runs):
         assert not any(f"= {w[key]:,}" in failing for w in wires if w[key]), out
     ok, out = _verdict(capsys, lambda: lab.check_zero3_wire(wire_looked_up))
     assert not ok and "is not what the wire shows" in out and "✓" not in out, out
+
+
+def test_every_draw_has_a_threshold_and_a_bucket_on_a_boundary(lab):
+    """Off-by-one answers (``<`` for ``<=``, ``>=`` for ``>``) differ from the wire only at a boundary: every run's
+    cases hold a tensor of exactly the threshold and gradients that fill the bucket exactly."""
+    import itertools
+    import random
+
+    for seed in range(6):
+        cases = lab.drawn_wire_cases(random.Random(seed))
+        assert any(c["threshold"] in c["numels"].values() for c in cases), seed
+        assert any(c["bucket"] in itertools.accumulate(c["grad_numels"][:-1]) for c in cases), seed
+        for c in cases:
+            assert min(c["numels"].values()) <= c["threshold"] < max(c["numels"].values()), (seed, c["threshold"])
+            assert min(c["grad_numels"]) <= c["bucket"] <= sum(c["grad_numels"]), (seed, c["bucket"])
 
 
 # ------------------------------------------------------------------ exercise 2
@@ -151,6 +173,17 @@ def buckets_flush_after(grad_numels, reduce_bucket_size):
     return out + ([held] if held else [])
 
 
+def buckets_reduced_when_full(grad_numels, reduce_bucket_size):
+    """Off by one: the bucket reduced before a gradient that would fill it exactly (``>=``, not ``>``)."""
+    out, held = [], 0
+    for n in grad_numels:
+        if held and held + n >= reduce_bucket_size:
+            out.append(held)
+            held = 0
+        held += n
+    return out + [held]
+
+
 def buckets_looked_up(grad_numels, reduce_bucket_size):
     return list(OLD_BUCKETS.get(reduce_bucket_size, OLD_BUCKETS[500_000_000]))
 
@@ -164,6 +197,8 @@ def test_reduce_buckets_right_wrong_lookup_stub(capsys, lab, runs):
                        or "a bucket is reduced only when the next gradient would not fit" in out), out
     wanted = [lab.measured_buckets(runs[0][f"case{i}"]) for i in range(lab.DRAWN_CASES)]
     assert not any(str(w)[:-1] in _failing(out) for w in wanted), out    # the wire's buckets (the answer) are not shown
+    ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_reduced_when_full))
+    assert not ok and "that gradient still fits" in out, out
     ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(lambda g, s: list(g)[:-1]))
     assert not ok and "every gradient is reduced exactly once" in out, out
     ok, out = _verdict(capsys, lambda: lab.check_reduce_buckets(buckets_looked_up))
