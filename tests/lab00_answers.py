@@ -227,18 +227,19 @@ def rs_ag_avg(x):
 
 # exercise 3 -------------------------------------------------------------------------------
 
-def _buckets(params, bucket_numel, reverse=True):
+def _buckets(params, bucket_numel, reverse=True, strict=False):
     order = list(params)[::-1] if reverse else list(params)
     buckets = []
     for p in order:
-        if buckets and sum(q.numel() for q in buckets[-1]) + p.numel() <= bucket_numel:
+        held = sum(q.numel() for q in buckets[-1]) if buckets else 0
+        if buckets and (held + p.numel() < bucket_numel if strict else held + p.numel() <= bucket_numel):
             buckets[-1].append(p)
         else:
             buckets.append([p])
     return buckets
 
 
-def make_sync(reverse=True, divide=True, per_param=False, one_bucket=False, op=None):
+def make_sync(reverse=True, divide=True, per_param=False, one_bucket=False, op=None, strict=False):
     def sync(model, bucket_numel):
         w = dist.get_world_size()
         params = [p for p in model.parameters() if p.grad is not None]
@@ -247,7 +248,7 @@ def make_sync(reverse=True, divide=True, per_param=False, one_bucket=False, op=N
         elif one_bucket:
             buckets = [params[::-1]]
         else:
-            buckets = _buckets(params, bucket_numel, reverse)
+            buckets = _buckets(params, bucket_numel, reverse, strict)
         for bucket in buckets:
             flat = torch.cat([p.grad.flatten() for p in bucket])
             if op is None:
@@ -308,6 +309,7 @@ sync_per_param = make_sync(per_param=True)
 sync_one_bucket = make_sync(one_bucket=True)
 sync_forward_order = make_sync(reverse=False)
 sync_no_divide = make_sync(divide=False)
+sync_full_bucket_split = make_sync(strict=True)   # off by one: a new bucket when the next gradient would *fill* it (<)
 
 
 def sync_broadcast_rank0(model, bucket_numel):

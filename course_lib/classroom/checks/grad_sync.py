@@ -25,12 +25,22 @@ from course_lib.classroom.checks.verdicts import (collectives as collective_even
 
 GLOBAL_BATCH = 16
 BUCKETS = (40, 1000, 8)  # elements per bucket: several buckets, one bucket, one tensor per bucket
+FILLED = (35, 83)
+"""``bucket_numel`` values the gradients fill exactly, in reverse order (3 + 24 + 8, then the whole model): a
+bucket of exactly ``bucket_numel`` elements still takes its last gradient (``<=``). 27 = 3 + 24 is one too, but
+there an answer off by one sends one tensor per bucket, which has a hint of its own."""
 
 
 def drawn_buckets(rng) -> tuple:
     """This run's ``bucket_numel`` values, one of each kind of :data:`BUCKETS` for the 83-parameter model:
-    several buckets, everything in one, one bucket per tensor (each gradient is larger than the bucket)."""
-    return rng.randint(27, 82), rng.randint(83, 5000), rng.randint(1, 2)
+    several buckets, everything in one, one bucket per tensor (each gradient is larger than the bucket).
+    One of the first two (each as likely) is a size the gradients fill exactly (:data:`FILLED`), the other
+    with odds 1/2, so that an answer off by one there (a new bucket when the next gradient would *fill* the
+    bucket, ``<`` for ``<=``) fails every run."""
+    on = rng.randrange(2)
+    several = FILLED[0] if on == 0 or rng.random() < 0.5 else rng.randint(27, 82)
+    one = FILLED[1] if on == 1 or rng.random() < 0.5 else rng.randint(84, 5000)
+    return several, one, rng.randint(1, 2)
 
 
 def grad_sync_model() -> torch.nn.Module:
@@ -166,6 +176,10 @@ def check_grad_sync(fn, timeout: float = 20) -> bool:
             elif got == expected_buckets(sizes[::-1], bucket_numel):
                 hint = ("those are buckets in model.parameters() order: fill them in reverse, the order backward "
                         "produces the gradients, so the last layer's bucket can be sent first")
+            elif got == expected_buckets(sizes, bucket_numel - 1):
+                hint = ("you start a new bucket when the next gradient would fill the current one to exactly "
+                        "bucket_numel: it still fits -- a bucket holds at most bucket_numel elements (<=), and a "
+                        "new one starts only when the next gradient would *exceed* it")
             else:
                 hint = ("go through the gradients in reverse parameter order; add each to the current bucket unless "
                         "it would exceed bucket_numel, else start a new bucket (a gradient larger than the bucket "

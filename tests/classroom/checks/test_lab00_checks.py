@@ -110,6 +110,8 @@ SYNC_TABLE = [
     ("sync_per_param", False, ["4 all_reduce on world (3 + 24 + 8 + 48 elements)", "one all-reduce per parameter"]),
     ("sync_one_bucket", False, ["one all-reduce of everything"]),
     ("sync_forward_order", False, ["fill them in reverse"]),
+    ("sync_full_bucket_split", False, ["would fill the current one to exactly bucket_numel: it still fits",
+                                       "a bucket holds at most bucket_numel elements (<=)"]),
     ("sync_broadcast_rank0", False, ["differ from the single-process baseline"]),
     ("sync_via_course", False, ["course's own course_lib.training.finalize_model_grads.allreduce_dp_grads"]),
 ]
@@ -146,6 +148,22 @@ def test_drawn_cases_keep_their_kind_and_vary():
         assert all(n % 4 == 0 for n in collectives.drawn_halves_numels(random.Random(seed)))
         draws.add((several, a, b, odd))
     assert len(draws) > 100
+
+
+def test_every_draw_has_a_bucket_the_gradients_fill_exactly():
+    """An answer off by one (a new bucket when the next gradient would *fill* the bucket: ``<`` for ``<=``)
+    differs from the rule only where the gradients, in reverse order, add up to exactly bucket_numel: every run's
+    draw has such a size, and there the off-by-one buckets differ from the right ones."""
+    import itertools
+    import random
+
+    sizes = [48, 8, 24, 3]
+    fills = set(itertools.accumulate(sizes[::-1]))
+    for seed in range(8):
+        drawn = drawn_buckets(random.Random(seed))
+        on = [b for b in drawn if b in fills]
+        assert on, (seed, drawn)
+        assert all(expected_buckets(sizes, b - 1) != expected_buckets(sizes, b) for b in on), (seed, on)
 
 
 # Right numbers without the exchange: rebuilt from the seeds the checker once drew its inputs from. Every
