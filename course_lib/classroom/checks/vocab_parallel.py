@@ -37,13 +37,31 @@ CE_ALGORITHM = ("only per-token numbers cross the wire: all-reduce the max logit
                 "and the sum of exp(logit - max), [s, b] each -- never the [s, b, V] logits")
 
 
+def slice_edges(vocab: int, t: int) -> list:
+    """Every rank's first and last vocabulary id (rank r holds ``r·V/t .. (r+1)·V/t - 1``): the targets where an
+    ownership test off by one (``<=`` for ``<`` at the slice's end, ``>`` for ``>=`` at its start) gives a token to
+    two ranks or to none."""
+    part = vocab // t
+    return sorted({i for r in range(t) for i in (r * part, (r + 1) * part - 1)})
+
+
+def _targets(generator: torch.Generator, t: int, edges: bool) -> torch.Tensor:
+    """Targets [s, b] drawn from ``generator``; with ``edges``, every slice's first and last id among them, at
+    drawn places (drawn alone, a slice's end is missed by 1 run in 80)."""
+    target = torch.randint(0, CE_V, (CE_S, CE_B), generator=generator)
+    if edges:
+        ids = torch.tensor(slice_edges(CE_V, t))
+        target.view(-1)[torch.randperm(target.numel(), generator=generator)[:len(ids)]] = ids
+    return target
+
+
 def _rank_vocab_ce(fn):
     g, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     secret = secret_generator()                # this rank's slice of the logits: no other rank can rebuild it
     out = []
-    for name, scale, offset in CE_CASES:
+    for i, (name, scale, offset) in enumerate(CE_CASES):
         mine = torch.randn(CE_S, CE_B, CE_V // t, generator=secret) * scale + offset
-        target = torch.randint(0, CE_V, (CE_S, CE_B), generator=secret)
+        target = _targets(secret, t, edges=i == len(CE_CASES) - 1)   # the ordinary case: every slice's edges
         dist.broadcast(target, 0)                # the same targets on every rank
         result = student_on_rank(fn, mine.clone(), target.clone(), g,
                                  references=references_for("vocab_parallel_cross_entropy"))
@@ -74,6 +92,17 @@ def _ce_wrong_formulas(full, target, rank, t) -> list:
     ]
 
 
+def _wrong_only_at_edges(value, want, target, part: int) -> bool:
+    """Are the tokens whose loss is wrong (by :func:`tensors_close`'s scale) all tokens whose target is a slice's
+    first or last id? Never raises."""
+    try:
+        wrong = (value.detach().double() - want).abs() > 1e-5 * max(1.0, want.abs().max().item())
+        at_edges = (target % part == 0) | (target % part == part - 1)
+        return bool(wrong.any()) and not bool((wrong & ~at_edges).any())
+    except Exception:  # noqa: BLE001 - an odd answer is a wrong answer
+        return False
+
+
 def diagnose_vocab_ce(value, full, target, rank, t) -> str | None:
     """The hint for a wrong per-token loss (values only), or None when right."""
     want = F.cross_entropy(full.double().reshape(-1, full.shape[-1]), target.reshape(-1),
@@ -91,6 +120,10 @@ def diagnose_vocab_ce(value, full, target, rank, t) -> str | None:
     for guess, hint in _ce_wrong_formulas(full, target, rank, t):
         if tensors_close(value, guess, tol=1e-5):
             return hint
+    if _wrong_only_at_edges(value, want, target, full.shape[-1] // t):
+        return ("only tokens whose target is the first or last id of a slice are wrong: rank r holds ids "
+                "r·V/t to (r+1)·V/t - 1 -- a target is yours when vocab_start <= target < vocab_end (the end "
+                "excluded), so that exactly one rank owns each id")
     return ("loss = log(sum over the whole vocabulary of exp(z - max)) - (z_target - max), with max, the sum of "
             "exp and the target's logit all-reduced over the group")
 

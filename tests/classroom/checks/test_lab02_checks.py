@@ -494,18 +494,23 @@ def test_a_wrong_prediction_is_named_without_the_recorded_counts(capsys):
 
 # ---------------------------------------------------------------- Exercise 5: vocab-parallel cross-entropy
 
-def ce_ok(logits, target, group):
+def _ce_owned(logits, target, group, owns):
+    """ce_ok with the ownership test ``owns(target, vocab_start, vocab_end)`` (the end excluded when right)."""
     t, r = _t_r(group)
     part = logits.shape[-1]
     top = logits.max(-1).values
     dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
     shifted = logits - top.unsqueeze(-1)
-    mine = (target >= r * part) & (target < (r + 1) * part)
+    mine = owns(target, r * part, (r + 1) * part)
     z_t = shifted.gather(-1, (target - r * part).clamp(0, part - 1).unsqueeze(-1)).squeeze(-1) * mine
     dist.all_reduce(z_t, group=group)
     sum_exp = shifted.exp().sum(-1)
     dist.all_reduce(sum_exp, group=group)
     return sum_exp.log() - z_t
+
+
+def ce_ok(logits, target, group):
+    return _ce_owned(logits, target, group, lambda x, start, end: (x >= start) & (x < end))
 
 
 def ce_logsumexp_stacked(logits, target, group):
@@ -578,6 +583,16 @@ def _ce_variant(logits, target, group, *, sum_op=dist.ReduceOp.SUM, reduce_targe
     return sum_exp.log() - z_t
 
 
+def ce_slice_end_included(logits, target, group):
+    """Off by one: target <= vocab_end, so the next rank's first id is claimed twice."""
+    return _ce_owned(logits, target, group, lambda x, start, end: (x >= start) & (x <= end))
+
+
+def ce_slice_start_excluded(logits, target, group):
+    """Off by one: target > vocab_start, so a slice's first id belongs to no rank."""
+    return _ce_owned(logits, target, group, lambda x, start, end: (x > start) & (x < end))
+
+
 def ce_avg(logits, target, group):
     return _ce_variant(logits, target, group, sum_op=dist.ReduceOp.AVG)
 
@@ -624,6 +639,8 @@ def ce_mean(logits, target, group):
     (ce_no_target_reduce, False, "the target logit is missing"),
     (ce_no_sum_reduce, False, "the *whole* vocabulary"),
     (ce_unshifted_ids, False, "subtract your first id"),
+    (ce_slice_end_included, False, "vocab_start <= target < vocab_end (the end excluded)"),
+    (ce_slice_start_excluded, False, "vocab_start <= target < vocab_end (the end excluded)"),
     (ce_mean, False, "shape [s, b]"),
     (vocab_parallel_cross_entropy, False, "the course's own"),
     (ce_rebuilt_from_seed, False, "rank"),
@@ -631,3 +648,20 @@ def ce_mean(logits, target, group):
 def test_vocab_parallel_cross_entropy(capsys, answer, ok, text):
     got, out = _verdict(capsys, check_vocab_parallel_cross_entropy, answer)
     assert got is ok and text in out, out
+
+
+def test_every_run_has_a_target_at_every_slice_edge():
+    """An ownership test off by one (``<=`` for ``<`` at a slice's end, ``>`` for ``>=`` at its start) is wrong
+    only for targets at a slice's first or last id: the ordinary case's targets hold every one of them, for t = 2
+    and 4, wherever the seed puts them."""
+    from course_lib.classroom.checks.vocab_parallel import CE_V, _targets, slice_edges
+
+    assert slice_edges(16, 2) == [0, 7, 8, 15] and slice_edges(16, 4) == [0, 3, 4, 7, 8, 11, 12, 15]
+    places = set()
+    for seed in range(6):
+        for t in (2, 4):
+            target = _targets(torch.Generator().manual_seed(seed), t, edges=True)
+            assert set(slice_edges(CE_V, t)) <= set(target.flatten().tolist()), (seed, t, target)
+            assert 0 <= int(target.min()) and int(target.max()) < CE_V
+            places.add(tuple(target.flatten().tolist()))
+    assert len(places) > 6                                     # where the edges sit is drawn
