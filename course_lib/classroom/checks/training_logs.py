@@ -48,16 +48,33 @@ ITERATION_LINES = {
 KEYS = ("iteration", "elapsed_ms", "lm_loss")
 
 
-def drawn_line(line: str, rng) -> str:
+def drawn_line(line: str, rng, below_one: bool = False) -> str:
     """``line`` with its iteration, iteration count, time and loss drawn for this run (in the line's own
-    formats and widths), so no table of the fixed lines answers."""
+    formats and widths), so no table of the fixed lines answers. With ``below_one`` the loss is under 1, so it is
+    written with a negative exponent (``7.5E-01``), which none of the fixed lines shows."""
     total = rng.randint(20, 500000)
     line = re.sub(r"iteration(\s+)(\d+)/(\s*)(\d+)",
                   lambda m: f"iteration {rng.randint(1, total):{len(m[1]) + len(m[2]) - 1}d}/"
                             f"{total:{len(m[3]) + len(m[4])}d}", line, count=1)
     line = re.sub(r"\(ms\): [\d.]+", lambda m: f"(ms): {rng.uniform(20, 20000):.1f}", line, count=1)
-    return re.sub(r"lm loss: (\d)\.(\d+)E([+-]\d+)",
-                  lambda m: f"lm loss: {rng.uniform(0.5, 12):.{len(m[2])}E}", line, count=1)
+    loss = rng.uniform(0.05, 0.99) if below_one else rng.uniform(0.5, 12)
+    return re.sub(r"lm loss: (\d)\.(\d+)E([+-]\d+)", lambda m: f"lm loss: {loss:.{len(m[2])}E}", line, count=1)
+
+
+def drawn_lines(rng) -> dict:
+    """This run's line of every era of :data:`ITERATION_LINES` (:func:`drawn_line`), one of them (drawn) with a
+    loss under 1: drawn alone, a loss under 1 (a negative exponent) came up in only 1 run in 5."""
+    low = rng.randrange(len(ITERATION_LINES))
+    return {era: drawn_line(line, rng, below_one=i == low) for i, (era, line) in enumerate(ITERATION_LINES.items())}
+
+
+def _reads_it_at_or_above_one(fn, line: str) -> bool:
+    """Does ``fn`` read ``line`` right once its loss's exponent is made positive (``7.5E-01`` -> ``7.5E+01``)?
+    Then only the negative exponent of a loss below 1 stops it."""
+    line = re.sub(r"(lm loss: \d\.\d+E)-", r"\1+", line, count=1)
+    got, err = checked_call(fn, line, references=references_for("parse_iteration_line"))
+    ref = parse_log(line).iterations[0]
+    return not err and _parsed_ok(got, {k: ref[k] for k in KEYS})
 
 
 def _parsed_ok(got, want) -> bool:
@@ -76,9 +93,7 @@ def check_parse_line(fn) -> bool:
     """``fn(line) -> {"iteration": int, "elapsed_ms": float, "lm_loss": float}``."""
     if is_course_answer(fn):
         return False
-    rng = drawn_rng()
-    for era, line in ITERATION_LINES.items():
-        line = drawn_line(line, rng)
+    for era, line in drawn_lines(drawn_rng()).items():
         got, err = checked_call(fn, line, references=references_for("parse_iteration_line"))
         if err == "todo":
             return not_attempted("parse_iteration_line")
@@ -87,10 +102,14 @@ def check_parse_line(fn) -> bool:
         if not err and _parsed_ok(got, want):
             continue
         print(f"✗ {era}: parse_iteration_line {err or 'returned ' + safe_repr(got, 200)}")
+        wrong = []
         if not err and isinstance(got, dict) and all(k in got for k in KEYS):
             wrong = [k for k in KEYS if not _parsed_ok({**want, k: got[k]}, want)]
             print(f"  {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what the line says")
-        if err and err.startswith("raised") and "[" in line.split("iteration")[0]:
+        if ((err or "").startswith("raised") or "lm_loss" in wrong) and ref["lm_loss"] < 1 and _reads_it_at_or_above_one(fn, line):
+            print("  hint: a loss below 1 is written with a negative exponent (e.g. 7.5E-01): read the whole number "
+                  "with float(), the exponent's sign included")
+        elif err and err.startswith("raised") and "[" in line.split("iteration")[0]:
             print("  hint: " + ("torchrun --tee puts '[defaultN]:' in front of every line" if "default" in line else
                                 "since core 0.6 the line starts with a '[date time]' stamp")
                   + ": find the 'iteration N/ M' field instead of assuming it comes first")

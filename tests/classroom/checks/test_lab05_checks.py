@@ -228,6 +228,15 @@ def parse_numpy(line):
             "lm_loss": torch.tensor(d["lm_loss"], dtype=torch.float64)}
 
 
+def parse_positive_exponent(line):
+    """A regex written from lines whose losses are all above 1: it expects 'E+', so a loss under 1 (E-01) is missed."""
+    import re
+
+    d = parse(line)
+    d["lm_loss"] = float(re.search(r"lm loss: (\d\.\d+E\+\d+)", line)[1])
+    return d
+
+
 def parse_course(line):
     it = parse_log(line).iterations[0]
     return {"iteration": it["iteration"], "elapsed_ms": it["elapsed_ms"], "lm_loss": it["lm_loss"]}
@@ -241,6 +250,7 @@ def parse_course(line):
     (parse_course, False, "the course's own"),
     (parse_assumes_first_field, False, "since core 0.6 the line starts with a '[date time]' stamp"),
     (parse_total_iterations, False, "take the number before the '/'"),
+    (parse_positive_exponent, False, "a loss below 1 is written with a negative exponent"),
     (parse_missing_loss, False, "return a dict with the keys iteration, elapsed_ms, lm_loss"),
     (_todo, False, "not attempted yet: write parse_iteration_line"),
 ])
@@ -259,6 +269,25 @@ def test_drawn_lines_keep_their_era_and_vary():
         drawn = [training_logs.drawn_line(line, random.Random(seed)) for seed in range(20)]
         assert all(parse_log(d).era == parse_log(line).era and len(parse_log(d).iterations) == 1 for d in drawn)
         assert len({parse_log(d).iterations[0]["lm_loss"] for d in drawn}) == 20, name
+
+
+def test_every_run_has_a_loss_below_one():
+    """A parser that expects a positive exponent (E+01, as every fixed line shows) fails only on a loss under 1:
+    every run's lines have one, in the era's format, and which era carries it is drawn."""
+    import random
+
+    from course_lib.training.logs import parse_log
+
+    eras = set()
+    for seed in range(8):
+        lines = training_logs.drawn_lines(random.Random(seed))
+        assert list(lines) == list(training_logs.ITERATION_LINES)
+        low = [era for era, line in lines.items() if parse_log(line).iterations[0]["lm_loss"] < 1]
+        assert low and all("lm loss: " in lines[era] and "E-0" in lines[era].split("lm loss: ")[1][:16]
+                           for era in low), (seed, lines)
+        assert all(parse_log(lines[era]).era == parse_log(training_logs.ITERATION_LINES[era]).era for era in low)
+        eras.update(low)
+    assert len(eras) > 1
 
 
 def test_checker_lines_are_the_fixtures_formats():
