@@ -476,15 +476,63 @@ def drawn_fit_budget(rng, numels: list, level: int | None = None) -> int:
     beside a bucket of the largest gradient to one byte short of the next class -- every budget has a right answer
     (:func:`course_lib.deepspeed.memory.spend_device_budget`), and the bucket it leaves differs with the budget.
     Level 0 (nothing whole) is never drawn: there a bucket that forgets the whole tensors is right by chance."""
-    sizes, largest = sorted(set(numels)), max(numels)
-    levels = [0] + [sum(n for n in numels if n <= s) for s in sizes[:-1]] + [sum(numels)]
-    k = rng.randrange(1, len(levels) - 1) if level is None else level
-    return rng.randint(2 * (levels[k] + largest), 2 * (levels[k + 1] + largest) - 1)
+    k = rng.randrange(1, len(_fit_levels(numels)) - 1) if level is None else level
+    return rng.randint(*fit_edges(numels, k))
+
+
+def _fit_levels(numels: list) -> list:
+    """Elements kept whole when every size class up to each is (0: none; the last: all of them)."""
+    sizes = sorted(set(numels))
+    return [0] + [sum(n for n in numels if n <= s) for s in sizes[:-1]] + [sum(numels)]
+
+
+def fit_edges(numels: list, level: int) -> tuple[int, int]:
+    """The least budget that keeps ``level`` size classes whole beside a bucket of the largest gradient (the class
+    fills it exactly: it still fits, ``<=``), and the budget one byte short of the next class (which does not)."""
+    levels, largest = _fit_levels(numels), max(numels)
+    return 2 * (levels[level] + largest), 2 * (levels[level + 1] + largest) - 1
 
 
 def _fit_budget() -> int:
     """The budget of this check: drawn in the checker's process (under the judge, the check process)."""
     return drawn_fit_budget(drawn_rng(), lab_numels())
+
+
+def fit_edge_budgets(rng, numels: list) -> tuple[int, int]:
+    """This run's two budgets on a boundary (:func:`fit_edges`): the least that keeps a drawn number of size classes
+    whole (1 to all but the largest), and one byte short of a drawn class that could be kept (never the largest)
+    -- drawn alone, the budget lands on one in fewer than 1 run in 1,000, so an answer off by one there passed."""
+    top = len(_fit_levels(numels)) - 2                # the level that keeps all but the largest
+    return fit_edges(numels, rng.randint(1, top))[0], fit_edges(numels, rng.randint(1, top - 1))[1]
+
+
+_DS_DEFAULTS = {"stage3_param_persistence_threshold": 100_000, "reduce_bucket_size": 500_000_000}
+"""DeepSpeed's defaults (``deepspeed/runtime/zero/config.py``) for the two keys a fitting config sets."""
+
+
+def edge_problem(fn, budget: int, numels: list, measured: dict) -> str | None:
+    """What is wrong with ``fn``'s config for a budget on a boundary (:func:`fit_edges`), judged without a launch by
+    the rule the launches check (:func:`course_lib.deepspeed.memory.zero3_device_at_rest`, what DeepSpeed holds;
+    :func:`fit_problem`; the host side and the optimizer as ``measured`` for the drawn budget's config), as one
+    line naming the rule; None when right."""
+    from course_lib.classroom.checks.verdicts import as_real
+    from course_lib.deepspeed.memory import zero3_device_at_rest
+
+    config, problem = checked_call(fn, budget, references=references_for("fitting_config"))
+    if problem or not isinstance(config, dict):
+        return problem or f"returned {safe_repr(config)}; return a ds_config dict"
+    zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
+    threshold, bucket = (as_real(zero.get(k, default))[0] for k, default in _DS_DEFAULTS.items())
+    if threshold is None or bucket is None:
+        return "stage3_param_persistence_threshold and reduce_bucket_size are numbers (elements)"
+    whole = zero3_device_at_rest(numels, threshold, 0) // 2
+    held = dict(measured, params=2 * whole, grads=2 * int(bucket))
+    problem = fit_problem(held, sum(numels) - whole, budget, numels, config)
+    if problem is None:
+        return None
+    return (f"{problem}\n  hint: judged by DeepSpeed's rule (no launch) at a budget where a size of tensors fits "
+            f"beside the bucket exactly or misses it by one byte: a size that fills the budget exactly still fits "
+            f"(2·(elements whole + largest gradient) <= budget); one byte more than the budget does not")
 
 
 def fit_problem(held: dict, gathered: int, budget: int, numels: list, config: dict) -> str | None:
@@ -586,6 +634,11 @@ def check_fits(fn, world: int = 4, timeout: float = 120) -> bool:
               f"{h['params_host'] + h['grads_host'] + h['optimizer_host']:,} B; forward all-gathers {gathered:,} "
               f"elements per micro-batch")
         return False
+    for edge in fit_edge_budgets(drawn_rng(), lab_numels()):   # by the rule the launch checked: no launch more
+        problem = edge_problem(fn, edge, lab_numels(), h)
+        if problem:
+            print(f"✗ fitting_config({edge:,}): {problem}")
+            return False
     print(f"✓ DeepSpeed trained your config on {world} ranks within the device budget drawn for this run, spent as a "
           f"practitioner would: a reduce bucket that holds the largest gradient, as many of the smallest tensors "
           f"whole as fit beside it, the rest in the bucket (at most {FIT_TOLERANCE:.2%} unused); the offloads kept, "

@@ -260,6 +260,29 @@ def fits_another_way(budget):
     return config
 
 
+def _fits_by(budget, fits):
+    """The notebook's answer with its test of whether a size class fits, ``fits(elements kept + largest, budget)``."""
+    numels = _numels()
+    config, largest, whole, threshold = copy.deepcopy(SEED4), max(numels), 0, 0
+    for size in sorted(set(numels))[:-1]:
+        kept = sum(n for n in numels if n <= size)
+        if not fits(kept + largest, budget):
+            break
+        whole, threshold = kept, size
+    config["zero_optimization"].update(stage3_param_persistence_threshold=threshold, reduce_bucket_size=budget // 2 - whole)
+    return config
+
+
+def fits_strictly(budget):
+    """Off by one: a size class kept whole only when it leaves room to spare (``<`` for ``<=``)."""
+    return _fits_by(budget, lambda elements, b: 2 * elements < b)
+
+
+def fits_rounding_up(budget):
+    """Off by one: the room counted in elements rounded up (a class one byte over the budget still kept)."""
+    return _fits_by(budget, lambda elements, b: elements <= -(-b // 2))
+
+
 @pytest.fixture(scope="module")
 def fit_cases(lab):
     """Budgets of four different size classes, the first three in increasing order (drawn as the checker draws
@@ -414,6 +437,38 @@ def test_fits_on_ranks(capsys, lab, fit_cases, monkeypatch):
         ok, out = _verdict(capsys, lambda: lab.check_fits(answer))
         assert not ok and said in out, out
     assert launched == []                                              # none of them cost a launch
+
+
+def test_fits_off_by_one_at_a_boundary_fails(capsys, lab, fit_cases, monkeypatch):
+    """Answers off by one where a size class fills the budget exactly (or misses it by a byte) give the drawn
+    budget's config (so its launch passes) and fail at this run's budgets on the boundaries, judged by the rule."""
+    numels, budgets = _numels(), fit_cases["budgets"]
+    edges = {b for k in range(1, len(set(numels))) for b in lab.fit_edges(numels, k)}
+    i = next(i for i in range(3) if budgets[i] not in edges)    # a drawn budget off the boundaries (nearly always)
+    for answer, said in ((fits_strictly, "the budget has room for more"),
+                         (fits_rounding_up, "fewer than the largest gradient")):
+        launched = _serve(monkeypatch, lab, fit_cases, budgets[i])
+        ok, out = _verdict(capsys, lambda: lab.check_fits(answer))
+        assert not ok and launched == [f"notebook{i}"] and said in out and "✓" not in out, (answer.__name__, out)
+        assert "a size that fills the budget exactly still fits" in out, out
+
+
+def test_every_run_judges_a_budget_on_each_boundary(lab):
+    """No launch: every draw of 6 seeds has a budget where a size class fills it exactly and one a byte short of a
+    class; there each off-by-one answer differs from the rule and fails by it, and the right answers pass."""
+    import random
+
+    numels = _numels()
+    measured = {"params": 0, "grads": 0, "optimizer": 0, "params_host": 1, "grads_host": 1, "optimizer_host": 1}
+    for seed in range(6):
+        low, high = lab.fit_edge_budgets(random.Random(seed), numels)
+        for right in (fits_as_the_notebook, fits_another_way):
+            assert lab.edge_problem(right, low, numels, measured) is None, (seed, low)
+            assert lab.edge_problem(right, high, numels, measured) is None, (seed, high)
+        assert fits_strictly(low) != fits_as_the_notebook(low), (seed, low)
+        assert "room for more" in lab.edge_problem(fits_strictly, low, numels, measured), (seed, low)
+        assert fits_rounding_up(high) != fits_as_the_notebook(high), (seed, high)
+        assert "fewer than the largest gradient" in lab.edge_problem(fits_rounding_up, high, numels, measured)
 
 
 def test_answers_must_be_written_and_cite_a_measurement(capsys, lab, runs):
