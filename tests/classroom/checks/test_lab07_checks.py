@@ -301,6 +301,35 @@ def _none_is_offload(config):
     return ans
 
 
+def _with_offloaded(config, part, on):
+    """shards_right with ``part`` offloaded exactly when ``on(zero_optimization)``."""
+    ans = shards_right(config)
+    off = set(ans["offloaded"]) - {part}
+    return {"sharded": ans["sharded"], "offloaded": off | ({part} if on(config.get("zero_optimization", {})) else set())}
+
+
+def cpu_offload_key_is_on(config):
+    """The old switch read by its presence: cpu_offload: false taken for on."""
+    return _with_offloaded(config, "optimizer states", lambda z: "cpu_offload" in z
+                           or z.get("offload_optimizer", {}).get("device") in ("cpu", "nvme"))
+
+
+def optimizer_block_is_offload(config):
+    """The optimizer's block read by its presence (a device of none taken for an offload); the parameters' right."""
+    return _with_offloaded(config, "optimizer states", lambda z: "offload_optimizer" in z or bool(z.get("cpu_offload")))
+
+
+def params_only_to_cpu(config):
+    """Parameters offloaded only to the CPU: NVMe forgotten (the optimizer's right)."""
+    return _with_offloaded(config, "parameters", lambda z: z.get("offload_param", {}).get("device") == "cpu")
+
+
+SPECIAL_WRONG = [(cpu_offload_key_is_on, "cpu_offload: false is the old switch turned off"),
+                 (optimizer_block_is_offload, "a device of \"none\""),
+                 (params_only_to_cpu, "to CPU or NVMe")]
+"""Answers wrong only on the drawn configs' special offloads (no fixed config tells them from the right one)."""
+
+
 WRONG_SHARDS = [
     (lambda c: {**shards_right(c), "sharded": ["optimizer", "grads", "params"][:c.get("zero_optimization", {})
                                                                               .get("stage", 0) + 1]},
@@ -309,6 +338,7 @@ WRONG_SHARDS = [
     (_none_is_offload, "a device of \"none\""),
     (lambda c: {**shards_right(c), "offloaded": ["optimizer"] if c.get("zero_optimization", {})
                 .get("offload_optimizer", {}).get("device") == "cpu" else []}, "to CPU or NVMe"),
+    *SPECIAL_WRONG,
     (lambda c: {"sharded": "optimizer"}, "the keys 'sharded' and 'offloaded'"),
     (lambda c: {"sharded": ["adam moments"], "offloaded": []}, "each value is a set"),
     (lambda c: (_ for _ in ()).throw(NotImplementedError), "not attempted yet"),
@@ -320,6 +350,22 @@ def test_what_it_shards_wrong_answers(capsys, fn, hint):
     assert not zero_stages.check_what_it_shards(fn)
     out = capsys.readouterr().out
     assert hint in out, out
+
+
+def test_every_draw_has_the_special_offloads():
+    """The answers of SPECIAL_WRONG agree with DeepSpeed on every fixed config; every draw of 8 seeds has a config
+    where each of them is wrong."""
+    import random
+
+    def right(answer, config):
+        got = {k: set(v) if k == "offloaded" else v for k, v in answer(config).items()}
+        return got["offloaded"] == zero_stages.ds_truth(config)["offloaded"]
+
+    for answer, _ in SPECIAL_WRONG:
+        assert all(right(answer, c) for c in zero_stages.DS_CASES), answer.__name__
+        for seed in range(8):
+            drawn = zero_stages.drawn_ds_configs(random.Random(seed))
+            assert not all(right(answer, c) for c in drawn), (answer.__name__, seed, drawn)
 
 
 def test_the_truth_table_is_deepspeeds_definition():
