@@ -463,16 +463,35 @@ def check_dispatch(fn, timeout: float = 30) -> bool:
 AUX_TOL = 1e-5  # relative: float32 or float64 answers
 
 
+AUX_SETTINGS = ((32, 4, 1, 1e-2, 0.0, "middle"), (50, 8, 2, 1.0, 2.0, None), (7, 6, 3, 0.1, 0.5, "last"),
+                (64, 16, 4, 1e-3, 3.0, None))
+"""(tokens, experts, top-k, coeff, skew of expert 0, starved): a starved expert's logits are 30 lower, so it
+receives no routing slot (f_i = 0) in every run -- the last expert, or one drawn between the first and the last.
+Drawn alone an expert went unrouted in 6% of runs, so counts that leave such an expert out (``torch.unique``, a
+``bincount`` without ``minlength``, the counts of the experts seen padded at the end) passed the rest."""
+
+
 def _aux_cases():
     g = torch.Generator().manual_seed(drawn_rng().getrandbits(63))  # drawn for this run: no table of inputs
     cases = []
-    for tokens, experts, topk, coeff, skew in ((32, 4, 1, 1e-2, 0.0), (50, 8, 2, 1.0, 2.0), (7, 6, 3, 0.1, 0.5),
-                                               (64, 16, 4, 1e-3, 3.0)):
+    for tokens, experts, topk, coeff, skew, starved in AUX_SETTINGS:
         logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64)
         logits[:, 0] += skew
+        if starved:
+            logits[:, -1 if starved == "last" else int(torch.randint(1, experts - 1, (1,), generator=g))] -= 30.0
         scores = torch.softmax(logits, -1)
         cases.append((scores, torch.topk(logits, topk, -1).indices, experts, coeff))
     return cases
+
+
+_UNROUTED_HINT = ("an expert that receives no routing slot still has its f_i (= 0): count every expert, "
+                  "torch.bincount(indices.flatten(), minlength=num_experts) -- torch.unique and a bincount without "
+                  "minlength leave it out, and f no longer lines up with P")
+
+
+def _unrouted(indices, experts: int) -> bool:
+    """Does an expert receive no routing slot in this case?"""
+    return bool((torch.bincount(indices.flatten(), minlength=experts) == 0).any())
 
 
 def _aux_hint(value, scores, indices, experts, coeff) -> str:
@@ -493,6 +512,11 @@ def _aux_hint(value, scores, indices, experts, coeff) -> str:
     for guess, hint in guesses:
         if abs(value - float(guess)) <= AUX_TOL * max(1e-3, abs(float(guess))):
             return hint
+    seen = f[f > 0]                       # the experts seen, their counts packed at the front
+    packed = torch.cat([seen, torch.zeros(experts - len(seen), dtype=f.dtype)])
+    guess = float(coeff * experts * (packed * p).sum())
+    if len(seen) < experts and abs(value - guess) <= AUX_TOL * max(1e-3, abs(guess)):
+        return _UNROUTED_HINT
     return "aux = coeff · E · Σ_i f_i · P_i with f_i = slots to expert i / (T·k) and P_i = mean score of expert i"
 
 
@@ -511,6 +535,8 @@ def check_aux_loss(fn) -> bool:
             return not_attempted("aux_loss")
         if run.problem():
             print(f"✗ aux_loss ({what}): {run.problem()}")
+            if run.error is not None and not run.course_code and _unrouted(indices, experts):
+                print(f"  hint: {_UNROUTED_HINT}")
             return False
         got = run.value
         ref = scores.clone().requires_grad_()

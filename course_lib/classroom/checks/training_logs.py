@@ -106,7 +106,8 @@ def check_parse_line(fn) -> bool:
         if not err and isinstance(got, dict) and all(k in got for k in KEYS):
             wrong = [k for k in KEYS if not _parsed_ok({**want, k: got[k]}, want)]
             print(f"  {', '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not what the line says")
-        if ((err or "").startswith("raised") or "lm_loss" in wrong) and ref["lm_loss"] < 1 and _reads_it_at_or_above_one(fn, line):
+        if ((err or "").startswith("raised") or "lm_loss" in wrong) and ref["lm_loss"] < 1 \
+                and _reads_it_at_or_above_one(fn, line):
             print("  hint: a loss below 1 is written with a negative exponent (e.g. 7.5E-01): read the whole number "
                   "with float(), the exponent's sign included")
         elif err and err.startswith("raised") and "[" in line.split("iteration")[0]:

@@ -305,7 +305,8 @@ def _with_offloaded(config, part, on):
     """shards_right with ``part`` offloaded exactly when ``on(zero_optimization)``."""
     ans = shards_right(config)
     off = set(ans["offloaded"]) - {part}
-    return {"sharded": ans["sharded"], "offloaded": off | ({part} if on(config.get("zero_optimization", {})) else set())}
+    moved = {part} if on(config.get("zero_optimization", {})) else set()
+    return {"sharded": ans["sharded"], "offloaded": off | moved}
 
 
 def cpu_offload_key_is_on(config):

@@ -324,7 +324,34 @@ def aux_right_float32_loop(scores, indices, E, coeff):     # a loop, float32 cou
     return total * E * coeff
 
 
+def aux_unique_counts(scores, indices, E, coeff):
+    """Counts by torch.unique: an expert with no slot is left out, so f is shorter than P."""
+    T, k = indices.shape
+    f = torch.unique(indices.flatten(), return_counts=True)[1].to(scores.dtype) / (T * k)
+    return coeff * E * (f * scores.mean(0)).sum()
+
+
+def aux_bincount_no_minlength(scores, indices, E, coeff):
+    """A bincount without minlength: short when the last expert has no slot."""
+    T, k = indices.shape
+    return coeff * E * (torch.bincount(indices.flatten()).to(scores.dtype) / (T * k) * scores.mean(0)).sum()
+
+
+def aux_counts_packed(scores, indices, E, coeff):
+    """The counts of the experts seen, padded with zeros at the end: right only when the unrouted expert is last."""
+    T, k = indices.shape
+    counts = torch.unique(indices.flatten(), return_counts=True)[1].to(scores.dtype)
+    f = torch.zeros(E, dtype=scores.dtype)
+    f[:len(counts)] = counts / (T * k)
+    return coeff * E * (f * scores.mean(0)).sum()
+
+
+UNROUTED = "an expert that receives no routing slot still has its f_i (= 0)"
+
 AUX_WRONG = [
+    (aux_unique_counts, UNROUTED),
+    (aux_bincount_no_minlength, UNROUTED),
+    (aux_counts_packed, UNROUTED),
     (not_yet, "not attempted yet"),
     (lambda s, i, E, c: c * (lambda f, p: (f * p).sum())(*_f_p(s, i, E)), "forgot the factor E"),
     (lambda s, i, E, c: c * E * (s.mean(0) ** 2).sum(), "mean probabilities P_i where the fractions f_i belong"),
@@ -342,6 +369,21 @@ def test_aux_loss_wrong_answers_get_their_hint(fn, hint, capsys):
     assert moe_checks.check_aux_loss(fn).ok is False
     out = capsys.readouterr().out
     assert hint in out, out
+
+
+def test_every_run_has_an_unrouted_expert_last_and_between(monkeypatch):
+    """Counts that leave out an expert with no slot differ from the rule only where one has none: every run's cases
+    (8 seeds) have one case whose last expert and one whose expert between the first and the last get no slot."""
+    import random
+
+    for seed in range(8):
+        monkeypatch.setattr(moe_checks, "drawn_rng", lambda seed=seed: random.Random(seed))
+        unrouted = [torch.bincount(i.flatten(), minlength=E) == 0 for _, i, E, _ in moe_checks._aux_cases()]
+        assert any(bool(z[-1]) for z in unrouted), seed
+        assert any(bool(z[1:-1].any()) and not bool(z[-1]) for z in unrouted), seed
+    first = [i for _, i, _, _ in moe_checks._aux_cases()]            # seed 7's
+    monkeypatch.setattr(moe_checks, "drawn_rng", lambda: random.Random(8))
+    assert all(not torch.equal(a, b) for a, (_, b, _, _) in zip(first, moe_checks._aux_cases()))   # drawn
 
 
 @pytest.mark.parametrize("fn", [aux_right, aux_right_float32_loop])

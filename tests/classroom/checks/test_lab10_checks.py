@@ -269,7 +269,8 @@ def _fits_by(budget, fits):
         if not fits(kept + largest, budget):
             break
         whole, threshold = kept, size
-    config["zero_optimization"].update(stage3_param_persistence_threshold=threshold, reduce_bucket_size=budget // 2 - whole)
+    config["zero_optimization"].update(stage3_param_persistence_threshold=threshold,
+                                       reduce_bucket_size=budget // 2 - whole)
     return config
 
 
