@@ -260,28 +260,23 @@ def fits_another_way(budget):
     return config
 
 
-def _fits_by(budget, fits):
-    """The notebook's answer with its test of whether a size class fits, ``fits(elements kept + largest, budget)``."""
-    numels = _numels()
-    config, largest, whole, threshold = copy.deepcopy(SEED4), max(numels), 0, 0
-    for size in sorted(set(numels))[:-1]:
-        kept = sum(n for n in numels if n <= size)
-        if not fits(kept + largest, budget):
-            break
-        whole, threshold = kept, size
-    config["zero_optimization"].update(stage3_param_persistence_threshold=threshold,
-                                       reduce_bucket_size=budget // 2 - whole)
+def _classes_of(budget, test_budget):
+    """The notebook's answer for ``budget`` with the size classes it keeps whole for ``test_budget``."""
+    config = fits_as_the_notebook(test_budget)
+    zero = config["zero_optimization"]
+    whole = sum(n for n in _numels() if n <= zero["stage3_param_persistence_threshold"])
+    zero["reduce_bucket_size"] = budget // 2 - whole
     return config
 
 
 def fits_strictly(budget):
     """Off by one: a size class kept whole only when it leaves room to spare (``<`` for ``<=``)."""
-    return _fits_by(budget, lambda elements, b: 2 * elements < b)
+    return _classes_of(budget, budget - 1)
 
 
 def fits_rounding_up(budget):
     """Off by one: the room counted in elements rounded up (a class one byte over the budget still kept)."""
-    return _fits_by(budget, lambda elements, b: elements <= -(-b // 2))
+    return _classes_of(budget, budget + budget % 2)
 
 
 @pytest.fixture(scope="module")
