@@ -506,10 +506,6 @@ def fit_edge_budgets(rng, numels: list) -> tuple[int, int]:
     return fit_edges(numels, rng.randint(1, top))[0], fit_edges(numels, rng.randint(1, top - 1))[1]
 
 
-_DS_DEFAULTS = {"stage3_param_persistence_threshold": 100_000, "reduce_bucket_size": 500_000_000}
-"""DeepSpeed's defaults (``deepspeed/runtime/zero/config.py``) for the two keys a fitting config sets."""
-
-
 def edge_problem(fn, budget: int, numels: list, measured: dict) -> str | None:
     """What is wrong with ``fn``'s config for a budget on a boundary (:func:`fit_edges`), judged without a launch by
     the rule the launches check (:func:`course_lib.deepspeed.memory.zero3_device_at_rest`, what DeepSpeed holds;
@@ -517,12 +513,14 @@ def edge_problem(fn, budget: int, numels: list, measured: dict) -> str | None:
     line naming the rule; None when right."""
     from course_lib.classroom.checks.verdicts import as_real
     from course_lib.deepspeed.memory import zero3_device_at_rest
+    from course_lib.deepspeed.schema import DEFAULTS
 
     config, problem = checked_call(fn, budget, references=references_for("fitting_config"))
     if problem or not isinstance(config, dict):
         return problem or f"returned {safe_repr(config)}; return a ds_config dict"
     zero = config.get("zero_optimization") if isinstance(config.get("zero_optimization"), dict) else {}
-    threshold, bucket = (as_real(zero.get(k, default))[0] for k, default in _DS_DEFAULTS.items())
+    threshold, bucket = (as_real(zero.get(k, DEFAULTS["zero_optimization"][k]))[0]
+                         for k in ("stage3_param_persistence_threshold", "reduce_bucket_size"))
     if threshold is None or bucket is None:
         return "stage3_param_persistence_threshold and reduce_bucket_size are numbers (elements)"
     whole = zero3_device_at_rest(numels, threshold, 0) // 2
@@ -647,14 +645,17 @@ def check_fits(fn, world: int = 4, timeout: float = 120) -> bool:
 
 
 def _fit_hint(part: str, config: dict) -> str:
+    from course_lib.deepspeed.schema import DEFAULTS
+
     zero = config.get("zero_optimization") or {}
+    default = DEFAULTS["zero_optimization"]       # what DeepSpeed takes for a key the config leaves out
     if part == "params":
+        threshold = zero.get("stage3_param_persistence_threshold", default["stage3_param_persistence_threshold"])
         return ("ZeRO-3 keeps every parameter of <= stage3_param_persistence_threshold elements whole on every rank "
-                f"(yours: {safe_repr(zero.get('stage3_param_persistence_threshold', 100000))}); below stage 3 "
-                "the whole 16-bit model is on every rank")
+                f"(yours: {safe_repr(threshold)}); below stage 3 the whole 16-bit model is on every rank")
     if part == "grads":
         bucket = ("ZeRO-3 reserves a reduce bucket of reduce_bucket_size elements on the device "
-                  f"(yours: {safe_repr(zero.get('reduce_bucket_size', 500000000))})")
+                  f"(yours: {safe_repr(zero.get('reduce_bucket_size', default['reduce_bucket_size']))})")
         offload = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), dict) else {}
         if offload.get("device") in ("cpu", "nvme"):
             return bucket + "; it shares the budget with the tensors kept whole: the bucket gets what they leave"

@@ -86,8 +86,7 @@ def wire_skips_persistent_grads(numels, world, persistence_threshold):
 
 def wire_strict_threshold(numels, world, persistence_threshold):
     """Off by one: a tensor of exactly the threshold counted as gathered (``<``, not ``<=``)."""
-    out = wire_by_loop(numels, world, persistence_threshold - 1)
-    return out
+    return wire_by_loop(numels, world, persistence_threshold - 1)
 
 
 def stub(*args):
